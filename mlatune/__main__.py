@@ -1,0 +1,3 @@
+from mlatune.cli import app
+
+app(prog_name="mlatune")

@@ -1,0 +1,80 @@
+"""The route contract: what every way of computing MLA must provide.
+
+A route is a stateless object with a stable id ``<family>/<backend>``. Its
+``supports`` answers from the problem and the device description alone (no GPU
+work), so planning, the dispatcher and `mlatune plan` can call it anywhere.
+``prepare`` does every allocation and all planning (metadata, padding buffers)
+and returns a ``Prepared`` whose ``run`` only launches work: that is what gets
+timed. Stored ids never change meaning; a new variant gets a new id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from mlatune.arch import DeviceInfo
+from mlatune.inputs import DecodeInputs, PrefillInputs
+from mlatune.problem import MLAProblem
+
+Params = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ok: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+YES = Verdict(True, "supported")
+
+
+def no(reason: str) -> Verdict:
+    return Verdict(False, reason)
+
+
+@dataclass
+class Prepared:
+    """A ready-to-launch route call and the buffers it writes.
+
+    For a decode problem with dcp_size > 1, ``out``/``lse`` are the partial
+    results of one rank over its shard; the caller merges ranks. ``run`` must
+    write every element of ``out`` (and of ``lse`` when present) on every call.
+    """
+
+    run: Callable[[], None]
+    out: torch.Tensor
+    lse: torch.Tensor | None = None
+    graph_safe: bool = True  # may be captured in a CUDA graph and replayed
+    params: Params = field(default_factory=dict)
+
+
+@runtime_checkable
+class Route(Protocol):
+    id: str  # "<family>/<backend>"
+
+    def supports(self, problem: MLAProblem, device: DeviceInfo) -> Verdict:
+        """Whether this route can serve the problem on the device, and if not why."""
+        ...
+
+    def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
+        """Candidate parameter sets to tune over (``[{}]`` when there is nothing to tune)."""
+        ...
+
+    def prepare(
+        self,
+        problem: MLAProblem,
+        inputs: DecodeInputs | PrefillInputs,
+        *,
+        rank: int = 0,
+        params: Params | None = None,
+        want_lse: bool = True,
+    ) -> Prepared:
+        """Plan and allocate for ``inputs`` (decode: DCP rank ``rank``'s shard)."""
+        ...

@@ -1,0 +1,59 @@
+"""Registry of routes by id, and which of them can serve a problem."""
+
+from __future__ import annotations
+
+import importlib
+import re
+
+from mlatune.arch import DeviceInfo
+from mlatune.problem import MLAProblem
+from mlatune.routes.base import Route, Verdict
+
+_ROUTE_ID = re.compile(r"^[a-z0-9][a-z0-9-]*/[a-z0-9][a-z0-9-]*$")
+_ROUTES: dict[str, Route] = {}
+
+
+def register(route: Route) -> Route:
+    """Add a route; ids are unique and shaped ``<family>/<backend>``."""
+    if not _ROUTE_ID.match(route.id):
+        raise ValueError(f"route id {route.id!r} is not '<family>/<backend>' in lower case")
+    if route.id in _ROUTES and _ROUTES[route.id] is not route:
+        raise ValueError(f"route id {route.id!r} is already registered")
+    _ROUTES[route.id] = route
+    return route
+
+
+def unregister(route_id: str) -> None:
+    _ROUTES.pop(route_id, None)
+
+
+def get(route_id: str) -> Route:
+    try:
+        return _ROUTES[route_id]
+    except KeyError:
+        raise KeyError(f"unknown route {route_id!r}; known: {', '.join(sorted(_ROUTES))}") from None
+
+
+def all_routes() -> list[Route]:
+    return [_ROUTES[k] for k in sorted(_ROUTES)]
+
+
+def verdicts(problem: MLAProblem, device: DeviceInfo,
+             only: list[str] | None = None) -> list[tuple[Route, Verdict]]:
+    """Every (selected) route with its answer for this problem on this device."""
+    routes = all_routes() if only is None else [get(r) for r in only]
+    return [(r, r.supports(problem, device)) for r in routes]
+
+
+def viable(problem: MLAProblem, device: DeviceInfo, only: list[str] | None = None) -> list[Route]:
+    return [r for r, v in verdicts(problem, device, only) if v.ok]
+
+
+def backend_status(name: str) -> tuple[bool, str]:
+    """Whether a route backend's library imports here, with its version or the error."""
+    module = {"torch": "torch", "triton": "triton", "aiter": "aiter"}[name]
+    try:
+        mod = importlib.import_module(module)
+    except Exception as exc:  # any import failure means the backend is unusable here
+        return False, f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return True, str(getattr(mod, "__version__", "installed"))

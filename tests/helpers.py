@@ -1,0 +1,48 @@
+"""Test helpers: rebuild inputs in other layouts from the same logical KV."""
+
+from __future__ import annotations
+
+import torch
+
+from mlatune.inputs import DecodeInputs, KVShard
+from mlatune.reference import _gather_pages
+
+
+def dense_kv(inputs: DecodeInputs) -> list[torch.Tensor]:
+    """Each request's global KV (L, d_qk), reassembled from the round-robin shards."""
+    world = inputs.dcp_size
+    result = []
+    for b, length in enumerate(inputs.seq_lens.tolist()):
+        kv = torch.empty(length, inputs.q.shape[-1], dtype=inputs.shards[0].kv_cache.dtype)
+        for shard in inputs.shards:
+            local = _gather_pages(shard.kv_cache, shard.block_table[b], int(shard.seq_lens[b]))
+            kv[shard.rank::world] = local
+        result.append(kv)
+    return result
+
+
+def paged(kvs: list[torch.Tensor], page_size: int, seed: int) -> KVShard:
+    """One shard (rank 0, dcp 1) holding ``kvs`` in shuffled pages of ``page_size``."""
+    gen = torch.Generator().manual_seed(seed)
+    n_pages = [-(-kv.shape[0] // page_size) for kv in kvs]
+    perm = torch.randperm(sum(n_pages), generator=gen)
+    cache = torch.randn(sum(n_pages), page_size, kvs[0].shape[-1], generator=gen).to(kvs[0].dtype)
+    table = torch.full((len(kvs), max(n_pages)), -1, dtype=torch.int32)
+    start = 0
+    for b, (kv, n) in enumerate(zip(kvs, n_pages, strict=True)):
+        ids = perm[start:start + n]
+        start += n
+        table[b, :n] = ids.to(torch.int32)
+        for j, page in enumerate(ids.tolist()):
+            chunk = kv[j * page_size:(j + 1) * page_size]
+            cache[page, :chunk.shape[0]] = chunk
+    lens = torch.tensor([kv.shape[0] for kv in kvs], dtype=torch.int32)
+    return KVShard(0, cache, table, lens)
+
+
+def unsharded(inputs: DecodeInputs, page_size: int = 16, seed: int = 99) -> DecodeInputs:
+    """The same problem computed by one rank holding every token (kernel heads kept)."""
+    p = inputs.problem
+    flat = p.with_(num_heads=p.kernel_heads, dcp_size=1, page_size=page_size)
+    shard = paged(dense_kv(inputs), page_size, seed)
+    return DecodeInputs(flat, inputs.q, inputs.q_scale, inputs.kv_scale, inputs.seq_lens, (shard,))
