@@ -101,3 +101,10 @@ def test_work_counts():
     # Causal prefill counts the lower triangle (with a prefix of kv_len - qlen).
     pre = MLAProblem(phase="prefill", num_heads=1, qlen=4, kv_len=6, batch=1)
     assert pre.flops() == 2 * (3 + 4 + 5 + 6) * (192 + 128)
+
+
+def test_schema_key_types_cover_the_key():
+    from mlatune.schema import COLUMNS, KEY_COLUMNS, KEY_TYPES, ROW_KEY
+
+    assert tuple(KEY_TYPES) == KEY_COLUMNS
+    assert set(ROW_KEY) <= set(COLUMNS) and len(set(COLUMNS)) == len(COLUMNS)
