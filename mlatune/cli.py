@@ -65,3 +65,134 @@ def doctor() -> None:
         ids = ", ".join(r.id for r in routes if r.id.endswith("/" + name)) or "-"
         backends.add_row(name, "[green]yes[/]" if ok else "[red]no[/]", detail, ids)
     console.print(backends)
+
+
+def _rate_column():
+    from rich.progress import ProgressColumn
+    from rich.text import Text
+
+    class RateColumn(ProgressColumn):
+        def render(self, task) -> Text:
+            return Text(f"{task.speed:.2f} cand/s" if task.speed else "- cand/s")
+
+    return RateColumn()
+
+
+class _SweepProgress:
+    """Rich progress for a sweep: candidates done, rate, ETA, failures so far."""
+
+    def __init__(self, progress):
+        self.progress = progress
+        self.task = None
+        self.failures = 0
+
+    def started(self, total: int, already_done: int) -> None:
+        self.task = self.progress.add_task("sweep", total=total, completed=already_done,
+                                           failures=0)
+
+    def finished(self, record: dict) -> None:
+        if record["status"] not in ("ok", "unsupported"):
+            self.failures += 1
+        self.progress.update(self.task, advance=1, failures=self.failures)
+
+
+@app.command()
+def sweep(
+    spec_path: str = typer.Argument(None, metavar="[SPEC]",
+                                    help="Sweep spec (TOML); default: the bundled smoke.toml."),
+    arch: str = typer.Option(None, help="The arch this sweep is for (e.g. sm_90, gfx950); "
+                                        "stops if the device differs."),
+    out: str = typer.Option(None, help="Table path (.parquet; a .csv is written beside it). "
+                                       "Default: runs/<spec>-<arch>.parquet"),
+    resume: bool = typer.Option(False, help="Continue the sweep recorded in the journal."),
+    gpus: int = typer.Option(1, min=1, help="Worker processes, one per GPU."),
+    timeout: float = typer.Option(300.0, min=0.1, help="Seconds one candidate may take."),
+    routes: str = typer.Option(None, help="Comma-separated route ids (default: every viable)."),
+) -> None:
+    """Measure every viable route for each problem of a spec and write a dispatch table."""
+    import time
+    from pathlib import Path
+
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    from mlatune import runner
+    from mlatune import spec as specs
+    from mlatune.arch import current_device, gpu_devices
+    from mlatune.journal import Journal, JournalError
+
+    device = current_device()
+    if arch and arch != device.arch:
+        _fail(f"--arch {arch} but this machine's device is {device.arch} ({device.name}). "
+              f"To see which routes {arch} would run without its GPU: "
+              f"mlatune plan SPEC --arch {arch}")
+    if device.is_gpu and gpus > len(gpu_devices()):
+        _fail(f"--gpus {gpus} but only {len(gpu_devices())} GPU(s) are visible")
+    path = Path(spec_path) if spec_path else specs.bundled_spec_path()
+    try:
+        spec = specs.load(path, gpu=device.is_gpu)
+    except specs.SpecError as exc:
+        _fail(str(exc))
+    only = [r.strip() for r in routes.split(",") if r.strip()] if routes else None
+    if only:
+        from mlatune.routes import get
+        for r in only:
+            try:
+                get(r)
+            except KeyError as exc:
+                _fail(str(exc.args[0]))
+    table_path = Path(out) if out else Path("runs") / f"{spec.name}-{device.arch}.parquet"
+    journal_path = table_path.with_suffix(".journal.jsonl")
+    if not device.is_gpu:
+        console.print("[yellow]no GPU[/]: running the CPU-capable routes on the spec's CPU "
+                      "grid; wall-clock timings, not for dispatch.")
+    console.print(f"spec {path} ({len(spec.problems)} problems, "
+                  f"{len(spec.skipped)} invalid combinations skipped) on {device.arch} "
+                  f"({device.name})")
+    header = {"spec_sha256": spec.sha256, "spec": str(path), **device.as_dict(),
+              "device_name": device.name}
+    try:
+        journal = Journal(journal_path, header, resume)
+    except JournalError as exc:
+        _fail(str(exc))
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               _rate_column(), TextColumn("[red]{task.fields[failures]} failed"),
+               TimeElapsedColumn(), TimeRemainingColumn())
+    t0 = time.monotonic()
+    try:
+        with Progress(*columns, console=console) as progress:
+            result = runner.run(spec, device, journal, workers=gpus if device.is_gpu else 1,
+                                timeout_s=timeout, only=only, observer=_SweepProgress(progress))
+    except KeyboardInterrupt:
+        _fail(f"interrupted; finished candidates are in {journal_path}: rerun with --resume")
+    finally:
+        journal.close()
+    wall = time.monotonic() - t0
+    _write_table(runner.table_rows(result.records, device), spec, table_path)
+    summary = Table(title=f"sweep {spec.name}: {result.ran} candidates run in {wall:.1f}s "
+                          f"({result.ran / wall if wall else 0:.2f}/s)")
+    summary.add_column("status")
+    summary.add_column("candidates", justify="right")
+    for status, n in sorted(result.counts.items()):
+        summary.add_row(status, str(n))
+    console.print(summary)
+    console.print(f"table: {table_path} (and {table_path.with_suffix('.csv')}); "
+                  f"journal: {journal_path}")
+
+
+def _write_table(rows: list[dict], spec, path) -> None:
+    from mlatune import table
+    from mlatune.schema import Provenance
+
+    table.write(table.build(rows, Provenance.here(spec.sha256)), path)
+
+
+def _fail(message: str) -> None:
+    console.print(f"[red]error:[/] {message}", soft_wrap=True)
+    raise typer.Exit(1)

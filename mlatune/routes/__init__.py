@@ -1,5 +1,8 @@
 """Routes: the contract, the registry, and the built-in routes (registered on import)."""
 
+import importlib
+import os
+
 from mlatune.routes.base import YES, Params, Prepared, Route, Verdict, no
 from mlatune.routes.registry import (
     all_routes,
@@ -13,6 +16,20 @@ from mlatune.routes.registry import (
 from mlatune.routes.torch_ref import TorchReferenceRoute
 
 register(TorchReferenceRoute())
+
+
+def _load_plugins() -> None:
+    """Import the modules named in MLATUNE_PLUGINS (comma-separated); they register routes.
+
+    Sweep workers are fresh processes: an environment variable reaches them where
+    a registration made in the parent would not.
+    """
+    for name in os.environ.get("MLATUNE_PLUGINS", "").split(","):
+        if name.strip():
+            importlib.import_module(name.strip())
+
+
+_load_plugins()
 
 __all__ = [
     "YES",

@@ -1,0 +1,126 @@
+"""Timing a prepared route: warm-up, cold L2, CUDA-graph replay, median and spread.
+
+Each repetition is timed on its own between device events, after a write of a
+buffer larger than L2 has evicted the route's data: in a model, one layer's KV
+cache is long gone from L2 by the time that layer runs again. Routes that can
+be captured are replayed from a CUDA graph, so launch gaps are not timed.
+Repetitions stop once the running median has settled. Without a GPU a
+wall-clock timer keeps the pipeline running end to end.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+_L2_FLUSH_BYTES = 256 << 20  # > the H200's 60 MB and MI300's 256 MB infinity cache
+
+
+@dataclass(frozen=True)
+class Budget:
+    warmup: int = 3
+    min_reps: int = 10
+    max_reps: int = 200
+    max_seconds: float = 2.0  # per candidate, timed reps only
+    settle: float = 0.005  # stop when 10 more reps move the median less than this
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_us: float
+    p20_us: float
+    p80_us: float
+    reps: int
+    timer: str  # "cuda_graph", "cuda_event" or "wall"
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    pos = q * (len(sorted_values) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def summarize(samples_us: list[float], timer: str) -> Timing:
+    ordered = sorted(samples_us)
+    return Timing(statistics.median(ordered), _quantile(ordered, 0.2), _quantile(ordered, 0.8),
+                  len(ordered), timer)
+
+
+def _repeat(one_rep: Callable[[], float], budget: Budget) -> list[float]:
+    """Call ``one_rep`` (returns microseconds) until the median settles or the budget ends."""
+    samples: list[float] = []
+    start = time.perf_counter()
+    while len(samples) < budget.max_reps:
+        samples.append(one_rep())
+        n = len(samples)
+        if n >= budget.min_reps and n % 10 == 0:
+            before, now = statistics.median(samples[:-10]), statistics.median(samples)
+            if abs(now - before) <= budget.settle * now:
+                break
+        if time.perf_counter() - start > budget.max_seconds and n >= min(3, budget.min_reps):
+            break
+    return samples
+
+
+def measure(run: Callable[[], None], device: torch.device | str, budget: Budget = Budget(),
+            graph_safe: bool = True) -> Timing:
+    """Time ``run`` on ``device``; everything it needs must already be allocated."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return _measure_wall(run, budget)
+    for _ in range(budget.warmup):
+        run()
+    torch.cuda.synchronize(device)
+    flush = torch.empty(_L2_FLUSH_BYTES // 4, dtype=torch.float32, device=device)
+    launch, timer = run, "cuda_event"
+    if graph_safe:
+        graph = _capture(run, device)
+        if graph is not None:
+            launch, timer = graph.replay, "cuda_graph"
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def one_rep() -> float:
+        flush.fill_(1.0)
+        start.record()
+        launch()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e3
+
+    return summarize(_repeat(one_rep, budget), timer)
+
+
+def _capture(run: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGraph | None:
+    """A CUDA graph of one ``run``, or None when the route cannot be captured."""
+    try:
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            run()  # warm up on the capture stream, as torch recommends
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        graph.replay()
+        torch.cuda.synchronize(device)
+        return graph
+    except Exception:  # capture is an optimisation; eager timing is still right
+        torch.cuda.synchronize(device)
+        return None
+
+
+def _measure_wall(run: Callable[[], None], budget: Budget) -> Timing:
+    for _ in range(budget.warmup):
+        run()
+
+    def one_rep() -> float:
+        t0 = time.perf_counter()
+        run()
+        return (time.perf_counter() - t0) * 1e6
+
+    return summarize(_repeat(one_rep, budget), "wall")

@@ -1,0 +1,77 @@
+"""Append-only sweep journal: one JSON line per finished candidate.
+
+A line is written and flushed to disk as soon as its candidate finishes, so a
+killed sweep loses only what was in flight; a torn last line (killed mid-write)
+is ignored on reading. The first line is a header naming the spec and the
+device; resuming refuses a journal written for another spec or device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+class JournalError(ValueError):
+    pass
+
+
+class Journal:
+    def __init__(self, path: Path, header: dict, resume: bool):
+        self.path = Path(path)
+        self.records: list[dict] = []
+        if self.path.exists():
+            if not resume:
+                raise JournalError(f"{self.path} exists: pass --resume to continue that sweep, "
+                                   "or delete it to start over")
+            found, self.records = read(self.path)
+            for field in ("spec_sha256", "arch", "device_name"):
+                if found.get(field) != header.get(field):
+                    raise JournalError(
+                        f"{self.path} was written for {field}={found.get(field)!r}, this sweep "
+                        f"has {header.get(field)!r}; use another --out or delete the journal")
+            self._file = self.path.open("a", encoding="utf-8")
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("w", encoding="utf-8")
+            self._write({"kind": "header", **header})
+
+    @property
+    def done_ids(self) -> set[str]:
+        return {r["id"] for r in self.records}
+
+    def append(self, record: dict) -> None:
+        record = {"kind": "result", **record}
+        self._write(record)
+        self.records.append(record)
+
+    def _write(self, obj: dict) -> None:
+        self._file.write(json.dumps(obj, sort_keys=True, allow_nan=True) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read(path: Path) -> tuple[dict, list[dict]]:
+    """(header, result records); a torn final line is dropped."""
+    header: dict = {}
+    records: list[dict] = []
+    with Path(path).open(encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            if i >= len(lines) - 2:  # the last line, torn by a kill
+                break
+            raise JournalError(f"{path}: line {i + 1} is not JSON") from None
+        if obj.get("kind") == "header":
+            header = obj
+        else:
+            records.append(obj)
+    return header, records

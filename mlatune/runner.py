@@ -1,0 +1,250 @@
+"""Running a sweep: candidates out to worker processes, results into the journal.
+
+One worker process per device, started with ``spawn``. Each gets one
+candidate at a time; candidates of a problem go to the same worker so its
+inputs and reference are made once. A worker that dies (abort, segfault,
+illegal memory access) scores its candidate ``crashed``, one that overruns the
+timeout is killed and scores ``timeout``; either way a fresh worker takes over
+and the sweep goes on. Every result is journaled as it arrives, so a killed
+sweep resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import multiprocessing as mp
+import signal
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import wait
+from typing import Any, Protocol
+
+from mlatune import routes, worker
+from mlatune.arch import DeviceInfo
+from mlatune.journal import Journal
+from mlatune.problem import MLAProblem
+from mlatune.schema import device_key
+from mlatune.spec import SweepSpec
+
+WORKER_START_TIMEOUT_S = 300.0  # importing torch and creating a CUDA context
+
+
+@dataclass(frozen=True)
+class Candidate:
+    problem: MLAProblem
+    route_id: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def params_json(self) -> str:
+        return json.dumps(self.params, sort_keys=True)
+
+    @property
+    def id(self) -> str:
+        text = f"{self.problem.key}#{self.route_id}#{self.params_json}"
+        return hashlib.sha1(text.encode()).hexdigest()[:20]
+
+    def record(self, **result: Any) -> dict[str, Any]:
+        return {"id": self.id, "key": self.problem.key_dict(), "route": self.route_id,
+                "route_params": self.params_json, **result}
+
+
+def plan(spec: SweepSpec, device: DeviceInfo, only: Iterable[str] | None = None
+         ) -> tuple[list[Candidate], list[dict[str, Any]]]:
+    """Candidates to run, and ``unsupported`` records for the routes that refuse a problem."""
+    selected = list(only) if only else (list(spec.routes) or None)
+    candidates, refused = [], []
+    for problem in spec.problems:
+        for route, verdict in routes.verdicts(problem, device, selected):
+            if verdict.ok:
+                candidates += [Candidate(problem, route.id, p)
+                               for p in route.param_space(problem, device)]
+            else:
+                refused.append(Candidate(problem, route.id).record(
+                    status="unsupported", reason=verdict.reason))
+    return candidates, refused
+
+
+class Observer(Protocol):
+    def started(self, total: int, already_done: int) -> None: ...
+    def finished(self, record: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class SweepResult:
+    records: list[dict[str, Any]]
+    wall_s: float
+    ran: int  # candidates run in this invocation
+
+    @property
+    def counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for r in self.records:
+            counts[r["status"]] = counts.get(r["status"], 0) + 1
+        return counts
+
+
+class _Worker:
+    def __init__(self, ctx, device: str):
+        self.device = device
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=worker.serve, args=(child, device), daemon=True)
+        self.proc.start()
+        child.close()
+        self.ready = False
+        self.started = time.monotonic()
+        self.candidate: Candidate | None = None
+        self.deadline = math.inf
+        self.group: deque[Candidate] = deque()
+
+    def send(self, candidate: Candidate, task: dict, timeout: float) -> None:
+        self.candidate = candidate
+        self.deadline = time.monotonic() + timeout
+        self.conn.send(task)
+
+    def stop(self) -> None:
+        try:
+            self.conn.send(None)
+            self.proc.join(timeout=10)
+        except (OSError, BrokenPipeError):
+            pass
+        self.kill()
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(timeout=10)
+        self.conn.close()
+
+    def death_reason(self) -> str:
+        self.proc.join(timeout=10)
+        code = self.proc.exitcode
+        if code is not None and code < 0:
+            return f"worker died with {signal.Signals(-code).name}"
+        return f"worker exited with code {code}"
+
+
+def run(spec: SweepSpec, device: DeviceInfo, journal: Journal, *, workers: int = 1,
+        timeout_s: float = 300.0, only: Iterable[str] | None = None,
+        observer: Observer | None = None) -> SweepResult:
+    """Run every candidate of ``spec`` not already in ``journal``."""
+    t0 = time.monotonic()
+    candidates, refused = plan(spec, device, only)
+    done = journal.done_ids
+    for record in refused:
+        if record["id"] not in done:
+            journal.append(record)
+    todo = [c for c in candidates if c.id not in done]
+    if observer:
+        observer.started(len(candidates) + len(refused), len(candidates) + len(refused) - len(todo))
+    groups: deque[deque[Candidate]] = deque()
+    for c in todo:  # plan() yields a problem's candidates together
+        if not groups or groups[-1][0].problem != c.problem:
+            groups.append(deque())
+        groups[-1].append(c)
+    devices = [device.torch_device] if not device.is_gpu else [f"cuda:{i}" for i in range(workers)]
+    ctx = mp.get_context("spawn")
+    pool = [_Worker(ctx, d) for d in devices]
+    budget = asdict(spec.budget)
+
+    def finish(w: _Worker, result: dict[str, Any]) -> None:
+        result.pop("restart", None)
+        record = w.candidate.record(**result)
+        journal.append(record)
+        if observer:
+            observer.finished(record)
+        w.candidate, w.deadline = None, math.inf
+
+    def replace(w: _Worker) -> _Worker:
+        w.kill()
+        fresh = _Worker(ctx, w.device)
+        fresh.group = w.group
+        pool[pool.index(w)] = fresh
+        return fresh
+
+    try:
+        while True:
+            for w in pool:
+                if w.ready and w.candidate is None:
+                    if not w.group and groups:
+                        w.group = groups.popleft()
+                    if w.group:
+                        c = w.group.popleft()
+                        w.send(c, {"problem": c.problem.as_dict(), "route": c.route_id,
+                                   "params": c.params, "seed": _seed(spec.seed, c.problem),
+                                   "budget": budget, "tolerances": spec.tolerances}, timeout_s)
+            busy = [w for w in pool if w.candidate is not None or not w.ready]
+            if not busy:
+                break
+            now = time.monotonic()
+            next_deadline = min(w.deadline if w.ready else w.started + WORKER_START_TIMEOUT_S
+                                for w in busy)
+            for conn in wait([w.conn for w in busy], timeout=max(0.0, next_deadline - now)):
+                w = next(w for w in pool if w.conn is conn)
+                try:
+                    message = w.conn.recv()
+                except (EOFError, OSError):
+                    if not w.ready:
+                        raise RuntimeError(f"sweep worker on {w.device} failed to start: "
+                                           f"{w.death_reason()}") from None
+                    if w.candidate is not None:
+                        finish(w, {"status": "crashed", "reason": w.death_reason()})
+                    replace(w)
+                    continue
+                if not w.ready:
+                    w.ready = True
+                    continue
+                restart = message.get("restart", False)
+                finish(w, message)
+                if restart:
+                    replace(w)
+            now = time.monotonic()
+            for w in list(pool):
+                if not w.ready and now > w.started + WORKER_START_TIMEOUT_S:
+                    raise RuntimeError(f"sweep worker on {w.device} did not start within "
+                                       f"{WORKER_START_TIMEOUT_S:.0f}s")
+                if w.candidate is not None and now > w.deadline:
+                    finish(w, {"status": "timeout",
+                               "reason": f"no result within the {timeout_s:g}s timeout"})
+                    replace(w)
+    finally:
+        for w in pool:
+            w.stop()
+    return SweepResult(journal.records, time.monotonic() - t0, len(todo))
+
+
+def _seed(base: int, problem: MLAProblem) -> int:
+    """Each problem's inputs depend only on the spec seed and the problem."""
+    digest = hashlib.sha1(f"{base}#{problem.key}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
+def table_rows(records: list[dict[str, Any]], device: DeviceInfo) -> list[dict[str, Any]]:
+    """One row per (problem, route): its fastest ok parameters, else why it failed."""
+    best: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in records:
+        k = (json.dumps(r["key"], sort_keys=True), r["route"])
+        held = best.get(k)
+        if held is None or _better(r, held):
+            best[k] = r
+    rows = []
+    for r in best.values():
+        row = {**device_key(device), **r["key"], "route": r["route"],
+               "route_params": r["route_params"], "status": r["status"],
+               "reason": r.get("reason", "")}
+        for col in ("time_us", "time_us_p20", "time_us_p80", "rel_err", "max_abs_err",
+                    "tb_per_s", "tflops"):
+            row[col] = r.get(col, math.nan)
+        row["timer"] = r.get("timer", "")
+        rows.append(row)
+    return rows
+
+
+def _better(new: dict[str, Any], held: dict[str, Any]) -> bool:
+    if new["status"] == "ok":
+        return held["status"] != "ok" or new["time_us"] < held["time_us"]
+    return False

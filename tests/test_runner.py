@@ -1,0 +1,155 @@
+"""The sweep engine on the CPU: statuses for every kind of failure, journal, resume."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mlatune import runner, spec
+from mlatune.arch import cpu_device
+from mlatune.journal import Journal, JournalError, read
+
+ROOT = Path(__file__).resolve().parent.parent
+FAULTS = ["fault-abort/test", "fault-hang/test", "fault-wrong/test", "fault-raise/test"]
+TINY_BUDGET = {"warmup": 0, "min_reps": 1, "max_reps": 2, "max_seconds": 0.1}
+
+
+@pytest.fixture(autouse=True)
+def fault_plugins(monkeypatch):
+    monkeypatch.setenv("MLATUNE_PLUGINS", "tests.fault_routes")
+    import tests.fault_routes  # noqa: F401  (register here too, for plan())
+
+
+def tiny_spec(routes, **axes):
+    grid = {"num_heads": 2, "batch": [1, 2], "kv_len": 24, "page_size": 8, "q_dtype": "fp16",
+            "kv_dtype": "fp16", **axes}
+    return spec.parse({"routes": routes, "budget": TINY_BUDGET, "grid": [grid]}, "test.toml")
+
+
+def header():
+    device = cpu_device()
+    return {"spec_sha256": "x", "arch": device.arch, "device_name": device.name}
+
+
+def test_every_fault_is_recorded_and_the_sweep_goes_on(tmp_path):
+    s = tiny_spec(["reference/torch", *FAULTS])
+    journal = Journal(tmp_path / "j.jsonl", header(), resume=False)
+    result = runner.run(s, cpu_device(), journal, timeout_s=4)
+    journal.close()
+    by_route: dict[str, list[dict]] = {}
+    for r in result.records:
+        by_route.setdefault(r["route"], []).append(r)
+    assert all(len(v) == 2 for v in by_route.values())  # both problems, every route
+    assert {r["status"] for r in by_route["reference/torch"]} == {"ok"}
+    assert all(r["time_us"] > 0 for r in by_route["reference/torch"])
+    assert all(r["status"] == "crashed" and "SIGABRT" in r["reason"]
+               for r in by_route["fault-abort/test"])
+    assert all(r["status"] == "timeout" for r in by_route["fault-hang/test"])
+    assert all(r["status"] == "rejected_accuracy" and r["rel_err"] > 0.1
+               for r in by_route["fault-wrong/test"])
+    assert all(r["status"] == "crashed" and "always raises" in r["reason"]
+               for r in by_route["fault-raise/test"])
+    # The journal on disk holds exactly what the run returned.
+    assert read(tmp_path / "j.jsonl")[1] == result.records
+
+
+def test_unsupported_routes_are_recorded_with_the_reason(tmp_path):
+    from mlatune.routes import no, register, unregister
+    from mlatune.routes.torch_ref import TorchReferenceRoute
+
+    class Never(TorchReferenceRoute):
+        id = "never/test"
+
+        def supports(self, problem, device):
+            return no("never serves anything")
+
+    register(Never())
+    try:
+        s = tiny_spec(["never/test"])
+        journal = Journal(tmp_path / "j.jsonl", header(), resume=False)
+        records = runner.run(s, cpu_device(), journal).records
+    finally:
+        unregister("never/test")
+    assert [r["status"] for r in records] == ["unsupported", "unsupported"]
+    assert records[0]["reason"] == "never serves anything"
+
+
+def test_table_rows_keep_the_fastest_ok_parameters():
+    device = cpu_device()
+    c = runner.Candidate(spec.parse({"grid": [{"kv_len": 64}]}, "t").problems[0], "r/x")
+    records = [
+        {**c.record(status="ok", time_us=5.0), "route_params": '{"s": 1}'},
+        {**c.record(status="ok", time_us=3.0), "route_params": '{"s": 2}'},
+        {**c.record(status="rejected_accuracy", reason="bad"), "route_params": '{"s": 4}'},
+    ]
+    (row,) = runner.table_rows(records, device)
+    assert row["route_params"] == '{"s": 2}' and row["time_us"] == 3.0
+    assert row["arch"] == "cpu" and row["kv_len"] == 64
+
+
+def test_journal_refuses_to_overwrite_or_mix(tmp_path):
+    path = tmp_path / "j.jsonl"
+    Journal(path, header(), resume=False).close()
+    with pytest.raises(JournalError, match="--resume"):
+        Journal(path, header(), resume=False)
+    with pytest.raises(JournalError, match="spec_sha256"):
+        Journal(path, {**header(), "spec_sha256": "other"}, resume=True)
+
+
+def test_torn_last_line_is_ignored(tmp_path):
+    path = tmp_path / "j.jsonl"
+    j = Journal(path, header(), resume=False)
+    j.append({"id": "a", "status": "ok"})
+    j.close()
+    with path.open("a") as f:
+        f.write('{"kind": "result", "id": "b", "sta')
+    assert [r["id"] for r in read(path)[1]] == ["a"]
+
+
+def _sweep_cmd(spec_file, out):
+    return [sys.executable, "-m", "mlatune", "sweep", str(spec_file), "--out", str(out)]
+
+
+def _result_ids(journal_path):
+    return sorted((r["id"], r["status"]) for r in read(journal_path)[1])
+
+
+def test_sigkill_then_resume_gives_the_same_rows(tmp_path):
+    spec_file = tmp_path / "slow.toml"
+    spec_file.write_text(
+        'routes = ["fault-slow/test", "reference/torch"]\n'
+        "[budget]\nwarmup = 0\nmin_reps = 1\nmax_reps = 1\n"
+        '[[grid]]\nnum_heads = 2\nbatch = [1, 2, 3]\nkv_len = [16, 32]\npage_size = 8\n'
+        'q_dtype = "fp16"\nkv_dtype = "fp16"\n')
+    env = {**os.environ, "MLATUNE_PLUGINS": "tests.fault_routes", "PYTHONPATH": str(ROOT)}
+    full = tmp_path / "full.parquet"
+    subprocess.run(_sweep_cmd(spec_file, full), env=env, cwd=ROOT, check=True,
+                   capture_output=True)
+    killed = tmp_path / "killed.parquet"
+    journal = killed.with_suffix(".journal.jsonl")
+    proc = subprocess.Popen(_sweep_cmd(spec_file, killed), env=env, cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if journal.exists() and len(read(journal)[1]) >= 3:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    partial = _result_ids(journal)
+    assert 3 <= len(partial) < 12, "the kill should land mid-sweep"
+    resumed = subprocess.run([*_sweep_cmd(spec_file, killed), "--resume"], env=env, cwd=ROOT,
+                             capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert _result_ids(journal) == _result_ids(full.with_suffix(".journal.jsonl"))
+    assert len(_result_ids(journal)) == 12
+    assert set(partial) <= set(_result_ids(journal))
+    # Candidates finished before the kill were not run again.
+    ids = [r["id"] for r in read(journal)[1]]
+    assert len(ids) == len(set(ids))
+    assert json.loads(journal.read_text().splitlines()[0])["kind"] == "header"
