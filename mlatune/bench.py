@@ -58,7 +58,7 @@ def _repeat(one_rep: Callable[[], float], budget: Budget) -> list[float]:
     while len(samples) < budget.max_reps:
         samples.append(one_rep())
         n = len(samples)
-        if n >= budget.min_reps and n % 10 == 0:
+        if n >= max(budget.min_reps, 20) and n % 10 == 0:
             before, now = statistics.median(samples[:-10]), statistics.median(samples)
             if abs(now - before) <= budget.settle * now:
                 break

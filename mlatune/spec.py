@@ -68,7 +68,7 @@ class SweepSpec:
 
 def bundled_spec_path(name: str = DEFAULT_SPEC) -> Path:
     """A spec shipped with mlatune (the repository's sweeps/ folder)."""
-    return Path(str(resources.files("mlatune.sweeps").joinpath(name)))
+    return Path(str(resources.files("mlatune").joinpath("sweeps", name)))
 
 
 def load(path: str | Path, gpu: bool = True) -> SweepSpec:

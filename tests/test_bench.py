@@ -1,0 +1,28 @@
+import time
+
+from mlatune import bench
+
+
+def test_summary_quantiles():
+    t = bench.summarize([5.0, 1.0, 3.0, 2.0, 4.0], "wall")
+    assert (t.median_us, t.p20_us, t.p80_us, t.reps) == (3.0, 1.8, 4.2, 5)
+
+
+def test_repetitions_stop_once_the_median_settles():
+    calls = []
+
+    def steady():
+        calls.append(1)
+        time.sleep(0.0005)
+
+    t = bench.measure(steady, "cpu", bench.Budget(warmup=1, min_reps=10, max_reps=500,
+                                                  max_seconds=5, settle=0.5))
+    assert t.timer == "wall" and t.reps < 500 and t.median_us >= 500
+    assert len(calls) == t.reps + 1
+
+
+def test_time_budget_caps_repetitions():
+    t = bench.measure(lambda: time.sleep(0.02), "cpu",
+                      bench.Budget(warmup=0, min_reps=3, max_reps=1000, max_seconds=0.1,
+                                   settle=0))
+    assert 3 <= t.reps < 20

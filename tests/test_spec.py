@@ -1,0 +1,66 @@
+import pytest
+
+from mlatune import spec
+from mlatune.spec import SpecError
+
+
+def write(tmp_path, text):
+    path = tmp_path / "s.toml"
+    path.write_text(text)
+    return path
+
+
+def test_bundled_specs_load():
+    for name in ("smoke.toml", "deepseek-v3-tp8.toml", "h200.toml", "gfx950.toml"):
+        for gpu in (True, False):
+            s = spec.load(spec.bundled_spec_path(name), gpu=gpu)
+            assert s.problems and len(s.sha256) == 64
+
+
+def test_grid_product_cpu_override_and_skips(tmp_path):
+    path = write(tmp_path, """
+name = "t"
+[[grid]]
+num_heads = [8, 16]
+qlen = [1, 2]
+kv_len = 1024
+q_dtype = ["bf16", "fp16"]
+kv_dtype = "bf16"
+[grid.cpu]
+kv_len = 64
+""")
+    on_gpu = spec.load(path, gpu=True)
+    assert len(on_gpu.problems) == 4 and len(on_gpu.skipped) == 4  # fp16 q over bf16 kv
+    assert {p.kv_len for p in on_gpu.problems} == {1024}
+    assert {p.kv_len for p in spec.load(path, gpu=False).problems} == {64}
+    assert on_gpu.sha256 != spec.parse({"grid": [{"kv_len": 8}]}, "x").sha256
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("[[grid]]\nnum_head = [1]\n", "grid[0].num_head"),
+        ("colour = 1\n[[grid]]\nkv_len = 8\n", "colour"),
+        ("name = 'x'\n", "grid"),
+        ("[budget]\nmax_reps = -1\n[[grid]]\nkv_len = 8\n", "budget.max_reps"),
+        ("[budget]\nreps = 3\n[[grid]]\nkv_len = 8\n", "budget.reps"),
+        ("[[grid]]\nkv_len = [[1]]\n", "grid[0].kv_len"),
+        ("[[grid]]\nkv_len = []\n", "grid[0].kv_len"),
+        ("[[grid]]\nqlen = 9\nkv_len = 8\n", "grid"),
+        ("seed = 'a'\n[[grid]]\nkv_len = 8\n", "seed"),
+        ("routes = 'padded/triton'\n[[grid]]\nkv_len = 8\n", "routes"),
+        ("[tolerance]\nbf16 = 2\n[[grid]]\nkv_len = 8\n", "tolerance.bf16"),
+        ("[[grid]]\nkv_len = 8\n[grid.cpu]\nbogus = 1\n", "grid[0].cpu.bogus"),
+        ("[[grid]\n", "TOML"),
+    ],
+)
+def test_bad_specs_name_the_key_and_the_file(tmp_path, text, key):
+    path = write(tmp_path, text)
+    with pytest.raises(SpecError) as err:
+        spec.load(path)
+    assert str(path) in str(err.value) and key in str(err.value)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(SpecError, match="cannot read"):
+        spec.load(tmp_path / "nope.toml")
