@@ -1,0 +1,47 @@
+"""The measurement pipeline on a real GPU (run with `python -m pytest -m gpu`)."""
+
+import pytest
+import torch
+
+from mlatune import bench, routes
+from mlatune.arch import current_device
+from mlatune.problem import MLAProblem
+from mlatune.worker import _ProblemCache, evaluate
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    if not torch.cuda.is_available():
+        pytest.fail("GPU tests need a GPU: run them on the device machine")
+    return torch.device("cuda:0")
+
+
+def test_device_is_described(cuda):
+    d = current_device()
+    assert d.is_gpu and d.cu_count > 0 and d.arch.startswith(("sm_", "gfx"))
+
+
+def test_graph_timing_of_a_matmul(cuda):
+    a = torch.randn(4096, 4096, device=cuda, dtype=torch.bfloat16)
+    c = torch.empty_like(a)
+    t = bench.measure(lambda: torch.matmul(a, a, out=c), cuda)
+    assert t.timer == "cuda_graph" and 0 < t.p20_us <= t.median_us <= t.p80_us
+    tflops = 2 * 4096**3 / (t.median_us * 1e-6) / 1e12
+    print(f"bf16 4096^3 matmul: {t.median_us:.1f} us, {tflops:.0f} TFLOP/s")
+    assert tflops > 50  # far below any GPU's rate: a timing bug, not a slow GPU
+
+
+@pytest.mark.parametrize("problem", [
+    MLAProblem(num_heads=16, qlen=2, batch=8, kv_len=2048, kv_dtype="bf16"),
+    MLAProblem(num_heads=16, qlen=1, batch=8, kv_len=2048, kv_dtype="fp8_e4m3fn", dcp_size=2),
+    MLAProblem(phase="prefill", num_heads=16, qlen=512, kv_len=512, batch=2, page_size=1),
+], ids=["verify-bf16", "decode-fp8-dcp2", "prefill-bf16"])
+def test_reference_route_end_to_end(cuda, problem):
+    task = {"problem": problem.as_dict(), "route": routes.get("reference/torch").id,
+            "params": {}, "seed": 1, "budget": {"warmup": 1, "min_reps": 3, "max_reps": 5},
+            "tolerances": {}}
+    result = evaluate(task, cuda, _ProblemCache())
+    assert result["status"] == "ok", result
+    assert result["rel_err"] < 1e-2 and result["time_us"] > 0 and result["timer"] == "cuda_event"
