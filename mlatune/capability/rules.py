@@ -74,7 +74,7 @@ def kv_cache_bytes(problem: MLAProblem) -> int:
     return problem.batch * pages * problem.page_size * problem.d_qk * dtype_size(problem.kv_dtype)
 
 
-# --- rules shared by several routes -----------------------------------------------
+# --- rules shared by several routes -----------------------------------------------------
 def _amd(c: Context) -> str | None:
     if c.arch.vendor != "amd":
         return f"AITER builds for AMD Instinct GPUs only; {c.arch.arch} is {c.arch.vendor}"
@@ -123,7 +123,7 @@ def _dcp_needed(c: Context) -> str | None:
     return None
 
 
-# --- Gluon small-head decode ---------------------------------------------------------
+# --- Gluon small-head decode ------------------------------------------------------------
 def _gluon_kv(c: Context) -> str | None:
     if c.p.kv_dtype not in tables.GLUON_KV_DTYPES:
         return (f"Gluon serves a bf16 cache only (its fp8 regime cannot take a batch); "
@@ -266,7 +266,7 @@ def _gfx1250_stage1_lse(c: Context) -> str | None:
     return None
 
 
-# --- CPRR ----------------------------------------------------------------------------
+# --- CPRR -------------------------------------------------------------------------------
 def _cprr_arch(c: Context) -> str | None:
     if c.arch.arch == "gfx1250":
         return "gfx1250 has no cprr kernels, and its stage-1 ASM rejects round-robin CP"
@@ -293,7 +293,7 @@ def _cprr_heads(c: Context) -> str | None:
     return None
 
 
-# --- segmented DCP verify ----------------------------------------------------------------
+# --- segmented DCP verify ---------------------------------------------------------------
 def _segmented_dtypes(c: Context) -> str | None:
     q, kv = c.dtypes
     if q not in ("bf16", "fp8") or kv not in ("bf16", "fp8"):
@@ -314,7 +314,7 @@ def _segmented_tile(c: Context) -> str | None:
     return None
 
 
-# --- FP8 persistent-scheduling prefill ------------------------------------------------------
+# --- FP8 persistent-scheduling prefill --------------------------------------------------
 def _fp8ps_dims(c: Context) -> str | None:
     if (c.p.d_qk, c.p.d_v) != tables.FP8_PREFILL_DIMS:
         return (f"the FP8 prefill kernel is built for d_qk/d_v {tables.FP8_PREFILL_DIMS}; this "
@@ -344,7 +344,7 @@ def _fp8ps_shape(c: Context) -> str | None:
     return None
 
 
-# --- portable routes ------------------------------------------------------------------------
+# --- portable routes --------------------------------------------------------------------
 def _triton_arch(c: Context) -> str | None:
     if "triton" not in c.arch.backends:
         return f"no Triton build for {c.arch.arch}"

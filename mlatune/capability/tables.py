@@ -25,19 +25,19 @@ class Source:
 VLLM = "seeds/vllm-rocm-aiter-mla-backend.txt"
 GFX1250 = "seeds/aiter-pr-6563-gfx1250-mla-decode.txt"
 
-# --- shapes every AITER MLA kernel is built for ---------------------------
+# --- shapes every AITER MLA kernel is built for -----------------------------------------
 MLA_DECODE_DIMS = (576, 512)  # (d_qk, d_v): 512 latent + 64 rope; values are the latent
 FP8_PREFILL_DIMS = (192, 128)  # per-head q/k and v after kv_b_proj
 MAX_DECODE_QLEN = 8  # the widest verify block any seed names (the qseqlen-8 ASM entry)
 
-# --- Gluon small-head decode ------------------------------------------------
+# --- Gluon small-head decode ------------------------------------------------------------
 GLUON_ARCHS = ("gfx950",)
 GLUON_MAX_HEADS = 15  # 16 and up take the ASM kernels
 GLUON_KV_DTYPES = ("bf16",)
 GLUON_DIVISOR_OF = 16  # single-token decode keeps Gluon for divisors of 16 unless forced
 GLUON_MAX_KV_CACHE_BYTES = 1 << 31  # past 2 GiB its unmasked loads read outside the cache
 
-# --- padded ASM decode (mla_decode_fwd) --------------------------------------
+# --- padded ASM decode (mla_decode_fwd) -------------------------------------------------
 ASM_DECODE_ARCHS = ("gfx942", "gfx950", "gfx1250")
 ASM_HEAD_MULTIPLE = 16  # the ASM decode runs a multiple of 16 heads...
 ASM_MAX_PADDED_HEADS = 128  # ...padding counts up to 128; above, only aligned counts
@@ -47,22 +47,22 @@ ASM_PADDED_MAX_PERSISTENT_QLEN = 4  # bf16/fp16, fewer than 16 real heads: persi
 ASM_NON_CAUSAL_ARCHS = ("gfx950",)
 FP8_NON_CAUSAL_QLEN2_HEADS = (32, 64, 96, 128)
 
-# --- CPRR: round-robin DCP decode with the causal window on global positions -
+# --- CPRR: round-robin DCP decode with the causal window on global positions ------------
 CPRR_ARCHS = ("gfx950",)
 CPRR_KERNEL_HEADS = (16, 32, 64, 128)
 CPRR_MIN_QLEN = 3
 
-# --- segmented DCP verify (Triton) --------------------------------------------
+# --- segmented DCP verify (Triton) ------------------------------------------------------
 SEGMENTED_MAX_TILE = 128
 SEGMENTED_MIN_TILE = 16
 
-# --- FP8 persistent-scheduling prefill -------------------------------------------
+# --- FP8 persistent-scheduling prefill --------------------------------------------------
 FP8_PREFILL_ARCHS = ("gfx950",)
 FP8_PREFILL_TILE_Q = 256
 FP8_PREFILL_KV_GRANULARITY = 128
 
 
-# --- gfx1250 decode: FlyDSL PS1 table, else stage-1 ASM ---------------------------
+# --- gfx1250 decode: FlyDSL PS1 table, else stage-1 ASM ---------------------------------
 @dataclass(frozen=True)
 class PS1Kernel:
     kernel_heads: int

@@ -245,7 +245,7 @@ class GluonRoute(_AiterRoute):
         return Prepared(run, out, None, graph_safe=True, params={"min_kv_seq_len": min_kv})
 
 
-# --- segmented DCP verify ------------------------------------------------------------------------
+# --- segmented DCP verify ---------------------------------------------------------------
 def merge_segments_into(out: torch.Tensor, lse: torch.Tensor | None, segm_out: torch.Tensor,
                         segm_max: torch.Tensor, segm_expsum: torch.Tensor,
                         row_lens: torch.Tensor, tile: int) -> None:
@@ -326,7 +326,7 @@ class SegmentedRoute(_AiterRoute):
         return Prepared(run, out, lse, graph_safe=True, params={"tile": tile})
 
 
-# --- FP8 persistent-scheduling prefill ---------------------------------------------------------
+# --- FP8 persistent-scheduling prefill --------------------------------------------------
 class Fp8PrefillRoute(_AiterRoute):
     """FP8 prefill: get_ps_metadata_v1 plans, mla_prefill_ps_asm_fwd runs, mla_reduce_v1 merges."""
 

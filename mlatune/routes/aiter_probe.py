@@ -78,7 +78,7 @@ def _row_flag(row: dict[str, str], column: str) -> bool:
 # Coarse on purpose: AITER folds and remaps head counts before its lookup, so a
 # per-shape match here would re-implement its dispatcher; the sweep measures the rest.
 MANIFEST_NEEDS: dict[str, tuple[str, Callable[[dict[str, str]], bool]]] = {
-    "padded": ("ASM decode", lambda r: not _row_flag(r, "prefill")),
+    "padded": ("ASM decode", lambda r: not _row_flag(r, "prefill") and not _row_flag(r, "cprr")),
     "cprr": ("round-robin (cprr) decode with LSE",
              lambda r: _row_flag(r, "cprr") and _row_flag(r, "lse")),
     "fp8-ps": ("fp8 persistent prefill",
