@@ -309,8 +309,8 @@ def _segmented_block(c: Context) -> str | None:
 
 def _segmented_tile(c: Context) -> str | None:
     if min(c.p.page_size, tables.SEGMENTED_MAX_TILE) < tables.SEGMENTED_MIN_TILE:
-        return (f"page_size {c.p.page_size}: the segmented kernel's tile is the page and needs "
-                f"at least {tables.SEGMENTED_MIN_TILE} tokens")
+        return (f"page_size {c.p.page_size}: the segmented kernel's tile is the page, and its "
+                f"score dot needs at least {tables.SEGMENTED_MIN_TILE} tokens")
     return None
 
 

@@ -144,9 +144,11 @@ SOURCES: dict[str, Source] = {
                                     "DCP > 1 with interleave 1, causal qlen > 1"),
     "segmented.dtypes": Source(VLLM, "_forward_segmented_dcp_verify: bf16 or fp8 cache; an fp8 "
                                      "query is dequantized to bf16 first"),
-    "segmented.tile": Source(VLLM + " + AITER aiter/ops/triton/_triton_kernels/attention/mla.py",
+    "segmented.tile": Source(VLLM + " + AITER aiter/ops/triton/_triton_kernels/attention/mla.py"
+                             " + Triton third_party/amd/backend/compiler.py min_dot_size",
                              "_segmented_mla_page_size: the tile is the page (at most 128); it is "
-                             "the K dimension of a tl.dot, which needs at least 16"),
+                             "the N side of the score tl.dot, which Triton on gfx9 wants >= 16 "
+                             "for bf16/fp8 operands (older Triton fell back to FMA)"),
     "fp8ps.arch": Source(VLLM, "_fp8_mla_prefill_supported: gfx950 plus both kernels"),
     "fp8ps.dtypes": Source(VLLM, "__init__ / _mla_fp8_prefill_attn: fp8 KV, bf16 output; the "
                                  "kernel reads fp8 q/k/v (a bf16 q is cast unscaled)"),
