@@ -47,13 +47,13 @@ class _AiterRoute:
     family: str
 
     def supports(self, problem: MLAProblem, device: DeviceInfo) -> Verdict:
-        build = probe(device.arch) if device.vendor == "amd" else None
+        build = probe(device.arch) if device.arch in capability.AMD_ARCHS else None
         ruling = capability.check(self.id, problem, device.arch,
                                   native_h24=bool(build and build.native_h24),
                                   force_gluon=gluon_forced())
         if not ruling:
             return no(f"rule {ruling.rule}: {ruling.reason}")
-        refusal = build.refusal(self.family) if build else "not an AMD device"
+        refusal = build.refusal(self.family) if build else "not an AMD arch"
         if refusal:
             return no(f"installed AITER: {refusal}")
         return Verdict(True, ruling.reason)
