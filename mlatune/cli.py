@@ -196,3 +196,58 @@ def _write_table(rows: list[dict], spec, path) -> None:
 def _fail(message: str) -> None:
     console.print(f"[red]error:[/] {message}", soft_wrap=True)
     raise typer.Exit(1)
+
+
+@app.command()
+def plan(
+    spec_path: str = typer.Argument(..., metavar="SPEC", help="Sweep spec (TOML)."),
+    arch: str = typer.Option(..., help="The arch to plan for: gfx942, gfx950, gfx1250, sm_90 "
+                                       "or sm_100. Its GPU need not be here."),
+    out: str = typer.Option(None, help="Also write the plan as CSV: one row per problem and "
+                                       "route, with its status and reason."),
+) -> None:
+    """Which routes a sweep would run on ARCH for each problem, and why the others would not."""
+    from pathlib import Path
+
+    from mlatune import capability, planning
+    from mlatune import spec as specs
+
+    try:
+        device = capability.device_for_arch(arch)
+    except KeyError as exc:
+        _fail(str(exc.args[0]))
+    try:
+        spec = specs.load(Path(spec_path), gpu=True)
+        rows = planning.plan_rows(spec, device)
+    except specs.SpecError as exc:
+        _fail(str(exc))
+    except KeyError as exc:  # a route id in the spec that is not registered
+        _fail(f"{spec_path}: {exc.args[0]}")
+    cus = f"{device.cu_count} CUs" if device.cu_count else "CU count unknown"
+    console.print(f"plan for {arch} ({device.name}, {cus}): {len(spec.problems)} problems from "
+                  f"{spec_path}, {len({r.route for r in rows})} routes")
+    console.print("[yellow]capability rules only[/]: the installed-AITER probe (entry points, "
+                  "kernel manifest, native 24-head build) was not applied; `mlatune doctor` and "
+                  "a sweep on the target machine apply it.", soft_wrap=True)
+    table = Table(title="routes per problem (problems differing only in batch/kv_len share a row)")
+    for col in ("problem", "batch x kv_len", "viable", "refused: why"):
+        table.add_column(col)
+    for group in planning.grouped(rows):
+        table.add_row(
+            planning.describe(group.problem),
+            f"{sorted(group.batches)} x {sorted(group.kv_lens)}",
+            "\n".join(r.route for r in group.rows if r.viable) or "[red]none[/]",
+            planning.refusals_text(group.rows))
+    console.print(table)
+    summary = Table(title=f"per route on {arch}")
+    for col in ("route", "viable", "refused", "most frequent refusal"):
+        summary.add_column(col)
+    for route, viable, refused, top in planning.route_summary(rows):
+        summary.add_row(route, str(viable), str(refused), top)
+    console.print(summary)
+    if out:
+        try:
+            planning.write_csv(rows, device, Path(out))
+        except OSError as exc:
+            _fail(f"cannot write {out}: {exc.strerror or exc}")
+        console.print(f"plan table: {out} ({len(rows)} rows)")

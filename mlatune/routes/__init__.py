@@ -3,6 +3,7 @@
 import importlib
 import os
 
+from mlatune.routes.aiter import AITER_ROUTES
 from mlatune.routes.base import YES, Params, Prepared, Route, Verdict, no
 from mlatune.routes.registry import (
     all_routes,
@@ -16,6 +17,8 @@ from mlatune.routes.registry import (
 from mlatune.routes.torch_ref import TorchReferenceRoute
 
 register(TorchReferenceRoute())
+for _route in AITER_ROUTES:  # refuse off AMD; import aiter only when asked on an AMD device
+    register(_route)
 
 
 def _load_plugins() -> None:

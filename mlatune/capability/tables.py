@@ -1,0 +1,161 @@
+"""The numbers behind the capability rules, each with where it comes from.
+
+Two seeds (in the shared seeds folder) are the sources: VLLM is vLLM's ROCm
+AITER MLA backend (`rocm_aiter_mla.py`), which states what each AITER route
+needs and where it aborts; GFX1250 is AITER PR 6563 and the commits it links,
+which state the gfx1250 decode rules. A few facts come from AITER's own
+source, named by path. Everything here is as those sources stood; a newer
+AITER may do more, which a sweep on the hardware will show.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Source:
+    where: str  # the document and the passage in it
+    says: str  # what the passage establishes, in our words
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.says}"
+
+
+VLLM = "seeds/vllm-rocm-aiter-mla-backend.txt"
+GFX1250 = "seeds/aiter-pr-6563-gfx1250-mla-decode.txt"
+
+# --- shapes every AITER MLA kernel is built for -----------------------------------------
+MLA_DECODE_DIMS = (576, 512)  # (d_qk, d_v): 512 latent + 64 rope; values are the latent
+FP8_PREFILL_DIMS = (192, 128)  # per-head q/k and v after kv_b_proj
+MAX_DECODE_QLEN = 8  # the widest verify block any seed names (the qseqlen-8 ASM entry)
+
+# --- Gluon small-head decode ------------------------------------------------------------
+GLUON_ARCHS = ("gfx950",)
+GLUON_MAX_HEADS = 15  # 16 and up take the ASM kernels
+GLUON_KV_DTYPES = ("bf16",)
+GLUON_DIVISOR_OF = 16  # single-token decode keeps Gluon for divisors of 16 unless forced
+GLUON_MAX_KV_CACHE_BYTES = 1 << 31  # past 2 GiB its unmasked loads read outside the cache
+
+# --- padded ASM decode (mla_decode_fwd) -------------------------------------------------
+ASM_DECODE_ARCHS = ("gfx942", "gfx950", "gfx1250")
+ASM_HEAD_MULTIPLE = 16  # the ASM decode runs a multiple of 16 heads...
+ASM_MAX_PADDED_HEADS = 128  # ...padding counts up to 128; above, only aligned counts
+ASM_ABOVE_128_ARCHS = ("gfx950",)  # the only arch with a path for > 128 aligned heads
+NATIVE_H24_ARCHS = ("gfx942", "gfx950")  # where a build's native 24-head kernels apply
+ASM_PADDED_MAX_PERSISTENT_QLEN = 4  # bf16/fp16, fewer than 16 real heads: persistent up to here
+ASM_NON_CAUSAL_ARCHS = ("gfx950",)
+FP8_NON_CAUSAL_QLEN2_HEADS = (32, 64, 96, 128)
+
+# --- CPRR: round-robin DCP decode with the causal window on global positions ------------
+CPRR_ARCHS = ("gfx950",)
+CPRR_KERNEL_HEADS = (16, 32, 64, 128)
+CPRR_MIN_QLEN = 3
+
+# --- segmented DCP verify (Triton) ------------------------------------------------------
+SEGMENTED_MAX_TILE = 128
+SEGMENTED_MIN_TILE = 16
+
+# --- FP8 persistent-scheduling prefill --------------------------------------------------
+FP8_PREFILL_ARCHS = ("gfx950",)
+FP8_PREFILL_TILE_Q = 256
+FP8_PREFILL_KV_GRANULARITY = 128
+
+
+# --- gfx1250 decode: FlyDSL PS1 table, else stage-1 ASM ---------------------------------
+@dataclass(frozen=True)
+class PS1Kernel:
+    kernel_heads: int
+    dtypes: tuple[str, ...]  # "bf16" (FlyDSL JIT kernel) and/or "fp8" (ASM code objects)
+    max_qlen: int
+    max_rows: int | None = None  # bound on kernel_heads * qlen
+
+    def serves(self, kernel_heads: int, dtype: str, qlen: int) -> bool:
+        return (kernel_heads == self.kernel_heads and dtype in self.dtypes
+                and qlen <= self.max_qlen
+                and (self.max_rows is None or kernel_heads * qlen <= self.max_rows))
+
+
+GFX1250_PS1 = (
+    PS1Kernel(16, ("bf16", "fp8"), 4),
+    PS1Kernel(32, ("bf16", "fp8"), 4, 128),
+    PS1Kernel(64, ("bf16", "fp8"), 4, 128),
+    PS1Kernel(96, ("fp8",), MAX_DECODE_QLEN),
+    PS1Kernel(128, ("fp8",), 1),
+)
+GFX1250_STAGE1_PAGE = 64
+
+
+SOURCES: dict[str, Source] = {
+    "aiter.amd": Source(VLLM, "the whole backend is ROCm-only; AITER ships AMD kernels"),
+    "aiter.fp8": Source("AITER aiter/utility/dtypes.py, defaultDtypes",
+                        "gfx942 kernels read e4m3fnuz, gfx950 and gfx1250 OCP e4m3fn"),
+    "decode.dims": Source(VLLM, "forward_mqa splits q into kv_lora_rank (512) + rope (64) and "
+                                "the reducer probe looks for head dim 512"),
+    "decode.qlen": Source(VLLM, "AiterMLAHelper: the widest padded ASM entry is qseqlen 8"),
+    "gluon.arch": Source(VLLM, "_gluon_mla_decode_supported: Gluon has a gfx950 build only; its "
+                               "tiling needs ~160 KiB LDS, more than CDNA3's 64 KiB"),
+    "gluon.heads": Source(VLLM, "use_gluon_decode / use_gluon_verify: 16 heads and up never take "
+                                "Gluon"),
+    "gluon.kv": Source(VLLM, "use_gluon_decode: Gluon's only fp8-KV regime (bh16bn128) asserts "
+                             "batch 1, so it cannot serve a batch"),
+    "gluon.divisor": Source(VLLM, "use_gluon_decode: in auto mode a single-token decode keeps "
+                                  "Gluon only for head counts dividing 16; mode 'gluon' forces it"),
+    "gluon.verify": Source(VLLM, "use_gluon_verify: Gluon masks the block causally with no off "
+                                 "switch, and DCP verify is left to the segmented route"),
+    "gluon.lse": Source(VLLM, "forward_mqa: both Gluon calls return (o, None), no LSE, which a "
+                              "DCP shard's partial result needs for the cross-rank merge"),
+    "gluon.cache": Source(VLLM, "_GLUON_MAX_KV_CACHE_BYTES: past 2 GiB per layer Gluon drops its "
+                                "bounds mask and reads outside the cache"),
+    "asm.heads": Source(VLLM, "AiterMLAHelper.is_valid_num_heads / get_actual_mla_num_heads: pad "
+                              "to a multiple of 16 up to 128, aligned counts above; native 24 "
+                              "where the build has it"),
+    "asm.above128": Source("AITER aiter/mla.py mla_decode_fwd + " + GFX1250,
+                           "only gfx950 has a persistent path above 128 heads (bf16 native; fp8 "
+                           "144 folds since the shape-query work); gfx942 asserts"),
+    "asm.dtypes": Source(VLLM, "_build_decode / __init__: over an fp8 cache the query is "
+                               "quantized to fp8 and the schedule planned with fp8 q"),
+    "asm.dcp": Source(VLLM, "DCP decode routing: the plain kernel applies causality on local "
+                            "indices, wrong over a round-robin shard, so it never serves a causal "
+                            "multi-token block with DCP"),
+    "asm.non_causal": Source(VLLM, "supports_non_causal / _aiter_mla_non_causal_asm_kernels: only "
+                                   "gfx950 ships non-causal decode kernels"),
+    "asm.non_causal_fp16": Source(VLLM, "validate_configuration: non-causal fp16 decode aborts"),
+    "asm.fp8_qlen2": Source(VLLM, "has_fp8_non_causal_qlen2_kernel: fp8 non-causal 2-token blocks "
+                                  "fold onto a kernel only at 32/64/96/128 heads; others abort"),
+    "asm.persistent": Source(VLLM, "_ASM_PADDED_MAX_PS_QLEN: padded heads have bf16 persistent "
+                                   "kernels up to qlen 4; above, the non-persistent qseqlen-8 "
+                                   "entry; fp8 and non-causal keep the schedule"),
+    "gfx1250.ps1": Source(GFX1250, "FlyDSL PS1 serves 32/64 heads at qlen <= 4 with heads x qlen "
+                                   "<= 128 (bf16 FlyDSL, fp8 ASM) and 16 heads at qlen <= 4; 96 "
+                                   "heads and the qh128 fp8 code objects take the PS1 fp8 ASM"),
+    "gfx1250.stage1": Source(GFX1250, "gfx1250 stage-1 ASM needs page_size 64 and has no "
+                                      "persistent, LSE or cprr kernels"),
+    "cprr.arch": Source(VLLM + " + " + GFX1250,
+                        "_asm_dcp_verify_configured: gfx950 is the only arch with cprr kernels; "
+                        "gfx1250 stage 1 rejects round-robin CP"),
+    "cprr.route": Source(VLLM, "_select_dcp_decode_route: cprr serves DCP (interleave 1) causal "
+                               "verify at qlen >= 3; qlen 1 and non-causal blocks are plain"),
+    "cprr.heads": Source(VLLM, "_asm_dcp_verify_heads: kernels exist at 16/32/64/128 gathered "
+                               "heads; others pad up, above 128 none"),
+    "cprr.dtypes": Source("AITER hsa/gfx950/mla/mla_asm.csv",
+                          "cprr kernels are a16w16 (bf16) and a8w8 (fp8) only"),
+    "segmented.route": Source(VLLM, "_segmented_dcp_verify_supported / _select_dcp_decode_route: "
+                                    "DCP > 1 with interleave 1, causal qlen > 1"),
+    "segmented.dtypes": Source(VLLM, "_forward_segmented_dcp_verify: bf16 or fp8 cache; an fp8 "
+                                     "query is dequantized to bf16 first"),
+    "segmented.tile": Source(VLLM + " + AITER aiter/ops/triton/_triton_kernels/attention/mla.py"
+                             " + Triton third_party/amd/backend/compiler.py min_dot_size",
+                             "_segmented_mla_page_size: the tile is the page (at most 128); it is "
+                             "the N side of the score tl.dot, which Triton on gfx9 wants >= 16 "
+                             "for bf16/fp8 operands (older Triton fell back to FMA)"),
+    "fp8ps.arch": Source(VLLM, "_fp8_mla_prefill_supported: gfx950 plus both kernels"),
+    "fp8ps.dtypes": Source(VLLM, "__init__ / _mla_fp8_prefill_attn: fp8 KV, bf16 output; the "
+                                 "kernel reads fp8 q/k/v (a bf16 q is cast unscaled)"),
+    "fp8ps.heads": Source(VLLM, "get_fp8_prefill_num_heads: heads padded to the next multiple of "
+                                "16 (no native 24), bounded by is_valid_num_heads"),
+    "fp8ps.shape": Source(VLLM + " + AITER hsa/gfx950/mla/mla_asm.csv",
+                          "_build_fp8_prefill_ps_metadata: causal, kv_indptr = qo_indptr (no "
+                          "chunked context); kernel mla_pfl_qh192_vh128"),
+    "triton.arch": Source("DESIGN.md", "portable Triton routes build for every GPU arch here"),
+}

@@ -1,0 +1,116 @@
+"""`mlatune plan`: which routes a sweep would run on an arch, and why the others would not.
+
+Planning needs no GPU: routes the capability model knows are judged by its
+rules alone (the probe of an installed kernel library only means something on
+the target machine); other routes answer through their own ``supports``.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlatune import capability, routes
+from mlatune.arch import DeviceInfo
+from mlatune.problem import KEY_FIELDS, MLAProblem
+from mlatune.routes.aiter import gluon_forced
+from mlatune.spec import SweepSpec
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    problem: MLAProblem
+    route: str
+    viable: bool
+    reason: str
+
+
+def verdict(route: routes.Route, problem: MLAProblem, device: DeviceInfo) -> tuple[bool, str]:
+    if capability.known(route.id):
+        ruling = capability.check(route.id, problem, device.arch, force_gluon=gluon_forced())
+        return ruling.ok, ruling.reason if ruling.ok else f"rule {ruling.rule}: {ruling.reason}"
+    answer = route.supports(problem, device)
+    return answer.ok, answer.reason
+
+
+def plan_rows(spec: SweepSpec, device: DeviceInfo) -> list[PlanRow]:
+    """One row per (problem, route) of the spec; raises KeyError for an unknown route id."""
+    selected = [routes.get(r) for r in spec.routes] if spec.routes else routes.all_routes()
+    return [PlanRow(p, r.id, *verdict(r, p, device)) for p in spec.problems for r in selected]
+
+
+@dataclass
+class PlanGroup:
+    """Problems that differ only in batch and kv_len and get the same verdicts."""
+
+    problem: MLAProblem  # the first one; batch and kv_len vary across the group
+    batches: set[int]
+    kv_lens: set[int]
+    rows: list[PlanRow]  # the first problem's rows, in route order
+
+
+def grouped(rows: list[PlanRow]) -> list[PlanGroup]:
+    by_problem: dict[str, list[PlanRow]] = {}
+    for row in rows:
+        by_problem.setdefault(row.problem.key, []).append(row)
+    groups: dict[tuple, PlanGroup] = {}
+    for problem_rows in by_problem.values():
+        p = problem_rows[0].problem
+        key = (p.bucket, tuple((r.route, r.viable, r.reason) for r in problem_rows))
+        group = groups.setdefault(key, PlanGroup(p, set(), set(), problem_rows))
+        group.batches.add(p.batch)
+        group.kv_lens.add(p.kv_len)
+    return list(groups.values())
+
+
+def describe(problem: MLAProblem) -> str:
+    """The bucket fields in a short line: phase, heads, qlen, dtypes, mask, DCP, page."""
+    p = problem
+    dtypes = p.q_dtype if p.q_dtype == p.kv_dtype else f"q {p.q_dtype} / kv {p.kv_dtype}"
+    dcp = f" dcp {p.dcp_size}" if p.dcp_size > 1 else ""
+    mask = "causal" if p.causal else "non-causal"
+    return f"{p.phase} h{p.num_heads} q{p.qlen} {dtypes} {mask}{dcp} page {p.page_size}"
+
+
+def refusals_text(rows: list[PlanRow]) -> str:
+    """Each refusal reason once, after the routes it refuses."""
+    by_reason: dict[str, list[str]] = {}
+    for row in rows:
+        if not row.viable:
+            by_reason.setdefault(row.reason, []).append(row.route)
+    return "\n".join(f"{', '.join(ids)}: {reason}" for reason, ids in by_reason.items())
+
+
+def route_summary(rows: list[PlanRow]) -> list[tuple[str, int, int, str]]:
+    """Per route: viable count, refused count, and its most frequent refusal."""
+    summary = []
+    for route in dict.fromkeys(r.route for r in rows):
+        mine = [r for r in rows if r.route == route]
+        refusals = Counter(r.reason for r in mine if not r.viable)
+        top = ""
+        if refusals:
+            reason, n = refusals.most_common(1)[0]
+            top = f"{reason} ({n}x)"
+        viable = sum(r.viable for r in mine)
+        summary.append((route, viable, len(mine) - viable, top))
+    return summary
+
+
+CSV_COLUMNS = ("arch", "device_name", "cu_count", *KEY_FIELDS, "route", "status", "reason")
+
+
+def write_csv(rows: list[PlanRow], device: DeviceInfo, path: Path) -> None:
+    """The plan as a table, written to a temporary file and renamed into place."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(CSV_COLUMNS)
+        for row in rows:
+            key = row.problem.key_dict()
+            writer.writerow([device.arch, device.name, device.cu_count or "",
+                             *(int(v) if isinstance(v, bool) else v for v in key.values()),
+                             row.route, "viable" if row.viable else "unsupported", row.reason])
+    os.replace(tmp, path)

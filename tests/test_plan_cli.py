@@ -1,0 +1,115 @@
+"""`mlatune plan`: a device-free view of what a sweep would run on an arch, and why not."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+from typer.testing import CliRunner
+
+from mlatune import routes
+from mlatune.arch import current_device
+from mlatune.cli import app
+from mlatune.spec import bundled_spec_path
+
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    return runner.invoke(app, list(args))
+
+
+@pytest.fixture(scope="module")
+def gfx950_plan(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plan") / "gfx950.csv"
+    result = invoke("plan", str(bundled_spec_path("gfx950.toml")), "--arch", "gfx950",
+                    "--out", str(out))
+    with out.open() as f:
+        return result, list(csv.DictReader(f))
+
+
+def find(rows, route, **key):
+    want = {k: str(v) for k, v in key.items()}
+    return [r for r in rows if r["route"] == route and all(r[k] == v for k, v in want.items())]
+
+
+def test_plan_prints_routes_reasons_and_says_the_probe_was_not_applied(gfx950_plan):
+    result, _ = gfx950_plan
+    assert result.exit_code == 0, result.output
+    out = " ".join(result.output.split())  # rich wraps lines
+    assert "MI355X" in out and "256 CUs" in out
+    assert "probe" in out and "was not applied" in out
+    for route in ("gluon/aiter", "padded/aiter", "cprr/aiter", "segmented/aiter",
+                  "fp8-ps/aiter", "reference/torch"):
+        assert route in out
+    assert "rule gluon.kv" in out and "per route on gfx950" in out
+
+
+def test_plan_csv_has_a_row_per_problem_and_route(gfx950_plan):
+    _, rows = gfx950_plan
+    n_routes = len(routes.all_routes())
+    assert len(rows) % n_routes == 0 and len(rows) >= 2000
+    assert {r["arch"] for r in rows} == {"gfx950"} and {r["cu_count"] for r in rows} == {"256"}
+    assert all(r["status"] in ("viable", "unsupported") and r["reason"] for r in rows)
+    small = dict(phase="decode", num_heads=4, qlen=1, dcp_size=1, batch=1, kv_len=2048)
+    [gluon] = find(rows, "gluon/aiter", kv_dtype="bf16", **small)
+    assert gluon["status"] == "viable"
+    [gluon_fp8] = find(rows, "gluon/aiter", kv_dtype="fp8_e4m3fn", **small)
+    assert gluon_fp8["status"] == "unsupported" and "gluon.kv" in gluon_fp8["reason"]
+    [big] = find(rows, "gluon/aiter", kv_dtype="bf16", **{**small, "batch": 256,
+                                                          "kv_len": 32768})
+    assert big["status"] == "unsupported" and "gluon.cache" in big["reason"]
+    [cprr] = find(rows, "cprr/aiter", phase="decode", num_heads=16, qlen=3, dcp_size=2,
+                  kv_dtype="bf16", batch=1, kv_len=2048)
+    assert cprr["status"] == "viable" and "32 kernel heads" in cprr["reason"]
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "gfx1250"])
+def test_plan_other_archs(arch, tmp_path):
+    out = tmp_path / "plan.csv"
+    result = invoke("plan", str(bundled_spec_path("smoke.toml")), "--arch", arch, "--out",
+                    str(out))
+    assert result.exit_code == 0, result.output
+    with out.open() as f:
+        rows = list(csv.DictReader(f))
+    gluon = [r for r in rows if r["route"] == "gluon/aiter"]
+    assert gluon and all(r["status"] == "unsupported" for r in gluon)
+    if arch == "gfx1250":
+        assert "CU count unknown" in result.output and {r["cu_count"] for r in rows} == {""}
+    else:
+        assert all("aiter.amd" in r["reason"] for r in gluon)
+
+
+@pytest.mark.parametrize("args, words", [
+    (("--arch", "gfx90a"), "unknown arch 'gfx90a'"),
+    (("--arch", "gfx950", "--out", "/nonexistent/dir/plan.csv"), "cannot write"),
+], ids=["unknown-arch", "unwritable-out"])
+def test_plan_errors_are_one_red_line(args, words):
+    result = invoke("plan", str(bundled_spec_path("smoke.toml")), *args)
+    assert result.exit_code == 1
+    assert words in result.output and "error:" in result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("text, words", [
+    ("name = [", "not valid TOML"),
+    ('routes = ["nope/none"]\n[[grid]]\nnum_heads = 16\n', "unknown route 'nope/none'"),
+    ("[[grid]]\nnum_heads = 0\n", "no valid problem"),
+], ids=["bad-toml", "unknown-route", "no-problem"])
+def test_plan_rejects_bad_specs(tmp_path, text, words):
+    spec = tmp_path / "bad.toml"
+    spec.write_text(text)
+    result = invoke("plan", str(spec), "--arch", "gfx950")
+    assert result.exit_code == 1 and words in " ".join(result.output.split())
+    assert "Traceback" not in result.output
+    assert invoke("plan", str(tmp_path / "missing.toml"), "--arch", "gfx950").exit_code == 1
+
+
+def test_sweep_for_an_arch_that_is_not_here_points_to_plan():
+    if current_device().arch == "gfx950":
+        pytest.skip("this machine is a gfx950")
+    result = invoke("sweep", "--arch", "gfx950")
+    assert result.exit_code == 1
+    out = " ".join(result.output.split())
+    assert "--arch gfx950 but this machine's device is" in out
+    assert "mlatune plan SPEC --arch gfx950" in out
