@@ -4,6 +4,7 @@ import importlib
 import os
 
 from mlatune.routes.base import YES, Params, Prepared, Route, Verdict, no
+from mlatune.routes.prefill_triton import BF16PersistentPrefillRoute, FP8PersistentPrefillRoute
 from mlatune.routes.registry import (
     all_routes,
     backend_status,
@@ -13,9 +14,13 @@ from mlatune.routes.registry import (
     verdicts,
     viable,
 )
+from mlatune.routes.sdpa import SdpaPrefillRoute
 from mlatune.routes.torch_ref import TorchReferenceRoute
 
 register(TorchReferenceRoute())
+register(FP8PersistentPrefillRoute())
+register(BF16PersistentPrefillRoute())
+register(SdpaPrefillRoute())
 
 
 def _load_plugins() -> None:
