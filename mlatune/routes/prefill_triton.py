@@ -44,9 +44,11 @@ _SMALLEST_CONFIG = (64, 32, 4, 1)  # fits every device's shared memory
 # The interpreter runs block ops in numpy: fewer, larger blocks run faster.
 _CPU_CONFIG = (32, 32, 4, 1)
 
-# fp8 wgmma on Hopper wants both operands K-major; v as stored (keys x d_v, d_v
-# contiguous) is not, for the P.V dot. "keys" stages a transposed copy first.
-V_LAYOUTS = ("tokens", "keys")
+# Hopper's fp8 wgmma takes both operands K-major; v as stored (keys x d_v, d_v
+# contiguous) is not, for the P.V dot. "keys" first gathers v into a transposed
+# (heads, d_v, keys) buffer, as Triton's own fp8 attention tutorial lays v out;
+# "tokens" leaves the layout change to the compiler. Which is faster is measured.
+V_LAYOUTS = ("keys", "tokens")
 
 
 def padded_heads(num_heads: int) -> int:
