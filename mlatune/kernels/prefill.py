@@ -23,6 +23,7 @@ every batch, length and head count of a (dtype, block config) pair.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -130,7 +131,7 @@ def _attend_keys(acc, l_i, m_i, q_a, q_b, k_base, v_base, q_pos, prefix, kv_star
 def _prefill_persistent_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
     q_scale_ptr, k_scale_ptr, v_scale_ptr, work_indptr_ptr, work_info_ptr,
-    sm_scale,
+    sm_scale_log2,  # softmax scale times log2(e): the kernel works with exp2
     stride_q_row, stride_q_head, stride_k_row, stride_k_head,
     stride_v_row, stride_v_head, stride_v_d,
     stride_o_row, stride_o_head, stride_lse_row,
@@ -139,13 +140,11 @@ def _prefill_persistent_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_Q: tl.constexpr,
     ROUND_P_FIRST: tl.constexpr, INFO_COLUMNS: tl.constexpr,
 ):
-    LOG2E: tl.constexpr = 1.4426950408889634
-    LN2: tl.constexpr = 0.6931471805599453
     if HAS_SCALES:
-        qk_scale = sm_scale * LOG2E * tl.load(q_scale_ptr) * tl.load(k_scale_ptr)
+        qk_scale = sm_scale_log2 * tl.load(q_scale_ptr) * tl.load(k_scale_ptr)
         out_scale = tl.load(v_scale_ptr)
     else:
-        qk_scale = sm_scale * LOG2E
+        qk_scale = sm_scale_log2
         out_scale = 1.0
     offs_a = tl.arange(0, D_A)
     offs_b = D_A + tl.arange(0, D_B)
@@ -163,7 +162,7 @@ def _prefill_persistent_kernel(
         prefix = tl.load(info + 4)
         kv_lo = tl.load(info + 5)
         kv_hi = tl.load(info + 6)
-        head = tl.load(info + 7)
+        head = tl.load(info + 7).to(tl.int64)  # head * stride can pass 2**31 (key-major v)
         slot = tl.load(info + 8)
         k_base = k_ptr + k_row0.to(tl.int64) * stride_k_row + head * stride_k_head
         v_base = v_ptr + k_row0.to(tl.int64) * stride_v_row + head * stride_v_head
@@ -200,7 +199,9 @@ def _prefill_persistent_kernel(
             has_keys = l_i > 0.0
             l_safe = tl.where(has_keys, l_i, 1.0)
             o = acc * (out_scale / l_safe)[:, None]
-            lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
+            # Scores are in log2 units: times ln 2 for a natural-log LSE.
+            lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * 0.6931471805599453,
+                           float("-inf"))
             if slot < 0:
                 o_ptrs = (out_ptr + rows[:, None] * stride_o_row + head * stride_o_head
                           + offs_v[None, :])
@@ -225,7 +226,7 @@ def _merge_partials_kernel(
     info = merge_info_ptr + tl.program_id(0) * INFO_COLUMNS
     q_row0 = tl.load(info + 0)
     q_rows = tl.load(info + 1)
-    head = tl.load(info + 2)
+    head = tl.load(info + 2).to(tl.int64)
     slot0 = tl.load(info + 3)
     n_slots = tl.load(info + 4)
     offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -295,7 +296,7 @@ class PersistentPrefill:
         self._main_grid = (num_programs,)
         self._main_args = (
             q, k, v, out, lse, part_out, part_lse, q_scale, k_scale, v_scale,
-            work_indptr, work_info, sm_scale,
+            work_indptr, work_info, sm_scale * math.log2(math.e),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), v.stride(2),
             out.stride(0), out.stride(1), lse.stride(0),
