@@ -73,7 +73,7 @@ def _round_to_3_mantissa_bits(x):
 
 @triton.jit
 def _attend_keys(acc, l_i, m_i, q_a, q_b, k_base, v_base, q_pos, prefix, kv_start, kv_stop,
-                 stride_k_row, stride_v_row, stride_v_d, qk_scale,
+                 stride_k_row, stride_v_row, qk_scale,
                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
                  D_A: tl.constexpr, D_B: tl.constexpr, D_V: tl.constexpr,
                  ROUND_P_FIRST: tl.constexpr):
@@ -83,15 +83,18 @@ def _attend_keys(acc, l_i, m_i, q_a, q_b, k_base, v_base, q_pos, prefix, kv_star
     handles the causal diagonal and the last partial block.
     """
     offs_n = tl.arange(0, BLOCK_N)
-    offs_a = tl.arange(0, D_A)
-    offs_b = D_A + tl.arange(0, D_B)
-    offs_v = tl.arange(0, D_V)
+    # Offsets within one key block: 32-bit and loop-invariant (fewer live registers);
+    # the block's 64-bit start goes into the scalar base pointer.
+    kt_a_offs = offs_n[None, :] * stride_k_row + tl.arange(0, D_A)[:, None]  # k transposed
+    kt_b_offs = offs_n[None, :] * stride_k_row + (D_A + tl.arange(0, D_B))[:, None]
+    v_offs = offs_n[:, None] * stride_v_row + tl.arange(0, D_V)[None, :]
     for start_n in range(kv_start, kv_stop, BLOCK_N):
         keys = start_n + offs_n
-        key_rows = keys.to(tl.int64) * stride_k_row
-        kt_a_ptrs = k_base + key_rows[None, :] + offs_a[:, None]  # (D_A, BLOCK_N): k transposed
-        kt_b_ptrs = k_base + key_rows[None, :] + offs_b[:, None]
-        v_ptrs = v_base + keys.to(tl.int64)[:, None] * stride_v_row + offs_v[None, :] * stride_v_d
+        k_block = k_base + tl.cast(start_n, tl.int64) * stride_k_row
+        v_block = v_base + tl.cast(start_n, tl.int64) * stride_v_row
+        kt_a_ptrs = k_block + kt_a_offs
+        kt_b_ptrs = k_block + kt_b_offs
+        v_ptrs = v_block + v_offs
         if MASKED:
             in_range = keys < kv_stop
             kt_a = tl.load(kt_a_ptrs, mask=in_range[None, :], other=0.0)
@@ -133,7 +136,7 @@ def _prefill_persistent_kernel(
     q_scale_ptr, k_scale_ptr, v_scale_ptr, work_indptr_ptr, work_info_ptr,
     sm_scale_log2,  # softmax scale times log2(e): the kernel works with exp2
     stride_q_row, stride_q_head, stride_k_row, stride_k_head,
-    stride_v_row, stride_v_head, stride_v_d,
+    stride_v_row, stride_v_head,
     stride_o_row, stride_o_head, stride_lse_row,
     HAS_SCALES: tl.constexpr, CAUSAL: tl.constexpr,
     D_A: tl.constexpr, D_B: tl.constexpr, D_V: tl.constexpr,
@@ -188,11 +191,11 @@ def _prefill_persistent_kernel(
             m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
             acc, l_i, m_i = _attend_keys(
                 acc, l_i, m_i, q_a, q_b, k_base, v_base, q_pos, prefix, kv_lo, full_stop,
-                stride_k_row, stride_v_row, stride_v_d, qk_scale,
+                stride_k_row, stride_v_row, qk_scale,
                 False, CAUSAL, BLOCK_N, D_A, D_B, D_V, ROUND_P_FIRST)
             acc, l_i, m_i = _attend_keys(
                 acc, l_i, m_i, q_a, q_b, k_base, v_base, q_pos, prefix, full_stop, kv_stop,
-                stride_k_row, stride_v_row, stride_v_d, qk_scale,
+                stride_k_row, stride_v_row, qk_scale,
                 True, CAUSAL, BLOCK_N, D_A, D_B, D_V, ROUND_P_FIRST)
             # Rows with no key in this item's range (only in a split tile's piece)
             # get output 0 and LSE -inf, which the merge weighs as nothing.
@@ -258,10 +261,10 @@ def _merge_partials_kernel(
 class PersistentPrefill:
     """One varlen batch planned and allocated: calling it only launches the kernels.
 
-    q: (total_q, H, d_qk), k: (total_k, H, d_qk), v: (total_k, H, d_v) with any
-    strides whose head-dim stride is 1 for q and k (v may be key-major, as a
-    permuted view of a (H, d_v, total_k) buffer). ``out`` (total_q, H, d_v) and
-    ``lse`` (total_q, H) are written in full on every call.
+    q: (total_q, H, d_qk), k: (total_k, H, d_qk), v: (total_k, H, d_v), out
+    (total_q, H, d_v) and lse (total_q, H), each with a contiguous last dimension
+    (any token and head strides). ``out`` and ``lse`` are written in full on
+    every call.
     """
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -273,8 +276,8 @@ class PersistentPrefill:
         parts = split_head_dim(d_qk)
         if parts is None:
             raise ValueError(f"d_qk {d_qk} is not a sum of two powers of two >= 16")
-        if q.stride(2) != 1 or k.stride(2) != 1 or out.stride(2) != 1 or lse.stride(1) != 1:
-            raise ValueError("q, k, out and lse need a contiguous last dimension")
+        if any(t.stride(-1) != 1 for t in (q, k, v, out, lse)):
+            raise ValueError("q, k, v, out and lse need a contiguous last dimension")
         self.plan: WorkPlan = plan_work(seq_lens_q, seq_lens_k, heads, num_programs,
                                         tile_q=tile_q, block_m=config.block_m, causal=causal,
                                         split_align=config.block_n, min_split=min_split)
@@ -298,7 +301,7 @@ class PersistentPrefill:
             q, k, v, out, lse, part_out, part_lse, q_scale, k_scale, v_scale,
             work_indptr, work_info, sm_scale * math.log2(math.e),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            v.stride(0), v.stride(1), v.stride(2),
+            v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), lse.stride(0),
         )
         self._main_meta = dict(

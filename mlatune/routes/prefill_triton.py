@@ -37,19 +37,16 @@ _SHARED_MEMORY = {"sm_80": 163 << 10, "sm_86": 99 << 10, "sm_89": 99 << 10,
                   "gfx950": 160 << 10}
 _DEFAULT_SHARED_MEMORY = 99 << 10
 
-# (block_m, block_n, num_warps, num_stages), most promising first.
-_GPU_CONFIGS_16BIT = ((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3))
-_GPU_CONFIGS_FP8 = ((128, 128, 8, 2), (128, 64, 8, 3))
+# (block_m, block_n, num_warps, num_stages), the default first. Compiled for
+# sm_90 by Triton 3.9 (tests/prefill_aot.py, no GPU needed) all use wgmma; the
+# 16-bit ones sit at the register limit (q, 128 x 192, stays in registers), so
+# wide key blocks and deep pipelines spill: (128, 64, 8, 2) spills 40 bytes,
+# (128, 128, 8, 2) over 300 and is left out. fp8 halves q and P and does not spill.
+_GPU_CONFIGS_16BIT = ((128, 64, 8, 2), (128, 32, 8, 3), (128, 32, 8, 2))
+_GPU_CONFIGS_FP8 = ((128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3))
 _SMALLEST_CONFIG = (64, 32, 4, 1)  # fits every device's shared memory
 # The interpreter runs block ops in numpy: fewer, larger blocks run faster.
 _CPU_CONFIG = (32, 32, 4, 1)
-
-# Hopper's fp8 wgmma takes both operands K-major; v as stored (keys x d_v, d_v
-# contiguous) is not, for the P.V dot. "keys" first gathers v into a transposed
-# (heads, d_v, keys) buffer, as Triton's own fp8 attention tutorial lays v out;
-# "tokens" leaves the layout change to the compiler. Which is faster is measured.
-V_LAYOUTS = ("keys", "tokens")
-
 
 def padded_heads(num_heads: int) -> int:
     return -(-num_heads // HEAD_ALIGN) * HEAD_ALIGN
@@ -144,10 +141,7 @@ class _PersistentPrefillRoute:
             configs = [c for c in (_GPU_CONFIGS_FP8 if fp8 else _GPU_CONFIGS_16BIT)
                        if _shared_bytes(c, problem) <= limit] or [_SMALLEST_CONFIG]
         keys = ("block_m", "block_n", "num_warps", "num_stages")
-        space = [dict(zip(keys, c, strict=True)) for c in configs]
-        if problem.q_dtype in FP8_DTYPES and device.vendor == "nvidia":
-            return [{**p, "v_layout": layout} for p in space for layout in V_LAYOUTS]
-        return [{**p, "v_layout": "tokens"} for p in space]
+        return [dict(zip(keys, c, strict=True)) for c in configs]
 
     def prepare(self, problem: MLAProblem, inputs: DecodeInputs | PrefillInputs, *,
                 rank: int = 0, params: Params | None = None,
@@ -162,21 +156,14 @@ class _PersistentPrefillRoute:
         params = {**self.param_space(problem, device)[0], **(params or {})}
         config = KernelConfig(params["block_m"], params["block_n"], params["num_warps"],
                               params["num_stages"])
-        if params["v_layout"] not in V_LAYOUTS:
-            raise ValueError(f"v_layout must be one of {V_LAYOUTS}, got {params['v_layout']!r}")
         heads, kernel_heads = problem.num_heads, padded_heads(problem.num_heads)
         q, k, v = inputs.q, inputs.k, inputs.v
         dev = q.device
-        # (source, dim, index, destination) gathers run before the kernel on every call.
-        stage: list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]] = []
-        head_index = torch.arange(kernel_heads, device=dev) % heads  # real heads first
+        # Padded copies of q, k and v that run() refills before the kernel on every call.
+        stage: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         if kernel_heads != heads:
-            q, k = (self._gather(x, 1, head_index, stage) for x in (q, k))
-            if params["v_layout"] == "tokens":
-                v = self._gather(v, 1, head_index, stage)
-        if params["v_layout"] == "keys":
-            # (heads, d_v, keys) buffer, keys contiguous, seen as (keys, heads, d_v).
-            v = self._gather(inputs.v.permute(1, 2, 0), 0, head_index, stage).permute(2, 0, 1)
+            head_index = torch.arange(kernel_heads, device=dev) % heads  # real heads first
+            q, k, v = (self._padded(x, head_index, stage) for x in (q, k, v))
         total_q = q.shape[0]
         out_full = torch.empty(total_q, kernel_heads, problem.d_v,
                                dtype=DTYPES[problem.out_dtype], device=dev)
@@ -191,30 +178,28 @@ class _PersistentPrefillRoute:
             config=config, num_programs=device.cu_count, tile_q=TILE_Q)
 
         def run() -> None:
-            for src, dim, index, dst in stage:
-                torch.index_select(src, dim, index, out=dst)
+            for src, index, dst in stage:
+                torch.index_select(src, 1, index, out=dst)
             launch()
 
-        used = {**config.as_params(), "v_layout": params["v_layout"],
-                "kernel_heads": kernel_heads, "programs": device.cu_count,
-                "split_tiles": len(launch.plan.merges)}
+        used = {**config.as_params(), "kernel_heads": kernel_heads,
+                "programs": device.cu_count, "split_tiles": len(launch.plan.merges)}
         return Prepared(run, out_full[:, :heads], lse_full[:, :heads] if want_lse else None,
                         graph_safe=True, params=used)
 
     @staticmethod
-    def _gather(src: torch.Tensor, dim: int, index: torch.Tensor,
-                stage: list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]]
-                ) -> torch.Tensor:
-        """A buffer that run() fills with ``src.index_select(dim, index)``; returned in src's dtype.
+    def _padded(src: torch.Tensor, head_index: torch.Tensor,
+                stage: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """A (tokens, padded heads, d) buffer that run() fills from ``src`` by head index.
 
-        fp8 tensors are moved as bytes (uint8 views), which every index_select supports.
+        fp8 tensors are copied as bytes (uint8 views), which index_select supports everywhere.
         """
-        shape = list(src.shape)
-        shape[dim] = index.numel()
-        dst = torch.empty(shape, dtype=src.dtype, device=src.device)
-        as_bytes = src.element_size() == 1
-        stage.append((src.view(torch.uint8) if as_bytes else src, dim, index,
-                      dst.view(torch.uint8) if as_bytes else dst))
+        dst = torch.empty(src.shape[0], head_index.numel(), src.shape[2], dtype=src.dtype,
+                          device=src.device)
+        if src.element_size() == 1:
+            stage.append((src.view(torch.uint8), head_index, dst.view(torch.uint8)))
+        else:
+            stage.append((src, head_index, dst))
         return dst
 
 
