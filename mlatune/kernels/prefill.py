@@ -165,7 +165,7 @@ def _prefill_persistent_kernel(
         prefix = tl.load(info + 4)
         kv_lo = tl.load(info + 5)
         kv_hi = tl.load(info + 6)
-        head = tl.load(info + 7).to(tl.int64)  # head * stride can pass 2**31 (key-major v)
+        head = tl.load(info + 7).to(tl.int64)  # 64-bit: head * stride can pass 2**31
         slot = tl.load(info + 8)
         k_base = k_ptr + k_row0.to(tl.int64) * stride_k_row + head * stride_k_head
         v_base = v_ptr + k_row0.to(tl.int64) * stride_v_row + head * stride_v_head

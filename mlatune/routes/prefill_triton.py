@@ -48,6 +48,7 @@ _SMALLEST_CONFIG = (64, 32, 4, 1)  # fits every device's shared memory
 # The interpreter runs block ops in numpy: fewer, larger blocks run faster.
 _CPU_CONFIG = (32, 32, 4, 1)
 
+
 def padded_heads(num_heads: int) -> int:
     return -(-num_heads // HEAD_ALIGN) * HEAD_ALIGN
 
