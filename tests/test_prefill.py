@@ -22,7 +22,7 @@ from mlatune.arch import DeviceInfo, cpu_device
 from mlatune.inputs import make_prefill_inputs, poison_
 from mlatune.kernels.prefill_plan import plan_work, split_head_dim
 from mlatune.problem import DTYPES, MLAProblem
-from mlatune.routes.prefill_triton import TILE_Q
+from mlatune.routes.prefill_triton import TILE_Q, interpreter_enabled
 
 H200 = DeviceInfo("sm_90", "NVIDIA H200", "nvidia", 132)
 A100 = DeviceInfo("sm_80", "NVIDIA A100", "nvidia", 108)
@@ -40,8 +40,17 @@ def seed_of(*parts) -> int:
     return zlib.crc32(repr(parts).encode())
 
 
+# On a GPU machine conftest leaves the interpreter off, and Triton cannot run on
+# CPU tensors: the GPU tests cover the kernels there.
+interpreted = pytest.mark.skipif(not interpreter_enabled(),
+                                 reason="Triton on CPU tensors needs TRITON_INTERPRET=1")
+
+
 def run_route(route_id, problem, seed, params=None, want_lse=True):
     """Prepare, poison the outputs, run, and check against the fp64 reference."""
+    if route_id.endswith("/triton") and not interpreter_enabled():
+        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
+    assert routes.get(route_id).supports(problem, cpu_device())
     inputs = make_prefill_inputs(problem, seed=seed, ragged=True)
     ref_out, ref_lse = reference.prefill(inputs, torch.float64)
     prepared = routes.get(route_id).prepare(problem, inputs, params=params, want_lse=want_lse)
@@ -69,7 +78,6 @@ SHAPES = [(12, 3, 20, 30), (16, 2, 40, 40), (24, 3, 24, 56), (128, 2, 8, 8)]
 def test_route_matches_reference(route_id, dtype, shape):
     heads, batch, qlen, kv_len = shape
     problem = prefill(heads, qlen, kv_len, batch, dtype)
-    assert routes.get(route_id).supports(problem, cpu_device())
     prepared, _ = run_route(route_id, problem, seed_of(route_id, dtype, shape))
     if route_id.endswith("/triton"):
         assert prepared.params["kernel_heads"] == -(-heads // 16) * 16
@@ -97,6 +105,7 @@ def test_other_head_dims():
     run_route("bf16-ps/triton", problem, seed_of("dims"))
 
 
+@interpreted
 def test_lse_is_optional_and_runs_repeat():
     problem = prefill(12, 16, 16, 2, "fp16")
     inputs = make_prefill_inputs(problem, seed=seed_of("repeat"), ragged=True)
@@ -110,6 +119,7 @@ def test_lse_is_optional_and_runs_repeat():
 
 
 # The kernel's split-KV path, which the routes reach only at GPU sizes -------
+@interpreted
 @pytest.mark.parametrize("dtype", ["fp16", "fp8_e4m3fn"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_split_tiles_are_merged_by_lse(dtype, causal):
