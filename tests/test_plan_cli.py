@@ -51,7 +51,8 @@ def test_plan_csv_has_a_row_per_problem_and_route(gfx950_plan):
     assert len(rows) % n_routes == 0 and len(rows) >= 2000
     assert {r["arch"] for r in rows} == {"gfx950"} and {r["cu_count"] for r in rows} == {"256"}
     assert all(r["status"] in ("viable", "unsupported") and r["reason"] for r in rows)
-    small = dict(phase="decode", num_heads=4, qlen=1, dcp_size=1, batch=1, kv_len=2048)
+    small = dict(phase="decode", num_heads=4, qlen=1, dcp_size=1, batch=1, kv_len=2048,
+                 page_size=1, q_dtype="bf16")
     [gluon] = find(rows, "gluon/aiter", kv_dtype="bf16", **small)
     assert gluon["status"] == "viable"
     [gluon_fp8] = find(rows, "gluon/aiter", kv_dtype="fp8_e4m3fn", **small)
@@ -60,7 +61,7 @@ def test_plan_csv_has_a_row_per_problem_and_route(gfx950_plan):
                                                           "kv_len": 32768})
     assert big["status"] == "unsupported" and "gluon.cache" in big["reason"]
     [cprr] = find(rows, "cprr/aiter", phase="decode", num_heads=16, qlen=3, dcp_size=2,
-                  kv_dtype="bf16", batch=1, kv_len=2048)
+                  kv_dtype="bf16", batch=1, kv_len=2048, page_size=1, q_dtype="bf16")
     assert cprr["status"] == "viable" and "32 kernel heads" in cprr["reason"]
 
 

@@ -5,6 +5,7 @@ import os
 
 from mlatune.routes.aiter import AITER_ROUTES
 from mlatune.routes.base import YES, Params, Prepared, Route, Verdict, no
+from mlatune.routes.prefill_triton import BF16PersistentPrefillRoute, FP8PersistentPrefillRoute
 from mlatune.routes.registry import (
     all_routes,
     backend_status,
@@ -14,9 +15,13 @@ from mlatune.routes.registry import (
     verdicts,
     viable,
 )
+from mlatune.routes.sdpa import SdpaPrefillRoute
 from mlatune.routes.torch_ref import TorchReferenceRoute
 
 register(TorchReferenceRoute())
+register(FP8PersistentPrefillRoute())
+register(BF16PersistentPrefillRoute())
+register(SdpaPrefillRoute())
 for _route in AITER_ROUTES:  # refuse off AMD; import aiter only when asked on an AMD device
     register(_route)
 

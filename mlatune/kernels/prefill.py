@@ -1,0 +1,327 @@
+"""Persistent varlen flash-attention forward for non-absorbed MLA prefill (Triton).
+
+Per head, q and k are ``d_qk`` wide (192 for DeepSeek: 128 "nope" + 64 rope
+dims) and v is ``d_v`` wide (128). Triton blocks must be powers of two, so the
+q.k dot is split into two dots over the two power-of-two parts of d_qk
+(128 + 64) rather than padded to 256, which would waste a third of the QK
+work. Causal attention is bottom-right aligned (query token t of a request
+with a prefix of P keys sees keys [0, P + t]).
+
+Scheduling is persistent: the grid is one program per SM and each program
+loops over the work items that ``prefill_plan.plan_work`` gave it (query tiles
+of one request and one head, or a key range of one). Items of split tiles write
+partial (output, LSE) rows to slots that ``_merge_partials_kernel`` combines.
+
+q, k and v may be bf16/fp16 or fp8 (e4m3fn, or e4m3fnuz on AMD) with
+per-tensor scales. The q and k scales fold into the softmax scale and the v
+scale into the output, so the kernel never dequantizes a tile; with fp8 the
+probabilities are rounded to v's fp8 type for the P.V dot, as fp8 attention
+kernels do. The output is written in ``out``'s dtype, the LSE in fp32 as a
+natural log. All sizes are runtime arguments, so one compiled kernel serves
+every batch, length and head count of a (dtype, block config) pair.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from mlatune.kernels.prefill_plan import (
+    MERGE_INFO_COLUMNS,
+    WORK_INFO_COLUMNS,
+    WorkPlan,
+    plan_work,
+    split_head_dim,
+)
+
+_MERGE_BLOCK_ROWS = 64
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_m: int  # query rows per sub-block (a work tile is several sub-blocks)
+    block_n: int  # keys per inner-loop step
+    num_warps: int
+    num_stages: int
+
+    def as_params(self) -> dict[str, int]:
+        return {"block_m": self.block_m, "block_n": self.block_n,
+                "num_warps": self.num_warps, "num_stages": self.num_stages}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _round_to_3_mantissa_bits(x):
+    """Round positive fp32 to e4m3's 3 mantissa bits (to nearest even), in fp32.
+
+    Used only under the Triton interpreter, whose fp32 -> fp8 cast drops the
+    carry when rounding overflows the mantissa (127.5 becomes 64, not 128). Once
+    rounded here, that cast is exact. GPUs convert in hardware and skip this.
+    """
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _attend_keys(acc, l_i, m_i, q_a, q_b, k_base, v_base, q_pos, prefix, kv_start, kv_stop,
+                 stride_k_row, stride_v_row, qk_scale,
+                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                 D_A: tl.constexpr, D_B: tl.constexpr, D_V: tl.constexpr,
+                 ROUND_P_FIRST: tl.constexpr):
+    """Online softmax over keys [kv_start, kv_stop) in BLOCK_N steps (log2 domain).
+
+    MASKED=False is the hot loop over key blocks every row sees whole; MASKED=True
+    handles the causal diagonal and the last partial block.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    # Offsets within one key block: 32-bit and loop-invariant (fewer live registers);
+    # the block's 64-bit start goes into the scalar base pointer.
+    kt_a_offs = offs_n[None, :] * stride_k_row + tl.arange(0, D_A)[:, None]  # k transposed
+    kt_b_offs = offs_n[None, :] * stride_k_row + (D_A + tl.arange(0, D_B))[:, None]
+    v_offs = offs_n[:, None] * stride_v_row + tl.arange(0, D_V)[None, :]
+    for start_n in range(kv_start, kv_stop, BLOCK_N):
+        keys = start_n + offs_n
+        k_block = k_base + tl.cast(start_n, tl.int64) * stride_k_row
+        v_block = v_base + tl.cast(start_n, tl.int64) * stride_v_row
+        kt_a_ptrs = k_block + kt_a_offs
+        kt_b_ptrs = k_block + kt_b_offs
+        v_ptrs = v_block + v_offs
+        if MASKED:
+            in_range = keys < kv_stop
+            kt_a = tl.load(kt_a_ptrs, mask=in_range[None, :], other=0.0)
+            kt_b = tl.load(kt_b_ptrs, mask=in_range[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=in_range[:, None], other=0.0)
+        else:
+            kt_a = tl.load(kt_a_ptrs)
+            kt_b = tl.load(kt_b_ptrs)
+            v = tl.load(v_ptrs)
+        scores = tl.dot(q_a, kt_a)
+        scores = tl.dot(q_b, kt_b, scores)
+        scores = scores * qk_scale
+        if MASKED:
+            allowed = in_range[None, :]
+            if CAUSAL:
+                allowed = allowed & (keys[None, :] <= (prefix + q_pos)[:, None])
+            scores = tl.where(allowed, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_ref = m_new
+        if MASKED:
+            # A row that has seen no key yet keeps max -inf; subtract 0 instead of -inf.
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(scores - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        p_rounded = p
+        if ROUND_P_FIRST:
+            p_rounded = _round_to_3_mantissa_bits(p)
+        p_low = p_rounded.to(v.dtype)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p_low, v, acc)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _prefill_persistent_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+    q_scale_ptr, k_scale_ptr, v_scale_ptr, work_indptr_ptr, work_info_ptr,
+    sm_scale_log2,  # softmax scale times log2(e): the kernel works with exp2
+    stride_q_row, stride_q_head, stride_k_row, stride_k_head,
+    stride_v_row, stride_v_head,
+    stride_o_row, stride_o_head, stride_lse_row,
+    HAS_SCALES: tl.constexpr, CAUSAL: tl.constexpr,
+    D_A: tl.constexpr, D_B: tl.constexpr, D_V: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_Q: tl.constexpr,
+    ROUND_P_FIRST: tl.constexpr, INFO_COLUMNS: tl.constexpr,
+):
+    if HAS_SCALES:
+        qk_scale = sm_scale_log2 * tl.load(q_scale_ptr) * tl.load(k_scale_ptr)
+        out_scale = tl.load(v_scale_ptr)
+    else:
+        qk_scale = sm_scale_log2
+        out_scale = 1.0
+    offs_a = tl.arange(0, D_A)
+    offs_b = D_A + tl.arange(0, D_B)
+    offs_v = tl.arange(0, D_V)
+    pid = tl.program_id(0)
+    first_item = tl.load(work_indptr_ptr + pid)
+    last_item = tl.load(work_indptr_ptr + pid + 1)
+    for item in range(first_item, last_item):
+        # Columns as in prefill_plan.WorkItem.
+        info = work_info_ptr + item * INFO_COLUMNS
+        q_row0 = tl.load(info + 0)
+        q_pos0 = tl.load(info + 1)
+        q_rows = tl.load(info + 2)
+        k_row0 = tl.load(info + 3)
+        prefix = tl.load(info + 4)
+        kv_lo = tl.load(info + 5)
+        kv_hi = tl.load(info + 6)
+        head = tl.load(info + 7).to(tl.int64)  # 64-bit: head * stride can pass 2**31
+        slot = tl.load(info + 8)
+        k_base = k_ptr + k_row0.to(tl.int64) * stride_k_row + head * stride_k_head
+        v_base = v_ptr + k_row0.to(tl.int64) * stride_v_row + head * stride_v_head
+        for m0 in range(0, q_rows, BLOCK_M):
+            offs_m = m0 + tl.arange(0, BLOCK_M)  # rows within the tile
+            row_ok = offs_m < q_rows
+            q_pos = q_pos0 + offs_m
+            rows = (q_row0 + offs_m).to(tl.int64)
+            q_ptrs = q_ptr + rows[:, None] * stride_q_row + head * stride_q_head
+            q_a = tl.load(q_ptrs + offs_a[None, :], mask=row_ok[:, None], other=0.0)
+            q_b = tl.load(q_ptrs + offs_b[None, :], mask=row_ok[:, None], other=0.0)
+            if CAUSAL:
+                last_row = tl.minimum(m0 + BLOCK_M, q_rows) - 1
+                kv_stop = tl.minimum(kv_hi, prefix + q_pos0 + last_row + 1)
+                seen_by_all = tl.minimum(kv_stop, prefix + q_pos0 + m0 + 1)
+            else:
+                kv_stop = kv_hi
+                seen_by_all = kv_hi
+            # Whole blocks every row sees need no mask; the rest of the range does.
+            full_stop = kv_lo + tl.maximum(seen_by_all - kv_lo, 0) // BLOCK_N * BLOCK_N
+            acc = tl.zeros([BLOCK_M, D_V], dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            acc, l_i, m_i = _attend_keys(
+                acc, l_i, m_i, q_a, q_b, k_base, v_base, q_pos, prefix, kv_lo, full_stop,
+                stride_k_row, stride_v_row, qk_scale,
+                False, CAUSAL, BLOCK_N, D_A, D_B, D_V, ROUND_P_FIRST)
+            acc, l_i, m_i = _attend_keys(
+                acc, l_i, m_i, q_a, q_b, k_base, v_base, q_pos, prefix, full_stop, kv_stop,
+                stride_k_row, stride_v_row, qk_scale,
+                True, CAUSAL, BLOCK_N, D_A, D_B, D_V, ROUND_P_FIRST)
+            # Rows with no key in this item's range (only in a split tile's piece)
+            # get output 0 and LSE -inf, which the merge weighs as nothing.
+            has_keys = l_i > 0.0
+            l_safe = tl.where(has_keys, l_i, 1.0)
+            o = acc * (out_scale / l_safe)[:, None]
+            # Scores are in log2 units: times ln 2 for a natural-log LSE.
+            lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * 0.6931471805599453,
+                           float("-inf"))
+            if slot < 0:
+                o_ptrs = (out_ptr + rows[:, None] * stride_o_row + head * stride_o_head
+                          + offs_v[None, :])
+                tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+                tl.store(lse_ptr + rows * stride_lse_row + head, lse, mask=row_ok)
+            else:
+                part_rows = slot.to(tl.int64) * TILE_Q + offs_m
+                tl.store(part_out_ptr + part_rows[:, None] * D_V + offs_v[None, :], o,
+                         mask=row_ok[:, None])
+                tl.store(part_lse_ptr + part_rows, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_partials_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, merge_info_ptr,
+    stride_o_row, stride_o_head, stride_lse_row,
+    D_V: tl.constexpr, TILE_Q: tl.constexpr, BLOCK_R: tl.constexpr,
+    INFO_COLUMNS: tl.constexpr,
+):
+    """Combine the partial slots of one split tile (rows in BLOCK_R chunks) by their LSEs."""
+    # Columns as in prefill_plan.MergeItem.
+    info = merge_info_ptr + tl.program_id(0) * INFO_COLUMNS
+    q_row0 = tl.load(info + 0)
+    q_rows = tl.load(info + 1)
+    head = tl.load(info + 2).to(tl.int64)
+    slot0 = tl.load(info + 3)
+    n_slots = tl.load(info + 4)
+    offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_v = tl.arange(0, D_V)
+    row_ok = offs_r < q_rows
+    m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    s = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, D_V], dtype=tl.float32)
+    for j in range(0, n_slots):
+        part_rows = (slot0 + j).to(tl.int64) * TILE_Q + offs_r
+        lse_j = tl.load(part_lse_ptr + part_rows, mask=row_ok, other=float("-inf"))
+        o_j = tl.load(part_out_ptr + part_rows[:, None] * D_V + offs_v[None, :],
+                      mask=row_ok[:, None], other=0.0)
+        m_new = tl.maximum(m, lse_j)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_ref)
+        w = tl.exp(lse_j - m_ref)
+        s = s * alpha + w
+        acc = acc * alpha[:, None] + w[:, None] * o_j
+        m = m_new
+    s_safe = tl.where(s > 0.0, s, 1.0)
+    rows = (q_row0 + offs_r).to(tl.int64)
+    o_ptrs = out_ptr + rows[:, None] * stride_o_row + head * stride_o_head + offs_v[None, :]
+    tl.store(o_ptrs, (acc / s_safe[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    lse = tl.where(s > 0.0, m + tl.log(s_safe), float("-inf"))
+    tl.store(lse_ptr + rows * stride_lse_row + head, lse, mask=row_ok)
+
+
+class PersistentPrefill:
+    """One varlen batch planned and allocated: calling it only launches the kernels.
+
+    q: (total_q, H, d_qk), k: (total_k, H, d_qk), v: (total_k, H, d_v), out
+    (total_q, H, d_v) and lse (total_q, H), each with a contiguous last dimension
+    (any token and head strides). ``out`` and ``lse`` are written in full on
+    every call.
+    """
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, seq_lens_q: list[int], seq_lens_k: list[int], *,
+                 causal: bool, sm_scale: float, scales: tuple[torch.Tensor, ...] | None,
+                 config: KernelConfig, num_programs: int, tile_q: int = 256,
+                 min_split: int = 256):
+        heads, d_qk, d_v = q.shape[1], q.shape[2], v.shape[2]
+        parts = split_head_dim(d_qk)
+        if parts is None:
+            raise ValueError(f"d_qk {d_qk} is not a sum of two powers of two >= 16")
+        if any(t.stride(-1) != 1 for t in (q, k, v, out, lse)):
+            raise ValueError("q, k, v, out and lse need a contiguous last dimension")
+        self.plan: WorkPlan = plan_work(seq_lens_q, seq_lens_k, heads, num_programs,
+                                        tile_q=tile_q, block_m=config.block_m, causal=causal,
+                                        split_align=config.block_n, min_split=min_split)
+        device = q.device
+
+        def table(rows: list[tuple[int, ...]], width: int) -> torch.Tensor:
+            t = torch.tensor(rows, dtype=torch.int32) if rows else torch.zeros(0, width,
+                                                                               dtype=torch.int32)
+            return t.reshape(-1, width).contiguous().to(device)
+
+        work_indptr = torch.tensor(self.plan.work_indptr, dtype=torch.int32, device=device)
+        work_info = table(self.plan.work_info, WORK_INFO_COLUMNS)
+        merge_info = table(self.plan.merge_info, MERGE_INFO_COLUMNS)
+        slots = max(self.plan.num_partials, 1)
+        part_out = torch.empty(slots * tile_q, d_v, dtype=torch.float32, device=device)
+        part_lse = torch.empty(slots * tile_q, dtype=torch.float32, device=device)
+        placeholder = torch.ones(1, dtype=torch.float32, device=device)
+        q_scale, k_scale, v_scale = scales if scales is not None else (placeholder,) * 3
+        self._main_grid = (num_programs,)
+        self._main_args = (
+            q, k, v, out, lse, part_out, part_lse, q_scale, k_scale, v_scale,
+            work_indptr, work_info, sm_scale * math.log2(math.e),
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            v.stride(0), v.stride(1),
+            out.stride(0), out.stride(1), lse.stride(0),
+        )
+        self._main_meta = dict(
+            HAS_SCALES=scales is not None, CAUSAL=causal, D_A=parts[0], D_B=parts[1], D_V=d_v,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, TILE_Q=tile_q,
+            ROUND_P_FIRST=v.dtype.itemsize == 1 and _interpreting(),
+            INFO_COLUMNS=WORK_INFO_COLUMNS, num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
+        block_r = min(_MERGE_BLOCK_ROWS, triton.next_power_of_2(tile_q))
+        self._merge_grid = (len(self.plan.merges), triton.cdiv(tile_q, block_r))
+        self._merge_args = (part_out, part_lse, out, lse, merge_info,
+                            out.stride(0), out.stride(1), lse.stride(0))
+        self._merge_meta = dict(D_V=d_v, TILE_Q=tile_q, BLOCK_R=block_r,
+                                INFO_COLUMNS=MERGE_INFO_COLUMNS, num_warps=4)
+        # Keep every buffer the launches read alive as long as this object.
+        self._buffers = (work_indptr, work_info, merge_info, part_out, part_lse, placeholder)
+
+    def __call__(self) -> None:
+        _prefill_persistent_kernel[self._main_grid](*self._main_args, **self._main_meta)
+        if self.plan.merges:
+            _merge_partials_kernel[self._merge_grid](*self._merge_args, **self._merge_meta)
+

@@ -1,0 +1,214 @@
+"""``fp8-ps/triton`` and ``bf16-ps/triton``: persistent varlen prefill in Triton.
+
+Both run ``mlatune.kernels.prefill``: 256-row query tiles planned on the host,
+one program per SM, split tiles merged by LSE. ``fp8-ps`` is the portable
+counterpart of AITER's FP8 persistent prefill (mla_prefill_ps_asm_fwd +
+mla_reduce_v1) that vLLM's ROCm backend uses: fp8 q/k/v with per-tensor scales,
+bf16 output. ``bf16-ps`` is the same kernel on 16-bit inputs, its twin for
+comparison.
+
+Like that backend, both pad the heads to a multiple of 16 by replication
+(12 -> 16, 24 -> 32; padded head j copies real head j mod H) and slice the
+real heads back, so the measured cost includes the padding. The Triton kernel
+itself has no such constraint; the padding is kept so that what is measured is
+the route the seed takes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+
+import torch
+
+from mlatune.arch import DeviceInfo, cpu_device, gpu_devices
+from mlatune.inputs import DecodeInputs, PrefillInputs
+from mlatune.kernels.prefill_plan import split_head_dim
+from mlatune.problem import DTYPES, FP8_DTYPES, MLAProblem
+from mlatune.routes.base import YES, Params, Prepared, Verdict, no
+
+TILE_Q = 256  # query rows per work tile, as in AITER's FP8 prefill
+HEAD_ALIGN = 16  # heads are padded to a multiple of this, as the seed does
+
+# Shared memory (LDS on AMD) per block, bytes, for pruning block configs by rule.
+_SHARED_MEMORY = {"sm_80": 163 << 10, "sm_86": 99 << 10, "sm_89": 99 << 10,
+                  "sm_90": 227 << 10, "sm_100": 227 << 10, "gfx942": 64 << 10,
+                  "gfx950": 160 << 10}
+_DEFAULT_SHARED_MEMORY = 99 << 10
+
+# (block_m, block_n, num_warps, num_stages), the default first. Compiled for
+# sm_90 by Triton 3.9 (tests/prefill_aot.py, no GPU needed) all use wgmma; the
+# 16-bit ones sit at the register limit (q, 128 x 192, stays in registers), so
+# wide key blocks and deep pipelines spill: (128, 64, 8, 2) spills 40 bytes,
+# (128, 128, 8, 2) over 300 and is left out. fp8 halves q and P and does not spill.
+_GPU_CONFIGS_16BIT = ((128, 64, 8, 2), (128, 32, 8, 3), (128, 32, 8, 2))
+_GPU_CONFIGS_FP8 = ((128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3))
+_SMALLEST_CONFIG = (64, 32, 4, 1)  # fits every device's shared memory
+# The interpreter runs block ops in numpy: fewer, larger blocks run faster.
+_CPU_CONFIG = (32, 32, 4, 1)
+
+
+def padded_heads(num_heads: int) -> int:
+    return -(-num_heads // HEAD_ALIGN) * HEAD_ALIGN
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _arch_number(arch: str) -> int | None:
+    """90 for 'sm_90'; None for non-NVIDIA archs."""
+    match = re.fullmatch(r"sm_(\d+)", arch)
+    return int(match.group(1)) if match else None
+
+
+def _fp8_verdict(dtype: str, device: DeviceInfo) -> Verdict:
+    """Which fp8 format the device's matrix units take (the CPU interpreter takes both)."""
+    if device.vendor == "cpu":
+        return YES
+    if device.vendor == "nvidia":
+        if dtype != "fp8_e4m3fn":
+            return no(f"{dtype} is AMD's fp8 format (MI300); NVIDIA GPUs use fp8_e4m3fn")
+        sm = _arch_number(device.arch)
+        if sm is None or sm < 89:
+            return no(f"fp8 tensor-core dots need sm_89 or newer; this device is {device.arch}")
+        return YES
+    if device.vendor == "amd":
+        wanted = {"gfx940": "fp8_e4m3fnuz", "gfx941": "fp8_e4m3fnuz", "gfx942": "fp8_e4m3fnuz",
+                  "gfx950": "fp8_e4m3fn"}.get(device.arch)
+        if wanted is None:
+            return no(f"no fp8 matrix support known for {device.arch} (gfx942: e4m3fnuz, "
+                      f"gfx950: e4m3fn)")
+        if dtype != wanted:
+            return no(f"{device.arch} computes fp8 as {wanted}, not {dtype}")
+        return YES
+    return no(f"unknown vendor {device.vendor!r}")
+
+
+def _shape_verdict(problem: MLAProblem) -> Verdict:
+    if split_head_dim(problem.d_qk) is None:
+        return no(f"d_qk {problem.d_qk} is not a sum of two powers of two >= 16 "
+                  f"(the kernel splits the q.k dot, e.g. 192 = 128 + 64)")
+    d_v = problem.d_v
+    if d_v < 16 or d_v & (d_v - 1):
+        return no(f"d_v {d_v} is not a power of two >= 16")
+    return YES
+
+
+def _shared_bytes(config: tuple[int, int, int, int], problem: MLAProblem) -> int:
+    """Rough shared memory of a config: q tile plus num_stages k/v tiles."""
+    block_m, block_n, _, stages = config
+    item = DTYPES[problem.q_dtype].itemsize
+    return item * (block_m * problem.d_qk + stages * block_n * (problem.d_qk + problem.d_v))
+
+
+def _device_of(t: torch.Tensor) -> DeviceInfo:
+    if t.device.type == "cpu":
+        return cpu_device()
+    return gpu_devices()[t.device.index if t.device.index is not None else 0]
+
+
+class _PersistentPrefillRoute:
+    id: str
+    dtypes: frozenset[str]
+
+    def supports(self, problem: MLAProblem, device: DeviceInfo) -> Verdict:
+        if problem.phase != "prefill":
+            return no(f"{self.id} serves prefill only, not {problem.phase}")
+        if problem.q_dtype not in self.dtypes or problem.kv_dtype != problem.q_dtype:
+            return no(f"{self.id} needs q and kv both in {sorted(self.dtypes)}, got "
+                      f"q {problem.q_dtype} with kv {problem.kv_dtype}")
+        shape = _shape_verdict(problem)
+        if not shape:
+            return shape
+        if importlib.util.find_spec("triton") is None:
+            return no("triton is not installed")
+        if device.vendor == "cpu" and not interpreter_enabled():
+            return no("on the CPU, Triton kernels run only under TRITON_INTERPRET=1")
+        if device.vendor == "nvidia" and (_arch_number(device.arch) or 0) < 80:
+            return no(f"the kernel's 16-bit dots need sm_80 or newer; this device is "
+                      f"{device.arch}")
+        if problem.q_dtype in FP8_DTYPES:
+            return _fp8_verdict(problem.q_dtype, device)
+        return YES
+
+    def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
+        if not device.is_gpu:
+            configs = [_CPU_CONFIG]
+        else:
+            fp8 = problem.q_dtype in FP8_DTYPES
+            limit = _SHARED_MEMORY.get(device.arch, _DEFAULT_SHARED_MEMORY)
+            configs = [c for c in (_GPU_CONFIGS_FP8 if fp8 else _GPU_CONFIGS_16BIT)
+                       if _shared_bytes(c, problem) <= limit] or [_SMALLEST_CONFIG]
+        keys = ("block_m", "block_n", "num_warps", "num_stages")
+        return [dict(zip(keys, c, strict=True)) for c in configs]
+
+    def prepare(self, problem: MLAProblem, inputs: DecodeInputs | PrefillInputs, *,
+                rank: int = 0, params: Params | None = None,
+                want_lse: bool = True) -> Prepared:
+        if not isinstance(inputs, PrefillInputs):
+            raise TypeError(f"{self.id} takes PrefillInputs, got {type(inputs).__name__}")
+        # Imported here, not at module import: it needs Triton, and tests must be able
+        # to switch on TRITON_INTERPRET before its kernels are decorated.
+        from mlatune.kernels.prefill import KernelConfig, PersistentPrefill
+
+        device = _device_of(inputs.q)
+        params = {**self.param_space(problem, device)[0], **(params or {})}
+        config = KernelConfig(params["block_m"], params["block_n"], params["num_warps"],
+                              params["num_stages"])
+        heads, kernel_heads = problem.num_heads, padded_heads(problem.num_heads)
+        q, k, v = inputs.q, inputs.k, inputs.v
+        dev = q.device
+        # Padded copies of q, k and v that run() refills before the kernel on every call.
+        stage: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        if kernel_heads != heads:
+            head_index = torch.arange(kernel_heads, device=dev) % heads  # real heads first
+            q, k, v = (self._padded(x, head_index, stage) for x in (q, k, v))
+        total_q = q.shape[0]
+        out_full = torch.empty(total_q, kernel_heads, problem.d_v,
+                               dtype=DTYPES[problem.out_dtype], device=dev)
+        lse_full = torch.empty(total_q, kernel_heads, dtype=torch.float32, device=dev)
+        scales = None
+        if problem.q_dtype in FP8_DTYPES:
+            scales = (inputs.q_scale, inputs.k_scale, inputs.v_scale)
+        launch = PersistentPrefill(
+            q, k, v, out_full, lse_full,
+            inputs.cu_seqlens_q.diff().tolist(), inputs.cu_seqlens_k.diff().tolist(),
+            causal=problem.causal, sm_scale=problem.softmax_scale, scales=scales,
+            config=config, num_programs=device.cu_count, tile_q=TILE_Q)
+
+        def run() -> None:
+            for src, index, dst in stage:
+                torch.index_select(src, 1, index, out=dst)
+            launch()
+
+        used = {**config.as_params(), "kernel_heads": kernel_heads,
+                "programs": device.cu_count, "split_tiles": len(launch.plan.merges)}
+        return Prepared(run, out_full[:, :heads], lse_full[:, :heads] if want_lse else None,
+                        graph_safe=True, params=used)
+
+    @staticmethod
+    def _padded(src: torch.Tensor, head_index: torch.Tensor,
+                stage: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """A (tokens, padded heads, d) buffer that run() fills from ``src`` by head index.
+
+        fp8 tensors are copied as bytes (uint8 views), which index_select supports everywhere.
+        """
+        dst = torch.empty(src.shape[0], head_index.numel(), src.shape[2], dtype=src.dtype,
+                          device=src.device)
+        if src.element_size() == 1:
+            stage.append((src.view(torch.uint8), head_index, dst.view(torch.uint8)))
+        else:
+            stage.append((src, head_index, dst))
+        return dst
+
+
+class FP8PersistentPrefillRoute(_PersistentPrefillRoute):
+    id = "fp8-ps/triton"
+    dtypes = FP8_DTYPES
+
+
+class BF16PersistentPrefillRoute(_PersistentPrefillRoute):
+    id = "bf16-ps/triton"
+    dtypes = frozenset({"bf16", "fp16"})

@@ -1,0 +1,137 @@
+"""``sdpa/torch``: prefill through torch's scaled_dot_product_attention.
+
+The baseline a serving engine gets for free. SDPA takes dense (batch, heads,
+tokens, dim) tensors, so the varlen batch is cut into runs of consecutive
+requests with equal (query, key) lengths; each run is one call on a strided
+view of the packed tensors (no copies in), so a uniform batch is one call and a
+ragged one is about one call per request. A request with a prefix needs
+bottom-right causal alignment, which SDPA takes as a ``causal_lower_right``
+bias; without a prefix plain ``is_causal`` is the same mask.
+
+Which of SDPA's backends can serve q/k of 192 and v of 128 depends on the
+device and the torch build (flash wants equal q and v widths; cuDNN and the
+memory-efficient kernel may not), so prepare tries them in order of expected
+speed, keeps the first that runs, and records it as ``sdpa_backend``. Params
+may name one backend to force it. SDPA's public API returns no LSE: this route
+gives none.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
+
+from mlatune.arch import DeviceInfo
+from mlatune.inputs import DecodeInputs, PrefillInputs
+from mlatune.problem import MLAProblem
+from mlatune.routes.base import YES, Params, Prepared, Verdict, no
+
+# Fastest first where several serve (cuDNN and flash are Hopper-tuned); math is the fallback.
+BACKENDS: dict[str, SDPBackend] = {
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+
+
+def _runs(q_lens: list[int], k_lens: list[int]) -> list[tuple[int, int, int, int, int]]:
+    """Runs of consecutive requests with equal lengths: (q_row0, k_row0, count, q_len, k_len)."""
+    runs: list[list[int]] = []
+    q_row = k_row = 0
+    for q_len, k_len in zip(q_lens, k_lens, strict=True):
+        if runs and runs[-1][3:] == [q_len, k_len]:
+            runs[-1][2] += 1
+        else:
+            runs.append([q_row, k_row, 1, q_len, k_len])
+        q_row += q_len
+        k_row += k_len
+    return [tuple(r) for r in runs]  # type: ignore[misc]
+
+
+def _batched(x: torch.Tensor, row0: int, count: int, length: int) -> torch.Tensor:
+    """Rows [row0, row0 + count * length) of a packed (rows, heads, d) tensor as
+    a (count, heads, length, d) view."""
+    rows = x[row0:row0 + count * length]
+    return rows.view(count, length, *x.shape[1:]).transpose(1, 2)
+
+
+def _first_serving_backend(calls: list[Callable[[], None]], wanted: str | None) -> str:
+    """Run the calls under each backend in turn (or only ``wanted``); the first that runs."""
+    if wanted is not None and wanted not in BACKENDS:
+        raise ValueError(f"sdpa_backend must be one of {sorted(BACKENDS)}, got {wanted!r}")
+    errors = []
+    for name in [wanted] if wanted else BACKENDS:
+        try:
+            with sdpa_kernel(BACKENDS[name]), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # each refusing backend warns why
+                for call in calls:
+                    call()
+        except RuntimeError as exc:  # this backend cannot serve the shape here
+            errors.append(f"{name}: {str(exc).splitlines()[0]}")
+            continue
+        return name
+    raise RuntimeError("no SDPA backend serves this problem: " + "; ".join(errors))
+
+
+class SdpaPrefillRoute:
+    id = "sdpa/torch"
+
+    def supports(self, problem: MLAProblem, device: DeviceInfo) -> Verdict:
+        if problem.phase != "prefill":
+            return no(f"{self.id} serves prefill only, not {problem.phase}")
+        if problem.q_dtype not in ("bf16", "fp16") or problem.kv_dtype != problem.q_dtype:
+            return no(f"{self.id} needs q and kv both bf16 or both fp16, got "
+                      f"q {problem.q_dtype} with kv {problem.kv_dtype}")
+        return YES
+
+    def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
+        return [{}]  # the backend is found by trying, in prepare
+
+    def prepare(self, problem: MLAProblem, inputs: DecodeInputs | PrefillInputs, *,
+                rank: int = 0, params: Params | None = None,
+                want_lse: bool = True) -> Prepared:
+        if not isinstance(inputs, PrefillInputs):
+            raise TypeError(f"{self.id} takes PrefillInputs, got {type(inputs).__name__}")
+        out = torch.empty(inputs.q.shape[0], problem.num_heads, problem.d_v,
+                          dtype=inputs.q.dtype, device=inputs.q.device)
+        calls = self._calls(problem, inputs, out)
+        name = _first_serving_backend(calls, (params or {}).get("sdpa_backend"))
+        backend = BACKENDS[name]
+
+        def run() -> None:
+            with sdpa_kernel(backend):
+                for call in calls:
+                    call()
+
+        return Prepared(run, out, None, graph_safe=True,
+                        params={"sdpa_backend": name, "sdpa_calls": len(calls)})
+
+    @staticmethod
+    def _calls(problem: MLAProblem, inputs: PrefillInputs,
+               out: torch.Tensor) -> list[Callable[[], None]]:
+        """One closure per run of equal-length requests; each writes its rows of ``out``."""
+        q_lens = inputs.cu_seqlens_q.diff().tolist()
+        k_lens = inputs.cu_seqlens_k.diff().tolist()
+        calls = []
+        for q_row0, k_row0, count, q_len, k_len in _runs(q_lens, k_lens):
+            q = _batched(inputs.q, q_row0, count, q_len)
+            k = _batched(inputs.k, k_row0, count, k_len)
+            v = _batched(inputs.v, k_row0, count, k_len)
+            dst = _batched(out, q_row0, count, q_len)
+            mask = None
+            is_causal = problem.causal and q_len == k_len
+            if problem.causal and q_len != k_len:
+                mask = causal_lower_right(q_len, k_len)
+
+            def call(q=q, k=k, v=v, dst=dst, mask=mask, is_causal=is_causal) -> None:
+                dst.copy_(F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, is_causal=is_causal, scale=problem.softmax_scale))
+
+            calls.append(call)
+        return calls

@@ -1,0 +1,276 @@
+"""Prefill routes on the CPU: the Triton kernel under the interpreter, SDPA, the plan.
+
+bf16 is left to the GPU tests (tests/test_prefill_gpu.py): the Triton
+interpreter computes bf16 tl.dot wrongly, so fp16 stands in for the 16-bit path.
+"""
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+
+from mlatune import reference, routes
+from mlatune.accuracy import check
+from mlatune.arch import DeviceInfo, cpu_device
+from mlatune.inputs import make_prefill_inputs, poison_
+from mlatune.kernels.prefill_plan import plan_work, split_head_dim
+from mlatune.problem import DTYPES, MLAProblem
+from mlatune.routes.prefill_triton import TILE_Q, interpreter_enabled
+
+H200 = DeviceInfo("sm_90", "NVIDIA H200", "nvidia", 132)
+A100 = DeviceInfo("sm_80", "NVIDIA A100", "nvidia", 108)
+MI300 = DeviceInfo("gfx942", "AMD Instinct MI300X", "amd", 304)
+MI355 = DeviceInfo("gfx950", "AMD Instinct MI355X", "amd", 256)
+
+
+def prefill(heads=16, qlen=20, kv_len=30, batch=3, dtype="fp16", causal=True, **dims):
+    return MLAProblem(phase="prefill", num_heads=heads, qlen=qlen, kv_len=kv_len, batch=batch,
+                      q_dtype=dtype, kv_dtype=dtype, causal=causal, page_size=1, **dims)
+
+
+def seed_of(*parts) -> int:
+    """A different seed for every case, the same on every run."""
+    return zlib.crc32(repr(parts).encode())
+
+
+# On a GPU machine conftest leaves the interpreter off, and Triton cannot run on
+# CPU tensors: the GPU tests cover the kernels there.
+interpreted = pytest.mark.skipif(not interpreter_enabled(),
+                                 reason="Triton on CPU tensors needs TRITON_INTERPRET=1")
+
+
+def run_route(route_id, problem, seed, params=None, want_lse=True):
+    """Prepare, poison the outputs, run, and check against the fp64 reference."""
+    if route_id.endswith("/triton") and not interpreter_enabled():
+        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
+    assert routes.get(route_id).supports(problem, cpu_device())
+    inputs = make_prefill_inputs(problem, seed=seed, ragged=True)
+    ref_out, ref_lse = reference.prefill(inputs, torch.float64)
+    prepared = routes.get(route_id).prepare(problem, inputs, params=params, want_lse=want_lse)
+    poison_(prepared.out, prepared.lse)
+    prepared.run()
+    acc = check(problem, prepared.out, ref_out, prepared.lse,
+                ref_lse if prepared.lse is not None else None)
+    assert acc.ok, f"{route_id} {problem.key}: {acc.reason} ({acc.summary})"
+    return prepared, acc
+
+
+# Route against the reference -------------------------------------------------
+# (heads, batch, qlen, kv_len): 12 and 24 take the head-padding path (to 16, 32);
+# kv_len > qlen gives every request a prefix of kv_len - qlen keys.
+SHAPES = [(12, 3, 20, 30), (16, 2, 40, 40), (24, 3, 24, 56), (128, 2, 8, 8)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"h{s[0]}-b{s[1]}-q{s[2]}-k{s[3]}")
+@pytest.mark.parametrize(("route_id", "dtype"), [
+    ("fp8-ps/triton", "fp8_e4m3fn"),
+    ("bf16-ps/triton", "fp16"),
+    ("sdpa/torch", "fp16"),
+    ("sdpa/torch", "bf16"),  # torch itself on the CPU, not the interpreter
+])
+def test_route_matches_reference(route_id, dtype, shape):
+    heads, batch, qlen, kv_len = shape
+    problem = prefill(heads, qlen, kv_len, batch, dtype)
+    prepared, _ = run_route(route_id, problem, seed_of(route_id, dtype, shape))
+    if route_id.endswith("/triton"):
+        assert prepared.params["kernel_heads"] == -(-heads // 16) * 16
+        assert prepared.out.shape == (prepared.out.shape[0], heads, 128)
+    else:
+        assert prepared.params["sdpa_backend"] in ("cudnn", "flash", "efficient", "math")
+        assert prepared.lse is None
+
+
+@pytest.mark.parametrize("heads", [12, 128])
+def test_fp8_fnuz(heads):
+    problem = prefill(heads, 12, 20, 2, "fp8_e4m3fnuz")
+    run_route("fp8-ps/triton", problem, seed_of("fnuz", heads))
+
+
+@pytest.mark.parametrize("route_id", ["fp8-ps/triton", "bf16-ps/triton"])
+def test_not_causal(route_id):
+    dtype = "fp8_e4m3fn" if route_id.startswith("fp8") else "fp16"
+    run_route(route_id, prefill(12, 20, 36, 3, dtype, causal=False), seed_of(route_id, "nc"))
+
+
+def test_other_head_dims():
+    """d_qk = 64 + 32 and d_v = 32: the kernel is not tied to DeepSeek's 192/128."""
+    problem = prefill(4, 20, 20, 2, "fp16", qk_head_dim=96, v_head_dim=32)
+    run_route("bf16-ps/triton", problem, seed_of("dims"))
+
+
+@interpreted
+def test_lse_is_optional_and_runs_repeat():
+    problem = prefill(12, 16, 16, 2, "fp16")
+    inputs = make_prefill_inputs(problem, seed=seed_of("repeat"), ragged=True)
+    prepared = routes.get("bf16-ps/triton").prepare(problem, inputs, want_lse=False)
+    assert prepared.lse is None and prepared.graph_safe
+    prepared.run()
+    first = prepared.out.clone()
+    poison_(prepared.out)
+    prepared.run()
+    assert torch.equal(prepared.out, first)
+
+
+# The kernel's split-KV path, which the routes reach only at GPU sizes -------
+@interpreted
+@pytest.mark.parametrize("dtype", ["fp16", "fp8_e4m3fn"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_split_tiles_are_merged_by_lse(dtype, causal):
+    from mlatune.kernels.prefill import KernelConfig, PersistentPrefill
+
+    problem = prefill(3, 70, 100, 3, dtype, causal=causal)
+    inputs = make_prefill_inputs(problem, seed=seed_of("split", dtype, causal), ragged=True)
+    ref_out, ref_lse = reference.prefill(inputs, torch.float64)
+    out = torch.empty(inputs.q.shape[0], 3, 128, dtype=DTYPES[problem.out_dtype])
+    lse = torch.empty(inputs.q.shape[0], 3)
+    scales = (inputs.q_scale, inputs.k_scale, inputs.v_scale) if dtype != "fp16" else None
+    launch = PersistentPrefill(
+        inputs.q, inputs.k, inputs.v, out, lse, inputs.cu_seqlens_q.diff().tolist(),
+        inputs.cu_seqlens_k.diff().tolist(), causal=causal, sm_scale=problem.softmax_scale,
+        scales=scales, config=KernelConfig(16, 16, 4, 1), num_programs=24, tile_q=32,
+        min_split=16)
+    assert len(launch.plan.merges) >= 5  # more programs than tiles: many tiles are cut
+    poison_(out, lse)
+    launch()
+    acc = check(problem, out, ref_out, lse, ref_lse)
+    assert acc.ok, acc.reason
+
+
+# The host plan -------------------------------------------------------------------
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("programs", [1, 5, 132])
+def test_plan_covers_every_key_of_every_row_once(programs, causal):
+    gen = torch.Generator().manual_seed(seed_of("cover", programs, causal))
+    q_lens = torch.randint(1, 700, (5,), generator=gen).tolist()
+    k_lens = [q + int(torch.randint(0, 300, (), generator=gen)) for q in q_lens]
+    plan = plan_work(q_lens, k_lens, 3, programs, tile_q=256, block_m=64, causal=causal,
+                     split_align=64, min_split=128)
+    assert len(plan.programs) == programs and plan.work_indptr[-1] == len(plan.work_info)
+    pieces: dict[tuple[int, int], list] = {}
+    for items in plan.programs:
+        for it in items:
+            pieces.setdefault((it.q_row0, it.head), []).append(it)
+    q_starts = [sum(q_lens[:b]) for b in range(len(q_lens))]
+    expected_tiles = {(q0 + t, h) for q0, n in zip(q_starts, q_lens, strict=True)
+                      for t in range(0, n, 256) for h in range(3)}
+    assert set(pieces) == expected_tiles
+    slots = []
+    for (q_row0, _head), its in pieces.items():
+        its.sort(key=lambda it: it.kv_lo)
+        b = max(i for i, q0 in enumerate(q_starts) if q0 <= q_row0)
+        last_row = its[0].q_pos0 + its[0].q_rows - 1
+        kv_end = min(k_lens[b], k_lens[b] - q_lens[b] + last_row + 1) if causal else k_lens[b]
+        assert its[0].kv_lo == 0 and its[-1].kv_hi == kv_end
+        assert all(a.kv_hi == c.kv_lo for a, c in itertools.pairwise(its))
+        assert all(it.kv_lo % 64 == 0 and it.kv_hi - it.kv_lo >= 1 for it in its)
+        if len(its) == 1:
+            assert its[0].slot == -1
+        else:
+            slots.extend(it.slot for it in its)
+    assert sorted(slots) == list(range(plan.num_partials))
+    assert sum(m.n_slots for m in plan.merges) == plan.num_partials
+
+
+@pytest.mark.parametrize(("q_lens", "heads"), [([4096], 16), ([4096], 128), ([2048] * 8, 16),
+                                               ([512] * 32, 16)])
+def test_plan_balances_the_causal_tail(q_lens, heads):
+    """Equal work per program on 132 SMs, with fewer split tiles than programs."""
+    plan = plan_work(q_lens, q_lens, heads, 132, tile_q=256, block_m=128, split_align=128)
+    mean = sum(plan.loads) / 132
+    assert max(plan.loads) <= 1.2 * mean and min(plan.loads) >= 0.8 * mean
+    assert len(plan.merges) < 132
+
+
+def test_splitting_is_what_balances_few_long_tiles():
+    """1 x 4096 tokens, 16 heads: 256 tiles of very unequal cost on 132 programs."""
+    split = plan_work([4096], [4096], 16, 132)
+    unsplit = plan_work([4096], [4096], 16, 132, min_split=10**9)
+    mean = sum(unsplit.loads) / 132
+    assert not unsplit.merges and max(unsplit.loads) > 1.5 * mean
+    assert max(split.loads) < 1.2 * mean
+    one_head = plan_work([4096], [4096], 1, 132)  # 16 tiles: the long ones in many pieces
+    assert max(m.n_slots for m in one_head.merges) >= 8
+
+
+def test_plan_gives_an_empty_program_a_piece_of_an_expensive_short_tile():
+    plan = plan_work([100], [100], 1, 4, tile_q=256, block_m=128, split_align=64, min_split=256)
+    assert [len(items) for items in plan.programs] == [1, 0, 0, 0] and not plan.merges
+
+
+def test_split_head_dim():
+    assert split_head_dim(192) == (128, 64)
+    assert split_head_dim(128) == (64, 64)
+    assert split_head_dim(576) == (512, 64)
+    assert split_head_dim(176) is None and split_head_dim(16) is None
+
+
+# Capability rules and the parameter space -------------------------------------------
+@pytest.mark.parametrize(("route_id", "problem", "device", "reason"), [
+    ("fp8-ps/triton", MLAProblem(), H200, "prefill only"),
+    ("sdpa/torch", MLAProblem(), H200, "prefill only"),
+    ("fp8-ps/triton", prefill(dtype="bf16"), H200, "needs q and kv both in"),
+    ("bf16-ps/triton", prefill(dtype="fp8_e4m3fn"), H200, "needs q and kv both in"),
+    ("sdpa/torch", prefill(dtype="fp8_e4m3fn"), H200, "bf16 or both fp16"),
+    ("bf16-ps/triton", MLAProblem(phase="prefill", q_dtype="bf16", kv_dtype="fp8_e4m3fn",
+                                  qlen=8, kv_len=8), H200, "q bf16 with kv fp8_e4m3fn"),
+    ("fp8-ps/triton", prefill(dtype="fp8_e4m3fnuz"), H200, "AMD's fp8 format"),
+    ("fp8-ps/triton", prefill(dtype="fp8_e4m3fn"), A100, "sm_89 or newer"),
+    ("fp8-ps/triton", prefill(dtype="fp8_e4m3fn"), MI300, "gfx942 computes fp8 as fp8_e4m3fnuz"),
+    ("fp8-ps/triton", prefill(dtype="fp8_e4m3fnuz"), MI355, "gfx950 computes fp8 as fp8_e4m3fn"),
+    ("bf16-ps/triton", prefill(qk_head_dim=176), H200, "d_qk 176"),
+    ("bf16-ps/triton", prefill(v_head_dim=96), H200, "d_v 96"),
+])
+def test_refusals_say_why(route_id, problem, device, reason):
+    verdict = routes.get(route_id).supports(problem, device)
+    assert not verdict and reason in verdict.reason
+
+
+def test_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    verdict = routes.get("bf16-ps/triton").supports(prefill(), cpu_device())
+    assert not verdict and "TRITON_INTERPRET" in verdict.reason
+
+
+def test_viable_prefill_routes_on_gpus():
+    fp8, bf16 = prefill(dtype="fp8_e4m3fn"), prefill(dtype="bf16")
+    ids = lambda p, d: {r.id for r in routes.viable(p, d)}  # noqa: E731
+    assert ids(fp8, H200) == {"fp8-ps/triton", "reference/torch"}
+    assert ids(bf16, H200) == {"bf16-ps/triton", "sdpa/torch", "reference/torch"}
+    assert "fp8-ps/triton" in ids(prefill(dtype="fp8_e4m3fnuz"), MI300)
+    assert "fp8-ps/triton" in ids(fp8, MI355)
+
+
+@pytest.mark.parametrize("device", [H200, A100, MI300, cpu_device()], ids=lambda d: d.arch)
+@pytest.mark.parametrize("dtype", ["bf16", "fp8_e4m3fn"])
+def test_param_space_is_small_and_valid(device, dtype):
+    space = routes.get("fp8-ps/triton" if dtype != "bf16" else "bf16-ps/triton").param_space(
+        prefill(dtype=dtype), device)
+    assert 1 <= len(space) <= 3
+    for params in space:
+        assert TILE_Q % params["block_m"] == 0
+        assert set(params) == {"block_m", "block_n", "num_warps", "num_stages"}
+    if device is MI300 and dtype == "bf16":  # 64 KB of LDS: only the smallest config fits
+        assert space == [{"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 1}]
+
+
+# The GPU kernels, compiled here -------------------------------------------------------
+def test_kernels_compile_for_hopper():
+    """Every GPU config compiles for sm_90 with the ptxas in Triton's wheel and uses wgmma."""
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this Triton wheel carries no ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "tests.prefill_aot"], env=env, text=True,
+                          cwd=Path(__file__).resolve().parent.parent, capture_output=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    reports = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(reports) == 3 + 3 + 1  # 16-bit configs, fp8 configs, merge
+    assert all(r["wgmma"] for r in reports if r["kernel"] != "merge")
+    assert all(r["stack"] <= 64 for r in reports), reports  # no config spills much
