@@ -227,13 +227,17 @@ class Dispatcher:
         return verdict.ok
 
     def _resolve(self, problem: MLAProblem, notes: list[str] | None) -> Choice:
-        ranked = self._ranked(problem.key)
-        for choice in ranked:
-            if self._supports(choice.route_id, problem, notes):
-                if notes is not None:
-                    notes.append(_measured_note(choice, ranked))
-                return choice
-        if notes is not None and not ranked:
+        winner = self._winner.get(problem.key)
+        if winner is not None:
+            if notes is None and self._supports(winner.route_id, problem, None):
+                return winner  # the common case: build no runner-up Choices
+            ranked = self._ranked(problem.key)
+            for choice in ranked:
+                if self._supports(choice.route_id, problem, notes):
+                    if notes is not None:
+                        notes.append(_measured_note(choice, ranked))
+                    return choice
+        elif notes is not None:
             notes.append("this exact problem was not measured (or only by routes not "
                          "installed here)")
         bucket = self._buckets.get(problem.bucket)

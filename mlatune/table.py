@@ -17,6 +17,7 @@ versions do not rank against each other.
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
@@ -171,8 +172,10 @@ def write(frame: pd.DataFrame, path: str | os.PathLike, fmt: str | None = None) 
             {**(table.schema.metadata or {}), METADATA_KEY: json.dumps(meta).encode()})
         _atomic_write(path, lambda h: pq.write_table(table, h))
     elif fmt == "csv":
-        # Floats print in their shortest round-trip form; NaN as an empty field.
-        text = frame.to_csv(index=False, na_rep="", lineterminator="\n")
+        # Floats print in their shortest round-trip form; NaN as an empty field. Every
+        # field is quoted, so a stray carriage return in a reason cannot end a row.
+        text = frame.to_csv(index=False, na_rep="", lineterminator="\n",
+                            quoting=csv.QUOTE_ALL)
         _atomic_write(path, lambda h: h.write(text.encode()))
     else:
         raise TableError(f"{path}: unknown table format {fmt!r}; expected one of {FORMATS}")
