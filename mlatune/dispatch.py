@@ -153,7 +153,7 @@ class Dispatcher:
         self.source = source  # where the table came from ("" without one)
         self.table_device = table_device  # (arch, device_name, cu_count) of the rows used
         self.provenance = [dict(p) for p in provenance]
-        self.routes = dict(routes) if routes is not None else registered_routes()
+        self.routes = registered_routes(routes)
         self.skipped_routes = dict(skipped_routes or {})  # rows naming routes not here
 
         # Per measured key its winner's Choice, built now; the other ok routes stay
@@ -402,9 +402,9 @@ def bundled_tables_dir() -> Any:
 Device = tuple[str, str, int]
 
 
-def registered_routes() -> dict[str, Route]:
-    """A snapshot of the registry, with the last resort always present."""
-    routes = {r.id: r for r in all_routes()}
+def registered_routes(routes: Mapping[str, Route] | None = None) -> dict[str, Route]:
+    """A snapshot of the registry (or of ``routes``), with the last resort always present."""
+    routes = dict(routes) if routes is not None else {r.id: r for r in all_routes()}
     if REFERENCE_ROUTE not in routes:
         from mlatune.routes.torch_ref import TorchReferenceRoute
 
