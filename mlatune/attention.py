@@ -155,6 +155,6 @@ def _make_plan(q, kv_cache, block_table, seq_lens, *, num_heads, qlen, causal, k
     return _Plan(problem, choice, prepared, local_lens, seq_lens)
 
 
-def plan_for(dispatcher: Dispatcher | None = None) -> dict[tuple, _Plan]:
+def plans_of(dispatcher: Dispatcher | None = None) -> dict[tuple, _Plan]:
     """The cached plans of a dispatcher (for tests and diagnostics)."""
     return _plans.get(dispatcher or default_dispatcher(), {})

@@ -119,10 +119,24 @@ def _warn_unregistered(frame) -> None:
 
 
 def _problem_text(row) -> str:
+    """A problem in a few characters: "h16 q1 bf16/fp8_e4m3fn causal dcp1 p64"."""
     causal = "causal" if row["causal"] else "non-causal"
-    return (f"{row['phase']} h={row['num_heads']} q={row['qlen']} "
-            f"{row['q_dtype']}/{row['kv_dtype']} {causal} dcp={row['dcp_size']} "
-            f"page={row['page_size']}")
+    phase = "" if row["phase"] == "decode" else f"{row['phase']} "
+    return (f"{phase}h{row['num_heads']} q{row['qlen']} {row['q_dtype']}/{row['kv_dtype']} "
+            f"{causal} dcp{row['dcp_size']} p{row['page_size']}")
+
+
+def _device_label(frame):
+    """The arch alone, unless one arch holds several devices in this table."""
+    several = frame.groupby("arch")["device_name"].nunique().max() > 1
+    return (lambda row: f"{row['arch']} {row['device_name']}") if several else \
+        (lambda row: row["arch"])
+
+
+def _columns(out: Table, names: tuple[str, ...], numeric: tuple[str, ...]) -> None:
+    # Fold rather than elide: a narrow terminal wraps a cell, it never hides a value.
+    for name in names:
+        out.add_column(name, justify="right" if name in numeric else "left", overflow="fold")
 
 
 def _us(value: float) -> str:
@@ -141,15 +155,14 @@ def show(
         frame = _read_table(table_path)
         rows = table.summary(frame)
     out = Table(title=f"{table_path}: {len(rows)} problems, {len(frame)} rows")
-    for col in ("device", "problem", "batch", "kv_len", "winner", "us", "runner-up", "us",
-                "margin"):
-        out.add_column(col, justify="right" if col in ("batch", "kv_len", "us", "margin")
-                       else "left")
+    _columns(out, ("device", "problem", "batch", "kv_len", "winner", "us", "runner-up", "us",
+                   "margin"), ("batch", "kv_len", "us", "margin"))
     shown = rows if limit <= 0 else rows.head(limit)
+    device = _device_label(frame)
     for _, row in shown.iterrows():
         margin = "-" if row["margin"] != row["margin"] else f"+{row['margin'] * 100:.1f}%"
         winner = row["winner"] or f"[red]none ok[/] ({row['routes']} tried)"
-        out.add_row(f"{row['arch']} {row['device_name']}", _problem_text(row), str(row["batch"]),
+        out.add_row(device(row), _problem_text(row), str(row["batch"]),
                     str(row["kv_len"]), winner, _us(row["winner_us"]), row["runner_up"] or "-",
                     _us(row["runner_up_us"]), margin)
     console.print(out)
@@ -190,6 +203,8 @@ def lookup(
         choice, notes = dispatcher.explain(problem)
     arch_name, device_name, cu_count = dispatcher.table_device or ("", "", 0)
     out = Table(show_header=False, title=f"lookup in {table_path}")
+    out.add_column("", no_wrap=True)
+    out.add_column("", overflow="fold")
     out.add_row("problem", problem.key)
     out.add_row("table device", f"{arch_name} {device_name} ({cu_count} CUs/SMs)")
     out.add_row("route", f"[bold]{choice.route_id}[/]")
@@ -269,6 +284,8 @@ def diff(
     limit: Annotated[int, typer.Option(help="Changed winners to print (0: all).")] = 50,
 ) -> None:
     """Winners that changed between two tables, and by how much."""
+    import pandas as pd
+
     from mlatune import table
 
     with _one_line_errors(str(a_path)):
@@ -282,15 +299,15 @@ def diff(
     if changed.empty:
         return
     out = Table(title="changed winners (change: B's winner time vs A's)")
-    for col in ("device", "problem", "batch", "kv_len", "A winner", "A us", "B winner", "B us",
-                "change"):
-        out.add_column(col)
+    _columns(out, ("device", "problem", "batch", "kv_len", "A winner", "A us", "B winner",
+                   "B us", "change"), ("batch", "kv_len", "A us", "B us", "change"))
     shown = changed if limit <= 0 else changed.head(limit)
+    device = _device_label(pd.concat([a, b]))
     for _, row in shown.iterrows():
         change = row["change"] * 100
         color = "green" if change < 0 else "red" if change > 0 else "white"
         a_winner = row["route_a"] + ("" if row["route_a"] != row["route_b"] else " (params)")
-        out.add_row(f"{row['arch']} {row['device_name']}", _problem_text(row), str(row["batch"]),
+        out.add_row(device(row), _problem_text(row), str(row["batch"]),
                     str(row["kv_len"]), a_winner, _us(row["time_us_a"]), row["route_b"],
                     _us(row["time_us_b"]), f"[{color}]{change:+.1f}%[/]")
     console.print(out)
