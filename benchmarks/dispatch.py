@@ -27,6 +27,7 @@ import gc
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -178,9 +179,52 @@ class _Everything:
         raise RuntimeError("benchmark stand-in: never run")
 
 
-def measure(path: Path, device, label: str, overhead: float) -> dict[str, str]:
+_COLD = """
+import sys, time
+sys.path[:0] = [{repo!r}, {bench!r}]
+import dispatch as bench
+from mlatune import routes
+from mlatune.arch import cpu_device
+from mlatune.dispatch import Dispatcher
+for route_id in (bench.FAKE_ROUTES if {register} else ()):
+    routes.register(bench._Everything(route_id))
+device = cpu_device()
+t0 = time.perf_counter()
+import mlatune.table  # pandas and pyarrow: a Parquet load imports them if nobody has
+t1 = time.perf_counter()
+Dispatcher.load({path!r}, device)
+print((time.perf_counter() - t1) * 1e3, (t1 - t0) * 1e3)
+"""
+
+
+def cold_load_ms(path: Path, register: bool, runs: int = 3) -> list[tuple[float, float]]:
+    """Dispatcher.load() as a model load sees it: the first load in a fresh process, and
+    apart from it the import of pandas and pyarrow that a Parquet table needs."""
+    code = _COLD.format(repo=str(REPO), bench=str(REPO / "benchmarks"), register=register,
+                        path=str(path))
+    runs_ms = []
+    for _ in range(runs):
+        out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                             text=True).stdout.split()
+        runs_ms.append((float(out[0]), float(out[1])))
+    return runs_ms
+
+
+def load_ms(path: Path, device, runs: int = 3) -> float:
     from mlatune.dispatch import Dispatcher
 
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        Dispatcher.load(path, device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def measure(path: Path, device, label: str, overhead: float, register: bool) -> dict[str, str]:
+    from mlatune.dispatch import Dispatcher
+
+    cold = cold_load_ms(path, register)
     loads = []
     for _ in range(5):
         t0 = time.perf_counter()
@@ -191,6 +235,8 @@ def measure(path: Path, device, label: str, overhead: float) -> dict[str, str]:
     rule = problems_for("rule", 2_000, 3)
     result = {"label": label, "load_ms": f"{statistics.median(loads):.0f} "
                                          f"(min {min(loads):.0f}, max {max(loads):.0f})",
+              "cold_ms": ", ".join(f"{c:.0f}" for c, _ in cold),
+              "import_ms": ", ".join(f"{i:.0f}" for _, i in cold),
               "skipped": ", ".join(f"{r} ({n})" for r, n in
                                    sorted(dispatcher.skipped_routes.items())) or "none"}
     for name, problems in (("exact", exact), ("nearest", nearest), ("rule", rule)):
@@ -211,6 +257,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "benchmarks/results/dispatch-cpu.md"))
     args = parser.parse_args()
 
+    load_before = " / ".join(f"{x:.2f}" for x in os.getloadavg())
     t0 = time.perf_counter()
     from mlatune import routes, table
     from mlatune.arch import cpu_device
@@ -227,15 +274,22 @@ def main() -> None:
     construct_us = (time.perf_counter_ns() - t0) / 20_000 / 1e3
 
     results = []
+    json_loads = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / f"{device.arch}-bench.parquet"
         table.write(frame, path)
         size_mb = path.stat().st_size / 1e6
-        results.append(measure(path, device, "fake routes unregistered (skipped)", overhead))
+        for winners_only in (False, True):
+            json_path = table.write_json(table.winners_json(frame, winners_only),
+                                         Path(tmp) / f"{device.arch}-{winners_only}.json")
+            json_loads[winners_only] = (json_path.stat().st_size / 1e6,
+                                        load_ms(json_path, device))
+        results.append(measure(path, device, "fake routes unregistered (skipped)", overhead,
+                               register=False))
         stand_ins = [routes.register(_Everything(r)) for r in FAKE_ROUTES]
         try:
             results.append(measure(path, device, "fake routes registered (all rows live)",
-                                   overhead))
+                                   overhead, register=True))
         finally:
             for route in stand_ins:
                 routes.unregister(route.id)
@@ -247,7 +301,8 @@ def main() -> None:
         f"- machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores "
         f"({_cpu_model()}), Python {platform.python_version()}, "
         f"{sys.platform}",
-        f"- date (UTC): {datetime.now(timezone.utc):%Y-%m-%d %H:%M}",
+        f"- date (UTC): {datetime.now(timezone.utc):%Y-%m-%d %H:%M}; load average before "
+        f"the run: {load_before} (the machine is shared; other work inflates these numbers)",
         f"- table: {len(frame):,} rows, {n_keys:,} problems, "
         f"{frame['status'].ne('ok').sum():,} rows not ok, Parquet {size_mb:.1f} MB",
         f"- import of mlatune (torch, pandas, pyarrow included): {import_s:.2f} s",
@@ -266,7 +321,9 @@ def main() -> None:
         lines += [
             f"## {r['label']}",
             "",
-            f"- load: {r['load_ms']} ms (median of 5)",
+            f"- load, first in a fresh process (3 processes): {r['cold_ms']} ms; before it, "
+            f"importing pandas + pyarrow (mlatune.table): {r['import_ms']} ms",
+            f"- load, again in a warm process: {r['load_ms']} ms (median of 5)",
             f"- rows skipped for unregistered routes: {r['skipped']}",
             "",
             "| problems | sources | first p50 / p99 | again p50 / p99 | batch mean |",
@@ -278,6 +335,17 @@ def main() -> None:
             lines.append(f"| {what} | {r[f'{name}_sources']} | {r[f'{name}_first']} | "
                          f"{r[f'{name}_again']} | {r[f'{name}_batch']} |")
         lines.append("")
+    lines += [
+        "## The same table as a JSON winners map (`mlatune export --format json`)",
+        "",
+        "Read without pandas (json and MLAProblem only); fake routes unregistered.",
+        "",
+        f"- with alternatives: {json_loads[False][0]:.1f} MB, load {json_loads[False][1]:.0f} ms "
+        "(median of 3)",
+        f"- `--winners-only`: {json_loads[True][0]:.1f} MB, load {json_loads[True][1]:.0f} ms "
+        "(median of 3)",
+        "",
+    ]
     text = "\n".join(lines)
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

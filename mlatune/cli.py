@@ -259,7 +259,7 @@ def validate(
         if table_path.suffix.lower() == ".json":
             from mlatune import winners
 
-            document = winners.read(table_path)
+            document = winners.read(table_path).document
             count = sum(len(d["winners"]) for d in document["devices"])
             devices = sorted({f"{d['arch']} {d['device_name']}" for d in document["devices"]})
             console.print(f"[green]ok[/]: {table_path}: winners map, {count} winners, "

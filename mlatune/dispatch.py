@@ -15,7 +15,9 @@ answers in three ways, in order:
 
 Each problem key is resolved once and remembered, so a repeated ``select`` is
 one dict probe on the problem's cached key: no I/O, no GPU work, no
-allocation. The first ``select`` of a key pays for the ``supports()`` checks.
+allocation. The first ``select`` of a key pays for the ``supports()`` checks
+(a few microseconds; measured keys have their memo slot from load, unmeasured
+ones are remembered up to MEMO_LIMIT and resolved afresh beyond it).
 
 Routes the table names but this process has not registered (a backend that
 does not import here, a route from a newer mlatune) are skipped, never
@@ -57,14 +59,10 @@ MEMO_LIMIT = 1 << 16
 EMPTY_PARAMS: Mapping[str, Any] = MappingProxyType({})
 
 
-def _table_module():
-    from mlatune import table  # pandas is imported only for Parquet/CSV tables
-
-    return table
-
-
 @dataclass(frozen=True, slots=True)
 class Choice:
+    """The answer to select(): which route, how to call it, and where that came from."""
+
     route_id: str
     params: Mapping[str, Any]  # read-only; pass as route.prepare(..., params=dict(params))
     source: str  # "table", "nearest" or "rule"
@@ -72,11 +70,29 @@ class Choice:
     time_us: float = math.nan  # its measured time
 
 
-# One measured problem: its key, bucket, batch, kv_len, and its usable ok routes
-# fastest first, each (route_id, params, time_us). Plain tuples: a table holds
-# tens of thousands and load time matters.
-Option = tuple[str, Mapping[str, Any], float]
-Entry = tuple[str, tuple, int, int, tuple[Option, ...]]
+Option = tuple[str, Mapping[str, Any], float]  # (route_id, params, time_us)
+
+
+@dataclass(frozen=True)
+class _Columns:
+    """A table's usable ok rows as parallel columns, each key's rows together in rank
+    order. Rows stay here, not as Python objects, until a winner refuses (rare)."""
+
+    route_codes: Sequence[int]
+    routes: Sequence[str]
+    params_codes: Sequence[int]
+    params: Sequence[Mapping[str, Any]]
+    times: Sequence[float]
+
+    def option(self, i: int) -> Option:
+        return (self.routes[self.route_codes[i]], self.params[self.params_codes[i]],
+                float(self.times[i]))
+
+
+# One measured problem: key, bucket, batch, kv_len, its winner, and where its ok
+# rows lie in the columns (rows start..end-1, the winner first). Plain tuples:
+# a table holds tens of thousands and load time matters.
+Entry = tuple[str, tuple, int, int, Option, _Columns, int, int]
 
 
 class _Bucket:
@@ -156,18 +172,18 @@ class Dispatcher:
         self.routes = registered_routes(routes)
         self.skipped_routes = dict(skipped_routes or {})  # rows naming routes not here
 
-        # Per measured key its winner's Choice, built now; the other ok routes stay
-        # plain tuples until a winner refuses (rare, and load time matters).
+        # Per measured key its winner's Choice, built now; the other ok routes stay in
+        # the columns until a winner refuses (rare, and load time matters).
         self._winner: dict[str, Choice] = {}
-        self._others: dict[str, tuple[Option, ...]] = {}
+        self._others: dict[str, tuple[_Columns, int, int]] = {}
         self._nearest: dict[str, Choice] = {}  # a winner answering for a neighbour
         points: dict[tuple, list[tuple[int, int, Choice]]] = {}
         wins: dict[str, int] = {}
-        for key, bucket, batch, kv_len, options in entries:
-            route_id, params, time_us = options[0]
+        for key, bucket, batch, kv_len, (route_id, params, time_us), columns, start, end \
+                in entries:
             winner = self._winner[key] = Choice(route_id, params, "table", key, time_us)
-            if len(options) > 1:
-                self._others[key] = options[1:]
+            if end - start > 1:
+                self._others[key] = (columns, start + 1, end)
             points.setdefault(bucket, []).append((batch, kv_len, winner))
             wins[route_id] = wins.get(route_id, 0) + 1
         self._buckets = {b: _Bucket(p) for b, p in points.items()}
@@ -218,13 +234,19 @@ class Dispatcher:
         winner = self._winner.get(key)
         if winner is None:
             return ()
-        return (winner, *(Choice(r, p, "table", key, t) for r, p, t in self._others.get(key, ())))
+        columns, start, end = self._others.get(key, (None, 0, 0))
+        others = (columns.option(i) for i in range(start, end)) if columns else ()
+        return (winner, *(Choice(r, p, "table", key, t) for r, p, t in others))
 
     def _supports(self, route_id: str, problem: MLAProblem, notes: list[str] | None) -> bool:
-        verdict = self.routes[route_id].supports(problem, self.device)
-        if not verdict.ok and notes is not None:
-            notes.append(f"{route_id} refuses this problem: {verdict.reason}")
-        return verdict.ok
+        try:
+            verdict = self.routes[route_id].supports(problem, self.device)
+            ok, reason = bool(verdict.ok), verdict.reason
+        except Exception as exc:  # a broken route is a refusal: select must not raise
+            ok, reason = False, f"supports() raised {type(exc).__name__}: {exc}"
+        if not ok and notes is not None:
+            notes.append(f"{route_id} refuses this problem: {reason}")
+        return ok
 
     def _resolve(self, problem: MLAProblem, notes: list[str] | None) -> Choice:
         winner = self._winner.get(problem.key)
@@ -392,7 +414,7 @@ def bundled_tables_dir() -> Any:
     """``mlatune.tables`` as installed, or tables/ next to the package in a source tree."""
     try:
         return resources.files("mlatune.tables")
-    except ModuleNotFoundError:
+    except (ModuleNotFoundError, TypeError):  # not installed (a source checkout on sys.path)
         here = Path(__file__).resolve().parent.parent / "tables"
         return here if here.is_dir() else None
 
@@ -456,21 +478,22 @@ class _FrameSource:
         order = np.lexsort((rows["rank"].to_numpy(), key_id.to_numpy()))
         sorted_ids = key_id.to_numpy()[order]
         starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
+        route_codes, route_names = pd.factorize(rows["route"])
+        params_codes, params_texts = pd.factorize(rows["route_params"])
+        columns = _Columns(route_codes[order], list(route_names),
+                           params_codes[order], [_frozen_params(t) for t in params_texts],
+                           rows["time_us"].to_numpy()[order])
         firsts = rows.iloc[order[starts]]  # each key's winner row
         keys = self._table.key_strings(firsts)
         buckets: dict[tuple, tuple] = {}  # one tuple object per bucket, shared
         bucket_of = [buckets.setdefault(b, b) for b in
                      zip(*(firsts[c].tolist() for c in BUCKET_FIELDS), strict=True)]
-        codes, texts = pd.factorize(rows["route_params"].to_numpy(dtype=object)[order])
-        parsed = [_frozen_params(t) for t in texts]
-        options = list(zip(rows["route"].to_numpy(dtype=object)[order].tolist(),
-                           [parsed[c] for c in codes.tolist()],
-                           rows["time_us"].to_numpy()[order].tolist(), strict=True))
-        bounds = [*starts.tolist(), len(order)]
-        entries = [(key, bucket, batch, kv_len, tuple(options[bounds[i]:bounds[i + 1]]))
-                   for i, (key, bucket, batch, kv_len) in enumerate(zip(
-                       keys, bucket_of, firsts["batch"].tolist(), firsts["kv_len"].tolist(),
-                       strict=True))]
+        winners = zip([columns.routes[c] for c in columns.route_codes[starts].tolist()],
+                      [columns.params[c] for c in columns.params_codes[starts].tolist()],
+                      columns.times[starts].tolist(), strict=True)
+        ends = [*starts[1:].tolist(), len(order)]
+        entries = list(zip(keys, bucket_of, firsts["batch"].tolist(), firsts["kv_len"].tolist(),
+                           winners, [columns] * len(keys), starts.tolist(), ends, strict=True))
         return entries, skipped
 
 
@@ -478,30 +501,39 @@ class _JsonSource:
     """A winners map (``mlatune export --format json``): no pandas needed."""
 
     def __init__(self, path: Path):
-        self.document = winners_map.read(path)  # validates; raises TableError
-        self._by_device = {(d["arch"], d["device_name"], d["cu_count"]): d
-                           for d in self.document["devices"]}
+        loaded = winners_map.read(path)  # validates; raises TableError
+        self._by_device = {(d["arch"], d["device_name"], d["cu_count"]): (d, problems)
+                           for d, problems in zip(loaded.document["devices"], loaded.problems,
+                                                  strict=True)}
         self.devices: list[Device] = list(self._by_device)
 
     def provenance(self, device: Device) -> list[dict[str, Any]]:
-        return self._by_device[device]["provenance"]
+        return self._by_device[device][0]["provenance"]
 
     def entries(self, device: Device, route_ids: set[str]):
-        cache: dict[str, Mapping[str, Any]] = {}
-        buckets: dict[tuple, tuple] = {}
-        entries, skipped = [], {}
-        for key, winner in self._by_device[device]["winners"].items():
-            problem = winners_map.problem_of(key)
-            options = []
+        routes: dict[str, int] = {}  # route id -> code
+        params: dict[str, int] = {}  # canonical params JSON -> code
+        route_codes: list[int] = []
+        params_codes: list[int] = []
+        times: list[float] = []
+        spans, skipped = [], {}
+        entry, problems = self._by_device[device]
+        for key, winner in entry["winners"].items():
+            start = len(times)
             for option in (winner, *winner.get("alternatives", ())):
                 if option["route"] not in route_ids:
                     skipped[option["route"]] = skipped.get(option["route"], 0) + 1
                     continue
-                text = json.dumps(option["params"], sort_keys=True)
-                params = cache.get(text) or cache.setdefault(text, _frozen_params(text))
-                options.append((option["route"], params, float(option["time_us"])))
-            if options:
-                bucket = buckets.setdefault(problem.bucket, problem.bucket)
-                entries.append((problem.key, bucket, problem.batch, problem.kv_len,
-                                tuple(options)))
+                text = json.dumps(option["params"], sort_keys=True) if option["params"] \
+                    else "{}"
+                route_codes.append(routes.setdefault(option["route"], len(routes)))
+                params_codes.append(params.setdefault(text, len(params)))
+                times.append(float(option["time_us"]))
+            if len(times) > start:
+                spans.append((problems[key], start, len(times)))
+        columns = _Columns(route_codes, list(routes), params_codes,
+                           [_frozen_params(text) for text in params], times)
+        buckets: dict[tuple, tuple] = {}
+        entries = [(p.key, buckets.setdefault(p.bucket, p.bucket), p.batch, p.kv_len,
+                    columns.option(start), columns, start, end) for p, start, end in spans]
         return entries, skipped

@@ -116,14 +116,13 @@ def assign_ranks(frame: pd.DataFrame) -> pd.DataFrame:
 
 def key_strings(frame: pd.DataFrame) -> list[str]:
     """``MLAProblem.key`` of every row, built column-wise (tested against the class)."""
-    parts = []
-    for name in KEY_FIELDS:
+    parts: list[Any] = []
+    for i, name in enumerate(KEY_FIELDS):
         column = frame[name]
         if name == "causal":
             column = column.astype("int64")  # the key spells a bool as 1 or 0
-        text = pa.Array.from_pandas(column).cast(pa.string())
-        parts.append(pc.binary_join_element_wise(f"{name}=", text, ""))
-    return pc.binary_join_element_wise(*parts, "|").to_pylist()
+        parts += [f"{'|' if i else ''}{name}=", pa.Array.from_pandas(column).cast(pa.string())]
+    return pc.binary_join_element_wise(*parts, "").to_pylist()
 
 
 def provenances(frame: pd.DataFrame) -> list[dict[str, Any]]:
@@ -463,7 +462,7 @@ def _problem_problems(frame: pd.DataFrame, key_id: np.ndarray) -> list[str]:
     """
     problems = []
     first = np.unique(key_id, return_index=True)[1]  # one row per problem
-    keys = frame.iloc[first]
+    keys = frame[list(KEY_FIELDS)].iloc[first]
     batch, kv_len, qlen = keys["batch"], keys["kv_len"], keys["qlen"]
     for name, column in (("batch", batch), ("kv_len", kv_len)):
         bad = column <= 0

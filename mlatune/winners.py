@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,15 @@ def problem_of(key: str) -> MLAProblem:
     return MLAProblem.from_key_dict(parse_key(key))
 
 
-def read(path: Path) -> dict[str, Any]:
+@dataclass(frozen=True)
+class WinnersMap:
+    """A valid winners map and, per device (in document order), each key's problem."""
+
+    document: dict[str, Any]
+    problems: list[dict[str, MLAProblem]]
+
+
+def read(path: Path) -> WinnersMap:
     """A winners map from a file, refused (TableError, one line) unless valid."""
     try:
         document = json.loads(path.read_bytes())
@@ -52,18 +61,24 @@ def read(path: Path) -> dict[str, Any]:
         raise TableError(f"{path}: cannot read ({type(exc).__name__}: {exc})") from None
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
         raise TableError(f"{path}: not a readable JSON winners map ({exc})") from None
-    found = problems(document)
+    found, parsed = _check(document)
     if found:
         raise TableError(f"{path}: invalid winners map ({len(found)} problem"
                          f"{'s' if len(found) > 1 else ''}): " + "; ".join(found))
-    return document
+    return WinnersMap(document, parsed)
 
 
 def problems(document: Any) -> list[str]:
     """Every problem with a winners map, one line each."""
+    return _check(document)[0]
+
+
+def _check(document: Any) -> tuple[list[str], list[dict[str, MLAProblem]]]:
+    """The problems, and each device's key -> MLAProblem (built once, for the dispatcher)."""
     if not isinstance(document, dict):
-        return ["the top level is not an object"]
-    found = []
+        return ["the top level is not an object"], []
+    found: list[str] = []
+    parsed: list[dict[str, MLAProblem]] = []
     if document.get("format") != FORMAT:
         found.append(f"format is {document.get('format')!r}, expected {FORMAT!r}")
     version = document.get("schema_version")
@@ -76,8 +91,9 @@ def problems(document: Any) -> list[str]:
         found.append("key_fields differ from this mlatune's problem key")
     devices = document.get("devices")
     if not isinstance(devices, list) or not devices:
-        return [*found, "devices is missing or empty"]
+        return [*found, "devices is missing or empty"], parsed
     for i, entry in enumerate(devices):
+        parsed.append({})
         if not isinstance(entry, dict):
             found.append(f"devices[{i}] is not an object")
             continue
@@ -90,23 +106,31 @@ def problems(document: Any) -> list[str]:
         if not isinstance(entries, dict):
             found.append(f"devices[{i}] lacks its winners")
             continue
-        bad = [key for key, winner in entries.items() if not _valid_entry(key, winner)]
+        bad = []
+        for key, winner in entries.items():
+            problem = _entry_problem(key, winner)
+            if problem is None:
+                bad.append(key)
+            else:
+                parsed[-1][key] = problem
         if bad:
             found.append(f"devices[{i}]: {len(bad)} invalid winner entries, e.g. "
                          f"{bad[0][:120]!r}")
-    return found
+    return found, parsed
 
 
-def _valid_entry(key: str, winner: Any) -> bool:
+def _entry_problem(key: str, winner: Any) -> MLAProblem | None:
+    """The key's problem if the entry is valid, else None."""
     try:
-        problem_of(key)
+        problem = problem_of(key)
     except (ValueError, TypeError, KeyError):
-        return False
+        return None
     if not isinstance(winner, dict):
-        return False
+        return None
     alternatives = winner.get("alternatives", [])
-    return isinstance(alternatives, list) and all(
+    valid = isinstance(alternatives, list) and all(
         _valid_option(o) for o in (winner, *alternatives))
+    return problem if valid else None
 
 
 def _valid_option(option: Any) -> bool:

@@ -202,6 +202,27 @@ def test_without_a_table_every_answer_is_a_rule_and_reference_is_last(fakes):
     assert (fallback.route_id, fallback.source) == ("reference/torch", "rule")
 
 
+def test_a_route_whose_supports_raises_counts_as_refusing(tmp_path, fakes):
+    def broken(problem):
+        raise RuntimeError("bug in a capability rule")
+
+    routes.register(FakeRoute("broken/fake", broken))
+    try:
+        p = BUCKETS[0].with_(batch=8, kv_len=1024)
+        frame = make_table([result_row(p, "broken/fake", 0.5),
+                            result_row(p, "fast-small/fake", 2.0)])
+        dispatcher = Dispatcher.load(table.write(frame, tmp_path / "t.parquet"), device=H200)
+        assert dispatcher.select(p).route_id == "fast-small/fake"
+        # The only neighbour's winner is the broken route: the rule answers, without it.
+        neighbour = dispatcher.select(p.with_(batch=9))
+        assert neighbour.source == "rule" and neighbour.route_id != "broken/fake"
+        _, notes = dispatcher.explain(p)
+        assert any("supports() raised RuntimeError: bug in a capability rule" in n
+                   for n in notes)
+    finally:
+        routes.unregister("broken/fake")
+
+
 @settings(max_examples=300, deadline=None)
 @given(bucket=st.sampled_from([*BUCKETS, MLAProblem(num_heads=3)]),
        batch=st.integers(1, 1024), kv_len=st.integers(8, 1 << 18))
