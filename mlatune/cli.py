@@ -126,17 +126,30 @@ def _problem_text(row) -> str:
             f"{causal} dcp{row['dcp_size']} p{row['page_size']}")
 
 
-def _device_label(frame):
-    """The arch alone, unless one arch holds several devices in this table."""
-    several = frame.groupby("arch")["device_name"].nunique().max() > 1
-    return (lambda row: f"{row['arch']} {row['device_name']}") if several else \
-        (lambda row: row["arch"])
+def _grouped(rows, several_devices: bool):
+    """Rows with their problem label, given on the first row of each bucket only
+    (batch and kv_len have their own columns); True where a new bucket starts."""
+    previous = None
+    for _, row in rows.iterrows():
+        label = _problem_text(row)
+        if several_devices:
+            label = f"{row['arch']} {row['device_name']} {label}"
+        yield ("" if label == previous else label), row, label != previous
+        previous = label
+
+
+def _devices_title(frame) -> tuple[str, bool]:
+    devices = frame[["arch", "device_name"]].drop_duplicates()
+    if len(devices) == 1:
+        return f"{devices.iloc[0]['arch']} {devices.iloc[0]['device_name']}", False
+    return f"{len(devices)} devices", True
 
 
 def _columns(out: Table, names: tuple[str, ...], numeric: tuple[str, ...]) -> None:
     # Fold rather than elide: a narrow terminal wraps a cell, it never hides a value.
     for name in names:
-        out.add_column(name, justify="right" if name in numeric else "left", overflow="fold")
+        out.add_column(name, justify="right" if name in numeric else "left", overflow="fold",
+                       min_width=12 if name == "problem" else None)
 
 
 def _us(value: float) -> str:
@@ -154,17 +167,18 @@ def show(
     with _one_line_errors(str(table_path)):
         frame = _read_table(table_path)
         rows = table.summary(frame)
-    out = Table(title=f"{table_path}: {len(rows)} problems, {len(frame)} rows")
-    _columns(out, ("device", "problem", "batch", "kv_len", "winner", "us", "runner-up", "us",
-                   "margin"), ("batch", "kv_len", "us", "margin"))
+    devices, several = _devices_title(frame)
+    out = Table(title=f"{table_path}: {devices}, {len(rows)} problems, {len(frame)} rows")
+    _columns(out, ("problem", "batch", "kv_len", "winner", "us", "runner-up", "us", "margin"),
+             ("batch", "kv_len", "us", "margin"))
     shown = rows if limit <= 0 else rows.head(limit)
-    device = _device_label(frame)
-    for _, row in shown.iterrows():
+    for label, row, starts in _grouped(shown, several):
+        if starts and out.row_count:
+            out.add_section()
         margin = "-" if row["margin"] != row["margin"] else f"+{row['margin'] * 100:.1f}%"
         winner = row["winner"] or f"[red]none ok[/] ({row['routes']} tried)"
-        out.add_row(device(row), _problem_text(row), str(row["batch"]),
-                    str(row["kv_len"]), winner, _us(row["winner_us"]), row["runner_up"] or "-",
-                    _us(row["runner_up_us"]), margin)
+        out.add_row(label, str(row["batch"]), str(row["kv_len"]), winner, _us(row["winner_us"]),
+                    row["runner_up"] or "-", _us(row["runner_up_us"]), margin)
     console.print(out)
     if len(shown) < len(rows):
         console.print(f"... {len(rows) - len(shown)} more (--limit 0 shows all)")
@@ -298,18 +312,20 @@ def diff(
                   soft_wrap=True)
     if changed.empty:
         return
-    out = Table(title="changed winners (change: B's winner time vs A's)")
-    _columns(out, ("device", "problem", "batch", "kv_len", "A winner", "A us", "B winner",
-                   "B us", "change"), ("batch", "kv_len", "A us", "B us", "change"))
+    devices, several = _devices_title(pd.concat([a, b]))
+    out = Table(title=f"changed winners, {devices} (change: B's winner time vs A's)")
+    _columns(out, ("problem", "batch", "kv_len", "A winner", "A us", "B winner", "B us",
+                   "change"), ("batch", "kv_len", "A us", "B us", "change"))
     shown = changed if limit <= 0 else changed.head(limit)
-    device = _device_label(pd.concat([a, b]))
-    for _, row in shown.iterrows():
+    for label, row, starts in _grouped(shown, several):
+        if starts and out.row_count:
+            out.add_section()
         change = row["change"] * 100
         color = "green" if change < 0 else "red" if change > 0 else "white"
         a_winner = row["route_a"] + ("" if row["route_a"] != row["route_b"] else " (params)")
-        out.add_row(device(row), _problem_text(row), str(row["batch"]),
-                    str(row["kv_len"]), a_winner, _us(row["time_us_a"]), row["route_b"],
-                    _us(row["time_us_b"]), f"[{color}]{change:+.1f}%[/]")
+        out.add_row(label, str(row["batch"]), str(row["kv_len"]), a_winner,
+                    _us(row["time_us_a"]), row["route_b"], _us(row["time_us_b"]),
+                    f"[{color}]{change:+.1f}%[/]")
     console.print(out)
     if len(shown) < len(changed):
         console.print(f"... {len(changed) - len(shown)} more (--limit 0 shows all)")
