@@ -346,6 +346,24 @@ def main() -> None:
         "(median of 3)",
         "",
     ]
+    lines += [
+        "## Notes",
+        "",
+        "- A repeated select is one dict probe on the problem's cached key (exact, nearest",
+        "  and rule answers alike: each key is resolved once and remembered). The first",
+        "  select of a key runs supports() on the candidates: a few microseconds, most of",
+        "  it for nearest misses (a bisect per batch row of the bucket).",
+        "- Rows naming routes this process has not registered are skipped at load, not",
+        "  refused (a backend missing here must not fail a model load); the dispatcher",
+        "  falls through to the key's next ok route, the nearest point, then the rule.",
+        "- The first load in a process pays one-time costs (lazy imports inside pandas",
+        "  and pyarrow, first touch of memory) on top of the warm figure; a Parquet table",
+        "  also needs pandas and pyarrow imported, which the JSON winners map does not.",
+        "- Callers that build an MLAProblem per call pay its construction and key (line",
+        "  above) before select; mlatune.attention.decode caches its plan per tensor set",
+        "  and builds no problem on a repeated call.",
+        "",
+    ]
     text = "\n".join(lines)
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
