@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, NoReturn
+
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -193,9 +198,6 @@ def _write_table(rows: list[dict], spec, path) -> None:
     table.write(table.build(rows, Provenance.here(spec.sha256)), path)
 
 
-def _fail(message: str) -> None:
-    console.print(f"[red]error:[/] {message}", soft_wrap=True)
-    raise typer.Exit(1)
 
 
 @app.command()
@@ -251,3 +253,262 @@ def plan(
         except OSError as exc:
             _fail(f"cannot write {out}: {exc.strerror or exc}")
         console.print(f"plan table: {out} ({len(rows)} rows)")
+
+
+# Tables: show, lookup, export, validate, diff ---------------------------------
+# Every failure here is one red line on stderr and exit code 1, never a traceback:
+# these commands read files from elsewhere, and a damaged file is an input error.
+
+err_console = Console(stderr=True)
+
+
+def _fail(message: str) -> NoReturn:
+    from rich.markup import escape
+
+    err_console.print(f"[bold red]error:[/] {escape(' '.join(message.split()))}",
+                      soft_wrap=True, highlight=False)
+    raise typer.Exit(1)
+
+
+@contextmanager
+def _one_line_errors(what: str):
+    """Turn any failure into one line; the CLI boundary is where that belongs."""
+    try:
+        yield
+    except typer.Exit:
+        raise
+    except ValueError as exc:  # TableError, invalid problems, bad options
+        _fail(str(exc))
+    except OSError as exc:
+        _fail(f"{what}: {exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else ""))
+    except Exception as exc:  # a file damaged in a way no check foresaw
+        _fail(f"{what}: {type(exc).__name__}: {exc}")
+
+
+def _read_table(path: Path):
+    from mlatune import table
+
+    return table.read(path)
+
+
+def _warn_unregistered(frame) -> None:
+    from mlatune.routes import all_routes
+
+    known = {r.id for r in all_routes()}
+    missing = sorted(set(frame["route"].tolist()) - known)
+    if missing:
+        err_console.print(f"[yellow]note:[/] routes not registered here (the dispatcher skips "
+                          f"their rows): {', '.join(missing)}", soft_wrap=True, highlight=False)
+
+
+def _problem_text(row) -> str:
+    """A problem in a few characters: "h16 q1 bf16/fp8_e4m3fn causal dcp1 p64"."""
+    causal = "causal" if row["causal"] else "non-causal"
+    phase = "" if row["phase"] == "decode" else f"{row['phase']} "
+    return (f"{phase}h{row['num_heads']} q{row['qlen']} {row['q_dtype']}/{row['kv_dtype']} "
+            f"{causal} dcp{row['dcp_size']} p{row['page_size']}")
+
+
+def _grouped(rows, several_devices: bool):
+    """Rows with their problem label, given on the first row of each bucket only
+    (batch and kv_len have their own columns); True where a new bucket starts."""
+    previous = None
+    for _, row in rows.iterrows():
+        label = _problem_text(row)
+        if several_devices:
+            label = f"{row['arch']} {row['device_name']} {label}"
+        yield ("" if label == previous else label), row, label != previous
+        previous = label
+
+
+def _devices_title(frame) -> tuple[str, bool]:
+    devices = frame[["arch", "device_name"]].drop_duplicates()
+    if len(devices) == 1:
+        return f"{devices.iloc[0]['arch']} {devices.iloc[0]['device_name']}", False
+    return f"{len(devices)} devices", True
+
+
+def _columns(out: Table, names: tuple[str, ...], numeric: tuple[str, ...]) -> None:
+    # Fold rather than elide: a narrow terminal wraps a cell, it never hides a value.
+    for name in names:
+        out.add_column(name, justify="right" if name in numeric else "left", overflow="fold",
+                       min_width=12 if name == "problem" else None)
+
+
+def _us(value: float) -> str:
+    return "-" if value != value else f"{value:.4g}"  # NaN -> "-"
+
+
+@app.command()
+def show(
+    table_path: Annotated[Path, typer.Argument(metavar="TABLE", help="Parquet or CSV table.")],
+    limit: Annotated[int, typer.Option(help="Keys to print (0: all).")] = 50,
+) -> None:
+    """Per problem: the winning route, the runner-up and the margin between them."""
+    from mlatune import table
+
+    with _one_line_errors(str(table_path)):
+        frame = _read_table(table_path)
+        rows = table.summary(frame)
+    devices, several = _devices_title(frame)
+    out = Table(title=f"{table_path}: {devices}, {len(rows)} problems, {len(frame)} rows")
+    _columns(out, ("problem", "batch", "kv_len", "winner", "us", "runner-up", "us", "margin"),
+             ("batch", "kv_len", "us", "margin"))
+    shown = rows if limit <= 0 else rows.head(limit)
+    for label, row, starts in _grouped(shown, several):
+        if starts and out.row_count:
+            out.add_section()
+        margin = "-" if row["margin"] != row["margin"] else f"+{row['margin'] * 100:.1f}%"
+        winner = row["winner"] or f"[red]none ok[/] ({row['routes']} tried)"
+        out.add_row(label, str(row["batch"]), str(row["kv_len"]), winner, _us(row["winner_us"]),
+                    row["runner_up"] or "-", _us(row["runner_up_us"]), margin)
+    console.print(out)
+    if len(shown) < len(rows):
+        console.print(f"... {len(rows) - len(shown)} more (--limit 0 shows all)")
+    _warn_unregistered(frame)
+
+
+@app.command()
+def lookup(
+    table_path: Annotated[Path, typer.Argument(metavar="TABLE",
+                                               help="Parquet, CSV or JSON winners table.")],
+    heads: Annotated[int, typer.Option(help="Query heads per rank.")],
+    batch: Annotated[int, typer.Option(help="Requests in the batch.")],
+    kv_len: Annotated[int, typer.Option(help="KV tokens per request.")],
+    qlen: Annotated[int, typer.Option(help="Query tokens per request (1: decode).")] = 1,
+    kv_dtype: Annotated[str, typer.Option(help="KV cache dtype.")] = "bf16",
+    q_dtype: Annotated[str | None, typer.Option(
+        help="Query dtype (default: bf16 for an fp8 cache, else the cache's).")] = None,
+    dcp: Annotated[int, typer.Option(help="Decode-context-parallel size.")] = 1,
+    page_size: Annotated[int, typer.Option(help="KV cache page size.")] = 64,
+    causal: Annotated[bool, typer.Option("--causal/--no-causal")] = True,
+    phase: Annotated[str, typer.Option(help="decode or prefill.")] = "decode",
+    arch: Annotated[str | None, typer.Option(
+        help="Plan for this arch (the table's) instead of this machine's.")] = None,
+) -> None:
+    """Which route the dispatcher picks for one problem, and why."""
+    from mlatune.dispatch import Dispatcher
+    from mlatune.problem import FP8_DTYPES, MLAProblem
+
+    with _one_line_errors(str(table_path)):
+        if q_dtype is None:
+            q_dtype = "bf16" if kv_dtype in FP8_DTYPES else kv_dtype
+        problem = MLAProblem(phase=phase, num_heads=heads, qlen=qlen, q_dtype=q_dtype,
+                             kv_dtype=kv_dtype, batch=batch, kv_len=kv_len, dcp_size=dcp,
+                             page_size=page_size, causal=causal)
+        dispatcher = Dispatcher.load(table_path, allow_arch=arch)
+        choice, notes = dispatcher.explain(problem)
+    arch_name, device_name, cu_count = dispatcher.table_device or ("", "", 0)
+    out = Table(show_header=False, title=f"lookup in {table_path}")
+    out.add_column("", no_wrap=True)
+    out.add_column("", overflow="fold")
+    out.add_row("problem", problem.key)
+    out.add_row("table device", f"{arch_name} {device_name} ({cu_count} CUs/SMs)")
+    out.add_row("route", f"[bold]{choice.route_id}[/]")
+    out.add_row("params", json.dumps(dict(choice.params), sort_keys=True))
+    out.add_row("source", choice.source)
+    out.add_row("why", "\n".join(notes))
+    console.print(out)
+    if dispatcher.skipped_routes:
+        err_console.print("[yellow]note:[/] skipped rows of routes not registered here: "
+                          + ", ".join(f"{r} ({n})" for r, n in
+                                      sorted(dispatcher.skipped_routes.items())),
+                          soft_wrap=True, highlight=False)
+
+
+@app.command()
+def export(
+    table_path: Annotated[Path, typer.Argument(metavar="TABLE", help="Parquet or CSV table.")],
+    fmt: Annotated[str, typer.Option("--format", help="parquet, csv or json (a winners map).")],
+    out: Annotated[Path, typer.Option("--out", help="Where to write (suffix must match).")],
+    winners_only: Annotated[bool, typer.Option(
+        "--winners-only", help="Only each problem's winner (json: no alternatives).")] = False,
+) -> None:
+    """Write a table for deployment: Parquet, CSV, or a JSON winners map for engines."""
+    from mlatune import table
+
+    with _one_line_errors(str(table_path)):
+        if fmt not in ("parquet", "csv", "json"):
+            raise ValueError(f"--format must be parquet, csv or json, got {fmt!r}")
+        if out.suffix.lower() != f".{fmt}":
+            raise ValueError(f"--out {out} must end in .{fmt} for --format {fmt}")
+        frame = _read_table(table_path)
+        if fmt == "json":
+            document = table.winners_json(frame, winners_only)
+            table.write_json(document, out)
+            count = sum(len(d["winners"]) for d in document["devices"])
+        else:
+            if winners_only:
+                frame = table.winners(frame)
+            table.write(frame, out, fmt)
+            count = len(frame)
+    what = "winners" if fmt == "json" else "rows"
+    console.print(f"[green]wrote[/] {out} ({count} {what})", soft_wrap=True)
+
+
+@app.command()
+def validate(
+    table_path: Annotated[Path, typer.Argument(metavar="TABLE",
+                                               help="Parquet, CSV or JSON winners table.")],
+) -> None:
+    """Check a table against schema v1; every problem is reported at once."""
+    with _one_line_errors(str(table_path)):
+        if table_path.suffix.lower() == ".json":
+            from mlatune import winners
+
+            document = winners.read(table_path).document
+            count = sum(len(d["winners"]) for d in document["devices"])
+            devices = sorted({f"{d['arch']} {d['device_name']}" for d in document["devices"]})
+            console.print(f"[green]ok[/]: {table_path}: winners map, {count} winners, "
+                          f"devices: {', '.join(devices)}", soft_wrap=True)
+            return
+        frame = _read_table(table_path)
+    keys = frame.drop_duplicates(["arch", "device_name", "cu_count", "phase", "num_heads",
+                                  "qlen", "q_dtype", "kv_dtype", "causal", "dcp_size",
+                                  "page_size", "batch", "kv_len", "d_qk", "d_v"])
+    devices = sorted({f"{a} {n}" for a, n in zip(frame["arch"], frame["device_name"],
+                                                   strict=True)})
+    console.print(f"[green]ok[/]: {table_path}: schema v{int(frame['schema_version'].max())}, "
+                  f"{len(frame)} rows, {len(keys)} problems, devices: {', '.join(devices)}",
+                  soft_wrap=True)
+    _warn_unregistered(frame)
+
+
+@app.command()
+def diff(
+    a_path: Annotated[Path, typer.Argument(metavar="A", help="The old table.")],
+    b_path: Annotated[Path, typer.Argument(metavar="B", help="The new table.")],
+    limit: Annotated[int, typer.Option(help="Changed winners to print (0: all).")] = 50,
+) -> None:
+    """Winners that changed between two tables, and by how much."""
+    import pandas as pd
+
+    from mlatune import table
+
+    with _one_line_errors(str(a_path)):
+        a = _read_table(a_path)
+    with _one_line_errors(str(b_path)):
+        b = _read_table(b_path)
+    changed, counts = table.diff(a, b)
+    console.print(f"{counts['same']} winners unchanged, {counts['changed']} changed, "
+                  f"{counts['only_a']} problems only in A, {counts['only_b']} only in B",
+                  soft_wrap=True)
+    if changed.empty:
+        return
+    devices, several = _devices_title(pd.concat([a, b]))
+    out = Table(title=f"changed winners, {devices} (change: B's winner time vs A's)")
+    _columns(out, ("problem", "batch", "kv_len", "A winner", "A us", "B winner", "B us",
+                   "change"), ("batch", "kv_len", "A us", "B us", "change"))
+    shown = changed if limit <= 0 else changed.head(limit)
+    for label, row, starts in _grouped(shown, several):
+        if starts and out.row_count:
+            out.add_section()
+        change = row["change"] * 100
+        color = "green" if change < 0 else "red" if change > 0 else "white"
+        a_winner = row["route_a"] + ("" if row["route_a"] != row["route_b"] else " (params)")
+        out.add_row(label, str(row["batch"]), str(row["kv_len"]), a_winner,
+                    _us(row["time_us_a"]), row["route_b"], _us(row["time_us_b"]),
+                    f"[{color}]{change:+.1f}%[/]")
+    console.print(out)
+    if len(shown) < len(changed):
+        console.print(f"... {len(changed) - len(shown)} more (--limit 0 shows all)")

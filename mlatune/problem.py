@@ -10,6 +10,7 @@ the softmax scale ``qk_head_dim ** -0.5``, as DeepSeek's models do.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
+from functools import cached_property
 from typing import Any, Literal
 
 import torch
@@ -182,7 +183,9 @@ class MLAProblem:
     def key_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in KEY_FIELDS}
 
-    @property
+    # Cached (in the instance __dict__; fields, eq and hash are untouched) because
+    # the dispatcher's exact-hit lookup is this key and one dict probe.
+    @cached_property
     def key(self) -> str:
         """Canonical, stable text key: ``field=value`` pairs in KEY_FIELDS order."""
         return "|".join(f"{k}={_fmt(v)}" for k, v in self.key_dict().items())

@@ -1,0 +1,535 @@
+"""The runtime dispatcher: which route serves this problem, answered from a table.
+
+``Dispatcher.load(path)`` runs once at model load: it validates the table,
+refuses one measured on another arch (``allow_arch`` plans for another arch
+on purpose), and builds everything ``select`` needs. ``select(problem)``
+answers in three ways, in order:
+
+- ``table``: the problem was measured; the fastest ok route whose
+  ``supports()`` accepts it (normally the winner, the runner-up if the winner's
+  route now refuses or is not installed here);
+- ``nearest``: same bucket (every key field but batch and kv_len), nearest
+  measured (log2 batch, log2 kv_len) point whose winner supports the problem;
+- ``rule``: the first route of the arch's rule order that supports the
+  problem; ``reference/torch`` is last and supports everything.
+
+Each problem key is resolved once and remembered, so a repeated ``select`` is
+one dict probe on the problem's cached key: no I/O, no GPU work, no
+allocation. The first ``select`` of a key pays for the ``supports()`` checks
+(a few microseconds; measured keys have their memo slot from load, unmeasured
+ones are remembered up to MEMO_LIMIT and resolved afresh beyond it).
+
+Routes the table names but this process has not registered (a backend that
+does not import here, a route from a newer mlatune) are skipped, never
+refused: the dispatcher falls through to the key's next ok route, the nearest
+point, or the rule. ``skipped_routes`` counts them so tools can warn.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import math
+import os
+import re
+from bisect import bisect_left
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from mlatune import winners as winners_map
+from mlatune.arch import CPU_ARCH, DeviceInfo, current_device
+from mlatune.errors import TableError
+from mlatune.problem import BUCKET_FIELDS, MLAProblem
+from mlatune.routes import Route, all_routes
+
+__all__ = ["Choice", "Dispatcher", "TableError", "device_for_arch", "find_table"]
+
+log = logging.getLogger("mlatune")
+
+REFERENCE_ROUTE = "reference/torch"
+TABLE_ENV = "MLATUNE_TABLE"
+# Memo entries for problems the table never measured (nearest and rule answers);
+# measured keys are always remembered. Bounds memory when kv_len varies freely.
+MEMO_LIMIT = 1 << 16
+EMPTY_PARAMS: Mapping[str, Any] = MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """The answer to select(): which route, how to call it, and where that came from."""
+
+    route_id: str
+    params: Mapping[str, Any]  # read-only; pass as route.prepare(..., params=dict(params))
+    source: str  # "table", "nearest" or "rule"
+    key: str = ""  # the measured problem the choice comes from; "" for a rule
+    time_us: float = math.nan  # its measured time
+
+
+Option = tuple[str, Mapping[str, Any], float]  # (route_id, params, time_us)
+
+
+@dataclass(frozen=True)
+class _Columns:
+    """A table's usable ok rows as parallel columns, each key's rows together in rank
+    order. Rows stay here, not as Python objects, until a winner refuses (rare)."""
+
+    route_codes: Sequence[int]
+    routes: Sequence[str]
+    params_codes: Sequence[int]
+    params: Sequence[Mapping[str, Any]]
+    times: Sequence[float]
+
+    def option(self, i: int) -> Option:
+        return (self.routes[self.route_codes[i]], self.params[self.params_codes[i]],
+                float(self.times[i]))
+
+
+# One measured problem: key, bucket, batch, kv_len, its winner, and where its ok
+# rows lie in the columns (rows start..end-1, the winner first). Plain tuples:
+# a table holds tens of thousands and load time matters.
+Entry = tuple[str, tuple, int, int, Option, _Columns, int, int]
+
+
+class _Bucket:
+    """Measured points of one bucket, by log2 batch then log2 kv_len, with their winners."""
+
+    __slots__ = ("log_batches", "rows")
+
+    def __init__(self, points: Sequence[tuple[int, int, Choice]]):
+        by_batch: dict[float, list[tuple[float, Choice]]] = {}
+        for batch, kv_len, choice in points:
+            by_batch.setdefault(math.log2(batch), []).append((math.log2(kv_len), choice))
+        self.log_batches = sorted(by_batch)
+        self.rows = []
+        for lb in self.log_batches:
+            row = sorted(by_batch[lb], key=lambda p: p[0])
+            self.rows.append(([p[0] for p in row], [p[1] for p in row]))
+
+    def closest(self, x: float, y: float) -> Choice:
+        """The point nearest (x, y); ties go to the smaller batch, then kv_len.
+
+        Rows are visited outward from x in order of |dx|; once a row's dx^2
+        alone exceeds the best distance, no later row can win.
+        """
+        lbs, n = self.log_batches, len(self.log_batches)
+        right = bisect_left(lbs, x)
+        left = right - 1
+        best: tuple[float, float, float] | None = None
+        best_choice = None
+        while left >= 0 or right < n:
+            if right >= n or (left >= 0 and x - lbs[left] <= lbs[right] - x):
+                j, left = left, left - 1
+            else:
+                j, right = right, right + 1
+            dx2 = (lbs[j] - x) ** 2
+            if best is not None and dx2 > best[0]:
+                break
+            kvs, choices = self.rows[j]
+            k = bisect_left(kvs, y)
+            for m in (k - 1, k):
+                if 0 <= m < len(kvs):
+                    candidate = (dx2 + (kvs[m] - y) ** 2, lbs[j], kvs[m])
+                    if best is None or candidate < best:
+                        best, best_choice = candidate, choices[m]
+        assert best_choice is not None  # a bucket holds at least one point
+        return best_choice
+
+    def by_distance(self, x: float, y: float) -> list[Choice]:
+        """Every point's winner, nearest first (the same order ``closest`` implies)."""
+        scored = [((lb - x) ** 2 + (lk - y) ** 2, lb, lk, i, choices[i])
+                  for lb, (kvs, choices) in zip(self.log_batches, self.rows, strict=True)
+                  for i, lk in enumerate(kvs)]
+        scored.sort(key=lambda s: s[:4])
+        return [s[4] for s in scored]
+
+
+def device_for_arch(arch: str, name: str = "", cu_count: int = 0) -> DeviceInfo:
+    """A stand-in device for planning on an arch this machine does not have."""
+    vendor = "nvidia" if arch.startswith("sm_") else "amd" if arch.startswith("gfx") else \
+        "cpu" if arch == CPU_ARCH else "unknown"
+    return DeviceInfo(arch, name or arch, vendor, cu_count, 0, -1 if vendor == "cpu" else 0)
+
+
+class Dispatcher:
+    """Answers ``select(problem)`` for one device from one table's rows for its arch."""
+
+    def __init__(self, device: DeviceInfo, entries: Sequence[Entry] = (), *,
+                 routes: Mapping[str, Route] | None = None, source: str = "",
+                 table_device: tuple[str, str, int] | None = None,
+                 provenance: Sequence[Mapping[str, Any]] = (),
+                 skipped_routes: Mapping[str, int] | None = None):
+        """Built by ``load``: ``entries`` name only routes in ``routes`` (the registry
+        snapshot they were filtered with); ``skipped_routes`` counts the rows dropped."""
+        self.device = device
+        self.source = source  # where the table came from ("" without one)
+        self.table_device = table_device  # (arch, device_name, cu_count) of the rows used
+        self.provenance = [dict(p) for p in provenance]
+        self.routes = registered_routes(routes)
+        self.skipped_routes = dict(skipped_routes or {})  # rows naming routes not here
+
+        # Per measured key its winner's Choice, built now; the other ok routes stay in
+        # the columns until a winner refuses (rare, and load time matters).
+        self._winner: dict[str, Choice] = {}
+        self._others: dict[str, tuple[_Columns, int, int]] = {}
+        self._nearest: dict[str, Choice] = {}  # a winner answering for a neighbour
+        points: dict[tuple, list[tuple[int, int, Choice]]] = {}
+        wins: dict[str, int] = {}
+        for key, bucket, batch, kv_len, (route_id, params, time_us), columns, start, end \
+                in entries:
+            winner = self._winner[key] = Choice(route_id, params, "table", key, time_us)
+            if end - start > 1:
+                self._others[key] = (columns, start + 1, end)
+            points.setdefault(bucket, []).append((batch, kv_len, winner))
+            wins[route_id] = wins.get(route_id, 0) + 1
+        self._buckets = {b: _Bucket(p) for b, p in points.items()}
+        self._rule_order = self._make_rule_order(wins)
+        self._rule_choices = {r.id: Choice(r.id, EMPTY_PARAMS, "rule") for r in self._rule_order}
+        # Measured keys get their slot now, so remembering them later allocates nothing.
+        self._memo: dict[str, Choice | None] = dict.fromkeys(self._winner)
+        self._memo_limit = len(self._memo) + MEMO_LIMIT
+
+    def _make_rule_order(self, wins: Mapping[str, int]) -> tuple[Route, ...]:
+        """Routes by how many problems they win in this table, then the other registered
+        routes by id, then reference/torch: the table is the best evidence of what is
+        fast on this arch, and the last resort serves everything."""
+        ids = sorted(wins, key=lambda r: (-wins[r], r))
+        ids += [r for r in sorted(self.routes) if r not in wins]
+        ids = [r for r in ids if r != REFERENCE_ROUTE] + [REFERENCE_ROUTE]
+        return tuple(self.routes[r] for r in ids)
+
+    # Answering -------------------------------------------------------------
+    def select(self, problem: MLAProblem) -> Choice:
+        """The route for ``problem``; never raises for a valid problem."""
+        choice = self._memo.get(problem.key)
+        if choice is None:
+            choice = self._resolve(problem, None)
+            if len(self._memo) < self._memo_limit or problem.key in self._memo:
+                self._memo[problem.key] = choice
+        return choice
+
+    def explain(self, problem: MLAProblem) -> tuple[Choice, list[str]]:
+        """What ``select`` answers and why, one sentence per step (for `mlatune lookup`)."""
+        notes: list[str] = []
+        return self._resolve(problem, notes), notes
+
+    def route(self, route_id: str) -> Route:
+        return self.routes[route_id]
+
+    def _as_nearest(self, winner: Choice) -> Choice:
+        """A measured winner answering for an unmeasured neighbour: one object per point."""
+        choice = self._nearest.get(winner.key)
+        if choice is None:
+            choice = self._nearest.setdefault(
+                winner.key, Choice(winner.route_id, winner.params, "nearest", winner.key,
+                                   winner.time_us))
+        return choice
+
+    def _ranked(self, key: str) -> tuple[Choice, ...]:
+        """Every usable ok route of a measured key, fastest first ((): not measured)."""
+        winner = self._winner.get(key)
+        if winner is None:
+            return ()
+        columns, start, end = self._others.get(key, (None, 0, 0))
+        others = (columns.option(i) for i in range(start, end)) if columns else ()
+        return (winner, *(Choice(r, p, "table", key, t) for r, p, t in others))
+
+    def _supports(self, route_id: str, problem: MLAProblem, notes: list[str] | None) -> bool:
+        try:
+            verdict = self.routes[route_id].supports(problem, self.device)
+            ok, reason = bool(verdict.ok), verdict.reason
+        except Exception as exc:  # a broken route is a refusal: select must not raise
+            ok, reason = False, f"supports() raised {type(exc).__name__}: {exc}"
+        if not ok and notes is not None:
+            notes.append(f"{route_id} refuses this problem: {reason}")
+        return ok
+
+    def _resolve(self, problem: MLAProblem, notes: list[str] | None) -> Choice:
+        winner = self._winner.get(problem.key)
+        if winner is not None:
+            if notes is None and self._supports(winner.route_id, problem, None):
+                return winner  # the common case: build no runner-up Choices
+            ranked = self._ranked(problem.key)
+            for choice in ranked:
+                if self._supports(choice.route_id, problem, notes):
+                    if notes is not None:
+                        notes.append(_measured_note(choice, ranked))
+                    return choice
+        elif notes is not None:
+            notes.append("this exact problem was not measured (or only by routes not "
+                         "installed here)")
+        bucket = self._buckets.get(problem.bucket)
+        if bucket is not None:
+            x, y = math.log2(problem.batch), math.log2(problem.kv_len)
+            # The nearest point first (cheap); only if its winner refuses, all by distance.
+            closest = bucket.closest(x, y)
+            if notes is None and closest.key != problem.key \
+                    and self._supports(closest.route_id, problem, None):
+                return self._as_nearest(closest)
+            for winner in bucket.by_distance(x, y):
+                if winner.key != problem.key and self._supports(winner.route_id, problem,
+                                                                notes):
+                    if notes is not None:
+                        near = winners_map.problem_of(winner.key)
+                        notes.append(f"nearest measured point: batch={near.batch} "
+                                     f"kv_len={near.kv_len}, won by {winner.route_id} "
+                                     f"({winner.time_us:.4g} us there)")
+                    return self._as_nearest(winner)
+            if notes is not None:
+                notes.append("no measured point in this bucket has a winner that supports "
+                             "this problem")
+        elif notes is not None:
+            notes.append("nothing was measured in this bucket (every key field but batch "
+                         "and kv_len)")
+        for route in self._rule_order:
+            if self._supports(route.id, problem, notes):
+                if notes is not None:
+                    order = ", ".join(r.id for r in self._rule_order)
+                    notes.append(f"rule: first route that supports it, in the order {order}")
+                return self._rule_choices[route.id]
+        # Unreachable while reference/torch supports everything; kept so select never raises.
+        return self._rule_choices[REFERENCE_ROUTE]
+
+    # Loading ---------------------------------------------------------------
+    @classmethod
+    def rules_only(cls, device: DeviceInfo | None = None) -> Dispatcher:
+        """A dispatcher without a table: every answer comes from the rule order."""
+        return cls(device or current_device())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, device: DeviceInfo | None = None,
+             allow_arch: str | None = None) -> Dispatcher:
+        """Load a table (.parquet, .csv, .json winners map, or a directory holding one).
+
+        Refuses (TableError) a damaged or invalid table, and one whose arch is
+        not the device's unless ``allow_arch`` names the table's arch (planning
+        for another machine: ``supports()`` then sees a stand-in device).
+        """
+        # Loading creates ~10^5 small acyclic objects; cyclic GC passes over them
+        # would double the load time and find nothing to free.
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return cls._load(Path(path), device or current_device(), allow_arch)
+        finally:
+            if was_enabled:
+                gc.enable()
+
+    @classmethod
+    def _load(cls, path: Path, device: DeviceInfo, allow_arch: str | None) -> Dispatcher:
+        arch = allow_arch or device.arch
+        if path.is_dir():
+            found = find_table(path, arch, device.name)
+            if found is None:
+                raise TableError(f"{path}: no table for arch {arch} in this directory")
+            path = found
+        source = _JsonSource(path) if path.suffix.lower() == ".json" else _FrameSource(path)
+        arches = sorted({d[0] for d in source.devices})
+        if arch not in arches:
+            what = allow_arch or f"{device.arch} ({device.name})"
+            hint = "" if allow_arch else \
+                f"; pass allow_arch={arches[0]!r} (CLI: --arch {arches[0]}) to plan for it"
+            raise TableError(f"{path}: table is for arch {', '.join(arches)}, but "
+                             f"{'allow_arch is' if allow_arch else 'this device is'} "
+                             f"{what}{hint}")
+        chosen = _pick_device([d for d in source.devices if d[0] == arch], device)
+        if allow_arch and device.arch != allow_arch:
+            device = device_for_arch(*chosen)
+        routes = registered_routes()
+        entries, skipped = source.entries(chosen, set(routes))
+        return cls(device, entries, routes=routes, source=str(path), table_device=chosen,
+                   provenance=source.provenance(chosen), skipped_routes=skipped)
+
+    @classmethod
+    def from_bundled(cls, device: DeviceInfo | None = None) -> Dispatcher:
+        """The table shipped with mlatune for this device's arch; ``MLATUNE_TABLE`` overrides.
+
+        An explicit ``MLATUNE_TABLE`` that cannot be used raises (the operator
+        asked for that file); a bundled table that cannot be used is logged and
+        the dispatcher answers by rule, so a model load never fails on it.
+        """
+        device = device or current_device()
+        override = os.environ.get(TABLE_ENV)
+        if override:
+            return cls.load(override, device)
+        found = find_table(bundled_tables_dir(), device.arch, device.name)
+        if found is None:
+            return cls.rules_only(device)
+        try:
+            with resources.as_file(found) as path:
+                return cls.load(path, device)
+        except TableError as exc:
+            log.warning("mlatune: bundled table unusable, dispatching by rule: %s", exc)
+            return cls.rules_only(device)
+
+
+def _measured_note(choice: Choice, ranked: Sequence[Choice]) -> str:
+    i = ranked.index(choice)
+    text = f"measured: {choice.route_id} {choice.time_us:.4g} us"
+    if i:
+        text += f" (usable rank {i + 1}: the faster routes refuse this problem)"
+    if i + 1 < len(ranked):
+        runner = ranked[i + 1]
+        text += (f"; next {runner.route_id} {runner.time_us:.4g} us "
+                 f"(+{(runner.time_us / choice.time_us - 1) * 100:.1f}%)")
+    return text
+
+
+def _pick_device(candidates: list[tuple[str, str, int]], device: DeviceInfo):
+    """The table device to use among those of the right arch: same name and CU count,
+    else same name, else the nearest CU count (then by name, for a stable answer)."""
+    for match in (lambda d: d[1] == device.name and d[2] == device.cu_count,
+                  lambda d: d[1] == device.name):
+        exact = [d for d in candidates if match(d)]
+        if exact:
+            return exact[0]
+    return min(candidates, key=lambda d: (abs(d[2] - device.cu_count), d[1], d[2]))
+
+
+_SLUG = re.compile(r"[^a-z0-9]+")
+
+
+def find_table(directory: Path | Any, arch: str, device_name: str = "") -> Any:
+    """The table for ``arch`` in a directory: files named ``<arch>.<ext>`` or
+    ``<arch>-<anything>.<ext>`` (.parquet preferred, then .json, then .csv); among
+    several, the one whose name holds the device name's slug, else the first by name."""
+    if directory is None or not directory.is_dir():
+        return None
+    rank = {".parquet": 0, ".json": 1, ".csv": 2}
+    found = [f for f in directory.iterdir() if f.is_file()
+             and Path(f.name).suffix.lower() in rank
+             and (Path(f.name).stem == arch or f.name.startswith(arch + "-"))]
+    if not found:
+        return None
+    slug = _SLUG.sub("-", device_name.lower()).strip("-")
+    return sorted(found, key=lambda f: (not (slug and slug in f.name.lower()),
+                                        rank[Path(f.name).suffix.lower()], f.name))[0]
+
+
+def bundled_tables_dir() -> Any:
+    """The tables shipped in the package (mlatune/tables links to the repository's tables/)."""
+    return resources.files("mlatune").joinpath("tables")
+
+
+# Reading tables into entries ---------------------------------------------------
+
+Device = tuple[str, str, int]
+
+
+def registered_routes(routes: Mapping[str, Route] | None = None) -> dict[str, Route]:
+    """A snapshot of the registry (or of ``routes``), with the last resort always present."""
+    routes = dict(routes) if routes is not None else {r.id: r for r in all_routes()}
+    if REFERENCE_ROUTE not in routes:
+        from mlatune.routes.torch_ref import TorchReferenceRoute
+
+        routes[REFERENCE_ROUTE] = TorchReferenceRoute()
+    return routes
+
+
+def _frozen_params(text: str) -> Mapping[str, Any]:
+    parsed = json.loads(text)
+    return EMPTY_PARAMS if not parsed else MappingProxyType(parsed)
+
+
+class _FrameSource:
+    """A Parquet or CSV table, read and validated with mlatune.table (pandas)."""
+
+    def __init__(self, path: Path):
+        from mlatune import table  # pandas only when a Parquet/CSV table is loaded
+
+        self._table = table
+        self.frame = table.read(path)  # validates; raises TableError
+        distinct = self.frame[["arch", "device_name", "cu_count"]].drop_duplicates()
+        self.devices: list[Device] = list(distinct.itertuples(index=False, name=None))
+
+    def _rows(self, device: Device):
+        frame = self.frame
+        if len(self.devices) == 1:
+            return frame
+        return frame[(frame["arch"] == device[0]) & (frame["device_name"] == device[1])
+                     & (frame["cu_count"] == device[2])]
+
+    def provenance(self, device: Device) -> list[dict[str, Any]]:
+        return self._table.provenances(self._rows(device))
+
+    def entries(self, device: Device, route_ids: set[str]):
+        """Per key, its usable ok routes by rank; column-wise, as load time matters."""
+        import numpy as np
+        import pandas as pd
+
+        rows = self._rows(device)
+        ok = (rows["status"] == "ok").to_numpy()
+        known = rows["route"].isin(route_ids).to_numpy()
+        skipped = {str(r): int(n) for r, n in
+                   rows.loc[ok & ~known, "route"].value_counts().items()}
+        rows = rows.loc[ok & known, [*BUCKET_FIELDS, "batch", "kv_len", "route",
+                                     "route_params", "time_us", "rank"]]
+        if rows.empty:
+            return [], skipped
+        key_id = rows.groupby([*BUCKET_FIELDS, "batch", "kv_len"], sort=False).ngroup()
+        order = np.lexsort((rows["rank"].to_numpy(), key_id.to_numpy()))
+        sorted_ids = key_id.to_numpy()[order]
+        starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
+        route_codes, route_names = pd.factorize(rows["route"])
+        params_codes, params_texts = pd.factorize(rows["route_params"])
+        columns = _Columns(route_codes[order], list(route_names),
+                           params_codes[order], [_frozen_params(t) for t in params_texts],
+                           rows["time_us"].to_numpy()[order])
+        firsts = rows.iloc[order[starts]]  # each key's winner row
+        keys = self._table.key_strings(firsts)
+        buckets: dict[tuple, tuple] = {}  # one tuple object per bucket, shared
+        bucket_of = [buckets.setdefault(b, b) for b in
+                     zip(*(firsts[c].tolist() for c in BUCKET_FIELDS), strict=True)]
+        winners = zip([columns.routes[c] for c in columns.route_codes[starts].tolist()],
+                      [columns.params[c] for c in columns.params_codes[starts].tolist()],
+                      columns.times[starts].tolist(), strict=True)
+        ends = [*starts[1:].tolist(), len(order)]
+        entries = list(zip(keys, bucket_of, firsts["batch"].tolist(), firsts["kv_len"].tolist(),
+                           winners, [columns] * len(keys), starts.tolist(), ends, strict=True))
+        return entries, skipped
+
+
+class _JsonSource:
+    """A winners map (``mlatune export --format json``): no pandas needed."""
+
+    def __init__(self, path: Path):
+        loaded = winners_map.read(path)  # validates; raises TableError
+        self._by_device = {(d["arch"], d["device_name"], d["cu_count"]): (d, problems)
+                           for d, problems in zip(loaded.document["devices"], loaded.problems,
+                                                  strict=True)}
+        self.devices: list[Device] = list(self._by_device)
+
+    def provenance(self, device: Device) -> list[dict[str, Any]]:
+        return self._by_device[device][0]["provenance"]
+
+    def entries(self, device: Device, route_ids: set[str]):
+        routes: dict[str, int] = {}  # route id -> code
+        params: dict[str, int] = {}  # canonical params JSON -> code
+        route_codes: list[int] = []
+        params_codes: list[int] = []
+        times: list[float] = []
+        spans, skipped = [], {}
+        entry, problems = self._by_device[device]
+        for key, winner in entry["winners"].items():
+            start = len(times)
+            for option in (winner, *winner.get("alternatives", ())):
+                if option["route"] not in route_ids:
+                    skipped[option["route"]] = skipped.get(option["route"], 0) + 1
+                    continue
+                text = json.dumps(option["params"], sort_keys=True) if option["params"] \
+                    else "{}"
+                route_codes.append(routes.setdefault(option["route"], len(routes)))
+                params_codes.append(params.setdefault(text, len(params)))
+                times.append(float(option["time_us"]))
+            if len(times) > start:
+                spans.append((problems[key], start, len(times)))
+        columns = _Columns(route_codes, list(routes), params_codes,
+                           [_frozen_params(text) for text in params], times)
+        buckets: dict[tuple, tuple] = {}
+        entries = [(p.key, buckets.setdefault(p.bucket, p.bucket), p.batch, p.kv_len,
+                    columns.option(start), columns, start, end) for p, start, end in spans]
+        return entries, skipped

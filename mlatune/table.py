@@ -1,0 +1,598 @@
+"""Dispatch tables (schema v1): build, write, read, validate, merge.
+
+A table is a DataFrame with exactly the columns of ``schema.COLUMN_TYPES``,
+one row per (device, problem, route). It is stored as Parquet (provenance also
+in the file metadata, JSON under the ``mlatune`` key) or CSV (provenance only
+in its columns), so either file stands alone. Writes go to a temporary file in
+the same directory and are renamed into place, so a reader never sees half a
+table. Reading is data only: pyarrow for Parquet, pandas' CSV parser for CSV;
+nothing is ever unpickled or evaluated.
+
+Provenance rules: a table may hold several devices (a merge of runs on several
+GPUs) and several runs per device, but all rows of one device must come from
+one software environment (every provenance field but ``created_utc`` and
+``spec_sha256`` equal), because timings taken under different torch or driver
+versions do not rank against each other.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from mlatune import winners as winners_map
+from mlatune.errors import TableError
+from mlatune.problem import BUCKET_FIELDS, KEY_FIELDS, MLAProblem
+from mlatune.schema import (
+    COLUMN_TYPES,
+    COLUMNS,
+    DEVICE_COLUMNS,
+    KEY_COLUMNS,
+    PROVENANCE_TYPES,
+    ROW_KEY,
+    SCHEMA_VERSION,
+    STATUSES,
+    Provenance,
+)
+
+FORMATS = ("parquet", "csv")
+METADATA_KEY = b"mlatune"
+# Provenance fields that may differ between runs on one device; the rest must not.
+RUN_FIELDS = ("created_utc", "spec_sha256")
+ENVIRONMENT_FIELDS = tuple(f for f in PROVENANCE_TYPES if f not in RUN_FIELDS)
+_ROUTE_ID = re.compile(r"^[a-z0-9][a-z0-9-]*/[a-z0-9][a-z0-9-]*$")
+_EXAMPLES = 3  # values quoted per problem: enough to find them, short enough for one line
+
+
+def _dtype(name: str):
+    return pd.api.types.pandas_dtype(name)
+
+
+def _has_type(series: pd.Series, name: str) -> bool:
+    """Whether a column holds the schema type (any pandas string storage counts as string)."""
+    if name == "string":
+        return isinstance(series.dtype, pd.StringDtype)
+    return series.dtype == _dtype(name)
+
+
+def format_of(path: str | os.PathLike) -> str:
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if suffix not in FORMATS:
+        raise TableError(f"{path}: unknown table format {Path(path).suffix or '(no suffix)'!r}; "
+                         f"expected .parquet or .csv")
+    return suffix
+
+
+# Building ------------------------------------------------------------------
+
+def build(rows: Iterable[Mapping[str, Any]], provenance: Provenance) -> pd.DataFrame:
+    """A table from result rows (KEY_COLUMNS + RESULT_COLUMNS but ``rank``), ranked."""
+    wanted = [c for c in COLUMNS if c != "rank" and c not in PROVENANCE_TYPES]
+    records = []
+    for i, row in enumerate(rows):
+        missing = [c for c in wanted if c not in row]
+        if missing:
+            raise ValueError(f"result row {i} lacks {', '.join(missing)}")
+        records.append({c: row[c] for c in wanted})
+    frame = pd.DataFrame.from_records(records, columns=wanted)
+    for name, value in provenance.as_dict().items():
+        frame[name] = value
+    frame["rank"] = 0
+    frame = coerce(frame[list(COLUMNS)])
+    return assign_ranks(frame)
+
+
+def coerce(frame: pd.DataFrame) -> pd.DataFrame:
+    """Cast known columns to their schema types (for tables built in memory)."""
+    out = frame.copy()
+    for name, kind in COLUMN_TYPES.items():
+        if name in out:
+            out[name] = out[name].astype(_dtype(kind))
+    return out
+
+
+def assign_ranks(frame: pd.DataFrame) -> pd.DataFrame:
+    """rank 1, 2, ... by time among ``ok`` rows of each key (ties by route id); 0 otherwise."""
+    out = frame.reset_index(drop=True)
+    ok = out[out["status"] == "ok"].sort_values(["time_us", "route"], kind="stable")
+    ranks = ok.groupby(list(KEY_COLUMNS), sort=False, dropna=False).cumcount() + 1
+    out["rank"] = np.zeros(len(out), dtype="int64")
+    out.loc[ranks.index, "rank"] = ranks.astype("int64")
+    out["rank"] = out["rank"].astype("int64")
+    return out.sort_values([*KEY_COLUMNS, "route"], kind="stable").reset_index(drop=True)
+
+
+def key_strings(frame: pd.DataFrame) -> list[str]:
+    """``MLAProblem.key`` of every row, built column-wise (tested against the class)."""
+    parts: list[Any] = []
+    for i, name in enumerate(KEY_FIELDS):
+        column = frame[name]
+        if name == "causal":
+            column = column.astype("int64")  # the key spells a bool as 1 or 0
+        parts += [f"{'|' if i else ''}{name}=", pa.Array.from_pandas(column).cast(pa.string())]
+    return pc.binary_join_element_wise(*parts, "").to_pylist()
+
+
+def provenances(frame: pd.DataFrame) -> list[dict[str, Any]]:
+    """The distinct provenance records of a table, sorted, as plain dicts."""
+    cols = list(PROVENANCE_TYPES)
+    if frame.empty or any(c not in frame or not _has_type(frame[c], PROVENANCE_TYPES[c])
+                          or frame[c].isna().any() for c in cols):
+        return []
+    if all(frame[c].nunique() == 1 for c in cols):  # the common case, and cheap to see
+        distinct = frame[cols].iloc[:1]
+    else:
+        distinct = frame[cols].drop_duplicates().sort_values(cols)
+    return [{c: (int(v) if c == "schema_version" else str(v)) for c, v in zip(cols, row,
+                                                                           strict=True)}
+            for row in distinct.itertuples(index=False, name=None)]
+
+
+# Writing -------------------------------------------------------------------
+
+def _atomic_write(path: Path, write) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write(frame: pd.DataFrame, path: str | os.PathLike, fmt: str | None = None) -> Path:
+    """Write a valid table atomically as Parquet or CSV (by suffix unless ``fmt``)."""
+    path = Path(path)
+    fmt = fmt or format_of(path)
+    problems = validate(frame)
+    if problems:
+        raise TableError(f"refusing to write an invalid table to {path}: " + "; ".join(problems))
+    frame = frame[list(COLUMNS)].reset_index(drop=True)
+    if fmt == "parquet":
+        table = pa.Table.from_pandas(frame, preserve_index=False)
+        meta = {"schema_version": SCHEMA_VERSION, "provenance": provenances(frame)}
+        table = table.replace_schema_metadata(
+            {**(table.schema.metadata or {}), METADATA_KEY: json.dumps(meta).encode()})
+        _atomic_write(path, lambda h: pq.write_table(table, h))
+    elif fmt == "csv":
+        # Floats print in their shortest round-trip form; NaN as an empty field. Every
+        # field is quoted, so a stray carriage return in a reason cannot end a row.
+        text = frame.to_csv(index=False, na_rep="", lineterminator="\n",
+                            quoting=csv.QUOTE_ALL)
+        _atomic_write(path, lambda h: h.write(text.encode()))
+    else:
+        raise TableError(f"{path}: unknown table format {fmt!r}; expected one of {FORMATS}")
+    return path
+
+
+# Reading -------------------------------------------------------------------
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _read_parquet(path: Path) -> tuple[pd.DataFrame, list[str]]:
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowException, ValueError) as exc:
+        raise TableError(f"{path}: not a readable Parquet table ({_one_line(exc)})") from None
+    problems = []
+    raw = (table.schema.metadata or {}).get(METADATA_KEY)
+    frame = table.to_pandas()
+    for name, kind in COLUMN_TYPES.items():
+        # Only stored text is normalised; any other stored type is kept so validate sees it.
+        if kind == "string" and name in frame:
+            stored = table.schema.field(name).type
+            if pa.types.is_string(stored) or pa.types.is_large_string(stored):
+                frame[name] = frame[name].astype(_dtype("string"))
+    if raw is None:
+        problems.append("Parquet file metadata has no 'mlatune' provenance")
+    else:
+        try:
+            recorded = json.loads(raw)["provenance"]
+        except (ValueError, KeyError, TypeError) as exc:
+            problems.append(f"Parquet 'mlatune' metadata is damaged ({_one_line(exc)})")
+        else:
+            found = provenances(frame)  # empty when the columns are damaged (reported later)
+            if found and recorded != found:
+                problems.append("Parquet 'mlatune' metadata provenance does not match the "
+                                "provenance columns")
+    return frame, problems
+
+
+def _parse_csv_column(text: pd.Series, kind: str) -> pd.Series | None:
+    """A CSV text column as its schema type, or None when some value does not parse."""
+    if kind == "string":
+        return text.astype(_dtype("string"))
+    if kind == "int64":
+        if not text.str.fullmatch(r"-?\d+").all():
+            return None
+        return text.astype("int64")
+    if kind == "float64":
+        numbers = pd.to_numeric(text.where(text != "", None), errors="coerce")
+        if (numbers.isna() & (text != "") & (text.str.lower() != "nan")).any():
+            return None
+        return numbers.astype("float64")
+    if kind == "bool":
+        lowered = text.str.lower()
+        if not lowered.isin(["true", "false", "1", "0"]).all():
+            return None
+        return lowered.isin(["true", "1"]).astype("bool")
+    raise AssertionError(kind)
+
+
+def _read_csv(path: Path) -> tuple[pd.DataFrame, list[str], set[str]]:
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise TableError(f"{path}: cannot read ({_one_line(exc)})") from None
+    if not data:
+        raise TableError(f"{path}: empty file")
+    # The writer ends every row with a newline: a file that does not end with
+    # one was cut short (a cut exactly at a row boundary cannot be detected).
+    if not data.endswith(b"\n"):
+        raise TableError(f"{path}: truncated CSV (the last row has no line end)")
+    try:
+        import io
+
+        frame = pd.read_csv(io.BytesIO(data), dtype=str, keep_default_na=False,
+                            na_filter=False, encoding="utf-8")
+    except (ValueError, pd.errors.ParserError, UnicodeDecodeError) as exc:
+        raise TableError(f"{path}: not a readable CSV table ({_one_line(exc)})") from None
+    problems, unparsed = [], set()
+    for name, kind in COLUMN_TYPES.items():
+        if name not in frame:
+            continue
+        parsed = _parse_csv_column(frame[name].astype(str), kind)
+        if parsed is None:
+            bad = frame[name].astype(str)
+            problems.append(f"column {name} has values that are not {kind} "
+                            f"(e.g. {_examples(bad[_unparsable(bad, kind)])})")
+            unparsed.add(name)
+        else:
+            frame[name] = parsed
+    return frame, problems, unparsed
+
+
+def _unparsable(text: pd.Series, kind: str) -> pd.Series:
+    if kind == "int64":
+        return ~text.str.fullmatch(r"-?\d+")
+    if kind == "bool":
+        return ~text.str.lower().isin(["true", "false", "1", "0"])
+    numbers = pd.to_numeric(text.where(text != "", None), errors="coerce")
+    return numbers.isna() & (text != "") & (text.str.lower() != "nan")
+
+
+def read(path: str | os.PathLike, check: bool = True) -> pd.DataFrame:
+    """Read a Parquet or CSV table; with ``check``, refuse (TableError) any invalid one."""
+    path = Path(path)
+    fmt = format_of(path)
+    if not path.is_file():
+        raise TableError(f"{path}: no such file")
+    unparsed: set[str] = set()
+    if fmt == "parquet":
+        frame, problems = _read_parquet(path)
+    else:
+        frame, problems, unparsed = _read_csv(path)
+    if check:
+        problems += _validate(frame, unparsed)
+        if problems:
+            raise TableError(f"{path}: invalid table ({len(problems)} problem"
+                             f"{'s' if len(problems) > 1 else ''}): " + "; ".join(problems))
+    return frame
+
+
+# Validation ----------------------------------------------------------------
+
+def _examples(values: pd.Series | Sequence) -> str:
+    shown = list(dict.fromkeys(map(repr, list(values))))
+    more = f", ... ({len(shown)} distinct)" if len(shown) > _EXAMPLES else ""
+    return ", ".join(shown[:_EXAMPLES]) + more
+
+
+def validate(frame: pd.DataFrame) -> list[str]:
+    """Every problem with a table, each one line; empty when the table is valid."""
+    return _validate(frame, set())
+
+
+def _validate(frame: pd.DataFrame, unparsed: set[str]) -> list[str]:
+    problems: list[str] = []
+    missing = [c for c in COLUMNS if c not in frame.columns]
+    extra = [str(c) for c in frame.columns if c not in COLUMN_TYPES]
+    if missing:
+        problems.append(f"missing columns: {', '.join(missing)}")
+    if extra:
+        problems.append(f"unexpected columns: {', '.join(extra)}")
+    if frame.columns.duplicated().any():
+        problems.append("duplicate column names")
+        return problems
+    if len(frame) == 0:
+        problems.append("the table has no rows")
+        return problems
+
+    good = set()  # columns present, of the right type and without missing values
+    for name, kind in COLUMN_TYPES.items():
+        if name not in frame or name in unparsed:
+            continue
+        if not _has_type(frame[name], kind):
+            problems.append(f"column {name} has dtype {frame[name].dtype}, expected {kind}")
+            continue
+        if kind != "float64":  # NaN is how a float says "not measured"
+            nulls = int(frame[name].isna().sum())
+            if nulls:
+                problems.append(f"column {name} has {nulls} missing values")
+                continue
+        good.add(name)
+
+    def have(*names: str) -> bool:
+        return all(n in good for n in names)
+
+    if have("schema_version"):
+        versions = sorted(set(frame["schema_version"].tolist()))
+        future = [v for v in versions if v > SCHEMA_VERSION]
+        if future:
+            problems.append(f"schema_version {future[-1]} is newer than this mlatune reads "
+                            f"({SCHEMA_VERSION}); upgrade mlatune")
+        if any(v < 1 for v in versions):
+            problems.append(f"schema_version must be >= 1, got {versions[0]}")
+    if have("status"):
+        unknown = ~frame["status"].isin(STATUSES)
+        if unknown.any():
+            problems.append(f"unknown status {_examples(frame['status'][unknown])} "
+                            f"(expected one of {', '.join(STATUSES)})")
+    if have("route"):
+        routes = pd.unique(frame["route"])
+        bad = [r for r in routes if not _ROUTE_ID.match(r)]
+        if bad:
+            problems.append(f"route ids not shaped '<family>/<backend>': {_examples(bad)}")
+    if have("route_params"):
+        bad = [p for p in pd.unique(frame["route_params"]) if not _is_json_object(p)]
+        if bad:
+            problems.append(f"route_params that are not JSON objects: {_examples(bad)}")
+    # One dense id per (device, problem), shared by the row-level checks below.
+    key_id = frame.groupby(list(KEY_COLUMNS), sort=False).ngroup().to_numpy() \
+        if have(*KEY_COLUMNS) else None
+    if key_id is not None and have("route"):
+        route_code = pd.factorize(frame["route"])[0]
+        dup = pd.Series(key_id * (route_code.max() + 1) + route_code).duplicated(keep=False)
+        if dup.any():
+            first = frame[dup.to_numpy()].iloc[0]
+            problems.append(f"{int(dup.sum())} rows repeat a (device, problem, route) key, "
+                            f"e.g. route {first['route']} at {first['arch']} "
+                            f"{_row_key_text(first)}")
+    if have("status", "time_us"):
+        ok = frame["status"] == "ok"
+        times = frame["time_us"]
+        bad_time = ok & ~(np.isfinite(times) & (times > 0))
+        if bad_time.any():
+            problems.append(f"{int(bad_time.sum())} ok rows lack a positive finite time_us")
+    if key_id is not None and have("status", "rank", "time_us", "route"):
+        problems += _rank_problems(frame, key_id)
+    if have(*PROVENANCE_TYPES, *DEVICE_COLUMNS):
+        problems += _provenance_problems(frame)
+    if key_id is not None:
+        problems += _problem_problems(frame, key_id)
+    return problems
+
+
+def _is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
+def _row_key_text(row: Mapping[str, Any]) -> str:
+    return " ".join(f"{f}={row[f]}" for f in KEY_FIELDS)
+
+
+def _rank_problems(frame: pd.DataFrame, key_id: np.ndarray) -> list[str]:
+    problems = []
+    ok = (frame["status"] == "ok").to_numpy()
+    rank = frame["rank"].to_numpy()
+    not_ok_winners = (rank == 1) & ~ok
+    if not_ok_winners.any():
+        row = frame[not_ok_winners].iloc[0]
+        problems.append(f"{int(not_ok_winners.sum())} winners (rank 1) are not ok, e.g. "
+                        f"{row['route']} with status {row['status']}")
+    ranked_not_ok = ~ok & (rank != 0) & (rank != 1)
+    if ranked_not_ok.any():
+        problems.append(f"{int(ranked_not_ok.sum())} rows that are not ok have a rank other "
+                        f"than 0")
+    if (ok & (rank < 1)).any():
+        problems.append(f"{int((ok & (rank < 1)).sum())} ok rows have no rank (rank < 1)")
+    # Among the ok rows of a key, ranks are 1..n and follow time_us.
+    keys, ranks = key_id[ok], rank[ok]
+    times = frame["time_us"].to_numpy()[ok]
+    order = np.lexsort((ranks, keys))
+    keys, ranks, times = keys[order], ranks[order], times[order]
+    starts = np.r_[True, keys[1:] != keys[:-1]]
+    position = np.arange(len(keys))
+    expected = position - np.maximum.accumulate(np.where(starts, position, 0)) + 1
+    if (ranks != expected).any():
+        problems.append("ranks of the ok rows of some keys are not 1, 2, ... n")
+    else:
+        slower = ~starts[1:] & (times[1:] < times[:-1])
+        if slower.any():
+            problems.append(f"{int(slower.sum())} ranks contradict time_us (a higher rank is "
+                            f"faster)")
+    return problems
+
+
+def _provenance_problems(frame: pd.DataFrame) -> list[str]:
+    if all(frame[f].nunique() == 1 for f in ENVIRONMENT_FIELDS):
+        return []  # one environment for the whole table: nothing can be mixed
+    problems = []
+    per_device = frame.groupby(list(DEVICE_COLUMNS), sort=True)[list(ENVIRONMENT_FIELDS)]
+    for device, row in per_device.nunique().iterrows():
+        mixed = [f for f in ENVIRONMENT_FIELDS if row[f] > 1]
+        if mixed:
+            values = pd.unique(frame.loc[(frame["arch"] == device[0])
+                                         & (frame["device_name"] == device[1])
+                                         & (frame["cu_count"] == device[2]), mixed[0]])
+            problems.append(f"mixed provenance for {device[0]} {device[1]}: "
+                            f"{', '.join(mixed)} differ ({mixed[0]}: {_examples(values)})")
+    return problems
+
+
+def _problem_problems(frame: pd.DataFrame, key_id: np.ndarray) -> list[str]:
+    """Rows whose key is not a valid MLAProblem.
+
+    Speed matters (a dispatcher validates at model load), so each distinct
+    bucket is checked once by MLAProblem itself, and the two continuous axes
+    column-wise: batch and kv_len positive and qlen <= kv_len are the only
+    rules that involve them (a test holds this equal to MLAProblem's own).
+    """
+    problems = []
+    first = np.unique(key_id, return_index=True)[1]  # one row per problem
+    keys = frame[list(KEY_FIELDS)].iloc[first]
+    batch, kv_len, qlen = keys["batch"], keys["kv_len"], keys["qlen"]
+    for name, column in (("batch", batch), ("kv_len", kv_len)):
+        bad = column <= 0
+        if bad.any():
+            problems.append(f"invalid problem in {int(bad.sum())} keys: {name} must be a "
+                            f"positive integer, got {_examples(column[bad])}")
+    too_long = (qlen > kv_len) & (kv_len > 0)
+    if too_long.any():
+        row = keys[too_long].iloc[0]
+        problems.append(f"invalid problem in {int(too_long.sum())} keys: qlen must not exceed "
+                        f"kv_len, e.g. qlen={row['qlen']} kv_len={row['kv_len']}")
+    buckets = keys[list(BUCKET_FIELDS)].drop_duplicates()
+    for values in buckets.itertuples(index=False, name=None):
+        row = dict(zip(BUCKET_FIELDS, values, strict=True))
+        try:
+            MLAProblem.from_key_dict({**row, "batch": 1, "kv_len": max(int(row["qlen"]), 1)})
+        except (ValueError, TypeError) as exc:
+            where = " ".join(f"{k}={v}" for k, v in row.items())
+            problems.append(f"invalid problem at {where}: {exc}".replace("\n", " "))
+    return problems
+
+
+# Combining and summarising ---------------------------------------------------
+
+def merge(tables: Sequence[pd.DataFrame]) -> pd.DataFrame:
+    """One table from several (runs, GPUs): per (device, problem, route) the best row
+    (an ok row before any other, then the fastest; otherwise the newest), re-ranked."""
+    if not tables:
+        raise TableError("merge needs at least one table")
+    for i, table in enumerate(tables):
+        problems = validate(table)
+        if problems:
+            raise TableError(f"table {i} is invalid: " + "; ".join(problems))
+    both = pd.concat([t[list(COLUMNS)] for t in tables], ignore_index=True)
+    both["_not_ok"] = both["status"] != "ok"
+    both = both.sort_values(["_not_ok", "time_us", "created_utc"],
+                            ascending=[True, True, False], kind="stable", na_position="last")
+    best = both.drop_duplicates(list(ROW_KEY), keep="first").drop(columns="_not_ok")
+    merged = assign_ranks(best[list(COLUMNS)])
+    problems = validate(merged)
+    if problems:
+        raise TableError("the merged table would be invalid: " + "; ".join(problems))
+    return merged
+
+
+def winners(frame: pd.DataFrame) -> pd.DataFrame:
+    return frame[frame["rank"] == 1].reset_index(drop=True)
+
+
+def summary(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per (device, problem): winner, runner-up, and the margin between them.
+
+    ``margin`` is runner-up time / winner time - 1 (0.25: the runner-up is 25%
+    slower); NaN without a runner-up. Keys with no ok row have winner "".
+    """
+    keys = frame[list(KEY_COLUMNS)].drop_duplicates()
+    ranked = frame.loc[frame["rank"].isin([1, 2]), [*KEY_COLUMNS, "rank", "route", "time_us",
+                                                     "route_params"]]
+    first = ranked[ranked["rank"] == 1].drop(columns="rank").rename(
+        columns={"route": "winner", "time_us": "winner_us", "route_params": "winner_params"})
+    second = ranked[ranked["rank"] == 2].drop(columns=["rank", "route_params"]).rename(
+        columns={"route": "runner_up", "time_us": "runner_up_us"})
+    counts = frame.groupby(list(KEY_COLUMNS), sort=False).agg(
+        routes=("route", "size"), ok_routes=("status", lambda s: int((s == "ok").sum())))
+    out = keys.merge(first, on=list(KEY_COLUMNS), how="left").merge(
+        second, on=list(KEY_COLUMNS), how="left").merge(
+        counts.reset_index(), on=list(KEY_COLUMNS), how="left")
+    for name in ("winner", "runner_up", "winner_params"):
+        out[name] = out[name].astype(_dtype("string")).fillna("")
+    out["margin"] = out["runner_up_us"] / out["winner_us"] - 1.0
+    return out.sort_values(list(KEY_COLUMNS), kind="stable").reset_index(drop=True)
+
+
+def diff(a: pd.DataFrame, b: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, int]]:
+    """Winners that differ between two tables, and counts of what matched.
+
+    Per (device, problem) in both: A's and B's winner and time, and
+    ``change`` = B's winner time / A's winner time - 1 (negative: B is faster).
+    A key differs when its winning route or its params changed.
+    """
+    cols = [*KEY_COLUMNS, "route", "route_params", "time_us"]
+    wa, wb = winners(a)[cols], winners(b)[cols]
+    joined = wa.merge(wb, on=list(KEY_COLUMNS), how="outer", suffixes=("_a", "_b"),
+                      indicator=True)
+    both = joined[joined["_merge"] == "both"]
+    changed = both[(both["route_a"] != both["route_b"])
+                   | (both["route_params_a"] != both["route_params_b"])].copy()
+    changed["change"] = changed["time_us_b"] / changed["time_us_a"] - 1.0
+    counts = {
+        "same": int(len(both) - len(changed)),
+        "changed": len(changed),
+        "only_a": int((joined["_merge"] == "left_only").sum()),
+        "only_b": int((joined["_merge"] == "right_only").sum()),
+    }
+    changed = changed.drop(columns="_merge").sort_values(list(KEY_COLUMNS), kind="stable")
+    return changed.reset_index(drop=True), counts
+
+
+# JSON winners map (format in mlatune.winners) ----------------------------------
+
+def winners_json(frame: pd.DataFrame, winners_only: bool = False) -> dict[str, Any]:
+    """The winners map of a valid table (see mlatune.winners for the format)."""
+    ok = frame[frame["status"] == "ok"].sort_values([*KEY_COLUMNS, "rank"], kind="stable")
+    if winners_only:
+        ok = ok[ok["rank"] == 1]
+    devices = []
+    for device, rows in ok.groupby(list(DEVICE_COLUMNS), sort=True):
+        entries: dict[str, dict[str, Any]] = {}
+        keys = key_strings(rows)
+        for key, route, params, time_us in zip(keys, rows["route"], rows["route_params"],
+                                               rows["time_us"], strict=True):
+            option = {"route": str(route), "params": json.loads(params),
+                      "time_us": float(time_us)}
+            if key not in entries:
+                entries[key] = option if winners_only else {**option, "alternatives": []}
+            else:
+                entries[key]["alternatives"].append(option)
+        devices.append({
+            "arch": str(device[0]), "device_name": str(device[1]), "cu_count": int(device[2]),
+            "provenance": provenances(frame[(frame["arch"] == device[0])
+                                            & (frame["device_name"] == device[1])
+                                            & (frame["cu_count"] == device[2])]),
+            "winners": entries,
+        })
+    return {"format": winners_map.FORMAT, "schema_version": SCHEMA_VERSION,
+            "key_fields": list(KEY_FIELDS), "devices": devices}
+
+
+def write_json(document: Mapping[str, Any], path: str | os.PathLike) -> Path:
+    path = Path(path)
+    text = json.dumps(document, separators=(",", ":"), sort_keys=False, allow_nan=False)
+    _atomic_write(path, lambda h: h.write(text.encode() + b"\n"))
+    return path

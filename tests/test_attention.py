@@ -1,0 +1,120 @@
+import pytest
+import torch
+
+from mlatune import attention, reference, routes, table
+from mlatune.accuracy import check
+from mlatune.arch import cpu_device
+from mlatune.dispatch import Dispatcher
+from mlatune.inputs import DecodeInputs, KVShard, make_decode_inputs, shard_lengths
+from mlatune.problem import MLAProblem
+from tests.table_helpers import FakeRoute, make_table, result_row
+
+PROBLEMS = [
+    MLAProblem(num_heads=4, qlen=1, batch=3, kv_len=40, page_size=8, q_dtype="fp16",
+               kv_dtype="fp16"),
+    MLAProblem(num_heads=2, qlen=3, batch=2, kv_len=37, page_size=4, kv_dtype="fp8_e4m3fn",
+               dcp_size=4),
+    MLAProblem(num_heads=2, qlen=2, batch=2, kv_len=30, page_size=1, causal=False,
+               q_dtype="fp8_e4m3fnuz", kv_dtype="fp8_e4m3fnuz", dcp_size=2),
+]
+
+
+def run_ranks(inputs: DecodeInputs, dispatcher, **overrides):
+    """decode() on every DCP rank from the caller's tensors, merged as an engine would."""
+    p = inputs.problem
+    outs, lses = [], []
+    for shard in inputs.shards:
+        out, lse = attention.decode(
+            inputs.q, shard.kv_cache, shard.block_table, inputs.seq_lens,
+            num_heads=p.num_heads, qlen=p.qlen, causal=p.causal, kv_scale=inputs.kv_scale,
+            q_scale=inputs.q_scale, dcp_rank=shard.rank, dcp_size=p.dcp_size,
+            kv_lora_rank=p.kv_lora_rank, return_lse=True, dispatcher=dispatcher, **overrides)
+        outs.append(out.float().clone())
+        lses.append(lse.clone())
+    return reference.merge_partials(outs, lses) if len(outs) > 1 else (outs[0], lses[0])
+
+
+@pytest.mark.parametrize("problem", PROBLEMS, ids=["decode-fp16", "verify-fp8kv-dcp4",
+                                                   "noncausal-fp8-dcp2"])
+def test_decode_matches_the_reference(problem):
+    inputs = make_decode_inputs(problem, seed=5, ragged=True)
+    dispatcher = Dispatcher.rules_only(cpu_device())
+    out, lse = run_ranks(inputs, dispatcher)
+    want_out, want_lse = reference.run(inputs, torch.float64)
+    accuracy = check(problem, out, want_out, lse, want_lse)
+    assert accuracy.ok, accuracy.reason
+
+
+def test_a_four_dimensional_cache_and_out_only():
+    problem = PROBLEMS[0]
+    inputs = make_decode_inputs(problem, seed=1)
+    shard = inputs.shards[0]
+    out = attention.decode(inputs.q, shard.kv_cache.unsqueeze(2), shard.block_table,
+                           inputs.seq_lens, num_heads=problem.num_heads,
+                           max_kv_len=problem.kv_len,
+                           dispatcher=Dispatcher.rules_only(cpu_device()))
+    assert isinstance(out, torch.Tensor)
+    assert check(problem, out, reference.run(inputs, torch.float64)[0]).ok
+
+
+def test_plans_are_cached_and_follow_new_lengths_in_place(tmp_path):
+    problem = PROBLEMS[1]  # dcp 4: each rank derives its share of the lengths per call
+    recorder = FakeRoute("recording/fake")
+    routes.register(recorder)
+    try:
+        rows = [result_row(problem, "recording/fake", 1.0, device=cpu_device(),
+                           params={"splits": 2}),
+                result_row(problem, "reference/torch", 9.0, device=cpu_device())]
+        path = table.write(make_table(rows), tmp_path / "cpu.parquet")
+        dispatcher = Dispatcher.load(path, device=cpu_device())
+        inputs = make_decode_inputs(problem, seed=2)
+        first, _ = run_ranks(inputs, dispatcher, max_kv_len=problem.kv_len)
+        assert len(recorder.prepared) == problem.dcp_size  # one plan per rank
+        assert {tuple(sorted(p.items())) for _, p in recorder.prepared} == {(("splits", 2),)}
+        plans = attention.plans_of(dispatcher)
+        assert len(plans) == problem.dcp_size
+        assert all(plan.choice.source == "table" for plan in plans.values())
+
+        # Shorter requests, written into the same tensor: no new plan, new answer.
+        inputs.seq_lens.copy_(torch.tensor([problem.qlen + 5, 20], dtype=torch.int32))
+        again, lse = run_ranks(inputs, dispatcher, max_kv_len=problem.kv_len)
+        assert len(recorder.prepared) == problem.dcp_size and len(plans) == problem.dcp_size
+        shards = tuple(KVShard(s.rank, s.kv_cache, s.block_table,
+                               shard_lengths(inputs.seq_lens, s.rank, problem.dcp_size))
+                       for s in inputs.shards)
+        shorter = DecodeInputs(problem, inputs.q, inputs.q_scale, inputs.kv_scale,
+                               inputs.seq_lens, shards)
+        want_out, want_lse = reference.run(shorter, torch.float64)
+        assert check(problem, again, want_out, lse, want_lse).ok
+        assert not torch.allclose(first, again)
+    finally:
+        routes.unregister("recording/fake")
+
+
+def test_the_returned_buffer_is_the_plans_own():
+    problem = PROBLEMS[0]
+    inputs = make_decode_inputs(problem, seed=3)
+    shard = inputs.shards[0]
+    dispatcher = Dispatcher.rules_only(cpu_device())
+
+    def call():
+        return attention.decode(inputs.q, shard.kv_cache, shard.block_table, inputs.seq_lens,
+                                num_heads=problem.num_heads, max_kv_len=problem.kv_len,
+                                dispatcher=dispatcher)
+
+    assert call() is call()
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (dict(num_heads=3), "q must be"),
+    (dict(qlen=2), "q must be"),
+    (dict(dcp_rank=4, dcp_size=4, num_heads=1), r"dcp_rank 4 is not in \[0, 4\)"),
+])
+def test_inconsistent_arguments_are_refused(change, message):
+    problem = PROBLEMS[0]
+    inputs = make_decode_inputs(problem, seed=4)
+    shard = inputs.shards[0]
+    kwargs = dict(num_heads=problem.num_heads, dispatcher=Dispatcher.rules_only(cpu_device()))
+    with pytest.raises(ValueError, match=message):
+        attention.decode(inputs.q, shard.kv_cache, shard.block_table, inputs.seq_lens,
+                         **{**kwargs, **change})

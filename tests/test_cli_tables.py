@@ -1,0 +1,211 @@
+import json
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from mlatune import routes, table
+from mlatune.cli import app
+from mlatune.dispatch import Dispatcher
+from mlatune.problem import MLAProblem
+from mlatune.schema import SCHEMA_VERSION
+from tests.table_helpers import (
+    H200,
+    FakeRoute,
+    grid_rows,
+    large_batch_fast,
+    make_table,
+    reference_slow,
+    small_batch_fast,
+)
+from tests.test_table import write_raw
+
+runner = CliRunner()
+wide = CliRunner(env={"COLUMNS": "250"})  # rich reads it: table cells stay on one line
+BASE = MLAProblem(num_heads=16, qlen=1)
+TIMINGS = {"fast-small/fake": small_batch_fast, "fast-large/fake": large_batch_fast,
+           "reference/torch": reference_slow}
+
+
+def frame() -> pd.DataFrame:
+    return make_table(grid_rows([BASE, BASE.with_(qlen=2)], [1, 8, 64], [1024, 8192], TIMINGS))
+
+
+@pytest.fixture
+def fakes():
+    made = [FakeRoute("fast-small/fake"), FakeRoute("fast-large/fake")]
+    for route in made:
+        routes.register(route)
+    yield made
+    for route in made:
+        routes.unregister(route.id)
+
+
+@pytest.fixture
+def good(tmp_path):
+    return table.write(frame(), tmp_path / "sm_90.parquet")
+
+
+def damaged_files(tmp_path) -> dict[str, str]:
+    """One file per kind of damage the issue names, plus unreadable inputs."""
+    made = {}
+    truncated = table.write(frame(), tmp_path / "truncated.parquet")
+    truncated.write_bytes(truncated.read_bytes()[:300])
+    made["truncated parquet"] = truncated
+    cut = table.write(frame(), tmp_path / "truncated.csv")
+    cut.write_bytes(cut.read_bytes()[:-5])
+    made["truncated csv"] = cut
+    write_raw(frame().drop(columns=["route"]), tmp_path / "missing.parquet")
+    made["missing column"] = tmp_path / "missing.parquet"
+    wrong = frame()
+    wrong["kv_len"] = wrong["kv_len"].astype(str)
+    write_raw(wrong, tmp_path / "dtype.parquet")
+    made["wrong dtype"] = tmp_path / "dtype.parquet"
+    dup = frame()
+    write_raw(pd.concat([dup, dup.iloc[[3]]], ignore_index=True), tmp_path / "dup.csv")
+    made["duplicate key"] = tmp_path / "dup.csv"
+    future = frame()
+    future["schema_version"] = SCHEMA_VERSION + 1
+    write_raw(future, tmp_path / "future.parquet")
+    made["future schema"] = tmp_path / "future.parquet"
+    made["missing file"] = tmp_path / "absent.parquet"
+    (tmp_path / "table.txt").write_text("arch,route\n")
+    made["wrong format"] = tmp_path / "table.txt"
+    (tmp_path / "csv-inside.parquet").write_text("arch,route\nsm_90,a/b\n")
+    made["csv named parquet"] = tmp_path / "csv-inside.parquet"
+    (tmp_path / "bad.json").write_text('{"format": "mlatune-winners", "devices": 3}')
+    made["bad json"] = tmp_path / "bad.json"
+    return {k: str(v) for k, v in made.items()}
+
+
+def assert_one_line_error(result, *needles):
+    assert result.exit_code != 0
+    assert result.exception is None or isinstance(result.exception, SystemExit), \
+        repr(result.exception)
+    assert "Traceback" not in result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.output
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+COMMANDS = {
+    "validate": lambda path, tmp: ["validate", path],
+    "show": lambda path, tmp: ["show", path],
+    "lookup": lambda path, tmp: ["lookup", path, "--heads", "16", "--batch", "4",
+                                 "--kv-len", "2048", "--arch", "sm_90"],
+    "export": lambda path, tmp: ["export", path, "--format", "json", "--out",
+                                 str(tmp / "out.json")],
+    "diff": lambda path, tmp: ["diff", path, path],
+}
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_kind_of_damage_is_one_red_line_and_a_failure(tmp_path, command):
+    files = damaged_files(tmp_path)
+    for kind, path in files.items():
+        if kind == "bad json" and command not in ("validate", "lookup"):
+            continue  # only these two commands read winners maps
+        result = runner.invoke(app, COMMANDS[command](path, tmp_path))
+        assert_one_line_error(result, path)
+        assert not (tmp_path / "out.json").exists(), kind
+
+
+def test_damage_messages_say_what_is_wrong(tmp_path):
+    files = damaged_files(tmp_path)
+    expected = {"truncated parquet": "not a readable Parquet table",
+                "truncated csv": "truncated", "missing column": "missing columns: route",
+                "wrong dtype": "column kv_len has dtype", "duplicate key": "repeat a (device",
+                "future schema": "newer than this mlatune reads", "missing file": "no such file",
+                "wrong format": "unknown table format", "csv named parquet": "Parquet",
+                "bad json": "devices is missing or empty"}
+    for kind, needle in expected.items():
+        assert_one_line_error(runner.invoke(app, ["validate", files[kind]]), needle)
+
+
+def test_lookup_refuses_a_table_for_another_arch_naming_both(good):
+    result = runner.invoke(app, ["lookup", str(good), "--heads", "16", "--batch", "8",
+                                 "--kv-len", "1024", "--arch", "gfx950"])
+    assert_one_line_error(result, "sm_90", "gfx950")
+    # Without --arch the CPU is the device here, and the message says how to plan.
+    result = runner.invoke(app, ["lookup", str(good), "--heads", "16", "--batch", "8",
+                                 "--kv-len", "1024"])
+    assert_one_line_error(result, "sm_90", "--arch sm_90")
+
+
+def test_lookup_of_an_invalid_problem_is_one_line(good):
+    result = runner.invoke(app, ["lookup", str(good), "--heads", "16", "--batch", "8",
+                                 "--kv-len", "1024", "--page-size", "48", "--arch", "sm_90"])
+    assert_one_line_error(result, "page_size must be a power of two")
+
+
+def test_validate_notes_routes_not_registered_here(good):
+    result = runner.invoke(app, ["validate", str(good)])
+    assert result.exit_code == 0 and "ok" in result.output and "12 problems" in result.output
+    assert "not registered here" in result.output and "fast-small/fake" in result.output
+
+
+def test_validate_show_lookup_diff_on_a_good_table(good, tmp_path, fakes):
+    result = wide.invoke(app, ["validate", str(good)])
+    assert result.exit_code == 0 and "not registered" not in result.output
+
+    result = wide.invoke(app, ["show", str(good), "--limit", "0"])
+    assert result.exit_code == 0, result.output
+    summary = table.summary(frame())
+    for route in set(summary["winner"]) | set(summary["runner_up"]):
+        assert route in result.output
+
+    dispatcher = Dispatcher.load(good, device=H200)
+    for batch, source in ((8, "table"), (5, "nearest")):
+        result = wide.invoke(app, ["lookup", str(good), "--heads", "16", "--batch",
+                                     str(batch), "--kv-len", "1024", "--arch", "sm_90"])
+        assert result.exit_code == 0, result.output
+        choice = dispatcher.select(BASE.with_(batch=batch, kv_len=1024))
+        assert choice.source == source
+        assert choice.route_id in result.output and source in result.output
+
+    changed = frame()
+    first = changed.index[changed["rank"] == 1][0]
+    a_time = changed.loc[first, "time_us"]
+    changed.loc[first, "time_us"] = 1e6  # that winner falls to last place
+    changed = table.assign_ranks(changed)
+    b = table.write(changed, tmp_path / "b.parquet")
+    same_key = changed[(changed[["batch", "kv_len", "qlen"]] ==
+                        frame().loc[first, ["batch", "kv_len", "qlen"]]).all(axis=1)]
+    b_time = same_key.loc[same_key["rank"] == 1, "time_us"].iloc[0]
+    result = wide.invoke(app, ["diff", str(good), str(b)])
+    assert result.exit_code == 0, result.output
+    assert "11 winners unchanged, 1 changed" in result.output
+    assert f"{(b_time / a_time - 1) * 100:+.1f}%" in result.output.replace("\n", "")
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "csv", "json"])
+@pytest.mark.parametrize("winners_only", [False, True])
+def test_export_writes_a_usable_table(good, tmp_path, fmt, winners_only, fakes):
+    out = tmp_path / f"export.{fmt}"
+    args = ["export", str(good), "--format", fmt, "--out", str(out)]
+    result = runner.invoke(app, args + (["--winners-only"] if winners_only else []))
+    assert result.exit_code == 0, result.output
+    assert runner.invoke(app, ["validate", str(out)]).exit_code == 0
+    original = table.read(good)
+    if fmt == "json":
+        document = json.loads(out.read_text())
+        entries = document["devices"][0]["winners"]
+        assert len(entries) == len(table.winners(original))
+        assert all(("alternatives" in e) != winners_only for e in entries.values())
+    else:
+        exported = table.read(out)
+        want = table.winners(original) if winners_only else original
+        pd.testing.assert_frame_equal(exported.reset_index(drop=True),
+                                      want.reset_index(drop=True))
+    reference = Dispatcher.load(good, device=H200)
+    loaded = Dispatcher.load(out, device=H200)
+    for batch in (1, 5, 64):
+        problem = BASE.with_(batch=batch, kv_len=3000)
+        assert loaded.select(problem) == reference.select(problem)
+
+
+def test_export_refuses_a_suffix_that_does_not_match(good, tmp_path):
+    result = runner.invoke(app, ["export", str(good), "--format", "csv", "--out",
+                                 str(tmp_path / "x.parquet")])
+    assert_one_line_error(result, "must end in .csv")

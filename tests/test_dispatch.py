@@ -1,0 +1,401 @@
+import builtins
+import io
+import logging
+import math
+import os
+import random
+import tracemalloc
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mlatune import dispatch, routes, table
+from mlatune.dispatch import Choice, Dispatcher, TableError, find_table
+from mlatune.problem import MLAProblem
+from mlatune.schema import KEY_COLUMNS
+from tests.table_helpers import (
+    H200,
+    MI355,
+    FakeRoute,
+    grid_rows,
+    large_batch_fast,
+    make_table,
+    reference_slow,
+    result_row,
+    small_batch_fast,
+)
+
+BUCKETS = [MLAProblem(num_heads=16, qlen=1), MLAProblem(num_heads=8, qlen=2, causal=False),
+           MLAProblem(num_heads=128, qlen=1, kv_dtype="fp8_e4m3fn", dcp_size=4)]
+BATCHES = [1, 8, 64, 256]
+KV_LENS = [1024, 8192, 65536]
+PICKY_MAX_BATCH = 8
+
+
+def picky_fast(p: MLAProblem) -> float | None:
+    """The fastest route of all, but only measured (and supported) up to batch 8."""
+    return 1.0 + p.kv_len / 1e5 if p.batch <= PICKY_MAX_BATCH else None
+
+
+@pytest.fixture
+def fakes():
+    made = {r.id: r for r in (FakeRoute("fast-small/fake"), FakeRoute("fast-large/fake"),
+                              FakeRoute("picky/fake", lambda p: p.batch <= PICKY_MAX_BATCH))}
+    for route in made.values():
+        routes.register(route)
+    yield made
+    for route_id in made:
+        routes.unregister(route_id)
+
+
+def grid_frame(device=H200, extra_rows=()):
+    rows = grid_rows(BUCKETS, BATCHES, KV_LENS,
+                     {"fast-small/fake": small_batch_fast, "fast-large/fake": large_batch_fast,
+                      "picky/fake": picky_fast, "reference/torch": reference_slow},
+                     device=device)
+    return make_table([*rows, *extra_rows])
+
+
+@pytest.fixture
+def table_path(tmp_path, fakes):
+    return table.write(grid_frame(), tmp_path / "sm_90.parquet")
+
+
+def usable_ranked(frame, problem, supported):
+    """Independent answer: the key's ok rows by time, keeping routes that serve the problem."""
+    rows = frame[(frame["arch"] == "sm_90") & (frame["status"] == "ok")]
+    for name, value in problem.key_dict().items():
+        rows = rows[rows[name] == value]
+    return [r for r in rows.sort_values("time_us")["route"] if supported(r, problem)]
+
+
+def supported_by(registry):
+    def check(route_id, problem):
+        return route_id in registry and registry[route_id].supports(problem, H200).ok
+    return check
+
+
+def brute_force_nearest(frame, problem, supported):
+    """The nearest measured point in (log2 batch, log2 kv_len) whose winner serves the
+    problem, ties to the smaller batch then kv_len; None when there is none."""
+    best = None
+    rows = frame[(frame["arch"] == "sm_90") & (frame["status"] == "ok")]
+    bucket = {k: v for k, v in problem.key_dict().items() if k not in ("batch", "kv_len")}
+    for name, value in bucket.items():
+        rows = rows[rows[name] == value]
+    for (batch, kv_len), group in rows.groupby(["batch", "kv_len"]):
+        point = problem.with_(batch=int(batch), kv_len=int(kv_len))
+        if point.key == problem.key:
+            continue
+        winners = [r for r in group.sort_values("time_us")["route"] if supported(r, point)]
+        if not winners or not supported(winners[0], problem):
+            continue
+        d = (math.log2(batch) - math.log2(problem.batch)) ** 2 + \
+            (math.log2(kv_len) - math.log2(problem.kv_len)) ** 2
+        candidate = (d, math.log2(batch), math.log2(kv_len))
+        if best is None or candidate < best[0]:
+            best = (candidate, winners[0], point.key)
+    return best
+
+
+# Exact hits ------------------------------------------------------------------------
+
+def test_exact_hits_return_the_fastest_route_that_serves_the_problem(table_path, fakes):
+    frame = table.read(table_path)
+    dispatcher = Dispatcher.load(table_path, device=H200)
+    registry = dispatcher.routes
+    for _, row in frame.drop_duplicates(list(KEY_COLUMNS)).iterrows():
+        problem = MLAProblem.from_key_dict(row)
+        choice = dispatcher.select(problem)
+        expected = usable_ranked(frame, problem, supported_by(registry))[0]
+        assert (choice.source, choice.route_id, choice.key) == ("table", expected, problem.key)
+        assert dispatcher.select(problem) is choice  # remembered: the same object
+
+
+def test_exact_winner_that_now_refuses_yields_the_runner_up(tmp_path, fakes):
+    # A stale table: picky measured ok (and fastest) at batch 64, which it now refuses.
+    big = BUCKETS[0].with_(batch=64, kv_len=8192)
+    frame = make_table([result_row(big, "picky/fake", 1.0),
+                        result_row(big, "fast-large/fake", 5.0),
+                        result_row(big, "reference/torch", 50.0)])
+    dispatcher = Dispatcher.load(table.write(frame, tmp_path / "t.parquet"), device=H200)
+    choice = dispatcher.select(big)
+    assert (choice.source, choice.route_id) == ("table", "fast-large/fake")
+    chosen, notes = dispatcher.explain(big)
+    assert chosen == choice and any("picky/fake refuses" in n for n in notes)
+
+
+def test_unregistered_routes_are_skipped_and_counted(tmp_path, fakes):
+    p = BUCKETS[0].with_(batch=8, kv_len=1024)
+    frame = make_table([result_row(p, "ghost/fake", 0.5), result_row(p, "ghost/fake2", 0.7),
+                        result_row(p, "fast-small/fake", 3.0),
+                        result_row(p.with_(batch=1), "ghost/fake", 0.5)])
+    dispatcher = Dispatcher.load(table.write(frame, tmp_path / "t.parquet"), device=H200)
+    assert dispatcher.skipped_routes == {"ghost/fake": 2, "ghost/fake2": 1}
+    assert dispatcher.select(p).route_id == "fast-small/fake"
+    # A key measured only by missing routes is answered as if unmeasured.
+    alone = dispatcher.select(p.with_(batch=1))
+    assert alone.source == "nearest" and alone.route_id == "fast-small/fake"
+
+
+def test_params_are_parsed_once_and_read_only(tmp_path, fakes):
+    p = BUCKETS[0].with_(batch=8, kv_len=1024)
+    frame = make_table([result_row(p, "fast-small/fake", 2.0, params={"splits": 4, "tile": 64})])
+    choice = Dispatcher.load(table.write(frame, tmp_path / "t.csv"), device=H200).select(p)
+    assert dict(choice.params) == {"splits": 4, "tile": 64}
+    with pytest.raises(TypeError):
+        choice.params["splits"] = 8  # type: ignore[index]
+
+
+# Nearest and rule ------------------------------------------------------------------
+
+def test_nearest_picks_the_closest_measured_point_in_log_space(table_path, fakes):
+    frame = table.read(table_path)
+    dispatcher = Dispatcher.load(table_path, device=H200)
+    check = supported_by(dispatcher.routes)
+    rng = random.Random(0)
+    for _ in range(300):
+        problem = rng.choice(BUCKETS).with_(batch=rng.randint(1, 400),
+                                            kv_len=rng.randint(600, 100_000))
+        if problem.batch in BATCHES and problem.kv_len in KV_LENS:
+            continue
+        expected = brute_force_nearest(frame, problem, check)
+        choice = dispatcher.select(problem)
+        assert choice.source == "nearest"
+        assert (choice.route_id, choice.key) == (expected[1], expected[2]), problem
+
+
+def test_nearest_skips_a_neighbour_whose_winner_refuses(table_path, fakes):
+    dispatcher = Dispatcher.load(table_path, device=H200)
+    # batch 12 sits nearest the batch-8 points, all won by picky, which refuses batch 12.
+    problem = BUCKETS[0].with_(batch=12, kv_len=8192)
+    choice = dispatcher.select(problem)
+    assert choice.source == "nearest" and choice.route_id != "picky/fake"
+    assert MLAProblem.from_key_dict(table_key(choice.key)).batch == 64
+    # batch 6 may use it.
+    assert dispatcher.select(problem.with_(batch=6)).route_id == "picky/fake"
+
+
+def table_key(key):
+    return dict(part.split("=") for part in key.split("|"))
+
+
+def test_rule_answers_buckets_never_measured(table_path, fakes):
+    frame = table.read(table_path)
+    dispatcher = Dispatcher.load(table_path, device=H200)
+    wins = table.winners(frame)["route"].value_counts()
+    order = sorted(wins.index, key=lambda r: (-wins[r], r))
+    for batch in (4, 100):
+        problem = MLAProblem(num_heads=3, qlen=1, batch=batch, kv_len=5000)
+        choice = dispatcher.select(problem)
+        serving = [r for r in order if dispatcher.routes[r].supports(problem, H200).ok]
+        assert choice.source == "rule" and choice.route_id == serving[0]
+        assert choice.key == "" and math.isnan(choice.time_us)
+
+
+def test_without_a_table_every_answer_is_a_rule_and_reference_is_last(fakes):
+    only_picky = Dispatcher(H200, routes={"picky/fake": fakes["picky/fake"]})
+    assert only_picky.select(BUCKETS[0].with_(batch=2)) == Choice("picky/fake", {}, "rule")
+    fallback = only_picky.select(BUCKETS[0].with_(batch=200))
+    assert (fallback.route_id, fallback.source) == ("reference/torch", "rule")
+
+
+def test_a_route_whose_supports_raises_counts_as_refusing(tmp_path, fakes):
+    def broken(problem):
+        raise RuntimeError("bug in a capability rule")
+
+    routes.register(FakeRoute("broken/fake", broken))
+    try:
+        p = BUCKETS[0].with_(batch=8, kv_len=1024)
+        frame = make_table([result_row(p, "broken/fake", 0.5),
+                            result_row(p, "fast-small/fake", 2.0)])
+        dispatcher = Dispatcher.load(table.write(frame, tmp_path / "t.parquet"), device=H200)
+        assert dispatcher.select(p).route_id == "fast-small/fake"
+        # The only neighbour's winner is the broken route: the rule answers, without it.
+        neighbour = dispatcher.select(p.with_(batch=9))
+        assert neighbour.source == "rule" and neighbour.route_id != "broken/fake"
+        _, notes = dispatcher.explain(p)
+        assert any("supports() raised RuntimeError: bug in a capability rule" in n
+                   for n in notes)
+    finally:
+        routes.unregister("broken/fake")
+
+
+@settings(max_examples=300, deadline=None)
+@given(bucket=st.sampled_from([*BUCKETS, MLAProblem(num_heads=3)]),
+       batch=st.integers(1, 1024), kv_len=st.integers(8, 1 << 18))
+def test_select_never_returns_a_route_that_refuses(bucket, batch, kv_len):
+    # Hypothesis runs this many times; the routes are registered for the whole test.
+    picky = FakeRoute("picky/fake", lambda p: p.batch <= PICKY_MAX_BATCH)
+    made = [FakeRoute("fast-small/fake"), FakeRoute("fast-large/fake"), picky]
+    for r in made:
+        routes.register(r)
+    try:
+        dispatcher = _hypothesis_dispatcher()
+        problem = bucket.with_(batch=batch, kv_len=kv_len)
+        choice = dispatcher.select(problem)
+        assert dispatcher.routes[choice.route_id].supports(problem, H200).ok
+        assert choice.source in ("table", "nearest", "rule")
+    finally:
+        for r in made:
+            routes.unregister(r.id)
+
+
+_cached: list[Dispatcher] = []
+
+
+def _hypothesis_dispatcher() -> Dispatcher:
+    if not _cached:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = table.write(grid_frame(), os.path.join(tmp, "sm_90.parquet"))
+            _cached.append(Dispatcher.load(path, device=H200))
+    return _cached[0]
+
+
+# Arch, devices, discovery ----------------------------------------------------------
+
+def test_a_table_for_another_arch_is_refused_naming_both(table_path):
+    with pytest.raises(TableError) as info:
+        Dispatcher.load(table_path, device=MI355)
+    message = str(info.value)
+    assert "sm_90" in message and "gfx950" in message and "\n" not in message
+    planned = Dispatcher.load(table_path, device=MI355, allow_arch="sm_90")
+    assert planned.device.arch == "sm_90" and planned.table_device == ("sm_90", "NVIDIA H200", 132)
+    with pytest.raises(TableError, match=r"sm_90.*sm_100"):
+        Dispatcher.load(table_path, device=MI355, allow_arch="sm_100")
+
+
+def test_a_table_of_several_devices_answers_with_the_matching_one(tmp_path, fakes):
+    p = BUCKETS[0].with_(batch=8, kv_len=1024)
+    frame = make_table([result_row(p, "fast-small/fake", 2.0),
+                        result_row(p, "fast-large/fake", 3.0),
+                        result_row(p, "fast-small/fake", 9.0, device=MI355),
+                        result_row(p, "fast-large/fake", 4.0, device=MI355)])
+    path = table.write(frame, tmp_path / "both.parquet")
+    assert Dispatcher.load(path, device=H200).select(p).route_id == "fast-small/fake"
+    assert Dispatcher.load(path, device=MI355).select(p).route_id == "fast-large/fake"
+
+
+def test_directories_and_bundled_tables_are_found_by_arch(tmp_path, monkeypatch, fakes):
+    frame = grid_frame()
+    table.write(frame, tmp_path / "sm_90-h200.parquet")
+    table.write(make_table(grid_rows([BUCKETS[0]], [1], [1024], {"reference/torch":
+                                                                 reference_slow},
+                                     device=MI355)), tmp_path / "gfx950.csv")
+    (tmp_path / "sm_90.txt").write_text("not a table")
+    assert find_table(tmp_path, "sm_90", "NVIDIA H200").name == "sm_90-h200.parquet"
+    assert find_table(tmp_path, "gfx950").name == "gfx950.csv"
+    assert find_table(tmp_path, "sm_100") is None
+    assert Dispatcher.load(tmp_path, device=MI355).table_device[0] == "gfx950"
+
+    monkeypatch.delenv(dispatch.TABLE_ENV, raising=False)
+    monkeypatch.setattr(dispatch, "bundled_tables_dir", lambda: tmp_path)
+    bundled = Dispatcher.from_bundled(H200)
+    assert bundled.source.endswith("sm_90-h200.parquet")
+    assert Dispatcher.from_bundled(MI355).source.endswith("gfx950.csv")
+    bare = Dispatcher.from_bundled(replace(H200, arch="sm_100", name="NVIDIA B200"))
+    assert bare.source == "" and bare.select(BUCKETS[0]).source == "rule"
+
+
+def test_the_environment_variable_overrides_and_must_be_usable(tmp_path, monkeypatch, fakes):
+    path = table.write(grid_frame(), tmp_path / "mine.parquet")
+    monkeypatch.setattr(dispatch, "bundled_tables_dir", lambda: None)
+    monkeypatch.setenv(dispatch.TABLE_ENV, str(path))
+    assert Dispatcher.from_bundled(H200).source == str(path)
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(TableError, match="not a readable Parquet"):
+        Dispatcher.from_bundled(H200)
+
+
+def test_a_damaged_bundled_table_falls_back_to_rules(tmp_path, monkeypatch, caplog, fakes):
+    (tmp_path / "sm_90.parquet").write_bytes(b"PAR1 damaged")
+    monkeypatch.delenv(dispatch.TABLE_ENV, raising=False)
+    monkeypatch.setattr(dispatch, "bundled_tables_dir", lambda: tmp_path)
+    with caplog.at_level(logging.WARNING, logger="mlatune"):
+        dispatcher = Dispatcher.from_bundled(H200)
+    assert dispatcher.source == "" and "bundled table unusable" in caplog.text
+    assert dispatcher.select(BUCKETS[0]).source == "rule"
+
+
+def test_json_winners_map_answers_like_the_table(tmp_path, table_path, fakes):
+    frame = table.read(table_path)
+    json_path = table.write_json(table.winners_json(frame), tmp_path / "sm_90.json")
+    from_table = Dispatcher.load(table_path, device=H200)
+    from_json = Dispatcher.load(json_path, device=H200)
+    rng = random.Random(1)
+    problems = [rng.choice([*BUCKETS, MLAProblem(num_heads=3)]).with_(
+        batch=rng.choice([*BATCHES, 3, 12, 300]), kv_len=rng.choice([*KV_LENS, 3000]))
+        for _ in range(200)]
+    for p in problems:
+        assert from_json.select(p) == from_table.select(p), p
+
+
+@pytest.mark.parametrize("damage", [
+    b"{", b"[]", b'{"format": "other"}',
+    b'{"format": "mlatune-winners", "schema_version": 99, "key_fields": [], "devices": []}',
+])
+def test_a_damaged_json_winners_map_is_refused(tmp_path, damage):
+    path = tmp_path / "sm_90.json"
+    path.write_bytes(damage)
+    with pytest.raises(TableError) as info:
+        Dispatcher.load(path, device=H200)
+    assert "\n" not in str(info.value)
+
+
+# The hot path ----------------------------------------------------------------------
+
+def test_repeated_selects_allocate_nothing_and_touch_no_files(table_path, fakes):
+    dispatcher = Dispatcher.load(table_path, device=H200)
+    problems = [b.with_(batch=batch, kv_len=kv) for b in BUCKETS for batch in (1, 8, 12, 300)
+                for kv in (1024, 5000)]
+    problems.append(MLAProblem(num_heads=3))  # rule
+    first = [dispatcher.select(p) for p in problems]
+    assert {c.source for c in first} == {"table", "nearest", "rule"}
+
+    def no_io(*args, **kwargs):
+        raise AssertionError("select did I/O")
+
+    # Patched only around the loop (pytest itself stats files when reporting).
+    patched = [(builtins, "open"), (io, "open"), (os, "open"), (os, "stat")]
+    saved = [getattr(target, name) for target, name in patched]
+    def noop(problem):
+        return problem
+
+    def traced(call):
+        """Bytes still held and the peak above the start, over many calls of ``call``."""
+        before, _ = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        for _ in range(50):
+            for p in problems:
+                call(p)
+        after, peak = tracemalloc.get_traced_memory()
+        return after - before, peak - before
+
+    tracemalloc.start()
+    try:
+        for target, name in patched:
+            setattr(target, name, no_io)
+        baseline = traced(noop)  # the loop's own iterators
+        measured = traced(dispatcher.select)
+    finally:
+        for (target, name), original in zip(patched, saved, strict=True):
+            setattr(target, name, original)
+        tracemalloc.stop()
+    assert measured == baseline and measured[0] == 0
+    assert [dispatcher.select(p) for p in problems] == first
+
+
+def test_explain_says_why(table_path, fakes):
+    dispatcher = Dispatcher.load(table_path, device=H200)
+    choice, notes = dispatcher.explain(BUCKETS[0].with_(batch=8, kv_len=1024))
+    assert choice.source == "table" and notes[-1].startswith(f"measured: {choice.route_id}")
+    choice, notes = dispatcher.explain(BUCKETS[0].with_(batch=12, kv_len=8192))
+    assert choice.source == "nearest"
+    assert any("picky/fake refuses" in n for n in notes)
+    assert notes[-1].startswith("nearest measured point: batch=64 kv_len=8192")
+    choice, notes = dispatcher.explain(MLAProblem(num_heads=3))
+    assert choice.source == "rule" and notes[-1].startswith("rule:")
