@@ -11,8 +11,11 @@ from mlatune.routes.registry import (
     viable,
 )
 from mlatune.routes.torch_ref import TorchReferenceRoute
+from mlatune.routes.triton_decode import TRITON_DECODE_ROUTES
 
 register(TorchReferenceRoute())
+for _route in TRITON_DECODE_ROUTES:
+    register(_route())
 
 __all__ = [
     "YES",

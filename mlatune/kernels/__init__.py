@@ -1,0 +1,16 @@
+"""Portable Triton kernels for MLA decode (the absorbed form: 576-wide q·k, 512-wide v).
+
+One module per concern:
+- ``attend``: jit building blocks every decode kernel shares (query row loads,
+  the paged online-softmax walk over a key range, final row stores);
+- ``split_kv``: split-KV stage 1 (a split per program, or a persistent grid
+  walking a host-planned work list) writing per-split partials;
+- ``segmented``: DCP verify stage 1, one query token per row group, writing
+  unreduced (out, max, expsum) partials per KV segment;
+- ``reduce``: merges a row's split/segment partials into out and natural-log LSE;
+- ``merge``: merges DCP ranks' partial (out, LSE) by LSE;
+- ``plan``: host-side planning (persistent work lists), plain Python.
+
+Importing this package imports Triton; the routes import it lazily so that the
+registry works on machines without Triton.
+"""
