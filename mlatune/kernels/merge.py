@@ -17,7 +17,7 @@ from mlatune.kernels.attend import LN2
 _LOG2E = tl.constexpr(1.4426950408889634)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["ranks", "n_rows", "heads"])
 def merge_kernel(outs_ptr, lses_ptr, out_ptr, lse_ptr, ranks, n_rows, heads,
                  stride_or, stride_ot, stride_oh, stride_lr, stride_lt, stride_lh,
                  stride_dt, stride_dh, stride_et, stride_eh,

@@ -35,7 +35,8 @@ def plan_persistent(local_lens: list[int], block_n: int, workers: int,
     if workers < 1 or block_n < 1:
         raise ValueError(f"need workers >= 1 and block_n >= 1, got {workers}, {block_n}")
     tiles = [-(-n // block_n) for n in local_lens]
-    total = sum(t + overhead for t in tiles if t)
+    # Each of the workers - 1 share boundaries may cut a request: one more item's overhead.
+    total = sum(t + overhead for t in tiles if t) + overhead * (workers - 1)
     budget = max(1, -(-total // workers))
     per_worker: list[list[tuple[int, int, int, int]]] = [[] for _ in range(workers)]
     split_indptr = [0]

@@ -20,7 +20,7 @@ import triton.language as tl
 from mlatune.kernels.attend import LN2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens_per_group", "q_heads", "row_heads", "head_rep"])
 def reduce_kernel(part_out_ptr, part_a_ptr, part_b_ptr, split_indptr_ptr, out_ptr, lse_ptr,
                   tokens_per_group, q_heads, row_heads, head_rep,
                   stride_po_slot, stride_po_row, stride_pa_slot,

@@ -52,7 +52,7 @@ def row_lengths(seq_lens: torch.Tensor, qlen: int, rank: int, world: int) -> tor
     return shard_lengths(visible, rank, world).flatten().contiguous()
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_segments", "qlen", "q_heads"])
 def segmented_kernel(q_ptr, kv_ptr, bt_ptr, row_lens_ptr, q_scale_ptr, kv_scale_ptr,
                      seg_out_ptr, seg_max_ptr, seg_sum_ptr,
                      num_segments, qlen, q_heads, sm_scale_log2,

@@ -34,6 +34,10 @@ from mlatune.kernels.attend import (
     store_final_rows,
 )
 
+# Problem sizes stay runtime values: no recompiles when they happen to be 1 or a
+# multiple of 16 (strides keep Triton's divisibility specialization).
+_SIZE_ARGS = ["qlen", "q_heads", "row_heads", "head_rep", "rank", "world"]
+
 
 @dataclass(frozen=True)
 class RowLayout:
@@ -99,7 +103,7 @@ def _stage1_item(q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, q_scale_ptr, kv_scale_ptr,
         tl.store(part_lse_ptr + slot64 * stride_pl_slot + offs_m, lse2, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=[*_SIZE_ARGS, "num_splits"])
 def split_kv_kernel(q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, q_scale_ptr, kv_scale_ptr,
                     part_out_ptr, part_lse_ptr, out_ptr, lse_ptr,
                     num_splits, qlen, q_heads, row_heads, head_rep, rank, world, sm_scale_log2,
@@ -131,7 +135,7 @@ def split_kv_kernel(q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, q_scale_ptr, kv_scale_p
                  HAS_KV_SCALE, DIRECT, WRITE_LSE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SIZE_ARGS)
 def persistent_kernel(q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, q_scale_ptr, kv_scale_ptr,
                       part_out_ptr, part_lse_ptr, work_ptr, work_indptr_ptr,
                       qlen, q_heads, row_heads, head_rep, rank, world, sm_scale_log2,
