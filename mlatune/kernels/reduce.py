@@ -35,7 +35,7 @@ def reduce_kernel(part_out_ptr, part_a_ptr, part_b_ptr, split_indptr_ptr, out_pt
     row = tok * row_heads + head * head_rep
     d = tl.arange(0, D_V)
     first = tl.load(split_indptr_ptr + group).to(tl.int64)
-    last = tl.load(split_indptr_ptr + group + 1)
+    last = tl.load(split_indptr_ptr + group + 1).to(tl.int64)
     # Pointers advance by one slot per step: 64-bit arithmetic without 64-bit loop indices.
     stat_ptrs = part_a_ptr + first * stride_pa_slot + row
     sum_ptrs = part_b_ptr + first * stride_pa_slot + row
