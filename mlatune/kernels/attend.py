@@ -63,12 +63,15 @@ def qk_scale_and_v_scale(sm_scale_log2, q_scale_ptr, kv_scale_ptr,
 def attend_keys(acc, m_i, l_i, q_nope, q_rope, last_pos, kv_ptr, bt_row_ptr, start, end,
                 rank, world, qk_scale, stride_kv_page, stride_kv_tok,
                 D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                BLOCK_N: tl.constexpr):
+                BLOCK_N: tl.constexpr, KV_TWICE: tl.constexpr):
     """Online softmax (base 2) over local keys [start, end) of one request's pages.
 
     ``start`` is a multiple of BLOCK_N, so when a page holds at least BLOCK_N
     keys every tile lies in one page and needs one block-table entry;
-    otherwise each key of the tile looks its page up.
+    otherwise each key of the tile looks its page up. ``KV_TWICE`` loads the
+    tile twice, transposed for the scores and upright for the values, so that
+    each load feeds one dot directly (the upcast of an fp8 tile can then stay
+    next to its dot); otherwise one load serves both.
     """
     d_nope = tl.arange(0, D_NOPE)
     d_rope = tl.arange(0, D_ROPE)
@@ -82,12 +85,20 @@ def attend_keys(acc, m_i, l_i, q_nope, q_rope, last_pos, kv_ptr, bt_row_ptr, sta
             page = tl.load(bt_row_ptr + offs_n // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
             key_off = page * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_tok
         # Masked so that stale slots past the end (NaN in a real cache) never reach P @ V.
-        k_nope = tl.load(kv_ptr + key_off[:, None] + d_nope[None, :], mask=key_ok[:, None],
-                         other=0.0).to(q_nope.dtype)
-        k_rope = tl.load(kv_ptr + key_off[:, None] + D_NOPE + d_rope[None, :],
-                         mask=key_ok[:, None], other=0.0).to(q_nope.dtype)
-        s = tl.dot(q_nope, tl.trans(k_nope))
-        s = tl.dot(q_rope, tl.trans(k_rope), s)
+        if KV_TWICE:
+            k_t = tl.load(kv_ptr + key_off[None, :] + d_nope[:, None], mask=key_ok[None, :],
+                          other=0.0).to(q_nope.dtype)
+            k_rope_t = tl.load(kv_ptr + key_off[None, :] + D_NOPE + d_rope[:, None],
+                               mask=key_ok[None, :], other=0.0).to(q_nope.dtype)
+            s = tl.dot(q_nope, k_t)
+            s = tl.dot(q_rope, k_rope_t, s)
+        else:
+            k_nope = tl.load(kv_ptr + key_off[:, None] + d_nope[None, :], mask=key_ok[:, None],
+                             other=0.0).to(q_nope.dtype)
+            k_rope = tl.load(kv_ptr + key_off[:, None] + D_NOPE + d_rope[None, :],
+                             mask=key_ok[:, None], other=0.0).to(q_nope.dtype)
+            s = tl.dot(q_nope, tl.trans(k_nope))
+            s = tl.dot(q_rope, tl.trans(k_rope), s)
         s = s * qk_scale
         key_pos = rank + offs_n * world
         allowed = (key_pos[None, :] <= last_pos[:, None]) & key_ok[None, :]
@@ -99,7 +110,12 @@ def attend_keys(acc, m_i, l_i, q_nope, q_rope, last_pos, kv_ptr, bt_row_ptr, sta
         p = tl.exp2(s - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(k_nope.dtype), k_nope, acc)
+        if KV_TWICE:
+            v = tl.load(kv_ptr + key_off[:, None] + d_nope[None, :], mask=key_ok[:, None],
+                        other=0.0).to(q_nope.dtype)
+        else:
+            v = k_nope
+        acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
     return acc, m_i, l_i
 

@@ -28,6 +28,12 @@ class PersistentPlan:
     def num_slots(self) -> int:
         return self.split_indptr[-1]
 
+    @property
+    def max_slots(self) -> int:
+        """The most slots any one request has."""
+        bounds = self.split_indptr
+        return max((bounds[i + 1] - bounds[i] for i in range(len(bounds) - 1)), default=0)
+
 
 def plan_persistent(local_lens: list[int], block_n: int, workers: int,
                     overhead: int = ITEM_OVERHEAD_TILES) -> PersistentPlan:

@@ -25,43 +25,48 @@ def reduce_kernel(part_out_ptr, part_a_ptr, part_b_ptr, split_indptr_ptr, out_pt
                   tokens_per_group, q_heads, row_heads, head_rep,
                   stride_po_slot, stride_po_row, stride_pa_slot,
                   stride_o_tok, stride_o_head, stride_lse_tok,
-                  D_V: tl.constexpr, BLOCK_R: tl.constexpr, MAX_EXPSUM: tl.constexpr,
-                  WRITE_LSE: tl.constexpr):
-    group = tl.program_id(1)
+                  BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, MAX_SLOTS: tl.constexpr,
+                  MAX_EXPSUM: tl.constexpr, WRITE_LSE: tl.constexpr):
+    # Grid (row blocks, value-dim blocks, groups): enough programs that a batch
+    # of one request is not a handful of programs walking all slots serially.
     offs = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    group = tl.program_id(2)
     ok = offs < tokens_per_group * q_heads
     tok = offs // q_heads
     head = offs % q_heads
     row = tok * row_heads + head * head_rep
-    d = tl.arange(0, D_V)
     first = tl.load(split_indptr_ptr + group).to(tl.int64)
-    last = tl.load(split_indptr_ptr + group + 1).to(tl.int64)
-    # Pointers advance by one slot per step: 64-bit arithmetic without 64-bit loop indices.
+    count = tl.load(split_indptr_ptr + group + 1) - first
+
+    # Pass 1: every slot's statistic at once -> the max and the denominator.
+    slots = tl.arange(0, MAX_SLOTS)
+    stat_off = (first + slots)[:, None] * stride_pa_slot + row[None, :]
+    mask = (slots < count)[:, None] & ok[None, :]
+    x = tl.load(part_a_ptr + stat_off, mask=mask, other=float("-inf"))
+    if MAX_EXPSUM:
+        expsum = tl.load(part_b_ptr + stat_off, mask=mask, other=0.0)
+        x = tl.where(expsum > 0.0, x + tl.log2(tl.where(expsum > 0.0, expsum, 1.0)),
+                     float("-inf"))
+    m_i = tl.max(x, 0)
+    shift = tl.where(m_i == float("-inf"), 0.0, m_i)
+    den = tl.sum(tl.exp2(x - shift[None, :]), 0)
+
+    # Pass 2: weighted sum of the outputs; loads do not depend on the running sum.
     stat_ptrs = part_a_ptr + first * stride_pa_slot + row
     sum_ptrs = part_b_ptr + first * stride_pa_slot + row
     out_ptrs = part_out_ptr + first * stride_po_slot + row[:, None] * stride_po_row + d[None, :]
-    m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-    den = tl.zeros([BLOCK_R], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_R, D_V], dtype=tl.float32)
-    for _ in range(first, last):
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    for _ in range(0, count):
+        xs = tl.load(stat_ptrs, mask=ok, other=float("-inf"))
         if MAX_EXPSUM:
-            mx = tl.load(stat_ptrs, mask=ok, other=float("-inf"))
-            expsum = tl.load(sum_ptrs, mask=ok, other=0.0)
-            x = tl.where(expsum > 0.0, mx + tl.log2(tl.where(expsum > 0.0, expsum, 1.0)),
-                         float("-inf"))
-        else:
-            x = tl.load(stat_ptrs, mask=ok, other=float("-inf"))
+            es = tl.load(sum_ptrs, mask=ok, other=0.0)
+            xs = tl.where(es > 0.0, xs + tl.log2(tl.where(es > 0.0, es, 1.0)), float("-inf"))
         o = tl.load(out_ptrs, mask=ok[:, None], other=0.0)
+        acc += tl.exp2(xs - shift)[:, None] * o
         stat_ptrs += stride_pa_slot
         sum_ptrs += stride_pa_slot
         out_ptrs += stride_po_slot
-        m_new = tl.maximum(m_i, x)
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - shift)
-        w = tl.exp2(x - shift)
-        den = den * alpha + w
-        acc = acc * alpha[:, None] + w[:, None] * o
-        m_i = m_new
     has_keys = den > 0.0
     safe_den = tl.where(has_keys, den, 1.0)
     res = tl.where(has_keys[:, None], acc / safe_den[:, None], 0.0)
@@ -69,28 +74,46 @@ def reduce_kernel(part_out_ptr, part_a_ptr, part_b_ptr, split_indptr_ptr, out_pt
     tl.store(out_ptr + (out_tok * stride_o_tok + head * stride_o_head)[:, None] + d[None, :],
              res.to(out_ptr.dtype.element_ty), mask=ok[:, None])
     if WRITE_LSE:
+        # One value-dim block writes the LSE.
         lse = tl.where(has_keys, (m_i + tl.log2(safe_den)) * LN2, float("-inf"))
-        tl.store(lse_ptr + out_tok * stride_lse_tok + head, lse, mask=ok)
+        tl.store(lse_ptr + out_tok * stride_lse_tok + head, lse,
+                 mask=ok & ((offs * 0 + tl.program_id(1)) == 0))
 
 
 def reduce_launcher(part_out: torch.Tensor, part_lse: torch.Tensor,
                     part_expsum: torch.Tensor | None, split_indptr: torch.Tensor,
                     out: torch.Tensor, lse: torch.Tensor | None, *, tokens_per_group: int,
-                    q_heads: int, row_heads: int, head_rep: int,
-                    block_r: int = 8) -> Callable[[], None]:
+                    q_heads: int, row_heads: int, head_rep: int, max_slots: int,
+                    blocks: tuple[int, int] | None = None) -> Callable[[], None]:
     """A zero-argument launch of ``reduce_kernel``.
 
     ``part_lse`` holds base-2 LSEs, or maxima when ``part_expsum`` is given.
-    ``out`` is (groups * tokens_per_group, q_heads, d_v).
+    ``out`` is (groups * tokens_per_group, q_heads, d_v); ``max_slots`` bounds
+    any group's slot count; ``blocks`` (rows, value dims per program)
+    overrides the size-based choice.
     """
     groups = split_indptr.shape[0] - 1
-    grid = (triton.cdiv(tokens_per_group * q_heads, block_r), groups)
+    d_v = out.shape[-1]
+    rows = groups * tokens_per_group * q_heads
+    # Small batches: small blocks, many programs; large ones: fewer, fuller programs.
+    # The CPU interpreter runs programs one by one: there, the fewest.
+    if blocks is not None:
+        block_r, block_d = blocks
+    elif not out.is_cuda:
+        block_r, block_d = 16, d_v
+    else:
+        block_r, block_d = (2, 64) if rows < 2048 else (8, 256)
+    block_d = min(block_d, d_v)
+    if d_v % block_d:
+        raise ValueError(f"d_v {d_v} must be a multiple of {block_d}")
+    grid = (triton.cdiv(tokens_per_group * q_heads, block_r), d_v // block_d, groups)
     args = (part_out, part_lse, part_lse if part_expsum is None else part_expsum, split_indptr,
             out, out if lse is None else lse, tokens_per_group, q_heads, row_heads, head_rep,
             part_out.stride(0), part_out.stride(1), part_lse.stride(0),
             out.stride(0), out.stride(1), 0 if lse is None else lse.stride(0))
-    meta = dict(D_V=out.shape[-1], BLOCK_R=block_r, MAX_EXPSUM=part_expsum is not None,
-                WRITE_LSE=lse is not None, num_warps=4)
+    meta = dict(BLOCK_R=block_r, BLOCK_D=block_d,
+                MAX_SLOTS=triton.next_power_of_2(max(max_slots, 1)),
+                MAX_EXPSUM=part_expsum is not None, WRITE_LSE=lse is not None, num_warps=4)
 
     def launch() -> None:
         reduce_kernel[grid](*args, **meta)

@@ -60,7 +60,8 @@ def segmented_kernel(q_ptr, kv_ptr, bt_ptr, row_lens_ptr, q_scale_ptr, kv_scale_
                      stride_so_slot, stride_so_row, stride_sm_slot,
                      D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, Q_FP8: tl.constexpr,
-                     HAS_Q_SCALE: tl.constexpr, HAS_KV_SCALE: tl.constexpr):
+                     HAS_Q_SCALE: tl.constexpr, HAS_KV_SCALE: tl.constexpr,
+                     KV_TWICE: tl.constexpr):
     hb = tl.program_id(0)
     segment = tl.program_id(1)
     row = tl.program_id(2)  # b * qlen + t: the token's row in q
@@ -82,7 +83,8 @@ def segmented_kernel(q_ptr, kv_ptr, bt_ptr, row_lens_ptr, q_scale_ptr, kv_scale_
     last_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + (n_keys - 1)
     acc, m_i, l_i = attend_keys(acc, m_i, l_i, q_nope, q_rope, last_pos, kv_ptr,
                                 bt_ptr + b.to(tl.int64) * stride_bt, start, end, 0, 1, qk_scale,
-                                stride_kv_page, stride_kv_tok, D_NOPE, D_ROPE, PAGE_SIZE, BLOCK_N)
+                                stride_kv_page, stride_kv_tok, D_NOPE, D_ROPE, PAGE_SIZE, BLOCK_N,
+                                KV_TWICE)
     has_keys = l_i > 0.0
     inv = tl.where(has_keys, v_scale / tl.where(has_keys, l_i, 1.0), 0.0)
     slot = (row * num_segments + segment).to(tl.int64)
@@ -115,7 +117,8 @@ def segmented_launcher(q: torch.Tensor, kv_subpages: torch.Tensor, subpage_table
     meta = dict(D_NOPE=d_v, D_ROPE=q.shape[-1] - d_v, PAGE_SIZE=kv_subpages.shape[1],
                 BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, Q_FP8=q.element_size() == 1,
                 HAS_Q_SCALE=q_scale is not None, HAS_KV_SCALE=kv_scale is not None,
-                num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+                num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+                KV_TWICE=tiles.kv_twice)
 
     def launch() -> None:
         segmented_kernel[grid](*args, **meta)

@@ -64,7 +64,7 @@ def _stage1_item(q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, q_scale_ptr, kv_scale_ptr,
                  D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                  Q_FP8: tl.constexpr, HAS_Q_SCALE: tl.constexpr, HAS_KV_SCALE: tl.constexpr,
-                 DIRECT: tl.constexpr, WRITE_LSE: tl.constexpr):
+                 DIRECT: tl.constexpr, WRITE_LSE: tl.constexpr, KV_TWICE: tl.constexpr):
     rows = qlen * row_heads
     offs_m = rb * BLOCK_M + tl.arange(0, BLOCK_M)
     seq_len = tl.load(seq_lens_ptr + b)
@@ -89,7 +89,7 @@ def _stage1_item(q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, q_scale_ptr, kv_scale_ptr,
     acc, m_i, l_i = attend_keys(acc, m_i, l_i, q_nope, q_rope, last_pos, kv_ptr,
                                 bt_ptr + b.to(tl.int64) * stride_bt, start, end, rank, world,
                                 qk_scale, stride_kv_page, stride_kv_tok,
-                                D_NOPE, D_ROPE, PAGE_SIZE, BLOCK_N)
+                                D_NOPE, D_ROPE, PAGE_SIZE, BLOCK_N, KV_TWICE)
     o, lse2 = normalize(acc, m_i, l_i, v_scale)
     if DIRECT:
         store_final_rows(out_ptr, lse_ptr, o, lse2, b * qlen, offs_m, rows, row_heads, head_rep,
@@ -114,7 +114,7 @@ def split_kv_kernel(q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, q_scale_ptr, kv_scale_p
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                     Q_FP8: tl.constexpr, HAS_Q_SCALE: tl.constexpr,
                     HAS_KV_SCALE: tl.constexpr, DIRECT: tl.constexpr,
-                    WRITE_LSE: tl.constexpr):
+                    WRITE_LSE: tl.constexpr, KV_TWICE: tl.constexpr):
     rb = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
@@ -132,7 +132,7 @@ def split_kv_kernel(q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, q_scale_ptr, kv_scale_p
                  stride_po_slot, stride_po_row, stride_pl_slot,
                  stride_o_tok, stride_o_head, stride_lse_tok,
                  D_NOPE, D_ROPE, PAGE_SIZE, BLOCK_M, BLOCK_N, CAUSAL, Q_FP8, HAS_Q_SCALE,
-                 HAS_KV_SCALE, DIRECT, WRITE_LSE)
+                 HAS_KV_SCALE, DIRECT, WRITE_LSE, KV_TWICE)
 
 
 @triton.jit(do_not_specialize=_SIZE_ARGS)
@@ -144,7 +144,7 @@ def persistent_kernel(q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, q_scale_ptr, kv_scale
                       D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                       Q_FP8: tl.constexpr, HAS_Q_SCALE: tl.constexpr,
-                      HAS_KV_SCALE: tl.constexpr):
+                      HAS_KV_SCALE: tl.constexpr, KV_TWICE: tl.constexpr):
     rb = tl.program_id(0)
     worker = tl.program_id(1)
     first = tl.load(work_indptr_ptr + worker)
@@ -161,7 +161,7 @@ def persistent_kernel(q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, q_scale_ptr, kv_scale
                      stride_q_tok, stride_q_head, stride_kv_page, stride_kv_tok, stride_bt,
                      stride_po_slot, stride_po_row, stride_pl_slot, 0, 0, 0,
                      D_NOPE, D_ROPE, PAGE_SIZE, BLOCK_M, BLOCK_N, CAUSAL, Q_FP8, HAS_Q_SCALE,
-                     HAS_KV_SCALE, False, False)
+                     HAS_KV_SCALE, False, False, KV_TWICE)
 
 
 @dataclass(frozen=True)
@@ -170,6 +170,7 @@ class TileConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    kv_twice: bool = False  # see attend.attend_keys
 
 
 def _common_args(q, kv_cache, block_table, seq_lens, q_scale, kv_scale, layout: RowLayout,
@@ -220,7 +221,8 @@ def split_kv_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
     meta = dict(D_NOPE=d_v, D_ROPE=q.shape[-1] - d_v, PAGE_SIZE=kv_cache.shape[1],
                 BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, CAUSAL=causal, DIRECT=direct,
                 WRITE_LSE=direct and lse is not None, num_warps=tiles.num_warps,
-                num_stages=tiles.num_stages, **_dtype_flags(q, q_scale, kv_scale))
+                num_stages=tiles.num_stages, KV_TWICE=tiles.kv_twice,
+                **_dtype_flags(q, q_scale, kv_scale))
 
     def launch() -> None:
         split_kv_kernel[grid](*args, **meta)
@@ -244,7 +246,7 @@ def persistent_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: to
     d_v = part_out.shape[-1]
     meta = dict(D_NOPE=d_v, D_ROPE=q.shape[-1] - d_v, PAGE_SIZE=kv_cache.shape[1],
                 BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, CAUSAL=causal,
-                num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+                num_warps=tiles.num_warps, num_stages=tiles.num_stages, KV_TWICE=tiles.kv_twice,
                 **_dtype_flags(q, q_scale, kv_scale))
 
     def launch() -> None:

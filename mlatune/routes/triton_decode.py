@@ -121,11 +121,13 @@ class _TritonDecodeRoute:
         if not device.is_gpu:
             return [dict(t) for t in _CPU_TILES]
         block_m = min(MAX_BLOCK_M, max(16, _next_pow2(self._rows_per_group(problem))))
-        if block_m == 64:
-            return [{"block_m": 64, "block_n": 32, "num_warps": 8, "num_stages": 2},
-                    {"block_m": 64, "block_n": 64, "num_warps": 8, "num_stages": 1}]
-        return [{"block_m": block_m, "block_n": 64, "num_warps": 4, "num_stages": 2},
-                {"block_m": block_m, "block_n": 32, "num_warps": 4, "num_stages": 3}]
+        if block_m == 64:  # two warpgroups share the 64 x 512 accumulator
+            return [{"block_m": 64, "block_n": 64, "num_warps": 8, "num_stages": 1},
+                    {"block_m": 64, "block_n": 32, "num_warps": 8, "num_stages": 2},
+                    {"block_m": 64, "block_n": 32, "num_warps": 8, "num_stages": 3}]
+        return [{"block_m": block_m, "block_n": 32, "num_warps": 4, "num_stages": 3},
+                {"block_m": block_m, "block_n": 64, "num_warps": 4, "num_stages": 2},
+                {"block_m": block_m, "block_n": 32, "num_warps": 4, "num_stages": 4}]
 
     def _split_choices(self, problem: MLAProblem, device: DeviceInfo, tiles: Params) -> list[int]:
         """Split counts around the smallest that fills the device, where the keys allow them."""
@@ -141,6 +143,10 @@ class _TritonDecodeRoute:
         for tiles in self._tile_choices(problem, device):
             space += [{**tiles, "num_splits": s}
                       for s in self._split_choices(problem, device, tiles)]
+        if device.is_gpu:
+            # The tile loaded twice (transposed for the scores, upright for the values).
+            first = space[min(1, len(space) - 1)]
+            space.append({**first, "kv_twice": True})
         return space
 
     def _resolve(self, problem: MLAProblem, params: Params | None, device: DeviceInfo) -> Params:
@@ -184,7 +190,7 @@ class _TritonDecodeRoute:
         row_heads, head_rep = row_padding(problem.kernel_heads, self._padded_heads(problem))
         layout = RowLayout(problem.qlen, problem.kernel_heads, row_heads, head_rep)
         tiles = TileConfig(params["block_m"], params["block_n"], params["num_warps"],
-                           params["num_stages"])
+                           params["num_stages"], bool(params.get("kv_twice")))
         shard = inputs.shards[rank]
         dev = inputs.q.device
         common = dict(layout=layout, rank=rank, world=problem.dcp_size, causal=problem.causal,
@@ -204,7 +210,7 @@ class _TritonDecodeRoute:
                                     work_indptr=_int32(plan.work_indptr, dev),
                                     part_out=part_out, part_lse=part_lse),
                 reduce_launcher(part_out, part_lse, None, _int32(plan.split_indptr, dev), out,
-                                lse, **reduce_args),
+                                lse, **reduce_args, max_slots=plan.max_slots),
             ]
         splits = params["num_splits"]
         if splits == 1:
@@ -214,7 +220,8 @@ class _TritonDecodeRoute:
         return [
             split_kv_launcher(*tensors, **common, num_splits=splits, part_out=part_out,
                               part_lse=part_lse),
-            reduce_launcher(part_out, part_lse, None, split_indptr, out, lse, **reduce_args),
+            reduce_launcher(part_out, part_lse, None, split_indptr, out, lse, **reduce_args,
+                            max_slots=splits),
         ]
 
 
@@ -261,7 +268,7 @@ class PaddedTritonRoute(_TritonDecodeRoute):
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
         space = super().param_space(problem, device)
         return space + [{**tiles, "persistent": True}
-                        for tiles in self._tile_choices(problem, device)]
+                        for tiles in self._tile_choices(problem, device)[:2]]
 
 
 class GluonTritonRoute(_TritonDecodeRoute):
@@ -353,7 +360,7 @@ class SegmentedTritonRoute(_TritonDecodeRoute):
         # small pages span several subpages (looked up key by key).
         block_n = min(tile, params["block_n"]) if tile >= 16 else 16
         tiles = TileConfig(params["block_m"], block_n, params["num_warps"],
-                           params["num_stages"])
+                           params["num_stages"], bool(params.get("kv_twice")))
         kv = shard.kv_cache.view(-1, tile, shard.kv_cache.shape[-1])
         table = subpage_table(shard.block_table, page, tile)
         lens = row_lengths(inputs.seq_lens, problem.qlen, rank, problem.dcp_size)
@@ -370,7 +377,8 @@ class SegmentedTritonRoute(_TritonDecodeRoute):
                                num_segments=segments, seg_out=seg_out, seg_max=seg_max,
                                seg_sum=seg_sum),
             reduce_launcher(seg_out, seg_max, seg_sum, split_indptr, out, lse,
-                            tokens_per_group=1, q_heads=heads, row_heads=heads, head_rep=1),
+                            tokens_per_group=1, q_heads=heads, row_heads=heads, head_rep=1,
+                            max_slots=segments),
         ]
 
 
