@@ -250,16 +250,17 @@ def test_merge_kernel_matches_torch(dtype):
 
 
 # -- the split reduce kernel ---------------------------------------------------------
-@pytest.mark.parametrize("max_expsum", [False, True])
-@pytest.mark.parametrize("blocks", [(2, 16), (16, 64)])
-def test_reduce_kernel_matches_torch(max_expsum, blocks):
+@pytest.mark.parametrize(("max_expsum", "blocks", "counts"), [
+    (False, (2, 16), [3, 0, 1, 4]), (True, (16, 64), [3, 0, 1, 4]),
+    (False, (16, 64), [20, 0, 1, 17]), (True, (2, 16), [33, 2, 0, 16]),  # several slot blocks
+])
+def test_reduce_kernel_matches_torch(max_expsum, blocks, counts):
     """Slots of varying count per group (none for one), padded rows sliced by head_rep."""
     from mlatune.kernels.reduce import reduce_launcher
 
     gen = torch.Generator().manual_seed(next(_SEEDS))
     tokens, q_heads, rep, d_v = 2, 3, 2, 64
     row_heads = q_heads * rep
-    counts = [3, 0, 1, 4]
     indptr = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
     slots, rows = int(indptr[-1]), tokens * row_heads
     part_out = torch.randn(slots, rows, d_v, generator=gen)

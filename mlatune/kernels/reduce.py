@@ -26,7 +26,8 @@ def reduce_kernel(part_out_ptr, part_a_ptr, part_b_ptr, split_indptr_ptr, out_pt
                   stride_po_slot, stride_po_row, stride_pa_slot,
                   stride_o_tok, stride_o_head, stride_lse_tok,
                   BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, MAX_SLOTS: tl.constexpr,
-                  MAX_EXPSUM: tl.constexpr, WRITE_LSE: tl.constexpr):
+                  SLOT_BLOCK: tl.constexpr, MAX_EXPSUM: tl.constexpr,
+                  WRITE_LSE: tl.constexpr):
     # Grid (row blocks, value-dim blocks, groups): enough programs that a batch
     # of one request is not a handful of programs walking all slots serially.
     offs = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -52,21 +53,22 @@ def reduce_kernel(part_out_ptr, part_a_ptr, part_b_ptr, split_indptr_ptr, out_pt
     shift = tl.where(m_i == float("-inf"), 0.0, m_i)
     den = tl.sum(tl.exp2(x - shift[None, :]), 0)
 
-    # Pass 2: weighted sum of the outputs; loads do not depend on the running sum.
-    stat_ptrs = part_a_ptr + first * stride_pa_slot + row
-    sum_ptrs = part_b_ptr + first * stride_pa_slot + row
-    out_ptrs = part_out_ptr + first * stride_po_slot + row[:, None] * stride_po_row + d[None, :]
+    # Pass 2: weighted sum of the outputs, SLOT_BLOCK slots per step in one load.
+    block = tl.arange(0, SLOT_BLOCK)
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-    for _ in range(0, count):
-        xs = tl.load(stat_ptrs, mask=ok, other=float("-inf"))
+    for s0 in range(0, count, SLOT_BLOCK):
+        slot = first + s0 + block
+        smask = ((s0 + block) < count)[:, None] & ok[None, :]
+        off = slot[:, None] * stride_pa_slot + row[None, :]
+        xs = tl.load(part_a_ptr + off, mask=smask, other=float("-inf"))
         if MAX_EXPSUM:
-            es = tl.load(sum_ptrs, mask=ok, other=0.0)
+            es = tl.load(part_b_ptr + off, mask=smask, other=0.0)
             xs = tl.where(es > 0.0, xs + tl.log2(tl.where(es > 0.0, es, 1.0)), float("-inf"))
-        o = tl.load(out_ptrs, mask=ok[:, None], other=0.0)
-        acc += tl.exp2(xs - shift)[:, None] * o
-        stat_ptrs += stride_pa_slot
-        sum_ptrs += stride_pa_slot
-        out_ptrs += stride_po_slot
+        w = tl.exp2(xs - shift[None, :])
+        o_off = (slot[:, None, None] * stride_po_slot + row[None, :, None] * stride_po_row
+                 + d[None, None, :])
+        o = tl.load(part_out_ptr + o_off, mask=smask[:, :, None], other=0.0)
+        acc += tl.sum(w[:, :, None] * o, 0)
     has_keys = den > 0.0
     safe_den = tl.where(has_keys, den, 1.0)
     res = tl.where(has_keys[:, None], acc / safe_den[:, None], 0.0)
@@ -111,8 +113,9 @@ def reduce_launcher(part_out: torch.Tensor, part_lse: torch.Tensor,
             out, out if lse is None else lse, tokens_per_group, q_heads, row_heads, head_rep,
             part_out.stride(0), part_out.stride(1), part_lse.stride(0),
             out.stride(0), out.stride(1), 0 if lse is None else lse.stride(0))
-    meta = dict(BLOCK_R=block_r, BLOCK_D=block_d,
-                MAX_SLOTS=triton.next_power_of_2(max(max_slots, 1)),
+    max_pow2 = triton.next_power_of_2(max(max_slots, 1))
+    meta = dict(BLOCK_R=block_r, BLOCK_D=block_d, MAX_SLOTS=max_pow2,
+                SLOT_BLOCK=min(max_pow2, 16),
                 MAX_EXPSUM=part_expsum is not None, WRITE_LSE=lse is not None, num_warps=4)
 
     def launch() -> None:
