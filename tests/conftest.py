@@ -1,7 +1,7 @@
-"""Without a GPU, Triton kernels run in the interpreter.
+"""Run Triton kernels in the interpreter when there is no GPU.
 
-TRITON_INTERPRET is read when a kernel is decorated, so it is set here, before
-any test module imports a kernel.
+Triton reads TRITON_INTERPRET when a kernel is decorated, so it is set here,
+before any test module imports mlatune's kernels.
 """
 
 import os
@@ -9,4 +9,4 @@ import os
 import torch
 
 if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ.setdefault("TRITON_INTERPRET", "1")

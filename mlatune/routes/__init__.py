@@ -17,11 +17,14 @@ from mlatune.routes.registry import (
 )
 from mlatune.routes.sdpa import SdpaPrefillRoute
 from mlatune.routes.torch_ref import TorchReferenceRoute
+from mlatune.routes.triton_decode import TRITON_DECODE_ROUTES
 
 register(TorchReferenceRoute())
 register(FP8PersistentPrefillRoute())
 register(BF16PersistentPrefillRoute())
 register(SdpaPrefillRoute())
+for _route in TRITON_DECODE_ROUTES:
+    register(_route())
 for _route in AITER_ROUTES:  # refuse off AMD; import aiter only when asked on an AMD device
     register(_route)
 

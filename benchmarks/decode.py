@@ -1,0 +1,241 @@
+"""Decode benchmark of mlatune's Triton routes on a GPU (issue 5's points and targets).
+
+For each point (batch, heads, kv_len, qlen) and KV dtype (bf16; fp8 e4m3fn with
+a bf16 q), every viable Triton route runs with each parameter set of its
+param_space: first checked against the fp32 torch reference (a wrong result is
+reported and not timed), then timed by CUDA-graph replay. Small problems
+rotate over several input copies inside one graph so that the KV is read from
+HBM, not the 60 MB L2. Reported: median time per call (us), TB/s
+(problem.min_bytes() / t) and TFLOP/s (problem.flops() / t), best parameters
+per route, and the issue's targets for the best route.
+
+    PYTHONPATH=$PWD python benchmarks/decode.py --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as dt
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mlatune import reference, routes
+from mlatune.accuracy import check
+from mlatune.arch import current_device, library_versions
+from mlatune.inputs import make_decode_inputs
+from mlatune.problem import MLAProblem
+
+POINTS = [(1, 16, 4096, 1), (16, 16, 4096, 1), (64, 16, 4096, 1), (128, 16, 8192, 1),
+          (128, 16, 4096, 4), (64, 8, 4096, 1), (64, 64, 4096, 1), (128, 128, 4096, 1),
+          (8, 128, 32768, 1)]
+# The issue's targets for the best route at a point (bf16): (metric, bound, sense).
+TARGETS = {(1, 16, 4096, 1): ("time_us", 12.0, "<="), (128, 16, 8192, 1): ("tb_s", 3.9, ">="),
+           (64, 64, 4096, 1): ("time_us", 110.0, "<="),
+           (128, 128, 4096, 1): ("time_us", 400.0, "<=")}
+KV_DTYPES = {"bf16": ("bf16", "bf16"), "fp8": ("bf16", "fp8_e4m3fn")}
+ROTATE_BYTES = 4 * 60e6  # rotate copies until the KV read per replay is 4x the H200's L2
+MAX_COPIES = 32
+
+
+@dataclass
+class Result:
+    point: tuple[int, int, int, int]
+    kv: str
+    route: str
+    params: dict
+    status: str
+    time_us: float = math.nan
+    p20_us: float = math.nan
+    p80_us: float = math.nan
+    tb_s: float = math.nan
+    tflops: float = math.nan
+    rel_l2: float = math.nan
+
+
+def time_calls(prepared: list, reps: int) -> tuple[float, float, float]:
+    """Median, p20 and p80 time (us) of one call, by replaying a graph of all copies' calls."""
+    for p in prepared:
+        p.run()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for p in prepared:
+            p.run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(prepared))
+    times.sort()
+    return statistics.median(times), times[len(times) // 5], times[(4 * len(times)) // 5]
+
+
+def bench_point(point, kv_name: str, device, reps: int, max_params: int | None) -> list[Result]:
+    batch, heads, kv_len, qlen = point
+    q_dtype, kv_dtype = KV_DTYPES[kv_name]
+    problem = MLAProblem(num_heads=heads, batch=batch, kv_len=kv_len, qlen=qlen, q_dtype=q_dtype,
+                         kv_dtype=kv_dtype, page_size=64)
+    kv_bytes = problem.min_bytes()
+    copies = max(1, min(MAX_COPIES, math.ceil(ROTATE_BYTES / kv_bytes)))
+    inputs = [make_decode_inputs(problem, seed=s, device="cuda") for s in range(copies)]
+    want_out, want_lse = reference.decode_shard(inputs[0], inputs[0].shards[0])
+    results = []
+    for route in routes.viable(problem, device):
+        if not route.id.endswith("/triton"):
+            continue
+        for params in route.param_space(problem, device)[:max_params]:
+            res = Result(point, kv_name, route.id, params, "ok")
+            prepared = []
+            try:
+                prepared = [route.prepare(problem, x, params=params) for x in inputs]
+                prepared[0].run()
+                torch.cuda.synchronize()
+                acc = check(problem, prepared[0].out, want_out, prepared[0].lse, want_lse)
+                res.rel_l2 = acc.rel_l2
+                if not acc.ok:
+                    res.status = f"rejected_accuracy: {acc.reason}"
+                else:
+                    res.time_us, res.p20_us, res.p80_us = time_calls(prepared, reps)
+                    res.tb_s = problem.min_bytes() / res.time_us / 1e6
+                    res.tflops = problem.flops() / res.time_us / 1e6
+            except Exception as exc:  # a config that fails to compile or launch is a result too
+                res.status = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            del prepared
+            results.append(res)
+            print(f"  {route.id:18s} {json.dumps(params):95s} {_fmt(res)}", flush=True)
+    del inputs
+    torch.cuda.empty_cache()
+    return results
+
+
+def _fmt(r: Result) -> str:
+    if r.status != "ok":
+        return r.status
+    return (f"{r.time_us:9.1f} us  {r.tb_s:5.2f} TB/s  {r.tflops:6.1f} TFLOP/s  "
+            f"(p20 {r.p20_us:.1f}, p80 {r.p80_us:.1f}, rel_l2 {r.rel_l2:.2g})")
+
+
+def best_per_route(results: list[Result]) -> dict[str, Result]:
+    best: dict[str, Result] = {}
+    for r in results:
+        if r.status == "ok" and (r.route not in best or r.time_us < best[r.route].time_us):
+            best[r.route] = r
+    return best
+
+
+def target_note(point, best: Result | None) -> str:
+    if point not in TARGETS:
+        return ""
+    metric, bound, sense = TARGETS[point]
+    if best is None:
+        return f"target {metric} {sense} {bound}: no route ran"
+    value = getattr(best, metric)
+    met = value <= bound if sense == "<=" else value >= bound
+    miss = "" if met else (f", missed by {abs(value - bound) / bound:.0%}")
+    return f"target {metric} {sense} {bound}: {value:.2f} {'met' if met else 'MISSED'}{miss}"
+
+
+def write_outputs(out_dir: Path, results: list[Result], header: dict) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = header["date"].replace(":", "").replace("-", "")[:15]
+    csv_path = out_dir / f"decode-{stamp}.csv"
+    with csv_path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["batch", "heads", "kv_len", "qlen", "kv", "route", "params", "status",
+                     "time_us", "p20_us", "p80_us", "tb_s", "tflops", "rel_l2"])
+        for r in results:
+            w.writerow([*r.point, r.kv, r.route, json.dumps(r.params), r.status,
+                        f"{r.time_us:.2f}", f"{r.p20_us:.2f}", f"{r.p80_us:.2f}",
+                        f"{r.tb_s:.3f}", f"{r.tflops:.2f}", f"{r.rel_l2:.3g}"])
+    lines = [f"# Decode benchmark: {header['device']}", "",
+             *(f"- {k}: {v}" for k, v in header.items()), "",
+             "Best parameters per route (median of CUDA-graph replays; page size 64; "
+             "fp8 = e4m3fn KV with a bf16 q).", "",
+             "| batch | heads | kv_len | qlen | kv | route | time us | TB/s | TFLOP/s | params |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    notes = []
+    for point in dict.fromkeys(r.point for r in results):
+        for kv in dict.fromkeys(r.kv for r in results if r.point == point):
+            here = [r for r in results if r.point == point and r.kv == kv]
+            best = best_per_route(here)
+            for route, r in sorted(best.items(), key=lambda kv_: kv_[1].time_us):
+                lines.append(f"| {' | '.join(map(str, point))} | {kv} | {route} | "
+                             f"{r.time_us:.1f} | {r.tb_s:.2f} | {r.tflops:.1f} | "
+                             f"`{json.dumps(r.params)}` |")
+            failed = [r for r in here if r.status != "ok"]
+            for r in failed:
+                notes.append(f"- {point} {kv} {r.route} `{json.dumps(r.params)}`: {r.status}")
+            if kv == "bf16":
+                overall = min(best.values(), key=lambda r: r.time_us, default=None)
+                note = target_note(point, overall)
+                if note:
+                    notes.append(f"- {point} bf16 best ({overall.route if overall else '-'}): "
+                                 f"{note}")
+    lines += ["", "## Targets and failures", "", *notes, ""]
+    md_path = out_dir / f"decode-{stamp}.md"
+    md_path.write_text("\n".join(lines))
+    print(f"wrote {csv_path} and {md_path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=os.environ.get("OUT") or None,
+                        help="folder for the CSV and markdown (default: $OUT when set)")
+    parser.add_argument("--kv", default="bf16,fp8", help="KV dtypes: bf16,fp8")
+    parser.add_argument("--points", default="all",
+                        help="indices into POINTS, comma separated (default all)")
+    parser.add_argument("--reps", type=int, default=30, help="timed graph replays per config")
+    parser.add_argument("--max-params", type=int, default=None,
+                        help="only the first N parameter sets of each route")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/decode.py needs a GPU", file=sys.stderr)
+        return 2
+    device = current_device()
+    points = POINTS if args.points == "all" else [POINTS[int(i)] for i in args.points.split(",")]
+    versions = library_versions()
+    header = {"device": f"{device.name} ({device.arch}, {device.cu_count} SMs)",
+              "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+              "command": "PYTHONPATH=$PWD python " + " ".join(sys.argv),
+              "torch": versions["torch"], "triton": versions["triton"]}
+    print(header, flush=True)
+    started = time.time()
+    results: list[Result] = []
+    for point in points:
+        for kv in args.kv.split(","):
+            print(f"(batch, heads, kv_len, qlen) = {point}, kv {kv}", flush=True)
+            here = bench_point(point, kv, device, args.reps, args.max_params)
+            results += here
+            best = best_per_route(here)
+            for route, r in sorted(best.items(), key=lambda x: x[1].time_us):
+                print(f"  best {route:18s} {_fmt(r)} {json.dumps(r.params)}")
+            if kv == "bf16":
+                overall = min(best.values(), key=lambda r: r.time_us, default=None)
+                note = target_note(point, overall)
+                if note:
+                    print(f"  {note}")
+            print(f"  [{time.time() - started:.0f} s elapsed]", flush=True)
+    if args.out is not None:
+        write_outputs(args.out, results, header)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

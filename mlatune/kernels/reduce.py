@@ -1,0 +1,124 @@
+"""Merge a row's split (or segment) partials into the final output and natural-log LSE.
+
+Partials are normalized outputs ``[slot, row, d_v]`` with base-2 statistics,
+either one LSE per ``[slot, row]`` (split-KV) or the unreduced pair (max,
+expsum) of the segmented kernel, whose LSE is ``max + log2(expsum)``. Row group
+``g`` owns slots ``split_indptr[g]:split_indptr[g + 1]`` (none at all when it
+has no keys: its rows get output 0 and LSE -inf). Output row (token t, head h)
+of group g reads layout row ``t * row_heads + h * head_rep``: that slices the
+padded heads off (see ``attend``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from mlatune.kernels.attend import LN2
+
+
+@triton.jit(do_not_specialize=["tokens_per_group", "q_heads", "row_heads", "head_rep"])
+def reduce_kernel(part_out_ptr, part_a_ptr, part_b_ptr, split_indptr_ptr, out_ptr, lse_ptr,
+                  tokens_per_group, q_heads, row_heads, head_rep,
+                  stride_po_slot, stride_po_row, stride_pa_slot,
+                  stride_o_tok, stride_o_head, stride_lse_tok,
+                  BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, MAX_SLOTS: tl.constexpr,
+                  SLOT_BLOCK: tl.constexpr, MAX_EXPSUM: tl.constexpr,
+                  WRITE_LSE: tl.constexpr):
+    # Grid (row blocks, value-dim blocks, groups): enough programs that a batch
+    # of one request is not a handful of programs walking all slots serially.
+    offs = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    group = tl.program_id(2)
+    ok = offs < tokens_per_group * q_heads
+    tok = offs // q_heads
+    head = offs % q_heads
+    row = tok * row_heads + head * head_rep
+    first = tl.load(split_indptr_ptr + group).to(tl.int64)
+    count = tl.load(split_indptr_ptr + group + 1) - first
+
+    # Pass 1: every slot's statistic at once -> the max and the denominator.
+    slots = tl.arange(0, MAX_SLOTS)
+    stat_off = (first + slots)[:, None] * stride_pa_slot + row[None, :]
+    mask = (slots < count)[:, None] & ok[None, :]
+    x = tl.load(part_a_ptr + stat_off, mask=mask, other=float("-inf"))
+    if MAX_EXPSUM:
+        expsum = tl.load(part_b_ptr + stat_off, mask=mask, other=0.0)
+        x = tl.where(expsum > 0.0, x + tl.log2(tl.where(expsum > 0.0, expsum, 1.0)),
+                     float("-inf"))
+    m_i = tl.max(x, 0)
+    shift = tl.where(m_i == float("-inf"), 0.0, m_i)
+    den = tl.sum(tl.exp2(x - shift[None, :]), 0)
+
+    # Pass 2: weighted sum of the outputs, SLOT_BLOCK slots per step in one load.
+    block = tl.arange(0, SLOT_BLOCK)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, count, SLOT_BLOCK):
+        slot = first + s0 + block
+        smask = ((s0 + block) < count)[:, None] & ok[None, :]
+        off = slot[:, None] * stride_pa_slot + row[None, :]
+        xs = tl.load(part_a_ptr + off, mask=smask, other=float("-inf"))
+        if MAX_EXPSUM:
+            es = tl.load(part_b_ptr + off, mask=smask, other=0.0)
+            xs = tl.where(es > 0.0, xs + tl.log2(tl.where(es > 0.0, es, 1.0)), float("-inf"))
+        w = tl.exp2(xs - shift[None, :])
+        o_off = (slot[:, None, None] * stride_po_slot + row[None, :, None] * stride_po_row
+                 + d[None, None, :])
+        o = tl.load(part_out_ptr + o_off, mask=smask[:, :, None], other=0.0)
+        acc += tl.sum(w[:, :, None] * o, 0)
+    has_keys = den > 0.0
+    safe_den = tl.where(has_keys, den, 1.0)
+    res = tl.where(has_keys[:, None], acc / safe_den[:, None], 0.0)
+    out_tok = (group * tokens_per_group + tok).to(tl.int64)
+    tl.store(out_ptr + (out_tok * stride_o_tok + head * stride_o_head)[:, None] + d[None, :],
+             res.to(out_ptr.dtype.element_ty), mask=ok[:, None])
+    if WRITE_LSE:
+        # One value-dim block writes the LSE.
+        lse = tl.where(has_keys, (m_i + tl.log2(safe_den)) * LN2, float("-inf"))
+        tl.store(lse_ptr + out_tok * stride_lse_tok + head, lse,
+                 mask=ok & ((offs * 0 + tl.program_id(1)) == 0))
+
+
+def reduce_launcher(part_out: torch.Tensor, part_lse: torch.Tensor,
+                    part_expsum: torch.Tensor | None, split_indptr: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor | None, *, tokens_per_group: int,
+                    q_heads: int, row_heads: int, head_rep: int, max_slots: int,
+                    blocks: tuple[int, int] | None = None) -> Callable[[], None]:
+    """A zero-argument launch of ``reduce_kernel``.
+
+    ``part_lse`` holds base-2 LSEs, or maxima when ``part_expsum`` is given.
+    ``out`` is (groups * tokens_per_group, q_heads, d_v); ``max_slots`` bounds
+    any group's slot count; ``blocks`` (rows, value dims per program)
+    overrides the size-based choice.
+    """
+    groups = split_indptr.shape[0] - 1
+    d_v = out.shape[-1]
+    rows = groups * tokens_per_group * q_heads
+    # Small batches: small blocks, many programs; large ones: fewer, fuller programs.
+    # The CPU interpreter runs programs one by one: there, the fewest.
+    if blocks is not None:
+        block_r, block_d = blocks
+    elif not out.is_cuda:
+        block_r, block_d = 16, d_v
+    else:
+        block_r, block_d = (2, 64) if rows < 2048 else (8, 256)
+    block_d = min(block_d, d_v)
+    if d_v % block_d:
+        raise ValueError(f"d_v {d_v} must be a multiple of {block_d}")
+    grid = (triton.cdiv(tokens_per_group * q_heads, block_r), d_v // block_d, groups)
+    args = (part_out, part_lse, part_lse if part_expsum is None else part_expsum, split_indptr,
+            out, out if lse is None else lse, tokens_per_group, q_heads, row_heads, head_rep,
+            part_out.stride(0), part_out.stride(1), part_lse.stride(0),
+            out.stride(0), out.stride(1), 0 if lse is None else lse.stride(0))
+    max_pow2 = triton.next_power_of_2(max(max_slots, 1))
+    meta = dict(BLOCK_R=block_r, BLOCK_D=block_d, MAX_SLOTS=max_pow2,
+                SLOT_BLOCK=min(max_pow2, 16),
+                MAX_EXPSUM=part_expsum is not None, WRITE_LSE=lse is not None, num_warps=4)
+
+    def launch() -> None:
+        reduce_kernel[grid](*args, **meta)
+
+    return launch

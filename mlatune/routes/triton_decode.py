@@ -1,0 +1,386 @@
+"""Portable Triton decode routes: ``padded``, ``gluon``, ``cprr`` and ``segmented`` families.
+
+Each family follows the seed's route of the same name (vLLM's ROCm AITER MLA
+backend) in what it computes and how it lays the work out, on kernels of our
+own (``mlatune.kernels``) that run wherever Triton does:
+
+- ``padded/triton``: query heads padded to a multiple of 16 the seed's way
+  (repeat_interleave for divisors of 16, tile-and-slice otherwise), the
+  padded rows computed and sliced off out and LSE; split-KV plus a reduce with
+  ``num_splits`` tuned, or ``persistent: true``: a host-planned work list over
+  the SMs. Any DCP size: causality is applied on global positions.
+- ``gluon/triton``: fewer than 16 kernel heads, decode and causal verify
+  (qlen <= 8), no DCP: heads x qlen folded into the rows, no padding.
+- ``cprr/triton``: DCP decode and verify over the round-robin shard, heads
+  padded to 16/32/64/128, causal window applied in the kernel from the global
+  lengths, cp_rank and cp_world_size.
+- ``segmented/triton``: DCP causal verify: one single-query row group per
+  verify token with its local window length computed on the host; KV walked in
+  segments of page-dividing tiles; unreduced (out, max, expsum) partials merged
+  by a second kernel.
+
+The padding is applied as an index map when q rows are loaded and when results
+are stored (``kernels.attend``) instead of through copies: the kernels compute
+exactly the seed's padded rows, without the copy kernels around them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable
+
+import torch
+
+from mlatune.arch import DeviceInfo
+from mlatune.inputs import DecodeInputs, PrefillInputs
+from mlatune.problem import DTYPES, FP8_DTYPES, MLAProblem
+from mlatune.routes.base import YES, Params, Prepared, Verdict, no
+
+PAD_MULTIPLE = 16  # the padded family's head granularity
+CPRR_HEADS = (16, 32, 64, 128)  # the head counts cprr kernels exist at
+GLUON_MAX_QLEN = 8
+SPLIT_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128)
+MAX_BLOCK_M = 64  # a 64 x 512 fp32 accumulator already fills two warpgroups' registers
+
+# Tile configurations the interpreter runs fast enough for CI.
+_CPU_TILES = ({"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1},)
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def row_padding(q_heads: int, target: int) -> tuple[int, int]:
+    """(row_heads, head_rep) of the seed's padding of ``q_heads`` to ``target`` heads.
+
+    Divisors of the target are repeat_interleaved (each head repeated
+    ``target // q_heads`` times, the copies next to each other); other counts
+    are tiled and sliced to ``target`` (head h of the padded block is
+    ``h % q_heads``); a count already at the target is untouched.
+    """
+    if target == q_heads:
+        return q_heads, 1
+    if target % q_heads == 0:
+        return target, target // q_heads
+    return target, 1
+
+
+def _triton_verdict(problem: MLAProblem, device: DeviceInfo) -> Verdict:
+    """What every Triton decode route needs, whatever the family."""
+    if problem.phase != "decode":
+        return no(f"decode routes serve phase 'decode', not {problem.phase!r}")
+    if importlib.util.find_spec("triton") is None:
+        return no("triton is not installed")
+    if not device.is_gpu and os.environ.get("TRITON_INTERPRET") != "1":
+        return no("Triton kernels need a GPU; on the CPU set TRITON_INTERPRET=1 before "
+                  "importing mlatune to run them in the interpreter")
+    for name in ("kv_lora_rank", "rope_dim"):
+        value = getattr(problem, name)
+        if not _is_pow2(value) or value < 16:
+            return no(f"{name} must be a power of two >= 16 for the kernel's tiles, got {value}")
+    fp8 = problem.kv_dtype in FP8_DTYPES
+    if fp8 and device.vendor == "nvidia":
+        if "fp8_e4m3fnuz" in (problem.kv_dtype, problem.q_dtype):
+            return no("e4m3fnuz is an AMD format: NVIDIA GPUs have no fnuz fp8, use e4m3fn")
+        major_minor = device.arch.removeprefix("sm_")
+        if major_minor.isdigit() and int(major_minor) < 89:
+            return no(f"fp8 needs sm_89 or newer, the device is {device.arch}")
+    return YES
+
+
+class _TritonDecodeRoute:
+    """The shared shape of the split-KV families; subclasses say which heads and problems."""
+
+    id = ""
+
+    # -- family rules ---------------------------------------------------------------
+    def _family_verdict(self, problem: MLAProblem) -> Verdict:
+        raise NotImplementedError
+
+    def _padded_heads(self, problem: MLAProblem) -> int:
+        """Heads per token the kernel's rows hold (the padding target)."""
+        raise NotImplementedError
+
+    def supports(self, problem: MLAProblem, device: DeviceInfo) -> Verdict:
+        verdict = _triton_verdict(problem, device)
+        return verdict if not verdict else self._family_verdict(problem)
+
+    # -- parameters -----------------------------------------------------------------
+    def _rows_per_group(self, problem: MLAProblem) -> int:
+        return problem.qlen * self._padded_heads(problem)
+
+    def _groups(self, problem: MLAProblem) -> int:
+        return problem.batch
+
+    def _tile_choices(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
+        if not device.is_gpu:
+            return [dict(t) for t in _CPU_TILES]
+        block_m = min(MAX_BLOCK_M, max(16, _next_pow2(self._rows_per_group(problem))))
+        if block_m == 64:  # two warpgroups share the 64 x 512 accumulator
+            return [{"block_m": 64, "block_n": 64, "num_warps": 8, "num_stages": 1},
+                    {"block_m": 64, "block_n": 32, "num_warps": 8, "num_stages": 2},
+                    {"block_m": 64, "block_n": 32, "num_warps": 8, "num_stages": 3}]
+        return [{"block_m": block_m, "block_n": 32, "num_warps": 4, "num_stages": 3},
+                {"block_m": block_m, "block_n": 64, "num_warps": 4, "num_stages": 2},
+                {"block_m": block_m, "block_n": 32, "num_warps": 4, "num_stages": 4}]
+
+    def _split_choices(self, problem: MLAProblem, device: DeviceInfo, tiles: Params) -> list[int]:
+        """Split counts around the smallest that fills the device, where the keys allow them."""
+        programs = self._groups(problem) * -(-self._rows_per_group(problem) // tiles["block_m"])
+        max_splits = max(1, -(-problem.shard_len // tiles["block_n"]))
+        usable = [s for s in SPLIT_CHOICES if s <= max_splits]
+        fill = next((s for s in usable if programs * s >= device.cu_count), usable[-1])
+        i = usable.index(fill)
+        return usable[max(0, i - 1):i + 2]
+
+    def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
+        space = []
+        for tiles in self._tile_choices(problem, device):
+            space += [{**tiles, "num_splits": s}
+                      for s in self._split_choices(problem, device, tiles)]
+        if device.is_gpu:
+            # The tile loaded twice (transposed for the scores, upright for the values).
+            first = space[min(1, len(space) - 1)]
+            space.append({**first, "kv_twice": True})
+        return space
+
+    def _resolve(self, problem: MLAProblem, params: Params | None, device: DeviceInfo) -> Params:
+        chosen = dict(self.param_space(problem, device)[0])
+        chosen.update(params or {})
+        return chosen
+
+    # -- preparation ----------------------------------------------------------------
+    def prepare(self, problem: MLAProblem, inputs: DecodeInputs | PrefillInputs, *,
+                rank: int = 0, params: Params | None = None,
+                want_lse: bool = True) -> Prepared:
+        if not isinstance(inputs, DecodeInputs):
+            raise TypeError(f"{self.id} serves decode inputs, got {type(inputs).__name__}")
+        device = _device_of(inputs.q)
+        chosen = self._resolve(problem, params, device)
+        _check_layouts(inputs, rank)
+        out = torch.empty(inputs.q.shape[0], problem.kernel_heads, problem.d_v,
+                          dtype=DTYPES[problem.out_dtype], device=inputs.q.device)
+        lse = torch.empty(inputs.q.shape[0], problem.kernel_heads, dtype=torch.float32,
+                          device=inputs.q.device) if want_lse else None
+        launches = self._plan(problem, inputs, rank, chosen, out, lse, device)
+
+        def run() -> None:
+            for launch in launches:
+                launch()
+
+        return Prepared(run, out, lse, graph_safe=True, params=chosen)
+
+    def _plan(self, problem: MLAProblem, inputs: DecodeInputs, rank: int, params: Params,
+              out: torch.Tensor, lse: torch.Tensor | None,
+              device: DeviceInfo) -> list[Callable[[], None]]:
+        from mlatune.kernels.plan import plan_persistent
+        from mlatune.kernels.reduce import reduce_launcher
+        from mlatune.kernels.split_kv import (
+            RowLayout,
+            TileConfig,
+            persistent_launcher,
+            split_kv_launcher,
+        )
+
+        row_heads, head_rep = row_padding(problem.kernel_heads, self._padded_heads(problem))
+        layout = RowLayout(problem.qlen, problem.kernel_heads, row_heads, head_rep)
+        tiles = TileConfig(params["block_m"], params["block_n"], params["num_warps"],
+                           params["num_stages"], bool(params.get("kv_twice")))
+        shard = inputs.shards[rank]
+        dev = inputs.q.device
+        common = dict(layout=layout, rank=rank, world=problem.dcp_size, causal=problem.causal,
+                      sm_scale=problem.softmax_scale, tiles=tiles)
+        tensors = (inputs.q, shard.kv_cache, shard.block_table, inputs.seq_lens,
+                   inputs.q_scale, inputs.kv_scale)
+        reduce_args = dict(tokens_per_group=problem.qlen, q_heads=problem.kernel_heads,
+                           row_heads=row_heads, head_rep=head_rep)
+        if params.get("persistent"):
+            row_blocks = -(-layout.rows // tiles.block_m)
+            workers = params.get("num_workers") or max(1, device.cu_count // row_blocks)
+            plan = plan_persistent(shard.seq_lens.tolist(), tiles.block_n, workers)
+            part_out, part_lse = _partials(max(plan.num_slots, 1), layout.rows, problem.d_v, dev)
+            work = torch.tensor(plan.work or [(0, 0, 0, 0)], dtype=torch.int32, device=dev)
+            return [
+                persistent_launcher(*tensors, **common, work=work,
+                                    work_indptr=_int32(plan.work_indptr, dev),
+                                    part_out=part_out, part_lse=part_lse),
+                reduce_launcher(part_out, part_lse, None, _int32(plan.split_indptr, dev), out,
+                                lse, **reduce_args, max_slots=plan.max_slots),
+            ]
+        splits = params["num_splits"]
+        if splits == 1:
+            return [split_kv_launcher(*tensors, **common, num_splits=1, out=out, lse=lse)]
+        part_out, part_lse = _partials(problem.batch * splits, layout.rows, problem.d_v, dev)
+        split_indptr = torch.arange(problem.batch + 1, dtype=torch.int32, device=dev) * splits
+        return [
+            split_kv_launcher(*tensors, **common, num_splits=splits, part_out=part_out,
+                              part_lse=part_lse),
+            reduce_launcher(part_out, part_lse, None, split_indptr, out, lse, **reduce_args,
+                            max_slots=splits),
+        ]
+
+
+def _device_of(t: torch.Tensor) -> DeviceInfo:
+    """The DeviceInfo of the device a tensor lives on (its SM count sizes the schedule)."""
+    from mlatune.arch import cpu_device, gpu_devices
+
+    return gpu_devices()[t.device.index or 0] if t.is_cuda else cpu_device()
+
+
+def _int32(values: list[int], device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+def _partials(slots: int, rows: int, d_v: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty(slots, rows, d_v, dtype=torch.float32, device=device),
+            torch.empty(slots, rows, dtype=torch.float32, device=device))
+
+
+def _check_layouts(inputs: DecodeInputs, rank: int) -> None:
+    """The kernels index rows by stride and assume unit strides inside a row."""
+    shard = inputs.shards[rank]
+    if inputs.q.stride(-1) != 1 or shard.kv_cache.stride(-1) != 1 \
+            or shard.block_table.stride(-1) != 1:
+        raise ValueError("q, kv_cache and block_table need a contiguous last dimension")
+    if shard.kv_cache.stride(1) != shard.kv_cache.shape[-1] or not shard.kv_cache.is_contiguous():
+        raise ValueError("kv_cache must be contiguous (pages, page_size, d_qk)")
+
+
+class PaddedTritonRoute(_TritonDecodeRoute):
+    """Heads padded to a multiple of 16; split-KV + reduce, or a persistent work list."""
+
+    id = "padded/triton"
+
+    def _padded_heads(self, problem: MLAProblem) -> int:
+        return -(-problem.kernel_heads // PAD_MULTIPLE) * PAD_MULTIPLE
+
+    def _family_verdict(self, problem: MLAProblem) -> Verdict:
+        heads = problem.kernel_heads
+        if heads > 128 and heads % PAD_MULTIPLE:
+            return no(f"{heads} kernel heads: padding serves up to 128 heads or multiples of 16")
+        return YES
+
+    def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
+        space = super().param_space(problem, device)
+        return space + [{**tiles, "persistent": True}
+                        for tiles in self._tile_choices(problem, device)[:2]]
+
+
+class GluonTritonRoute(_TritonDecodeRoute):
+    """Small-head (< 16) decode and causal verify: heads x qlen folded into rows, unpadded."""
+
+    id = "gluon/triton"
+
+    def _padded_heads(self, problem: MLAProblem) -> int:
+        return problem.kernel_heads
+
+    def _family_verdict(self, problem: MLAProblem) -> Verdict:
+        if problem.kernel_heads >= PAD_MULTIPLE:
+            return no(f"{problem.kernel_heads} kernel heads: the small-head family serves < 16")
+        if problem.dcp_size != 1:
+            return no("no DCP: a folded verify block cannot express per-rank windows "
+                      "(cprr and segmented serve DCP)")
+        if problem.qlen > GLUON_MAX_QLEN:
+            return no(f"qlen {problem.qlen} > {GLUON_MAX_QLEN}: the small-head family serves "
+                      f"decode and verify up to {GLUON_MAX_QLEN} tokens")
+        if problem.qlen > 1 and not problem.causal:
+            return no("non-causal verify: the small-head family always masks the block causally")
+        return YES
+
+
+class CprrTritonRoute(_TritonDecodeRoute):
+    """DCP round-robin decode/verify, heads padded to 16/32/64/128, global causal window."""
+
+    id = "cprr/triton"
+
+    def _padded_heads(self, problem: MLAProblem) -> int:
+        return next(h for h in CPRR_HEADS if h >= problem.kernel_heads)
+
+    def _family_verdict(self, problem: MLAProblem) -> Verdict:
+        if problem.dcp_size == 1:
+            return no("cprr serves DCP (dcp_size > 1) round-robin shards only")
+        if problem.kernel_heads > CPRR_HEADS[-1]:
+            return no(f"{problem.kernel_heads} kernel heads > {CPRR_HEADS[-1]}: cprr pads to "
+                      f"one of {CPRR_HEADS}")
+        return YES
+
+
+class SegmentedTritonRoute(_TritonDecodeRoute):
+    """DCP causal verify: one single-query row group per token, segment partials merged."""
+
+    id = "segmented/triton"
+
+    def _padded_heads(self, problem: MLAProblem) -> int:
+        return problem.kernel_heads
+
+    def _rows_per_group(self, problem: MLAProblem) -> int:
+        return problem.kernel_heads
+
+    def _groups(self, problem: MLAProblem) -> int:
+        return problem.batch * problem.qlen
+
+    def _family_verdict(self, problem: MLAProblem) -> Verdict:
+        if problem.dcp_size == 1:
+            return no("segmented serves DCP verify: dcp_size must be > 1")
+        if problem.qlen == 1:
+            return no("segmented serves verify (qlen > 1); decode has no per-token windows")
+        if not problem.causal:
+            return no("segmented encodes causal windows in row lengths: causal only")
+        return YES
+
+    def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
+        space = []
+        for p in super().param_space(problem, device):
+            segments = p.pop("num_splits")
+            space.append({**p, "num_segments": segments})
+        return space
+
+    def _plan(self, problem: MLAProblem, inputs: DecodeInputs, rank: int, params: Params,
+              out: torch.Tensor, lse: torch.Tensor | None,
+              device: DeviceInfo) -> list[Callable[[], None]]:
+        from mlatune.kernels.reduce import reduce_launcher
+        from mlatune.kernels.segmented import (
+            row_lengths,
+            segment_tile,
+            segmented_launcher,
+            subpage_table,
+        )
+        from mlatune.kernels.split_kv import TileConfig
+
+        shard = inputs.shards[rank]
+        dev = inputs.q.device
+        page = problem.page_size
+        tile = segment_tile(page)
+        # The tile is the subpage; the dot needs at least 16 keys, so tiles of
+        # small pages span several subpages (looked up key by key).
+        block_n = min(tile, params["block_n"]) if tile >= 16 else 16
+        tiles = TileConfig(params["block_m"], block_n, params["num_warps"],
+                           params["num_stages"], bool(params.get("kv_twice")))
+        kv = shard.kv_cache.view(-1, tile, shard.kv_cache.shape[-1])
+        table = subpage_table(shard.block_table, page, tile)
+        lens = row_lengths(inputs.seq_lens, problem.qlen, rank, problem.dcp_size)
+        segments = params["num_segments"]
+        slots = lens.shape[0] * segments
+        heads = problem.kernel_heads
+        seg_out = torch.empty(slots, heads, problem.d_v, dtype=torch.float32, device=dev)
+        seg_max = torch.empty(slots, heads, dtype=torch.float32, device=dev)
+        seg_sum = torch.empty(slots, heads, dtype=torch.float32, device=dev)
+        split_indptr = torch.arange(lens.shape[0] + 1, dtype=torch.int32, device=dev) * segments
+        return [
+            segmented_launcher(inputs.q, kv, table, lens, inputs.q_scale, inputs.kv_scale,
+                               qlen=problem.qlen, sm_scale=problem.softmax_scale, tiles=tiles,
+                               num_segments=segments, seg_out=seg_out, seg_max=seg_max,
+                               seg_sum=seg_sum),
+            reduce_launcher(seg_out, seg_max, seg_sum, split_indptr, out, lse,
+                            tokens_per_group=1, q_heads=heads, row_heads=heads, head_rep=1,
+                            max_slots=segments),
+        ]
+
+
+TRITON_DECODE_ROUTES = (PaddedTritonRoute, GluonTritonRoute, CprrTritonRoute,
+                        SegmentedTritonRoute)
