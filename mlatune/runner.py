@@ -53,19 +53,34 @@ class Candidate:
                 "route_params": self.params_json, **result}
 
 
+REFERENCE = "reference/torch"
+
+
 def plan(spec: SweepSpec, device: DeviceInfo, only: Iterable[str] | None = None
          ) -> tuple[list[Candidate], list[dict[str, Any]]]:
-    """Candidates to run, and ``unsupported`` records for the routes that refuse a problem."""
+    """Candidates to run, and ``unsupported`` records for the routes that refuse a problem.
+
+    By default every viable route runs, except the eager reference where another
+    route serves the problem: it is the fallback of last resort, and timing it
+    costs more than all the others together. Naming routes (spec or --routes)
+    runs exactly those. Each route's parameter sets are cut to the spec's
+    ``max_params_per_route``, keeping the first: routes list theirs most
+    promising first.
+    """
     selected = list(only) if only else (list(spec.routes) or None)
     candidates, refused = [], []
     for problem in spec.problems:
-        for route, verdict in routes.verdicts(problem, device, selected):
-            if verdict.ok:
-                candidates += [Candidate(problem, route.id, p)
-                               for p in route.param_space(problem, device)]
-            else:
-                refused.append(Candidate(problem, route.id).record(
-                    status="unsupported", reason=verdict.reason))
+        answers = routes.verdicts(problem, device, selected)
+        serving = [r for r, v in answers if v.ok]
+        if selected is None and len(serving) > 1:
+            serving = [r for r in serving if r.id != REFERENCE]
+        for route in serving:
+            space = route.param_space(problem, device)
+            if spec.max_params_per_route:
+                space = space[:spec.max_params_per_route]
+            candidates += [Candidate(problem, route.id, p) for p in space]
+        refused += [Candidate(problem, r.id).record(status="unsupported", reason=v.reason)
+                    for r, v in answers if not v.ok]
     return candidates, refused
 
 

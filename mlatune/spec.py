@@ -3,6 +3,7 @@
     name = "smoke"
     seed = 0                       # inputs of each problem derive from it
     routes = []                    # route ids to consider; empty = every viable one
+    max_params_per_route = 0       # keep each route's first N parameter sets (0 = all)
 
     [budget]                       # per candidate (see bench.Budget)
     warmup = 3
@@ -45,7 +46,8 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 DEFAULT_SPEC = "smoke.toml"
-_TOP_KEYS = {"name", "description", "seed", "routes", "budget", "grid", "tolerance"}
+_TOP_KEYS = {"name", "description", "seed", "routes", "max_params_per_route", "budget", "grid",
+             "tolerance"}
 _AXES = set(problem_field_names())
 
 
@@ -60,6 +62,7 @@ class SweepSpec:
     sha256: str
     seed: int
     routes: tuple[str, ...]  # empty: every viable route
+    max_params_per_route: int  # 0: all
     budget: Budget
     tolerances: dict[str, float]  # rel_l2 overrides by dtype class
     problems: tuple[MLAProblem, ...]
@@ -98,6 +101,9 @@ def parse(data: dict, where: str, sha256: str = "", gpu: bool = True) -> SweepSp
     routes = data.get("routes", [])
     if not isinstance(routes, list) or not all(isinstance(r, str) for r in routes):
         raise fail("routes", "must be a list of route ids")
+    max_params = data.get("max_params_per_route", 0)
+    if not isinstance(max_params, int) or isinstance(max_params, bool) or max_params < 0:
+        raise fail("max_params_per_route", f"must be an integer >= 0, got {max_params!r}")
     budget = _budget(data.get("budget", {}), fail)
     tolerances = data.get("tolerance", {})
     if not isinstance(tolerances, dict):
@@ -131,8 +137,8 @@ def parse(data: dict, where: str, sha256: str = "", gpu: bool = True) -> SweepSp
             problems.setdefault(problem.key, problem)
     if not problems:
         raise fail("grid", "no valid problem in any grid" + (f" ({skipped[0]})" if skipped else ""))
-    return SweepSpec(str(name), where, sha256, seed, tuple(routes), budget, dict(tolerances),
-                     tuple(problems.values()), tuple(skipped))
+    return SweepSpec(str(name), where, sha256, seed, tuple(routes), max_params, budget,
+                     dict(tolerances), tuple(problems.values()), tuple(skipped))
 
 
 def _check_axes(axes, table: str, fail) -> None:

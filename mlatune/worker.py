@@ -9,6 +9,7 @@ after one the worker asks to be replaced.
 
 from __future__ import annotations
 
+import json
 import math
 import traceback
 from typing import Any
@@ -77,7 +78,10 @@ def evaluate(task: dict[str, Any], device: torch.device, cache: _ProblemCache) -
             step = first.run
         timing = bench.measure(step, device, bench.Budget(**task["budget"]),
                                graph_safe=all(p.graph_safe for p in prepared))
-        return {"status": "ok", "reason": "", **errors, **_timing_fields(problem, timing)}
+        # What the route reports it ran with (a backend it picked, a plan) joins the params.
+        ran_with = json.dumps({**params, **prepared[0].params}, sort_keys=True, default=str)
+        return {"status": "ok", "reason": "", "route_params": ran_with, **errors,
+                **_timing_fields(problem, timing)}
     except Exception as exc:
         restart = not _context_healthy(device)
         where = traceback.extract_tb(exc.__traceback__)[-1]

@@ -153,3 +153,44 @@ def test_sigkill_then_resume_gives_the_same_rows(tmp_path):
     ids = [r["id"] for r in read(journal)[1]]
     assert len(ids) == len(set(ids))
     assert json.loads(journal.read_text().splitlines()[0])["kind"] == "header"
+
+
+def test_plan_drops_the_reference_where_others_serve_and_cuts_params(monkeypatch):
+    from mlatune import routes
+    from mlatune.routes import YES, register, unregister
+    from mlatune.routes.torch_ref import TorchReferenceRoute
+
+    class Tunable(TorchReferenceRoute):
+        id = "tunable/test"
+
+        def supports(self, problem, device):
+            return YES if problem.batch == 1 else no_route("batch 1 only")
+
+        def param_space(self, problem, device):
+            return [{"split": s} for s in (8, 4, 2, 1)]
+
+    from mlatune.routes import no as no_route
+
+    register(Tunable())
+    # Only these two routes exist for this test, whatever else this machine registers.
+    real_verdicts = routes.verdicts
+    monkeypatch.setattr(routes, "verdicts", lambda problem, device, only=None: real_verdicts(
+        problem, device, only or ["reference/torch", "tunable/test"]))
+    try:
+        s = spec.parse({"max_params_per_route": 2, "grid": [{"batch": [1, 2], "kv_len": 8}]},
+                       "t.toml")
+        candidates, refused = runner.plan(s, cpu_device(), only=None)
+        by_batch = {b: [(c.route_id, c.params) for c in candidates if c.problem.batch == b]
+                    for b in (1, 2)}
+        # batch 1: the tunable route serves, so the reference is not timed; first 2 params kept
+        assert [(r, p) for r, p in by_batch[1] if r == "tunable/test"] == [
+            ("tunable/test", {"split": 8}), ("tunable/test", {"split": 4})]
+        assert not any(r == "reference/torch" for r, _ in by_batch[1])
+        # batch 2: nothing else serves, so the reference runs
+        assert [r for r, _ in by_batch[2]] == ["reference/torch"]
+        assert any(r["route"] == "tunable/test" and r["key"]["batch"] == 2 for r in refused)
+        # Naming routes runs exactly those, the reference included.
+        named, _ = runner.plan(s, cpu_device(), only=["reference/torch", "tunable/test"])
+        assert sum(c.route_id == "reference/torch" for c in named) == 2
+    finally:
+        unregister("tunable/test")
