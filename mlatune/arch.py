@@ -68,6 +68,13 @@ def current_device() -> DeviceInfo:
     return gpus[torch.cuda.current_device()] if gpus else cpu_device()
 
 
+def device_of(tensor: torch.Tensor) -> DeviceInfo:
+    """The DeviceInfo of the device a tensor lives on."""
+    if not tensor.is_cuda:
+        return cpu_device()
+    return gpu_devices()[tensor.device.index if tensor.device.index is not None else 0]
+
+
 def package_version(name: str) -> str | None:
     try:
         return importlib.metadata.version(name)

@@ -22,7 +22,8 @@ from mlatune.arch import DeviceInfo, cpu_device
 from mlatune.inputs import make_prefill_inputs, poison_
 from mlatune.kernels.prefill_plan import plan_work, split_head_dim
 from mlatune.problem import DTYPES, MLAProblem
-from mlatune.routes.prefill_triton import TILE_Q, interpreter_enabled
+from mlatune.routes.prefill_triton import TILE_Q
+from mlatune.routes.triton_support import interpreter_enabled
 
 H200 = DeviceInfo("sm_90", "NVIDIA H200", "nvidia", 132)
 A100 = DeviceInfo("sm_80", "NVIDIA A100", "nvidia", 108)

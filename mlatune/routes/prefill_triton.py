@@ -16,17 +16,14 @@ the route the seed takes.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import re
-
 import torch
 
-from mlatune.arch import DeviceInfo, cpu_device, gpu_devices
+from mlatune.arch import DeviceInfo, device_of
 from mlatune.inputs import DecodeInputs, PrefillInputs
 from mlatune.kernels.prefill_plan import split_head_dim
 from mlatune.problem import DTYPES, FP8_DTYPES, MLAProblem
 from mlatune.routes.base import YES, Params, Prepared, Verdict, no
+from mlatune.routes.triton_support import triton_verdict
 
 TILE_Q = 256  # query rows per work tile, as in AITER's FP8 prefill
 HEAD_ALIGN = 16  # heads are padded to a multiple of this, as the seed does
@@ -53,39 +50,6 @@ def padded_heads(num_heads: int) -> int:
     return -(-num_heads // HEAD_ALIGN) * HEAD_ALIGN
 
 
-def interpreter_enabled() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _arch_number(arch: str) -> int | None:
-    """90 for 'sm_90'; None for non-NVIDIA archs."""
-    match = re.fullmatch(r"sm_(\d+)", arch)
-    return int(match.group(1)) if match else None
-
-
-def _fp8_verdict(dtype: str, device: DeviceInfo) -> Verdict:
-    """Which fp8 format the device's matrix units take (the CPU interpreter takes both)."""
-    if device.vendor == "cpu":
-        return YES
-    if device.vendor == "nvidia":
-        if dtype != "fp8_e4m3fn":
-            return no(f"{dtype} is AMD's fp8 format (MI300); NVIDIA GPUs use fp8_e4m3fn")
-        sm = _arch_number(device.arch)
-        if sm is None or sm < 89:
-            return no(f"fp8 tensor-core dots need sm_89 or newer; this device is {device.arch}")
-        return YES
-    if device.vendor == "amd":
-        wanted = {"gfx940": "fp8_e4m3fnuz", "gfx941": "fp8_e4m3fnuz", "gfx942": "fp8_e4m3fnuz",
-                  "gfx950": "fp8_e4m3fn"}.get(device.arch)
-        if wanted is None:
-            return no(f"no fp8 matrix support known for {device.arch} (gfx942: e4m3fnuz, "
-                      f"gfx950: e4m3fn)")
-        if dtype != wanted:
-            return no(f"{device.arch} computes fp8 as {wanted}, not {dtype}")
-        return YES
-    return no(f"unknown vendor {device.vendor!r}")
-
-
 def _shape_verdict(problem: MLAProblem) -> Verdict:
     if split_head_dim(problem.d_qk) is None:
         return no(f"d_qk {problem.d_qk} is not a sum of two powers of two >= 16 "
@@ -103,12 +67,6 @@ def _shared_bytes(config: tuple[int, int, int, int], problem: MLAProblem) -> int
     return item * (block_m * problem.d_qk + stages * block_n * (problem.d_qk + problem.d_v))
 
 
-def _device_of(t: torch.Tensor) -> DeviceInfo:
-    if t.device.type == "cpu":
-        return cpu_device()
-    return gpu_devices()[t.device.index if t.device.index is not None else 0]
-
-
 class _PersistentPrefillRoute:
     id: str
     dtypes: frozenset[str]
@@ -122,16 +80,7 @@ class _PersistentPrefillRoute:
         shape = _shape_verdict(problem)
         if not shape:
             return shape
-        if importlib.util.find_spec("triton") is None:
-            return no("triton is not installed")
-        if device.vendor == "cpu" and not interpreter_enabled():
-            return no("on the CPU, Triton kernels run only under TRITON_INTERPRET=1")
-        if device.vendor == "nvidia" and (_arch_number(device.arch) or 0) < 80:
-            return no(f"the kernel's 16-bit dots need sm_80 or newer; this device is "
-                      f"{device.arch}")
-        if problem.q_dtype in FP8_DTYPES:
-            return _fp8_verdict(problem.q_dtype, device)
-        return YES
+        return triton_verdict(problem, device)
 
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
         if not device.is_gpu:
@@ -153,7 +102,7 @@ class _PersistentPrefillRoute:
         # to switch on TRITON_INTERPRET before its kernels are decorated.
         from mlatune.kernels.prefill import KernelConfig, PersistentPrefill
 
-        device = _device_of(inputs.q)
+        device = device_of(inputs.q)
         params = {**self.param_space(problem, device)[0], **(params or {})}
         config = KernelConfig(params["block_m"], params["block_n"], params["num_warps"],
                               params["num_stages"])

@@ -26,16 +26,15 @@ exactly the seed's padded rows, without the copy kernels around them.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from collections.abc import Callable
 
 import torch
 
-from mlatune.arch import DeviceInfo
+from mlatune.arch import DeviceInfo, device_of
 from mlatune.inputs import DecodeInputs, PrefillInputs
-from mlatune.problem import DTYPES, FP8_DTYPES, MLAProblem
+from mlatune.problem import DTYPES, MLAProblem
 from mlatune.routes.base import YES, Params, Prepared, Verdict, no
+from mlatune.routes.triton_support import triton_verdict
 
 PAD_MULTIPLE = 16  # the padded family's head granularity
 CPRR_HEADS = (16, 32, 64, 128)  # the head counts cprr kernels exist at
@@ -74,23 +73,11 @@ def _triton_verdict(problem: MLAProblem, device: DeviceInfo) -> Verdict:
     """What every Triton decode route needs, whatever the family."""
     if problem.phase != "decode":
         return no(f"decode routes serve phase 'decode', not {problem.phase!r}")
-    if importlib.util.find_spec("triton") is None:
-        return no("triton is not installed")
-    if not device.is_gpu and os.environ.get("TRITON_INTERPRET") != "1":
-        return no("Triton kernels need a GPU; on the CPU set TRITON_INTERPRET=1 before "
-                  "importing mlatune to run them in the interpreter")
     for name in ("kv_lora_rank", "rope_dim"):
         value = getattr(problem, name)
         if not _is_pow2(value) or value < 16:
             return no(f"{name} must be a power of two >= 16 for the kernel's tiles, got {value}")
-    fp8 = problem.kv_dtype in FP8_DTYPES
-    if fp8 and device.vendor == "nvidia":
-        if "fp8_e4m3fnuz" in (problem.kv_dtype, problem.q_dtype):
-            return no("e4m3fnuz is an AMD format: NVIDIA GPUs have no fnuz fp8, use e4m3fn")
-        major_minor = device.arch.removeprefix("sm_")
-        if major_minor.isdigit() and int(major_minor) < 89:
-            return no(f"fp8 needs sm_89 or newer, the device is {device.arch}")
-    return YES
+    return triton_verdict(problem, device)
 
 
 class _TritonDecodeRoute:
@@ -160,7 +147,7 @@ class _TritonDecodeRoute:
                 want_lse: bool = True) -> Prepared:
         if not isinstance(inputs, DecodeInputs):
             raise TypeError(f"{self.id} serves decode inputs, got {type(inputs).__name__}")
-        device = _device_of(inputs.q)
+        device = device_of(inputs.q)
         chosen = self._resolve(problem, params, device)
         _check_layouts(inputs, rank)
         out = torch.empty(inputs.q.shape[0], problem.kernel_heads, problem.d_v,
@@ -223,13 +210,6 @@ class _TritonDecodeRoute:
             reduce_launcher(part_out, part_lse, None, split_indptr, out, lse, **reduce_args,
                             max_slots=splits),
         ]
-
-
-def _device_of(t: torch.Tensor) -> DeviceInfo:
-    """The DeviceInfo of the device a tensor lives on (its SM count sizes the schedule)."""
-    from mlatune.arch import cpu_device, gpu_devices
-
-    return gpu_devices()[t.device.index or 0] if t.is_cuda else cpu_device()
 
 
 def _int32(values: list[int], device) -> torch.Tensor:
