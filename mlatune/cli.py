@@ -195,7 +195,9 @@ def _write_table(rows: list[dict], spec, path) -> None:
     from mlatune import table
     from mlatune.schema import Provenance
 
-    table.write(table.build(rows, Provenance.here(spec.sha256)), path)
+    frame = table.build(rows, Provenance.here(spec.sha256))
+    table.write(frame, path)
+    table.write(frame, path.with_suffix(".csv"))
 
 
 

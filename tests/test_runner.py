@@ -130,6 +130,10 @@ def test_sigkill_then_resume_gives_the_same_rows(tmp_path):
     full = tmp_path / "full.parquet"
     subprocess.run(_sweep_cmd(spec_file, full), env=env, cwd=ROOT, check=True,
                    capture_output=True)
+    from mlatune import table
+
+    parquet, csv = table.read(full), table.read(full.with_suffix(".csv"))
+    assert len(parquet) == len(csv) == 12 and set(parquet.route) == set(csv.route)
     killed = tmp_path / "killed.parquet"
     journal = killed.with_suffix(".journal.jsonl")
     proc = subprocess.Popen(_sweep_cmd(spec_file, killed), env=env, cwd=ROOT,
