@@ -1,17 +1,28 @@
-"""Merging DCP ranks' partial attention by their LSEs, on the device."""
+"""Merging DCP ranks' partial attention by their LSEs, as the sweep times it.
+
+On a GPU this is the Triton merge kernel (one launch, no allocation, graph
+safe); elsewhere the same arithmetic in torch.
+"""
 
 from __future__ import annotations
 
 import torch
 
 
-def merge_ranks_into(outs: list[torch.Tensor], lses: list[torch.Tensor], out: torch.Tensor,
+def merge_ranks_into(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor,
                      lse: torch.Tensor | None = None) -> None:
-    """out = sum_r exp(lse_r - lse) * out_r with lse = logsumexp_r(lse_r); -inf ranks add 0."""
-    stacked = torch.stack(lses).float()
+    """out = sum_r exp(lse_r - lse) * outs[r], lse = logsumexp_r lses[r]; -inf ranks add 0.
+
+    ``outs`` (R, T, H, D) and ``lses`` (R, T, H) stack the ranks' partials.
+    """
+    if outs.is_cuda:
+        from mlatune.kernels.merge import merge_partials_into
+
+        merge_partials_into(outs, lses, out, lse)
+        return
+    stacked = lses.float()
     total = torch.logsumexp(stacked, dim=0)
     weights = torch.exp(stacked - total).nan_to_num_(0.0)
-    merged = (weights[..., None] * torch.stack(outs).float()).sum(dim=0)
-    out.copy_(merged)
+    out.copy_((weights[..., None] * outs.float()).sum(dim=0))
     if lse is not None:
         lse.copy_(total)

@@ -55,9 +55,12 @@ def evaluate(task: dict[str, Any], device: torch.device, cache: _ProblemCache) -
             p.run()
         _sync(device)
         if want_lse:
+            # Ranks' partials stacked as a DCP all-to-all would deliver them.
+            outs = torch.stack([p.out for p in prepared])
+            lses = torch.stack([p.lse for p in prepared])
             out = torch.empty_like(prepared[0].out)
             lse = torch.empty_like(prepared[0].lse)
-            merge_ranks_into([p.out for p in prepared], [p.lse for p in prepared], out, lse)
+            merge_ranks_into(outs, lses, out, lse)
         else:
             out, lse = prepared[0].out, prepared[0].lse
         acc = check(problem, out, ref_out, lse, ref_lse if lse is not None else None,
@@ -68,11 +71,12 @@ def evaluate(task: dict[str, Any], device: torch.device, cache: _ProblemCache) -
 
         first = prepared[0]
         if want_lse:
-            # One rank's attention over the busiest shard (rank 0) plus the merge of all ranks.
-            outs, lses = [p.out for p in prepared], [p.lse for p in prepared]
-
+            # One rank's attention over the busiest shard (rank 0), its partial written
+            # into the stack (the all-to-all's place), and the merge of all ranks.
             def step() -> None:
                 first.run()
+                outs[0].copy_(first.out)
+                lses[0].copy_(first.lse)
                 merge_ranks_into(outs, lses, out, lse)
         else:
             step = first.run

@@ -62,7 +62,8 @@ def run_route(route_id: str, problem: MLAProblem, arch: str = "gfx950", seed: in
     if problem.dcp_size > 1:
         out = torch.empty_like(prepared[0].out)
         lse = torch.empty_like(prepared[0].lse)
-        merge_ranks_into([p.out for p in prepared], [p.lse for p in prepared], out, lse)
+        merge_ranks_into(torch.stack([p.out for p in prepared]),
+                         torch.stack([p.lse for p in prepared]), out, lse)
     else:
         out, lse = prepared[0].out, prepared[0].lse
     want_out, want_lse = reference.run(inputs)
