@@ -1,12 +1,14 @@
 """Merging DCP ranks' partial attention by their LSEs, as the sweep times it.
 
 On a GPU this is the Triton merge kernel (one launch, no allocation, graph
-safe); elsewhere the same arithmetic in torch.
+safe); elsewhere the reference's merge.
 """
 
 from __future__ import annotations
 
 import torch
+
+from mlatune import reference
 
 
 def merge_ranks_into(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor,
@@ -20,9 +22,7 @@ def merge_ranks_into(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor,
 
         merge_partials_into(outs, lses, out, lse)
         return
-    stacked = lses.float()
-    total = torch.logsumexp(stacked, dim=0)
-    weights = torch.exp(stacked - total).nan_to_num_(0.0)
-    out.copy_((weights[..., None] * outs.float()).sum(dim=0))
+    merged, total = reference.merge_partials(list(outs.float()), list(lses.float()))
+    out.copy_(merged)
     if lse is not None:
         lse.copy_(total)
