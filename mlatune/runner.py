@@ -161,7 +161,8 @@ def run(spec: SweepSpec, device: DeviceInfo, journal: Journal, *, workers: int =
         if not groups or groups[-1][0].problem != c.problem:
             groups.append(deque())
         groups[-1].append(c)
-    devices = [device.torch_device] if not device.is_gpu else [f"cuda:{i}" for i in range(workers)]
+    # One worker per GPU; on the CPU ``workers`` processes share it (tests use that).
+    devices = [f"cuda:{i}" for i in range(workers)] if device.is_gpu else ["cpu"] * workers
     ctx = mp.get_context("spawn")
     pool = [_Worker(ctx, d) for d in devices]
     budget = asdict(spec.budget)

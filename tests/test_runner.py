@@ -58,6 +58,20 @@ def test_every_fault_is_recorded_and_the_sweep_goes_on(tmp_path):
     assert read(tmp_path / "j.jsonl")[1] == result.records
 
 
+def test_two_workers_share_the_problems_and_survive_faults(tmp_path):
+    s = tiny_spec(["reference/torch", "fault-abort/test", "fault-wrong/test"],
+                  batch=[1, 2, 3], kv_len=[16, 24])
+    journal = Journal(tmp_path / "j.jsonl", header(), resume=False)
+    records = runner.run(s, cpu_device(), journal, workers=2, timeout_s=20).records
+    journal.close()
+    statuses = {(r["route"], json.dumps(r["key"], sort_keys=True)): r["status"] for r in records}
+    assert len(records) == len(statuses) == 6 * 3  # every (problem, route) exactly once
+    assert {s for (route, _), s in statuses.items() if route == "reference/torch"} == {"ok"}
+    assert {s for (route, _), s in statuses.items() if route == "fault-abort/test"} == {"crashed"}
+    assert {s for (route, _), s in statuses.items()
+            if route == "fault-wrong/test"} == {"rejected_accuracy"}
+
+
 def test_unsupported_routes_are_recorded_with_the_reason(tmp_path):
     from mlatune.routes import no, register, unregister
     from mlatune.routes.torch_ref import TorchReferenceRoute
