@@ -13,7 +13,9 @@ MLAProblem on the table's device). Only ``ok`` rows carry times; other rows
 (rejected_accuracy, crashed, timeout, unsupported) are never winners and
 never count as a route serving a problem. A problem with no ok row at all is
 counted ("without an ok row") and left out of every other number. A route
-has one row per problem: its fastest measured parameter set.
+has one row per problem: its fastest measured parameter set. "problems" is
+the number with an ok row (decode and prefill counted apart); "routes" counts
+the routes with an ok row somewhere, of the routes with any row ("tried").
 
 - t(R, p): time_us (median) of route R's ok row for problem p.
 - The table's pick for p: its rank-1 row (fastest ok route); t_pick(p).
@@ -43,7 +45,8 @@ For each pick: memory fraction = tb_per_s / memory ceiling (TB/s), where
 tb_per_s = problem.min_bytes() / t_pick (its KV shard, q and output moved
 once); compute fraction = tflops / compute ceiling (TFLOP/s), where tflops
 = problem.flops() / t_pick; the reported fraction is the larger of the two,
-and bound says which. fp8 queries are compared with the bf16 compute ceiling
+and bound says which. The summary gives the median and the largest fraction
+over the picks. fp8 queries are compared with the bf16 compute ceiling
 (no fp8 matmul ceiling is measured), which overstates their compute fraction
 by up to 2x; their points are marked. An arch without ceilings gets no
 roofline plot, with a note.
@@ -52,7 +55,10 @@ Nearest on held-out problems (``--heldout``, a table of other problems
 measured on the same arch). The main table is loaded in a Dispatcher (the
 stand-in device as above) and for every held-out problem with an ok row
 ``select`` names a route (source table, nearest or rule; the counts are
-reported). Regret = t_h(chosen route) / t_h(best) - 1, both times from the
+reported; like the rule, the answer depends on the routes registered here,
+and routes of the table not registered here are skipped, with a note).
+"held-out problems" counts those with an ok row; those without one are
+counted apart and not judged. Regret = t_h(chosen route) / t_h(best) - 1, both times from the
 held-out table (each route at its fastest parameter set there, so this judges
 the route, not the parameters the neighbour used):
 - geomean regret: geomean over problems of (1 + regret), minus 1;
@@ -153,6 +159,7 @@ class RegretStats:
 class Summary:
     table_path: str
     device: tuple[str, str, int]
+    measured_with: str  # provenance: when, and with which versions
     problems: int  # with an ok row
     decode: int
     prefill: int
@@ -187,10 +194,21 @@ def one_device(frame: pd.DataFrame, path: str | os.PathLike) -> tuple[str, str, 
     return str(arch), str(name), int(cus)
 
 
+def measured_with(frame: pd.DataFrame) -> str:
+    """The table's provenance in one line (the newest run where there are several)."""
+    runs = table.provenances(frame)
+    if not runs:
+        return "-"
+    last = max(runs, key=lambda r: r["created_utc"])
+    return (f"{last['created_utc']}, mlatune {last['mlatune_version']}, torch "
+            f"{last['torch_version']}, triton {last['triton_version']}, driver {last['driver']}"
+            + (f" ({len(runs)} runs)" if len(runs) > 1 else ""))
+
+
 def measured_problems(frame: pd.DataFrame) -> pd.DataFrame:
     """One row per problem with an ok row: its key fields, ``key`` (MLAProblem.key),
-    winner, winner_us, runner_up, runner_up_us, margin, ok_routes, and the winner's
-    tb_per_s, tflops and route_params."""
+    winner, winner_us, winner_params, runner_up, runner_up_us, margin, ok_routes, and the
+    winner's tb_per_s and tflops."""
     summary = table.summary(frame)
     summary = summary[summary["winner"] != ""]
     picks = table.winners(frame)[[*KEY_COLUMNS, "tb_per_s", "tflops"]]
@@ -264,8 +282,9 @@ def roofline(problems: pd.DataFrame, ceilings: Ceilings) -> pd.DataFrame:
 
 
 def nearest_regret(table_path: str | os.PathLike, heldout: pd.DataFrame, device
-                   ) -> tuple[RegretStats, pd.DataFrame]:
-    """Judge the main table's Dispatcher on the held-out problems (see the module doc)."""
+                   ) -> tuple[RegretStats, pd.DataFrame, dict[str, int]]:
+    """Judge the main table's Dispatcher on the held-out problems (see the module doc);
+    also the rows it skipped per route not registered here."""
     dispatcher = Dispatcher.load(table_path, device=device, allow_arch=device.arch)
     problems = measured_problems(heldout)
     times = ok_times(heldout)
@@ -290,7 +309,7 @@ def nearest_regret(table_path: str | os.PathLike, heldout: pd.DataFrame, device
         median=float(judged.median()) if len(judged) else math.nan,
         max=float(judged.max()) if len(judged) else math.nan,
         sources=per_problem["source"].value_counts().sort_index().astype(int).to_dict())
-    return stats, per_problem
+    return stats, per_problem, dict(dispatcher.skipped_routes)
 
 
 def summarize(table_path: str | os.PathLike, frame: pd.DataFrame,
@@ -314,7 +333,8 @@ def summarize(table_path: str | os.PathLike, frame: pd.DataFrame,
                      f"ok row in the table; left out of its speedup")
     all_keys = frame.drop_duplicates(list(KEY_COLUMNS)).shape[0]
     summary = Summary(
-        table_path=str(table_path), device=(arch, name, cus), problems=len(problems),
+        table_path=str(table_path), device=(arch, name, cus),
+        measured_with=measured_with(frame), problems=len(problems),
         decode=int((problems["phase"] == "decode").sum()),
         prefill=int((problems["phase"] == "prefill").sum()),
         without_ok=all_keys - len(problems), routes_ok=len(times.columns),
@@ -328,7 +348,11 @@ def summarize(table_path: str | os.PathLike, frame: pd.DataFrame,
             raise ReportError(f"{heldout_path}: held-out table is for arch {h_device[0]}, the "
                               f"table for {arch}")
         summary.heldout_path = str(heldout_path)
-        summary.regret, plot_data["regret"] = nearest_regret(table_path, heldout, device)
+        summary.regret, plot_data["regret"], skipped = nearest_regret(table_path, heldout,
+                                                                      device)
+        if skipped:
+            notes.append("nearest: the dispatcher skipped rows of routes not registered here: "
+                         + ", ".join(f"{r} ({n})" for r, n in sorted(skipped.items())))
         if summary.regret.misses:
             notes.append(f"nearest: {summary.regret.misses} held-out problem(s) where the chosen "
                          f"route has no ok row in the held-out table (misses): left out of "
@@ -351,6 +375,7 @@ def headline_rows(summary: Summary) -> list[tuple[str, str]]:
     best, rule = summary.best_fixed, summary.rule
     rows = [
         ("device", " ".join(map(str, summary.device[:2])) + f" ({summary.device[2]} SMs/CUs)"),
+        ("measured", summary.measured_with),
         ("problems", f"{summary.problems} ({summary.decode} decode, {summary.prefill} prefill)"
                      + (f"; {summary.without_ok} without an ok row"
                         if summary.without_ok else "")),
@@ -594,7 +619,8 @@ def plot_regret(per_problem: pd.DataFrame, path: Path) -> Path:
     ax.set_ylabel("regret, % slower than the held-out best")
     ax.set_title(f"main table's choice on held-out problems ({misses} misses not shown)",
                  fontsize=9)
-    ax.legend(fontsize=7, title="select() source", title_fontsize=7)
+    if len(judged):
+        ax.legend(fontsize=7, title="select() source", title_fontsize=7)
     ax.grid(alpha=0.3)
     return _save(figure, Canvas, path)
 
