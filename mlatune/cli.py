@@ -514,3 +514,35 @@ def diff(
     console.print(out)
     if len(shown) < len(changed):
         console.print(f"... {len(changed) - len(shown)} more (--limit 0 shows all)")
+
+
+@app.command()
+def report(
+    table_path: Annotated[Path, typer.Argument(metavar="TABLE", help="Parquet or CSV table.")],
+    out: Annotated[Path, typer.Option("--out", help="Directory for report.html and the PNGs.")],
+    heldout: Annotated[Path | None, typer.Option(
+        "--heldout", help="A table of other problems on the same arch, to judge `nearest`.")]
+        = None,
+) -> None:
+    """Plots and one self-contained HTML page: winners, speedups, roofline, nearest regret."""
+    from mlatune import report as reports
+
+    with _one_line_errors(str(table_path)):  # table errors name their own file
+        made = reports.build_report(table_path, out, heldout)
+    summary = made.summary
+    headline = Table(show_header=False, title=f"report on {table_path}")
+    headline.add_column("", no_wrap=True)
+    headline.add_column("", overflow="fold")
+    for label, value in reports.headline_rows(summary):
+        headline.add_row(label, value)
+    console.print(headline)
+    policies = Table(title="speedup of the table's pick (worst case: the largest)")
+    _columns(policies, reports.POLICY_COLUMNS, ("served", "wins", "geomean speedup",
+                                                "worst case"))
+    for row in reports.policy_rows(summary):
+        policies.add_row(*row)
+    console.print(policies)
+    for note in summary.notes:
+        err_console.print(f"[yellow]note:[/] {note}", soft_wrap=True, highlight=False)
+    console.print(f"[green]wrote[/] {made.html} and {len(made.images)} PNGs in {out}",
+                  soft_wrap=True)

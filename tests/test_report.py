@@ -1,0 +1,299 @@
+"""`mlatune report`: the numbers on small tables whose answers are worked out by hand here,
+the files it writes, and its errors.
+
+Synthetic tables use fake routes with ids that sort first, so the rule order (the
+registered routes by id, reference/torch last) starts with them by construction.
+"""
+
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from mlatune import report, routes, table
+from mlatune.cli import app
+from mlatune.problem import MLAProblem
+from mlatune.spec import load as load_spec
+from tests.table_helpers import H200, MI355, FakeRoute, make_table, result_row
+from tests.test_cli_tables import assert_one_line_error
+
+REPO = Path(__file__).resolve().parents[1]
+SMOKE = REPO / "benchmarks" / "results" / "smoke-h200-20261129"
+wide = CliRunner(env={"COLUMNS": "250"})
+
+FAST, SLOW, RULE = "x-fast/fake", "y-slow/fake", "aa-rule/fake"  # RULE sorts first
+A, B = "one/fake", "two/fake"
+BASE = MLAProblem(num_heads=16, qlen=1, kv_len=1024)
+PREFILL = MLAProblem(phase="prefill", num_heads=16, qlen=4096, kv_len=4096, batch=1,
+                     page_size=1)
+
+
+@pytest.fixture
+def fakes():
+    made = [FakeRoute(r) for r in (RULE, A, B)]
+    for route in made:
+        routes.register(route)
+    yield made
+    for route in made:
+        routes.unregister(route.id)
+
+
+def rows_for(problem: MLAProblem, times: dict[str, float | None], device=H200) -> list[dict]:
+    """One row per route: ok with its time, crashed where None."""
+    return [result_row(problem, route, t, device=device) for route, t in times.items()]
+
+
+# The main synthetic table. Picks: P1 fast 10, P2 slow 5, P3 fast 10, P4 fast 8 (the only
+# ok route), P6 slow 50; P5 has no ok row.
+P = {n: BASE.with_(batch=b) for n, b in (("P1", 1), ("P2", 4), ("P3", 16), ("P4", 64),
+                                          ("P5", 256))}
+P["P6"] = PREFILL
+TIMES = {
+    "P1": {FAST: 10.0, SLOW: 20.0, RULE: 40.0},
+    "P2": {FAST: 10.0, SLOW: 5.0, RULE: 10.0},
+    "P3": {FAST: 10.0, SLOW: None, RULE: 30.0},
+    "P4": {FAST: 8.0, SLOW: None, RULE: None},
+    "P5": {FAST: None, SLOW: None, RULE: None},
+    "P6": {FAST: 150.0, SLOW: 50.0, RULE: 250.0},
+}
+
+
+def main_rows(device=H200) -> list[dict]:
+    return [row for name, times in TIMES.items() for row in rows_for(P[name], times, device)]
+
+
+@pytest.fixture
+def main_table(tmp_path):
+    return table.write(make_table(main_rows()), tmp_path / "main.parquet")
+
+
+def test_fixed_route_and_rule_speedups_match_the_hand_computed_ones(fakes, main_table):
+    summary, _ = report.summarize(main_table, table.read(main_table))
+    assert (summary.problems, summary.decode, summary.prefill, summary.without_ok) == (5, 4, 1, 1)
+    assert (summary.routes_ok, summary.routes_tried) == (3, 3)
+    by_policy = {s.policy: s for s in summary.fixed}
+    fast, slow, rule_route = by_policy[FAST], by_policy[SLOW], by_policy[RULE]
+    # fast: P1 1, P2 10/5, P3 1, P4 1, P6 150/50.
+    assert (fast.served, fast.wins) == (5, 3)
+    assert fast.geomean == pytest.approx(6 ** (1 / 5))
+    assert fast.worst == pytest.approx(3.0) and fast.worst_key == P["P6"].key
+    # slow: P1 20/10, P2 1, P6 1 (crashed at P3, P4).
+    assert (slow.served, slow.wins) == (3, 2)
+    assert slow.geomean == pytest.approx(2 ** (1 / 3))
+    assert slow.worst == pytest.approx(2.0) and slow.worst_key == P["P1"].key
+    # As a fixed route, RULE: 40/10, 10/5, 30/10, 250/50; never a winner.
+    assert (rule_route.served, rule_route.wins) == (4, 0)
+    assert rule_route.worst == pytest.approx(5.0)
+    assert summary.best_fixed.policy == FAST  # most wins
+    # The rule fallback answers RULE everywhere (first in id order, accepts all); it
+    # crashed at P4, so 4 of the 5 problems count.
+    assert summary.rule.policy == report.RULE_POLICY
+    assert (summary.rule.served, summary.rule.total, summary.rule_unmeasured) == (4, 5, 1)
+    assert summary.rule.geomean == pytest.approx(120 ** (1 / 4))
+    assert summary.rule.worst == pytest.approx(5.0)
+    assert any("rule's route has no ok row" in n for n in summary.notes)
+    assert summary.regret is None
+
+
+def test_roofline_fraction_is_the_larger_of_memory_and_compute(fakes, main_table):
+    summary, _ = report.summarize(main_table, table.read(main_table))
+    roof = summary.roofline.set_index("key")
+    ceilings = report.CEILINGS["sm_90"]
+    for name, t in (("P1", 10.0), ("P6", 50.0)):
+        p = P[name]
+        memory = p.min_bytes() / t / 1e6 / ceilings.memory_tb_per_s
+        compute = p.flops() / t / 1e6 / ceilings.compute_tflops
+        assert roof.at[p.key, "fraction"] == pytest.approx(max(memory, compute))
+        assert roof.at[p.key, "bound"] == ("memory" if memory >= compute else "compute")
+    assert roof.at[P["P1"].key, "bound"] == "memory"  # decode at batch 1: few FLOPs per byte
+    assert roof.at[P["P6"].key, "bound"] == "compute"  # prefill, 4096 tokens
+    assert len(roof) == 5  # every pick, none for P5
+
+
+def test_winner_map_cells(fakes, main_table):
+    _, data = report.summarize(main_table, table.read(main_table))
+    cells = report.winner_cells(data["problems"]).set_index("band")
+    assert set(cells.index) == {"batch 1-4", "batch 5-64"}  # P5 (256) has no ok row
+    # batch 1-4: P1 won by fast (runner-up slow, 2x), P2 by slow (runner-up at 10: 2x);
+    # one win each, so the route id decides.
+    low = cells.loc["batch 1-4"]
+    assert (low["route"], low["won"], low["n"]) == (FAST, 1, 2)
+    assert low["label"] == "2.00x\n1/2"
+    # batch 5-64: P3 fast (runner-up rule at 30: 3x), P4 fast alone (no runner-up).
+    mid = cells.loc["batch 5-64"]
+    assert (mid["route"], mid["won"], mid["n"], mid["label"]) == (FAST, 2, 2, "3.00x")
+    only = make_table(rows_for(BASE, {FAST: 3.0, SLOW: None}))
+    cell = report.winner_cells(report.measured_problems(only)).iloc[0]
+    assert cell["label"] == "1 route"
+
+
+def test_batch_bands_cover_every_batch():
+    assert [report.batch_band(b) for b in (1, 2, 4, 5, 8, 64, 65, 128, 10**6)] == [
+        "batch 1-4", "batch 1-4", "batch 1-4", "batch 5-64", "batch 5-64", "batch 5-64",
+        "batch >= 65", "batch >= 65", "batch >= 65"]
+
+
+# Nearest: the main table measures A and B at batch 1 and 64 (kv 1024) of BASE's bucket
+# (A wins at 1, B at 64) and A alone at batch 1 of the qlen-2 bucket. A wins twice, so
+# with the table loaded A leads the rule order.
+VERIFY = BASE.with_(qlen=2)
+NEAREST_MAIN = [
+    *rows_for(BASE.with_(batch=1), {A: 10.0, B: 20.0}),
+    *rows_for(BASE.with_(batch=64), {A: 90.0, B: 50.0}),
+    *rows_for(VERIFY.with_(batch=1), {A: 12.0, B: None}),
+]
+# Held-out problem -> (times there, the route select() should answer, its source).
+HELDOUT = {
+    "H1": (BASE.with_(batch=2), {A: 10.0, B: 12.0}, A, "nearest"),  # batch 1 is nearer
+    "H2": (BASE.with_(batch=32), {A: 10.0, B: 15.0}, B, "nearest"),  # 64 is nearer: +50%
+    "H3": (BASE.with_(batch=48), {A: 20.0, B: None}, B, "nearest"),  # B not ok: a miss
+    "H4": (BASE.with_(batch=4), {A: 11.0, B: 10.0}, A, "nearest"),  # +10%
+    "H5": (BASE.with_(num_heads=128, batch=2), {A: 30.0, B: 24.0}, A, "rule"),  # +25%
+    "H6": (BASE.with_(batch=8), {A: None, B: None}, None, None),  # no ok row: not judged
+    "H7": (BASE.with_(batch=1), {A: 5.0, B: 6.0}, A, "table"),  # measured in main
+}
+
+
+@pytest.fixture
+def nearest_tables(tmp_path):
+    main = table.write(make_table(NEAREST_MAIN), tmp_path / "main.parquet")
+    rows = [r for p, times, _, _ in HELDOUT.values() for r in rows_for(p, times)]
+    heldout = table.write(make_table(rows), tmp_path / "heldout.parquet")
+    return main, heldout
+
+
+def test_nearest_regret_matches_the_hand_computed_one(fakes, nearest_tables):
+    main, heldout = nearest_tables
+    summary, data = report.summarize(main, table.read(main), heldout, table.read(heldout))
+    per_problem = data["regret"].set_index("key")
+    for p, _, route, source in HELDOUT.values():
+        if route is not None:
+            assert per_problem.at[p.key, "chosen"] == route, p
+            assert per_problem.at[p.key, "source"] == source, p
+    regret = summary.regret
+    assert (regret.judged, regret.no_ok_row, regret.misses) == (6, 1, 1)
+    assert regret.picked_winner == 2  # H1 and H7
+    assert regret.sources == {"nearest": 4, "rule": 1, "table": 1}
+    judged = [0.0, 0.5, 0.1, 0.25, 0.0]  # H1, H2, H4, H5, H7
+    assert regret.geomean == pytest.approx(math.prod(1 + r for r in judged) ** (1 / 5) - 1)
+    assert regret.median == pytest.approx(0.1)
+    assert regret.max == pytest.approx(0.5)
+    assert math.isnan(per_problem.at[HELDOUT["H3"][0].key, "regret"])
+    assert any("misses" in n for n in summary.notes)
+
+
+def test_report_files_are_written_and_the_page_stands_alone(fakes, nearest_tables, tmp_path):
+    main, heldout = nearest_tables
+    out = tmp_path / "out"
+    result = wide.invoke(app, ["report", str(main), "--heldout", str(heldout), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    for name in ("winner-map.png", "speedup.png", "roofline.png", "regret.png", "report.html"):
+        assert (out / name).stat().st_size > 1000, name
+        if name.endswith(".png"):
+            assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    page = (out / "report.html").read_text()
+    assert_standalone(page, images=4)
+    # The best fixed route, A (2 wins): 10/10, 90/50, 12/12 -> geomean 1.8 ** (1/3), worst
+    # 1.8; B: 20/10, 50/50 -> sqrt(2), worst 2. Nearest: max regret +50%, 2 of 6 winners.
+    for text in (f"{1.8 ** (1 / 3):.2f}x", "1.80x", f"{math.sqrt(2):.2f}x", "2.00x", "+50.0%",
+                 "2 of 6", "misses 1"):
+        assert text in page, text
+        assert text in result.output, text
+
+
+def assert_standalone(page: str, images: int) -> None:
+    """Nothing outside the file: every image a data URI, no links, scripts or URLs."""
+    assert page.count('src="data:image/png;base64,') == images
+    assert len(re.findall(r'src="', page)) == images
+    for outside in ("http://", "https://", "<link", "<script", "url(", "@import"):
+        assert outside not in page, outside
+
+
+def test_unknown_arch_skips_the_roofline_with_a_note(fakes, tmp_path):
+    path = table.write(make_table(main_rows(MI355)), tmp_path / "gfx950.parquet")
+    result = wide.invoke(app, ["report", str(path), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert "no measured ceilings for arch gfx950" in result.output
+    assert not (tmp_path / "out" / "roofline.png").exists()
+    page = (tmp_path / "out" / "report.html").read_text()
+    assert "no roofline plot" in page and "no held-out table given" in page
+    assert_standalone(page, images=2)
+
+
+def test_report_on_the_committed_smoke_tables(tmp_path):
+    made = report.build_report(SMOKE / "run1.parquet", tmp_path, SMOKE / "run2.parquet")
+    summary = made.summary
+    assert (summary.problems, summary.decode, summary.prefill) == (31, 28, 3)
+    # benchmarks/results/README.md: 30 of 31 problems picked the same winner in both runs.
+    assert (summary.regret.picked_winner, summary.regret.judged) == (30, 31)
+    assert summary.regret.sources == {"table": 31}
+    assert sorted(made.images) == ["regret", "roofline", "speedup", "winner_map"]
+    page = made.html.read_text()
+    assert_standalone(page, images=4)
+    for label, value in report.headline_rows(summary):
+        assert value in page, label
+    # The roofline fractions are fractions of measured ceilings: none reaches 100%.
+    assert 0 < summary.roofline["fraction"].max() < 1
+
+
+def test_missing_inputs_and_bad_tables_are_one_red_line(fakes, main_table, tmp_path):
+    out = str(tmp_path / "out")
+    absent = str(tmp_path / "absent.parquet")
+    assert_one_line_error(wide.invoke(app, ["report", absent, "--out", out]), absent,
+                          "no such file")
+    assert_one_line_error(wide.invoke(app, ["report", str(main_table), "--heldout", absent,
+                                            "--out", out]), absent, "no such file")
+    damaged = tmp_path / "damaged.parquet"
+    damaged.write_bytes(main_table.read_bytes()[:300])
+    assert_one_line_error(wide.invoke(app, ["report", str(damaged), "--out", out]),
+                          "not a readable Parquet table")
+    other_arch = table.write(make_table(main_rows(MI355)), tmp_path / "gfx950.parquet")
+    assert_one_line_error(wide.invoke(app, ["report", str(main_table), "--heldout",
+                                            str(other_arch), "--out", out]), "gfx950", "sm_90")
+    both = table.write(make_table(main_rows() + main_rows(MI355)), tmp_path / "both.parquet")
+    assert_one_line_error(wide.invoke(app, ["report", str(both), "--out", out]),
+                          "one device", "holds 2")
+    nothing_ok = table.write(make_table(rows_for(BASE, {FAST: None})), tmp_path / "none.csv")
+    assert_one_line_error(wide.invoke(app, ["report", str(nothing_ok), "--out", out]),
+                          "no ok row")
+    assert not Path(out).exists()
+
+
+def test_missing_matplotlib_is_one_red_line(main_table, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import now fails
+    result = wide.invoke(app, ["report", str(main_table), "--out", str(tmp_path / "out")])
+    assert_one_line_error(result, "needs matplotlib", "mlatune[report]")
+
+
+def test_mlatune_imports_without_matplotlib():
+    code = ("import sys; sys.modules['matplotlib'] = None\n"
+            "import mlatune.cli, mlatune.dispatch, mlatune.report, mlatune.table\n"
+            "print('ok')")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_heldout_spec_lies_between_the_h200_grid_points():
+    grid = load_spec(REPO / "sweeps" / "h200.toml")
+    heldout = load_spec(REPO / "sweeps" / "h200-heldout.toml")
+    assert 100 <= len(heldout.problems) <= 500
+    assert heldout.max_params_per_route == grid.max_params_per_route
+    buckets = {p.bucket for p in grid.problems}
+    batches = sorted({p.batch for p in grid.problems if p.phase == "decode"})
+    kv_lens = sorted({p.kv_len for p in grid.problems if p.phase == "decode"})
+    for p in heldout.problems:
+        assert p.bucket in buckets, p  # nearest searches the same bucket
+        assert p.batch not in batches and batches[0] < p.batch < batches[-1], p
+        assert p.kv_len not in kv_lens and kv_lens[0] < p.kv_len < kv_lens[-1], p
+    assert not {p.key for p in heldout.problems} & {p.key for p in grid.problems}
+
+
+def test_summary_counts_problems_not_rows():
+    frame = make_table(main_rows())
+    assert len(report.measured_problems(frame)) == 5
+    assert report.ok_times(frame).shape == (5, 3)
