@@ -114,10 +114,10 @@ class Ceilings:
 CEILINGS: dict[str, Ceilings] = {
     "sm_90": Ceilings(
         memory_tb_per_s=4.38, compute_tflops=790.0,
-        source="NVIDIA H200, measured by the project on the device machine (2026-11-29): "
-               "streaming read 4.38 TB/s, dense bf16 matmul ~790 TFLOP/s; quoted in the "
-               "issue-8 brief, not yet in benchmarks/results/ (whose README records "
-               "~4.3 TB/s device-to-device copy)"),
+        source="NVIDIA H200, as the project brief gives them: streaming read 4.38 TB/s, "
+               "dense bf16 matmul about 790 TFLOP/s (the device machine's notes record a "
+               "4.3 TB/s device copy and 769-798 TFLOP/s, 2026-10-28 and 2026-11-04); "
+               "not re-measured by mlatune's own runs yet"),
 }
 
 # Decode batch bands of the winner map: (lowest, highest or None, label).
