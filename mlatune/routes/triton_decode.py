@@ -117,24 +117,30 @@ class _TritonDecodeRoute:
                 {"block_m": block_m, "block_n": 32, "num_warps": 4, "num_stages": 4}]
 
     def _split_choices(self, problem: MLAProblem, device: DeviceInfo, tiles: Params) -> list[int]:
-        """Split counts around the smallest that fills the device, where the keys allow them."""
+        """Split counts around the smallest that fills the device, where the keys allow them;
+        that one first."""
         programs = self._groups(problem) * -(-self._rows_per_group(problem) // tiles["block_m"])
         max_splits = max(1, -(-problem.shard_len // tiles["block_n"]))
         usable = [s for s in SPLIT_CHOICES if s <= max_splits]
         fill = next((s for s in usable if programs * s >= device.cu_count), usable[-1])
         i = usable.index(fill)
-        return usable[max(0, i - 1):i + 2]
+        return [fill, *usable[max(0, i - 1):i], *usable[i + 1:i + 2]]
+
+    def _variants(self, problem: MLAProblem, device: DeviceInfo, tiles: list[Params]
+                  ) -> list[Params]:
+        """Options beyond tiles and splits, most promising first (padded adds persistent)."""
+        # The tile loaded twice (transposed for the scores, upright for the values).
+        return [{**tiles[0], "kv_twice": True}] if device.is_gpu else []
 
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
-        space = []
-        for tiles in self._tile_choices(problem, device):
-            space += [{**tiles, "num_splits": s}
-                      for s in self._split_choices(problem, device, tiles)]
-        if device.is_gpu:
-            # The tile loaded twice (transposed for the scores, upright for the values).
-            first = space[min(1, len(space) - 1)]
-            space.append({**first, "kv_twice": True})
-        return space
+        """Most promising first, so a sweep that keeps the first N still tries each option:
+        every tile at its device-filling split, the variants, then the other splits."""
+        tiles = [{**t, "num_splits": self._split_choices(problem, device, t)[0]}
+                 for t in self._tile_choices(problem, device)]
+        variants = self._variants(problem, device, tiles)
+        other_splits = [{**t, "num_splits": s} for t in tiles
+                        for s in self._split_choices(problem, device, t)[1:]]
+        return [*tiles[:2], *variants, *tiles[2:], *other_splits]
 
     def _resolve(self, problem: MLAProblem, params: Params | None, device: DeviceInfo) -> Params:
         chosen = dict(self.param_space(problem, device)[0])
@@ -245,10 +251,11 @@ class PaddedTritonRoute(_TritonDecodeRoute):
             return no(f"{heads} kernel heads: padding serves up to 128 heads or multiples of 16")
         return YES
 
-    def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
-        space = super().param_space(problem, device)
-        return space + [{**tiles, "persistent": True}
-                        for tiles in self._tile_choices(problem, device)[:2]]
+    def _variants(self, problem: MLAProblem, device: DeviceInfo, tiles: list[Params]
+                  ) -> list[Params]:
+        persistent = [{k: v for k, v in t.items() if k != "num_splits"} | {"persistent": True}
+                      for t in tiles[:2]]
+        return [persistent[0], *super()._variants(problem, device, tiles), *persistent[1:]]
 
 
 class GluonTritonRoute(_TritonDecodeRoute):
