@@ -107,8 +107,9 @@ def sweep(
                                     help="Sweep spec (TOML); default: the bundled smoke.toml."),
     arch: str = typer.Option(None, help="The arch this sweep is for (e.g. sm_90, gfx950); "
                                         "stops if the device differs."),
-    out: str = typer.Option(None, help="Table path (.parquet; a .csv is written beside it). "
-                                       "Default: runs/<spec>-<arch>.parquet"),
+    out: str = typer.Option(None, help="Table path, .parquet or .csv (both are written, with "
+                                       "the journal beside them). Default: "
+                                       "runs/<spec>-<arch>.parquet"),
     resume: bool = typer.Option(False, help="Continue the sweep recorded in the journal."),
     gpus: int = typer.Option(1, min=1, help="Worker processes, one per GPU."),
     timeout: float = typer.Option(300.0, min=0.1, help="Seconds one candidate may take."),
@@ -145,14 +146,16 @@ def sweep(
     except specs.SpecError as exc:
         _fail(str(exc))
     only = [r.strip() for r in routes.split(",") if r.strip()] if routes else None
-    if only:
-        from mlatune.routes import get
-        for r in only:
-            try:
-                get(r)
-            except KeyError as exc:
-                _fail(str(exc.args[0]))
+    from mlatune.routes import get
+    for r in [*(only or []), *spec.routes]:  # before anything is written
+        try:
+            get(r)
+        except KeyError as exc:
+            _fail(f"{exc.args[0]}" + ("" if only and r in only else f" (named in {path})"))
     table_path = Path(out) if out else Path("runs") / f"{spec.name}-{device.arch}.parquet"
+    if table_path.suffix not in (".parquet", ".csv"):
+        _fail(f"--out {out}: name the table .parquet or .csv (both are written)")
+    table_path = table_path.with_suffix(".parquet")
     journal_path = table_path.with_suffix(".journal.jsonl")
     if not device.is_gpu:
         console.print("[yellow]no GPU[/]: running the CPU-capable routes on the spec's CPU "

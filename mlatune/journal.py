@@ -25,6 +25,7 @@ class Journal:
             if not resume:
                 raise JournalError(f"{self.path} exists: pass --resume to continue that sweep, "
                                    "or delete it to start over")
+            _drop_torn_tail(self.path)
             found, self.records = read(self.path)
             for field in ("spec_sha256", "arch", "device_name"):
                 if found.get(field) != header.get(field):
@@ -53,6 +54,15 @@ class Journal:
 
     def close(self) -> None:
         self._file.close()
+
+
+def _drop_torn_tail(path: Path) -> None:
+    """Cut a half-written last line (a kill mid-write), so appends start on a fresh line."""
+    with path.open("rb+") as f:
+        data = f.read()
+        keep = data.rfind(b"\n") + 1
+        if keep < len(data):
+            f.truncate(keep)
 
 
 def read(path: Path) -> tuple[dict, list[dict]]:

@@ -31,6 +31,7 @@ from mlatune.schema import device_key
 from mlatune.spec import SweepSpec
 
 WORKER_START_TIMEOUT_S = 300.0  # importing torch and creating a CUDA context
+SETUP_TIMEOUT_S = 900.0  # a problem's inputs and fp32 references, before the route's timeout
 
 
 @dataclass(frozen=True)
@@ -114,11 +115,14 @@ class _Worker:
         self.started = time.monotonic()
         self.candidate: Candidate | None = None
         self.deadline = math.inf
+        self.awaiting = ""  # "inputs" or "result" while a candidate runs
         self.group: deque[Candidate] = deque()
 
-    def send(self, candidate: Candidate, task: dict, timeout: float) -> None:
+    def send(self, candidate: Candidate, task: dict) -> None:
+        """Hand over a task; until its inputs exist, the setup allowance applies."""
         self.candidate = candidate
-        self.deadline = time.monotonic() + timeout
+        self.deadline = time.monotonic() + SETUP_TIMEOUT_S
+        self.awaiting = "inputs"
         self.conn.send(task)
 
     def stop(self) -> None:
@@ -146,7 +150,11 @@ class _Worker:
 def run(spec: SweepSpec, device: DeviceInfo, journal: Journal, *, workers: int = 1,
         timeout_s: float = 300.0, only: Iterable[str] | None = None,
         observer: Observer | None = None) -> SweepResult:
-    """Run every candidate of ``spec`` not already in ``journal``."""
+    """Run every candidate of ``spec`` not already in ``journal``.
+
+    Then, unless routes were named, the reference runs for every problem where
+    all the routes that served it failed, so the table holds an ok row there.
+    """
     t0 = time.monotonic()
     candidates, refused = plan(spec, device, only)
     done = journal.done_ids
@@ -156,81 +164,129 @@ def run(spec: SweepSpec, device: DeviceInfo, journal: Journal, *, workers: int =
     todo = [c for c in candidates if c.id not in done]
     if observer:
         observer.started(len(candidates) + len(refused), len(candidates) + len(refused) - len(todo))
-    groups: deque[deque[Candidate]] = deque()
-    for c in todo:  # plan() yields a problem's candidates together
-        if not groups or groups[-1][0].problem != c.problem:
-            groups.append(deque())
-        groups[-1].append(c)
-    # One worker per GPU; on the CPU ``workers`` processes share it (tests use that).
-    devices = [f"cuda:{i}" for i in range(workers)] if device.is_gpu else ["cpu"] * workers
-    ctx = mp.get_context("spawn")
-    pool = [_Worker(ctx, d) for d in devices]
-    budget = asdict(spec.budget)
+    execute = _Executor(spec, device, journal, workers, timeout_s, observer)
+    execute(todo)
+    ran = len(todo)
+    if not only and not spec.routes:
+        fallbacks = [c for c in _reference_fallbacks(spec.problems, journal.records)
+                     if c.id not in journal.done_ids]
+        if fallbacks and observer:
+            observer.started(len(fallbacks), 0)
+        execute(fallbacks)
+        ran += len(fallbacks)
+    return SweepResult(journal.records, time.monotonic() - t0, ran)
 
-    def finish(w: _Worker, result: dict[str, Any]) -> None:
-        result.pop("restart", None)
-        record = w.candidate.record(**result)
-        journal.append(record)
-        if observer:
-            observer.finished(record)
-        w.candidate, w.deadline = None, math.inf
 
-    def replace(w: _Worker) -> _Worker:
-        w.kill()
-        fresh = _Worker(ctx, w.device)
-        fresh.group = w.group
-        pool[pool.index(w)] = fresh
-        return fresh
+def _reference_fallbacks(problems: Iterable[MLAProblem], records: list[dict[str, Any]]
+                         ) -> list[Candidate]:
+    """The reference for each problem whose every run failed (it had none of its own)."""
+    ok, tried = set(), set()
+    for r in records:
+        key = json.dumps(r["key"], sort_keys=True)
+        if r["status"] == "ok":
+            ok.add(key)
+        if r["status"] != "unsupported":
+            tried.add(key)
+    return [Candidate(p, REFERENCE) for p in problems
+            if (k := json.dumps(p.key_dict(), sort_keys=True)) in tried and k not in ok]
 
-    try:
-        while True:
-            for w in pool:
-                if w.ready and w.candidate is None:
-                    if not w.group and groups:
-                        w.group = groups.popleft()
-                    if w.group:
-                        c = w.group.popleft()
-                        w.send(c, {"problem": c.problem.as_dict(), "route": c.route_id,
-                                   "params": c.params, "seed": _seed(spec.seed, c.problem),
-                                   "budget": budget, "tolerances": spec.tolerances}, timeout_s)
-            busy = [w for w in pool if w.candidate is not None or not w.ready]
-            if not busy:
-                break
-            now = time.monotonic()
-            next_deadline = min(w.deadline if w.ready else w.started + WORKER_START_TIMEOUT_S
-                                for w in busy)
-            for conn in wait([w.conn for w in busy], timeout=max(0.0, next_deadline - now)):
-                w = next(w for w in pool if w.conn is conn)
-                try:
-                    message = w.conn.recv()
-                except (EOFError, OSError):
+
+class _Executor:
+    """Runs candidates on a pool of worker processes, journaling each result."""
+
+    def __init__(self, spec: SweepSpec, device: DeviceInfo, journal: Journal, workers: int,
+                 timeout_s: float, observer: Observer | None):
+        self.spec, self.journal, self.timeout_s, self.observer = spec, journal, timeout_s, observer
+        # One worker per GPU; on the CPU ``workers`` processes share it (tests use that).
+        self.devices = [f"cuda:{i}" for i in range(workers)] if device.is_gpu \
+            else ["cpu"] * workers
+        self.budget = asdict(spec.budget)
+
+    def task(self, c: Candidate) -> dict[str, Any]:
+        return {"problem": c.problem.as_dict(), "route": c.route_id, "params": c.params,
+                "seed": _seed(self.spec.seed, c.problem), "budget": self.budget,
+                "tolerances": self.spec.tolerances}
+
+    def __call__(self, candidates: list[Candidate]) -> None:
+        if not candidates:
+            return
+        groups: deque[deque[Candidate]] = deque()
+        for c in candidates:  # a problem's candidates come together
+            if not groups or groups[-1][0].problem != c.problem:
+                groups.append(deque())
+            groups[-1].append(c)
+        ctx = mp.get_context("spawn")
+        pool = [_Worker(ctx, d) for d in self.devices]
+
+        def finish(w: _Worker, result: dict[str, Any]) -> None:
+            result.pop("restart", None)
+            record = w.candidate.record(**result)
+            self.journal.append(record)
+            if self.observer:
+                self.observer.finished(record)
+            w.candidate, w.deadline = None, math.inf
+
+        def replace(w: _Worker) -> None:
+            w.kill()
+            fresh = _Worker(ctx, w.device)
+            fresh.group = w.group
+            pool[pool.index(w)] = fresh
+
+        try:
+            while True:
+                for w in list(pool):
+                    if w.ready and w.candidate is None:
+                        if not w.group and groups:
+                            w.group = groups.popleft()
+                        if w.group:
+                            c = w.group.popleft()
+                            try:
+                                w.send(c, self.task(c))
+                            except OSError:  # it died while idle: a fresh one takes over
+                                w.group.appendleft(c)
+                                w.candidate = None
+                                replace(w)
+                busy = [w for w in pool if w.candidate is not None or not w.ready]
+                if not busy:
+                    break
+                now = time.monotonic()
+                next_deadline = min(w.deadline if w.ready else w.started + WORKER_START_TIMEOUT_S
+                                    for w in busy)
+                for conn in wait([w.conn for w in busy], timeout=max(0.0, next_deadline - now)):
+                    w = next(w for w in pool if w.conn is conn)
+                    try:
+                        message = w.conn.recv()
+                    except (EOFError, OSError):
+                        if not w.ready:
+                            raise RuntimeError(f"sweep worker on {w.device} failed to start: "
+                                               f"{w.death_reason()}") from None
+                        if w.candidate is not None:
+                            finish(w, {"status": "crashed", "reason": w.death_reason()})
+                        replace(w)
+                        continue
                     if not w.ready:
-                        raise RuntimeError(f"sweep worker on {w.device} failed to start: "
-                                           f"{w.death_reason()}") from None
-                    if w.candidate is not None:
-                        finish(w, {"status": "crashed", "reason": w.death_reason()})
-                    replace(w)
-                    continue
-                if not w.ready:
-                    w.ready = True
-                    continue
-                restart = message.get("restart", False)
-                finish(w, message)
-                if restart:
-                    replace(w)
-            now = time.monotonic()
-            for w in list(pool):
-                if not w.ready and now > w.started + WORKER_START_TIMEOUT_S:
-                    raise RuntimeError(f"sweep worker on {w.device} did not start within "
-                                       f"{WORKER_START_TIMEOUT_S:.0f}s")
-                if w.candidate is not None and now > w.deadline:
-                    finish(w, {"status": "timeout",
-                               "reason": f"no result within the {timeout_s:g}s timeout"})
-                    replace(w)
-    finally:
-        for w in pool:
-            w.stop()
-    return SweepResult(journal.records, time.monotonic() - t0, len(todo))
+                        w.ready = True
+                    elif message.get("inputs_ready"):
+                        w.deadline, w.awaiting = time.monotonic() + self.timeout_s, "result"
+                    else:
+                        restart = message.get("restart", False)
+                        finish(w, message)
+                        if restart:
+                            replace(w)
+                now = time.monotonic()
+                for w in list(pool):
+                    if not w.ready and now > w.started + WORKER_START_TIMEOUT_S:
+                        raise RuntimeError(f"sweep worker on {w.device} did not start within "
+                                           f"{WORKER_START_TIMEOUT_S:.0f}s")
+                    if w.candidate is not None and now > w.deadline:
+                        reason = (f"no result within the {self.timeout_s:g}s timeout"
+                                  if w.awaiting == "result" else
+                                  f"inputs and references not made within {SETUP_TIMEOUT_S:g}s")
+                        finish(w, {"status": "timeout", "reason": reason})
+                        replace(w)
+        finally:
+            for w in pool:
+                w.stop()
 
 
 def _seed(base: int, problem: MLAProblem) -> int:

@@ -159,13 +159,15 @@ def _check_axes(axes, table: str, fail) -> None:
 def _budget(table, fail) -> Budget:
     if not isinstance(table, dict):
         raise fail("budget", "must be a table")
-    allowed = {f.name: f.type for f in fields(Budget)}
+    defaults = {f.name: f.default for f in fields(Budget)}
     values = {}
     for key, value in table.items():
-        if key not in allowed:
-            raise fail(f"budget.{key}", f"unknown (allowed: {', '.join(allowed)})")
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-            raise fail(f"budget.{key}", f"must be a non-negative number, got {value!r}")
+        if key not in defaults:
+            raise fail(f"budget.{key}", f"unknown (allowed: {', '.join(defaults)})")
+        kinds = (int,) if isinstance(defaults[key], int) else (int, float)  # counts are whole
+        if not isinstance(value, kinds) or isinstance(value, bool) or value < 0:
+            what = "a whole number" if kinds == (int,) else "a number"
+            raise fail(f"budget.{key}", f"must be {what} >= 0, got {value!r}")
         values[key] = value
     budget = Budget(**values)
     if budget.min_reps > budget.max_reps or budget.max_reps < 1:

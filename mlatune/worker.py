@@ -2,9 +2,11 @@
 
 Workers receive plain data (a problem as a dict, a route id, parameters, a
 seed), never tensors, and make their own inputs, as PyTorch Inductor's
-autotune workers do. The last problem's inputs and reference stay cached, so a
-problem's candidates share them. A CUDA error can poison the whole context:
-after one the worker asks to be replaced.
+autotune workers do. The last problem's inputs and references stay cached, so
+a problem's candidates share them. A candidate is checked twice, on ragged
+lengths (where indexing bugs show) and on the uniform lengths it is then timed
+on. A CUDA error can poison the whole context: after one the worker asks to be
+replaced.
 """
 
 from __future__ import annotations
@@ -12,79 +14,112 @@ from __future__ import annotations
 import json
 import math
 import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from mlatune import bench, reference, routes
 from mlatune.accuracy import check
-from mlatune.inputs import make_inputs, poison_
+from mlatune.inputs import DecodeInputs, PrefillInputs, make_inputs, poison_
 from mlatune.merge import merge_ranks_into
 from mlatune.problem import MLAProblem
+from mlatune.routes import Prepared, Route
+
+_RAGGED_SEED_OFFSET = 7919
+
+
+@dataclass
+class _Case:
+    name: str  # "ragged" or "uniform"
+    inputs: DecodeInputs | PrefillInputs
+    ref: tuple[torch.Tensor, torch.Tensor]
 
 
 class _ProblemCache:
     def __init__(self):
         self.key: tuple | None = None
-        self.inputs = None
-        self.ref: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.cases: list[_Case] = []
 
-    def get(self, problem: MLAProblem, seed: int, device: torch.device):
+    def get(self, problem: MLAProblem, seed: int, device: torch.device) -> list[_Case]:
+        """[ragged, uniform] inputs with their references; the uniform case is timed."""
         if self.key != (problem.key, seed):
-            self.inputs = self.ref = None  # free the previous problem's memory first
-            self.inputs = make_inputs(problem, seed, device)
-            self.ref = reference.run(self.inputs)
+            self.cases = []  # free the previous problem's memory first
+            for name, case_seed, ragged in (("ragged", seed + _RAGGED_SEED_OFFSET, True),
+                                            ("uniform", seed, False)):
+                inputs = make_inputs(problem, case_seed, device, ragged=ragged)
+                self.cases.append(_Case(name, inputs, reference.run(inputs)))
             self.key = (problem.key, seed)
-        return self.inputs, self.ref
+        return self.cases
 
 
-def evaluate(task: dict[str, Any], device: torch.device, cache: _ProblemCache) -> dict[str, Any]:
-    """Run one candidate; return its result fields (status, reason, timing, errors)."""
+@dataclass
+class _Checked:
+    """One checked run: every rank's prepared call and, with DCP, the merge buffers."""
+
+    prepared: list[Prepared]
+    outs: torch.Tensor | None  # (ranks, T, H, D) partials, DCP only
+    lses: torch.Tensor | None
+    out: torch.Tensor
+    lse: torch.Tensor | None
+
+
+def _run_checked(problem: MLAProblem, route: Route, params: dict, case: _Case,
+                 device: torch.device) -> _Checked:
+    ranks = range(problem.dcp_size) if problem.phase == "decode" else range(1)
+    want_lse = problem.dcp_size > 1
+    prepared = [route.prepare(problem, case.inputs, rank=r, params=params, want_lse=want_lse)
+                for r in ranks]
+    for p in prepared:
+        poison_(p.out, p.lse)
+    for p in prepared:
+        p.run()
+    _sync(device)
+    if not want_lse:
+        return _Checked(prepared, None, None, prepared[0].out, prepared[0].lse)
+    # Ranks' partials stacked as a DCP all-to-all would deliver them, merged into
+    # poisoned buffers so that an element the merge misses is caught too.
+    outs = torch.stack([p.out for p in prepared])
+    lses = torch.stack([p.lse for p in prepared])
+    out = torch.empty_like(prepared[0].out)
+    lse = torch.empty_like(prepared[0].lse)
+    poison_(out, lse)
+    merge_ranks_into(outs, lses, out, lse)
+    _sync(device)
+    return _Checked(prepared, outs, lses, out, lse)
+
+
+def evaluate(task: dict[str, Any], device: torch.device, cache: _ProblemCache,
+             inputs_ready: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """Run one candidate; return its result fields (status, reason, timing, errors).
+
+    ``inputs_ready`` is called once inputs and references exist, so that the
+    caller's timeout covers the route and not the setup.
+    """
     problem = MLAProblem(**task["problem"])
     route = routes.get(task["route"])
     params = task["params"]
     try:
-        inputs, (ref_out, ref_lse) = cache.get(problem, task["seed"], device)
-        ranks = range(problem.dcp_size) if problem.phase == "decode" else range(1)
-        want_lse = problem.dcp_size > 1
-        prepared = [route.prepare(problem, inputs, rank=r, params=params, want_lse=want_lse)
-                    for r in ranks]
-        for p in prepared:
-            poison_(p.out, p.lse)
-        for p in prepared:
-            p.run()
-        _sync(device)
-        if want_lse:
-            # Ranks' partials stacked as a DCP all-to-all would deliver them.
-            outs = torch.stack([p.out for p in prepared])
-            lses = torch.stack([p.lse for p in prepared])
-            out = torch.empty_like(prepared[0].out)
-            lse = torch.empty_like(prepared[0].lse)
-            merge_ranks_into(outs, lses, out, lse)
-        else:
-            out, lse = prepared[0].out, prepared[0].lse
-        acc = check(problem, out, ref_out, lse, ref_lse if lse is not None else None,
-                    task.get("tolerances"))
-        errors = {"rel_err": acc.rel_l2, "max_abs_err": acc.max_abs}
-        if not acc.ok:
-            return {"status": "rejected_accuracy", "reason": acc.reason, **errors}
-
-        first = prepared[0]
-        if want_lse:
-            # One rank's attention over the busiest shard (rank 0), its partial written
-            # into the stack (the all-to-all's place), and the merge of all ranks.
-            def step() -> None:
-                first.run()
-                outs[0].copy_(first.out)
-                lses[0].copy_(first.lse)
-                merge_ranks_into(outs, lses, out, lse)
-        else:
-            step = first.run
-        timing = bench.measure(step, device, bench.Budget(**task["budget"]),
-                               graph_safe=all(p.graph_safe for p in prepared))
+        cases = cache.get(problem, task["seed"], device)
+        inputs_ready()
+        worst = {"rel_err": 0.0, "max_abs_err": 0.0}
+        for case in cases:
+            checked = _run_checked(problem, route, params, case, device)
+            ref_out, ref_lse = case.ref
+            acc = check(problem, checked.out, ref_out, checked.lse,
+                        ref_lse if checked.lse is not None else None, task.get("tolerances"))
+            worst = {"rel_err": max(worst["rel_err"], acc.rel_l2),
+                     "max_abs_err": max(worst["max_abs_err"], acc.max_abs)}
+            if not acc.ok:
+                return {"status": "rejected_accuracy",
+                        "reason": f"{case.name} lengths: {acc.reason}", **worst}
+        timing = bench.measure(_timed_step(checked), device, bench.Budget(**task["budget"]),
+                               graph_safe=all(p.graph_safe for p in checked.prepared))
         # What the route reports it ran with (a backend it picked, a plan) joins the params.
-        ran_with = json.dumps({**params, **prepared[0].params}, sort_keys=True, default=str)
-        return {"status": "ok", "reason": "", "route_params": ran_with, **errors,
+        ran_with = json.dumps({**params, **checked.prepared[0].params}, sort_keys=True,
+                              default=str)
+        return {"status": "ok", "reason": "", "route_params": ran_with, **worst,
                 **_timing_fields(problem, timing)}
     except Exception as exc:
         restart = not _context_healthy(device)
@@ -92,6 +127,24 @@ def evaluate(task: dict[str, Any], device: torch.device, cache: _ProblemCache) -
         reason = f"raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}" \
                  f" (at {where.name}:{where.lineno})"
         return {"status": "crashed", "reason": reason[:500], "restart": restart}
+
+
+def _timed_step(checked: _Checked) -> Callable[[], None]:
+    """What a DCP rank does per call: attention over the busiest shard (rank 0), its
+    partial written into the stack (the all-to-all's place), and the merge of all
+    ranks. Without DCP, the route's call alone."""
+    first = checked.prepared[0]
+    if checked.outs is None:
+        return first.run
+    outs, lses, out, lse = checked.outs, checked.lses, checked.out, checked.lse
+
+    def step() -> None:
+        first.run()
+        outs[0].copy_(first.out)
+        lses[0].copy_(first.lse)
+        merge_ranks_into(outs, lses, out, lse)
+
+    return step
 
 
 def _timing_fields(problem: MLAProblem, t: bench.Timing) -> dict[str, Any]:
@@ -124,7 +177,10 @@ def _context_healthy(device: torch.device) -> bool:
 
 
 def serve(conn, device_str: str) -> None:
-    """Worker main loop: answer tasks until told to stop or the context is lost."""
+    """Worker main loop: answer tasks until told to stop or the context is lost.
+
+    Per task it sends {"inputs_ready": True} once its inputs exist, then the result.
+    """
     device = torch.device(device_str)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -134,7 +190,7 @@ def serve(conn, device_str: str) -> None:
         task = conn.recv()
         if task is None:
             return
-        result = evaluate(task, device, cache)
+        result = evaluate(task, device, cache, lambda: conn.send({"inputs_ready": True}))
         conn.send(result)
         if result.get("restart"):
             return

@@ -123,6 +123,11 @@ def test_torn_last_line_is_ignored(tmp_path):
     with path.open("a") as f:
         f.write('{"kind": "result", "id": "b", "sta')
     assert [r["id"] for r in read(path)[1]] == ["a"]
+    # Resuming cuts the torn line, so what is appended next reads back whole.
+    j = Journal(path, header(), resume=True)
+    j.append({"id": "c", "status": "ok"})
+    j.close()
+    assert [r["id"] for r in read(path)[1]] == ["a", "c"]
 
 
 def _sweep_cmd(spec_file, out):
@@ -212,3 +217,62 @@ def test_plan_drops_the_reference_where_others_serve_and_cuts_params(monkeypatch
         assert sum(c.route_id == "reference/torch" for c in named) == 2
     finally:
         unregister("tunable/test")
+
+
+def test_reference_runs_where_every_route_failed(tmp_path, monkeypatch):
+    from mlatune import routes
+
+    real_verdicts = routes.verdicts
+    monkeypatch.setattr(routes, "verdicts", lambda problem, device, only=None: real_verdicts(
+        problem, device, only or ["reference/torch", "fault-wrong/test"]))
+    s = spec.parse({"budget": TINY_BUDGET, "grid": [{"num_heads": 2, "batch": [1, 2],
+                    "kv_len": 24, "page_size": 8, "q_dtype": "fp16", "kv_dtype": "fp16"}]},
+                   "t.toml")
+    journal = Journal(tmp_path / "j.jsonl", header(), resume=False)
+    records = runner.run(s, cpu_device(), journal).records
+    journal.close()
+    by_route = {}
+    for r in records:
+        by_route.setdefault(r["route"], []).append(r["status"])
+    # The wrong route served both problems and failed; the reference then filled in.
+    assert by_route == {"fault-wrong/test": ["rejected_accuracy"] * 2,
+                        "reference/torch": ["ok", "ok"]}
+
+
+def test_evaluate_checks_ragged_and_dcp_merge_in_process():
+    import torch
+
+    from mlatune.problem import MLAProblem
+    from mlatune.worker import _ProblemCache, evaluate
+
+    problem = MLAProblem(num_heads=2, qlen=2, batch=3, kv_len=30, page_size=4,
+                         q_dtype="fp16", kv_dtype="fp16", dcp_size=2)
+    calls = []
+    task = {"problem": problem.as_dict(), "params": {}, "seed": 3, "budget": TINY_BUDGET,
+            "tolerances": {}}
+    ok = evaluate({**task, "route": "reference/torch"}, torch.device("cpu"), _ProblemCache(),
+                  lambda: calls.append(1))
+    assert ok["status"] == "ok" and ok["rel_err"] < 2e-3 and calls == [1]
+    wrong = evaluate({**task, "route": "fault-wrong/test"}, torch.device("cpu"), _ProblemCache())
+    assert wrong["status"] == "rejected_accuracy" and wrong["reason"].startswith("ragged")
+
+
+@pytest.mark.parametrize(("spec_text", "extra", "message"), [
+    ('routes = ["nope/none"]\n[[grid]]\nkv_len = 8\n', [], "nope/none"),
+    ("[[grid]]\nkv_len = 8\n", ["--routes", "nope/none"], "nope/none"),
+    ("[[grid]]\nkv_len = 8\n", ["--out", "{tmp}/table.txt"], ".parquet or .csv"),
+])
+def test_sweep_refuses_bad_routes_and_outputs_before_writing(tmp_path, spec_text, extra, message):
+    from typer.testing import CliRunner
+
+    from mlatune.cli import app
+
+    spec_file = tmp_path / "s.toml"
+    spec_file.write_text(spec_text)
+    args = ["sweep", str(spec_file), *[a.format(tmp=tmp_path) for a in extra]]
+    if "--out" not in args:
+        args += ["--out", str(tmp_path / "t.parquet")]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 1 and message in result.output
+    assert "Traceback" not in result.output
+    assert not list(tmp_path.glob("*.journal.jsonl"))  # nothing started
