@@ -13,6 +13,11 @@ answers in three ways, in order:
 - ``rule``: the first route of the arch's rule order that supports the
   problem; ``reference/torch`` is last and supports everything.
 
+A route whose row at the exact problem is not ok (rejected_accuracy, crashed,
+timeout, unsupported) failed there: nearest and rule skip it for that problem,
+and when every other route failed or refuses, ``reference/torch`` answers as
+the last resort even if it failed there too.
+
 Each problem key is resolved once and remembered, so a repeated ``select`` is
 one dict probe on the problem's cached key: no I/O, no GPU work, no
 allocation. The first ``select`` of a key pays for the ``supports()`` checks
@@ -71,6 +76,10 @@ class Choice:
 
 
 Option = tuple[str, Mapping[str, Any], float]  # (route_id, params, time_us)
+# The routes that failed at one measured problem, as (route_id, status) pairs: one
+# shared tuple per distinct pattern (most keys that fail repeat a few patterns).
+Failures = tuple[tuple[str, str], ...]
+NO_ROUTES: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -162,9 +171,11 @@ class Dispatcher:
                  routes: Mapping[str, Route] | None = None, source: str = "",
                  table_device: tuple[str, str, int] | None = None,
                  provenance: Sequence[Mapping[str, Any]] = (),
-                 skipped_routes: Mapping[str, int] | None = None):
+                 skipped_routes: Mapping[str, int] | None = None,
+                 failed: Mapping[str, Failures] | None = None):
         """Built by ``load``: ``entries`` name only routes in ``routes`` (the registry
-        snapshot they were filtered with); ``skipped_routes`` counts the rows dropped."""
+        snapshot they were filtered with); ``skipped_routes`` counts the rows dropped;
+        ``failed`` holds, per measured key, the routes whose row there is not ok."""
         self.device = device
         self.source = source  # where the table came from ("" without one)
         self.table_device = table_device  # (arch, device_name, cu_count) of the rows used
@@ -189,8 +200,11 @@ class Dispatcher:
         self._buckets = {b: _Bucket(p) for b, p in points.items()}
         self._rule_order = self._make_rule_order(wins)
         self._rule_choices = {r.id: Choice(r.id, EMPTY_PARAMS, "rule") for r in self._rule_order}
+        # Read only when a key has no usable ok route (nearest and rule skip these).
+        self._failed: Mapping[str, Failures] = failed or {}
         # Measured keys get their slot now, so remembering them later allocates nothing.
         self._memo: dict[str, Choice | None] = dict.fromkeys(self._winner)
+        self._memo.update(dict.fromkeys(self._failed))
         self._memo_limit = len(self._memo) + MEMO_LIMIT
 
     def _make_rule_order(self, wins: Mapping[str, int]) -> tuple[Route, ...]:
@@ -259,20 +273,30 @@ class Dispatcher:
                     if notes is not None:
                         notes.append(_measured_note(choice, ranked))
                     return choice
-        elif notes is not None:
-            notes.append("this exact problem was not measured (or only by routes not "
-                         "installed here)")
+        # No usable ok route here. Routes that failed at this exact problem are not
+        # taken from a neighbour or the rule either.
+        failures = self._failed.get(problem.key, ())
+        failed = frozenset(r for r, _ in failures) if failures else NO_ROUTES
+        if notes is not None:
+            if failures:
+                notes.append("measured here: " + ", ".join(f"{r} {s}" for r, s in
+                                                           sorted(failures))
+                             + "; nearest and rule skip these routes")
+            elif winner is None:
+                notes.append("this exact problem was not measured (or only by routes not "
+                             "installed here)")
         bucket = self._buckets.get(problem.bucket)
         if bucket is not None:
             x, y = math.log2(problem.batch), math.log2(problem.kv_len)
             # The nearest point first (cheap); only if its winner refuses, all by distance.
             closest = bucket.closest(x, y)
             if notes is None and closest.key != problem.key \
+                    and closest.route_id not in failed \
                     and self._supports(closest.route_id, problem, None):
                 return self._as_nearest(closest)
             for winner in bucket.by_distance(x, y):
-                if winner.key != problem.key and self._supports(winner.route_id, problem,
-                                                                notes):
+                if winner.key != problem.key and winner.route_id not in failed \
+                        and self._supports(winner.route_id, problem, notes):
                     if notes is not None:
                         near = winners_map.problem_of(winner.key)
                         notes.append(f"nearest measured point: batch={near.batch} "
@@ -281,17 +305,23 @@ class Dispatcher:
                     return self._as_nearest(winner)
             if notes is not None:
                 notes.append("no measured point in this bucket has a winner that supports "
-                             "this problem")
+                             "this problem" + (" and did not fail here" if failed else ""))
         elif notes is not None:
             notes.append("nothing was measured in this bucket (every key field but batch "
                          "and kv_len)")
         for route in self._rule_order:
-            if self._supports(route.id, problem, notes):
+            if route.id not in failed and self._supports(route.id, problem, notes):
                 if notes is not None:
                     order = ", ".join(r.id for r in self._rule_order)
-                    notes.append(f"rule: first route that supports it, in the order {order}")
+                    notes.append(f"rule: first route that supports it"
+                                 f"{' and did not fail here' if failed else ''}, in the "
+                                 f"order {order}")
                 return self._rule_choices[route.id]
-        # Unreachable while reference/torch supports everything; kept so select never raises.
+        # Every route failed here or refuses (reachable only when reference/torch failed
+        # here too): the last resort still answers, so select never raises.
+        if notes is not None:
+            notes.append(f"rule: every route failed here or refuses it; {REFERENCE_ROUTE} "
+                         f"answers as the last resort")
         return self._rule_choices[REFERENCE_ROUTE]
 
     # Loading ---------------------------------------------------------------
@@ -340,9 +370,10 @@ class Dispatcher:
         if allow_arch and device.arch != allow_arch:
             device = device_for_arch(*chosen)
         routes = registered_routes()
-        entries, skipped = source.entries(chosen, set(routes))
+        entries, skipped, failed = source.entries(chosen, set(routes))
         return cls(device, entries, routes=routes, source=str(path), table_device=chosen,
-                   provenance=source.provenance(chosen), skipped_routes=skipped)
+                   provenance=source.provenance(chosen), skipped_routes=skipped,
+                   failed=failed)
 
     @classmethod
     def from_bundled(cls, device: DeviceInfo | None = None) -> Dispatcher:
@@ -457,7 +488,8 @@ class _FrameSource:
         return self._table.provenances(self._rows(device))
 
     def entries(self, device: Device, route_ids: set[str]):
-        """Per key, its usable ok routes by rank; column-wise, as load time matters."""
+        """Per key, its usable ok routes by rank; column-wise, as load time matters.
+        Also the skipped row counts, and per key the known routes that failed there."""
         import numpy as np
         import pandas as pd
 
@@ -466,10 +498,12 @@ class _FrameSource:
         known = rows["route"].isin(route_ids).to_numpy()
         skipped = {str(r): int(n) for r, n in
                    rows.loc[ok & ~known, "route"].value_counts().items()}
+        failed = self._failures(rows.loc[~ok & known, [*BUCKET_FIELDS, "batch", "kv_len",
+                                                      "route", "status"]])
         rows = rows.loc[ok & known, [*BUCKET_FIELDS, "batch", "kv_len", "route",
                                      "route_params", "time_us", "rank"]]
         if rows.empty:
-            return [], skipped
+            return [], skipped, failed
         key_id = rows.groupby([*BUCKET_FIELDS, "batch", "kv_len"], sort=False).ngroup()
         order = np.lexsort((rows["rank"].to_numpy(), key_id.to_numpy()))
         sorted_ids = key_id.to_numpy()[order]
@@ -490,11 +524,42 @@ class _FrameSource:
         ends = [*starts[1:].tolist(), len(order)]
         entries = list(zip(keys, bucket_of, firsts["batch"].tolist(), firsts["kv_len"].tolist(),
                            winners, [columns] * len(keys), starts.tolist(), ends, strict=True))
-        return entries, skipped
+        return entries, skipped, failed
+
+    def _failures(self, rows) -> dict[str, Failures]:
+        """Per key, its rows that are not ok as (route, status) pairs; keys that fail the
+        same way share one tuple. Column-wise but for one short step per failing key."""
+        import numpy as np
+        import pandas as pd
+
+        if rows.empty:
+            return {}
+        key_id = rows.groupby([*BUCKET_FIELDS, "batch", "kv_len"], sort=False).ngroup()
+        route_codes, route_names = pd.factorize(rows["route"])
+        status_codes, status_names = pd.factorize(rows["status"])
+        n = len(status_names)
+        pair = route_codes * n + status_codes
+        order = np.lexsort((pair, key_id.to_numpy()))
+        sorted_ids = key_id.to_numpy()[order]
+        starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
+        keys = self._table.key_strings(rows.iloc[order[starts]])
+        pairs = pair[order].tolist()
+        ends = [*starts[1:].tolist(), len(order)]
+        shared: dict[tuple[int, ...], Failures] = {}
+        failed = {}
+        for key, start, end in zip(keys, starts.tolist(), ends, strict=True):
+            codes = tuple(pairs[start:end])
+            failures = shared.get(codes)
+            if failures is None:
+                failures = shared[codes] = tuple((str(route_names[c // n]),
+                                                  str(status_names[c % n])) for c in codes)
+            failed[key] = failures
+        return failed
 
 
 class _JsonSource:
-    """A winners map (``mlatune export --format json``): no pandas needed."""
+    """A winners map (``mlatune export --format json``): no pandas needed. It holds only
+    ok rows, so it records no failed routes for nearest and rule to skip."""
 
     def __init__(self, path: Path):
         loaded = winners_map.read(path)  # validates; raises TableError
@@ -532,4 +597,4 @@ class _JsonSource:
         buckets: dict[tuple, tuple] = {}
         entries = [(p.key, buckets.setdefault(p.bucket, p.bucket), p.batch, p.kv_len,
                     columns.option(start), columns, start, end) for p, start, end in spans]
-        return entries, skipped
+        return entries, skipped, {}

@@ -8,13 +8,13 @@ import tracemalloc
 from dataclasses import replace
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from mlatune import dispatch, routes, table
 from mlatune.dispatch import Choice, Dispatcher, TableError, find_table
 from mlatune.problem import MLAProblem
-from mlatune.schema import KEY_COLUMNS
+from mlatune.schema import KEY_COLUMNS, STATUSES
 from tests.table_helpers import (
     H200,
     MI355,
@@ -254,6 +254,101 @@ def _hypothesis_dispatcher() -> Dispatcher:
             path = table.write(grid_frame(), os.path.join(tmp, "sm_90.parquet"))
             _cached.append(Dispatcher.load(path, device=H200))
     return _cached[0]
+
+
+# Routes that failed where they were measured -----------------------------------------
+
+def test_a_route_that_failed_at_the_exact_problem_is_not_taken_from_a_neighbour(tmp_path,
+                                                                               fakes):
+    # batch 64: the only measured route failed its accuracy check; batch 32 (the nearest
+    # point) is won by that route, batch 256 by another.
+    here = BUCKETS[0].with_(batch=64, kv_len=8192)
+    frame = make_table([
+        result_row(here, "padded/triton", None, status="rejected_accuracy",
+                   reason="rel_l2 0.9 > tolerance 0.01"),
+        result_row(here.with_(batch=32), "padded/triton", 3.0),
+        result_row(here.with_(batch=32), "reference/torch", 90.0),
+        result_row(here.with_(batch=256), "fast-small/fake", 20.0)])
+    dispatcher = Dispatcher.load(table.write(frame, tmp_path / "t.parquet"), device=H200)
+    choice = dispatcher.select(here)
+    assert (choice.source, choice.route_id) == ("nearest", "fast-small/fake")
+    assert choice.key == here.with_(batch=256).key
+    explained, notes = dispatcher.explain(here)
+    assert explained == choice
+    assert any(n.startswith("measured here: padded/triton rejected_accuracy") for n in notes)
+    assert not any("was not measured" in n for n in notes)
+    # A neighbour the table never measured still takes the winner of batch 32.
+    assert dispatcher.select(here.with_(batch=40)).route_id == "padded/triton"
+
+
+@pytest.mark.parametrize("reference", [None, "timeout"])
+def test_a_problem_where_every_route_failed_falls_to_the_reference(tmp_path, fakes, reference):
+    here = BUCKETS[0].with_(batch=64, kv_len=8192)
+    registry = dispatch.registered_routes()
+    failing = [r for r in sorted(registry) if r != "reference/torch"
+               and registry[r].supports(here, H200).ok]
+    assert "padded/triton" in failing and "fast-large/fake" in failing
+    statuses = ["rejected_accuracy", "crashed", "timeout"]
+    rows = [result_row(here, r, None, status=statuses[i % 3]) for i, r in enumerate(failing)]
+    rows.append(result_row(here, "picky/fake", None, status="unsupported"))
+    if reference:
+        rows.append(result_row(here, "reference/torch", None, status=reference))
+    # Every neighbour is won by a route that failed here.
+    rows += [result_row(here.with_(batch=b), r, 2.0 + i) for b in (32, 128)
+             for i, r in enumerate(failing)]
+    dispatcher = Dispatcher.load(table.write(make_table(rows), tmp_path / "t.csv"),
+                                 device=H200)
+    choice = dispatcher.select(here)
+    assert (choice.source, choice.route_id) == ("rule", "reference/torch")
+    assert dispatcher.select(here) is choice
+    explained, notes = dispatcher.explain(here)
+    assert explained == choice
+    assert any(n.startswith("measured here: ") and "padded/triton" in n for n in notes)
+    # Elsewhere in the bucket the neighbours' winners still answer.
+    assert dispatcher.select(here.with_(batch=40)).source == "nearest"
+
+
+_FAILING_ROUTES = ("fast-small/fake", "fast-large/fake", "picky/fake", "padded/triton",
+                   "reference/torch")
+_FAILING_GRID = [BUCKETS[0].with_(batch=b, kv_len=kv) for b in (1, 8, 64) for kv in (1024,
+                                                                                     8192)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(statuses=st.lists(st.sampled_from([*STATUSES, "ok", "ok", None]),
+                         min_size=len(_FAILING_GRID) * len(_FAILING_ROUTES),
+                         max_size=len(_FAILING_GRID) * len(_FAILING_ROUTES)),
+       times=st.lists(st.integers(1, 50), min_size=len(_FAILING_ROUTES),
+                      max_size=len(_FAILING_ROUTES)))
+def test_select_never_returns_a_route_that_failed_at_the_exact_problem(statuses, times):
+    import tempfile
+
+    cells = [(p, r) for p in _FAILING_GRID for r in _FAILING_ROUTES]
+    rows = [result_row(p, r, float(times[_FAILING_ROUTES.index(r)] * p.batch), status=s)
+            for (p, r), s in zip(cells, statuses, strict=True) if s is not None]
+    assume(rows)
+    made = [FakeRoute("fast-small/fake"), FakeRoute("fast-large/fake"),
+            FakeRoute("picky/fake", lambda p: p.batch <= PICKY_MAX_BATCH)]
+    for r in made:
+        routes.register(r)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = table.write(make_table(rows), os.path.join(tmp, "sm_90.parquet"))
+            dispatcher = Dispatcher.load(path, device=H200)
+        for p in _FAILING_GRID:
+            failed = {r["route"] for r in rows if r["batch"] == p.batch
+                      and r["kv_len"] == p.kv_len and r["status"] != "ok"}
+            choice = dispatcher.select(p)
+            assert dispatcher.explain(p)[0] == choice
+            assert dispatcher.routes[choice.route_id].supports(p, H200).ok
+            if choice.route_id in failed:
+                # Only the last resort, and only when every other route failed or refuses.
+                assert choice.route_id == "reference/torch", (p, choice, failed)
+                assert all(r in failed or not dispatcher.routes[r].supports(p, H200).ok
+                           for r in dispatcher.routes if r != "reference/torch")
+    finally:
+        for r in made:
+            routes.unregister(r.id)
 
 
 # Arch, devices, discovery ----------------------------------------------------------
