@@ -39,7 +39,7 @@ import math
 import os
 import re
 from bisect import bisect_left
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -233,6 +233,22 @@ class Dispatcher:
 
     def route(self, route_id: str) -> Route:
         return self.routes[route_id]
+
+    def alternatives(self, problem: MLAProblem, first: Choice | None = None
+                     ) -> Iterator[Choice]:
+        """The routes that support ``problem``, each once, most preferred first:
+        ``first`` (when given), ``select``'s answer, the key's other measured routes
+        fastest first, then the rule order (ending at reference/torch). For a caller
+        whose need ``select`` does not see (an LSE from ``attention.decode``)."""
+        seen: set[str] = set()
+        ordered = (first, self.select(problem), *self._ranked(problem.key),
+                   *(self._rule_choices[r.id] for r in self._rule_order))
+        for choice in ordered:
+            if choice is None or choice.route_id in seen:
+                continue
+            seen.add(choice.route_id)
+            if self._supports(choice.route_id, problem, None):
+                yield choice
 
     def _as_nearest(self, winner: Choice) -> Choice:
         """A measured winner answering for an unmeasured neighbour: one object per point."""

@@ -118,3 +118,126 @@ def test_inconsistent_arguments_are_refused(change, message):
     with pytest.raises(ValueError, match=message):
         attention.decode(inputs.q, shard.kv_cache, shard.block_table, inputs.seq_lens,
                          **{**kwargs, **change})
+
+
+# --- plans whose schedules read the lengths; DCP first calls; LSE on demand -------------
+PERSISTENT = {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1,
+              "persistent": True, "num_workers": 3}
+SEGMENTED = {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1,
+             "num_segments": 2}
+
+
+def forced(problem: MLAProblem, route_id: str, params: dict, tmp_path) -> Dispatcher:
+    """A dispatcher whose table makes ``route_id`` with ``params`` win ``problem``."""
+    rows = [result_row(problem, route_id, 1.0, device=cpu_device(), params=params),
+            result_row(problem, "reference/torch", 9.0, device=cpu_device())]
+    return Dispatcher.load(table.write(make_table(rows), tmp_path / "cpu.parquet"),
+                           device=cpu_device())
+
+
+def expected(inputs: DecodeInputs):
+    """The reference for the lengths ``inputs.seq_lens`` holds now (shards re-derived)."""
+    p = inputs.problem
+    shards = tuple(KVShard(s.rank, s.kv_cache, s.block_table,
+                           shard_lengths(inputs.seq_lens, s.rank, p.dcp_size))
+                   for s in inputs.shards)
+    return reference.run(DecodeInputs(p, inputs.q, inputs.q_scale, inputs.kv_scale,
+                                      inputs.seq_lens, shards), torch.float64)
+
+
+def assert_matches_reference(inputs: DecodeInputs, dispatcher, **overrides):
+    out, lse = run_ranks(inputs, dispatcher, **overrides)
+    want_out, want_lse = expected(inputs)
+    accuracy = check(inputs.problem, out, want_out, lse, want_lse)
+    assert accuracy.ok, accuracy.reason
+
+
+@pytest.mark.parametrize(("problem", "route_id", "params"), [
+    (MLAProblem(num_heads=4, qlen=1, batch=2, kv_len=40, page_size=8, q_dtype="fp16",
+                kv_dtype="fp16"), "padded/triton", PERSISTENT),
+    (MLAProblem(num_heads=2, qlen=2, batch=2, kv_len=40, page_size=4, q_dtype="fp16",
+                kv_dtype="fp16", dcp_size=2), "segmented/triton", SEGMENTED),
+], ids=["padded-persistent", "segmented-dcp2-verify"])
+def test_lengths_changed_in_place_are_followed(problem, route_id, params, tmp_path):
+    """Routes that plan from the length contents re-plan when an engine rewrites them."""
+    dispatcher = forced(problem, route_id, params, tmp_path)
+    inputs = make_decode_inputs(problem, seed=6)  # pages for kv_len tokens per request
+    inputs.seq_lens.copy_(torch.tensor([9, problem.kv_len], dtype=torch.int32))
+    assert_matches_reference(inputs, dispatcher, max_kv_len=problem.kv_len)
+    plans = attention.plans_of(dispatcher)
+    assert {(p.choice.route_id, p.prepared.plan_reads_lengths) for p in plans.values()} \
+        == {(route_id, True)}
+    # The first request grows and the second shrinks; the max stays where it was.
+    inputs.seq_lens.copy_(torch.tensor([problem.kv_len, 23], dtype=torch.int32))
+    assert_matches_reference(inputs, dispatcher, max_kv_len=problem.kv_len)
+    assert len(plans) == problem.dcp_size
+
+
+def test_the_first_dcp_call_plans_from_this_ranks_lengths(tmp_path, monkeypatch):
+    problem = MLAProblem(num_heads=4, qlen=1, batch=3, kv_len=40, page_size=8,
+                         q_dtype="fp16", kv_dtype="fp16", dcp_size=2)
+    dispatcher = forced(problem, "padded/triton", PERSISTENT, tmp_path)
+    inputs = make_decode_inputs(problem, seed=7, ragged=True)
+    # Uninitialised tensors come poisoned (NaN, or 0 for integers: a request without keys
+    # gets no work): the allocator may hand back a freed block that holds the right
+    # lengths by chance, and a plan made from unfilled lengths must not pass.
+    empty_like = torch.empty_like
+
+    def poisoned(*args, **kwargs):
+        t = empty_like(*args, **kwargs)
+        return t.fill_(float("nan") if t.is_floating_point() else 0)
+
+    monkeypatch.setattr(torch, "empty_like", poisoned)
+    assert_matches_reference(inputs, dispatcher)
+
+
+def test_a_growing_max_kv_len_reuses_the_plan_until_it_doubles(tmp_path):
+    problem = MLAProblem(num_heads=4, qlen=1, batch=2, kv_len=72, page_size=8,
+                         q_dtype="fp16", kv_dtype="fp16")
+    recorder = FakeRoute("recording/fake")
+    routes.register(recorder)
+    try:
+        dispatcher = forced(problem, "recording/fake", {}, tmp_path)
+        inputs = make_decode_inputs(problem, seed=8)  # pages for 72 tokens per request
+        for step, length in enumerate((33, 34, 50, 64)):  # one engine step per length
+            inputs.seq_lens.copy_(torch.tensor([length - 7, length], dtype=torch.int32))
+            assert_matches_reference(inputs, dispatcher, max_kv_len=length)
+            assert len(recorder.prepared) == 1, f"re-planned at step {step}"
+        assert recorder.prepared[0][0].kv_len == 64  # prepared for the power of two
+        # Past the power of two above the first max: a new plan, for the same tensors.
+        inputs.seq_lens.copy_(torch.tensor([20, 65], dtype=torch.int32))
+        assert_matches_reference(inputs, dispatcher, max_kv_len=65)
+        assert [p.kv_len for p, _ in recorder.prepared] == [64, 128]
+        assert len(attention.plans_of(dispatcher)) == 1
+    finally:
+        routes.unregister("recording/fake")
+
+
+class NoLseRoute(FakeRoute):
+    """Computes like the reference but returns no LSE (as AITER's Gluon decode does)."""
+
+    def prepare(self, problem, inputs, *, rank=0, params=None, want_lse=True):
+        prepared = super().prepare(problem, inputs, rank=rank, params=params, want_lse=False)
+        prepared.lse = None
+        return prepared
+
+
+def test_return_lse_passes_over_routes_that_give_none(tmp_path):
+    problem = PROBLEMS[0]
+    no_lse = NoLseRoute("nolse/fake")
+    routes.register(no_lse)
+    try:
+        dispatcher = forced(problem, "nolse/fake", {}, tmp_path)
+        inputs = make_decode_inputs(problem, seed=9, ragged=True)
+        assert_matches_reference(inputs, dispatcher, max_kv_len=problem.kv_len)
+        (plan,) = attention.plans_of(dispatcher).values()
+        assert plan.choice.route_id != "nolse/fake" and plan.prepared.lse is not None
+        # Without return_lse the table's winner serves.
+        shard = inputs.shards[0]
+        attention.decode(inputs.q, shard.kv_cache, shard.block_table, inputs.seq_lens,
+                         num_heads=problem.num_heads, dispatcher=dispatcher)
+        assert len(no_lse.prepared) == 2
+        assert {p.choice.route_id for p in attention.plans_of(dispatcher).values()} \
+            == {"nolse/fake", plan.choice.route_id}
+    finally:
+        routes.unregister("nolse/fake")

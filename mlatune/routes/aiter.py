@@ -173,7 +173,9 @@ def _asm_decode(problem: MLAProblem, inputs: DecodeInputs, rank: int, heads: Hea
     params = {"kernel_heads": heads.kernel, "padding": heads.method, "mode": mode}
     if rr is not None:
         params["max_split_per_batch"] = rr.splits
-    return Prepared(run, heads.real_heads(o), lse, graph_safe=True, params=params)
+    # The CSR page indices (and the persistent schedule) come from the lengths.
+    return Prepared(run, heads.real_heads(o), lse, graph_safe=True, params=params,
+                    plan_reads_lengths=True)
 
 
 class PaddedAsmRoute(_AiterRoute):
@@ -242,7 +244,8 @@ class GluonRoute(_AiterRoute):
                   min_kv_seq_len=min_kv)
 
         # Gluon returns no LSE: the capability rules keep it off DCP, the only caller of one.
-        return Prepared(run, out, None, graph_safe=True, params={"min_kv_seq_len": min_kv})
+        return Prepared(run, out, None, graph_safe=True, params={"min_kv_seq_len": min_kv},
+                        plan_reads_lengths=True)
 
 
 # --- segmented DCP verify ---------------------------------------------------------------
@@ -323,7 +326,8 @@ class SegmentedRoute(_AiterRoute):
                                    "(skip_reduce=True must give (output, max, expsum))")
             merge_segments_into(out, lse, *partials, row_lens, tile)
 
-        return Prepared(run, out, lse, graph_safe=True, params={"tile": tile})
+        return Prepared(run, out, lse, graph_safe=True, params={"tile": tile},
+                        plan_reads_lengths=True)
 
 
 # --- FP8 persistent-scheduling prefill --------------------------------------------------
@@ -367,7 +371,8 @@ class Fp8PrefillRoute(_AiterRoute):
 
         return Prepared(run, heads.real_heads(out),
                         heads.real_heads(final_lse) if want_lse else None, graph_safe=True,
-                        params={"kernel_heads": kernel, "padding": heads.method})
+                        params={"kernel_heads": kernel, "padding": heads.method},
+                        plan_reads_lengths=True)
 
 
 def _prefill_schedule(problem: MLAProblem, cu: torch.Tensor, kernel_heads: int

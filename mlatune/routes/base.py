@@ -46,6 +46,12 @@ class Prepared:
     For a decode problem with dcp_size > 1, ``out``/``lse`` are the partial
     results of one rank over its shard; the caller merges ranks. ``run`` must
     write every element of ``out`` (and of ``lse`` when present) on every call.
+
+    ``plan_reads_lengths``: ``prepare`` planned from the *contents* of the length
+    tensors (seq_lens / cu_seqlens / a shard's lengths: a host-side work list,
+    index lists, a minimum or maximum length), so ``run`` is right only for the
+    lengths those tensors held then. False: ``run`` reads the lengths when it
+    launches and stays right when they are rewritten in place.
     """
 
     run: Callable[[], None]
@@ -53,6 +59,7 @@ class Prepared:
     lse: torch.Tensor | None = None
     graph_safe: bool = True  # may be captured in a CUDA graph and replayed
     params: Params = field(default_factory=dict)
+    plan_reads_lengths: bool = False
 
 
 @runtime_checkable

@@ -135,7 +135,7 @@ class _PersistentPrefillRoute:
         used = {**config.as_params(), "kernel_heads": kernel_heads,
                 "programs": device.cu_count, "split_tiles": len(launch.plan.merges)}
         return Prepared(run, out_full[:, :heads], lse_full[:, :heads] if want_lse else None,
-                        graph_safe=True, params=used)
+                        graph_safe=True, params=used, plan_reads_lengths=True)
 
     @staticmethod
     def _padded(src: torch.Tensor, head_index: torch.Tensor,

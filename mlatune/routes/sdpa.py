@@ -110,7 +110,8 @@ class SdpaPrefillRoute:
                     call()
 
         return Prepared(run, out, None, graph_safe=True,
-                        params={"sdpa_backend": name, "sdpa_calls": len(calls)})
+                        params={"sdpa_backend": name, "sdpa_calls": len(calls)},
+                        plan_reads_lengths=True)  # runs of equal lengths, cut on the host
 
     @staticmethod
     def _calls(problem: MLAProblem, inputs: PrefillInputs,

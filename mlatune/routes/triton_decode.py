@@ -166,7 +166,13 @@ class _TritonDecodeRoute:
             for launch in launches:
                 launch()
 
-        return Prepared(run, out, lse, graph_safe=True, params=chosen)
+        return Prepared(run, out, lse, graph_safe=True, params=chosen,
+                        plan_reads_lengths=self._plan_reads_lengths(chosen))
+
+    def _plan_reads_lengths(self, params: Params) -> bool:
+        """Split-KV reads the lengths in the kernel; the persistent work list is planned
+        from them on the host."""
+        return bool(params.get("persistent"))
 
     def _plan(self, problem: MLAProblem, inputs: DecodeInputs, rank: int, params: Params,
               out: torch.Tensor, lse: torch.Tensor | None,
@@ -326,6 +332,9 @@ class SegmentedTritonRoute(_TritonDecodeRoute):
             segments = p.pop("num_splits")
             space.append({**p, "num_segments": segments})
         return space
+
+    def _plan_reads_lengths(self, params: Params) -> bool:
+        return True  # the row lengths (causal windows per rank) are computed once, here
 
     def _plan(self, problem: MLAProblem, inputs: DecodeInputs, rank: int, params: Params,
               out: torch.Tensor, lse: torch.Tensor | None,
