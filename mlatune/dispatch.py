@@ -51,12 +51,12 @@ from mlatune.arch import CPU_ARCH, DeviceInfo, current_device
 from mlatune.errors import TableError
 from mlatune.problem import BUCKET_FIELDS, MLAProblem
 from mlatune.routes import Route, all_routes
+from mlatune.routes.torch_ref import REFERENCE_ID as REFERENCE_ROUTE
 
 __all__ = ["Choice", "Dispatcher", "TableError", "device_for_arch", "find_table"]
 
 log = logging.getLogger("mlatune")
 
-REFERENCE_ROUTE = "reference/torch"
 TABLE_ENV = "MLATUNE_TABLE"
 # Memo entries for problems the table never measured (nearest and rule answers);
 # measured keys are always remembered. Bounds memory when kv_len varies freely.

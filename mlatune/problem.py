@@ -46,7 +46,7 @@ KEY_FIELDS = (
 BUCKET_FIELDS = tuple(f for f in KEY_FIELDS if f not in ("batch", "kv_len"))
 
 
-def _is_power_of_two(n: int) -> bool:
+def is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
@@ -99,7 +99,7 @@ class MLAProblem:
             if getattr(self, name) not in DTYPES:
                 yield f"{name} must be one of {sorted(DTYPES)}, got {getattr(self, name)!r}"
         if isinstance(self.page_size, int) and self.page_size > 0 \
-                and not _is_power_of_two(self.page_size):
+                and not is_power_of_two(self.page_size):
             yield f"page_size must be a power of two, got {self.page_size}"
         if isinstance(self.qlen, int) and isinstance(self.kv_len, int) and self.qlen > self.kv_len:
             yield f"qlen ({self.qlen}) must not exceed kv_len ({self.kv_len})"

@@ -27,6 +27,7 @@ from mlatune import routes, worker
 from mlatune.arch import DeviceInfo
 from mlatune.journal import Journal
 from mlatune.problem import MLAProblem
+from mlatune.routes.torch_ref import REFERENCE_ID as REFERENCE
 from mlatune.schema import device_key
 from mlatune.spec import SweepSpec
 
@@ -54,7 +55,6 @@ class Candidate:
                 "route_params": self.params_json, **result}
 
 
-REFERENCE = "reference/torch"
 
 
 def plan(spec: SweepSpec, device: DeviceInfo, only: Iterable[str] | None = None

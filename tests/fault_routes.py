@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from mlatune.routes import YES, register
+from mlatune.routes import YES, register, unregister
 from mlatune.routes.torch_ref import TorchReferenceRoute
 
 
@@ -44,5 +44,17 @@ class _Fault(TorchReferenceRoute):
         return YES
 
 
-for _fault in ("abort", "hang", "wrong", "raise", "slow"):
-    register(_Fault(f"fault-{_fault}/test", _fault))
+FAULT_ROUTES = [_Fault(f"fault-{f}/test", f) for f in ("abort", "hang", "wrong", "raise", "slow")]
+
+
+def register_all() -> None:
+    for route in FAULT_ROUTES:
+        register(route)
+
+
+def unregister_all() -> None:
+    for route in FAULT_ROUTES:
+        unregister(route.id)
+
+
+register_all()  # imported through MLATUNE_PLUGINS in sweep workers

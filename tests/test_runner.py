@@ -21,8 +21,14 @@ TINY_BUDGET = {"warmup": 0, "min_reps": 1, "max_reps": 2, "max_seconds": 0.1}
 
 @pytest.fixture(autouse=True)
 def fault_plugins(monkeypatch):
+    """Fault routes in the workers (through the environment) and here, for plan();
+    unregistered afterwards so that no other test's dispatcher can pick them."""
+    from tests import fault_routes
+
     monkeypatch.setenv("MLATUNE_PLUGINS", "tests.fault_routes")
-    import tests.fault_routes  # noqa: F401  (register here too, for plan())
+    fault_routes.register_all()
+    yield
+    fault_routes.unregister_all()
 
 
 def tiny_spec(routes, **axes):

@@ -14,9 +14,11 @@ from mlatune.inputs import DecodeInputs, PrefillInputs
 from mlatune.problem import DTYPES, MLAProblem
 from mlatune.routes.base import YES, Params, Prepared, Verdict
 
+REFERENCE_ID = "reference/torch"
+
 
 class TorchReferenceRoute:
-    id = "reference/torch"
+    id = REFERENCE_ID
 
     def supports(self, problem: MLAProblem, device: DeviceInfo) -> Verdict:
         return YES

@@ -32,7 +32,7 @@ import torch
 
 from mlatune.arch import DeviceInfo, device_of
 from mlatune.inputs import DecodeInputs, PrefillInputs
-from mlatune.problem import DTYPES, MLAProblem
+from mlatune.problem import DTYPES, MLAProblem, is_power_of_two
 from mlatune.routes.base import YES, Params, Prepared, Verdict, no
 from mlatune.routes.triton_support import triton_verdict
 
@@ -44,10 +44,6 @@ MAX_BLOCK_M = 64  # a 64 x 512 fp32 accumulator already fills two warpgroups' re
 
 # Tile configurations the interpreter runs fast enough for CI.
 _CPU_TILES = ({"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1},)
-
-
-def _is_pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
 
 
 def _next_pow2(n: int) -> int:
@@ -75,7 +71,7 @@ def _triton_verdict(problem: MLAProblem, device: DeviceInfo) -> Verdict:
         return no(f"decode routes serve phase 'decode', not {problem.phase!r}")
     for name in ("kv_lora_rank", "rope_dim"):
         value = getattr(problem, name)
-        if not _is_pow2(value) or value < 16:
+        if not is_power_of_two(value) or value < 16:
             return no(f"{name} must be a power of two >= 16 for the kernel's tiles, got {value}")
     return triton_verdict(problem, device)
 
