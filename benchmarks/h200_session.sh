@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One device call of the H200 table work (issues 4 and 8). Usage on the device:
+#   bash benchmarks/h200_session.sh STEP... where STEP is one of
+#   tests        pytest -m gpu
+#   smoke1|smoke2  the bundled smoke sweep (1 GPU), a second time with all GPUs
+#   h200 | heldout  sweeps/h200.toml or sweeps/h200-heldout.toml on all GPUs, resumed from
+#                  runs/, stopped (SIGINT, journal kept) when BUDGET_S seconds of the call are spent
+# Everything it makes goes under $OUT (logs, tables and the journals, gzipped).
+set -u -o pipefail
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" runs
+BUDGET_S=${BUDGET_S:-540}
+T0=$(date +%s)
+NGPU=$(nvidia-smi -L | wc -l)
+log() { echo "[$(date -u +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/session.log"; }
+log "$(nvidia-smi -L | head -1) x$NGPU; $(python3 -c 'import torch,triton;print("torch",torch.__version__,"triton",triton.__version__)')"
+sweep() {  # name spec gpus
+  local left=$(( BUDGET_S - ($(date +%s) - T0) ))
+  [ "$left" -gt 20 ] || { log "$1: no time left"; return; }
+  local s=$(date +%s)
+  timeout -s INT "$left" python3 -m mlatune sweep $2 --arch sm_90 --gpus "$3" --resume \
+    --out "runs/$1/sm_90-$1.parquet" > "$OUT/$1.log" 2>&1
+  local rc=$?
+  log "$1: rc=$rc wall=$(( $(date +%s) - s ))s journal lines=$(wc -l < runs/$1/sm_90-$1.journal.jsonl)"
+  tail -15 "$OUT/$1.log" | tee -a "$OUT/session.log"
+}
+for step in "$@"; do
+  case $step in
+    tests) s=$(date +%s)
+           python3 -m pytest -m gpu -q -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1
+           log "tests: rc=$? wall=$(( $(date +%s) - s ))s; $(tail -1 "$OUT/gpu-tests.log")" ;;
+    smoke1) sweep smoke1 "" 1 ;;
+    smoke2) sweep smoke2 "" "$NGPU" ;;
+    h200) sweep h200 sweeps/h200.toml "$NGPU" ;;
+    heldout) sweep heldout sweeps/h200-heldout.toml "$NGPU" ;;
+    *) log "unknown step $step" ;;
+  esac
+done
+# Journals and tables travel back gzipped in one tarball (files from $OUT: 8 at most).
+tar czf "$OUT/runs.tgz" runs
+log "done; runs.tgz $(du -h "$OUT/runs.tgz" | cut -f1)"
