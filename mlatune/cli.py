@@ -421,6 +421,52 @@ def lookup(
                           soft_wrap=True, highlight=False)
 
 
+_SOURCES = ("table", "nearest", "rule")
+
+
+@app.command()
+def coverage(
+    table_path: Annotated[Path, typer.Argument(metavar="TABLE",
+                                               help="Parquet, CSV or JSON winners table.")],
+    spec_path: Annotated[Path, typer.Argument(metavar="SPEC",
+                                              help="Sweep spec whose problems to answer.")],
+    arch: Annotated[str | None, typer.Option(
+        help="Plan for this arch (the table's) instead of this machine's.")] = None,
+    require: Annotated[str, typer.Option(
+        help="Exit 1 unless every problem is answered this well: table (measured), "
+             "nearest or rule.")] = "rule",
+) -> None:
+    """How the dispatcher answers every problem of a spec: measured, nearest point or rule."""
+    from mlatune import spec as specs
+    from mlatune.dispatch import Dispatcher
+
+    if require not in _SOURCES:
+        _fail(f"--require must be one of {', '.join(_SOURCES)}, got {require!r}")
+    with _one_line_errors(str(table_path)):
+        problems = specs.load(spec_path, gpu=True).problems
+        dispatcher = Dispatcher.load(table_path, allow_arch=arch)
+        choices = [(p, dispatcher.select(p)) for p in problems]
+    by_source: dict[str, int] = dict.fromkeys(_SOURCES, 0)
+    by_route: dict[tuple[str, str], int] = {}
+    for _, c in choices:
+        by_source[c.source] += 1
+        by_route[c.source, c.route_id] = by_route.get((c.source, c.route_id), 0) + 1
+    out = Table(title=f"{len(problems)} problems of {spec_path} answered from {table_path}")
+    out.add_column("answered by")
+    out.add_column("problems", justify="right")
+    out.add_column("routes")
+    for source in _SOURCES:
+        routes = ", ".join(f"{r} ({n})" for (s, r), n in sorted(by_route.items()) if s == source)
+        out.add_row(source, str(by_source[source]), routes)
+    console.print(out)
+    worse = [(p, c) for p, c in choices if _SOURCES.index(c.source) > _SOURCES.index(require)]
+    for p, c in worse[:20]:
+        console.print(f"  {c.source}: {p.key} -> {c.route_id}", highlight=False)
+    if worse:
+        _fail(f"{len(worse)} problem(s) answered by worse than --require {require}"
+              + (" (first 20 above)" if len(worse) > 20 else ""))
+
+
 @app.command()
 def export(
     table_path: Annotated[Path, typer.Argument(metavar="TABLE", help="Parquet or CSV table.")],

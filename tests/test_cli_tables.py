@@ -97,14 +97,35 @@ COMMANDS = {
     "export": lambda path, tmp: ["export", path, "--format", "json", "--out",
                                  str(tmp / "out.json")],
     "diff": lambda path, tmp: ["diff", path, path],
+    "coverage": lambda path, tmp: ["coverage", path, str(coverage_spec(tmp)), "--arch", "sm_90"],
 }
+
+
+def coverage_spec(tmp_path):
+    """Problems the good table measured, lies between, and never saw (another bucket)."""
+    path = tmp_path / "deploy.toml"
+    path.write_text('''name = "deploy"
+[[grid]]
+phase = "decode"
+num_heads = 16
+qlen = 1
+batch = [8, 5]
+kv_len = [1024, 2048]
+[[grid]]
+phase = "decode"
+num_heads = 32
+qlen = 1
+batch = 8
+kv_len = 1024
+''')
+    return path
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_every_kind_of_damage_is_one_red_line_and_a_failure(tmp_path, command):
     files = damaged_files(tmp_path)
     for kind, path in files.items():
-        if kind == "bad json" and command not in ("validate", "lookup"):
+        if kind == "bad json" and command not in ("validate", "lookup", "coverage"):
             continue  # only these two commands read winners maps
         result = runner.invoke(app, COMMANDS[command](path, tmp_path))
         assert_one_line_error(result, path)
@@ -209,3 +230,35 @@ def test_export_refuses_a_suffix_that_does_not_match(good, tmp_path):
     result = runner.invoke(app, ["export", str(good), "--format", "csv", "--out",
                                  str(tmp_path / "x.parquet")])
     assert_one_line_error(result, "must end in .csv")
+
+
+def test_coverage_counts_how_each_problem_of_a_spec_is_answered(good, tmp_path, fakes):
+    spec = str(coverage_spec(tmp_path))
+    result = wide.invoke(app, ["coverage", str(good), spec, "--arch", "sm_90"])
+    assert result.exit_code == 0, result.output
+    dispatcher = Dispatcher.load(good, device=H200)
+    expected = {"table": 1, "nearest": 3, "rule": 1}  # batch 8 x kv 1024 measured; 32 heads not
+    problems = [BASE.with_(batch=b, kv_len=k) for b in (8, 5) for k in (1024, 2048)]
+    problems.append(BASE.with_(num_heads=32, batch=8, kv_len=1024))
+    assert sorted(dispatcher.select(p).source for p in problems) == sorted(
+        s for s, n in expected.items() for _ in range(n))
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip()
+            for line in result.output.splitlines() if line.count("│") >= 4}
+    assert {k: int(rows[k]) for k in expected} == expected
+    # --require gates a deployment: the 32-head problem is answered only by rule.
+    assert wide.invoke(app, ["coverage", str(good), spec, "--arch", "sm_90",
+                             "--require", "rule"]).exit_code == 0
+    strict = wide.invoke(app, ["coverage", str(good), spec, "--arch", "sm_90",
+                               "--require", "nearest"])
+    assert strict.exit_code == 1 and "1 problem(s)" in strict.output
+    assert "rule: phase=decode|num_heads=32|" in strict.output
+
+
+def test_coverage_refuses_a_bad_require_and_a_bad_spec(good, tmp_path):
+    spec = str(coverage_spec(tmp_path))
+    assert_one_line_error(runner.invoke(app, ["coverage", str(good), spec, "--arch", "sm_90",
+                                              "--require", "exact"]), "--require")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("name = 3\n[[grid]]\nbogus = 1\n")
+    assert_one_line_error(runner.invoke(app, ["coverage", str(good), str(bad),
+                                              "--arch", "sm_90"]), str(bad))
