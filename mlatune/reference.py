@@ -38,18 +38,26 @@ def attend(
     and lse (T, H) in q's dtype.
     """
     T, H, _ = q.shape
-    if k.shape[0] == 0:
+    N = k.shape[0]
+    if N == 0:
         out = q.new_zeros(T, H, v.shape[-1])
         return out, q.new_full((T, H), float("-inf"))
-    # scores: (H, T, N), keys broadcast over heads when Hk == 1
-    scores = torch.einsum("thd,nhd->htn", q, k.expand(-1, H, -1)) * scale
+    # scores: (T, H, N). With one shared latent head (MLA decode) every (token, head)
+    # row meets the same keys: one matmul, instead of reading the keys once per head.
+    if k.shape[1] == 1:
+        scores = (q.reshape(T * H, -1) @ k[:, 0].T).view(T, H, N)
+    else:
+        scores = torch.einsum("thd,nhd->thn", q, k)
     allowed = key_pos[None, :] <= last_pos[:, None]  # (T, N)
-    scores = scores.masked_fill(~allowed[None], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # (H, T)
+    scores = (scores * scale).masked_fill(~allowed[:, None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # (T, H)
     # exp(-inf - (-inf)) is NaN for empty rows; those rows have no weights at all
     probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
-    out = torch.einsum("htn,nhd->thd", probs, v.expand(-1, H, -1))
-    return out, lse.transpose(0, 1).contiguous()
+    if v.shape[1] == 1:
+        out = (probs.view(T * H, N) @ v[:, 0]).view(T, H, -1)
+    else:
+        out = torch.einsum("thn,nhd->thd", probs, v)
+    return out, lse
 
 
 def merge_partials(
@@ -88,11 +96,13 @@ def decode_shard(
     """
     qlen, world = inputs.qlen, inputs.dcp_size
     q = dequantize(inputs.q, inputs.q_scale, dtype)
-    cache = dequantize(shard.kv_cache, inputs.kv_scale, dtype)
     outs, lses = [], []
-    for b, global_len in enumerate(inputs.seq_lens.tolist()):
-        local_len = int(shard.seq_lens[b])
-        kv = _gather_pages(cache, shard.block_table[b], local_len)[:, None, :]  # (N, 1, D)
+    # Lengths read once (no device sync per request); each request's pages are
+    # dequantized alone, so a large cache is never copied whole in fp32.
+    for b, (global_len, local_len) in enumerate(zip(inputs.seq_lens.tolist(),
+                                                    shard.seq_lens.tolist(), strict=True)):
+        pages = _gather_pages(shard.kv_cache, shard.block_table[b], local_len)
+        kv = dequantize(pages, inputs.kv_scale, dtype)[:, None, :]  # (N, 1, D)
         key_pos = shard.rank + world * torch.arange(local_len, device=kv.device)
         tokens = torch.arange(qlen, device=kv.device)
         last = global_len - qlen + tokens if inputs.causal else torch.full_like(
