@@ -4,12 +4,16 @@ Each repetition is timed on its own between device events, after a write of a
 buffer larger than L2 has evicted the route's data: in a model, one layer's KV
 cache is long gone from L2 by the time that layer runs again. Routes that can
 be captured are replayed from a CUDA graph, so launch gaps are not timed.
-Repetitions stop once the running median has settled. Without a GPU a
-wall-clock timer keeps the pipeline running end to end.
+Repetitions stop once the running median has settled, or early when a
+candidate is plainly losing: after ``race_reps`` repetitions its median is more
+than ``race_ratio`` times the best time already measured for the problem (its
+ranking is then certain and more repetitions only cost GPU time). Without a
+GPU a wall-clock timer keeps the pipeline running end to end.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -27,6 +31,8 @@ class Budget:
     max_reps: int = 200
     max_seconds: float = 2.0  # per candidate, timed reps only
     settle: float = 0.005  # stop when 10 more reps move the median less than this
+    race_reps: int = 5  # reps after which a plain loser stops
+    race_ratio: float = 1.5  # "plain loser": median above this x the problem's best; 0: off
 
 
 @dataclass(frozen=True)
@@ -51,13 +57,17 @@ def summarize(samples_us: list[float], timer: str) -> Timing:
                   len(ordered), timer)
 
 
-def _repeat(one_rep: Callable[[], float], budget: Budget) -> list[float]:
-    """Call ``one_rep`` (returns microseconds) until the median settles or the budget ends."""
+def _repeat(one_rep: Callable[[], float], budget: Budget, best_us: float) -> list[float]:
+    """Call ``one_rep`` (returns microseconds) until the median settles, the budget
+    ends or the candidate has plainly lost to ``best_us``."""
+    give_up_us = budget.race_ratio * best_us if budget.race_ratio > 0 else math.inf
     samples: list[float] = []
     start = time.perf_counter()
     while len(samples) < budget.max_reps:
         samples.append(one_rep())
         n = len(samples)
+        if n == budget.race_reps and statistics.median(samples) > give_up_us:
+            break
         if n >= max(budget.min_reps, 20) and n % 10 == 0:
             before, now = statistics.median(samples[:-10]), statistics.median(samples)
             if abs(now - before) <= budget.settle * now:
@@ -68,11 +78,14 @@ def _repeat(one_rep: Callable[[], float], budget: Budget) -> list[float]:
 
 
 def measure(run: Callable[[], None], device: torch.device | str, budget: Budget = Budget(),
-            graph_safe: bool = True) -> Timing:
-    """Time ``run`` on ``device``; everything it needs must already be allocated."""
+            graph_safe: bool = True, best_us: float = math.inf) -> Timing:
+    """Time ``run`` on ``device``; everything it needs must already be allocated.
+
+    ``best_us`` is the best time measured so far for the same problem (for racing).
+    """
     device = torch.device(device)
     if device.type != "cuda":
-        return _measure_wall(run, budget)
+        return _measure_wall(run, budget, best_us)
     for _ in range(budget.warmup):
         run()
     torch.cuda.synchronize(device)
@@ -92,7 +105,7 @@ def measure(run: Callable[[], None], device: torch.device | str, budget: Budget 
         end.synchronize()
         return start.elapsed_time(end) * 1e3
 
-    return summarize(_repeat(one_rep, budget), timer)
+    return summarize(_repeat(one_rep, budget, best_us), timer)
 
 
 def _capture(run: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGraph | None:
@@ -114,7 +127,7 @@ def _capture(run: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGr
         return None
 
 
-def _measure_wall(run: Callable[[], None], budget: Budget) -> Timing:
+def _measure_wall(run: Callable[[], None], budget: Budget, best_us: float) -> Timing:
     for _ in range(budget.warmup):
         run()
 
@@ -123,4 +136,4 @@ def _measure_wall(run: Callable[[], None], budget: Budget) -> Timing:
         run()
         return (time.perf_counter() - t0) * 1e6
 
-    return summarize(_repeat(one_rep, budget), "wall")
+    return summarize(_repeat(one_rep, budget, best_us), "wall")

@@ -190,6 +190,12 @@ def sweep(
     for status, n in sorted(result.counts.items()):
         summary.add_row(status, str(n))
     console.print(summary)
+    if result.ran:
+        cost = result.seconds
+        console.print("worker time: " + ", ".join(
+            f"{part.removesuffix('_s')} {cost[part]:.1f}s" for part in cost)
+            + " (setup: inputs and references; check: accuracy runs; bench: timing)",
+            highlight=False)
     console.print(f"table: {table_path} (and {table_path.with_suffix('.csv')}); "
                   f"journal: {journal_path}")
 

@@ -43,12 +43,18 @@ class Journal:
         return {r["id"] for r in self.records}
 
     def append(self, record: dict) -> None:
-        record = {"kind": "result", **record}
-        self._write(record)
-        self.records.append(record)
+        self.extend([record])
 
-    def _write(self, obj: dict) -> None:
-        self._file.write(json.dumps(obj, sort_keys=True, allow_nan=True) + "\n")
+    def extend(self, records: list[dict]) -> None:
+        """Append several records with one flush to disk (a sweep's thousands of
+        ``unsupported`` verdicts arrive together)."""
+        records = [{"kind": "result", **r} for r in records]
+        self._write(*records)
+        self.records.extend(records)
+
+    def _write(self, *objs: dict) -> None:
+        self._file.write("".join(json.dumps(o, sort_keys=True, allow_nan=True) + "\n"
+                                 for o in objs))
         self._file.flush()
         os.fsync(self._file.fileno())
 

@@ -90,11 +90,18 @@ class Observer(Protocol):
     def finished(self, record: dict[str, Any]) -> None: ...
 
 
+# Where a sweep's worker time went: the worker reports the first three, the rest of
+# elapsed_s (from handing a candidate over to its result) is "other" (prepare,
+# transfer, a crash or timeout).
+COST_PARTS = ("setup_s", "check_s", "bench_s")
+
+
 @dataclass
 class SweepResult:
     records: list[dict[str, Any]]
     wall_s: float
     ran: int  # candidates run in this invocation
+    seconds: dict[str, float] = field(default_factory=dict)  # this invocation's cost, by part
 
     @property
     def counts(self) -> dict[str, int]:
@@ -117,11 +124,13 @@ class _Worker:
         self.deadline = math.inf
         self.awaiting = ""  # "inputs" or "result" while a candidate runs
         self.group: deque[Candidate] = deque()
+        self.sent_at = 0.0
 
     def send(self, candidate: Candidate, task: dict) -> None:
         """Hand over a task; until its inputs exist, the setup allowance applies."""
         self.candidate = candidate
-        self.deadline = time.monotonic() + SETUP_TIMEOUT_S
+        self.sent_at = time.monotonic()
+        self.deadline = self.sent_at + SETUP_TIMEOUT_S
         self.awaiting = "inputs"
         self.conn.send(task)
 
@@ -158,9 +167,7 @@ def run(spec: SweepSpec, device: DeviceInfo, journal: Journal, *, workers: int =
     t0 = time.monotonic()
     candidates, refused = plan(spec, device, only)
     done = journal.done_ids
-    for record in refused:
-        if record["id"] not in done:
-            journal.append(record)
+    journal.extend([r for r in refused if r["id"] not in done])
     todo = [c for c in candidates if c.id not in done]
     if observer:
         observer.started(len(candidates) + len(refused), len(candidates) + len(refused) - len(todo))
@@ -174,7 +181,7 @@ def run(spec: SweepSpec, device: DeviceInfo, journal: Journal, *, workers: int =
             observer.started(len(fallbacks), 0)
         execute(fallbacks)
         ran += len(fallbacks)
-    return SweepResult(journal.records, time.monotonic() - t0, ran)
+    return SweepResult(journal.records, time.monotonic() - t0, ran, execute.seconds)
 
 
 def _reference_fallbacks(problems: Iterable[MLAProblem], records: list[dict[str, Any]]
@@ -201,6 +208,7 @@ class _Executor:
         self.devices = [f"cuda:{i}" for i in range(workers)] if device.is_gpu \
             else ["cpu"] * workers
         self.budget = asdict(spec.budget)
+        self.seconds = dict.fromkeys((*COST_PARTS, "other_s"), 0.0)
 
     def task(self, c: Candidate) -> dict[str, Any]:
         return {"problem": c.problem.as_dict(), "route": c.route_id, "params": c.params,
@@ -220,6 +228,11 @@ class _Executor:
 
         def finish(w: _Worker, result: dict[str, Any]) -> None:
             result.pop("restart", None)
+            result["elapsed_s"] = time.monotonic() - w.sent_at
+            parts = [result.get(p, 0.0) for p in COST_PARTS]
+            for part, spent in zip(COST_PARTS, parts, strict=True):
+                self.seconds[part] += spent
+            self.seconds["other_s"] += max(0.0, result["elapsed_s"] - sum(parts))
             record = w.candidate.record(**result)
             self.journal.append(record)
             if self.observer:

@@ -26,3 +26,17 @@ def test_time_budget_caps_repetitions():
                       bench.Budget(warmup=0, min_reps=3, max_reps=1000, max_seconds=0.1,
                                    settle=0))
     assert 3 <= t.reps < 20
+
+
+def test_a_plain_loser_stops_after_race_reps():
+    slow = bench.Budget(warmup=0, min_reps=10, max_reps=50, max_seconds=5, settle=0,
+                        race_reps=4, race_ratio=1.5)
+    # ~2 ms per call against a best of 500 us: 4x slower, so it stops at race_reps.
+    raced = bench.measure(lambda: time.sleep(0.002), "cpu", slow, best_us=500.0)
+    assert raced.reps == 4 and raced.median_us > 1500
+    # Within the ratio of the best (or with no best yet, or racing off) it runs on.
+    close = bench.measure(lambda: time.sleep(0.002), "cpu", slow, best_us=1900.0)
+    assert close.reps > 4
+    assert bench.measure(lambda: time.sleep(0.002), "cpu", slow).reps > 4
+    off = bench.Budget(**{**slow.__dict__, "race_ratio": 0.0})
+    assert bench.measure(lambda: time.sleep(0.002), "cpu", off, best_us=500.0).reps > 4

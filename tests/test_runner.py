@@ -263,6 +263,25 @@ def test_evaluate_checks_ragged_and_dcp_merge_in_process():
     assert wrong["status"] == "rejected_accuracy" and wrong["reason"].startswith("ragged")
 
 
+def test_worker_time_is_split_into_setup_checks_and_timing(tmp_path):
+    """Setup is paid by a problem's first candidate only; the sweep sums every part."""
+    s = tiny_spec(["reference/torch", "fault-wrong/test"])
+    journal = Journal(tmp_path / "j.jsonl", header(), resume=False)
+    result = runner.run(s, cpu_device(), journal, timeout_s=20)
+    journal.close()
+    records = read(tmp_path / "j.jsonl")[1]
+    first, second = records[0], records[1]  # a problem's two candidates, in plan order
+    assert first["key"] == second["key"] and first["setup_s"] > 0 and second["setup_s"] == 0
+    for r in records:
+        parts = r["setup_s"] + r["check_s"] + r["bench_s"]
+        assert r["check_s"] > 0 and 0 < parts <= r["elapsed_s"]
+        assert (r["bench_s"] > 0) == (r["status"] == "ok")
+    assert set(result.seconds) == {"setup_s", "check_s", "bench_s", "other_s"}
+    for part in ("setup_s", "check_s", "bench_s"):
+        assert result.seconds[part] == pytest.approx(sum(r[part] for r in records))
+    assert sum(result.seconds.values()) == pytest.approx(sum(r["elapsed_s"] for r in records))
+
+
 @pytest.mark.parametrize(("spec_text", "extra", "message"), [
     ('routes = ["nope/none"]\n[[grid]]\nkv_len = 8\n', [], "nope/none"),
     ("[[grid]]\nkv_len = 8\n", ["--routes", "nope/none"], "nope/none"),
