@@ -60,6 +60,11 @@ def doctor() -> None:
     else:
         console.print("[yellow]no GPU found[/]: only CPU-capable routes can run here "
                       "(`mlatune plan` needs no GPU).")
+    from mlatune.dispatch import Dispatcher
+
+    here = Dispatcher.from_bundled()
+    console.print(f"dispatch table here: {here.source or 'none (the dispatcher answers by rule)'}",
+                  highlight=False)
 
     backends = Table(title="route backends")
     for col in ("backend", "importable", "detail", "routes"):
@@ -432,10 +437,11 @@ _SOURCES = ("table", "nearest", "rule")
 
 @app.command()
 def coverage(
-    table_path: Annotated[Path, typer.Argument(metavar="TABLE",
-                                               help="Parquet, CSV or JSON winners table.")],
     spec_path: Annotated[Path, typer.Argument(metavar="SPEC",
                                               help="Sweep spec whose problems to answer.")],
+    table_path: Annotated[Path | None, typer.Option(
+        "--table", help="Parquet, CSV or JSON winners table. Default: the one the dispatcher "
+                        "loads here (bundled for this device, or MLATUNE_TABLE).")] = None,
     arch: Annotated[str | None, typer.Option(
         help="Plan for this arch (the table's) instead of this machine's.")] = None,
     require: Annotated[str, typer.Option(
@@ -444,20 +450,25 @@ def coverage(
 ) -> None:
     """How the dispatcher answers every problem of a spec: measured, nearest point or rule."""
     from mlatune import spec as specs
-    from mlatune.dispatch import Dispatcher
+    from mlatune.dispatch import Dispatcher, device_for_arch
 
     if require not in _SOURCES:
         _fail(f"--require must be one of {', '.join(_SOURCES)}, got {require!r}")
-    with _one_line_errors(str(table_path)):
+    with _one_line_errors(str(table_path or spec_path)):
         problems = specs.load(spec_path, gpu=True).problems
-        dispatcher = Dispatcher.load(table_path, allow_arch=arch)
+        if table_path is not None:
+            dispatcher = Dispatcher.load(table_path, allow_arch=arch)
+        else:
+            dispatcher = Dispatcher.from_bundled(device_for_arch(arch) if arch else None)
         choices = [(p, dispatcher.select(p)) for p in problems]
+    console.print(f"table: {dispatcher.source or 'none (every answer by rule)'}",
+                  highlight=False)
     by_source: dict[str, int] = dict.fromkeys(_SOURCES, 0)
     by_route: dict[tuple[str, str], int] = {}
     for _, c in choices:
         by_source[c.source] += 1
         by_route[c.source, c.route_id] = by_route.get((c.source, c.route_id), 0) + 1
-    out = Table(title=f"{len(problems)} problems of {spec_path} answered from {table_path}")
+    out = Table(title=f"{len(problems)} problems of {spec_path}")
     out.add_column("answered by")
     out.add_column("problems", justify="right")
     out.add_column("routes")

@@ -19,3 +19,18 @@ def test_doctor_on_this_machine():
 
     if not torch.cuda.is_available():
         assert "no GPU" in result.output
+        assert "dispatch table here: none" in result.output  # no table ships for the CPU
+
+
+def test_doctor_names_the_table_the_dispatcher_loads(tmp_path, monkeypatch):
+    from mlatune import table
+    from mlatune.arch import current_device
+    from mlatune.problem import MLAProblem
+    from tests.table_helpers import make_table, result_row
+
+    device = current_device()
+    path = table.write(make_table([result_row(MLAProblem(), "reference/torch", 5.0,
+                                              device=device)]), tmp_path / "t.parquet")
+    monkeypatch.setenv("MLATUNE_TABLE", str(path))
+    result = CliRunner(env={"COLUMNS": "400"}).invoke(app, ["doctor"])
+    assert result.exit_code == 0 and f"dispatch table here: {path}" in result.output

@@ -97,7 +97,8 @@ COMMANDS = {
     "export": lambda path, tmp: ["export", path, "--format", "json", "--out",
                                  str(tmp / "out.json")],
     "diff": lambda path, tmp: ["diff", path, path],
-    "coverage": lambda path, tmp: ["coverage", path, str(coverage_spec(tmp)), "--arch", "sm_90"],
+    "coverage": lambda path, tmp: ["coverage", str(coverage_spec(tmp)), "--table", path,
+                                   "--arch", "sm_90"],
 }
 
 
@@ -234,7 +235,7 @@ def test_export_refuses_a_suffix_that_does_not_match(good, tmp_path):
 
 def test_coverage_counts_how_each_problem_of_a_spec_is_answered(good, tmp_path, fakes):
     spec = str(coverage_spec(tmp_path))
-    result = wide.invoke(app, ["coverage", str(good), spec, "--arch", "sm_90"])
+    result = wide.invoke(app, ["coverage", spec, "--table", str(good), "--arch", "sm_90"])
     assert result.exit_code == 0, result.output
     dispatcher = Dispatcher.load(good, device=H200)
     expected = {"table": 1, "nearest": 3, "rule": 1}  # batch 8 x kv 1024 measured; 32 heads not
@@ -246,9 +247,9 @@ def test_coverage_counts_how_each_problem_of_a_spec_is_answered(good, tmp_path, 
             for line in result.output.splitlines() if line.count("│") >= 4}
     assert {k: int(rows[k]) for k in expected} == expected
     # --require gates a deployment: the 32-head problem is answered only by rule.
-    assert wide.invoke(app, ["coverage", str(good), spec, "--arch", "sm_90",
+    assert wide.invoke(app, ["coverage", spec, "--table", str(good), "--arch", "sm_90",
                              "--require", "rule"]).exit_code == 0
-    strict = wide.invoke(app, ["coverage", str(good), spec, "--arch", "sm_90",
+    strict = wide.invoke(app, ["coverage", spec, "--table", str(good), "--arch", "sm_90",
                                "--require", "nearest"])
     assert strict.exit_code == 1 and "1 problem(s)" in strict.output
     assert "rule: phase=decode|num_heads=32|" in strict.output
@@ -256,9 +257,24 @@ def test_coverage_counts_how_each_problem_of_a_spec_is_answered(good, tmp_path, 
 
 def test_coverage_refuses_a_bad_require_and_a_bad_spec(good, tmp_path):
     spec = str(coverage_spec(tmp_path))
-    assert_one_line_error(runner.invoke(app, ["coverage", str(good), spec, "--arch", "sm_90",
-                                              "--require", "exact"]), "--require")
+    assert_one_line_error(runner.invoke(app, ["coverage", spec, "--table", str(good),
+                                              "--arch", "sm_90", "--require", "exact"]),
+                          "--require")
     bad = tmp_path / "bad.toml"
     bad.write_text("name = 3\n[[grid]]\nbogus = 1\n")
-    assert_one_line_error(runner.invoke(app, ["coverage", str(good), str(bad),
+    assert_one_line_error(runner.invoke(app, ["coverage", str(bad), "--table", str(good),
                                               "--arch", "sm_90"]), str(bad))
+
+
+def test_coverage_defaults_to_the_table_the_dispatcher_loads(good, tmp_path, fakes,
+                                                              monkeypatch):
+    spec = str(coverage_spec(tmp_path))
+    monkeypatch.setenv("MLATUNE_TABLE", str(good))
+    result = wide.invoke(app, ["coverage", spec, "--arch", "sm_90"])
+    assert result.exit_code == 0, result.output
+    assert f"table: {good}" in result.output
+    monkeypatch.delenv("MLATUNE_TABLE")
+    # No table ships for gfx1250: every problem is answered by rule.
+    result = wide.invoke(app, ["coverage", spec, "--arch", "gfx1250", "--require", "table"])
+    assert result.exit_code == 1 and "table: none" in result.output
+    assert "5 problem(s) answered by worse" in result.output
