@@ -199,7 +199,8 @@ def sweep(
         cost = result.seconds
         console.print("worker time: " + ", ".join(
             f"{part.removesuffix('_s')} {cost[part]:.1f}s" for part in cost)
-            + " (setup: inputs and references; check: accuracy runs; bench: timing)",
+            + " (setup: inputs and references; first_check: the first accuracy run, "
+              "with kernel compiles; check: the second; bench: timing)",
             highlight=False)
     console.print(f"table: {table_path} (and {table_path.with_suffix('.csv')}); "
                   f"journal: {journal_path}")

@@ -93,7 +93,7 @@ class Observer(Protocol):
 # Where a sweep's worker time went: the worker reports the first three, the rest of
 # elapsed_s (from handing a candidate over to its result) is "other" (prepare,
 # transfer, a crash or timeout).
-COST_PARTS = ("setup_s", "check_s", "bench_s")
+COST_PARTS = ("setup_s", "first_check_s", "check_s", "bench_s")
 
 
 @dataclass
