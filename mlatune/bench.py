@@ -109,16 +109,24 @@ def measure(run: Callable[[], None], device: torch.device | str, budget: Budget 
 
 
 def _capture(run: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGraph | None:
-    """A CUDA graph of one ``run``, or None when the route cannot be captured."""
+    """A CUDA graph of one ``run``, or None when the route cannot be captured.
+
+    Not ``torch.cuda.graph()``: it empties the allocator's cache on entry, so that
+    every candidate of a sweep would pay cudaMalloc and cudaFree again for its
+    buffers and the L2 flush buffer.
+    """
     try:
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
+        graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(stream):
             run()  # warm up on the capture stream, as torch recommends
+            graph.capture_begin()
+            try:
+                run()
+            finally:
+                graph.capture_end()
         torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
         graph.replay()
         torch.cuda.synchronize(device)
         return graph
