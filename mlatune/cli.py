@@ -96,12 +96,12 @@ class _SweepProgress:
         self.task = None
         self.failures = 0
 
-    def started(self, total: int, already_done: int) -> None:
-        self.task = self.progress.add_task("sweep", total=total, completed=already_done,
+    def started(self, total: int, already_done: int, what: str = "sweep") -> None:
+        self.task = self.progress.add_task(what, total=total, completed=already_done,
                                            failures=0)
 
     def finished(self, record: dict) -> None:
-        if record["status"] not in ("ok", "unsupported"):
+        if record["status"] not in ("ok", "unsupported", "checked"):
             self.failures += 1
         self.progress.update(self.task, advance=1, failures=self.failures)
 
@@ -118,6 +118,9 @@ def sweep(
     resume: bool = typer.Option(False, help="Continue the sweep recorded in the journal."),
     gpus: int = typer.Option(1, min=1, help="Worker processes, one per GPU."),
     timeout: float = typer.Option(300.0, min=0.1, help="Seconds one candidate may take."),
+    compile_workers: int = typer.Option(None, min=0, help="Processes per GPU that compile "
+                                        "kernels before timing starts (default: the spare CPU "
+                                        "cores, at most 8; 0: none)."),
     routes: str = typer.Option(None, help="Comma-separated route ids (default: every viable)."),
 ) -> None:
     """Measure every viable route for each problem of a spec and write a dispatch table."""
@@ -181,7 +184,8 @@ def sweep(
     try:
         with Progress(*columns, console=console) as progress:
             result = runner.run(spec, device, journal, workers=gpus if device.is_gpu else 1,
-                                timeout_s=timeout, only=only, observer=_SweepProgress(progress))
+                                timeout_s=timeout, only=only, observer=_SweepProgress(progress),
+                                compile_workers=compile_workers)
     except KeyboardInterrupt:
         _fail(f"interrupted; finished candidates are in {journal_path}: rerun with --resume")
     finally:

@@ -15,10 +15,11 @@ import hashlib
 import json
 import math
 import multiprocessing as mp
+import os
 import signal
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import wait
 from typing import Any, Protocol
@@ -86,7 +87,7 @@ def plan(spec: SweepSpec, device: DeviceInfo, only: Iterable[str] | None = None
 
 
 class Observer(Protocol):
-    def started(self, total: int, already_done: int) -> None: ...
+    def started(self, total: int, already_done: int, what: str = "sweep") -> None: ...
     def finished(self, record: dict[str, Any]) -> None: ...
 
 
@@ -158,9 +159,12 @@ class _Worker:
 
 def run(spec: SweepSpec, device: DeviceInfo, journal: Journal, *, workers: int = 1,
         timeout_s: float = 300.0, only: Iterable[str] | None = None,
-        observer: Observer | None = None) -> SweepResult:
+        observer: Observer | None = None, compile_workers: int | None = None) -> SweepResult:
     """Run every candidate of ``spec`` not already in ``journal``.
 
+    First, ``compile_workers`` processes per device (default: on a GPU, the spare
+    cores; none on the CPU) check one small problem per route, parameter set and
+    bucket, so the kernels are compiled before the timing workers need them.
     Then, unless routes were named, the reference runs for every problem where
     all the routes that served it failed, so the table holds an ok row there.
     """
@@ -169,9 +173,29 @@ def run(spec: SweepSpec, device: DeviceInfo, journal: Journal, *, workers: int =
     done = journal.done_ids
     journal.extend([r for r in refused if r["id"] not in done])
     todo = [c for c in candidates if c.id not in done]
+    seconds: dict[str, float] = {}
+    if compile_workers is None:
+        compile_workers = default_compile_workers(workers) if device.is_gpu else 0
+    if compile_workers and todo:
+        # Kernels compile on the CPU, one at a time per process: compiling them here,
+        # in many processes at once, keeps the timing workers from waiting on it.
+        t_compile = time.monotonic()
+        firsts = compile_representatives(todo)
+        if observer:
+            observer.started(len(firsts), 0, "compiling")
+        devices = [d for d in _devices(device, workers) for _ in range(compile_workers)]
+        _Executor(spec, devices, timeout_s, check_only=True,
+                  on_result=observer.finished if observer else lambda record: None)(firsts)
+        seconds["compile_ahead_wall_s"] = time.monotonic() - t_compile
     if observer:
         observer.started(len(candidates) + len(refused), len(candidates) + len(refused) - len(todo))
-    execute = _Executor(spec, device, journal, workers, timeout_s, observer)
+
+    def journal_it(record: dict[str, Any]) -> None:
+        journal.append(record)
+        if observer:
+            observer.finished(record)
+
+    execute = _Executor(spec, _devices(device, workers), timeout_s, on_result=journal_it)
     execute(todo)
     ran = len(todo)
     if not only and not spec.routes:
@@ -181,7 +205,35 @@ def run(spec: SweepSpec, device: DeviceInfo, journal: Journal, *, workers: int =
             observer.started(len(fallbacks), 0)
         execute(fallbacks)
         ran += len(fallbacks)
-    return SweepResult(journal.records, time.monotonic() - t0, ran, execute.seconds)
+    return SweepResult(journal.records, time.monotonic() - t0, ran,
+                       {**execute.seconds, **seconds})
+
+
+def _devices(device: DeviceInfo, workers: int) -> list[str]:
+    """One worker per GPU; on the CPU ``workers`` processes share it (tests use that)."""
+    return [f"cuda:{i}" for i in range(workers)] if device.is_gpu else ["cpu"] * workers
+
+
+def default_compile_workers(gpus: int) -> int:
+    """Compile processes per GPU: the cores beyond one per timing worker, at most 8."""
+    return max(1, min(8, (os.cpu_count() or 2) // gpus - 1))
+
+
+def compile_representatives(candidates: Iterable[Candidate]) -> list[Candidate]:
+    """One candidate per (route, parameters, problem bucket): the smallest problem.
+
+    Problem sizes are runtime arguments of the kernels, so within a bucket
+    (every key field but batch and kv_len) a route's parameter set compiles to
+    the same kernels; checking the smallest problem compiles them cheaply.
+    """
+    smallest: dict[tuple, Candidate] = {}
+    for c in candidates:
+        group = (c.route_id, c.params_json, c.problem.bucket)
+        held = smallest.get(group)
+        size = (c.problem.batch * c.problem.kv_len, c.problem.batch)
+        if held is None or size < (held.problem.batch * held.problem.kv_len, held.problem.batch):
+            smallest[group] = c
+    return list(smallest.values())
 
 
 def _reference_fallbacks(problems: Iterable[MLAProblem], records: list[dict[str, Any]]
@@ -199,21 +251,22 @@ def _reference_fallbacks(problems: Iterable[MLAProblem], records: list[dict[str,
 
 
 class _Executor:
-    """Runs candidates on a pool of worker processes, journaling each result."""
+    """Runs candidates on a pool of worker processes (one per entry of ``devices``),
+    handing each result record to ``on_result``. With ``check_only`` the workers
+    stop after the first accuracy check (compiling ahead) and results are dropped."""
 
-    def __init__(self, spec: SweepSpec, device: DeviceInfo, journal: Journal, workers: int,
-                 timeout_s: float, observer: Observer | None):
-        self.spec, self.journal, self.timeout_s, self.observer = spec, journal, timeout_s, observer
-        # One worker per GPU; on the CPU ``workers`` processes share it (tests use that).
-        self.devices = [f"cuda:{i}" for i in range(workers)] if device.is_gpu \
-            else ["cpu"] * workers
+    def __init__(self, spec: SweepSpec, devices: list[str], timeout_s: float, *,
+                 on_result: Callable[[dict[str, Any]], None] = lambda record: None,
+                 check_only: bool = False):
+        self.spec, self.devices, self.timeout_s = spec, devices, timeout_s
+        self.on_result, self.check_only = on_result, check_only
         self.budget = asdict(spec.budget)
         self.seconds = dict.fromkeys((*COST_PARTS, "other_s"), 0.0)
 
     def task(self, c: Candidate) -> dict[str, Any]:
         return {"problem": c.problem.as_dict(), "route": c.route_id, "params": c.params,
                 "seed": _seed(self.spec.seed, c.problem), "budget": self.budget,
-                "tolerances": self.spec.tolerances}
+                "tolerances": self.spec.tolerances, "check_only": self.check_only}
 
     def __call__(self, candidates: list[Candidate]) -> None:
         if not candidates:
@@ -233,10 +286,7 @@ class _Executor:
             for part, spent in zip(COST_PARTS, parts, strict=True):
                 self.seconds[part] += spent
             self.seconds["other_s"] += max(0.0, result["elapsed_s"] - sum(parts))
-            record = w.candidate.record(**result)
-            self.journal.append(record)
-            if self.observer:
-                self.observer.finished(record)
+            self.on_result(w.candidate.record(**result))
             w.candidate, w.deadline = None, math.inf
 
         def replace(w: _Worker) -> None:

@@ -303,3 +303,45 @@ def test_sweep_refuses_bad_routes_and_outputs_before_writing(tmp_path, spec_text
     assert result.exit_code == 1 and message in result.output
     assert "Traceback" not in result.output
     assert not list(tmp_path.glob("*.journal.jsonl"))  # nothing started
+
+
+def test_compile_representatives_are_the_smallest_problem_per_route_params_and_bucket():
+    s = tiny_spec(["reference/torch"], batch=[4, 1, 2], kv_len=[16, 8], num_heads=[2, 4])
+    cands = [runner.Candidate(p, r, params) for p in s.problems
+             for r, params in (("reference/torch", {}), ("fault-wrong/test", {"x": 1}),
+                               ("fault-wrong/test", {"x": 2}))]
+    firsts = runner.compile_representatives(cands)
+    # 2 buckets (heads) x 3 (route, params): each with its batch-1, kv_len-8 problem.
+    assert len(firsts) == 6
+    assert {(c.problem.num_heads, c.route_id, c.params_json) for c in firsts} == {
+        (h, c.route_id, c.params_json) for h in (2, 4) for c in cands[:3]}
+    assert all((c.problem.batch, c.problem.kv_len) == (1, 8) for c in firsts)
+
+
+def test_compiling_ahead_changes_no_result(tmp_path):
+    """The compile pass checks one problem per group in extra workers and journals
+    nothing; the sweep after it records what a sweep without it records."""
+    s = tiny_spec(["reference/torch", "fault-wrong/test", "fault-abort/test"], kv_len=[16, 24])
+    seen = []
+
+    class Seen:
+        def started(self, total, already_done, what="sweep"):
+            seen.append((what, total, already_done))
+
+        def finished(self, record):
+            seen.append(record["status"])
+
+    results = {}
+    for ahead in (0, 2):
+        journal = Journal(tmp_path / f"j{ahead}.jsonl", header(), resume=False)
+        out = runner.run(s, cpu_device(), journal, timeout_s=20, compile_workers=ahead,
+                         observer=Seen() if ahead else None)
+        journal.close()
+        results[ahead] = {r["id"]: r["status"] for r in read(tmp_path / f"j{ahead}.jsonl")[1]}
+        assert ("compile_ahead_wall_s" in out.seconds) == bool(ahead)
+    assert results[0] == results[2] and len(results[0]) == 3 * 4
+    # Compile pass: one problem (batch 1, kv_len 16) per route; the abort crashes its worker
+    # there too, and the sweep goes on to record it properly.
+    assert seen[0] == ("compiling", 3, 0)
+    assert sorted(seen[1:4]) == ["checked", "crashed", "rejected_accuracy"]
+    assert seen[4] == ("sweep", 12, 0)
