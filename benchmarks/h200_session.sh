@@ -5,6 +5,8 @@
 #   smoke1|smoke2  the bundled smoke sweep (1 GPU), a second time with all GPUs
 #   h200 | heldout  sweeps/h200.toml or sweeps/h200-heldout.toml on all GPUs, resumed from
 #                  runs/, stopped (SIGINT, journal kept) when BUDGET_S seconds of the call are spent
+#   h200fresh      sweeps/h200.toml from scratch into runs/h200fresh (to time the whole sweep)
+#   bundled        doctor, then how the bundled table answers the held-out problems, on the GPU
 # Everything it makes goes under $OUT (logs, tables and the journals, gzipped).
 set -u -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -33,6 +35,11 @@ for step in "$@"; do
     smoke2) sweep smoke2 "" "$NGPU" ;;
     h200) sweep h200 sweeps/h200.toml "$NGPU" ;;
     heldout) sweep heldout sweeps/h200-heldout.toml "$NGPU" ;;
+    h200fresh) sweep h200fresh sweeps/h200.toml "$NGPU" ;;
+    bundled) { python3 -m mlatune doctor
+               python3 -m mlatune coverage sweeps/h200-heldout.toml --require nearest
+             } > "$OUT/bundled.log" 2>&1
+             log "bundled: rc=$?"; tail -12 "$OUT/bundled.log" | tee -a "$OUT/session.log" ;;
     *) log "unknown step $step" ;;
   esac
 done
