@@ -233,7 +233,11 @@ def compile_representatives(candidates: Iterable[Candidate]) -> list[Candidate]:
         size = (c.problem.batch * c.problem.kv_len, c.problem.batch)
         if held is None or size < (held.problem.batch * held.problem.kv_len, held.problem.batch):
             smallest[group] = c
-    return list(smallest.values())
+    # A problem's candidates together, so that a worker makes its inputs once.
+    by_problem: dict[MLAProblem, list[Candidate]] = {}
+    for c in smallest.values():
+        by_problem.setdefault(c.problem, []).append(c)
+    return [c for same in by_problem.values() for c in same]
 
 
 def _reference_fallbacks(problems: Iterable[MLAProblem], records: list[dict[str, Any]]

@@ -316,6 +316,10 @@ def test_compile_representatives_are_the_smallest_problem_per_route_params_and_b
     assert {(c.problem.num_heads, c.route_id, c.params_json) for c in firsts} == {
         (h, c.route_id, c.params_json) for h in (2, 4) for c in cands[:3]}
     assert all((c.problem.batch, c.problem.kv_len) == (1, 8) for c in firsts)
+    # Shuffled, a problem's representatives still come together (inputs made once).
+    firsts = runner.compile_representatives(cands[::-1])
+    problems = [c.problem for c in firsts]
+    assert problems == sorted(problems, key=problems.index) and len(set(problems)) == 2
 
 
 def test_compiling_ahead_changes_no_result(tmp_path):
