@@ -42,6 +42,7 @@ class Timing:
     p80_us: float
     reps: int
     timer: str  # "cuda_graph", "cuda_event" or "wall"
+    raced: bool = False  # stopped after race_reps: plainly slower than the problem's best
 
 
 def _quantile(sorted_values: list[float], q: float) -> float:
@@ -51,13 +52,13 @@ def _quantile(sorted_values: list[float], q: float) -> float:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
-def summarize(samples_us: list[float], timer: str) -> Timing:
+def summarize(samples_us: list[float], timer: str, raced: bool = False) -> Timing:
     ordered = sorted(samples_us)
     return Timing(statistics.median(ordered), _quantile(ordered, 0.2), _quantile(ordered, 0.8),
-                  len(ordered), timer)
+                  len(ordered), timer, raced)
 
 
-def _repeat(one_rep: Callable[[], float], budget: Budget, best_us: float) -> list[float]:
+def _repeat(one_rep: Callable[[], float], budget: Budget, best_us: float, timer: str) -> Timing:
     """Call ``one_rep`` (returns microseconds) until the median settles, the budget
     ends or the candidate has plainly lost to ``best_us``."""
     give_up_us = budget.race_ratio * best_us if budget.race_ratio > 0 else math.inf
@@ -67,14 +68,14 @@ def _repeat(one_rep: Callable[[], float], budget: Budget, best_us: float) -> lis
         samples.append(one_rep())
         n = len(samples)
         if n == budget.race_reps and statistics.median(samples) > give_up_us:
-            break
+            return summarize(samples, timer, raced=True)
         if n >= max(budget.min_reps, 20) and n % 10 == 0:
             before, now = statistics.median(samples[:-10]), statistics.median(samples)
             if abs(now - before) <= budget.settle * now:
                 break
         if time.perf_counter() - start > budget.max_seconds and n >= min(3, budget.min_reps):
             break
-    return samples
+    return summarize(samples, timer)
 
 
 def measure(run: Callable[[], None], device: torch.device | str, budget: Budget = Budget(),
@@ -105,7 +106,7 @@ def measure(run: Callable[[], None], device: torch.device | str, budget: Budget 
         end.synchronize()
         return start.elapsed_time(end) * 1e3
 
-    return summarize(_repeat(one_rep, budget, best_us), timer)
+    return _repeat(one_rep, budget, best_us, timer)
 
 
 def _capture(run: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGraph | None:
@@ -144,4 +145,4 @@ def _measure_wall(run: Callable[[], None], budget: Budget, best_us: float) -> Ti
         run()
         return (time.perf_counter() - t0) * 1e6
 
-    return summarize(_repeat(one_rep, budget, best_us), "wall")
+    return _repeat(one_rep, budget, best_us, "wall")

@@ -62,9 +62,11 @@ def doctor() -> None:
                       "(`mlatune plan` needs no GPU).")
     from mlatune.dispatch import Dispatcher
 
-    here = Dispatcher.from_bundled()
-    console.print(f"dispatch table here: {here.source or 'none (the dispatcher answers by rule)'}",
-                  highlight=False)
+    try:
+        here = Dispatcher.from_bundled().source or "none (the dispatcher answers by rule)"
+    except (ValueError, OSError) as exc:  # MLATUNE_TABLE names an unusable table
+        here = f"[red]unusable[/]: {exc}"
+    console.print(f"dispatch table here: {here}", highlight=False)
 
     backends = Table(title="route backends")
     for col in ("backend", "importable", "detail", "routes"):
@@ -97,6 +99,7 @@ class _SweepProgress:
         self.failures = 0
 
     def started(self, total: int, already_done: int, what: str = "sweep") -> None:
+        self.failures = 0
         self.task = self.progress.add_task(what, total=total, completed=already_done,
                                            failures=0)
 
@@ -200,7 +203,10 @@ def sweep(
         summary.add_row(status, str(n))
     console.print(summary)
     if result.ran:
-        cost = result.seconds
+        cost = dict(result.seconds)
+        ahead = cost.pop("compile_ahead_wall_s", None)
+        if ahead is not None:
+            console.print(f"compiled ahead in {ahead:.1f}s (wall)", highlight=False)
         console.print("worker time: " + ", ".join(
             f"{part.removesuffix('_s')} {cost[part]:.1f}s" for part in cost)
             + " (setup: inputs and references; first_check: the first accuracy run, "

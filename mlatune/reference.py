@@ -49,10 +49,11 @@ def attend(
     else:
         scores = torch.einsum("thd,nhd->thn", q, k)
     allowed = key_pos[None, :] <= last_pos[:, None]  # (T, N)
-    scores = (scores * scale).masked_fill(~allowed[:, None], float("-inf"))
+    # In place from here: the scores are the largest tensor (T x H x N).
+    scores.mul_(scale).masked_fill_(~allowed[:, None], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # (T, H)
     # exp(-inf - (-inf)) is NaN for empty rows; those rows have no weights at all
-    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+    probs = scores.sub_(lse[..., None]).exp_().nan_to_num_(0.0)
     if v.shape[1] == 1:
         out = (probs.view(T * H, N) @ v[:, 0]).view(T, H, -1)
     else:
@@ -82,7 +83,9 @@ def _gather_pages(cache: torch.Tensor, block_table_row: torch.Tensor, length: in
     """The first ``length`` tokens of one request from a paged cache (pages, page, D)."""
     page_size = cache.shape[1]
     n_pages = -(-length // page_size)
-    pages = cache[block_table_row[:n_pages].long()]  # (n_pages, page, D)
+    # fp8 gathered as bytes: indexing fp8 tensors is not implemented on every device.
+    raw = cache.view(torch.uint8) if cache.element_size() == 1 else cache
+    pages = raw[block_table_row[:n_pages].long()].view(cache.dtype)  # (n_pages, page, D)
     return pages.reshape(-1, cache.shape[-1])[:length]
 
 

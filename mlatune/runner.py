@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import multiprocessing as mp
 import os
@@ -31,6 +32,8 @@ from mlatune.problem import MLAProblem
 from mlatune.routes.torch_ref import REFERENCE_ID as REFERENCE
 from mlatune.schema import device_key
 from mlatune.spec import SweepSpec
+
+log = logging.getLogger(__name__)
 
 WORKER_START_TIMEOUT_S = 300.0  # importing torch and creating a CUDA context
 SETUP_TIMEOUT_S = 900.0  # a problem's inputs and fp32 references, before the route's timeout
@@ -177,15 +180,8 @@ def run(spec: SweepSpec, device: DeviceInfo, journal: Journal, *, workers: int =
     if compile_workers is None:
         compile_workers = default_compile_workers(workers) if device.is_gpu else 0
     if compile_workers and todo:
-        # Kernels compile on the CPU, one at a time per process: compiling them here,
-        # in many processes at once, keeps the timing workers from waiting on it.
         t_compile = time.monotonic()
-        firsts = compile_representatives(todo)
-        if observer:
-            observer.started(len(firsts), 0, "compiling")
-        devices = [d for d in _devices(device, workers) for _ in range(compile_workers)]
-        _Executor(spec, devices, timeout_s, check_only=True,
-                  on_result=observer.finished if observer else lambda record: None)(firsts)
+        _compile_ahead(spec, device, workers, compile_workers, todo, timeout_s, observer)
         seconds["compile_ahead_wall_s"] = time.monotonic() - t_compile
     if observer:
         observer.started(len(candidates) + len(refused), len(candidates) + len(refused) - len(todo))
@@ -207,6 +203,24 @@ def run(spec: SweepSpec, device: DeviceInfo, journal: Journal, *, workers: int =
         ran += len(fallbacks)
     return SweepResult(journal.records, time.monotonic() - t0, ran,
                        {**execute.seconds, **seconds})
+
+
+def _compile_ahead(spec: SweepSpec, device: DeviceInfo, workers: int, per_device: int,
+                   todo: list[Candidate], timeout_s: float, observer: Observer | None) -> None:
+    """Kernels compile on the CPU, one at a time per process: compiling them first,
+    in many processes at once, keeps the timing workers from waiting on it. Only an
+    optimisation: whatever goes wrong here, the timed pass still runs every candidate."""
+    firsts = compile_representatives(todo)
+    n_problems = len({c.problem for c in firsts})
+    per_device = max(1, min(per_device, -(-n_problems // workers)))
+    devices = [d for d in _devices(device, workers) for _ in range(per_device)]
+    if observer:
+        observer.started(len(firsts), 0, "compiling")
+    try:
+        _Executor(spec, devices, timeout_s, check_only=True,
+                  on_result=observer.finished if observer else lambda record: None)(firsts)
+    except RuntimeError as exc:  # a worker that would not start
+        log.warning("mlatune: compiling ahead stopped (%s); the sweep compiles as it goes", exc)
 
 
 def _devices(device: DeviceInfo, workers: int) -> list[str]:

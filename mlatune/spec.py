@@ -172,6 +172,8 @@ def _budget(table, fail) -> Budget:
     budget = Budget(**values)
     if budget.min_reps > budget.max_reps or budget.max_reps < 1:
         raise fail("budget.max_reps", "must be >= 1 and >= min_reps")
+    if budget.race_reps < 1:
+        raise fail("budget.race_reps", f"must be >= 1, got {budget.race_reps!r}")
     if 0 < budget.race_ratio < 1:
         raise fail("budget.race_ratio", f"must be 0 (no racing) or >= 1, got {budget.race_ratio!r}")
     return budget

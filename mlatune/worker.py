@@ -44,19 +44,24 @@ class _ProblemCache:
         self.cases: list[_Case] = []
         self.best_us = math.inf  # the problem's fastest candidate so far (for racing)
 
-    def holds(self, problem: MLAProblem, seed: int) -> bool:
-        return self.key == (problem.key, seed)
+    def holds(self, problem: MLAProblem, seed: int, ragged_only: bool = False) -> bool:
+        return self.key == (problem.key, seed, ragged_only)
 
-    def get(self, problem: MLAProblem, seed: int, device: torch.device) -> list[_Case]:
-        """[ragged, uniform] inputs with their references; the uniform case is timed."""
-        if not self.holds(problem, seed):
+    def get(self, problem: MLAProblem, seed: int, device: torch.device,
+            ragged_only: bool = False) -> list[_Case]:
+        """[ragged, uniform] inputs with their references (the uniform case is timed);
+        only the ragged one when compiling ahead."""
+        if not self.holds(problem, seed, ragged_only):
             self.cases = []  # free the previous problem's memory first
             self.best_us = math.inf
+            if device.type == "cuda":
+                # Graphs of the last problem's candidates are gone; give their memory back.
+                torch.cuda.empty_cache()
             for name, case_seed, ragged in (("ragged", seed + _RAGGED_SEED_OFFSET, True),
-                                            ("uniform", seed, False)):
+                                            ("uniform", seed, False))[:1 if ragged_only else 2]:
                 inputs = make_inputs(problem, case_seed, device, ragged=ragged)
                 self.cases.append(_Case(name, inputs, reference.run(inputs)))
-            self.key = (problem.key, seed)
+            self.key = (problem.key, seed, ragged_only)
         return self.cases
 
 
@@ -120,8 +125,9 @@ def evaluate(task: dict[str, Any], device: torch.device, cache: _ProblemCache,
         clock = now
 
     try:
-        made_here = not cache.holds(problem, task["seed"])
-        cases = cache.get(problem, task["seed"], device)
+        check_only = bool(task.get("check_only"))
+        made_here = not cache.holds(problem, task["seed"], check_only)
+        cases = cache.get(problem, task["seed"], device, ragged_only=check_only)
         lap("setup_s" if made_here else "first_check_s")
         inputs_ready()
         worst = {"rel_err": 0.0, "max_abs_err": 0.0}
@@ -136,7 +142,7 @@ def evaluate(task: dict[str, Any], device: torch.device, cache: _ProblemCache,
             if not acc.ok:
                 return {"status": "rejected_accuracy",
                         "reason": f"{case.name} lengths: {acc.reason}", **worst, **spent}
-            if task.get("check_only"):  # compiling ahead: the kernels exist now
+            if check_only:  # compiling ahead: the kernels exist now
                 return {"status": "checked", "reason": "", **worst, **spent}
         timing = bench.measure(_timed_step(checked), device, bench.Budget(**task["budget"]),
                                graph_safe=all(p.graph_safe for p in checked.prepared),
@@ -182,6 +188,7 @@ def _timing_fields(problem: MLAProblem, t: bench.Timing) -> dict[str, Any]:
         "time_us_p80": t.p80_us,
         "timer": t.timer,
         "reps": t.reps,
+        "raced": t.raced,
         "tb_per_s": problem.min_bytes() / seconds / 1e12 if seconds > 0 else math.nan,
         "tflops": problem.flops() / seconds / 1e12 if seconds > 0 else math.nan,
     }

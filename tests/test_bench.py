@@ -33,10 +33,10 @@ def test_a_plain_loser_stops_after_race_reps():
                         race_reps=4, race_ratio=1.5)
     # ~2 ms per call against a best of 500 us: 4x slower, so it stops at race_reps.
     raced = bench.measure(lambda: time.sleep(0.002), "cpu", slow, best_us=500.0)
-    assert raced.reps == 4 and raced.median_us > 1500
+    assert raced.reps == 4 and raced.median_us > 1500 and raced.raced
     # Within the ratio of the best (or with no best yet, or racing off) it runs on.
     close = bench.measure(lambda: time.sleep(0.002), "cpu", slow, best_us=1900.0)
-    assert close.reps > 4
+    assert close.reps > 4 and not close.raced
     assert bench.measure(lambda: time.sleep(0.002), "cpu", slow).reps > 4
     off = bench.Budget(**{**slow.__dict__, "race_ratio": 0.0})
     assert bench.measure(lambda: time.sleep(0.002), "cpu", off, best_us=500.0).reps > 4

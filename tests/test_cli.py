@@ -34,3 +34,10 @@ def test_doctor_names_the_table_the_dispatcher_loads(tmp_path, monkeypatch):
     monkeypatch.setenv("MLATUNE_TABLE", str(path))
     result = CliRunner(env={"COLUMNS": "400"}).invoke(app, ["doctor"])
     assert result.exit_code == 0 and f"dispatch table here: {path}" in result.output
+
+
+def test_doctor_reports_an_unusable_table_without_a_traceback(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLATUNE_TABLE", str(tmp_path / "absent.parquet"))
+    result = CliRunner(env={"COLUMNS": "400"}).invoke(app, ["doctor"])
+    assert result.exit_code == 0 and result.exception is None
+    assert "dispatch table here: unusable" in result.output and "absent.parquet" in result.output

@@ -261,6 +261,14 @@ def test_evaluate_checks_ragged_and_dcp_merge_in_process():
     assert ok["status"] == "ok" and ok["rel_err"] < 2e-3 and calls == [1]
     wrong = evaluate({**task, "route": "fault-wrong/test"}, torch.device("cpu"), _ProblemCache())
     assert wrong["status"] == "rejected_accuracy" and wrong["reason"].startswith("ragged")
+    # Compiling ahead makes and checks the ragged case only; the timed pass makes both.
+    cache = _ProblemCache()
+    ahead = evaluate({**task, "route": "reference/torch", "check_only": True},
+                     torch.device("cpu"), cache)
+    assert ahead["status"] == "checked" and [c.name for c in cache.cases] == ["ragged"]
+    assert evaluate({**task, "route": "reference/torch"}, torch.device("cpu"),
+                    cache)["status"] == "ok"
+    assert [c.name for c in cache.cases] == ["ragged", "uniform"]
 
 
 def test_worker_time_is_split_into_setup_checks_and_timing(tmp_path):
@@ -349,3 +357,20 @@ def test_compiling_ahead_changes_no_result(tmp_path):
     assert seen[0] == ("compiling", 3, 0)
     assert sorted(seen[1:4]) == ["checked", "crashed", "rejected_accuracy"]
     assert seen[4] == ("sweep", 12, 0)
+
+
+def test_a_failed_compile_pass_does_not_stop_the_sweep(tmp_path, monkeypatch):
+    real_call = runner._Executor.__call__
+
+    def call(self, candidates):
+        if self.check_only:
+            raise RuntimeError("sweep worker on cpu did not start within 300s")
+        return real_call(self, candidates)
+
+    monkeypatch.setattr(runner._Executor, "__call__", call)
+    s = tiny_spec(["reference/torch"])
+    journal = Journal(tmp_path / "j.jsonl", header(), resume=False)
+    result = runner.run(s, cpu_device(), journal, timeout_s=20, compile_workers=1)
+    journal.close()
+    assert [r["status"] for r in result.records] == ["ok", "ok"]
+    assert "compile_ahead_wall_s" in result.seconds

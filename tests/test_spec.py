@@ -46,6 +46,7 @@ kv_len = 64
         ("[budget]\nreps = 3\n[[grid]]\nkv_len = 8\n", "budget.reps"),
         ("[budget]\nwarmup = 2.5\n[[grid]]\nkv_len = 8\n", "budget.warmup"),
         ("[budget]\nrace_ratio = 0.5\n[[grid]]\nkv_len = 8\n", "budget.race_ratio"),
+        ("[budget]\nrace_reps = 0\n[[grid]]\nkv_len = 8\n", "budget.race_reps"),
         ("[[grid]]\nkv_len = [[1]]\n", "grid[0].kv_len"),
         ("[[grid]]\nkv_len = []\n", "grid[0].kv_len"),
         ("[[grid]]\nqlen = 9\nkv_len = 8\n", "grid"),
