@@ -6,10 +6,12 @@
     max_params_per_route = 0       # keep each route's first N parameter sets (0 = all)
 
     [budget]                       # per candidate (see bench.Budget)
-    warmup = 3
+    warmup = 1
     min_reps = 10
     max_reps = 200
     max_seconds = 2.0
+    race_reps = 5                  # a candidate this many times slower than the
+    race_ratio = 1.25              # problem's best after race_reps stops (0: never)
 
     [tolerance]                    # optional: rel_l2 bounds replacing accuracy.py's
     bf16 = 1e-2                    # keys: fp16, bf16, fp8
