@@ -45,3 +45,27 @@ def test_reference_route_end_to_end(cuda, problem):
     result = evaluate(task, cuda, _ProblemCache())
     assert result["status"] == "ok", result
     assert result["rel_err"] < 1e-2 and result["time_us"] > 0 and result["timer"] == "cuda_event"
+
+
+def test_a_sweep_on_the_gpu_compiles_ahead_and_times_from_graphs(cuda, tmp_path):
+    """Compile-ahead workers, then the timed pass: every Triton candidate ok, timed from a
+    CUDA graph, with the cost split journaled; the compile pass journals nothing."""
+    from mlatune import runner, spec
+    from mlatune.journal import Journal, read
+
+    s = spec.parse({"routes": ["padded/triton", "gluon/triton"], "max_params_per_route": 2,
+                    "budget": {"min_reps": 5, "max_reps": 20, "max_seconds": 0.1},
+                    "grid": [{"num_heads": 16, "qlen": 1, "batch": [2, 8], "kv_len": 1024,
+                              "kv_dtype": ["bf16", "fp8_e4m3fn"]}]}, "gpu-test.toml")
+    device = current_device()
+    header = {"spec_sha256": s.sha256, "arch": device.arch, "device_name": device.name}
+    journal = Journal(tmp_path / "j.jsonl", header, resume=False)
+    result = runner.run(s, device, journal, timeout_s=300, compile_workers=2)
+    journal.close()
+    records = read(tmp_path / "j.jsonl")[1]
+    ran = [r for r in records if r["status"] != "unsupported"]
+    assert ran and all(r["status"] == "ok" for r in ran), ran
+    assert all(r["timer"] == "cuda_graph" for r in ran)
+    assert all(r["first_check_s"] > 0 and r["bench_s"] > 0 for r in ran)
+    assert result.seconds["compile_ahead_wall_s"] > 0
+    assert not any(r["status"] == "checked" for r in records)
