@@ -247,11 +247,23 @@ def compile_representatives(candidates: Iterable[Candidate]) -> list[Candidate]:
         size = (c.problem.batch * c.problem.kv_len, c.problem.batch)
         if held is None or size < (held.problem.batch * held.problem.kv_len, held.problem.batch):
             smallest[group] = c
-    # A problem's candidates together, so that a worker makes its inputs once.
+    # Problems whose candidates bring a (route, parameters, dtypes) not seen before go
+    # first: those are the likeliest new kernels, so the workers compile different
+    # kernels at once rather than the same one side by side. A problem's candidates
+    # stay together, so that a worker makes its inputs once.
     by_problem: dict[MLAProblem, list[Candidate]] = {}
     for c in smallest.values():
         by_problem.setdefault(c.problem, []).append(c)
-    return [c for same in by_problem.values() for c in same]
+    seen: set[tuple] = set()
+    novel = set()
+    for problem, same in by_problem.items():
+        kinds = {(c.route_id, c.params_json, problem.phase, problem.q_dtype, problem.kv_dtype)
+                 for c in same}
+        if kinds - seen:
+            novel.add(problem)
+        seen |= kinds
+    order = sorted(by_problem, key=lambda p: p not in novel)  # stable: plan order within
+    return [c for p in order for c in by_problem[p]]
 
 
 def _reference_fallbacks(problems: Iterable[MLAProblem], records: list[dict[str, Any]]

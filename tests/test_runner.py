@@ -374,3 +374,14 @@ def test_a_failed_compile_pass_does_not_stop_the_sweep(tmp_path, monkeypatch):
     journal.close()
     assert [r["status"] for r in result.records] == ["ok", "ok"]
     assert "compile_ahead_wall_s" in result.seconds
+
+
+def test_compile_representatives_bring_new_kernels_first():
+    from mlatune.problem import MLAProblem
+
+    base = MLAProblem(num_heads=2, batch=1, kv_len=24, page_size=8, q_dtype="fp16",
+                      kv_dtype="fp16")
+    p1, p2 = base, base.with_(num_heads=4)  # same route, params and dtypes: likely one kernel
+    p3 = base.with_(q_dtype="bf16", kv_dtype="fp8_e4m3fn")  # other dtypes: a new kernel
+    cands = [runner.Candidate(p, "reference/torch") for p in (p1, p2, p3)]
+    assert [c.problem for c in runner.compile_representatives(cands)] == [p1, p3, p2]
