@@ -31,9 +31,11 @@ MI300 = DeviceInfo("gfx942", "AMD Instinct MI300X", "amd", 304)
 MI355 = DeviceInfo("gfx950", "AMD Instinct MI355X", "amd", 256)
 
 
-def prefill(heads=16, qlen=20, kv_len=30, batch=3, dtype="fp16", causal=True, **dims):
+def prefill(heads=16, qlen=20, kv_len=30, batch=3, dtype="fp16", causal=True, kv_dtype=None,
+            **dims):
     return MLAProblem(phase="prefill", num_heads=heads, qlen=qlen, kv_len=kv_len, batch=batch,
-                      q_dtype=dtype, kv_dtype=dtype, causal=causal, page_size=1, **dims)
+                      q_dtype=dtype, kv_dtype=kv_dtype or dtype, causal=causal, page_size=1,
+                      **dims)
 
 
 def seed_of(*parts) -> int:
@@ -86,6 +88,26 @@ def test_route_matches_reference(route_id, dtype, shape):
     else:
         assert prepared.params["sdpa_backend"] in ("cudnn", "flash", "efficient", "math")
         assert prepared.lse is None
+
+
+@pytest.mark.parametrize("q_dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3fn", "fp8_e4m3fnuz"])
+def test_sdpa_dequantizes_an_fp8_cache_every_call(q_dtype, kv_dtype):
+    problem = prefill(12, 20, 30, 3, q_dtype, kv_dtype=kv_dtype)
+    run_route("sdpa/torch", problem, seed_of("sdpa-fp8-ragged", q_dtype, kv_dtype))
+    inputs = make_prefill_inputs(problem, seed=seed_of("sdpa-fp8", q_dtype, kv_dtype))
+    prepared = routes.get("sdpa/torch").prepare(problem, inputs)
+    assert prepared.params["kv_dequant"] == q_dtype and prepared.out.dtype == DTYPES[q_dtype]
+    # The dequantization is inside the timed call: new cache contents, then a run, and the
+    # output follows them.
+    other = make_prefill_inputs(problem, seed=seed_of("sdpa-fp8-other"))  # same lengths
+    inputs.k.copy_(other.k)
+    inputs.v.copy_(other.v)
+    poison_(prepared.out)
+    prepared.run()
+    ref_out, _ = reference.prefill(inputs, torch.float64)
+    acc = check(problem, prepared.out, ref_out)
+    assert acc.ok, acc.summary
 
 
 @pytest.mark.parametrize("heads", [12, 128])
@@ -218,7 +240,7 @@ def test_split_head_dim():
     ("sdpa/torch", MLAProblem(), H200, "prefill only"),
     ("fp8-ps/triton", prefill(dtype="bf16"), H200, "needs q and kv both in"),
     ("bf16-ps/triton", prefill(dtype="fp8_e4m3fn"), H200, "needs q and kv both in"),
-    ("sdpa/torch", prefill(dtype="fp8_e4m3fn"), H200, "bf16 or both fp16"),
+    ("sdpa/torch", prefill(dtype="fp8_e4m3fn"), H200, "needs q bf16 or fp16"),
     ("bf16-ps/triton", MLAProblem(phase="prefill", q_dtype="bf16", kv_dtype="fp8_e4m3fn",
                                   qlen=8, kv_len=8), H200, "q bf16 with kv fp8_e4m3fn"),
     ("fp8-ps/triton", prefill(dtype="fp8_e4m3fnuz"), H200, "AMD's fp8 format"),

@@ -14,6 +14,10 @@ memory-efficient kernel may not), so prepare tries them in order of expected
 speed, keeps the first that runs, and records it as ``sdpa_backend``. Params
 may name one backend to force it. SDPA's public API returns no LSE: this route
 gives none.
+
+Over an fp8 K/V (with a bf16 or fp16 q) each call first dequantizes K and V
+into q's dtype, as an engine without an fp8 prefill kernel would; that pass is
+part of the timed call (recorded as ``kv_dequant``).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from mlatune.arch import DeviceInfo
 from mlatune.inputs import DecodeInputs, PrefillInputs
-from mlatune.problem import MLAProblem
+from mlatune.problem import FP8_DTYPES, MLAProblem
 from mlatune.routes.base import YES, Params, Prepared, Verdict, no
 
 # Fastest first where several serve (cuDNN and flash are Hopper-tuned); math is the fallback.
@@ -85,8 +89,9 @@ class SdpaPrefillRoute:
     def supports(self, problem: MLAProblem, device: DeviceInfo) -> Verdict:
         if problem.phase != "prefill":
             return no(f"{self.id} serves prefill only, not {problem.phase}")
-        if problem.q_dtype not in ("bf16", "fp16") or problem.kv_dtype != problem.q_dtype:
-            return no(f"{self.id} needs q and kv both bf16 or both fp16, got "
+        if problem.q_dtype not in ("bf16", "fp16") or \
+                problem.kv_dtype not in (problem.q_dtype, *FP8_DTYPES):
+            return no(f"{self.id} needs q bf16 or fp16 and kv in q's dtype or fp8, got "
                       f"q {problem.q_dtype} with kv {problem.kv_dtype}")
         return YES
 
@@ -100,30 +105,48 @@ class SdpaPrefillRoute:
             raise TypeError(f"{self.id} takes PrefillInputs, got {type(inputs).__name__}")
         out = torch.empty(inputs.q.shape[0], problem.num_heads, problem.d_v,
                           dtype=inputs.q.dtype, device=inputs.q.device)
-        calls = self._calls(problem, inputs, out)
+        k, v, dequantize = inputs.k, inputs.v, None
+        if inputs.k.dtype != inputs.q.dtype:  # fp8 K/V: into q's dtype, every call
+            k = torch.empty_like(inputs.k, dtype=inputs.q.dtype)
+            v = torch.empty_like(inputs.v, dtype=inputs.q.dtype)
+
+            def dequantize() -> None:
+                for dst, src, scale in ((k, inputs.k, inputs.k_scale),
+                                        (v, inputs.v, inputs.v_scale)):
+                    dst.copy_(src)
+                    if scale is not None:
+                        dst.mul_(scale)
+
+            dequantize()
+        calls = self._calls(problem, inputs.q, k, v, inputs, out)
         name = _first_serving_backend(calls, (params or {}).get("sdpa_backend"))
         backend = BACKENDS[name]
 
         def run() -> None:
+            if dequantize is not None:
+                dequantize()
             with sdpa_kernel(backend):
                 for call in calls:
                     call()
 
-        return Prepared(run, out, None, graph_safe=True,
-                        params={"sdpa_backend": name, "sdpa_calls": len(calls)},
+        ran_with = {"sdpa_backend": name, "sdpa_calls": len(calls)}
+        if dequantize is not None:
+            ran_with["kv_dequant"] = problem.q_dtype
+        return Prepared(run, out, None, graph_safe=True, params=ran_with,
                         plan_reads_lengths=True)  # runs of equal lengths, cut on the host
 
     @staticmethod
-    def _calls(problem: MLAProblem, inputs: PrefillInputs,
+    def _calls(problem: MLAProblem, q_all: torch.Tensor, k_all: torch.Tensor,
+               v_all: torch.Tensor, inputs: PrefillInputs,
                out: torch.Tensor) -> list[Callable[[], None]]:
         """One closure per run of equal-length requests; each writes its rows of ``out``."""
         q_lens = inputs.cu_seqlens_q.diff().tolist()
         k_lens = inputs.cu_seqlens_k.diff().tolist()
         calls = []
         for q_row0, k_row0, count, q_len, k_len in _runs(q_lens, k_lens):
-            q = _batched(inputs.q, q_row0, count, q_len)
-            k = _batched(inputs.k, k_row0, count, k_len)
-            v = _batched(inputs.v, k_row0, count, k_len)
+            q = _batched(q_all, q_row0, count, q_len)
+            k = _batched(k_all, k_row0, count, k_len)
+            v = _batched(v_all, k_row0, count, k_len)
             dst = _batched(out, q_row0, count, q_len)
             mask = None
             is_causal = problem.causal and q_len == k_len
