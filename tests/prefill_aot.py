@@ -24,7 +24,6 @@ from mlatune.kernels import prefill as kernels
 from mlatune.kernels.prefill_plan import MERGE_INFO_COLUMNS, WORK_INFO_COLUMNS
 from mlatune.routes.prefill_triton import _GPU_CONFIGS_16BIT, _GPU_CONFIGS_FP8, TILE_Q
 
-_POINTERS_16BIT = ("q_ptr", "k_ptr", "v_ptr")
 _FP32_POINTERS = ("lse_ptr", "part_out_ptr", "part_lse_ptr", "q_scale_ptr", "k_scale_ptr",
                   "v_scale_ptr")
 
@@ -49,14 +48,17 @@ def _aligned(fn, names) -> dict:
     return {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in names}
 
 
-def compile_main(dtype: str, config: tuple[int, int, int, int], arch: int = 90):
+def compile_main(dtype: str, config: tuple[int, int, int, int], arch: int = 90,
+                 kv_dtype: str | None = None):
     block_m, block_n, warps, stages = config
-    pointers = {**dict.fromkeys(_POINTERS_16BIT, dtype), "out_ptr": "bf16",
+    kv_dtype = kv_dtype or dtype
+    pointers = {"q_ptr": dtype, "k_ptr": kv_dtype, "v_ptr": kv_dtype, "out_ptr": "bf16",
                 **dict.fromkeys(_FP32_POINTERS, "fp32"),
                 "work_indptr_ptr": "i32", "work_info_ptr": "i32"}
-    constants = dict(HAS_SCALES=dtype.startswith("fp8"), CAUSAL=True, D_A=128, D_B=64, D_V=128,
-                     BLOCK_M=block_m, BLOCK_N=block_n, TILE_Q=TILE_Q, ROUND_P_FIRST=False,
-                     INFO_COLUMNS=WORK_INFO_COLUMNS)
+    constants = dict(HAS_SCALES=kv_dtype.startswith("fp8"), CAUSAL=True, D_A=128, D_B=64,
+                     D_V=128, BLOCK_M=block_m, BLOCK_N=block_n, TILE_Q=TILE_Q,
+                     ROUND_P_FIRST=False, INFO_COLUMNS=WORK_INFO_COLUMNS,
+                     KV_UPCAST=kv_dtype != dtype)
     fn = kernels._prefill_persistent_kernel
     strides = [n for n in fn.arg_names if n.startswith("stride_")]
     src = ASTSource(fn, _signature(fn, pointers, constants), constants,
@@ -93,6 +95,8 @@ def main() -> None:
         sys.exit("unset TRITON_INTERPRET: the interpreter compiles nothing")
     jobs = [(f"bf16 {c}", lambda c=c: compile_main("bf16", c)) for c in _GPU_CONFIGS_16BIT]
     jobs += [(f"fp8 {c}", lambda c=c: compile_main("fp8e4nv", c)) for c in _GPU_CONFIGS_FP8]
+    jobs += [(f"bf16 over fp8 {c}", lambda c=c: compile_main("bf16", c, kv_dtype="fp8e4nv"))
+             for c in _GPU_CONFIGS_16BIT]
     jobs.append(("merge", compile_merge))
     for name, job in jobs:
         compiled = job()

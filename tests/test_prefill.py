@@ -90,6 +90,17 @@ def test_route_matches_reference(route_id, dtype, shape):
         assert prepared.lse is None
 
 
+@pytest.mark.parametrize("shape", SHAPES[:3], ids=lambda s: f"h{s[0]}-b{s[1]}-q{s[2]}-k{s[3]}")
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3fn", "fp8_e4m3fnuz"])
+def test_bf16_ps_over_an_fp8_cache(kv_dtype, shape):
+    """A 16-bit q over fp8 k/v: the kernel converts k and v tiles as it loads them
+    (fp16 here: the interpreter's bf16 dots are wrong; bf16 runs on the GPU)."""
+    heads, batch, qlen, kv_len = shape
+    problem = prefill(heads, qlen, kv_len, batch, "fp16", kv_dtype=kv_dtype)
+    prepared, _ = run_route("bf16-ps/triton", problem, seed_of("bf16-ps-fp8", kv_dtype, shape))
+    assert prepared.out.dtype == torch.float16 and prepared.lse is not None
+
+
 @pytest.mark.parametrize("q_dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("kv_dtype", ["fp8_e4m3fn", "fp8_e4m3fnuz"])
 def test_sdpa_dequantizes_an_fp8_cache_every_call(q_dtype, kv_dtype):
@@ -241,8 +252,8 @@ def test_split_head_dim():
     ("fp8-ps/triton", prefill(dtype="bf16"), H200, "needs q and kv both in"),
     ("bf16-ps/triton", prefill(dtype="fp8_e4m3fn"), H200, "needs q and kv both in"),
     ("sdpa/torch", prefill(dtype="fp8_e4m3fn"), H200, "needs q bf16 or fp16"),
-    ("bf16-ps/triton", MLAProblem(phase="prefill", q_dtype="bf16", kv_dtype="fp8_e4m3fn",
-                                  qlen=8, kv_len=8), H200, "q bf16 with kv fp8_e4m3fn"),
+    ("fp8-ps/triton", MLAProblem(phase="prefill", q_dtype="bf16", kv_dtype="fp8_e4m3fn",
+                                 qlen=8, kv_len=8), H200, "q bf16 with kv fp8_e4m3fn"),
     ("fp8-ps/triton", prefill(dtype="fp8_e4m3fnuz"), H200, "AMD's fp8 format"),
     ("fp8-ps/triton", prefill(dtype="fp8_e4m3fn"), A100, "sm_89 or newer"),
     ("fp8-ps/triton", prefill(dtype="fp8_e4m3fn"), MI300, "gfx942 computes fp8 as fp8_e4m3fnuz"),
@@ -266,6 +277,8 @@ def test_viable_prefill_routes_on_gpus():
     ids = lambda p, d: {r.id for r in routes.viable(p, d)}  # noqa: E731
     assert ids(fp8, H200) == {"fp8-ps/triton", "reference/torch"}
     assert ids(bf16, H200) == {"bf16-ps/triton", "sdpa/torch", "reference/torch"}
+    mixed = prefill(dtype="bf16", kv_dtype="fp8_e4m3fn")
+    assert ids(mixed, H200) == {"bf16-ps/triton", "sdpa/torch", "reference/torch"}
     assert "fp8-ps/triton" in ids(prefill(dtype="fp8_e4m3fnuz"), MI300)
     assert "fp8-ps/triton" in ids(fp8, MI355)
 
@@ -294,6 +307,6 @@ def test_kernels_compile_for_hopper():
                           timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     reports = [json.loads(line) for line in done.stdout.splitlines()]
-    assert len(reports) == 3 + 3 + 1  # 16-bit configs, fp8 configs, merge
+    assert len(reports) == 3 + 3 + 3 + 1  # 16-bit, fp8, 16-bit over fp8 configs; merge
     assert all(r["wgmma"] for r in reports if r["kernel"] != "merge")
     assert all(r["stack"] <= 64 for r in reports), reports  # no config spills much

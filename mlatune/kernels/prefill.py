@@ -14,11 +14,13 @@ partial (output, LSE) rows to slots that ``_merge_partials_kernel`` combines.
 
 q, k and v may be bf16/fp16 or fp8 (e4m3fn, or e4m3fnuz on AMD) with
 per-tensor scales. The q and k scales fold into the softmax scale and the v
-scale into the output, so the kernel never dequantizes a tile; with fp8 the
+scale into the output, so the kernel never rescales a tile; with fp8 the
 probabilities are rounded to v's fp8 type for the P.V dot, as fp8 attention
-kernels do. The output is written in ``out``'s dtype, the LSE in fp32 as a
-natural log. All sizes are runtime arguments, so one compiled kernel serves
-every batch, length and head count of a (dtype, block config) pair.
+kernels do. Over an fp8 k/v with a 16-bit q (``KV_UPCAST``) the k and v tiles
+are converted to q's type as they are loaded and both dots run in 16 bits.
+The output is written in ``out``'s dtype, the LSE in fp32 as a natural log.
+All sizes are runtime arguments, so one compiled kernel serves every batch,
+length and head count of a (dtype, block config) pair.
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ def _attend_keys(acc, l_i, m_i, q_a, q_b, k_base, v_base, q_pos, prefix, kv_star
                  stride_k_row, stride_v_row, qk_scale,
                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
                  D_A: tl.constexpr, D_B: tl.constexpr, D_V: tl.constexpr,
-                 ROUND_P_FIRST: tl.constexpr):
+                 ROUND_P_FIRST: tl.constexpr, KV_UPCAST: tl.constexpr):
     """Online softmax over keys [kv_start, kv_stop) in BLOCK_N steps (log2 domain).
 
     MASKED=False is the hot loop over key blocks every row sees whole; MASKED=True
@@ -104,6 +106,10 @@ def _attend_keys(acc, l_i, m_i, q_a, q_b, k_base, v_base, q_pos, prefix, kv_star
             kt_a = tl.load(kt_a_ptrs)
             kt_b = tl.load(kt_b_ptrs)
             v = tl.load(v_ptrs)
+        if KV_UPCAST:
+            kt_a = kt_a.to(q_a.dtype)
+            kt_b = kt_b.to(q_a.dtype)
+            v = v.to(q_a.dtype)
         scores = tl.dot(q_a, kt_a)
         scores = tl.dot(q_b, kt_b, scores)
         scores = scores * qk_scale
@@ -141,7 +147,7 @@ def _prefill_persistent_kernel(
     HAS_SCALES: tl.constexpr, CAUSAL: tl.constexpr,
     D_A: tl.constexpr, D_B: tl.constexpr, D_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_Q: tl.constexpr,
-    ROUND_P_FIRST: tl.constexpr, INFO_COLUMNS: tl.constexpr,
+    ROUND_P_FIRST: tl.constexpr, INFO_COLUMNS: tl.constexpr, KV_UPCAST: tl.constexpr,
 ):
     if HAS_SCALES:
         qk_scale = sm_scale_log2 * tl.load(q_scale_ptr) * tl.load(k_scale_ptr)
@@ -192,11 +198,11 @@ def _prefill_persistent_kernel(
             acc, l_i, m_i = _attend_keys(
                 acc, l_i, m_i, q_a, q_b, k_base, v_base, q_pos, prefix, kv_lo, full_stop,
                 stride_k_row, stride_v_row, qk_scale,
-                False, CAUSAL, BLOCK_N, D_A, D_B, D_V, ROUND_P_FIRST)
+                False, CAUSAL, BLOCK_N, D_A, D_B, D_V, ROUND_P_FIRST, KV_UPCAST)
             acc, l_i, m_i = _attend_keys(
                 acc, l_i, m_i, q_a, q_b, k_base, v_base, q_pos, prefix, full_stop, kv_stop,
                 stride_k_row, stride_v_row, qk_scale,
-                True, CAUSAL, BLOCK_N, D_A, D_B, D_V, ROUND_P_FIRST)
+                True, CAUSAL, BLOCK_N, D_A, D_B, D_V, ROUND_P_FIRST, KV_UPCAST)
             # Rows with no key in this item's range (only in a split tile's piece)
             # get output 0 and LSE -inf, which the merge weighs as nothing.
             has_keys = l_i > 0.0
@@ -304,11 +310,12 @@ class PersistentPrefill:
             v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), lse.stride(0),
         )
+        upcast = k.dtype != q.dtype
         self._main_meta = dict(
             HAS_SCALES=scales is not None, CAUSAL=causal, D_A=parts[0], D_B=parts[1], D_V=d_v,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, TILE_Q=tile_q,
-            ROUND_P_FIRST=v.dtype.itemsize == 1 and _interpreting(),
-            INFO_COLUMNS=WORK_INFO_COLUMNS, num_warps=config.num_warps,
+            ROUND_P_FIRST=v.dtype.itemsize == 1 and not upcast and _interpreting(),
+            INFO_COLUMNS=WORK_INFO_COLUMNS, KV_UPCAST=upcast, num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
         block_r = min(_MERGE_BLOCK_ROWS, triton.next_power_of_2(tile_q))

@@ -4,8 +4,8 @@ Both run ``mlatune.kernels.prefill``: 256-row query tiles planned on the host,
 one program per SM, split tiles merged by LSE. ``fp8-ps`` is the portable
 counterpart of AITER's FP8 persistent prefill (mla_prefill_ps_asm_fwd +
 mla_reduce_v1) that vLLM's ROCm backend uses: fp8 q/k/v with per-tensor scales,
-bf16 output. ``bf16-ps`` is the same kernel on 16-bit inputs, its twin for
-comparison.
+bf16 output. ``bf16-ps`` is the same kernel with a 16-bit q, over a k/v in q's
+type or in fp8 (whose tiles the kernel converts to q's type as it loads them).
 
 Like that backend, both pad the heads to a multiple of 16 by replication
 (12 -> 16, 24 -> 32; padded head j copies real head j mod H) and slice the
@@ -69,13 +69,17 @@ def _shared_bytes(config: tuple[int, int, int, int], problem: MLAProblem) -> int
 
 class _PersistentPrefillRoute:
     id: str
-    dtypes: frozenset[str]
+    dtypes: frozenset[str]  # q's
+    fp8_kv: bool  # also serves an fp8 k/v under a q of another type
 
     def supports(self, problem: MLAProblem, device: DeviceInfo) -> Verdict:
         if problem.phase != "prefill":
             return no(f"{self.id} serves prefill only, not {problem.phase}")
-        if problem.q_dtype not in self.dtypes or problem.kv_dtype != problem.q_dtype:
-            return no(f"{self.id} needs q and kv both in {sorted(self.dtypes)}, got "
+        kv_ok = problem.kv_dtype == problem.q_dtype or \
+            (self.fp8_kv and problem.kv_dtype in FP8_DTYPES)
+        if problem.q_dtype not in self.dtypes or not kv_ok:
+            also = " or an fp8 kv" if self.fp8_kv else ""
+            return no(f"{self.id} needs q and kv both in {sorted(self.dtypes)}{also}, got "
                       f"q {problem.q_dtype} with kv {problem.kv_dtype}")
         shape = _shape_verdict(problem)
         if not shape:
@@ -119,8 +123,10 @@ class _PersistentPrefillRoute:
                                dtype=DTYPES[problem.out_dtype], device=dev)
         lse_full = torch.empty(total_q, kernel_heads, dtype=torch.float32, device=dev)
         scales = None
-        if problem.q_dtype in FP8_DTYPES:
-            scales = (inputs.q_scale, inputs.k_scale, inputs.v_scale)
+        if problem.kv_dtype in FP8_DTYPES:
+            one = torch.ones(1, dtype=torch.float32, device=dev)  # a 16-bit q has no scale
+            scales = (inputs.q_scale if inputs.q_scale is not None else one,
+                      inputs.k_scale, inputs.v_scale)
         launch = PersistentPrefill(
             q, k, v, out_full, lse_full,
             inputs.cu_seqlens_q.diff().tolist(), inputs.cu_seqlens_k.diff().tolist(),
@@ -156,8 +162,10 @@ class _PersistentPrefillRoute:
 class FP8PersistentPrefillRoute(_PersistentPrefillRoute):
     id = "fp8-ps/triton"
     dtypes = FP8_DTYPES
+    fp8_kv = False
 
 
 class BF16PersistentPrefillRoute(_PersistentPrefillRoute):
     id = "bf16-ps/triton"
     dtypes = frozenset({"bf16", "fp16"})
+    fp8_kv = True
