@@ -115,3 +115,13 @@ def test_fp16(device, route_id):
 def test_not_causal(device, route_id):
     dtype = fp8_for(device) if route_id.startswith("fp8") else "bf16"
     run_and_check(route_id, prefill(16, 3, 600, 1000, dtype, causal=False), device, ragged=True)
+
+
+@pytest.mark.parametrize("route_id", ["bf16-ps/triton", "sdpa/torch"])
+@pytest.mark.parametrize("heads", [16, 128])
+def test_bf16_query_over_an_fp8_cache(device, route_id, heads):
+    problem = MLAProblem(phase="prefill", num_heads=heads, batch=5, qlen=1000, kv_len=1700,
+                         q_dtype="bf16", kv_dtype=fp8_for(device))
+    prepared = run_and_check(route_id, problem, device, ragged=True)
+    if route_id == "sdpa/torch":
+        assert prepared.params["kv_dequant"] == "bf16"
