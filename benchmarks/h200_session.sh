@@ -25,6 +25,7 @@ sweep() {  # name spec gpus
   local rc=$?
   log "$1: rc=$rc wall=$(( $(date +%s) - s ))s journal lines=$(wc -l < runs/$1/sm_90-$1.journal.jsonl)"
   tail -15 "$OUT/$1.log" | tee -a "$OUT/session.log"
+  python3 benchmarks/sweep_cost.py "runs/$1/sm_90-$1.journal.jsonl" | tee -a "$OUT/session.log"
 }
 for step in "$@"; do
   case $step in
