@@ -40,6 +40,11 @@ parameter set (the rule itself runs default parameters: this flatters the
 rule). Problems where the rule's route has no ok row are counted as "rule's
 route not measured" and left out of its geomean and worst case.
 
+Timing spread. For every ok row, (time_us_p80 - time_us_p20) / time_us: how
+much its repetitions varied; the summary gives the median and the 99th
+percentile over the table's ok rows, to judge how far apart two routes must
+be for the pick between them to mean something.
+
 Roofline (only for archs in ``CEILINGS``, each number with its source).
 For each pick: memory fraction = tb_per_s / memory ceiling (TB/s), where
 tb_per_s = problem.min_bytes() / t_pick (its KV shard, q and output moved
@@ -170,6 +175,7 @@ class Summary:
     rule: SpeedupStats
     rule_unmeasured: int
     roofline: pd.DataFrame | None  # per pick; None without ceilings
+    spread: tuple[float, float] = (math.nan, math.nan)  # timing spread: median, 99th pct
     regret: RegretStats | None = None
     heldout_path: str = ""
     notes: list[str] = field(default_factory=list)
@@ -312,6 +318,16 @@ def nearest_regret(table_path: str | os.PathLike, heldout: pd.DataFrame, device
     return stats, per_problem, dict(dispatcher.skipped_routes)
 
 
+def timing_spread(frame: pd.DataFrame) -> tuple[float, float]:
+    """Median and 99th percentile of (p80 - p20) / median over the ok rows."""
+    ok = frame[frame["status"] == "ok"]
+    spread = ((ok["time_us_p80"] - ok["time_us_p20"]) / ok["time_us"]).astype("float64")
+    spread = spread[np.isfinite(spread)]
+    if spread.empty:
+        return math.nan, math.nan
+    return float(spread.median()), float(spread.quantile(0.99))
+
+
 def summarize(table_path: str | os.PathLike, frame: pd.DataFrame,
               heldout_path: str | os.PathLike | None = None,
               heldout: pd.DataFrame | None = None) -> tuple[Summary, dict[str, Any]]:
@@ -340,7 +356,8 @@ def summarize(table_path: str | os.PathLike, frame: pd.DataFrame,
         without_ok=all_keys - len(problems), routes_ok=len(times.columns),
         routes_tried=int(frame["route"].nunique()),
         fixed=fixed_route_speedups(problems, times), rule=rule, rule_unmeasured=rule_unmeasured,
-        roofline=roofline(problems, ceilings) if ceilings else None, notes=notes)
+        roofline=roofline(problems, ceilings) if ceilings else None,
+        spread=timing_spread(frame), notes=notes)
     plot_data: dict[str, Any] = {"problems": problems, "times": times}
     if heldout is not None:
         h_device = one_device(heldout, heldout_path or "held-out table")
@@ -387,6 +404,10 @@ def headline_rows(summary: Summary) -> list[tuple[str, str]]:
                                   f"worst case {speedup_text(rule.worst)} "
                                   f"(over {rule.served} of {rule.total} problems)"),
     ]
+    if not math.isnan(summary.spread[0]):
+        rows.append(("timing spread of ok rows", f"(p80 - p20) / median: median "
+                     f"{summary.spread[0] * 100:.1f}%, 99th percentile "
+                     f"{summary.spread[1] * 100:.1f}%"))
     if summary.roofline is not None and len(summary.roofline):
         fractions = summary.roofline["fraction"]
         rows.append(("roofline fraction of the picks",

@@ -297,3 +297,14 @@ def test_summary_counts_problems_not_rows():
     frame = make_table(main_rows())
     assert len(report.measured_problems(frame)) == 5
     assert report.ok_times(frame).shape == (5, 3)
+
+
+def test_timing_spread_is_over_ok_rows():
+    frame = make_table(main_rows())  # every ok row: p20 0.97 t, p80 1.04 t
+    assert report.timing_spread(frame) == pytest.approx((0.07, 0.07))
+    ok = frame.index[frame["status"] == "ok"]
+    frame.loc[ok[0], "time_us_p80"] = frame.loc[ok[0], "time_us"] * 1.5  # one noisy row
+    median, p99 = report.timing_spread(frame)
+    assert median == pytest.approx(0.07) and p99 > 0.3
+    crashed_only = frame[frame["status"] != "ok"]
+    assert all(math.isnan(x) for x in report.timing_spread(crashed_only))
