@@ -3,8 +3,10 @@
 Everything reduces to one masked softmax attention, ``attend``, over keys that
 carry their *global* positions: a causal window is then the same rule whether
 the keys are a whole request, one DCP rank's round-robin shard, or a prefill
-sequence. Written for clarity, not speed: one request at a time, in fp32 by
-default (fp64 in tests), on whatever device the inputs live on.
+sequence. Written for clarity before speed, in fp32 by default (fp64 in
+tests), on whatever device the inputs live on. Decode requests of equal
+lengths go through ``attend`` together, a bounded number at a time (a uniform
+batch is a few calls, not one per request); prefill runs one request at a time.
 
 Conventions shared with the routes:
 - a query block of ``qlen`` tokens sits at the end of its request: token t
@@ -30,34 +32,36 @@ def attend(
     last_pos: torch.Tensor,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Masked attention for one request.
+    """Masked attention for one request, or a batch of requests with the same positions.
 
-    q: (T, H, D); k: (N, Hk, D) and v: (N, Hk, Dv) with Hk 1 (shared latent
-    head) or H; key_pos: (N,) global positions of the keys; last_pos: (T,) the
-    last global position each query token may attend. Returns out (T, H, Dv)
-    and lse (T, H) in q's dtype.
+    q: (..., T, H, D); k: (..., N, Hk, D) and v: (..., N, Hk, Dv) with Hk 1
+    (shared latent head) or H; key_pos: (N,) global positions of the keys;
+    last_pos: (T,) the last global position each query token may attend. The
+    leading dims (if any) are requests. Returns out (..., T, H, Dv) and lse
+    (..., T, H) in q's dtype.
     """
-    T, H, _ = q.shape
-    N = k.shape[0]
+    *lead, T, H, _ = q.shape
+    N = k.shape[-3]
     if N == 0:
-        out = q.new_zeros(T, H, v.shape[-1])
-        return out, q.new_full((T, H), float("-inf"))
-    # scores: (T, H, N). With one shared latent head (MLA decode) every (token, head)
-    # row meets the same keys: one matmul, instead of reading the keys once per head.
-    if k.shape[1] == 1:
-        scores = (q.reshape(T * H, -1) @ k[:, 0].T).view(T, H, N)
+        out = q.new_zeros(*lead, T, H, v.shape[-1])
+        return out, q.new_full((*lead, T, H), float("-inf"))
+    # scores: (..., T, H, N). With one shared latent head (MLA decode) every (token,
+    # head) row meets the same keys: one matmul, instead of reading the keys once per head.
+    if k.shape[-2] == 1:
+        scores = (q.reshape(*lead, T * H, -1) @ k[..., 0, :].transpose(-1, -2)).view(
+            *lead, T, H, N)
     else:
-        scores = torch.einsum("thd,nhd->thn", q, k)
+        scores = torch.einsum("...thd,...nhd->...thn", q, k)
     allowed = key_pos[None, :] <= last_pos[:, None]  # (T, N)
-    # In place from here: the scores are the largest tensor (T x H x N).
+    # In place from here: the scores are the largest tensor (T x H x N per request).
     scores.mul_(scale).masked_fill_(~allowed[:, None], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # (T, H)
+    lse = torch.logsumexp(scores, dim=-1)  # (..., T, H)
     # exp(-inf - (-inf)) is NaN for empty rows; those rows have no weights at all
     probs = scores.sub_(lse[..., None]).exp_().nan_to_num_(0.0)
-    if v.shape[1] == 1:
-        out = (probs.view(T * H, N) @ v[:, 0]).view(T, H, -1)
+    if v.shape[-2] == 1:
+        out = (probs.view(*lead, T * H, N) @ v[..., 0, :]).view(*lead, T, H, -1)
     else:
-        out = torch.einsum("thn,nhd->thd", probs, v)
+        out = torch.einsum("...thn,...nhd->...thd", probs, v)
     return out, lse
 
 
@@ -79,14 +83,20 @@ def dequantize(x: torch.Tensor, scale: torch.Tensor | float | None, dtype: torch
     return y
 
 
-def _gather_pages(cache: torch.Tensor, block_table_row: torch.Tensor, length: int):
-    """The first ``length`` tokens of one request from a paged cache (pages, page, D)."""
+# Requests attended together are cut so that one call's largest tensors (its scores,
+# and its keys in fp32) stay near this many elements (1 GiB in fp32).
+_ELEMENTS_PER_CALL = 1 << 28
+
+
+def _gather_pages(cache: torch.Tensor, block_table: torch.Tensor, length: int):
+    """The first ``length`` tokens of each request (rows of ``block_table``) from a
+    paged cache (pages, page, D): (requests, length, D)."""
     page_size = cache.shape[1]
     n_pages = -(-length // page_size)
     # fp8 gathered as bytes: indexing fp8 tensors is not implemented on every device.
     raw = cache.view(torch.uint8) if cache.element_size() == 1 else cache
-    pages = raw[block_table_row[:n_pages].long()].view(cache.dtype)  # (n_pages, page, D)
-    return pages.reshape(-1, cache.shape[-1])[:length]
+    pages = raw[block_table[:, :n_pages].long()].view(cache.dtype)  # (R, n_pages, page, D)
+    return pages.reshape(block_table.shape[0], -1, cache.shape[-1])[:, :length]
 
 
 def decode_shard(
@@ -97,24 +107,33 @@ def decode_shard(
     Shard token j of a request is global position ``rank + j * world``; the
     causal window is taken on global positions. Output (B*qlen, kernel_heads, Dv).
     """
-    qlen, world = inputs.qlen, inputs.dcp_size
+    qlen, world, batch = inputs.qlen, inputs.dcp_size, inputs.problem.batch
     q = dequantize(inputs.q, inputs.q_scale, dtype)
-    outs, lses = [], []
-    # Lengths read once (no device sync per request); each request's pages are
-    # dequantized alone, so a large cache is never copied whole in fp32.
-    for b, (global_len, local_len) in enumerate(zip(inputs.seq_lens.tolist(),
-                                                    shard.seq_lens.tolist(), strict=True)):
-        pages = _gather_pages(shard.kv_cache, shard.block_table[b], local_len)
-        kv = dequantize(pages, inputs.kv_scale, dtype)[:, None, :]  # (N, 1, D)
-        key_pos = shard.rank + world * torch.arange(local_len, device=kv.device)
-        tokens = torch.arange(qlen, device=kv.device)
+    heads = q.shape[1]
+    q = q.view(batch, qlen, heads, -1)
+    out = q.new_empty(batch, qlen, heads, inputs.d_v)
+    lse = q.new_empty(batch, qlen, heads)
+    # Requests with the same (global, local) lengths share key positions and windows:
+    # attended together. Lengths are read once (no device sync per request), and pages
+    # are dequantized per call, so a large cache is never copied whole in fp32.
+    same_lengths: dict[tuple[int, int], list[int]] = {}
+    for b, lengths in enumerate(zip(inputs.seq_lens.tolist(), shard.seq_lens.tolist(),
+                                    strict=True)):
+        same_lengths.setdefault(lengths, []).append(b)
+    for (global_len, local_len), requests in same_lengths.items():
+        key_pos = shard.rank + world * torch.arange(local_len, device=q.device)
+        tokens = torch.arange(qlen, device=q.device)
         last = global_len - qlen + tokens if inputs.causal else torch.full_like(
             tokens, global_len - 1)
-        out, lse = attend(q[b * qlen:(b + 1) * qlen], kv, kv[..., : inputs.d_v], key_pos, last,
-                          inputs.softmax_scale)
-        outs.append(out)
-        lses.append(lse)
-    return torch.cat(outs), torch.cat(lses)
+        per_request = local_len * max(qlen * heads, shard.kv_cache.shape[-1])
+        per_call = max(1, _ELEMENTS_PER_CALL // max(1, per_request))
+        for i in range(0, len(requests), per_call):
+            index = torch.tensor(requests[i:i + per_call], device=q.device)
+            pages = _gather_pages(shard.kv_cache, shard.block_table[index], local_len)
+            kv = dequantize(pages, inputs.kv_scale, dtype)[..., None, :]  # (R, N, 1, D)
+            out[index], lse[index] = attend(q[index], kv, kv[..., : inputs.d_v], key_pos,
+                                            last, inputs.softmax_scale)
+    return out.view(batch * qlen, heads, -1), lse.view(batch * qlen, heads)
 
 
 def decode(

@@ -15,7 +15,8 @@ def dense_kv(inputs: DecodeInputs) -> list[torch.Tensor]:
     for b, length in enumerate(inputs.seq_lens.tolist()):
         kv = torch.empty(length, inputs.q.shape[-1], dtype=inputs.shards[0].kv_cache.dtype)
         for shard in inputs.shards:
-            local = _gather_pages(shard.kv_cache, shard.block_table[b], int(shard.seq_lens[b]))
+            local = _gather_pages(shard.kv_cache, shard.block_table[b:b + 1],
+                                  int(shard.seq_lens[b]))[0]
             kv[shard.rank::world] = local
         result.append(kv)
     return result

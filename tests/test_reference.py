@@ -189,3 +189,16 @@ def test_merge_partials_of_a_split_equals_the_whole():
     merged = reference.merge_partials([o for o, _ in parts], [s for _, s in parts])
     close(merged[0], whole[0])
     close(merged[1], whole[1])
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_requests_attended_together_or_in_small_calls_agree(monkeypatch, ragged):
+    """Requests of equal lengths go through attend together, cut into calls of bounded
+    size; the cut changes nothing (here down to one request per call)."""
+    p = MLAProblem(num_heads=4, qlen=2, batch=6, kv_len=40, dcp_size=2, page_size=8)
+    inputs = make_decode_inputs(p, seed=11, ragged=ragged)
+    together = reference.decode(inputs, F64)
+    monkeypatch.setattr(reference, "_ELEMENTS_PER_CALL", 1)
+    one_by_one = reference.decode(inputs, F64)
+    close(together[0], one_by_one[0])
+    close(together[1], one_by_one[1])
