@@ -16,7 +16,6 @@ import json
 import logging
 import math
 import multiprocessing as mp
-import os
 import signal
 import time
 from collections import deque
@@ -25,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import wait
 from typing import Any, Protocol
 
-from mlatune import routes, worker
+from mlatune import compile_ahead, routes, worker
 from mlatune.arch import DeviceInfo
 from mlatune.journal import Journal
 from mlatune.problem import MLAProblem
@@ -178,7 +177,7 @@ def run(spec: SweepSpec, device: DeviceInfo, journal: Journal, *, workers: int =
     todo = [c for c in candidates if c.id not in done]
     seconds: dict[str, float] = {}
     if compile_workers is None:
-        compile_workers = default_compile_workers(workers) if device.is_gpu else 0
+        compile_workers = compile_ahead.default_workers(workers) if device.is_gpu else 0
     if compile_workers and todo:
         t_compile = time.monotonic()
         _compile_ahead(spec, device, workers, compile_workers, todo, timeout_s, observer)
@@ -210,7 +209,7 @@ def _compile_ahead(spec: SweepSpec, device: DeviceInfo, workers: int, per_device
     """Kernels compile on the CPU, one at a time per process: compiling them first,
     in many processes at once, keeps the timing workers from waiting on it. Only an
     optimisation: whatever goes wrong here, the timed pass still runs every candidate."""
-    firsts = compile_representatives(todo)
+    firsts = compile_ahead.representatives(todo)
     n_problems = len({c.problem for c in firsts})
     per_device = max(1, min(per_device, -(-n_problems // workers)))
     devices = [d for d in _devices(device, workers) for _ in range(per_device)]
@@ -226,44 +225,6 @@ def _compile_ahead(spec: SweepSpec, device: DeviceInfo, workers: int, per_device
 def _devices(device: DeviceInfo, workers: int) -> list[str]:
     """One worker per GPU; on the CPU ``workers`` processes share it (tests use that)."""
     return [f"cuda:{i}" for i in range(workers)] if device.is_gpu else ["cpu"] * workers
-
-
-def default_compile_workers(gpus: int) -> int:
-    """Compile processes per GPU: the cores beyond one per timing worker, at most 8."""
-    return max(1, min(8, (os.cpu_count() or 2) // gpus - 1))
-
-
-def compile_representatives(candidates: Iterable[Candidate]) -> list[Candidate]:
-    """One candidate per (route, parameters, problem bucket): the smallest problem.
-
-    Problem sizes are runtime arguments of the kernels, so within a bucket
-    (every key field but batch and kv_len) a route's parameter set compiles to
-    the same kernels; checking the smallest problem compiles them cheaply.
-    """
-    smallest: dict[tuple, Candidate] = {}
-    for c in candidates:
-        group = (c.route_id, c.params_json, c.problem.bucket)
-        held = smallest.get(group)
-        size = (c.problem.batch * c.problem.kv_len, c.problem.batch)
-        if held is None or size < (held.problem.batch * held.problem.kv_len, held.problem.batch):
-            smallest[group] = c
-    # Problems whose candidates bring a (route, parameters, dtypes) not seen before go
-    # first: those are the likeliest new kernels, so the workers compile different
-    # kernels at once rather than the same one side by side. A problem's candidates
-    # stay together, so that a worker makes its inputs once.
-    by_problem: dict[MLAProblem, list[Candidate]] = {}
-    for c in smallest.values():
-        by_problem.setdefault(c.problem, []).append(c)
-    seen: set[tuple] = set()
-    novel = set()
-    for problem, same in by_problem.items():
-        kinds = {(c.route_id, c.params_json, problem.phase, problem.q_dtype, problem.kv_dtype)
-                 for c in same}
-        if kinds - seen:
-            novel.add(problem)
-        seen |= kinds
-    order = sorted(by_problem, key=lambda p: p not in novel)  # stable: plan order within
-    return [c for p in order for c in by_problem[p]]
 
 
 def _reference_fallbacks(problems: Iterable[MLAProblem], records: list[dict[str, Any]]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mlatune import runner, spec
+from mlatune import compile_ahead, runner, spec
 from mlatune.arch import cpu_device
 from mlatune.journal import Journal, JournalError, read
 
@@ -318,14 +318,14 @@ def test_compile_representatives_are_the_smallest_problem_per_route_params_and_b
     cands = [runner.Candidate(p, r, params) for p in s.problems
              for r, params in (("reference/torch", {}), ("fault-wrong/test", {"x": 1}),
                                ("fault-wrong/test", {"x": 2}))]
-    firsts = runner.compile_representatives(cands)
+    firsts = compile_ahead.representatives(cands)
     # 2 buckets (heads) x 3 (route, params): each with its batch-1, kv_len-8 problem.
     assert len(firsts) == 6
     assert {(c.problem.num_heads, c.route_id, c.params_json) for c in firsts} == {
         (h, c.route_id, c.params_json) for h in (2, 4) for c in cands[:3]}
     assert all((c.problem.batch, c.problem.kv_len) == (1, 8) for c in firsts)
     # Shuffled, a problem's representatives still come together (inputs made once).
-    firsts = runner.compile_representatives(cands[::-1])
+    firsts = compile_ahead.representatives(cands[::-1])
     problems = [c.problem for c in firsts]
     assert problems == sorted(problems, key=problems.index) and len(set(problems)) == 2
 
@@ -384,4 +384,4 @@ def test_compile_representatives_bring_new_kernels_first():
     p1, p2 = base, base.with_(num_heads=4)  # same route, params and dtypes: likely one kernel
     p3 = base.with_(q_dtype="bf16", kv_dtype="fp8_e4m3fn")  # other dtypes: a new kernel
     cands = [runner.Candidate(p, "reference/torch") for p in (p1, p2, p3)]
-    assert [c.problem for c in runner.compile_representatives(cands)] == [p1, p3, p2]
+    assert [c.problem for c in compile_ahead.representatives(cands)] == [p1, p3, p2]
