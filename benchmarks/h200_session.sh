@@ -2,6 +2,8 @@
 # One device call of the H200 table work (issues 4 and 8). Usage on the device:
 #   bash benchmarks/h200_session.sh STEP... where STEP is one of
 #   tests        pytest -m gpu
+#   testsbg      pytest -m gpu in the background on the last GPU, with its own Triton cache
+#                (so a cold-cache sweep on GPU 0 stays cold); waittests waits for it
 #   smoke1|smoke2  the bundled smoke sweep (1 GPU), a second time with all GPUs
 #   h200 | heldout  sweeps/h200.toml or sweeps/h200-heldout.toml on all GPUs, resumed from
 #                  runs/, stopped (SIGINT, journal kept) when BUDGET_S seconds of the call are spent
@@ -32,6 +34,11 @@ for step in "$@"; do
     tests) s=$(date +%s)
            python3 -m pytest -m gpu -q -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1
            log "tests: rc=$? wall=$(( $(date +%s) - s ))s; $(tail -1 "$OUT/gpu-tests.log")" ;;
+    testsbg) CUDA_VISIBLE_DEVICES=$(( NGPU - 1 )) TRITON_CACHE_DIR=/tmp/triton-tests \
+               python3 -m pytest -m gpu -q -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1 &
+             TESTS_PID=$!; TESTS_T0=$(date +%s); log "tests: started in the background" ;;
+    waittests) wait "$TESTS_PID"
+               log "tests: rc=$? wall=$(( $(date +%s) - TESTS_T0 ))s; $(tail -1 "$OUT/gpu-tests.log")" ;;
     smoke1) sweep smoke1 "" 1 ;;
     smoke2) sweep smoke2 "" "$NGPU" ;;
     h200) sweep h200 sweeps/h200.toml "$NGPU" ;;
