@@ -2,8 +2,9 @@
 # One device call of the H200 table work (issues 4 and 8). Usage on the device:
 #   bash benchmarks/h200_session.sh STEP... where STEP is one of
 #   tests        pytest -m gpu
-#   testsbg      pytest -m gpu in the background on the last GPU, with its own Triton cache
-#                (so a cold-cache sweep on GPU 0 stays cold); waittests waits for it
+#   testsbg      with 2+ GPUs: pytest -m gpu in the background on the last GPU, with its own
+#                Triton cache (a cold-cache sweep on GPU 0 stays cold); only 1-GPU steps
+#                (smoke1, bundled) may run until waittests waits for it. With 1 GPU: as tests
 #   smoke1|smoke2  the bundled smoke sweep (1 GPU), a second time with all GPUs
 #   h200 | heldout  sweeps/h200.toml or sweeps/h200-heldout.toml on all GPUs, resumed from
 #                  runs/, stopped (SIGINT, journal kept) when BUDGET_S seconds of the call are spent
@@ -29,16 +30,27 @@ sweep() {  # name spec gpus
   tail -15 "$OUT/$1.log" | tee -a "$OUT/session.log"
   python3 benchmarks/sweep_cost.py "runs/$1/sm_90-$1.journal.jsonl" | tee -a "$OUT/session.log"
 }
+run_tests() {
+  local s=$(date +%s)
+  python3 -m pytest -m gpu -q -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1
+  log "tests: rc=$? wall=$(( $(date +%s) - s ))s; $(tail -1 "$OUT/gpu-tests.log")"
+}
+TESTS_PID=""
+wait_tests() {  # the background tests (bounded by their own timeout), if any
+  [ -n "$TESTS_PID" ] || return 0
+  wait "$TESTS_PID"
+  log "tests: rc=$? wall=$(( $(date +%s) - TESTS_T0 ))s; $(tail -1 "$OUT/gpu-tests.log")"
+  TESTS_PID=""
+}
 for step in "$@"; do
   case $step in
-    tests) s=$(date +%s)
-           python3 -m pytest -m gpu -q -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1
-           log "tests: rc=$? wall=$(( $(date +%s) - s ))s; $(tail -1 "$OUT/gpu-tests.log")" ;;
-    testsbg) CUDA_VISIBLE_DEVICES=$(( NGPU - 1 )) TRITON_CACHE_DIR=/tmp/triton-tests \
+    tests) run_tests ;;
+    testsbg) if [ "$NGPU" -lt 2 ]; then run_tests; continue; fi
+             CUDA_VISIBLE_DEVICES=$(( NGPU - 1 )) TRITON_CACHE_DIR=/tmp/triton-tests \
+               timeout "$(( BUDGET_S - ($(date +%s) - T0) ))" \
                python3 -m pytest -m gpu -q -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1 &
              TESTS_PID=$!; TESTS_T0=$(date +%s); log "tests: started in the background" ;;
-    waittests) wait "$TESTS_PID"
-               log "tests: rc=$? wall=$(( $(date +%s) - TESTS_T0 ))s; $(tail -1 "$OUT/gpu-tests.log")" ;;
+    waittests) wait_tests ;;
     smoke1) sweep smoke1 "" 1 ;;
     smoke2) sweep smoke2 "" "$NGPU" ;;
     h200) sweep h200 sweeps/h200.toml "$NGPU" ;;
@@ -51,6 +63,7 @@ for step in "$@"; do
     *) log "unknown step $step" ;;
   esac
 done
+wait_tests
 # Journals and tables travel back gzipped in one tarball (files from $OUT: 8 at most).
 tar czf "$OUT/runs.tgz" runs
 log "done; runs.tgz $(du -h "$OUT/runs.tgz" | cut -f1)"

@@ -12,11 +12,22 @@ fields existed have only the kernel time.
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 from collections import defaultdict
 from pathlib import Path
 
-PARTS = ("setup_s", "first_check_s", "check_s", "bench_s")
+from mlatune.journal import JournalError, read
+from mlatune.runner import COST_PARTS as PARTS
+
+
+def _add(row: dict[str, float], r: dict) -> None:
+    row["candidates"] += 1
+    row["raced"] += bool(r.get("raced"))
+    for part in PARTS:
+        row[part] += r.get(part, 0.0)
+    row["other_s"] += max(0.0, r.get("elapsed_s", 0.0) - sum(r.get(p, 0.0) for p in PARTS))
+    if r["status"] == "ok":
+        row["kernel_s"] += r["time_us"] * 1e-6 * r["reps"]
 
 
 def main() -> None:
@@ -26,21 +37,15 @@ def main() -> None:
                         help="a problem field (num_heads, batch, kv_len, ...) or 'route'")
     args = parser.parse_args()
     rows: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    with args.journal.open() as f:
-        for line in f:
-            r = json.loads(line)
-            if r.get("kind") != "result" or r["status"] == "unsupported":
-                continue
-            group = str(r["route"] if args.by == "route" else r["key"][args.by])
-            row = rows[group]
-            row["candidates"] += 1
-            row["raced"] += bool(r.get("raced"))
-            for part in PARTS:
-                row[part] += r.get(part, 0.0)
-            row["other_s"] += max(0.0, r.get("elapsed_s", 0.0) - sum(r.get(p, 0.0)
-                                                                     for p in PARTS))
-            if r["status"] == "ok":
-                row["kernel_s"] += r["time_us"] * 1e-6 * r["reps"]
+    try:
+        records = read(args.journal)[1]  # a torn last line is dropped
+    except (OSError, JournalError) as exc:
+        sys.exit(f"error: {args.journal}: {exc}")
+    for r in records:
+        if r["status"] != "unsupported":
+            _add(rows[str(r["route"] if args.by == "route" else r["key"][args.by])], r)
+    if not rows:
+        sys.exit(f"{args.journal}: no candidate has run yet")
     columns = ("candidates", "raced", *PARTS, "other_s", "kernel_s")
     width = max(12, *(len(g) for g in rows))
     print(f"{args.by:>{width}} " + " ".join(f"{c:>13}" for c in columns))

@@ -5,8 +5,8 @@ time: a timing worker that meets a new kernel leaves its GPU idle meanwhile.
 So before the timed pass, several processes per GPU run the first accuracy
 check of one small problem per group of candidates that share kernels, and
 the compiled kernels land in Triton's on-disk cache for the timing workers.
-This module chooses those candidates and how many processes; the runner runs
-them.
+This module chooses those candidates and the default number of processes per
+GPU; the runner runs them (with no more processes than problems).
 """
 
 from __future__ import annotations

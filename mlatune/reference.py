@@ -84,7 +84,8 @@ def dequantize(x: torch.Tensor, scale: torch.Tensor | float | None, dtype: torch
 
 
 # Requests attended together are cut so that one call's largest tensors (its scores,
-# and its keys in fp32) stay near this many elements (1 GiB in fp32).
+# and its keys in fp32) each stay near this many elements, 1 GiB in fp32; with the
+# temporaries of logsumexp and the scaled keys a call peaks at a few GB.
 _ELEMENTS_PER_CALL = 1 << 28
 
 
