@@ -460,6 +460,8 @@ def coverage(
              "nearest or rule.")] = "rule",
 ) -> None:
     """How the dispatcher answers every problem of a spec: measured, nearest point or rule."""
+    from collections import Counter
+
     from mlatune import spec as specs
     from mlatune.dispatch import Dispatcher, device_for_arch
 
@@ -474,18 +476,15 @@ def coverage(
         choices = [(p, dispatcher.select(p)) for p in problems]
     console.print(f"table: {dispatcher.source or 'none (every answer by rule)'}",
                   highlight=False)
-    by_source: dict[str, int] = dict.fromkeys(_SOURCES, 0)
-    by_route: dict[tuple[str, str], int] = {}
-    for _, c in choices:
-        by_source[c.source] += 1
-        by_route[c.source, c.route_id] = by_route.get((c.source, c.route_id), 0) + 1
+    by_route = Counter((c.source, c.route_id) for _, c in choices)
     out = Table(title=f"{len(problems)} problems of {spec_path}")
     out.add_column("answered by")
     out.add_column("problems", justify="right")
     out.add_column("routes")
     for source in _SOURCES:
-        routes = ", ".join(f"{r} ({n})" for (s, r), n in sorted(by_route.items()) if s == source)
-        out.add_row(source, str(by_source[source]), routes)
+        mine = sorted((r, n) for (s, r), n in by_route.items() if s == source)
+        out.add_row(source, str(sum(n for _, n in mine)),
+                    ", ".join(f"{r} ({n})" for r, n in mine))
     console.print(out)
     worse = [(p, c) for p, c in choices if _SOURCES.index(c.source) > _SOURCES.index(require)]
     for p, c in worse[:20]:

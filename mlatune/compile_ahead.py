@@ -33,12 +33,13 @@ def representatives(candidates: Iterable[Candidate]) -> list[Candidate]:
     (every key field but batch and kv_len) a route's parameter set compiles to
     the same kernels; checking the smallest problem compiles them cheaply.
     """
+    def size(c: Candidate) -> tuple[int, int]:
+        return c.problem.batch * c.problem.kv_len, c.problem.batch
+
     smallest: dict[tuple, Candidate] = {}
     for c in candidates:
         group = (c.route_id, c.params_json, c.problem.bucket)
-        held = smallest.get(group)
-        size = (c.problem.batch * c.problem.kv_len, c.problem.batch)
-        if held is None or size < (held.problem.batch * held.problem.kv_len, held.problem.batch):
+        if group not in smallest or size(c) < size(smallest[group]):
             smallest[group] = c
     # Problems whose candidates bring a (route, parameters, dtypes) not seen before go
     # first: those are the likeliest new kernels, so the workers compile different
