@@ -9,6 +9,7 @@
 #   h200 | heldout  sweeps/h200.toml or sweeps/h200-heldout.toml on all GPUs, resumed from
 #                  runs/, stopped (SIGINT, journal kept) when BUDGET_S seconds of the call are spent
 #   h200fresh      sweeps/h200.toml from scratch into runs/h200fresh (to time the whole sweep)
+#   h200one        the same on GPU 0 alone into runs/h200one (one H200's rate; beside testsbg)
 #   bundled        doctor, then how the bundled table answers the held-out problems, on the GPU
 # Everything it makes goes under $OUT (logs, tables and the journals, gzipped).
 set -u -o pipefail
@@ -56,6 +57,7 @@ for step in "$@"; do
     h200) sweep h200 sweeps/h200.toml "$NGPU" ;;
     heldout) sweep heldout sweeps/h200-heldout.toml "$NGPU" ;;
     h200fresh) sweep h200fresh sweeps/h200.toml "$NGPU" ;;
+    h200one) CUDA_VISIBLE_DEVICES=0 sweep h200one sweeps/h200.toml 1 ;;
     bundled) { python3 -m mlatune doctor
                python3 -m mlatune coverage sweeps/h200-heldout.toml --require nearest
              } > "$OUT/bundled.log" 2>&1

@@ -22,15 +22,21 @@ from dataclasses import dataclass
 import torch
 
 _L2_FLUSH_BYTES = 256 << 20  # > the H200's 60 MB and MI300's 256 MB infinity cache
+# Repetitions between two looks at whether the median has settled; with a cold L2
+# the spread is small (about 1% between the 20th and 80th percentiles on the H200),
+# so 10 repetitions usually suffice.
+_SETTLE_STEP = 5
 
 
 @dataclass(frozen=True)
 class Budget:
-    warmup: int = 1  # the sweep's accuracy checks have already run the route twice
+    # Untimed runs (a CUDA graph's capture counts as two); the sweep's accuracy checks
+    # have already run the route twice.
+    warmup: int = 1
     min_reps: int = 10
     max_reps: int = 200
     max_seconds: float = 2.0  # per candidate, timed reps only
-    settle: float = 0.005  # stop when 10 more reps move the median less than this
+    settle: float = 0.005  # stop when _SETTLE_STEP more reps move the median less than this
     race_reps: int = 5  # reps after which a plain loser stops
     # "Plain loser": median above this x the problem's best (5-rep medians with a cold
     # L2 agree within about 1%); 0: off.
@@ -71,8 +77,8 @@ def _repeat(one_rep: Callable[[], float], budget: Budget, best_us: float, timer:
         n = len(samples)
         if n == budget.race_reps and statistics.median(samples) > give_up_us:
             return summarize(samples, timer, raced=True)
-        if n >= max(budget.min_reps, 20) and n % 10 == 0:
-            before, now = statistics.median(samples[:-10]), statistics.median(samples)
+        if n >= max(budget.min_reps, 2 * _SETTLE_STEP) and n % _SETTLE_STEP == 0:
+            before, now = statistics.median(samples[:-_SETTLE_STEP]), statistics.median(samples)
             if abs(now - before) <= budget.settle * now:
                 break
         if time.perf_counter() - start > budget.max_seconds and n >= min(3, budget.min_reps):
@@ -89,15 +95,15 @@ def measure(run: Callable[[], None], device: torch.device | str, budget: Budget 
     device = torch.device(device)
     if device.type != "cuda":
         return _measure_wall(run, budget, best_us)
-    for _ in range(budget.warmup):
-        run()
-    torch.cuda.synchronize(device)
     flush = torch.empty(_L2_FLUSH_BYTES // 4, dtype=torch.float32, device=device)
-    launch, timer = run, "cuda_event"
+    launch, timer, untimed = run, "cuda_event", 0
     if graph_safe:
-        graph = _capture(run, device)
+        graph = _capture(run, device)  # runs the route once and replays it once
         if graph is not None:
-            launch, timer = graph.replay, "cuda_graph"
+            launch, timer, untimed = graph.replay, "cuda_graph", 2
+    for _ in range(budget.warmup - untimed):
+        launch()
+    torch.cuda.synchronize(device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
     def one_rep() -> float:

@@ -4,9 +4,10 @@ Everything reduces to one masked softmax attention, ``attend``, over keys that
 carry their *global* positions: a causal window is then the same rule whether
 the keys are a whole request, one DCP rank's round-robin shard, or a prefill
 sequence. Written for clarity before speed, in fp32 by default (fp64 in
-tests), on whatever device the inputs live on. Decode requests of equal
-lengths go through ``attend`` together, a bounded number at a time (a uniform
-batch is a few calls, not one per request); prefill runs one request at a time.
+tests), on whatever device the inputs live on. Decode requests go through
+``attend`` together, a bounded number at a time, padded to the longest of a
+call (a batch is a few calls, not one per request); prefill runs one request
+at a time.
 
 Conventions shared with the routes:
 - a query block of ``qlen`` tokens sits at the end of its request: token t
@@ -52,9 +53,9 @@ def attend(
             *lead, T, H, N)
     else:
         scores = torch.einsum("...thd,...nhd->...thn", q, k)
-    allowed = key_pos[None, :] <= last_pos[:, None]  # (T, N)
+    allowed = key_pos <= last_pos[..., None]  # (..., T, N)
     # In place from here: the scores are the largest tensor (T x H x N per request).
-    scores.mul_(scale).masked_fill_(~allowed[:, None], float("-inf"))
+    scores.mul_(scale).masked_fill_(~allowed[..., None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # (..., T, H)
     # exp(-inf - (-inf)) is NaN for empty rows; those rows have no weights at all
     probs = scores.sub_(lse[..., None]).exp_().nan_to_num_(0.0)
@@ -85,18 +86,22 @@ def dequantize(x: torch.Tensor, scale: torch.Tensor | float | None, dtype: torch
 
 # Requests attended together are cut so that one call's largest tensors (its scores,
 # and its keys in fp32) each stay near this many elements, 1 GiB in fp32; with the
-# temporaries of logsumexp and the scaled keys a call peaks at a few GB.
+# temporaries of logsumexp and the scaled keys a call peaks at a few GB. On the CPU
+# calls that stay in cache are several times faster.
 _ELEMENTS_PER_CALL = 1 << 28
+_CPU_ELEMENTS_PER_CALL = 1 << 22
 
 
 def _gather_pages(cache: torch.Tensor, block_table: torch.Tensor, length: int):
     """The first ``length`` tokens of each request (rows of ``block_table``) from a
-    paged cache (pages, page, D): (requests, length, D)."""
+    paged cache (pages, page, D): (requests, length, D); past a request's own
+    pages, tokens of some page."""
     page_size = cache.shape[1]
     n_pages = -(-length // page_size)
     # fp8 gathered as bytes: indexing fp8 tensors is not implemented on every device.
     raw = cache.view(torch.uint8) if cache.element_size() == 1 else cache
-    pages = raw[block_table[:, :n_pages].long()].view(cache.dtype)  # (R, n_pages, page, D)
+    # A shorter request's table ends in -1 padding: any page will do there (masked).
+    pages = raw[block_table[:, :n_pages].long().clamp_(min=0)].view(cache.dtype)
     return pages.reshape(block_table.shape[0], -1, cache.shape[-1])[:, :length]
 
 
@@ -114,26 +119,30 @@ def decode_shard(
     q = q.view(batch, qlen, heads, -1)
     out = q.new_empty(batch, qlen, heads, inputs.d_v)
     lse = q.new_empty(batch, qlen, heads)
-    # Requests with the same (global, local) lengths share key positions and windows:
-    # attended together. Lengths are read once (no device sync per request), and pages
-    # are dequantized per call, so a large cache is never copied whole in fp32.
-    same_lengths: dict[tuple[int, int], list[int]] = {}
-    for b, lengths in enumerate(zip(inputs.seq_lens.tolist(), shard.seq_lens.tolist(),
-                                    strict=True)):
-        same_lengths.setdefault(lengths, []).append(b)
-    for (global_len, local_len), requests in same_lengths.items():
-        key_pos = shard.rank + world * torch.arange(local_len, device=q.device)
-        tokens = torch.arange(qlen, device=q.device)
-        last = global_len - qlen + tokens if inputs.causal else torch.full_like(
-            tokens, global_len - 1)
-        per_request = local_len * max(qlen * heads, shard.kv_cache.shape[-1])
-        per_call = max(1, _ELEMENTS_PER_CALL // max(1, per_request))
-        for i in range(0, len(requests), per_call):
-            index = torch.tensor(requests[i:i + per_call], device=q.device)
-            pages = _gather_pages(shard.kv_cache, shard.block_table[index], local_len)
-            kv = dequantize(pages, inputs.kv_scale, dtype)[..., None, :]  # (R, N, 1, D)
-            out[index], lse[index] = attend(q[index], kv, kv[..., : inputs.d_v], key_pos,
-                                            last, inputs.softmax_scale)
+    # Requests go through attend together, longest first, each call's keys padded to
+    # its first request's length: a padded key's global position is past its
+    # request's end, so the causal window (or the request's length) masks it, and a
+    # ragged batch costs a few calls, not one per request. Pages are dequantized per
+    # call, so a large cache is never copied whole in fp32.
+    local_lens = shard.seq_lens.tolist()
+    order = sorted(range(batch), key=lambda b: -local_lens[b])
+    tokens = torch.arange(qlen, device=q.device)
+    width = max(qlen * heads, shard.kv_cache.shape[-1])
+    budget = _ELEMENTS_PER_CALL if q.is_cuda else min(_ELEMENTS_PER_CALL, _CPU_ELEMENTS_PER_CALL)
+    start = 0
+    while start < batch:
+        n_keys = local_lens[order[start]]
+        per_call = max(1, budget // max(1, n_keys * width))
+        index = torch.tensor(order[start:start + per_call], device=q.device)
+        start += per_call
+        global_lens = inputs.seq_lens[index].long()[:, None]
+        last = global_lens - qlen + tokens if inputs.causal else (global_lens - 1).expand(
+            -1, qlen)
+        key_pos = shard.rank + world * torch.arange(n_keys, device=q.device)
+        pages = _gather_pages(shard.kv_cache, shard.block_table[index], n_keys)
+        kv = dequantize(pages, inputs.kv_scale, dtype)[..., None, :]  # (R, N, 1, D)
+        out[index], lse[index] = attend(q[index], kv, kv[..., : inputs.d_v], key_pos,
+                                        last, inputs.softmax_scale)
     return out.view(batch * qlen, heads, -1), lse.view(batch * qlen, heads)
 
 

@@ -17,7 +17,8 @@ def test_repetitions_stop_once_the_median_settles():
 
     t = bench.measure(steady, "cpu", bench.Budget(warmup=1, min_reps=10, max_reps=500,
                                                   max_seconds=5, settle=0.5))
-    assert t.timer == "wall" and t.reps < 500 and t.median_us >= 500
+    # Steady within the 50% asked: it stops at the first look, after min_reps.
+    assert t.timer == "wall" and t.reps == 10 and t.median_us >= 500
     assert len(calls) == t.reps + 1
 
 

@@ -33,6 +33,24 @@ def test_graph_timing_of_a_matmul(cuda):
     assert tflops > 50  # far below any GPU's rate: a timing bug, not a slow GPU
 
 
+@pytest.mark.parametrize(("graph_safe", "warmup", "calls"), [
+    (True, 1, 2), (True, 4, 2), (False, 2, 2 + 10)])
+def test_untimed_runs(cuda, graph_safe, warmup, calls):
+    """Capturing runs the callable twice (side-stream warm-up, capture), which covers
+    the warm-up; eager timing calls it once per warm-up and per repetition."""
+    a = torch.randn(1024, 1024, device=cuda)
+    count = []
+
+    def run():
+        count.append(1)
+        a.mul_(1.0)
+
+    budget = bench.Budget(warmup=warmup, min_reps=10, max_reps=10, settle=0)
+    t = bench.measure(run, cuda, budget, graph_safe=graph_safe)
+    assert t.reps == 10 and len(count) == calls
+    assert t.timer == ("cuda_graph" if graph_safe else "cuda_event")
+
+
 @pytest.mark.parametrize("problem", [
     MLAProblem(num_heads=16, qlen=2, batch=8, kv_len=2048, kv_dtype="bf16"),
     MLAProblem(num_heads=16, qlen=1, batch=8, kv_len=2048, kv_dtype="fp8_e4m3fn", dcp_size=2),

@@ -191,11 +191,16 @@ def test_merge_partials_of_a_split_equals_the_whole():
     close(merged[1], whole[1])
 
 
-@pytest.mark.parametrize("ragged", [False, True])
-def test_requests_attended_together_or_in_small_calls_agree(monkeypatch, ragged):
-    """Requests of equal lengths go through attend together, cut into calls of bounded
-    size; the cut changes nothing (here down to one request per call)."""
-    p = MLAProblem(num_heads=4, qlen=2, batch=6, kv_len=40, dcp_size=2, page_size=8)
+@pytest.mark.parametrize(("ragged", "causal", "dcp", "kv_len"),
+                         [(False, True, 2, 40), (True, True, 2, 40), (True, False, 2, 40),
+                          (True, True, 4, 6)])
+def test_requests_attended_together_or_in_small_calls_agree(monkeypatch, ragged, causal, dcp,
+                                                            kv_len):
+    """Requests go through attend together, padded to the longest of a call and cut
+    into calls of bounded size; the padding and the cut change nothing (here down to
+    one request per call). kv_len 6 over 4 ranks leaves some requests no key on a rank."""
+    p = MLAProblem(num_heads=4, qlen=2, batch=6, kv_len=kv_len, dcp_size=dcp, page_size=2,
+                   causal=causal)
     inputs = make_decode_inputs(p, seed=11, ragged=ragged)
     together = reference.decode(inputs, F64)
     monkeypatch.setattr(reference, "_ELEMENTS_PER_CALL", 1)
