@@ -57,7 +57,7 @@ for step in "$@"; do
     h200) sweep h200 sweeps/h200.toml "$NGPU" ;;
     heldout) sweep heldout sweeps/h200-heldout.toml "$NGPU" ;;
     h200fresh) sweep h200fresh sweeps/h200.toml "$NGPU" ;;
-    h200one) CUDA_VISIBLE_DEVICES=0 sweep h200one sweeps/h200.toml 1 ;;
+    h200one) ( export CUDA_VISIBLE_DEVICES=0; sweep h200one sweeps/h200.toml 1 ) ;;
     bundled) { python3 -m mlatune doctor
                python3 -m mlatune coverage sweeps/h200-heldout.toml --require nearest
              } > "$OUT/bundled.log" 2>&1
