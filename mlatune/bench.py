@@ -30,8 +30,8 @@ _SETTLE_STEP = 5
 
 @dataclass(frozen=True)
 class Budget:
-    # Untimed runs (a CUDA graph's capture counts as two); the sweep's accuracy checks
-    # have already run the route twice.
+    # Untimed runs (a capture's side-stream run and first replay count as two); the
+    # sweep's accuracy checks have already run the route twice.
     warmup: int = 1
     min_reps: int = 10
     max_reps: int = 200

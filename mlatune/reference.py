@@ -33,12 +33,13 @@ def attend(
     last_pos: torch.Tensor,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Masked attention for one request, or a batch of requests with the same positions.
+    """Masked attention for one request, or a batch of requests.
 
     q: (..., T, H, D); k: (..., N, Hk, D) and v: (..., N, Hk, Dv) with Hk 1
-    (shared latent head) or H; key_pos: (N,) global positions of the keys;
-    last_pos: (T,) the last global position each query token may attend. The
-    leading dims (if any) are requests. Returns out (..., T, H, Dv) and lse
+    (shared latent head) or H; key_pos: (..., N) global positions of the keys
+    (past every ``last_pos`` for padding); last_pos: (..., T) the last global
+    position each query token may attend. The leading dims (if any) are
+    requests; (N,) or (T,) serve them all. Returns out (..., T, H, Dv) and lse
     (..., T, H) in q's dtype.
     """
     *lead, T, H, _ = q.shape
@@ -53,7 +54,7 @@ def attend(
             *lead, T, H, N)
     else:
         scores = torch.einsum("...thd,...nhd->...thn", q, k)
-    allowed = key_pos <= last_pos[..., None]  # (..., T, N)
+    allowed = key_pos[..., None, :] <= last_pos[..., None]  # (..., T, N)
     # In place from here: the scores are the largest tensor (T x H x N per request).
     scores.mul_(scale).masked_fill_(~allowed[..., None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # (..., T, H)
@@ -90,6 +91,7 @@ def dequantize(x: torch.Tensor, scale: torch.Tensor | float | None, dtype: torch
 # calls that stay in cache are several times faster.
 _ELEMENTS_PER_CALL = 1 << 28
 _CPU_ELEMENTS_PER_CALL = 1 << 22
+_PAST_EVERY_WINDOW = 1 << 62  # the global position given to padding keys
 
 
 def _gather_pages(cache: torch.Tensor, block_table: torch.Tensor, length: int):
@@ -120,25 +122,27 @@ def decode_shard(
     out = q.new_empty(batch, qlen, heads, inputs.d_v)
     lse = q.new_empty(batch, qlen, heads)
     # Requests go through attend together, longest first, each call's keys padded to
-    # its first request's length: a padded key's global position is past its
-    # request's end, so the causal window (or the request's length) masks it, and a
-    # ragged batch costs a few calls, not one per request. Pages are dequantized per
-    # call, so a large cache is never copied whole in fp32.
-    local_lens = shard.seq_lens.tolist()
+    # its first request's length (padding placed past every window): a ragged batch
+    # costs a few calls, not one per request. Pages are dequantized per call, so a
+    # large cache is never copied whole in fp32.
+    global_lens, local_lens = inputs.seq_lens.tolist(), shard.seq_lens.tolist()
     order = sorted(range(batch), key=lambda b: -local_lens[b])
     tokens = torch.arange(qlen, device=q.device)
     width = max(qlen * heads, shard.kv_cache.shape[-1])
-    budget = _ELEMENTS_PER_CALL if q.is_cuda else min(_ELEMENTS_PER_CALL, _CPU_ELEMENTS_PER_CALL)
+    budget = (min(_ELEMENTS_PER_CALL, _CPU_ELEMENTS_PER_CALL) if q.device.type == "cpu"
+              else _ELEMENTS_PER_CALL)
     start = 0
     while start < batch:
-        n_keys = local_lens[order[start]]
-        per_call = max(1, budget // max(1, n_keys * width))
-        index = torch.tensor(order[start:start + per_call], device=q.device)
-        start += per_call
-        global_lens = inputs.seq_lens[index].long()[:, None]
-        last = global_lens - qlen + tokens if inputs.causal else (global_lens - 1).expand(
-            -1, qlen)
-        key_pos = shard.rank + world * torch.arange(n_keys, device=q.device)
+        requests = order[start:start + max(1, budget // max(1, local_lens[order[start]] * width))]
+        start += len(requests)
+        index = torch.tensor(requests, device=q.device)
+        n_keys = local_lens[requests[0]]
+        lengths = torch.tensor([[global_lens[b], local_lens[b]] for b in requests],
+                               device=q.device)
+        last = (lengths[:, :1] - qlen + tokens if inputs.causal
+                else (lengths[:, :1] - 1).expand(-1, qlen))
+        j = torch.arange(n_keys, device=q.device)
+        key_pos = (shard.rank + world * j).masked_fill(j >= lengths[:, 1:], _PAST_EVERY_WINDOW)
         pages = _gather_pages(shard.kv_cache, shard.block_table[index], n_keys)
         kv = dequantize(pages, inputs.kv_scale, dtype)[..., None, :]  # (R, N, 1, D)
         out[index], lse[index] = attend(q[index], kv, kv[..., : inputs.d_v], key_pos,

@@ -33,22 +33,23 @@ def test_graph_timing_of_a_matmul(cuda):
     assert tflops > 50  # far below any GPU's rate: a timing bug, not a slow GPU
 
 
-@pytest.mark.parametrize(("graph_safe", "warmup", "calls"), [
-    (True, 1, 2), (True, 4, 2), (False, 2, 2 + 10)])
-def test_untimed_runs(cuda, graph_safe, warmup, calls):
-    """Capturing runs the callable twice (side-stream warm-up, capture), which covers
-    the warm-up; eager timing calls it once per warm-up and per repetition."""
-    a = torch.randn(1024, 1024, device=cuda)
-    count = []
+@pytest.mark.parametrize(("graph_safe", "warmup", "calls", "runs"), [
+    (True, 1, 2, 2 + 10), (True, 4, 2, 4 + 10), (False, 2, 2 + 10, 2 + 10)])
+def test_untimed_runs(cuda, graph_safe, warmup, calls, runs):
+    """A capture calls the route twice (a side-stream run, the capture itself) and
+    runs it twice (that run, a first replay), which covers two warm-ups; eager
+    timing calls and runs it once per warm-up and per repetition."""
+    counter = torch.zeros((), device=cuda)
+    calls_seen = []
 
     def run():
-        count.append(1)
-        a.mul_(1.0)
+        calls_seen.append(1)
+        counter.add_(1)
 
     budget = bench.Budget(warmup=warmup, min_reps=10, max_reps=10, settle=0)
     t = bench.measure(run, cuda, budget, graph_safe=graph_safe)
-    assert t.reps == 10 and len(count) == calls
-    assert t.timer == ("cuda_graph" if graph_safe else "cuda_event")
+    assert t.reps == 10 and t.timer == ("cuda_graph" if graph_safe else "cuda_event")
+    assert len(calls_seen) == calls and counter.item() == runs
 
 
 @pytest.mark.parametrize("problem", [

@@ -207,3 +207,19 @@ def test_requests_attended_together_or_in_small_calls_agree(monkeypatch, ragged,
     one_by_one = reference.decode(inputs, F64)
     close(together[0], one_by_one[0])
     close(together[1], one_by_one[1])
+
+
+def test_padding_keys_are_masked_by_length_not_only_by_position(monkeypatch):
+    """A shard whose lengths stop short of its requests' windows (as a truncated
+    verify block's does) attends only its own keys when padded to a longer request."""
+    p = MLAProblem(num_heads=2, qlen=1, batch=4, kv_len=32, page_size=4, causal=False)
+    inputs = make_decode_inputs(p, seed=5, ragged=False)
+    shard = inputs.shards[0]
+    short = torch.tensor([32, 9, 20, 3], dtype=torch.int32)
+    cut = DecodeInputs(p, inputs.q, None, None, inputs.seq_lens,
+                       (KVShard(0, shard.kv_cache, shard.block_table, short),))
+    together = reference.decode(cut, F64)
+    monkeypatch.setattr(reference, "_ELEMENTS_PER_CALL", 1)  # one request per call, unpadded
+    alone = reference.decode(cut, F64)
+    close(together[0], alone[0])
+    close(together[1], alone[1])
