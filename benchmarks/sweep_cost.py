@@ -5,7 +5,10 @@
 Sums, per value of a problem field (or per route), the seconds each candidate's
 worker spent on setup (inputs and references), the first check (with kernel
 compiles), the second check, timing, and the rest of its elapsed time; and the
-kernel time inside timing (median x repetitions). Journals written before these
+kernel time inside timing (median x repetitions); then, per device, how busy
+its worker was: the candidates' elapsed time over the time the device was in use
+(from its first candidate's start to its last one's end, less pauses over a
+minute, such as those between resumed calls). Journals written before these
 fields existed have only the kernel time.
 """
 
@@ -28,6 +31,27 @@ def _add(row: dict[str, float], r: dict) -> None:
     row["other_s"] += max(0.0, r.get("elapsed_s", 0.0) - sum(r.get(p, 0.0) for p in PARTS))
     if r["status"] == "ok":
         row["kernel_s"] += r["time_us"] * 1e-6 * r["reps"]
+
+
+_PAUSE_S = 60.0  # a gap this long between a device's candidates is a pause
+
+
+def busy(records: list[dict]) -> dict[str, tuple[int, float, float]]:
+    """Per device: (candidates, seconds they took, seconds the device was in use)."""
+    spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for r in records:
+        if "finished_at" in r:
+            spans[r["device"]].append((r["finished_at"] - r["elapsed_s"], r["finished_at"]))
+    out = {}
+    for device, runs in spans.items():
+        runs.sort()
+        in_use, (start, end) = 0.0, runs[0]
+        for s, e in runs[1:]:
+            if s > end + _PAUSE_S:  # between resumed calls, say: not counted
+                in_use, start = in_use + end - start, s
+            end = max(end, e)
+        out[device] = (len(runs), sum(e - s for s, e in runs), in_use + end - start)
+    return out
 
 
 def main() -> None:
@@ -55,6 +79,9 @@ def main() -> None:
         for c in columns:
             total[c] += rows[group][c]
     print(f"{'total':>{width}} " + " ".join(f"{total[c]:13.1f}" for c in columns))
+    for device, (n, worked, in_use) in sorted(busy(records).items()):
+        print(f"{device}: {n} candidates, {worked:.1f} s of work in {in_use:.1f} s in use "
+              f"({worked / in_use:.0%} busy)" if in_use > 0 else f"{device}: {n} candidates")
 
 
 if __name__ == "__main__":

@@ -273,6 +273,8 @@ class _Executor:
         def finish(w: _Worker, result: dict[str, Any]) -> None:
             result.pop("restart", None)
             result["elapsed_s"] = time.monotonic() - w.sent_at
+            # Where and when it ran: how busy each GPU was (benchmarks/sweep_cost.py).
+            result["device"], result["finished_at"] = w.device, round(time.time(), 3)
             parts = [result.get(p, 0.0) for p in COST_PARTS]
             for part, spent in zip(COST_PARTS, parts, strict=True):
                 self.seconds[part] += spent
