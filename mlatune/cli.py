@@ -599,12 +599,15 @@ def report(
     heldout: Annotated[Path | None, typer.Option(
         "--heldout", help="A table of other problems on the same arch, to judge `nearest`.")]
         = None,
+    heldout_journal: Annotated[Path | None, typer.Option(
+        "--heldout-journal", help="The held-out sweep's journal (.jsonl or .jsonl.gz): "
+        "judges the parameters `nearest` passes too.")] = None,
 ) -> None:
     """Plots and one self-contained HTML page: winners, speedups, roofline, nearest regret."""
     from mlatune import report as reports
 
     with _one_line_errors(str(table_path)):  # table errors name their own file
-        made = reports.build_report(table_path, out, heldout)
+        made = reports.build_report(table_path, out, heldout, heldout_journal)
     summary = made.summary
     headline = Table(show_header=False, title=f"report on {table_path}")
     headline.add_column("", no_wrap=True)

@@ -9,7 +9,9 @@ answers in three ways, in order:
   ``supports()`` accepts it (normally the winner, the runner-up if the winner's
   route now refuses or is not installed here);
 - ``nearest``: same bucket (every key field but batch and kv_len), nearest
-  measured (log2 batch, log2 kv_len) point whose winner supports the problem;
+  measured (log2 batch, log2 kv_len) point whose winner supports the problem,
+  with the parameters a route derives from sizes (KV splits) redone for the
+  problem (``routes.params_at``);
 - ``rule``: the first route of the arch's rule order that supports the
   problem; ``reference/torch`` is last and supports everything.
 
@@ -50,7 +52,7 @@ from mlatune import winners as winners_map
 from mlatune.arch import CPU_ARCH, DeviceInfo, current_device
 from mlatune.errors import TableError
 from mlatune.problem import BUCKET_FIELDS, MLAProblem
-from mlatune.routes import Route, all_routes
+from mlatune.routes import Route, all_routes, params_at
 from mlatune.routes.torch_ref import REFERENCE_ID as REFERENCE_ROUTE
 
 __all__ = ["Choice", "Dispatcher", "TableError", "device_for_arch", "find_table"]
@@ -250,8 +252,18 @@ class Dispatcher:
             if self._supports(choice.route_id, problem, None):
                 yield choice
 
-    def _as_nearest(self, winner: Choice) -> Choice:
-        """A measured winner answering for an unmeasured neighbour: one object per point."""
+    def _as_nearest(self, winner: Choice, problem: MLAProblem) -> Choice:
+        """A measured winner answering for an unmeasured neighbour, its size-derived
+        parameters (KV splits) redone for ``problem`` (routes.params_at); one object per
+        point where nothing changes."""
+        try:
+            params = params_at(self.routes[winner.route_id], dict(winner.params),
+                               winners_map.problem_of(winner.key), problem, self.device)
+        except Exception:  # a broken param_space: the neighbour's own parameters
+            params = dict(winner.params)
+        if params != dict(winner.params):
+            return Choice(winner.route_id, MappingProxyType(params), "nearest", winner.key,
+                          winner.time_us)
         choice = self._nearest.get(winner.key)
         if choice is None:
             choice = self._nearest.setdefault(
@@ -309,7 +321,7 @@ class Dispatcher:
             if notes is None and closest.key != problem.key \
                     and closest.route_id not in failed \
                     and self._supports(closest.route_id, problem, None):
-                return self._as_nearest(closest)
+                return self._as_nearest(closest, problem)
             for winner in bucket.by_distance(x, y):
                 if winner.key != problem.key and winner.route_id not in failed \
                         and self._supports(winner.route_id, problem, notes):
@@ -318,7 +330,7 @@ class Dispatcher:
                         notes.append(f"nearest measured point: batch={near.batch} "
                                      f"kv_len={near.kv_len}, won by {winner.route_id} "
                                      f"({winner.time_us:.4g} us there)")
-                    return self._as_nearest(winner)
+                    return self._as_nearest(winner, problem)
             if notes is not None:
                 notes.append("no measured point in this bucket has a winner that supports "
                              "this problem" + (" and did not fail here" if failed else ""))

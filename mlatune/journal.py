@@ -9,6 +9,7 @@ journal written for another spec or device.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import time
@@ -85,10 +86,13 @@ def _drop_torn_tail(path: Path) -> None:
 
 
 def read(path: Path) -> tuple[dict, list[dict]]:
-    """(header, result records); a torn final line is dropped."""
+    """(header, result records); a torn final line is dropped. Reads gzipped
+    journals (``.gz``, as results are committed) too."""
     header: dict = {}
     records: list[dict] = []
-    with Path(path).open(encoding="utf-8") as f:
+    path = Path(path)
+    with (gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz"
+          else path.open(encoding="utf-8")) as f:
         lines = f.read().split("\n")
     for i, line in enumerate(lines):
         if not line.strip():

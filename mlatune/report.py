@@ -73,6 +73,11 @@ the route, not the parameters the neighbour used):
 - misses: problems where the chosen route has no ok row in the held-out
   table. Their regret is unknown: they are left out of the regret statistics
   and counted as not picking the winner.
+With the held-out sweep's journal (``--heldout-journal``, every parameter set
+it timed), regret is also judged with the parameters the dispatcher passes:
+t_h(chosen route, chosen parameters) / t_h(best) - 1, over the problems where
+the sweep timed exactly those parameters (counted; geomean, median and max as
+above).
 
 Winner map: decode problems, one panel per (kv dtype, batch band; bands in
 BATCH_BANDS), cells heads x qlen. A cell holds every problem of that panel,
@@ -88,6 +93,7 @@ from __future__ import annotations
 
 import base64
 import html
+import json
 import math
 import os
 from collections.abc import Sequence
@@ -98,7 +104,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mlatune import table
+from mlatune import journal, table
 from mlatune.dispatch import Dispatcher, device_for_arch
 from mlatune.problem import FP8_DTYPES, MLAProblem
 from mlatune.schema import DEVICE_COLUMNS, KEY_COLUMNS
@@ -158,6 +164,12 @@ class RegretStats:
     median: float
     max: float
     sources: dict[str, int]  # select()'s source -> problems
+    # With the chosen parameters too (a held-out journal): problems whose chosen
+    # parameters were timed there (0 without a journal), and their regret.
+    params_timed: int = 0
+    params_geomean: float = math.nan
+    params_median: float = math.nan
+    params_max: float = math.nan
 
 
 @dataclass
@@ -287,10 +299,35 @@ def roofline(problems: pd.DataFrame, ceilings: Ceilings) -> pd.DataFrame:
     return out.reset_index(drop=True)
 
 
-def nearest_regret(table_path: str | os.PathLike, heldout: pd.DataFrame, device
+Timed = dict[tuple[str, str], list[tuple[dict[str, Any], float]]]
+
+
+def candidate_times(journal_path: str | os.PathLike) -> Timed:
+    """(problem key, route) -> [(parameters as run, time_us)] of every ok candidate of
+    a sweep journal (plain or gzipped)."""
+    timed: Timed = {}
+    for r in journal.read(Path(journal_path))[1]:
+        if r.get("status") == "ok":
+            key = (MLAProblem.from_key_dict(r["key"]).key, r["route"])
+            timed.setdefault(key, []).append((json.loads(r["route_params"]), r["time_us"]))
+    return timed
+
+
+def time_with(timed: Timed, key: str, route: str, params: Any) -> float:
+    """The time of ``route`` run with ``params`` at ``key``: the candidate whose
+    parameters as run hold ``params`` (routes fill in defaults), fewest others
+    first; NaN if none was timed."""
+    fits = [(len(ran), t) for ran, t in timed.get((key, route), ())
+            if all(ran.get(k) == v for k, v in params.items())]
+    return float(min(fits)[1]) if fits else math.nan
+
+
+def nearest_regret(table_path: str | os.PathLike, heldout: pd.DataFrame, device,
+                   timed: Timed | None = None
                    ) -> tuple[RegretStats, pd.DataFrame, dict[str, int]]:
     """Judge the main table's Dispatcher on the held-out problems (see the module doc);
-    also the rows it skipped per route not registered here."""
+    also the rows it skipped per route not registered here. ``timed``: the held-out
+    sweep's candidate_times, to judge the chosen parameters too."""
     dispatcher = Dispatcher.load(table_path, device=device, allow_arch=device.arch)
     problems = measured_problems(heldout)
     times = ok_times(heldout)
@@ -306,6 +343,12 @@ def nearest_regret(table_path: str | os.PathLike, heldout: pd.DataFrame, device
         "regret": (chosen_times(times, chosen) / problems.set_index("key")["winner_us"]
                    - 1.0).to_numpy(),
     })
+    timed = timed or {}
+    per_problem["params_regret"] = [
+        time_with(timed, key, c.route_id, c.params) / best_us - 1.0
+        for key, c, best_us in zip(per_problem["key"], choices, problems["winner_us"],
+                                   strict=True)]
+    with_params = per_problem["params_regret"].dropna()
     judged = per_problem["regret"].dropna()
     no_ok = int(heldout.drop_duplicates(list(KEY_COLUMNS)).shape[0] - len(problems))
     stats = RegretStats(
@@ -314,7 +357,11 @@ def nearest_regret(table_path: str | os.PathLike, heldout: pd.DataFrame, device
         geomean=geomean(1.0 + judged) - 1.0 if len(judged) else math.nan,
         median=float(judged.median()) if len(judged) else math.nan,
         max=float(judged.max()) if len(judged) else math.nan,
-        sources=per_problem["source"].value_counts().sort_index().astype(int).to_dict())
+        sources=per_problem["source"].value_counts().sort_index().astype(int).to_dict(),
+        params_timed=len(with_params),
+        params_geomean=geomean(1.0 + with_params) - 1.0 if len(with_params) else math.nan,
+        params_median=float(with_params.median()) if len(with_params) else math.nan,
+        params_max=float(with_params.max()) if len(with_params) else math.nan)
     return stats, per_problem, dict(dispatcher.skipped_routes)
 
 
@@ -330,7 +377,9 @@ def timing_spread(frame: pd.DataFrame) -> tuple[float, float]:
 
 def summarize(table_path: str | os.PathLike, frame: pd.DataFrame,
               heldout_path: str | os.PathLike | None = None,
-              heldout: pd.DataFrame | None = None) -> tuple[Summary, dict[str, Any]]:
+              heldout: pd.DataFrame | None = None,
+              heldout_timed: Timed | None = None
+              ) -> tuple[Summary, dict[str, Any]]:
     """Every number of the report, and the per-problem frames the plots draw."""
     arch, name, cus = one_device(frame, table_path)
     device = device_for_arch(arch, name, cus)
@@ -366,7 +415,7 @@ def summarize(table_path: str | os.PathLike, frame: pd.DataFrame,
                               f"table for {arch}")
         summary.heldout_path = str(heldout_path)
         summary.regret, plot_data["regret"], skipped = nearest_regret(table_path, heldout,
-                                                                      device)
+                                                                      device, heldout_timed)
         if skipped:
             notes.append("nearest: the dispatcher skipped rows of routes not registered here: "
                          + ", ".join(f"{r} ({n})" for r, n in sorted(skipped.items())))
@@ -423,6 +472,12 @@ def headline_rows(summary: Summary) -> list[tuple[str, str]]:
             ("nearest regret", f"geomean {percent_text(regret.geomean)}, "
                                f"median {percent_text(regret.median)}, "
                                f"max {percent_text(regret.max)}"),
+            *([("nearest regret, its parameters",
+                f"geomean {percent_text(regret.params_geomean)}, "
+                f"median {percent_text(regret.params_median)}, "
+                f"max {percent_text(regret.params_max)} (over the {regret.params_timed} "
+                f"problems whose chosen parameters the held-out sweep timed)")]
+              if regret.params_timed else []),
             ("nearest picked the winner", f"{regret.picked_winner} of {regret.judged} "
                                           f"({_share(regret.picked_winner, regret.judged)}); "
                                           f"misses {regret.misses}"),
@@ -735,12 +790,16 @@ class Report:
 
 
 def build_report(table_path: str | os.PathLike, out_dir: str | os.PathLike,
-                 heldout_path: str | os.PathLike | None = None) -> Report:
+                 heldout_path: str | os.PathLike | None = None,
+                 heldout_journal: str | os.PathLike | None = None) -> Report:
     """Read the table(s), compute the numbers, write the PNGs and report.html to out_dir."""
     _matplotlib()  # a missing matplotlib is said before any work
+    if heldout_journal is not None and heldout_path is None:
+        raise ReportError("a held-out journal needs its held-out table (--heldout)")
     frame = table.read(table_path)
     heldout = table.read(heldout_path) if heldout_path is not None else None
-    summary, data = summarize(table_path, frame, heldout_path, heldout)
+    timed = candidate_times(heldout_journal) if heldout_journal is not None else None
+    summary, data = summarize(table_path, frame, heldout_path, heldout, timed)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     routes = set(data["times"].columns)

@@ -494,3 +494,20 @@ def test_explain_says_why(table_path, fakes):
     assert notes[-1].startswith("nearest measured point: batch=64 kv_len=8192")
     choice, notes = dispatcher.explain(MLAProblem(num_heads=3))
     assert choice.source == "rule" and notes[-1].startswith("rule:")
+
+
+def test_nearest_redoes_the_neighbours_kv_splits_for_the_asked_problem(tmp_path):
+    """A split-KV winner's recipe (tile, warps, variant) is kept from the neighbour, its
+    device-filling split count is the asked problem's own."""
+    padded = routes.get("padded/triton")
+    there = MLAProblem(num_heads=16, batch=1, kv_len=65536)
+    here = there.with_(batch=256, kv_len=32768)
+    space_there, space_here = padded.param_space(there, H200), padded.param_space(here, H200)
+    assert space_there[0]["num_splits"] != space_here[0]["num_splits"]  # else no test
+    for won in (space_there[0], space_there[1]):
+        frame = make_table([result_row(there, "padded/triton", 10.0, params=won)])
+        dispatcher = Dispatcher.load(table.write(frame, tmp_path / "t.parquet"), device=H200)
+        choice = dispatcher.select(here)
+        assert choice.source == "nearest" and choice.route_id == "padded/triton"
+        assert dict(choice.params) == space_here[space_there.index(won)]
+        assert dispatcher.select(there).params == won  # measured: as measured

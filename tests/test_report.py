@@ -5,6 +5,8 @@ Synthetic tables use fake routes with ids that sort first, so the rule order (th
 registered routes by id, reference/torch last) starts with them by construction.
 """
 
+import gzip
+import json
 import math
 import re
 import subprocess
@@ -186,6 +188,33 @@ def test_nearest_regret_matches_the_hand_computed_one(fakes, nearest_tables):
     assert any("misses" in n for n in summary.notes)
 
 
+def test_regret_with_the_chosen_parameters_reads_the_heldout_journal(fakes, nearest_tables,
+                                                                     tmp_path):
+    """Each choice is timed with the parameters the dispatcher passes, from every candidate
+    of the held-out sweep's journal (gzipped here); a choice never timed is left out."""
+    main, heldout = nearest_tables
+
+    def result(key, route, params, time_us):
+        return {"kind": "result", "key": HELDOUT[key][0].key_dict(), "route": route,
+                "route_params": json.dumps(params), "status": "ok", "time_us": time_us}
+
+    records = [{"kind": "header"},
+               result("H1", A, {}, 11.0),  # A chosen: +10% against the table's 10.0
+               result("H2", B, {"extra": 1}, 99.0),  # ran with more: not what B passes
+               result("H2", B, {}, 20.0),  # B chosen: +100% (the table's best B was 15)
+               result("H4", B, {}, 10.0)]  # not chosen (A is): H4 not timed, left out
+    path = tmp_path / "heldout.journal.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.write("\n".join(json.dumps(r) for r in records) + "\n")
+    made = report.build_report(main, tmp_path / "out", heldout, path)
+    regret = made.summary.regret
+    assert regret.params_timed == 2
+    assert regret.params_geomean == pytest.approx((1.1 * 2.0) ** 0.5 - 1)
+    assert regret.params_max == pytest.approx(1.0)
+    assert regret.geomean < regret.params_geomean  # the route-level number is unchanged
+    assert "its parameters" in (tmp_path / "out" / "report.html").read_text()
+
+
 def test_report_files_are_written_and_the_page_stands_alone(fakes, nearest_tables, tmp_path):
     main, heldout = nearest_tables
     out = tmp_path / "out"
@@ -254,6 +283,11 @@ def test_missing_inputs_and_bad_tables_are_one_red_line(fakes, main_table, tmp_p
     other_arch = table.write(make_table(main_rows(MI355)), tmp_path / "gfx950.parquet")
     assert_one_line_error(wide.invoke(app, ["report", str(main_table), "--heldout",
                                             str(other_arch), "--out", out]), "gfx950", "sm_90")
+    assert_one_line_error(wide.invoke(app, ["report", str(main_table), "--heldout-journal",
+                                            str(damaged), "--out", out]), "--heldout")
+    assert_one_line_error(wide.invoke(app, ["report", str(main_table), "--heldout",
+                                            str(main_table), "--heldout-journal", absent,
+                                            "--out", out]), absent)
     both = table.write(make_table(main_rows() + main_rows(MI355)), tmp_path / "both.parquet")
     assert_one_line_error(wide.invoke(app, ["report", str(both), "--out", out]),
                           "one device", "holds 2")

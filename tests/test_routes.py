@@ -78,3 +78,37 @@ def test_reference_route_through_registry(problem):
     out, lse = reference.merge_partials(outs, lses) if len(outs) > 1 else (outs[0], lses[0])
     acc = check(problem, out, want[0], lse, want[1])
     assert acc.ok, acc.reason
+
+
+def test_params_at_keeps_the_recipe_and_redoes_sized_params():
+    from mlatune.routes import params_at
+    from tests.table_helpers import H200
+
+    there = MLAProblem(num_heads=16, qlen=2, batch=1, kv_len=4096, dcp_size=2)
+    here = there.with_(batch=64, kv_len=65536)
+    for route_id in ("padded/triton", "cprr/triton", "segmented/triton"):
+        route = routes.get(route_id)
+        space_there, space_here = route.param_space(there, H200), route.param_space(here, H200)
+        sized = route.sized_params
+        for won in space_there:
+            got = params_at(route, won, there, here, H200)
+            assert got in space_here
+            assert {k: v for k, v in got.items() if k not in sized} == \
+                {k: v for k, v in won.items() if k not in sized}
+        # The device-filling split (each recipe's first set) maps to the one here.
+        assert params_at(route, space_there[0], there, here, H200) == space_here[0]
+        assert space_there[0] != space_here[0]  # sizes differ enough to change it
+        # Parameters not in the neighbour's list, and routes without sized
+        # parameters, keep what was measured.
+        odd = {**space_there[0], sized[0]: 3}
+        assert params_at(route, odd, there, here, H200) == odd
+    # As the route ran it (recorded in tables): a persistent set with the first set's
+    # split filled in, which it does not use.
+    padded = routes.get("padded/triton")
+    space_there, space_here = padded.param_space(there, H200), padded.param_space(here, H200)
+    persistent = next(p for p in space_there if p.get("persistent"))
+    ran = {**space_there[0], **persistent}
+    assert params_at(padded, ran, there, here, H200) == next(
+        p for p in space_here if p.get("persistent"))
+    sdpa = routes.get("sdpa/torch")
+    assert params_at(sdpa, {"x": 1}, there, here, H200) == {"x": 1}

@@ -4,7 +4,7 @@ import importlib
 import os
 
 from mlatune.routes.aiter import AITER_ROUTES
-from mlatune.routes.base import YES, Params, Prepared, Route, Verdict, no
+from mlatune.routes.base import YES, Params, Prepared, Route, Verdict, no, params_at
 from mlatune.routes.prefill_triton import BF16PersistentPrefillRoute, FP8PersistentPrefillRoute
 from mlatune.routes.registry import (
     all_routes,
@@ -52,6 +52,7 @@ __all__ = [
     "backend_status",
     "get",
     "no",
+    "params_at",
     "register",
     "unregister",
     "verdicts",

@@ -85,3 +85,33 @@ class Route(Protocol):
     ) -> Prepared:
         """Plan and allocate for ``inputs`` (decode: DCP rank ``rank``'s shard)."""
         ...
+
+
+def params_at(route: Route, params: Params, measured_at: MLAProblem, problem: MLAProblem,
+              device: DeviceInfo) -> Params:
+    """How to call ``route`` on ``problem`` when ``params`` won at ``measured_at``, a
+    neighbour that differs in batch and KV length only.
+
+    A route may name ``sized_params``: parameters it derives from the problem's sizes
+    (KV splits that fill the device). The rest is the recipe (tiles, warps, variants).
+    ``params`` is a set of the neighbour's list as the route ran it (defaults filled
+    in); the answer is the set in the same place among the recipe's sets of
+    ``problem`` (the device-filling split there when ``params`` had it at the
+    neighbour), for the route to fill in again. ``params`` unchanged when the route
+    names none, or the recipe or its place is not found.
+    """
+    sized = getattr(route, "sized_params", ())
+    if not sized or measured_at == problem:
+        return params
+
+    def recipe(p: Params) -> Params:
+        return {k: v for k, v in p.items() if k not in sized}
+
+    want = recipe(params)
+    there = [p for p in route.param_space(measured_at, device) if recipe(p) == want]
+    here = [p for p in route.param_space(problem, device) if recipe(p) == want]
+    place = next((i for i, p in enumerate(there)
+                  if all(params.get(k) == p[k] for k in sized if k in p)), None)
+    if place is None or place >= len(here):
+        return params
+    return here[place]

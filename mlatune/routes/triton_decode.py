@@ -80,6 +80,7 @@ class _TritonDecodeRoute:
     """The shared shape of the split-KV families; subclasses say which heads and problems."""
 
     id = ""
+    sized_params = ("num_splits",)  # derived from batch and KV length (base.params_at)
 
     # -- family rules ---------------------------------------------------------------
     def _family_verdict(self, problem: MLAProblem) -> Verdict:
@@ -303,6 +304,7 @@ class SegmentedTritonRoute(_TritonDecodeRoute):
     """DCP causal verify: one single-query row group per token, segment partials merged."""
 
     id = "segmented/triton"
+    sized_params = ("num_segments",)
 
     def _padded_heads(self, problem: MLAProblem) -> int:
         return problem.kernel_heads
