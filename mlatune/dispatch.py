@@ -24,7 +24,9 @@ Each problem key is resolved once and remembered, so a repeated ``select`` is
 one dict probe on the problem's cached key: no I/O, no GPU work, no
 allocation. The first ``select`` of a key pays for the ``supports()`` checks
 (a few microseconds; measured keys have their memo slot from load, unmeasured
-ones are remembered up to MEMO_LIMIT and resolved afresh beyond it).
+ones are remembered up to MEMO_LIMIT and resolved afresh beyond it) and, for a
+nearest answer, for redoing its route's size-derived parameters (about 60 us
+with the Triton routes on the 2-core CI machine, 2026-11-30).
 
 Routes the table names but this process has not registered (a backend that
 does not import here, a route from a newer mlatune) are skipped, never
@@ -256,11 +258,13 @@ class Dispatcher:
         """A measured winner answering for an unmeasured neighbour, its size-derived
         parameters (KV splits) redone for ``problem`` (routes.params_at); one object per
         point where nothing changes."""
-        try:
-            params = params_at(self.routes[winner.route_id], dict(winner.params),
-                               winners_map.problem_of(winner.key), problem, self.device)
-        except Exception:  # a broken param_space: the neighbour's own parameters
-            params = dict(winner.params)
+        route, params = self.routes[winner.route_id], dict(winner.params)
+        if getattr(route, "sized_params", ()):  # else nothing to redo: skip the key parse
+            try:
+                params = params_at(route, params, winners_map.problem_of(winner.key), problem,
+                                   self.device)
+            except Exception:  # a broken param_space: the neighbour's own parameters
+                params = dict(winner.params)
         if params != dict(winner.params):
             return Choice(winner.route_id, MappingProxyType(params), "nearest", winner.key,
                           winner.time_us)
