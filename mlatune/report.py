@@ -92,6 +92,7 @@ when the colour's route wins only k of the cell's n problems.
 from __future__ import annotations
 
 import base64
+import contextlib
 import html
 import json
 import math
@@ -104,7 +105,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mlatune import journal, table
+from mlatune import journal, routes, table
 from mlatune.dispatch import Dispatcher, device_for_arch
 from mlatune.problem import FP8_DTYPES, MLAProblem
 from mlatune.schema import DEVICE_COLUMNS, KEY_COLUMNS
@@ -313,13 +314,15 @@ def candidate_times(journal_path: str | os.PathLike) -> Timed:
     return timed
 
 
-def time_with(timed: Timed, key: str, route: str, params: Any) -> float:
-    """The time of ``route`` run with ``params`` at ``key``: the candidate whose
-    parameters as run hold ``params`` (routes fill in defaults), fewest others
-    first; NaN if none was timed."""
-    fits = [(len(ran), t) for ran, t in timed.get((key, route), ())
-            if all(ran.get(k) == v for k, v in params.items())]
-    return float(min(fits)[1]) if fits else math.nan
+def time_with(timed: Timed, problem: MLAProblem, route_id: str, params: Any, device) -> float:
+    """The time of ``route_id`` called with ``params`` on ``problem``: the candidate
+    that ran with exactly those, defaults filled in from the route's first set as the
+    routes do; NaN if none was timed."""
+    want = dict(params)
+    with contextlib.suppress(Exception):  # a route not registered here: as given
+        want = {**routes.get(route_id).param_space(problem, device)[0], **want}
+    return next((float(t) for ran, t in timed.get((problem.key, route_id), ()) if ran == want),
+                math.nan)
 
 
 def nearest_regret(table_path: str | os.PathLike, heldout: pd.DataFrame, device,
@@ -345,9 +348,9 @@ def nearest_regret(table_path: str | os.PathLike, heldout: pd.DataFrame, device,
     })
     timed = timed or {}
     per_problem["params_regret"] = [
-        time_with(timed, key, c.route_id, c.params) / best_us - 1.0
-        for key, c, best_us in zip(per_problem["key"], choices, problems["winner_us"],
-                                   strict=True)]
+        time_with(timed, MLAProblem.from_key_dict(row), c.route_id, c.params, device)
+        / row["winner_us"] - 1.0
+        for row, c in zip(problems.to_dict("records"), choices, strict=True)]
     with_params = per_problem["params_regret"].dropna()
     judged = per_problem["regret"].dropna()
     no_ok = int(heldout.drop_duplicates(list(KEY_COLUMNS)).shape[0] - len(problems))

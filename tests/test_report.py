@@ -200,7 +200,7 @@ def test_regret_with_the_chosen_parameters_reads_the_heldout_journal(fakes, near
 
     records = [{"kind": "header"},
                result("H1", A, {}, 11.0),  # A chosen: +10% against the table's 10.0
-               result("H2", B, {"extra": 1}, 99.0),  # ran with more: not what B passes
+               result("H2", B, {"extra": 1}, 99.0),  # other parameters: not the choice
                result("H2", B, {}, 20.0),  # B chosen: +100% (the table's best B was 15)
                result("H4", B, {}, 10.0)]  # not chosen (A is): H4 not timed, left out
     path = tmp_path / "heldout.journal.jsonl.gz"

@@ -109,6 +109,19 @@ def test_params_at_keeps_the_recipe_and_redoes_sized_params():
     persistent = next(p for p in space_there if p.get("persistent"))
     ran = {**space_there[0], **persistent}
     assert params_at(padded, ran, there, here, H200) == next(
-        p for p in space_here if p.get("persistent"))
+        p for p in space_here if p.get("persistent"))  # the route fills in its own split
+
+    # A split above the rule's at the neighbour stays above it here, though the lists
+    # differ in length and order (the rule's split is first, the others around it).
+    big, small = MLAProblem(num_heads=16, batch=256, kv_len=8192), MLAProblem(
+        num_heads=16, batch=128, kv_len=8192)
+    tile = padded.param_space(big, H200)[0]
+    splits = {p["num_splits"]: p for p in padded.param_space(big, H200)
+              if {**p, "num_splits": 0} == {**tile, "num_splits": 0}}
+    here_splits = [p["num_splits"] for p in padded.param_space(small, H200)
+                   if {**p, "num_splits": 0} == {**tile, "num_splits": 0}]
+    assert sorted(splits) == [1, 2] and here_splits == [2, 1, 4]  # else no test
+    assert params_at(padded, splits[1], big, small, H200)["num_splits"] == 2
+    assert params_at(padded, splits[2], big, small, H200)["num_splits"] == 4
     sdpa = routes.get("sdpa/torch")
     assert params_at(sdpa, {"x": 1}, there, here, H200) == {"x": 1}

@@ -10,6 +10,7 @@ timed. Stored ids never change meaning; a new variant gets a new id.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -92,13 +93,15 @@ def params_at(route: Route, params: Params, measured_at: MLAProblem, problem: ML
     """How to call ``route`` on ``problem`` when ``params`` won at ``measured_at``, a
     neighbour that differs in batch and KV length only.
 
-    A route may name ``sized_params``: parameters it derives from the problem's sizes
-    (KV splits that fill the device). The rest is the recipe (tiles, warps, variants).
-    ``params`` is a set of the neighbour's list as the route ran it (defaults filled
-    in); the answer is the set in the same place among the recipe's sets of
-    ``problem`` (the device-filling split there when ``params`` had it at the
-    neighbour), for the route to fill in again. ``params`` unchanged when the route
-    names none, or the recipe or its place is not found.
+    A route may name ``sized_params``: numbers it derives from the problem's sizes
+    (KV splits), its first set of each recipe (the rest: tiles, warps, variant) being
+    the one its rule picks (the split that fills the device). ``params`` is a set of the
+    neighbour's list as the route ran it (defaults filled in). The answer is the
+    recipe's set of ``problem`` whose sized values stand to the rule's there as
+    ``params``' stand to the rule's at the neighbour (nearest in log scale), as the
+    list has it: the route fills in its defaults for ``problem`` (a persistent set
+    does not keep the neighbour's unused split). ``params`` itself when the route
+    names no sized parameters or the recipe is not in the neighbour's list.
     """
     sized = getattr(route, "sized_params", ())
     if not sized or measured_at == problem:
@@ -110,8 +113,10 @@ def params_at(route: Route, params: Params, measured_at: MLAProblem, problem: ML
     want = recipe(params)
     there = [p for p in route.param_space(measured_at, device) if recipe(p) == want]
     here = [p for p in route.param_space(problem, device) if recipe(p) == want]
-    place = next((i for i, p in enumerate(there)
-                  if all(params.get(k) == p[k] for k in sized if k in p)), None)
-    if place is None or place >= len(here):
+    asked = next((p for p in there if all(params.get(k) == p[k] for k in sized if k in p)),
+                 None)
+    if asked is None or not here:
         return params
-    return here[place]
+    target = {k: asked[k] * here[0][k] / there[0][k] for k in sized if k in asked}
+    best = min(here, key=lambda p: sum(abs(math.log(p[k] / v)) for k, v in target.items()))
+    return best
