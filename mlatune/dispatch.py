@@ -329,12 +329,17 @@ class Dispatcher:
             for winner in bucket.by_distance(x, y):
                 if winner.key != problem.key and winner.route_id not in failed \
                         and self._supports(winner.route_id, problem, notes):
+                    choice = self._as_nearest(winner, problem)
                     if notes is not None:
                         near = winners_map.problem_of(winner.key)
                         notes.append(f"nearest measured point: batch={near.batch} "
                                      f"kv_len={near.kv_len}, won by {winner.route_id} "
                                      f"({winner.time_us:.4g} us there)")
-                    return self._as_nearest(winner, problem)
+                        if choice.params != winner.params:
+                            notes.append(f"its parameters redone for these sizes: "
+                                         f"{json.dumps(dict(winner.params), sort_keys=True)}"
+                                         f" there")
+                    return choice
             if notes is not None:
                 notes.append("no measured point in this bucket has a winner that supports "
                              "this problem" + (" and did not fail here" if failed else ""))

@@ -511,3 +511,6 @@ def test_nearest_redoes_the_neighbours_kv_splits_for_the_asked_problem(tmp_path)
         assert choice.source == "nearest" and choice.route_id == "padded/triton"
         assert dict(choice.params) == space_here[space_there.index(won)]
         assert dispatcher.select(there).params == won  # measured: as measured
+        explained, notes = dispatcher.explain(here)
+        assert explained == choice
+        assert any("redone" in n for n in notes) == (dict(choice.params) != won)
