@@ -43,7 +43,7 @@ import torch
 
 from mlatune.dispatch import Choice, Dispatcher
 from mlatune.inputs import DecodeInputs, KVShard
-from mlatune.problem import DTYPES, MLAProblem
+from mlatune.problem import DTYPES, MLAProblem, next_power_of_two
 from mlatune.routes import Prepared, Route
 
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -74,11 +74,6 @@ def default_dispatcher() -> Dispatcher:
 
 def _ptr(t: torch.Tensor | None) -> tuple | None:
     return None if t is None else (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
-
-
-def _kv_cap(max_kv_len: int) -> int:
-    """The power of two at or above ``max_kv_len``: the longest KV a plan is made to serve."""
-    return 1 << max(0, max_kv_len - 1).bit_length()
 
 
 def _fill_local_lens(local_lens: torch.Tensor, seq_lens: torch.Tensor, rank: int,
@@ -135,7 +130,7 @@ def decode(
     if plans is None:
         plans = _plans.setdefault(dispatcher, {})
     plan = plans.get(cache_key)
-    if plan is None or plan.problem.kv_len != _kv_cap(max_kv_len):
+    if plan is None or plan.problem.kv_len != next_power_of_two(max_kv_len):
         plan = _make_plan(q, kv_cache, block_table, seq_lens, num_heads=num_heads, qlen=qlen,
                           causal=causal, kv_scale=kv_scale, q_scale=q_scale, dcp_rank=dcp_rank,
                           dcp_size=dcp_size, max_kv_len=max_kv_len, kv_lora_rank=kv_lora_rank,
@@ -185,7 +180,7 @@ def _make_plan(q, kv_cache, block_table, seq_lens, *, num_heads, qlen, causal, k
         kv_dtype=_DTYPE_NAMES[kv_cache.dtype], batch=batch, kv_len=max_kv_len,
         dcp_size=dcp_size, causal=causal, page_size=kv_cache.shape[1],
         kv_lora_rank=kv_lora_rank, rope_dim=d_qk - kv_lora_rank)
-    capped = problem.with_(kv_len=_kv_cap(max_kv_len))
+    capped = problem.with_(kv_len=next_power_of_two(max_kv_len))
     local_lens = None
     if dcp_size > 1:  # this rank's lengths, filled before any route plans from them
         local_lens = torch.empty_like(seq_lens)

@@ -50,6 +50,11 @@ def is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def next_power_of_two(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 @dataclass(frozen=True)
 class MLAProblem:
     """One attention call as a serving engine issues it on one rank.

@@ -58,8 +58,6 @@ class Candidate:
                 "route_params": self.params_json, **result}
 
 
-
-
 def plan(spec: SweepSpec, device: DeviceInfo, only: Iterable[str] | None = None
          ) -> tuple[list[Candidate], list[dict[str, Any]]]:
     """Candidates to run, and ``unsupported`` records for the routes that refuse a problem.
@@ -93,9 +91,9 @@ class Observer(Protocol):
     def finished(self, record: dict[str, Any]) -> None: ...
 
 
-# Where a sweep's worker time went: the worker reports the first three, the rest of
-# elapsed_s (from handing a candidate over to its result) is "other" (prepare,
-# transfer, a crash or timeout).
+# Where a sweep's worker time went: the worker reports these; the rest of elapsed_s
+# (from handing a candidate over to its result) is "other" (transfer, a crash or
+# timeout).
 COST_PARTS = ("setup_s", "first_check_s", "check_s", "bench_s")
 
 

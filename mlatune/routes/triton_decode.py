@@ -32,7 +32,7 @@ import torch
 
 from mlatune.arch import DeviceInfo, device_of
 from mlatune.inputs import DecodeInputs, PrefillInputs
-from mlatune.problem import DTYPES, MLAProblem, is_power_of_two
+from mlatune.problem import DTYPES, MLAProblem, is_power_of_two, next_power_of_two
 from mlatune.routes.base import YES, Params, Prepared, Verdict, no
 from mlatune.routes.triton_support import triton_verdict
 
@@ -44,10 +44,6 @@ MAX_BLOCK_M = 64  # a 64 x 512 fp32 accumulator already fills two warpgroups' re
 
 # Tile configurations the interpreter runs fast enough for CI.
 _CPU_TILES = ({"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1},)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def row_padding(q_heads: int, target: int) -> tuple[int, int]:
@@ -104,7 +100,7 @@ class _TritonDecodeRoute:
     def _tile_choices(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
         if not device.is_gpu:
             return [dict(t) for t in _CPU_TILES]
-        block_m = min(MAX_BLOCK_M, max(16, _next_pow2(self._rows_per_group(problem))))
+        block_m = min(MAX_BLOCK_M, max(16, next_power_of_two(self._rows_per_group(problem))))
         if block_m == 64:  # two warpgroups share the 64 x 512 accumulator
             return [{"block_m": 64, "block_n": 64, "num_warps": 8, "num_stages": 1},
                     {"block_m": 64, "block_n": 32, "num_warps": 8, "num_stages": 2},
