@@ -25,8 +25,9 @@ one dict probe on the problem's cached key: no I/O, no GPU work, no
 allocation. The first ``select`` of a key pays for the ``supports()`` checks
 (a few microseconds; measured keys have their memo slot from load, unmeasured
 ones are remembered up to MEMO_LIMIT and resolved afresh beyond it) and, for a
-nearest answer, for redoing its route's size-derived parameters (about 60 us
-with the Triton routes on the 2-core CI machine, 2026-11-30).
+nearest answer, for redoing its route's size-derived parameters (about 70 us
+with the Triton routes on the 2-core CI machine, 2026-11-30:
+benchmarks/select_cost.py).
 
 Routes the table names but this process has not registered (a backend that
 does not import here, a route from a newer mlatune) are skipped, never
