@@ -338,9 +338,12 @@ class _Executor:
                                   f"inputs and references not made within {SETUP_TIMEOUT_S:g}s")
                         finish(w, {"status": "timeout", "reason": reason})
                         replace(w)
-        finally:
+        except BaseException:  # interrupted: what is in flight is not worth waiting for
             for w in pool:
-                w.stop()
+                w.kill()
+            raise
+        for w in pool:
+            w.stop()
 
 
 def _seed(base: int, problem: MLAProblem) -> int:

@@ -144,14 +144,22 @@ def _result_ids(journal_path):
     return sorted((r["id"], r["status"]) for r in read(journal_path)[1])
 
 
-def test_sigkill_then_resume_gives_the_same_rows(tmp_path):
+_FAULT_ENV = {**os.environ, "MLATUNE_PLUGINS": "tests.fault_routes", "PYTHONPATH": str(ROOT)}
+
+
+def _slow_spec(tmp_path, routes: str, batches: str):
+    """A spec of one-repetition runs of the given routes over batches x 2 KV lengths."""
     spec_file = tmp_path / "slow.toml"
     spec_file.write_text(
-        'routes = ["fault-slow/test", "reference/torch"]\n'
-        "[budget]\nwarmup = 0\nmin_reps = 1\nmax_reps = 1\n"
-        '[[grid]]\nnum_heads = 2\nbatch = [1, 2, 3]\nkv_len = [16, 32]\npage_size = 8\n'
+        f"routes = {routes}\n[budget]\nwarmup = 0\nmin_reps = 1\nmax_reps = 1\n"
+        f"[[grid]]\nnum_heads = 2\nbatch = {batches}\nkv_len = [16, 32]\npage_size = 8\n"
         'q_dtype = "fp16"\nkv_dtype = "fp16"\n')
-    env = {**os.environ, "MLATUNE_PLUGINS": "tests.fault_routes", "PYTHONPATH": str(ROOT)}
+    return spec_file
+
+
+def test_sigkill_then_resume_gives_the_same_rows(tmp_path):
+    spec_file = _slow_spec(tmp_path, '["fault-slow/test", "reference/torch"]', "[1, 2, 3]")
+    env = _FAULT_ENV
     full = tmp_path / "full.parquet"
     subprocess.run(_sweep_cmd(spec_file, full), env=env, cwd=ROOT, check=True,
                    capture_output=True)
@@ -182,6 +190,34 @@ def test_sigkill_then_resume_gives_the_same_rows(tmp_path):
     ids = [r["id"] for r in read(journal)[1]]
     assert len(ids) == len(set(ids))
     assert json.loads(journal.read_text().splitlines()[0])["kind"] == "header"
+
+
+def test_ctrl_c_stops_the_sweep_cleanly_and_resume_finishes_it(tmp_path):
+    # Ctrl-C in a terminal signals the whole process group, workers included.
+    spec_file = _slow_spec(tmp_path, '["fault-slow/test"]', "[1, 2, 3, 4]")
+    env = _FAULT_ENV
+    out = tmp_path / "t.parquet"
+    journal = out.with_suffix(".journal.jsonl")
+    proc = subprocess.Popen([*_sweep_cmd(spec_file, out), "--gpus", "2"], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if journal.exists() and len(read(journal)[1]) >= 2:
+            break
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    t0 = time.monotonic()
+    output, _ = proc.communicate(timeout=60)
+    assert time.monotonic() - t0 < 8, "in-flight candidates are not waited for"
+    assert proc.returncode != 0
+    assert "rerun with --resume" in output and "Traceback" not in output, output
+    partial = _result_ids(journal)
+    assert 2 <= len(partial) < 8
+    resumed = subprocess.run([*_sweep_cmd(spec_file, out), "--resume"], env=env, cwd=ROOT,
+                             capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert len(_result_ids(journal)) == 8 and set(partial) <= set(_result_ids(journal))
 
 
 def test_plan_drops_the_reference_where_others_serve_and_cuts_params(monkeypatch):
