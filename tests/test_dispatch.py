@@ -78,8 +78,9 @@ def supported_by(registry):
 
 
 def brute_force_nearest(frame, problem, supported):
-    """The nearest measured point in (log2 batch, log2 kv_len) whose winner serves the
-    problem, ties to the smaller batch then kv_len; None when there is none."""
+    """The nearest measured point whose winner serves the problem, by the squared
+    difference in log2 total tokens plus half that in log2 batch, ties to the smaller
+    batch then kv_len; None when there is none."""
     best = None
     rows = frame[(frame["arch"] == "sm_90") & (frame["status"] == "ok")]
     bucket = {k: v for k, v in problem.key_dict().items() if k not in ("batch", "kv_len")}
@@ -92,8 +93,8 @@ def brute_force_nearest(frame, problem, supported):
         winners = [r for r in group.sort_values("time_us")["route"] if supported(r, point)]
         if not winners or not supported(winners[0], problem):
             continue
-        d = (math.log2(batch) - math.log2(problem.batch)) ** 2 + \
-            (math.log2(kv_len) - math.log2(problem.kv_len)) ** 2
+        d = (math.log2(batch * kv_len) - math.log2(problem.batch * problem.kv_len)) ** 2 + \
+            0.5 * (math.log2(batch) - math.log2(problem.batch)) ** 2
         candidate = (d, math.log2(batch), math.log2(kv_len))
         if best is None or candidate < best[0]:
             best = (candidate, winners[0], point.key)
@@ -165,6 +166,22 @@ def test_nearest_picks_the_closest_measured_point_in_log_space(table_path, fakes
         choice = dispatcher.select(problem)
         assert choice.source == "nearest"
         assert (choice.route_id, choice.key) == (expected[1], expected[2]), problem
+
+
+def test_nearest_prefers_a_point_of_the_same_total_tokens(tmp_path, fakes):
+    # Four corners, each won by another route, all one grid step from batch 2 x kv 2048
+    # in both log2 batch and log2 kv_len; two of them hold the same 4096 tokens.
+    corners = {(1, 1024): "fast-small/fake", (1, 4096): "fast-large/fake",
+               (4, 1024): "picky/fake", (4, 4096): "reference/torch"}
+    rows = [result_row(BUCKETS[0].with_(batch=b, kv_len=kv), route, 1.0)
+            for (b, kv), route in corners.items()]
+    dispatcher = Dispatcher.load(table.write(make_table(rows), tmp_path / "t.parquet"),
+                                 device=H200)
+    # Same tokens: batch 1 x 4096 and batch 4 x 1024 tie; the smaller batch wins the tie.
+    assert dispatcher.select(BUCKETS[0].with_(batch=2, kv_len=2048)).route_id == \
+        "fast-large/fake"
+    # Batch 3 x 1400 holds 4200 tokens: batch 4 x 1024 is both nearer in size and in batch.
+    assert dispatcher.select(BUCKETS[0].with_(batch=3, kv_len=1400)).route_id == "picky/fake"
 
 
 def test_nearest_skips_a_neighbour_whose_winner_refuses(table_path, fakes):
@@ -491,7 +508,7 @@ def test_explain_says_why(table_path, fakes):
     choice, notes = dispatcher.explain(BUCKETS[0].with_(batch=12, kv_len=8192))
     assert choice.source == "nearest"
     assert any("picky/fake refuses" in n for n in notes)
-    assert notes[-1].startswith("nearest measured point: batch=64 kv_len=8192")
+    assert notes[-1].startswith("nearest measured point: batch=64 kv_len=1024")
     choice, notes = dispatcher.explain(MLAProblem(num_heads=3))
     assert choice.source == "rule" and notes[-1].startswith("rule:")
 
