@@ -17,6 +17,7 @@ import logging
 import math
 import multiprocessing as mp
 import signal
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -117,7 +118,7 @@ class _Worker:
         self.device = device
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=worker.serve, args=(child, device), daemon=True)
-        self.proc.start()
+        _start_ignoring_sigint(self.proc)
         child.close()
         self.ready = False
         self.started = time.monotonic()
@@ -155,6 +156,20 @@ class _Worker:
         if code is not None and code < 0:
             return f"worker died with {signal.Signals(-code).name}"
         return f"worker exited with code {code}"
+
+
+def _start_ignoring_sigint(proc) -> None:
+    """Start ``proc`` with SIGINT ignored, which it inherits through spawn's exec and
+    Python keeps. Ctrl-C reaches the whole process group; the parent handles it and
+    kills its workers, which must not die mid-import or mid-run with a traceback."""
+    if threading.current_thread() is not threading.main_thread():
+        proc.start()  # handlers can be set from the main thread only; Ctrl-C goes there
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        proc.start()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def run(spec: SweepSpec, device: DeviceInfo, journal: Journal, *, workers: int = 1,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import signal
 import time
 import traceback
 from collections.abc import Callable
@@ -216,9 +215,6 @@ def serve(conn, device_str: str) -> None:
 
     Per task it sends {"inputs_ready": True} once its inputs exist, then the result.
     """
-    # Ctrl-C reaches the whole process group; the parent stops the sweep and kills
-    # its workers, so a worker ignores it rather than dying mid-run with a traceback.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     device = torch.device(device_str)
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -180,7 +180,7 @@ def test_nearest_prefers_a_point_of_the_same_total_tokens(tmp_path, fakes):
     # Same tokens: batch 1 x 4096 and batch 4 x 1024 tie; the smaller batch wins the tie.
     assert dispatcher.select(BUCKETS[0].with_(batch=2, kv_len=2048)).route_id == \
         "fast-large/fake"
-    # Batch 3 x 1400 holds 4200 tokens: batch 4 x 1024 is both nearer in size and in batch.
+    # Batch 3 x 1400 holds 4200 tokens, as near the two 4096-token corners; batch 4 is nearer 3.
     assert dispatcher.select(BUCKETS[0].with_(batch=3, kv_len=1400)).route_id == "picky/fake"
 
 
