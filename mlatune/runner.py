@@ -11,6 +11,7 @@ sweep resumes where it stopped.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -136,13 +137,9 @@ class _Worker:
         self.awaiting = "inputs"
         self.conn.send(task)
 
-    def stop(self) -> None:
-        try:
+    def ask_to_stop(self) -> None:
+        with contextlib.suppress(OSError):  # already gone
             self.conn.send(None)
-            self.proc.join(timeout=10)
-        except (OSError, BrokenPipeError):
-            pass
-        self.kill()
 
     def kill(self) -> None:
         if self.proc.is_alive():
@@ -170,6 +167,20 @@ def _start_ignoring_sigint(proc) -> None:
         proc.start()
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def _shut_down(pool: list[_Worker], gently: bool) -> None:
+    """Gently: ask every worker to stop, then wait for each (they exit side by side).
+    Whatever is alive after that, or when interrupted meanwhile, is killed."""
+    try:
+        if gently:
+            for w in pool:
+                w.ask_to_stop()
+            for w in pool:
+                w.proc.join(timeout=10)
+    finally:
+        for w in pool:
+            w.kill()
 
 
 def run(spec: SweepSpec, device: DeviceInfo, journal: Journal, *, workers: int = 1,
@@ -354,11 +365,9 @@ class _Executor:
                         finish(w, {"status": "timeout", "reason": reason})
                         replace(w)
         except BaseException:  # interrupted: what is in flight is not worth waiting for
-            for w in pool:
-                w.kill()
+            _shut_down(pool, gently=False)
             raise
-        for w in pool:
-            w.stop()
+        _shut_down(pool, gently=True)
 
 
 def _seed(base: int, problem: MLAProblem) -> int:

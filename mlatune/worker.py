@@ -219,12 +219,15 @@ def serve(conn, device_str: str) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     cache = _ProblemCache()
-    conn.send({"ready": True})
-    while True:
-        task = conn.recv()
-        if task is None:
-            return
-        result = evaluate(task, device, cache, lambda: conn.send({"inputs_ready": True}))
-        conn.send(result)
-        if result.get("restart"):
-            return
+    try:
+        conn.send({"ready": True})
+        while True:
+            task = conn.recv()
+            if task is None:
+                return
+            result = evaluate(task, device, cache, lambda: conn.send({"inputs_ready": True}))
+            conn.send(result)
+            if result.get("restart"):
+                return
+    except (EOFError, BrokenPipeError):  # the sweep is gone (killed): no one to answer
+        return

@@ -169,8 +169,9 @@ def test_sigkill_then_resume_gives_the_same_rows(tmp_path):
     assert len(parquet) == len(csv) == 12 and set(parquet.route) == set(csv.route)
     killed = tmp_path / "killed.parquet"
     journal = killed.with_suffix(".journal.jsonl")
+    log = tmp_path / "killed.log"
     proc = subprocess.Popen(_sweep_cmd(spec_file, killed), env=env, cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if journal.exists() and len(read(journal)[1]) >= 3:
@@ -178,6 +179,8 @@ def test_sigkill_then_resume_gives_the_same_rows(tmp_path):
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    time.sleep(2)  # the orphaned worker finds its sweep gone and leaves, quietly
+    assert "Traceback" not in log.read_text(), log.read_text()
     partial = _result_ids(journal)
     assert 3 <= len(partial) < 12, "the kill should land mid-sweep"
     resumed = subprocess.run([*_sweep_cmd(spec_file, killed), "--resume"], env=env, cwd=ROOT,
@@ -250,6 +253,34 @@ def test_ctrl_c_while_a_worker_starts_prints_no_traceback(tmp_path):
     _, code, output = _interrupt(spec_file, tmp_path / "t.parquet", worker_started)
     assert code != 0 and "rerun with --resume" in output
     assert "Traceback" not in output, output
+
+
+def test_shut_down_kills_every_worker_even_when_interrupted_midway():
+    class Proc:
+        def __init__(self, interrupts: bool):
+            self.interrupts = interrupts
+
+        def join(self, timeout=None):
+            if self.interrupts:
+                raise KeyboardInterrupt
+
+    class Worker:
+        def __init__(self, interrupts: bool):
+            self.proc, self.asked, self.killed = Proc(interrupts), False, False
+
+        def ask_to_stop(self):
+            self.asked = True
+
+        def kill(self):
+            self.killed = True
+
+    pool = [Worker(False), Worker(True), Worker(False)]
+    with pytest.raises(KeyboardInterrupt):
+        runner._shut_down(pool, gently=True)
+    assert all(w.asked and w.killed for w in pool)
+    pool = [Worker(False), Worker(False)]
+    runner._shut_down(pool, gently=False)
+    assert all(w.killed and not w.asked for w in pool)
 
 
 def test_plan_drops_the_reference_where_others_serve_and_cuts_params(monkeypatch):
