@@ -229,5 +229,5 @@ def serve(conn, device_str: str) -> None:
             conn.send(result)
             if result.get("restart"):
                 return
-    except (EOFError, BrokenPipeError):  # the sweep is gone (killed): no one to answer
+    except (EOFError, ConnectionError):  # the sweep is gone (killed): no one to answer
         return
