@@ -23,8 +23,7 @@ from pathlib import Path
 from mlatune import dispatch, table
 from mlatune.dispatch import Dispatcher, device_for_arch
 from mlatune.problem import MLAProblem
-from mlatune.report import Timed, candidate_times, time_with
-from mlatune.schema import KEY_COLUMNS
+from mlatune.report import Timed, candidate_times, geomean, nearest_regret, one_device, time_with
 from mlatune.winners import problem_of
 
 
@@ -33,7 +32,7 @@ def _summary(label: str, regrets: list[tuple[float, float]]) -> None:
         timed = sorted(v for v in values if not math.isnan(v))
         if not timed:
             return f"  {what}: nothing timed"
-        geo = math.exp(sum(math.log1p(v) for v in timed) / len(timed)) - 1
+        geo = geomean([1 + v for v in timed]) - 1
         p90 = timed[int(0.9 * (len(timed) - 1))]
         over = sum(v > 0.10 for v in timed)
         return (f"  {what}: {len(timed)} timed, geomean +{100 * geo:.2f}%, "
@@ -66,15 +65,10 @@ def main() -> None:
     parser.add_argument("journal", type=Path)
     parser.add_argument("--heldout", nargs=2, type=Path, metavar=("TABLE2", "JOURNAL2"))
     args = parser.parse_args()
-    frame = table.read(args.table)
-    devices = list(frame[["arch", "device_name", "cu_count"]].drop_duplicates()
-                   .itertuples(index=False, name=None))
-    if len(devices) != 1:
-        raise SystemExit(f"{args.table}: rows of {len(devices)} devices; give one device's table")
-    (arch, name, cus), = devices
+    arch, name, cus = one_device(table.read(args.table), args.table)
     device = device_for_arch(arch, name, cus)
     routes = dispatch.registered_routes()
-    entries, _, _ = dispatch._FrameSource(args.table).entries(devices[0], set(routes))
+    entries, _, _ = dispatch._FrameSource(args.table).entries((arch, name, cus), set(routes))
     timed = candidate_times(args.journal)
     best = _best_times(timed)
     in_bucket: dict[tuple, int] = {}
@@ -95,16 +89,10 @@ def main() -> None:
     _summary(f"leave-one-out on {args.table} ({skipped} answered by rule, left out)", regrets)
     if args.heldout:
         held_table, held_journal = args.heldout
-        dispatcher = Dispatcher.load(args.table, device=device, allow_arch=arch)
-        held_timed = candidate_times(held_journal)
-        held_best = _best_times(held_timed)
-        keys = table.read(held_table).drop_duplicates(list(KEY_COLUMNS))
-        problems = [MLAProblem.from_key_dict(row) for row in keys.to_dict("records")]
-        regrets = [_regret(held_timed, held_best, p, dispatcher.select(p), device)
-                   for p in problems if p.key in held_best]
-        _summary(f"held-out {held_table} ({len(problems) - len(regrets)} without an ok run, "
-                 f"left out)", regrets)
-
+        _, judged, _ = nearest_regret(args.table, table.read(held_table), device,
+                                      candidate_times(held_journal))
+        _summary(f"held-out {held_table} (problems with an ok run)",
+                 list(zip(judged["regret"], judged["params_regret"], strict=True)))
 
 if __name__ == "__main__":
     main()
