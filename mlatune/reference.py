@@ -14,7 +14,8 @@ Conventions shared with the routes:
   attends global key positions ``[0, kv_len - qlen + t]`` when causal, all
   ``kv_len`` otherwise;
 - LSE is the natural log of the softmax denominator (scores already scaled);
-  a row that attends no key has output 0 and LSE -inf;
+  a row that attends no key has output 0 and LSE -inf; a NaN in the inputs gives NaN
+  in every output row (and LSE) it reaches, never a quiet 0;
 - fp8 tensors hold ``x / scale``; the reference computes on ``fp8 * scale``.
 """
 
@@ -58,13 +59,30 @@ def attend(
     # In place from here: the scores are the largest tensor (T x H x N per request).
     scores.mul_(scale).masked_fill_(~allowed[..., None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # (..., T, H)
-    # exp(-inf - (-inf)) is NaN for empty rows; those rows have no weights at all
-    probs = scores.sub_(lse[..., None]).exp_().nan_to_num_(0.0)
+    # exp(-inf - (-inf)) is NaN for empty rows (LSE -inf): those rows have no weights at
+    # all. Only they are zeroed: a NaN from the inputs must reach the output, not vanish.
+    probs = scores.sub_(lse[..., None]).exp_().masked_fill_(torch.isneginf(lse)[..., None], 0.0)
+    bad = ~torch.isfinite(v)
+    if bad.any():  # one pass over v; only inputs holding NaN/inf pay for the masking
+        return _weigh_values(probs, v.masked_fill(bad, 0.0), bad, allowed), lse
+    return _weigh_values(probs, v), lse
+
+
+def _weigh_values(probs: torch.Tensor, v: torch.Tensor, bad: torch.Tensor | None = None,
+                  allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """probs (..., T, H, N) times v (..., N, Hk, Dv). Where ``bad`` marks the non-finite
+    values (zeroed in ``v``), an output element is NaN iff an ``allowed`` key (..., T, N)
+    brings one: a masked key's weight 0 times NaN would otherwise poison rows that never
+    attend it (earlier tokens of a causal block, padding from another request's pages)."""
+    *lead, T, H, N = probs.shape
     if v.shape[-2] == 1:
         out = (probs.view(*lead, T * H, N) @ v[..., 0, :]).view(*lead, T, H, -1)
     else:
         out = torch.einsum("...thn,...nhd->...thd", probs, v)
-    return out, lse
+    if bad is not None and allowed is not None:
+        reached = torch.einsum("...tn,...nhd->...thd", allowed.to(v.dtype), bad.to(v.dtype))
+        out.masked_fill_(reached > 0, float("nan"))
+    return out
 
 
 def merge_partials(
@@ -73,7 +91,9 @@ def merge_partials(
     """Combine attention over disjoint key sets by their LSEs (DCP's merge)."""
     lse_stack = torch.stack(lses)  # (R, T, H)
     lse = torch.logsumexp(lse_stack, dim=0)
-    weights = torch.exp(lse_stack - lse[None]).nan_to_num(0.0)  # all-(-inf) rows -> 0
+    # A part with no keys (LSE -inf) weighs 0, also where every part is empty (NaN from
+    # -inf - -inf); a NaN LSE is kept, so a NaN from the inputs reaches the merged output.
+    weights = torch.exp(lse_stack - lse[None]).masked_fill_(torch.isneginf(lse_stack), 0.0)
     out = (weights[..., None] * torch.stack(outs)).sum(dim=0)
     return out, lse
 

@@ -223,3 +223,48 @@ def test_padding_keys_are_masked_by_length_not_only_by_position(monkeypatch):
     alone = reference.decode(cut, F64)
     close(together[0], alone[0])
     close(together[1], alone[1])
+
+
+@pytest.mark.parametrize("dcp", [1, 2])
+def test_nan_in_q_reaches_its_output_row_and_lse(dcp):
+    """A NaN was turned into a row of zeros (the guard for empty rows zeroed every
+    non-finite row, and the DCP merge zeroed NaN weights): it must come out as NaN."""
+    p = MLAProblem(num_heads=2, qlen=2, batch=2, kv_len=9, page_size=4, dcp_size=dcp)
+    inputs = make_decode_inputs(p, seed=12)
+    q = inputs.q.clone()
+    q[3, 1, 5] = float("nan")  # request 1, token 1, kernel head 1
+    out, lse = reference.decode(DecodeInputs(p, q, None, None, inputs.seq_lens, inputs.shards),
+                                F64)
+    hit = torch.zeros(lse.shape, dtype=torch.bool)
+    hit[3, 1] = True
+    assert torch.isnan(out[hit]).all() and torch.isnan(lse[hit]).all()
+    assert torch.isfinite(out[~hit]).all() and torch.isfinite(lse[~hit]).all()
+
+
+def test_nan_key_reaches_only_the_tokens_that_attend_it():
+    """A NaN latent at key 5 of a causal verify block of 2 over 6 keys: token 1 attends
+    it, token 0 does not (its weight 0 times NaN must not leak into its row)."""
+    p = MLAProblem(num_heads=2, qlen=2, batch=1, kv_len=6, page_size=4)
+    inputs = make_decode_inputs(p, seed=13)
+    shard = inputs.shards[0]
+    cache = shard.kv_cache.clone()
+    cache[int(shard.block_table[0, 1]), 1, 0] = float("nan")  # global position 5
+    poisoned = DecodeInputs(p, inputs.q, None, None, inputs.seq_lens,
+                            (KVShard(0, cache, shard.block_table, shard.seq_lens),))
+    out, lse = reference.decode(poisoned, F64)
+    want_out, want_lse = reference.decode(inputs, F64)
+    close(out[0], want_out[0])
+    close(lse[0], want_lse[0])
+    assert torch.isnan(out[1]).all() and torch.isnan(lse[1]).all()
+
+
+def test_nan_in_q_of_a_rank_with_no_keys_keeps_zero_and_neg_inf():
+    """The documented convention for a row that attends nothing holds whatever q holds."""
+    p = MLAProblem(num_heads=1, qlen=1, batch=1, kv_len=1, dcp_size=4, page_size=1)
+    inputs = make_decode_inputs(p, seed=5)
+    q = torch.full_like(inputs.q, float("nan"))
+    nan_q = DecodeInputs(p, q, None, None, inputs.seq_lens, inputs.shards)
+    out, lse = reference.decode_shard(nan_q, nan_q.shards[3], F64)
+    assert torch.all(out == 0) and torch.all(torch.isneginf(lse))
+    merged, merged_lse = reference.decode(nan_q, F64)
+    assert torch.isnan(merged).all() and torch.isnan(merged_lse).all()
