@@ -553,6 +553,42 @@ def validate(
 
 
 @app.command()
+def upgrade(
+    table_path: Annotated[Path, typer.Argument(metavar="TABLE",
+                                               help="Parquet or CSV table of an older schema.")],
+    out: Annotated[Path | None, typer.Option(
+        "--out", help="Where to write, .parquet or .csv (both are written). Default: over "
+                      "TABLE.")] = None,
+) -> None:
+    """Rewrite a schema v1 table as the current schema: step kinds as the routes declare
+    them, per-step costs not measured (empty), provenance converted_from "v1"."""
+    from mlatune import table
+    from mlatune.schema import SCHEMA_VERSION
+
+    with _one_line_errors(str(table_path)):
+        target = out or table_path
+        if target.suffix.lower() not in (".parquet", ".csv"):
+            raise ValueError(f"--out {target}: name the table .parquet or .csv (both are "
+                             f"written)")
+        frame, stored = table.read_versioned(table_path)
+        if stored == SCHEMA_VERSION:
+            console.print(f"{table_path}: already v{SCHEMA_VERSION}; nothing written",
+                          soft_wrap=True, highlight=False)
+            return
+        # Both formats, as a sweep writes them; each write is atomic (the old file or
+        # the new one, never half of either).
+        written = [table.write(frame, target.with_suffix(s)) for s in (".parquet", ".csv")]
+    kinds = frame.groupby(["plan_on", "capturable"], sort=True).size()
+    console.print(f"[green]upgraded[/] {table_path} from schema v{stored} to "
+                  f"v{SCHEMA_VERSION}: wrote {written[0]} and {written[1]} ({len(frame)} rows); "
+                  "step kinds as the routes here declare them ("
+                  + ", ".join(f"{plan_on}{' capturable' if cap else ''}: {n}"
+                              for (plan_on, cap), n in kinds.items())
+                  + "), per-step costs not measured (empty)", soft_wrap=True, highlight=False)
+    _warn_unregistered(frame)
+
+
+@app.command()
 def diff(
     a_path: Annotated[Path, typer.Argument(metavar="A", help="The old table.")],
     b_path: Annotated[Path, typer.Argument(metavar="B", help="The new table.")],

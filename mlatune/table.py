@@ -1,4 +1,4 @@
-"""Dispatch tables (schema v1): build, write, read, validate, merge.
+"""Dispatch tables (schema v2): build, write, read (upgrading v1), validate, merge.
 
 A table is a DataFrame with exactly the columns of ``schema.COLUMN_TYPES``,
 one row per (device, problem, route). It is stored as Parquet (provenance also
@@ -10,19 +10,25 @@ nothing is ever unpickled or evaluated.
 
 Provenance rules: a table may hold several devices (a merge of runs on several
 GPUs) and several runs per device, but all rows of one device must come from
-one software environment (every provenance field but ``created_utc`` and
-``spec_sha256`` equal), because timings taken under different torch or driver
-versions do not rank against each other.
+one software environment (every provenance field but the ``RUN_FIELDS`` equal),
+because timings taken under different torch or driver versions do not rank
+against each other.
+
+A schema v1 table is upgraded as it is read (``upgrade``; what that fills in
+is in ``mlatune.schema``), so the rest of mlatune sees only v2; a table newer
+than this mlatune is refused. ``read_versioned`` also says which version the
+file held (``mlatune upgrade`` writes a v1 table back as v2).
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import re
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +50,18 @@ from mlatune.schema import (
     ROW_KEY,
     SCHEMA_VERSION,
     STATUSES,
+    STEP_COST_COLUMNS,
+    STEP_KIND_COLUMNS,
+    UNKNOWN_STEP_KIND,
     Provenance,
+    declared_step_kind,
+    upgraded_provenance,
 )
 
 FORMATS = ("parquet", "csv")
 METADATA_KEY = b"mlatune"
 # Provenance fields that may differ between runs on one device; the rest must not.
-RUN_FIELDS = ("created_utc", "spec_sha256")
+RUN_FIELDS = ("created_utc", "spec_sha256", "converted_from")
 ENVIRONMENT_FIELDS = tuple(f for f in PROVENANCE_TYPES if f not in RUN_FIELDS)
 _ROUTE_ID = re.compile(r"^[a-z0-9][a-z0-9-]*/[a-z0-9][a-z0-9-]*$")
 _EXAMPLES = 3  # values quoted per problem: enough to find them, short enough for one line
@@ -77,21 +88,77 @@ def format_of(path: str | os.PathLike) -> str:
 
 # Building ------------------------------------------------------------------
 
+_STEP_COLUMNS = (*STEP_KIND_COLUMNS, *STEP_COST_COLUMNS)
+
+
 def build(rows: Iterable[Mapping[str, Any]], provenance: Provenance) -> pd.DataFrame:
-    """A table from result rows (KEY_COLUMNS + RESULT_COLUMNS but ``rank``), ranked."""
-    wanted = [c for c in COLUMNS if c != "rank" and c not in PROVENANCE_TYPES]
+    """A table from result rows (KEY_COLUMNS + RESULT_COLUMNS but ``rank``), ranked.
+
+    The step columns are optional: a row without plan_on or capturable gets the
+    route's declaration, one without a cost NaN (not measured).
+    """
+    required = [c for c in COLUMNS if c != "rank" and c not in PROVENANCE_TYPES
+                and c not in _STEP_COLUMNS]
     records = []
     for i, row in enumerate(rows):
-        missing = [c for c in wanted if c not in row]
+        missing = [c for c in required if c not in row]
         if missing:
             raise ValueError(f"result row {i} lacks {', '.join(missing)}")
-        records.append({c: row[c] for c in wanted})
-    frame = pd.DataFrame.from_records(records, columns=wanted)
+        records.append({c: row[c] for c in (*required, *_STEP_COLUMNS) if c in row})
+    frame = pd.DataFrame.from_records(records, columns=[*required, *_STEP_COLUMNS])
+    frame = _fill_step_kinds(frame)
     for name, value in provenance.as_dict().items():
         frame[name] = value
     frame["rank"] = 0
     frame = coerce(frame[list(COLUMNS)])
     return assign_ranks(frame)
+
+
+def _declared_step_kinds(frame: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
+    """(plan_on, capturable) the routes declare for each row's params, asked once per
+    distinct (route, params); UNKNOWN_STEP_KIND where either column is missing."""
+    if "route" not in frame or "route_params" not in frame or frame.empty:
+        return (pd.Series(UNKNOWN_STEP_KIND[0], index=frame.index, dtype=object),
+                pd.Series(UNKNOWN_STEP_KIND[1], index=frame.index, dtype=object))
+    pair_id = frame.groupby(["route", "route_params"], sort=False,
+                            dropna=False).ngroup().to_numpy()
+    firsts = np.unique(pair_id, return_index=True)[1]
+    kinds = [declared_step_kind(str(route), str(params)) for route, params in
+             zip(frame["route"].iloc[firsts], frame["route_params"].iloc[firsts], strict=True)]
+    plan_on = np.array([k[0] for k in kinds], dtype=object)
+    capturable = np.array([k[1] for k in kinds], dtype=object)
+    return (pd.Series(plan_on[pair_id], index=frame.index),
+            pd.Series(capturable[pair_id], index=frame.index))
+
+
+def _fill_step_kinds(frame: pd.DataFrame) -> pd.DataFrame:
+    """plan_on and capturable from the routes' declarations where a row has none."""
+    out = frame.copy()
+    unset = out["plan_on"].isna() | out["capturable"].isna()
+    if unset.any():
+        plan_on, capturable = _declared_step_kinds(out[unset])
+        out["plan_on"] = out["plan_on"].astype(object)
+        out["capturable"] = out["capturable"].astype(object)
+        out.loc[unset & out["plan_on"].isna(), "plan_on"] = plan_on
+        out.loc[unset & out["capturable"].isna(), "capturable"] = capturable
+    return out
+
+
+def upgrade(frame: pd.DataFrame) -> pd.DataFrame:
+    """A schema v1 table as v2: step kinds declared by the routes, costs NaN, provenance
+    ``schema_version`` 2 and ``converted_from`` "v1" (see mlatune.schema)."""
+    out = frame.copy()
+    out["plan_on"], out["capturable"] = _declared_step_kinds(out)
+    for name in STEP_COST_COLUMNS:
+        out[name] = np.nan
+    # The provenance columns as upgraded_provenance spells them, so they stay constant.
+    for name, value in upgraded_provenance({}).items():
+        out[name] = value
+    # Only the columns set here are cast: a damaged v1 column stays as found, for validate.
+    for name in (*_STEP_COLUMNS, *upgraded_provenance({})):
+        out[name] = out[name].astype(_dtype(COLUMN_TYPES[name]))
+    ordered = [c for c in COLUMNS if c in out] + [c for c in out if c not in COLUMN_TYPES]
+    return out[ordered]
 
 
 def coerce(frame: pd.DataFrame) -> pd.DataFrame:
@@ -192,12 +259,15 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
-def _read_parquet(path: Path) -> tuple[pd.DataFrame, list[str]]:
+def _read_parquet(path: Path) -> tuple[pd.DataFrame, list[str], Any]:
+    """The frame, its problems so far, and the provenance the file metadata records
+    (None when missing or damaged: that is among the problems)."""
     try:
         table = pq.read_table(path)
     except (OSError, pa.ArrowException, ValueError) as exc:
         raise TableError(f"{path}: not a readable Parquet table ({_one_line(exc)})") from None
     problems = []
+    recorded = None
     raw = (table.schema.metadata or {}).get(METADATA_KEY)
     frame = table.to_pandas()
     for name, kind in COLUMN_TYPES.items():
@@ -213,12 +283,14 @@ def _read_parquet(path: Path) -> tuple[pd.DataFrame, list[str]]:
             recorded = json.loads(raw)["provenance"]
         except (ValueError, KeyError, TypeError) as exc:
             problems.append(f"Parquet 'mlatune' metadata is damaged ({_one_line(exc)})")
-        else:
-            found = provenances(frame)  # empty when the columns are damaged (reported later)
-            if found and recorded != found:
-                problems.append("Parquet 'mlatune' metadata provenance does not match the "
-                                "provenance columns")
-    return frame, problems
+    return frame, problems, recorded
+
+
+def _metadata_problems(recorded: Any, frame: pd.DataFrame) -> list[str]:
+    found = provenances(frame)  # empty when the columns are damaged (reported later)
+    if found and recorded != found:
+        return ["Parquet 'mlatune' metadata provenance does not match the provenance columns"]
+    return []
 
 
 def _parse_csv_column(text: pd.Series, kind: str) -> pd.Series | None:
@@ -285,22 +357,49 @@ def _unparsable(text: pd.Series, kind: str) -> pd.Series:
 
 
 def read(path: str | os.PathLike, check: bool = True) -> pd.DataFrame:
-    """Read a Parquet or CSV table; with ``check``, refuse (TableError) any invalid one."""
+    """Read a Parquet or CSV table, a v1 one upgraded to v2; with ``check``, refuse
+    (TableError) any invalid one."""
+    return read_versioned(path, check)[0]
+
+
+def read_versioned(path: str | os.PathLike, check: bool = True) -> tuple[pd.DataFrame, int]:
+    """``read``, and the schema version the file holds (1: upgraded as it was read;
+    0 when the file does not say one version, which ``check`` refuses)."""
     path = Path(path)
     fmt = format_of(path)
     if not path.is_file():
         raise TableError(f"{path}: no such file")
     unparsed: set[str] = set()
+    recorded = None
     if fmt == "parquet":
-        frame, problems = _read_parquet(path)
+        frame, problems, recorded = _read_parquet(path)
     else:
         frame, problems, unparsed = _read_csv(path)
+    stored = _stored_version(frame, unparsed)
+    if stored == 1:
+        frame = upgrade(frame)
+        if isinstance(recorded, list):
+            recorded = [upgraded_provenance(p) if isinstance(p, dict) else p
+                        for p in recorded]
+    if recorded is not None:
+        problems += _metadata_problems(recorded, frame)
     if check:
         problems += _validate(frame, unparsed)
         if problems:
             raise TableError(f"{path}: invalid table ({len(problems)} problem"
                              f"{'s' if len(problems) > 1 else ''}): " + "; ".join(problems))
-    return frame
+    return frame, stored
+
+
+def _stored_version(frame: pd.DataFrame, unparsed: set[str]) -> int:
+    """The one schema_version every row of a file gives; 0 when it does not give one."""
+    if "schema_version" not in frame or "schema_version" in unparsed:
+        return 0
+    column = frame["schema_version"]
+    if not pd.api.types.is_integer_dtype(column.dtype) or len(column) == 0:
+        return 0
+    versions = pd.unique(column)
+    return int(versions[0]) if len(versions) == 1 else 0
 
 
 # Validation ----------------------------------------------------------------
@@ -356,6 +455,10 @@ def _validate(frame: pd.DataFrame, unparsed: set[str]) -> list[str]:
                             f"({SCHEMA_VERSION}); upgrade mlatune")
         if any(v < 1 for v in versions):
             problems.append(f"schema_version must be >= 1, got {versions[0]}")
+        elif any(v < SCHEMA_VERSION for v in versions):
+            # A file of one older version is upgraded as it is read; this is a mix.
+            problems.append(f"schema_version {versions[0]} rows in a schema v{SCHEMA_VERSION} "
+                            f"table (only a whole v1 table is upgraded)")
     if have("status"):
         unknown = ~frame["status"].isin(STATUSES)
         if unknown.any():
@@ -389,10 +492,43 @@ def _validate(frame: pd.DataFrame, unparsed: set[str]) -> list[str]:
             problems.append(f"{int(bad_time.sum())} ok rows lack a positive finite time_us")
     if key_id is not None and have("status", "rank", "time_us", "route"):
         problems += _rank_problems(frame, key_id)
+    problems += _step_problems(frame, have)
     if have(*PROVENANCE_TYPES, *DEVICE_COLUMNS):
         problems += _provenance_problems(frame)
     if key_id is not None:
         problems += _problem_problems(frame, key_id)
+    return problems
+
+
+def _step_problems(frame: pd.DataFrame, have: Callable[..., bool]) -> list[str]:
+    """The step kind is one StepKind allows; costs are durations, or NaN (not measured)."""
+    from mlatune.routes.base import PLAN_PLACES
+
+    problems = []
+    if have("plan_on"):
+        unknown = ~frame["plan_on"].isin(PLAN_PLACES)
+        if unknown.any():
+            problems.append(f"unknown plan_on {_examples(frame['plan_on'][unknown])} "
+                            f"(expected one of {', '.join(PLAN_PLACES)})")
+    if have("plan_on", "capturable"):
+        host_captured = (frame["plan_on"] == "host") & frame["capturable"]
+        if host_captured.any():
+            problems.append(f"{int(host_captured.sum())} rows planned on the host are "
+                            f"capturable (a host plan cannot be captured)")
+    if have("status", "plan_on", "plan_us"):
+        plan_us = frame["plan_us"]
+        planless = (frame["status"] == "ok") & (frame["plan_on"] == "none") \
+            & plan_us.notna() & (plan_us != 0)
+        if planless.any():
+            problems.append(f"{int(planless.sum())} ok rows with plan_on 'none' have a "
+                            f"plan_us other than 0, e.g. {_examples(plan_us[planless])}")
+    for name in STEP_COST_COLUMNS:
+        if have(name):
+            cost = frame[name]
+            bad = cost.notna() & ~(np.isfinite(cost) & (cost >= 0))
+            if bad.any():
+                problems.append(f"column {name} has {int(bad.sum())} values that are not a "
+                                f"finite duration >= 0 or NaN, e.g. {_examples(cost[bad])}")
     return problems
 
 
@@ -576,10 +712,7 @@ def winners_json(frame: pd.DataFrame, winners_only: bool = False) -> dict[str, A
     for device, rows in ok.groupby(list(DEVICE_COLUMNS), sort=True):
         entries: dict[str, dict[str, Any]] = {}
         keys = key_strings(rows)
-        for key, route, params, time_us in zip(keys, rows["route"], rows["route_params"],
-                                               rows["time_us"], strict=True):
-            option = {"route": str(route), "params": json.loads(params),
-                      "time_us": float(time_us)}
+        for key, option in zip(keys, _options(rows), strict=True):
             if key not in entries:
                 entries[key] = option if winners_only else {**option, "alternatives": []}
             else:
@@ -593,6 +726,17 @@ def winners_json(frame: pd.DataFrame, winners_only: bool = False) -> dict[str, A
         })
     return {"format": winners_map.FORMAT, "schema_version": SCHEMA_VERSION,
             "key_fields": list(KEY_FIELDS), "devices": devices}
+
+
+def _options(rows: pd.DataFrame) -> Iterable[dict[str, Any]]:
+    """Each row as a winners-map option; a cost not measured (NaN) as null."""
+    columns = ["route", "route_params", "time_us", *_STEP_COLUMNS]
+    for route, params, time_us, plan_on, capturable, *costs in rows[columns].itertuples(
+            index=False, name=None):
+        yield {"route": str(route), "params": json.loads(params), "time_us": float(time_us),
+               "plan_on": str(plan_on), "capturable": bool(capturable),
+               **{name: None if math.isnan(c) else float(c)
+                  for name, c in zip(STEP_COST_COLUMNS, costs, strict=True)}}
 
 
 def write_json(document: Mapping[str, Any], path: str | os.PathLike) -> Path:

@@ -3,16 +3,23 @@
 Written by ``mlatune export --format json`` (``table.winners_json``), read by
 ``Dispatcher.load`` and by any engine with a JSON parser::
 
-    {"format": "mlatune-winners", "schema_version": 1, "key_fields": [...],
+    {"format": "mlatune-winners", "schema_version": 2, "key_fields": [...],
      "devices": [{"arch": "sm_90", "device_name": "NVIDIA H200", "cu_count": 132,
                   "provenance": [{...}],
                   "winners": {"<MLAProblem.key>": {"route": "...", "params": {...},
-                                                   "time_us": 12.5,
+                                                   "time_us": 12.5, "plan_on": "device",
+                                                   "capturable": true, "plan_us": 1.5,
+                                                   "plan_host_us": 9.0,
+                                                   "launch_host_us": 20.0,
                                                    "alternatives": [{...}, ...]}}}]}
 
 A key is ``field=value`` pairs joined by ``|`` in ``key_fields`` order (bools
 as 1/0). ``alternatives`` (absent with ``--winners-only``) lists the other ok
-routes of the key, fastest first.
+routes of the key, fastest first. ``schema_version`` is the table schema's:
+each option carries the table's columns of the same names (mlatune.schema), a
+cost not measured as null. A schema v1 map (options without the step fields)
+is upgraded as it is read, as a v1 table is: step kinds declared by the
+routes, costs null, ``converted_from`` "v1" in each provenance record.
 """
 
 from __future__ import annotations
@@ -25,7 +32,12 @@ from typing import Any
 
 from mlatune.errors import TableError
 from mlatune.problem import KEY_FIELDS, MLAProblem
-from mlatune.schema import SCHEMA_VERSION
+from mlatune.schema import (
+    SCHEMA_VERSION,
+    STEP_COST_COLUMNS,
+    declared_step_kind,
+    upgraded_provenance,
+)
 
 FORMAT = "mlatune-winners"
 
@@ -65,7 +77,25 @@ def read(path: Path) -> WinnersMap:
     if found:
         raise TableError(f"{path}: invalid winners map ({len(found)} problem"
                          f"{'s' if len(found) > 1 else ''}): " + "; ".join(found))
+    if document["schema_version"] == 1:
+        upgrade(document)
     return WinnersMap(document, parsed)
+
+
+def upgrade(document: dict[str, Any]) -> None:
+    """A valid schema v1 map, upgraded in place to v2 (see the module docstring)."""
+    kinds: dict[tuple[str, str], tuple[str, bool]] = {}  # asked once per (route, params)
+    for device in document["devices"]:
+        device["provenance"] = [upgraded_provenance(p) if isinstance(p, dict) else p
+                                for p in device["provenance"]]
+        for winner in device["winners"].values():
+            for option in (winner, *winner.get("alternatives", ())):
+                pair = (option["route"], json.dumps(option["params"], sort_keys=True))
+                if pair not in kinds:
+                    kinds[pair] = declared_step_kind(option["route"], option["params"])
+                option["plan_on"], option["capturable"] = kinds[pair]
+                option.update(dict.fromkeys(STEP_COST_COLUMNS))
+    document["schema_version"] = SCHEMA_VERSION
 
 
 def problems(document: Any) -> list[str]:
@@ -108,7 +138,7 @@ def _check(document: Any) -> tuple[list[str], list[dict[str, MLAProblem]]]:
             continue
         bad = []
         for key, winner in entries.items():
-            problem = _entry_problem(key, winner)
+            problem = _entry_problem(key, winner, version)
             if problem is None:
                 bad.append(key)
             else:
@@ -119,7 +149,7 @@ def _check(document: Any) -> tuple[list[str], list[dict[str, MLAProblem]]]:
     return found, parsed
 
 
-def _entry_problem(key: str, winner: Any) -> MLAProblem | None:
+def _entry_problem(key: str, winner: Any, version: Any) -> MLAProblem | None:
     """The key's problem if the entry is valid, else None."""
     try:
         problem = problem_of(key)
@@ -128,14 +158,31 @@ def _entry_problem(key: str, winner: Any) -> MLAProblem | None:
     if not isinstance(winner, dict):
         return None
     alternatives = winner.get("alternatives", [])
+    stepped = version != 1  # v1 options lack the step fields (the upgrade adds them)
     valid = isinstance(alternatives, list) and all(
-        _valid_option(o) for o in (winner, *alternatives))
+        _valid_option(o) and (not stepped or _valid_step(o)) for o in (winner, *alternatives))
     return problem if valid else None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and math.isfinite(value)
 
 
 def _valid_option(option: Any) -> bool:
     time_us = option.get("time_us") if isinstance(option, dict) else None
     return (isinstance(option, dict) and isinstance(option.get("route"), str)
             and isinstance(option.get("params"), dict)
-            and isinstance(time_us, (int, float)) and not isinstance(time_us, bool)
-            and math.isfinite(time_us) and time_us > 0)
+            and _is_number(time_us) and time_us > 0)
+
+
+def _valid_step(option: dict[str, Any]) -> bool:
+    """The step fields as a table's validate allows them for an ok row."""
+    from mlatune.routes.base import PLAN_PLACES
+
+    plan_on, capturable = option.get("plan_on"), option.get("capturable")
+    costs = [option.get(name, "absent") for name in STEP_COST_COLUMNS]  # null: not measured
+    return (plan_on in PLAN_PLACES and isinstance(capturable, bool)
+            and not (plan_on == "host" and capturable)
+            and all(c is None or (_is_number(c) and c >= 0) for c in costs)
+            and not (plan_on == "none" and option["plan_us"] not in (None, 0)))

@@ -12,12 +12,12 @@ from mlatune import routes, table
 from mlatune.arch import DeviceInfo
 from mlatune.problem import MLAProblem
 from mlatune.routes import YES, no
-from mlatune.schema import Provenance, device_key
+from mlatune.schema import SCHEMA_VERSION, Provenance, device_key
 
 H200 = DeviceInfo("sm_90", "NVIDIA H200", "nvidia", 132, 141 * 2**30, 0)
 MI355 = DeviceInfo("gfx950", "AMD Instinct MI355X", "amd", 256, 288 * 2**30, 0)
 PROVENANCE = Provenance(
-    schema_version=1, mlatune_version="0.1.0", torch_version="2.13.0",
+    schema_version=SCHEMA_VERSION, mlatune_version="0.1.0", torch_version="2.13.0",
     triton_version="3.4.0", backend_versions=json.dumps({"torch": "2.13.0"}),
     driver="cuda-driver-12.8", created_utc="2026-01-01T00:00:00Z", spec_sha256="ab" * 32)
 
