@@ -291,35 +291,6 @@ def test_reduce_kernel_matches_torch(max_expsum, blocks, counts):
             torch.testing.assert_close(lg, want_lse, rtol=1e-5, atol=1e-5)
 
 
-# -- the persistent planner ---------------------------------------------------------
-@pytest.mark.parametrize(("lens", "block_n", "workers"),
-                         [([4096], 64, 132), ([1, 0, 300, 7, 64], 16, 4), ([5000] * 6, 64, 7),
-                          ([0, 0], 16, 3), ([100, 2000, 30, 800], 32, 1)])
-def test_persistent_plan_covers_each_key_once_evenly(lens, block_n, workers):
-    from mlatune.kernels.plan import ITEM_OVERHEAD_TILES, plan_persistent
-
-    plan = plan_persistent(lens, block_n, workers)
-    assert len(plan.work_indptr) == workers + 1 and plan.work_indptr[-1] == len(plan.work)
-    assert len(plan.split_indptr) == len(lens) + 1
-    covered = {b: [] for b in range(len(lens))}
-    for b, start, end, slot in plan.work:
-        assert start % block_n == 0 and start < end <= lens[b]
-        assert plan.split_indptr[b] <= slot < plan.split_indptr[b + 1]
-        covered[b].append((start, end))
-    for b, n in enumerate(lens):
-        spans = sorted(covered[b])
-        assert sum(e - s for s, e in spans) == n  # every key once
-        assert all(spans[i][1] == spans[i + 1][0] for i in range(len(spans) - 1))
-        assert plan.split_indptr[b + 1] - plan.split_indptr[b] == len(spans)
-    loads = [sum(-(-(e - s) // block_n) + ITEM_OVERHEAD_TILES
-                 for _, s, e, _ in plan.work[plan.work_indptr[w]:plan.work_indptr[w + 1]])
-             for w in range(workers)]
-    total = sum(-(-n // block_n) + ITEM_OVERHEAD_TILES for n in lens if n)
-    budget = -(-(total + ITEM_OVERHEAD_TILES * (workers - 1)) // workers)
-    # No worker exceeds its share (or one tile, when shares are smaller than a tile).
-    assert max(loads) <= max(budget, 1 + ITEM_OVERHEAD_TILES)
-
-
 # -- capability rules ---------------------------------------------------------------
 H200 = DeviceInfo("sm_90", "NVIDIA H200", "nvidia", 132, 141 << 30, 0)
 MI355 = DeviceInfo("gfx950", "AMD Instinct MI355X", "amd", 256, 288 << 30, 0)
