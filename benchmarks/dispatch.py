@@ -83,7 +83,9 @@ def build_table(device):
         time_us=np.where(ok, time_us, np.nan), time_us_p20=np.where(ok, time_us * 0.98, np.nan),
         time_us_p80=np.where(ok, time_us * 1.02, np.nan), timer="cuda_graph",
         rel_err=rng.uniform(1e-4, 1e-3, n), max_abs_err=rng.uniform(1e-3, 1e-2, n),
-        tb_per_s=np.nan, tflops=np.nan, rank=0)
+        tb_per_s=np.nan, tflops=np.nan, rank=0, plan_on="none", capturable=True,
+        plan_us=np.where(ok, 0.0, np.nan), plan_host_us=np.where(ok, 0.0, np.nan),
+        launch_host_us=np.where(ok, 5.0, np.nan))
     for name, value in Provenance.here("0" * 64).as_dict().items():
         frame[name] = value
     return table.assign_ranks(table.coerce(frame[list(table.COLUMNS)]))

@@ -11,6 +11,8 @@
 #   h200fresh      sweeps/h200.toml from scratch into runs/h200fresh (to time the whole sweep)
 #   h200one        the same on GPU 0 alone into runs/h200one (one H200's rate; beside testsbg)
 #   bundled        doctor, then how the bundled table answers the held-out problems, on the GPU
+#   stepcost       benchmarks/step_cost.py (what one decode() step costs) on GPU 0
+#   example        examples/engine_loop.py on GPU 0 (CUDA graph per batch bucket)
 # Everything it makes goes under $OUT (logs, tables and the journals, gzipped).
 set -u -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -62,6 +64,11 @@ for step in "$@"; do
                python3 -m mlatune coverage sweeps/h200-heldout.toml --require nearest
              } > "$OUT/bundled.log" 2>&1
              log "bundled: rc=$?"; tail -12 "$OUT/bundled.log" | tee -a "$OUT/session.log" ;;
+    stepcost) CUDA_VISIBLE_DEVICES=0 python3 benchmarks/step_cost.py \
+                --out "$OUT/step-cost.jsonl" > "$OUT/step-cost.log" 2>&1
+              log "stepcost: rc=$?"; cat "$OUT/step-cost.log" | tee -a "$OUT/session.log" ;;
+    example) CUDA_VISIBLE_DEVICES=0 python3 examples/engine_loop.py >> "$OUT/session.log" 2>&1
+             log "example: rc=$?" ;;
     *) log "unknown step $step" ;;
   esac
 done

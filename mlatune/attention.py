@@ -1,37 +1,42 @@
 """One call for an engine: MLA decode/verify on a paged latent cache, route chosen for you.
 
-``decode`` builds the problem from the tensors, asks the dispatcher which
-route serves it, prepares that route and runs it. The plan is kept per tensor
-set (data pointers, dtypes, shapes, strides) and problem bucket (every key
-field but batch and kv_len, which the tensors' shapes and ``max_kv_len`` give):
-repeated calls with an engine's persistent buffers, whose contents change
-between steps, find their plan in a dict.
+``decode`` builds the problem from the tensors, asks the dispatcher which route
+serves it, prepares that route once and then, every call, runs its step: the
+per-step plan (from the lengths the tensors hold now) and the launch. The
+prepared step is kept per tensor set (data pointers, dtypes, shapes, strides),
+problem bucket (every key field but batch and kv_len) and call options (scale,
+LSE, capturability): an engine's persistent buffers, whose contents change
+between steps, find their step in a dict.
 
-- ``max_kv_len`` grows every decode step, so plans are not keyed on it: a plan
+- ``max_kv_len`` grows every decode step, so steps are not keyed on it: a step
   serves every ``max_kv_len`` up to the next power of two above the one it was
   made for (the route chosen for the actual length, checked to support the
   problem at that power of two, which it is prepared for). Crossing a power of
-  two re-plans. Reusing is safe because a plan that does not read the lengths
-  on the host (below) takes every length from the device at launch: split-KV
-  kernels cut each request's keys by its own length, whatever the number of
-  splits.
-- A plan that read the length *contents* when prepared (``Prepared.
-  plan_reads_lengths``: padded/triton persistent, segmented/triton, the AITER
-  decode routes) would be stale once the engine rewrites ``seq_lens`` in place,
-  so its route is prepared again on every call, from the current lengths. That
-  costs what preparing costs (a host read of the lengths, which synchronises
-  with the GPU, the host planning, fresh buffers) on every step, as these
-  routes paid before whenever ``max_kv_len`` moved; such plans are not for
-  CUDA-graph capture.
+  two prepares again. Kernels take every length from the device: split-KV cuts
+  each request's keys by its own length; the persistent and segmented routes
+  rebuild their work lists on the device in the step's plan.
+- ``capturable=True`` (the default while a CUDA graph is being captured) takes
+  only routes whose whole step replays from a graph with new lengths and block
+  table entries written in place. A route that plans on the host (the AITER
+  decode routes) is otherwise prepared again on every call, from the current
+  lengths: it pays a host sync per step.
 - With dcp_size > 1 this rank's shard lengths are derived from the global
-  ``seq_lens`` before the route is prepared and again on every call.
+  ``seq_lens`` on the device, every call, before the route's plan.
 - ``return_lse=True`` takes the first route, in the dispatcher's order, whose
-  plan returns an LSE (some, like AITER's Gluon decode, return none).
+  step returns an LSE (some, like AITER's Gluon decode, return none).
 
-The returned ``out`` (and ``lse``) are the plan's own buffers: the next call
-with the same tensors and shapes overwrites them (as a CUDA-graph engine
-expects), except for a plan prepared again (above), which returns new ones.
-Clone them to keep a result across calls.
+Without ``out=`` (and ``lse_out=``) the returned tensors are the step's own
+buffers: the next call with the same tensors overwrites them, as a CUDA-graph
+engine expects (except where a step is prepared again: new ones). Clone them to
+keep a result across calls.
+
+Checks: shapes, dtypes, devices and fp8 scales are checked when a step is made
+(no device work); the length values (page ids in the cache, lengths within the
+block table) only where reading them costs no device sync (CPU tensors) or when
+``MLATUNE_CHECK=1``, which syncs every call (``mlatune.runtime_checks``).
+
+Under ``torch.compile`` the call goes through the custom op ``mlatune::decode``
+(it writes ``out`` and ``lse_out``), so ``fullgraph=True`` compiles.
 """
 
 from __future__ import annotations
@@ -41,39 +46,63 @@ from dataclasses import dataclass
 
 import torch
 
+from mlatune import runtime_checks
 from mlatune.dispatch import Choice, Dispatcher
 from mlatune.inputs import DecodeInputs, KVShard
-from mlatune.problem import DTYPES, MLAProblem, next_power_of_two
-from mlatune.routes import Prepared, Route
+from mlatune.problem import DTYPES, MLAProblem, next_power_of_two, output_dtype
+from mlatune.routes import Prepared, Route, step_kind_of
 
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
-# Plans kept per dispatcher; a plan holds the caller's tensors alive, so the set is bounded.
+# Steps kept per dispatcher; a step holds the caller's tensors alive, so the set is bounded.
 PLAN_LIMIT = 1024
 
 _plans: weakref.WeakKeyDictionary[Dispatcher, dict[tuple, _Plan]] = weakref.WeakKeyDictionary()
-_default: list[Dispatcher] = []
+_default: dict[bool, Dispatcher] = {}  # by capturable
+# Dispatchers by handle, for the custom op (its arguments are tensors and numbers only).
+_by_handle: dict[int, Dispatcher] = {}
 
 
 @dataclass
 class _Plan:
-    problem: MLAProblem  # kv_len: the power of two up to which this plan serves max_kv_len
+    problem: MLAProblem  # kv_len: the power of two up to which this step serves max_kv_len
     choice: Choice
     route: Route
-    inputs: DecodeInputs  # what the route is prepared from (again, if it reads the lengths)
+    inputs: DecodeInputs  # what the route is prepared from (again, if it plans on the host)
     prepared: Prepared
     local_lens: torch.Tensor | None  # this rank's shard lengths, refreshed per call (DCP)
     rank: int
+    out: torch.Tensor  # what the call returns: the caller's out= or the route's own
+    lse: torch.Tensor | None
+    buffers: dict  # the caller's out=/lse= when the route writes into them
+
+    def __post_init__(self) -> None:
+        self.host_planned = self.prepared.step_kind.plan_on == "host"
+        self.fresh = True  # just prepared from these lengths
+
+    def step(self) -> None:
+        if self.local_lens is not None:
+            _fill_local_lens(self.local_lens, self.inputs.seq_lens, self.rank,
+                             self.problem.dcp_size)
+        if self.host_planned and not self.fresh:  # planned on the host: prepare again
+            self.prepared = _prepare(self.route, self.problem, self.inputs, self.rank,
+                                     self.choice, self.lse is not None, self.buffers)
+        self.fresh = False
+        self.prepared.step()
+        if self.out is not self.prepared.out:  # a route that cannot write into out=
+            self.out.copy_(self.prepared.out)
+            if self.lse is not None and self.lse is not self.prepared.lse:
+                self.lse.copy_(self.prepared.lse)
 
 
-def default_dispatcher() -> Dispatcher:
-    """``Dispatcher.from_bundled()``, made once per process on first use."""
-    if not _default:
-        _default.append(Dispatcher.from_bundled())
-    return _default[0]
+def default_dispatcher(capturable: bool = False) -> Dispatcher:
+    """``Dispatcher.from_bundled(capturable=...)``, made once per process on first use."""
+    if capturable not in _default:
+        _default[capturable] = Dispatcher.from_bundled(capturable=capturable)
+    return _default[capturable]
 
 
 def _ptr(t: torch.Tensor | None) -> tuple | None:
-    return None if t is None else (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+    return None if t is None else (t.data_ptr(), t.dtype, t.shape, t.stride())
 
 
 def _fill_local_lens(local_lens: torch.Tensor, seq_lens: torch.Tensor, rank: int,
@@ -95,11 +124,15 @@ def decode(
     causal: bool = True,
     kv_scale: torch.Tensor | None = None,
     q_scale: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    out: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
     dcp_rank: int = 0,
     dcp_size: int = 1,
     max_kv_len: int | None = None,
     kv_lora_rank: int = 512,
     return_lse: bool = False,
+    capturable: bool | None = None,
     dispatcher: Dispatcher | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """MLA decode (qlen 1) or speculative verify (qlen > 1) for one DCP rank.
@@ -109,77 +142,82 @@ def decode(
     shard; block_table: (batch, max_pages) int32 page ids of this rank's shard;
     seq_lens: (batch,) int32 *global* KV lengths (the new tokens included; with
     dcp_size > 1 each rank's share is derived from them). ``max_kv_len`` is
-    max(seq_lens): pass it when the engine knows it, since reading it from a
-    GPU tensor synchronises. fp8 tensors take their per-tensor scales.
+    max(seq_lens): pass it when the engine knows it, since reading it from a GPU
+    tensor synchronises. fp8 tensors take their per-tensor fp32 scales (required).
+    ``softmax_scale``: the model's (DeepSeek's YaRN scaling multiplies the default
+    ``qk_head_dim ** -0.5`` by mscale squared); None: that default.
+    ``out`` (batch * qlen, num_heads * dcp_size, kv_lora_rank) and ``lse_out``
+    (batch * qlen, num_heads * dcp_size) fp32: buffers the caller owns, written in
+    place and returned. ``capturable``: only routes whose step a CUDA graph can
+    replay with new lengths; None: True while the current stream is capturing.
 
-    Returns out (batch * qlen, num_heads * dcp_size, kv_lora_rank) and, with
-    ``return_lse``, lse (batch * qlen, num_heads * dcp_size) fp32; with
-    dcp_size > 1 both are this rank's partials, merged by the caller.
+    Returns out and, with ``return_lse`` (or ``lse_out``), lse fp32 (natural log);
+    with dcp_size > 1 both are this rank's partials, merged by the caller.
     """
-    dispatcher = dispatcher or default_dispatcher()
-    if kv_cache.dim() == 4 and kv_cache.shape[2] == 1:
-        kv_cache = kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], kv_cache.shape[3])
-    if max_kv_len is None:
-        max_kv_len = int(seq_lens.max())
-    # The bucket (dtypes, page size and rope width come with the tensors) and the tensor
-    # set; not max_kv_len, which a plan serves up to its power of two (module docstring).
-    cache_key = (num_heads, qlen, causal, dcp_rank, dcp_size, kv_lora_rank,
-                 return_lse, _ptr(q), _ptr(kv_cache), _ptr(block_table), _ptr(seq_lens),
-                 _ptr(kv_scale), _ptr(q_scale))
+    want_lse = return_lse or lse_out is not None
+    if torch.compiler.is_compiling():
+        return _decode_compiled(q, kv_cache, block_table, seq_lens, num_heads, qlen, causal,
+                                kv_scale, q_scale, softmax_scale, out, lse_out, dcp_rank,
+                                dcp_size, max_kv_len, kv_lora_rank, want_lse, bool(capturable),
+                                dispatcher)
+    if capturable is None:
+        capturable = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    dispatcher = dispatcher or default_dispatcher(capturable)
+    key = (num_heads, qlen, causal, dcp_rank, dcp_size, kv_lora_rank, want_lse, capturable,
+           softmax_scale, _ptr(q), _ptr(kv_cache), _ptr(block_table), _ptr(seq_lens),
+           _ptr(kv_scale), _ptr(q_scale), _ptr(out), _ptr(lse_out))
     plans = _plans.get(dispatcher)
     if plans is None:
         plans = _plans.setdefault(dispatcher, {})
-    plan = plans.get(cache_key)
-    if plan is None or plan.problem.kv_len != next_power_of_two(max_kv_len):
+    plan = plans.get(key)
+    if max_kv_len is None:
+        max_kv_len = int(seq_lens.max())
+    # A step serves max_kv_len in (kv_len / 2, kv_len], kv_len its power of two.
+    if plan is None or not plan.problem.kv_len >= max_kv_len > plan.problem.kv_len // 2:
         plan = _make_plan(q, kv_cache, block_table, seq_lens, num_heads=num_heads, qlen=qlen,
-                          causal=causal, kv_scale=kv_scale, q_scale=q_scale, dcp_rank=dcp_rank,
-                          dcp_size=dcp_size, max_kv_len=max_kv_len, kv_lora_rank=kv_lora_rank,
-                          return_lse=return_lse, dispatcher=dispatcher)
-        if len(plans) >= PLAN_LIMIT and cache_key not in plans:
+                          causal=causal, kv_scale=kv_scale, q_scale=q_scale,
+                          softmax_scale=softmax_scale, out=out, lse_out=lse_out,
+                          dcp_rank=dcp_rank, dcp_size=dcp_size, max_kv_len=max_kv_len,
+                          kv_lora_rank=kv_lora_rank, want_lse=want_lse, capturable=capturable,
+                          dispatcher=dispatcher)
+        if len(plans) >= PLAN_LIMIT and key not in plans:
             plans.clear()
-        plans[cache_key] = plan
-    else:
-        if plan.local_lens is not None:
-            _fill_local_lens(plan.local_lens, seq_lens, dcp_rank, dcp_size)
-        if plan.prepared.plan_reads_lengths:  # planned from the lengths: plan them again
-            plan.prepared = plan.route.prepare(plan.problem, plan.inputs, rank=dcp_rank,
-                                               params=dict(plan.choice.params),
-                                               want_lse=return_lse)
-    plan.prepared.run()
-    if return_lse:
-        return plan.prepared.out, plan.prepared.lse
-    return plan.prepared.out
+        plans[key] = plan
+    elif runtime_checks.checking_enabled() or runtime_checks.values_free_to_check(seq_lens):
+        _check_values(plan.problem, kv_cache, block_table, seq_lens, dcp_rank)
+    plan.step()
+    return (plan.out, plan.lse) if want_lse else plan.out
+
+
+def _check_values(problem: MLAProblem, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                  seq_lens: torch.Tensor, dcp_rank: int) -> None:
+    runtime_checks.check_length_values(seq_lens, block_table, num_pages=kv_cache.shape[0],
+                                       page_size=problem.page_size, qlen=problem.qlen,
+                                       dcp_rank=dcp_rank, dcp_size=problem.dcp_size)
 
 
 def _make_plan(q, kv_cache, block_table, seq_lens, *, num_heads, qlen, causal, kv_scale,
-               q_scale, dcp_rank, dcp_size, max_kv_len, kv_lora_rank, return_lse,
-               dispatcher) -> _Plan:
-    """Check the tensors against each other, build the problem, pick and prepare a route.
+               q_scale, softmax_scale, out, lse_out, dcp_rank, dcp_size, max_kv_len,
+               kv_lora_rank, want_lse, capturable, dispatcher) -> _Plan:
+    """Check the tensors, build the problem, pick and prepare a route.
 
     The route is chosen for ``max_kv_len`` and prepared for its power of two (it must
-    support that too); with ``return_lse`` the first route whose plan has an LSE.
+    support that too): the first, in the dispatcher's order, whose step returns an LSE
+    when one is wanted and is capturable when asked.
     """
-    if kv_cache.dim() != 3:
-        raise ValueError(f"kv_cache must be (pages, page_size, d_qk), got {tuple(kv_cache.shape)}")
-    for name, t in (("q", q), ("kv_cache", kv_cache)):
-        if t.dtype not in _DTYPE_NAMES:
-            raise ValueError(f"{name} dtype {t.dtype} is not one of {sorted(DTYPES)}")
-    batch = block_table.shape[0]
-    d_qk = kv_cache.shape[-1]
-    if seq_lens.shape != (batch,):
-        raise ValueError(f"seq_lens must be ({batch},) like block_table's rows, "
-                         f"got {tuple(seq_lens.shape)}")
-    want_q = (batch * qlen, num_heads * dcp_size, d_qk)
-    if tuple(q.shape) != want_q:
-        raise ValueError(f"q must be (batch * qlen, num_heads * dcp_size, d_qk) = {want_q}, "
-                         f"got {tuple(q.shape)}")
-    if not 0 <= dcp_rank < dcp_size:
-        raise ValueError(f"dcp_rank {dcp_rank} is not in [0, {dcp_size})")
+    runtime_checks.check_decode_args(
+        q, kv_cache, block_table, seq_lens, num_heads=num_heads, qlen=qlen, dcp_rank=dcp_rank,
+        dcp_size=dcp_size, kv_lora_rank=kv_lora_rank, kv_scale=kv_scale, q_scale=q_scale,
+        softmax_scale=softmax_scale, out=out, lse_out=lse_out)
+    if kv_cache.dim() == 4:
+        kv_cache = kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], kv_cache.shape[3])
     problem = MLAProblem(
         phase="decode", num_heads=num_heads, qlen=qlen, q_dtype=_DTYPE_NAMES[q.dtype],
-        kv_dtype=_DTYPE_NAMES[kv_cache.dtype], batch=batch, kv_len=max_kv_len,
+        kv_dtype=_DTYPE_NAMES[kv_cache.dtype], batch=block_table.shape[0], kv_len=max_kv_len,
         dcp_size=dcp_size, causal=causal, page_size=kv_cache.shape[1],
-        kv_lora_rank=kv_lora_rank, rope_dim=d_qk - kv_lora_rank)
+        kv_lora_rank=kv_lora_rank, rope_dim=kv_cache.shape[-1] - kv_lora_rank)
+    if runtime_checks.checking_enabled() or runtime_checks.values_free_to_check(seq_lens):
+        _check_values(problem, kv_cache, block_table, seq_lens, dcp_rank)
     capped = problem.with_(kv_len=next_power_of_two(max_kv_len))
     local_lens = None
     if dcp_size > 1:  # this rank's lengths, filled before any route plans from them
@@ -190,16 +228,80 @@ def _make_plan(q, kv_cache, block_table, seq_lens, *, num_heads, qlen, causal, k
     # This rank holds only its own shard; the other slots stay empty so a route
     # that reached for another rank's cache would fail loudly, not read garbage.
     shards = tuple(shard if r == dcp_rank else None for r in range(dcp_size))
-    inputs = DecodeInputs(capped, q, q_scale, kv_scale, seq_lens, shards)  # type: ignore[arg-type]
+    inputs = DecodeInputs(capped, q, q_scale, kv_scale, seq_lens, shards,  # type: ignore[arg-type]
+                          sm_scale=softmax_scale)
+    buffers = {"out": out, "lse": lse_out}
     for choice in dispatcher.alternatives(capped, first=dispatcher.select(problem)):
         route = dispatcher.route(choice.route_id)
-        prepared = route.prepare(capped, inputs, rank=dcp_rank, params=dict(choice.params),
-                                 want_lse=return_lse)
-        if not return_lse or prepared.lse is not None:
-            return _Plan(capped, choice, route, inputs, prepared, local_lens, dcp_rank)
-    raise RuntimeError(f"return_lse=True: no route that serves {problem.key} returns an LSE")
+        if capturable and not step_kind_of(route, dict(choice.params)).capturable:
+            continue
+        prepared = _prepare(route, capped, inputs, dcp_rank, choice, want_lse, buffers)
+        if want_lse and prepared.lse is None:
+            continue
+        return _Plan(capped, choice, route, inputs, prepared, local_lens, dcp_rank,
+                     prepared.out if out is None else out,
+                     prepared.lse if lse_out is None else lse_out, buffers)
+    needs = " and ".join(n for n, on in (("returns an LSE", want_lse),
+                                          ("is capturable", capturable)) if on)
+    raise RuntimeError(f"no route that serves {problem.key} {needs}")
+
+
+def _prepare(route: Route, problem: MLAProblem, inputs: DecodeInputs, rank: int,
+             choice: Choice, want_lse: bool, buffers: dict) -> Prepared:
+    """The route prepared for this rank, writing into the caller's buffers if it can."""
+    into = {k: v for k, v in buffers.items() if v is not None} \
+        if getattr(route, "writes_into", False) else {}
+    return route.prepare(problem, inputs, rank=rank, params=dict(choice.params),
+                         want_lse=want_lse, **into)
 
 
 def plans_of(dispatcher: Dispatcher | None = None) -> dict[tuple, _Plan]:
-    """The cached plans of a dispatcher (for tests and diagnostics)."""
+    """The cached steps of a dispatcher (for tests and diagnostics)."""
     return _plans.get(dispatcher or default_dispatcher(), {})
+
+
+# --- torch.compile: the same call as a custom op -----------------------------------------
+@torch.compiler.assume_constant_result  # run for real while tracing: the op needs the entry
+def handle_of(dispatcher: Dispatcher | None) -> int:
+    """The number the custom op knows ``dispatcher`` by (0: the default dispatcher)."""
+    if dispatcher is None:
+        return 0
+    _by_handle.setdefault(id(dispatcher), dispatcher)
+    return id(dispatcher)
+
+
+@torch.library.custom_op("mlatune::decode", mutates_args=("out", "lse_out"))
+def _decode_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+               seq_lens: torch.Tensor, kv_scale: torch.Tensor | None,
+               q_scale: torch.Tensor | None, out: torch.Tensor, lse_out: torch.Tensor | None,
+               num_heads: int, qlen: int, causal: bool, softmax_scale: float | None,
+               dcp_rank: int, dcp_size: int, max_kv_len: int | None, kv_lora_rank: int,
+               capturable: bool, dispatcher_handle: int) -> None:
+    decode(q, kv_cache, block_table, seq_lens, num_heads=num_heads, qlen=qlen, causal=causal,
+           kv_scale=kv_scale, q_scale=q_scale, softmax_scale=softmax_scale, out=out,
+           lse_out=lse_out, dcp_rank=dcp_rank, dcp_size=dcp_size, max_kv_len=max_kv_len,
+           kv_lora_rank=kv_lora_rank, capturable=capturable,
+           dispatcher=_by_handle.get(dispatcher_handle))
+
+
+@_decode_op.register_fake
+def _(q, kv_cache, block_table, seq_lens, kv_scale, q_scale, out, lse_out, num_heads, qlen,
+      causal, softmax_scale, dcp_rank, dcp_size, max_kv_len, kv_lora_rank, capturable,
+      dispatcher_handle) -> None:
+    return None
+
+
+def _decode_compiled(q, kv_cache, block_table, seq_lens, num_heads, qlen, causal, kv_scale,
+                     q_scale, softmax_scale, out, lse_out, dcp_rank, dcp_size, max_kv_len,
+                     kv_lora_rank, want_lse, capturable, dispatcher):
+    """decode() as torch.compile traces it: buffers allocated here, the work in the op."""
+    rows, heads = q.shape[0], q.shape[1]
+    if out is None:
+        out_dtype = DTYPES[output_dtype(_DTYPE_NAMES[q.dtype])]
+        out = q.new_empty(rows, heads, kv_lora_rank, dtype=out_dtype)
+    if want_lse and lse_out is None:
+        lse_out = q.new_empty(rows, heads, dtype=torch.float32)
+    _decode_op(q, kv_cache, block_table, seq_lens, kv_scale, q_scale, out, lse_out, num_heads,
+               qlen, causal, softmax_scale, dcp_rank, dcp_size, max_kv_len, kv_lora_rank,
+               capturable, handle_of(dispatcher))
+    return (out, lse_out) if want_lse else out

@@ -144,6 +144,28 @@ def _capture(run: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGr
         return None
 
 
+def host_us(call: Callable[[], None], device: torch.device | str, reps: int = 20,
+            max_seconds: float = 0.25) -> float:
+    """Host time of one eager ``call`` in microseconds: the mean of up to ``reps``
+    back-to-back calls (fewer past ``max_seconds``), device work left to run
+    asynchronously. What an engine's CPU pays per step."""
+    device = torch.device(device)
+    call()  # anything lazy (a first-call compile or load) stays out
+    _sync(device)
+    calls, start = 0, time.perf_counter()
+    while calls < reps and (calls == 0 or time.perf_counter() - start < max_seconds):
+        call()
+        calls += 1
+    spent = time.perf_counter() - start
+    _sync(device)
+    return spent / calls * 1e6
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _measure_wall(run: Callable[[], None], budget: Budget, best_us: float) -> Timing:
     for _ in range(budget.warmup):
         run()

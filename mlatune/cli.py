@@ -529,7 +529,8 @@ def validate(
     table_path: Annotated[Path, typer.Argument(metavar="TABLE",
                                                help="Parquet, CSV or JSON winners table.")],
 ) -> None:
-    """Check a table against schema v1; every problem is reported at once."""
+    """Check a table against the current schema (a v1 table as upgraded on reading);
+    every problem is reported at once."""
     with _one_line_errors(str(table_path)):
         if table_path.suffix.lower() == ".json":
             from mlatune import winners
@@ -546,7 +547,10 @@ def validate(
                                   "page_size", "batch", "kv_len", "d_qk", "d_v"])
     devices = sorted({f"{a} {n}" for a, n in zip(frame["arch"], frame["device_name"],
                                                    strict=True)})
-    console.print(f"[green]ok[/]: {table_path}: schema v{int(frame['schema_version'].max())}, "
+    converted = set(frame.get("converted_from", [])) - {""}
+    version = f"schema v{int(frame['schema_version'].max())}" + \
+        (f" (upgraded from {', '.join(sorted(converted))} on reading)" if converted else "")
+    console.print(f"[green]ok[/]: {table_path}: {version}, "
                   f"{len(frame)} rows, {len(keys)} problems, devices: {', '.join(devices)}",
                   soft_wrap=True)
     _warn_unregistered(frame)

@@ -55,7 +55,7 @@ from mlatune import winners as winners_map
 from mlatune.arch import CPU_ARCH, DeviceInfo, current_device
 from mlatune.errors import TableError
 from mlatune.problem import BUCKET_FIELDS, MLAProblem
-from mlatune.routes import Route, all_routes, params_at
+from mlatune.routes import Route, all_routes, params_at, step_kind_of
 from mlatune.routes.torch_ref import REFERENCE_ID as REFERENCE_ROUTE
 
 __all__ = ["Choice", "Dispatcher", "TableError", "device_for_arch", "find_table"]
@@ -78,10 +78,11 @@ class Choice:
     params: Mapping[str, Any]  # read-only; pass as route.prepare(..., params=dict(params))
     source: str  # "table", "nearest" or "rule"
     key: str = ""  # the measured problem the choice comes from; "" for a rule
-    time_us: float = math.nan  # its measured time
+    # Its measured step cost (``step_cost``): the launch plus the plan the caller pays.
+    time_us: float = math.nan
 
 
-Option = tuple[str, Mapping[str, Any], float]  # (route_id, params, time_us)
+Option = tuple[str, Mapping[str, Any], float]  # (route_id, params, step cost in us)
 # The routes that failed at one measured problem, as (route_id, status) pairs: one
 # shared tuple per distinct pattern (most keys that fail repeat a few patterns).
 Failures = tuple[tuple[str, str], ...]
@@ -188,19 +189,41 @@ def device_for_arch(arch: str, name: str = "", cu_count: int = 0) -> DeviceInfo:
     return DeviceInfo(arch, name or arch, vendor, cu_count, 0, -1 if vendor == "cpu" else 0)
 
 
+def step_cost(time_us, plan_on, plan_us, plan_host_us, capturable: bool):
+    """What one step costs a caller, in microseconds (numbers or numpy arrays alike).
+
+    A caller that replays CUDA graphs pays the launch and the device plan; an eager
+    caller pays a host plan too (a whole prepare with its device sync, which stalls the
+    GPU), while eager launches overlap the GPU's work. Costs a table did not measure
+    (a converted v1 table) count as 0.
+    """
+    import numpy as np
+
+    cost = time_us + np.nan_to_num(plan_us)
+    if not capturable:
+        cost = cost + np.where(plan_on == "host", np.nan_to_num(plan_host_us), 0.0)
+    return cost
+
+
 class Dispatcher:
-    """Answers ``select(problem)`` for one device from one table's rows for its arch."""
+    """Answers ``select(problem)`` for one device from one table's rows for its arch.
+
+    ``capturable``: the dispatcher serves a caller that captures its steps in CUDA
+    graphs: it knows only steps that replay from a graph, ranked by launch plus device
+    plan; otherwise every step, ranked by what an eager call costs (``step_cost``).
+    """
 
     def __init__(self, device: DeviceInfo, entries: Sequence[Entry] = (), *,
                  routes: Mapping[str, Route] | None = None, source: str = "",
                  table_device: tuple[str, str, int] | None = None,
                  provenance: Sequence[Mapping[str, Any]] = (),
                  skipped_routes: Mapping[str, int] | None = None,
-                 failed: Mapping[str, Failures] | None = None):
+                 failed: Mapping[str, Failures] | None = None, capturable: bool = False):
         """Built by ``load``: ``entries`` name only routes in ``routes`` (the registry
         snapshot they were filtered with); ``skipped_routes`` counts the rows dropped;
         ``failed`` holds, per measured key, the routes whose row there is not ok."""
         self.device = device
+        self.capturable = capturable
         self.source = source  # where the table came from ("" without one)
         self.table_device = table_device  # (arch, device_name, cu_count) of the rows used
         self.provenance = [dict(p) for p in provenance]
@@ -237,6 +260,8 @@ class Dispatcher:
         fast on this arch, and the last resort serves everything."""
         ids = sorted(wins, key=lambda r: (-wins[r], r))
         ids += [r for r in sorted(self.routes) if r not in wins]
+        if self.capturable:  # a rule answer runs the route's defaults: their step kind
+            ids = [r for r in ids if step_kind_of(self.routes[r], {}).capturable]
         ids = [r for r in ids if r != REFERENCE_ROUTE] + [REFERENCE_ROUTE]
         return tuple(self.routes[r] for r in ids)
 
@@ -383,31 +408,34 @@ class Dispatcher:
 
     # Loading ---------------------------------------------------------------
     @classmethod
-    def rules_only(cls, device: DeviceInfo | None = None) -> Dispatcher:
+    def rules_only(cls, device: DeviceInfo | None = None, capturable: bool = False
+                   ) -> Dispatcher:
         """A dispatcher without a table: every answer comes from the rule order."""
-        return cls(device or current_device())
+        return cls(device or current_device(), capturable=capturable)
 
     @classmethod
     def load(cls, path: str | os.PathLike, device: DeviceInfo | None = None,
-             allow_arch: str | None = None) -> Dispatcher:
+             allow_arch: str | None = None, capturable: bool = False) -> Dispatcher:
         """Load a table (.parquet, .csv, .json winners map, or a directory holding one).
 
         Refuses (TableError) a damaged or invalid table, and one whose arch is
         not the device's unless ``allow_arch`` names the table's arch (planning
         for another machine: ``supports()`` then sees a stand-in device).
+        ``capturable``: for a caller that replays CUDA graphs (the class docstring).
         """
         # Loading creates ~10^5 small acyclic objects; cyclic GC passes over them
         # would double the load time and find nothing to free.
         was_enabled = gc.isenabled()
         gc.disable()
         try:
-            return cls._load(Path(path), device or current_device(), allow_arch)
+            return cls._load(Path(path), device or current_device(), allow_arch, capturable)
         finally:
             if was_enabled:
                 gc.enable()
 
     @classmethod
-    def _load(cls, path: Path, device: DeviceInfo, allow_arch: str | None) -> Dispatcher:
+    def _load(cls, path: Path, device: DeviceInfo, allow_arch: str | None,
+              capturable: bool) -> Dispatcher:
         arch = allow_arch or device.arch
         if path.is_dir():
             found = find_table(path, arch, device.name)
@@ -427,13 +455,14 @@ class Dispatcher:
         if allow_arch and device.arch != allow_arch:
             device = device_for_arch(*chosen)
         routes = registered_routes()
-        entries, skipped, failed = source.entries(chosen, set(routes))
+        entries, skipped, failed = source.entries(chosen, set(routes), capturable)
         return cls(device, entries, routes=routes, source=str(path), table_device=chosen,
                    provenance=source.provenance(chosen), skipped_routes=skipped,
-                   failed=failed)
+                   failed=failed, capturable=capturable)
 
     @classmethod
-    def from_bundled(cls, device: DeviceInfo | None = None) -> Dispatcher:
+    def from_bundled(cls, device: DeviceInfo | None = None, capturable: bool = False
+                     ) -> Dispatcher:
         """The table shipped with mlatune for this device's arch; ``MLATUNE_TABLE`` overrides.
 
         An explicit ``MLATUNE_TABLE`` that cannot be used raises (the operator
@@ -443,16 +472,16 @@ class Dispatcher:
         device = device or current_device()
         override = os.environ.get(TABLE_ENV)
         if override:
-            return cls.load(override, device)
+            return cls.load(override, device, capturable=capturable)
         found = find_table(bundled_tables_dir(), device.arch, device.name)
         if found is None:
-            return cls.rules_only(device)
+            return cls.rules_only(device, capturable)
         try:
             with resources.as_file(found) as path:
-                return cls.load(path, device)
+                return cls.load(path, device, capturable=capturable)
         except TableError as exc:
             log.warning("mlatune: bundled table unusable, dispatching by rule: %s", exc)
-            return cls.rules_only(device)
+            return cls.rules_only(device, capturable)
 
 
 def _measured_note(choice: Choice, ranked: Sequence[Choice]) -> str:
@@ -544,32 +573,39 @@ class _FrameSource:
     def provenance(self, device: Device) -> list[dict[str, Any]]:
         return self._table.provenances(self._rows(device))
 
-    def entries(self, device: Device, route_ids: set[str]):
-        """Per key, its usable ok routes by rank; column-wise, as load time matters.
+    def entries(self, device: Device, route_ids: set[str], capturable: bool = False):
+        """Per key, its usable ok routes cheapest step first (``step_cost``; with
+        ``capturable`` only steps a graph replays); column-wise, as load time matters.
         Also the skipped row counts, and per key the known routes that failed there."""
         import numpy as np
         import pandas as pd
 
         rows = self._rows(device)
         ok = (rows["status"] == "ok").to_numpy()
+        # With ``capturable`` the other ok steps are left out, not failed: eager callers'.
+        usable = ok & rows["capturable"].to_numpy(dtype=bool) if capturable else ok
         known = rows["route"].isin(route_ids).to_numpy()
         skipped = {str(r): int(n) for r, n in
                    rows.loc[ok & ~known, "route"].value_counts().items()}
         failed = self._failures(rows.loc[~ok & known, [*BUCKET_FIELDS, "batch", "kv_len",
                                                       "route", "status"]])
-        rows = rows.loc[ok & known, [*BUCKET_FIELDS, "batch", "kv_len", "route",
-                                     "route_params", "time_us", "rank"]]
+        rows = rows.loc[usable & known, [*BUCKET_FIELDS, "batch", "kv_len", "route",
+                                         "route_params", "time_us", "rank", "plan_on", "plan_us",
+                                         "plan_host_us"]]
         if rows.empty:
             return [], skipped, failed
         key_id = rows.groupby([*BUCKET_FIELDS, "batch", "kv_len"], sort=False).ngroup()
-        order = np.lexsort((rows["rank"].to_numpy(), key_id.to_numpy()))
+        cost = step_cost(rows["time_us"].to_numpy(), rows["plan_on"].to_numpy(dtype=object),
+                         rows["plan_us"].to_numpy(), rows["plan_host_us"].to_numpy(),
+                         capturable)
+        order = np.lexsort((rows["rank"].to_numpy(), cost, key_id.to_numpy()))
         sorted_ids = key_id.to_numpy()[order]
         starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
         route_codes, route_names = pd.factorize(rows["route"])
         params_codes, params_texts = pd.factorize(rows["route_params"])
         columns = _Columns(route_codes[order], list(route_names),
                            params_codes[order], [_frozen_params(t) for t in params_texts],
-                           rows["time_us"].to_numpy()[order])
+                           cost[order])
         firsts = rows.iloc[order[starts]]  # each key's winner row
         keys = self._table.key_strings(firsts)
         buckets: dict[tuple, tuple] = {}  # one tuple object per bucket, shared
@@ -628,7 +664,8 @@ class _JsonSource:
     def provenance(self, device: Device) -> list[dict[str, Any]]:
         return self._by_device[device][0]["provenance"]
 
-    def entries(self, device: Device, route_ids: set[str]):
+    def entries(self, device: Device, route_ids: set[str], capturable: bool = False):
+        """As ``_FrameSource.entries``, from each key's winner and alternatives."""
         routes: dict[str, int] = {}  # route id -> code
         params: dict[str, int] = {}  # canonical params JSON -> code
         route_codes: list[int] = []
@@ -638,7 +675,8 @@ class _JsonSource:
         entry, problems = self._by_device[device]
         for key, winner in entry["winners"].items():
             start = len(times)
-            for option in (winner, *winner.get("alternatives", ())):
+            for cost, option in _by_step_cost((winner, *winner.get("alternatives", ())),
+                                              capturable):
                 if option["route"] not in route_ids:
                     skipped[option["route"]] = skipped.get(option["route"], 0) + 1
                     continue
@@ -646,7 +684,7 @@ class _JsonSource:
                     else "{}"
                 route_codes.append(routes.setdefault(option["route"], len(routes)))
                 params_codes.append(params.setdefault(text, len(params)))
-                times.append(float(option["time_us"]))
+                times.append(cost)
             if len(times) > start:
                 spans.append((problems[key], start, len(times)))
         columns = _Columns(route_codes, list(routes), params_codes,
@@ -655,3 +693,22 @@ class _JsonSource:
         entries = [(p.key, buckets.setdefault(p.bucket, p.bucket), p.batch, p.kv_len,
                     columns.option(start), columns, start, end) for p, start, end in spans]
         return entries, skipped, {}
+
+
+def _by_step_cost(options, capturable: bool) -> list[tuple[float, dict]]:
+    """A winners map's options of one key as (step cost, option), cheapest first (stable:
+    the map's order breaks ties); only capturable steps with ``capturable``."""
+    costed = []
+    for option in options:
+        if capturable and not option.get("capturable", False):
+            continue
+        cost = step_cost(float(option["time_us"]), option.get("plan_on", "none"),
+                         _number(option.get("plan_us")), _number(option.get("plan_host_us")),
+                         capturable)
+        costed.append((float(cost), option))
+    return sorted(costed, key=lambda pair: pair[0])
+
+
+def _number(value) -> float:
+    """A winners map's cost: null where not measured (an upgraded v1 map)."""
+    return math.nan if value is None else float(value)

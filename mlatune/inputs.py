@@ -43,6 +43,7 @@ class DecodeInputs:
     kv_scale: torch.Tensor | None
     seq_lens: torch.Tensor  # (batch,) int32 global lengths
     shards: tuple[KVShard, ...]
+    sm_scale: float | None = None  # the model's softmax scale; None: the problem's default
 
     # The reference reads these through the inputs so it needs nothing else.
     @property
@@ -63,7 +64,7 @@ class DecodeInputs:
 
     @property
     def softmax_scale(self) -> float:
-        return self.problem.softmax_scale
+        return self.problem.softmax_scale if self.sm_scale is None else self.sm_scale
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ class PrefillInputs:
     v_scale: torch.Tensor | None
     cu_seqlens_q: torch.Tensor  # (batch + 1,) int32
     cu_seqlens_k: torch.Tensor
+    sm_scale: float | None = None  # the model's softmax scale; None: the problem's default
 
     @property
     def causal(self) -> bool:
@@ -84,7 +86,7 @@ class PrefillInputs:
 
     @property
     def softmax_scale(self) -> float:
-        return self.problem.softmax_scale
+        return self.problem.softmax_scale if self.sm_scale is None else self.sm_scale
 
 
 class _Rng:

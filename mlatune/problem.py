@@ -141,8 +141,7 @@ class MLAProblem:
 
     @property
     def out_dtype(self) -> str:
-        """fp8 queries produce bf16 output; 16-bit queries keep their dtype."""
-        return "bf16" if self.q_dtype in FP8_DTYPES else self.q_dtype
+        return output_dtype(self.q_dtype)
 
     @property
     def is_verify(self) -> bool:
@@ -232,6 +231,11 @@ def _as_bool(value: Any) -> bool:
             return False
         raise ValueError(f"causal must be a bool, got {value!r}")
     return bool(value)
+
+
+def output_dtype(q_dtype: str) -> str:
+    """fp8 queries produce bf16 output; 16-bit queries keep their dtype."""
+    return "bf16" if q_dtype in FP8_DTYPES else q_dtype
 
 
 def dtype_size(name: str) -> int:

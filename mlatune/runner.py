@@ -390,14 +390,23 @@ def table_rows(records: list[dict[str, Any]], device: DeviceInfo) -> list[dict[s
                "route_params": r["route_params"], "status": r["status"],
                "reason": r.get("reason", "")}
         for col in ("time_us", "time_us_p20", "time_us_p80", "rel_err", "max_abs_err",
-                    "tb_per_s", "tflops"):
+                    "tb_per_s", "tflops", "plan_us", "plan_host_us", "launch_host_us"):
             row[col] = r.get(col, math.nan)
         row["timer"] = r.get("timer", "")
+        for col in ("plan_on", "capturable"):  # absent: the table derives them from the route
+            if col in r:
+                row[col] = r[col]
         rows.append(row)
     return rows
 
 
 def _better(new: dict[str, Any], held: dict[str, Any]) -> bool:
+    """A route's row keeps its parameters of the cheapest step: launch plus device plan."""
     if new["status"] == "ok":
-        return held["status"] != "ok" or new["time_us"] < held["time_us"]
+        return held["status"] != "ok" or _step_us(new) < _step_us(held)
     return False
+
+
+def _step_us(record: dict[str, Any]) -> float:
+    plan = record.get("plan_us", 0.0)
+    return record["time_us"] + (0.0 if plan is None or math.isnan(plan) else plan)

@@ -5,7 +5,7 @@ from mlatune import attention, reference, routes, table
 from mlatune.accuracy import check
 from mlatune.arch import cpu_device
 from mlatune.dispatch import Dispatcher
-from mlatune.inputs import DecodeInputs, KVShard, make_decode_inputs, shard_lengths
+from mlatune.inputs import DecodeInputs, KVShard, make_decode_inputs, poison_, shard_lengths
 from mlatune.problem import MLAProblem
 from tests.table_helpers import FakeRoute, make_table, result_row
 
@@ -106,9 +106,9 @@ def test_the_returned_buffer_is_the_plans_own():
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    (dict(num_heads=3), "q must be"),
-    (dict(qlen=2), "q must be"),
-    (dict(dcp_rank=4, dcp_size=4, num_heads=1), r"dcp_rank 4 is not in \[0, 4\)"),
+    (dict(num_heads=3), "^q: must be"),
+    (dict(qlen=2), "^q: must be"),
+    (dict(dcp_rank=4, dcp_size=4, num_heads=1), r"^dcp_rank: .*4"),
 ])
 def test_inconsistent_arguments_are_refused(change, message):
     problem = PROBLEMS[0]
@@ -241,3 +241,115 @@ def test_return_lse_passes_over_routes_that_give_none(tmp_path):
             == {"nolse/fake", plan.choice.route_id}
     finally:
         routes.unregister("nolse/fake")
+
+
+# --- what an engine passes: its scale, its buffers, torch.compile, capturability ---------
+def test_the_callers_softmax_scale_is_used():
+    problem = PROBLEMS[0]
+    inputs = make_decode_inputs(problem, seed=10, ragged=True)
+    shard = inputs.shards[0]
+    dispatcher = Dispatcher.rules_only(cpu_device())
+    scale = 0.3 * problem.softmax_scale  # as a YaRN mscale would change it
+    out, lse = attention.decode(inputs.q, shard.kv_cache, shard.block_table, inputs.seq_lens,
+                                num_heads=problem.num_heads, softmax_scale=scale,
+                                return_lse=True, dispatcher=dispatcher)
+    scaled = DecodeInputs(problem, inputs.q, inputs.q_scale, inputs.kv_scale, inputs.seq_lens,
+                          inputs.shards, sm_scale=scale)
+    want_out, want_lse = reference.run(scaled, torch.float64)
+    assert check(problem, out, want_out, lse, want_lse).ok
+    default_out, _ = reference.run(inputs, torch.float64)
+    assert not check(problem, out, default_out).ok  # the scale made a difference
+
+
+@pytest.mark.parametrize("route_id", ["padded/triton", "recording/fake"])
+def test_out_and_lse_out_are_the_callers(route_id, tmp_path):
+    """A route that writes into the caller's buffers, and one whose result is copied there."""
+    problem = PROBLEMS[0]
+    routes.register(FakeRoute("recording/fake"))
+    try:
+        params = {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1,
+                  "num_splits": 2} if route_id == "padded/triton" else {}
+        dispatcher = forced(problem, route_id, params, tmp_path)
+        inputs = make_decode_inputs(problem, seed=11, ragged=True)
+        shard = inputs.shards[0]
+        out = torch.empty(inputs.q.shape[0], problem.num_heads, problem.d_v,
+                          dtype=inputs.q.dtype)
+        lse_out = torch.empty(inputs.q.shape[0], problem.num_heads)
+        poison_(out, lse_out)
+        got, lse = attention.decode(inputs.q, shard.kv_cache, shard.block_table,
+                                    inputs.seq_lens, num_heads=problem.num_heads, out=out,
+                                    lse_out=lse_out, dispatcher=dispatcher)
+        assert got is out and lse is lse_out
+        (plan,) = attention.plans_of(dispatcher).values()
+        assert plan.choice.route_id == route_id
+        assert (plan.prepared.out is out) == (route_id == "padded/triton")
+        want_out, want_lse = reference.run(inputs, torch.float64)
+        assert check(problem, out, want_out, lse_out, want_lse).ok
+    finally:
+        routes.unregister("recording/fake")
+
+
+@pytest.mark.parametrize("backend", ["inductor"])
+def test_torch_compile_fullgraph_matches_eager(backend):
+    problem = MLAProblem(num_heads=4, qlen=2, batch=2, kv_len=40, page_size=8,
+                         q_dtype="fp16", kv_dtype="fp16")
+    inputs = make_decode_inputs(problem, seed=12, ragged=True)
+    shard = inputs.shards[0]
+    dispatcher = Dispatcher.rules_only(cpu_device())
+
+    def attend(q, kv_cache, block_table, seq_lens):
+        out, lse = attention.decode(q, kv_cache, block_table, seq_lens, num_heads=4, qlen=2,
+                                    softmax_scale=0.05, max_kv_len=problem.kv_len,
+                                    return_lse=True, dispatcher=dispatcher)
+        return out.float() * 2.0, lse  # work around the op, as a model has
+
+    args = (inputs.q, shard.kv_cache, shard.block_table, inputs.seq_lens)
+    compiled = torch.compile(attend, fullgraph=True, backend=backend)
+    got_out, got_lse = compiled(*args)
+    want_out, want_lse = attend(*args)
+    torch.testing.assert_close(got_out, want_out)
+    torch.testing.assert_close(got_lse, want_lse)
+    inputs.seq_lens.copy_(torch.tensor([7, 31], dtype=torch.int32))  # the next step
+    got_out, got_lse = compiled(*args)
+    want_out, want_lse = attend(*args)
+    torch.testing.assert_close(got_out, want_out)
+    torch.testing.assert_close(got_lse, want_lse)
+
+
+class HostPlannedRoute(FakeRoute):
+    """Plans from the lengths on the host every step, like the AITER decode routes."""
+
+    def step_kind(self, params):
+        return routes.HOST_PLANNED
+
+    def prepare(self, problem, inputs, *, rank=0, params=None, want_lse=True):
+        prepared = super().prepare(problem, inputs, rank=rank, params=params, want_lse=want_lse)
+        prepared.plan_reads_lengths = True
+        return prepared
+
+
+def test_capturable_steps_pass_over_host_planned_routes(tmp_path):
+    problem = PROBLEMS[0]
+    host = HostPlannedRoute("host/fake")
+    routes.register(host)
+    try:
+        dispatcher = forced(problem, "host/fake", {}, tmp_path)
+        inputs = make_decode_inputs(problem, seed=13, ragged=True)
+        shard = inputs.shards[0]
+
+        def call(capturable):
+            return attention.decode(inputs.q, shard.kv_cache, shard.block_table,
+                                    inputs.seq_lens, num_heads=problem.num_heads,
+                                    capturable=capturable, dispatcher=dispatcher)
+
+        call(False)
+        call(False)  # host-planned: prepared again for the second step
+        assert len(host.prepared) == 2
+        out = call(True)
+        assert len(host.prepared) == 2  # never chosen when a capturable step is asked
+        eager, captured = attention.plans_of(dispatcher).values()
+        assert eager.choice.route_id == "host/fake" != captured.choice.route_id
+        assert routes.step_kind_of(captured.route, dict(captured.choice.params)).capturable
+        assert check(problem, out, reference.run(inputs, torch.float64)[0]).ok
+    finally:
+        routes.unregister("host/fake")

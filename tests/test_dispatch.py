@@ -531,3 +531,69 @@ def test_nearest_redoes_the_neighbours_kv_splits_for_the_asked_problem(tmp_path)
         explained, notes = dispatcher.explain(here)
         assert explained == choice
         assert any("redone" in n for n in notes) == (dict(choice.params) != won)
+
+
+# Step costs: what the caller pays ---------------------------------------------------
+class StepRoute(FakeRoute):
+    """A fake route that declares a step kind."""
+
+    def __init__(self, route_id, kind):
+        super().__init__(route_id)
+        self.kind = kind
+
+    def step_kind(self, params):
+        return self.kind
+
+
+@pytest.fixture
+def step_routes():
+    made = [StepRoute("host/fake", routes.HOST_PLANNED),
+            StepRoute("device/fake", routes.StepKind("device", True)),
+            StepRoute("plain/fake", routes.LAUNCH_ONLY)]
+    for route in made:
+        routes.register(route)
+    yield made
+    for route in made:
+        routes.unregister(route.id)
+
+
+def _costed(problem, route, launch, plan_on, plan_us, plan_host_us):
+    return {**result_row(problem, route, launch), "plan_on": plan_on,
+            "capturable": plan_on != "host", "plan_us": plan_us, "plan_host_us": plan_host_us,
+            "launch_host_us": 5.0}
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "json"])
+def test_steps_are_ranked_by_what_the_caller_pays(tmp_path, step_routes, fmt):
+    """Eager callers pay a host plan; graph callers cannot run one; everyone pays the
+    device plan. Launch times alone would pick host/fake at both problems."""
+    cheap_host, dear_host = MLAProblem(batch=1), MLAProblem(batch=2)
+    rows = [_costed(cheap_host, "host/fake", 10.0, "host", 0.0, 4.0),
+            _costed(cheap_host, "device/fake", 12.0, "device", 9.0, 6.0),
+            _costed(cheap_host, "plain/fake", 20.0, "none", 0.0, 0.0),
+            _costed(dear_host, "host/fake", 10.0, "host", 0.0, 50.0),
+            _costed(dear_host, "device/fake", 12.0, "device", 3.0, 6.0),
+            _costed(dear_host, "plain/fake", 20.0, "none", 0.0, 0.0)]
+    frame = make_table(rows)
+    path = table.write(frame, tmp_path / "sm_90.parquet") if fmt == "parquet" else \
+        table.write_json(table.winners_json(frame), tmp_path / "sm_90.json")
+    eager = Dispatcher.load(path, device=H200)
+    graphs = Dispatcher.load(path, device=H200, capturable=True)
+    assert eager.select(cheap_host).route_id == "host/fake"  # 10 + 4 < 12 + 9 < 20
+    assert eager.select(dear_host).route_id == "device/fake"  # 12 + 3 < 20 < 10 + 50
+    assert eager.select(dear_host).time_us == pytest.approx(15.0)
+    assert graphs.select(cheap_host).route_id == "plain/fake"  # 20 < 12 + 9; host: none
+    assert graphs.select(dear_host).route_id == "device/fake"
+    # Nearest answers come from capturable winners too, and the rule skips host plans.
+    assert graphs.select(MLAProblem(batch=1, kv_len=2048)).route_id == "plain/fake"
+    assert "host/fake" not in [r.id for r in graphs._rule_order]
+    assert "host/fake" in [r.id for r in eager._rule_order]
+
+
+def test_a_converted_table_ranks_by_launch_time(tmp_path, step_routes):
+    """Costs a v1 table never measured count as nothing: its winners stay its winners."""
+    problem = MLAProblem(batch=4)
+    rows = [_costed(problem, "device/fake", 10.0, "device", math.nan, math.nan),
+            _costed(problem, "plain/fake", 11.0, "none", math.nan, math.nan)]
+    path = table.write(make_table(rows), tmp_path / "sm_90.parquet")
+    assert Dispatcher.load(path, device=H200).select(problem).route_id == "device/fake"

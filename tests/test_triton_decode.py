@@ -250,12 +250,14 @@ def test_merge_kernel_matches_torch(dtype):
 
 
 # -- the split reduce kernel ---------------------------------------------------------
-@pytest.mark.parametrize(("max_expsum", "blocks", "counts"), [
-    (False, (2, 16), [3, 0, 1, 4]), (True, (16, 64), [3, 0, 1, 4]),
-    (False, (16, 64), [20, 0, 1, 17]), (True, (2, 16), [33, 2, 0, 16]),  # several slot blocks
+@pytest.mark.parametrize(("max_expsum", "blocks", "counts", "hint"), [
+    (False, (2, 16), [3, 0, 1, 4], None), (True, (16, 64), [3, 0, 1, 4], None),
+    (False, (16, 64), [20, 0, 1, 17], None), (True, (2, 16), [33, 2, 0, 16], None),  # blocks
+    (False, (2, 16), [33, 2, 0, 16], 2),  # a slot hint below the counts (a device plan's)
 ])
-def test_reduce_kernel_matches_torch(max_expsum, blocks, counts):
-    """Slots of varying count per group (none for one), padded rows sliced by head_rep."""
+def test_reduce_kernel_matches_torch(max_expsum, blocks, counts, hint):
+    """Slots of varying count per group (none for one), padded rows sliced by head_rep;
+    any count is merged whatever ``max_slots`` says."""
     from mlatune.kernels.reduce import reduce_launcher
 
     gen = torch.Generator().manual_seed(next(_SEEDS))
@@ -273,8 +275,8 @@ def test_reduce_kernel_matches_torch(max_expsum, blocks, counts):
     lse = torch.empty(len(counts) * tokens, q_heads)
     poison_(out, lse)
     reduce_launcher(part_out, stat, expsum, indptr, out, lse, tokens_per_group=tokens,
-                    q_heads=q_heads, row_heads=row_heads, head_rep=rep, max_slots=max(counts),
-                    blocks=blocks)()
+                    q_heads=q_heads, row_heads=row_heads, head_rep=rep,
+                    max_slots=hint or max(counts), blocks=blocks)()
     for g, n in enumerate(counts):
         first = int(indptr[g])
         for t in range(tokens):

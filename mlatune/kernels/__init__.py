@@ -4,12 +4,13 @@ One module per concern. Decode (the absorbed form: 576-wide q·k, 512-wide v):
 - ``attend``: jit building blocks every decode kernel shares (query row loads,
   the paged online-softmax walk over a key range, final row stores);
 - ``split_kv``: split-KV stage 1 (a split per program, or a persistent grid
-  walking a host-planned work list) writing per-split partials;
+  walking a planned work list) writing per-split partials;
 - ``segmented``: DCP verify stage 1, one query token per row group, writing
   unreduced (out, max, expsum) partials per KV segment;
 - ``reduce``: merges a row's split/segment partials into out and natural-log LSE;
 - ``merge``: merges DCP ranks' partial (out, LSE) by LSE;
-- ``plan``: host-side planning (persistent work lists), plain Python.
+- ``plan``: the persistent work list, planned on the device from the lengths
+  every step (one program; capturable), and its plain-Python reference.
 Prefill: ``prefill`` (persistent varlen kernel) and ``prefill_plan`` (its host plan).
 
 Modules here import Triton at import time; routes import them lazily (in

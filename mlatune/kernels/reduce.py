@@ -25,9 +25,8 @@ def reduce_kernel(part_out_ptr, part_a_ptr, part_b_ptr, split_indptr_ptr, out_pt
                   tokens_per_group, q_heads, row_heads, head_rep,
                   stride_po_slot, stride_po_row, stride_pa_slot,
                   stride_o_tok, stride_o_head, stride_lse_tok,
-                  BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, MAX_SLOTS: tl.constexpr,
-                  SLOT_BLOCK: tl.constexpr, MAX_EXPSUM: tl.constexpr,
-                  WRITE_LSE: tl.constexpr):
+                  BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, SLOT_BLOCK: tl.constexpr,
+                  MAX_EXPSUM: tl.constexpr, WRITE_LSE: tl.constexpr):
     # Grid (row blocks, value-dim blocks, groups): enough programs that a batch
     # of one request is not a handful of programs walking all slots serially.
     offs = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -40,21 +39,25 @@ def reduce_kernel(part_out_ptr, part_a_ptr, part_b_ptr, split_indptr_ptr, out_pt
     first = tl.load(split_indptr_ptr + group).to(tl.int64)
     count = tl.load(split_indptr_ptr + group + 1) - first
 
-    # Pass 1: every slot's statistic at once -> the max and the denominator.
-    slots = tl.arange(0, MAX_SLOTS)
-    stat_off = (first + slots)[:, None] * stride_pa_slot + row[None, :]
-    mask = (slots < count)[:, None] & ok[None, :]
-    x = tl.load(part_a_ptr + stat_off, mask=mask, other=float("-inf"))
-    if MAX_EXPSUM:
-        expsum = tl.load(part_b_ptr + stat_off, mask=mask, other=0.0)
-        x = tl.where(expsum > 0.0, x + tl.log2(tl.where(expsum > 0.0, expsum, 1.0)),
-                     float("-inf"))
-    m_i = tl.max(x, 0)
+    # Pass 1: the max and the denominator over the slots, SLOT_BLOCK at a time (online,
+    # so any slot count works: a device-planned schedule knows only a bound).
+    block = tl.arange(0, SLOT_BLOCK)
+    m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    den = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for s0 in range(0, count, SLOT_BLOCK):
+        off = (first + s0 + block)[:, None] * stride_pa_slot + row[None, :]
+        smask = ((s0 + block) < count)[:, None] & ok[None, :]
+        x = tl.load(part_a_ptr + off, mask=smask, other=float("-inf"))
+        if MAX_EXPSUM:
+            es = tl.load(part_b_ptr + off, mask=smask, other=0.0)
+            x = tl.where(es > 0.0, x + tl.log2(tl.where(es > 0.0, es, 1.0)), float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(x, 0))
+        shift_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        den = den * tl.exp2(m_i - shift_new) + tl.sum(tl.exp2(x - shift_new[None, :]), 0)
+        m_i = m_new
     shift = tl.where(m_i == float("-inf"), 0.0, m_i)
-    den = tl.sum(tl.exp2(x - shift[None, :]), 0)
 
     # Pass 2: weighted sum of the outputs, SLOT_BLOCK slots per step in one load.
-    block = tl.arange(0, SLOT_BLOCK)
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     for s0 in range(0, count, SLOT_BLOCK):
         slot = first + s0 + block
@@ -90,9 +93,9 @@ def reduce_launcher(part_out: torch.Tensor, part_lse: torch.Tensor,
     """A zero-argument launch of ``reduce_kernel``.
 
     ``part_lse`` holds base-2 LSEs, or maxima when ``part_expsum`` is given.
-    ``out`` is (groups * tokens_per_group, q_heads, d_v); ``max_slots`` bounds
-    any group's slot count; ``blocks`` (rows, value dims per program)
-    overrides the size-based choice.
+    ``out`` is (groups * tokens_per_group, q_heads, d_v); ``max_slots``, the
+    slots a group usually has (any count is right), sizes the slot block;
+    ``blocks`` (rows, value dims per program) overrides the size-based choice.
     """
     groups = split_indptr.shape[0] - 1
     d_v = out.shape[-1]
@@ -113,9 +116,8 @@ def reduce_launcher(part_out: torch.Tensor, part_lse: torch.Tensor,
             out, out if lse is None else lse, tokens_per_group, q_heads, row_heads, head_rep,
             part_out.stride(0), part_out.stride(1), part_lse.stride(0),
             out.stride(0), out.stride(1), 0 if lse is None else lse.stride(0))
-    max_pow2 = triton.next_power_of_2(max(max_slots, 1))
-    meta = dict(BLOCK_R=block_r, BLOCK_D=block_d, MAX_SLOTS=max_pow2,
-                SLOT_BLOCK=min(max_pow2, 16),
+    meta = dict(BLOCK_R=block_r, BLOCK_D=block_d,
+                SLOT_BLOCK=min(triton.next_power_of_2(max(max_slots, 1)), 16),
                 MAX_EXPSUM=part_expsum is not None, WRITE_LSE=lse is not None, num_warps=4)
 
     def launch() -> None:

@@ -7,8 +7,8 @@ Two schedules share the per-item body:
   next to each other, share the split's pages in L2. With one split it can
   write the final output directly (``DIRECT``) and skip the reduce.
 - ``persistent_kernel``: grid (row blocks, workers); worker ``w`` walks the
-  (request, key range, partial slot) items a host planner gave it
-  (``plan.plan_persistent``), so uneven requests spread evenly over the SMs.
+  (request, key range, partial slot) items the device planner gave it
+  (``plan.persistent_plan_launcher``), so uneven requests spread evenly over the SMs.
 
 Partials are normalized outputs (fp32, value descale applied) and base-2 LSEs,
 indexed ``[slot, row]``; ``reduce.reduce_kernel`` merges a request's slots.

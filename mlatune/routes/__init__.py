@@ -4,7 +4,19 @@ import importlib
 import os
 
 from mlatune.routes.aiter import AITER_ROUTES
-from mlatune.routes.base import YES, Params, Prepared, Route, Verdict, no, params_at
+from mlatune.routes.base import (
+    HOST_PLANNED,
+    LAUNCH_ONLY,
+    YES,
+    Params,
+    Prepared,
+    Route,
+    StepKind,
+    Verdict,
+    no,
+    params_at,
+    step_kind_of,
+)
 from mlatune.routes.prefill_triton import BF16PersistentPrefillRoute, FP8PersistentPrefillRoute
 from mlatune.routes.registry import (
     all_routes,
@@ -43,10 +55,13 @@ def _load_plugins() -> None:
 _load_plugins()
 
 __all__ = [
+    "HOST_PLANNED",
+    "LAUNCH_ONLY",
     "YES",
     "Params",
     "Prepared",
     "Route",
+    "StepKind",
     "Verdict",
     "all_routes",
     "backend_status",
@@ -54,6 +69,7 @@ __all__ = [
     "no",
     "params_at",
     "register",
+    "step_kind_of",
     "unregister",
     "verdicts",
     "viable",

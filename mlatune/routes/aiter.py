@@ -28,7 +28,7 @@ from mlatune.capability import HeadPlan, tables
 from mlatune.inputs import DecodeInputs, KVShard, PrefillInputs, shard_lengths
 from mlatune.problem import DTYPES, FP8_DTYPES, MLAProblem
 from mlatune.routes.aiter_probe import load, probe
-from mlatune.routes.base import Params, Prepared, Verdict, no
+from mlatune.routes.base import HOST_PLANNED, Params, Prepared, StepKind, Verdict, no
 
 
 def gluon_forced() -> bool:
@@ -60,6 +60,10 @@ class _AiterRoute:
 
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
         return [{}]
+
+    def step_kind(self, params: Params) -> StepKind:
+        # CSR page indices and AITER's schedule are built from the lengths on the host.
+        return HOST_PLANNED
 
 
 # --- the KV cache as AITER's decode kernels read it -------------------------------------
@@ -145,7 +149,7 @@ def _asm_decode(problem: MLAProblem, inputs: DecodeInputs, rank: int, heads: Hea
     lse = (torch.empty(q.shape[0], heads.real, dtype=torch.float32, device=device)
            if want_lse and mode != "stage1" else None)
     causal = problem.causal or problem.qlen == 1  # one token has no order to mask
-    kwargs = {"sm_scale": problem.softmax_scale, "return_lse": lse is not None, "causal": causal,
+    kwargs = {"sm_scale": inputs.softmax_scale, "return_lse": lse is not None, "causal": causal,
               "q_scale": inputs.q_scale, "kv_scale": inputs.kv_scale}
     if mode == "stage1":
         kwargs["page_size"] = view.page
@@ -239,7 +243,7 @@ class GluonRoute(_AiterRoute):
 
         def run() -> None:
             gluon(q_nope=q_nope, q_pe=q_pe, kv_c=kv_c, o=o, page_table=view.indices,
-                  seq_info=view.indptr, sm_scale=problem.softmax_scale, k_pe=None,
+                  seq_info=view.indptr, sm_scale=inputs.softmax_scale, k_pe=None,
                   kv_pe_offset=problem.kv_lora_rank, use_2d_view=False, kv_scale=1.0,
                   min_kv_seq_len=min_kv)
 
@@ -318,7 +322,7 @@ class SegmentedRoute(_AiterRoute):
             if q_rows is not q:
                 q_rows.copy_(q.to(torch.bfloat16) * inputs.q_scale)
             partials = segmented(q_rows, kv, None, qo_indptr, row_lens, max_row, row_table,
-                                 problem.softmax_scale, problem.kv_lora_rank, problem.rope_dim,
+                                 inputs.softmax_scale, problem.kv_lora_rank, problem.rope_dim,
                                  causal=True, q_descale=None, kv_descale=inputs.kv_scale,
                                  skip_reduce=True)
             if not (isinstance(partials, tuple) and len(partials) == 3):
@@ -363,7 +367,7 @@ class Fp8PrefillRoute(_AiterRoute):
                 for dst, src in ((q, inputs.q), (k, inputs.k), (v, inputs.v)):
                     heads.pad_into(dst, src)
             prefill(q, k, v, cu, cu, kv_indices, schedule["work_indptr"], schedule["work_info"],
-                    max_q, problem.softmax_scale, True, logits, attn_lse, out,
+                    max_q, inputs.softmax_scale, True, logits, attn_lse, out,
                     inputs.q_scale, inputs.k_scale, inputs.v_scale)
             # num_kv_splits 0: the kernel's default (one per CU), as the seed passes it.
             reduce(logits, attn_lse, schedule["reduce_indptr"], schedule["reduce_final_map"],

@@ -3,9 +3,20 @@
 A route is a stateless object with a stable id ``<family>/<backend>``. Its
 ``supports`` answers from the problem and the device description alone (no GPU
 work), so planning, the dispatcher and `mlatune plan` can call it anywhere.
-``prepare`` does every allocation and all planning (metadata, padding buffers)
-and returns a ``Prepared`` whose ``run`` only launches work: that is what gets
-timed. Stored ids never change meaning; a new variant gets a new id.
+``prepare`` does every allocation and the planning that depends on shapes only,
+and returns a ``Prepared``: the step an engine calls every decode step.
+
+An engine's step is a per-step plan and a launch, split as FlashMLA splits
+get_mla_metadata from its kernel:
+
+- ``plan`` rebuilds what depends on this step's length *values* (work lists,
+  windows, index tables) into the prepared buffers. A route whose launch reads
+  the lengths itself has none (``plan_on == "none"``); one that plans on the
+  device is capturable with its launch; one that can only plan on the host
+  (``plan_on == "host"``) is prepared again every step and is never captured.
+- ``run`` only launches work: that is what the sweep times as the launch.
+
+Stored ids never change meaning; a new variant gets a new id.
 """
 
 from __future__ import annotations
@@ -13,7 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -22,6 +33,30 @@ from mlatune.inputs import DecodeInputs, PrefillInputs
 from mlatune.problem import MLAProblem
 
 Params = dict[str, Any]
+PlanOn = Literal["none", "device", "host"]
+PLAN_PLACES: tuple[PlanOn, ...] = ("none", "device", "host")
+
+
+@dataclass(frozen=True)
+class StepKind:
+    """How an engine calls a route's step (see the module docstring).
+
+    ``capturable``: plan and launch can be captured in one CUDA graph and replayed
+    with new lengths (and block-table entries) written in place.
+    """
+
+    plan_on: PlanOn
+    capturable: bool
+
+    def __post_init__(self) -> None:
+        if self.plan_on not in PLAN_PLACES:
+            raise ValueError(f"plan_on must be one of {PLAN_PLACES}, got {self.plan_on!r}")
+        if self.plan_on == "host" and self.capturable:
+            raise ValueError("a step planned on the host cannot be captured")
+
+
+LAUNCH_ONLY = StepKind("none", True)  # a capturable launch that reads the lengths itself
+HOST_PLANNED = StepKind("host", False)  # prepared again from the lengths every step
 
 
 @dataclass(frozen=True)
@@ -48,19 +83,35 @@ class Prepared:
     results of one rank over its shard; the caller merges ranks. ``run`` must
     write every element of ``out`` (and of ``lse`` when present) on every call.
 
-    ``plan_reads_lengths``: ``prepare`` planned from the *contents* of the length
-    tensors (seq_lens / cu_seqlens / a shard's lengths: a host-side work list,
-    index lists, a minimum or maximum length), so ``run`` is right only for the
-    lengths those tensors held then. False: ``run`` reads the lengths when it
-    launches and stays right when they are rewritten in place.
+    ``plan_reads_lengths``: ``run`` depends on the *contents* of the length
+    tensors (seq_lens / cu_seqlens / a shard's lengths: a work list, index lists,
+    a minimum or maximum length) as they were when last planned. ``plan``, when
+    given, replans from the current contents on the device without a host sync;
+    without it only ``prepare`` replans (on the host). False: ``run`` reads the
+    lengths when it launches and stays right when they are rewritten in place.
     """
 
     run: Callable[[], None]
     out: torch.Tensor
     lse: torch.Tensor | None = None
-    graph_safe: bool = True  # may be captured in a CUDA graph and replayed
+    graph_safe: bool = True  # ``run`` may be captured in a CUDA graph and replayed
     params: Params = field(default_factory=dict)
     plan_reads_lengths: bool = False
+    plan: Callable[[], None] | None = None  # the per-step device plan (see above)
+
+    @property
+    def step_kind(self) -> StepKind:
+        if not self.plan_reads_lengths:
+            return StepKind("none", self.graph_safe)
+        if self.plan is not None:
+            return StepKind("device", self.graph_safe)
+        return StepKind("host", False)
+
+    def step(self) -> None:
+        """One engine step: the device plan (if any), then the launch."""
+        if self.plan is not None:
+            self.plan()
+        self.run()
 
 
 @runtime_checkable
@@ -84,8 +135,21 @@ class Route(Protocol):
         params: Params | None = None,
         want_lse: bool = True,
     ) -> Prepared:
-        """Plan and allocate for ``inputs`` (decode: DCP rank ``rank``'s shard)."""
+        """Plan and allocate for ``inputs`` (decode: DCP rank ``rank``'s shard).
+
+        A route that can write into the caller's buffers says so with
+        ``writes_into = True`` and then takes ``out=`` and ``lse=`` keywords too.
+        """
         ...
+
+    # Optional: ``step_kind(params) -> StepKind``, what ``prepare(params=params)``'s
+    # ``Prepared.step_kind`` will be, known without a GPU (``step_kind_of``).
+
+
+def step_kind_of(route: Route, params: Params) -> StepKind:
+    """The step kind ``route`` declares for ``params`` (LAUNCH_ONLY when it declares none)."""
+    declare = getattr(route, "step_kind", None)
+    return LAUNCH_ONLY if declare is None else declare(params)
 
 
 def params_at(route: Route, params: Params, measured_at: MLAProblem, problem: MLAProblem,

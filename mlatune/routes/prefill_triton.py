@@ -22,7 +22,7 @@ from mlatune.arch import DeviceInfo, device_of
 from mlatune.inputs import DecodeInputs, PrefillInputs
 from mlatune.kernels.prefill_plan import split_head_dim
 from mlatune.problem import DTYPES, FP8_DTYPES, MLAProblem
-from mlatune.routes.base import YES, Params, Prepared, Verdict, no
+from mlatune.routes.base import HOST_PLANNED, YES, Params, Prepared, StepKind, Verdict, no
 from mlatune.routes.triton_support import triton_verdict
 
 TILE_Q = 256  # query rows per work tile, as in AITER's FP8 prefill
@@ -86,6 +86,9 @@ class _PersistentPrefillRoute:
             return shape
         return triton_verdict(problem, device)
 
+    def step_kind(self, params: Params) -> StepKind:
+        return HOST_PLANNED  # the tile schedule is planned from cu_seqlens on the host
+
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
         if not device.is_gpu:
             configs = [_CPU_CONFIG]
@@ -130,7 +133,7 @@ class _PersistentPrefillRoute:
         launch = PersistentPrefill(
             q, k, v, out_full, lse_full,
             inputs.cu_seqlens_q.diff().tolist(), inputs.cu_seqlens_k.diff().tolist(),
-            causal=problem.causal, sm_scale=problem.softmax_scale, scales=scales,
+            causal=problem.causal, sm_scale=inputs.softmax_scale, scales=scales,
             config=config, num_programs=device.cu_count, tile_q=TILE_Q)
 
         def run() -> None:

@@ -33,7 +33,7 @@ from torch.nn.attention.bias import causal_lower_right
 from mlatune.arch import DeviceInfo
 from mlatune.inputs import DecodeInputs, PrefillInputs
 from mlatune.problem import FP8_DTYPES, MLAProblem
-from mlatune.routes.base import YES, Params, Prepared, Verdict, no
+from mlatune.routes.base import HOST_PLANNED, YES, Params, Prepared, StepKind, Verdict, no
 
 # Fastest first where several serve (cuDNN and flash are Hopper-tuned); math is the fallback.
 BACKENDS: dict[str, SDPBackend] = {
@@ -98,6 +98,9 @@ class SdpaPrefillRoute:
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
         return [{}]  # the backend is found by trying, in prepare
 
+    def step_kind(self, params: Params) -> StepKind:
+        return HOST_PLANNED  # runs of equal lengths are cut on the host
+
     def prepare(self, problem: MLAProblem, inputs: DecodeInputs | PrefillInputs, *,
                 rank: int = 0, params: Params | None = None,
                 want_lse: bool = True) -> Prepared:
@@ -155,7 +158,7 @@ class SdpaPrefillRoute:
 
             def call(q=q, k=k, v=v, dst=dst, mask=mask, is_causal=is_causal) -> None:
                 dst.copy_(F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=mask, is_causal=is_causal, scale=problem.softmax_scale))
+                    q, k, v, attn_mask=mask, is_causal=is_causal, scale=inputs.softmax_scale))
 
             calls.append(call)
         return calls

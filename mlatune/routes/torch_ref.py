@@ -12,7 +12,7 @@ from mlatune import reference
 from mlatune.arch import DeviceInfo
 from mlatune.inputs import DecodeInputs, PrefillInputs
 from mlatune.problem import DTYPES, MLAProblem
-from mlatune.routes.base import YES, Params, Prepared, Verdict
+from mlatune.routes.base import YES, Params, Prepared, StepKind, Verdict
 
 REFERENCE_ID = "reference/torch"
 
@@ -25,6 +25,9 @@ class TorchReferenceRoute:
 
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
         return [{}]
+
+    def step_kind(self, params: Params) -> StepKind:
+        return StepKind("none", False)  # reads the lengths at run time, on the host
 
     def prepare(self, problem: MLAProblem, inputs: DecodeInputs | PrefillInputs, *,
                 rank: int = 0, params: Params | None = None, want_lse: bool = True) -> Prepared:

@@ -27,14 +27,17 @@ exactly the seed's padded rows, without the copy kernels around them.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from mlatune.arch import DeviceInfo, device_of
 from mlatune.inputs import DecodeInputs, PrefillInputs
 from mlatune.problem import DTYPES, MLAProblem, is_power_of_two, next_power_of_two
-from mlatune.routes.base import YES, Params, Prepared, Verdict, no
+from mlatune.routes.base import LAUNCH_ONLY, YES, Params, Prepared, StepKind, Verdict, no
 from mlatune.routes.triton_support import triton_verdict
+
+DEVICE_PLANNED = StepKind("device", True)  # the persistent and segmented step plans
 
 PAD_MULTIPLE = 16  # the padded family's head granularity
 CPRR_HEADS = (16, 32, 64, 128)  # the head counts cprr kernels exist at
@@ -141,41 +144,47 @@ class _TritonDecodeRoute:
         return chosen
 
     # -- preparation ----------------------------------------------------------------
+    writes_into = True  # prepare takes the caller's out= and lse= buffers
+
     def prepare(self, problem: MLAProblem, inputs: DecodeInputs | PrefillInputs, *,
-                rank: int = 0, params: Params | None = None,
-                want_lse: bool = True) -> Prepared:
+                rank: int = 0, params: Params | None = None, want_lse: bool = True,
+                out: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> Prepared:
         if not isinstance(inputs, DecodeInputs):
             raise TypeError(f"{self.id} serves decode inputs, got {type(inputs).__name__}")
         device = device_of(inputs.q)
         chosen = self._resolve(problem, params, device)
         _check_layouts(inputs, rank)
-        out = torch.empty(inputs.q.shape[0], problem.kernel_heads, problem.d_v,
-                          dtype=DTYPES[problem.out_dtype], device=inputs.q.device)
-        lse = torch.empty(inputs.q.shape[0], problem.kernel_heads, dtype=torch.float32,
-                          device=inputs.q.device) if want_lse else None
-        launches = self._plan(problem, inputs, rank, chosen, out, lse, device)
+        if out is None:
+            out = torch.empty(inputs.q.shape[0], problem.kernel_heads, problem.d_v,
+                              dtype=DTYPES[problem.out_dtype], device=inputs.q.device)
+        if lse is None and want_lse:
+            lse = torch.empty(inputs.q.shape[0], problem.kernel_heads, dtype=torch.float32,
+                              device=inputs.q.device)
+        step = self._plan(problem, inputs, rank, chosen, out, lse, device)
+        if step.plan is not None:
+            step.plan()  # planned for the lengths at hand: ``run`` is valid at once
 
         def run() -> None:
-            for launch in launches:
+            for launch in step.launches:
                 launch()
 
         return Prepared(run, out, lse, graph_safe=True, params=chosen,
-                        plan_reads_lengths=self._plan_reads_lengths(chosen))
+                        plan_reads_lengths=self._plan_reads_lengths(chosen), plan=step.plan)
 
     def _plan_reads_lengths(self, params: Params) -> bool:
         """Split-KV reads the lengths in the kernel; the persistent work list is planned
-        from them on the host."""
+        from them, on the device, every step."""
         return bool(params.get("persistent"))
 
+    def step_kind(self, params: Params) -> StepKind:
+        return DEVICE_PLANNED if self._plan_reads_lengths(params) else LAUNCH_ONLY
+
     def _plan(self, problem: MLAProblem, inputs: DecodeInputs, rank: int, params: Params,
-              out: torch.Tensor, lse: torch.Tensor | None,
-              device: DeviceInfo) -> list[Callable[[], None]]:
-        from mlatune.kernels.plan import plan_persistent
+              out: torch.Tensor, lse: torch.Tensor | None, device: DeviceInfo) -> _Step:
         from mlatune.kernels.reduce import reduce_launcher
         from mlatune.kernels.split_kv import (
             RowLayout,
             TileConfig,
-            persistent_launcher,
             split_kv_launcher,
         )
 
@@ -186,35 +195,67 @@ class _TritonDecodeRoute:
         shard = inputs.shards[rank]
         dev = inputs.q.device
         common = dict(layout=layout, rank=rank, world=problem.dcp_size, causal=problem.causal,
-                      sm_scale=problem.softmax_scale, tiles=tiles)
+                      sm_scale=inputs.softmax_scale, tiles=tiles)
         tensors = (inputs.q, shard.kv_cache, shard.block_table, inputs.seq_lens,
                    inputs.q_scale, inputs.kv_scale)
         reduce_args = dict(tokens_per_group=problem.qlen, q_heads=problem.kernel_heads,
                            row_heads=row_heads, head_rep=head_rep)
         if params.get("persistent"):
-            row_blocks = -(-layout.rows // tiles.block_m)
-            workers = params.get("num_workers") or max(1, device.cu_count // row_blocks)
-            plan = plan_persistent(shard.seq_lens.tolist(), tiles.block_n, workers)
-            part_out, part_lse = _partials(max(plan.num_slots, 1), layout.rows, problem.d_v, dev)
-            work = torch.tensor(plan.work or [(0, 0, 0, 0)], dtype=torch.int32, device=dev)
-            return [
-                persistent_launcher(*tensors, **common, work=work,
-                                    work_indptr=_int32(plan.work_indptr, dev),
-                                    part_out=part_out, part_lse=part_lse),
-                reduce_launcher(part_out, part_lse, None, _int32(plan.split_indptr, dev), out,
-                                lse, **reduce_args, max_slots=plan.max_slots),
-            ]
+            return _persistent_step(problem, inputs, rank, params, out, lse, device, tensors,
+                                    common, reduce_args)
         splits = params["num_splits"]
         if splits == 1:
-            return [split_kv_launcher(*tensors, **common, num_splits=1, out=out, lse=lse)]
+            return _Step([split_kv_launcher(*tensors, **common, num_splits=1, out=out, lse=lse)])
         part_out, part_lse = _partials(problem.batch * splits, layout.rows, problem.d_v, dev)
         split_indptr = torch.arange(problem.batch + 1, dtype=torch.int32, device=dev) * splits
-        return [
+        return _Step([
             split_kv_launcher(*tensors, **common, num_splits=splits, part_out=part_out,
                               part_lse=part_lse),
             reduce_launcher(part_out, part_lse, None, split_indptr, out, lse, **reduce_args,
                             max_slots=splits),
-        ]
+        ])
+
+
+@dataclass
+class _Step:
+    """A prepared step: launches that read only device buffers, and the device plan that
+    refills the buffers derived from the lengths (None: the launches read the lengths)."""
+
+    launches: list[Callable[[], None]]
+    plan: Callable[[], None] | None = None
+
+
+def _persistent_step(problem: MLAProblem, inputs: DecodeInputs, rank: int, params: Params,
+                     out: torch.Tensor, lse: torch.Tensor | None, device: DeviceInfo,
+                     tensors: tuple, common: dict, reduce_args: dict) -> _Step:
+    """The persistent schedule: a device-planned work list over ``num_workers`` programs,
+    sized for any lengths up to the problem's (so a captured graph replays with new ones)."""
+    from mlatune.kernels.plan import (
+        allocate_plan_buffers,
+        max_slots_bound,
+        persistent_plan_launcher,
+        work_capacity,
+    )
+    from mlatune.kernels.reduce import reduce_launcher
+    from mlatune.kernels.split_kv import persistent_launcher
+
+    layout, tiles = common["layout"], common["tiles"]
+    row_blocks = -(-layout.rows // tiles.block_m)
+    workers = params.get("num_workers") or max(1, device.cu_count // row_blocks)
+    dev = inputs.q.device
+    work, work_indptr, split_indptr = allocate_plan_buffers(problem.batch, workers, dev)
+    part_out, part_lse = _partials(work_capacity(problem.batch, workers), layout.rows,
+                                   problem.d_v, dev)
+    plan = persistent_plan_launcher(inputs.seq_lens, rank=rank, world=problem.dcp_size,
+                                    block_n=tiles.block_n, workers=workers, work=work,
+                                    work_indptr=work_indptr, split_indptr=split_indptr)
+    max_slots = max_slots_bound(workers, problem.shard_len, tiles.block_n)
+    return _Step([
+        persistent_launcher(*tensors, **common, work=work, work_indptr=work_indptr,
+                            part_out=part_out, part_lse=part_lse),
+        reduce_launcher(part_out, part_lse, None, split_indptr, out, lse, **reduce_args,
+                        max_slots=max_slots),
+    ], plan)
 
 
 def _int32(values: list[int], device) -> torch.Tensor:
@@ -328,11 +369,10 @@ class SegmentedTritonRoute(_TritonDecodeRoute):
         return space
 
     def _plan_reads_lengths(self, params: Params) -> bool:
-        return True  # the row lengths (causal windows per rank) are computed once, here
+        return True  # row lengths (causal windows per rank) and the subpage table, per step
 
     def _plan(self, problem: MLAProblem, inputs: DecodeInputs, rank: int, params: Params,
-              out: torch.Tensor, lse: torch.Tensor | None,
-              device: DeviceInfo) -> list[Callable[[], None]]:
+              out: torch.Tensor, lse: torch.Tensor | None, device: DeviceInfo) -> _Step:
         from mlatune.kernels.reduce import reduce_launcher
         from mlatune.kernels.segmented import (
             row_lengths,
@@ -352,8 +392,15 @@ class SegmentedTritonRoute(_TritonDecodeRoute):
         tiles = TileConfig(params["block_m"], block_n, params["num_warps"],
                            params["num_stages"], bool(params.get("kv_twice")))
         kv = shard.kv_cache.view(-1, tile, shard.kv_cache.shape[-1])
-        table = subpage_table(shard.block_table, page, tile)
-        lens = row_lengths(inputs.seq_lens, problem.qlen, rank, problem.dcp_size)
+        # Filled by ``plan`` from this step's lengths and block table, on the device.
+        table = torch.empty(shard.block_table.shape[0], shard.block_table.shape[1] * page // tile,
+                            dtype=shard.block_table.dtype, device=dev)
+        lens = torch.empty(problem.batch * problem.qlen, dtype=torch.int32, device=dev)
+
+        def plan() -> None:
+            table.copy_(subpage_table(shard.block_table, page, tile))
+            lens.copy_(row_lengths(inputs.seq_lens, problem.qlen, rank, problem.dcp_size))
+
         segments = params["num_segments"]
         slots = lens.shape[0] * segments
         heads = problem.kernel_heads
@@ -361,15 +408,15 @@ class SegmentedTritonRoute(_TritonDecodeRoute):
         seg_max = torch.empty(slots, heads, dtype=torch.float32, device=dev)
         seg_sum = torch.empty(slots, heads, dtype=torch.float32, device=dev)
         split_indptr = torch.arange(lens.shape[0] + 1, dtype=torch.int32, device=dev) * segments
-        return [
+        return _Step([
             segmented_launcher(inputs.q, kv, table, lens, inputs.q_scale, inputs.kv_scale,
-                               qlen=problem.qlen, sm_scale=problem.softmax_scale, tiles=tiles,
+                               qlen=problem.qlen, sm_scale=inputs.softmax_scale, tiles=tiles,
                                num_segments=segments, seg_out=seg_out, seg_max=seg_max,
                                seg_sum=seg_sum),
             reduce_launcher(seg_out, seg_max, seg_sum, split_indptr, out, lse,
                             tokens_per_group=1, q_heads=heads, row_heads=heads, head_rep=1,
                             max_slots=segments),
-        ]
+        ], plan)
 
 
 TRITON_DECODE_ROUTES = (PaddedTritonRoute, GluonTritonRoute, CprrTritonRoute,
