@@ -11,6 +11,8 @@
 #   h200fresh      sweeps/h200.toml from scratch into runs/h200fresh (to time the whole sweep)
 #   h200one        the same on GPU 0 alone into runs/h200one (one H200's rate; beside testsbg)
 #   bundled        doctor, then how the bundled table answers the held-out problems, on the GPU
+#   pcheck         benchmarks/persistent_check.toml on GPU 0 (padded/triton's schedules at
+#                  points of the shipped table, for comparison)
 #   stepcost       benchmarks/step_cost.py (what one decode() step costs) on GPU 0
 #   example        examples/engine_loop.py on GPU 0 (CUDA graph per batch bucket)
 # Everything it makes goes under $OUT (logs, tables and the journals, gzipped).
@@ -64,6 +66,7 @@ for step in "$@"; do
                python3 -m mlatune coverage sweeps/h200-heldout.toml --require nearest
              } > "$OUT/bundled.log" 2>&1
              log "bundled: rc=$?"; tail -12 "$OUT/bundled.log" | tee -a "$OUT/session.log" ;;
+    pcheck) ( export CUDA_VISIBLE_DEVICES=0; sweep pcheck benchmarks/persistent_check.toml 1 ) ;;
     stepcost) CUDA_VISIBLE_DEVICES=0 python3 benchmarks/step_cost.py \
                 --out "$OUT/step-cost.jsonl" > "$OUT/step-cost.log" 2>&1
               log "stepcost: rc=$?"; cat "$OUT/step-cost.log" | tee -a "$OUT/session.log" ;;

@@ -25,6 +25,11 @@ between steps, find their step in a dict.
 - ``return_lse=True`` takes the first route, in the dispatcher's order, whose
   step returns an LSE (some, like AITER's Gluon decode, return none).
 
+From its second eager call on, a capturable step on a GPU is replayed from a CUDA
+graph of its own (captured then, once): the host pays one graph launch instead of
+one Triton launch per kernel. Inside the caller's capture the kernels are launched
+as such, so they land in the caller's graph.
+
 Without ``out=`` (and ``lse_out=``) the returned tensors are the step's own
 buffers: the next call with the same tensors overwrites them, as a CUDA-graph
 engine expects (except where a step is prepared again: new ones). Clone them to
@@ -46,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mlatune import runtime_checks
+from mlatune import bench, runtime_checks
 from mlatune.dispatch import Choice, Dispatcher
 from mlatune.inputs import DecodeInputs, KVShard
 from mlatune.problem import DTYPES, MLAProblem, next_power_of_two, output_dtype
@@ -76,8 +81,26 @@ class _Plan:
     buffers: dict  # the caller's out=/lse= when the route writes into them
 
     def __post_init__(self) -> None:
-        self.host_planned = self.prepared.step_kind.plan_on == "host"
+        kind = self.prepared.step_kind
+        self.host_planned = kind.plan_on == "host"
         self.fresh = True  # just prepared from these lengths
+        # Eager calls after the first replay the step from a private CUDA graph: one
+        # launch where each Triton launch costs tens of microseconds of host time.
+        self.replayable = kind.capturable and self.out.is_cuda
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def call(self) -> None:
+        """One call of the caller's: eager, or inside the caller's own graph capture."""
+        if self.graph is not None:
+            if not torch.cuda.is_current_stream_capturing():
+                self.graph.replay()
+                return
+        elif self.replayable and not self.fresh and not torch.cuda.is_current_stream_capturing():
+            self.graph = bench.capture_graph(self.step, self.out.device)  # runs this call
+            self.replayable = self.graph is not None
+            if self.graph is not None:
+                return
+        self.step()
 
     def step(self) -> None:
         if self.local_lens is not None:
@@ -185,7 +208,7 @@ def decode(
         plans[key] = plan
     elif runtime_checks.checking_enabled() or runtime_checks.values_free_to_check(seq_lens):
         _check_values(plan.problem, kv_cache, block_table, seq_lens, dcp_rank)
-    plan.step()
+    plan.call()
     return (plan.out, plan.lse) if want_lse else plan.out
 
 

@@ -98,7 +98,7 @@ def measure(run: Callable[[], None], device: torch.device | str, budget: Budget 
     flush = torch.empty(_L2_FLUSH_BYTES // 4, dtype=torch.float32, device=device)
     launch, timer, untimed = run, "cuda_event", 0
     if graph_safe:
-        graph = _capture(run, device)  # runs the route once and replays it once
+        graph = capture_graph(run, device)  # runs the route once and replays it once
         if graph is not None:
             launch, timer, untimed = graph.replay, "cuda_graph", 2
     for _ in range(budget.warmup - untimed):
@@ -117,7 +117,7 @@ def measure(run: Callable[[], None], device: torch.device | str, budget: Budget 
     return _repeat(one_rep, budget, best_us, timer)
 
 
-def _capture(run: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGraph | None:
+def capture_graph(run: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGraph | None:
     """A CUDA graph of one ``run``, or None when the route cannot be captured.
 
     Not ``torch.cuda.graph()``: it empties the allocator's cache on entry, so that

@@ -84,7 +84,10 @@ def _next_steps(problem: MLAProblem, gen: torch.Generator) -> list[torch.Tensor]
 def test_a_captured_step_replays_with_new_lengths(route_id, persistent, problem, tmp_path):
     params = _params(route_id, persistent, problem)
     dispatcher = _forced(problem, route_id, params, tmp_path)
-    inputs = make_decode_inputs(problem, seed=21, device="cuda", ragged=True)
+    # Pages for kv_len tokens per request (the capacity); the lengths start ragged.
+    inputs = make_decode_inputs(problem, seed=21, device="cuda")
+    gen = torch.Generator().manual_seed(5)
+    inputs.seq_lens.copy_(_next_steps(problem, gen)[0].to(torch.int32))
     rows, heads = inputs.q.shape[0], problem.kernel_heads
     outs = [torch.empty(rows, heads, problem.d_v, dtype=torch.bfloat16, device="cuda")
             for _ in inputs.shards]
@@ -107,7 +110,6 @@ def test_a_captured_step_replays_with_new_lengths(route_id, persistent, problem,
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    gen = torch.Generator().manual_seed(5)
     for n, lens in enumerate(_next_steps(problem, gen)):
         inputs.seq_lens.copy_(lens.to(torch.int32))
         if problem.dcp_size == 1 and n == 1:  # the engine moved pages: new ids in place
@@ -126,3 +128,30 @@ def test_a_captured_step_replays_with_new_lengths(route_id, persistent, problem,
         want_out, want_lse = _expected(scaled)
         accuracy = check(problem, out, want_out, lse, want_lse)
         assert accuracy.ok, f"replay {n}: {accuracy.reason}"
+
+
+@pytest.mark.parametrize(("route_id", "persistent", "problem"), [CASES[1], CASES[7]],
+                         ids=["padded-persistent", "segmented-dcp2"])
+def test_eager_calls_replay_a_private_graph_with_new_lengths(route_id, persistent, problem,
+                                                             tmp_path):
+    """From the second eager call on, decode replays its own graph of the step."""
+    dispatcher = _forced(problem, route_id, _params(route_id, persistent, problem), tmp_path)
+    inputs = make_decode_inputs(problem, seed=22, device="cuda")
+    gen = torch.Generator().manual_seed(6)
+    for n, lens in enumerate(_next_steps(problem, gen)):
+        inputs.seq_lens.copy_(lens.to(torch.int32))
+        outs, lses = [], []
+        for shard in inputs.shards:
+            out, lse = attention.decode(inputs.q, shard.kv_cache, shard.block_table,
+                                        inputs.seq_lens, num_heads=problem.num_heads,
+                                        qlen=problem.qlen, dcp_rank=shard.rank,
+                                        dcp_size=problem.dcp_size, max_kv_len=problem.kv_len,
+                                        return_lse=True, dispatcher=dispatcher)
+            outs.append(out.float().clone())
+            lses.append(lse.clone())
+        out, lse = reference.merge_partials(outs, lses) if len(outs) > 1 else (outs[0], lses[0])
+        want_out, want_lse = _expected(inputs)
+        accuracy = check(problem, out, want_out, lse, want_lse)
+        assert accuracy.ok, f"call {n}: {accuracy.reason}"
+        graphs = [p.graph is not None for p in attention.plans_of(dispatcher).values()]
+        assert all(graphs) == (n >= 1), f"call {n}: private graphs {graphs}"

@@ -249,7 +249,10 @@ def _persistent_step(problem: MLAProblem, inputs: DecodeInputs, rank: int, param
     plan = persistent_plan_launcher(inputs.seq_lens, rank=rank, world=problem.dcp_size,
                                     block_n=tiles.block_n, workers=workers, work=work,
                                     work_indptr=work_indptr, split_indptr=split_indptr)
-    max_slots = max_slots_bound(workers, problem.shard_len, tiles.block_n)
+    # The reduce merges any slot count; the hint sizes its slot block for the usual one:
+    # a request's share of the workers, plus one for a cut at each end.
+    max_slots = min(max_slots_bound(workers, problem.shard_len, tiles.block_n),
+                    -(-workers // problem.batch) + 1)
     return _Step([
         persistent_launcher(*tensors, **common, work=work, work_indptr=work_indptr,
                             part_out=part_out, part_lse=part_lse),
