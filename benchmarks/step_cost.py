@@ -7,9 +7,12 @@ For each point (default: the four of the engine-runtime issue) and each route
 setting (the bundled table's pick, then ``padded/triton`` with split-KV and with
 its device-planned persistent schedule, forced through one-problem tables):
 
-- ``host_reused_us``: host wall time of one eager call whose step is cached (the
-  per-step device plan, if any, is launched; nothing is prepared), mean of many
-  calls, the GPU left to run asynchronously (synchronised outside the timing);
+- ``host_reused_us``: host wall time of one eager call whose step is cached (from
+  the second call on, a capturable step is replayed from its private graph), mean
+  of many calls, the GPU left to run asynchronously (synchronised outside the
+  timing); ``host_held_step_us``: the same for a step the caller holds
+  (``attention.prepare_decode``), which skips the lookup; ``host_graph_replay_us``:
+  ``CUDAGraph.replay`` alone, the floor of both;
 - ``host_replanned_us``: the same with the cache emptied before every call, so
   the route is chosen and prepared again (what every call cost before steps
   were cached or when a host-planned route prepares each step);
@@ -88,8 +91,17 @@ def measure_point(problem: MLAProblem, dispatcher: Dispatcher, label: str) -> di
                          max_kv_len=problem.kv_len, capturable=True, dispatcher=dispatcher)
 
     call()
-    (plan,) = attention.plans_of(dispatcher).values()
+    call()  # the second eager call captures the step's private graph
     reused = _host_us(call)
+    (cached,) = attention.plans_of(dispatcher).values()
+    replay = _host_us(cached.graph.replay) if cached.graph is not None else float("nan")
+    step = attention.prepare_decode(
+        inputs.q, shard.kv_cache, shard.block_table, inputs.seq_lens,
+        num_heads=problem.num_heads, qlen=problem.qlen, out=out, max_kv_len=problem.kv_len,
+        capturable=True, dispatcher=dispatcher)
+    step()
+    step()
+    held = _host_us(step)
 
     def replanned() -> None:
         attention.plans_of(dispatcher).clear()
@@ -103,7 +115,8 @@ def measure_point(problem: MLAProblem, dispatcher: Dispatcher, label: str) -> di
     graph = bench.measure(call, "cuda")
     return {"point": label, "route": plan.choice.route_id, "source": plan.choice.source,
             "params": dict(plan.choice.params), "step_kind": prepared.step_kind.plan_on,
-            "host_reused_us": reused, "host_replanned_us": again,
+            "host_reused_us": reused, "host_held_step_us": held,
+            "host_graph_replay_us": replay, "host_replanned_us": again,
             "eager_us": _eager_device_us(call), "graph_us": graph.median_us,
             "timer": graph.timer, "plan_us": plan_us}
 
@@ -135,7 +148,9 @@ def main() -> None:
                 row["setting"] = name
                 rows.append(row)
                 print(f"({text}) {name:10s} {row['route']:16s} {row['step_kind']:6s} "
-                      f"host {row['host_reused_us']:7.1f} us reused, "
+                      f"host {row['host_reused_us']:6.1f} us reused, "
+                      f"{row['host_held_step_us']:5.1f} us held step "
+                      f"({row['host_graph_replay_us']:4.1f} us of it graph.replay), "
                       f"{row['host_replanned_us']:8.1f} us replanned; device eager "
                       f"{row['eager_us']:8.1f} us, graph {row['graph_us']:8.1f} us "
                       f"(plan {row['plan_us']:.1f} us)", flush=True)

@@ -61,14 +61,18 @@ _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 # Steps kept per dispatcher; a step holds the caller's tensors alive, so the set is bounded.
 PLAN_LIMIT = 1024
 
-_plans: weakref.WeakKeyDictionary[Dispatcher, dict[tuple, _Plan]] = weakref.WeakKeyDictionary()
+_plans: weakref.WeakKeyDictionary[Dispatcher, dict[tuple, DecodeStep]] = \
+    weakref.WeakKeyDictionary()
 _default: dict[bool, Dispatcher] = {}  # by capturable
 # Dispatchers by handle, for the custom op (its arguments are tensors and numbers only).
 _by_handle: dict[int, Dispatcher] = {}
 
 
 @dataclass
-class _Plan:
+class DecodeStep:
+    """One prepared decode step for fixed tensors (``prepare_decode``; ``decode`` keeps
+    them per tensor set). Calling it runs the step on what the tensors hold now."""
+
     problem: MLAProblem  # kv_len: the power of two up to which this step serves max_kv_len
     choice: Choice
     route: Route
@@ -88,6 +92,15 @@ class _Plan:
         # launch where each Triton launch costs tens of microseconds of host time.
         self.replayable = kind.capturable and self.out.is_cuda
         self.graph: torch.cuda.CUDAGraph | None = None
+
+    def __call__(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Run the step (``call``); returns out, and the LSE when the step has one."""
+        if runtime_checks.checking_enabled():
+            _check_values(self.problem, self.inputs.shards[self.rank].kv_cache,
+                          self.inputs.shards[self.rank].block_table, self.inputs.seq_lens,
+                          self.rank)
+        self.call()
+        return self.out if self.lse is None else (self.out, self.lse)
 
     def call(self) -> None:
         """One call of the caller's: eager, or inside the caller's own graph capture."""
@@ -212,6 +225,41 @@ def decode(
     return (plan.out, plan.lse) if want_lse else plan.out
 
 
+def prepare_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    num_heads: int,
+    max_kv_len: int,
+    qlen: int = 1,
+    causal: bool = True,
+    kv_scale: torch.Tensor | None = None,
+    q_scale: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    out: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
+    dcp_rank: int = 0,
+    dcp_size: int = 1,
+    kv_lora_rank: int = 512,
+    return_lse: bool = False,
+    capturable: bool = False,
+    dispatcher: Dispatcher | None = None,
+) -> DecodeStep:
+    """``decode``'s step for these tensors, chosen and prepared now, for an engine that
+    keeps it: ``step()`` then costs no lookup (the plan/run split of FlashInfer's
+    wrappers). Arguments as ``decode``'s; the step serves lengths up to the block
+    table's capacity, chosen for ``max_kv_len``."""
+    dispatcher = dispatcher or default_dispatcher(capturable)
+    return _make_plan(q, kv_cache, block_table, seq_lens, num_heads=num_heads, qlen=qlen,
+                      causal=causal, kv_scale=kv_scale, q_scale=q_scale,
+                      softmax_scale=softmax_scale, out=out, lse_out=lse_out, dcp_rank=dcp_rank,
+                      dcp_size=dcp_size, max_kv_len=max_kv_len, kv_lora_rank=kv_lora_rank,
+                      want_lse=return_lse or lse_out is not None, capturable=capturable,
+                      dispatcher=dispatcher)
+
+
 def _check_values(problem: MLAProblem, kv_cache: torch.Tensor, block_table: torch.Tensor,
                   seq_lens: torch.Tensor, dcp_rank: int) -> None:
     runtime_checks.check_length_values(seq_lens, block_table, num_pages=kv_cache.shape[0],
@@ -221,7 +269,7 @@ def _check_values(problem: MLAProblem, kv_cache: torch.Tensor, block_table: torc
 
 def _make_plan(q, kv_cache, block_table, seq_lens, *, num_heads, qlen, causal, kv_scale,
                q_scale, softmax_scale, out, lse_out, dcp_rank, dcp_size, max_kv_len,
-               kv_lora_rank, want_lse, capturable, dispatcher) -> _Plan:
+               kv_lora_rank, want_lse, capturable, dispatcher) -> DecodeStep:
     """Check the tensors, build the problem, pick and prepare a route.
 
     The route is chosen for ``max_kv_len`` and prepared for its power of two (it must
@@ -261,9 +309,9 @@ def _make_plan(q, kv_cache, block_table, seq_lens, *, num_heads, qlen, causal, k
         prepared = _prepare(route, capped, inputs, dcp_rank, choice, want_lse, buffers)
         if want_lse and prepared.lse is None:
             continue
-        return _Plan(capped, choice, route, inputs, prepared, local_lens, dcp_rank,
-                     prepared.out if out is None else out,
-                     prepared.lse if lse_out is None else lse_out, buffers)
+        lse = (prepared.lse if lse_out is None else lse_out) if want_lse else None
+        return DecodeStep(capped, choice, route, inputs, prepared, local_lens, dcp_rank,
+                          prepared.out if out is None else out, lse, buffers)
     needs = " and ".join(n for n, on in (("returns an LSE", want_lse),
                                           ("is capturable", capturable)) if on)
     raise RuntimeError(f"no route that serves {problem.key} {needs}")
@@ -278,7 +326,7 @@ def _prepare(route: Route, problem: MLAProblem, inputs: DecodeInputs, rank: int,
                          want_lse=want_lse, **into)
 
 
-def plans_of(dispatcher: Dispatcher | None = None) -> dict[tuple, _Plan]:
+def plans_of(dispatcher: Dispatcher | None = None) -> dict[tuple, DecodeStep]:
     """The cached steps of a dispatcher (for tests and diagnostics)."""
     return _plans.get(dispatcher or default_dispatcher(), {})
 

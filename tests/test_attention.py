@@ -353,3 +353,23 @@ def test_capturable_steps_pass_over_host_planned_routes(tmp_path):
         assert check(problem, out, reference.run(inputs, torch.float64)[0]).ok
     finally:
         routes.unregister("host/fake")
+
+
+def test_a_prepared_step_follows_the_tensors_it_was_made_for(tmp_path):
+    """prepare_decode once, then every step a call: lengths rewritten in place are read."""
+    problem = MLAProblem(num_heads=4, qlen=2, batch=2, kv_len=40, page_size=4,
+                         q_dtype="fp16", kv_dtype="fp16", dcp_size=2)
+    dispatcher = forced(problem, "segmented/triton", SEGMENTED, tmp_path)
+    inputs = make_decode_inputs(problem, seed=14)  # pages for kv_len tokens per request
+    steps = [attention.prepare_decode(inputs.q, s.kv_cache, s.block_table, inputs.seq_lens,
+                                      num_heads=problem.num_heads, qlen=2,
+                                      max_kv_len=problem.kv_len, dcp_rank=s.rank, dcp_size=2,
+                                      return_lse=True, dispatcher=dispatcher)
+             for s in inputs.shards]
+    for lens in ([9, 40], [40, 23], [2, 3]):
+        inputs.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        outs, lses = zip(*(step() for step in steps), strict=True)
+        out, lse = reference.merge_partials([o.float() for o in outs], list(lses))
+        want_out, want_lse = expected(inputs)
+        assert check(problem, out, want_out, lse, want_lse).ok, lens
+    assert not attention.plans_of(dispatcher)  # nothing cached: the caller holds the steps
