@@ -206,8 +206,8 @@ def decode(
     if plans is None:
         plans = _plans.setdefault(dispatcher, {})
     plan = plans.get(key)
-    if max_kv_len is None:
-        max_kv_len = int(seq_lens.max())
+    if max_kv_len is None:  # (no batch: 0, and the argument checks say why)
+        max_kv_len = int(seq_lens.max()) if seq_lens.numel() else 0
     # A step serves max_kv_len in (kv_len / 2, kv_len], kv_len its power of two.
     if plan is None or not plan.problem.kv_len >= max_kv_len > plan.problem.kv_len // 2:
         plan = _make_plan(q, kv_cache, block_table, seq_lens, num_heads=num_heads, qlen=qlen,

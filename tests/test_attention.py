@@ -373,3 +373,69 @@ def test_a_prepared_step_follows_the_tensors_it_was_made_for(tmp_path):
         want_out, want_lse = expected(inputs)
         assert check(problem, out, want_out, lse, want_lse).ok, lens
     assert not attention.plans_of(dispatcher)  # nothing cached: the caller holds the steps
+
+
+# --- bad inputs an engine can pass: one clear error naming the argument ----------------
+def _decode_args(problem, seed=15):
+    inputs = make_decode_inputs(problem, seed=seed)
+    shard = inputs.shards[0]
+    return inputs, dict(q=inputs.q, kv_cache=shard.kv_cache, block_table=shard.block_table,
+                        seq_lens=inputs.seq_lens, kv_scale=inputs.kv_scale,
+                        q_scale=inputs.q_scale, num_heads=problem.num_heads,
+                        qlen=problem.qlen, dispatcher=Dispatcher.rules_only(cpu_device()))
+
+
+FP8_KV = MLAProblem(num_heads=4, batch=2, kv_len=40, page_size=8, q_dtype="fp16",
+                    kv_dtype="fp8_e4m3fn")
+
+
+def _table_entry(value):
+    def corrupt(args):
+        args["block_table"] = args["block_table"].clone()
+        args["block_table"][1, 0] = value
+    return corrupt
+
+
+@pytest.mark.parametrize(("corrupt", "message"), [
+    (lambda a: a.update(kv_scale=None), "^kv_scale: "),
+    (lambda a: a.update(seq_lens=a["seq_lens"].long()), "^seq_lens: "),
+    (lambda a: a.update(block_table=a["block_table"][:0], seq_lens=a["seq_lens"][:0],
+                        q=a["q"][:0]), "^block_table: .*batch"),
+    (_table_entry(-1), "^block_table: request 1"),
+    (_table_entry(2**31 - 1), "^block_table: request 1 .*2147483647"),
+    (_table_entry(10_000), "^block_table: request 1"),
+    (lambda a: a["seq_lens"].fill_(10_000), "^seq_lens: "),
+], ids=["fp8-without-scale", "int64-lengths", "batch-0", "negative-page", "page-2**31-1",
+        "page-past-cache", "length-past-table"])
+def test_bad_inputs_are_refused_naming_the_argument(corrupt, message):
+    from mlatune.errors import DecodeArgumentError
+
+    _, args = _decode_args(FP8_KV)
+    corrupt(args)
+    with pytest.raises(DecodeArgumentError, match=message):
+        attention.decode(**args)
+
+
+def test_values_are_checked_on_every_call_where_they_are_free_to_read():
+    """CPU lengths cost no sync to read: a step reused with a bad length is still refused."""
+    from mlatune.errors import DecodeArgumentError
+
+    _, args = _decode_args(FP8_KV)
+    attention.decode(**args)
+    args["seq_lens"][0] = 10_000  # in place: the same tensor set, the cached step
+    with pytest.raises(DecodeArgumentError, match=r"^seq_lens: "):
+        attention.decode(**args)
+
+
+def test_a_nan_in_q_comes_out_as_nan_not_zeros():
+    problem = MLAProblem(num_heads=4, batch=2, kv_len=40, page_size=8, q_dtype="fp16",
+                         kv_dtype="fp16")
+    _, args = _decode_args(problem)
+    args["q"] = args["q"].clone()
+    args["q"][0, 1, 3] = float("nan")  # request 0, head 1
+    for route in ("reference/torch", "gluon/triton"):
+        dispatcher = Dispatcher.rules_only(cpu_device())
+        dispatcher._rule_order = (routes.get(route),)  # this route answers
+        out = attention.decode(**{**args, "dispatcher": dispatcher})
+        assert torch.isnan(out[0, 1]).all(), route
+        assert not torch.isnan(out[1]).any() and not torch.isnan(out[0, 0]).any(), route
