@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import torch
 
 from mlatune import bench, runtime_checks
-from mlatune.dispatch import Choice, Dispatcher
+from mlatune.dispatch import Choice, Dispatcher, by_handle
 from mlatune.inputs import DecodeInputs, KVShard
 from mlatune.problem import DTYPES, MLAProblem, next_power_of_two, output_dtype
 from mlatune.routes import Prepared, Route, step_kind_of
@@ -64,8 +64,6 @@ PLAN_LIMIT = 1024
 _plans: weakref.WeakKeyDictionary[Dispatcher, dict[tuple, DecodeStep]] = \
     weakref.WeakKeyDictionary()
 _default: dict[bool, Dispatcher] = {}  # by capturable
-# Dispatchers by handle, for the custom op (its arguments are tensors and numbers only).
-_by_handle: dict[int, Dispatcher] = {}
 
 
 @dataclass
@@ -332,15 +330,6 @@ def plans_of(dispatcher: Dispatcher | None = None) -> dict[tuple, DecodeStep]:
 
 
 # --- torch.compile: the same call as a custom op -----------------------------------------
-@torch.compiler.assume_constant_result  # run for real while tracing: the op needs the entry
-def handle_of(dispatcher: Dispatcher | None) -> int:
-    """The number the custom op knows ``dispatcher`` by (0: the default dispatcher)."""
-    if dispatcher is None:
-        return 0
-    _by_handle.setdefault(id(dispatcher), dispatcher)
-    return id(dispatcher)
-
-
 @torch.library.custom_op("mlatune::decode", mutates_args=("out", "lse_out"))
 def _decode_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                seq_lens: torch.Tensor, kv_scale: torch.Tensor | None,
@@ -352,7 +341,7 @@ def _decode_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
            kv_scale=kv_scale, q_scale=q_scale, softmax_scale=softmax_scale, out=out,
            lse_out=lse_out, dcp_rank=dcp_rank, dcp_size=dcp_size, max_kv_len=max_kv_len,
            kv_lora_rank=kv_lora_rank, capturable=capturable,
-           dispatcher=_by_handle.get(dispatcher_handle))
+           dispatcher=by_handle(dispatcher_handle))
 
 
 @_decode_op.register_fake
@@ -374,5 +363,5 @@ def _decode_compiled(q, kv_cache, block_table, seq_lens, num_heads, qlen, causal
         lse_out = q.new_empty(rows, heads, dtype=torch.float32)
     _decode_op(q, kv_cache, block_table, seq_lens, kv_scale, q_scale, out, lse_out, num_heads,
                qlen, causal, softmax_scale, dcp_rank, dcp_size, max_kv_len, kv_lora_rank,
-               capturable, handle_of(dispatcher))
+               capturable, 0 if dispatcher is None else dispatcher.handle)
     return (out, lse_out) if want_lse else out

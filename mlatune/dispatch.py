@@ -38,11 +38,13 @@ point, or the rule. ``skipped_routes`` counts them so tools can warn.
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import logging
 import math
 import os
 import re
+import weakref
 from bisect import bisect_left
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -189,6 +191,15 @@ def device_for_arch(arch: str, name: str = "", cu_count: int = 0) -> DeviceInfo:
     return DeviceInfo(arch, name or arch, vendor, cu_count, 0, -1 if vendor == "cpu" else 0)
 
 
+_HANDLES = itertools.count(1)
+_BY_HANDLE: weakref.WeakValueDictionary[int, Dispatcher] = weakref.WeakValueDictionary()
+
+
+def by_handle(handle: int) -> Dispatcher | None:
+    """The live dispatcher with this ``Dispatcher.handle`` (None: gone, or 0)."""
+    return _BY_HANDLE.get(handle)
+
+
 def step_cost(time_us, plan_on, plan_us, plan_host_us, capturable: bool):
     """What one step costs a caller, in microseconds (numbers or numpy arrays alike).
 
@@ -224,6 +235,9 @@ class Dispatcher:
         ``failed`` holds, per measured key, the routes whose row there is not ok."""
         self.device = device
         self.capturable = capturable
+        # A number that names this dispatcher where only numbers pass (the custom op).
+        self.handle = next(_HANDLES)
+        _BY_HANDLE[self.handle] = self
         self.source = source  # where the table came from ("" without one)
         self.table_device = table_device  # (arch, device_name, cu_count) of the rows used
         self.provenance = [dict(p) for p in provenance]

@@ -28,7 +28,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 from mlatune.arch import DeviceInfo
 from mlatune.inputs import DecodeInputs, PrefillInputs
@@ -154,6 +153,10 @@ class SdpaPrefillRoute:
             mask = None
             is_causal = problem.causal and q_len == k_len
             if problem.causal and q_len != k_len:
+                # Imported here: the module pulls in torch._dynamo (and triton), a second
+                # of import time a dispatcher-only process would pay for nothing.
+                from torch.nn.attention.bias import causal_lower_right
+
                 mask = causal_lower_right(q_len, k_len)
 
             def call(q=q, k=k, v=v, dst=dst, mask=mask, is_causal=is_causal) -> None:

@@ -1,0 +1,36 @@
+"""An engine that only dispatches imports neither the CLI's libraries nor Triton."""
+
+import json
+import subprocess
+import sys
+
+from mlatune import table
+from mlatune.problem import MLAProblem
+from tests.table_helpers import make_table, result_row
+
+HEAVY = ("triton", "pandas", "pyarrow", "typer", "rich", "matplotlib")
+
+
+def _modules_after(code: str) -> set[str]:
+    script = f"{code}\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          check=True)
+    return set(json.loads(done.stdout.splitlines()[-1]))
+
+
+def test_the_engine_entry_points_import_light():
+    loaded = _modules_after("import mlatune.attention, mlatune.dispatch")
+    assert not [m for m in HEAVY if m in loaded]
+
+
+def test_a_json_winners_map_loads_without_pandas(tmp_path):
+    problem = MLAProblem()
+    frame = make_table([result_row(problem, "padded/triton", 5.0),
+                        result_row(problem, "reference/torch", 50.0)])
+    path = table.write_json(table.winners_json(frame), tmp_path / "sm_90.json")
+    loaded = _modules_after(
+        "from mlatune.dispatch import Dispatcher, device_for_arch\n"
+        f"d = Dispatcher.load({str(path)!r}, device=device_for_arch('sm_90', 'NVIDIA H200', 132))\n"
+        "from mlatune.problem import MLAProblem\n"
+        "assert d.select(MLAProblem()).route_id == 'padded/triton'")
+    assert not [m for m in HEAVY if m in loaded]
