@@ -1,3 +1,3 @@
-from mlatune.cli import app
+from mlatune.entry import main
 
-app(prog_name="mlatune")
+main()

@@ -34,3 +34,13 @@ def test_a_json_winners_map_loads_without_pandas(tmp_path):
         "from mlatune.problem import MLAProblem\n"
         "assert d.select(MLAProblem()).route_id == 'padded/triton'")
     assert not [m for m in HEAVY if m in loaded]
+
+
+def test_the_command_without_its_extra_says_what_to_install():
+    done = subprocess.run(
+        [sys.executable, "-c",
+         "import sys; sys.modules['typer'] = None; sys.modules['pandas'] = None\n"
+         "from mlatune.entry import main; main()"], capture_output=True, text=True)
+    assert done.returncode == 1
+    assert done.stderr.strip() == ("mlatune: the command line needs typer, pandas: "
+                                   "pip install 'mlatune[cli]'")
