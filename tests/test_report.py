@@ -5,7 +5,9 @@ Synthetic tables use fake routes with ids that sort first, so the rule order (th
 registered routes by id, reference/torch last) starts with them by construction.
 """
 
+import fnmatch
 import gzip
+import html
 import json
 import math
 import re
@@ -20,6 +22,7 @@ from mlatune import report, routes, table
 from mlatune.cli import app
 from mlatune.problem import MLAProblem
 from mlatune.spec import load as load_spec
+from mlatune.spec import tomllib  # tomli before Python 3.11
 from tests.table_helpers import H200, MI355, FakeRoute, make_table, result_row
 from tests.test_cli_tables import assert_one_line_error
 
@@ -82,21 +85,21 @@ def test_fixed_route_and_rule_speedups_match_the_hand_computed_ones(fakes, main_
     # fast: P1 1, P2 10/5, P3 1, P4 1, P6 150/50.
     assert (fast.served, fast.wins) == (5, 3)
     assert fast.geomean == pytest.approx(6 ** (1 / 5))
-    assert fast.worst == pytest.approx(3.0) and fast.worst_key == P["P6"].key
+    assert fast.largest == pytest.approx(3.0) and fast.largest_key == P["P6"].key
     # slow: P1 20/10, P2 1, P6 1 (crashed at P3, P4).
     assert (slow.served, slow.wins) == (3, 2)
     assert slow.geomean == pytest.approx(2 ** (1 / 3))
-    assert slow.worst == pytest.approx(2.0) and slow.worst_key == P["P1"].key
+    assert slow.largest == pytest.approx(2.0) and slow.largest_key == P["P1"].key
     # As a fixed route, RULE: 40/10, 10/5, 30/10, 250/50; never a winner.
     assert (rule_route.served, rule_route.wins) == (4, 0)
-    assert rule_route.worst == pytest.approx(5.0)
+    assert rule_route.largest == pytest.approx(5.0)
     assert summary.best_fixed.policy == FAST  # most wins
     # The rule fallback answers RULE everywhere (first in id order, accepts all); it
     # crashed at P4, so 4 of the 5 problems count.
     assert summary.rule.policy == report.RULE_POLICY
     assert (summary.rule.served, summary.rule.total, summary.rule_unmeasured) == (4, 5, 1)
     assert summary.rule.geomean == pytest.approx(120 ** (1 / 4))
-    assert summary.rule.worst == pytest.approx(5.0)
+    assert summary.rule.largest == pytest.approx(5.0)
     assert any("rule's route has no ok row" in n for n in summary.notes)
     assert summary.regret is None
 
@@ -124,7 +127,7 @@ def test_winner_map_cells(fakes, main_table):
     # one win each, so the route id decides.
     low = cells.loc["batch 1-4"]
     assert (low["route"], low["won"], low["n"]) == (FAST, 1, 2)
-    assert low["label"] == "2.00x\n1/2"
+    assert low["label"] == "2.00x\nwins 1/2"
     # batch 5-64: P3 fast (runner-up rule at 30: 3x), P4 fast alone (no runner-up).
     mid = cells.loc["batch 5-64"]
     assert (mid["route"], mid["won"], mid["n"], mid["label"]) == (FAST, 2, 2, "3.00x")
@@ -249,7 +252,7 @@ def test_unknown_arch_skips_the_roofline_with_a_note(fakes, tmp_path):
     assert "no measured ceilings for arch gfx950" in result.output
     assert not (tmp_path / "out" / "roofline.png").exists()
     page = (tmp_path / "out" / "report.html").read_text()
-    assert "no roofline plot" in page and "no held-out table given" in page
+    assert "no roofline plot" in page.lower() and "no held-out table given" in page.lower()
     assert_standalone(page, images=2)
 
 
@@ -342,3 +345,172 @@ def test_timing_spread_is_over_ok_rows():
     assert median == pytest.approx(0.07) and p99 > 0.3
     crashed_only = frame[frame["status"] != "ok"]
     assert all(math.isnan(x) for x in report.timing_spread(crashed_only))
+
+
+# What the page and the plots say (issue 17) ---------------------------------------------
+
+ROUTE_LEGENDS = ("route that wins most", "winning route", "route the dispatcher chose")
+
+
+def figures_of(main, heldout) -> tuple[dict, dict]:
+    """Every figure of the nearest tables' report, and the route colours they share."""
+    from mlatune.report import plots
+
+    summary, data = report.summarize(main, table.read(main), heldout, table.read(heldout))
+    colours = plots.route_colours(sorted(data["times"].columns))
+    figures = {
+        "winner_map": plots.winner_map(data["problems"], colours),
+        "speedup": plots.speedups(summary, data["problems"], data["times"], colours),
+        "roofline": plots.roofline(summary.roofline, summary.ceilings, colours),
+        "regret": plots.regret(data["regret"], colours),
+    }
+    return figures, colours
+
+
+def legend_entries(figure) -> list[tuple[str, str, tuple]]:
+    """(legend title, label, rgb) of every legend entry of a figure and of its axes."""
+    from matplotlib.colors import to_rgb
+
+    legends = [*figure.legends, *(ax.get_legend() for ax in figure.axes if ax.get_legend())]
+    entries = []
+    for legend in legends:
+        for handle, text in zip(legend.legend_handles, legend.get_texts(), strict=True):
+            colour = (handle.get_facecolor() if hasattr(handle, "get_facecolor")
+                      else handle.get_color())
+            entries.append((legend.get_title().get_text(), text.get_text(), to_rgb(colour)))
+    return entries
+
+
+def is_grey(rgb: tuple) -> bool:
+    return max(rgb) - min(rgb) < 1e-6
+
+
+def test_one_colour_per_route_across_plots_and_other_categories_grey(fakes, nearest_tables):
+    figures, colours = figures_of(*nearest_tables)
+    from matplotlib.colors import to_rgb
+
+    route_rgbs = {to_rgb(c) for c in colours.values()}
+    assert len(route_rgbs) == len(colours)  # no two routes share a colour
+    assert not any(is_grey(c) for c in route_rgbs)  # grey is kept for what is not a route
+    seen: dict[str, set] = {}
+    for name, figure in figures.items():
+        for title, label, rgb in legend_entries(figure):
+            if title.startswith(ROUTE_LEGENDS) or label in colours:
+                assert rgb == to_rgb(colours[label]), (name, label)
+                seen.setdefault(label, set()).add(name)
+            else:  # a bound, a source, a statistic: never a route's colour
+                assert is_grey(rgb), (name, title, label, rgb)
+    assert seen[A] >= {"roofline", "regret"}  # A appears in several plots, one colour
+    many = plots_colours_for(20)
+    assert len(set(many.values())) == 18 and not any(is_grey(to_rgb(c)) for c in many.values())
+
+
+def plots_colours_for(n: int) -> dict:
+    from mlatune.report import plots
+
+    return plots.route_colours([f"r{i:02d}" for i in range(n)])
+
+
+def test_scales_fit_the_data(fakes, nearest_tables):
+    figures, _ = figures_of(*nearest_tables)
+    main, heldout = nearest_tables
+    summary, data = report.summarize(main, table.read(main), heldout, table.read(heldout))
+    bars = figures["speedup"].axes[0]
+    largest = max(s.largest for s in [*summary.fixed, summary.rule] if s.served)
+    low, high = bars.get_xlim()
+    assert low == pytest.approx(1.0) and largest < high <= 1 + (largest - 1) * 1.25
+    assert bars.get_xscale() == "linear"
+    roof = figures["roofline"].axes[0]
+    intensity = summary.roofline["intensity"]
+    low, high = roof.get_xlim()
+    assert intensity.min() / 2 <= low < intensity.min()
+    assert intensity.max() < high <= intensity.max() * 2
+    tflops = summary.roofline["tflops"]
+    low, high = roof.get_ylim()
+    assert tflops.min() / 2 <= low < tflops.min()
+    ceilings = summary.ceilings
+    assert high <= 2 * max(tflops.max(), min(ceilings.compute_tflops,
+                                             ceilings.memory_tb_per_s * intensity.max() * 1.5))
+    regret_ax = figures["regret"].axes[0]
+    worst = data["regret"]["regret"].max() * 100  # +50%
+    assert worst < regret_ax.get_ylim()[1] <= worst * 1.25
+
+
+def test_axis_labels_are_words_with_units(fakes, nearest_tables):
+    figures, _ = figures_of(*nearest_tables)
+    labels = [label for figure in figures.values() for ax in figure.axes
+              for label in (ax.get_xlabel(), ax.get_ylabel()) if label]
+    for label in labels:
+        assert not re.search(r"\w\.\w+\(|\(\)|\w_\w", label), label  # no code: calls, names
+    roof = figures["roofline"].axes[0]
+    assert "FLOP per byte" in roof.get_xlabel() and "TFLOP/s" in roof.get_ylabel()
+    assert "%" in figures["regret"].axes[0].get_ylabel()
+
+
+def test_winner_map_labels_are_explained(fakes, nearest_tables, tmp_path):
+    figures, _ = figures_of(*nearest_tables)
+    key = figures["winner_map"].legends[0].get_title().get_text()
+    assert "runner-up time / winner time" in key and "wins k/n" in key and "1 route" in key
+    main, heldout = nearest_tables
+    made = report.build_report(main, tmp_path / "out", heldout)
+    page = made.html.read_text()
+    caption = page[page.index('alt="decode winner map"'):]
+    caption = caption[:caption.index("</figcaption>")]
+    for words in ("runner-up", "wins 22/24", "1 route", "Colour"):
+        assert words in caption, words
+
+
+def test_largest_speedup_is_named_for_what_it_is(fakes, main_table):
+    summary, _ = report.summarize(main_table, table.read(main_table))
+    text = " ".join([*report.POLICY_COLUMNS, *(v for row in report.headline_rows(summary)
+                                               for v in row)])
+    assert "largest" in text and "worst" not in text
+
+
+def definitions_section(page: str) -> str:
+    return page[page.index('<h2 id="definitions">'):page.index("</body>")]
+
+
+def test_definitions_are_prose_for_readers(fakes, nearest_tables, tmp_path):
+    main, heldout = nearest_tables
+    made = report.build_report(main, tmp_path / "out", heldout)
+    section = definitions_section(made.html.read_text())
+    for markup in ("``", ":func:", ":class:", "<pre>", "-----", "*problem*", "t_pick", "t(R"):
+        assert markup not in section, markup
+    assert section.count("<dt>") >= 20 and section.count("<h3>") == 7
+    # Facts come from the code, not retyped: the bands and the archs with ceilings.
+    for band in (label for _, _, label in report.BATCH_BANDS):
+        assert html.escape(band) in section, band
+    assert ", ".join(sorted(report.CEILINGS)) in section
+
+
+def test_the_template_ships_as_package_data():
+    from importlib import resources
+
+    template = resources.files("mlatune.report") / "templates" / "report.html.j2"
+    assert template.is_file()
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    package_data = setuptools["package-data"]["mlatune"]
+    assert any(fnmatch.fnmatch("report/templates/report.html.j2", p) for p in package_data)
+
+
+def test_the_numbers_import_without_matplotlib():
+    code = ("import sys\n"
+            "import mlatune.report, mlatune.report.metrics\n"
+            "from mlatune.report import geomean, nearest_regret, one_device\n"
+            "assert 'matplotlib' not in sys.modules, 'matplotlib imported'\n"
+            "print('ok')")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_a_table_one_route_wins_everywhere_still_has_a_speedup_axis(fakes, tmp_path):
+    from mlatune.report import plots
+
+    path = table.write(make_table(rows_for(BASE, {A: 3.0, B: None})), tmp_path / "one.parquet")
+    summary, data = report.summarize(path, table.read(path))
+    figure = plots.speedups(summary, data["problems"], data["times"],
+                            plots.route_colours([A, B]))
+    low, high = figure.axes[0].get_xlim()
+    assert low == pytest.approx(1.0) and 1.0 < high < 1.1

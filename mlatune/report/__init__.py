@@ -1,0 +1,106 @@
+"""`mlatune report`: what a dispatch table buys, as PNG plots and one self-contained HTML page.
+
+``build_report(table_path, out_dir, heldout_path=None, heldout_journal=None)`` reads a
+table (one device), computes its numbers (``metrics``: pandas only), draws the plots
+(``plots``: matplotlib, imported only when a report is made) and writes ``report.html``
+(``page``: the jinja2 template ``templates/report.html.j2``, the PNGs embedded as data URIs
+so the file stands alone) plus each PNG into ``out_dir``. The page's last section defines
+every number for readers.
+
+Importing this package needs neither matplotlib nor jinja2's template files: the CLI and
+``benchmarks/`` import the numbers from here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mlatune import table
+from mlatune.report.metrics import (
+    BATCH_BANDS,
+    CEILINGS,
+    POLICY_COLUMNS,
+    PREFILL_COLUMNS,
+    RULE_POLICY,
+    Ceilings,
+    RegretStats,
+    ReportError,
+    SpeedupStats,
+    Summary,
+    Timed,
+    batch_band,
+    candidate_times,
+    chosen_times,
+    fixed_route_speedups,
+    geomean,
+    headline_rows,
+    measured_problems,
+    measured_with,
+    nearest_regret,
+    ok_times,
+    one_device,
+    percent_text,
+    pick_speedups,
+    policy_rows,
+    prefill_rows,
+    problem_label,
+    roofline,
+    rule_routes,
+    rule_speedup,
+    speedup_text,
+    summarize,
+    time_with,
+    timing_spread,
+    winner_cells,
+)
+
+HTML_NAME = "report.html"
+
+__all__ = [
+    "BATCH_BANDS", "CEILINGS", "HTML_NAME", "POLICY_COLUMNS", "PREFILL_COLUMNS", "RULE_POLICY",
+    "Ceilings", "RegretStats", "Report", "ReportError", "SpeedupStats", "Summary", "Timed",
+    "batch_band", "build_report", "candidate_times", "chosen_times", "fixed_route_speedups",
+    "geomean", "headline_rows", "measured_problems", "measured_with", "nearest_regret",
+    "ok_times", "one_device", "percent_text", "pick_speedups", "policy_rows", "prefill_rows",
+    "problem_label", "roofline", "rule_routes", "rule_speedup", "speedup_text", "summarize",
+    "time_with", "timing_spread", "winner_cells",
+]
+
+
+@dataclass
+class Report:
+    summary: Summary
+    html: Path
+    images: dict[str, Path] = field(default_factory=dict)
+
+
+def require_matplotlib() -> None:
+    """Say a missing matplotlib before any work, in one line."""
+    try:
+        import matplotlib.backends.backend_agg
+        import matplotlib.figure  # noqa: F401
+    except ImportError:
+        raise ReportError("mlatune report needs matplotlib: pip install 'mlatune[report]' "
+                          "(or pip install matplotlib)") from None
+
+
+def build_report(table_path: str | os.PathLike, out_dir: str | os.PathLike,
+                 heldout_path: str | os.PathLike | None = None,
+                 heldout_journal: str | os.PathLike | None = None) -> Report:
+    """Read the table(s), compute the numbers, write the PNGs and report.html to out_dir."""
+    require_matplotlib()
+    if heldout_journal is not None and heldout_path is None:
+        raise ReportError("a held-out journal needs its held-out table (--heldout)")
+    from mlatune.report import page, plots
+
+    frame = table.read(table_path)
+    heldout = table.read(heldout_path) if heldout_path is not None else None
+    timed = candidate_times(heldout_journal) if heldout_journal is not None else None
+    summary, data = summarize(table_path, frame, heldout_path, heldout, timed)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    images = plots.draw_all(summary, data, out)
+    html_path = page.write_html(summary, data["problems"], dict(images), out / HTML_NAME)
+    return Report(summary, html_path, images)
