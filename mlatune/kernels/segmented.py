@@ -10,6 +10,11 @@ whole number of tiles; the cache is addressed in subpages of one tile (the
 largest power of two <= 128 dividing the page size), so every tile lies in one
 subpage. Each segment writes its unreduced partial: normalized output, the
 base-2 score max and the exp-sum; ``reduce.reduce_kernel`` merges them.
+
+Per step the route refills the row lengths and the subpage table from the
+current lengths and block table with ``segmented_plan_launcher``: one small
+kernel, no host sync or allocation, so the step replays from a CUDA graph.
+``row_lengths`` and ``subpage_table`` are its readable torch references.
 """
 
 from __future__ import annotations
@@ -124,3 +129,91 @@ def segmented_launcher(q: torch.Tensor, kv_subpages: torch.Tensor, subpage_table
         segmented_kernel[grid](*args, **meta)
 
     return launch
+
+
+# Subpage-table entries one plan program writes: a few per thread of 4 warps.
+PLAN_BLOCK_W = 1024
+
+
+@triton.jit(do_not_specialize=["qlen", "rank", "world", "pages", "stride_lens", "stride_bt"])
+def segmented_plan_kernel(seq_lens_ptr, bt_ptr, row_lens_ptr, table_ptr,
+                          qlen, rank, world, pages, stride_lens, stride_bt,
+                          PER_PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_W: tl.constexpr):
+    # Program (b, c): request b's subpage-table columns [c * BLOCK_W, (c + 1) * BLOCK_W);
+    # the c == 0 program also writes b's qlen row lengths.
+    b = tl.program_id(0)
+    chunk = tl.program_id(1)
+    if chunk == 0:
+        _store_row_lens(seq_lens_ptr, row_lens_ptr, b, qlen, rank, world, stride_lens, BLOCK_Q)
+    width = pages * PER_PAGE
+    cols = chunk * BLOCK_W + tl.arange(0, BLOCK_W)
+    ok = cols < width
+    page_ids = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + cols // PER_PAGE, mask=ok)
+    subpages = tl.where(page_ids < 0, -1, page_ids * PER_PAGE + cols % PER_PAGE)
+    tl.store(table_ptr + b.to(tl.int64) * width + cols, subpages, mask=ok)
+
+
+@triton.jit
+def _store_row_lens(seq_lens_ptr, row_lens_ptr, b, qlen, rank, world, stride_lens,
+                    BLOCK_Q: tl.constexpr):
+    """``row_lengths`` for request b: token t sees global keys [0, L - qlen + t], of
+    which this rank holds the positions p = rank (mod world)."""
+    t = tl.arange(0, BLOCK_Q)
+    length = tl.load(seq_lens_ptr + b.to(tl.int64) * stride_lens)
+    visible = length - qlen + t + 1  # <= 0 for a window before the start: no keys
+    # cdiv(visible - rank, world) for visible > rank, written so that no sum can wrap.
+    local = tl.where(visible > rank, (visible - 1 - rank) // world + 1, 0)
+    tl.store(row_lens_ptr + b.to(tl.int64) * qlen + t, local, mask=t < qlen)
+
+
+def segmented_plan_launcher(seq_lens: torch.Tensor, block_table: torch.Tensor, *, qlen: int,
+                            rank: int, world: int, page_size: int, tile: int,
+                            row_lens: torch.Tensor,
+                            subpage_table_out: torch.Tensor) -> Callable[[], None]:
+    """A zero-argument launch of ``segmented_plan_kernel``: writes
+    ``row_lengths(seq_lens, qlen, rank, world)`` into ``row_lens`` and
+    ``subpage_table(block_table, page_size, tile)`` into ``subpage_table_out``.
+
+    Reads the inputs' current contents at every launch, with no host sync or
+    allocation, so it can be captured in a CUDA graph and replayed after
+    ``seq_lens`` and ``block_table`` are rewritten in place. Grid: one program per
+    request and ``PLAN_BLOCK_W`` table columns.
+    """
+    batch, pages = _check_plan_args(seq_lens, block_table, qlen, rank, world, page_size, tile,
+                                    row_lens, subpage_table_out)
+    per_page = page_size // tile
+    grid = (batch, max(1, triton.cdiv(pages * per_page, PLAN_BLOCK_W)))
+    args = (seq_lens, block_table, row_lens, subpage_table_out, qlen, rank, world, pages,
+            seq_lens.stride(0), block_table.stride(0))
+    meta = dict(PER_PAGE=per_page, BLOCK_Q=triton.next_power_of_2(qlen), BLOCK_W=PLAN_BLOCK_W,
+                num_warps=4)
+
+    def launch() -> None:
+        segmented_plan_kernel[grid](*args, **meta)  # batch 0: an empty grid, no launch
+
+    return launch
+
+
+def _check_plan_args(seq_lens: torch.Tensor, block_table: torch.Tensor, qlen: int, rank: int,
+                     world: int, page_size: int, tile: int, row_lens: torch.Tensor,
+                     table: torch.Tensor) -> tuple[int, int]:
+    """(batch, pages) of valid plan arguments; ValueError otherwise."""
+    tensors = (seq_lens, block_table, row_lens, table)
+    if any(t.dtype != torch.int32 for t in tensors):
+        raise ValueError("seq_lens, block_table and the plan buffers must be int32")
+    if len({t.device for t in tensors}) != 1:
+        raise ValueError("seq_lens, block_table and the plan buffers must be on one device")
+    if qlen < 1 or not 0 <= rank < world or tile < 1 or page_size % tile:
+        raise ValueError(f"need qlen >= 1, 0 <= rank < world and a tile dividing the page, "
+                         f"got {qlen}, {rank}, {world}, {tile}, {page_size}")
+    if seq_lens.dim() != 1 or block_table.dim() != 2 \
+            or block_table.shape[0] != seq_lens.shape[0] or block_table.stride(1) != 1:
+        raise ValueError(f"need seq_lens (batch,) and block_table (batch, pages) with unit "
+                         f"column stride, got {tuple(seq_lens.shape)}, {tuple(block_table.shape)}")
+    batch, pages = block_table.shape
+    want = (batch, pages * (page_size // tile))
+    if row_lens.shape != (batch * qlen,) or table.shape != want \
+            or not (row_lens.is_contiguous() and table.is_contiguous()):
+        raise ValueError(f"row_lens and subpage_table_out must be contiguous ({batch * qlen},) "
+                         f"and {want}, got {tuple(row_lens.shape)}, {tuple(table.shape)}")
+    return batch, pages

@@ -378,10 +378,9 @@ class SegmentedTritonRoute(_TritonDecodeRoute):
               out: torch.Tensor, lse: torch.Tensor | None, device: DeviceInfo) -> _Step:
         from mlatune.kernels.reduce import reduce_launcher
         from mlatune.kernels.segmented import (
-            row_lengths,
             segment_tile,
             segmented_launcher,
-            subpage_table,
+            segmented_plan_launcher,
         )
         from mlatune.kernels.split_kv import TileConfig
 
@@ -399,10 +398,9 @@ class SegmentedTritonRoute(_TritonDecodeRoute):
         table = torch.empty(shard.block_table.shape[0], shard.block_table.shape[1] * page // tile,
                             dtype=shard.block_table.dtype, device=dev)
         lens = torch.empty(problem.batch * problem.qlen, dtype=torch.int32, device=dev)
-
-        def plan() -> None:
-            table.copy_(subpage_table(shard.block_table, page, tile))
-            lens.copy_(row_lengths(inputs.seq_lens, problem.qlen, rank, problem.dcp_size))
+        plan = segmented_plan_launcher(inputs.seq_lens, shard.block_table, qlen=problem.qlen,
+                                       rank=rank, world=problem.dcp_size, page_size=page,
+                                       tile=tile, row_lens=lens, subpage_table_out=table)
 
         segments = params["num_segments"]
         slots = lens.shape[0] * segments
