@@ -5,21 +5,43 @@ sweep loses only what was in flight (lines reach the disk itself at most a
 second later); a torn last line (killed mid-write) is ignored on reading. The
 first line is a header naming the spec and the device; resuming refuses a
 journal written for another spec or device.
+
+Damage: every line but a torn last one must be a JSON object, and the fields a
+sweep reads must have their types (``key`` an object, ``route`` text, times
+numbers, ...); a resumed journal's results must also have an ``id`` and a
+``status``. Anything else is a JournalError naming the file and the line: a
+damaged line in the middle is not what a kill leaves, so it is not skipped
+silently (its candidate would vanish from the table).
+
+One sweep at a time: a sweep holds an exclusive ``flock`` on ``<journal>.lock``
+while it appends (the lock file holds its pid, and is removed when it closes);
+a second sweep on the same journal is refused, naming that pid. The kernel drops
+the lock of a killed sweep, so a stale lock file never blocks a resume. The
+journal itself is created with O_EXCL under that lock.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import gzip
 import json
 import os
 import time
+import zlib
 from pathlib import Path
+from typing import IO, Any
+
+from mlatune.errors import JournalError, OutputError
+
+__all__ = ["FSYNC_INTERVAL_S", "Journal", "JournalError", "lock_path", "read"]
 
 FSYNC_INTERVAL_S = 1.0
-
-
-class JournalError(ValueError):
-    pass
+# Result fields a sweep reads, with their JSON types, checked where present.
+_TEXT_FIELDS = ("kind", "id", "status", "route", "route_params", "reason", "timer", "plan_on")
+_NUMBER_FIELDS = ("time_us", "time_us_p20", "time_us_p80", "rel_err", "max_abs_err",
+                  "tb_per_s", "tflops", "plan_us", "plan_host_us", "launch_host_us")
+_RESUME_FIELDS = ("id", "status")  # what the journal itself needs to resume
 
 
 class Journal:
@@ -27,22 +49,65 @@ class Journal:
         self.path = Path(path)
         self.records: list[dict] = []
         self._synced = -FSYNC_INTERVAL_S
+        self._broken = False
+        self._lock = _lock(self.path)  # first: creating and resuming must not race
+        try:
+            self._file = self._open(header, resume)
+        except BaseException:
+            _unlock(self._lock, self.path)
+            raise
+
+    def _open(self, header: dict, resume: bool) -> IO[str]:
         if self.path.exists():
             if not resume:
                 raise JournalError(f"{self.path} exists: pass --resume to continue that sweep, "
                                    "or delete it to start over")
-            _drop_torn_tail(self.path)
-            found, self.records = read(self.path)
+            found = self._resume()
+            if not found and not self.records:  # killed before its header reached the disk
+                self._file = self._opened(lambda: self.path.open("a", encoding="utf-8"))
+                self._write({"kind": "header", **header})
+                return self._file
             for field in ("spec_sha256", "arch", "device_name"):
                 if found.get(field) != header.get(field):
                     raise JournalError(
                         f"{self.path} was written for {field}={found.get(field)!r}, this sweep "
                         f"has {header.get(field)!r}; use another --out or delete the journal")
-            self._file = self.path.open("a", encoding="utf-8")
-        else:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = self.path.open("w", encoding="utf-8")
+            return self._opened(lambda: self.path.open("a", encoding="utf-8"))
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        handle = self._opened(lambda: os.fdopen(os.open(self.path, flags, 0o666), "w",
+                                                encoding="utf-8"))
+        self._file = handle
+        try:
             self._write({"kind": "header", **header})
+        except OutputError:  # a journal without its header could never be resumed
+            with contextlib.suppress(OSError):
+                handle.close()
+            self.path.unlink(missing_ok=True)
+            raise
+        return handle
+
+    def _resume(self) -> dict:
+        """The header of the journal on disk; its results into ``records``."""
+        try:
+            _drop_torn_tail(self.path)
+        except OSError as exc:
+            raise JournalError(f"{self.path}: cannot resume ({_why(exc)})") from None
+        found, numbered = _read_numbered(self.path)
+        for line, record in numbered:
+            missing = [f for f in _RESUME_FIELDS if f not in record]
+            if missing:
+                raise _damaged(self.path, line, f"a result without {', '.join(missing)}")
+        self.records = [record for _, record in numbered]
+        return found
+
+    def _opened(self, open_it) -> IO[str]:
+        try:
+            return open_it()
+        except FileExistsError:  # only a writer that ignores the lock gets here
+            raise JournalError(f"{self.path} was created by someone else meanwhile; "
+                               f"rerun with --resume") from None
+        except OSError as exc:
+            raise OutputError(f"cannot write journal {self.path}: {_why(exc)}") from None
 
     @property
     def done_ids(self) -> set[str]:
@@ -59,21 +124,98 @@ class Journal:
         self.records.extend(records)
 
     def _write(self, *objs: dict) -> None:
-        self._file.write("".join(json.dumps(o, sort_keys=True, allow_nan=True) + "\n"
-                                 for o in objs))
-        # Flushed at once: a killed sweep loses nothing written. Synced to the disk
-        # at most once a second: fsync only guards against the machine going down,
-        # and one per candidate would keep the GPUs waiting on the disk.
-        self._file.flush()
-        now = time.monotonic()
-        if now - self._synced >= FSYNC_INTERVAL_S:
-            os.fsync(self._file.fileno())
-            self._synced = now
+        if self._broken:  # a line after a half-written one would damage the middle
+            raise OutputError(f"cannot write journal {self.path}: an earlier write failed")
+        text = "".join(json.dumps(o, sort_keys=True, allow_nan=True) + "\n" for o in objs)
+        try:
+            self._file.write(text)
+            # Flushed at once: a killed sweep loses nothing written. Synced to the disk
+            # at most once a second: fsync only guards against the machine going down,
+            # and one per candidate would keep the GPUs waiting on the disk.
+            self._file.flush()
+            now = time.monotonic()
+            if now - self._synced >= FSYNC_INTERVAL_S:
+                os.fsync(self._file.fileno())
+                self._synced = now
+        except OSError as exc:  # a full disk: what was written stays, as a torn last line
+            self._broken = True
+            raise OutputError(f"cannot write journal {self.path}: {_why(exc)}") from exc
 
     def close(self) -> None:
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
+        if self._file.closed:
+            return
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        except OSError as exc:
+            raise OutputError(f"cannot write journal {self.path}: {_why(exc)}") from exc
+        finally:
+            with contextlib.suppress(OSError):  # a failed flush: the torn tail stays
+                self._file.close()
+            _unlock(self._lock, self.path)
+
+
+def lock_path(journal: Path) -> Path:
+    """The lock file a sweep holds while it appends to ``journal``."""
+    journal = Path(journal)
+    return journal.with_name(journal.name + ".lock")
+
+
+def _lock(journal: Path) -> IO[bytes]:
+    """An exclusive, non-blocking flock on the journal's lock file, with our pid in it."""
+    path = lock_path(journal)
+    try:
+        journal.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"cannot write journal {journal}: {_why(exc)}") from None
+    while True:
+        try:
+            handle = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o666), "r+b")
+        except OSError as exc:
+            raise OutputError(f"cannot lock journal {journal}: {_why(exc)}") from None
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = handle.read(32).decode("ascii", "replace").strip()
+            handle.close()
+            pid = holder if holder.isdigit() else "unknown"
+            raise JournalError(f"journal {journal} is in use by another sweep (pid {pid})"
+                               ) from None
+        except OSError as exc:  # a file system without flock
+            handle.close()
+            raise JournalError(f"cannot lock journal {journal}: {_why(exc)}") from None
+        if _still_at(handle, path):
+            break
+        handle.close()  # its holder removed it after we opened it: lock the new one
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n".encode())
+    handle.flush()
+    return handle
+
+
+def _still_at(handle: IO[bytes], path: Path) -> bool:
+    try:
+        here, there = os.fstat(handle.fileno()), os.stat(path)
+    except OSError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+
+
+def _unlock(handle: IO[bytes], journal: Path) -> None:
+    # Removed while still held: a sweep that opened it meanwhile sees it gone and retries.
+    with contextlib.suppress(OSError):
+        os.unlink(lock_path(journal))
+    handle.close()
+
+
+def _why(exc: OSError) -> str:
+    return exc.strerror or str(exc) or type(exc).__name__
+
+
+def _damaged(path: Path, line: int, what: str) -> JournalError:
+    return JournalError(f"{path}: line {line} is damaged ({what}); a damaged line that is not "
+                        f"the last one is not what a kill leaves: repair or delete the journal")
 
 
 def _drop_torn_tail(path: Path) -> None:
@@ -87,24 +229,68 @@ def _drop_torn_tail(path: Path) -> None:
 
 def read(path: Path) -> tuple[dict, list[dict]]:
     """(header, result records); a torn final line is dropped. Reads gzipped
-    journals (``.gz``, as results are committed) too."""
+    journals (``.gz``, as results are committed) too. Raises JournalError, naming the
+    file and line, for anything else that is damaged."""
+    header, numbered = _read_numbered(Path(path))
+    return header, [record for _, record in numbered]
+
+
+def _read_numbered(path: Path) -> tuple[dict, list[tuple[int, dict]]]:
+    """(header, [(line number, result record)])."""
+    lines = _raw_lines(path)
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
     header: dict = {}
-    records: list[dict] = []
-    path = Path(path)
-    with (gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz"
-          else path.open(encoding="utf-8")) as f:
-        lines = f.read().split("\n")
-    for i, line in enumerate(lines):
-        if not line.strip():
+    records: list[tuple[int, dict]] = []
+    for i, raw in enumerate(lines):
+        if not raw.strip():
             continue
         try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            if i >= len(lines) - 2:  # the last line, torn by a kill
+            obj = json.loads(raw.decode("utf-8"))
+        except (ValueError, RecursionError):  # bad JSON or UTF-8; deep nesting
+            if i == last:  # the last line, torn by a kill
                 break
-            raise JournalError(f"{path}: line {i + 1} is not JSON") from None
+            raise _damaged(path, i + 1, "not JSON") from None
+        problem = _shape_problem(obj)
+        if problem:
+            raise _damaged(path, i + 1, problem)
         if obj.get("kind") == "header":
             header = obj
         else:
-            records.append(obj)
+            records.append((i + 1, obj))
     return header, records
+
+
+def _raw_lines(path: Path) -> list[bytes]:
+    try:
+        if path.suffix == ".gz":
+            with gzip.open(path, "rb") as f:
+                data = f.read()
+        else:
+            data = path.read_bytes()
+    except (EOFError, zlib.error, gzip.BadGzipFile) as exc:  # a cut or damaged .gz
+        raise JournalError(f"{path}: not a readable gzip journal ({exc})") from None
+    except OSError as exc:
+        raise JournalError(f"{path}: cannot read ({_why(exc)})") from None
+    return data.split(b"\n")
+
+
+def _shape_problem(obj: Any) -> str:
+    """What is wrong with a journal line's JSON, or "" when nothing is."""
+    if not isinstance(obj, dict):
+        return f"a JSON {type(obj).__name__}, not an object"
+    for name in _TEXT_FIELDS:
+        if name in obj and not isinstance(obj[name], str):
+            return f"{name} is not text"
+    for name in _NUMBER_FIELDS:
+        value = obj.get(name)
+        if value is None and name != "time_us":  # null: not measured (NaN also is)
+            continue
+        if name in obj and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            return f"{name} is not a number"
+    if "capturable" in obj and not isinstance(obj["capturable"], bool):
+        return "capturable is not true or false"
+    key = obj.get("key")
+    if "key" in obj and not (isinstance(key, dict) and all(
+            isinstance(v, (int, float, str, bool)) for v in key.values())):
+        return "key is not an object of numbers, text and booleans"
+    return ""

@@ -4,12 +4,14 @@
     seed = 0                       # inputs of each problem derive from it
     routes = []                    # route ids to consider; empty = every viable one
     max_params_per_route = 0       # keep each route's first N parameter sets (0 = all)
+    max_problems = 200000          # refuse grids with more combinations (see below)
 
     [budget]                       # per candidate (see bench.Budget)
-    warmup = 1
+    warmup = 1                     # counts: whole numbers up to 1,000,000
     min_reps = 10
-    max_reps = 200
-    max_seconds = 2.0
+    max_reps = 200                 # >= 1 and >= min_reps
+    max_seconds = 2.0              # finite, 0 to 3600
+    settle = 0.005                 # finite, 0 <= settle < 1
     race_reps = 5                  # a candidate this many times slower than the
     race_ratio = 1.25              # problem's best after race_reps stops (0: never)
 
@@ -28,18 +30,29 @@ Every axis of ``MLAProblem`` may appear in a grid (a scalar means one value);
 omitted axes take the problem's defaults. Combinations that are not valid
 problems (a 16-bit q over another 16-bit cache, qlen > kv_len, ...) are skipped
 and counted. Unknown keys and bad values are errors naming the key and the file.
+
+Size limit: the grids' combinations are counted before any is built, and a spec
+with more than ``max_problems`` of them (default ``MAX_PROBLEMS``, 200,000; the
+environment variable ``MLATUNE_MAX_PROBLEMS`` overrides the spec and the default)
+is refused, naming the grid and its size: a typo such as a list of a thousand KV
+lengths would otherwise fill memory before the first candidate runs. The largest
+bundled spec has about 2,500.
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
+import math
+import os
+import re
 import sys
 from dataclasses import dataclass, fields
 from importlib import resources
 from pathlib import Path
 
 from mlatune.bench import Budget
+from mlatune.errors import SpecError
 from mlatune.problem import MLAProblem, problem_field_names
 
 if sys.version_info >= (3, 11):
@@ -48,13 +61,18 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 DEFAULT_SPEC = "smoke.toml"
-_TOP_KEYS = {"name", "description", "seed", "routes", "max_params_per_route", "budget", "grid",
-             "tolerance"}
+_TOP_KEYS = {"name", "description", "seed", "routes", "max_params_per_route", "max_problems",
+             "budget", "grid", "tolerance"}
 _AXES = set(problem_field_names())
+MAX_PROBLEMS = 200_000  # combinations a spec may have unless it or the environment says more
+MAX_PROBLEMS_ENV = "MLATUNE_MAX_PROBLEMS"
+# Bounds of the budget: beyond them a value is a typo, and a NaN or inf time limit or a
+# count of 10**18 warm-ups would never end a candidate.
+_MAX_COUNT = 1_000_000
+_MAX_SECONDS = 3600.0
 
-
-class SpecError(ValueError):
-    """A spec that cannot be used; the message names the file and the key."""
+__all__ = ["MAX_PROBLEMS", "MAX_PROBLEMS_ENV", "SpecError", "SweepSpec", "bundled_spec_path",
+           "load", "parse"]
 
 
 @dataclass(frozen=True)
@@ -84,8 +102,8 @@ def load(path: str | Path, gpu: bool = True) -> SweepSpec:
         raise SpecError(f"{path}: cannot read spec ({exc.strerror or exc})") from None
     try:
         data = tomllib.loads(raw.decode("utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise SpecError(f"{path}: not valid TOML: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # bad TOML or UTF-8; a 5,000-digit number
+        raise SpecError(f"{path}: not valid TOML: {str(exc).splitlines()[0][:200]}") from None
     return parse(data, str(path), hashlib.sha256(raw).hexdigest(), gpu)
 
 
@@ -118,16 +136,11 @@ def parse(data: dict, where: str, sha256: str = "", gpu: bool = True) -> SweepSp
     grids = data.get("grid")
     if not isinstance(grids, list) or not grids:
         raise fail("grid", "needs at least one [[grid]] table of axes")
+    all_axes = [_grid_axes(grid, i, gpu, fail) for i, grid in enumerate(grids)]
+    _check_size(all_axes, _max_problems(data, fail), fail)
     problems: dict[str, MLAProblem] = {}
     skipped: list[str] = []
-    for i, grid in enumerate(grids):
-        if not isinstance(grid, dict):
-            raise fail(f"grid[{i}]", "must be a table of axes")
-        grid = dict(grid)
-        cpu = grid.pop("cpu", {})
-        _check_axes(grid, f"grid[{i}]", fail)
-        _check_axes(cpu, f"grid[{i}].cpu", fail)
-        axes = {**grid, **(cpu if not gpu else {})}
+    for axes in all_axes:
         names = list(axes)
         values = [v if isinstance(v, list) else [v] for v in axes.values()]
         for combo in itertools.product(*values):
@@ -141,6 +154,58 @@ def parse(data: dict, where: str, sha256: str = "", gpu: bool = True) -> SweepSp
         raise fail("grid", "no valid problem in any grid" + (f" ({skipped[0]})" if skipped else ""))
     return SweepSpec(str(name), where, sha256, seed, tuple(routes), max_params, budget,
                      dict(tolerances), tuple(problems.values()), tuple(skipped))
+
+
+def _grid_axes(grid, i: int, gpu: bool, fail) -> dict:
+    """Grid ``i``'s axes, checked, with its ``cpu`` table applied when there is no GPU."""
+    if not isinstance(grid, dict):
+        raise fail(f"grid[{i}]", "must be a table of axes")
+    grid = dict(grid)
+    cpu = grid.pop("cpu", {})
+    _check_axes(grid, f"grid[{i}]", fail)
+    _check_axes(cpu, f"grid[{i}].cpu", fail)
+    return {**grid, **(cpu if not gpu else {})}
+
+
+def _max_problems(data: dict, fail) -> int:
+    """The size limit: MLATUNE_MAX_PROBLEMS (the operator's word) over the spec's key
+    over the default."""
+    env = os.environ.get(MAX_PROBLEMS_ENV, "").strip()
+    if env:
+        if not re.fullmatch(r"[0-9]{1,18}", env) or int(env) < 1:
+            raise fail(MAX_PROBLEMS_ENV, f"environment variable must be a whole number >= 1, "
+                                         f"got {_shown(env)}")
+        return int(env)
+    limit = data.get("max_problems", MAX_PROBLEMS)
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+        raise fail("max_problems", f"must be a whole number >= 1, got {_shown(limit)}")
+    return limit
+
+
+def _shown(value) -> str:
+    """A value for a one-line message: its repr, cut short (a spec may hold anything)."""
+    text = repr(value) if not isinstance(value, int) or abs(value) < 10 ** 30 else \
+        f"a {len(str(abs(value)))}-digit number"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_size(all_axes: list[dict], limit: int, fail) -> None:
+    """Refuse grids whose product exceeds ``limit``, counted without building it."""
+    sizes = []
+    for i, axes in enumerate(all_axes):
+        lengths = {k: len(v) if isinstance(v, list) else 1 for k, v in axes.items()}
+        size = math.prod(lengths.values())
+        sizes.append(size)
+        if size > limit:
+            shape = " x ".join(f"{k} {n}" for k, n in lengths.items() if n > 1)
+            raise fail(f"grid[{i}]", f"{size:,} combinations ({shape}), more than the limit of "
+                                     f"{limit:,} problems (raise it with max_problems or "
+                                     f"{MAX_PROBLEMS_ENV})")
+    if sum(sizes) > limit:
+        raise fail("grid", f"{sum(sizes):,} combinations in {len(sizes)} grids together "
+                           f"({' + '.join(f'{n:,}' for n in sizes)}), more than the limit of "
+                           f"{limit:,} problems (raise it with max_problems or "
+                           f"{MAX_PROBLEMS_ENV})")
 
 
 def _check_axes(axes, table: str, fail) -> None:
@@ -166,11 +231,7 @@ def _budget(table, fail) -> Budget:
     for key, value in table.items():
         if key not in defaults:
             raise fail(f"budget.{key}", f"unknown (allowed: {', '.join(defaults)})")
-        kinds = (int,) if isinstance(defaults[key], int) else (int, float)  # counts are whole
-        if not isinstance(value, kinds) or isinstance(value, bool) or value < 0:
-            what = "a whole number" if kinds == (int,) else "a number"
-            raise fail(f"budget.{key}", f"must be {what} >= 0, got {value!r}")
-        values[key] = value
+        values[key] = _budget_value(key, value, isinstance(defaults[key], int), fail)
     budget = Budget(**values)
     if budget.min_reps > budget.max_reps or budget.max_reps < 1:
         raise fail("budget.max_reps", "must be >= 1 and >= min_reps")
@@ -179,3 +240,30 @@ def _budget(table, fail) -> Budget:
     if 0 < budget.race_ratio < 1:
         raise fail("budget.race_ratio", f"must be 0 (no racing) or >= 1, got {budget.race_ratio!r}")
     return budget
+
+
+def _budget_value(key: str, value, whole: bool, fail) -> int | float:
+    """One budget value, refused unless a number in its range: counts are whole, times
+    and ratios finite (NaN compares false with every bound, and inf never ends)."""
+    where = f"budget.{key}"
+    if whole:
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= _MAX_COUNT:
+            raise fail(where, f"must be a whole number from 0 to {_MAX_COUNT:,}, "
+                              f"got {_shown(value)}")
+        return value
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not _finite(value):
+        raise fail(where, f"must be a finite number, got {_shown(value)}")
+    if key == "max_seconds" and not 0 <= value <= _MAX_SECONDS:
+        raise fail(where, f"must be from 0 to {_MAX_SECONDS:g} seconds, got {value!r}")
+    if key == "settle" and not 0 <= value < 1:
+        raise fail(where, f"must be a fraction, 0 <= settle < 1, got {value!r}")
+    if value < 0:
+        raise fail(where, f"must be >= 0, got {value!r}")
+    return value
+
+
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
