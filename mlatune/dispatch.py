@@ -436,13 +436,23 @@ class Dispatcher:
         not the device's unless ``allow_arch`` names the table's arch (planning
         for another machine: ``supports()`` then sees a stand-in device).
         ``capturable``: for a caller that replays CUDA graphs (the class docstring).
+        Whatever else a damaged file makes loading raise (OverflowError,
+        RecursionError, Arrow errors, ...) is a TableError naming the file, one line:
+        an engine catches one type.
         """
+        device = device or current_device()
         # Loading creates ~10^5 small acyclic objects; cyclic GC passes over them
         # would double the load time and find nothing to free.
         was_enabled = gc.isenabled()
         gc.disable()
         try:
-            return cls._load(Path(path), device or current_device(), allow_arch, capturable)
+            return cls._load(Path(path), device, allow_arch, capturable)
+        except TableError:
+            raise
+        except Exception as exc:  # a damage no check foresaw: still the table's fault
+            text = str(exc).strip().splitlines()
+            raise TableError(f"{path}: unusable table ({type(exc).__name__}"
+                             f"{': ' + text[0] if text else ''})") from exc
         finally:
             if was_enabled:
                 gc.enable()
@@ -487,13 +497,13 @@ class Dispatcher:
         override = os.environ.get(TABLE_ENV)
         if override:
             return cls.load(override, device, capturable=capturable)
-        found = find_table(bundled_tables_dir(), device.arch, device.name)
-        if found is None:
-            return cls.rules_only(device, capturable)
         try:
+            found = find_table(bundled_tables_dir(), device.arch, device.name)
+            if found is None:
+                return cls.rules_only(device, capturable)
             with resources.as_file(found) as path:
                 return cls.load(path, device, capturable=capturable)
-        except TableError as exc:
+        except Exception as exc:  # load raises TableError; an unreadable directory OSError
             log.warning("mlatune: bundled table unusable, dispatching by rule: %s", exc)
             return cls.rules_only(device, capturable)
 

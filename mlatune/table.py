@@ -3,10 +3,21 @@
 A table is a DataFrame with exactly the columns of ``schema.COLUMN_TYPES``,
 one row per (device, problem, route). It is stored as Parquet (provenance also
 in the file metadata, JSON under the ``mlatune`` key) or CSV (provenance only
-in its columns), so either file stands alone. Writes go to a temporary file in
-the same directory and are renamed into place, so a reader never sees half a
-table. Reading is data only: pyarrow for Parquet, pandas' CSV parser for CSV;
-nothing is ever unpickled or evaluated.
+in its columns), so either file stands alone. Writes go to a fresh temporary
+file in the same directory and are renamed into place (``outputs.atomic_write``),
+so a reader never sees half a table and a planted symlink is never followed; a
+write that fails (a full disk, a read-only file system, a directory in the way)
+is an OutputError, one line. Reading is data only: pyarrow for Parquet, pandas'
+CSV parser for CSV; nothing is ever unpickled or evaluated, and whatever a
+damaged file makes them raise is a TableError naming the file.
+
+CSV text cells that start like a spreadsheet formula (``=``, ``+``, ``-``, ``@``,
+tab, carriage return) are written with a ``'`` in front, as OWASP advises
+against CSV injection; so is a cell that starts with ``'``, and reading removes
+one leading ``'`` from every text cell, so any text round-trips. Only free text
+(``reason``, ``device_name``, ``driver``, the version strings) can start so:
+route ids, statuses, dtypes and JSON params never do, and numbers are never
+touched.
 
 Provenance rules: a table may hold several devices (a merge of runs on several
 GPUs) and several runs per device, but all rows of one device must come from
@@ -27,7 +38,6 @@ import json
 import math
 import os
 import re
-import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -40,6 +50,7 @@ import pyarrow.parquet as pq
 
 from mlatune import winners as winners_map
 from mlatune.errors import TableError
+from mlatune.outputs import FORMULA_STARTS, atomic_write
 from mlatune.problem import BUCKET_FIELDS, KEY_FIELDS, MLAProblem
 from mlatune.schema import (
     COLUMN_TYPES,
@@ -209,26 +220,28 @@ def provenances(frame: pd.DataFrame) -> list[dict[str, Any]]:
 
 # Writing -------------------------------------------------------------------
 
-def _atomic_write(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        # mkstemp makes the file owner-only; a table is meant to be shared like any file.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def _csv_safe(frame: pd.DataFrame) -> pd.DataFrame:
+    """The frame with every text cell as ``outputs.csv_text_cell`` writes it: a cell
+    that starts like a spreadsheet formula (``=``, ``+``, ``-``, ``@``, tab, CR) or with
+    ``'`` gets a ``'`` in front, which reading removes (``_parse_csv_column``). Numbers
+    stay numbers; of the text columns only free text (``reason``, ``device_name``,
+    ``driver``, versions) can start so: route ids, statuses, dtypes and JSON params
+    cannot."""
+    out = frame.copy()
+    for name, kind in COLUMN_TYPES.items():
+        if kind == "string" and name in out:
+            text = out[name]
+            marked = text.str.startswith((*FORMULA_STARTS, "'")).fillna(False).astype(bool)
+            if marked.any():
+                out[name] = text.where(~marked, "'" + text)
+    return out
 
 
 def write(frame: pd.DataFrame, path: str | os.PathLike, fmt: str | None = None) -> Path:
-    """Write a valid table atomically as Parquet or CSV (by suffix unless ``fmt``)."""
+    """Write a valid table atomically as Parquet or CSV (by suffix unless ``fmt``).
+
+    Raises TableError for an invalid table, OutputError (one line) when the file
+    cannot be written (a directory in the way, a full disk, a read-only file system)."""
     path = Path(path)
     fmt = fmt or format_of(path)
     problems = validate(frame)
@@ -240,13 +253,13 @@ def write(frame: pd.DataFrame, path: str | os.PathLike, fmt: str | None = None) 
         meta = {"schema_version": SCHEMA_VERSION, "provenance": provenances(frame)}
         table = table.replace_schema_metadata(
             {**(table.schema.metadata or {}), METADATA_KEY: json.dumps(meta).encode()})
-        _atomic_write(path, lambda h: pq.write_table(table, h))
+        atomic_write(path, lambda h: pq.write_table(table, h))
     elif fmt == "csv":
         # Floats print in their shortest round-trip form; NaN as an empty field. Every
         # field is quoted, so a stray carriage return in a reason cannot end a row.
-        text = frame.to_csv(index=False, na_rep="", lineterminator="\n",
-                            quoting=csv.QUOTE_ALL)
-        _atomic_write(path, lambda h: h.write(text.encode()))
+        text = _csv_safe(frame).to_csv(index=False, na_rep="", lineterminator="\n",
+                                       quoting=csv.QUOTE_ALL)
+        atomic_write(path, lambda h: h.write(text.encode()))
     else:
         raise TableError(f"{path}: unknown table format {fmt!r}; expected one of {FORMATS}")
     return path
@@ -295,8 +308,8 @@ def _metadata_problems(recorded: Any, frame: pd.DataFrame) -> list[str]:
 
 def _parse_csv_column(text: pd.Series, kind: str) -> pd.Series | None:
     """A CSV text column as its schema type, or None when some value does not parse."""
-    if kind == "string":
-        return text.astype(_dtype("string"))
+    if kind == "string":  # a leading ' was added by _csv_safe
+        return text.where(~text.str.startswith("'"), text.str[1:]).astype(_dtype("string"))
     if kind == "int64":
         if not text.str.fullmatch(r"-?\d+").all():
             return None
@@ -364,8 +377,21 @@ def read(path: str | os.PathLike, check: bool = True) -> pd.DataFrame:
 
 def read_versioned(path: str | os.PathLike, check: bool = True) -> tuple[pd.DataFrame, int]:
     """``read``, and the schema version the file holds (1: upgraded as it was read;
-    0 when the file does not say one version, which ``check`` refuses)."""
-    path = Path(path)
+    0 when the file does not say one version, which ``check`` refuses).
+
+    Whatever a damaged file makes the readers or checks raise (Arrow errors,
+    OverflowError, RecursionError, ...) is a TableError naming the file, one line."""
+    try:
+        return _read_versioned(Path(path), check)
+    except TableError as exc:
+        if "\n" in str(exc):  # a value quoted from the file: the message stays one line
+            raise TableError(str(exc).replace("\n", " ")) from None
+        raise
+    except Exception as exc:  # a damage no check foresaw: still the file's fault
+        raise TableError(f"{path}: unreadable table ({_one_line(exc)})") from exc
+
+
+def _read_versioned(path: Path, check: bool) -> tuple[pd.DataFrame, int]:
     fmt = format_of(path)
     if not path.is_file():
         raise TableError(f"{path}: no such file")
@@ -742,5 +768,5 @@ def _options(rows: pd.DataFrame) -> Iterable[dict[str, Any]]:
 def write_json(document: Mapping[str, Any], path: str | os.PathLike) -> Path:
     path = Path(path)
     text = json.dumps(document, separators=(",", ":"), sort_keys=False, allow_nan=False)
-    _atomic_write(path, lambda h: h.write(text.encode() + b"\n"))
+    atomic_write(path, lambda h: h.write(text.encode() + b"\n"))
     return path

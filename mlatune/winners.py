@@ -66,13 +66,34 @@ class WinnersMap:
 
 
 def read(path: Path) -> WinnersMap:
-    """A winners map from a file, refused (TableError, one line) unless valid."""
+    """A winners map from a file, refused (TableError, one line) unless valid.
+
+    Whatever a damaged file makes parsing or the checks raise (RecursionError from
+    deep nesting, OverflowError from huge numbers, ...) is a TableError too."""
+    try:
+        return _read(path)
+    except TableError:
+        raise
+    except RecursionError:
+        raise TableError(f"{path}: not a readable JSON winners map (nested too deeply)"
+                         ) from None
+    except Exception as exc:  # a damage no check foresaw: still the file's fault
+        raise TableError(f"{path}: unreadable winners map ({_one_line(exc)})") from exc
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _read(path: Path) -> WinnersMap:
     try:
         document = json.loads(path.read_bytes())
     except OSError as exc:
-        raise TableError(f"{path}: cannot read ({type(exc).__name__}: {exc})") from None
+        raise TableError(f"{path}: cannot read ({_one_line(exc)})") from None
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
-        raise TableError(f"{path}: not a readable JSON winners map ({exc})") from None
+        raise TableError(f"{path}: not a readable JSON winners map ({_one_line(exc)})"
+                         ) from None
     found, parsed = _check(document)
     if found:
         raise TableError(f"{path}: invalid winners map ({len(found)} problem"
@@ -153,7 +174,7 @@ def _entry_problem(key: str, winner: Any, version: Any) -> MLAProblem | None:
     """The key's problem if the entry is valid, else None."""
     try:
         problem = problem_of(key)
-    except (ValueError, TypeError, KeyError):
+    except (ValueError, TypeError, KeyError, ArithmeticError):  # huge numbers: Overflow
         return None
     if not isinstance(winner, dict):
         return None
@@ -165,8 +186,13 @@ def _entry_problem(key: str, winner: Any, version: Any) -> MLAProblem | None:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) \
-        and math.isfinite(value)
+    """A finite number a float can hold (JSON ints are unbounded: 1e400 as digits)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 def _valid_option(option: Any) -> bool:
