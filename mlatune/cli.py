@@ -1,11 +1,55 @@
-"""The `mlatune` command line."""
+"""The `mlatune` command line.
+
+Output: rich tables on a terminal; piped or in CI, the same lines unwrapped and uncut,
+so a log or a grep sees whole paths, route ids and numbers.
+
+``--json`` (show, lookup, coverage, diff, plan, doctor) prints one JSON document on
+stdout and nothing else there (notes and errors go to stderr; the exit status is the
+same as without it). Every document is an object with ``"schema": "mlatune.<command>"``
+and ``"version": 1`` (JSON_VERSION: raised only when a field changes meaning or goes
+away; new fields may appear). A device is ``{"arch", "device_name", "cu_count"}``, a
+problem its key fields (``MLAProblem.key_dict``), a time in microseconds or null where
+not measured. The rest, per command:
+
+- show: ``table``, ``devices``, ``rows`` (the table's), ``problems``: every problem
+  (``--limit`` shapes the printed table only) as ``{"device", "problem", "winner",
+  "winner_params", "winner_us", "runner_up", "runner_up_us", "margin", "routes",
+  "ok_routes"}``; margin = runner-up time / winner time - 1; no ok row: winner null.
+- lookup: ``table``, ``table_device``, ``problem``, ``key``, ``route``, ``params``,
+  ``source`` (table, nearest or rule), ``measured_key`` (null for a rule), ``time_us``,
+  ``why`` (lines), ``skipped_routes`` ({route: rows}).
+- coverage: ``spec``, ``table`` (null: rules only), ``require``, ``problems``,
+  ``answered``: {source: {"problems", "routes": {route: count}}} for table, nearest and
+  rule; ``below_require``: [{"key", "source", "route"}]; ``ok``.
+- diff: ``a``, ``b``, ``devices``: {"a", "b", "common"}, ``comparable`` (a device in
+  common), ``counts``: {"same", "changed", "only_a", "only_b"}, ``changed``: every
+  changed winner as {"device", "problem", "a", "b", "change"}, with "a" and "b"
+  {"route", "params", "time_us"} and change = B's time / A's - 1.
+- plan: ``spec``, ``device``, ``problems``, ``probe_applied`` (false: rules only),
+  ``routes``: [{"route", "viable", "refused", "top_refusal": {"reason", "count"} or
+  null}], ``groups``: problems differing only in batch and kv_len with the same
+  verdicts, [{"problem" (bucket fields), "batches", "kv_lens", "viable": [route],
+  "refused": {route: reason}}].
+- doctor: ``libraries`` ({name: version or null}), ``gpu_driver``, ``gpus``
+  ([{"index", "arch", "name", "cu_count", "memory_bytes"}]), ``dispatch_table``
+  ({"path", "error"}: what the dispatcher loads here), ``bundled_tables``: per arch,
+  {"arch", "table" (the file a GPU of that arch loads, or null), "devices", "error"},
+  ``backends``: [{"backend", "importable", "detail", "routes"}].
+
+Exit status: 0 ok; 1 a check failed (coverage --require unmet, diff of tables that share
+no device) or an error (one red line on stderr); 2 a usage error typer refuses.
+"""
 
 from __future__ import annotations
 
 import json
+import math
+import re
+import sys
 from contextlib import contextmanager
+from enum import Enum
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -13,13 +57,108 @@ from rich.table import Table
 
 import mlatune
 
+if TYPE_CHECKING:  # the commands import these where they run: --help stays light
+    from importlib.resources.abc import Traversable
+
+    import pandas as pd
+    from rich.progress import ProgressColumn
+
+    from mlatune.arch import DeviceInfo
+    from mlatune.dispatch import Choice, Dispatcher
+    from mlatune.journal import Journal
+    from mlatune.planning import PlanRow
+    from mlatune.problem import MLAProblem
+    from mlatune.runner import SweepResult
+    from mlatune.spec import SweepSpec
+
+Device = tuple[str, str, int]  # (arch, device_name, cu_count), as tables key them
+
 app = typer.Typer(
-    help="Autotune MLA attention routes per shape and ship the winners as a dispatch table.",
+    help="Autotune MLA attention routes per shape and ship the winners as a dispatch table. "
+         "Exit status: 0 ok; 1 a check failed or an error (one line on stderr); 2 a usage "
+         "error.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Plain help: a flag shows no type tag (rich mode tags even --help "<bool>"), fixed
+    # value sets show as <a|b|c>, and a CI log gets no box drawing.
+    rich_markup_mode=None,
 )
-console = Console()
+
+# Piped or in CI no line is wrapped or cut: wider than any line we print.
+UNWRAPPED_WIDTH = 100_000
+JSON_VERSION = 1
+
+
+def _console(stderr: bool = False) -> Console:
+    """Rich as usual on a terminal; otherwise lines as long as their content. Decided by
+    the stream itself: FORCE_COLOR makes rich call a CI log a terminal, 80 columns wide."""
+    stream = sys.stderr if stderr else sys.stdout
+    try:
+        tty = stream.isatty()
+    except (AttributeError, ValueError):  # a closed or odd stream: not a terminal
+        tty = False
+    if tty:
+        return Console(stderr=stderr)
+    return Console(stderr=stderr, width=UNWRAPPED_WIDTH, soft_wrap=True)
+
+
+console = _console()
+err_console = _console(stderr=True)
+
+
+def _use_consoles() -> None:
+    """Fit both consoles to where output goes now (tests run many invocations, each
+    with its own captured streams)."""
+    global console, err_console
+    console, err_console = _console(), _console(stderr=True)
+
+
+# Fixed value sets: --help lists them and typer refuses others (exit 2). Spelled out here
+# because --help must stay fast and their owners import torch (1.4 s);
+# tests/test_cli_usability.py pins each to its owner (capability.ARCHS and arch.CPU_ARCH,
+# problem.DTYPES, problem.Phase, table.FORMATS).
+def _choices(name: str, values: tuple[str, ...]) -> Any:
+    return Enum(name, [(v, v) for v in values], type=str)
+
+
+ARCH_NAMES = ("gfx942", "gfx950", "gfx1250", "sm_90", "sm_100")
+Arch = _choices("Arch", ARCH_NAMES)
+DeviceArch = _choices("DeviceArch", (*ARCH_NAMES, "cpu"))  # a sweep's, so a table's too
+Dtype = _choices("Dtype", ("bf16", "fp16", "fp8_e4m3fn", "fp8_e4m3fnuz"))
+Phase = _choices("Phase", ("decode", "prefill"))
+SOURCES = ("table", "nearest", "rule")  # how the dispatcher answers, best first
+Source = _choices("Source", SOURCES)
+Format = _choices("Format", ("parquet", "csv", "json"))
+
+
+def _value(choice: Enum | None) -> str | None:
+    return None if choice is None else choice.value
+
+
+JsonFlag = Annotated[bool, typer.Option(
+    "--json", help='Print one JSON document on stdout instead: {"schema": '
+                   '"mlatune.<command>", "version": 1, ...} (shapes in mlatune/cli.py).')]
+
+
+def _emit_json(command: str, body: dict[str, Any]) -> None:
+    document = {"schema": f"mlatune.{command}", "version": JSON_VERSION, **body}
+    sys.stdout.write(json.dumps(document, indent=2, allow_nan=False) + "\n")
+
+
+def _num(value: Any) -> float | None:
+    """A number for JSON: NaN (not measured) becomes null."""
+    return None if value is None or (isinstance(value, float) and math.isnan(value)) \
+        else float(value)
+
+
+def _plain(value: Any) -> Any:
+    """numpy and pandas scalars as the Python values JSON knows."""
+    return value.item() if hasattr(value, "item") else value
+
+
+def _device(arch: str, device_name: str, cu_count: int) -> dict[str, Any]:
+    return {"arch": str(arch), "device_name": str(device_name), "cu_count": int(cu_count)}
 
 
 def _version(value: bool) -> None:
@@ -30,105 +169,264 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def main(
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                 help="Print the version and exit."),
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
 ) -> None:
     """mlatune: measure every MLA route per shape; ship the winners as a table."""
+    _use_consoles()
 
+
+# Specs: a file, or a bundled spec by name --------------------------------------
+
+def _bundled_specs() -> list[str]:
+    from mlatune import spec as specs
+
+    folder = specs.bundled_spec_path().parent
+    return sorted(p.stem for p in folder.glob("*.toml"))
+
+
+def _spec_path(name: str | None) -> Path:
+    """SPEC as given: a file; a bare name (no folder, no suffix but .toml) not found as a
+    file is a bundled spec, `sweeps/<name>.toml` in the package."""
+    from mlatune import spec as specs
+
+    if name is None:
+        return specs.bundled_spec_path()
+    path = Path(name)
+    if path.exists():
+        return path
+    bundled = _bundled_specs()
+    if path.parent == Path(".") and path.suffix in ("", ".toml") and path.stem in bundled:
+        return specs.bundled_spec_path(f"{path.stem}.toml")
+    _fail(f"{name}: no such spec file, nor a bundled spec of that name "
+          f"(bundled: {', '.join(bundled)})")
+
+
+def _load_spec(name: str | None, gpu: bool) -> tuple[Path, SweepSpec]:
+    from mlatune import spec as specs
+
+    path = _spec_path(name)
+    try:
+        return path, specs.load(path, gpu=gpu)
+    except specs.SpecError as exc:
+        _fail(str(exc))
+
+
+# doctor ---------------------------------------------------------------------------
 
 @app.command()
-def doctor() -> None:
-    """Say what this machine has: library versions, GPUs, and which route backends import."""
+def doctor(json_out: JsonFlag = False) -> None:
+    """Say what this machine has: library versions, GPUs, the dispatch table here and the
+    bundled ones, and which route backends import."""
     from mlatune.arch import driver_version, gpu_devices, library_versions
-    from mlatune.routes import all_routes, backend_status
 
+    facts = {"libraries": library_versions(), "gpu_driver": driver_version(),
+             "gpus": [{"index": g.index, "arch": g.arch, "name": g.name,
+                       "cu_count": g.cu_count, "memory_bytes": g.memory_bytes}
+                      for g in gpu_devices()],
+             "dispatch_table": _table_here(), "bundled_tables": _bundled_tables(),
+             "backends": _backends()}
+    if json_out:
+        _emit_json("doctor", facts)
+        return
     versions = Table(title="libraries", show_header=False)
-    for name, version in library_versions().items():
+    for name, version in facts["libraries"].items():
         versions.add_row(name, version or "[yellow]not installed[/]")
-    versions.add_row("gpu driver", driver_version())
+    versions.add_row("gpu driver", facts["gpu_driver"])
     console.print(versions)
-
-    gpus = gpu_devices()
-    if gpus:
-        table = Table(title="GPUs")
-        for col in ("index", "arch", "name", "SMs/CUs", "memory"):
-            table.add_column(col)
-        for g in gpus:
-            table.add_row(str(g.index), g.arch, g.name, str(g.cu_count),
-                          f"{g.memory_bytes / 2**30:.0f} GiB")
-        console.print(table)
-    else:
-        console.print("[yellow]no GPU found[/]: only CPU-capable routes can run here "
-                      "(`mlatune plan` needs no GPU).")
-    from mlatune.dispatch import Dispatcher
-
-    try:
-        here = Dispatcher.from_bundled().source or "none (the dispatcher answers by rule)"
-    except (ValueError, OSError) as exc:  # MLATUNE_TABLE names an unusable table
-        here = f"[red]unusable[/]: {exc}"
-    console.print(f"dispatch table here: {here}", highlight=False)
-
+    _print_gpus(facts["gpus"])
+    here = facts["dispatch_table"]
+    text = (f"[red]unusable[/]: {here['error']}" if here["error"]
+            else here["path"] or "none (the dispatcher answers by rule)")
+    console.print(f"dispatch table here: {text}", highlight=False)
+    _print_bundled(facts["bundled_tables"])
     backends = Table(title="route backends")
     for col in ("backend", "importable", "detail", "routes"):
         backends.add_column(col)
-    routes = all_routes()
-    for name in ("torch", "triton", "aiter"):
-        ok, detail = backend_status(name)
-        ids = ", ".join(r.id for r in routes if r.id.endswith("/" + name)) or "-"
-        backends.add_row(name, "[green]yes[/]" if ok else "[red]no[/]", detail, ids)
+    for b in facts["backends"]:
+        backends.add_row(b["backend"], "[green]yes[/]" if b["importable"] else "[red]no[/]",
+                         b["detail"], ", ".join(b["routes"]) or "-")
     console.print(backends)
 
 
-def _rate_column():
+def _print_gpus(gpus: list[dict[str, Any]]) -> None:
+    if not gpus:
+        console.print("[yellow]no GPU found[/]: only CPU-capable routes can run here "
+                      "(`mlatune plan` needs no GPU).")
+        return
+    table = Table(title="GPUs")
+    for col in ("index", "arch", "name", "SMs/CUs", "memory"):
+        table.add_column(col)
+    for g in gpus:
+        table.add_row(str(g["index"]), g["arch"], g["name"], str(g["cu_count"]),
+                      f"{g['memory_bytes'] / 2**30:.0f} GiB")
+    console.print(table)
+
+
+def _table_here() -> dict[str, str | None]:
+    from mlatune.dispatch import Dispatcher
+
+    try:
+        return {"path": Dispatcher.from_bundled().source or None, "error": None}
+    except (ValueError, OSError) as exc:  # MLATUNE_TABLE names an unusable table
+        return {"path": None, "error": str(exc)}
+
+
+def _bundled_tables() -> list[dict[str, Any]]:
+    """Per arch the capability rules know, or a bundled table names: the bundled table a
+    GPU of that arch loads (find_table's choice; MLATUNE_TABLE overrides it) and the
+    devices it holds."""
+    from mlatune.capability import ARCHS
+    from mlatune.dispatch import bundled_tables_dir, find_table
+
+    folder = bundled_tables_dir()
+    # find_table's naming: <arch>.<ext> or <arch>-<anything>.<ext>
+    named = {Path(f.name).stem.split("-")[0] for f in folder.iterdir()
+             if Path(f.name).suffix.lower() in (".parquet", ".json", ".csv")}
+    found = []
+    for arch in sorted({*ARCHS, *named}):
+        chosen = find_table(folder, arch)
+        entry = {"arch": arch, "table": chosen.name if chosen else None, "devices": [],
+                 "error": None}
+        if chosen is not None:
+            try:
+                entry["devices"] = _devices_in(chosen)
+            except Exception as exc:  # doctor reports a damaged bundled table, never dies
+                entry["error"] = f"{type(exc).__name__}: {exc}"
+        found.append(entry)
+    return found
+
+
+def _devices_in(chosen: Traversable) -> list[dict[str, Any]]:
+    """The devices a table file holds, reading only their columns."""
+    from importlib import resources
+
+    import pandas as pd
+
+    from mlatune.schema import DEVICE_COLUMNS
+
+    with resources.as_file(chosen) as path:
+        if path.suffix.lower() == ".json":
+            document = json.loads(path.read_text())
+            return [_device(d["arch"], d["device_name"], d["cu_count"])
+                    for d in document["devices"]]
+        read = pd.read_parquet if path.suffix.lower() == ".parquet" else pd.read_csv
+        kwargs = {"columns": list(DEVICE_COLUMNS)} if read is pd.read_parquet \
+            else {"usecols": list(DEVICE_COLUMNS)}
+        frame = read(path, **kwargs).drop_duplicates()
+    return [_device(*row) for row in frame.itertuples(index=False)]
+
+
+def _print_bundled(entries: list[dict[str, Any]]) -> None:
+    out = Table(title="bundled tables: what a GPU of each arch loads (MLATUNE_TABLE overrides)")
+    for col in ("arch", "table", "devices in it"):
+        out.add_column(col)
+    for e in entries:
+        devices = (f"[red]unusable[/]: {e['error']}" if e["error"] else ", ".join(
+            _device_text((d["arch"], d["device_name"], d["cu_count"])) for d in e["devices"]))
+        out.add_row(e["arch"], e["table"] or "none: the dispatcher answers by rule", devices)
+    console.print(out)
+
+
+def _backends() -> list[dict[str, Any]]:
+    from mlatune.routes import all_routes, backend_status
+
+    routes = all_routes()
+    found = []
+    for name in ("torch", "triton", "aiter"):
+        ok, detail = backend_status(name)
+        found.append({"backend": name, "importable": ok, "detail": detail,
+                      "routes": [r.id for r in routes if r.id.endswith("/" + name)]})
+    return found
+
+
+# sweep ----------------------------------------------------------------------------
+
+def _rate_eta_column() -> ProgressColumn:
     from rich.progress import ProgressColumn
     from rich.text import Text
 
-    class RateColumn(ProgressColumn):
-        def render(self, task) -> Text:
-            return Text(f"{task.speed:.2f} cand/s" if task.speed else "- cand/s")
+    class RateEta(ProgressColumn):
+        """This invocation's mean rate (candidates finished here over the time since the
+        bar started) and the time left at it: steady where candidates take minutes, when
+        rich's 30 s window would often hold no sample at all."""
 
-    return RateColumn()
+        def render(self, task) -> Text:
+            ran = task.fields.get("ran", 0)
+            elapsed = task.finished_time or task.elapsed or 0.0
+            if not ran or not elapsed:
+                return Text("- cand/s, ETA -")
+            rate = ran / elapsed
+            return Text(f"{rate:.2f} cand/s, ETA {_clock(task.remaining / rate)}")
+
+    return RateEta()
+
+
+def _clock(seconds: float) -> str:
+    whole = int(seconds)
+    return f"{whole // 3600}:{whole % 3600 // 60:02d}:{whole % 60:02d}"
 
 
 class _SweepProgress:
-    """Rich progress for a sweep: candidates done, rate, ETA, failures so far."""
+    """Rich progress for a sweep: candidates that run (refusals are said once, apart),
+    failures so far, rate and ETA."""
 
     def __init__(self, progress):
         self.progress = progress
         self.task = None
         self.failures = 0
+        self.ran = 0
+
+    def refused(self, count: int) -> None:
+        if count:
+            self.progress.console.print(
+                f"{count} (problem, route) pairs refused by a rule: recorded, not run",
+                highlight=False)
 
     def started(self, total: int, already_done: int, what: str = "sweep") -> None:
-        self.failures = 0
+        self.failures = self.ran = 0
         self.task = self.progress.add_task(what, total=total, completed=already_done,
-                                           failures=0)
+                                           failures=0, ran=0)
 
     def finished(self, record: dict) -> None:
         if record["status"] not in ("ok", "unsupported", "checked"):
             self.failures += 1
-        self.progress.update(self.task, advance=1, failures=self.failures)
+        self.ran += 1
+        self.progress.update(self.task, advance=1, failures=self.failures, ran=self.ran)
 
 
 @app.command()
 def sweep(
-    spec_path: str = typer.Argument(None, metavar="[SPEC]",
-                                    help="Sweep spec (TOML); default: the bundled smoke.toml."),
-    arch: str = typer.Option(None, help="The arch this sweep is for (e.g. sm_90, gfx950); "
-                                        "stops if the device differs."),
-    out: str = typer.Option(None, help="Table path, .parquet or .csv (both are written, with "
-                                       "the journal beside them). Default: "
-                                       "runs/<spec>-<arch>.parquet"),
-    resume: bool = typer.Option(False, help="Continue the sweep recorded in the journal."),
-    gpus: int = typer.Option(1, min=1, help="Worker processes, one per GPU."),
-    timeout: float = typer.Option(300.0, min=0.1, help="Seconds one candidate may take."),
-    compile_workers: int = typer.Option(None, min=0, help="Processes per GPU that compile "
-                                        "kernels before timing starts (default: the spare CPU "
-                                        "cores, at most 8; 0: none)."),
-    routes: str = typer.Option(None, help="Comma-separated route ids (default: every viable)."),
+    spec_name: Annotated[str | None, typer.Argument(
+        metavar="SPEC", help="Sweep spec: a TOML file, or a bundled spec's name "
+                               "(smoke, h200, deepseek-v3-tp8, ...). Default: smoke.")] = None,
+    arch: Annotated[DeviceArch | None, typer.Option(
+        help="The arch this sweep is for; stops if this machine's device differs.")] = None,
+    out: Annotated[str | None, typer.Option(
+        help="Table path, .parquet or .csv (both are written, with the journal beside "
+             "them). Default: runs/<spec>-<arch>.parquet")] = None,
+    resume: Annotated[bool, typer.Option(
+        "--resume", help="Continue the sweep in the journal. Without --fresh a rerun does "
+                         "so anyway (refusing a journal of another spec or device); kept "
+                         "for scripts.")] = False,
+    fresh: Annotated[bool, typer.Option(
+        "--fresh", help="Start over. The earlier table and journal are moved aside, not "
+                        "deleted: <out>.<UTC time>.parquet, .csv and .journal.jsonl.")] = False,
+    gpus: Annotated[int, typer.Option(min=1, help="Worker processes, one per GPU.")] = 1,
+    timeout: Annotated[float, typer.Option(
+        min=0.1, help="Seconds one candidate may take.")] = 300.0,
+    compile_workers: Annotated[int | None, typer.Option(
+        min=0, help="Processes per GPU that compile kernels before timing starts (default: "
+                    "the spare CPU cores, at most 8; 0: none).")] = None,
+    routes: Annotated[str | None, typer.Option(
+        help="Comma-separated route ids (default: every viable).")] = None,
 ) -> None:
-    """Measure every viable route for each problem of a spec and write a dispatch table."""
+    """Measure every viable route for each problem of a spec and write a dispatch table.
+
+    A rerun continues where the last one stopped (a kill or Ctrl-C loses only what was in
+    flight); --fresh starts over. It prints which it did.
+    """
     import time
-    from pathlib import Path
 
     from rich.progress import (
         BarColumn,
@@ -136,33 +434,24 @@ def sweep(
         Progress,
         TextColumn,
         TimeElapsedColumn,
-        TimeRemainingColumn,
     )
 
     from mlatune import runner
-    from mlatune import spec as specs
     from mlatune.arch import current_device, gpu_devices
-    from mlatune.journal import Journal, JournalError
 
+    if resume and fresh:
+        raise typer.BadParameter("--resume and --fresh exclude each other",
+                                 param_hint="'--fresh'")
     device = current_device()
-    if arch and arch != device.arch:
-        _fail(f"--arch {arch} but this machine's device is {device.arch} ({device.name}). "
-              f"To see which routes {arch} would run without its GPU: "
-              f"mlatune plan SPEC --arch {arch}")
+    if arch is not None and arch.value != device.arch:
+        _fail(f"--arch {arch.value} but this machine's device is {device.arch} ({device.name}). "
+              f"To see which routes {arch.value} would run without its GPU: "
+              f"mlatune plan SPEC --arch {arch.value}")
     if device.is_gpu and gpus > len(gpu_devices()):
         _fail(f"--gpus {gpus} but only {len(gpu_devices())} GPU(s) are visible")
-    path = Path(spec_path) if spec_path else specs.bundled_spec_path()
-    try:
-        spec = specs.load(path, gpu=device.is_gpu)
-    except specs.SpecError as exc:
-        _fail(str(exc))
+    path, spec = _load_spec(spec_name, gpu=device.is_gpu)
     only = [r.strip() for r in routes.split(",") if r.strip()] if routes else None
-    from mlatune.routes import get
-    for r in [*(only or []), *spec.routes]:  # before anything is written
-        try:
-            get(r)
-        except KeyError as exc:
-            _fail(f"{exc.args[0]}" + ("" if only and r in only else f" (named in {path})"))
+    _check_routes(only, spec.routes, path)
     table_path = Path(out) if out else Path("runs") / f"{spec.name}-{device.arch}.parquet"
     if table_path.suffix not in (".parquet", ".csv"):
         _fail(f"--out {out}: name the table .parquet or .csv (both are written)")
@@ -173,16 +462,13 @@ def sweep(
                       "grid; wall-clock timings, not for dispatch.")
     console.print(f"spec {path} ({len(spec.problems)} problems, "
                   f"{len(spec.skipped)} invalid combinations skipped) on {device.arch} "
-                  f"({device.name})")
+                  f"({device.name})", highlight=False)
     header = {"spec_sha256": spec.sha256, "spec": str(path), **device.as_dict(),
               "device_name": device.name}
-    try:
-        journal = Journal(journal_path, header, resume)
-    except JournalError as exc:
-        _fail(str(exc))
+    journal = _open_journal(table_path, journal_path, header, fresh)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-               _rate_column(), TextColumn("[red]{task.fields[failures]} failed"),
-               TimeElapsedColumn(), TimeRemainingColumn())
+               _rate_eta_column(), TextColumn("[red]{task.fields[failures]} failed"),
+               TimeElapsedColumn())
     t0 = time.monotonic()
     try:
         with Progress(*columns, console=console) as progress:
@@ -190,17 +476,124 @@ def sweep(
                                 timeout_s=timeout, only=only, observer=_SweepProgress(progress),
                                 compile_workers=compile_workers)
     except KeyboardInterrupt:
-        _fail(f"interrupted; finished candidates are in {journal_path}: rerun with --resume")
+        _fail(f"interrupted; finished candidates are in {journal_path}: rerun with --resume "
+              f"(or the same command without --fresh) to continue")
+    except OSError as exc:  # the journal's disk full or gone
+        _fail(f"{exc}; finished candidates are in {journal_path}: rerun to continue")
     finally:
         journal.close()
     wall = time.monotonic() - t0
-    _write_table(runner.table_rows(result.records, device), spec, table_path)
-    summary = Table(title=f"sweep {spec.name}: {result.ran} candidates run in {wall:.1f}s "
-                          f"({result.ran / wall if wall else 0:.2f}/s)")
+    try:
+        _write_table(runner.table_rows(result.records, device), spec, table_path)
+    except OSError as exc:
+        _fail(f"{exc}; every result is in {journal_path}: rerun to write the table")
+    _print_sweep_summary(spec.name, result, wall)
+    console.print(f"table: {table_path} (and {table_path.with_suffix('.csv')}); "
+                  f"journal: {journal_path}", highlight=False)
+
+
+def _check_routes(only: list[str] | None, named: tuple[str, ...], spec_path: Path) -> None:
+    """Every route named on the command line or in the spec exists, before anything is
+    written."""
+    from mlatune.routes import get
+
+    for r in [*(only or []), *named]:
+        try:
+            get(r)
+        except KeyError as exc:
+            _fail(f"{exc.args[0]}" + ("" if only and r in only else f" (named in {spec_path})"))
+
+
+def _open_journal(table_path: Path, journal_path: Path, header: dict[str, Any],
+                  fresh: bool) -> Journal:
+    """The sweep's journal, saying what became of an earlier one: resumed (Journal checks
+    it was written for this spec and device) or, with --fresh, moved aside."""
+    from mlatune.journal import Journal, JournalError
+
+    if fresh and _in_use(journal_path):
+        _fail(f"journal {journal_path} is in use by another sweep: --fresh would move its "
+              f"files from under it")
+    moved = _move_aside(table_path, journal_path) if fresh else []
+    existed = journal_path.exists()
+    try:
+        journal = Journal(journal_path, header, resume=True)
+    except JournalError as exc:
+        hint = "" if _in_use(journal_path) else \
+            " (--fresh starts over, moving the earlier journal and table aside)"
+        _fail(f"{exc}{hint}")
+    except OSError as exc:  # its folder cannot be made or written
+        _fail(f"cannot write journal {journal_path}: {exc.strerror}" if exc.strerror
+              else str(exc))
+    if moved:
+        said = "starting over; the earlier run moved to " + ", ".join(map(str, moved))
+    elif existed:
+        said = (f"resuming {journal_path}: {len(journal.records)} results recorded before "
+                f"(--fresh starts over)")
+    else:
+        said = f"new journal {journal_path}"
+    console.print(said, highlight=False)
+    return journal
+
+
+def _in_use(journal_path: Path) -> bool:
+    """Whether a running sweep holds the journal's lock (journal.py's flock, which the
+    kernel drops when its holder dies)."""
+    import fcntl
+
+    from mlatune.journal import lock_path
+
+    try:
+        handle = lock_path(journal_path).open("rb")
+    except OSError:  # no lock file: no sweep holds it
+        return False
+    with handle:
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+    return False  # closing the file drops the shared lock taken to ask
+
+
+def _move_aside(table_path: Path, journal_path: Path) -> list[Path]:
+    """An earlier run's table (.parquet, .csv) and journal, renamed with the UTC time
+    after the table's stem: still a table and journal pair (`--out` the moved .parquet
+    resumes it), and nothing is deleted."""
+    import time
+
+    stem = table_path.with_suffix("")
+    olds = [p for p in (table_path, table_path.with_suffix(".csv"), journal_path) if p.exists()]
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    n = 0
+    while True:  # two --fresh runs within a second must not overwrite the first
+        tag = stamp if n == 0 else f"{stamp}-{n}"
+        news = [p.with_name(f"{stem.name}.{tag}{p.name[len(stem.name):]}") for p in olds]
+        if not any(p.exists() for p in news):
+            break
+        n += 1
+    for old, new in zip(olds, news, strict=True):
+        old.rename(new)
+    return news
+
+
+def _print_sweep_summary(name: str, result: SweepResult, wall: float) -> None:
+    """The bar's numbers again: candidates run now and found in the journal; statuses of
+    the candidates (refusals apart: they ran nothing); where the workers' time went."""
+    statuses: dict[str, int] = {}
+    for r in result.records:
+        if r["status"] != "unsupported":
+            statuses[r["status"]] = statuses.get(r["status"], 0) + 1
+    fallbacks = f" + {result.fallbacks} reference fallbacks" if result.fallbacks else ""
+    console.print(f"sweep {name}: {result.planned} candidates{fallbacks}; {result.ran} run "
+                  f"now in {wall:.1f}s ({result.ran / wall if wall else 0:.2f}/s), "
+                  f"{result.resumed} found in the journal", highlight=False)
+    summary = Table()
     summary.add_column("status")
     summary.add_column("candidates", justify="right")
-    for status, n in sorted(result.counts.items()):
+    for status, n in sorted(statuses.items()):
         summary.add_row(status, str(n))
+    if result.refused:
+        summary.add_section()
+        summary.add_row("refused by a rule (not run)", str(result.refused))
     console.print(summary)
     if result.ran:
         cost = dict(result.seconds)
@@ -212,11 +605,9 @@ def sweep(
             + " (setup: inputs and references; first_check: the first accuracy run, "
               "with kernel compiles; check: the second; bench: timing)",
             highlight=False)
-    console.print(f"table: {table_path} (and {table_path.with_suffix('.csv')}); "
-                  f"journal: {journal_path}")
 
 
-def _write_table(rows: list[dict], spec, path) -> None:
+def _write_table(rows: list[dict], spec: SweepSpec, path: Path) -> None:
     from mlatune import table
     from mlatune.schema import Provenance
 
@@ -225,75 +616,93 @@ def _write_table(rows: list[dict], spec, path) -> None:
     table.write(frame, path.with_suffix(".csv"))
 
 
-
+# plan -----------------------------------------------------------------------------
 
 @app.command()
 def plan(
-    spec_path: str = typer.Argument(..., metavar="SPEC", help="Sweep spec (TOML)."),
-    arch: str = typer.Option(..., help="The arch to plan for: gfx942, gfx950, gfx1250, sm_90 "
-                                       "or sm_100. Its GPU need not be here."),
-    out: str = typer.Option(None, help="Also write the plan as CSV: one row per problem and "
-                                       "route, with its status and reason."),
+    spec_name: Annotated[str, typer.Argument(
+        metavar="SPEC", help="Sweep spec: a TOML file or a bundled spec's name.")],
+    arch: Annotated[Arch, typer.Option(
+        help="The arch to plan for. Its GPU need not be here.")],
+    out: Annotated[str | None, typer.Option(
+        help="Also write the plan as CSV: one row per problem and route, with its status "
+             "and reason.")] = None,
+    detail: Annotated[bool, typer.Option(
+        "--detail", help="Also print the verdicts per problem (problems differing only in "
+                         "batch and kv_len share a row).")] = False,
+    json_out: JsonFlag = False,
 ) -> None:
-    """Which routes a sweep would run on ARCH for each problem, and why the others would not."""
-    from pathlib import Path
-
+    """Which routes a sweep would run on ARCH, and why the others would not: a summary per
+    route; the verdicts per problem with --detail or in the --out CSV."""
     from mlatune import capability, planning
-    from mlatune import spec as specs
 
+    device = capability.device_for_arch(arch.value)
+    path, spec = _load_spec(spec_name, gpu=True)
     try:
-        device = capability.device_for_arch(arch)
-    except KeyError as exc:
-        _fail(str(exc.args[0]))
-    try:
-        spec = specs.load(Path(spec_path), gpu=True)
         rows = planning.plan_rows(spec, device)
-    except specs.SpecError as exc:
-        _fail(str(exc))
     except KeyError as exc:  # a route id in the spec that is not registered
-        _fail(f"{spec_path}: {exc.args[0]}")
-    cus = f"{device.cu_count} CUs" if device.cu_count else "CU count unknown"
-    console.print(f"plan for {arch} ({device.name}, {cus}): {len(spec.problems)} problems from "
-                  f"{spec_path}, {len({r.route for r in rows})} routes")
-    console.print("[yellow]capability rules only[/]: the installed-AITER probe (entry points, "
-                  "kernel manifest, native 24-head build) was not applied; `mlatune doctor` and "
-                  "a sweep on the target machine apply it.", soft_wrap=True)
-    table = Table(title="routes per problem (problems differing only in batch/kv_len share a row)")
-    for col in ("problem", "batch x kv_len", "viable", "refused: why"):
-        table.add_column(col)
-    for group in planning.grouped(rows):
-        table.add_row(
-            planning.describe(group.problem),
-            f"{sorted(group.batches)} x {sorted(group.kv_lens)}",
-            "\n".join(r.route for r in group.rows if r.viable) or "[red]none[/]",
-            planning.refusals_text(group.rows))
-    console.print(table)
-    summary = Table(title=f"per route on {arch}")
-    for col in ("route", "viable", "refused", "most frequent refusal"):
-        summary.add_column(col)
-    for route, viable, refused, top in planning.route_summary(rows):
-        summary.add_row(route, str(viable), str(refused), top)
-    console.print(summary)
+        _fail(f"{path}: {exc.args[0]}")
     if out:
         try:
             planning.write_csv(rows, device, Path(out))
         except OSError as exc:
             _fail(f"cannot write {out}: {exc.strerror or exc}")
-        console.print(f"plan table: {out} ({len(rows)} rows)")
+    if json_out:
+        _emit_json("plan", planning.as_json(rows, device, spec))
+        return
+    _print_plan(arch.value, device, path, spec, rows, detail)
+    if out:
+        console.print(f"plan table: {out} ({len(rows)} rows)", highlight=False)
 
 
-# Tables: show, lookup, export, validate, diff ---------------------------------
+def _print_plan(arch: str, device: DeviceInfo, path: Path, spec: SweepSpec,
+                rows: list[PlanRow], detail: bool) -> None:
+    from mlatune import planning
+
+    cus = f"{device.cu_count} CUs" if device.cu_count else "CU count unknown"
+    console.print(f"plan for {arch} ({device.name}, {cus}): {len(spec.problems)} problems from "
+                  f"{path}, {len({r.route for r in rows})} routes", highlight=False)
+    console.print("[yellow]capability rules only[/]: the installed-AITER probe (entry points, "
+                  "kernel manifest, native 24-head build) was not applied; `mlatune doctor` and "
+                  "a sweep on the target machine apply it.", soft_wrap=True)
+    groups = planning.grouped(rows)
+    if detail:
+        table = Table(title="routes per problem (problems differing only in batch/kv_len "
+                            "share a row)")
+        for col in ("problem", "batch x kv_len", "viable", "refused: why"):
+            table.add_column(col)
+        for group in groups:
+            table.add_row(
+                planning.describe(group.problem),
+                f"{sorted(group.batches)} x {sorted(group.kv_lens)}",
+                "\n".join(r.route for r in group.rows if r.viable) or "[red]none[/]",
+                planning.refusals_text(group.rows))
+        console.print(table)
+    summary = Table(title=f"per route on {arch}")
+    for col in ("route", "viable", "refused", "most frequent refusal"):
+        summary.add_column(col)
+    for s in planning.route_summary(rows):
+        summary.add_row(s.route, str(s.viable), str(s.refused), s.top_text)
+    console.print(summary)
+    if not detail:
+        console.print(f"per problem ({len(groups)} groups): --detail prints them, --out FILE "
+                      f"writes one CSV row per problem and route", highlight=False)
+
+
+# Tables: show, lookup, coverage, export, validate, upgrade, diff, report -----------
 # Every failure here is one red line on stderr and exit code 1, never a traceback:
 # these commands read files from elsewhere, and a damaged file is an input error.
 
-err_console = Console(stderr=True)
+# The dispatcher's refusal of a table for another arch suggests its Python argument too;
+# on the command line only the option means anything.
+_PYTHON_ARCH_HINT = re.compile(r"pass allow_arch=(['\"])([^'\"]+)\1 \(CLI: --arch [^)]*\)")
 
 
 def _fail(message: str) -> NoReturn:
     from rich.markup import escape
 
-    err_console.print(f"[bold red]error:[/] {escape(' '.join(message.split()))}",
-                      soft_wrap=True, highlight=False)
+    message = _PYTHON_ARCH_HINT.sub(r"pass --arch \2", " ".join(message.split()))
+    err_console.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True, highlight=False)
     raise typer.Exit(1)
 
 
@@ -312,6 +721,10 @@ def _one_line_errors(what: str):
         _fail(f"{what}: {type(exc).__name__}: {exc}")
 
 
+def _note(text: str) -> None:
+    err_console.print(f"[yellow]note:[/] {text}", soft_wrap=True, highlight=False)
+
+
 def _read_table(path: Path):
     from mlatune import table
 
@@ -324,8 +737,8 @@ def _warn_unregistered(frame) -> None:
     known = {r.id for r in all_routes()}
     missing = sorted(set(frame["route"].tolist()) - known)
     if missing:
-        err_console.print(f"[yellow]note:[/] routes not registered here (the dispatcher skips "
-                          f"their rows): {', '.join(missing)}", soft_wrap=True, highlight=False)
+        _note(f"routes not registered here (the dispatcher skips their rows): "
+              f"{', '.join(missing)}")
 
 
 def _problem_text(row) -> str:
@@ -348,11 +761,28 @@ def _grouped(rows, several_devices: bool):
         previous = label
 
 
-def _devices_title(frame) -> tuple[str, bool]:
-    devices = frame[["arch", "device_name"]].drop_duplicates()
+def _devices(frame: pd.DataFrame) -> list[Device]:
+    from mlatune.schema import DEVICE_COLUMNS
+
+    found = frame[list(DEVICE_COLUMNS)].drop_duplicates()
+    return sorted((str(a), str(n), int(c)) for a, n, c in found.itertuples(index=False))
+
+
+def _devices_title(frame: pd.DataFrame) -> tuple[str, bool]:
+    devices = {(a, n) for a, n, _ in _devices(frame)}
     if len(devices) == 1:
-        return f"{devices.iloc[0]['arch']} {devices.iloc[0]['device_name']}", False
+        return " ".join(next(iter(devices))), False
     return f"{len(devices)} devices", True
+
+
+def _device_text(device: Device) -> str:
+    return f"{device[0]} {device[1]} ({device[2]} SMs/CUs)"
+
+
+def _row_problem(row: pd.Series) -> dict[str, Any]:
+    from mlatune.problem import KEY_FIELDS
+
+    return {name: _plain(row[name]) for name in KEY_FIELDS}
 
 
 def _columns(out: Table, names: tuple[str, ...], numeric: tuple[str, ...]) -> None:
@@ -366,10 +796,15 @@ def _us(value: float) -> str:
     return "-" if value != value else f"{value:.4g}"  # NaN -> "-"
 
 
+LimitOption = Annotated[int, typer.Option(
+    help="Rows to print (0: all); --json holds every one.")]
+
+
 @app.command()
 def show(
     table_path: Annotated[Path, typer.Argument(metavar="TABLE", help="Parquet or CSV table.")],
-    limit: Annotated[int, typer.Option(help="Keys to print (0: all).")] = 50,
+    limit: LimitOption = 50,
+    json_out: JsonFlag = False,
 ) -> None:
     """Per problem: the winning route, the runner-up and the margin between them."""
     from mlatune import table
@@ -377,6 +812,13 @@ def show(
     with _one_line_errors(str(table_path)):
         frame = _read_table(table_path)
         rows = table.summary(frame)
+    if json_out:
+        _emit_json("show", {"table": str(table_path),
+                            "devices": [_device(*d) for d in _devices(frame)],
+                            "rows": len(frame),
+                            "problems": [_show_entry(r) for _, r in rows.iterrows()]})
+        _warn_unregistered(frame)
+        return
     devices, several = _devices_title(frame)
     out = Table(title=f"{table_path}: {devices}, {len(rows)} problems, {len(frame)} rows")
     _columns(out, ("problem", "batch", "kv_len", "winner", "us", "runner-up", "us", "margin"),
@@ -395,6 +837,23 @@ def show(
     _warn_unregistered(frame)
 
 
+def _show_entry(row: pd.Series) -> dict[str, Any]:
+    """One problem of `show --json`: margin is the runner-up's time / the winner's - 1."""
+    return {"device": _device(row["arch"], row["device_name"], row["cu_count"]),
+            "problem": _row_problem(row),
+            "winner": row["winner"] or None,
+            "winner_params": json.loads(row["winner_params"]) if row["winner"] else None,
+            "winner_us": _num(_plain(row["winner_us"])),
+            "runner_up": row["runner_up"] or None,
+            "runner_up_us": _num(_plain(row["runner_up_us"])),
+            "margin": _num(_plain(row["margin"])),
+            "routes": int(row["routes"]), "ok_routes": int(row["ok_routes"])}
+
+
+ArchOption = Annotated[DeviceArch | None, typer.Option(
+    help="Plan for this arch (the table's) instead of this machine's.")]
+
+
 @app.command()
 def lookup(
     table_path: Annotated[Path, typer.Argument(metavar="TABLE",
@@ -403,28 +862,34 @@ def lookup(
     batch: Annotated[int, typer.Option(help="Requests in the batch.")],
     kv_len: Annotated[int, typer.Option(help="KV tokens per request.")],
     qlen: Annotated[int, typer.Option(help="Query tokens per request (1: decode).")] = 1,
-    kv_dtype: Annotated[str, typer.Option(help="KV cache dtype.")] = "bf16",
-    q_dtype: Annotated[str | None, typer.Option(
+    kv_dtype: Annotated[Dtype, typer.Option(help="KV cache dtype.")] = Dtype.bf16,
+    q_dtype: Annotated[Dtype | None, typer.Option(
         help="Query dtype (default: bf16 for an fp8 cache, else the cache's).")] = None,
     dcp: Annotated[int, typer.Option(help="Decode-context-parallel size.")] = 1,
     page_size: Annotated[int, typer.Option(help="KV cache page size.")] = 64,
     causal: Annotated[bool, typer.Option("--causal/--no-causal")] = True,
-    phase: Annotated[str, typer.Option(help="decode or prefill.")] = "decode",
-    arch: Annotated[str | None, typer.Option(
-        help="Plan for this arch (the table's) instead of this machine's.")] = None,
+    phase: Annotated[Phase, typer.Option(help="The attention phase.")] = Phase.decode,
+    arch: ArchOption = None,
+    json_out: JsonFlag = False,
 ) -> None:
     """Which route the dispatcher picks for one problem, and why."""
     from mlatune.dispatch import Dispatcher
     from mlatune.problem import FP8_DTYPES, MLAProblem
 
+    kv = kv_dtype.value
+    q = _value(q_dtype) or ("bf16" if kv in FP8_DTYPES else kv)
     with _one_line_errors(str(table_path)):
-        if q_dtype is None:
-            q_dtype = "bf16" if kv_dtype in FP8_DTYPES else kv_dtype
-        problem = MLAProblem(phase=phase, num_heads=heads, qlen=qlen, q_dtype=q_dtype,
-                             kv_dtype=kv_dtype, batch=batch, kv_len=kv_len, dcp_size=dcp,
+        problem = MLAProblem(phase=phase.value, num_heads=heads, qlen=qlen, q_dtype=q,
+                             kv_dtype=kv, batch=batch, kv_len=kv_len, dcp_size=dcp,
                              page_size=page_size, causal=causal)
-        dispatcher = Dispatcher.load(table_path, allow_arch=arch)
+        dispatcher = Dispatcher.load(table_path, allow_arch=_value(arch))
         choice, notes = dispatcher.explain(problem)
+    if dispatcher.skipped_routes:
+        _note("skipped rows of routes not registered here: " + ", ".join(
+            f"{r} ({n})" for r, n in sorted(dispatcher.skipped_routes.items())))
+    if json_out:
+        _emit_json("lookup", _lookup_json(table_path, dispatcher, problem, choice, notes))
+        return
     arch_name, device_name, cu_count = dispatcher.table_device or ("", "", 0)
     out = Table(show_header=False, title=f"lookup in {table_path}")
     out.add_column("", no_wrap=True)
@@ -436,68 +901,91 @@ def lookup(
     out.add_row("source", choice.source)
     out.add_row("why", "\n".join(notes))
     console.print(out)
-    if dispatcher.skipped_routes:
-        err_console.print("[yellow]note:[/] skipped rows of routes not registered here: "
-                          + ", ".join(f"{r} ({n})" for r, n in
-                                      sorted(dispatcher.skipped_routes.items())),
-                          soft_wrap=True, highlight=False)
 
 
-_SOURCES = ("table", "nearest", "rule")
+def _lookup_json(table_path: Path, dispatcher: Dispatcher, problem: MLAProblem,
+                 choice: Choice, notes: list[str]) -> dict[str, Any]:
+    return {"table": str(table_path),
+            "table_device": _device(*dispatcher.table_device) if dispatcher.table_device
+            else None,
+            "problem": problem.key_dict(), "key": problem.key,
+            "route": choice.route_id, "params": dict(choice.params), "source": choice.source,
+            "measured_key": choice.key or None, "time_us": _num(choice.time_us),
+            "why": list(notes), "skipped_routes": dict(dispatcher.skipped_routes)}
 
 
 @app.command()
 def coverage(
-    spec_path: Annotated[Path, typer.Argument(metavar="SPEC",
-                                              help="Sweep spec whose problems to answer.")],
+    spec_name: Annotated[str, typer.Argument(
+        metavar="SPEC", help="Sweep spec whose problems to answer: a TOML file or a bundled "
+                             "spec's name.")],
     table_path: Annotated[Path | None, typer.Option(
         "--table", help="Parquet, CSV or JSON winners table. Default: the one the dispatcher "
                         "loads here (bundled for this device, or MLATUNE_TABLE).")] = None,
-    arch: Annotated[str | None, typer.Option(
-        help="Plan for this arch (the table's) instead of this machine's.")] = None,
-    require: Annotated[str, typer.Option(
+    arch: ArchOption = None,
+    require: Annotated[Source, typer.Option(
         help="Exit 1 unless every problem is answered this well: table (measured), "
-             "nearest or rule.")] = "rule",
+             "nearest or rule.")] = Source.rule,
+    json_out: JsonFlag = False,
 ) -> None:
-    """How the dispatcher answers every problem of a spec: measured, nearest point or rule."""
+    """How the dispatcher answers every problem of a spec: measured, nearest point or rule.
+
+    Exit status: 0 every problem is answered at least as well as --require; 1 some problem
+    is not, or the spec or table cannot be used; 2 a usage error.
+    """
     from collections import Counter
 
-    from mlatune import spec as specs
     from mlatune.dispatch import Dispatcher, device_for_arch
 
-    if require not in _SOURCES:
-        _fail(f"--require must be one of {', '.join(_SOURCES)}, got {require!r}")
-    with _one_line_errors(str(table_path or spec_path)):
-        problems = specs.load(spec_path, gpu=True).problems
+    require = require.value
+    path, spec = _load_spec(spec_name, gpu=True)
+    with _one_line_errors(str(table_path or path)):
         if table_path is not None:
-            dispatcher = Dispatcher.load(table_path, allow_arch=arch)
+            dispatcher = Dispatcher.load(table_path, allow_arch=_value(arch))
         else:
-            dispatcher = Dispatcher.from_bundled(device_for_arch(arch) if arch else None)
-        choices = [(p, dispatcher.select(p)) for p in problems]
+            dispatcher = Dispatcher.from_bundled(device_for_arch(arch.value) if arch else None)
+        choices = [(p, dispatcher.select(p)) for p in spec.problems]
+    by_route = Counter((c.source, c.route_id) for _, c in choices)
+    answered = {s: dict(sorted((r, n) for (s2, r), n in by_route.items() if s2 == s))
+                for s in SOURCES}
+    worse = [(p, c) for p, c in choices if SOURCES.index(c.source) > SOURCES.index(require)]
+    if json_out:
+        _emit_json("coverage", {
+            "spec": str(path), "table": dispatcher.source or None, "require": require,
+            "problems": len(choices),
+            "answered": {s: {"problems": sum(routes.values()), "routes": routes}
+                         for s, routes in answered.items()},
+            "below_require": [{"key": p.key, "source": c.source, "route": c.route_id}
+                              for p, c in worse],
+            "ok": not worse})
+    else:
+        _print_coverage(path, dispatcher, len(choices), answered, worse)
+    if worse:
+        _fail(f"{len(worse)} problem(s) answered by worse than --require {require}"
+              + (" (first 20 above)" if len(worse) > 20 and not json_out else ""))
+
+
+def _print_coverage(path: Path, dispatcher: Dispatcher, n: int,
+                    answered: dict[str, dict[str, int]],
+                    worse: list[tuple[MLAProblem, Choice]]) -> None:
     console.print(f"table: {dispatcher.source or 'none (every answer by rule)'}",
                   highlight=False)
-    by_route = Counter((c.source, c.route_id) for _, c in choices)
-    out = Table(title=f"{len(problems)} problems of {spec_path}")
+    out = Table(title=f"{n} problems of {path}")
     out.add_column("answered by")
     out.add_column("problems", justify="right")
     out.add_column("routes")
-    for source in _SOURCES:
-        mine = sorted((r, n) for (s, r), n in by_route.items() if s == source)
-        out.add_row(source, str(sum(n for _, n in mine)),
-                    ", ".join(f"{r} ({n})" for r, n in mine))
+    for source, routes in answered.items():
+        out.add_row(source, str(sum(routes.values())),
+                    ", ".join(f"{r} ({k})" for r, k in routes.items()))
     console.print(out)
-    worse = [(p, c) for p, c in choices if _SOURCES.index(c.source) > _SOURCES.index(require)]
     for p, c in worse[:20]:
         console.print(f"  {c.source}: {p.key} -> {c.route_id}", highlight=False)
-    if worse:
-        _fail(f"{len(worse)} problem(s) answered by worse than --require {require}"
-              + (" (first 20 above)" if len(worse) > 20 else ""))
 
 
 @app.command()
 def export(
     table_path: Annotated[Path, typer.Argument(metavar="TABLE", help="Parquet or CSV table.")],
-    fmt: Annotated[str, typer.Option("--format", help="parquet, csv or json (a winners map).")],
+    fmt: Annotated[Format, typer.Option("--format", help="A table, or a JSON winners map.")],
     out: Annotated[Path, typer.Option("--out", help="Where to write (suffix must match).")],
     winners_only: Annotated[bool, typer.Option(
         "--winners-only", help="Only each problem's winner (json: no alternatives).")] = False,
@@ -505,9 +993,8 @@ def export(
     """Write a table for deployment: Parquet, CSV, or a JSON winners map for engines."""
     from mlatune import table
 
+    fmt = fmt.value
     with _one_line_errors(str(table_path)):
-        if fmt not in ("parquet", "csv", "json"):
-            raise ValueError(f"--format must be parquet, csv or json, got {fmt!r}")
         if out.suffix.lower() != f".{fmt}":
             raise ValueError(f"--out {out} must end in .{fmt} for --format {fmt}")
         frame = _read_table(table_path)
@@ -592,13 +1079,21 @@ def upgrade(
     _warn_unregistered(frame)
 
 
+
+
 @app.command()
 def diff(
     a_path: Annotated[Path, typer.Argument(metavar="A", help="The old table.")],
     b_path: Annotated[Path, typer.Argument(metavar="B", help="The new table.")],
-    limit: Annotated[int, typer.Option(help="Changed winners to print (0: all).")] = 50,
+    limit: LimitOption = 50,
+    json_out: JsonFlag = False,
 ) -> None:
-    """Winners that changed between two tables, and by how much."""
+    """Winners that changed between two tables, and by how much (per device: a problem is
+    compared only with the same problem on the same device).
+
+    Exit status: 0 the tables were compared, whether or not winners changed; 1 they share no
+    device, so nothing could be compared, or a table cannot be read; 2 a usage error.
+    """
     import pandas as pd
 
     from mlatune import table
@@ -608,10 +1103,22 @@ def diff(
     with _one_line_errors(str(b_path)):
         b = _read_table(b_path)
     changed, counts = table.diff(a, b)
-    console.print(f"{counts['same']} winners unchanged, {counts['changed']} changed, "
-                  f"{counts['only_a']} problems only in A, {counts['only_b']} only in B",
-                  soft_wrap=True)
-    if changed.empty:
+    devices_a, devices_b = _devices(a), _devices(b)
+    common = sorted(set(devices_a) & set(devices_b))
+    if json_out:
+        _emit_json("diff", {
+            "a": str(a_path), "b": str(b_path),
+            "devices": {"a": [_device(*d) for d in devices_a],
+                        "b": [_device(*d) for d in devices_b],
+                        "common": [_device(*d) for d in common]},
+            "comparable": bool(common), "counts": counts,
+            "changed": [_diff_entry(row) for _, row in changed.iterrows()]})
+    else:
+        console.print(f"{counts['same']} winners unchanged, {counts['changed']} changed, "
+                      f"{counts['only_a']} problems only in A, {counts['only_b']} only in B",
+                      soft_wrap=True)
+    _say_device_mismatch(devices_a, devices_b, common)
+    if json_out or changed.empty:
         return
     devices, several = _devices_title(pd.concat([a, b]))
     out = Table(title=f"changed winners, {devices} (change: B's winner time vs A's)")
@@ -630,6 +1137,33 @@ def diff(
     console.print(out)
     if len(shown) < len(changed):
         console.print(f"... {len(changed) - len(shown)} more (--limit 0 shows all)")
+
+
+def _say_device_mismatch(devices_a: list[Device], devices_b: list[Device],
+                         common: list[Device]) -> None:
+    """No device in common: nothing was compared, an error (exit 1). Some: a note naming
+    the devices whose problems count as only in A or only in B."""
+    if not common:
+        _fail(f"A and B share no device (A: {'; '.join(map(_device_text, devices_a))}; "
+              f"B: {'; '.join(map(_device_text, devices_b))}): winners are compared per "
+              f"device, so nothing was compared")
+    only = [(side, sorted(set(mine) - set(common))) for side, mine in
+            (("A", devices_a), ("B", devices_b))]
+    for side, devices in only:
+        if devices:
+            _note(f"only {side} holds {'; '.join(map(_device_text, devices))}: its problems "
+                  f"count as only in {side}")
+
+
+def _diff_entry(row: pd.Series) -> dict[str, Any]:
+    """One changed winner of `diff --json`: change is B's winner time / A's - 1."""
+    def side(s: str) -> dict[str, Any]:
+        return {"route": row[f"route_{s}"], "params": json.loads(row[f"route_params_{s}"]),
+                "time_us": _num(_plain(row[f"time_us_{s}"]))}
+
+    return {"device": _device(row["arch"], row["device_name"], row["cu_count"]),
+            "problem": _row_problem(row), "a": side("a"), "b": side("b"),
+            "change": _num(_plain(row["change"]))}
 
 
 @app.command()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from mlatune import capability, routes
 from mlatune.arch import DeviceInfo
-from mlatune.problem import KEY_FIELDS, MLAProblem
+from mlatune.problem import BUCKET_FIELDS, KEY_FIELDS, MLAProblem
 from mlatune.routes.aiter import gluon_forced
 from mlatune.spec import SweepSpec
 
@@ -84,19 +84,57 @@ def refusals_text(rows: list[PlanRow]) -> str:
     return "\n".join(f"{', '.join(ids)}: {reason}" for reason, ids in by_reason.items())
 
 
-def route_summary(rows: list[PlanRow]) -> list[tuple[str, int, int, str]]:
-    """Per route: viable count, refused count, and its most frequent refusal."""
+@dataclass(frozen=True)
+class RouteSummary:
+    route: str
+    viable: int  # problems it would run
+    refused: int  # problems a rule (or its supports) refuses
+    top_reason: str  # its most frequent refusal ("" when it refuses none)
+    top_count: int
+
+    @property
+    def top_text(self) -> str:
+        return f"{self.top_reason} ({self.top_count}x)" if self.top_count else ""
+
+
+def route_summary(rows: list[PlanRow]) -> list[RouteSummary]:
+    """Per route, in route order: viable and refused counts, and its most frequent refusal."""
+    by_route: dict[str, list[PlanRow]] = {}
+    for row in rows:
+        by_route.setdefault(row.route, []).append(row)
     summary = []
-    for route in dict.fromkeys(r.route for r in rows):
-        mine = [r for r in rows if r.route == route]
+    for route, mine in by_route.items():
         refusals = Counter(r.reason for r in mine if not r.viable)
-        top = ""
-        if refusals:
-            reason, n = refusals.most_common(1)[0]
-            top = f"{reason} ({n}x)"
+        reason, count = refusals.most_common(1)[0] if refusals else ("", 0)
         viable = sum(r.viable for r in mine)
-        summary.append((route, viable, len(mine) - viable, top))
+        summary.append(RouteSummary(route, viable, len(mine) - viable, reason, count))
     return summary
+
+
+def as_json(rows: list[PlanRow], device: DeviceInfo, spec: SweepSpec) -> dict:
+    """`mlatune plan --json` less its envelope: per route and per group of problems
+    (problems differing only in batch and kv_len with the same verdicts)."""
+    return {
+        "spec": spec.path,
+        "device": {"arch": device.arch, "device_name": device.name,
+                   "cu_count": device.cu_count or None},
+        "problems": len(spec.problems),
+        "probe_applied": False,  # capability rules only: the module docstring
+        "routes": [{"route": s.route, "viable": s.viable, "refused": s.refused,
+                    "top_refusal": ({"reason": s.top_reason, "count": s.top_count}
+                                    if s.top_count else None)}
+                   for s in route_summary(rows)],
+        "groups": [{"problem": _bucket(g.problem), "batches": sorted(g.batches),
+                    "kv_lens": sorted(g.kv_lens),
+                    "viable": [r.route for r in g.rows if r.viable],
+                    "refused": {r.route: r.reason for r in g.rows if not r.viable}}
+                   for g in grouped(rows)],
+    }
+
+
+def _bucket(problem: MLAProblem) -> dict:
+    key = problem.key_dict()
+    return {name: key[name] for name in BUCKET_FIELDS}
 
 
 CSV_COLUMNS = ("arch", "device_name", "cu_count", *KEY_FIELDS, "route", "status", "reason")

@@ -89,6 +89,10 @@ def plan(spec: SweepSpec, device: DeviceInfo, only: Iterable[str] | None = None
 
 
 class Observer(Protocol):
+    """Told what a sweep runs. ``started`` counts candidates that run (a progress bar's
+    whole), never the (problem, route) pairs a rule refuses: those are recorded at once
+    and run nothing. An observer may also have ``refused(count)``, told their number."""
+
     def started(self, total: int, already_done: int, what: str = "sweep") -> None: ...
     def finished(self, record: dict[str, Any]) -> None: ...
 
@@ -103,8 +107,12 @@ COST_PARTS = ("setup_s", "first_check_s", "check_s", "bench_s")
 class SweepResult:
     records: list[dict[str, Any]]
     wall_s: float
-    ran: int  # candidates run in this invocation
+    ran: int  # candidates run in this invocation, reference fallbacks included
     seconds: dict[str, float] = field(default_factory=dict)  # this invocation's cost, by part
+    planned: int = 0  # candidates of the spec (what the progress bar counts)
+    resumed: int = 0  # of those, found in the journal: not run again
+    refused: int = 0  # (problem, route) pairs a rule refuses: recorded, not run
+    fallbacks: int = 0  # reference runs where every route that served a problem failed
 
     @property
     def counts(self) -> dict[str, int]:
@@ -199,6 +207,8 @@ def run(spec: SweepSpec, device: DeviceInfo, journal: Journal, *, workers: int =
     done = journal.done_ids
     journal.extend([r for r in refused if r["id"] not in done])
     todo = [c for c in candidates if c.id not in done]
+    if observer and hasattr(observer, "refused"):
+        observer.refused(len(refused))
     seconds: dict[str, float] = {}
     if compile_workers is None:
         compile_workers = compile_ahead.default_workers(workers) if device.is_gpu else 0
@@ -207,7 +217,7 @@ def run(spec: SweepSpec, device: DeviceInfo, journal: Journal, *, workers: int =
         _compile_ahead(spec, device, workers, compile_workers, todo, timeout_s, observer)
         seconds["compile_ahead_wall_s"] = time.monotonic() - t_compile
     if observer:
-        observer.started(len(candidates) + len(refused), len(candidates) + len(refused) - len(todo))
+        observer.started(len(candidates), len(candidates) - len(todo))
 
     def journal_it(record: dict[str, Any]) -> None:
         journal.append(record)
@@ -216,16 +226,17 @@ def run(spec: SweepSpec, device: DeviceInfo, journal: Journal, *, workers: int =
 
     execute = _Executor(spec, _devices(device, workers), timeout_s, on_result=journal_it)
     execute(todo)
-    ran = len(todo)
+    fallbacks = []
     if not only and not spec.routes:
         fallbacks = [c for c in _reference_fallbacks(spec.problems, journal.records)
                      if c.id not in journal.done_ids]
         if fallbacks and observer:
-            observer.started(len(fallbacks), 0)
+            observer.started(len(fallbacks), 0, "reference fallbacks")
         execute(fallbacks)
-        ran += len(fallbacks)
-    return SweepResult(journal.records, time.monotonic() - t0, ran,
-                       {**execute.seconds, **seconds})
+    return SweepResult(journal.records, time.monotonic() - t0, len(todo) + len(fallbacks),
+                       {**execute.seconds, **seconds}, planned=len(candidates),
+                       resumed=len(candidates) - len(todo), refused=len(refused),
+                       fallbacks=len(fallbacks))
 
 
 def _compile_ahead(spec: SweepSpec, device: DeviceInfo, workers: int, per_device: int,

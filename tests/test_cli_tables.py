@@ -257,9 +257,11 @@ def test_coverage_counts_how_each_problem_of_a_spec_is_answered(good, tmp_path, 
 
 def test_coverage_refuses_a_bad_require_and_a_bad_spec(good, tmp_path):
     spec = str(coverage_spec(tmp_path))
-    assert_one_line_error(runner.invoke(app, ["coverage", spec, "--table", str(good),
-                                              "--arch", "sm_90", "--require", "exact"]),
-                          "--require")
+    # A value outside the set is typer's usage error (exit 2), naming the values.
+    bad = runner.invoke(app, ["coverage", spec, "--table", str(good), "--arch", "sm_90",
+                              "--require", "exact"])
+    assert bad.exit_code == 2 and "Traceback" not in bad.output
+    assert "--require" in bad.output and "'table', 'nearest', 'rule'" in bad.output
     bad = tmp_path / "bad.toml"
     bad.write_text("name = 3\n[[grid]]\nbogus = 1\n")
     assert_one_line_error(runner.invoke(app, ["coverage", str(bad), "--table", str(good),
