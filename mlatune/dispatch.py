@@ -675,8 +675,9 @@ class _FrameSource:
 
 
 class _JsonSource:
-    """A winners map (``mlatune export --format json``): no pandas needed. It holds only
-    ok rows, so it records no failed routes for nearest and rule to skip."""
+    """A winners map (``mlatune export --format json``): no pandas needed. Its failures
+    (``failed``, ``all_failed``) give the same skips as the table's rows that are not ok;
+    a map written before they were recorded has none."""
 
     def __init__(self, path: Path):
         loaded = winners_map.read(path)  # validates; raises TableError
@@ -716,7 +717,29 @@ class _JsonSource:
         buckets: dict[tuple, tuple] = {}
         entries = [(p.key, buckets.setdefault(p.bucket, p.bucket), p.batch, p.kv_len,
                     columns.option(start), columns, start, end) for p, start, end in spans]
-        return entries, skipped, {}
+        return entries, skipped, self._failures(entry, route_ids)
+
+    @staticmethod
+    def _failures(entry: Mapping[str, Any], route_ids: set[str]) -> dict[str, Failures]:
+        """Per key, its known routes that failed there, as ``_FrameSource._failures``
+        gives them (pairs sorted; one shared tuple per pattern)."""
+        # Keys fail in a few patterns (the same backends unsupported everywhere): each
+        # pattern is sorted and filtered once, its tuple shared.
+        shared: dict[tuple, Failures] = {}
+        failed: dict[str, Failures] = {}
+        keyed = itertools.chain(((k, w.get("failed")) for k, w in entry["winners"].items()),
+                                entry.get("all_failed", {}).items())
+        for key, by_status in keyed:
+            if not by_status:
+                continue
+            pattern = tuple((s, tuple(routes)) for s, routes in by_status.items())
+            pairs = shared.get(pattern)
+            if pairs is None:
+                pairs = shared[pattern] = tuple(
+                    p for p in winners_map.failures(by_status) if p[0] in route_ids)
+            if pairs:
+                failed[key] = pairs
+        return failed
 
 
 def _by_step_cost(options, capturable: bool) -> list[tuple[float, dict]]:

@@ -730,28 +730,43 @@ def diff(a: pd.DataFrame, b: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, int]
 # JSON winners map (format in mlatune.winners) ----------------------------------
 
 def winners_json(frame: pd.DataFrame, winners_only: bool = False) -> dict[str, Any]:
-    """The winners map of a valid table (see mlatune.winners for the format)."""
-    ok = frame[frame["status"] == "ok"].sort_values([*KEY_COLUMNS, "rank"], kind="stable")
-    if winners_only:
-        ok = ok[ok["rank"] == 1]
+    """The winners map of a valid table (see mlatune.winners for the format): per device
+    each key's ok routes and, kept even with ``winners_only``, the routes that failed."""
+    frame = frame.sort_values([*KEY_COLUMNS, "rank", "route"], kind="stable")
     devices = []
-    for device, rows in ok.groupby(list(DEVICE_COLUMNS), sort=True):
-        entries: dict[str, dict[str, Any]] = {}
-        keys = key_strings(rows)
-        for key, option in zip(keys, _options(rows), strict=True):
-            if key not in entries:
-                entries[key] = option if winners_only else {**option, "alternatives": []}
-            else:
-                entries[key]["alternatives"].append(option)
+    for device, rows in frame.groupby(list(DEVICE_COLUMNS), sort=True):
+        entries, all_failed = _device_winners(rows, winners_only)
         devices.append({
             "arch": str(device[0]), "device_name": str(device[1]), "cu_count": int(device[2]),
-            "provenance": provenances(frame[(frame["arch"] == device[0])
-                                            & (frame["device_name"] == device[1])
-                                            & (frame["cu_count"] == device[2])]),
-            "winners": entries,
-        })
+            "provenance": provenances(rows), "winners": entries, "all_failed": all_failed})
     return {"format": winners_map.FORMAT, "schema_version": SCHEMA_VERSION,
             "key_fields": list(KEY_FIELDS), "devices": devices}
+
+
+def _device_winners(rows: pd.DataFrame, winners_only: bool
+                    ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, list[str]]]]:
+    """One device's winner entries (key order, winner first) and its keys with no ok row."""
+    ok = rows["status"] == "ok"
+    chosen = rows[ok & (rows["rank"] == 1)] if winners_only else rows[ok]
+    entries: dict[str, dict[str, Any]] = {}
+    for key, option in zip(key_strings(chosen), _options(chosen), strict=True):
+        if key not in entries:
+            entries[key] = option if winners_only else {**option, "alternatives": []}
+        else:
+            entries[key]["alternatives"].append(option)
+    failed: dict[str, list[tuple[str, str]]] = {}
+    bad = rows[~ok]
+    for key, route, status in zip(key_strings(bad), bad["route"].tolist(),
+                                  bad["status"].tolist(), strict=True):
+        failed.setdefault(key, []).append((str(route), str(status)))
+    all_failed = {}
+    for key, pairs in failed.items():
+        target = entries.get(key)
+        if target is None:
+            all_failed[key] = winners_map.failed_object(pairs)
+        else:
+            target["failed"] = winners_map.failed_object(pairs)
+    return entries, all_failed
 
 
 def _options(rows: pd.DataFrame) -> Iterable[dict[str, Any]]:

@@ -1,4 +1,5 @@
-"""The JSON winners map: a table's ok routes per problem key, for engines without pandas.
+"""The JSON winners map: a table's ok routes per problem key, and the routes that failed
+there, for engines without pandas.
 
 Written by ``mlatune export --format json`` (``table.winners_json``), read by
 ``Dispatcher.load`` and by any engine with a JSON parser::
@@ -11,7 +12,9 @@ Written by ``mlatune export --format json`` (``table.winners_json``), read by
                                                    "capturable": true, "plan_us": 1.5,
                                                    "plan_host_us": 9.0,
                                                    "launch_host_us": 20.0,
-                                                   "alternatives": [{...}, ...]}}}]}
+                                                   "alternatives": [{...}, ...],
+                                                   "failed": {"crashed": ["gluon/triton"]}}},
+                  "all_failed": {"<MLAProblem.key>": {"timeout": ["a/x", "b/y"], ...}}}]}
 
 A key is ``field=value`` pairs joined by ``|`` in ``key_fields`` order (bools
 as 1/0). ``alternatives`` (absent with ``--winners-only``) lists the other ok
@@ -20,12 +23,24 @@ each option carries the table's columns of the same names (mlatune.schema), a
 cost not measured as null. A schema v1 map (options without the step fields)
 is upgraded as it is read, as a v1 table is: step kinds declared by the
 routes, costs null, ``converted_from`` "v1" in each provenance record.
+
+Failures: the table's rows that are not ok (``FAILED_STATUSES``), so a dispatcher
+never takes a route from a neighbour or the rule where it failed, as with the
+table itself. ``failed`` (in a winner entry, absent when nothing failed at that
+key, kept with ``--winners-only``) and ``all_failed`` (per device: the keys where
+no route was ok) map each status to the routes that ended so, statuses in
+``STATUSES`` order, routes sorted. Maps written before mlatune recorded failures
+lack both, and are read as holding none. The two fields do not bump
+``schema_version``: a reader that predates them ignores them and answers as it
+always did (without these skips, as from any map it could read), whereas a bump
+would make it refuse every map exported from now on and dispatch by rule.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,12 +49,14 @@ from mlatune.errors import TableError
 from mlatune.problem import KEY_FIELDS, MLAProblem
 from mlatune.schema import (
     SCHEMA_VERSION,
+    STATUSES,
     STEP_COST_COLUMNS,
     declared_step_kind,
     upgraded_provenance,
 )
 
 FORMAT = "mlatune-winners"
+FAILED_STATUSES = tuple(s for s in STATUSES if s != "ok")
 
 
 def parse_key(key: str) -> dict[str, str]:
@@ -167,7 +184,29 @@ def _check(document: Any) -> tuple[list[str], list[dict[str, MLAProblem]]]:
         if bad:
             found.append(f"devices[{i}]: {len(bad)} invalid winner entries, e.g. "
                          f"{bad[0][:120]!r}")
+        found += [f"devices[{i}]: {text}" for text in _all_failed_problems(entry, entries)]
     return found, parsed
+
+
+def _all_failed_problems(entry: dict[str, Any], entries: dict[str, Any]) -> list[str]:
+    """What is wrong with a device's ``all_failed`` (absent: a map from before failures)."""
+    all_failed = entry.get("all_failed", {})
+    if not isinstance(all_failed, dict):
+        return ["all_failed is not an object"]
+    bad = [key for key, failed in all_failed.items()
+           if key in entries or not _valid_failed(failed, ()) or not _is_key(key)]
+    if not bad:
+        return []
+    return [f"{len(bad)} invalid all_failed entries (or keys that also have a winner), "
+            f"e.g. {bad[0][:120]!r}"]
+
+
+def _is_key(key: str) -> bool:
+    try:
+        problem_of(key)
+    except (ValueError, TypeError, KeyError, ArithmeticError):  # huge numbers: Overflow
+        return False
+    return True
 
 
 def _entry_problem(key: str, winner: Any, version: Any) -> MLAProblem | None:
@@ -182,7 +221,36 @@ def _entry_problem(key: str, winner: Any, version: Any) -> MLAProblem | None:
     stepped = version != 1  # v1 options lack the step fields (the upgrade adds them)
     valid = isinstance(alternatives, list) and all(
         _valid_option(o) and (not stepped or _valid_step(o)) for o in (winner, *alternatives))
+    if valid and "failed" in winner:
+        valid = _valid_failed(winner["failed"], {o["route"] for o in (winner, *alternatives)})
     return problem if valid else None
+
+
+def _valid_failed(failed: Any, ok_routes: Collection[str]) -> bool:
+    """A ``failed`` object: status -> routes, each route once per key and none of them
+    ok there (a table has one row per key and route)."""
+    if not isinstance(failed, dict) or not failed or not all(
+            s in FAILED_STATUSES and isinstance(r, list) and r for s, r in failed.items()):
+        return False
+    routes = [r for listed in failed.values() for r in listed]
+    if not all(isinstance(r, str) for r in routes):
+        return False
+    distinct = set(routes)
+    return len(distinct) == len(routes) and distinct.isdisjoint(ok_routes)
+
+
+def failures(failed: Mapping[str, list[str]]) -> list[tuple[str, str]]:
+    """A valid ``failed`` object as (route, status) pairs, sorted."""
+    return sorted((route, status) for status, routes in failed.items() for route in routes)
+
+
+def failed_object(pairs: Iterable[tuple[str, str]]) -> dict[str, list[str]]:
+    """(route, status) pairs as a ``failed`` object: statuses in STATUSES order, routes
+    sorted, so equal failures are written alike."""
+    by_status: dict[str, list[str]] = {}
+    for route, status in pairs:
+        by_status.setdefault(status, []).append(route)
+    return {s: sorted(by_status[s]) for s in FAILED_STATUSES if s in by_status}
 
 
 def _is_number(value: Any) -> bool:

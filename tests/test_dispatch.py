@@ -350,9 +350,14 @@ def test_select_never_returns_a_route_that_failed_at_the_exact_problem(statuses,
         routes.register(r)
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            path = table.write(make_table(rows), os.path.join(tmp, "sm_90.parquet"))
+            frame = make_table(rows)
+            path = table.write(frame, os.path.join(tmp, "sm_90.parquet"))
             dispatcher = Dispatcher.load(path, device=H200)
+            json_path = table.write_json(table.winners_json(frame),
+                                         os.path.join(tmp, "sm_90.json"))
+            from_json = Dispatcher.load(json_path, device=H200)
         for p in _FAILING_GRID:
+            assert from_json.select(p) == dispatcher.select(p)  # the map keeps the failures
             failed = {r["route"] for r in rows if r["batch"] == p.batch
                       and r["kv_len"] == p.kv_len and r["status"] != "ok"}
             choice = dispatcher.select(p)
@@ -433,17 +438,65 @@ def test_a_damaged_bundled_table_falls_back_to_rules(tmp_path, monkeypatch, capl
     assert dispatcher.select(BUCKETS[0]).source == "rule"
 
 
-def test_json_winners_map_answers_like_the_table(tmp_path, table_path, fakes):
-    frame = table.read(table_path)
+def failing_frame():
+    """The grid with failures: at some problems some routes crashed, timed out, failed
+    their accuracy check or were unsupported (a route not installed here too), and at two
+    problems every route failed, their neighbours won by the routes that failed there."""
+    rng = random.Random(5)
+    statuses = ["crashed", "timeout", "rejected_accuracy", "unsupported"]
+    rows = []
+    for row in grid_frame().to_dict("records"):
+        if row["status"] == "ok" and rng.random() < 0.25:
+            row = result_row(_problem_of_row(row), row["route"], None,
+                             status=rng.choice(statuses))
+        rows.append(row)
+    everything_failed = [BUCKETS[0].with_(batch=64, kv_len=8192),
+                         BUCKETS[1].with_(batch=3, kv_len=1024)]  # the second never ok
+    rows = [r for r in rows if _problem_of_row(r) not in everything_failed]
+    for i, p in enumerate(everything_failed):
+        rows += [result_row(p, r, None, status=statuses[(i + j) % 4])
+                 for j, r in enumerate(FAKE_ROUTES)]
+    some = BUCKETS[2].with_(batch=8, kv_len=1024)
+    rows += [result_row(some, "padded/triton", None, status="crashed"),
+             result_row(some, "gone/plugin", None, status="timeout")]
+    return make_table(rows)
+
+
+def _problem_of_row(row) -> MLAProblem:
+    return MLAProblem.from_key_dict({k: row[k] for k in MLAProblem().key_dict()})
+
+
+@pytest.mark.parametrize("capturable", [False, True])
+def test_json_winners_map_answers_like_the_table(tmp_path, fakes, capturable):
+    frame = failing_frame()
+    table_path = table.write(frame, tmp_path / "sm_90.parquet")
     json_path = table.write_json(table.winners_json(frame), tmp_path / "sm_90.json")
-    from_table = Dispatcher.load(table_path, device=H200)
-    from_json = Dispatcher.load(json_path, device=H200)
-    rng = random.Random(1)
-    problems = [rng.choice([*BUCKETS, MLAProblem(num_heads=3)]).with_(
-        batch=rng.choice([*BATCHES, 3, 12, 300]), kv_len=rng.choice([*KV_LENS, 3000]))
-        for _ in range(200)]
-    for p in problems:
+    from_table = Dispatcher.load(table_path, device=H200, capturable=capturable)
+    from_json = Dispatcher.load(json_path, device=H200, capturable=capturable)
+    grid = [b.with_(batch=batch, kv_len=kv) for b in [*BUCKETS, MLAProblem(num_heads=3)]
+            for batch in (*BATCHES, 2, 3, 12, 100, 300) for kv in (*KV_LENS, 3000, 20000)]
+    sources = set()
+    for p in grid:
         assert from_json.select(p) == from_table.select(p), p
+        assert from_json.explain(p) == from_table.explain(p), p
+        sources.add(from_table.select(p).source)
+    assert sources == {"table", "nearest", "rule"}
+    # Every route failed at these two: none is taken from a neighbour or the rule there.
+    for p in (BUCKETS[0].with_(batch=64, kv_len=8192), BUCKETS[1].with_(batch=3, kv_len=1024)):
+        assert from_json.select(p).route_id not in FAKE_ROUTES
+        assert from_json.explain(p)[1][0].startswith("measured here: ")
+    # The failures decide answers: a map stripped of them (as written before) differs.
+    document = table.winners_json(frame)
+    for device in document["devices"]:
+        del device["all_failed"]
+        for entry in device["winners"].values():
+            entry.pop("failed", None)
+    stripped = Dispatcher.load(table.write_json(document, tmp_path / "old" / "sm_90.json"),
+                               device=H200, capturable=capturable)
+    assert [p for p in grid if stripped.select(p) != from_table.select(p)]
+
+
+FAKE_ROUTES = ("fast-small/fake", "fast-large/fake", "picky/fake", "reference/torch")
 
 
 @pytest.mark.parametrize("damage", [

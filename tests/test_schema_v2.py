@@ -2,6 +2,7 @@
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -292,3 +293,80 @@ def test_a_converted_table_merges_with_a_measured_one_of_the_same_environment(tm
     merged = table.merge([converted, measured])
     assert sorted(set(merged["converted_from"])) == ["", "v1"]  # per row, honestly
     assert table.validate(merged) == []
+
+
+# The JSON map's failures ------------------------------------------------------------------
+
+OTHER_DEVICE = replace(H200, name="NVIDIA H100")
+
+
+def failing_table() -> pd.DataFrame:
+    """DECODE: one winner, one crash, two timeouts; batch 8: nothing ok; and a device of
+    the same arch where nothing was ever ok."""
+    nothing = DECODE.with_(batch=8)
+    return make_table([
+        result_row(DECODE, "padded/triton", 10.0), result_row(DECODE, "reference/torch", 400.0),
+        result_row(DECODE, "sdpa/torch", None, status="crashed", reason="boom"),
+        result_row(DECODE, "segmented/triton", None, status="timeout"),
+        result_row(DECODE, "gluon/triton", None, status="timeout"),
+        result_row(nothing, "padded/triton", None, status="rejected_accuracy"),
+        result_row(nothing, "reference/torch", None, status="unsupported"),
+        result_row(DECODE, "padded/triton", None, status="crashed", device=OTHER_DEVICE)])
+
+
+@pytest.mark.parametrize("winners_only", [False, True])
+def test_the_json_map_keeps_every_failure(tmp_path, winners_only):
+    document = table.winners_json(failing_table(), winners_only)
+    h100, h200 = document["devices"]
+    assert (h100["device_name"], h100["winners"]) == ("NVIDIA H100", {})
+    assert h100["all_failed"] == {DECODE.key: {"crashed": ["padded/triton"]}}
+    winner = h200["winners"][DECODE.key]
+    assert winner["route"] == "padded/triton"
+    assert winner["failed"] == {"crashed": ["sdpa/torch"],
+                                "timeout": ["gluon/triton", "segmented/triton"]}
+    assert h200["all_failed"] == {DECODE.with_(batch=8).key: {
+        "rejected_accuracy": ["padded/triton"], "unsupported": ["reference/torch"]}}
+    path = table.write_json(document, tmp_path / "sm_90.json")
+    assert winners.read(path).document == document
+    loaded = Dispatcher.load(path, device=H200)
+    assert loaded._failed[DECODE.key] == (("gluon/triton", "timeout"), ("sdpa/torch", "crashed"),
+                                          ("segmented/triton", "timeout"))
+
+
+def test_a_map_written_before_failures_were_kept_still_loads(tmp_path):
+    document = table.winners_json(failing_table())
+    for device in document["devices"]:
+        del device["all_failed"]
+        for entry in device["winners"].values():
+            entry.pop("failed", None)
+    loaded = Dispatcher.load(table.write_json(document, tmp_path / "sm_90.json"), device=H200)
+    assert loaded.select(DECODE).route_id == "padded/triton" and not loaded._failed
+
+
+@pytest.mark.parametrize("damage", [
+    {"failed": {"ok": ["sdpa/torch"]}},  # not a failure
+    {"failed": {"exploded": ["sdpa/torch"]}},
+    {"failed": {"crashed": "sdpa/torch"}},
+    {"failed": {"crashed": []}},
+    {"failed": {}},
+    {"failed": {"crashed": ["sdpa/torch"], "timeout": ["sdpa/torch"]}},  # twice
+    {"failed": {"crashed": ["padded/triton"]}},  # the winner itself
+    {"failed": {"crashed": ["reference/torch"]}},  # an alternative
+    {"failed": {"crashed": [3]}},
+])
+def test_a_map_with_a_bad_failure_is_refused(damage):
+    document = table.winners_json(failing_table())
+    document["devices"][1]["winners"][DECODE.key].update(damage)
+    assert winners.problems(document), damage
+
+
+@pytest.mark.parametrize("damage", [
+    lambda d: d.update(all_failed=[]),
+    lambda d: d["all_failed"].update({DECODE.key: {"crashed": ["sdpa/torch"]}}),  # has a winner
+    lambda d: d["all_failed"].update({"batch=1": {"crashed": ["sdpa/torch"]}}),
+    lambda d: d["all_failed"].update({DECODE.with_(batch=2).key: {"crashed": "x"}}),
+])
+def test_a_map_with_a_bad_all_failed_is_refused(damage):
+    document = table.winners_json(failing_table())
+    damage(document["devices"][1])
+    assert any("all_failed" in p for p in winners.problems(document))
