@@ -33,6 +33,10 @@ Routes the table names but this process has not registered (a backend that
 does not import here, a route from a newer mlatune) are skipped, never
 refused: the dispatcher falls through to the key's next ok route, the nearest
 point, or the rule. ``skipped_routes`` counts them so tools can warn.
+
+A table measured under another GPU, driver or library versions than this process
+runs is used all the same, with one warning (``environment_differences``,
+``mlatune.environment``).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from mlatune import environment
 from mlatune import winners as winners_map
 from mlatune.arch import CPU_ARCH, DeviceInfo, current_device
 from mlatune.errors import TableError
@@ -229,10 +234,13 @@ class Dispatcher:
                  table_device: tuple[str, str, int] | None = None,
                  provenance: Sequence[Mapping[str, Any]] = (),
                  skipped_routes: Mapping[str, int] | None = None,
-                 failed: Mapping[str, Failures] | None = None, capturable: bool = False):
+                 failed: Mapping[str, Failures] | None = None, capturable: bool = False,
+                 environment_differences: Sequence[str] = ()):
         """Built by ``load``: ``entries`` name only routes in ``routes`` (the registry
         snapshot they were filtered with); ``skipped_routes`` counts the rows dropped;
-        ``failed`` holds, per measured key, the routes whose row there is not ok."""
+        ``failed`` holds, per measured key, the routes whose row there is not ok;
+        ``environment_differences`` what differs between where the table was measured and
+        here (``mlatune.environment``)."""
         self.device = device
         self.capturable = capturable
         # A number that names this dispatcher where only numbers pass (the custom op).
@@ -243,6 +251,9 @@ class Dispatcher:
         self.provenance = [dict(p) for p in provenance]
         self.routes = registered_routes(routes)
         self.skipped_routes = dict(skipped_routes or {})  # rows naming routes not here
+        # One phrase per difference ("torch: table 2.11.0, running 2.13.0"); [] when the
+        # table was measured here, or nothing could be compared (no GPU, planning).
+        self.environment_differences = list(environment_differences)
 
         # Per measured key its winner's Choice, built now; the other ok routes stay in
         # the columns until a winner refuses (rare, and load time matters).
@@ -439,6 +450,13 @@ class Dispatcher:
         Whatever else a damaged file makes loading raise (OverflowError,
         RecursionError, Arrow errors, ...) is a TableError naming the file, one line:
         an engine catches one type.
+
+        A table measured under another GPU, driver, torch, Triton or backend version
+        than this process runs is loaded all the same, with one warning on the
+        ``mlatune`` logger per table file and set of differences in a process (a
+        repeated load or ``from_bundled()`` does not warn again); the differences are
+        in ``environment_differences`` (``mlatune.environment``: what is compared,
+        and when nothing is).
         """
         device = device or current_device()
         # Loading creates ~10^5 small acyclic objects; cyclic GC passes over them
@@ -476,13 +494,21 @@ class Dispatcher:
                              f"{'allow_arch is' if allow_arch else 'this device is'} "
                              f"{what}{hint}")
         chosen = _pick_device([d for d in source.devices if d[0] == arch], device)
+        provenance = source.provenance(chosen)
         if allow_arch and device.arch != allow_arch:
             device = device_for_arch(*chosen)
+            running = None  # planning for another machine: this one's versions do not matter
+        else:
+            running = environment.here(device)
+        differences = [] if running is None else \
+            environment.differences(provenance, chosen, running)
         routes = registered_routes()
         entries, skipped, failed = source.entries(chosen, set(routes), capturable)
-        return cls(device, entries, routes=routes, source=str(path), table_device=chosen,
-                   provenance=source.provenance(chosen), skipped_routes=skipped,
-                   failed=failed, capturable=capturable)
+        dispatcher = cls(device, entries, routes=routes, source=str(path), table_device=chosen,
+                         provenance=provenance, skipped_routes=skipped, failed=failed,
+                         capturable=capturable, environment_differences=differences)
+        environment.warn_once(str(path), differences)
+        return dispatcher
 
     @classmethod
     def from_bundled(cls, device: DeviceInfo | None = None, capturable: bool = False
