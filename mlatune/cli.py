@@ -38,6 +38,12 @@ not measured. The rest, per command:
 
 Exit status: 0 ok; 1 a check failed (coverage --require unmet, diff of tables that share
 no device) or an error (one red line on stderr); 2 a usage error typer refuses.
+
+Every file a command writes (sweep: the table, its .csv and the journal; export, upgrade,
+plan --out; report --out's folder) is checked before any work: a directory in the way, a
+parent that is not a writable directory or a read-only file system is refused at once
+(exit 1), not after an hour of sweeping. Every error of mlatune.errors (SpecError,
+JournalError, TableError, OutputError) ends as one line and exit 1, never a traceback.
 """
 
 from __future__ import annotations
@@ -73,7 +79,24 @@ if TYPE_CHECKING:  # the commands import these where they run: --help stays ligh
 
 Device = tuple[str, str, int]  # (arch, device_name, cu_count), as tables key them
 
+
+class _OneLineErrors(typer.core.TyperGroup):
+    """The last net under every command: an error of mlatune.errors (a bad spec, a
+    damaged journal or table, an output that cannot be written) that a command did not
+    turn into its own line still ends as one line on stderr and exit 1, never a
+    traceback. Commands catch what they can say more about (and a hint) first."""
+
+    def invoke(self, ctx):
+        from mlatune.errors import JournalError, OutputError, SpecError, TableError
+
+        try:
+            return super().invoke(ctx)
+        except (SpecError, JournalError, TableError, OutputError) as exc:
+            _fail(str(exc))
+
+
 app = typer.Typer(
+    cls=_OneLineErrors,
     help="Autotune MLA attention routes per shape and ship the winners as a dispatch table. "
          "Exit status: 0 ok; 1 a check failed or an error (one line on stderr); 2 a usage "
          "error.",
@@ -278,6 +301,7 @@ def _bundled_tables() -> list[dict[str, Any]]:
     devices it holds."""
     from mlatune.capability import ARCHS
     from mlatune.dispatch import bundled_tables_dir, find_table
+    from mlatune.errors import TableError
 
     folder = bundled_tables_dir()
     # find_table's naming: <arch>.<ext> or <arch>-<anything>.<ext>
@@ -291,30 +315,26 @@ def _bundled_tables() -> list[dict[str, Any]]:
         if chosen is not None:
             try:
                 entry["devices"] = _devices_in(chosen)
-            except Exception as exc:  # doctor reports a damaged bundled table, never dies
-                entry["error"] = f"{type(exc).__name__}: {exc}"
+            except TableError as exc:  # doctor reports a damaged bundled table, never dies
+                entry["error"] = str(exc)
+            except Exception as exc:  # whatever else: still reported, one line
+                entry["error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
         found.append(entry)
     return found
 
 
 def _devices_in(chosen: Traversable) -> list[dict[str, Any]]:
-    """The devices a table file holds, reading only their columns."""
+    """The devices a table file holds, read (and checked) as the dispatcher reads it: a
+    damaged file is a TableError naming it, one line."""
     from importlib import resources
 
-    import pandas as pd
-
-    from mlatune.schema import DEVICE_COLUMNS
+    from mlatune import table, winners
 
     with resources.as_file(chosen) as path:
         if path.suffix.lower() == ".json":
-            document = json.loads(path.read_text())
             return [_device(d["arch"], d["device_name"], d["cu_count"])
-                    for d in document["devices"]]
-        read = pd.read_parquet if path.suffix.lower() == ".parquet" else pd.read_csv
-        kwargs = {"columns": list(DEVICE_COLUMNS)} if read is pd.read_parquet \
-            else {"usecols": list(DEVICE_COLUMNS)}
-        frame = read(path, **kwargs).drop_duplicates()
-    return [_device(*row) for row in frame.itertuples(index=False)]
+                    for d in winners.read(path).document["devices"]]
+        return [_device(*d) for d in _devices(table.read(path))]
 
 
 def _print_bundled(entries: list[dict[str, Any]]) -> None:
@@ -438,6 +458,7 @@ def sweep(
 
     from mlatune import runner
     from mlatune.arch import current_device, gpu_devices
+    from mlatune.errors import JournalError, TableError
 
     if resume and fresh:
         raise typer.BadParameter("--resume and --fresh exclude each other",
@@ -457,6 +478,7 @@ def sweep(
         _fail(f"--out {out}: name the table .parquet or .csv (both are written)")
     table_path = table_path.with_suffix(".parquet")
     journal_path = table_path.with_suffix(".journal.jsonl")
+    _check_outputs(table_path, table_path.with_suffix(".csv"), journal_path)
     if not device.is_gpu:
         console.print("[yellow]no GPU[/]: running the CPU-capable routes on the spec's CPU "
                       "grid; wall-clock timings, not for dispatch.")
@@ -470,22 +492,35 @@ def sweep(
                _rate_eta_column(), TextColumn("[red]{task.fields[failures]} failed"),
                TimeElapsedColumn())
     t0 = time.monotonic()
+    failure = ""  # said once the journal is closed: one line, whatever failed
+    rerun = f"finished candidates are in {journal_path}: rerun to continue"
     try:
-        with Progress(*columns, console=console) as progress:
-            result = runner.run(spec, device, journal, workers=gpus if device.is_gpu else 1,
-                                timeout_s=timeout, only=only, observer=_SweepProgress(progress),
-                                compile_workers=compile_workers)
-    except KeyboardInterrupt:
-        _fail(f"interrupted; finished candidates are in {journal_path}: rerun with --resume "
-              f"(or the same command without --fresh) to continue")
-    except OSError as exc:  # the journal's disk full or gone
-        _fail(f"{exc}; finished candidates are in {journal_path}: rerun to continue")
+        try:
+            with Progress(*columns, console=console) as progress:
+                result = runner.run(spec, device, journal,
+                                    workers=gpus if device.is_gpu else 1, timeout_s=timeout,
+                                    only=only, observer=_SweepProgress(progress),
+                                    compile_workers=compile_workers)
+        except KeyboardInterrupt:
+            failure = (f"interrupted; finished candidates are in {journal_path}: rerun with "
+                       f"--resume (or the same command without --fresh) to continue")
+        except typer.Exit:  # typer's Exit is a RuntimeError: never one of ours below
+            raise
+        except (OSError, JournalError) as exc:  # the journal's disk full or gone
+            failure = f"{exc}; {rerun}"
+        except RuntimeError as exc:  # a sweep worker that would not start
+            failure = f"{exc}; {rerun}"
     finally:
-        journal.close()
+        try:
+            journal.close()
+        except OSError as exc:  # its last flush: a full disk (an OutputError)
+            failure = failure or f"{exc}; {rerun}"
+    if failure:
+        _fail(failure)
     wall = time.monotonic() - t0
     try:
         _write_table(runner.table_rows(result.records, device), spec, table_path)
-    except OSError as exc:
+    except (OSError, TableError) as exc:  # OutputError: the disk; TableError: a bad row
         _fail(f"{exc}; every result is in {journal_path}: rerun to write the table")
     _print_sweep_summary(spec.name, result, wall)
     console.print(f"table: {table_path} (and {table_path.with_suffix('.csv')}); "
@@ -510,18 +545,15 @@ def _open_journal(table_path: Path, journal_path: Path, header: dict[str, Any],
     it was written for this spec and device) or, with --fresh, moved aside."""
     from mlatune.journal import Journal, JournalError
 
-    if fresh and _in_use(journal_path):
-        _fail(f"journal {journal_path} is in use by another sweep: --fresh would move its "
-              f"files from under it")
-    moved = _move_aside(table_path, journal_path) if fresh else []
+    moved = _moved_aside(table_path, journal_path) if fresh else []
     existed = journal_path.exists()
     try:
         journal = Journal(journal_path, header, resume=True)
     except JournalError as exc:
-        hint = "" if _in_use(journal_path) else \
+        hint = "" if "in use by another sweep" in str(exc) else \
             " (--fresh starts over, moving the earlier journal and table aside)"
         _fail(f"{exc}{hint}")
-    except OSError as exc:  # its folder cannot be made or written
+    except OSError as exc:  # its folder cannot be made or written (an OutputError)
         _fail(f"cannot write journal {journal_path}: {exc.strerror}" if exc.strerror
               else str(exc))
     if moved:
@@ -535,23 +567,28 @@ def _open_journal(table_path: Path, journal_path: Path, header: dict[str, Any],
     return journal
 
 
-def _in_use(journal_path: Path) -> bool:
-    """Whether a running sweep holds the journal's lock (journal.py's flock, which the
-    kernel drops when its holder dies)."""
-    import fcntl
-
-    from mlatune.journal import lock_path
+def _moved_aside(table_path: Path, journal_path: Path) -> list[Path]:
+    """--fresh: the earlier run moved aside while holding the journal's lock, so no sweep
+    can start on (or be running with) the files being moved. The lock is journal.py's
+    flock, taken and given back as a Journal does; refused (one line) while another
+    sweep holds it."""
+    from mlatune import journal as journals
 
     try:
-        handle = lock_path(journal_path).open("rb")
-    except OSError:  # no lock file: no sweep holds it
-        return False
-    with handle:
-        try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-    return False  # closing the file drops the shared lock taken to ask
+        # journal.py's own protocol (pid in the file, re-lock if removed meanwhile); it has
+        # no public way to hold the lock without opening a Journal yet.
+        held = journals._lock(journal_path)
+    except journals.JournalError as exc:
+        _fail(f"{exc}: --fresh would move its files from under it")
+    except OSError as exc:  # the lock file cannot be made (an OutputError)
+        _fail(str(exc))
+    try:
+        return _move_aside(table_path, journal_path)
+    except OSError as exc:
+        _fail(f"--fresh could not move the earlier run aside: {exc.strerror or exc}"
+              + (f" ({exc.filename})" if exc.filename else ""))
+    finally:
+        journals._unlock(held, journal_path)
 
 
 def _move_aside(table_path: Path, journal_path: Path) -> list[Path]:
@@ -637,6 +674,8 @@ def plan(
     from mlatune import capability, planning
 
     device = capability.device_for_arch(arch.value)
+    if out:
+        _check_outputs(Path(out), make_parents=False)
     path, spec = _load_spec(spec_name, gpu=True)
     try:
         rows = planning.plan_rows(spec, device)
@@ -645,8 +684,8 @@ def plan(
     if out:
         try:
             planning.write_csv(rows, device, Path(out))
-        except OSError as exc:
-            _fail(f"cannot write {out}: {exc.strerror or exc}")
+        except OSError as exc:  # OutputError: one line naming the file
+            _fail(str(exc))
     if json_out:
         _emit_json("plan", planning.as_json(rows, device, spec))
         return
@@ -719,6 +758,31 @@ def _one_line_errors(what: str):
         _fail(f"{what}: {exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else ""))
     except Exception as exc:  # a file damaged in a way no check foresaw
         _fail(f"{what}: {type(exc).__name__}: {exc}")
+
+
+def _check_outputs(*paths: Path, make_parents: bool = True) -> None:
+    """Refuse, before any work, an output that could not be written at the end: one line
+    (OutputError's) and exit 1. ``make_parents``: the writer makes missing folders (a
+    sweep, export, upgrade); otherwise the folder must exist (plan --out)."""
+    from mlatune.errors import OutputError
+    from mlatune.outputs import check_writable_output
+
+    for path in paths:
+        try:
+            if not make_parents and not path.parent.is_dir():
+                why = "not a directory" if path.parent.exists() else "no such directory"
+                raise OutputError(f"cannot write {path}: {path.parent}: {why}")
+            check_writable_output(path)
+        except OutputError as exc:
+            _fail(str(exc))
+
+
+def _check_output_dir(folder: Path, inside: str) -> None:
+    """``_check_outputs`` for a folder of outputs (made when missing): ``folder`` is or
+    can become a directory this process writes ``inside`` (one of its files) in."""
+    if folder.exists() and not folder.is_dir():
+        _fail(f"{folder}: not a directory; name a directory to write {inside} and the rest in")
+    _check_outputs(folder / inside)
 
 
 def _note(text: str) -> None:
@@ -994,9 +1058,10 @@ def export(
     from mlatune import table
 
     fmt = fmt.value
+    if out.suffix.lower() != f".{fmt}":
+        _fail(f"--out {out} must end in .{fmt} for --format {fmt}")
+    _check_outputs(out)
     with _one_line_errors(str(table_path)):
-        if out.suffix.lower() != f".{fmt}":
-            raise ValueError(f"--out {out} must end in .{fmt} for --format {fmt}")
         frame = _read_table(table_path)
         if fmt == "json":
             document = table.winners_json(frame, winners_only)
@@ -1056,19 +1121,24 @@ def upgrade(
     from mlatune import table
     from mlatune.schema import SCHEMA_VERSION
 
+    target = out or table_path
+    if target.suffix.lower() not in (".parquet", ".csv"):
+        _fail(f"--out {target}: name the table .parquet or .csv (both are written)")
+    targets = [target.with_suffix(s) for s in (".parquet", ".csv")]
+    if out is not None:  # a named destination is checked before anything is read
+        _check_outputs(*targets)
     with _one_line_errors(str(table_path)):
-        target = out or table_path
-        if target.suffix.lower() not in (".parquet", ".csv"):
-            raise ValueError(f"--out {target}: name the table .parquet or .csv (both are "
-                             f"written)")
         frame, stored = table.read_versioned(table_path)
-        if stored == SCHEMA_VERSION:
-            console.print(f"{table_path}: already v{SCHEMA_VERSION}; nothing written",
-                          soft_wrap=True, highlight=False)
-            return
+    if stored == SCHEMA_VERSION:  # over TABLE, a current table needs no writable folder
+        console.print(f"{table_path}: already v{SCHEMA_VERSION}; nothing written",
+                      soft_wrap=True, highlight=False)
+        return
+    if out is None:
+        _check_outputs(*targets)
+    with _one_line_errors(str(table_path)):
         # Both formats, as a sweep writes them; each write is atomic (the old file or
         # the new one, never half of either).
-        written = [table.write(frame, target.with_suffix(s)) for s in (".parquet", ".csv")]
+        written = [table.write(frame, t) for t in targets]
     kinds = frame.groupby(["plan_on", "capturable"], sort=True).size()
     console.print(f"[green]upgraded[/] {table_path} from schema v{stored} to "
                   f"v{SCHEMA_VERSION}: wrote {written[0]} and {written[1]} ({len(frame)} rows); "
@@ -1180,6 +1250,7 @@ def report(
     """Plots and one self-contained HTML page: winners, speedups, roofline, nearest regret."""
     from mlatune import report as reports
 
+    _check_output_dir(out, reports.HTML_NAME)
     with _one_line_errors(str(table_path)):  # table errors name their own file
         made = reports.build_report(table_path, out, heldout, heldout_journal)
     summary = made.summary
@@ -1189,9 +1260,10 @@ def report(
     for label, value in reports.headline_rows(summary):
         headline.add_row(label, value)
     console.print(headline)
-    policies = Table(title="speedup of the table's pick (worst case: the largest)")
+    policies = Table(
+        title="speedup of the table's pick over fixed routes and the rule fallback")
     _columns(policies, reports.POLICY_COLUMNS, ("served", "wins", "geomean speedup",
-                                                "worst case"))
+                                                "largest speedup"))
     for row in reports.policy_rows(summary):
         policies.add_row(*row)
     console.print(policies)

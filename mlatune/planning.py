@@ -7,13 +7,11 @@ the target machine); other routes answer through their own ``supports``.
 
 from __future__ import annotations
 
-import csv
-import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlatune import capability, routes
+from mlatune import capability, outputs, routes
 from mlatune.arch import DeviceInfo
 from mlatune.problem import BUCKET_FIELDS, KEY_FIELDS, MLAProblem
 from mlatune.routes.aiter import gluon_forced
@@ -141,14 +139,11 @@ CSV_COLUMNS = ("arch", "device_name", "cu_count", *KEY_FIELDS, "route", "status"
 
 
 def write_csv(rows: list[PlanRow], device: DeviceInfo, path: Path) -> None:
-    """The plan as a table, written to a temporary file and renamed into place."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(CSV_COLUMNS)
-        for row in rows:
-            key = row.problem.key_dict()
-            writer.writerow([device.arch, device.name, device.cu_count or "",
-                             *(int(v) if isinstance(v, bool) else v for v in key.values()),
-                             row.route, "viable" if row.viable else "unsupported", row.reason])
-    os.replace(tmp, path)
+    """The plan as a table, written atomically (``outputs.write_csv``: a fresh temporary
+    file renamed into place, text cells safe to open in a spreadsheet). Raises
+    OutputError (one line naming ``path``) when it cannot be written."""
+    outputs.write_csv(path, CSV_COLUMNS, (
+        [device.arch, device.name, device.cu_count or "",
+         *(int(v) if isinstance(v, bool) else v for v in row.problem.key_dict().values()),
+         row.route, "viable" if row.viable else "unsupported", row.reason]
+        for row in rows))
