@@ -575,20 +575,13 @@ def _moved_aside(table_path: Path, journal_path: Path) -> list[Path]:
     from mlatune import journal as journals
 
     try:
-        # journal.py's own protocol (pid in the file, re-lock if removed meanwhile); it has
-        # no public way to hold the lock without opening a Journal yet.
-        held = journals._lock(journal_path)
+        with journals.locked(journal_path):
+            return _move_aside(table_path, journal_path)
     except journals.JournalError as exc:
         _fail(f"{exc}: --fresh would move its files from under it")
-    except OSError as exc:  # the lock file cannot be made (an OutputError)
-        _fail(str(exc))
-    try:
-        return _move_aside(table_path, journal_path)
-    except OSError as exc:
+    except OSError as exc:  # the lock file cannot be made, or a rename failed
         _fail(f"--fresh could not move the earlier run aside: {exc.strerror or exc}"
               + (f" ({exc.filename})" if exc.filename else ""))
-    finally:
-        journals._unlock(held, journal_path)
 
 
 def _move_aside(table_path: Path, journal_path: Path) -> list[Path]:

@@ -29,12 +29,13 @@ import json
 import os
 import time
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
 from mlatune.errors import JournalError, OutputError
 
-__all__ = ["FSYNC_INTERVAL_S", "Journal", "JournalError", "lock_path", "read"]
+__all__ = ["FSYNC_INTERVAL_S", "Journal", "JournalError", "lock_path", "locked", "read"]
 
 FSYNC_INTERVAL_S = 1.0
 # Result fields a sweep reads, with their JSON types, checked where present.
@@ -159,6 +160,17 @@ def lock_path(journal: Path) -> Path:
     """The lock file a sweep holds while it appends to ``journal``."""
     journal = Path(journal)
     return journal.with_name(journal.name + ".lock")
+
+
+@contextlib.contextmanager
+def locked(journal: Path) -> Iterator[None]:
+    """Hold the journal's lock as a sweep does, without opening it (``--fresh`` moves an
+    earlier run aside under it); JournalError while another sweep holds it."""
+    handle = _lock(Path(journal))
+    try:
+        yield
+    finally:
+        _unlock(handle, Path(journal))
 
 
 def _lock(journal: Path) -> IO[bytes]:
