@@ -11,23 +11,29 @@ problems of a held-out sweep (TABLE2, JOURNAL2), as ``mlatune report`` judges it
 For each: regret = the chosen route's time / the problem's best time - 1, by
 route (the route at its best parameters there) and with the parameters the
 dispatcher passes (NaN where the sweep did not run those). Runs on the CPU with
-a stand-in device. Numbers only.
+a stand-in device. Numbers only. benchmarks/predict_loo.py reuses its parts.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from mlatune import dispatch, table
+from mlatune.arch import DeviceInfo
 from mlatune.dispatch import Dispatcher, device_for_arch
 from mlatune.problem import MLAProblem
 from mlatune.report import Timed, candidate_times, geomean, nearest_regret, one_device, time_with
+from mlatune.routes import Route
 from mlatune.winners import problem_of
 
 
-def _summary(label: str, regrets: list[tuple[float, float]]) -> None:
+def summary(label: str, regrets: list[tuple[float, float]]) -> None:
+    """Print one judged set: (by route, with parameters) regret per problem."""
     def line(what: str, values: list[float]) -> str:
         timed = sorted(v for v in values if not math.isnan(v))
         if not timed:
@@ -42,7 +48,7 @@ def _summary(label: str, regrets: list[tuple[float, float]]) -> None:
     print(line("with parameters ", [p for _, p in regrets]))
 
 
-def _best_times(timed: Timed) -> dict[str, float]:
+def best_times(timed: Timed) -> dict[str, float]:
     """Problem key -> its fastest ok candidate's time over every route and parameter set."""
     best: dict[str, float] = {}
     for (key, _), runs in timed.items():
@@ -51,12 +57,60 @@ def _best_times(timed: Timed) -> dict[str, float]:
     return best
 
 
-def _regret(timed: Timed, best: dict[str, float], problem: MLAProblem, choice, device
-            ) -> tuple[float, float]:
-    route_runs = [t for _, t in timed.get((problem.key, choice.route_id), ())]
+def regret(timed: Timed, best: dict[str, float], problem: MLAProblem, route_id: str,
+           params: Mapping[str, Any], device) -> tuple[float, float]:
+    """(by route, with parameters): the route at its best parameters there, and called
+    with ``params``, over the problem's best time, minus 1 (NaN: not timed)."""
+    route_runs = [t for _, t in timed.get((problem.key, route_id), ())]
     by_route = min(route_runs) / best[problem.key] - 1 if route_runs else math.nan
-    chosen = time_with(timed, problem, choice.route_id, choice.params, device)
+    chosen = time_with(timed, problem, route_id, params, device)
     return by_route, chosen / best[problem.key] - 1
+
+
+@dataclass
+class Measured:
+    """A table's dispatcher entries and its sweep's journal, for a stand-in device."""
+
+    device: DeviceInfo
+    routes: dict[str, Route]
+    entries: list
+    timed: Timed
+    best: dict[str, float]
+
+    @classmethod
+    def load(cls, table_path: Path, journal_path: Path) -> Measured:
+        arch, name, cus = one_device(table.read(table_path), table_path)
+        routes = dispatch.registered_routes()
+        entries, _, _ = dispatch._FrameSource(table_path).entries((arch, name, cus),
+                                                                  set(routes))
+        timed = candidate_times(journal_path)
+        return cls(device_for_arch(arch, name, cus), routes, entries, timed, best_times(timed))
+
+    def judged(self) -> Iterator[tuple[tuple, MLAProblem]]:
+        """Each entry that leave-one-out can judge: not alone in its bucket, and with an
+        ok run to judge by."""
+        in_bucket: dict[tuple, int] = {}
+        for _, bucket, *_ in self.entries:
+            in_bucket[bucket] = in_bucket.get(bucket, 0) + 1
+        for entry in self.entries:
+            if in_bucket[entry[1]] >= 2 and entry[0] in self.best:
+                yield entry, problem_of(entry[0])
+
+
+def nearest_loo(measured: Measured) -> tuple[dict[str, tuple[float, float]], int]:
+    """Per judged problem key, the regret of the ``nearest`` answer of a dispatcher built
+    without it; also how many were answered by rule instead (left out)."""
+    regrets, skipped = {}, 0
+    for entry, problem in measured.judged():
+        rest = Dispatcher(measured.device, [e for e in measured.entries if e is not entry],
+                          routes=measured.routes)
+        choice = rest.select(problem)
+        if choice.source != "nearest":  # no neighbour's winner serves it: the rule answers
+            skipped += 1
+            continue
+        regrets[problem.key] = regret(measured.timed, measured.best, problem, choice.route_id,
+                                      choice.params, measured.device)
+    return regrets, skipped
 
 
 def main() -> None:
@@ -65,34 +119,17 @@ def main() -> None:
     parser.add_argument("journal", type=Path)
     parser.add_argument("--heldout", nargs=2, type=Path, metavar=("TABLE2", "JOURNAL2"))
     args = parser.parse_args()
-    arch, name, cus = one_device(table.read(args.table), args.table)
-    device = device_for_arch(arch, name, cus)
-    routes = dispatch.registered_routes()
-    entries, _, _ = dispatch._FrameSource(args.table).entries((arch, name, cus), set(routes))
-    timed = candidate_times(args.journal)
-    best = _best_times(timed)
-    in_bucket: dict[tuple, int] = {}
-    for _, bucket, *_ in entries:
-        in_bucket[bucket] = in_bucket.get(bucket, 0) + 1
-    regrets, skipped = [], 0
-    for entry in entries:
-        key, bucket = entry[0], entry[1]
-        problem = problem_of(key)
-        if in_bucket[bucket] < 2 or key not in best:
-            continue  # alone in its bucket, or nothing ran ok there to judge by
-        rest = Dispatcher(device, [e for e in entries if e is not entry], routes=routes)
-        choice = rest.select(problem)
-        if choice.source != "nearest":  # no neighbour's winner serves it: the rule answers
-            skipped += 1
-            continue
-        regrets.append(_regret(timed, best, problem, choice, device))
-    _summary(f"leave-one-out on {args.table} ({skipped} answered by rule, left out)", regrets)
+    measured = Measured.load(args.table, args.journal)
+    regrets, skipped = nearest_loo(measured)
+    summary(f"leave-one-out on {args.table} ({skipped} answered by rule, left out)",
+            list(regrets.values()))
     if args.heldout:
         held_table, held_journal = args.heldout
-        _, judged, _ = nearest_regret(args.table, table.read(held_table), device,
+        _, judged, _ = nearest_regret(args.table, table.read(held_table), measured.device,
                                       candidate_times(held_journal))
-        _summary(f"held-out {held_table} (problems with an ok run)",
-                 list(zip(judged["regret"], judged["params_regret"], strict=True)))
+        summary(f"held-out {held_table} (problems with an ok run)",
+                list(zip(judged["regret"], judged["params_regret"], strict=True)))
+
 
 if __name__ == "__main__":
     main()
