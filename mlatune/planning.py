@@ -27,9 +27,14 @@ class PlanRow:
 
 
 def verdict(route: routes.Route, problem: MLAProblem, device: DeviceInfo) -> tuple[bool, str]:
+    """The capability rules, then the route's own answer where it can be asked without the
+    target machine (every route but AITER's, whose answer probes the installed AITER)."""
     if capability.known(route.id):
         ruling = capability.check(route.id, problem, device.arch, force_gluon=gluon_forced())
-        return ruling.ok, ruling.reason if ruling.ok else f"rule {ruling.rule}: {ruling.reason}"
+        if not ruling.ok:
+            return False, f"rule {ruling.rule}: {ruling.reason}"
+        if route.id.endswith("/aiter"):
+            return True, ruling.reason
     answer = route.supports(problem, device)
     return answer.ok, answer.reason
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -118,3 +119,20 @@ def test_sweep_for_an_arch_that_is_not_here_points_to_plan():
     out = " ".join(result.output.split())
     assert "--arch gfx950 but this machine's device is" in out
     assert "mlatune plan SPEC --arch gfx950" in out
+
+
+def test_plan_agrees_with_every_route_it_can_ask_without_the_target():
+    """mlatune plan's verdict is the route's own where asking needs no installed AITER (it
+    called gluon/triton viable at 128 heads and bf16-ps/triton viable for decode)."""
+    from mlatune import planning, routes
+    from mlatune.dispatch import device_for_arch
+    from mlatune.spec import load
+
+    device = device_for_arch("sm_90", "NVIDIA H200", 132)
+    problems = load(Path(__file__).parent.parent / "sweeps" / "h200-traffic.toml").problems[::7]
+    for route in routes.all_routes():
+        if route.id.endswith("/aiter"):
+            continue
+        for problem in problems:
+            assert planning.verdict(route, problem, device)[0] == \
+                route.supports(problem, device).ok, (route.id, problem.key)
