@@ -6,6 +6,7 @@
 #                Triton cache (a cold-cache sweep on GPU 0 stays cold); only 1-GPU steps
 #                (smoke1, bundled) may run until waittests waits for it. With 1 GPU: as tests
 #   smoke1|smoke2  the bundled smoke sweep (1 GPU), a second time with all GPUs
+#   traffic        sweeps/h200-traffic.toml (held-out serving-like shapes) on all GPUs, resumed
 #   h200 | heldout  sweeps/h200.toml or sweeps/h200-heldout.toml on all GPUs, resumed from
 #                  runs/, stopped (SIGINT, journal kept) when BUDGET_S seconds of the call are spent
 #   h200fresh      sweeps/h200.toml from scratch into runs/h200fresh (to time the whole sweep)
@@ -60,6 +61,7 @@ for step in "$@"; do
     smoke2) sweep smoke2 "" "$NGPU" ;;
     h200) sweep h200 sweeps/h200.toml "$NGPU" ;;
     heldout) sweep heldout sweeps/h200-heldout.toml "$NGPU" ;;
+    traffic) sweep traffic sweeps/h200-traffic.toml "$NGPU" ;;
     h200fresh) sweep h200fresh sweeps/h200.toml "$NGPU" ;;
     h200one) ( export CUDA_VISIBLE_DEVICES=0; sweep h200one sweeps/h200.toml 1 ) ;;
     bundled) { python3 -m mlatune doctor
