@@ -151,7 +151,8 @@ def _speedup_bars(ax: Axes, policies: list[SpeedupStats], colours: dict[str, Col
     ax.legend(handles=[Patch(color="0.3", label="geomean over the problems it serves"),
                        Patch(facecolor=to_rgba("0.3", 0.35), edgecolor="0.3", hatch="///",
                              label="largest: on the problem where the route loses most")],
-              fontsize=FONT - 1, loc="lower right")
+              fontsize=FONT - 1, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2,
+              frameon=False)  # below the axes: inside, it hid a bar's label
     ax.grid(axis="x", alpha=0.3)
 
 
