@@ -17,9 +17,9 @@ import statistics
 from pathlib import Path
 
 from mlatune import table
-from mlatune.journal import read
 from mlatune.problem import MLAProblem
-from mlatune.runner import COST_PARTS
+from mlatune.sweep.journal import read
+from mlatune.sweep.runner import COST_PARTS
 
 
 def _is_journal(path: Path) -> bool:

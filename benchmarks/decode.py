@@ -28,10 +28,11 @@ from pathlib import Path
 
 import torch
 
-from mlatune import reference, routes
-from mlatune.accuracy import check
+from mlatune import routes
 from mlatune.arch import current_device, library_versions
-from mlatune.inputs import make_decode_inputs
+from mlatune.check import reference
+from mlatune.check.accuracy import check
+from mlatune.check.inputs import make_decode_inputs
 from mlatune.problem import MLAProblem
 
 POINTS = [(1, 16, 4096, 1), (16, 16, 4096, 1), (64, 16, 4096, 1), (128, 16, 8192, 1),

@@ -51,7 +51,7 @@ def build_table(device):
 
     from mlatune import table
     from mlatune.problem import MLAProblem
-    from mlatune.schema import Provenance
+    from mlatune.table.schema import COLUMNS, Provenance
 
     grid = [(h, q, qd, kd, dcp, b, kv) for h in HEADS for q in QLENS for qd, kd in DTYPES
             for dcp in DCPS for b in BATCHES for kv in KV_LENS]
@@ -88,7 +88,7 @@ def build_table(device):
         launch_host_us=np.where(ok, 5.0, np.nan))
     for name, value in Provenance.here("0" * 64).as_dict().items():
         frame[name] = value
-    return table.assign_ranks(table.coerce(frame[list(table.COLUMNS)]))
+    return table.assign_ranks(table.coerce(frame[list(COLUMNS)]))
 
 
 def timer_overhead_ns(samples: int = 200_000) -> float:
@@ -192,7 +192,7 @@ for route_id in (bench.FAKE_ROUTES if {register} else ()):
     routes.register(bench._Everything(route_id))
 device = cpu_device()
 t0 = time.perf_counter()
-import mlatune.table  # pandas and pyarrow: a Parquet load imports them if nobody has
+import mlatune.table.frame  # pandas and pyarrow: a Parquet load imports them if nobody has
 t1 = time.perf_counter()
 Dispatcher.load({path!r}, device)
 print((time.perf_counter() - t1) * 1e3, (t1 - t0) * 1e3)
@@ -261,15 +261,17 @@ def main() -> None:
 
     load_before = " / ".join(f"{x:.2f}" for x in os.getloadavg())
     t0 = time.perf_counter()
+    import mlatune.table.frame  # noqa: F401  pandas and pyarrow, timed with the rest
     from mlatune import routes, table
     from mlatune.arch import cpu_device
     from mlatune.problem import MLAProblem
+    from mlatune.table.schema import KEY_COLUMNS
     import_s = time.perf_counter() - t0
 
     device = cpu_device()
     frame = build_table(device)
     overhead = timer_overhead_ns()
-    n_keys = len(frame.drop_duplicates(list(table.KEY_COLUMNS)))
+    n_keys = len(frame.drop_duplicates(list(KEY_COLUMNS)))
     t0 = time.perf_counter_ns()
     for i in range(20_000):
         MLAProblem(num_heads=16, batch=1 + i % 512, kv_len=4096).key  # noqa: B018
@@ -324,7 +326,7 @@ def main() -> None:
             f"## {r['label']}",
             "",
             f"- load, first in a fresh process (3 processes): {r['cold_ms']} ms; before it, "
-            f"importing pandas + pyarrow (mlatune.table): {r['import_ms']} ms",
+            f"importing pandas + pyarrow (mlatune.table.frame): {r['import_ms']} ms",
             f"- load, again in a warm process: {r['load_ms']} ms (median of 5)",
             f"- rows skipped for unregistered routes: {r['skipped']}",
             "",

@@ -17,7 +17,7 @@ import math
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from mlatune.journal import read
+from mlatune.sweep.journal import read
 
 
 def main() -> None:

@@ -23,13 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlatune import dispatch, table
+from mlatune import table
 from mlatune.arch import DeviceInfo
-from mlatune.dispatch import Dispatcher, device_for_arch
+from mlatune.dispatch import Dispatcher, device_for_arch, dispatcher
 from mlatune.problem import MLAProblem
 from mlatune.report import Timed, candidate_times, geomean, nearest_regret, one_device, time_with
 from mlatune.routes import Route
-from mlatune.winners import problem_of
+from mlatune.table.winners_map import problem_of
 
 
 def summary(label: str, regrets: list[tuple[float, float]]) -> None:
@@ -80,8 +80,8 @@ class Measured:
     @classmethod
     def load(cls, table_path: Path, journal_path: Path) -> Measured:
         arch, name, cus = one_device(table.read(table_path), table_path)
-        routes = dispatch.registered_routes()
-        entries, _, _ = dispatch._FrameSource(table_path).entries((arch, name, cus),
+        routes = dispatcher.registered_routes()
+        entries, _, _ = dispatcher._FrameSource(table_path).entries((arch, name, cus),
                                                                   set(routes))
         timed = candidate_times(journal_path)
         return cls(device_for_arch(arch, name, cus), routes, entries, timed, best_times(timed))

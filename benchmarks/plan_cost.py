@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from mlatune import bench, routes
+from mlatune import routes
 from mlatune.arch import current_device
-from mlatune.inputs import make_decode_inputs
+from mlatune.check.inputs import make_decode_inputs
 from mlatune.problem import MLAProblem
+from mlatune.sweep import bench
 
 CASES = [("segmented/triton", MLAProblem(num_heads=16, qlen=3, batch=32, kv_len=8192,
                                          dcp_size=2)),

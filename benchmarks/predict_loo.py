@@ -1,4 +1,5 @@
-"""Predicting unmeasured shapes, judged on measured ones: ``nearest`` against mlatune.predict.
+"""Predicting unmeasured shapes, judged on measured ones: ``nearest`` against
+mlatune.dispatch.predict.
 
     python benchmarks/predict_loo.py TABLE JOURNAL [--heldout TABLE2 JOURNAL2]
 
@@ -8,8 +9,8 @@ timed from JOURNAL, the sweep's record of every candidate it ran. Three answers:
 
 - (a) the dispatcher's ``nearest``: the nearest point's winner, its sized parameters
   redone for the problem;
-- (b) ``mlatune.predict`` fitted on JOURNAL (every parameter set of every route);
-- (b') ``mlatune.predict`` fitted on TABLE alone (each route's best per problem).
+- (b) ``mlatune.dispatch.predict`` fitted on JOURNAL (every parameter set of every route);
+- (b') ``mlatune.dispatch.predict`` fitted on TABLE alone (each route's best per problem).
 
 With ``--heldout``, the same three answers from all of TABLE and JOURNAL on the
 problems of a held-out sweep, timed from its journal. Regret = the chosen time / the
@@ -32,10 +33,10 @@ from nearest_loo import Measured, best_times, nearest_loo, regret, summary
 
 from mlatune import table
 from mlatune.dispatch import Dispatcher
-from mlatune.predict import Predictor, rows_from_journal, rows_from_table
+from mlatune.dispatch.predict import Predictor, rows_from_journal, rows_from_table
 from mlatune.problem import MLAProblem
 from mlatune.report import candidate_times
-from mlatune.winners import problem_of
+from mlatune.table.winners_map import problem_of
 
 Regrets = dict[str, tuple[float, float]]
 # (uncertainty of the chosen prediction, |log(measured / predicted time)|, regret)

@@ -3,7 +3,7 @@
 For each (batch x tokens per request) and head count, every viable route runs
 every parameter set of its space on the same problem in its dtype (fp8 for
 ``fp8-ps/triton``, bf16 for the others): accuracy against the fp32 reference
-first, then the median of CUDA-graph replays (mlatune.bench: cold L2, median of
+first, then the median of CUDA-graph replays (mlatune.sweep.bench: cold L2, median of
 settled repetitions). TFLOP/s counts the causal lower triangle on the real
 (unpadded) heads, so padding shows up as lost throughput.
 
@@ -29,11 +29,13 @@ from pathlib import Path
 
 import torch
 
-from mlatune import bench, reference, routes
-from mlatune.accuracy import check
+from mlatune import routes
 from mlatune.arch import DeviceInfo, current_device, library_versions
-from mlatune.inputs import make_prefill_inputs, poison_
+from mlatune.check import reference
+from mlatune.check.accuracy import check
+from mlatune.check.inputs import make_prefill_inputs, poison_
 from mlatune.problem import MLAProblem
+from mlatune.sweep import bench
 
 SIZES = ((1, 4096), (8, 2048), (32, 512))
 HEADS = (16, 128)

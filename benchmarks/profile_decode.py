@@ -14,7 +14,7 @@ import json
 import torch
 
 from mlatune import routes
-from mlatune.inputs import make_decode_inputs
+from mlatune.check.inputs import make_decode_inputs
 from mlatune.problem import MLAProblem
 
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from mlatune.dispatch import Dispatcher, device_for_arch
-from mlatune.spec import load
+from mlatune.sweep.spec import load
 
 
 def _quantile_us(ns: list[int], q: float) -> float:

@@ -32,12 +32,13 @@ from pathlib import Path
 
 import torch
 
-from mlatune import attention, bench, routes, table
+from mlatune import attention, routes, table
 from mlatune.arch import current_device
+from mlatune.check.inputs import make_decode_inputs
 from mlatune.dispatch import Dispatcher
-from mlatune.inputs import make_decode_inputs
 from mlatune.problem import MLAProblem
-from mlatune.schema import Provenance, device_key
+from mlatune.sweep import bench
+from mlatune.table.schema import Provenance, device_key
 
 POINTS = ((1, 16, 4096, 1), (64, 16, 4096, 1), (128, 128, 4096, 1), (32, 16, 8192, 3))
 

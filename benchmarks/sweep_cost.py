@@ -19,8 +19,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from mlatune.journal import JournalError, read
-from mlatune.runner import COST_PARTS as PARTS
+from mlatune.sweep.journal import JournalError, read
+from mlatune.sweep.runner import COST_PARTS as PARTS
 
 
 def _add(row: dict[str, float], r: dict) -> None:

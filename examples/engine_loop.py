@@ -31,11 +31,12 @@ if "--cpu" in sys.argv:  # the interpreter must be chosen before triton is impor
 
 import torch
 
-from mlatune import attention, reference
-from mlatune.accuracy import check
+from mlatune import attention
 from mlatune.arch import cpu_device
+from mlatune.check import reference
+from mlatune.check.accuracy import check
+from mlatune.check.inputs import DecodeInputs, KVShard
 from mlatune.dispatch import Dispatcher
-from mlatune.inputs import DecodeInputs, KVShard
 from mlatune.problem import MLAProblem
 
 KV_LORA_RANK, ROPE_DIM, QK_HEAD_DIM = 512, 64, 192

@@ -51,11 +51,12 @@ from dataclasses import dataclass
 
 import torch
 
-from mlatune import bench, runtime_checks
+from mlatune import runtime_checks
+from mlatune.check.inputs import DecodeInputs, KVShard
 from mlatune.dispatch import Choice, Dispatcher, by_handle
-from mlatune.inputs import DecodeInputs, KVShard
 from mlatune.problem import DTYPES, MLAProblem, next_power_of_two, output_dtype
 from mlatune.routes import Prepared, Route, step_kind_of
+from mlatune.sweep import bench
 
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 # Steps kept per dispatcher; a step holds the caller's tensors alive, so the set is bounded.
@@ -142,7 +143,7 @@ def _ptr(t: torch.Tensor | None) -> tuple | None:
 def _fill_local_lens(local_lens: torch.Tensor, seq_lens: torch.Tensor, rank: int,
                      world: int) -> None:
     """Round-robin share of each request on ``rank``: ceil((len - rank) / world), in place
-    (``mlatune.inputs.shard_lengths`` without allocating)."""
+    (``mlatune.check.inputs.shard_lengths`` without allocating)."""
     local_lens.copy_(seq_lens).add_(world - 1 - rank)
     local_lens.div_(world, rounding_mode="floor").clamp_(min=0)
 

@@ -71,11 +71,11 @@ if TYPE_CHECKING:  # the commands import these where they run: --help stays ligh
 
     from mlatune.arch import DeviceInfo
     from mlatune.dispatch import Choice, Dispatcher
-    from mlatune.journal import Journal
-    from mlatune.planning import PlanRow
     from mlatune.problem import MLAProblem
-    from mlatune.runner import SweepResult
-    from mlatune.spec import SweepSpec
+    from mlatune.sweep.journal import Journal
+    from mlatune.sweep.planning import PlanRow
+    from mlatune.sweep.runner import SweepResult
+    from mlatune.sweep.spec import SweepSpec
 
 Device = tuple[str, str, int]  # (arch, device_name, cu_count), as tables key them
 
@@ -202,7 +202,7 @@ def main(
 # Specs: a file, or a bundled spec by name --------------------------------------
 
 def _bundled_specs() -> list[str]:
-    from mlatune import spec as specs
+    from mlatune.sweep import spec as specs
 
     folder = specs.bundled_spec_path().parent
     return sorted(p.stem for p in folder.glob("*.toml"))
@@ -211,7 +211,7 @@ def _bundled_specs() -> list[str]:
 def _spec_path(name: str | None) -> Path:
     """SPEC as given: a file; a bare name (no folder, no suffix but .toml) not found as a
     file is a bundled spec, `sweeps/<name>.toml` in the package."""
-    from mlatune import spec as specs
+    from mlatune.sweep import spec as specs
 
     if name is None:
         return specs.bundled_spec_path()
@@ -226,7 +226,7 @@ def _spec_path(name: str | None) -> Path:
 
 
 def _load_spec(name: str | None, gpu: bool) -> tuple[Path, SweepSpec]:
-    from mlatune import spec as specs
+    from mlatune.sweep import spec as specs
 
     path = _spec_path(name)
     try:
@@ -300,7 +300,7 @@ def _bundled_tables() -> list[dict[str, Any]]:
     GPU of that arch loads (find_table's choice; MLATUNE_TABLE overrides it) and the
     devices it holds."""
     from mlatune.capability import ARCHS
-    from mlatune.dispatch import bundled_tables_dir, find_table
+    from mlatune.dispatch.dispatcher import bundled_tables_dir, find_table  # patched there in tests
     from mlatune.errors import TableError
 
     folder = bundled_tables_dir()
@@ -328,12 +328,13 @@ def _devices_in(chosen: Traversable) -> list[dict[str, Any]]:
     damaged file is a TableError naming it, one line."""
     from importlib import resources
 
-    from mlatune import table, winners
+    from mlatune import table
+    from mlatune.table import winners_map
 
     with resources.as_file(chosen) as path:
         if path.suffix.lower() == ".json":
             return [_device(d["arch"], d["device_name"], d["cu_count"])
-                    for d in winners.read(path).document["devices"]]
+                    for d in winners_map.read(path).document["devices"]]
         return [_device(*d) for d in _devices(table.read(path))]
 
 
@@ -456,9 +457,9 @@ def sweep(
         TimeElapsedColumn,
     )
 
-    from mlatune import runner
     from mlatune.arch import current_device, gpu_devices
     from mlatune.errors import JournalError, TableError
+    from mlatune.sweep import runner
 
     if resume and fresh:
         raise typer.BadParameter("--resume and --fresh exclude each other",
@@ -543,7 +544,7 @@ def _open_journal(table_path: Path, journal_path: Path, header: dict[str, Any],
                   fresh: bool) -> Journal:
     """The sweep's journal, saying what became of an earlier one: resumed (Journal checks
     it was written for this spec and device) or, with --fresh, moved aside."""
-    from mlatune.journal import Journal, JournalError
+    from mlatune.sweep.journal import Journal, JournalError
 
     moved = _moved_aside(table_path, journal_path) if fresh else []
     existed = journal_path.exists()
@@ -572,7 +573,7 @@ def _moved_aside(table_path: Path, journal_path: Path) -> list[Path]:
     can start on (or be running with) the files being moved. The lock is journal.py's
     flock, taken and given back as a Journal does; refused (one line) while another
     sweep holds it."""
-    from mlatune import journal as journals
+    from mlatune.sweep import journal as journals
 
     try:
         with journals.locked(journal_path):
@@ -639,7 +640,7 @@ def _print_sweep_summary(name: str, result: SweepResult, wall: float) -> None:
 
 def _write_table(rows: list[dict], spec: SweepSpec, path: Path) -> None:
     from mlatune import table
-    from mlatune.schema import Provenance
+    from mlatune.table.schema import Provenance
 
     frame = table.build(rows, Provenance.here(spec.sha256))
     table.write(frame, path)
@@ -664,7 +665,8 @@ def plan(
 ) -> None:
     """Which routes a sweep would run on ARCH, and why the others would not: a summary per
     route; the verdicts per problem with --detail or in the --out CSV."""
-    from mlatune import capability, planning
+    from mlatune import capability
+    from mlatune.sweep import planning
 
     device = capability.device_for_arch(arch.value)
     if out:
@@ -689,7 +691,7 @@ def plan(
 
 def _print_plan(arch: str, device: DeviceInfo, path: Path, spec: SweepSpec,
                 rows: list[PlanRow], detail: bool) -> None:
-    from mlatune import planning
+    from mlatune.sweep import planning
 
     cus = f"{device.cu_count} CUs" if device.cu_count else "CU count unknown"
     console.print(f"plan for {arch} ({device.name}, {cus}): {len(spec.problems)} problems from "
@@ -758,7 +760,7 @@ def _check_outputs(*paths: Path, make_parents: bool = True) -> None:
     (OutputError's) and exit 1. ``make_parents``: the writer makes missing folders (a
     sweep, export, upgrade); otherwise the folder must exist (plan --out)."""
     from mlatune.errors import OutputError
-    from mlatune.outputs import check_writable_output
+    from mlatune.table.outputs import check_writable_output
 
     for path in paths:
         try:
@@ -819,7 +821,7 @@ def _grouped(rows, several_devices: bool):
 
 
 def _devices(frame: pd.DataFrame) -> list[Device]:
-    from mlatune.schema import DEVICE_COLUMNS
+    from mlatune.table.schema import DEVICE_COLUMNS
 
     found = frame[list(DEVICE_COLUMNS)].drop_duplicates()
     return sorted((str(a), str(n), int(c)) for a, n, c in found.itertuples(index=False))
@@ -1078,9 +1080,9 @@ def validate(
     every problem is reported at once."""
     with _one_line_errors(str(table_path)):
         if table_path.suffix.lower() == ".json":
-            from mlatune import winners
+            from mlatune.table import winners_map
 
-            document = winners.read(table_path).document
+            document = winners_map.read(table_path).document
             count = sum(len(d["winners"]) for d in document["devices"])
             devices = sorted({f"{d['arch']} {d['device_name']}" for d in document["devices"]})
             console.print(f"[green]ok[/]: {table_path}: winners map, {count} winners, "
@@ -1112,7 +1114,7 @@ def upgrade(
     """Rewrite a schema v1 table as the current schema: step kinds as the routes declare
     them, per-step costs not measured (empty), provenance converted_from "v1"."""
     from mlatune import table
-    from mlatune.schema import SCHEMA_VERSION
+    from mlatune.table.schema import SCHEMA_VERSION
 
     target = out or table_path
     if target.suffix.lower() not in (".parquet", ".csv"):

@@ -42,8 +42,8 @@ from typing import NoReturn
 
 import torch
 
+from mlatune.check.inputs import shard_lengths
 from mlatune.errors import DecodeArgumentError
-from mlatune.inputs import shard_lengths
 from mlatune.problem import DTYPES, FP8_DTYPES, MLAProblem, is_power_of_two
 
 __all__ = [

@@ -4,7 +4,7 @@ Every function has AITER's signature (parameter names, order and defaults, as
 the seed calls them and AITER's source declares them), so a wrong keyword is a
 TypeError. Each records its bound arguments, asserts the shapes, dtypes and
 flags the seed's calls use, and then computes what the kernel should: exact
-attention (mlatune.reference.attend) from the indices, lengths, scales and
+attention (mlatune.check.reference.attend) from the indices, lengths, scales and
 masks it is handed. An adapter that passes a wrong index, scale, flag or head
 layout therefore gets a wrong answer and fails the accuracy check. This proves
 plumbing, not kernels: nothing here says AITER's kernels are right or fast.
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from mlatune.reference import attend
+from mlatune.check.reference import attend
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 I32 = torch.int32

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from mlatune.inputs import DecodeInputs, KVShard
-from mlatune.reference import _gather_pages
+from mlatune.check.inputs import DecodeInputs, KVShard
+from mlatune.check.reference import _gather_pages
 
 
 def dense_kv(inputs: DecodeInputs) -> list[torch.Tensor]:

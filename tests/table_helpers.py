@@ -12,7 +12,7 @@ from mlatune import routes, table
 from mlatune.arch import DeviceInfo
 from mlatune.problem import MLAProblem
 from mlatune.routes import YES, no
-from mlatune.schema import SCHEMA_VERSION, Provenance, device_key
+from mlatune.table.schema import SCHEMA_VERSION, Provenance, device_key
 
 H200 = DeviceInfo("sm_90", "NVIDIA H200", "nvidia", 132, 141 * 2**30, 0)
 MI355 = DeviceInfo("gfx950", "AMD Instinct MI355X", "amd", 256, 288 * 2**30, 0)

@@ -2,7 +2,7 @@ import math
 
 import torch
 
-from mlatune.accuracy import compare, tolerance_for
+from mlatune.check.accuracy import compare, tolerance_for
 from mlatune.problem import DTYPES
 
 

@@ -1,6 +1,6 @@
 import time
 
-from mlatune import bench
+from mlatune.sweep import bench
 
 
 def test_summary_quantiles():

@@ -13,12 +13,14 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from mlatune import cli, outputs, runner, table
+from mlatune import cli, table
 from mlatune.cli import app
 from mlatune.errors import JournalError, OutputError, TableError
-from mlatune.journal import Journal, lock_path
 from mlatune.problem import MLAProblem
-from mlatune.spec import bundled_spec_path
+from mlatune.sweep import runner
+from mlatune.sweep.journal import Journal, lock_path
+from mlatune.sweep.spec import bundled_spec_path
+from mlatune.table import outputs
 from tests.table_helpers import MI355, make_table, result_row
 from tests.test_cli_tables import assert_one_line_error, coverage_spec, fakes, frame  # noqa: F401
 
@@ -287,14 +289,14 @@ def test_plan_out_never_writes_through_a_planted_temporary_name(tmp_path):
 # 4. doctor reads bundled tables as the dispatcher does ------------------------------
 
 def test_doctor_says_a_damaged_bundled_table_in_one_line(tmp_path, monkeypatch):
-    from mlatune import dispatch
+    from mlatune.dispatch import dispatcher
 
     (tmp_path / "sm_90-x.parquet").write_bytes(b"PAR1 damaged PAR1")
     odd = replace(MI355, name="=MI355X")  # a spreadsheet would call it a formula
     table.write(make_table([result_row(MLAProblem(), "reference/torch", 5.0, device=odd)]),
                 tmp_path / "gfx950-x.csv")
     assert "'=MI355X" in (tmp_path / "gfx950-x.csv").read_text()  # neutralised on disk
-    monkeypatch.setattr(dispatch, "bundled_tables_dir", lambda: tmp_path)
+    monkeypatch.setattr(dispatcher, "bundled_tables_dir", lambda: tmp_path)
     result = invoke("doctor", "--json")
     assert result.exit_code == 0, result.output
     document = json.loads(result.stdout)

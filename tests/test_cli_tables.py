@@ -8,7 +8,7 @@ from mlatune import routes, table
 from mlatune.cli import app
 from mlatune.dispatch import Dispatcher
 from mlatune.problem import MLAProblem
-from mlatune.schema import SCHEMA_VERSION
+from mlatune.table.schema import SCHEMA_VERSION
 from tests.table_helpers import (
     H200,
     FakeRoute,

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from mlatune import cli, routes, table
 from mlatune.cli import app
 from mlatune.dispatch import Dispatcher
-from mlatune.journal import read
+from mlatune.sweep.journal import read
 from tests.table_helpers import H200, MI355, FakeRoute, grid_rows, make_table
 from tests.test_cli_tables import BASE, TIMINGS, coverage_spec, fakes, frame, good  # noqa: F401
 
@@ -71,7 +71,7 @@ def test_resume_and_fresh_exclude_each_other_and_another_spec_is_refused(tmp_pat
 
 
 def test_fresh_leaves_a_journal_another_sweep_holds_alone(tmp_path):
-    from mlatune.journal import Journal
+    from mlatune.sweep.journal import Journal
 
     spec, out = tiny_spec(tmp_path), tmp_path / "t.parquet"
     journal = out.with_suffix(".journal.jsonl")
@@ -101,10 +101,10 @@ def test_the_bar_counts_candidates_that_run_and_the_summary_agrees(tmp_path):
 
 
 def test_the_observer_is_told_refusals_apart_from_the_candidates(tmp_path):
-    from mlatune import runner as sweeps
-    from mlatune import spec as specs
     from mlatune.arch import cpu_device
-    from mlatune.journal import Journal
+    from mlatune.sweep import runner as sweeps
+    from mlatune.sweep import spec as specs
+    from mlatune.sweep.journal import Journal
 
     seen = []
 

@@ -11,10 +11,11 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from mlatune import dispatch, routes, table
+from mlatune import routes, table
 from mlatune.dispatch import Choice, Dispatcher, TableError, find_table
+from mlatune.dispatch import dispatcher as dispatch_module
 from mlatune.problem import MLAProblem
-from mlatune.schema import KEY_COLUMNS, STATUSES
+from mlatune.table.schema import KEY_COLUMNS, STATUSES
 from tests.table_helpers import (
     H200,
     MI355,
@@ -301,7 +302,7 @@ def test_a_route_that_failed_at_the_exact_problem_is_not_taken_from_a_neighbour(
 @pytest.mark.parametrize("reference", [None, "timeout"])
 def test_a_problem_where_every_route_failed_falls_to_the_reference(tmp_path, fakes, reference):
     here = BUCKETS[0].with_(batch=64, kv_len=8192)
-    registry = dispatch.registered_routes()
+    registry = dispatch_module.registered_routes()
     failing = [r for r in sorted(registry) if r != "reference/torch"
                and registry[r].supports(here, H200).ok]
     assert "padded/triton" in failing and "fast-large/fake" in failing
@@ -409,8 +410,8 @@ def test_directories_and_bundled_tables_are_found_by_arch(tmp_path, monkeypatch,
     assert find_table(tmp_path, "sm_100") is None
     assert Dispatcher.load(tmp_path, device=MI355).table_device[0] == "gfx950"
 
-    monkeypatch.delenv(dispatch.TABLE_ENV, raising=False)
-    monkeypatch.setattr(dispatch, "bundled_tables_dir", lambda: tmp_path)
+    monkeypatch.delenv(dispatch_module.TABLE_ENV, raising=False)
+    monkeypatch.setattr(dispatch_module, "bundled_tables_dir", lambda: tmp_path)
     bundled = Dispatcher.from_bundled(H200)
     assert bundled.source.endswith("sm_90-h200.parquet")
     assert Dispatcher.from_bundled(MI355).source.endswith("gfx950.csv")
@@ -420,8 +421,8 @@ def test_directories_and_bundled_tables_are_found_by_arch(tmp_path, monkeypatch,
 
 def test_the_environment_variable_overrides_and_must_be_usable(tmp_path, monkeypatch, fakes):
     path = table.write(grid_frame(), tmp_path / "mine.parquet")
-    monkeypatch.setattr(dispatch, "bundled_tables_dir", lambda: None)
-    monkeypatch.setenv(dispatch.TABLE_ENV, str(path))
+    monkeypatch.setattr(dispatch_module, "bundled_tables_dir", lambda: None)
+    monkeypatch.setenv(dispatch_module.TABLE_ENV, str(path))
     assert Dispatcher.from_bundled(H200).source == str(path)
     path.write_bytes(path.read_bytes()[:100])
     with pytest.raises(TableError, match="not a readable Parquet"):
@@ -430,8 +431,8 @@ def test_the_environment_variable_overrides_and_must_be_usable(tmp_path, monkeyp
 
 def test_a_damaged_bundled_table_falls_back_to_rules(tmp_path, monkeypatch, caplog, fakes):
     (tmp_path / "sm_90.parquet").write_bytes(b"PAR1 damaged")
-    monkeypatch.delenv(dispatch.TABLE_ENV, raising=False)
-    monkeypatch.setattr(dispatch, "bundled_tables_dir", lambda: tmp_path)
+    monkeypatch.delenv(dispatch_module.TABLE_ENV, raising=False)
+    monkeypatch.setattr(dispatch_module, "bundled_tables_dir", lambda: tmp_path)
     with caplog.at_level(logging.WARNING, logger="mlatune"):
         dispatcher = Dispatcher.from_bundled(H200)
     assert dispatcher.source == "" and "bundled table unusable" in caplog.text

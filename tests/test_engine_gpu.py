@@ -13,11 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mlatune import attention, reference, routes, table
-from mlatune.accuracy import check
+from mlatune import attention, routes, table
 from mlatune.arch import current_device
+from mlatune.check import reference
+from mlatune.check.accuracy import check
+from mlatune.check.inputs import DecodeInputs, KVShard, make_decode_inputs, poison_, shard_lengths
 from mlatune.dispatch import Dispatcher
-from mlatune.inputs import DecodeInputs, KVShard, make_decode_inputs, poison_, shard_lengths
 from mlatune.problem import MLAProblem
 from tests.table_helpers import make_table, result_row
 

@@ -19,11 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from mlatune import dispatch, outputs, spec, table
+from mlatune import table
 from mlatune.dispatch import Dispatcher
+from mlatune.dispatch import dispatcher as dispatch_module
 from mlatune.errors import JournalError, OutputError, SpecError, TableError
-from mlatune.journal import Journal, lock_path, read
 from mlatune.problem import MLAProblem
+from mlatune.sweep import spec
+from mlatune.sweep.journal import Journal, lock_path, read
+from mlatune.table import outputs
 from tests.table_helpers import H200, make_table, reference_slow, result_row, small_batch_fast
 
 # Specs: size and budget -------------------------------------------------------------
@@ -380,8 +383,8 @@ def test_known_damage_is_a_table_error(tmp_path, clean_files, damage):
 @pytest.mark.parametrize("fmt", ["parquet", "csv", "json"])
 def test_a_damaged_bundled_table_never_fails_a_model_load(tmp_path, clean_files, monkeypatch,
                                                           caplog, fmt):
-    monkeypatch.delenv(dispatch.TABLE_ENV, raising=False)
-    monkeypatch.setattr(dispatch, "bundled_tables_dir", lambda: tmp_path)
+    monkeypatch.delenv(dispatch_module.TABLE_ENV, raising=False)
+    monkeypatch.setattr(dispatch_module, "bundled_tables_dir", lambda: tmp_path)
     rng = random.Random(1700)
     path = tmp_path / f"sm_90.{fmt}"
     clean = json.dumps(clean_files["json"]).encode() if fmt == "json" else clean_files[fmt]

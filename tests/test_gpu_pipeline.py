@@ -3,10 +3,11 @@
 import pytest
 import torch
 
-from mlatune import bench, routes
+from mlatune import routes
 from mlatune.arch import current_device
 from mlatune.problem import MLAProblem
-from mlatune.worker import _ProblemCache, evaluate
+from mlatune.sweep import bench
+from mlatune.sweep.worker import _ProblemCache, evaluate
 
 pytestmark = pytest.mark.gpu
 
@@ -69,8 +70,8 @@ def test_reference_route_end_to_end(cuda, problem):
 def test_a_sweep_on_the_gpu_compiles_ahead_and_times_from_graphs(cuda, tmp_path):
     """Compile-ahead workers, then the timed pass: every Triton candidate ok, timed from a
     CUDA graph, with the cost split journaled; the compile pass journals nothing."""
-    from mlatune import runner, spec
-    from mlatune.journal import Journal, read
+    from mlatune.sweep import runner, spec
+    from mlatune.sweep.journal import Journal, read
 
     s = spec.parse({"routes": ["padded/triton", "gluon/triton"], "max_params_per_route": 2,
                     "budget": {"min_reps": 5, "max_reps": 20, "max_seconds": 0.1},

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from mlatune.inputs import make_decode_inputs, make_prefill_inputs, poison_, shard_lengths
+from mlatune.check.inputs import make_decode_inputs, make_prefill_inputs, poison_, shard_lengths
 from mlatune.problem import MLAProblem
 
 

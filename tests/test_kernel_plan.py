@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlatune.inputs import shard_lengths
+from mlatune.check.inputs import shard_lengths
 from mlatune.kernels import plan as plan_module
 from mlatune.kernels.plan import (
     ITEM_OVERHEAD_TILES,

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from mlatune import routes
 from mlatune.arch import current_device
 from mlatune.cli import app
-from mlatune.spec import bundled_spec_path
+from mlatune.sweep.spec import bundled_spec_path
 
 runner = CliRunner()
 
@@ -124,9 +124,10 @@ def test_sweep_for_an_arch_that_is_not_here_points_to_plan():
 def test_plan_agrees_with_every_route_it_can_ask_without_the_target():
     """mlatune plan's verdict is the route's own where asking needs no installed AITER (it
     called gluon/triton viable at 128 heads and bf16-ps/triton viable for decode)."""
-    from mlatune import planning, routes
+    from mlatune import routes
     from mlatune.dispatch import device_for_arch
-    from mlatune.spec import load
+    from mlatune.sweep import planning
+    from mlatune.sweep.spec import load
 
     device = device_for_arch("sm_90", "NVIDIA H200", 132)
     problems = load(Path(__file__).parent.parent / "sweeps" / "h200-traffic.toml").problems[::7]

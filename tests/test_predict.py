@@ -1,4 +1,4 @@
-"""mlatune.predict on synthetic tables whose times follow known laws, and the
+"""mlatune.dispatch.predict on synthetic tables whose times follow known laws, and the
 leave-one-out harness of benchmarks/predict_loo.py."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from mlatune.dispatch import device_for_arch
-from mlatune.predict import LOST_PENALTY, Predictor, Row, rows_from_journal
+from mlatune.dispatch.predict import LOST_PENALTY, Predictor, Row, rows_from_journal
 from mlatune.problem import MLAProblem
 from mlatune.routes import YES
 from mlatune.routes.triton_decode import PaddedTritonRoute

@@ -16,10 +16,11 @@ import pytest
 import torch
 import triton
 
-from mlatune import reference, routes
-from mlatune.accuracy import check
+from mlatune import routes
 from mlatune.arch import DeviceInfo, cpu_device
-from mlatune.inputs import make_prefill_inputs, poison_
+from mlatune.check import reference
+from mlatune.check.accuracy import check
+from mlatune.check.inputs import make_prefill_inputs, poison_
 from mlatune.kernels.prefill_plan import plan_work, split_head_dim
 from mlatune.problem import DTYPES, MLAProblem
 from mlatune.routes.prefill_triton import TILE_Q

@@ -11,10 +11,11 @@ import zlib
 import pytest
 import torch
 
-from mlatune import reference, routes
-from mlatune.accuracy import check
+from mlatune import routes
 from mlatune.arch import DeviceInfo, current_device
-from mlatune.inputs import make_prefill_inputs, poison_
+from mlatune.check import reference
+from mlatune.check.accuracy import check
+from mlatune.check.inputs import make_prefill_inputs, poison_
 from mlatune.problem import MLAProblem
 from mlatune.routes.base import Prepared
 

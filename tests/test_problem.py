@@ -104,7 +104,7 @@ def test_work_counts():
 
 
 def test_schema_key_types_cover_the_key():
-    from mlatune.schema import COLUMNS, KEY_COLUMNS, KEY_TYPES, ROW_KEY
+    from mlatune.table.schema import COLUMNS, KEY_COLUMNS, KEY_TYPES, ROW_KEY
 
     assert tuple(KEY_TYPES) == KEY_COLUMNS
     assert set(ROW_KEY) <= set(COLUMNS) and len(set(COLUMNS)) == len(COLUMNS)

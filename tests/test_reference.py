@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mlatune import reference
-from mlatune.inputs import DecodeInputs, KVShard, make_decode_inputs, make_prefill_inputs
+from mlatune.check import reference
+from mlatune.check.inputs import DecodeInputs, KVShard, make_decode_inputs, make_prefill_inputs
 from mlatune.problem import MLAProblem
 from tests.helpers import dense_kv, paged, unsharded
 

@@ -21,8 +21,8 @@ from typer.testing import CliRunner
 from mlatune import report, routes, table
 from mlatune.cli import app
 from mlatune.problem import MLAProblem
-from mlatune.spec import load as load_spec
-from mlatune.spec import tomllib  # tomli before Python 3.11
+from mlatune.sweep.spec import load as load_spec
+from mlatune.sweep.spec import tomllib  # tomli before Python 3.11
 from tests.table_helpers import H200, MI355, FakeRoute, make_table, result_row
 from tests.test_cli_tables import assert_one_line_error
 
@@ -308,7 +308,7 @@ def test_missing_matplotlib_is_one_red_line(main_table, tmp_path, monkeypatch):
 
 def test_mlatune_imports_without_matplotlib():
     code = ("import sys; sys.modules['matplotlib'] = None\n"
-            "import mlatune.cli, mlatune.dispatch, mlatune.report, mlatune.table\n"
+            "import mlatune.cli, mlatune.dispatch, mlatune.report, mlatune.table.frame\n"
             "print('ok')")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                           text=True, timeout=120)

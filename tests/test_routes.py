@@ -1,10 +1,11 @@
 import pytest
 import torch
 
-from mlatune import reference, routes
-from mlatune.accuracy import check
+from mlatune import routes
 from mlatune.arch import cpu_device
-from mlatune.inputs import make_inputs, poison_
+from mlatune.check import reference
+from mlatune.check.accuracy import check
+from mlatune.check.inputs import make_inputs, poison_
 from mlatune.problem import MLAProblem
 from mlatune.routes import YES, Route, no
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from mlatune import compile_ahead, runner, spec
 from mlatune.arch import cpu_device
-from mlatune.journal import Journal, JournalError, read
+from mlatune.sweep import compile_ahead, runner, spec
+from mlatune.sweep.journal import Journal, JournalError, read
 
 ROOT = Path(__file__).resolve().parent.parent
 FAULTS = ["fault-abort/test", "fault-hang/test", "fault-wrong/test", "fault-raise/test"]
@@ -348,7 +348,7 @@ def test_evaluate_checks_ragged_and_dcp_merge_in_process():
     import torch
 
     from mlatune.problem import MLAProblem
-    from mlatune.worker import _ProblemCache, evaluate
+    from mlatune.sweep.worker import _ProblemCache, evaluate
 
     problem = MLAProblem(num_heads=2, qlen=2, batch=3, kv_len=30, page_size=4,
                          q_dtype="fp16", kv_dtype="fp16", dcp_size=2)

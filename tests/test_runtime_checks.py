@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mlatune import errors
-from mlatune.inputs import make_decode_inputs, shard_lengths
+from mlatune.check.inputs import make_decode_inputs, shard_lengths
 from mlatune.problem import MLAProblem
 from mlatune.runtime_checks import (
     DecodeArgumentError,

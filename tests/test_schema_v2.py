@@ -10,11 +10,12 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from mlatune import dispatch, table, winners
+from mlatune import table
 from mlatune.cli import app
-from mlatune.dispatch import Dispatcher
+from mlatune.dispatch import Dispatcher, dispatcher
 from mlatune.problem import MLAProblem
-from mlatune.schema import (
+from mlatune.table import winners_map
+from mlatune.table.schema import (
     COLUMNS,
     PROVENANCE_TYPES,
     SCHEMA_VERSION,
@@ -125,13 +126,13 @@ def test_the_shipped_v1_table_loads_as_before(monkeypatch):
     assert frame.loc[padded, "capturable"].all()
     assert (frame.loc[frame["route"].str.endswith("/aiter"), "plan_on"] == "host").all()
 
-    monkeypatch.delenv(dispatch.TABLE_ENV, raising=False)
+    monkeypatch.delenv(dispatcher.TABLE_ENV, raising=False)
     bundled = Dispatcher.from_bundled(H200)
     assert bundled.source.endswith("sm_90-h200.parquet")
     assert bundled.provenance[0]["converted_from"] == "v1"
     won = table.winners(frame)
     won = won[won["route"] == "padded/triton"].iloc[[0]]
-    choice = bundled.select(winners.problem_of(table.key_strings(won)[0]))
+    choice = bundled.select(winners_map.problem_of(table.key_strings(won)[0]))
     assert (choice.source, choice.route_id) == ("table", "padded/triton")
     assert choice.time_us == won["time_us"].iloc[0]
 
@@ -247,7 +248,7 @@ def test_the_json_map_carries_the_step_fields_per_option(tmp_path):
         ("padded/triton", "device", True), ("sdpa/torch", "host", False)}
     unmeasured = table.winners_json(v2_table())  # NaN costs are null, never NaN
     path = table.write_json(unmeasured, tmp_path / "sm_90.json")
-    first = next(iter(winners.read(path).document["devices"][0]["winners"].values()))
+    first = next(iter(winners_map.read(path).document["devices"][0]["winners"].values()))
     assert all(first[c] is None for c in STEP_COST_COLUMNS)
 
 
@@ -261,7 +262,7 @@ def test_a_v1_json_map_is_upgraded_as_it_is_read(tmp_path):
                 for name in STEP_COLUMNS:
                     del option[name]
     path = table.write_json(document, tmp_path / "sm_90.json")
-    read = winners.read(path).document
+    read = winners_map.read(path).document
     assert read["schema_version"] == SCHEMA_VERSION
     assert read["devices"][0]["provenance"][0]["converted_from"] == "v1"
     options = {(o["route"], json.dumps(o["params"], sort_keys=True)): o
@@ -275,15 +276,15 @@ def test_a_v1_json_map_is_upgraded_as_it_is_read(tmp_path):
 
 def test_a_v2_json_map_with_a_bad_step_is_refused(tmp_path):
     document = table.winners_json(v2_table())
-    assert winners.problems(document) == []
+    assert winners_map.problems(document) == []
     winner = next(iter(document["devices"][0]["winners"].values()))
     for damage in ({"plan_on": "host", "capturable": True}, {"plan_on": "gpu"},
                    {"plan_us": -1.0}, {"capturable": "yes"}):
         broken = json.loads(json.dumps(document))
         next(iter(broken["devices"][0]["winners"].values())).update(damage)
-        assert winners.problems(broken), damage
+        assert winners_map.problems(broken), damage
     del winner["launch_host_us"]
-    assert winners.problems(document)
+    assert winners_map.problems(document)
 
 
 def test_a_converted_table_merges_with_a_measured_one_of_the_same_environment(tmp_path):
@@ -327,7 +328,7 @@ def test_the_json_map_keeps_every_failure(tmp_path, winners_only):
     assert h200["all_failed"] == {DECODE.with_(batch=8).key: {
         "rejected_accuracy": ["padded/triton"], "unsupported": ["reference/torch"]}}
     path = table.write_json(document, tmp_path / "sm_90.json")
-    assert winners.read(path).document == document
+    assert winners_map.read(path).document == document
     loaded = Dispatcher.load(path, device=H200)
     assert loaded._failed[DECODE.key] == (("gluon/triton", "timeout"), ("sdpa/torch", "crashed"),
                                           ("segmented/triton", "timeout"))
@@ -357,7 +358,7 @@ def test_a_map_written_before_failures_were_kept_still_loads(tmp_path):
 def test_a_map_with_a_bad_failure_is_refused(damage):
     document = table.winners_json(failing_table())
     document["devices"][1]["winners"][DECODE.key].update(damage)
-    assert winners.problems(document), damage
+    assert winners_map.problems(document), damage
 
 
 @pytest.mark.parametrize("damage", [
@@ -369,4 +370,4 @@ def test_a_map_with_a_bad_failure_is_refused(damage):
 def test_a_map_with_a_bad_all_failed_is_refused(damage):
     document = table.winners_json(failing_table())
     damage(document["devices"][1])
-    assert any("all_failed" in p for p in winners.problems(document))
+    assert any("all_failed" in p for p in winners_map.problems(document))

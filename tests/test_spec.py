@@ -1,7 +1,7 @@
 import pytest
 
-from mlatune import spec
-from mlatune.spec import SpecError
+from mlatune.sweep import spec
+from mlatune.sweep.spec import SpecError
 
 
 def write(tmp_path, text):

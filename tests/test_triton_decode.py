@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from mlatune import reference, routes
-from mlatune.accuracy import check
+from mlatune import routes
 from mlatune.arch import DeviceInfo, cpu_device
-from mlatune.inputs import make_decode_inputs, poison_
+from mlatune.check import reference
+from mlatune.check.accuracy import check
+from mlatune.check.inputs import make_decode_inputs, poison_
 from mlatune.problem import MLAProblem
 from mlatune.routes.triton_decode import row_padding
 

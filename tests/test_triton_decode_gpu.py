@@ -16,10 +16,11 @@ import zlib
 import pytest
 import torch
 
-from mlatune import reference, routes
-from mlatune.accuracy import check
+from mlatune import routes
 from mlatune.arch import current_device
-from mlatune.inputs import make_decode_inputs, poison_
+from mlatune.check import reference
+from mlatune.check.accuracy import check
+from mlatune.check.inputs import make_decode_inputs, poison_
 from mlatune.problem import MLAProblem
 
 pytestmark = pytest.mark.gpu

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mlatune.inputs import shard_lengths
+from mlatune.check.inputs import shard_lengths
 from mlatune.kernels.attend import LOG2E, attend_keys, load_q_rows, qk_scale_and_v_scale
 from mlatune.kernels.split_kv import TileConfig
 

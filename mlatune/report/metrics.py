@@ -20,10 +20,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mlatune import journal, routes, table
+from mlatune import routes, table
 from mlatune.dispatch import Dispatcher, device_for_arch
 from mlatune.problem import FP8_DTYPES, MLAProblem
-from mlatune.schema import DEVICE_COLUMNS, KEY_COLUMNS
+from mlatune.sweep import journal
+from mlatune.table.schema import DEVICE_COLUMNS, KEY_COLUMNS
 
 
 class ReportError(ValueError):

@@ -25,7 +25,7 @@ import torch
 from mlatune import capability
 from mlatune.arch import DeviceInfo
 from mlatune.capability import HeadPlan, tables
-from mlatune.inputs import DecodeInputs, KVShard, PrefillInputs, shard_lengths
+from mlatune.check.inputs import DecodeInputs, KVShard, PrefillInputs, shard_lengths
 from mlatune.problem import DTYPES, FP8_DTYPES, MLAProblem
 from mlatune.routes.aiter_probe import load, probe
 from mlatune.routes.base import HOST_PLANNED, Params, Prepared, StepKind, Verdict, no

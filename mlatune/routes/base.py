@@ -29,7 +29,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import torch
 
 from mlatune.arch import DeviceInfo
-from mlatune.inputs import DecodeInputs, PrefillInputs
+from mlatune.check.inputs import DecodeInputs, PrefillInputs
 from mlatune.problem import MLAProblem
 
 Params = dict[str, Any]

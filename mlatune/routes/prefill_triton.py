@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from mlatune.arch import DeviceInfo, device_of
-from mlatune.inputs import DecodeInputs, PrefillInputs
+from mlatune.check.inputs import DecodeInputs, PrefillInputs
 from mlatune.kernels.prefill_plan import split_head_dim
 from mlatune.problem import DTYPES, FP8_DTYPES, MLAProblem
 from mlatune.routes.base import HOST_PLANNED, YES, Params, Prepared, StepKind, Verdict, no

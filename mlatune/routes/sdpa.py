@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mlatune.arch import DeviceInfo
-from mlatune.inputs import DecodeInputs, PrefillInputs
+from mlatune.check.inputs import DecodeInputs, PrefillInputs
 from mlatune.problem import FP8_DTYPES, MLAProblem
 from mlatune.routes.base import HOST_PLANNED, YES, Params, Prepared, StepKind, Verdict, no
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from mlatune import reference
 from mlatune.arch import DeviceInfo
-from mlatune.inputs import DecodeInputs, PrefillInputs
+from mlatune.check import reference
+from mlatune.check.inputs import DecodeInputs, PrefillInputs
 from mlatune.problem import DTYPES, MLAProblem
 from mlatune.routes.base import YES, Params, Prepared, StepKind, Verdict
 

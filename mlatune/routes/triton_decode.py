@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from mlatune.arch import DeviceInfo, device_of
-from mlatune.inputs import DecodeInputs, PrefillInputs
+from mlatune.check.inputs import DecodeInputs, PrefillInputs
 from mlatune.problem import DTYPES, MLAProblem, is_power_of_two, next_power_of_two
 from mlatune.routes.base import LAUNCH_ONLY, YES, Params, Prepared, StepKind, Verdict, no
 from mlatune.routes.triton_support import triton_verdict

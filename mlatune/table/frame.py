@@ -26,7 +26,7 @@ because timings taken under different torch or driver versions do not rank
 against each other.
 
 A schema v1 table is upgraded as it is read (``upgrade``; what that fills in
-is in ``mlatune.schema``), so the rest of mlatune sees only v2; a table newer
+is in ``mlatune.table.schema``), so the rest of mlatune sees only v2; a table newer
 than this mlatune is refused. ``read_versioned`` also says which version the
 file held (``mlatune upgrade`` writes a v1 table back as v2).
 """
@@ -48,11 +48,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from mlatune import winners as winners_map
 from mlatune.errors import TableError
-from mlatune.outputs import FORMULA_STARTS, atomic_write
 from mlatune.problem import BUCKET_FIELDS, KEY_FIELDS, MLAProblem
-from mlatune.schema import (
+from mlatune.table import winners_map
+from mlatune.table.outputs import FORMULA_STARTS, atomic_write
+from mlatune.table.schema import (
     COLUMN_TYPES,
     COLUMNS,
     DEVICE_COLUMNS,
@@ -157,7 +157,7 @@ def _fill_step_kinds(frame: pd.DataFrame) -> pd.DataFrame:
 
 def upgrade(frame: pd.DataFrame) -> pd.DataFrame:
     """A schema v1 table as v2: step kinds declared by the routes, costs NaN, provenance
-    ``schema_version`` 2 and ``converted_from`` "v1" (see mlatune.schema)."""
+    ``schema_version`` 2 and ``converted_from`` "v1" (see mlatune.table.schema)."""
     out = frame.copy()
     out["plan_on"], out["capturable"] = _declared_step_kinds(out)
     for name in STEP_COST_COLUMNS:
@@ -727,10 +727,10 @@ def diff(a: pd.DataFrame, b: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, int]
     return changed.reset_index(drop=True), counts
 
 
-# JSON winners map (format in mlatune.winners) ----------------------------------
+# JSON winners map (format in mlatune.table.winners_map) ------------------------
 
 def winners_json(frame: pd.DataFrame, winners_only: bool = False) -> dict[str, Any]:
-    """The winners map of a valid table (see mlatune.winners for the format): per device
+    """The winners map of a valid table (see mlatune.table.winners_map for the format): per device
     each key's ok routes and, kept even with ``winners_only``, the routes that failed."""
     frame = frame.sort_values([*KEY_COLUMNS, "rank", "route"], kind="stable")
     devices = []

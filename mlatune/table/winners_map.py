@@ -19,7 +19,7 @@ Written by ``mlatune export --format json`` (``table.winners_json``), read by
 A key is ``field=value`` pairs joined by ``|`` in ``key_fields`` order (bools
 as 1/0). ``alternatives`` (absent with ``--winners-only``) lists the other ok
 routes of the key, fastest first. ``schema_version`` is the table schema's:
-each option carries the table's columns of the same names (mlatune.schema), a
+each option carries the table's columns of the same names (mlatune.table.schema), a
 cost not measured as null. A schema v1 map (options without the step fields)
 is upgraded as it is read, as a v1 table is: step kinds declared by the
 routes, costs null, ``converted_from`` "v1" in each provenance record.
@@ -47,7 +47,7 @@ from typing import Any
 
 from mlatune.errors import TableError
 from mlatune.problem import KEY_FIELDS, MLAProblem
-from mlatune.schema import (
+from mlatune.table.schema import (
     SCHEMA_VERSION,
     STATUSES,
     STEP_COST_COLUMNS,

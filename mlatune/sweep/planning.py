@@ -11,11 +11,12 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlatune import capability, outputs, routes
+from mlatune import capability, routes
 from mlatune.arch import DeviceInfo
 from mlatune.problem import BUCKET_FIELDS, KEY_FIELDS, MLAProblem
 from mlatune.routes.aiter import gluon_forced
-from mlatune.spec import SweepSpec
+from mlatune.sweep.spec import SweepSpec
+from mlatune.table import outputs
 
 
 @dataclass(frozen=True)

@@ -26,13 +26,14 @@ from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import wait
 from typing import Any, Protocol
 
-from mlatune import compile_ahead, routes, worker
+from mlatune import routes
 from mlatune.arch import DeviceInfo
-from mlatune.journal import Journal
 from mlatune.problem import MLAProblem
 from mlatune.routes.torch_ref import REFERENCE_ID as REFERENCE
-from mlatune.schema import device_key
-from mlatune.spec import SweepSpec
+from mlatune.sweep import compile_ahead, worker
+from mlatune.sweep.journal import Journal
+from mlatune.sweep.spec import SweepSpec
+from mlatune.table.schema import device_key
 
 log = logging.getLogger(__name__)
 

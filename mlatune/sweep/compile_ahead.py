@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from mlatune.problem import MLAProblem
 
 if TYPE_CHECKING:
-    from mlatune.runner import Candidate
+    from mlatune.sweep.runner import Candidate
 
 
 def default_workers(gpus: int) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from mlatune import reference
+from mlatune.check import reference
 
 
 def merge_ranks_into(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor,

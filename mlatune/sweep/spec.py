@@ -51,9 +51,9 @@ from dataclasses import dataclass, fields
 from importlib import resources
 from pathlib import Path
 
-from mlatune.bench import Budget
 from mlatune.errors import SpecError
 from mlatune.problem import MLAProblem, problem_field_names
+from mlatune.sweep.bench import Budget
 
 if sys.version_info >= (3, 11):
     import tomllib

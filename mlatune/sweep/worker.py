@@ -21,12 +21,14 @@ from typing import Any
 
 import torch
 
-from mlatune import bench, reference, routes
-from mlatune.accuracy import check
-from mlatune.inputs import DecodeInputs, PrefillInputs, make_inputs, poison_
-from mlatune.merge import merge_ranks_into
+from mlatune import routes
+from mlatune.check import reference
+from mlatune.check.accuracy import check
+from mlatune.check.inputs import DecodeInputs, PrefillInputs, make_inputs, poison_
 from mlatune.problem import MLAProblem
 from mlatune.routes import Prepared, Route
+from mlatune.sweep import bench
+from mlatune.sweep.merge import merge_ranks_into
 
 _RAGGED_SEED_OFFSET = 7919
 

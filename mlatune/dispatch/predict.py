@@ -277,9 +277,9 @@ def rows_from_journal(path: str | Path, capturable: bool = False) -> list[Row]:
     it (``dispatch.step_cost``; plan costs a journal lacks count as 0); with
     ``capturable`` only steps a CUDA graph replays. A record without its step kind gets
     the one its route declares, as a table's row does."""
-    from mlatune import journal
     from mlatune.dispatch import step_cost  # lazily: the dispatcher may import this module
-    from mlatune.schema import declared_step_kind
+    from mlatune.sweep import journal
+    from mlatune.table.schema import declared_step_kind
 
     rows = []
     for r in journal.read(Path(path))[1]:

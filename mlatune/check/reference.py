@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from mlatune.inputs import DecodeInputs, KVShard, PrefillInputs
+from mlatune.check.inputs import DecodeInputs, KVShard, PrefillInputs
 
 
 def attend(

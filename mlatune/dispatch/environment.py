@@ -1,7 +1,7 @@
 """Whether a table was measured in the environment that loads it.
 
 A table's timings hold for the GPU, driver and libraries they were measured with
-(its provenance, ``mlatune.schema.Provenance``); under another torch, Triton or
+(its provenance, ``mlatune.table.schema.Provenance``); under another torch, Triton or
 driver the fastest route may change. ``Dispatcher.load`` compares the table's
 provenance with the running environment (``differences``) and, as FlashInfer's
 autotuner does, logs a warning on the ``mlatune`` logger naming what differs

@@ -36,7 +36,7 @@ point, or the rule. ``skipped_routes`` counts them so tools can warn.
 
 A table measured under another GPU, driver or library versions than this process
 runs is used all the same, with one warning (``environment_differences``,
-``mlatune.environment``).
+``mlatune.dispatch.environment``).
 """
 
 from __future__ import annotations
@@ -57,13 +57,13 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from mlatune import environment
-from mlatune import winners as winners_map
 from mlatune.arch import CPU_ARCH, DeviceInfo, current_device
+from mlatune.dispatch import environment
 from mlatune.errors import TableError
 from mlatune.problem import BUCKET_FIELDS, MLAProblem
 from mlatune.routes import Route, all_routes, params_at, step_kind_of
 from mlatune.routes.torch_ref import REFERENCE_ID as REFERENCE_ROUTE
+from mlatune.table import winners_map
 
 __all__ = ["Choice", "Dispatcher", "TableError", "device_for_arch", "find_table"]
 
@@ -240,7 +240,7 @@ class Dispatcher:
         snapshot they were filtered with); ``skipped_routes`` counts the rows dropped;
         ``failed`` holds, per measured key, the routes whose row there is not ok;
         ``environment_differences`` what differs between where the table was measured and
-        here (``mlatune.environment``)."""
+        here (``mlatune.dispatch.environment``)."""
         self.device = device
         self.capturable = capturable
         # A number that names this dispatcher where only numbers pass (the custom op).
@@ -455,7 +455,7 @@ class Dispatcher:
         than this process runs is loaded all the same, with one warning on the
         ``mlatune`` logger per table file and set of differences in a process (a
         repeated load or ``from_bundled()`` does not warn again); the differences are
-        in ``environment_differences`` (``mlatune.environment``: what is compared,
+        in ``environment_differences`` (``mlatune.dispatch.environment``: what is compared,
         and when nothing is).
         """
         device = device or current_device()

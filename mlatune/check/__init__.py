@@ -1,0 +1,1 @@
+"""Checking a result: seeded inputs, the torch reference, and the accuracy verdict."""

@@ -1,0 +1,1 @@
+"""The sweep: specs, the runner and its worker processes, timing, the journal, plans."""
