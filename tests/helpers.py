@@ -4,8 +4,21 @@ from __future__ import annotations
 
 import torch
 
-from mlatune.check.inputs import DecodeInputs, KVShard
+from mlatune.check import reference
+from mlatune.check.inputs import DecodeInputs, KVShard, shard_lengths
 from mlatune.check.reference import _gather_pages
+
+
+def expected_now(inputs: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 reference for the lengths ``inputs.seq_lens`` holds now (each rank's
+    shard lengths derived again), with the inputs' softmax scale: what a step that read
+    lengths rewritten in place must match."""
+    p = inputs.problem
+    shards = tuple(KVShard(s.rank, s.kv_cache, s.block_table,
+                           shard_lengths(inputs.seq_lens, s.rank, p.dcp_size))
+                   for s in inputs.shards)
+    return reference.run(DecodeInputs(p, inputs.q, inputs.q_scale, inputs.kv_scale,
+                                      inputs.seq_lens, shards, inputs.sm_scale), torch.float64)
 
 
 def dense_kv(inputs: DecodeInputs) -> list[torch.Tensor]:

@@ -8,6 +8,7 @@ from mlatune.check.accuracy import check
 from mlatune.check.inputs import DecodeInputs, KVShard, make_decode_inputs, poison_, shard_lengths
 from mlatune.dispatch import Dispatcher
 from mlatune.problem import MLAProblem
+from tests.helpers import expected_now
 from tests.table_helpers import FakeRoute, make_table, result_row
 
 PROBLEMS = [
@@ -136,19 +137,9 @@ def forced(problem: MLAProblem, route_id: str, params: dict, tmp_path) -> Dispat
                            device=cpu_device())
 
 
-def expected(inputs: DecodeInputs):
-    """The reference for the lengths ``inputs.seq_lens`` holds now (shards re-derived)."""
-    p = inputs.problem
-    shards = tuple(KVShard(s.rank, s.kv_cache, s.block_table,
-                           shard_lengths(inputs.seq_lens, s.rank, p.dcp_size))
-                   for s in inputs.shards)
-    return reference.run(DecodeInputs(p, inputs.q, inputs.q_scale, inputs.kv_scale,
-                                      inputs.seq_lens, shards), torch.float64)
-
-
 def assert_matches_reference(inputs: DecodeInputs, dispatcher, **overrides):
     out, lse = run_ranks(inputs, dispatcher, **overrides)
-    want_out, want_lse = expected(inputs)
+    want_out, want_lse = expected_now(inputs)
     accuracy = check(inputs.problem, out, want_out, lse, want_lse)
     assert accuracy.ok, accuracy.reason
 
@@ -371,7 +362,7 @@ def test_a_prepared_step_follows_the_tensors_it_was_made_for(tmp_path):
         inputs.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         outs, lses = zip(*(step() for step in steps), strict=True)
         out, lse = reference.merge_partials([o.float() for o in outs], list(lses))
-        want_out, want_lse = expected(inputs)
+        want_out, want_lse = expected_now(inputs)
         assert check(problem, out, want_out, lse, want_lse).ok, lens
     assert not attention.plans_of(dispatcher)  # nothing cached: the caller holds the steps
 

@@ -17,9 +17,10 @@ from mlatune import attention, routes, table
 from mlatune.arch import current_device
 from mlatune.check import reference
 from mlatune.check.accuracy import check
-from mlatune.check.inputs import DecodeInputs, KVShard, make_decode_inputs, poison_, shard_lengths
+from mlatune.check.inputs import DecodeInputs, make_decode_inputs, poison_
 from mlatune.dispatch import Dispatcher
 from mlatune.problem import MLAProblem
+from tests.helpers import expected_now
 from tests.table_helpers import make_table, result_row
 
 pytestmark = pytest.mark.gpu
@@ -61,15 +62,6 @@ def _forced(problem: MLAProblem, route_id: str, params: dict, tmp_path) -> Dispa
             result_row(problem, "reference/torch", 9.0, device=device)]
     return Dispatcher.load(table.write(make_table(rows), tmp_path / "gpu.parquet"),
                            device=device)
-
-
-def _expected(inputs: DecodeInputs):
-    p = inputs.problem
-    shards = tuple(KVShard(s.rank, s.kv_cache, s.block_table,
-                           shard_lengths(inputs.seq_lens, s.rank, p.dcp_size))
-                   for s in inputs.shards)
-    return reference.run(DecodeInputs(p, inputs.q, inputs.q_scale, inputs.kv_scale,
-                                      inputs.seq_lens, shards, inputs.sm_scale), torch.float64)
 
 
 def _next_steps(problem: MLAProblem, gen: torch.Generator) -> list[torch.Tensor]:
@@ -126,7 +118,7 @@ def test_a_captured_step_replays_with_new_lengths(route_id, persistent, problem,
             out, lse = outs[0], lses[0]
         scaled = DecodeInputs(problem, inputs.q, inputs.q_scale, inputs.kv_scale,
                               inputs.seq_lens, inputs.shards, sm_scale=scale)
-        want_out, want_lse = _expected(scaled)
+        want_out, want_lse = expected_now(scaled)
         accuracy = check(problem, out, want_out, lse, want_lse)
         assert accuracy.ok, f"replay {n}: {accuracy.reason}"
 
@@ -151,7 +143,7 @@ def test_eager_calls_replay_a_private_graph_with_new_lengths(route_id, persisten
             outs.append(out.float().clone())
             lses.append(lse.clone())
         out, lse = reference.merge_partials(outs, lses) if len(outs) > 1 else (outs[0], lses[0])
-        want_out, want_lse = _expected(inputs)
+        want_out, want_lse = expected_now(inputs)
         accuracy = check(problem, out, want_out, lse, want_lse)
         assert accuracy.ok, f"call {n}: {accuracy.reason}"
         graphs = [p.graph is not None for p in attention.plans_of(dispatcher).values()]
