@@ -3,7 +3,7 @@
 Output: rich tables on a terminal; piped or in CI, the same lines unwrapped and uncut,
 so a log or a grep sees whole paths, route ids and numbers.
 
-``--json`` (show, lookup, coverage, diff, plan, doctor) prints one JSON document on
+``--json`` (show, lookup, coverage, diff, plan, merge, doctor) prints one JSON document on
 stdout and nothing else there (notes and errors go to stderr; the exit status is the
 same as without it). Every document is an object with ``"schema": "mlatune.<command>"``
 and ``"version": 1`` (JSON_VERSION: raised only when a field changes meaning or goes
@@ -30,6 +30,11 @@ not measured. The rest, per command:
   null}], ``groups``: problems differing only in batch and kv_len with the same
   verdicts, [{"problem" (bucket fields), "batches", "kv_lens", "viable": [route],
   "refused": {route: reason}}].
+- merge: ``out``, ``rows``, ``problems`` and ``devices`` of the joined table,
+  ``spec_sha256`` (the specs joined, sorted), ``tables``: every input as {"path",
+  "rows", "problems", "devices", "spec_sha256" (list), "shard" ("I/N" from the journal
+  beside it, or null)}; ``missing_shards``: per sharded sweep with shares not given,
+  {"spec_sha256", "count", "missing": [I]}.
 - doctor: ``libraries`` ({name: version or null}), ``gpu_driver``, ``gpus``
   ([{"index", "arch", "name", "cu_count", "memory_bytes"}]), ``dispatch_table``
   ({"path", "error"}: what the dispatcher loads here), ``bundled_tables``: per arch,
@@ -40,7 +45,7 @@ Exit status: 0 ok; 1 a check failed (coverage --require unmet, diff of tables th
 no device) or an error (one red line on stderr); 2 a usage error typer refuses.
 
 Every file a command writes (sweep: the table, its .csv and the journal; export, upgrade,
-plan --out; report --out's folder) is checked before any work: a directory in the way, a
+merge, plan --out; report --out's folder) is checked before any work: a directory in the way, a
 parent that is not a writable directory or a read-only file system is refused at once
 (exit 1), not after an hour of sweeping. Every error of mlatune.errors (SpecError,
 JournalError, TableError, OutputError) ends as one line and exit 1, never a traceback.
@@ -441,11 +446,18 @@ def sweep(
                     "the spare CPU cores, at most 8; 0: none).")] = None,
     routes: Annotated[str | None, typer.Option(
         help="Comma-separated route ids (default: every viable).")] = None,
+    shard: Annotated[str | None, typer.Option(
+        metavar="I/N",
+        help="Run share I of N (0 <= I < N, as SLURM_ARRAY_TASK_ID under --array=0-(N-1)): "
+             "the problems whose key hashes to I mod N. One share per machine, then "
+             "`mlatune merge` joins the tables. Default --out: "
+             "runs/<spec>-<arch>.shard-I-of-N.parquet")] = None,
 ) -> None:
     """Measure every viable route for each problem of a spec and write a dispatch table.
 
     A rerun continues where the last one stopped (a kill or Ctrl-C loses only what was in
-    flight); --fresh starts over. It prints which it did.
+    flight); --fresh starts over. It prints which it did. With --shard I/N only one share
+    of the spec's problems runs; `mlatune merge OUT TABLE...` joins the shares' tables.
     """
     import time
 
@@ -464,6 +476,12 @@ def sweep(
     if resume and fresh:
         raise typer.BadParameter("--resume and --fresh exclude each other",
                                  param_hint="'--fresh'")
+    share = None
+    if shard is not None:
+        try:
+            share = runner.Shard.parse(shard)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="'--shard'") from None
     device = current_device()
     if arch is not None and arch.value != device.arch:
         _fail(f"--arch {arch.value} but this machine's device is {device.arch} ({device.name}). "
@@ -474,7 +492,9 @@ def sweep(
     path, spec = _load_spec(spec_name, gpu=device.is_gpu)
     only = [r.strip() for r in routes.split(",") if r.strip()] if routes else None
     _check_routes(only, spec.routes, path)
-    table_path = Path(out) if out else Path("runs") / f"{spec.name}-{device.arch}.parquet"
+    share_tag = f".{share.tag}" if share else ""
+    table_path = Path(out) if out else \
+        Path("runs") / f"{spec.name}-{device.arch}{share_tag}.parquet"
     if table_path.suffix not in (".parquet", ".csv"):
         _fail(f"--out {out}: name the table .parquet or .csv (both are written)")
     table_path = table_path.with_suffix(".parquet")
@@ -488,6 +508,15 @@ def sweep(
                   f"({device.name})", highlight=False)
     header = {"spec_sha256": spec.sha256, "spec": str(path), **device.as_dict(),
               "device_name": device.name}
+    if share:
+        whole = len(spec.problems)
+        spec = share.of(spec)
+        header["shard"] = str(share)
+        if not spec.problems:
+            _fail(f"shard {share} holds none of the spec's {whole} problems: use fewer "
+                  f"shares")
+        console.print(f"shard {share}: {len(spec.problems)} of the {whole} problems",
+                      highlight=False)
     journal = _open_journal(table_path, journal_path, header, fresh)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                _rate_eta_column(), TextColumn("[red]{task.fields[failures]} failed"),
@@ -1144,6 +1173,185 @@ def upgrade(
     _warn_unregistered(frame)
 
 
+# merge ----------------------------------------------------------------------------
+
+@app.command()
+def merge(
+    out: Annotated[Path, typer.Argument(
+        metavar="OUT", help="The joined table, .parquet or .csv.")],
+    tables: Annotated[list[Path], typer.Argument(
+        metavar="TABLE", help="Parquet or CSV tables: the shares of a sweep run with "
+                                 "--shard, or runs on other devices.")],
+    allow_different_specs: Annotated[bool, typer.Option(
+        "--allow-different-specs", help="Join tables of different specs (spec_sha256) "
+                                        "too.")] = False,
+    json_out: JsonFlag = False,
+) -> None:
+    """Join tables into one: per (device, problem, route) the best row (an ok row before
+    any other, then the fastest), re-ranked.
+
+    Refused: tables measured on one device under different environments (torch, triton,
+    driver, library versions), shares of one sharded sweep from different devices or
+    environments, and tables of different specs unless --allow-different-specs. A share
+    (read from the sweep's journal beside its table) missing from a sharded sweep is
+    warned about: the joined table lacks its problems.
+    """
+    from mlatune import table
+
+    if out.suffix.lower() not in (".parquet", ".csv"):
+        _fail(f"{out}: name the joined table .parquet or .csv (`mlatune export` then writes "
+              f"a JSON winners map)")
+    _check_outputs(out)
+    inputs = []
+    for path in tables:
+        with _one_line_errors(str(path)):
+            frame = _read_table(path)
+        inputs.append(_MergeInput(path, frame))
+    _refuse_mixed_environments(inputs)
+    specs = sorted({sha for i in inputs for sha in i.specs})
+    if len(specs) > 1 and not allow_different_specs:
+        a = inputs[0]
+        b = next(i for i in inputs if i.specs != a.specs)
+        _fail(f"{a.path} and {b.path} come from different specs (spec_sha256 "
+              f"{_specs_text(a.specs)} and {_specs_text(b.specs)}); "
+              f"--allow-different-specs joins them anyway")
+    missing = _missing_shards(inputs)
+    with _one_line_errors("merge"):
+        merged = table.merge([i.frame for i in inputs])
+    with _one_line_errors(str(out)):
+        table.write(merged, out)
+    for m in missing:
+        shares = ", ".join(f"{i}/{m['count']}" for i in m["missing"])
+        _note(f"spec {m['spec_sha256'][:12]}: shard{'s' if len(m['missing']) > 1 else ''} "
+              f"{shares} not given (as the journals beside the tables say): the joined "
+              f"table lacks their problems")
+    devices = _devices(merged)
+    if json_out:
+        _emit_json("merge", {
+            "out": str(out), "rows": len(merged), "problems": _problem_count(merged),
+            "devices": [_device(*d) for d in devices], "spec_sha256": specs,
+            "tables": [i.as_json() for i in inputs], "missing_shards": missing})
+        return
+    console.print(f"[green]joined[/] {len(inputs)} table{'s' if len(inputs) > 1 else ''} "
+                  f"into {out}: {len(merged)} rows, {_problem_count(merged)} problems, "
+                  f"devices: {', '.join(map(_device_text, devices))}",
+                  soft_wrap=True, highlight=False)
+    for i in inputs:
+        share = f", shard {i.shard}" if i.shard else ""
+        console.print(f"  {i.path}: {len(i.frame)} rows, {_problem_count(i.frame)} problems, "
+                      f"{', '.join(map(_device_text, i.devices))}{share}",
+                      soft_wrap=True, highlight=False)
+
+
+class _MergeInput:
+    """One table given to merge: its devices, each device's environment (the provenance
+    fields that must not differ on one device), its specs and, when the sweep's journal
+    lies beside it, the share of the spec it ran."""
+
+    def __init__(self, path: Path, frame: pd.DataFrame):
+        from mlatune.table.frame import ENVIRONMENT_FIELDS
+        from mlatune.table.schema import DEVICE_COLUMNS
+
+        self.path, self.frame = path, frame
+        self.devices = _devices(frame)
+        found = frame[[*DEVICE_COLUMNS, *ENVIRONMENT_FIELDS]].drop_duplicates()
+        self.environments: dict[Device, dict[str, Any]] = {
+            (str(a), str(n), int(c)): {f: _plain(v) for f, v in
+                                       zip(ENVIRONMENT_FIELDS, rest, strict=True)}
+            for a, n, c, *rest in found.itertuples(index=False, name=None)}
+        self.specs = frozenset(str(v) for v in frame["spec_sha256"].unique())
+        self.shard = _shard_beside(path, self.specs)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"path": str(self.path), "rows": len(self.frame),
+                "problems": _problem_count(self.frame),
+                "devices": [_device(*d) for d in self.devices],
+                "spec_sha256": sorted(self.specs),
+                "shard": None if self.shard is None else str(self.shard)}
+
+
+def _problem_count(frame: pd.DataFrame) -> int:
+    from mlatune.table.schema import KEY_COLUMNS
+
+    return len(frame[list(KEY_COLUMNS)].drop_duplicates())
+
+
+def _specs_text(specs: frozenset[str]) -> str:
+    return "+".join(sha[:12] or '""' for sha in sorted(specs))
+
+
+def _shard_beside(path: Path, specs: frozenset[str]):
+    """The share a sweep ran (runner.Shard), from the header of the journal beside its
+    table (``<table>.journal.jsonl``, or gzipped); None where there is none, or it is
+    another spec's (the table was moved or renamed)."""
+    import gzip
+
+    from mlatune.sweep.runner import Shard
+
+    for journal in (path.with_suffix(".journal.jsonl"), path.with_suffix(".journal.jsonl.gz")):
+        if not journal.is_file():
+            continue
+        try:
+            opener = gzip.open if journal.suffix == ".gz" else open
+            with opener(journal, "rb") as f:
+                header = json.loads(f.readline().decode("utf-8"))
+            if not isinstance(header, dict) or header.get("kind") != "header":
+                return None
+            if {header.get("spec_sha256")} != set(specs) or not header.get("shard"):
+                return None
+            return Shard.parse(str(header["shard"]))
+        except (OSError, ValueError, EOFError):  # damaged: the shard is just not known
+            return None
+    return None
+
+
+def _environment_clash(a: dict[str, Any], b: dict[str, Any]) -> str:
+    field = next(f for f in a if a[f] != b[f])
+    return f"{field} {a[field]} and {b[field]}"
+
+
+def _refuse_mixed_environments(inputs: list[_MergeInput]) -> None:
+    """One line, exit 1: two tables measured on one device under different environments
+    (timings from different torch or driver versions do not rank against each other), or
+    shares of one sharded sweep measured on different devices or environments (each
+    device's table would hold only some of the spec's problems)."""
+    seen: dict[Device, _MergeInput] = {}
+    for i in inputs:
+        for device, env in i.environments.items():
+            first = seen.setdefault(device, i)
+            if first.environments[device] != env:
+                _fail(f"{first.path} and {i.path} were measured on {_device_text(device)} "
+                      f"under different environments "
+                      f"({_environment_clash(first.environments[device], env)}): timings "
+                      f"from different environments do not rank against each other")
+    sweeps: dict[tuple[frozenset[str], int], _MergeInput] = {}
+    for i in inputs:
+        if i.shard is None:
+            continue
+        first = sweeps.setdefault((i.specs, i.shard.count), i)
+        if first.environments != i.environments:
+            a, b = first.environments, i.environments
+            if set(a) != set(b):
+                why = (f"{', '.join(map(_device_text, a))} and "
+                       f"{', '.join(map(_device_text, b))}")
+            else:
+                device = next(d for d in a if a[d] != b[d])
+                why = f"on {_device_text(device)}: {_environment_clash(a[device], b[device])}"
+            _fail(f"{first.path} (shard {first.shard}) and {i.path} (shard {i.shard}) are "
+                  f"shares of one sweep measured in different environments ({why}): run "
+                  f"every share on the same kind of machine and software")
+
+
+def _missing_shards(inputs: list[_MergeInput]) -> list[dict[str, Any]]:
+    """Per sharded sweep among the inputs (spec and N), the shares not given."""
+    given: dict[tuple[str, int], set[int]] = {}
+    for i in inputs:
+        if i.shard is not None:
+            given.setdefault((next(iter(i.specs)), i.shard.count), set()).add(i.shard.index)
+    return [{"spec_sha256": sha, "count": count,
+             "missing": sorted(set(range(count)) - indices)}
+            for (sha, count), indices in sorted(given.items())
+            if len(indices) < count]
 
 
 @app.command()

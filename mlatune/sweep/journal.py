@@ -3,8 +3,9 @@
 A line is written and flushed as soon as its candidate finishes, so a killed
 sweep loses only what was in flight (lines reach the disk itself at most a
 second later); a torn last line (killed mid-write) is ignored on reading. The
-first line is a header naming the spec and the device; resuming refuses a
-journal written for another spec or device.
+first line is a header naming the spec, the device and, for a sweep of one
+share of a spec (``--shard I/N``), the share as ``"shard": "I/N"``; resuming
+refuses a journal written for another spec, device or share.
 
 Damage: every line but a torn last one must be a JSON object, and the fields a
 sweep reads must have their types (``key`` an object, ``route`` text, times
@@ -73,6 +74,11 @@ class Journal:
                     raise JournalError(
                         f"{self.path} was written for {field}={found.get(field)!r}, this sweep "
                         f"has {header.get(field)!r}; use another --out or delete the journal")
+            if found.get("shard") != header.get("shard"):  # absent: the whole spec
+                raise JournalError(
+                    f"{self.path} was written for {_share(found.get('shard'))}, this sweep "
+                    f"runs {_share(header.get('shard'))}; use another --out or delete the "
+                    f"journal")
             return self._opened(lambda: self.path.open("a", encoding="utf-8"))
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
         handle = self._opened(lambda: os.fdopen(os.open(self.path, flags, 0o666), "w",
@@ -154,6 +160,10 @@ class Journal:
             with contextlib.suppress(OSError):  # a failed flush: the torn tail stays
                 self._file.close()
             _unlock(self._lock, self.path)
+
+
+def _share(shard: str | None) -> str:
+    return f"shard {shard}" if shard else "the whole spec (no --shard)"
 
 
 def lock_path(journal: Path) -> Path:

@@ -17,12 +17,13 @@ import json
 import logging
 import math
 import multiprocessing as mp
+import re
 import signal
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from multiprocessing.connection import wait
 from typing import Any, Protocol
 
@@ -382,10 +383,55 @@ class _Executor:
         _shut_down(pool, gently=True)
 
 
+def _hash(text: str) -> int:
+    """A stable 64-bit hash of text (sha1's first 8 bytes, little-endian): the same on
+    every machine and Python, unlike ``hash``. Seeds and shards both derive from it."""
+    return int.from_bytes(hashlib.sha1(text.encode()).digest()[:8], "little")
+
+
 def _seed(base: int, problem: MLAProblem) -> int:
     """Each problem's inputs depend only on the spec seed and the problem."""
-    digest = hashlib.sha1(f"{base}#{problem.key}".encode()).digest()
-    return int.from_bytes(digest[:4], "little")
+    return _hash(f"{base}#{problem.key}") & 0xFFFF_FFFF
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One share of a spec's problems, for running a sweep on several machines: problem
+    p belongs to share ``_hash(p.key) % count``, so the shares are disjoint, together
+    cover the spec, do not depend on the order of its grids or axes, and are balanced in
+    expectation. ``index`` counts from 0 (``I/N`` with 0 <= I < N), as Slurm's
+    SLURM_ARRAY_TASK_ID does under ``--array=0-(N-1)``."""
+
+    index: int
+    count: int
+
+    def __post_init__(self):
+        if not 0 <= self.index < self.count:
+            raise ValueError(f"shard {self.index}/{self.count}: expected I/N with "
+                             f"0 <= I < N (I counts from 0)")
+
+    @classmethod
+    def parse(cls, text: str) -> Shard:
+        """``"I/N"``; ValueError, one line, for anything else."""
+        found = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text, re.ASCII)
+        if not found:
+            raise ValueError(f"{text!r} is not I/N (two whole numbers, 0 <= I < N; e.g. 0/4)")
+        return cls(int(found[1]), int(found[2]))
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+    @property
+    def tag(self) -> str:
+        """For file names: ``shard-I-of-N``."""
+        return f"shard-{self.index}-of-{self.count}"
+
+    def holds(self, problem: MLAProblem) -> bool:
+        return _hash(problem.key) % self.count == self.index
+
+    def of(self, spec: SweepSpec) -> SweepSpec:
+        """The spec with only this share's problems (its sha256 stays the spec's)."""
+        return replace(spec, problems=tuple(p for p in spec.problems if self.holds(p)))
 
 
 def table_rows(records: list[dict[str, Any]], device: DeviceInfo) -> list[dict[str, Any]]:
