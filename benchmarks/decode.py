@@ -1,4 +1,8 @@
-"""Decode benchmark of mlatune's Triton routes on a GPU (issue 5's points and targets).
+"""Decode benchmark of mlatune's Triton routes beside the vendor routes on a GPU.
+
+Routes: mlatune's Triton decode families and, where their libraries are installed,
+FlashMLA (``dense/flashmla``) and FlashInfer (``fa3/flashinfer``, ``fa2/flashinfer``),
+all on the same inputs in one run (issue 5's points and targets, issue 15's vendors).
 
 For each point (batch, heads, kv_len, qlen) and KV dtype (bf16; fp8 e4m3fn with
 a bf16 q), every viable Triton route runs with each parameter set of its
@@ -42,6 +46,7 @@ POINTS = [(1, 16, 4096, 1), (16, 16, 4096, 1), (64, 16, 4096, 1), (128, 16, 8192
 TARGETS = {(1, 16, 4096, 1): ("time_us", 12.0, "<="), (128, 16, 8192, 1): ("tb_s", 3.9, ">="),
            (64, 64, 4096, 1): ("time_us", 110.0, "<="),
            (128, 128, 4096, 1): ("time_us", 400.0, "<=")}
+BENCHED_BACKENDS = ("/triton", "/flashmla", "/flashinfer")
 KV_DTYPES = {"bf16": ("bf16", "bf16"), "fp8": ("bf16", "fp8_e4m3fn")}
 ROTATE_BYTES = 4 * 60e6  # rotate copies until the KV read per replay is 4x the H200's L2
 MAX_COPIES = 32
@@ -99,7 +104,7 @@ def bench_point(point, kv_name: str, device, reps: int, max_params: int | None) 
     want_out, want_lse = reference.decode_shard(inputs[0], inputs[0].shards[0])
     results = []
     for route in routes.viable(problem, device):
-        if not route.id.endswith("/triton"):
+        if not route.id.endswith(BENCHED_BACKENDS):
             continue
         for params in route.param_space(problem, device)[:max_params]:
             res = Result(point, kv_name, route.id, params, "ok")
@@ -108,7 +113,8 @@ def bench_point(point, kv_name: str, device, reps: int, max_params: int | None) 
                 prepared = [route.prepare(problem, x, params=params) for x in inputs]
                 prepared[0].run()
                 torch.cuda.synchronize()
-                acc = check(problem, prepared[0].out, want_out, prepared[0].lse, want_lse)
+                acc = check(problem, prepared[0].out, want_out, prepared[0].lse, want_lse,
+                            q_quantized=routes.quantizes_q(route, problem))
                 res.rel_l2 = acc.rel_l2
                 if not acc.ok:
                     res.status = f"rejected_accuracy: {acc.reason}"

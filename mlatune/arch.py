@@ -105,4 +105,6 @@ def library_versions() -> dict[str, str | None]:
         "torch": torch.__version__,
         "triton": package_version("triton") or package_version("pytorch-triton-rocm"),
         "aiter": package_version("aiter") or package_version("amd-aiter"),
+        "flash_mla": package_version("sgl-flash-mla") or package_version("flash-mla"),
+        "flashinfer": package_version("flashinfer-python"),
     }

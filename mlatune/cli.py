@@ -359,7 +359,7 @@ def _backends() -> list[dict[str, Any]]:
 
     routes = all_routes()
     found = []
-    for name in ("torch", "triton", "aiter"):
+    for name in ("torch", "triton", "aiter", "flashmla", "flashinfer"):
         ok, detail = backend_status(name)
         found.append({"backend": name, "importable": ok, "detail": detail,
                       "routes": [r.id for r in routes if r.id.endswith("/" + name)]})

@@ -15,8 +15,11 @@ from mlatune.routes.base import (
     Verdict,
     no,
     params_at,
+    quantizes_q,
     step_kind_of,
 )
+from mlatune.routes.flashinfer import FLASHINFER_ROUTES
+from mlatune.routes.flashmla import FlashMLARoute
 from mlatune.routes.prefill_triton import BF16PersistentPrefillRoute, FP8PersistentPrefillRoute
 from mlatune.routes.registry import (
     all_routes,
@@ -37,6 +40,9 @@ register(BF16PersistentPrefillRoute())
 register(SdpaPrefillRoute())
 for _route in TRITON_DECODE_ROUTES:
     register(_route())
+register(FlashMLARoute())  # NVIDIA vendor kernels: their libraries are imported when asked
+for _route in FLASHINFER_ROUTES:
+    register(_route)
 for _route in AITER_ROUTES:  # refuse off AMD; import aiter only when asked on an AMD device
     register(_route)
 
@@ -68,6 +74,7 @@ __all__ = [
     "get",
     "no",
     "params_at",
+    "quantizes_q",
     "register",
     "step_kind_of",
     "unregister",

@@ -25,10 +25,11 @@ import torch
 from mlatune import capability
 from mlatune.arch import DeviceInfo
 from mlatune.capability import HeadPlan, tables
-from mlatune.check.inputs import DecodeInputs, KVShard, PrefillInputs, shard_lengths
+from mlatune.check.inputs import DecodeInputs, PrefillInputs, shard_lengths
 from mlatune.problem import DTYPES, FP8_DTYPES, MLAProblem
 from mlatune.routes.aiter_probe import load, probe
 from mlatune.routes.base import HOST_PLANNED, Params, Prepared, StepKind, Verdict, no
+from mlatune.routes.paged import PagedView, paged_view, uniform_indptr
 
 
 def gluon_forced() -> bool:
@@ -66,44 +67,7 @@ class _AiterRoute:
         return HOST_PLANNED
 
 
-# --- the KV cache as AITER's decode kernels read it -------------------------------------
-@dataclass(frozen=True)
-class _PagedView:
-    """One rank's shard in pages of ``page`` tokens, with the CSR indices AITER takes."""
-
-    kv: torch.Tensor  # (pages, page, 1, d_qk)
-    indptr: torch.Tensor  # (batch + 1,) int32, in pages
-    indices: torch.Tensor  # (used pages,) int32
-    last_page_lens: torch.Tensor  # (batch,) int32
-    page: int
-
-
-def _paged_view(shard: KVShard, page: int) -> _PagedView:
-    """Re-express the shard in pages of ``page`` tokens (``page`` divides the cache's page).
-
-    page 1 is the per-token view the ASM decode and Gluon read in the seed
-    (cache.view(-1, 1, 1, D) plus flat token indices).
-    """
-    cache = shard.kv_cache
-    per = cache.shape[1] // page  # sub-pages in one cache page
-    lens = shard.seq_lens.long()
-    pages = (lens + page - 1) // page
-    width = int(pages.max()) if pages.numel() else 0
-    j = torch.arange(width, device=cache.device)
-    table = shard.block_table.long().clamp(min=0)  # -1 pads are never read (masked below)
-    ids = table[:, j // per] * per + j % per
-    indices = ids[j[None, :] < pages[:, None]].to(torch.int32)
-    indptr = torch.zeros(lens.numel() + 1, dtype=torch.int32, device=cache.device)
-    indptr[1:] = pages.cumsum(0)
-    last = (lens - (pages - 1) * page).to(torch.int32)  # a page-1 view gives all ones
-    return _PagedView(cache.view(-1, page, 1, cache.shape[-1]), indptr, indices, last, page)
-
-
-def _uniform_indptr(n: int, step: int, device) -> torch.Tensor:
-    return torch.arange(0, (n + 1) * step, step, dtype=torch.int32, device=device)
-
-
-def _persistent_schedule(problem: MLAProblem, kernel_heads: int, view: _PagedView,
+def _persistent_schedule(problem: MLAProblem, kernel_heads: int, view: PagedView,
                          qo_indptr: torch.Tensor, q_dtype: torch.dtype, kv_dtype: torch.dtype,
                          is_causal: bool, split_cap: int | None) -> dict[str, torch.Tensor]:
     """Size and fill the persistent schedule (get_mla_metadata_info_v1 / get_mla_metadata_v1)."""
@@ -139,9 +103,9 @@ def _asm_decode(problem: MLAProblem, inputs: DecodeInputs, rank: int, heads: Hea
     decode = load("decode")
     q = inputs.q
     device = q.device
-    view = _paged_view(inputs.shards[rank],
+    view = paged_view(inputs.shards[rank],
                        tables.GFX1250_STAGE1_PAGE if mode == "stage1" else 1)
-    qo_indptr = _uniform_indptr(problem.batch, problem.qlen, device)
+    qo_indptr = uniform_indptr(problem.batch, problem.qlen, device)
     q_kernel = q if heads.method == "none" else q.new_empty(q.shape[0], heads.kernel, q.shape[2])
     o = torch.empty(q.shape[0], heads.kernel, problem.d_v, dtype=DTYPES[problem.out_dtype],
                     device=device)
@@ -228,7 +192,7 @@ class GluonRoute(_AiterRoute):
             raise ValueError(f"{self.id} serves decode problems only")
         gluon = load("gluon")
         shard = inputs.shards[rank]
-        view = _paged_view(shard, 1)
+        view = paged_view(shard, 1)
         q_nope, q_pe = inputs.q.split([problem.kv_lora_rank, problem.rope_dim], dim=-1)
         out = torch.empty(inputs.q.shape[0], problem.kernel_heads, problem.d_v,
                           dtype=DTYPES[problem.out_dtype], device=inputs.q.device)

@@ -144,12 +144,20 @@ class Route(Protocol):
 
     # Optional: ``step_kind(params) -> StepKind``, what ``prepare(params=params)``'s
     # ``Prepared.step_kind`` will be, known without a GPU (``step_kind_of``).
+    # Optional: ``quantizes_q(problem) -> bool``, True where the route quantizes a
+    # 16-bit q to fp8 (the fp8 tolerance then applies; ``quantizes_q``).
 
 
 def step_kind_of(route: Route, params: Params) -> StepKind:
     """The step kind ``route`` declares for ``params`` (LAUNCH_ONLY when it declares none)."""
     declare = getattr(route, "step_kind", None)
     return LAUNCH_ONLY if declare is None else declare(params)
+
+
+def quantizes_q(route: Route, problem: MLAProblem) -> bool:
+    """Whether ``route`` quantizes the problem's 16-bit q to fp8 (False when it declares not)."""
+    declare = getattr(route, "quantizes_q", None)
+    return bool(declare and declare(problem))
 
 
 def params_at(route: Route, params: Params, measured_at: MLAProblem, problem: MLAProblem,

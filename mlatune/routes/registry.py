@@ -51,7 +51,8 @@ def viable(problem: MLAProblem, device: DeviceInfo, only: list[str] | None = Non
 
 def backend_status(name: str) -> tuple[bool, str]:
     """Whether a route backend's library imports here, with its version or the error."""
-    module = {"torch": "torch", "triton": "triton", "aiter": "aiter"}[name]
+    module = {"torch": "torch", "triton": "triton", "aiter": "aiter", "flashmla": "flash_mla",
+              "flashinfer": "flashinfer"}[name]
     try:
         mod = importlib.import_module(module)
     except Exception as exc:  # any import failure means the backend is unusable here
