@@ -45,6 +45,14 @@ _TOLERANCES = {
 }
 
 
+# A 16-bit q quantized to fp8 per tensor by the route (FlashMLA's fp8 path takes an fp8 q
+# with one descale): the fp8 output bound, and an LSE bound for what the quantized scores
+# cost. Measured on the H200 (2026-11-30, benchmarks/vendor_smoke.toml and decode.py): LSE
+# errors of 0.21-0.49 at 16-128 heads and 4k-32k keys, output rel_l2 within 8e-2. An
+# indexing bug moves the output's rel_l2 toward 1, which the output bound still refuses.
+QUANTIZED_Q = Tolerance(rel_l2=8e-2, lse_abs=0.6)
+
+
 def tolerance_for(q_dtype: str, kv_dtype: str,
                   rel_l2_overrides: dict[str, float] | None = None,
                   q_quantized: bool = False) -> Tolerance:
@@ -55,7 +63,7 @@ def tolerance_for(q_dtype: str, kv_dtype: str,
     """
     # fp8 -> 16-bit is exact, so a 16-bit q keeps its own tolerance over an fp8 cache.
     cls = "fp8" if q_dtype in FP8_DTYPES or q_quantized else q_dtype
-    tol = _TOLERANCES[cls]
+    tol = QUANTIZED_Q if q_quantized and q_dtype not in FP8_DTYPES else _TOLERANCES[cls]
     if rel_l2_overrides and cls in rel_l2_overrides:
         tol = Tolerance(rel_l2_overrides[cls], tol.lse_abs)
     return tol
