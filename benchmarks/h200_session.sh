@@ -18,7 +18,7 @@
 #   example        examples/engine_loop.py on GPU 0 (CUDA graph per batch bucket)
 # Everything it makes goes under $OUT (logs, tables and the journals, gzipped).
 set -u -o pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # keeps carried wheels
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" runs
 BUDGET_S=${BUDGET_S:-540}
 T0=$(date +%s)
