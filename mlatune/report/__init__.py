@@ -8,11 +8,14 @@ so the file stands alone) plus each PNG into ``out_dir``. The page's last sectio
 every number for readers.
 
 Importing this package needs neither matplotlib nor jinja2's template files: the CLI and
-``benchmarks/`` import the numbers from here.
+``benchmarks/`` import the numbers from here. ``summary.json`` beside the page holds the
+same numbers for programs (``metrics.summary_document``), the vendor policies
+(``policies``: always FlashMLA, always FlashInfer fa3, vLLM's Hopper order) included.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,21 +54,24 @@ from mlatune.report.metrics import (
     rule_speedup,
     speedup_text,
     summarize,
+    summary_document,
     time_with,
     timing_spread,
     winner_cells,
 )
 
 HTML_NAME = "report.html"
+JSON_NAME = "summary.json"
 
 __all__ = [
-    "BATCH_BANDS", "CEILINGS", "HTML_NAME", "POLICY_COLUMNS", "PREFILL_COLUMNS", "RULE_POLICY",
+    "BATCH_BANDS", "CEILINGS", "HTML_NAME", "JSON_NAME", "POLICY_COLUMNS", "PREFILL_COLUMNS",
+    "RULE_POLICY",
     "Ceilings", "RegretStats", "Report", "ReportError", "SpeedupStats", "Summary", "Timed",
     "batch_band", "build_report", "candidate_times", "chosen_times", "fixed_route_speedups",
     "geomean", "headline_rows", "measured_problems", "measured_with", "nearest_regret",
     "ok_times", "one_device", "percent_text", "pick_speedups", "policy_rows", "prefill_rows",
     "problem_label", "roofline", "rule_routes", "rule_speedup", "speedup_text", "summarize",
-    "time_with", "timing_spread", "winner_cells",
+    "summary_document", "time_with", "timing_spread", "winner_cells",
 ]
 
 
@@ -74,6 +80,7 @@ class Report:
     summary: Summary
     html: Path
     images: dict[str, Path] = field(default_factory=dict)
+    summary_json: Path | None = None
 
 
 def require_matplotlib() -> None:
@@ -89,7 +96,8 @@ def require_matplotlib() -> None:
 def build_report(table_path: str | os.PathLike, out_dir: str | os.PathLike,
                  heldout_path: str | os.PathLike | None = None,
                  heldout_journal: str | os.PathLike | None = None) -> Report:
-    """Read the table(s), compute the numbers, write the PNGs and report.html to out_dir."""
+    """Read the table(s), compute the numbers, write the PNGs, report.html and
+    summary.json to out_dir."""
     require_matplotlib()
     if heldout_journal is not None and heldout_path is None:
         raise ReportError("a held-out journal needs its held-out table (--heldout)")
@@ -103,4 +111,7 @@ def build_report(table_path: str | os.PathLike, out_dir: str | os.PathLike,
     out.mkdir(parents=True, exist_ok=True)
     images = plots.draw_all(summary, data, out)
     html_path = page.write_html(summary, data["problems"], dict(images), out / HTML_NAME)
-    return Report(summary, html_path, images)
+    json_path = out / JSON_NAME
+    json_path.write_text(json.dumps(summary_document(summary), indent=1, allow_nan=False)
+                         + "\n", encoding="utf-8")
+    return Report(summary, html_path, images, json_path)

@@ -112,6 +112,10 @@ class Summary:
     regret: RegretStats | None = None
     heldout_path: str = ""
     notes: list[str] = field(default_factory=list)
+    # The pick against the vendor policies (policies.PolicyStats): on the table, and on
+    # the held-out table with nearest's choice as the pick.
+    vendor: list[Any] = field(default_factory=list)
+    vendor_heldout: list[Any] = field(default_factory=list)
 
     @property
     def best_fixed(self) -> SpeedupStats:
@@ -393,6 +397,11 @@ def _table_summary(table_path: str | os.PathLike, frame: pd.DataFrame
         fixed=fixed_route_speedups(problems, times), rule=rule, rule_unmeasured=rule_unmeasured,
         roofline=roofline(problems, ceilings) if ceilings else None,
         spread=timing_spread(frame), notes=_table_notes(arch, rule_unmeasured))
+    from mlatune.report import policies  # it imports this module
+
+    picks = problems.set_index("key")
+    summary.vendor = policies.vendor_policies(problems, times, picks["winner_us"],
+                                              picks["winner"].astype(str), arch)
     return summary, {"problems": problems, "times": times}
 
 
@@ -407,6 +416,13 @@ def _add_heldout(summary: Summary, heldout_path: str | os.PathLike | None,
     summary.heldout_path = str(heldout_path)
     summary.regret, per_problem, skipped = nearest_regret(
         summary.table_path, heldout, device_for_arch(arch, name, cus), timed)
+    from mlatune.report import policies  # it imports this module
+
+    h_times = ok_times(heldout)
+    chosen = per_problem.set_index("key")["chosen"]
+    summary.vendor_heldout = policies.vendor_policies(
+        measured_problems(heldout), h_times, chosen_times(h_times, chosen), chosen, arch,
+        pick="nearest")
     if skipped:
         summary.notes.append("nearest: the dispatcher skipped rows of routes not registered "
                              "here: " + ", ".join(f"{r} ({n})" for r, n in sorted(skipped.items())))
@@ -495,9 +511,54 @@ def _regret_rows(regret: RegretStats) -> list[tuple[str, str]]:
 
 
 def headline_rows(summary: Summary) -> list[tuple[str, str]]:
-    """The summary numbers, as (label, value) lines."""
+    """The summary numbers, as (label, value) lines: the table, the vendor policies (on
+    the table, then held out), nearest's regret."""
+    from mlatune.report import policies  # it imports this module
+
     rows = _table_rows(summary)
+    if summary.vendor:
+        rows += policies.headline_rows(summary.vendor, summary.vendor_heldout)
     return rows + (_regret_rows(summary.regret) if summary.regret is not None else [])
+
+
+def _number(value: float) -> float | None:
+    return None if value is None or math.isnan(value) else float(value)
+
+
+def _speedup_json(stats: SpeedupStats) -> dict[str, Any]:
+    return {"policy": stats.policy, "served": stats.served, "total": stats.total,
+            "wins": stats.wins, "geomean": _number(stats.geomean),
+            "largest": _number(stats.largest), "largest_problem": stats.largest_key or None}
+
+
+def summary_document(summary: Summary) -> dict[str, Any]:
+    """The report's numbers as one JSON-ready document (``summary.json``): the headline
+    lines as printed, and every policy's numbers (NaN as null)."""
+    from mlatune.report import policies  # it imports this module
+
+    regret = summary.regret
+    return {
+        "table": summary.table_path, "heldout": summary.heldout_path or None,
+        "device": {"arch": summary.device[0], "name": summary.device[1],
+                   "cu_count": summary.device[2]},
+        "measured_with": summary.measured_with,
+        "problems": {"ok": summary.problems, "decode": summary.decode,
+                     "prefill": summary.prefill, "without_ok": summary.without_ok},
+        "headline": [{"label": label, "value": value} for label, value in
+                     headline_rows(summary)],
+        "fixed_routes": [_speedup_json(s) for s in summary.fixed],
+        "rule_fallback": _speedup_json(summary.rule),
+        "vendor_policies": [policies.as_json(s) for s in summary.vendor],
+        "vendor_policies_heldout": [policies.as_json(s) for s in summary.vendor_heldout],
+        "goal_over_always_flashmla": policies.GOAL_OVER_FLASHMLA,
+        "vllm_hopper_order": {"source": policies.VLLM_SOURCE,
+                              "backends": policies.vllm_order_json()},
+        "nearest_regret": None if regret is None else {
+            "judged": regret.judged, "misses": regret.misses,
+            "picked_winner": regret.picked_winner, "geomean": _number(regret.geomean),
+            "median": _number(regret.median), "max": _number(regret.max)},
+        "notes": list(summary.notes),
+    }
 
 
 def problem_label(key: str) -> str:

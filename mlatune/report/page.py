@@ -14,6 +14,7 @@ from typing import Any
 import jinja2
 import pandas as pd
 
+from mlatune.report import policies
 from mlatune.report.metrics import (
     BATCH_BANDS,
     CEILINGS,
@@ -24,6 +25,8 @@ from mlatune.report.metrics import (
     headline_rows,
     policy_rows,
     prefill_rows,
+    problem_label,
+    speedup_text,
 )
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -63,6 +66,35 @@ def context(summary: Summary, problems: pd.DataFrame, images: dict[str, Path | N
         "rule_policy": RULE_POLICY,
         "best": summary.best_fixed,
         "regret": summary.regret,
+        **vendor_context(summary),
+    }
+
+
+def vendor_context(summary: Summary) -> dict[str, Any]:
+    """What the vendor-policy section reads (``policies``)."""
+    both = [*summary.vendor, *summary.vendor_heldout]
+    flashmla = next((s for s in summary.vendor if s.policy == policies.ALWAYS_FLASHMLA), None)
+    return {
+        "vendor_columns": policies.POLICY_TABLE_COLUMNS,
+        "vendor_rows": policies.table_rows(summary.vendor),
+        "vendor_heldout_rows": policies.table_rows(summary.vendor_heldout),
+        "vendor_measured": any(s.measured for s in both),
+        "vendor_losses": [(s.policy, s.pick, problem_label(k), speedup_text(r),
+                           f"{(1 / r - 1) * 100:.1f}%", pick, route)
+                          for s in both for k, r, pick, route in s.losses],
+        "vendor_gains": [(s.policy, s.pick, problem_label(k), speedup_text(r), pick)
+                         for s in both for k, r, pick in s.gains],
+        "flashmla_groups": [] if flashmla is None else [
+            (g.value, g.served, speedup_text(g.geomean),
+             "-" if g.share != g.share else f"{g.share * 100:.0f}%")
+            for g in flashmla.groups],
+        "goal": policies.GOAL_OVER_FLASHMLA,
+        "goal_text": "" if flashmla is None else policies.goal_text(flashmla),
+        "tolerance": f"{policies.LOSS_TOLERANCE:.0%}",
+        "vllm_order": [(b.name, f"runs here as {b.route}" if b.runs_here
+                        else f"cannot run here: {b.not_here}") for b in policies.VLLM_HOPPER],
+        "vllm_source": policies.VLLM_SOURCE,
+        "vllm_policy": policies.VLLM_POLICY,
     }
 
 
