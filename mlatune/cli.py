@@ -725,9 +725,10 @@ def _print_plan(arch: str, device: DeviceInfo, path: Path, spec: SweepSpec,
     cus = f"{device.cu_count} CUs" if device.cu_count else "CU count unknown"
     console.print(f"plan for {arch} ({device.name}, {cus}): {len(spec.problems)} problems from "
                   f"{path}, {len({r.route for r in rows})} routes", highlight=False)
-    console.print("[yellow]capability rules only[/]: the installed-AITER probe (entry points, "
-                  "kernel manifest, native 24-head build) was not applied; `mlatune doctor` and "
-                  "a sweep on the target machine apply it.", soft_wrap=True)
+    console.print("[yellow]capability rules only[/]: the probe of the installed libraries "
+                  "(AITER's entry points, kernel manifest and native 24-head build; FlashMLA, "
+                  "FlashInfer, Triton) was not applied; `mlatune doctor` and a sweep on the "
+                  "target machine apply it.", soft_wrap=True)
     groups = planning.grouped(rows)
     if detail:
         table = Table(title="routes per problem (problems differing only in batch/kv_len "

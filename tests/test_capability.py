@@ -28,10 +28,22 @@ def ceil16(n: int) -> int:
     return -(-n // 16) * 16
 
 
+def valid(n: int) -> bool:
+    """AiterMLAHelper.is_valid_num_heads: at most 128, or a multiple of 16 (no arch condition)."""
+    return n > 0 and (n <= 128 or n % 16 == 0)
+
+
+def backend_heads(h: int, dcp: int) -> bool:
+    """AiterMLAImpl.__init__ checks the heads per rank and the DCP-gathered count alike."""
+    return valid(h) and valid(h * dcp)
+
+
 # --- the rules as the sources state them ------------------------------------------------
 def expect_gluon(arch, h, qlen, q, kv, causal, dcp, force=False):
-    """gfx950; < 16 heads; bf16 KV; divisor of 16 at qlen 1 unless forced; causal verify; no DCP."""
-    if arch != "gfx950" or kv != "bf16" or h * dcp >= 16 or dcp > 1:
+    """gfx950; < 16 heads; a 16-bit KV (the fp8 regime cannot take a batch; the backend's
+    supported_dtypes are bf16 and fp16); divisor of 16 at qlen 1 unless forced; causal verify;
+    no DCP."""
+    if arch != "gfx950" or kv not in ("bf16", "fp16") or h * dcp >= 16 or dcp > 1:
         return False
     return (16 % h == 0 or force) if qlen == 1 else causal
 
@@ -46,19 +58,15 @@ def ps1(kernel_heads, qlen, dtype):
 
 
 def expect_padded(arch, h, qlen, q, kv, causal, dcp, page=64, h24=False):
-    """Heads padded to a multiple of 16 up to 128 (24 native where built), aligned above (gfx950);
-    q and KV alike; no causal verify over a DCP shard; non-causal verify on gfx950 only, never
-    fp16, and fp8 2-token blocks only at 32/64/96/128; gfx1250 off PS1: 64-token pages, no DCP."""
+    """Heads padded to a multiple of 16 up to 128 (24 native where built), aligned above (any
+    arch: is_valid_num_heads), per rank and gathered; q and KV alike; no causal verify over a
+    DCP shard; non-causal verify on gfx950 only, never fp16, and fp8 2-token blocks only at
+    32/64/96/128; gfx1250 off PS1: 64-token pages, no DCP."""
     k = h * dcp
     fp8 = kv.startswith("fp8")
-    if q != kv or qlen > 8:
+    if q != kv or qlen > 8 or not backend_heads(h, dcp):
         return False
-    if k <= 128:
-        kernel = 24 if k == 24 and h24 and arch != "gfx1250" else ceil16(k)
-    elif k % 16 == 0 and arch == "gfx950":
-        kernel = k
-    else:
-        return False
+    kernel = 24 if k == 24 and h24 and arch != "gfx1250" else ceil16(k)
     if dcp > 1 and causal and qlen > 1:
         return False
     if not causal and qlen > 1:
@@ -72,15 +80,19 @@ def expect_padded(arch, h, qlen, q, kv, causal, dcp, page=64, h24=False):
 
 
 def expect_cprr(arch, h, qlen, q, kv, causal, dcp):
-    """gfx950; DCP > 1 (interleave 1); causal verify with qlen >= 3; <= 128 gathered heads."""
+    """gfx950; DCP > 1 (interleave 1); causal verify with qlen >= 3; <= 128 gathered heads;
+    bf16 or fp8 (AITER's gfx950 mla_asm.csv has no fp16 cprr kernel)."""
     return (arch == "gfx950" and q == kv and q in ("bf16", FP8_OF[arch]) and dcp > 1 and causal
             and 3 <= qlen <= 8 and h * dcp <= 128)
 
 
 def expect_segmented(arch, h, qlen, q, kv, causal, dcp, page=64):
-    """DCP > 1 (interleave 1), causal qlen > 1; bf16 or fp8; the page is the tile (>= 16)."""
-    ok_dtypes = ("bf16", FP8_OF[arch])
-    return q in ok_dtypes and kv in ok_dtypes and dcp > 1 and causal and qlen > 1 and page >= 16
+    """DCP > 1 (interleave 1), causal qlen > 1; a 16-bit cache with q in its dtype, or fp8 (the
+    arch's format); heads per rank and gathered valid; the page is the tile (>= 16)."""
+    f = FP8_OF[arch]
+    dtypes_ok = (q == kv and q in ("bf16", "fp16")) or (kv == f and q in ("bf16", "fp16", f))
+    return (dtypes_ok and backend_heads(h, dcp) and dcp > 1 and causal and qlen > 1
+            and page >= 16)
 
 
 def expect_fp8_prefill(arch, h, q, kv, causal, qlen, kv_len):
@@ -200,25 +212,113 @@ def test_portable_archs_refuse_aiter_and_admit_triton(arch):
     assert capability.check("padded/triton", problem, arch)
     assert not capability.check("padded/triton", problem.with_(phase="prefill", qlen=8,
                                                                kv_len=8), arch)
-    assert capability.check("fp8-ps/triton", MLAProblem(phase="prefill", qlen=8, kv_len=8), arch)
+    prefill = MLAProblem(phase="prefill", qlen=8, kv_len=8, q_dtype="fp8_e4m3fn",
+                         kv_dtype="fp8_e4m3fn")
+    assert capability.check("fp8-ps/triton", prefill, arch)
+    assert capability.check("bf16-ps/triton", prefill.with_(q_dtype="bf16"), arch)
+    assert not capability.check("bf16-ps/triton", problem, arch)
 
 
 def test_unknown_arch_and_route():
-    ruling = capability.check("padded/aiter", MLAProblem(), "cpu")
+    ruling = capability.check("padded/aiter", MLAProblem(), "tpu_v5")
     assert not ruling and ruling.rule == "arch.unknown" and "gfx950" in ruling.reason
     with pytest.raises(KeyError, match="no capability rules"):
         capability.check("nope/torch", MLAProblem(), "gfx950")
-    assert capability.known("padded/aiter") and capability.known("anything/triton")
-    assert not capability.known("reference/torch")
+    with pytest.raises(KeyError, match="no capability rules"):
+        capability.check("anything/triton", MLAProblem(), "gfx950")
+    assert capability.known("padded/aiter") and capability.known("reference/torch")
+    assert not capability.known("anything/triton")
+
+
+@pytest.mark.parametrize("arch, rule", [("cpu", "aiter.amd"), ("sm_80", "aiter.amd"),
+                                        ("gfx90a", "aiter.amd")])
+def test_archs_met_on_a_machine_refuse_aiter(arch, rule):
+    """A route meets the CPU, or a GPU no plan names (an A100, an MI250): AITER refuses them
+    by rule, the portable routes judge them by what their dots take."""
+    ruling = capability.check("segmented/aiter", MLAProblem(num_heads=4, qlen=2, dcp_size=2),
+                              arch)
+    assert not ruling and ruling.rule == rule
+    assert capability.check("reference/torch", MLAProblem(), arch)
+
+
+@pytest.mark.parametrize("arch, dtype, rule, words", [
+    ("cpu", "bf16", "triton.interpreter", "interpreter"),
+    ("cpu", "fp8_e4m3fnuz", None, ""),
+    ("sm_75", "fp16", "triton.dots", "sm_80"),
+    ("sm_80", "fp8_e4m3fn", "triton.fp8", "sm_89"),
+    ("sm_90", "fp8_e4m3fnuz", "triton.fp8", "AMD's fp8 format"),
+    ("gfx942", "fp8_e4m3fn", "triton.fp8", "gfx942 computes fp8 as fp8_e4m3fnuz"),
+    ("gfx950", "fp8_e4m3fnuz", "triton.fp8", "gfx950 computes fp8 as fp8_e4m3fn"),
+    ("gfx1250", "fp8_e4m3fn", "triton.fp8", "no fp8 matrix support known"),
+    ("gfx90a", "bf16", None, ""),
+])
+def test_what_triton_dots_take_per_arch(arch, dtype, rule, words):
+    for route_id in ("padded/triton", "bf16-ps/triton" if dtype in ("bf16", "fp16")
+                     else "fp8-ps/triton"):
+        phase = "decode" if route_id == "padded/triton" else "prefill"
+        problem = MLAProblem(phase=phase, q_dtype=dtype, kv_dtype=dtype, qlen=8, kv_len=8)
+        ruling = capability.check(route_id, problem, arch)
+        assert ruling.ok == (rule is None), (route_id, ruling)
+        assert ruling.rule == (rule or "") and words in ruling.reason
+
+
+@pytest.mark.parametrize("route_id, problem, rule", [
+    ("gluon/triton", MLAProblem(num_heads=128), "triton.gluon"),
+    ("gluon/triton", MLAProblem(num_heads=4, dcp_size=2), "triton.gluon"),
+    ("gluon/triton", MLAProblem(num_heads=4, qlen=9, kv_len=512), "triton.gluon"),
+    ("gluon/triton", MLAProblem(num_heads=4, qlen=2, causal=False), "triton.gluon"),
+    ("gluon/triton", MLAProblem(num_heads=4, qlen=2), None),
+    ("cprr/triton", MLAProblem(num_heads=16, qlen=3), "triton.cprr"),
+    ("cprr/triton", MLAProblem(num_heads=80, dcp_size=2), "triton.cprr"),
+    ("cprr/triton", MLAProblem(num_heads=48, dcp_size=2), None),
+    ("segmented/triton", MLAProblem(num_heads=4, qlen=2), "triton.segmented"),
+    ("segmented/triton", MLAProblem(num_heads=4, dcp_size=2), "triton.segmented"),
+    ("segmented/triton", MLAProblem(num_heads=4, qlen=2, dcp_size=2, causal=False),
+     "triton.segmented"),
+    ("segmented/triton", MLAProblem(num_heads=4, qlen=2, dcp_size=2), None),
+    ("padded/triton", MLAProblem(num_heads=136), "triton.padded.heads"),
+    ("padded/triton", MLAProblem(num_heads=144), None),
+    ("padded/triton", MLAProblem(kv_lora_rank=500), "triton.decode.dims"),
+    ("padded/triton", MLAProblem(phase="prefill", qlen=8, kv_len=8), "triton.decode"),
+    ("bf16-ps/triton", MLAProblem(num_heads=16), "triton.prefill"),
+    ("bf16-ps/triton", MLAProblem(phase="prefill", qlen=8, kv_len=8, qk_head_dim=176),
+     "triton.prefill.dims"),
+    ("bf16-ps/triton", MLAProblem(phase="prefill", qlen=8, kv_len=8, kv_dtype="fp8_e4m3fn"),
+     None),
+    ("fp8-ps/triton", MLAProblem(phase="prefill", qlen=8, kv_len=8, kv_dtype="fp8_e4m3fn"),
+     "triton.prefill.dtypes"),
+    ("sdpa/torch", MLAProblem(), "sdpa.prefill"),
+    ("sdpa/torch", MLAProblem(phase="prefill", qlen=8, kv_len=8, q_dtype="fp8_e4m3fn",
+                              kv_dtype="fp8_e4m3fn"), "sdpa.dtypes"),
+    ("reference/torch", MLAProblem(num_heads=1000, dcp_size=8), None),
+])
+def test_portable_route_rules(route_id, problem, rule):
+    for arch in ("sm_90", "sm_100", "gfx950"):
+        ruling = capability.check(route_id, problem, arch)
+        assert ruling.ok == (rule is None) and ruling.rule == (rule or ""), (arch, ruling)
+
+
+def test_heads_per_rank_and_gathered_are_both_checked():
+    """136 heads per rank are refused even where the gathered 272 are aligned; segmented checks
+    the gathered count (100 x 2 = 200 is neither <= 128 nor aligned)."""
+    for route_id, problem in (
+            ("padded/aiter", MLAProblem(num_heads=136, dcp_size=2)),
+            ("segmented/aiter", MLAProblem(num_heads=100, qlen=2, dcp_size=2)),
+            ("segmented/aiter", MLAProblem(num_heads=136, qlen=2, dcp_size=2))):
+        ruling = capability.check(route_id, problem, "gfx950")
+        assert not ruling and ruling.rule == "aiter.heads", (route_id, ruling)
+    for arch in AMD:  # aligned counts above 128 on every arch, as is_valid_num_heads says
+        assert capability.check("padded/aiter", MLAProblem(num_heads=144), arch), arch
 
 
 def test_every_rule_cites_a_source():
-    for route_id in (*EXPECT, "fp8-ps/aiter", "padded/triton"):
+    for route_id in capability.rules.ROUTE_RULES:
         rules = capability.rules_for(route_id)
         assert len({r.id for r in rules}) == len(rules)
         for rule in rules:
             assert rule.source.where and rule.source.says
-            assert any(s in rule.source.where for s in ("seeds/", "AITER", "DESIGN")), rule
+            assert any(s in rule.source.where for s in (
+                "seeds/", "AITER", "mlatune/", "Triton", "torch", "flash", "FlashMLA")), rule
 
 
 def test_known_arch_devices():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -121,19 +120,21 @@ def test_sweep_for_an_arch_that_is_not_here_points_to_plan():
     assert "mlatune plan SPEC --arch gfx950" in out
 
 
-def test_plan_agrees_with_every_route_it_can_ask_without_the_target():
-    """mlatune plan's verdict is the route's own where asking needs no installed AITER (it
-    called gluon/triton viable at 128 heads and bf16-ps/triton viable for decode)."""
-    from mlatune import routes
-    from mlatune.dispatch import device_for_arch
+def test_plan_is_the_rules_without_this_machines_probe():
+    """A plan for sm_90 calls FlashMLA and FlashInfer viable where their rules allow, whether or
+    not they are installed here (the probe belongs to the target machine); gluon/triton at 128
+    heads, cprr/triton at dcp 1 and bf16-ps/triton for decode are refused, as the routes refuse
+    them (tests/test_capability_agreement.py holds every route to its supports)."""
+    from mlatune import capability
+    from mlatune.problem import MLAProblem
     from mlatune.sweep import planning
-    from mlatune.sweep.spec import load
 
-    device = device_for_arch("sm_90", "NVIDIA H200", 132)
-    problems = load(Path(__file__).parent.parent / "sweeps" / "h200-traffic.toml").problems[::7]
-    for route in routes.all_routes():
-        if route.id.endswith("/aiter"):
-            continue
-        for problem in problems:
-            assert planning.verdict(route, problem, device)[0] == \
-                route.supports(problem, device).ok, (route.id, problem.key)
+    device = capability.device_for_arch("sm_90")
+    decode = MLAProblem(num_heads=128, page_size=64)
+    for route_id in ("dense/flashmla", "fa3/flashinfer", "fa2/flashinfer", "padded/triton"):
+        assert planning.verdict(routes.get(route_id), decode, device)[0], route_id
+    for route_id, problem in (("gluon/triton", decode), ("cprr/triton", decode.with_(qlen=3)),
+                              ("bf16-ps/triton", decode)):
+        ok, reason = planning.verdict(routes.get(route_id), problem, device)
+        assert not ok and reason.startswith("rule triton."), (route_id, reason)
+        assert not routes.get(route_id).supports(problem, device)

@@ -6,6 +6,7 @@ table is where its CU count, vendor and native fp8 format come from.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from mlatune.arch import DeviceInfo
@@ -37,6 +38,33 @@ ARCHS: dict[str, ArchSpec] = {
     )
 }
 AMD_ARCHS = tuple(a for a, s in ARCHS.items() if s.vendor == "amd")
+
+
+# The machine without a GPU: the portable routes run there in Triton's interpreter (whose
+# dots take both fp8 formats) and in eager torch.
+CPU = ArchSpec("cpu", "cpu", "CPU (Triton interpreter)", None, "", ("triton",))
+
+
+def spec_for(arch: str) -> ArchSpec | None:
+    """The spec the capability rules judge ``arch`` by: a planning arch (``ARCHS``), the CPU,
+    or another NVIDIA (``sm_NN``) or AMD (``gfxNNN``) GPU that a route may meet on the machine
+    it runs on (an A100, an MI250), described by its vendor alone (no AITER build, no CU
+    count); None for anything else."""
+    if arch in ARCHS:
+        return ARCHS[arch]
+    if arch == CPU.arch:
+        return CPU
+    if re.fullmatch(r"sm_\d+", arch):
+        return ArchSpec(arch, "nvidia", f"NVIDIA {arch}", None, "fp8_e4m3fn", ("triton",))
+    if re.fullmatch(r"gfx[0-9a-f]+", arch):
+        return ArchSpec(arch, "amd", f"AMD {arch}", None, "", ("triton",))
+    return None
+
+
+def sm_number(arch: str) -> int | None:
+    """90 for 'sm_90'; None for an arch that is not NVIDIA's."""
+    match = re.fullmatch(r"sm_(\d+)", arch)
+    return int(match.group(1)) if match else None
 
 
 def arch_spec(arch: str) -> ArchSpec:

@@ -71,13 +71,17 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def valid_num_heads(heads: int) -> bool:
+    """The seed's AiterMLAHelper.is_valid_num_heads: positive, and at most 128 or aligned."""
+    return heads > 0 and (heads <= tables.ASM_MAX_PADDED_HEADS
+                          or heads % tables.ASM_HEAD_MULTIPLE == 0)
+
+
 def asm_decode_heads(heads: int, native_h24: bool = False) -> int | None:
     """Heads the padded ASM decode runs ``heads`` at; None when it has no kernel for them."""
     if heads == 24 and native_h24:
         return 24
-    if heads <= tables.ASM_MAX_PADDED_HEADS:
-        return _round_up(heads, tables.ASM_HEAD_MULTIPLE)
-    return heads if heads % tables.ASM_HEAD_MULTIPLE == 0 else None
+    return _round_up(heads, tables.ASM_HEAD_MULTIPLE) if valid_num_heads(heads) else None
 
 
 def cprr_heads(heads: int) -> int | None:
@@ -87,6 +91,4 @@ def cprr_heads(heads: int) -> int | None:
 
 def fp8_prefill_heads(heads: int) -> int | None:
     """Heads the FP8 PS prefill runs at: the next multiple of 16 (never a native 24)."""
-    if heads <= tables.ASM_MAX_PADDED_HEADS or heads % tables.ASM_HEAD_MULTIPLE == 0:
-        return _round_up(heads, tables.ASM_HEAD_MULTIPLE)
-    return None
+    return _round_up(heads, tables.ASM_HEAD_MULTIPLE) if valid_num_heads(heads) else None

@@ -5,7 +5,11 @@ or None, and carries the source it comes from (tables.SOURCES). ``check``
 runs them in order and reports the first refusal. Nothing here touches a GPU
 or imports a kernel library: the same answers serve `mlatune plan` on a
 laptop and a route's ``supports`` on the device (where the route adds its
-probe of the installed library).
+probe of the machine: the installed library, Triton's interpreter on a CPU).
+
+Every built-in route has its rules here (the AITER routes, the portable Triton
+and torch routes; the vendor routes' in ``vendors``), so `mlatune plan` and
+``route.supports`` cannot disagree but by that probe.
 """
 
 from __future__ import annotations
@@ -14,9 +18,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from mlatune.capability import tables
-from mlatune.capability.archs import ARCHS, ArchSpec
-from mlatune.capability.heads import HeadPlan, asm_decode_heads, cprr_heads, fp8_prefill_heads
-from mlatune.problem import FP8_DTYPES, MLAProblem, dtype_size
+from mlatune.capability.archs import ARCHS, ArchSpec, sm_number, spec_for
+from mlatune.capability.heads import (
+    HeadPlan,
+    asm_decode_heads,
+    cprr_heads,
+    fp8_prefill_heads,
+    valid_num_heads,
+)
+from mlatune.kernels.prefill_plan import split_head_dim
+from mlatune.problem import FP8_DTYPES, MLAProblem, dtype_size, is_power_of_two
 
 
 @dataclass(frozen=True)
@@ -78,6 +89,18 @@ def kv_cache_bytes(problem: MLAProblem) -> int:
 def _amd(c: Context) -> str | None:
     if c.arch.vendor != "amd":
         return f"AITER builds for AMD Instinct GPUs only; {c.arch.arch} is {c.arch.vendor}"
+    if "aiter" not in c.arch.backends:
+        known = "/".join(a for a, s in ARCHS.items() if "aiter" in s.backends)
+        return f"AITER's MLA kernels are built for {known}; this is {c.arch.arch}"
+    return None
+
+
+def _aiter_heads(c: Context) -> str | None:
+    for what, heads in (("heads per rank", c.p.num_heads),
+                        ("DCP-gathered heads", c.p.kernel_heads)):
+        if not valid_num_heads(heads):
+            return (f"{heads} {what}: the backend takes at most 128 heads, or a multiple of 16 "
+                    f"(per rank and gathered alike)")
     return None
 
 
@@ -126,7 +149,7 @@ def _dcp_needed(c: Context) -> str | None:
 # --- Gluon small-head decode ------------------------------------------------------------
 def _gluon_kv(c: Context) -> str | None:
     if c.p.kv_dtype not in tables.GLUON_KV_DTYPES:
-        return (f"Gluon serves a bf16 cache only (its fp8 regime cannot take a batch); "
+        return (f"Gluon serves a 16-bit cache only (its fp8 regime cannot take a batch); "
                 f"kv_dtype is {c.p.kv_dtype}")
     return None
 
@@ -208,18 +231,6 @@ def _asm_dtypes(c: Context) -> str | None:
     return None
 
 
-def _asm_heads(c: Context) -> str | None:
-    if asm_decode_heads(c.p.kernel_heads) is None:
-        return f"{c.p.kernel_heads} kernel heads: above 128 the ASM decode needs a multiple of 16"
-    return None
-
-
-def _asm_above_128(c: Context) -> str | None:
-    k = c.p.kernel_heads
-    if k > tables.ASM_MAX_PADDED_HEADS and c.arch.arch not in tables.ASM_ABOVE_128_ARCHS:
-        return f"{k} kernel heads: {c.arch.arch} has no ASM decode path above 128 heads"
-    return None
-
 
 def _asm_dcp_causal(c: Context) -> str | None:
     if c.p.dcp_size > 1 and c.block_has_order:
@@ -296,8 +307,9 @@ def _cprr_heads(c: Context) -> str | None:
 # --- segmented DCP verify ---------------------------------------------------------------
 def _segmented_dtypes(c: Context) -> str | None:
     q, kv = c.dtypes
-    if q not in ("bf16", "fp8") or kv not in ("bf16", "fp8"):
-        return f"segmented verify takes bf16 or fp8; this is {c.p.q_dtype}/{c.p.kv_dtype}"
+    if q != kv and "fp8" not in (q, kv):
+        return (f"segmented verify reads a 16-bit q in the 16-bit cache's dtype; this is "
+                f"{c.p.q_dtype}/{c.p.kv_dtype}")
     return None
 
 
@@ -351,6 +363,139 @@ def _triton_arch(c: Context) -> str | None:
     return None
 
 
+def _triton_dots(c: Context) -> str | None:
+    sm = sm_number(c.arch.arch)
+    if sm is not None and sm < tables.TRITON_MIN_SM:
+        return f"the kernels' 16-bit dots need sm_80 or newer; this device is {c.arch.arch}"
+    return None
+
+
+def _triton_fp8_refusal(dtype: str, arch: ArchSpec) -> str | None:
+    if arch.vendor == "cpu":
+        return None  # the interpreter takes both formats
+    if arch.vendor == "nvidia":
+        if dtype != "fp8_e4m3fn":
+            return f"{dtype} is AMD's fp8 format (MI300); NVIDIA GPUs use fp8_e4m3fn"
+        if (sm_number(arch.arch) or 0) < tables.TRITON_FP8_MIN_SM:
+            return f"fp8 tensor-core dots need sm_89 or newer; this device is {arch.arch}"
+        return None
+    wanted = tables.TRITON_AMD_FP8.get(arch.arch)
+    if wanted is None:
+        return (f"no fp8 matrix support known for {arch.arch} (gfx942: e4m3fnuz, "
+                f"gfx950: e4m3fn)")
+    if dtype != wanted:
+        return f"{arch.arch} computes fp8 as {wanted}, not {dtype}"
+    return None
+
+
+def _triton_fp8(c: Context) -> str | None:
+    for dtype in sorted({c.p.q_dtype, c.p.kv_dtype} & FP8_DTYPES):
+        reason = _triton_fp8_refusal(dtype, c.arch)
+        if reason:
+            return reason
+    return None
+
+
+def _triton_interpreter(c: Context) -> str | None:
+    if c.arch.vendor == "cpu" and "bf16" in (c.p.q_dtype, c.p.kv_dtype):
+        return "the Triton interpreter computes bf16 dots wrongly; bf16 runs on GPUs"
+    return None
+
+
+def _triton_decode(c: Context) -> str | None:
+    if c.p.phase != "decode":
+        return f"decode routes serve phase 'decode', not {c.p.phase!r}"
+    return None
+
+
+def _triton_decode_dims(c: Context) -> str | None:
+    for name in ("kv_lora_rank", "rope_dim"):
+        value = getattr(c.p, name)
+        if not is_power_of_two(value) or value < tables.TRITON_MIN_DIM:
+            return f"{name} must be a power of two >= 16 for the kernel's tiles, got {value}"
+    return None
+
+
+def _triton_padded_heads(c: Context) -> str | None:
+    heads = c.p.kernel_heads
+    if heads > tables.TRITON_MAX_PADDED_HEADS and heads % tables.TRITON_PAD_MULTIPLE:
+        return f"{heads} kernel heads: padding serves up to 128 heads or multiples of 16"
+    return None
+
+
+def _triton_gluon(c: Context) -> str | None:
+    p = c.p
+    if p.kernel_heads > tables.TRITON_GLUON_MAX_HEADS:
+        return f"{p.kernel_heads} kernel heads: the small-head family serves < 16"
+    if p.dcp_size != 1:
+        return ("no DCP: a folded verify block cannot express per-rank windows "
+                "(cprr and segmented serve DCP)")
+    if p.qlen > tables.TRITON_GLUON_MAX_QLEN:
+        return (f"qlen {p.qlen} > {tables.TRITON_GLUON_MAX_QLEN}: the small-head family serves "
+                f"decode and verify up to {tables.TRITON_GLUON_MAX_QLEN} tokens")
+    if p.qlen > 1 and not p.causal:
+        return "non-causal verify: the small-head family always masks the block causally"
+    return None
+
+
+def _triton_cprr(c: Context) -> str | None:
+    if c.p.dcp_size == 1:
+        return "cprr serves DCP (dcp_size > 1) round-robin shards only"
+    top = tables.TRITON_CPRR_HEADS[-1]
+    if c.p.kernel_heads > top:
+        return (f"{c.p.kernel_heads} kernel heads > {top}: cprr pads to one of "
+                f"{tables.TRITON_CPRR_HEADS}")
+    return None
+
+
+def _triton_segmented(c: Context) -> str | None:
+    if c.p.dcp_size == 1:
+        return "segmented serves DCP verify: dcp_size must be > 1"
+    if c.p.qlen == 1:
+        return "segmented serves verify (qlen > 1); decode has no per-token windows"
+    if not c.p.causal:
+        return "segmented encodes causal windows in row lengths: causal only"
+    return None
+
+
+def _serves_prefill(route_id: str) -> Refusal:
+    def refuse(c: Context) -> str | None:
+        if c.p.phase != "prefill":
+            return f"{route_id} serves prefill only, not {c.p.phase}"
+        return None
+    return refuse
+
+
+def _prefill_dtypes(route_id: str, q_dtypes: frozenset[str], fp8_kv: bool) -> Refusal:
+    """q in ``q_dtypes`` over k/v in q's dtype (or in fp8 where ``fp8_kv``)."""
+    def refuse(c: Context) -> str | None:
+        q, kv = c.p.q_dtype, c.p.kv_dtype
+        if q not in q_dtypes or not (kv == q or (fp8_kv and kv in FP8_DTYPES)):
+            also = " or an fp8 kv" if fp8_kv else ""
+            return (f"{route_id} needs q and kv both in {sorted(q_dtypes)}{also}, got "
+                    f"q {q} with kv {kv}")
+        return None
+    return refuse
+
+
+def _prefill_dims(c: Context) -> str | None:
+    if split_head_dim(c.p.d_qk) is None:
+        return (f"d_qk {c.p.d_qk} is not a sum of two powers of two >= 16 "
+                f"(the kernel splits the q.k dot, e.g. 192 = 128 + 64)")
+    d_v = c.p.d_v
+    if d_v < tables.TRITON_MIN_DIM or not is_power_of_two(d_v):
+        return f"d_v {d_v} is not a power of two >= 16"
+    return None
+
+
+def _sdpa_dtypes(c: Context) -> str | None:
+    q, kv = c.p.q_dtype, c.p.kv_dtype
+    if q not in ("bf16", "fp16") or kv not in (q, *FP8_DTYPES):
+        return (f"sdpa/torch needs q bf16 or fp16 and kv in q's dtype or fp8, got "
+                f"q {q} with kv {kv}")
+    return None
+
+
 def _rule(rule_id: str, refuse: Refusal, source_key: str | None = None) -> Rule:
     return Rule(rule_id, refuse, source_key or rule_id)
 
@@ -358,6 +503,7 @@ def _rule(rule_id: str, refuse: Refusal, source_key: str | None = None) -> Rule:
 _AITER_DECODE = (
     _rule("aiter.amd", _amd),
     _rule("decode.phase", _decode, "aiter.amd"),
+    _rule("aiter.heads", _aiter_heads),
 )
 
 ROUTE_RULES: dict[str, tuple[Rule, ...]] = {
@@ -379,8 +525,6 @@ ROUTE_RULES: dict[str, tuple[Rule, ...]] = {
         _rule("aiter.fp8", _fp8_format),
         _rule("asm.dtypes", _asm_dtypes),
         _rule("decode.qlen", _decode_qlen),
-        _rule("asm.heads", _asm_heads),
-        _rule("asm.above128", _asm_above_128),
         _rule("asm.dcp", _asm_dcp_causal),
         _rule("asm.non_causal", _asm_non_causal),
         _rule("asm.non_causal_fp16", _asm_non_causal_fp16),
@@ -420,39 +564,69 @@ ROUTE_RULES: dict[str, tuple[Rule, ...]] = {
     ),
 }
 
-# Portable (Triton) routes: only where a Triton build exists and the phase fits. Their
-# shape rules arrive with the routes themselves.
-_TRITON_PREFILL_FAMILIES = ("fp8-ps", "prefill")
+# --- portable routes: mlatune's Triton kernels and torch --------------------------------
+_TRITON_DEVICE = (  # what the arch's dots take, after the route's own shape rules
+    _rule("triton.dots", _triton_dots),
+    _rule("triton.fp8", _triton_fp8),
+    _rule("triton.interpreter", _triton_interpreter),
+)
+_TRITON_DECODE = (
+    _rule("triton.arch", _triton_arch),
+    _rule("triton.decode", _triton_decode),
+    _rule("triton.decode.dims", _triton_decode_dims),
+    *_TRITON_DEVICE,
+)
 
 
-def _triton_rules(family: str) -> tuple[Rule, ...]:
-    phase = _prefill if family in _TRITON_PREFILL_FAMILIES else _decode
-    return (_rule("triton.arch", _triton_arch), _rule("triton.phase", phase, "triton.arch"))
+def _triton_prefill(route_id: str, q_dtypes: frozenset[str], fp8_kv: bool) -> tuple[Rule, ...]:
+    return (
+        _rule("triton.arch", _triton_arch),
+        _rule("triton.prefill", _serves_prefill(route_id)),
+        _rule("triton.prefill.dtypes", _prefill_dtypes(route_id, q_dtypes, fp8_kv)),
+        _rule("triton.prefill.dims", _prefill_dims),
+        *_TRITON_DEVICE,
+    )
+
+
+ROUTE_RULES.update({
+    "padded/triton": (*_TRITON_DECODE,
+                      _rule("triton.padded.heads", _triton_padded_heads)),
+    "gluon/triton": (*_TRITON_DECODE, _rule("triton.gluon", _triton_gluon)),
+    "cprr/triton": (*_TRITON_DECODE, _rule("triton.cprr", _triton_cprr)),
+    "segmented/triton": (*_TRITON_DECODE, _rule("triton.segmented", _triton_segmented)),
+    "fp8-ps/triton": _triton_prefill("fp8-ps/triton", FP8_DTYPES, fp8_kv=False),
+    "bf16-ps/triton": _triton_prefill("bf16-ps/triton", frozenset({"bf16", "fp16"}),
+                                      fp8_kv=True),
+    "sdpa/torch": (_rule("sdpa.prefill", _serves_prefill("sdpa/torch"), "sdpa.route"),
+                   _rule("sdpa.dtypes", _sdpa_dtypes, "sdpa.route")),
+    "reference/torch": (),  # eager fp32 torch: any problem on any device
+})
 
 
 def known(route_id: str) -> bool:
     """Whether the capability model has rules for this route id."""
-    return route_id in ROUTE_RULES or route_id.endswith("/triton")
+    return route_id in ROUTE_RULES
 
 
 def rules_for(route_id: str) -> tuple[Rule, ...]:
     if route_id in ROUTE_RULES:
         return ROUTE_RULES[route_id]
-    family, _, backend = route_id.partition("/")
-    if backend == "triton":
-        return _triton_rules(family)
     raise KeyError(f"no capability rules for route {route_id!r}; known: "
-                   f"{', '.join(ROUTE_RULES)} and any '<family>/triton'")
+                   f"{', '.join(ROUTE_RULES)}")
 
 
 def check(route_id: str, problem: MLAProblem, arch: str, *, native_h24: bool = False,
           force_gluon: bool = False) -> Ruling:
-    """Whether ``route_id`` can serve ``problem`` on ``arch``; the first refusing rule says why."""
+    """Whether ``route_id`` can serve ``problem`` on ``arch``; the first refusing rule says why.
+
+    ``arch`` is a planning arch (``ARCHS``), ``cpu``, or another ``sm_NN`` / ``gfxNNN`` a
+    route meets on the machine it runs on (``archs.spec_for``)."""
     rules = rules_for(route_id)
-    if arch not in ARCHS:
-        return Ruling(False, f"no capability entry for arch {arch!r} (known: {', '.join(ARCHS)})",
-                      "arch.unknown")
-    context = Context(problem, ARCHS[arch], native_h24, force_gluon)
+    spec = spec_for(arch)
+    if spec is None:
+        return Ruling(False, f"no capability entry for arch {arch!r} (known: {', '.join(ARCHS)}, "
+                             f"cpu, and any sm_NN / gfxNNN)", "arch.unknown")
+    context = Context(problem, spec, native_h24, force_gluon)
     for rule in rules:
         reason = rule.refuse(context)
         if reason:

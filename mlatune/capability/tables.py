@@ -4,8 +4,15 @@ Two seeds (in the shared seeds folder) are the sources: VLLM is vLLM's ROCm
 AITER MLA backend (`rocm_aiter_mla.py`), which states what each AITER route
 needs and where it aborts; GFX1250 is AITER PR 6563 and the commits it links,
 which state the gfx1250 decode rules. A few facts come from AITER's own
-source, named by path. Everything here is as those sources stood; a newer
-AITER may do more, which a sweep on the hardware will show.
+source, named by path. Where a rule is stricter than the seed it names the
+source that says so; otherwise the seed's answer stands. Everything here is as
+those sources stood; a newer AITER may do more, which a sweep on the hardware
+will show.
+
+The portable routes (``*/triton``, ``sdpa/torch``, ``reference/torch``) run
+mlatune's own kernels or torch: their rules come from those kernels (named by
+path) and from what Triton's dots take on each arch; the Triton decode
+families serve the problems the seed's route of the same name serves.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ MAX_DECODE_QLEN = 8  # the widest verify block any seed names (the qseqlen-8 ASM
 # --- Gluon small-head decode ------------------------------------------------------------
 GLUON_ARCHS = ("gfx950",)
 GLUON_MAX_HEADS = 15  # 16 and up take the ASM kernels
-GLUON_KV_DTYPES = ("bf16",)
+GLUON_KV_DTYPES = ("bf16", "fp16")  # 16-bit caches: only the fp8 regime is ruled out
 GLUON_DIVISOR_OF = 16  # single-token decode keeps Gluon for divisors of 16 unless forced
 GLUON_MAX_KV_CACHE_BYTES = 1 << 31  # past 2 GiB its unmasked loads read outside the cache
 
@@ -41,7 +48,6 @@ GLUON_MAX_KV_CACHE_BYTES = 1 << 31  # past 2 GiB its unmasked loads read outside
 ASM_DECODE_ARCHS = ("gfx942", "gfx950", "gfx1250")
 ASM_HEAD_MULTIPLE = 16  # the ASM decode runs a multiple of 16 heads...
 ASM_MAX_PADDED_HEADS = 128  # ...padding counts up to 128; above, only aligned counts
-ASM_ABOVE_128_ARCHS = ("gfx950",)  # the only arch with a path for > 128 aligned heads
 NATIVE_H24_ARCHS = ("gfx942", "gfx950")  # where a build's native 24-head kernels apply
 ASM_PADDED_MAX_PERSISTENT_QLEN = 4  # bf16/fp16, fewer than 16 real heads: persistent up to here
 ASM_NON_CAUSAL_ARCHS = ("gfx950",)
@@ -55,6 +61,18 @@ CPRR_MIN_QLEN = 3
 # --- segmented DCP verify (Triton) ------------------------------------------------------
 SEGMENTED_MAX_TILE = 128
 SEGMENTED_MIN_TILE = 16
+
+# --- the portable Triton routes ---------------------------------------------------------
+TRITON_PAD_MULTIPLE = 16  # padded/triton pads heads the seed's way: to a multiple of 16...
+TRITON_MAX_PADDED_HEADS = 128  # ...up to 128; above, aligned counts only
+TRITON_GLUON_MAX_HEADS = 15  # the small-head family: fewer than 16 kernel heads
+TRITON_GLUON_MAX_QLEN = 8  # decode and verify blocks up to 8 tokens
+TRITON_CPRR_HEADS = (16, 32, 64, 128)  # cprr/triton pads to the seed's native cprr counts
+TRITON_MIN_SM = 80  # bf16/fp16 tensor-core dots (mma m16n8k16)
+TRITON_FP8_MIN_SM = 89  # fp8 (e4m3fn) tensor-core dots
+TRITON_AMD_FP8 = {"gfx940": "fp8_e4m3fnuz", "gfx941": "fp8_e4m3fnuz", "gfx942": "fp8_e4m3fnuz",
+                  "gfx950": "fp8_e4m3fn"}  # the fp8 format each AMD arch's matrix cores take
+TRITON_MIN_DIM = 16  # a tl.dot operand side
 
 # --- FP8 persistent-scheduling prefill --------------------------------------------------
 FP8_PREFILL_ARCHS = ("gfx950",)
@@ -97,8 +115,10 @@ SOURCES: dict[str, Source] = {
                                "tiling needs ~160 KiB LDS, more than CDNA3's 64 KiB"),
     "gluon.heads": Source(VLLM, "use_gluon_decode / use_gluon_verify: 16 heads and up never take "
                                 "Gluon"),
-    "gluon.kv": Source(VLLM, "use_gluon_decode: Gluon's only fp8-KV regime (bh16bn128) asserts "
-                             "batch 1, so it cannot serve a batch"),
+    "gluon.kv": Source(VLLM, "use_gluon_decode / use_gluon_verify: Gluon's only fp8-KV regime "
+                             "(bh16bn128) asserts batch 1, so it cannot serve a batch; a 16-bit "
+                             "cache (the model dtype, bf16 or fp16: AiterMLABackend."
+                             "supported_dtypes) is not ruled out"),
     "gluon.divisor": Source(VLLM, "use_gluon_decode: in auto mode a single-token decode keeps "
                                   "Gluon only for head counts dividing 16; mode 'gluon' forces it"),
     "gluon.verify": Source(VLLM, "use_gluon_verify: Gluon masks the block causally with no off "
@@ -108,11 +128,13 @@ SOURCES: dict[str, Source] = {
     "gluon.cache": Source(VLLM, "_GLUON_MAX_KV_CACHE_BYTES: past 2 GiB per layer Gluon drops its "
                                 "bounds mask and reads outside the cache"),
     "asm.heads": Source(VLLM, "AiterMLAHelper.is_valid_num_heads / get_actual_mla_num_heads: pad "
-                              "to a multiple of 16 up to 128, aligned counts above; native 24 "
-                              "where the build has it"),
-    "asm.above128": Source("AITER aiter/mla.py mla_decode_fwd + " + GFX1250,
-                           "only gfx950 has a persistent path above 128 heads (bf16 native; fp8 "
-                           "144 folds since the shape-query work); gfx942 asserts"),
+                              "to a multiple of 16 up to 128, aligned counts above (on every "
+                              "arch: the helper has no arch condition); native 24 where the "
+                              "build has it"),
+    "aiter.heads": Source(VLLM, "AiterMLAImpl.__init__: check_num_heads_validity(num_heads) and "
+                                "check_num_heads_validity(_decode_num_heads): the heads per rank "
+                                "and the DCP-gathered count must both be positive and at most "
+                                "128 or a multiple of 16, whichever decode route runs"),
     "asm.dtypes": Source(VLLM, "_build_decode / __init__: over an fp8 cache the query is "
                                "quantized to fp8 and the schedule planned with fp8 q"),
     "asm.dcp": Source(VLLM, "DCP decode routing: the plain kernel applies causality on local "
@@ -139,11 +161,15 @@ SOURCES: dict[str, Source] = {
     "cprr.heads": Source(VLLM, "_asm_dcp_verify_heads: kernels exist at 16/32/64/128 gathered "
                                "heads; others pad up, above 128 none"),
     "cprr.dtypes": Source("AITER hsa/gfx950/mla/mla_asm.csv",
-                          "cprr kernels are a16w16 (bf16) and a8w8 (fp8) only"),
+                          "the rows with cprr=1 (mla_*_cprr_ps, lse and not) are qType/kvType "
+                          "bf16/bf16 and fp8/fp8 only: no fp16 cprr kernel, so an fp16 model "
+                          "has no round-robin decode (stricter than the seed, which does not "
+                          "check the dtype)"),
     "segmented.route": Source(VLLM, "_segmented_dcp_verify_supported / _select_dcp_decode_route: "
                                     "DCP > 1 with interleave 1, causal qlen > 1"),
-    "segmented.dtypes": Source(VLLM, "_forward_segmented_dcp_verify: bf16 or fp8 cache; an fp8 "
-                                     "query is dequantized to bf16 first"),
+    "segmented.dtypes": Source(VLLM, "forward_mqa / _forward_segmented_dcp_verify: a 16-bit cache "
+                                     "in the model dtype (bf16 or fp16) or an fp8 one, whose "
+                                     "non-bf16 query is converted to bf16 first"),
     "segmented.tile": Source(VLLM + " + AITER aiter/ops/triton/_triton_kernels/attention/mla.py"
                              " + Triton third_party/amd/backend/compiler.py min_dot_size",
                              "_segmented_mla_page_size: the tile is the page (at most 128); it is "
@@ -157,5 +183,50 @@ SOURCES: dict[str, Source] = {
     "fp8ps.shape": Source(VLLM + " + AITER hsa/gfx950/mla/mla_asm.csv",
                           "_build_fp8_prefill_ps_metadata: causal, kv_indptr = qo_indptr (no "
                           "chunked context); kernel mla_pfl_qh192_vh128"),
-    "triton.arch": Source("DESIGN.md", "portable Triton routes build for every GPU arch here"),
+    # --- portable routes ---------------------------------------------------------------
+    "triton.arch": Source("mlatune/kernels/__init__.py",
+                          "the */triton routes run plain Triton kernels, which build for every "
+                          "NVIDIA and AMD GPU arch here (and run in the CPU interpreter)"),
+    "triton.dots": Source("Triton third_party/nvidia (MMAv2 / mma.sync m16n8k16)",
+                          "bf16 and fp16 tensor-core dots need sm_80 (Ampere) or newer"),
+    "triton.fp8": Source("Triton tl.dot fp8 operands + AITER aiter/utility/dtypes.py",
+                         "NVIDIA fp8 dots are e4m3fn from sm_89; AMD's matrix cores take "
+                         "e4m3fnuz on gfx940-gfx942 (CDNA3) and OCP e4m3fn on gfx950 (CDNA4); "
+                         "no other AMD arch's fp8 is known to these kernels"),
+    "triton.interpreter": Source("mlatune/routes/triton_support.py (measured, Triton 3.6 and 3.9)",
+                                 "the Triton interpreter computes bf16 tl.dot wrongly (errors to "
+                                 "1e10), so bf16 runs on GPUs only"),
+    "triton.decode": Source("mlatune/routes/triton_decode.py",
+                            "the Triton decode families are decode kernels (the absorbed form)"),
+    "triton.decode.dims": Source("mlatune/kernels/attend.py",
+                                 "q rows and KV tiles are loaded with tl.arange over kv_lora_rank "
+                                 "and rope_dim, so each is a power of two, and a dot operand "
+                                 "side is at least 16"),
+    "triton.padded.heads": Source(VLLM, "AiterMLAHelper.is_valid_num_heads: the padded family "
+                                        "pads the gathered heads as the seed does, to a multiple "
+                                        "of 16 up to 128 and aligned counts above"),
+    "triton.gluon": Source(VLLM, "use_gluon_decode / use_gluon_verify: the small-head family "
+                                 "serves fewer than 16 heads, decode and causal verify (Gluon "
+                                 "masks the block causally), no DCP (its MTP entry cannot "
+                                 "express per-rank windows); verify blocks up to the widest "
+                                 "decode entry, qseqlen 8"),
+    "triton.cprr": Source(VLLM, "_asm_dcp_verify_heads / DCP decode routing: cprr serves DCP "
+                                "round-robin shards with the gathered heads padded to "
+                                "16/32/64/128, none above"),
+    "triton.segmented": Source(VLLM, "_segmented_dcp_verify_supported / _select_dcp_decode_route:"
+                                     " segmented serves DCP causal verify (qlen > 1) with one "
+                                     "single-query row per token"),
+    "triton.prefill": Source("mlatune/routes/prefill_triton.py",
+                             "fp8-ps/triton and bf16-ps/triton run the persistent varlen prefill "
+                             "kernel (the non-absorbed form)"),
+    "triton.prefill.dtypes": Source("mlatune/kernels/prefill.py + " + VLLM,
+                                    "fp8-ps reads fp8 q/k/v with per-tensor scales (the seed's "
+                                    "_mla_fp8_prefill_attn); bf16-ps reads a 16-bit q over k/v "
+                                    "in q's type or in fp8, converted to q's type as it loads"),
+    "triton.prefill.dims": Source("mlatune/kernels/prefill.py + prefill_plan.split_head_dim",
+                                  "the q.k dot is split in two power-of-two parts >= 16 "
+                                  "(192 = 128 + 64); d_v is one power of two >= 16"),
+    "sdpa.route": Source("torch.nn.functional.scaled_dot_product_attention",
+                         "a prefill (dense q/k/v) attention; takes bf16 or fp16 q with k/v in "
+                         "q's dtype, so the route dequantizes an fp8 k/v into q's dtype"),
 }

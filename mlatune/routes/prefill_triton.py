@@ -20,9 +20,8 @@ import torch
 
 from mlatune.arch import DeviceInfo, device_of
 from mlatune.check.inputs import DecodeInputs, PrefillInputs
-from mlatune.kernels.prefill_plan import split_head_dim
 from mlatune.problem import DTYPES, FP8_DTYPES, MLAProblem
-from mlatune.routes.base import HOST_PLANNED, YES, Params, Prepared, StepKind, Verdict, no
+from mlatune.routes.base import HOST_PLANNED, Params, Prepared, StepKind, Verdict
 from mlatune.routes.triton_support import triton_verdict
 
 TILE_Q = 256  # query rows per work tile, as in AITER's FP8 prefill
@@ -50,16 +49,6 @@ def padded_heads(num_heads: int) -> int:
     return -(-num_heads // HEAD_ALIGN) * HEAD_ALIGN
 
 
-def _shape_verdict(problem: MLAProblem) -> Verdict:
-    if split_head_dim(problem.d_qk) is None:
-        return no(f"d_qk {problem.d_qk} is not a sum of two powers of two >= 16 "
-                  f"(the kernel splits the q.k dot, e.g. 192 = 128 + 64)")
-    d_v = problem.d_v
-    if d_v < 16 or d_v & (d_v - 1):
-        return no(f"d_v {d_v} is not a power of two >= 16")
-    return YES
-
-
 def _shared_bytes(config: tuple[int, int, int, int], problem: MLAProblem) -> int:
     """Rough shared memory of a config: q tile plus num_stages k/v tiles."""
     block_m, block_n, _, stages = config
@@ -68,23 +57,13 @@ def _shared_bytes(config: tuple[int, int, int, int], problem: MLAProblem) -> int
 
 
 class _PersistentPrefillRoute:
+    """Which problems it serves (phase, dtypes, head dims, the arch's dots) is the
+    capability model's: capability.rules, the ``fp8-ps/triton`` / ``bf16-ps/triton`` entries."""
+
     id: str
-    dtypes: frozenset[str]  # q's
-    fp8_kv: bool  # also serves an fp8 k/v under a q of another type
 
     def supports(self, problem: MLAProblem, device: DeviceInfo) -> Verdict:
-        if problem.phase != "prefill":
-            return no(f"{self.id} serves prefill only, not {problem.phase}")
-        kv_ok = problem.kv_dtype == problem.q_dtype or \
-            (self.fp8_kv and problem.kv_dtype in FP8_DTYPES)
-        if problem.q_dtype not in self.dtypes or not kv_ok:
-            also = " or an fp8 kv" if self.fp8_kv else ""
-            return no(f"{self.id} needs q and kv both in {sorted(self.dtypes)}{also}, got "
-                      f"q {problem.q_dtype} with kv {problem.kv_dtype}")
-        shape = _shape_verdict(problem)
-        if not shape:
-            return shape
-        return triton_verdict(problem, device)
+        return triton_verdict(self.id, problem, device)
 
     def step_kind(self, params: Params) -> StepKind:
         return HOST_PLANNED  # the tile schedule is planned from cu_seqlens on the host
@@ -164,11 +143,7 @@ class _PersistentPrefillRoute:
 
 class FP8PersistentPrefillRoute(_PersistentPrefillRoute):
     id = "fp8-ps/triton"
-    dtypes = FP8_DTYPES
-    fp8_kv = False
 
 
 class BF16PersistentPrefillRoute(_PersistentPrefillRoute):
     id = "bf16-ps/triton"
-    dtypes = frozenset({"bf16", "fp16"})
-    fp8_kv = True

@@ -31,8 +31,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mlatune.arch import DeviceInfo
 from mlatune.check.inputs import DecodeInputs, PrefillInputs
-from mlatune.problem import FP8_DTYPES, MLAProblem
-from mlatune.routes.base import HOST_PLANNED, YES, Params, Prepared, StepKind, Verdict, no
+from mlatune.problem import MLAProblem
+from mlatune.routes.base import HOST_PLANNED, Params, Prepared, StepKind, Verdict
+from mlatune.routes.triton_support import ruled
 
 # Fastest first where several serve (cuDNN and flash are Hopper-tuned); math is the fallback.
 BACKENDS: dict[str, SDPBackend] = {
@@ -86,13 +87,8 @@ class SdpaPrefillRoute:
     id = "sdpa/torch"
 
     def supports(self, problem: MLAProblem, device: DeviceInfo) -> Verdict:
-        if problem.phase != "prefill":
-            return no(f"{self.id} serves prefill only, not {problem.phase}")
-        if problem.q_dtype not in ("bf16", "fp16") or \
-                problem.kv_dtype not in (problem.q_dtype, *FP8_DTYPES):
-            return no(f"{self.id} needs q bf16 or fp16 and kv in q's dtype or fp8, got "
-                      f"q {problem.q_dtype} with kv {problem.kv_dtype}")
-        return YES
+        """The capability rules (capability.rules, ``sdpa/torch``): torch is always here."""
+        return ruled(self.id, problem, device)
 
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
         return [{}]  # the backend is found by trying, in prepare

@@ -32,16 +32,18 @@ from dataclasses import dataclass
 import torch
 
 from mlatune.arch import DeviceInfo, device_of
+from mlatune.capability import tables
 from mlatune.check.inputs import DecodeInputs, PrefillInputs
-from mlatune.problem import DTYPES, MLAProblem, is_power_of_two, next_power_of_two
-from mlatune.routes.base import LAUNCH_ONLY, YES, Params, Prepared, StepKind, Verdict, no
+from mlatune.problem import DTYPES, MLAProblem, next_power_of_two
+from mlatune.routes.base import LAUNCH_ONLY, Params, Prepared, StepKind, Verdict
 from mlatune.routes.triton_support import triton_verdict
 
 DEVICE_PLANNED = StepKind("device", True)  # the persistent and segmented step plans
 
-PAD_MULTIPLE = 16  # the padded family's head granularity
-CPRR_HEADS = (16, 32, 64, 128)  # the head counts cprr kernels exist at
-GLUON_MAX_QLEN = 8
+# Which problems each family serves is the capability model's (capability.rules, the
+# ``*/triton`` entries); these are the numbers the kernels are laid out with.
+PAD_MULTIPLE = tables.TRITON_PAD_MULTIPLE  # the padded family's head granularity
+CPRR_HEADS = tables.TRITON_CPRR_HEADS  # the head counts cprr pads to
 SPLIT_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128)
 MAX_BLOCK_M = 64  # a 64 x 512 fp32 accumulator already fills two warpgroups' registers
 
@@ -64,34 +66,19 @@ def row_padding(q_heads: int, target: int) -> tuple[int, int]:
     return target, 1
 
 
-def _triton_verdict(problem: MLAProblem, device: DeviceInfo) -> Verdict:
-    """What every Triton decode route needs, whatever the family."""
-    if problem.phase != "decode":
-        return no(f"decode routes serve phase 'decode', not {problem.phase!r}")
-    for name in ("kv_lora_rank", "rope_dim"):
-        value = getattr(problem, name)
-        if not is_power_of_two(value) or value < 16:
-            return no(f"{name} must be a power of two >= 16 for the kernel's tiles, got {value}")
-    return triton_verdict(problem, device)
-
-
 class _TritonDecodeRoute:
     """The shared shape of the split-KV families; subclasses say which heads and problems."""
 
     id = ""
     sized_params = ("num_splits",)  # derived from batch and KV length (base.params_at)
 
-    # -- family rules ---------------------------------------------------------------
-    def _family_verdict(self, problem: MLAProblem) -> Verdict:
-        raise NotImplementedError
-
+    # -- family rules: capability.rules ----------------------------------------------
     def _padded_heads(self, problem: MLAProblem) -> int:
         """Heads per token the kernel's rows hold (the padding target)."""
         raise NotImplementedError
 
     def supports(self, problem: MLAProblem, device: DeviceInfo) -> Verdict:
-        verdict = _triton_verdict(problem, device)
-        return verdict if not verdict else self._family_verdict(problem)
+        return triton_verdict(self.id, problem, device)
 
     # -- parameters -----------------------------------------------------------------
     def _rows_per_group(self, problem: MLAProblem) -> int:
@@ -288,12 +275,6 @@ class PaddedTritonRoute(_TritonDecodeRoute):
     def _padded_heads(self, problem: MLAProblem) -> int:
         return -(-problem.kernel_heads // PAD_MULTIPLE) * PAD_MULTIPLE
 
-    def _family_verdict(self, problem: MLAProblem) -> Verdict:
-        heads = problem.kernel_heads
-        if heads > 128 and heads % PAD_MULTIPLE:
-            return no(f"{heads} kernel heads: padding serves up to 128 heads or multiples of 16")
-        return YES
-
     def _variants(self, problem: MLAProblem, device: DeviceInfo, tiles: list[Params]
                   ) -> list[Params]:
         persistent = [{k: v for k, v in t.items() if k != "num_splits"} | {"persistent": True}
@@ -309,19 +290,6 @@ class GluonTritonRoute(_TritonDecodeRoute):
     def _padded_heads(self, problem: MLAProblem) -> int:
         return problem.kernel_heads
 
-    def _family_verdict(self, problem: MLAProblem) -> Verdict:
-        if problem.kernel_heads >= PAD_MULTIPLE:
-            return no(f"{problem.kernel_heads} kernel heads: the small-head family serves < 16")
-        if problem.dcp_size != 1:
-            return no("no DCP: a folded verify block cannot express per-rank windows "
-                      "(cprr and segmented serve DCP)")
-        if problem.qlen > GLUON_MAX_QLEN:
-            return no(f"qlen {problem.qlen} > {GLUON_MAX_QLEN}: the small-head family serves "
-                      f"decode and verify up to {GLUON_MAX_QLEN} tokens")
-        if problem.qlen > 1 and not problem.causal:
-            return no("non-causal verify: the small-head family always masks the block causally")
-        return YES
-
 
 class CprrTritonRoute(_TritonDecodeRoute):
     """DCP round-robin decode/verify, heads padded to 16/32/64/128, global causal window."""
@@ -330,14 +298,6 @@ class CprrTritonRoute(_TritonDecodeRoute):
 
     def _padded_heads(self, problem: MLAProblem) -> int:
         return next(h for h in CPRR_HEADS if h >= problem.kernel_heads)
-
-    def _family_verdict(self, problem: MLAProblem) -> Verdict:
-        if problem.dcp_size == 1:
-            return no("cprr serves DCP (dcp_size > 1) round-robin shards only")
-        if problem.kernel_heads > CPRR_HEADS[-1]:
-            return no(f"{problem.kernel_heads} kernel heads > {CPRR_HEADS[-1]}: cprr pads to "
-                      f"one of {CPRR_HEADS}")
-        return YES
 
 
 class SegmentedTritonRoute(_TritonDecodeRoute):
@@ -354,15 +314,6 @@ class SegmentedTritonRoute(_TritonDecodeRoute):
 
     def _groups(self, problem: MLAProblem) -> int:
         return problem.batch * problem.qlen
-
-    def _family_verdict(self, problem: MLAProblem) -> Verdict:
-        if problem.dcp_size == 1:
-            return no("segmented serves DCP verify: dcp_size must be > 1")
-        if problem.qlen == 1:
-            return no("segmented serves verify (qlen > 1); decode has no per-token windows")
-        if not problem.causal:
-            return no("segmented encodes causal windows in row lengths: causal only")
-        return YES
 
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
         space = []

@@ -1,8 +1,11 @@
 """`mlatune plan`: which routes a sweep would run on an arch, and why the others would not.
 
-Planning needs no GPU: routes the capability model knows are judged by its
-rules alone (the probe of an installed kernel library only means something on
-the target machine); other routes answer through their own ``supports``.
+Planning needs no GPU: every built-in route's rules live in ``mlatune.capability``,
+and a plan is those rules' answer for the arch. A route's ``supports`` is the same
+rules plus its probe of the machine it runs on (the installed AITER, FlashMLA,
+FlashInfer or Triton; the CPU interpreter), which only means something there: the
+plan says it was not applied. Routes the capability model does not know (plugins)
+answer through their own ``supports``.
 """
 
 from __future__ import annotations
@@ -28,14 +31,13 @@ class PlanRow:
 
 
 def verdict(route: routes.Route, problem: MLAProblem, device: DeviceInfo) -> tuple[bool, str]:
-    """The capability rules, then the route's own answer where it can be asked without the
-    target machine (every route but AITER's, whose answer probes the installed AITER)."""
+    """The capability rules' answer, worded as ``route.supports`` words a refusal; a route the
+    rules do not know answers itself."""
     if capability.known(route.id):
         ruling = capability.check(route.id, problem, device.arch, force_gluon=gluon_forced())
         if not ruling.ok:
             return False, f"rule {ruling.rule}: {ruling.reason}"
-        if route.id.endswith("/aiter"):
-            return True, ruling.reason
+        return True, ruling.reason
     answer = route.supports(problem, device)
     return answer.ok, answer.reason
 
