@@ -34,6 +34,7 @@ file held (``mlatune upgrade`` writes a v1 table back as v2).
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 import math
 import os
@@ -89,11 +90,16 @@ def _has_type(series: pd.Series, name: str) -> bool:
     return series.dtype == _dtype(name)
 
 
+def _gzipped(path: str | os.PathLike) -> bool:
+    """A ``.csv.gz`` table: CSV, gzip-compressed (how a large table ships in the repo)."""
+    return Path(path).name.lower().endswith(".csv.gz")
+
+
 def format_of(path: str | os.PathLike) -> str:
-    suffix = Path(path).suffix.lower().lstrip(".")
+    suffix = "csv" if _gzipped(path) else Path(path).suffix.lower().lstrip(".")
     if suffix not in FORMATS:
         raise TableError(f"{path}: unknown table format {Path(path).suffix or '(no suffix)'!r}; "
-                         f"expected .parquet or .csv")
+                         f"expected .parquet, .csv or .csv.gz")
     return suffix
 
 
@@ -259,7 +265,10 @@ def write(frame: pd.DataFrame, path: str | os.PathLike, fmt: str | None = None) 
         # field is quoted, so a stray carriage return in a reason cannot end a row.
         text = _csv_safe(frame).to_csv(index=False, na_rep="", lineterminator="\n",
                                        quoting=csv.QUOTE_ALL)
-        atomic_write(path, lambda h: h.write(text.encode()))
+        data = text.encode()
+        if _gzipped(path):
+            data = gzip.compress(data, mtime=0)  # mtime 0: the same table, the same bytes
+        atomic_write(path, lambda h: h.write(data))
     else:
         raise TableError(f"{path}: unknown table format {fmt!r}; expected one of {FORMATS}")
     return path
@@ -334,6 +343,11 @@ def _read_csv(path: Path) -> tuple[pd.DataFrame, list[str], set[str]]:
         raise TableError(f"{path}: cannot read ({_one_line(exc)})") from None
     if not data:
         raise TableError(f"{path}: empty file")
+    if _gzipped(path):
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError) as exc:
+            raise TableError(f"{path}: not a readable gzip file ({_one_line(exc)})") from None
     # The writer ends every row with a newline: a file that does not end with
     # one was cut short (a cut exactly at a row boundary cannot be detected).
     if not data.endswith(b"\n"):
