@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 from nearest_loo import Measured, best_times, nearest_loo, regret, summary
 
-from mlatune import table
+from mlatune import capability, table
 from mlatune.dispatch import Dispatcher
 from mlatune.dispatch.predict import Predictor, rows_from_journal, rows_from_table
 from mlatune.problem import MLAProblem
@@ -44,11 +44,17 @@ Calibration = list[tuple[float, float, float]]
 
 
 def _usable(measured: Measured, problem: MLAProblem) -> Callable[[str], bool]:
-    """As the dispatcher asks: the route is registered here and supports the problem."""
+    """As the dispatcher asks when planning for the table's device: the route is
+    registered here and the capability rules let it serve the problem (this machine's
+    libraries do not count: FlashMLA need not be installed to judge its rows)."""
     def usable(route_id: str) -> bool:
         route = measured.routes.get(route_id)
+        if route is None:
+            return False
+        if capability.known(route_id):
+            return capability.check(route_id, problem, measured.device.arch).ok
         try:
-            return route is not None and bool(route.supports(problem, measured.device).ok)
+            return bool(route.supports(problem, measured.device).ok)
         except Exception:
             return False
     return usable

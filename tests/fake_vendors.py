@@ -83,6 +83,9 @@ class FakeFlashMLA:
                                  softmax_scale, causal and s > 1,
                                  float(descale_q) if fp8 else 1.0,
                                  float(descale_k) if fp8 else 1.0)
+        # Rows with no keys: the kernel leaves NaN and +inf there (as seen on the H200).
+        empty = planned == 0
+        out[empty], lse[empty] = float("nan"), float("inf")
         return out.to(torch.bfloat16), lse.permute(0, 2, 1).contiguous()
 
     # legacy interface ------------------------------------------------------------

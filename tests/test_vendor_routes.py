@@ -11,7 +11,7 @@ from mlatune import routes
 from mlatune.arch import DeviceInfo
 from mlatune.check import reference
 from mlatune.check.accuracy import check
-from mlatune.check.inputs import make_inputs, poison_
+from mlatune.check.inputs import make_inputs, poison_, shard_lengths
 from mlatune.problem import MLAProblem
 from mlatune.routes import flashinfer, flashmla
 from mlatune.sweep.merge import merge_ranks_into
@@ -195,3 +195,44 @@ def test_flashinfer_missing_names_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "flashinfer", None)
     verdict = routes.get("fa2/flashinfer").supports(decode(), H200)
     assert not verdict and "pip install flashinfer-python apache-tvm-ffi" in verdict.reason
+
+
+def test_flashmla_shard_rows_without_keys_merge_as_empty(monkeypatch):
+    """A request shorter than the DCP size has no keys on some rank: FlashMLA's row there
+    (NaN, +inf in the fake, as seen on the H200) becomes the merge's empty partial."""
+    FakeFlashMLA().install(monkeypatch)
+    problem = decode(dcp_size=2)
+    route = routes.get("dense/flashmla")
+    inputs = make_inputs(problem, seed=4, ragged=True)
+    inputs.seq_lens[0] = 1  # rank 1 holds none of request 0's keys
+    for shard in inputs.shards:
+        shard.seq_lens.copy_(shard_lengths(inputs.seq_lens, shard.rank, 2))
+    assert int(inputs.shards[1].seq_lens[0]) == 0
+    prepared = [route.prepare(problem, inputs, rank=r) for r in range(2)]
+    for p in prepared:
+        p.step()
+    assert torch.isneginf(prepared[1].lse[0]).all() and (prepared[1].out[0] == 0).all()
+    out, lse = torch.empty_like(prepared[0].out), torch.empty_like(prepared[0].lse)
+    merge_ranks_into(torch.stack([p.out for p in prepared]),
+                     torch.stack([p.lse for p in prepared]), out, lse)
+    want_out, want_lse = reference.run(inputs)
+    assert check(problem, out, want_out, lse, want_lse).ok
+
+
+def test_the_dispatcher_skips_a_missing_library_here_but_not_when_planning(monkeypatch,
+                                                                           tmp_path):
+    from mlatune import table
+    from mlatune.dispatch import Dispatcher
+    from tests.table_helpers import make_table, result_row
+
+    monkeypatch.setitem(sys.modules, "flash_mla", None)
+    for name in ("vllm", "vllm.attention.ops.flashmla", "vllm.v1.attention.ops.flashmla"):
+        monkeypatch.setitem(sys.modules, name, None)
+    problem = decode(num_heads=16, batch=64, kv_len=4096)
+    rows = [result_row(problem, "dense/flashmla", 50.0), result_row(problem, "padded/triton", 80.0)]
+    path = table.write(make_table(rows), tmp_path / "sm_90-h200.parquet")
+    here = Dispatcher.load(path, device=H200)  # this machine: FlashMLA does not import
+    assert here.select(problem).route_id == "padded/triton"
+    cpu = DeviceInfo("cpu", "cpu", "cpu", 2)
+    planning = Dispatcher.load(path, device=cpu, allow_arch="sm_90")  # for the H200
+    assert planning.select(problem).route_id == "dense/flashmla"

@@ -7,7 +7,7 @@ Sources are the libraries' own interfaces as installed here (named per rule).
 
 from __future__ import annotations
 
-from mlatune.capability.rules import Context, Rule
+from mlatune.capability.rules import Context, Rule, _arch_in, _decode  # shared with AITER's
 from mlatune.capability.tables import Source
 from mlatune.problem import FP8_DTYPES
 
@@ -43,18 +43,6 @@ VENDOR_SOURCES: dict[str, Source] = {
     "flashinfer.dtypes": Source(_FLASHINFER, "plan: kv bf16/fp16 with the same q dtype, or an "
                                              "e4m3fn cache with a bf16 q on SM90 (fa2/fa3)"),
 }
-
-
-def _nvidia_arch(archs: tuple[str, ...], what: str):
-    def refuse(c: Context) -> str | None:
-        if c.arch.arch not in archs:
-            return f"{what} is built for {'/'.join(archs)} only; this is {c.arch.arch}"
-        return None
-    return refuse
-
-
-def _decode(c: Context) -> str | None:
-    return None if c.p.phase == "decode" else "a decode route; this is a prefill problem"
 
 
 def _dims(c: Context) -> str | None:
@@ -109,7 +97,7 @@ _FLASHINFER_COMMON = (
 
 VENDOR_RULES: dict[str, tuple[Rule, ...]] = {
     "dense/flashmla": (
-        _r("flashmla.arch", _nvidia_arch(FLASHMLA_ARCHS, "FlashMLA's dense decode")),
+        _r("flashmla.arch", _arch_in(FLASHMLA_ARCHS, "FlashMLA's dense decode")),
         _r("vendor.decode", _decode, "vendor.dims"),
         _r("vendor.dims", _dims),
         _r("flashmla.page", _flashmla_page),
@@ -117,11 +105,11 @@ VENDOR_RULES: dict[str, tuple[Rule, ...]] = {
         _r("vendor.dcp", _dcp_causal),
     ),
     "fa3/flashinfer": (
-        _r("flashinfer.fa3", _nvidia_arch(FLASHINFER_FA3_ARCHS, "FlashInfer's fa3 MLA")),
+        _r("flashinfer.fa3", _arch_in(FLASHINFER_FA3_ARCHS, "FlashInfer's fa3 MLA")),
         *_FLASHINFER_COMMON,
     ),
     "fa2/flashinfer": (
-        _r("flashinfer.fa2", _nvidia_arch(FLASHINFER_FA2_ARCHS, "FlashInfer's fa2 MLA")),
+        _r("flashinfer.fa2", _arch_in(FLASHINFER_FA2_ARCHS, "FlashInfer's fa2 MLA")),
         *_FLASHINFER_COMMON,
     ),
 }

@@ -57,6 +57,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from mlatune import capability
 from mlatune.arch import CPU_ARCH, DeviceInfo, current_device
 from mlatune.dispatch import environment
 from mlatune.errors import TableError
@@ -235,7 +236,7 @@ class Dispatcher:
                  provenance: Sequence[Mapping[str, Any]] = (),
                  skipped_routes: Mapping[str, int] | None = None,
                  failed: Mapping[str, Failures] | None = None, capturable: bool = False,
-                 environment_differences: Sequence[str] = ()):
+                 environment_differences: Sequence[str] = (), planning: bool = False):
         """Built by ``load``: ``entries`` name only routes in ``routes`` (the registry
         snapshot they were filtered with); ``skipped_routes`` counts the rows dropped;
         ``failed`` holds, per measured key, the routes whose row there is not ok;
@@ -243,6 +244,9 @@ class Dispatcher:
         here (``mlatune.dispatch.environment``)."""
         self.device = device
         self.capturable = capturable
+        # Answering for another machine (allow_arch): support is the capability rules', as
+        # `mlatune plan` says it; this machine's libraries (FlashMLA, AITER) do not count.
+        self.planning = planning
         # A number that names this dispatcher where only numbers pass (the custom op).
         self.handle = next(_HANDLES)
         _BY_HANDLE[self.handle] = self
@@ -356,8 +360,12 @@ class Dispatcher:
 
     def _supports(self, route_id: str, problem: MLAProblem, notes: list[str] | None) -> bool:
         try:
-            verdict = self.routes[route_id].supports(problem, self.device)
-            ok, reason = bool(verdict.ok), verdict.reason
+            if self.planning and capability.known(route_id):
+                ruling = capability.check(route_id, problem, self.device.arch)
+                ok, reason = ruling.ok, f"rule {ruling.rule}: {ruling.reason}"
+            else:
+                verdict = self.routes[route_id].supports(problem, self.device)
+                ok, reason = bool(verdict.ok), verdict.reason
         except Exception as exc:  # a broken route is a refusal: select must not raise
             ok, reason = False, f"supports() raised {type(exc).__name__}: {exc}"
         if not ok and notes is not None:
@@ -505,6 +513,7 @@ class Dispatcher:
         routes = registered_routes()
         entries, skipped, failed = source.entries(chosen, set(routes), capturable)
         dispatcher = cls(device, entries, routes=routes, source=str(path), table_device=chosen,
+                         planning=allow_arch is not None,
                          provenance=provenance, skipped_routes=skipped, failed=failed,
                          capturable=capturable, environment_differences=differences)
         environment.warn_once(str(path), differences)

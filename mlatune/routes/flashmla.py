@@ -123,6 +123,16 @@ def quantize_q_(q: torch.Tensor, q8: torch.Tensor, descale: torch.Tensor) -> Non
     q8.copy_((q.float() / descale).clamp(-FP8_MAX, FP8_MAX))
 
 
+def _empty_as_merge_expects(lens: torch.Tensor, qlen: int, out: torch.Tensor,
+                            lse: torch.Tensor, empty: torch.Tensor) -> None:
+    """Rows of requests with no keys on this shard: output 0 and LSE -inf, as the DCP
+    merge reads an empty partial. FlashMLA's rows there came back NaN or inf on the H200
+    (2026-11-30 sweep: ragged DCP-2/4 problems rejected for it); on the device, in place."""
+    empty.copy_(torch.eq(lens, 0)[:, None].expand(-1, qlen).reshape(-1, 1))
+    out.masked_fill_(empty.unsqueeze(-1), 0.0)
+    lse.masked_fill_(empty, float("-inf"))
+
+
 class FlashMLARoute:
     """FlashMLA's dense Hopper decode; bf16, or an fp8 cache through its fp8 path."""
 
@@ -168,6 +178,8 @@ class FlashMLARoute:
             descale_q = inputs.q_scale
         causal = problem.causal and s > 1
         scale = inputs.softmax_scale
+        empty_rows = (torch.empty(b * s, 1, dtype=torch.bool, device=q4.device)
+                      if problem.dcp_size > 1 else None)
         state: dict[str, object] = {}
 
         def plan() -> None:  # FlashMLA's scheduler over this step's lengths, on the device
@@ -181,9 +193,12 @@ class FlashMLARoute:
             out, lse = lib.decode(q_in, kv4, shard.block_table, shard.seq_lens, problem.d_v, scale,
                                   causal,
                                   state["meta"], descale_q, inputs.kv_scale if fp8 else None)
-            prepared.out = out.view(b * s, h, out.shape[-1])
+            out, lse = out.view(b * s, h, out.shape[-1]), lse.transpose(1, 2).reshape(b * s, h)
+            if empty_rows is not None:  # a DCP shard can hold no keys of a request
+                _empty_as_merge_expects(shard.seq_lens, s, out, lse, empty_rows)
+            prepared.out = out
             if prepared.lse is not None:
-                prepared.lse = lse.transpose(1, 2).reshape(b * s, h)
+                prepared.lse = lse
 
         plan()
         out = torch.empty(b * s, h, problem.d_v, dtype=torch.bfloat16, device=q4.device)
