@@ -64,6 +64,9 @@ PLAN_LIMIT = 1024
 
 _plans: weakref.WeakKeyDictionary[Dispatcher, dict[tuple, DecodeStep]] = \
     weakref.WeakKeyDictionary()
+# Per dispatcher, by the length tensors (and call options), the step that last planned.
+_planners: weakref.WeakKeyDictionary[Dispatcher, dict[tuple, DecodeStep]] = \
+    weakref.WeakKeyDictionary()
 _default: dict[bool, Dispatcher] = {}  # by capturable
 
 
@@ -82,6 +85,7 @@ class DecodeStep:
     out: torch.Tensor  # what the call returns: the caller's out= or the route's own
     lse: torch.Tensor | None
     buffers: dict  # the caller's out=/lse= when the route writes into them
+    planner: DecodeStep | None = None  # the step whose device plan this one reads
 
     def __post_init__(self) -> None:
         kind = self.prepared.step_kind
@@ -115,14 +119,18 @@ class DecodeStep:
         self.step()
 
     def step(self) -> None:
-        if self.local_lens is not None:
+        plans = self.planner is None  # else the planner's call planned this step already
+        if self.local_lens is not None and plans:
             _fill_local_lens(self.local_lens, self.inputs.seq_lens, self.rank,
                              self.problem.dcp_size)
         if self.host_planned and not self.fresh:  # planned on the host: prepare again
             self.prepared = _prepare(self.route, self.problem, self.inputs, self.rank,
                                      self.choice, self.lse is not None, self.buffers)
         self.fresh = False
-        self.prepared.step()
+        if plans or self.host_planned:
+            self.prepared.step()
+        else:
+            self.prepared.run()
         if self.out is not self.prepared.out:  # a route that cannot write into out=
             self.out.copy_(self.prepared.out)
             if self.lse is not None and self.lse is not self.prepared.lse:
@@ -168,6 +176,7 @@ def decode(
     kv_lora_rank: int = 512,
     return_lse: bool = False,
     capturable: bool | None = None,
+    reuse_plan: bool = False,
     dispatcher: Dispatcher | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """MLA decode (qlen 1) or speculative verify (qlen > 1) for one DCP rank.
@@ -185,6 +194,11 @@ def decode(
     (batch * qlen, num_heads * dcp_size) fp32: buffers the caller owns, written in
     place and returned. ``capturable``: only routes whose step a CUDA graph can
     replay with new lengths; None: True while the current stream is capturing.
+    ``reuse_plan``: read the device plan that the last call with these ``seq_lens`` and
+    ``block_table`` tensors made (the same arguments otherwise) instead of planning
+    again: an engine plans in its first attention layer of a step and passes True in the
+    others, which then pay the launch alone (a dispatcher made with ``plan_calls`` = the
+    layer count ranks routes so).
 
     Returns out and, with ``return_lse`` (or ``lse_out``), lse fp32 (natural log);
     with dcp_size > 1 both are this rank's partials, merged by the caller.
@@ -198,30 +212,41 @@ def decode(
     if capturable is None:
         capturable = q.is_cuda and torch.cuda.is_current_stream_capturing()
     dispatcher = dispatcher or default_dispatcher(capturable)
-    key = (num_heads, qlen, causal, dcp_rank, dcp_size, kv_lora_rank, want_lse, capturable,
-           softmax_scale, _ptr(q), _ptr(kv_cache), _ptr(block_table), _ptr(seq_lens),
-           _ptr(kv_scale), _ptr(q_scale), _ptr(out), _ptr(lse_out))
-    plans = _plans.get(dispatcher)
-    if plans is None:
-        plans = _plans.setdefault(dispatcher, {})
-    plan = plans.get(key)
+    lengths = (num_heads, qlen, causal, dcp_rank, dcp_size, kv_lora_rank, want_lse,
+               capturable, _ptr(block_table), _ptr(seq_lens))  # what a plan is made from
+    key = (*lengths, reuse_plan, softmax_scale, _ptr(q), _ptr(kv_cache), _ptr(kv_scale),
+           _ptr(q_scale), _ptr(out), _ptr(lse_out))
+    steps = _plans.get(dispatcher)
+    if steps is None:
+        steps = _plans.setdefault(dispatcher, {})
+    planners = _planners.setdefault(dispatcher, {})
+    planner = planners.get(lengths) if reuse_plan else None
+    if reuse_plan and planner is None:
+        raise RuntimeError("decode(reuse_plan=True): no call with these seq_lens and "
+                           "block_table tensors has planned yet; pass reuse_plan=False in "
+                           "the step's first call")
+    step = steps.get(key)
     if max_kv_len is None:  # (no batch: 0, and the argument checks say why)
         max_kv_len = int(seq_lens.max()) if seq_lens.numel() else 0
     # A step serves max_kv_len in (kv_len / 2, kv_len], kv_len its power of two.
-    if plan is None or not plan.problem.kv_len >= max_kv_len > plan.problem.kv_len // 2:
-        plan = _make_plan(q, kv_cache, block_table, seq_lens, num_heads=num_heads, qlen=qlen,
+    if step is None or step.planner is not planner \
+            or not step.problem.kv_len >= max_kv_len > step.problem.kv_len // 2:
+        step = _make_plan(q, kv_cache, block_table, seq_lens, num_heads=num_heads, qlen=qlen,
                           causal=causal, kv_scale=kv_scale, q_scale=q_scale,
                           softmax_scale=softmax_scale, out=out, lse_out=lse_out,
                           dcp_rank=dcp_rank, dcp_size=dcp_size, max_kv_len=max_kv_len,
                           kv_lora_rank=kv_lora_rank, want_lse=want_lse, capturable=capturable,
-                          dispatcher=dispatcher)
-        if len(plans) >= PLAN_LIMIT and key not in plans:
-            plans.clear()
-        plans[key] = plan
+                          dispatcher=dispatcher, plan_from=planner)
+        if len(steps) >= PLAN_LIMIT and key not in steps:
+            steps.clear()
+            planners.clear()
+        steps[key] = step
     elif runtime_checks.checking_enabled() or runtime_checks.values_free_to_check(seq_lens):
-        _check_values(plan.problem, kv_cache, block_table, seq_lens, dcp_rank)
-    plan.call()
-    return (plan.out, plan.lse) if want_lse else plan.out
+        _check_values(step.problem, kv_cache, block_table, seq_lens, dcp_rank)
+    if not reuse_plan:
+        planners[lengths] = step
+    step.call()
+    return (step.out, step.lse) if want_lse else step.out
 
 
 def prepare_decode(
@@ -244,6 +269,7 @@ def prepare_decode(
     kv_lora_rank: int = 512,
     return_lse: bool = False,
     capturable: bool = False,
+    plan_from: DecodeStep | None = None,
     dispatcher: Dispatcher | None = None,
 ) -> DecodeStep:
     """``decode``'s step for these tensors, chosen and prepared now, for an engine that
@@ -256,7 +282,7 @@ def prepare_decode(
                       softmax_scale=softmax_scale, out=out, lse_out=lse_out, dcp_rank=dcp_rank,
                       dcp_size=dcp_size, max_kv_len=max_kv_len, kv_lora_rank=kv_lora_rank,
                       want_lse=return_lse or lse_out is not None, capturable=capturable,
-                      dispatcher=dispatcher)
+                      dispatcher=dispatcher, plan_from=plan_from)
 
 
 def _check_values(problem: MLAProblem, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -268,7 +294,8 @@ def _check_values(problem: MLAProblem, kv_cache: torch.Tensor, block_table: torc
 
 def _make_plan(q, kv_cache, block_table, seq_lens, *, num_heads, qlen, causal, kv_scale,
                q_scale, softmax_scale, out, lse_out, dcp_rank, dcp_size, max_kv_len,
-               kv_lora_rank, want_lse, capturable, dispatcher) -> DecodeStep:
+               kv_lora_rank, want_lse, capturable, dispatcher,
+               plan_from: DecodeStep | None = None) -> DecodeStep:
     """Check the tensors, build the problem, pick and prepare a route.
 
     The route is chosen for ``max_kv_len`` and prepared for its power of two (it must
@@ -289,6 +316,9 @@ def _make_plan(q, kv_cache, block_table, seq_lens, *, num_heads, qlen, causal, k
     if runtime_checks.checking_enabled() or runtime_checks.values_free_to_check(seq_lens):
         _check_values(problem, kv_cache, block_table, seq_lens, dcp_rank)
     capped = problem.with_(kv_len=next_power_of_two(max_kv_len))
+    if plan_from is not None:
+        return _sharing_step(plan_from, capped, q, kv_cache, q_scale, kv_scale, softmax_scale,
+                             want_lse, {"out": out, "lse": lse_out})
     local_lens = None
     if dcp_size > 1:  # this rank's lengths, filled before any route plans from them
         local_lens = torch.empty_like(seq_lens)
@@ -316,11 +346,40 @@ def _make_plan(q, kv_cache, block_table, seq_lens, *, num_heads, qlen, causal, k
     raise RuntimeError(f"no route that serves {problem.key} {needs}")
 
 
+def _sharing_step(planner: DecodeStep, problem: MLAProblem, q, kv_cache, q_scale, kv_scale,
+                  softmax_scale, want_lse: bool, buffers: dict) -> DecodeStep:
+    """Another layer's step over the planner's lengths: its route and parameters, its
+    lengths (this rank's too) and, where the route can read it, its device plan."""
+    if planner.problem != problem or (planner.lse is not None) != want_lse:
+        raise ValueError(f"plan_from was made for {planner.problem.key}"
+                         f"{' with an LSE' if planner.lse is not None else ''}; this call is "
+                         f"{problem.key}{' with an LSE' if want_lse else ''}")
+    theirs = planner.inputs.shards[planner.rank]
+    shard = KVShard(planner.rank, kv_cache, theirs.block_table, theirs.seq_lens)
+    shards = tuple(shard if r == planner.rank else None for r in range(problem.dcp_size))
+    inputs = DecodeInputs(problem, q, q_scale, kv_scale, planner.inputs.seq_lens,
+                          shards, sm_scale=softmax_scale)  # type: ignore[arg-type]
+    buffers = {k: v for k, v in buffers.items()}
+    prepared = _prepare(planner.route, problem, inputs, planner.rank, planner.choice, want_lse,
+                        buffers, plan_from=planner.prepared)
+    out, lse = buffers["out"], buffers["lse"]
+    return DecodeStep(problem, planner.choice, planner.route, inputs, prepared,
+                      planner.local_lens, planner.rank,
+                      prepared.out if out is None else out,
+                      (prepared.lse if lse is None else lse) if want_lse else None, buffers,
+                      planner=planner)
+
+
 def _prepare(route: Route, problem: MLAProblem, inputs: DecodeInputs, rank: int,
-             choice: Choice, want_lse: bool, buffers: dict) -> Prepared:
-    """The route prepared for this rank, writing into the caller's buffers if it can."""
+             choice: Choice, want_lse: bool, buffers: dict,
+             plan_from: Prepared | None = None) -> Prepared:
+    """The route prepared for this rank, writing into the caller's buffers if it can, and
+    reading ``plan_from``'s device plan if it has one the route can read."""
     into = {k: v for k, v in buffers.items() if v is not None} \
         if getattr(route, "writes_into", False) else {}
+    if plan_from is not None and plan_from.plan_state is not None \
+            and getattr(route, "shares_plan", False):
+        into["plan_from"] = plan_from
     return route.prepare(problem, inputs, rank=rank, params=dict(choice.params),
                          want_lse=want_lse, **into)
 

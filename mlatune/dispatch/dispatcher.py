@@ -206,17 +206,19 @@ def by_handle(handle: int) -> Dispatcher | None:
     return _BY_HANDLE.get(handle)
 
 
-def step_cost(time_us, plan_on, plan_us, plan_host_us, capturable: bool):
-    """What one step costs a caller, in microseconds (numbers or numpy arrays alike).
+def step_cost(time_us, plan_on, plan_us, plan_host_us, capturable: bool, plan_calls: int = 1):
+    """What one call costs a caller, in microseconds (numbers or numpy arrays alike).
 
     A caller that replays CUDA graphs pays the launch and the device plan; an eager
     caller pays a host plan too (a whole prepare with its device sync, which stalls the
-    GPU), while eager launches overlap the GPU's work. Costs a table did not measure
-    (a converted v1 table) count as 0.
+    GPU), while eager launches overlap the GPU's work. ``plan_calls``: the calls that
+    share one device plan (an engine's attention layers of one step, planned once:
+    ``attention.decode(plan=False)``), so each pays its share. Costs a table did not
+    measure (a converted v1 table) count as 0.
     """
     import numpy as np
 
-    cost = time_us + np.nan_to_num(plan_us)
+    cost = time_us + np.nan_to_num(plan_us) / max(1, plan_calls)
     if not capturable:
         cost = cost + np.where(plan_on == "host", np.nan_to_num(plan_host_us), 0.0)
     return cost
@@ -236,7 +238,8 @@ class Dispatcher:
                  provenance: Sequence[Mapping[str, Any]] = (),
                  skipped_routes: Mapping[str, int] | None = None,
                  failed: Mapping[str, Failures] | None = None, capturable: bool = False,
-                 environment_differences: Sequence[str] = (), planning: bool = False):
+                 environment_differences: Sequence[str] = (), planning: bool = False,
+                 plan_calls: int = 1):
         """Built by ``load``: ``entries`` name only routes in ``routes`` (the registry
         snapshot they were filtered with); ``skipped_routes`` counts the rows dropped;
         ``failed`` holds, per measured key, the routes whose row there is not ok;
@@ -247,6 +250,7 @@ class Dispatcher:
         # Answering for another machine (allow_arch): support is the capability rules', as
         # `mlatune plan` says it; this machine's libraries (FlashMLA, AITER) do not count.
         self.planning = planning
+        self.plan_calls = plan_calls  # calls sharing one device plan (``step_cost``)
         # A number that names this dispatcher where only numbers pass (the custom op).
         self.handle = next(_HANDLES)
         _BY_HANDLE[self.handle] = self
@@ -448,13 +452,17 @@ class Dispatcher:
 
     @classmethod
     def load(cls, path: str | os.PathLike, device: DeviceInfo | None = None,
-             allow_arch: str | None = None, capturable: bool = False) -> Dispatcher:
+             allow_arch: str | None = None, capturable: bool = False, plan_calls: int = 1
+             ) -> Dispatcher:
         """Load a table (.parquet, .csv, .json winners map, or a directory holding one).
 
         Refuses (TableError) a damaged or invalid table, and one whose arch is
         not the device's unless ``allow_arch`` names the table's arch (planning
         for another machine: ``supports()`` then sees a stand-in device).
         ``capturable``: for a caller that replays CUDA graphs (the class docstring).
+        ``plan_calls``: how many calls share one device plan (an engine that plans once
+        per step for its N attention layers passes N): routes are ranked by the launch
+        plus that share of the plan (``step_cost``).
         Whatever else a damaged file makes loading raise (OverflowError,
         RecursionError, Arrow errors, ...) is a TableError naming the file, one line:
         an engine catches one type.
@@ -472,7 +480,7 @@ class Dispatcher:
         was_enabled = gc.isenabled()
         gc.disable()
         try:
-            return cls._load(Path(path), device, allow_arch, capturable)
+            return cls._load(Path(path), device, allow_arch, capturable, plan_calls)
         except TableError:
             raise
         except Exception as exc:  # a damage no check foresaw: still the table's fault
@@ -485,7 +493,7 @@ class Dispatcher:
 
     @classmethod
     def _load(cls, path: Path, device: DeviceInfo, allow_arch: str | None,
-              capturable: bool) -> Dispatcher:
+              capturable: bool, plan_calls: int) -> Dispatcher:
         arch = allow_arch or device.arch
         if path.is_dir():
             found = find_table(path, arch, device.name)
@@ -511,17 +519,17 @@ class Dispatcher:
         differences = [] if running is None else \
             environment.differences(provenance, chosen, running)
         routes = registered_routes()
-        entries, skipped, failed = source.entries(chosen, set(routes), capturable)
+        entries, skipped, failed = source.entries(chosen, set(routes), capturable, plan_calls)
         dispatcher = cls(device, entries, routes=routes, source=str(path), table_device=chosen,
-                         planning=allow_arch is not None,
+                         planning=allow_arch is not None, plan_calls=plan_calls,
                          provenance=provenance, skipped_routes=skipped, failed=failed,
                          capturable=capturable, environment_differences=differences)
         environment.warn_once(str(path), differences)
         return dispatcher
 
     @classmethod
-    def from_bundled(cls, device: DeviceInfo | None = None, capturable: bool = False
-                     ) -> Dispatcher:
+    def from_bundled(cls, device: DeviceInfo | None = None, capturable: bool = False,
+                     plan_calls: int = 1) -> Dispatcher:
         """The table shipped with mlatune for this device's arch; ``MLATUNE_TABLE`` overrides.
 
         An explicit ``MLATUNE_TABLE`` that cannot be used raises (the operator
@@ -531,13 +539,13 @@ class Dispatcher:
         device = device or current_device()
         override = os.environ.get(TABLE_ENV)
         if override:
-            return cls.load(override, device, capturable=capturable)
+            return cls.load(override, device, capturable=capturable, plan_calls=plan_calls)
         try:
             found = find_table(bundled_tables_dir(), device.arch, device.name)
             if found is None:
                 return cls.rules_only(device, capturable)
             with resources.as_file(found) as path:
-                return cls.load(path, device, capturable=capturable)
+                return cls.load(path, device, capturable=capturable, plan_calls=plan_calls)
         except Exception as exc:  # load raises TableError; an unreadable directory OSError
             log.warning("mlatune: bundled table unusable, dispatching by rule: %s", exc)
             return cls.rules_only(device, capturable)
@@ -632,7 +640,8 @@ class _FrameSource:
     def provenance(self, device: Device) -> list[dict[str, Any]]:
         return self._table.provenances(self._rows(device))
 
-    def entries(self, device: Device, route_ids: set[str], capturable: bool = False):
+    def entries(self, device: Device, route_ids: set[str], capturable: bool = False,
+                plan_calls: int = 1):
         """Per key, its usable ok routes cheapest step first (``step_cost``; with
         ``capturable`` only steps a graph replays); column-wise, as load time matters.
         Also the skipped row counts, and per key the known routes that failed there."""
@@ -656,7 +665,7 @@ class _FrameSource:
         key_id = rows.groupby([*BUCKET_FIELDS, "batch", "kv_len"], sort=False).ngroup()
         cost = step_cost(rows["time_us"].to_numpy(), rows["plan_on"].to_numpy(dtype=object),
                          rows["plan_us"].to_numpy(), rows["plan_host_us"].to_numpy(),
-                         capturable)
+                         capturable, plan_calls)
         order = np.lexsort((rows["rank"].to_numpy(), cost, key_id.to_numpy()))
         sorted_ids = key_id.to_numpy()[order]
         starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
@@ -724,7 +733,8 @@ class _JsonSource:
     def provenance(self, device: Device) -> list[dict[str, Any]]:
         return self._by_device[device][0]["provenance"]
 
-    def entries(self, device: Device, route_ids: set[str], capturable: bool = False):
+    def entries(self, device: Device, route_ids: set[str], capturable: bool = False,
+                plan_calls: int = 1):
         """As ``_FrameSource.entries``, from each key's winner and alternatives."""
         routes: dict[str, int] = {}  # route id -> code
         params: dict[str, int] = {}  # canonical params JSON -> code
@@ -736,7 +746,7 @@ class _JsonSource:
         for key, winner in entry["winners"].items():
             start = len(times)
             for cost, option in _by_step_cost((winner, *winner.get("alternatives", ())),
-                                              capturable):
+                                              capturable, plan_calls):
                 if option["route"] not in route_ids:
                     skipped[option["route"]] = skipped.get(option["route"], 0) + 1
                     continue
@@ -777,7 +787,8 @@ class _JsonSource:
         return failed
 
 
-def _by_step_cost(options, capturable: bool) -> list[tuple[float, dict]]:
+def _by_step_cost(options, capturable: bool, plan_calls: int = 1
+                  ) -> list[tuple[float, dict]]:
     """A winners map's options of one key as (step cost, option), cheapest first (stable:
     the map's order breaks ties); only capturable steps with ``capturable``."""
     costed = []
@@ -786,7 +797,7 @@ def _by_step_cost(options, capturable: bool) -> list[tuple[float, dict]]:
             continue
         cost = step_cost(float(option["time_us"]), option.get("plan_on", "none"),
                          _number(option.get("plan_us")), _number(option.get("plan_host_us")),
-                         capturable)
+                         capturable, plan_calls)
         costed.append((float(cost), option))
     return sorted(costed, key=lambda pair: pair[0])
 

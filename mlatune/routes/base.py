@@ -98,6 +98,10 @@ class Prepared:
     params: Params = field(default_factory=dict)
     plan_reads_lengths: bool = False
     plan: Callable[[], None] | None = None  # the per-step device plan (see above)
+    # What ``plan`` fills (a ``SharedPlan``), for another prepare of the same route,
+    # problem, parameters and rank to read (``prepare(plan_from=...)``): the attention
+    # layers of one engine step plan once and launch many times.
+    plan_state: SharedPlan | None = None
 
     @property
     def step_kind(self) -> StepKind:
@@ -112,6 +116,37 @@ class Prepared:
         if self.plan is not None:
             self.plan()
         self.run()
+
+
+@dataclass(frozen=True)
+class SharedPlan:
+    """A device plan's buffers and its launcher, for launches of other layers to read.
+
+    ``key`` is what the plan was made for (route, problem key, parameters, rank, the
+    length tensors): a prepare handed a plan made for anything else refuses it.
+    """
+
+    key: tuple
+    buffers: Any
+    plan: Callable[[], None]
+
+
+def plan_key(route_id: str, problem: MLAProblem, params: Params, rank: int,
+             *tensors: torch.Tensor) -> tuple:
+    """What a shared plan must match: route, problem, parameters, rank, length tensors."""
+    return (route_id, problem.key, tuple(sorted((k, str(v)) for k, v in params.items())),
+            rank, *(t.data_ptr() for t in tensors))
+
+
+def shared_buffers(plan_from: Prepared | None, key: tuple) -> SharedPlan | None:
+    """``plan_from``'s plan when it was made for ``key``; None without one."""
+    if plan_from is None:
+        return None
+    shared = plan_from.plan_state
+    if shared is None or shared.key != key:
+        raise ValueError("plan_from was prepared for another route, problem, parameters, "
+                         "rank or length tensors: its plan cannot serve this call")
+    return shared
 
 
 @runtime_checkable
@@ -138,7 +173,10 @@ class Route(Protocol):
         """Plan and allocate for ``inputs`` (decode: DCP rank ``rank``'s shard).
 
         A route that can write into the caller's buffers says so with
-        ``writes_into = True`` and then takes ``out=`` and ``lse=`` keywords too.
+        ``writes_into = True`` and then takes ``out=`` and ``lse=`` keywords too. One
+        whose launches can read another prepare's device plan says ``shares_plan =
+        True`` and takes ``plan_from=`` (a Prepared of the same route, problem,
+        parameters and rank): it plans nothing itself and reads that one's buffers.
         """
         ...
 

@@ -35,7 +35,16 @@ from mlatune import capability
 from mlatune.arch import DeviceInfo
 from mlatune.check.inputs import DecodeInputs, PrefillInputs
 from mlatune.problem import FP8_DTYPES, MLAProblem
-from mlatune.routes.base import Params, Prepared, StepKind, Verdict, no
+from mlatune.routes.base import (
+    Params,
+    Prepared,
+    SharedPlan,
+    StepKind,
+    Verdict,
+    no,
+    plan_key,
+    shared_buffers,
+)
 
 DEVICE_PLANNED = StepKind("device", True)
 INSTALL = ("pip install sgl-flash-mla --no-deps (its metadata asks for a newer torch than "
@@ -137,6 +146,7 @@ class FlashMLARoute:
     """FlashMLA's dense Hopper decode; bf16, or an fp8 cache through its fp8 path."""
 
     id = "dense/flashmla"
+    shares_plan = True  # prepare takes plan_from= (another layer's scheduler output)
 
     def supports(self, problem: MLAProblem, device: DeviceInfo) -> Verdict:
         ruling = capability.check(self.id, problem, device.arch)
@@ -158,7 +168,8 @@ class FlashMLARoute:
         return problem.kv_dtype in FP8_DTYPES and problem.q_dtype not in FP8_DTYPES
 
     def prepare(self, problem: MLAProblem, inputs: DecodeInputs | PrefillInputs, *,
-                rank: int = 0, params: Params | None = None, want_lse: bool = True) -> Prepared:
+                rank: int = 0, params: Params | None = None, want_lse: bool = True,
+                plan_from: Prepared | None = None) -> Prepared:
         if not isinstance(inputs, DecodeInputs):
             raise TypeError(f"{self.id} serves decode inputs, got {type(inputs).__name__}")
         lib = library()
@@ -180,9 +191,11 @@ class FlashMLARoute:
         scale = inputs.softmax_scale
         empty_rows = (torch.empty(b * s, 1, dtype=torch.bool, device=q4.device)
                       if problem.dcp_size > 1 else None)
-        state: dict[str, object] = {}
+        key = plan_key(self.id, problem, {}, rank, shard.seq_lens, shard.block_table)
+        shared = shared_buffers(plan_from, key)
+        state: dict[str, object] = {} if shared is None else shared.buffers
 
-        def plan() -> None:  # FlashMLA's scheduler over this step's lengths, on the device
+        def schedule() -> None:  # FlashMLA's scheduler over this step's lengths, on the device
             state["meta"] = lib.metadata(shard.seq_lens, s * h, h, fp8)
 
         def run() -> None:
@@ -200,12 +213,15 @@ class FlashMLARoute:
             if prepared.lse is not None:
                 prepared.lse = lse
 
-        plan()
+        plan = schedule if shared is None else shared.plan  # another layer's fills ``state``
+        if shared is None:
+            plan()
         out = torch.empty(b * s, h, problem.d_v, dtype=torch.bfloat16, device=q4.device)
         lse = (torch.empty(b * s, h, dtype=torch.float32, device=q4.device)
                if want_lse else None)
         prepared = Prepared(run, out, lse, graph_safe=True,
                             params={"interface": lib.flavour,
                                     **({"q": "fp8 per-tensor"} if q8 is not None else {})},
-                            plan_reads_lengths=True, plan=plan)
+                            plan_reads_lengths=True, plan=plan,
+                            plan_state=SharedPlan(key, state, plan))
         return prepared

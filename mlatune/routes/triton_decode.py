@@ -35,7 +35,16 @@ from mlatune.arch import DeviceInfo, device_of
 from mlatune.capability import tables
 from mlatune.check.inputs import DecodeInputs, PrefillInputs
 from mlatune.problem import DTYPES, MLAProblem, next_power_of_two
-from mlatune.routes.base import LAUNCH_ONLY, Params, Prepared, StepKind, Verdict
+from mlatune.routes.base import (
+    LAUNCH_ONLY,
+    Params,
+    Prepared,
+    SharedPlan,
+    StepKind,
+    Verdict,
+    plan_key,
+    shared_buffers,
+)
 from mlatune.routes.triton_support import triton_verdict
 
 DEVICE_PLANNED = StepKind("device", True)  # the persistent and segmented step plans
@@ -132,10 +141,12 @@ class _TritonDecodeRoute:
 
     # -- preparation ----------------------------------------------------------------
     writes_into = True  # prepare takes the caller's out= and lse= buffers
+    shares_plan = True  # prepare takes plan_from= (another layer's device plan)
 
     def prepare(self, problem: MLAProblem, inputs: DecodeInputs | PrefillInputs, *,
                 rank: int = 0, params: Params | None = None, want_lse: bool = True,
-                out: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> Prepared:
+                out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                plan_from: Prepared | None = None) -> Prepared:
         if not isinstance(inputs, DecodeInputs):
             raise TypeError(f"{self.id} serves decode inputs, got {type(inputs).__name__}")
         device = device_of(inputs.q)
@@ -147,16 +158,21 @@ class _TritonDecodeRoute:
         if lse is None and want_lse:
             lse = torch.empty(inputs.q.shape[0], problem.kernel_heads, dtype=torch.float32,
                               device=inputs.q.device)
-        step = self._plan(problem, inputs, rank, chosen, out, lse, device)
-        if step.plan is not None:
+        key = plan_key(self.id, problem, chosen, rank, inputs.seq_lens,
+                       inputs.shards[rank].block_table)
+        shared = shared_buffers(plan_from, key) if self._plan_reads_lengths(chosen) else None
+        step = self._plan(problem, inputs, rank, chosen, out, lse, device, shared)
+        if step.plan is not None and shared is None:
             step.plan()  # planned for the lengths at hand: ``run`` is valid at once
 
         def run() -> None:
             for launch in step.launches:
                 launch()
 
+        state = None if step.plan is None else SharedPlan(key, step.buffers, step.plan)
         return Prepared(run, out, lse, graph_safe=True, params=chosen,
-                        plan_reads_lengths=self._plan_reads_lengths(chosen), plan=step.plan)
+                        plan_reads_lengths=self._plan_reads_lengths(chosen), plan=step.plan,
+                        plan_state=state)
 
     def _plan_reads_lengths(self, params: Params) -> bool:
         """Split-KV reads the lengths in the kernel; the persistent work list is planned
@@ -167,7 +183,8 @@ class _TritonDecodeRoute:
         return DEVICE_PLANNED if self._plan_reads_lengths(params) else LAUNCH_ONLY
 
     def _plan(self, problem: MLAProblem, inputs: DecodeInputs, rank: int, params: Params,
-              out: torch.Tensor, lse: torch.Tensor | None, device: DeviceInfo) -> _Step:
+              out: torch.Tensor, lse: torch.Tensor | None, device: DeviceInfo,
+              shared: SharedPlan | None = None) -> _Step:
         from mlatune.kernels.reduce import reduce_launcher
         from mlatune.kernels.split_kv import (
             RowLayout,
@@ -189,7 +206,7 @@ class _TritonDecodeRoute:
                            row_heads=row_heads, head_rep=head_rep)
         if params.get("persistent"):
             return _persistent_step(problem, inputs, rank, params, out, lse, device, tensors,
-                                    common, reduce_args)
+                                    common, reduce_args, shared)
         splits = params["num_splits"]
         if splits == 1:
             return _Step([split_kv_launcher(*tensors, **common, num_splits=1, out=out, lse=lse)])
@@ -210,13 +227,16 @@ class _Step:
 
     launches: list[Callable[[], None]]
     plan: Callable[[], None] | None = None
+    buffers: tuple = ()  # what ``plan`` fills, for other layers' launches (SharedPlan)
 
 
 def _persistent_step(problem: MLAProblem, inputs: DecodeInputs, rank: int, params: Params,
                      out: torch.Tensor, lse: torch.Tensor | None, device: DeviceInfo,
-                     tensors: tuple, common: dict, reduce_args: dict) -> _Step:
+                     tensors: tuple, common: dict, reduce_args: dict,
+                     shared: SharedPlan | None) -> _Step:
     """The persistent schedule: a device-planned work list over ``num_workers`` programs,
-    sized for any lengths up to the problem's (so a captured graph replays with new ones)."""
+    sized for any lengths up to the problem's (so a captured graph replays with new ones);
+    ``shared``: another layer's, read instead of planning here."""
     from mlatune.kernels.plan import (
         allocate_plan_buffers,
         max_slots_bound,
@@ -230,12 +250,15 @@ def _persistent_step(problem: MLAProblem, inputs: DecodeInputs, rank: int, param
     row_blocks = -(-layout.rows // tiles.block_m)
     workers = params.get("num_workers") or max(1, device.cu_count // row_blocks)
     dev = inputs.q.device
-    work, work_indptr, split_indptr = allocate_plan_buffers(problem.batch, workers, dev)
+    if shared is None:
+        work, work_indptr, split_indptr = allocate_plan_buffers(problem.batch, workers, dev)
+        plan = persistent_plan_launcher(inputs.seq_lens, rank=rank, world=problem.dcp_size,
+                                        block_n=tiles.block_n, workers=workers, work=work,
+                                        work_indptr=work_indptr, split_indptr=split_indptr)
+    else:
+        (work, work_indptr, split_indptr), plan = shared.buffers, shared.plan
     part_out, part_lse = _partials(work_capacity(problem.batch, workers), layout.rows,
                                    problem.d_v, dev)
-    plan = persistent_plan_launcher(inputs.seq_lens, rank=rank, world=problem.dcp_size,
-                                    block_n=tiles.block_n, workers=workers, work=work,
-                                    work_indptr=work_indptr, split_indptr=split_indptr)
     # The reduce merges any slot count; the hint sizes its slot block for the usual one:
     # a request's share of the workers, plus one for a cut at each end.
     max_slots = min(max_slots_bound(workers, problem.shard_len, tiles.block_n),
@@ -245,7 +268,7 @@ def _persistent_step(problem: MLAProblem, inputs: DecodeInputs, rank: int, param
                             part_out=part_out, part_lse=part_lse),
         reduce_launcher(part_out, part_lse, None, split_indptr, out, lse, **reduce_args,
                         max_slots=max_slots),
-    ], plan)
+    ], plan, (work, work_indptr, split_indptr))
 
 
 def _int32(values: list[int], device) -> torch.Tensor:
@@ -326,7 +349,8 @@ class SegmentedTritonRoute(_TritonDecodeRoute):
         return True  # row lengths (causal windows per rank) and the subpage table, per step
 
     def _plan(self, problem: MLAProblem, inputs: DecodeInputs, rank: int, params: Params,
-              out: torch.Tensor, lse: torch.Tensor | None, device: DeviceInfo) -> _Step:
+              out: torch.Tensor, lse: torch.Tensor | None, device: DeviceInfo,
+              shared: SharedPlan | None = None) -> _Step:
         from mlatune.kernels.reduce import reduce_launcher
         from mlatune.kernels.segmented import (
             segment_tile,
@@ -345,13 +369,17 @@ class SegmentedTritonRoute(_TritonDecodeRoute):
         tiles = TileConfig(params["block_m"], block_n, params["num_warps"],
                            params["num_stages"], bool(params.get("kv_twice")))
         kv = shard.kv_cache.view(-1, tile, shard.kv_cache.shape[-1])
-        # Filled by ``plan`` from this step's lengths and block table, on the device.
-        table = torch.empty(shard.block_table.shape[0], shard.block_table.shape[1] * page // tile,
-                            dtype=shard.block_table.dtype, device=dev)
-        lens = torch.empty(problem.batch * problem.qlen, dtype=torch.int32, device=dev)
-        plan = segmented_plan_launcher(inputs.seq_lens, shard.block_table, qlen=problem.qlen,
-                                       rank=rank, world=problem.dcp_size, page_size=page,
-                                       tile=tile, row_lens=lens, subpage_table_out=table)
+        if shared is None:  # filled by ``plan`` from the lengths and block table, on the device
+            table = torch.empty(shard.block_table.shape[0],
+                                shard.block_table.shape[1] * page // tile,
+                                dtype=shard.block_table.dtype, device=dev)
+            lens = torch.empty(problem.batch * problem.qlen, dtype=torch.int32, device=dev)
+            plan = segmented_plan_launcher(inputs.seq_lens, shard.block_table,
+                                           qlen=problem.qlen, rank=rank, world=problem.dcp_size,
+                                           page_size=page, tile=tile, row_lens=lens,
+                                           subpage_table_out=table)
+        else:
+            (table, lens), plan = shared.buffers, shared.plan
 
         segments = params["num_segments"]
         slots = lens.shape[0] * segments
@@ -368,7 +396,7 @@ class SegmentedTritonRoute(_TritonDecodeRoute):
             reduce_launcher(seg_out, seg_max, seg_sum, split_indptr, out, lse,
                             tokens_per_group=1, q_heads=heads, row_heads=heads, head_rep=1,
                             max_slots=segments),
-        ], plan)
+        ], plan, (table, lens))
 
 
 TRITON_DECODE_ROUTES = (PaddedTritonRoute, GluonTritonRoute, CprrTritonRoute,

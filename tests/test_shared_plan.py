@@ -1,0 +1,179 @@
+"""One device plan per engine step, read by every attention layer (``reuse_plan``).
+
+An engine's layers share the step's lengths and block table; only their q and cache
+differ. The first layer's call plans; the others pass ``reuse_plan=True`` and launch
+against that plan. Checked on the CPU (Triton interpreter, fp16/fp8) with the routes
+that plan on the device: padded/triton's persistent schedule (DCP ranks too) and
+segmented/triton's windows; and with FlashMLA's scheduler through its recording fake.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from mlatune import attention, table
+from mlatune.arch import DeviceInfo, cpu_device
+from mlatune.check.accuracy import check
+from mlatune.check.inputs import DecodeInputs, make_decode_inputs
+from mlatune.dispatch import Dispatcher
+from mlatune.kernels import plan as plan_kernels
+from mlatune.problem import MLAProblem
+from mlatune.routes import flashmla
+from tests.fake_vendors import FakeFlashMLA
+from tests.helpers import expected_now
+from tests.table_helpers import make_table, result_row
+
+TILES = {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1}
+CASES = [
+    ("padded/triton", {**TILES, "persistent": True},
+     MLAProblem(num_heads=4, batch=3, kv_len=40, page_size=8, q_dtype="fp16",
+                kv_dtype="fp16", dcp_size=2)),
+    ("segmented/triton", {**TILES, "num_segments": 2},
+     MLAProblem(num_heads=2, qlen=3, batch=2, kv_len=37, page_size=4,
+                q_dtype="fp8_e4m3fn", kv_dtype="fp8_e4m3fn", dcp_size=2)),
+]
+
+
+def _dispatcher(problem, route_id, params, tmp_path, device=None) -> Dispatcher:
+    device = device or cpu_device()
+    rows = [result_row(problem, route_id, 1.0, device=device, params=params),
+            result_row(problem, "reference/torch", 9.0, device=device)]
+    return Dispatcher.load(table.write(make_table(rows), tmp_path / "t.parquet"), device=device)
+
+
+def _write_lengths(inputs: DecodeInputs, lens: torch.Tensor) -> None:
+    """New lengths in place, as an engine's next step writes them (every rank's share)."""
+    p = inputs.problem
+    inputs.seq_lens.copy_(lens)
+    for shard in inputs.shards:
+        shard.seq_lens.copy_(((lens - shard.rank + p.dcp_size - 1) // p.dcp_size).clamp(min=0))
+
+
+def _layers(problem: MLAProblem, n: int) -> list[DecodeInputs]:
+    """``n`` layers' inputs over one step's lengths and block tables (layer 0's): caches
+    with pages for kv_len tokens per request, ragged lengths written in."""
+    first = make_decode_inputs(problem, seed=3)
+    layers = [first]
+    for i in range(1, n):
+        other = make_decode_inputs(problem, seed=3 + 17 * i)
+        shards = tuple(replace(mine, block_table=theirs.block_table, seq_lens=theirs.seq_lens)
+                       for mine, theirs in zip(other.shards, first.shards, strict=True))
+        layers.append(replace(other, seq_lens=first.seq_lens, shards=shards))
+    gen = torch.Generator().manual_seed(8)
+    _write_lengths(first, torch.randint(problem.qlen, problem.kv_len + 1, (problem.batch,),
+                                        generator=gen).to(torch.int32))
+    return layers
+
+
+def _step(layers: list[DecodeInputs], dispatcher) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One engine step: every layer on every rank, the first layer planning."""
+    results = []
+    for i, inputs in enumerate(layers):
+        p = inputs.problem
+        outs, lses = [], []
+        for shard in inputs.shards:
+            out, lse = attention.decode(
+                inputs.q, shard.kv_cache, shard.block_table, inputs.seq_lens,
+                num_heads=p.num_heads, qlen=p.qlen, causal=p.causal, kv_scale=inputs.kv_scale,
+                q_scale=inputs.q_scale, dcp_rank=shard.rank, dcp_size=p.dcp_size,
+                max_kv_len=p.kv_len, return_lse=True, reuse_plan=i > 0,
+                dispatcher=dispatcher)
+            outs.append(out.float().clone())
+            lses.append(lse.clone())
+        from mlatune.check import reference
+
+        results.append(reference.merge_partials(outs, lses) if len(outs) > 1
+                       else (outs[0], lses[0]))
+    return results
+
+
+def _assert_right(layers, results) -> None:
+    for n, (inputs, (out, lse)) in enumerate(zip(layers, results, strict=True)):
+        want_out, want_lse = expected_now(inputs)
+        accuracy = check(inputs.problem, out, want_out, lse, want_lse)
+        assert accuracy.ok, f"layer {n}: {accuracy.reason}"
+
+
+@pytest.mark.parametrize(("route_id", "params", "problem"), CASES,
+                         ids=[c[0] for c in CASES])
+def test_layers_read_the_first_layers_plan_as_lengths_change(route_id, params, problem,
+                                                              tmp_path):
+    dispatcher = _dispatcher(problem, route_id, params, tmp_path)
+    layers = _layers(problem, 3)
+    _assert_right(layers, _step(layers, dispatcher))
+    steps = list(attention.plans_of(dispatcher).values())
+    assert {s.choice.route_id for s in steps} == {route_id}
+    planners = [s for s in steps if s.planner is None]
+    assert len(planners) == problem.dcp_size  # one per rank: layer 0's
+    assert all(s.planner in planners for s in steps if s.planner is not None)
+    assert all(s.prepared.plan_state is not None for s in steps)
+    # The next step: shorter lengths written in place; layer 0 plans them for all.
+    _write_lengths(layers[0], (layers[0].seq_lens // 2).clamp(min=problem.qlen))
+    _assert_right(layers, _step(layers, dispatcher))
+
+
+def test_the_plan_runs_once_per_step(monkeypatch, tmp_path):
+    calls = []
+    made = plan_kernels.persistent_plan_launcher
+
+    def counting(*args, **kwargs):
+        launch = made(*args, **kwargs)
+
+        def counted() -> None:
+            calls.append(1)
+            launch()
+        return counted
+
+    monkeypatch.setattr(plan_kernels, "persistent_plan_launcher", counting)
+    route_id, params, problem = CASES[0]
+    problem = replace(problem, dcp_size=1)
+    dispatcher = _dispatcher(problem, route_id, params, tmp_path)
+    layers = _layers(problem, 4)
+    _step(layers, dispatcher)
+    first = len(calls)
+    _step(layers, dispatcher)
+    assert len(calls) - first == 1  # four layers, one plan
+
+
+def test_reuse_before_any_plan_says_what_to_do(tmp_path):
+    route_id, params, problem = CASES[0]
+    dispatcher = _dispatcher(problem, route_id, params, tmp_path)
+    inputs = make_decode_inputs(problem, seed=1)
+    shard = inputs.shards[0]
+    with pytest.raises(RuntimeError, match="reuse_plan=False in the step's first call"):
+        attention.decode(inputs.q, shard.kv_cache, shard.block_table, inputs.seq_lens,
+                         num_heads=problem.num_heads, dcp_size=problem.dcp_size,
+                         reuse_plan=True, dispatcher=dispatcher)
+
+
+def test_flashmla_layers_share_its_scheduler(monkeypatch, tmp_path):
+    fake = FakeFlashMLA().install(monkeypatch)
+    flashmla.library.cache_clear()
+    try:
+        problem = MLAProblem(num_heads=4, batch=3, kv_len=150, page_size=64)
+        h200 = DeviceInfo("sm_90", "NVIDIA H200", "nvidia", 132)
+        dispatcher = _dispatcher(problem, "dense/flashmla", {}, tmp_path, device=h200)
+        # On the CPU the fake runs; the dispatcher is told it is on an H200.
+        layers = _layers(problem, 3)
+        _assert_right(layers, _step(layers, dispatcher))
+        before = fake.plans
+        _assert_right(layers, _step(layers, dispatcher))
+        assert fake.plans - before == 1
+    finally:
+        flashmla.library.cache_clear()
+
+
+def test_the_dispatcher_charges_each_call_its_share_of_the_plan(tmp_path):
+    problem = MLAProblem(num_heads=16, batch=64, kv_len=4096, page_size=64)
+    rows = [result_row(problem, "dense/flashmla", 96.0), result_row(problem, "padded/triton",
+                                                                     107.0)]
+    rows[0].update(plan_on="device", plan_us=31.5, capturable=True)
+    path = table.write(make_table(rows), tmp_path / "sm_90-h200.parquet")
+    cpu = cpu_device()
+    one = Dispatcher.load(path, device=cpu, allow_arch="sm_90")
+    shared = Dispatcher.load(path, device=cpu, allow_arch="sm_90", plan_calls=61)
+    assert one.select(problem).route_id == "padded/triton"  # 96 + 31.5 > 107
+    assert shared.select(problem).route_id == "dense/flashmla"  # 96 + 31.5 / 61 < 107
