@@ -631,8 +631,9 @@ def test_steps_are_ranked_by_what_the_caller_pays(tmp_path, step_routes, fmt):
     frame = make_table(rows)
     path = table.write(frame, tmp_path / "sm_90.parquet") if fmt == "parquet" else \
         table.write_json(table.winners_json(frame), tmp_path / "sm_90.json")
-    eager = Dispatcher.load(path, device=H200)
-    graphs = Dispatcher.load(path, device=H200, capturable=True)
+    # Each call plans (plan_calls=1): the whole device plan is charged to it.
+    eager = Dispatcher.load(path, device=H200, plan_calls=1)
+    graphs = Dispatcher.load(path, device=H200, capturable=True, plan_calls=1)
     assert eager.select(cheap_host).route_id == "host/fake"  # 10 + 4 < 12 + 9 < 20
     assert eager.select(dear_host).route_id == "device/fake"  # 12 + 3 < 20 < 10 + 50
     assert eager.select(dear_host).time_us == pytest.approx(15.0)

@@ -189,10 +189,12 @@ def test_rows_from_journal_keeps_only_replayable_steps_for_a_capturing_caller(tm
     path.write_text("".join(json.dumps(r) + "\n" for r in (
         {"kind": "header"}, record("host/fake", "host", False),
         record("device/fake", "device", True))))
-    eager = {route_id: cost for _, route_id, _, cost in rows_from_journal(path)}
+    eager = {route_id: cost for _, route_id, _, cost in rows_from_journal(path, plan_calls=1)}
     assert eager == {"host/fake": 42.0, "device/fake": 12.0}  # as dispatch.step_cost costs
-    graphed = rows_from_journal(path, capturable=True)
+    graphed = rows_from_journal(path, capturable=True, plan_calls=1)
     assert [(route_id, cost) for _, route_id, _, cost in graphed] == [("device/fake", 12.0)]
+    shared = {route_id: cost for _, route_id, _, cost in rows_from_journal(path, plan_calls=4)}
+    assert shared == {"host/fake": 40.5, "device/fake": 10.5}  # device plans are shared
 
 
 def _load_benchmark():

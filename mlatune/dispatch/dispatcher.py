@@ -76,6 +76,10 @@ TABLE_ENV = "MLATUNE_TABLE"
 MEMO_LIMIT = 1 << 16
 EMPTY_PARAMS: Mapping[str, Any] = MappingProxyType({})
 BATCH_WEIGHT = 0.5  # of the batch difference in point_distance, below 1: see there
+# Calls that share one device plan unless a caller says otherwise: an engine plans once per
+# step for all its attention layers (``attention.decode(reuse_plan=True)`` after the
+# first), and DeepSeek-V3/R1 have 61 MLA layers. A caller that plans every call passes 1.
+DEFAULT_PLAN_CALLS = 61
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,7 +210,8 @@ def by_handle(handle: int) -> Dispatcher | None:
     return _BY_HANDLE.get(handle)
 
 
-def step_cost(time_us, plan_on, plan_us, plan_host_us, capturable: bool, plan_calls: int = 1):
+def step_cost(time_us, plan_on, plan_us, plan_host_us, capturable: bool,
+              plan_calls: int = DEFAULT_PLAN_CALLS):
     """What one call costs a caller, in microseconds (numbers or numpy arrays alike).
 
     A caller that replays CUDA graphs pays the launch and the device plan; an eager
@@ -239,7 +244,7 @@ class Dispatcher:
                  skipped_routes: Mapping[str, int] | None = None,
                  failed: Mapping[str, Failures] | None = None, capturable: bool = False,
                  environment_differences: Sequence[str] = (), planning: bool = False,
-                 plan_calls: int = 1):
+                 plan_calls: int = DEFAULT_PLAN_CALLS):
         """Built by ``load``: ``entries`` name only routes in ``routes`` (the registry
         snapshot they were filtered with); ``skipped_routes`` counts the rows dropped;
         ``failed`` holds, per measured key, the routes whose row there is not ok;
@@ -452,17 +457,18 @@ class Dispatcher:
 
     @classmethod
     def load(cls, path: str | os.PathLike, device: DeviceInfo | None = None,
-             allow_arch: str | None = None, capturable: bool = False, plan_calls: int = 1
-             ) -> Dispatcher:
+             allow_arch: str | None = None, capturable: bool = False,
+             plan_calls: int = DEFAULT_PLAN_CALLS) -> Dispatcher:
         """Load a table (.parquet, .csv, .json winners map, or a directory holding one).
 
         Refuses (TableError) a damaged or invalid table, and one whose arch is
         not the device's unless ``allow_arch`` names the table's arch (planning
         for another machine: ``supports()`` then sees a stand-in device).
         ``capturable``: for a caller that replays CUDA graphs (the class docstring).
-        ``plan_calls``: how many calls share one device plan (an engine that plans once
-        per step for its N attention layers passes N): routes are ranked by the launch
-        plus that share of the plan (``step_cost``).
+        ``plan_calls``: how many calls share one device plan (``DEFAULT_PLAN_CALLS``: an
+        engine that plans once per step for DeepSeek-V3's 61 layers; one that plans every
+        call passes 1): routes are ranked by the launch plus that share of the plan
+        (``step_cost``).
         Whatever else a damaged file makes loading raise (OverflowError,
         RecursionError, Arrow errors, ...) is a TableError naming the file, one line:
         an engine catches one type.
@@ -529,7 +535,7 @@ class Dispatcher:
 
     @classmethod
     def from_bundled(cls, device: DeviceInfo | None = None, capturable: bool = False,
-                     plan_calls: int = 1) -> Dispatcher:
+                     plan_calls: int = DEFAULT_PLAN_CALLS) -> Dispatcher:
         """The table shipped with mlatune for this device's arch; ``MLATUNE_TABLE`` overrides.
 
         An explicit ``MLATUNE_TABLE`` that cannot be used raises (the operator
@@ -641,7 +647,7 @@ class _FrameSource:
         return self._table.provenances(self._rows(device))
 
     def entries(self, device: Device, route_ids: set[str], capturable: bool = False,
-                plan_calls: int = 1):
+                plan_calls: int = DEFAULT_PLAN_CALLS):
         """Per key, its usable ok routes cheapest step first (``step_cost``; with
         ``capturable`` only steps a graph replays); column-wise, as load time matters.
         Also the skipped row counts, and per key the known routes that failed there."""
@@ -734,7 +740,7 @@ class _JsonSource:
         return self._by_device[device][0]["provenance"]
 
     def entries(self, device: Device, route_ids: set[str], capturable: bool = False,
-                plan_calls: int = 1):
+                plan_calls: int = DEFAULT_PLAN_CALLS):
         """As ``_FrameSource.entries``, from each key's winner and alternatives."""
         routes: dict[str, int] = {}  # route id -> code
         params: dict[str, int] = {}  # canonical params JSON -> code
@@ -787,7 +793,7 @@ class _JsonSource:
         return failed
 
 
-def _by_step_cost(options, capturable: bool, plan_calls: int = 1
+def _by_step_cost(options, capturable: bool, plan_calls: int = DEFAULT_PLAN_CALLS
                   ) -> list[tuple[float, dict]]:
     """A winners map's options of one key as (step cost, option), cheapest first (stable:
     the map's order breaks ties); only capturable steps with ``capturable``."""

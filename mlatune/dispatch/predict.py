@@ -272,7 +272,8 @@ class Predictor:
         return bucket is not None and (problem.batch, problem.kv_len) in bucket.points
 
 
-def rows_from_journal(path: str | Path, capturable: bool = False) -> list[Row]:
+def rows_from_journal(path: str | Path, capturable: bool = False,
+                      plan_calls: int | None = None) -> list[Row]:
     """Every ok candidate of a sweep journal, with its step cost as the dispatcher ranks
     it (``dispatch.step_cost``; plan costs a journal lacks count as 0); with
     ``capturable`` only steps a CUDA graph replays. A record without its step kind gets
@@ -291,12 +292,18 @@ def rows_from_journal(path: str | Path, capturable: bool = False) -> list[Row]:
         if capturable and not replays:
             continue
         cost = step_cost(float(r["time_us"]), plan_on, _number(r.get("plan_us")),
-                         _number(r.get("plan_host_us")), capturable)
+                         _number(r.get("plan_host_us")), capturable, **_calls(plan_calls))
         rows.append((MLAProblem.from_key_dict(r["key"]), str(r["route"]), params, float(cost)))
     return rows
 
 
-def rows_from_table(frame: Any, capturable: bool = False) -> list[Row]:
+def _calls(plan_calls: int | None) -> dict[str, int]:
+    """``step_cost``'s keyword: the dispatcher's default when None."""
+    return {} if plan_calls is None else {"plan_calls": plan_calls}
+
+
+def rows_from_table(frame: Any, capturable: bool = False,
+                    plan_calls: int | None = None) -> list[Row]:
     """A table's ok rows (a DataFrame as ``mlatune.table.read`` gives), costed as the
     dispatcher ranks them; with ``capturable`` only steps a CUDA graph replays."""
     from mlatune.dispatch import step_cost
@@ -306,7 +313,8 @@ def rows_from_table(frame: Any, capturable: bool = False) -> list[Row]:
         ok = ok[ok["capturable"].astype(bool)]
     costs = step_cost(ok["time_us"].to_numpy(dtype=float), ok["plan_on"].to_numpy(dtype=object),
                       ok["plan_us"].to_numpy(dtype=float),
-                      ok["plan_host_us"].to_numpy(dtype=float), capturable)
+                      ok["plan_host_us"].to_numpy(dtype=float), capturable,
+                      **_calls(plan_calls))
     return [(MLAProblem.from_key_dict(row), str(row["route"]), json.loads(row["route_params"]),
              float(cost)) for row, cost in zip(ok.to_dict("records"), costs, strict=True)]
 
