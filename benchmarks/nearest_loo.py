@@ -103,7 +103,7 @@ def nearest_loo(measured: Measured) -> tuple[dict[str, tuple[float, float]], int
     regrets, skipped = {}, 0
     for entry, problem in measured.judged():
         rest = Dispatcher(measured.device, [e for e in measured.entries if e is not entry],
-                          routes=measured.routes, planning=True)
+                          routes=measured.routes, planning=True, unmeasured="nearest")
         choice = rest.select(problem)
         if choice.source != "nearest":  # no neighbour's winner serves it: the rule answers
             skipped += 1

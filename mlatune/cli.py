@@ -155,7 +155,7 @@ Arch = _choices("Arch", ARCH_NAMES)
 DeviceArch = _choices("DeviceArch", (*ARCH_NAMES, "cpu"))  # a sweep's, so a table's too
 Dtype = _choices("Dtype", ("bf16", "fp16", "fp8_e4m3fn", "fp8_e4m3fnuz"))
 Phase = _choices("Phase", ("decode", "prefill"))
-SOURCES = ("table", "nearest", "rule")  # how the dispatcher answers, best first
+SOURCES = ("table", "predicted", "nearest", "rule")  # how the dispatcher answers, best first
 Source = _choices("Source", SOURCES)
 Format = _choices("Format", ("parquet", "csv", "json"))
 

@@ -7,6 +7,7 @@ from typer.testing import CliRunner
 from mlatune import routes, table
 from mlatune.cli import app
 from mlatune.dispatch import Dispatcher
+from mlatune.dispatch import dispatcher as dispatch_module
 from mlatune.problem import MLAProblem
 from mlatune.table.schema import SCHEMA_VERSION
 from tests.table_helpers import (
@@ -32,7 +33,11 @@ def frame() -> pd.DataFrame:
 
 
 @pytest.fixture
-def fakes():
+def fakes(monkeypatch):
+    """Two fake routes that trade wins across the grid; shapes the grid misses are
+    answered by ``nearest`` here (the commands' plumbing is what these tests pin down;
+    ``predict``, the default, has its own tests in tests/test_predict.py)."""
+    monkeypatch.setattr(dispatch_module, "DEFAULT_UNMEASURED", "nearest")
     made = [FakeRoute("fast-small/fake"), FakeRoute("fast-large/fake")]
     for route in made:
         routes.register(route)
@@ -261,7 +266,7 @@ def test_coverage_refuses_a_bad_require_and_a_bad_spec(good, tmp_path):
     bad = runner.invoke(app, ["coverage", spec, "--table", str(good), "--arch", "sm_90",
                               "--require", "exact"])
     assert bad.exit_code == 2 and "Traceback" not in bad.output
-    assert "--require" in bad.output and "'table', 'nearest', 'rule'" in bad.output
+    assert "--require" in bad.output and "'table', 'predicted', 'nearest', 'rule'" in bad.output
     bad = tmp_path / "bad.toml"
     bad.write_text("name = 3\n[[grid]]\nbogus = 1\n")
     assert_one_line_error(runner.invoke(app, ["coverage", str(bad), "--table", str(good),

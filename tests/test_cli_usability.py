@@ -197,7 +197,7 @@ def test_coverage_json_and_its_exit_status(good, tmp_path, fakes):  # noqa: F811
     document = parse(ok := runner.invoke(app, args), "coverage")
     assert ok.exit_code == 0 and document["ok"] and document["problems"] == 5
     assert {s: a["problems"] for s, a in document["answered"].items()} == {
-        "table": 1, "nearest": 3, "rule": 1}
+        "table": 1, "predicted": 0, "nearest": 3, "rule": 1}
     strict = runner.invoke(app, [*args, "--require", "nearest"])
     document = parse(strict, "coverage")
     assert strict.exit_code == 1 and not document["ok"] and "error:" in strict.stderr
@@ -235,7 +235,7 @@ def test_doctor_json():
     ("export", "--format", "<parquet|csv|json>"),
     ("lookup", "--phase", "<decode|prefill>"),
     ("lookup", "--kv-dtype", "<bf16|fp16|fp8_e4m3fn|fp8_e4m3fnuz>"),
-    ("coverage", "--require", "<table|nearest|rule>"),
+    ("coverage", "--require", "<table|predicted|nearest|rule>"),
     ("plan", "--arch", "<gfx942|gfx950|gfx1250|sm_90|sm_100>"),
     ("lookup", "--arch", "<gfx942|gfx950|gfx1250|sm_90|sm_100|cpu>"),
     ("sweep", "--arch", "<gfx942|gfx950|gfx1250|sm_90|sm_100|cpu>"),

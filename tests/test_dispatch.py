@@ -28,6 +28,13 @@ from tests.table_helpers import (
     small_batch_fast,
 )
 
+
+@pytest.fixture(autouse=True)
+def _nearest_for_unmeasured(monkeypatch):
+    """These tests pin down how ``nearest`` answers an unmeasured shape; the default,
+    ``predict``, has its own tests (tests/test_predict.py)."""
+    monkeypatch.setattr(dispatch_module, "DEFAULT_UNMEASURED", "nearest")
+
 BUCKETS = [MLAProblem(num_heads=16, qlen=1), MLAProblem(num_heads=8, qlen=2, causal=False),
            MLAProblem(num_heads=128, qlen=1, kv_dtype="fp8_e4m3fn", dcp_size=4)]
 BATCHES = [1, 8, 64, 256]

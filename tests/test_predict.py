@@ -237,3 +237,92 @@ def test_leave_one_out_judges_each_problem_without_its_own_data():
     # Far from it, "a" wins and is chosen
     assert regrets[at(1, 1024).key] == regrets[at(256, 65536).key] == (0.0, 0.0)
     assert all(math.isfinite(r) and math.isfinite(p) for r, p in regrets.values())
+
+
+# The dispatcher's answer at unmeasured shapes (``unmeasured="predict"``, the default) ---
+def _crossing_table(tmp_path: Path, fakes) -> Path:
+    """A table where ``a`` wins small sizes and ``b`` large ones (the laws above)."""
+    from mlatune import table
+    from tests.table_helpers import make_table, result_row
+
+    laws = {"a": power, "b": lambda b, k: 40.0 * b ** 0.6 * k ** 0.75}
+    frame = make_table([result_row(p, route, t, params=params)
+                        for p, route, params, t in rows(laws)])
+    return table.write(frame, tmp_path / "sm_90.parquet")
+
+
+@pytest.fixture
+def crossing_routes():
+    from mlatune import routes
+    from tests.table_helpers import FakeRoute
+
+    made = [FakeRoute("a/fake"), FakeRoute("b/fake")]
+    for route in made:
+        routes.register(route)
+    yield made
+    for route in made:
+        routes.unregister(route.id)
+
+
+@pytest.mark.parametrize("shape", [(3, 1500), (160, 11000), (40, 60000), (8, 2048)])
+def test_the_dispatcher_answers_an_unmeasured_shape_from_the_predictions(
+        shape, tmp_path, crossing_routes):
+    from mlatune import table
+    from mlatune.dispatch import Dispatcher
+    from mlatune.dispatch.predict import rows_from_table
+
+    path = _crossing_table(tmp_path, crossing_routes)
+    dispatcher = Dispatcher.load(path, device=DEVICE)
+    predictor = Predictor(rows_from_table(table.read(path)), dispatcher.routes, DEVICE,
+                          complete=False)
+    want, _ = predictor.choose(at(*shape))
+    choice = dispatcher.select(at(*shape))
+    assert (choice.source, choice.route_id) == ("predicted", want.route_id)
+    assert choice.time_us == pytest.approx(want.time_us)
+    # Measured shapes still answer from the table; `nearest` remains a mode.
+    assert dispatcher.select(at(4, 4096)).source == "table"
+    nearest = Dispatcher.load(path, device=DEVICE, unmeasured="nearest")
+    assert nearest.select(at(*shape)).source == "nearest"
+
+
+def test_the_predicted_answer_beats_the_nearest_one_across_a_crossover(tmp_path,
+                                                                        crossing_routes):
+    """Between grid points where the winner changes, the nearest point's winner is often
+    the wrong one; the predictions follow both laws."""
+    from mlatune.dispatch import Dispatcher
+
+    path = _crossing_table(tmp_path, crossing_routes)
+    laws = {"a/fake": power, "b/fake": lambda b, k: 40.0 * b ** 0.6 * k ** 0.75}
+    predicted = Dispatcher.load(path, device=DEVICE)
+    nearest = Dispatcher.load(path, device=DEVICE, unmeasured="nearest")
+    asked = [at(b, k) for b in (2, 3, 6, 12, 24, 48, 96, 180) for k in (1500, 3000, 6000,
+                                                                        11000, 23000, 47000)]
+
+    def regret(dispatcher) -> float:
+        worst = 0.0
+        for p in asked:
+            best = min(law(p.batch, p.kv_len) for law in laws.values())
+            got = laws[dispatcher.select(p).route_id](p.batch, p.kv_len)
+            worst = max(worst, got / best - 1)
+        return worst
+
+    assert regret(predicted) <= regret(nearest)
+    assert regret(predicted) < 0.02
+
+
+def test_explain_lists_the_predictions_behind_the_choice(tmp_path, crossing_routes):
+    from mlatune.dispatch import Dispatcher
+
+    dispatcher = Dispatcher.load(_crossing_table(tmp_path, crossing_routes), device=DEVICE)
+    choice, notes = dispatcher.explain(at(160, 11000))
+    predicted = [n for n in notes if n.startswith("predicted: ")]
+    assert len(predicted) == 2 and predicted[0].startswith(f"predicted: {choice.route_id}")
+    assert all("us (+-" in n for n in predicted)
+
+
+def test_an_unknown_unmeasured_mode_is_refused(tmp_path, crossing_routes):
+    from mlatune.dispatch import Dispatcher
+
+    with pytest.raises(ValueError, match="unmeasured must be one of"):
+        Dispatcher.load(_crossing_table(tmp_path, crossing_routes), device=DEVICE,
+                        unmeasured="guess")

@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 
 from mlatune import report, routes, table
 from mlatune.cli import app
+from mlatune.dispatch import dispatcher as dispatch_module
 from mlatune.problem import MLAProblem
 from mlatune.sweep.spec import load as load_spec
 from mlatune.sweep.spec import tomllib  # tomli before Python 3.11
@@ -38,7 +39,10 @@ PREFILL = MLAProblem(phase="prefill", num_heads=16, qlen=4096, kv_len=4096, batc
 
 
 @pytest.fixture
-def fakes():
+def fakes(monkeypatch):
+    """Fake routes; unmeasured shapes answered by ``nearest``, which the hand-computed
+    regrets follow (``predict``, the default, has its own tests in tests/test_predict.py)."""
+    monkeypatch.setattr(dispatch_module, "DEFAULT_UNMEASURED", "nearest")
     made = [FakeRoute(r) for r in (RULE, A, B)]
     for route in made:
         routes.register(route)

@@ -60,6 +60,7 @@ from typing import Any
 from mlatune import capability
 from mlatune.arch import CPU_ARCH, DeviceInfo, current_device
 from mlatune.dispatch import environment
+from mlatune.dispatch.predict import Predictor
 from mlatune.errors import TableError
 from mlatune.problem import BUCKET_FIELDS, MLAProblem
 from mlatune.routes import Route, all_routes, params_at, step_kind_of
@@ -80,6 +81,14 @@ BATCH_WEIGHT = 0.5  # of the batch difference in point_distance, below 1: see th
 # step for all its attention layers (``attention.decode(reuse_plan=True)`` after the
 # first), and DeepSeek-V3/R1 have 61 MLA layers. A caller that plans every call passes 1.
 DEFAULT_PLAN_CALLS = 61
+PREDICTIONS_SHOWN = 3  # by explain (`mlatune lookup`): the fastest predicted recipes
+# How an unmeasured shape of a measured bucket is answered: "predict" (each recipe's time
+# predicted from the bucket's points, mlatune.dispatch.predict) or "nearest" (the nearest
+# point's winner). Leave-one-out on the H200 table and its 214 held-out traffic problems
+# (benchmarks/predict_loo.py, 2026-11-30): held-out regret 1.1% geomean / 36% worst with
+# "predict", 1.7% / 183% with "nearest".
+UNMEASURED = ("predict", "nearest")
+DEFAULT_UNMEASURED = "predict"
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +97,7 @@ class Choice:
 
     route_id: str
     params: Mapping[str, Any]  # read-only; pass as route.prepare(..., params=dict(params))
-    source: str  # "table", "nearest" or "rule"
+    source: str  # "table", "predicted", "nearest" or "rule"
     key: str = ""  # the measured problem the choice comes from; "" for a rule
     # Its measured step cost (``step_cost``): the launch plus the plan the caller pays.
     time_us: float = math.nan
@@ -244,7 +253,7 @@ class Dispatcher:
                  skipped_routes: Mapping[str, int] | None = None,
                  failed: Mapping[str, Failures] | None = None, capturable: bool = False,
                  environment_differences: Sequence[str] = (), planning: bool = False,
-                 plan_calls: int = DEFAULT_PLAN_CALLS):
+                 plan_calls: int = DEFAULT_PLAN_CALLS, unmeasured: str | None = None):
         """Built by ``load``: ``entries`` name only routes in ``routes`` (the registry
         snapshot they were filtered with); ``skipped_routes`` counts the rows dropped;
         ``failed`` holds, per measured key, the routes whose row there is not ok;
@@ -256,6 +265,9 @@ class Dispatcher:
         # `mlatune plan` says it; this machine's libraries (FlashMLA, AITER) do not count.
         self.planning = planning
         self.plan_calls = plan_calls  # calls sharing one device plan (``step_cost``)
+        self.unmeasured = unmeasured or DEFAULT_UNMEASURED  # see UNMEASURED
+        if self.unmeasured not in UNMEASURED:
+            raise ValueError(f"unmeasured must be one of {UNMEASURED}, got {unmeasured!r}")
         # A number that names this dispatcher where only numbers pass (the custom op).
         self.handle = next(_HANDLES)
         _BY_HANDLE[self.handle] = self
@@ -273,6 +285,7 @@ class Dispatcher:
         self._winner: dict[str, Choice] = {}
         self._others: dict[str, tuple[_Columns, int, int]] = {}
         self._nearest: dict[str, Choice] = {}  # a winner answering for a neighbour
+        self._predictor: Predictor | None = None  # made at the first unmeasured question
         points: dict[tuple, list[tuple[int, int, Choice]]] = {}
         wins: dict[str, int] = {}
         for key, bucket, batch, kv_len, (route_id, params, time_us), columns, start, end \
@@ -358,6 +371,40 @@ class Dispatcher:
                                    winner.time_us))
         return choice
 
+    def _predicted(self, problem: MLAProblem, failed: frozenset[str],
+                   notes: list[str] | None) -> Choice | None:
+        """The recipe predicted fastest at an unmeasured shape of a measured bucket, its
+        sized parameters redone for it (``mlatune.dispatch.predict``); None when no
+        usable route was measured in the bucket."""
+        if self._predictor is None:
+            self._predictor = Predictor(self._measured_rows(), self.routes, self.device,
+                                        complete=False)
+
+        def usable(route_id: str) -> bool:
+            return route_id not in failed and self._supports(route_id, problem, None)
+
+        if notes is not None:
+            shown = self._predictor.predict(problem, usable)[:PREDICTIONS_SHOWN]
+            for p in shown:
+                recipe = json.dumps(dict(p.recipe), sort_keys=True)
+                notes.append(f"predicted: {p.route_id} {recipe} {p.time_us:.4g} us "
+                             f"(+-{100 * p.uncertainty:.0f}%; its nearest measured point: "
+                             f"batch={p.nearest.batch} kv_len={p.nearest.kv_len})")
+        found = self._predictor.choose(problem, usable)
+        if found is None:
+            return None
+        prediction, params = found
+        return Choice(prediction.route_id, MappingProxyType(params), "predicted",
+                      prediction.nearest.key, prediction.time_us)
+
+    def _measured_rows(self) -> Iterator[tuple[MLAProblem, str, Mapping[str, Any], float]]:
+        """Every usable ok route of every measured key with its step cost: the predictor's
+        data (the table's best parameter set per route and problem)."""
+        for key in self._winner:
+            problem = winners_map.problem_of(key)
+            for choice in self._ranked(key):
+                yield problem, choice.route_id, choice.params, choice.time_us
+
     def _ranked(self, key: str) -> tuple[Choice, ...]:
         """Every usable ok route of a measured key, fastest first ((): not measured)."""
         winner = self._winner.get(key)
@@ -406,6 +453,10 @@ class Dispatcher:
                              "installed here)")
         bucket = self._buckets.get(problem.bucket)
         if bucket is not None:
+            predicted = self._predicted(problem, failed, notes) \
+                if self.unmeasured == "predict" else None
+            if predicted is not None:
+                return predicted
             x, y = math.log2(problem.batch), math.log2(problem.kv_len)
             # The nearest point first (cheap); only if its winner refuses, all by distance.
             closest = bucket.closest(x, y)
@@ -458,7 +509,8 @@ class Dispatcher:
     @classmethod
     def load(cls, path: str | os.PathLike, device: DeviceInfo | None = None,
              allow_arch: str | None = None, capturable: bool = False,
-             plan_calls: int = DEFAULT_PLAN_CALLS) -> Dispatcher:
+             plan_calls: int = DEFAULT_PLAN_CALLS, unmeasured: str | None = None
+             ) -> Dispatcher:
         """Load a table (.parquet, .csv, .json winners map, or a directory holding one).
 
         Refuses (TableError) a damaged or invalid table, and one whose arch is
@@ -468,7 +520,8 @@ class Dispatcher:
         ``plan_calls``: how many calls share one device plan (``DEFAULT_PLAN_CALLS``: an
         engine that plans once per step for DeepSeek-V3's 61 layers; one that plans every
         call passes 1): routes are ranked by the launch plus that share of the plan
-        (``step_cost``).
+        (``step_cost``). ``unmeasured``: how shapes the table did not measure are
+        answered (``UNMEASURED``; None: ``DEFAULT_UNMEASURED``).
         Whatever else a damaged file makes loading raise (OverflowError,
         RecursionError, Arrow errors, ...) is a TableError naming the file, one line:
         an engine catches one type.
@@ -486,7 +539,8 @@ class Dispatcher:
         was_enabled = gc.isenabled()
         gc.disable()
         try:
-            return cls._load(Path(path), device, allow_arch, capturable, plan_calls)
+            return cls._load(Path(path), device, allow_arch, capturable, plan_calls,
+                             unmeasured)
         except TableError:
             raise
         except Exception as exc:  # a damage no check foresaw: still the table's fault
@@ -499,7 +553,7 @@ class Dispatcher:
 
     @classmethod
     def _load(cls, path: Path, device: DeviceInfo, allow_arch: str | None,
-              capturable: bool, plan_calls: int) -> Dispatcher:
+              capturable: bool, plan_calls: int, unmeasured: str | None) -> Dispatcher:
         arch = allow_arch or device.arch
         if path.is_dir():
             found = find_table(path, arch, device.name)
@@ -528,6 +582,7 @@ class Dispatcher:
         entries, skipped, failed = source.entries(chosen, set(routes), capturable, plan_calls)
         dispatcher = cls(device, entries, routes=routes, source=str(path), table_device=chosen,
                          planning=allow_arch is not None, plan_calls=plan_calls,
+                         unmeasured=unmeasured,
                          provenance=provenance, skipped_routes=skipped, failed=failed,
                          capturable=capturable, environment_differences=differences)
         environment.warn_once(str(path), differences)

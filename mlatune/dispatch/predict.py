@@ -193,8 +193,10 @@ def _impute_lost(recipes: list[tuple[str, str]], logs: np.ndarray) -> np.ndarray
     out = logs.copy()
     for route_id in {r for r, _ in recipes}:
         rows = [i for i, (r, _) in enumerate(recipes) if r == route_id]
-        with np.errstate(all="ignore"):  # all-NaN columns: the route did not run there
-            route_best = np.nanmin(logs[rows], axis=0)
+        block = logs[rows]
+        ran = ~np.isnan(block).all(axis=0)  # columns where the route ran (nanmin warns else)
+        route_best = np.full(block.shape[1], np.nan)
+        route_best[ran] = np.nanmin(block[:, ran], axis=0)
         for i in rows:
             lost = np.isnan(logs[i]) & ~np.isnan(route_best)
             out[i, lost] = route_best[lost] + math.log(LOST_PENALTY)
