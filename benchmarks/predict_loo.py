@@ -106,7 +106,8 @@ def heldout(measured: Measured, table_path: Path, predictors: dict[str, Predicto
     """The main table's answers on a held-out sweep's problems, timed from its journal."""
     timed = candidate_times(journal_path)
     best = best_times(timed)
-    dispatcher = Dispatcher.load(table_path, measured.device, allow_arch=measured.device.arch)
+    dispatcher = Dispatcher.load(table_path, measured.device, allow_arch=measured.device.arch,
+                                 unmeasured="nearest")
     out: dict[str, Regrets] = {"(a) nearest": {}, **{name: {} for name in predictors}}
     for key in sorted(best):
         problem = problem_of(key)

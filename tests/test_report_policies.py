@@ -226,7 +226,7 @@ def test_heldout_loss_to_flashmla_is_counted_and_listed(fast_route, tmp_path):
     assert fm.worst == pytest.approx(0.8) and fm.worst_key == HELD["H1"].key
     assert fm.losses == ((HELD["H1"].key, pytest.approx(0.8), FAST, FM),)
     headline = dict(report.headline_rows(made.summary))
-    assert headline["nearest, held-out never more than 2% slower than a vendor policy"] \
+    assert headline["dispatcher, held-out never more than 2% slower than a vendor policy"] \
         .startswith("NO: 1 problem(s)")
     assert headline["pick never more than 2% slower than a vendor policy"].startswith("yes")
     page = made.html.read_text()

@@ -113,7 +113,7 @@ class Summary:
     heldout_path: str = ""
     notes: list[str] = field(default_factory=list)
     # The pick against the vendor policies (policies.PolicyStats): on the table, and on
-    # the held-out table with nearest's choice as the pick.
+    # the held-out table with the dispatcher's choice as the pick.
     vendor: list[Any] = field(default_factory=list)
     vendor_heldout: list[Any] = field(default_factory=list)
 
@@ -495,16 +495,16 @@ def _regret_rows(regret: RegretStats) -> list[tuple[str, str]]:
     without = f"; {regret.no_ok_row} without an ok row" if regret.no_ok_row else ""
     rows = [
         ("held-out problems", f"{regret.judged} ({sources}){without}"),
-        ("nearest regret", f"geomean {percent_text(regret.geomean)}, median "
+        ("dispatcher regret", f"geomean {percent_text(regret.geomean)}, median "
                            f"{percent_text(regret.median)}, max {percent_text(regret.max)}"),
     ]
     if regret.params_timed:
-        rows.append(("nearest regret, its parameters",
+        rows.append(("dispatcher regret, its parameters",
                      f"geomean {percent_text(regret.params_geomean)}, "
                      f"median {percent_text(regret.params_median)}, "
                      f"max {percent_text(regret.params_max)} (over the {regret.params_timed} "
                      f"problems whose chosen parameters the held-out sweep timed)"))
-    rows.append(("nearest picked the winner", f"{regret.picked_winner} of {regret.judged} "
+    rows.append(("dispatcher picked the winner", f"{regret.picked_winner} of {regret.judged} "
                                               f"({_share(regret.picked_winner, regret.judged)}); "
                                               f"misses {regret.misses}"))
     return rows

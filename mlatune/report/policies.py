@@ -21,7 +21,7 @@ parameter set, as everywhere in the report.
 
 On the table's own problems the pick is the fastest ok row, so no policy whose route
 has an ok row can beat it there; the comparison is repeated on a held-out table
-(``--heldout``) with nearest's choice as the pick, where it can lose.
+(``--heldout``) with the dispatcher's choice as the pick, where it can lose.
 """
 
 from __future__ import annotations
@@ -188,7 +188,7 @@ class PolicyStats:
 
     policy: str  # ALWAYS_FLASHMLA, ALWAYS_FA3 or VLLM_POLICY
     routes: str  # what the policy runs, in words
-    pick: str  # "table" (the table's pick) or "nearest" (held-out: nearest's choice)
+    pick: str  # "table" (the table's pick) or "nearest" (held-out: the dispatcher's choice)
     served: int
     total: int
     geomean: float  # NaN when nothing is served
@@ -370,7 +370,7 @@ def headline_rows(stats: Sequence[PolicyStats], heldout: Sequence[PolicyStats] =
                   ) -> list[tuple[str, str]]:
     """The summary lines: each policy, the goal, the defect check; held-out too."""
     rows = []
-    for group, who in ((stats, "pick"), (heldout, "nearest, held-out")):
+    for group, who in ((stats, "pick"), (heldout, "dispatcher, held-out")):
         if not group:
             continue
         by = {s.policy: s for s in group}
