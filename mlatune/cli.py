@@ -156,6 +156,7 @@ DeviceArch = _choices("DeviceArch", (*ARCH_NAMES, "cpu"))  # a sweep's, so a tab
 Dtype = _choices("Dtype", ("bf16", "fp16", "fp8_e4m3fn", "fp8_e4m3fnuz"))
 Phase = _choices("Phase", ("decode", "prefill"))
 SOURCES = ("table", "predicted", "nearest", "rule")  # how the dispatcher answers, best first
+UNCERTAIN = 0.10  # a predicted answer's expected error past which coverage lists it
 Source = _choices("Source", SOURCES)
 Format = _choices("Format", ("parquet", "csv", "json"))
 
@@ -1014,10 +1015,13 @@ def coverage(
     arch: ArchOption = None,
     require: Annotated[Source, typer.Option(
         help="Exit 1 unless every problem is answered this well: table (measured), "
-             "nearest or rule.")] = Source.rule,
+             "predicted, nearest or rule.")] = Source.rule,
     json_out: JsonFlag = False,
 ) -> None:
-    """How the dispatcher answers every problem of a spec: measured, nearest point or rule.
+    """How the dispatcher answers every problem of a spec: measured, predicted from the
+    measured points of its bucket, nearest point or rule; and which predictions are
+    uncertain (expected error above 10%: far from measured points, or neighbours that
+    disagree), where measuring more would pay (`mlatune sweep` of those shapes).
 
     Exit status: 0 every problem is answered at least as well as --require; 1 some problem
     is not, or the spec or table cannot be used; 2 a usage error.
@@ -1038,6 +1042,8 @@ def coverage(
     answered = {s: dict(sorted((r, n) for (s2, r), n in by_route.items() if s2 == s))
                 for s in SOURCES}
     worse = [(p, c) for p, c in choices if SOURCES.index(c.source) > SOURCES.index(require)]
+    uncertain = sorted(((p, c) for p, c in choices if c.uncertainty > UNCERTAIN),
+                       key=lambda pc: -pc[1].uncertainty)
     if json_out:
         _emit_json("coverage", {
             "spec": str(path), "table": dispatcher.source or None, "require": require,
@@ -1046,9 +1052,11 @@ def coverage(
                          for s, routes in answered.items()},
             "below_require": [{"key": p.key, "source": c.source, "route": c.route_id}
                               for p, c in worse],
+            "uncertain": [{"key": p.key, "route": c.route_id, "uncertainty": c.uncertainty}
+                          for p, c in uncertain],
             "ok": not worse})
     else:
-        _print_coverage(path, dispatcher, len(choices), answered, worse)
+        _print_coverage(path, dispatcher, len(choices), answered, worse, uncertain)
     if worse:
         _fail(f"{len(worse)} problem(s) answered by worse than --require {require}"
               + (" (first 20 above)" if len(worse) > 20 and not json_out else ""))
@@ -1056,7 +1064,8 @@ def coverage(
 
 def _print_coverage(path: Path, dispatcher: Dispatcher, n: int,
                     answered: dict[str, dict[str, int]],
-                    worse: list[tuple[MLAProblem, Choice]]) -> None:
+                    worse: list[tuple[MLAProblem, Choice]],
+                    uncertain: list[tuple[MLAProblem, Choice]]) -> None:
     console.print(f"table: {dispatcher.source or 'none (every answer by rule)'}",
                   highlight=False)
     out = Table(title=f"{n} problems of {path}")
@@ -1067,6 +1076,11 @@ def _print_coverage(path: Path, dispatcher: Dispatcher, n: int,
         out.add_row(source, str(sum(routes.values())),
                     ", ".join(f"{r} ({k})" for r, k in routes.items()))
     console.print(out)
+    if uncertain:
+        console.print(f"{len(uncertain)} predicted answer(s) uncertain (expected error over "
+                      f"{UNCERTAIN:.0%}); the most uncertain:", highlight=False)
+        for p, c in uncertain[:10]:
+            console.print(f"  +-{c.uncertainty:.0%}: {p.key} -> {c.route_id}", highlight=False)
     for p, c in worse[:20]:
         console.print(f"  {c.source}: {p.key} -> {c.route_id}", highlight=False)
 

@@ -326,3 +326,31 @@ def test_an_unknown_unmeasured_mode_is_refused(tmp_path, crossing_routes):
     with pytest.raises(ValueError, match="unmeasured must be one of"):
         Dispatcher.load(_crossing_table(tmp_path, crossing_routes), device=DEVICE,
                         unmeasured="guess")
+
+
+def test_predicted_answers_carry_their_uncertainty_and_coverage_lists_the_large_ones(
+        tmp_path, crossing_routes):
+    import json as json_
+
+    from typer.testing import CliRunner
+
+    from mlatune.cli import app
+    from mlatune.dispatch import Dispatcher
+
+    path = _crossing_table(tmp_path, crossing_routes)
+    dispatcher = Dispatcher.load(path, device=DEVICE)
+    assert math.isnan(dispatcher.select(at(4, 4096)).uncertainty)  # measured
+    near, far = dispatcher.select(at(5, 5000)), dispatcher.select(at(4096, 1 << 21))
+    assert near.uncertainty < 0.1 < far.uncertainty  # 4 doublings past the grid each way
+    spec = tmp_path / "far.toml"
+    spec.write_text('name = "far"\n[[grid]]\nphase = "decode"\nnum_heads = 16\nqlen = 1\n'
+                    'kv_dtype = "bf16"\npage_size = 64\nbatch = [5, 4096]\n'
+                    'kv_len = [5000, 2097152]\n')
+    result = CliRunner().invoke(app, ["coverage", str(spec), "--table", str(path), "--arch",
+                                      "sm_90", "--json"])
+    assert result.exit_code == 0, result.output
+    document = json_.loads(result.output)
+    assert document["answered"]["predicted"]["problems"] == 4
+    listed = {u["key"]: u["uncertainty"] for u in document["uncertain"]}
+    assert at(4096, 1 << 21).key in listed and at(5, 5000).key not in listed
+    assert all(u > 0.1 for u in listed.values())

@@ -99,8 +99,12 @@ class Choice:
     params: Mapping[str, Any]  # read-only; pass as route.prepare(..., params=dict(params))
     source: str  # "table", "predicted", "nearest" or "rule"
     key: str = ""  # the measured problem the choice comes from; "" for a rule
-    # Its measured step cost (``step_cost``): the launch plus the plan the caller pays.
+    # Its measured step cost (``step_cost``): the launch plus the plan the caller pays;
+    # for a predicted answer the prediction.
     time_us: float = math.nan
+    # A predicted answer's expected relative error (0.1: about 10%; Prediction.uncertainty):
+    # far from measured points or where the neighbours disagree. NaN for other answers.
+    uncertainty: float = math.nan
 
 
 Option = tuple[str, Mapping[str, Any], float]  # (route_id, params, step cost in us)
@@ -395,7 +399,7 @@ class Dispatcher:
             return None
         prediction, params = found
         return Choice(prediction.route_id, MappingProxyType(params), "predicted",
-                      prediction.nearest.key, prediction.time_us)
+                      prediction.nearest.key, prediction.time_us, prediction.uncertainty)
 
     def _measured_rows(self) -> Iterator[tuple[MLAProblem, str, Mapping[str, Any], float]]:
         """Every usable ok route of every measured key with its step cost: the predictor's
