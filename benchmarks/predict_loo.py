@@ -160,12 +160,15 @@ def main() -> None:
     parser.add_argument("--heldout", nargs=2, type=Path, metavar=("TABLE2", "JOURNAL2"))
     args = parser.parse_args()
     measured = Measured.load(args.table, args.journal)
+    # The routes whose host plan a step's layers share, as the dispatcher costs them.
+    sharing = frozenset(r for r, route in measured.routes.items()
+                        if getattr(route, "shares_plan", False))
     predictors = {
-        "(b) predictor, journal": Predictor(rows_from_journal(args.journal), measured.routes,
-                                            measured.device),
-        "(b') predictor, table alone": Predictor(rows_from_table(table.read(args.table)),
-                                                 measured.routes, measured.device,
-                                                 complete=False),
+        "(b) predictor, journal": Predictor(rows_from_journal(args.journal, sharing=sharing),
+                                            measured.routes, measured.device),
+        "(b') predictor, table alone": Predictor(
+            rows_from_table(table.read(args.table), sharing=sharing), measured.routes,
+            measured.device, complete=False),
     }
     calibration: Calibration = []
     loo = {"(a) nearest": nearest_loo(measured)[0]}

@@ -124,8 +124,11 @@ class DecodeStep:
             _fill_local_lens(self.local_lens, self.inputs.seq_lens, self.rank,
                              self.problem.dcp_size)
         if self.host_planned and not self.fresh:  # planned on the host: prepare again
+            # (from the planner's plan of this step, where a layer reads another's)
             self.prepared = _prepare(self.route, self.problem, self.inputs, self.rank,
-                                     self.choice, self.lse is not None, self.buffers)
+                                     self.choice, self.lse is not None, self.buffers,
+                                     plan_from=None if self.planner is None
+                                     else self.planner.prepared)
         self.fresh = False
         if plans or self.host_planned:
             self.prepared.step()

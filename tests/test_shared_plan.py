@@ -177,3 +177,34 @@ def test_the_dispatcher_charges_each_call_its_share_of_the_plan(tmp_path):
     shared = Dispatcher.load(path, device=cpu, allow_arch="sm_90")  # the default: 61
     assert one.select(problem).route_id == "padded/triton"  # 96 + 31.5 > 107
     assert shared.select(problem).route_id == "dense/flashmla"  # 96 + 31.5 / 61 < 107
+
+
+def test_flashinfer_layers_share_the_planners_host_plan(monkeypatch, tmp_path):
+    from mlatune.routes import flashinfer
+    from tests.fake_vendors import FakeFlashInfer
+
+    fake = FakeFlashInfer().install(monkeypatch)
+    flashinfer.library.cache_clear()
+    try:
+        problem = MLAProblem(num_heads=4, qlen=2, batch=3, kv_len=40, page_size=16)
+        h200 = DeviceInfo("sm_90", "NVIDIA H200", "nvidia", 132)
+        dispatcher = _dispatcher(problem, "fa3/flashinfer", {}, tmp_path, device=h200)
+        layers = _layers(problem, 3)
+        _assert_right(layers, _step(layers, dispatcher))
+        plans = sum(name == "plan" for name, _ in fake.calls)
+        _write_lengths(layers[0], (layers[0].seq_lens // 2).clamp(min=problem.qlen))
+        _assert_right(layers, _step(layers, dispatcher))  # planned again by layer 0 alone
+        assert sum(name == "plan" for name, _ in fake.calls) - plans == 1
+    finally:
+        flashinfer.library.cache_clear()
+
+
+def test_a_shared_host_plan_is_charged_in_shares(tmp_path):
+    problem = MLAProblem(num_heads=16, batch=64, kv_len=4096, page_size=64)
+    rows = [result_row(problem, "fa3/flashinfer", 90.0)]
+    rows[0].update(plan_on="host", plan_us=0.0, plan_host_us=1525.0, capturable=False)
+    path = table.write(make_table(rows), tmp_path / "sm_90-h200.parquet")
+    cpu = cpu_device()
+    for calls in (1, 61):
+        dispatcher = Dispatcher.load(path, device=cpu, allow_arch="sm_90", plan_calls=calls)
+        assert dispatcher.select(problem).time_us == pytest.approx(90.0 + 1525.0 / calls)

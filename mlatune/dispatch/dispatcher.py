@@ -224,21 +224,24 @@ def by_handle(handle: int) -> Dispatcher | None:
 
 
 def step_cost(time_us, plan_on, plan_us, plan_host_us, capturable: bool,
-              plan_calls: int = DEFAULT_PLAN_CALLS):
+              plan_calls: int = DEFAULT_PLAN_CALLS, shares_host_plan=False):
     """What one call costs a caller, in microseconds (numbers or numpy arrays alike).
 
     A caller that replays CUDA graphs pays the launch and the device plan; an eager
     caller pays a host plan too (a whole prepare with its device sync, which stalls the
     GPU), while eager launches overlap the GPU's work. ``plan_calls``: the calls that
     share one device plan (an engine's attention layers of one step, planned once:
-    ``attention.decode(plan=False)``), so each pays its share. Costs a table did not
-    measure (a converted v1 table) count as 0.
+    ``attention.decode(reuse_plan=True)``), so each pays its share; a host plan is
+    shared so only by routes that can (``shares_host_plan``, per row: FlashInfer's, not
+    AITER's). Costs a table did not measure (a converted v1 table) count as 0.
     """
     import numpy as np
 
-    cost = time_us + np.nan_to_num(plan_us) / max(1, plan_calls)
+    calls = max(1, plan_calls)
+    cost = time_us + np.nan_to_num(plan_us) / calls
     if not capturable:
-        cost = cost + np.where(plan_on == "host", np.nan_to_num(plan_host_us), 0.0)
+        host = np.nan_to_num(plan_host_us) / np.where(shares_host_plan, calls, 1)
+        cost = cost + np.where(plan_on == "host", host, 0.0)
     return cost
 
 
@@ -583,7 +586,9 @@ class Dispatcher:
         differences = [] if running is None else \
             environment.differences(provenance, chosen, running)
         routes = registered_routes()
-        entries, skipped, failed = source.entries(chosen, set(routes), capturable, plan_calls)
+        sharing = {r for r, route in routes.items() if getattr(route, "shares_plan", False)}
+        entries, skipped, failed = source.entries(chosen, set(routes), capturable, plan_calls,
+                                                  sharing)
         dispatcher = cls(device, entries, routes=routes, source=str(path), table_device=chosen,
                          planning=allow_arch is not None, plan_calls=plan_calls,
                          unmeasured=unmeasured,
@@ -706,7 +711,7 @@ class _FrameSource:
         return self._table.provenances(self._rows(device))
 
     def entries(self, device: Device, route_ids: set[str], capturable: bool = False,
-                plan_calls: int = DEFAULT_PLAN_CALLS):
+                plan_calls: int = DEFAULT_PLAN_CALLS, sharing: set[str] = frozenset()):
         """Per key, its usable ok routes cheapest step first (``step_cost``; with
         ``capturable`` only steps a graph replays); column-wise, as load time matters.
         Also the skipped row counts, and per key the known routes that failed there."""
@@ -730,7 +735,7 @@ class _FrameSource:
         key_id = rows.groupby([*BUCKET_FIELDS, "batch", "kv_len"], sort=False).ngroup()
         cost = step_cost(rows["time_us"].to_numpy(), rows["plan_on"].to_numpy(dtype=object),
                          rows["plan_us"].to_numpy(), rows["plan_host_us"].to_numpy(),
-                         capturable, plan_calls)
+                         capturable, plan_calls, rows["route"].isin(sharing).to_numpy())
         order = np.lexsort((rows["rank"].to_numpy(), cost, key_id.to_numpy()))
         sorted_ids = key_id.to_numpy()[order]
         starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
@@ -799,7 +804,7 @@ class _JsonSource:
         return self._by_device[device][0]["provenance"]
 
     def entries(self, device: Device, route_ids: set[str], capturable: bool = False,
-                plan_calls: int = DEFAULT_PLAN_CALLS):
+                plan_calls: int = DEFAULT_PLAN_CALLS, sharing: set[str] = frozenset()):
         """As ``_FrameSource.entries``, from each key's winner and alternatives."""
         routes: dict[str, int] = {}  # route id -> code
         params: dict[str, int] = {}  # canonical params JSON -> code
@@ -811,7 +816,7 @@ class _JsonSource:
         for key, winner in entry["winners"].items():
             start = len(times)
             for cost, option in _by_step_cost((winner, *winner.get("alternatives", ())),
-                                              capturable, plan_calls):
+                                              capturable, plan_calls, sharing):
                 if option["route"] not in route_ids:
                     skipped[option["route"]] = skipped.get(option["route"], 0) + 1
                     continue
@@ -852,8 +857,8 @@ class _JsonSource:
         return failed
 
 
-def _by_step_cost(options, capturable: bool, plan_calls: int = DEFAULT_PLAN_CALLS
-                  ) -> list[tuple[float, dict]]:
+def _by_step_cost(options, capturable: bool, plan_calls: int = DEFAULT_PLAN_CALLS,
+                  sharing: set[str] = frozenset()) -> list[tuple[float, dict]]:
     """A winners map's options of one key as (step cost, option), cheapest first (stable:
     the map's order breaks ties); only capturable steps with ``capturable``."""
     costed = []
@@ -862,7 +867,7 @@ def _by_step_cost(options, capturable: bool, plan_calls: int = DEFAULT_PLAN_CALL
             continue
         cost = step_cost(float(option["time_us"]), option.get("plan_on", "none"),
                          _number(option.get("plan_us")), _number(option.get("plan_host_us")),
-                         capturable, plan_calls)
+                         capturable, plan_calls, option["route"] in sharing)
         costed.append((float(cost), option))
     return sorted(costed, key=lambda pair: pair[0])
 

@@ -275,7 +275,8 @@ class Predictor:
 
 
 def rows_from_journal(path: str | Path, capturable: bool = False,
-                      plan_calls: int | None = None) -> list[Row]:
+                      plan_calls: int | None = None, sharing: frozenset[str] = frozenset()
+                      ) -> list[Row]:
     """Every ok candidate of a sweep journal, with its step cost as the dispatcher ranks
     it (``dispatch.step_cost``; plan costs a journal lacks count as 0); with
     ``capturable`` only steps a CUDA graph replays. A record without its step kind gets
@@ -294,7 +295,8 @@ def rows_from_journal(path: str | Path, capturable: bool = False,
         if capturable and not replays:
             continue
         cost = step_cost(float(r["time_us"]), plan_on, _number(r.get("plan_us")),
-                         _number(r.get("plan_host_us")), capturable, **_calls(plan_calls))
+                         _number(r.get("plan_host_us")), capturable, **_calls(plan_calls),
+                         shares_host_plan=r["route"] in sharing)
         rows.append((MLAProblem.from_key_dict(r["key"]), str(r["route"]), params, float(cost)))
     return rows
 
@@ -305,9 +307,11 @@ def _calls(plan_calls: int | None) -> dict[str, int]:
 
 
 def rows_from_table(frame: Any, capturable: bool = False,
-                    plan_calls: int | None = None) -> list[Row]:
+                    plan_calls: int | None = None, sharing: frozenset[str] = frozenset()
+                    ) -> list[Row]:
     """A table's ok rows (a DataFrame as ``mlatune.table.read`` gives), costed as the
-    dispatcher ranks them; with ``capturable`` only steps a CUDA graph replays."""
+    dispatcher ranks them (``sharing``: the routes whose host plan a step's calls share);
+    with ``capturable`` only steps a CUDA graph replays."""
     from mlatune.dispatch import step_cost
 
     ok = frame[frame["status"] == "ok"]
@@ -316,7 +320,7 @@ def rows_from_table(frame: Any, capturable: bool = False,
     costs = step_cost(ok["time_us"].to_numpy(dtype=float), ok["plan_on"].to_numpy(dtype=object),
                       ok["plan_us"].to_numpy(dtype=float),
                       ok["plan_host_us"].to_numpy(dtype=float), capturable,
-                      **_calls(plan_calls))
+                      **_calls(plan_calls), shares_host_plan=ok["route"].isin(sharing).to_numpy())
     return [(MLAProblem.from_key_dict(row), str(row["route"]), json.loads(row["route_params"]),
              float(cost)) for row, cost in zip(ok.to_dict("records"), costs, strict=True)]
 

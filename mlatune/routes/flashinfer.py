@@ -8,8 +8,10 @@ use and caches it on disk, so a sweep's compile-ahead pass pays that before timi
 
 The step: ``plan`` is FlashInfer's, on the host (it copies the lengths to the CPU
 and partitions the work there), so the route is host-planned: prepared again from
-the lengths every step and never chosen where a capturable step is asked for. The
-launch writes into the caller's buffers (``writes_into``). FlashInfer's LSE is base
+the lengths every step and never chosen where a capturable step is asked for; the
+layers of one engine step share that plan (``plan_from``: the planning layer's wrapper
+serves the others, as engines use FlashInfer). The launch writes into the caller's
+buffers (``writes_into``). FlashInfer's LSE is base
 2 unless asked; the route asks for natural log, as the table and merge use. Over an
 fp8 (e4m3fn) cache it takes a bf16 q and the cache's per-tensor scale as a host
 float, read once at prepare.
@@ -27,7 +29,17 @@ from mlatune import capability
 from mlatune.arch import DeviceInfo
 from mlatune.check.inputs import DecodeInputs, PrefillInputs
 from mlatune.problem import DTYPES, FP8_DTYPES, MLAProblem
-from mlatune.routes.base import HOST_PLANNED, Params, Prepared, StepKind, Verdict, no
+from mlatune.routes.base import (
+    HOST_PLANNED,
+    Params,
+    Prepared,
+    SharedPlan,
+    StepKind,
+    Verdict,
+    no,
+    plan_key,
+    shared_buffers,
+)
 from mlatune.routes.paged import paged_view, uniform_indptr
 
 INSTALL = ("pip install flashinfer-python apache-tvm-ffi (it compiles its MLA kernels with "
@@ -61,10 +73,15 @@ def _workspace(device: torch.device) -> torch.Tensor:
     return _workspaces[device]
 
 
+def _planned_on_the_host() -> None:
+    """A shared FlashInfer plan has no device part: the planning layer's prepare made it."""
+
+
 class FlashInferRoute:
     """One FlashInfer MLA backend (``fa3``: Hopper; ``fa2``: portable)."""
 
     writes_into = True  # prepare takes the caller's out= and lse= buffers
+    shares_plan = True  # prepare takes plan_from= (another layer's planned wrapper)
 
     def __init__(self, backend: str):
         self.backend = backend
@@ -87,7 +104,8 @@ class FlashInferRoute:
 
     def prepare(self, problem: MLAProblem, inputs: DecodeInputs | PrefillInputs, *,
                 rank: int = 0, params: Params | None = None, want_lse: bool = True,
-                out: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> Prepared:
+                out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                plan_from: Prepared | None = None) -> Prepared:
         if not isinstance(inputs, DecodeInputs):
             raise TypeError(f"{self.id} serves decode inputs, got {type(inputs).__name__}")
         mod, missing = library()
@@ -95,13 +113,13 @@ class FlashInferRoute:
             raise RuntimeError(missing)
         shard = inputs.shards[rank]
         q, cache_ = inputs.q, shard.kv_cache
-        dev, d_v, page = q.device, problem.d_v, cache_.shape[1]
-        view = paged_view(shard, page)  # the CSR page lists, from the lengths (host read)
-        wrapper = mod.mla.BatchMLAPagedAttentionWrapper(_workspace(dev), backend=self.backend)
-        wrapper.plan(uniform_indptr(problem.batch, problem.qlen, dev), view.indptr,
-                     view.indices, shard.seq_lens, problem.kernel_heads, d_v,
-                     cache_.shape[-1] - d_v, page, problem.causal and problem.qlen > 1,
-                     inputs.softmax_scale, q.dtype, cache_.dtype)
+        dev, d_v = q.device, problem.d_v
+        # The plan fixes the softmax scale too: a layer with another scale plans its own.
+        key = plan_key(self.id, problem, {"sm_scale": inputs.softmax_scale}, rank,
+                       shard.seq_lens, shard.block_table)
+        shared = shared_buffers(plan_from, key)
+        wrapper = shared.buffers if shared is not None else \
+            self._planned(mod, problem, inputs, rank)
         scales = {}
         if problem.kv_dtype in FP8_DTYPES:
             kv_scale = float(inputs.kv_scale)  # one host read here, none per launch
@@ -119,7 +137,22 @@ class FlashInferRoute:
                         return_lse_base_on_e=True, **scales)
 
         return Prepared(run, out, lse, graph_safe=True, params={"backend": self.backend},
-                        plan_reads_lengths=True)
+                        plan_reads_lengths=True,
+                        plan_state=SharedPlan(key, wrapper, _planned_on_the_host))
+
+    def _planned(self, mod, problem: MLAProblem, inputs: DecodeInputs, rank: int):
+        """A wrapper planned for the shard's lengths now: the CSR page lists (read on the
+        host) and FlashInfer's own partition of the work."""
+        shard = inputs.shards[rank]
+        q, cache_ = inputs.q, shard.kv_cache
+        dev, d_v, page = q.device, problem.d_v, cache_.shape[1]
+        view = paged_view(shard, page)
+        wrapper = mod.mla.BatchMLAPagedAttentionWrapper(_workspace(dev), backend=self.backend)
+        wrapper.plan(uniform_indptr(problem.batch, problem.qlen, dev), view.indptr,
+                     view.indices, shard.seq_lens, problem.kernel_heads, d_v,
+                     cache_.shape[-1] - d_v, page, problem.causal and problem.qlen > 1,
+                     inputs.softmax_scale, q.dtype, cache_.dtype)
+        return wrapper
 
 
 FLASHINFER_ROUTES = (FlashInferRoute("fa3"), FlashInferRoute("fa2"))
