@@ -453,6 +453,12 @@ def sweep(
              "the problems whose key hashes to I mod N. One share per machine, then "
              "`mlatune merge` joins the tables. Default --out: "
              "runs/<spec>-<arch>.shard-I-of-N.parquet")] = None,
+    refine: Annotated[float | None, typer.Option(
+        metavar="SECONDS", min=0.0,
+        help="After the grid: measure the points between its grid points whose answer the "
+             "dispatcher is least sure of (predicted far from measured points, neighbours "
+             "disagreeing), until their estimated worker time reaches SECONDS; the table "
+             "grows to hold them.")] = None,
 ) -> None:
     """Measure every viable route for each problem of a spec and write a dispatch table.
 
@@ -501,6 +507,10 @@ def sweep(
     table_path = table_path.with_suffix(".parquet")
     journal_path = table_path.with_suffix(".journal.jsonl")
     _check_outputs(table_path, table_path.with_suffix(".csv"), journal_path)
+    if refine is not None:
+        if fresh or share:
+            _fail("--refine adds points to a measured grid: not with --fresh or --shard")
+        spec = _refined(spec, table_path, journal_path, device, refine)
     if not device.is_gpu:
         console.print("[yellow]no GPU[/]: running the CPU-capable routes on the spec's CPU "
                       "grid; wall-clock timings, not for dispatch.")
@@ -556,6 +566,42 @@ def sweep(
     _print_sweep_summary(spec.name, result, wall)
     console.print(f"table: {table_path} (and {table_path.with_suffix('.csv')}); "
                   f"journal: {journal_path}", highlight=False)
+
+
+def _refined(spec: SweepSpec, table_path: Path, journal_path: Path, device: DeviceInfo,
+             budget_s: float) -> SweepSpec:
+    """The spec with, for problems, the points ``mlatune.sweep.refine`` proposes."""
+    from dataclasses import replace
+
+    from mlatune.dispatch import Dispatcher
+    from mlatune.errors import JournalError, TableError
+    from mlatune.problem import MLAProblem
+    from mlatune.sweep import journal as journals
+    from mlatune.sweep import refine as refinement
+
+    if not (table_path.exists() and journal_path.exists()):
+        _fail(f"--refine adds points to a measured grid: {table_path} and its journal do "
+              f"not exist yet (run the sweep without --refine first)")
+    try:
+        records = journals.read(journal_path)[1]
+        dispatcher = Dispatcher.load(table_path, device=device)
+    except (JournalError, TableError, OSError) as exc:
+        _fail(str(exc))
+    measured = {p.key: p for p in (MLAProblem.from_key_dict(r["key"]) for r in records
+                                   if r.get("kind") == "result" and r.get("status") == "ok")}
+    chosen = refinement.propose(dispatcher, measured.values(), records, budget_s)
+    seconds = sum(r.seconds for r in chosen)
+    console.print(f"refine: {len(chosen)} point(s) between the grid's, about {seconds:.0f} s "
+                  f"of worker time (budget {budget_s:g} s); the least certain first:",
+                  highlight=False)
+    for r in chosen[:10]:
+        sure = "no prediction" if r.uncertainty >= refinement.UNPREDICTED \
+            else f"+-{r.uncertainty:.0%}"
+        console.print(f"  {sure}: {r.problem.key} (now {r.route_id})", highlight=False)
+    if not chosen:
+        console.print("nothing to measure within the budget")
+        raise typer.Exit(0)
+    return replace(spec, problems=tuple(r.problem for r in chosen))
 
 
 def _check_routes(only: list[str] | None, named: tuple[str, ...], spec_path: Path) -> None:
