@@ -659,3 +659,41 @@ def test_a_converted_table_ranks_by_launch_time(tmp_path, step_routes):
             _costed(problem, "plain/fake", 11.0, "none", math.nan, math.nan)]
     path = table.write(make_table(rows), tmp_path / "sm_90.parquet")
     assert Dispatcher.load(path, device=H200).select(problem).route_id == "device/fake"
+
+
+# A user table overlays the bundled one, problem by problem ----------------------------
+def test_a_user_table_overlays_the_bundled_one_problem_by_problem(tmp_path, monkeypatch,
+                                                                   fakes):
+    fast_small, fast_large = "fast-small/fake", "fast-large/fake"
+    shared, only_bundled, only_user = (MLAProblem(batch=b, kv_len=1024) for b in (4, 16, 64))
+    bundled_dir = tmp_path / "bundled"
+    bundled_dir.mkdir()
+    table.write(make_table([result_row(shared, fast_small, 10.0),
+                            result_row(shared, fast_large, 12.0),
+                            result_row(only_bundled, fast_small, 20.0)]),
+                bundled_dir / "sm_90-h200.parquet")
+    user = table.write(make_table([result_row(shared, fast_large, 11.0),
+                                   result_row(only_user, fast_large, 30.0)]),
+                       tmp_path / "mine.parquet")
+    monkeypatch.setattr(dispatch_module, "bundled_tables_dir", lambda: bundled_dir)
+    monkeypatch.delenv(dispatch_module.TABLE_ENV, raising=False)
+    monkeypatch.setenv(dispatch_module.USER_TABLE_ENV, str(user))
+    overlaid = Dispatcher.from_bundled(H200)
+    assert overlaid.source.endswith("sm_90-h200.parquet + " + str(user))
+    # The user's rows replace the bundled ones of the problem they hold (fast_small's
+    # 10 us row there is gone), the rest stays, and the user's new problem is measured.
+    assert (overlaid.select(shared).route_id, overlaid.select(shared).time_us) == \
+        (fast_large, 11.0)
+    assert overlaid.select(only_bundled).route_id == fast_small
+    assert overlaid.select(only_user).source == "table"
+    monkeypatch.setenv(dispatch_module.USER_TABLE_ENV, str(tmp_path / "missing.parquet"))
+    assert Dispatcher.from_bundled(H200).select(shared).route_id == fast_small
+
+
+def test_a_json_map_takes_no_overlay(tmp_path, fakes):
+    problem = MLAProblem(batch=4)
+    frame = make_table([result_row(problem, "fast-small/fake", 10.0)])
+    path = table.write_json(table.winners_json(frame), tmp_path / "sm_90.json")
+    user = table.write(frame, tmp_path / "mine.parquet")
+    with pytest.raises(TableError, match="takes no overlay"):
+        Dispatcher.load(path, device=H200, overlay=user)

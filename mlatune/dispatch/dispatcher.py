@@ -72,6 +72,10 @@ __all__ = ["Choice", "Dispatcher", "TableError", "device_for_arch", "find_table"
 log = logging.getLogger("mlatune")
 
 TABLE_ENV = "MLATUNE_TABLE"
+# A table of the user's own measurements that overlays the bundled one problem by problem
+# (MIOpen's user find-db over its system db): its rows replace the bundled rows of the
+# problems it holds and add the problems the bundled table lacks.
+USER_TABLE_ENV = "MLATUNE_USER_TABLE"
 # Memo entries for problems the table never measured (nearest and rule answers);
 # measured keys are always remembered. Bounds memory when kv_len varies freely.
 MEMO_LIMIT = 1 << 16
@@ -516,8 +520,8 @@ class Dispatcher:
     @classmethod
     def load(cls, path: str | os.PathLike, device: DeviceInfo | None = None,
              allow_arch: str | None = None, capturable: bool = False,
-             plan_calls: int = DEFAULT_PLAN_CALLS, unmeasured: str | None = None
-             ) -> Dispatcher:
+             plan_calls: int = DEFAULT_PLAN_CALLS, unmeasured: str | None = None,
+             overlay: str | os.PathLike | None = None) -> Dispatcher:
         """Load a table (.parquet, .csv, .json winners map, or a directory holding one).
 
         Refuses (TableError) a damaged or invalid table, and one whose arch is
@@ -528,7 +532,9 @@ class Dispatcher:
         engine that plans once per step for DeepSeek-V3's 61 layers; one that plans every
         call passes 1): routes are ranked by the launch plus that share of the plan
         (``step_cost``). ``unmeasured``: how shapes the table did not measure are
-        answered (``UNMEASURED``; None: ``DEFAULT_UNMEASURED``).
+        answered (``UNMEASURED``; None: ``DEFAULT_UNMEASURED``). ``overlay``: a Parquet or
+        CSV table whose rows replace the table's for the problems it holds (per device),
+        and add the others (``USER_TABLE_ENV``).
         Whatever else a damaged file makes loading raise (OverflowError,
         RecursionError, Arrow errors, ...) is a TableError naming the file, one line:
         an engine catches one type.
@@ -547,7 +553,7 @@ class Dispatcher:
         gc.disable()
         try:
             return cls._load(Path(path), device, allow_arch, capturable, plan_calls,
-                             unmeasured)
+                             unmeasured, None if overlay is None else Path(overlay))
         except TableError:
             raise
         except Exception as exc:  # a damage no check foresaw: still the table's fault
@@ -560,14 +566,19 @@ class Dispatcher:
 
     @classmethod
     def _load(cls, path: Path, device: DeviceInfo, allow_arch: str | None,
-              capturable: bool, plan_calls: int, unmeasured: str | None) -> Dispatcher:
+              capturable: bool, plan_calls: int, unmeasured: str | None,
+              overlay: Path | None = None) -> Dispatcher:
         arch = allow_arch or device.arch
         if path.is_dir():
             found = find_table(path, arch, device.name)
             if found is None:
                 raise TableError(f"{path}: no table for arch {arch} in this directory")
             path = found
-        source = _JsonSource(path) if path.suffix.lower() == ".json" else _FrameSource(path)
+        if overlay is not None and path.suffix.lower() == ".json":
+            raise TableError(f"{path}: a JSON winners map takes no overlay (load the Parquet "
+                             f"or CSV table to overlay {overlay} on it)")
+        source = _JsonSource(path) if path.suffix.lower() == ".json" else \
+            _FrameSource(path, overlay)
         arches = sorted({d[0] for d in source.devices})
         if arch not in arches:
             what = allow_arch or f"{device.arch} ({device.name})"
@@ -589,7 +600,8 @@ class Dispatcher:
         sharing = {r for r, route in routes.items() if getattr(route, "shares_plan", False)}
         entries, skipped, failed = source.entries(chosen, set(routes), capturable, plan_calls,
                                                   sharing)
-        dispatcher = cls(device, entries, routes=routes, source=str(path), table_device=chosen,
+        where = str(path) if overlay is None else f"{path} + {overlay}"
+        dispatcher = cls(device, entries, routes=routes, source=where, table_device=chosen,
                          planning=allow_arch is not None, plan_calls=plan_calls,
                          unmeasured=unmeasured,
                          provenance=provenance, skipped_routes=skipped, failed=failed,
@@ -601,6 +613,8 @@ class Dispatcher:
     def from_bundled(cls, device: DeviceInfo | None = None, capturable: bool = False,
                      plan_calls: int = DEFAULT_PLAN_CALLS) -> Dispatcher:
         """The table shipped with mlatune for this device's arch; ``MLATUNE_TABLE`` overrides.
+        ``MLATUNE_USER_TABLE`` (a Parquet or CSV table of the user's own sweeps) overlays
+        either, problem by problem (``load(overlay=)``).
 
         An explicit ``MLATUNE_TABLE`` that cannot be used raises (the operator
         asked for that file); a bundled table that cannot be used is logged and
@@ -608,14 +622,22 @@ class Dispatcher:
         """
         device = device or current_device()
         override = os.environ.get(TABLE_ENV)
+        user = os.environ.get(USER_TABLE_ENV) or None
+        if user and not Path(user).is_file():
+            log.warning("mlatune: %s=%s is not a file; no user table overlaid", USER_TABLE_ENV,
+                        user)
+            user = None
         if override:
-            return cls.load(override, device, capturable=capturable, plan_calls=plan_calls)
+            return cls.load(override, device, capturable=capturable, plan_calls=plan_calls,
+                            overlay=user)
         try:
             found = find_table(bundled_tables_dir(), device.arch, device.name)
-            if found is None:
-                return cls.rules_only(device, capturable)
+            if found is None:  # the user's own table alone, if any
+                return cls.load(user, device, capturable=capturable, plan_calls=plan_calls) \
+                    if user else cls.rules_only(device, capturable)
             with resources.as_file(found) as path:
-                return cls.load(path, device, capturable=capturable, plan_calls=plan_calls)
+                return cls.load(path, device, capturable=capturable, plan_calls=plan_calls,
+                                overlay=user)
         except Exception as exc:  # load raises TableError; an unreadable directory OSError
             log.warning("mlatune: bundled table unusable, dispatching by rule: %s", exc)
             return cls.rules_only(device, capturable)
@@ -664,6 +686,21 @@ def find_table(directory: Path | Any, arch: str, device_name: str = "") -> Any:
                                         rank[Path(f.name).suffix.lower()], f.name))[0]
 
 
+def _overlaid(table, frame, user):
+    """``frame`` with the problems ``user`` holds (per device) replaced by its rows."""
+    import pandas as pd
+
+    device = ["arch", "device_name", "cu_count"]
+
+    def keys(f):
+        return pd.Series(table.key_strings(f), index=f.index) + "|" + \
+            f[device].astype(str).agg("|".join, axis=1)
+
+    mine = set(keys(user))
+    kept = frame[~keys(frame).isin(mine)]
+    return pd.concat([kept, user[kept.columns]], ignore_index=True)
+
+
 def bundled_tables_dir() -> Any:
     """The tables shipped in the package (mlatune/tables links to the repository's tables/)."""
     return resources.files("mlatune").joinpath("tables")
@@ -692,11 +729,13 @@ def _frozen_params(text: str) -> Mapping[str, Any]:
 class _FrameSource:
     """A Parquet or CSV table, read and validated with mlatune.table (pandas)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, overlay: Path | None = None):
         from mlatune import table  # pandas only when a Parquet/CSV table is loaded
 
         self._table = table
         self.frame = table.read(path)  # validates; raises TableError
+        if overlay is not None:
+            self.frame = _overlaid(table, self.frame, table.read(overlay))
         distinct = self.frame[["arch", "device_name", "cu_count"]].drop_duplicates()
         self.devices: list[Device] = list(distinct.itertuples(index=False, name=None))
 
