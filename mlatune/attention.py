@@ -53,7 +53,7 @@ import torch
 
 from mlatune import runtime_checks
 from mlatune.check.inputs import DecodeInputs, KVShard
-from mlatune.dispatch import Choice, Dispatcher, by_handle
+from mlatune.dispatch import Choice, Dispatcher, by_handle, first_sight
 from mlatune.problem import DTYPES, MLAProblem, next_power_of_two, output_dtype
 from mlatune.routes import Prepared, Route, step_kind_of
 from mlatune.sweep import bench
@@ -334,6 +334,8 @@ def _make_plan(q, kv_cache, block_table, seq_lens, *, num_heads, qlen, causal, k
     inputs = DecodeInputs(capped, q, q_scale, kv_scale, seq_lens, shards,  # type: ignore[arg-type]
                           sm_scale=softmax_scale)
     buffers = {"out": out, "lse": lse_out}
+    if first_sight.enabled(dispatcher) and first_sight.unsure(dispatcher.select(problem)):
+        first_sight.measure(dispatcher, problem, capped, inputs, dcp_rank, want_lse)
     for choice in dispatcher.alternatives(capped, first=dispatcher.select(problem)):
         route = dispatcher.route(choice.route_id)
         if capturable and not step_kind_of(route, dict(choice.params)).capturable:

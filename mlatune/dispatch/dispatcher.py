@@ -76,6 +76,8 @@ TABLE_ENV = "MLATUNE_TABLE"
 # (MIOpen's user find-db over its system db): its rows replace the bundled rows of the
 # problems it holds and add the problems the bundled table lacks.
 USER_TABLE_ENV = "MLATUNE_USER_TABLE"
+# Where on-first-sight timings are written (mlatune.dispatch.first_sight); unset: off.
+FIRST_SIGHT_ENV = "MLATUNE_FIRST_SIGHT"
 # Memo entries for problems the table never measured (nearest and rule answers);
 # measured keys are always remembered. Bounds memory when kv_len varies freely.
 MEMO_LIMIT = 1 << 16
@@ -264,7 +266,8 @@ class Dispatcher:
                  skipped_routes: Mapping[str, int] | None = None,
                  failed: Mapping[str, Failures] | None = None, capturable: bool = False,
                  environment_differences: Sequence[str] = (), planning: bool = False,
-                 plan_calls: int = DEFAULT_PLAN_CALLS, unmeasured: str | None = None):
+                 plan_calls: int = DEFAULT_PLAN_CALLS, unmeasured: str | None = None,
+                 first_sight: str | os.PathLike | None = None):
         """Built by ``load``: ``entries`` name only routes in ``routes`` (the registry
         snapshot they were filtered with); ``skipped_routes`` counts the rows dropped;
         ``failed`` holds, per measured key, the routes whose row there is not ok;
@@ -277,6 +280,8 @@ class Dispatcher:
         self.planning = planning
         self.plan_calls = plan_calls  # calls sharing one device plan (``step_cost``)
         self.unmeasured = unmeasured or DEFAULT_UNMEASURED  # see UNMEASURED
+        # The user table unsure answers are timed into at run time (first_sight); None: off.
+        self.first_sight = first_sight
         if self.unmeasured not in UNMEASURED:
             raise ValueError(f"unmeasured must be one of {UNMEASURED}, got {unmeasured!r}")
         # A number that names this dispatcher where only numbers pass (the custom op).
@@ -387,26 +392,42 @@ class Dispatcher:
         """The recipe predicted fastest at an unmeasured shape of a measured bucket, its
         sized parameters redone for it (``mlatune.dispatch.predict``); None when no
         usable route was measured in the bucket."""
-        if self._predictor is None:
-            self._predictor = Predictor(self._measured_rows(), self.routes, self.device,
-                                        complete=False)
+        predictor = self._ensure_predictor()
 
         def usable(route_id: str) -> bool:
             return route_id not in failed and self._supports(route_id, problem, None)
 
         if notes is not None:
-            shown = self._predictor.predict(problem, usable)[:PREDICTIONS_SHOWN]
+            shown = predictor.predict(problem, usable)[:PREDICTIONS_SHOWN]
             for p in shown:
                 recipe = json.dumps(dict(p.recipe), sort_keys=True)
                 notes.append(f"predicted: {p.route_id} {recipe} {p.time_us:.4g} us "
                              f"(+-{100 * p.uncertainty:.0f}%; its nearest measured point: "
                              f"batch={p.nearest.batch} kv_len={p.nearest.kv_len})")
-        found = self._predictor.choose(problem, usable)
+        found = predictor.choose(problem, usable)
         if found is None:
             return None
         prediction, params = found
         return Choice(prediction.route_id, MappingProxyType(params), "predicted",
                       prediction.nearest.key, prediction.time_us, prediction.uncertainty)
+
+    def _ensure_predictor(self) -> Predictor:
+        if self._predictor is None:
+            self._predictor = Predictor(self._measured_rows(), self.routes, self.device,
+                                        complete=False)
+        return self._predictor
+
+    def predicted_choices(self, problem: MLAProblem, k: int) -> list[Choice]:
+        """The ``k`` recipes predicted fastest at ``problem`` among the routes that
+        support it, their sized parameters redone for it ([] outside measured buckets)."""
+        predictor = self._ensure_predictor()
+        found = predictor.predict(problem, lambda r: self._supports(r, problem, None))
+        return [Choice(p.route_id, MappingProxyType(predictor.sized(p, problem)), "predicted",
+                       p.nearest.key, p.time_us, p.uncertainty) for p in found[:k]]
+
+    def remember(self, problem: MLAProblem, choice: Choice) -> None:
+        """Answer ``problem`` with ``choice`` from now on (a run-time measurement)."""
+        self._memo[problem.key] = choice
 
     def _measured_rows(self) -> Iterator[tuple[MLAProblem, str, Mapping[str, Any], float]]:
         """Every usable ok route of every measured key with its step cost: the predictor's
@@ -521,7 +542,8 @@ class Dispatcher:
     def load(cls, path: str | os.PathLike, device: DeviceInfo | None = None,
              allow_arch: str | None = None, capturable: bool = False,
              plan_calls: int = DEFAULT_PLAN_CALLS, unmeasured: str | None = None,
-             overlay: str | os.PathLike | None = None) -> Dispatcher:
+             overlay: str | os.PathLike | None = None,
+             first_sight: str | os.PathLike | None = None) -> Dispatcher:
         """Load a table (.parquet, .csv, .json winners map, or a directory holding one).
 
         Refuses (TableError) a damaged or invalid table, and one whose arch is
@@ -534,7 +556,9 @@ class Dispatcher:
         (``step_cost``). ``unmeasured``: how shapes the table did not measure are
         answered (``UNMEASURED``; None: ``DEFAULT_UNMEASURED``). ``overlay``: a Parquet or
         CSV table whose rows replace the table's for the problems it holds (per device),
-        and add the others (``USER_TABLE_ENV``).
+        and add the others (``USER_TABLE_ENV``). ``first_sight``: a user table that
+        ``attention.decode`` times unsure answers into at run time
+        (``mlatune.dispatch.first_sight``; ``FIRST_SIGHT_ENV``).
         Whatever else a damaged file makes loading raise (OverflowError,
         RecursionError, Arrow errors, ...) is a TableError naming the file, one line:
         an engine catches one type.
@@ -552,8 +576,10 @@ class Dispatcher:
         was_enabled = gc.isenabled()
         gc.disable()
         try:
-            return cls._load(Path(path), device, allow_arch, capturable, plan_calls,
-                             unmeasured, None if overlay is None else Path(overlay))
+            dispatcher = cls._load(Path(path), device, allow_arch, capturable, plan_calls,
+                                   unmeasured, None if overlay is None else Path(overlay))
+            dispatcher.first_sight = first_sight
+            return dispatcher
         except TableError:
             raise
         except Exception as exc:  # a damage no check foresaw: still the table's fault
@@ -623,21 +649,23 @@ class Dispatcher:
         device = device or current_device()
         override = os.environ.get(TABLE_ENV)
         user = os.environ.get(USER_TABLE_ENV) or None
+        sight = os.environ.get(FIRST_SIGHT_ENV) or None
         if user and not Path(user).is_file():
             log.warning("mlatune: %s=%s is not a file; no user table overlaid", USER_TABLE_ENV,
                         user)
             user = None
         if override:
             return cls.load(override, device, capturable=capturable, plan_calls=plan_calls,
-                            overlay=user)
+                            overlay=user, first_sight=sight)
         try:
             found = find_table(bundled_tables_dir(), device.arch, device.name)
             if found is None:  # the user's own table alone, if any
-                return cls.load(user, device, capturable=capturable, plan_calls=plan_calls) \
+                return cls.load(user, device, capturable=capturable, plan_calls=plan_calls,
+                                first_sight=sight) \
                     if user else cls.rules_only(device, capturable)
             with resources.as_file(found) as path:
                 return cls.load(path, device, capturable=capturable, plan_calls=plan_calls,
-                                overlay=user)
+                                overlay=user, first_sight=sight)
         except Exception as exc:  # load raises TableError; an unreadable directory OSError
             log.warning("mlatune: bundled table unusable, dispatching by rule: %s", exc)
             return cls.rules_only(device, capturable)

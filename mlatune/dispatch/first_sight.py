@@ -1,0 +1,108 @@
+"""On first sight: a shape the table answers unsurely is timed once, at run time, among
+the routes predicted fastest there, and the result joins the user's table.
+
+Opt-in (``Dispatcher.load(first_sight=PATH)``, or ``MLATUNE_FIRST_SIGHT=PATH`` for
+``from_bundled``; PATH is the user table, ``MLATUNE_USER_TABLE`` overlays it at the next
+load). ``attention.decode`` calls ``measure`` when it makes a step for a problem whose
+answer is ``unsure`` and no CUDA graph is being captured: each candidate is prepared on
+the caller's own tensors (its own output buffers), run, and timed as a sweep times
+(``sweep.bench``: CUDA-graph replay on a GPU, wall clock on the CPU). The candidates are
+checked against each other, not against the reference (that would cost an fp32
+attention of the engine's size): one whose output differs from the dispatcher's own
+answer by more than the problem's tolerance is dropped. The fastest one that agrees is
+remembered for the problem at once and written to the user table (atomically, its
+earlier rows for the problem replaced).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mlatune.check.accuracy import check
+from mlatune.problem import MLAProblem
+from mlatune.sweep import bench
+
+if TYPE_CHECKING:
+    from mlatune.check.inputs import DecodeInputs
+    from mlatune.dispatch.dispatcher import Choice, Dispatcher
+
+CANDIDATES = 3  # the dispatcher's answer and the next predicted routes
+UNSURE = 0.10  # a predicted answer's expected error past which a shape is timed
+BUDGET = bench.Budget(warmup=1, min_reps=5, max_reps=30, max_seconds=0.05, race_ratio=0.0)
+FIRST_SIGHT_SPEC = "first-sight"  # the spec_sha256 its rows carry: not from a sweep spec
+
+
+def unsure(choice: Choice) -> bool:
+    """Whether the dispatcher's answer is a guess worth timing: a neighbour's or a rule's,
+    or a prediction expected to be off by more than UNSURE."""
+    if choice.source in ("nearest", "rule"):
+        return True
+    return choice.source == "predicted" and choice.uncertainty > UNSURE
+
+
+def measure(dispatcher: Dispatcher, problem: MLAProblem, prepared_for: MLAProblem,
+            inputs: DecodeInputs, rank: int, want_lse: bool) -> Choice | None:
+    """Time the candidates for ``problem`` on these tensors (prepared for
+    ``prepared_for``, as ``attention`` prepares its steps); remember and record the
+    fastest that agrees with the dispatcher's answer. None when none could run."""
+    first = dispatcher.select(problem)
+    candidates = [first, *(c for c in dispatcher.predicted_choices(problem, CANDIDATES)
+                           if (c.route_id, dict(c.params)) != (first.route_id,
+                                                                dict(first.params)))]
+    timed: list[tuple[float, Choice, Any]] = []
+    anchor = None
+    for choice in candidates[:CANDIDATES]:
+        try:
+            route = dispatcher.route(choice.route_id)
+            prepared = route.prepare(prepared_for, inputs, rank=rank,
+                                     params=dict(choice.params), want_lse=want_lse)
+            prepared.step()
+            out = prepared.out.float().clone()
+            timing = bench.measure(prepared.step, inputs.q.device, BUDGET,
+                                   graph_safe=prepared.step_kind.capturable)
+        except Exception:  # a candidate that cannot run here is no candidate
+            continue
+        if anchor is None:
+            anchor = out
+        elif not check(problem, out, anchor).ok:
+            continue  # disagrees with the dispatcher's answer: not trusted
+        timed.append((timing.median_us, choice, prepared.params))
+    if not timed:
+        return None
+    time_us, choice, _ = min(timed, key=lambda t: t[0])
+    won = replace(choice, source="table", key=problem.key, time_us=time_us,
+                  uncertainty=math.nan)
+    dispatcher.remember(problem, won)
+    if dispatcher.first_sight is not None:
+        _record(dispatcher, problem, timed, Path(dispatcher.first_sight))
+    return won
+
+
+def _record(dispatcher: Dispatcher, problem: MLAProblem,
+            timed: list[tuple[float, Choice, Any]], path: Path) -> None:
+    """Add the problem's timed candidates to the user table, replacing its earlier rows."""
+    import json
+
+    from mlatune import table
+    from mlatune.dispatch.dispatcher import _overlaid
+    from mlatune.sweep.runner import table_rows
+    from mlatune.table.schema import Provenance
+
+    records = [{"key": problem.key_dict(), "route": c.route_id,
+                "route_params": json.dumps({**dict(c.params), **dict(p or {})},
+                                           sort_keys=True, default=str),
+                "status": "ok", "time_us": t} for t, c, p in timed]
+    new = table.build(table_rows(records, dispatcher.device), Provenance.here(FIRST_SIGHT_SPEC))
+    frame = _overlaid(table, table.read(path), new) if path.exists() else new
+    table.write(frame, path)
+
+
+def enabled(dispatcher: Dispatcher) -> bool:
+    """First sight is on for this dispatcher and nothing is being captured."""
+    return dispatcher.first_sight is not None and not (
+        torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())

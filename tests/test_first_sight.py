@@ -1,0 +1,131 @@
+"""On first sight (issue 16 item 4): an unsure answer is timed at run time among the
+predicted routes, remembered, and written to the user table that overlays the bundled."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from mlatune import attention, routes, table
+from mlatune.arch import cpu_device
+from mlatune.check import reference
+from mlatune.check.accuracy import check
+from mlatune.check.inputs import make_decode_inputs
+from mlatune.dispatch import Dispatcher, first_sight
+from mlatune.problem import MLAProblem
+from tests.table_helpers import FakeRoute, make_table, result_row
+
+BASE = MLAProblem(num_heads=2, page_size=8, q_dtype="fp16", kv_dtype="fp16")
+FAR = BASE.with_(batch=48, kv_len=256)  # 3-4 doublings past the grid: an unsure prediction
+
+
+class SlowRoute(FakeRoute):
+    """Right, and slower than it says: every call sleeps first."""
+
+    def prepare(self, problem, inputs, *, rank=0, params=None, want_lse=True):
+        prepared = super().prepare(problem, inputs, rank=rank, params=params,
+                                   want_lse=want_lse)
+        inner = prepared.run
+
+        def run() -> None:
+            time.sleep(0.002)
+            inner()
+
+        prepared.run = run
+        return prepared
+
+
+class WrongRoute(FakeRoute):
+    """Fast and wrong: its output is off."""
+
+    def prepare(self, problem, inputs, *, rank=0, params=None, want_lse=True):
+        prepared = super().prepare(problem, inputs, rank=rank, params=params,
+                                   want_lse=want_lse)
+        inner = prepared.run
+
+        def run() -> None:
+            inner()
+            prepared.out.mul_(2.0)
+
+        prepared.run = run
+        return prepared
+
+
+@pytest.fixture
+def made():
+    made = [SlowRoute("slow/fake"), FakeRoute("quick/fake"), WrongRoute("wrong/fake")]
+    for route in made:
+        routes.register(route)
+    yield made
+    for route in made:
+        routes.unregister(route.id)
+
+
+def _table(tmp_path, with_wrong: bool = False):
+    """The slow route wins every measured (tiny) point by its recorded times."""
+    rows = []
+    for b in (1, 2, 3, 4):
+        for k in (16, 24, 32):
+            p = BASE.with_(batch=b, kv_len=k)
+            rows += [result_row(p, "slow/fake", 1.0, device=cpu_device()),
+                     result_row(p, "quick/fake", 1.5, device=cpu_device())]
+            if with_wrong:
+                rows.append(result_row(p, "wrong/fake", 1.2, device=cpu_device()))
+    return table.write(make_table(rows), tmp_path / "cpu.parquet")
+
+
+def _decode(dispatcher, seed: int = 2):
+    inputs = make_decode_inputs(FAR, seed=seed)
+    shard = inputs.shards[0]
+    out = attention.decode(inputs.q, shard.kv_cache, shard.block_table, inputs.seq_lens,
+                           num_heads=FAR.num_heads, max_kv_len=FAR.kv_len,
+                           dispatcher=dispatcher)
+    return inputs, out
+
+
+def test_an_unsure_answer_is_timed_remembered_and_written_to_the_user_table(tmp_path,
+                                                                            made):
+    user = tmp_path / "mine.parquet"
+    dispatcher = Dispatcher.load(_table(tmp_path), device=cpu_device(), first_sight=user)
+    guess = dispatcher.select(FAR)
+    assert guess.route_id == "slow/fake" and first_sight.unsure(guess)
+    inputs, out = _decode(dispatcher)
+    assert check(FAR, out, reference.run(inputs, torch.float64)[0]).ok
+    measured = dispatcher.select(FAR)  # timed here: the quick route, remembered
+    assert (measured.route_id, measured.source) == ("quick/fake", "table")
+    rows = table.read(user)
+    assert set(rows["route"]) == {"slow/fake", "quick/fake"}
+    assert (rows["status"] == "ok").all() and set(rows["batch"]) == {FAR.batch}
+    # The next load, with the user table overlaid, answers from the measurement.
+    later = Dispatcher.load(_table(tmp_path), device=cpu_device(), overlay=user)
+    assert (later.select(FAR).route_id, later.select(FAR).source) == ("quick/fake", "table")
+
+
+def test_a_candidate_that_disagrees_with_the_answer_is_dropped(tmp_path, made):
+    user = tmp_path / "mine.parquet"
+    dispatcher = Dispatcher.load(_table(tmp_path, with_wrong=True), device=cpu_device(),
+                                 first_sight=user)
+    _decode(dispatcher)
+    assert dispatcher.select(FAR).route_id == "quick/fake"
+    assert "wrong/fake" not in set(table.read(user)["route"])
+
+
+def test_without_first_sight_nothing_is_timed(tmp_path, made):
+    dispatcher = Dispatcher.load(_table(tmp_path), device=cpu_device())
+    _decode(dispatcher)
+    assert dispatcher.select(FAR).source == "predicted"
+    assert not list(tmp_path.glob("mine*"))
+
+
+def test_a_sure_answer_is_not_timed(tmp_path, made):
+    user = tmp_path / "mine.parquet"
+    dispatcher = Dispatcher.load(_table(tmp_path), device=cpu_device(), first_sight=user)
+    near = BASE.with_(batch=3, kv_len=20)  # between grid points: a sure prediction
+    assert not first_sight.unsure(dispatcher.select(near))
+    inputs = make_decode_inputs(near, seed=1)
+    shard = inputs.shards[0]
+    attention.decode(inputs.q, shard.kv_cache, shard.block_table, inputs.seq_lens,
+                     num_heads=near.num_heads, max_kv_len=near.kv_len, dispatcher=dispatcher)
+    assert not user.exists()
