@@ -1006,6 +1006,9 @@ def lookup(
     causal: Annotated[bool, typer.Option("--causal/--no-causal")] = True,
     phase: Annotated[Phase, typer.Option(help="The attention phase.")] = Phase.decode,
     arch: ArchOption = None,
+    explain: Annotated[bool, typer.Option(
+        "--explain", help="List every route's prediction behind a predicted answer (by "
+                          "default the three fastest).")] = False,
     json_out: JsonFlag = False,
 ) -> None:
     """Which route the dispatcher picks for one problem, and why."""
@@ -1019,7 +1022,7 @@ def lookup(
                              kv_dtype=kv, batch=batch, kv_len=kv_len, dcp_size=dcp,
                              page_size=page_size, causal=causal)
         dispatcher = Dispatcher.load(table_path, allow_arch=_value(arch))
-        choice, notes = dispatcher.explain(problem)
+        choice, notes = dispatcher.explain(problem, predictions=None if explain else 3)
     if dispatcher.skipped_routes:
         _note("skipped rows of routes not registered here: " + ", ".join(
             f"{r} ({n})" for r, n in sorted(dispatcher.skipped_routes.items())))

@@ -354,3 +354,23 @@ def test_predicted_answers_carry_their_uncertainty_and_coverage_lists_the_large_
     listed = {u["key"]: u["uncertainty"] for u in document["uncertain"]}
     assert at(4096, 1 << 21).key in listed and at(5, 5000).key not in listed
     assert all(u > 0.1 for u in listed.values())
+
+
+def test_lookup_explain_lists_every_prediction(tmp_path, crossing_routes):
+    from typer.testing import CliRunner
+
+    from mlatune.cli import app
+
+    path = _crossing_table(tmp_path, crossing_routes)
+    args = ["lookup", str(path), "--heads", "16", "--batch", "160", "--kv-len", "11000",
+            "--arch", "sm_90", "--json"]
+    result = CliRunner().invoke(app, [*args, "--explain"])
+    assert result.exit_code == 0, result.output
+    notes = json.loads(result.output)["why"]
+    assert sum(n.startswith("predicted: ") for n in notes) == 2  # every recipe
+    from mlatune.dispatch import Dispatcher
+
+    dispatcher = Dispatcher.load(path, device=DEVICE)
+    for count, shown in ((1, 1), (None, 2)):
+        _, notes = dispatcher.explain(at(160, 11000), predictions=count)
+        assert sum(n.startswith("predicted: ") for n in notes) == shown

@@ -342,10 +342,13 @@ class Dispatcher:
                 self._memo[problem.key] = choice
         return choice
 
-    def explain(self, problem: MLAProblem) -> tuple[Choice, list[str]]:
-        """What ``select`` answers and why, one sentence per step (for `mlatune lookup`)."""
+    def explain(self, problem: MLAProblem, predictions: int | None = PREDICTIONS_SHOWN
+                ) -> tuple[Choice, list[str]]:
+        """What ``select`` answers and why, one sentence per step (for `mlatune lookup`);
+        for a predicted answer the ``predictions`` fastest recipes' predictions (None:
+        all of them)."""
         notes: list[str] = []
-        return self._resolve(problem, notes), notes
+        return self._resolve(problem, notes, predictions), notes
 
     def route(self, route_id: str) -> Route:
         return self.routes[route_id]
@@ -388,7 +391,8 @@ class Dispatcher:
         return choice
 
     def _predicted(self, problem: MLAProblem, failed: frozenset[str],
-                   notes: list[str] | None) -> Choice | None:
+                   notes: list[str] | None, shown_count: int | None = PREDICTIONS_SHOWN
+                   ) -> Choice | None:
         """The recipe predicted fastest at an unmeasured shape of a measured bucket, its
         sized parameters redone for it (``mlatune.dispatch.predict``); None when no
         usable route was measured in the bucket."""
@@ -398,7 +402,7 @@ class Dispatcher:
             return route_id not in failed and self._supports(route_id, problem, None)
 
         if notes is not None:
-            shown = predictor.predict(problem, usable)[:PREDICTIONS_SHOWN]
+            shown = predictor.predict(problem, usable)[:shown_count]
             for p in shown:
                 recipe = json.dumps(dict(p.recipe), sort_keys=True)
                 notes.append(f"predicted: {p.route_id} {recipe} {p.time_us:.4g} us "
@@ -460,7 +464,8 @@ class Dispatcher:
             notes.append(f"{route_id} refuses this problem: {reason}")
         return ok
 
-    def _resolve(self, problem: MLAProblem, notes: list[str] | None) -> Choice:
+    def _resolve(self, problem: MLAProblem, notes: list[str] | None,
+                 shown_count: int | None = PREDICTIONS_SHOWN) -> Choice:
         winner = self._winner.get(problem.key)
         if winner is not None:
             if notes is None and self._supports(winner.route_id, problem, None):
@@ -485,7 +490,7 @@ class Dispatcher:
                              "installed here)")
         bucket = self._buckets.get(problem.bucket)
         if bucket is not None:
-            predicted = self._predicted(problem, failed, notes) \
+            predicted = self._predicted(problem, failed, notes, shown_count) \
                 if self.unmeasured == "predict" else None
             if predicted is not None:
                 return predicted
