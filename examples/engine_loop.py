@@ -4,13 +4,15 @@
     python examples/engine_loop.py --cpu      # tiny sizes on the CPU (Triton interpreter)
 
 What a serving engine does, in miniature:
-- at model load: one paged latent KV cache, a dispatcher (the bundled table for
-  this GPU, or rules on the CPU), and per batch-size bucket persistent buffers
-  (q, block table, lengths, out) plus, on a GPU, one CUDA graph captured per
-  bucket after an eager warm-up step;
+- at model load: a paged latent KV cache per layer, a dispatcher (the bundled
+  table for this GPU, or rules on the CPU), and per batch-size bucket persistent
+  buffers (q, block table, lengths, one out per layer) plus, on a GPU, one CUDA
+  graph captured per bucket after an eager warm-up step;
 - every step: requests come and go, each running one more token; the step's
   lengths and block-table rows are written into the bucket's buffers in place,
-  and the graph is replayed (or ``decode`` called eagerly on the CPU);
+  and the graph is replayed (or ``decode`` called eagerly on the CPU). The
+  layers share the step's plan: the first plans, the others pass
+  ``reuse_plan=True``;
 - now and then a step is checked against mlatune's torch reference.
 
 The softmax scale is the model's own: DeepSeek-V3's YaRN rope scaling multiplies
@@ -56,7 +58,7 @@ class Bucket:
     q: torch.Tensor
     block_table: torch.Tensor
     seq_lens: torch.Tensor
-    out: torch.Tensor
+    outs: list[torch.Tensor]  # one per layer
     graph: torch.cuda.CUDAGraph | None = None
 
 
@@ -65,6 +67,7 @@ class Config:
     device: str
     dtype: torch.dtype
     heads: int
+    layers: int
     page_size: int
     max_pages_per_request: int
     buckets: tuple[int, ...]
@@ -72,16 +75,17 @@ class Config:
     check_every: int
 
 
-GPU = Config("cuda", torch.bfloat16, 16, 64, 64, (1, 8, 32), 40, 10)
-CPU = Config("cpu", torch.float16, 4, 8, 4, (1, 2), 6, 3)
+GPU = Config("cuda", torch.bfloat16, 16, 4, 64, 64, (1, 8, 32), 40, 10)
+CPU = Config("cpu", torch.float16, 4, 2, 8, 4, (1, 2), 6, 3)
 
 
 class Engine:
     def __init__(self, cfg: Config, dispatcher: Dispatcher, scale: float):
         self.cfg, self.dispatcher, self.scale = cfg, dispatcher, scale
         pages = max(cfg.buckets) * cfg.max_pages_per_request
-        self.kv_cache = torch.randn(pages, cfg.page_size, KV_LORA_RANK + ROPE_DIM,
-                                    device=cfg.device).to(cfg.dtype)
+        self.kv_caches = [torch.randn(pages, cfg.page_size, KV_LORA_RANK + ROPE_DIM,
+                                      device=cfg.device).to(cfg.dtype)
+                          for _ in range(cfg.layers)]
         self.free_pages = list(range(pages))
         random.shuffle(self.free_pages)
         self.buckets = [self._bucket(n) for n in cfg.buckets]
@@ -95,19 +99,23 @@ class Engine:
             block_table=torch.zeros(size, cfg.max_pages_per_request, dtype=torch.int32,
                                     device=cfg.device),
             seq_lens=torch.ones(size, dtype=torch.int32, device=cfg.device),
-            out=torch.empty(size, cfg.heads, KV_LORA_RANK, dtype=cfg.dtype, device=cfg.device))
+            outs=[torch.empty(size, cfg.heads, KV_LORA_RANK, dtype=cfg.dtype, device=cfg.device)
+                  for _ in range(cfg.layers)])
 
     @property
     def max_len(self) -> int:
         return self.cfg.max_pages_per_request * self.cfg.page_size
 
-    def attend(self, bucket: Bucket) -> torch.Tensor:
-        """The model's attention call for one layer (what the graph captures)."""
-        return attention.decode(bucket.q, self.kv_cache, bucket.block_table, bucket.seq_lens,
-                                num_heads=self.cfg.heads, softmax_scale=self.scale,
-                                out=bucket.out, max_kv_len=self.max_len,
-                                capturable=bucket.graph is not None or self.cfg.device == "cuda",
-                                dispatcher=self.dispatcher)
+    def attend(self, bucket: Bucket) -> None:
+        """The model's attention calls, one per layer (what the graph captures); the
+        first layer plans the step, the others read its plan."""
+        for layer, (kv_cache, out) in enumerate(zip(self.kv_caches, bucket.outs,
+                                                    strict=True)):
+            attention.decode(bucket.q, kv_cache, bucket.block_table, bucket.seq_lens,
+                             num_heads=self.cfg.heads, softmax_scale=self.scale, out=out,
+                             max_kv_len=self.max_len, reuse_plan=layer > 0,
+                             capturable=bucket.graph is not None or self.cfg.device == "cuda",
+                             dispatcher=self.dispatcher)
 
     def capture(self) -> None:
         """Per bucket: an eager warm-up step (chooses and prepares the route), then a graph."""
@@ -152,13 +160,16 @@ class Engine:
         problem = MLAProblem(num_heads=self.cfg.heads, batch=bucket.size, kv_len=self.max_len,
                              q_dtype=_name(self.cfg.dtype), kv_dtype=_name(self.cfg.dtype),
                              page_size=self.cfg.page_size)
-        shard = KVShard(0, self.kv_cache, bucket.block_table, bucket.seq_lens)
-        inputs = DecodeInputs(problem, bucket.q, None, None, bucket.seq_lens, (shard,),
-                              sm_scale=self.scale)
-        want = reference.run(inputs, torch.float64)[0]
-        accuracy = check(problem, bucket.out, want)
-        if not accuracy.ok:
-            raise AssertionError(f"batch bucket {bucket.size}: {accuracy.reason}")
+        for layer, (kv_cache, out) in enumerate(zip(self.kv_caches, bucket.outs,
+                                                    strict=True)):
+            shard = KVShard(0, kv_cache, bucket.block_table, bucket.seq_lens)
+            inputs = DecodeInputs(problem, bucket.q, None, None, bucket.seq_lens, (shard,),
+                                  sm_scale=self.scale)
+            want = reference.run(inputs, torch.float64)[0]
+            accuracy = check(problem, out, want)
+            if not accuracy.ok:
+                raise AssertionError(f"batch bucket {bucket.size}, layer {layer}: "
+                                     f"{accuracy.reason}")
 
 
 def _name(dtype: torch.dtype) -> str:
