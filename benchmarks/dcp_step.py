@@ -1,0 +1,134 @@
+"""A real DCP step across GPUs against the sweep's one-GPU simulation of it (issue 18).
+
+    torchrun --nproc_per_node 2 benchmarks/dcp_step.py [--out FILE.jsonl]
+        [--points B,H,KV,QLEN ...] [--route padded/triton] [--schemes ag_rs,a2a]
+    torchrun --nproc_per_node 2 benchmarks/dcp_step.py --cpu   # gloo, tiny, to try it
+
+One process per GPU (NCCL; keep the machine's NCCL_NVLS_ENABLE=0): every rank builds the
+same seeded inputs and keeps its own heads' queries and its round-robin KV shard. Per
+point and scheme: the step (``mlatune.dcp``) is checked against the unsharded reference
+for each rank's heads, then timed: CUDA events around each call after a barrier, the
+slowest rank's median (all-reduce MAX). Beside it, on the same ranks and inputs: the
+attention alone and the sweep's simulation (rank 0's attention plus the merge of every
+rank's partials, no collectives). Numbers only; rank 0 prints and writes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from mlatune import routes
+from mlatune.check import reference
+from mlatune.check.accuracy import check
+from mlatune.check.inputs import make_decode_inputs
+from mlatune.dcp import SCHEMES, prepare_dcp_step
+from mlatune.problem import MLAProblem
+from mlatune.sweep.merge import merge_ranks_into
+
+POINTS = [(8, 16, 4096, 1), (128, 16, 8192, 1), (64, 16, 16384, 1), (32, 64, 8192, 1)]
+CPU_POINTS = [(2, 2, 64, 1)]
+
+
+def _time(call, device: torch.device, reps: int) -> float:
+    """This rank's median of ``reps`` calls (us), after a barrier each; then the slowest
+    rank's."""
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                enable_timing=True)
+            start.record()
+            call()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        else:
+            t0 = time.perf_counter()
+            call()
+            times.append((time.perf_counter() - t0) * 1e6)
+    slowest = torch.tensor([statistics.median(times)], device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return float(slowest)
+
+
+def _point(point, route_id: str, schemes, device, reps: int, rank: int, world: int) -> list:
+    batch, heads, kv_len, qlen = point
+    dtype = "bf16" if device.type == "cuda" else "fp16"
+    problem = MLAProblem(num_heads=heads, batch=batch, kv_len=kv_len, qlen=qlen,
+                         dcp_size=world, q_dtype=dtype, kv_dtype=dtype, page_size=64
+                         if device.type == "cuda" else 8)
+    inputs = make_decode_inputs(problem, seed=3, device=device, ragged=False)
+    mine = slice(rank * heads, (rank + 1) * heads)
+    q_local = inputs.q[:, mine].contiguous()
+    want_out, want_lse = reference.run(inputs)
+    route = routes.get(route_id)
+    results = []
+    for scheme in schemes:
+        step = prepare_dcp_step(route, problem, q_local, inputs.shards[rank], inputs.seq_lens,
+                                scheme=scheme)
+        out, lse = step()
+        accuracy = check(problem, out, want_out[:, mine], lse, want_lse[:, mine])
+        results.append({"scheme": scheme, "ok": accuracy.ok, "reason": accuracy.reason,
+                        "step_us": _time(step, device, reps),
+                        "attention_us": _time(step.prepared.step, device, reps)})
+    # The sweep's simulation: rank 0's attention, then the merge of every rank's partials.
+    first = route.prepare(problem, inputs, rank=0, want_lse=True)
+    first.step()
+    outs = torch.stack([first.out.float()] * world)
+    lses = torch.stack([first.lse] * world)
+    merged_out, merged_lse = torch.empty_like(outs[0]), torch.empty_like(lses[0])
+
+    def simulated() -> None:
+        first.step()
+        outs[0].copy_(first.out)
+        lses[0].copy_(first.lse)
+        merge_ranks_into(outs, lses, merged_out, merged_lse)
+
+    simulated_us = _time(simulated, device, reps)
+    return [{"point": list(point), "world": world, "route": route_id, **r,
+             "simulated_us": simulated_us} for r in results]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--points", nargs="*", default=None, help="B,H,KV,QLEN ...")
+    parser.add_argument("--route", default="padded/triton")
+    parser.add_argument("--schemes", default=",".join(SCHEMES))
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--cpu", action="store_true", help="gloo on the CPU, tiny sizes")
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available() and not args.cpu
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    points = [tuple(int(v) for v in p.split(",")) for p in args.points] if args.points \
+        else (POINTS if cuda else CPU_POINTS)
+    route = args.route if cuda else "reference/torch"
+    rows = []
+    try:
+        for point in points:
+            for row in _point(point, route, args.schemes.split(","), device, args.reps,
+                              rank, world):
+                rows.append(row)
+                if rank == 0:
+                    print(json.dumps(row), flush=True)
+    finally:
+        dist.destroy_process_group()
+    if rank == 0 and args.out:
+        with open(args.out, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+if __name__ == "__main__":
+    main()
