@@ -423,6 +423,12 @@ def _add_heldout(summary: Summary, heldout_path: str | os.PathLike | None,
     summary.vendor_heldout = policies.vendor_policies(
         measured_problems(heldout), h_times, chosen_times(h_times, chosen), chosen, arch,
         pick="nearest")
+    from mlatune.dispatch.dispatcher import DEFAULT_PLAN_CALLS, DEFAULT_UNMEASURED
+
+    summary.notes.append(
+        f"held out: the dispatcher answers unmeasured shapes by {DEFAULT_UNMEASURED!r} and "
+        f"ranks routes by the launch plus 1/{DEFAULT_PLAN_CALLS} of a plan shared by the "
+        f"layers of a step (Dispatcher plan_calls); regrets compare launch times")
     if skipped:
         summary.notes.append("nearest: the dispatcher skipped rows of routes not registered "
                              "here: " + ", ".join(f"{r} ({n})" for r, n in sorted(skipped.items())))
