@@ -16,6 +16,12 @@
 #                  points of the shipped table, for comparison)
 #   stepcost       benchmarks/step_cost.py (what one decode() step costs) on GPU 0
 #   example        examples/engine_loop.py on GPU 0 (CUDA graph per batch bucket)
+#   refine         sweeps/h200.toml --refine REFINE_S (default 300) seconds into runs/h200
+#                  (needs the grid's journal and table there: carry them in)
+#   dcp            benchmarks/dcp_step.py under torchrun on every GPU (NCCL; real DCP step
+#                  against the sweep's simulation), into $OUT/dcp-step.jsonl
+# Vendor libraries (FlashMLA, FlashInfer) come as wheels installed before this script runs,
+# with PYTHONPATH pointing at them (the script keeps it).
 # Everything it makes goes under $OUT (logs, tables and the journals, gzipped).
 set -u -o pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # keeps carried wheels
@@ -74,6 +80,14 @@ for step in "$@"; do
               log "stepcost: rc=$?"; cat "$OUT/step-cost.log" | tee -a "$OUT/session.log" ;;
     example) CUDA_VISIBLE_DEVICES=0 python3 examples/engine_loop.py >> "$OUT/session.log" 2>&1
              log "example: rc=$?" ;;
+    refine) left=$(( BUDGET_S - ($(date +%s) - T0) ))
+            timeout -s INT "$left" python3 -m mlatune sweep sweeps/h200.toml --arch sm_90 \
+              --gpus "$NGPU" --out runs/h200/sm_90-h200.parquet --refine "${REFINE_S:-300}" \
+              > "$OUT/refine.log" 2>&1
+            log "refine: rc=$?"; tail -15 "$OUT/refine.log" | tee -a "$OUT/session.log" ;;
+    dcp) timeout "$(( BUDGET_S - ($(date +%s) - T0) ))" torchrun --nproc_per_node "$NGPU" \
+           benchmarks/dcp_step.py --out "$OUT/dcp-step.jsonl" > "$OUT/dcp-step.log" 2>&1
+         log "dcp: rc=$?"; tail -12 "$OUT/dcp-step.log" | tee -a "$OUT/session.log" ;;
     *) log "unknown step $step" ;;
   esac
 done
