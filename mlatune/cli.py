@@ -498,7 +498,7 @@ def sweep(
         _fail(f"--gpus {gpus} but only {len(gpu_devices())} GPU(s) are visible")
     path, spec = _load_spec(spec_name, gpu=device.is_gpu)
     only = [r.strip() for r in routes.split(",") if r.strip()] if routes else None
-    _check_routes(only, spec.routes, path)
+    _check_routes(only, (*spec.routes, *spec.max_params), path)
     share_tag = f".{share.tag}" if share else ""
     table_path = Path(out) if out else \
         Path("runs") / f"{spec.name}-{device.arch}{share_tag}.parquet"

@@ -320,6 +320,12 @@ def test_plan_drops_the_reference_where_others_serve_and_cuts_params(monkeypatch
         # Naming routes runs exactly those, the reference included.
         named, _ = runner.plan(s, cpu_device(), only=["reference/torch", "tunable/test"])
         assert sum(c.route_id == "reference/torch" for c in named) == 2
+        # A route's own cut ([max_params]) overrides the spec's.
+        one = spec.parse({"max_params_per_route": 2, "max_params": {"tunable/test": 1},
+                          "grid": [{"batch": 1, "kv_len": 8}]}, "t.toml")
+        kept, _ = runner.plan(one, cpu_device(), only=None)
+        assert [(c.route_id, c.params) for c in kept] == [("tunable/test", {"split": 8})]
+        assert one.params_kept("reference/torch") == 2
     finally:
         unregister("tunable/test")
 

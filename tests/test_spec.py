@@ -67,3 +67,10 @@ def test_bad_specs_name_the_key_and_the_file(tmp_path, text, key):
 def test_missing_file(tmp_path):
     with pytest.raises(SpecError, match="cannot read"):
         spec.load(tmp_path / "nope.toml")
+
+
+@pytest.mark.parametrize("bad", [{"max_params": 3}, {"max_params": {"padded/triton": -1}},
+                                 {"max_params": {"padded/triton": True}}])
+def test_a_bad_max_params_table_is_refused(bad):
+    with pytest.raises(spec.SpecError, match="max_params"):
+        spec.parse({**bad, "grid": [{"batch": 1, "kv_len": 8}]}, "t.toml")

@@ -70,8 +70,8 @@ def plan(spec: SweepSpec, device: DeviceInfo, only: Iterable[str] | None = None
     route serves the problem: it is the fallback of last resort, and timing it
     costs more than all the others together. Naming routes (spec or --routes)
     runs exactly those. Each route's parameter sets are cut to the spec's
-    ``max_params_per_route``, keeping the first: routes list theirs most
-    promising first.
+    ``max_params_per_route`` (or its ``max_params`` entry for the route), keeping the
+    first: routes list theirs most promising first.
     """
     selected = list(only) if only else (list(spec.routes) or None)
     candidates, refused = [], []
@@ -82,8 +82,9 @@ def plan(spec: SweepSpec, device: DeviceInfo, only: Iterable[str] | None = None
             serving = [r for r in serving if r.id != REFERENCE]
         for route in serving:
             space = route.param_space(problem, device)
-            if spec.max_params_per_route:
-                space = space[:spec.max_params_per_route]
+            kept = spec.params_kept(route.id)
+            if kept:
+                space = space[:kept]
             candidates += [Candidate(problem, route.id, p) for p in space]
         refused += [Candidate(problem, r.id).record(status="unsupported", reason=v.reason)
                     for r, v in answers if not v.ok]

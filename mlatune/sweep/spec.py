@@ -4,6 +4,8 @@
     seed = 0                       # inputs of each problem derive from it
     routes = []                    # route ids to consider; empty = every viable one
     max_params_per_route = 0       # keep each route's first N parameter sets (0 = all)
+    [max_params]                   # optional: that cut per route id, over the one above
+    "segmented/triton" = 2
     max_problems = 200000          # refuse grids with more combinations (see below)
 
     [budget]                       # per candidate (see bench.Budget)
@@ -47,7 +49,7 @@ import math
 import os
 import re
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
 
@@ -61,8 +63,8 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 DEFAULT_SPEC = "smoke.toml"
-_TOP_KEYS = {"name", "description", "seed", "routes", "max_params_per_route", "max_problems",
-             "budget", "grid", "tolerance"}
+_TOP_KEYS = {"name", "description", "seed", "routes", "max_params_per_route", "max_params",
+             "max_problems", "budget", "grid", "tolerance"}
 _AXES = set(problem_field_names())
 MAX_PROBLEMS = 200_000  # combinations a spec may have unless it or the environment says more
 MAX_PROBLEMS_ENV = "MLATUNE_MAX_PROBLEMS"
@@ -87,6 +89,11 @@ class SweepSpec:
     tolerances: dict[str, float]  # rel_l2 overrides by dtype class
     problems: tuple[MLAProblem, ...]
     skipped: tuple[str, ...]  # why each skipped combination is not a valid problem
+    max_params: dict[str, int] = field(default_factory=dict)  # per route id, over the above
+
+    def params_kept(self, route_id: str) -> int:
+        """How many of the route's parameter sets a sweep keeps (0: all)."""
+        return self.max_params.get(route_id, self.max_params_per_route)
 
 
 def bundled_spec_path(name: str = DEFAULT_SPEC) -> Path:
@@ -124,6 +131,12 @@ def parse(data: dict, where: str, sha256: str = "", gpu: bool = True) -> SweepSp
     max_params = data.get("max_params_per_route", 0)
     if not isinstance(max_params, int) or isinstance(max_params, bool) or max_params < 0:
         raise fail("max_params_per_route", f"must be an integer >= 0, got {max_params!r}")
+    per_route = data.get("max_params", {})
+    if not isinstance(per_route, dict):
+        raise fail("max_params", "must be a table of route id = integer >= 0")
+    for route_id, kept in per_route.items():
+        if not isinstance(kept, int) or isinstance(kept, bool) or kept < 0:
+            raise fail(f"max_params.{route_id}", f"must be an integer >= 0, got {kept!r}")
     budget = _budget(data.get("budget", {}), fail)
     tolerances = data.get("tolerance", {})
     if not isinstance(tolerances, dict):
@@ -153,7 +166,8 @@ def parse(data: dict, where: str, sha256: str = "", gpu: bool = True) -> SweepSp
     if not problems:
         raise fail("grid", "no valid problem in any grid" + (f" ({skipped[0]})" if skipped else ""))
     return SweepSpec(str(name), where, sha256, seed, tuple(routes), max_params, budget,
-                     dict(tolerances), tuple(problems.values()), tuple(skipped))
+                     dict(tolerances), tuple(problems.values()), tuple(skipped),
+                     dict(per_route))
 
 
 def _grid_axes(grid, i: int, gpu: bool, fail) -> dict:
