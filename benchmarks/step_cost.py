@@ -18,7 +18,10 @@ its device-planned persistent schedule, forced through one-problem tables):
   were cached or when a host-planned route prepares each step);
 - ``eager_us``: device time of one eager call (plan + launch) between events;
 - ``graph_us``: one replay of the step captured in a CUDA graph, cold L2
-  (``bench.measure``), ``plan_us`` the device plan alone.
+  (``bench.measure``), ``plan_us`` the device plan alone;
+- ``layer_host_us`` and ``layer_graph_us``: the same two for a second layer (its own q
+  and out) that reads the first layer's plan (``reuse_plan=True``): what each of an
+  engine's other layers pays.
 Needs a GPU. Prints a table and writes one JSON object per row.
 """
 
@@ -114,12 +117,26 @@ def measure_point(problem: MLAProblem, dispatcher: Dispatcher, label: str) -> di
     prepared = plan.prepared
     plan_us = bench.measure(prepared.plan, "cuda").median_us if prepared.plan else 0.0
     graph = bench.measure(call, "cuda")
+    q2, out2 = inputs.q.clone(), torch.empty_like(out)
+
+    def layer() -> None:  # another layer of the same step: the first one's plan
+        attention.decode(q2, shard.kv_cache, shard.block_table, inputs.seq_lens,
+                         num_heads=problem.num_heads, qlen=problem.qlen, out=out2,
+                         max_kv_len=problem.kv_len, capturable=True, reuse_plan=True,
+                         dispatcher=dispatcher)
+
+    call()
+    layer()
+    layer()
+    layer_host = _host_us(layer)
+    layer_graph = bench.measure(layer, "cuda").median_us
     return {"point": label, "route": plan.choice.route_id, "source": plan.choice.source,
             "params": dict(plan.choice.params), "step_kind": prepared.step_kind.plan_on,
             "host_reused_us": reused, "host_held_step_us": held,
             "host_graph_replay_us": replay, "host_replanned_us": again,
             "eager_us": _eager_device_us(call), "graph_us": graph.median_us,
-            "timer": graph.timer, "plan_us": plan_us}
+            "timer": graph.timer, "plan_us": plan_us, "layer_host_us": layer_host,
+            "layer_graph_us": layer_graph}
 
 
 def _settings(problem: MLAProblem) -> list[tuple[str, str, dict | None]]:
@@ -154,7 +171,9 @@ def main() -> None:
                       f"({row['host_graph_replay_us']:4.1f} us of it graph.replay), "
                       f"{row['host_replanned_us']:8.1f} us replanned; device eager "
                       f"{row['eager_us']:8.1f} us, graph {row['graph_us']:8.1f} us "
-                      f"(plan {row['plan_us']:.1f} us)", flush=True)
+                      f"(plan {row['plan_us']:.1f} us); another layer on its plan: host "
+                      f"{row['layer_host_us']:5.1f} us, graph {row['layer_graph_us']:8.1f} us",
+                      flush=True)
     if args.out:
         args.out.write_text("".join(json.dumps(r, default=str) + "\n" for r in rows))
 
