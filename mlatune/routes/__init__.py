@@ -5,6 +5,7 @@ import os
 
 from mlatune.routes.aiter import AITER_ROUTES
 from mlatune.routes.base import (
+    DEVICE_PLANNED,
     HOST_PLANNED,
     LAUNCH_ONLY,
     YES,
@@ -62,6 +63,7 @@ def _load_plugins() -> None:
 _load_plugins()
 
 __all__ = [
+    "DEVICE_PLANNED",
     "HOST_PLANNED",
     "LAUNCH_ONLY",
     "YES",

@@ -57,6 +57,7 @@ class StepKind:
 
 LAUNCH_ONLY = StepKind("none", True)  # a capturable launch that reads the lengths itself
 HOST_PLANNED = StepKind("host", False)  # prepared again from the lengths every step
+DEVICE_PLANNED = StepKind("device", True)  # a device plan, captured with the launch
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from mlatune.arch import DeviceInfo
 from mlatune.check.inputs import DecodeInputs, PrefillInputs
 from mlatune.problem import FP8_DTYPES, MLAProblem
 from mlatune.routes.base import (
+    DEVICE_PLANNED,
     Params,
     Prepared,
     SharedPlan,
@@ -46,7 +47,6 @@ from mlatune.routes.base import (
     shared_buffers,
 )
 
-DEVICE_PLANNED = StepKind("device", True)
 INSTALL = ("pip install sgl-flash-mla --no-deps (its metadata asks for a newer torch than "
            "its stable-ABI build needs)")
 FP8_MAX = 448.0  # e4m3fn

@@ -36,6 +36,7 @@ from mlatune.capability import tables
 from mlatune.check.inputs import DecodeInputs, PrefillInputs
 from mlatune.problem import DTYPES, MLAProblem, next_power_of_two
 from mlatune.routes.base import (
+    DEVICE_PLANNED,
     LAUNCH_ONLY,
     Params,
     Prepared,
@@ -46,8 +47,6 @@ from mlatune.routes.base import (
     shared_buffers,
 )
 from mlatune.routes.triton_support import triton_verdict
-
-DEVICE_PLANNED = StepKind("device", True)  # the persistent and segmented step plans
 
 # Which problems each family serves is the capability model's (capability.rules, the
 # ``*/triton`` entries); these are the numbers the kernels are laid out with.
