@@ -25,6 +25,7 @@ from mlatune.routes import flashmla
 from tests.fake_vendors import FakeFlashMLA
 from tests.helpers import expected_now
 from tests.table_helpers import make_table, result_row
+from tests.test_attention import run_ranks
 
 TILES = {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1}
 CASES = [
@@ -70,24 +71,8 @@ def _layers(problem: MLAProblem, n: int) -> list[DecodeInputs]:
 
 def _step(layers: list[DecodeInputs], dispatcher) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One engine step: every layer on every rank, the first layer planning."""
-    results = []
-    for i, inputs in enumerate(layers):
-        p = inputs.problem
-        outs, lses = [], []
-        for shard in inputs.shards:
-            out, lse = attention.decode(
-                inputs.q, shard.kv_cache, shard.block_table, inputs.seq_lens,
-                num_heads=p.num_heads, qlen=p.qlen, causal=p.causal, kv_scale=inputs.kv_scale,
-                q_scale=inputs.q_scale, dcp_rank=shard.rank, dcp_size=p.dcp_size,
-                max_kv_len=p.kv_len, return_lse=True, reuse_plan=i > 0,
-                dispatcher=dispatcher)
-            outs.append(out.float().clone())
-            lses.append(lse.clone())
-        from mlatune.check import reference
-
-        results.append(reference.merge_partials(outs, lses) if len(outs) > 1
-                       else (outs[0], lses[0]))
-    return results
+    return [run_ranks(inputs, dispatcher, max_kv_len=inputs.problem.kv_len,
+                      reuse_plan=i > 0) for i, inputs in enumerate(layers)]
 
 
 def _assert_right(layers, results) -> None:
