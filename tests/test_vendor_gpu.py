@@ -2,9 +2,9 @@
 
 Each route against the fp32 reference on ragged lengths with NaN-poisoned buffers:
 qlen 1-4, causal and not, DCP ranks merged, bf16 and fp8 caches, pages 1/16/64.
-Then the way an engine calls them through ``attention.decode``: FlashMLA captured in
-a CUDA graph and replayed with new lengths and page ids written in place; FlashInfer
-(host-planned) called eagerly as the lengths change. A vendor library that is not
+Then FlashInfer (host-planned) the way an engine calls it through ``attention.decode``,
+eagerly as the lengths change; FlashMLA's capture in a CUDA graph with new lengths and
+page ids written in place is among tests/test_engine_gpu.py's cases. A vendor library that is not
 installed skips its tests, saying what to install (they are optional backends).
 """
 
@@ -13,16 +13,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mlatune import attention, routes, table
+from mlatune import attention, routes
 from mlatune.arch import current_device
 from mlatune.check import reference
 from mlatune.check.accuracy import check
-from mlatune.check.inputs import DecodeInputs, make_decode_inputs, poison_
-from mlatune.dispatch import Dispatcher
+from mlatune.check.inputs import make_decode_inputs, poison_
 from mlatune.kernels.merge import merge_partials_into
 from mlatune.problem import MLAProblem
 from tests.helpers import expected_now
-from tests.table_helpers import make_table, result_row
+from tests.test_engine_gpu import _forced, _next_steps
 
 pytestmark = pytest.mark.gpu
 FP8 = "fp8_e4m3fn"
@@ -108,77 +107,11 @@ def test_vendor_route_matches_reference(item):
         assert acc.ok, f"merged: {acc.reason} ({acc.summary})"
 
 
-def _forced(problem: MLAProblem, route_id: str, tmp_path) -> Dispatcher:
-    device = current_device()
-    rows = [result_row(problem, route_id, 1.0, device=device),
-            result_row(problem, "reference/torch", 9.0, device=device)]
-    return Dispatcher.load(table.write(make_table(rows), tmp_path / "vendor.parquet"),
-                           device=device)
-
-
-def _next_steps(problem: MLAProblem, gen: torch.Generator) -> list[torch.Tensor]:
-    b, lo, cap = problem.batch, problem.qlen, problem.kv_len
-    return [torch.randint(lo, cap + 1, (b,), generator=gen),
-            torch.randint(lo, max(lo + 1, cap // 8), (b,), generator=gen),
-            torch.full((b,), cap)]
-
-
-@pytest.mark.parametrize("problem", [_p(16, 32, 4096), _p(64, 16, 4096, qlen=2),
-                                     _p(16, 16, 4096, kv=FP8), _p(16, 8, 4096, dcp=2)],
-                         ids=lambda p: p.key)
-def test_flashmla_captured_step_replays_with_new_lengths(problem, tmp_path):
-    route = _route("dense/flashmla", problem)
-    dispatcher = _forced(problem, "dense/flashmla", tmp_path)
-    inputs = make_decode_inputs(problem, seed=23, device="cuda")
-    gen = torch.Generator().manual_seed(9)
-    inputs.seq_lens.copy_(_next_steps(problem, gen)[0].to(torch.int32))
-    rows, heads = inputs.q.shape[0], problem.kernel_heads
-    outs = [torch.empty(rows, heads, problem.d_v, dtype=torch.bfloat16, device="cuda")
-            for _ in inputs.shards]
-    lses = [torch.empty(rows, heads, dtype=torch.float32, device="cuda") for _ in inputs.shards]
-    scale = 0.7 * problem.softmax_scale
-
-    def step() -> None:
-        for shard, out, lse in zip(inputs.shards, outs, lses, strict=True):
-            attention.decode(inputs.q, shard.kv_cache, shard.block_table, inputs.seq_lens,
-                             num_heads=problem.num_heads, qlen=problem.qlen,
-                             kv_scale=inputs.kv_scale, softmax_scale=scale, out=out,
-                             lse_out=lse, dcp_rank=shard.rank, dcp_size=problem.dcp_size,
-                             max_kv_len=problem.kv_len, capturable=True,
-                             dispatcher=dispatcher)
-
-    step()
-    chosen = {p.choice.route_id for p in attention.plans_of(dispatcher).values()}
-    assert chosen == {"dense/flashmla"}
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for n, lens in enumerate(_next_steps(problem, gen)):
-        inputs.seq_lens.copy_(lens.to(torch.int32))
-        if problem.dcp_size == 1 and n == 1:  # the engine moved pages: new ids in place
-            table_ = inputs.shards[0].block_table
-            table_.copy_(table_.flip(0))
-        for t in (*outs, *lses):
-            poison_(t)
-        graph.replay()
-        torch.cuda.synchronize()
-        if problem.dcp_size > 1:
-            out, lse = reference.merge_partials([o.float() for o in outs], list(lses))
-        else:
-            out, lse = outs[0], lses[0]
-        scaled = DecodeInputs(problem, inputs.q, inputs.q_scale, inputs.kv_scale,
-                              inputs.seq_lens, inputs.shards, sm_scale=scale)
-        want_out, want_lse = expected_now(scaled)
-        accuracy = check(problem, out, want_out, lse, want_lse,
-                         q_quantized=routes.quantizes_q(route, problem))
-        assert accuracy.ok, f"replay {n}: {accuracy.reason}"
-
-
 @pytest.mark.parametrize("problem", [_p(16, 32, 4096, page=16), _p(16, 8, 4096, qlen=3)],
                          ids=lambda p: p.key)
 def test_flashinfer_eager_steps_follow_new_lengths(problem, tmp_path):
     _route("fa3/flashinfer", problem)
-    dispatcher = _forced(problem, "fa3/flashinfer", tmp_path)
+    dispatcher = _forced(problem, "fa3/flashinfer", {}, tmp_path)
     inputs = make_decode_inputs(problem, seed=24, device="cuda")
     gen = torch.Generator().manual_seed(10)
     for n, lens in enumerate(_next_steps(problem, gen)):
