@@ -2,13 +2,16 @@
 
 ``Dispatcher.load(path)`` runs once at model load: it validates the table,
 refuses one measured on another arch (``allow_arch`` plans for another arch
-on purpose), and builds everything ``select`` needs. ``select(problem)``
-answers in three ways, in order:
+on purpose), and builds everything ``select`` needs (the predictor too).
+``select(problem)`` answers in four ways, in order:
 
 - ``table``: the problem was measured; the fastest ok route whose
   ``supports()`` accepts it (normally the winner, the runner-up if the winner's
   route now refuses or is not installed here);
-- ``nearest``: same bucket (every key field but batch and kv_len), nearest
+- ``predicted`` (``unmeasured="predict"``, the default): same bucket (every key
+  field but batch and kv_len), the recipe ``mlatune.dispatch.predict`` predicts
+  fastest from the bucket's measured points, its KV splits sized for the problem;
+- ``nearest`` (with ``unmeasured="nearest"``, or where nothing is predicted): the nearest
   measured point (``point_distance``: total KV tokens first, then batch) whose
   winner supports the problem, with the parameters a route derives from sizes
   (KV splits) redone for the problem (``routes.params_at``);
@@ -25,9 +28,9 @@ one dict probe on the problem's cached key: no I/O, no GPU work, no
 allocation. The first ``select`` of a key pays for the ``supports()`` checks
 (a few microseconds; measured keys have their memo slot from load, unmeasured
 ones are remembered up to MEMO_LIMIT and resolved afresh beyond it) and, for a
-nearest answer, for redoing its route's size-derived parameters (about 70 us
-with the Triton routes on the 2-core CI machine, 2026-11-30:
-benchmarks/select_cost.py).
+predicted or nearest answer, for the prediction and redoing its route's
+size-derived parameters (a median 65 us for a predicted one, 70 us for a nearest
+one, on the 2-core CI machine, 2026-11-30: benchmarks/select_cost.py).
 
 Routes the table names but this process has not registered (a backend that
 does not import here, a route from a newer mlatune) are skipped, never
