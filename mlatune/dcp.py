@@ -14,7 +14,9 @@ round-robin shard of every request's KV (global token i on rank i % world). Per 
 
 Each rank ends with the output and LSE of its own heads over every request's whole KV.
 The collectives run on whatever backend the group has: NCCL on GPUs, gloo on the CPU (the
-tests run 2, 4 and 8 CPU processes). The step allocates its buffers once, at prepare.
+tests run 2, 4 and 8 CPU processes). The step's inputs, gathered queries and outputs
+are allocated once, at prepare; the combine's temporaries come from the caching
+allocator each call (a CUDA graph of the step fixes them).
 """
 
 from __future__ import annotations
