@@ -211,7 +211,7 @@ def decode(
         return _decode_compiled(q, kv_cache, block_table, seq_lens, num_heads, qlen, causal,
                                 kv_scale, q_scale, softmax_scale, out, lse_out, dcp_rank,
                                 dcp_size, max_kv_len, kv_lora_rank, want_lse, bool(capturable),
-                                dispatcher)
+                                reuse_plan, dispatcher)
     if capturable is None:
         capturable = q.is_cuda and torch.cuda.is_current_stream_capturing()
     dispatcher = dispatcher or default_dispatcher(capturable)
@@ -401,24 +401,24 @@ def _decode_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                q_scale: torch.Tensor | None, out: torch.Tensor, lse_out: torch.Tensor | None,
                num_heads: int, qlen: int, causal: bool, softmax_scale: float | None,
                dcp_rank: int, dcp_size: int, max_kv_len: int | None, kv_lora_rank: int,
-               capturable: bool, dispatcher_handle: int) -> None:
+               capturable: bool, reuse_plan: bool, dispatcher_handle: int) -> None:
     decode(q, kv_cache, block_table, seq_lens, num_heads=num_heads, qlen=qlen, causal=causal,
            kv_scale=kv_scale, q_scale=q_scale, softmax_scale=softmax_scale, out=out,
            lse_out=lse_out, dcp_rank=dcp_rank, dcp_size=dcp_size, max_kv_len=max_kv_len,
-           kv_lora_rank=kv_lora_rank, capturable=capturable,
+           kv_lora_rank=kv_lora_rank, capturable=capturable, reuse_plan=reuse_plan,
            dispatcher=by_handle(dispatcher_handle))
 
 
 @_decode_op.register_fake
 def _(q, kv_cache, block_table, seq_lens, kv_scale, q_scale, out, lse_out, num_heads, qlen,
       causal, softmax_scale, dcp_rank, dcp_size, max_kv_len, kv_lora_rank, capturable,
-      dispatcher_handle) -> None:
+      reuse_plan, dispatcher_handle) -> None:
     return None
 
 
 def _decode_compiled(q, kv_cache, block_table, seq_lens, num_heads, qlen, causal, kv_scale,
                      q_scale, softmax_scale, out, lse_out, dcp_rank, dcp_size, max_kv_len,
-                     kv_lora_rank, want_lse, capturable, dispatcher):
+                     kv_lora_rank, want_lse, capturable, reuse_plan, dispatcher):
     """decode() as torch.compile traces it: buffers allocated here, the work in the op."""
     rows, heads = q.shape[0], q.shape[1]
     if out is None:
@@ -428,5 +428,5 @@ def _decode_compiled(q, kv_cache, block_table, seq_lens, num_heads, qlen, causal
         lse_out = q.new_empty(rows, heads, dtype=torch.float32)
     _decode_op(q, kv_cache, block_table, seq_lens, kv_scale, q_scale, out, lse_out, num_heads,
                qlen, causal, softmax_scale, dcp_rank, dcp_size, max_kv_len, kv_lora_rank,
-               capturable, 0 if dispatcher is None else dispatcher.handle)
+               capturable, reuse_plan, 0 if dispatcher is None else dispatcher.handle)
     return (out, lse_out) if want_lse else out

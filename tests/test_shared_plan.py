@@ -193,3 +193,46 @@ def test_a_shared_host_plan_is_charged_in_shares(tmp_path):
     for calls in (1, 61):
         dispatcher = Dispatcher.load(path, device=cpu, allow_arch="sm_90", plan_calls=calls)
         assert dispatcher.select(problem).time_us == pytest.approx(90.0 + 1525.0 / calls)
+
+
+def test_compiled_layers_share_the_plan_too(monkeypatch, tmp_path):
+    """torch.compile(fullgraph=True) over two layers: the op carries reuse_plan."""
+    calls = []
+    made = plan_kernels.persistent_plan_launcher
+
+    def counting(*args, **kwargs):
+        launch = made(*args, **kwargs)
+
+        def counted() -> None:
+            calls.append(1)
+            launch()
+        return counted
+
+    monkeypatch.setattr(plan_kernels, "persistent_plan_launcher", counting)
+    route_id, params, problem = CASES[0]
+    problem = replace(problem, dcp_size=1)
+    dispatcher = _dispatcher(problem, route_id, params, tmp_path)
+    layers = _layers(problem, 2)
+    shard = layers[0].shards[0]
+
+    bufs = [torch.empty(inputs.q.shape[0], problem.num_heads, problem.d_v,
+                        dtype=inputs.q.dtype) for inputs in layers]  # the engine's own
+
+    def model(q0, q1, kv0, kv1, block_table, seq_lens, out0, out1):
+        for i, (q, kv, out) in enumerate(((q0, kv0, out0), (q1, kv1, out1))):
+            attention.decode(q, kv, block_table, seq_lens, num_heads=problem.num_heads,
+                             max_kv_len=problem.kv_len, out=out, reuse_plan=i > 0,
+                             dispatcher=dispatcher)
+        return out0 * 1.0, out1 * 1.0
+
+    compiled = torch.compile(model, fullgraph=True)
+    args = (layers[0].q, layers[1].q, shard.kv_cache, layers[1].shards[0].kv_cache,
+            shard.block_table, shard.seq_lens, *bufs)
+    compiled(*args)  # compiles, and prepares each layer's step (a prepare plans as well)
+    for _ in range(2):  # then each step, shorter lengths each time, planned by layer 0 alone
+        before = len(calls)
+        outs = compiled(*args)
+        assert len(calls) - before == 1
+        for inputs, out in zip(layers, outs, strict=True):
+            assert check(problem, out, expected_now(inputs)[0]).ok
+        _write_lengths(layers[0], (layers[0].seq_lens // 2).clamp(min=problem.qlen))
