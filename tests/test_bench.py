@@ -41,3 +41,20 @@ def test_a_plain_loser_stops_after_race_reps():
     assert bench.measure(lambda: time.sleep(0.002), "cpu", slow).reps > 4
     off = bench.Budget(**{**slow.__dict__, "race_ratio": 0.0})
     assert bench.measure(lambda: time.sleep(0.002), "cpu", off, best_us=500.0).reps > 4
+
+
+def test_host_time_queues_little_device_work_when_told_its_length():
+    calls = []
+
+    def launch():
+        calls.append(1)
+
+    bench.host_us(launch, "cpu")
+    assert len(calls) == 21  # a first call keeps anything lazy out, then 20 timed
+    calls.clear()
+    # A 100 ms launch: 20 queued would keep the device busy for 2 s; 2 calls, no warm call.
+    assert bench.host_us(launch, "cpu", device_us=100_000.0, warm=True) >= 0
+    assert len(calls) == 2
+    calls.clear()
+    bench.host_us(launch, "cpu", device_us=1_000.0, warm=True)  # 10 ms of device work
+    assert len(calls) == 10

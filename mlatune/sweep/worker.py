@@ -200,7 +200,7 @@ def _step_costs(problem: MLAProblem, route: Route, params: dict, case: _Case,
     if kind.plan_on == "device":
         plan_us = bench.measure(first.plan, device, replace(budget, race_ratio=0.0),
                                 graph_safe=kind.capturable).median_us
-        plan_host_us = bench.host_us(first.plan, device)
+        plan_host_us = bench.host_us(first.plan, device, device_us=plan_us, warm=True)
     elif kind.plan_on == "host":
         want_lse = first.lse is not None
 
@@ -212,8 +212,8 @@ def _step_costs(problem: MLAProblem, route: Route, params: dict, case: _Case,
     # A launch that failed to capture is timed eagerly: not capturable after all.
     capturable = kind.capturable and timing.timer != "cuda_event"
     # Without a GPU the launch's wall time is its host time: no need to run it again.
-    launch_host_us = timing.median_us if timing.timer == "wall" else bench.host_us(first.run,
-                                                                                  device)
+    launch_host_us = (timing.median_us if timing.timer == "wall" else
+                      bench.host_us(first.run, device, device_us=timing.median_us, warm=True))
     return {"plan_on": kind.plan_on, "capturable": capturable, "plan_us": plan_us,
             "plan_host_us": plan_host_us, "launch_host_us": launch_host_us}
 
