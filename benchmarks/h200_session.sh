@@ -10,7 +10,8 @@
 #   h200 | heldout  sweeps/h200.toml or sweeps/h200-heldout.toml on all GPUs, resumed from
 #                  runs/, stopped (SIGINT, journal kept) when BUDGET_S seconds of the call are spent
 #   h200fresh      sweeps/h200.toml from scratch into runs/h200fresh (to time the whole sweep)
-#   h200one        the same on GPU 0 alone into runs/h200one (one H200's rate; beside testsbg)
+#   h200one        the same on GPU 0 alone into runs/h200one (one H200's rate; beside testsbg);
+#                  with SHARD=I/N only that share of the problems (--shard)
 #   bundled        doctor, then how the bundled table answers the held-out problems, on the GPU
 #   pcheck         benchmarks/persistent_check.toml on GPU 0 (padded/triton's schedules at
 #                  points of the shipped table, for comparison)
@@ -18,6 +19,8 @@
 #   example        examples/engine_loop.py on GPU 0 (CUDA graph per batch bucket)
 #   refine         sweeps/h200.toml --refine REFINE_S (default 300) seconds into runs/h200
 #                  (needs the grid's journal and table there: carry them in)
+#   jitcache       FlashInfer's JIT builds (~/.cache/flashinfer) into $OUT/jit-cache.tgz; carried
+#                  back and unpacked before a later call, a fresh machine skips the nvcc builds
 #   dcp            benchmarks/dcp_step.py under torchrun on every GPU (NCCL; real DCP step
 #                  against the sweep's simulation), into $OUT/dcp-step.jsonl
 # Vendor libraries (FlashMLA, FlashInfer) come as wheels installed before this script runs,
@@ -31,12 +34,12 @@ T0=$(date +%s)
 NGPU=$(nvidia-smi -L | wc -l)
 log() { echo "[$(date -u +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/session.log"; }
 log "$(nvidia-smi -L | head -1) x$NGPU; $(python3 -c 'import torch,triton;print("torch",torch.__version__,"triton",triton.__version__)')"
-sweep() {  # name spec gpus
+sweep() {  # name spec gpus [more sweep options]
   local left=$(( BUDGET_S - ($(date +%s) - T0) ))
   [ "$left" -gt 20 ] || { log "$1: no time left"; return; }
   local s=$(date +%s)
   timeout -s INT "$left" python3 -m mlatune sweep $2 --arch sm_90 --gpus "$3" --resume \
-    --out "runs/$1/sm_90-$1.parquet" > "$OUT/$1.log" 2>&1
+    --out "runs/$1/sm_90-$1.parquet" "${@:4}" > "$OUT/$1.log" 2>&1
   local rc=$?
   log "$1: rc=$rc wall=$(( $(date +%s) - s ))s journal lines=$(wc -l < runs/$1/sm_90-$1.journal.jsonl)"
   tail -15 "$OUT/$1.log" | tee -a "$OUT/session.log"
@@ -69,7 +72,9 @@ for step in "$@"; do
     heldout) sweep heldout sweeps/h200-heldout.toml "$NGPU" ;;
     traffic) sweep traffic sweeps/h200-traffic.toml "$NGPU" ;;
     h200fresh) sweep h200fresh sweeps/h200.toml "$NGPU" ;;
-    h200one) ( export CUDA_VISIBLE_DEVICES=0; sweep h200one sweeps/h200.toml 1 ) ;;
+    h200one) ( export CUDA_VISIBLE_DEVICES=0; sweep h200one sweeps/h200.toml 1 ${SHARD:+--shard "$SHARD"} ) ;;
+    jitcache) tar czf "$OUT/jit-cache.tgz" -C ~ .cache/flashinfer
+              log "jitcache: $(du -h "$OUT/jit-cache.tgz" | cut -f1)" ;;
     bundled) { python3 -m mlatune doctor
                python3 -m mlatune coverage sweeps/h200-heldout.toml --require nearest
              } > "$OUT/bundled.log" 2>&1
