@@ -1138,7 +1138,8 @@ def _print_coverage(path: Path, dispatcher: Dispatcher, n: int,
 def export(
     table_path: Annotated[Path, typer.Argument(metavar="TABLE", help="Parquet or CSV table.")],
     fmt: Annotated[Format, typer.Option("--format", help="A table, or a JSON winners map.")],
-    out: Annotated[Path, typer.Option("--out", help="Where to write (suffix must match).")],
+    out: Annotated[Path, typer.Option(
+        "--out", help="Where to write (suffix must match; .csv.gz for gzipped CSV).")],
     winners_only: Annotated[bool, typer.Option(
         "--winners-only", help="Only each problem's winner (json: no alternatives).")] = False,
 ) -> None:
@@ -1146,8 +1147,10 @@ def export(
     from mlatune import table
 
     fmt = fmt.value
-    if out.suffix.lower() != f".{fmt}":
-        _fail(f"--out {out} must end in .{fmt} for --format {fmt}")
+    gzipped_csv = fmt == "csv" and out.name.lower().endswith(".csv.gz")
+    if out.suffix.lower() != f".{fmt}" and not gzipped_csv:
+        _fail(f"--out {out} must end in .{fmt}{' or .csv.gz' if fmt == 'csv' else ''} "
+              f"for --format {fmt}")
     _check_outputs(out)
     with _one_line_errors(str(table_path)):
         frame = _read_table(table_path)

@@ -238,6 +238,14 @@ def test_export_refuses_a_suffix_that_does_not_match(good, tmp_path):
     assert_one_line_error(result, "must end in .csv")
 
 
+def test_export_writes_gzipped_csv(good, tmp_path):
+    out = tmp_path / "x.csv.gz"
+    result = runner.invoke(app, ["export", str(good), "--format", "csv", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes()[:2] == b"\x1f\x8b"  # gzip's magic
+    pd.testing.assert_frame_equal(table.read(out), table.read(good))
+
+
 def test_coverage_counts_how_each_problem_of_a_spec_is_answered(good, tmp_path, fakes):
     spec = str(coverage_spec(tmp_path))
     result = wide.invoke(app, ["coverage", spec, "--table", str(good), "--arch", "sm_90"])
