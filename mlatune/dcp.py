@@ -80,7 +80,10 @@ def _ag_rs(step: DcpStep) -> None:
     _all_gather(lses.view(-1, *partial_lse.shape[1:]), partial_lse, step.group)
     total = torch.logsumexp(lses, dim=0)  # -inf where no rank holds a key
     weight = torch.exp(partial_lse - total).nan_to_num_(0.0)  # 0 for empty partials
-    scaled = _by_rank(step.prepared.out.float() * weight[..., None], step.world)
+    # An empty partial's output is not read: a kernel may leave anything there.
+    scaled = (step.prepared.out.float() * weight[..., None]).masked_fill_(
+        torch.isneginf(partial_lse)[..., None], 0.0)
+    scaled = _by_rank(scaled, step.world)
     dist.reduce_scatter_tensor(step.out, scaled.view(-1, *step.out.shape[1:]),
                                group=step.group)
     step.lse.copy_(_by_rank(total, step.world)[step.rank])

@@ -237,9 +237,11 @@ def test_merge_kernel_matches_torch(dtype):
     lses = torch.randn(ranks, tokens, heads, generator=gen) * 3
     lses[1, 0] = -math.inf  # one rank saw nothing for token 0
     lses[:, 1, 2] = -math.inf  # no rank saw (token 1, head 2)
-    outs[1, 0] = 0
-    outs[:, 1, 2] = 0
+    # An empty partial's output is garbage (FlashMLA leaves NaN or inf there): unread.
+    outs[1, 0] = math.nan
+    outs[:, 1, 2] = math.inf
     want_out, want_lse = reference.merge_partials(list(outs.double()), list(lses.double()))
+    assert want_out.isfinite().all() and (want_out[1, 2] == 0).all()
     out = torch.empty(tokens, heads, dim, dtype=dtype)
     lse = torch.empty(tokens, heads)
     poison_(out, lse)

@@ -92,10 +92,12 @@ def merge_partials(
     lse_stack = torch.stack(lses)  # (R, T, H)
     lse = torch.logsumexp(lse_stack, dim=0)
     # A part with no keys (LSE -inf) weighs 0, also where every part is empty (NaN from
-    # -inf - -inf); a NaN LSE is kept, so a NaN from the inputs reaches the merged output.
-    weights = torch.exp(lse_stack - lse[None]).masked_fill_(torch.isneginf(lse_stack), 0.0)
-    out = (weights[..., None] * torch.stack(outs)).sum(dim=0)
-    return out, lse
+    # -inf - -inf), and its output is not read (a kernel may leave anything there); a NaN
+    # LSE is kept, so a NaN from the inputs reaches the merged output.
+    empty = torch.isneginf(lse_stack)
+    weights = torch.exp(lse_stack - lse[None]).masked_fill_(empty, 0.0)
+    parts = (weights[..., None] * torch.stack(outs)).masked_fill_(empty[..., None], 0.0)
+    return parts.sum(dim=0), lse
 
 
 def dequantize(x: torch.Tensor, scale: torch.Tensor | float | None, dtype: torch.dtype):

@@ -2,8 +2,8 @@
 
 Each rank attends a disjoint (round-robin) share of the keys; the full output
 is the LSE-weighted mean of the ranks' outputs and the full LSE their
-logsumexp. A rank that saw no key of a row has LSE -inf and weight 0; a row no
-rank saw gets output 0 and LSE -inf, as in ``reference.merge_partials``.
+logsumexp. A rank that saw no key of a row has LSE -inf and weight 0 (its output
+there is not read); a row no rank saw gets output 0 and LSE -inf, as in ``reference.merge_partials``.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def merge_kernel(outs_ptr, lses_ptr, out_ptr, lse_ptr, ranks, n_rows, heads,
         alpha = tl.exp2(m_i - shift)
         w = tl.exp2(x - shift)
         den = den * alpha + w
-        acc = acc * alpha[:, None] + w[:, None] * o
+        # An empty partial (LSE -inf) adds nothing, whatever its output holds.
+        acc = acc * alpha[:, None] + tl.where((x == float("-inf"))[:, None], 0.0, w[:, None] * o)
         m_i = m_new
     has_keys = den > 0.0
     safe_den = tl.where(has_keys, den, 1.0)

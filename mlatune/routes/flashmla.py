@@ -132,14 +132,12 @@ def quantize_q_(q: torch.Tensor, q8: torch.Tensor, descale: torch.Tensor) -> Non
     q8.copy_((q.float() / descale).clamp(-FP8_MAX, FP8_MAX))
 
 
-def _empty_as_merge_expects(lens: torch.Tensor, qlen: int, out: torch.Tensor,
-                            lse: torch.Tensor, empty: torch.Tensor) -> None:
-    """Rows of requests with no keys on this shard: output 0 and LSE -inf, as the DCP
-    merge reads an empty partial. FlashMLA's rows there came back NaN or inf on the H200
-    (2026-11-30 sweep: ragged DCP-2/4 problems rejected for it); on the device, in place."""
+def _empty_rows(lens: torch.Tensor, qlen: int, empty: torch.Tensor) -> None:
+    """Which rows belong to requests with no keys on this shard (a DCP shard shorter than
+    the group): FlashMLA leaves NaN or +inf there (H200, 2026-11-30 sweep), so their LSE
+    is set to -inf, which the DCP merges read as an empty partial (its output unread).
+    Lengths are the step's, so this runs with the plan, once per step for every layer."""
     empty.copy_(torch.eq(lens, 0)[:, None].expand(-1, qlen).reshape(-1, 1))
-    out.masked_fill_(empty.unsqueeze(-1), 0.0)
-    lse.masked_fill_(empty, float("-inf"))
 
 
 class FlashMLARoute:
@@ -189,14 +187,18 @@ class FlashMLARoute:
             descale_q = inputs.q_scale
         causal = problem.causal and s > 1
         scale = inputs.softmax_scale
-        empty_rows = (torch.empty(b * s, 1, dtype=torch.bool, device=q4.device)
-                      if problem.dcp_size > 1 else None)
         key = plan_key(self.id, problem, {}, rank, shard.seq_lens, shard.block_table)
         shared = shared_buffers(plan_from, key)
         state: dict[str, object] = {} if shared is None else shared.buffers
 
         def schedule() -> None:  # FlashMLA's scheduler over this step's lengths, on the device
             state["meta"] = lib.metadata(shard.seq_lens, s * h, h, fp8)
+            if problem.dcp_size > 1:
+                empty = state.get("empty_rows")
+                if empty is None:  # made once: a graph replays the plan into the same buffer
+                    empty = state["empty_rows"] = torch.empty(b * s, 1, dtype=torch.bool,
+                                                              device=q4.device)
+                _empty_rows(shard.seq_lens, s, empty)
 
         def run() -> None:
             q_in = q4
@@ -207,8 +209,8 @@ class FlashMLARoute:
                                   causal,
                                   state["meta"], descale_q, inputs.kv_scale if fp8 else None)
             out, lse = out.view(b * s, h, out.shape[-1]), lse.transpose(1, 2).reshape(b * s, h)
-            if empty_rows is not None:  # a DCP shard can hold no keys of a request
-                _empty_as_merge_expects(shard.seq_lens, s, out, lse, empty_rows)
+            if problem.dcp_size > 1:  # a DCP shard can hold no keys of a request
+                lse.masked_fill_(state["empty_rows"], float("-inf"))
             prepared.out = out
             if prepared.lse is not None:
                 prepared.lse = lse
