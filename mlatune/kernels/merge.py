@@ -3,7 +3,8 @@
 Each rank attends a disjoint (round-robin) share of the keys; the full output
 is the LSE-weighted mean of the ranks' outputs and the full LSE their
 logsumexp. A rank that saw no key of a row has LSE -inf and weight 0 (its output
-there is not read); a row no rank saw gets output 0 and LSE -inf, as in ``reference.merge_partials``.
+there is not read); a row no rank saw gets output 0 and LSE -inf, as in
+``reference.merge_partials``.
 """
 
 from __future__ import annotations
