@@ -1,0 +1,430 @@
+"""A Hopper (sm_90) MLA decode kernel in Triton's Gluon dialect (issue 19, item 1).
+
+Written against triton 3.6.0's ``triton.experimental.gluon`` (the H200's
+triton); other triton versions change the Gluon API and are refused by
+``gluon_available``. Not a route yet: ``decode_launcher`` takes the tensors the
+Triton routes take and returns a zero-argument launch, for a ``wgmma/gluon``
+route to wrap.
+
+Problem (absorbed MLA): q (tokens, heads, 576) = 512 latent ("nope") + 64 rope
+dims; a paged cache (pages, 64, 576) holding one latent head shared by every
+query head: K is the 576-wide row, V its first 512 dims; out (tokens, heads,
+512) and the natural-log LSE. Token t of a request's qlen query tokens sees
+keys ``< seq_len - qlen + t + 1`` when causal.
+
+Design of this first version (correct and simple before fast):
+- Rows: one program holds 64 query rows of one request, rows ``r = t * heads +
+  h`` (heads and the qlen verify tokens folded into the MMA's M). The rows of a
+  request are contiguous in ``q.view(-1, 576)``, so Q comes in with one TMA
+  copy per part (512 and 64 wide); rows past the request's (fewer than 64 when
+  heads * qlen < 64) read the next request's rows or TMA's zero fill and are
+  never stored.
+- Keys: the program walks its split's key range in tiles of 64 keys = one page
+  (page_size 64 only), the page id read from the block table; each tile is
+  TMA-copied once into shared memory (nope [64, 512] and rope [64, 64], 128B
+  swizzle) and serves both S = Q K^T (K-major B operand) and O += P V (the
+  same nope buffer as an MN-major B operand). NUM_STAGES buffers (2) form a
+  ring: the copy of tile i + NUM_STAGES starts when tile i is consumed.
+- 8 warps = 2 warpgroups with the wgmma layout's warps_per_cta [4, 2]: for
+  S (64 x 64) each warpgroup computes 32 key columns over the 576-deep
+  product; for O (64 x 512, fp32: 128 registers a thread) each owns 256
+  columns, so the accumulator fits. Softmax is base 2 (log2(e) folded into
+  the scale) with an online max/sum; its row reductions cross the two
+  warpgroups through shared memory. P goes through shared memory (bf16/fp16)
+  as the A operand of P V.
+- Stale slots: the last tile of a request may hold slots past seq_len (NaN in
+  a real cache); their V rows are zeroed in shared memory before use, so a
+  masked key's weight 0 never meets NaN.
+- Split-KV: grid (row blocks, splits, batch); split s covers a 64-aligned
+  1/num_splits of the request's keys. One split writes out and LSE directly;
+  more write fp32 partials (normalized output, base-2 LSE) that
+  ``reduce.reduce_launcher`` merges.
+Known gaps (speed): no overlap of softmax with the MMAs (every wgmma is
+waited for at once), no warp specialization (a producer warp for the TMA
+copies), S split across warpgroups (FlashMLA computes S in one warpgroup and
+ping-pongs), no persistent schedule; fp8 caches are refused.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+GLUON_TRITON = "3.6."  # the triton release this kernel is written for
+D_NOPE = 512
+D_ROPE = 64
+BLOCK_M = 64
+BLOCK_N = 64  # keys per tile: one page
+PAGE_SIZE = 64
+NUM_WARPS = 8
+NUM_STAGES = 2
+H200_SMS = 132
+
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+def gluon_available() -> tuple[bool, str]:
+    """Whether this triton is the release the kernel is written for, and why not."""
+    if not triton.__version__.startswith(GLUON_TRITON):
+        return False, (f"the Gluon kernel is written for triton {GLUON_TRITON}x's Gluon API; "
+                       f"this is triton {triton.__version__}")
+    return True, "ok"
+
+
+@gluon.jit
+def _issue_kv(kn_desc, kr_desc, kn_buf, kr_buf, bar, bt_row, page_idx, pred):
+    """Start the TMA copies of one 64-key tile (one page) into a ring slot."""
+    page = gl.load(bt_row + page_idx, mask=pred, other=0)
+    row = page * kn_desc.block_type.shape[0]
+    mbarrier.expect(bar, kn_desc.block_type.nbytes + kr_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(kn_desc, [row, 0], bar, kn_buf, pred=pred)
+    tma.async_copy_global_to_shared(kr_desc, [row, 0], bar, kr_buf, pred=pred)
+
+
+@gluon.jit
+def _zero_stale_rows(kn_buf, valid, num_warps: gl.constexpr):
+    """Zero the V rows (first 512 dims) of slots >= valid in a tile's buffer."""
+    N: gl.constexpr = kn_buf.shape[0]
+    D: gl.constexpr = kn_buf.shape[1]
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [num_warps, 1], [1, 0])
+    rows = gl.arange(0, N, layout=gl.SliceLayout(1, layout))
+    keep = gl.expand_dims(rows < valid, 1)
+    for c in gl.static_range(D // 32):
+        part = kn_buf.slice(c * 32, 32, dim=1)
+        x = part.load(layout)
+        part.store(gl.where(keep, x, gl.zeros_like(x)))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit(do_not_specialize=["num_splits", "qlen", "heads"])
+def mla_decode_kernel(qn_desc, qr_desc, kn_desc, kr_desc, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr,
+                      num_splits, qlen, heads, qk_scale,
+                      stride_bt, stride_o_tok, stride_o_head, stride_lse_tok,
+                      stride_po_slot, stride_po_row, stride_pl_slot,
+                      CAUSAL: gl.constexpr, DIRECT: gl.constexpr, WRITE_LSE: gl.constexpr,
+                      NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
+    BM: gl.constexpr = qn_desc.block_type.shape[0]
+    DN: gl.constexpr = qn_desc.block_type.shape[1]
+    BN: gl.constexpr = kn_desc.block_type.shape[0]
+    dtype: gl.constexpr = qn_desc.dtype
+    WG_N: gl.constexpr = num_warps // 4  # warpgroups side by side along N
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, WG_N], instr_shape=[16, BN // WG_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, WG_N], instr_shape=[16, DN // WG_N, 16])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    rb = gl.program_id(0)
+    split = gl.program_id(1)
+    b = gl.program_id(2)
+    rows = qlen * heads
+    seq_len = gl.load(seq_lens_ptr + b)
+    chunk = gl.cdiv(gl.cdiv(seq_len, num_splits), BN) * BN
+    start = split * chunk
+    end = gl.minimum(start + chunk, seq_len)
+    if CAUSAL:
+        # The block's last row is token (min(rows, rb*BM + BM) - 1) // heads.
+        block_last = seq_len - qlen + (gl.minimum(rows, rb * BM + BM) - 1) // heads
+        end = gl.minimum(end, block_last + 1)
+    n_tiles = gl.cdiv(gl.maximum(end - start, 0), BN)
+
+    q_nope = gl.allocate_shared_memory(dtype, [BM, DN], qn_desc.layout)
+    q_rope = gl.allocate_shared_memory(dtype, [BM, qr_desc.block_type.shape[1]], qr_desc.layout)
+    k_nope = gl.allocate_shared_memory(dtype, [NUM_STAGES, BN, DN], kn_desc.layout)
+    k_rope = gl.allocate_shared_memory(dtype, [NUM_STAGES, BN, kr_desc.block_type.shape[1]],
+                                       kr_desc.layout)
+    p_buf = gl.allocate_shared_memory(dtype, [BM, BN],
+                                      gl.NVMMASharedLayout.get_default_for([BM, BN], dtype))
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_bar = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(kv_bar.index(i), count=1)
+    fence_async_shared()
+
+    q_row = b * rows + rb * BM
+    mbarrier.expect(q_bar, qn_desc.block_type.nbytes + qr_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(qn_desc, [q_row, 0], q_bar, q_nope)
+    tma.async_copy_global_to_shared(qr_desc, [q_row, 0], q_bar, q_rope)
+    bt_row = bt_ptr + b.to(gl.int64) * stride_bt
+    first_page = start // BN
+    for i in gl.static_range(NUM_STAGES):
+        _issue_kv(kn_desc, kr_desc, k_nope.index(i), k_rope.index(i), kv_bar.index(i), bt_row,
+                  first_page + i, i < n_tiles)
+
+    offs_m = rb * BM + gl.arange(0, BM, layout=row_s)
+    if CAUSAL:
+        last_pos = seq_len - qlen + offs_m // heads
+    else:
+        last_pos = gl.full([BM], 0, gl.int32, layout=row_s) + (seq_len - 1)
+    cols = gl.arange(0, BN, layout=col_s)
+    m_i = gl.full([BM], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.full([BM], 0.0, gl.float32, layout=row_s)
+    acc = gl.zeros([BM, DN], gl.float32, layout=o_layout)
+    mbarrier.wait(q_bar, 0)
+
+    for i in range(n_tiles):
+        stage = i % NUM_STAGES
+        kn = k_nope.index(stage)
+        kr = k_rope.index(stage)
+        mbarrier.wait(kv_bar.index(stage), (i // NUM_STAGES) & 1)
+        n0 = start + i * BN
+        if n0 + BN > end:
+            _zero_stale_rows(kn, end - n0, num_warps)
+
+        s = gl.zeros([BM, BN], gl.float32, layout=s_layout)
+        s = warpgroup_mma(q_nope, kn.permute((1, 0)), s, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_rope, kr.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+
+        s = s * qk_scale
+        key = n0 + cols
+        allowed = (gl.expand_dims(key, 0) <= gl.expand_dims(last_pos, 1)) \
+            & gl.expand_dims(key < end, 0)
+        s = gl.where(allowed, s, gl.full_like(s, float("-inf")))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        # A row with no key yet keeps m = -inf: shift by 0 there so exp2 gives 0, not NaN.
+        m_shift = gl.where(m_new == float("-inf"), gl.zeros_like(m_new), m_new)
+        alpha = gl.exp2(m_i - m_shift)
+        p = gl.exp2(s - gl.expand_dims(m_shift, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+
+        p_buf.store(p.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        acc = warpgroup_mma(p_buf, kn, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        # Both warpgroups are done with this slot (and with P): refill it.
+        gl.thread_barrier()
+        _issue_kv(kn_desc, kr_desc, kn, kr, kv_bar.index(stage), bt_row,
+                  first_page + i + NUM_STAGES, i + NUM_STAGES < n_tiles)
+
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(kv_bar.index(i))
+
+    has_keys = l_i > 0.0
+    safe_l = gl.where(has_keys, l_i, gl.full_like(l_i, 1.0))
+    inv = gl.where(has_keys, 1.0 / safe_l, gl.zeros_like(l_i))
+    lse2 = gl.where(has_keys, m_i + gl.log2(safe_l), gl.full_like(l_i, float("-inf")))
+    o = acc * gl.expand_dims(gl.convert_layout(inv, row_o), 1)
+
+    # Rows of the block that belong to the request, stored through shared memory in
+    # 128-column chunks with a coalescing layout.
+    out_ty: gl.constexpr = out_ptr.dtype.element_ty
+    o_buf = gl.allocate_shared_memory(out_ty, [BM, DN],
+                                      gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    o_buf.store(o.to(out_ty))
+    gl.thread_barrier()
+    st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+    r = rb * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, st_layout))
+    r_ok = gl.expand_dims(r < rows, 1)
+    if DIRECT:
+        row_off = (b * qlen + r // heads).to(gl.int64) * stride_o_tok + (r % heads) * stride_o_head
+    else:
+        slot = b * num_splits + split
+        row_off = slot.to(gl.int64) * stride_po_slot + r * stride_po_row
+    for c in gl.static_range(DN // 128):
+        d = c * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, st_layout))
+        part = o_buf.slice(c * 128, 128, dim=1).load(st_layout)
+        gl.store(out_ptr + gl.expand_dims(row_off, 1) + gl.expand_dims(d, 0), part, mask=r_ok)
+    r_ok_s = offs_m < rows
+    if DIRECT:
+        if WRITE_LSE:
+            dst = (b * qlen + offs_m // heads).to(gl.int64) * stride_lse_tok + offs_m % heads
+            gl.store(lse_ptr + dst, lse2 * 0.6931471805599453, mask=r_ok_s)
+    else:
+        slot_s = b * num_splits + split
+        gl.store(lse_ptr + slot_s.to(gl.int64) * stride_pl_slot + offs_m, lse2, mask=r_ok_s)
+
+
+# Host side -------------------------------------------------------------------------------
+
+def _nvmma(block: list[int], dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    return gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[dtype])
+
+
+def _descriptors(q: torch.Tensor, kv_cache: torch.Tensor) -> tuple[TensorDescriptor, ...]:
+    """TMA descriptors: q's and the cache's nope and rope parts as 2-D row tables.
+
+    q's (token, head) rows and the cache's (page, slot) rows are rows of one table
+    each (``check_supported`` asks for that); only the base's address and dtype are
+    read, so no view or copy is made.
+    """
+    out = []
+    for t, block_rows in ((q, BLOCK_M), (kv_cache, BLOCK_N)):
+        n_rows, row_stride = t.shape[0] * t.shape[1], t.stride(1)
+        for col, width in ((0, D_NOPE), (D_NOPE, D_ROPE)):
+            block = [block_rows, width]
+            out.append(TensorDescriptor(t[..., col:], [n_rows, width], [row_stride, 1], block,
+                                        _nvmma(block, t.dtype)))
+    return tuple(out)
+
+
+def check_supported(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                    seq_lens: torch.Tensor) -> str | None:
+    """Why the kernel cannot take these tensors (or this triton), or None when it can."""
+    if q.dtype not in _GL_DTYPES:
+        return f"q dtype {q.dtype} (bf16 and fp16 only; fp8 caches are not done yet)"
+    if kv_cache.dtype != q.dtype:
+        return f"cache dtype {kv_cache.dtype} differs from q's {q.dtype}"
+    if q.shape[-1] != D_NOPE + D_ROPE or kv_cache.shape[-1] != D_NOPE + D_ROPE:
+        return f"head width must be {D_NOPE + D_ROPE}"
+    if kv_cache.shape[1] != PAGE_SIZE:
+        return f"page_size {kv_cache.shape[1]} (only {PAGE_SIZE})"
+    if kv_cache.stride(-1) != 1 or kv_cache.stride(0) != kv_cache.shape[1] * kv_cache.stride(1):
+        return "the cache's pages must be contiguous rows"
+    if q.stride(-1) != 1 or q.stride(0) != q.shape[1] * q.stride(1):
+        return "q's (token, head) rows must be contiguous"
+    if (kv_cache.stride(1) * 2) % 16 or (q.stride(1) * 2) % 16 \
+            or kv_cache.data_ptr() % 16 or q.data_ptr() % 16:
+        return "addresses and row strides must be 16-byte aligned for TMA"
+    if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        return "block_table and seq_lens must be int32"
+    ok, why = gluon_available()
+    return None if ok else why
+
+
+def pick_splits(batch: int, row_blocks: int, max_seq_len: int, sms: int = H200_SMS) -> int:
+    """Splits per request: least estimated time over waves of one program per SM.
+
+    A program's time ~ its tiles plus a fixed cost (Q load, epilogue: ~2 tiles);
+    more than one split adds the merge (~1 tile). One program fits an SM (its
+    shared memory), so programs run in waves of ``sms``.
+    """
+    tiles = max(1, math.ceil(max_seq_len / BLOCK_N))
+    programs = batch * row_blocks
+    best, best_cost = 1, math.inf
+    for s in range(1, min(tiles, 64) + 1):
+        waves = math.ceil(programs * s / sms)
+        cost = waves * (math.ceil(tiles / s) + 2) + (1 if s > 1 else 0)
+        if cost < best_cost - 1e-9:
+            best, best_cost = s, cost
+    return best
+
+
+def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                    seq_lens: torch.Tensor, *, qlen: int, sm_scale: float, causal: bool = True,
+                    out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                    num_splits: int | None = None, max_seq_len: int | None = None,
+                    num_stages: int = NUM_STAGES
+                    ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
+    """A zero-argument launch of the Gluon decode, with the out and LSE it writes.
+
+    q (batch * qlen, heads, 576), kv_cache (pages, 64, 576), block_table (batch,
+    max_pages) int32, seq_lens (batch,) int32, as the Triton routes take them;
+    out (batch * qlen, heads, 512) in q's dtype and lse (batch * qlen, heads)
+    fp32 (natural log) are allocated when not given. ``num_splits`` None: picked
+    from the batch and ``max_seq_len`` (read from seq_lens, a host sync, when not
+    given). The launch reads seq_lens and block_table when it runs (capturable).
+    """
+    why = check_supported(q, kv_cache, block_table, seq_lens)
+    if why is not None:
+        raise ValueError(f"gluon MLA decode: {why}")
+    batch = seq_lens.shape[0]
+    heads = q.shape[1]
+    if q.shape[0] != batch * qlen:
+        raise ValueError(f"q has {q.shape[0]} tokens, expected batch {batch} x qlen {qlen}")
+    rows = qlen * heads
+    row_blocks = triton.cdiv(rows, BLOCK_M)
+    if out is None:
+        out = torch.empty(q.shape[0], heads, D_NOPE, dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty(q.shape[0], heads, dtype=torch.float32, device=q.device)
+    if num_splits is None:
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max()) if batch else 0
+        num_splits = pick_splits(batch, row_blocks, max_seq_len)
+    descs = _descriptors(q, kv_cache)
+    grid = (row_blocks, num_splits, batch)
+    scale = sm_scale * LOG2E
+    meta = dict(CAUSAL=causal and qlen > 1, NUM_STAGES=num_stages, num_warps=NUM_WARPS)
+    common = (*descs, block_table, seq_lens)
+    sizes = (num_splits, qlen, heads, scale, block_table.stride(0))
+    if num_splits == 1:
+        args = (*common, out, lse, *sizes, out.stride(0), out.stride(1), lse.stride(0), 0, 0, 0)
+
+        def launch() -> None:
+            mla_decode_kernel[grid](*args, DIRECT=True, WRITE_LSE=True, **meta)
+
+        return launch, out, lse
+
+    from mlatune.kernels.reduce import reduce_launcher
+
+    part_out = torch.empty(batch * num_splits, rows, D_NOPE, dtype=torch.float32,
+                           device=q.device)
+    part_lse = torch.empty(batch * num_splits, rows, dtype=torch.float32, device=q.device)
+    split_indptr = (torch.arange(batch + 1, dtype=torch.int32, device=q.device) * num_splits)
+    args = (*common, part_out, part_lse, *sizes, 0, 0, 0, part_out.stride(0), part_out.stride(1),
+            part_lse.stride(0))
+    reduce = reduce_launcher(part_out, part_lse, None, split_indptr, out, lse,
+                             tokens_per_group=qlen, q_heads=heads, row_heads=heads, head_rep=1,
+                             max_slots=num_splits)
+
+    def launch_split() -> None:
+        mla_decode_kernel[grid](*args, DIRECT=False, WRITE_LSE=True, **meta)
+        reduce()
+
+    return launch_split, out, lse
+
+
+def gluon_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                 seq_lens: torch.Tensor, *, qlen: int, sm_scale: float, causal: bool = True,
+                 num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One eager call: (out, lse). See ``decode_launcher``."""
+    launch, out, lse = decode_launcher(q, kv_cache, block_table, seq_lens, qlen=qlen,
+                                       sm_scale=sm_scale, causal=causal, num_splits=num_splits)
+    launch()
+    return out, lse
+
+
+# Ahead-of-time compile (no GPU needed: triton's bundled ptxas) ---------------------------
+
+_TORCH_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def aot_compile(dtype: str = "bf16", *, direct: bool = True, causal: bool = True,
+                num_stages: int = NUM_STAGES, arch: int = 90):
+    """Compile ``mla_decode_kernel`` for ``sm_<arch>`` without a GPU; returns triton's
+    CompiledKernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    tdtype = _TORCH_NAMES[dtype]
+    descs = {"qn_desc": [BLOCK_M, D_NOPE], "qr_desc": [BLOCK_M, D_ROPE],
+             "kn_desc": [BLOCK_N, D_NOPE], "kr_desc": [BLOCK_N, D_ROPE]}
+    pointers = {"bt_ptr": "i32", "seq_lens_ptr": "i32", "out_ptr": dtype if direct else "fp32",
+                "lse_ptr": "fp32"}
+    constants = dict(CAUSAL=causal, DIRECT=direct, WRITE_LSE=True, NUM_STAGES=num_stages,
+                     num_warps=NUM_WARPS)
+    fn = mla_decode_kernel
+    types = {**dict.fromkeys(constants, "constexpr"),
+             **{n: "*" + t for n, t in pointers.items()}, "qk_scale": "fp32",
+             **{n: f"tensordesc<{dtype}[{b[0]}, {b[1]}],{_nvmma(b, tdtype)!r}>"
+                for n, b in descs.items()}}
+    sig = {name: types.get(name, "i32") for name in fn.arg_names}
+    aligned = [*pointers, "stride_o_tok", "stride_o_head", "stride_po_slot", "stride_po_row"]
+    attrs = {(fn.arg_names.index(n), ): [["tt.divisibility", 16]] for n in aligned}
+    src = GluonASTSource(fn, sig, constants, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": NUM_WARPS})

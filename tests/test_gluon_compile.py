@@ -1,0 +1,82 @@
+"""The Hopper Gluon decode kernel (mlatune/kernels/gluon_hopper.py) on the CPU.
+
+Compiling needs triton 3.6.x (the H200's triton, whose Gluon API the kernel is
+written against); other versions skip the compile tests with the reason. Locally,
+with the 3.6.0 wheel unpacked into a throwaway directory:
+
+    pip download --no-deps triton==3.6.0 -d /tmp/triton36
+    mkdir -p /tmp/t36 && unzip -q -o /tmp/triton36/*.whl -d /tmp/t36
+    PYTHONPATH=/tmp/t36 pytest tests/test_gluon_compile.py
+
+Triton lowers the kernel to PTX and assembles it with the ptxas its wheel
+carries: no GPU is involved, and nothing here says the kernel computes the
+right thing (benchmarks/gluon_check.py checks that on the GPU).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+
+from mlatune.kernels import gluon_hopper as g
+from tests.prefill_aot import resources
+
+HOPPER_SMEM = 232448  # bytes of shared memory one block may use on sm_90
+
+
+def _needs_gluon_triton():
+    ok, why = g.gluon_available()
+    if not ok:
+        pytest.skip(why)
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this Triton wheel carries no ptxas")
+
+
+@pytest.mark.parametrize("dtype,direct,causal", [("bf16", True, True), ("fp16", False, False)])
+def test_compiles_for_sm90_with_wgmma_and_tma(dtype, direct, causal):
+    _needs_gluon_triton()
+    k = g.aot_compile(dtype, direct=direct, causal=causal)
+    ptx = k.asm["ptx"]
+    assert ".target sm_90a" in ptx
+    # S = Q K^T: 36 k-steps of 16 (576 deep); O += P V: 4 (64 keys deep), per warpgroup.
+    assert ptx.count("wgmma.mma_async") == 40
+    assert "cp.async.bulk.tensor.2d" in ptx  # TMA copies of Q and the KV tiles
+    assert "mbarrier.try_wait" in ptx
+    assert len(k.asm["cubin"]) > 0
+    assert k.metadata.shared <= HOPPER_SMEM
+    assert resources(k)["stack"] == 0  # no register spills
+
+
+def test_pick_splits_fills_the_gpu():
+    assert g.pick_splits(1, 1, 4096) > 16  # batch 1: many splits
+    assert g.pick_splits(64, 1, 4096) == 2
+    assert g.pick_splits(128, 2, 4096) == 1  # 256 programs already fill 132 SMs
+    assert g.pick_splits(8, 2, 32768) == 8
+    assert g.pick_splits(4, 1, 0) == 1
+
+
+def _tensors(page=64, dtype=torch.bfloat16, d=576, heads=16):
+    q = torch.zeros(2, heads, d, dtype=dtype)
+    kv = torch.zeros(4, page, d, dtype=dtype)
+    return q, kv, torch.zeros(2, 2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("kwargs,why", [
+    (dict(page=32), "page_size 32"),
+    (dict(dtype=torch.float32), "q dtype"),
+    (dict(d=192), "head width"),
+])
+def test_refuses_what_it_does_not_do(kwargs, why):
+    assert why in g.check_supported(*_tensors(**kwargs))
+    with pytest.raises(ValueError, match=why):
+        g.decode_launcher(*_tensors(**kwargs), qlen=1, sm_scale=0.1)
+
+
+def test_other_triton_is_named():
+    reason = g.check_supported(*_tensors())
+    assert (reason is None) == triton.__version__.startswith(g.GLUON_TRITON)
+    if reason is not None:
+        assert triton.__version__ in reason
