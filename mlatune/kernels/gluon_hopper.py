@@ -101,11 +101,12 @@ def _zero_stale_rows(kn_buf, valid, num_warps: gl.constexpr):
     """Zero the V rows (first 512 dims) of slots >= valid in a tile's buffer."""
     N: gl.constexpr = kn_buf.shape[0]
     D: gl.constexpr = kn_buf.shape[1]
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [num_warps, 1], [1, 0])
+    # 64 columns (128 bytes) at a time: whole swizzle atoms of the 128B-swizzled tile.
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     rows = gl.arange(0, N, layout=gl.SliceLayout(1, layout))
     keep = gl.expand_dims(rows < valid, 1)
-    for c in gl.static_range(D // 32):
-        part = kn_buf.slice(c * 32, 32, dim=1)
+    for c in gl.static_range(D // 64):
+        part = kn_buf.slice(c * 64, 64, dim=1)
         x = part.load(layout)
         part.store(gl.where(keep, x, gl.zeros_like(x)))
     fence_async_shared()

@@ -1,0 +1,292 @@
+"""Check and time the Hopper Gluon MLA decode kernel on a GPU (issue 19, item 1).
+
+    python3 benchmarks/gluon_check.py --out DIR
+
+Needs an sm_90 GPU and triton 3.6.x (``mlatune/kernels/gluon_hopper.py``).
+Steps, each caught so that one failure never ends the run:
+1. smoke: a child process (``--smoke``, 120 s limit, so a hang or an illegal
+   address cannot take this process down) runs small problems: one split and
+   several, causal verify, fp16, 128 heads, stale cache slots set to NaN;
+   it prints the accuracy of each. If it fails, the kernel is not run here.
+2. per point (batch, heads, kv_len, qlen), bf16, page 64: inputs from
+   ``make_decode_inputs`` with ragged lengths, outputs poisoned with NaN, each
+   route checked against ``reference.decode_shard`` (rel L2 of out, max LSE
+   error, bf16 bounds of check/accuracy.py); the Gluon kernel also with another
+   split count and with the stale slots of each request's last page set to NaN.
+   Then every route is timed by ``sweep.bench.measure`` (CUDA-graph replay,
+   L2 flushed before every repetition) on full-length inputs (every request
+   kv_len long, as benchmarks/decode.py), beside ``padded/triton`` and
+   ``dense/flashmla`` when FlashMLA is installed.
+Writes DIR/gluon_check.json and .csv after every point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+POINTS = [(1, 16, 4096, 1), (64, 16, 4096, 1), (128, 16, 8192, 1), (128, 16, 4096, 4),
+          (64, 64, 4096, 1), (128, 128, 4096, 1), (8, 128, 32768, 1)]
+SMOKE = [  # (batch, heads, kv_len, qlen, dtype, num_splits)
+    (3, 16, 300, 1, "bf16", 1), (3, 16, 300, 1, "bf16", 3), (2, 16, 200, 2, "bf16", 1),
+    (2, 16, 700, 4, "bf16", 4), (2, 128, 500, 1, "bf16", 2), (3, 16, 300, 1, "fp16", 2),
+    (2, 32, 130, 3, "fp16", 1),
+]
+OTHERS = ("padded/triton", "dense/flashmla")
+GLUON = "wgmma/gluon"
+DEVICE = "cuda"  # a dry run of the plumbing may set "cpu" (with a stand-in kernel)
+
+
+def last_line(exc: BaseException) -> str:
+    lines = [ln for ln in traceback.format_exception_only(type(exc), exc) if ln.strip()]
+    return " ".join(lines[-1].split())[:300]
+
+
+def problem_of(batch, heads, kv_len, qlen, dtype="bf16"):
+    from mlatune.problem import MLAProblem
+    return MLAProblem(num_heads=heads, batch=batch, kv_len=kv_len, qlen=qlen, q_dtype=dtype,
+                      kv_dtype=dtype, page_size=64)
+
+
+def gluon_prepare(problem, inputs, num_splits=None):
+    from mlatune.kernels.gluon_hopper import decode_launcher
+    shard = inputs.shards[0]
+    return decode_launcher(inputs.q, shard.kv_cache, shard.block_table, shard.seq_lens,
+                           qlen=problem.qlen, sm_scale=inputs.softmax_scale,
+                           causal=problem.causal, num_splits=num_splits,
+                           max_seq_len=problem.kv_len)
+
+
+def route_prepare(route_id, problem, inputs):
+    from mlatune import routes
+    from mlatune.arch import current_device
+    route = routes.get(route_id)
+    verdict = route.supports(problem, current_device())
+    if not verdict:
+        raise RuntimeError(f"refused: {verdict.reason}")
+    p = route.prepare(problem, inputs)
+    return p.run, p.out, p.lse
+
+
+def poison_stale_slots(inputs) -> int:
+    """Set the slots past each request's length in its last page to NaN; returns how many."""
+    shard = inputs.shards[0]
+    page = shard.kv_cache.shape[1]
+    count = 0
+    for b, n in enumerate(shard.seq_lens.tolist()):
+        if n % page:
+            pid = int(shard.block_table[b, (n - 1) // page])
+            shard.kv_cache[pid, n % page:] = float("nan")
+            count += page - n % page
+    return count
+
+
+def check_run(run, out, lse, problem, ref) -> dict:
+    from mlatune.check.accuracy import check
+    from mlatune.check.inputs import poison_
+    poison_(out, lse)
+    run()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    acc = check(problem, out, ref[0], lse, ref[1])
+    return dict(ok=acc.ok, rel_l2=acc.rel_l2, lse_err=acc.lse_max_abs, reason=acc.reason)
+
+
+def fmt_acc(a: dict) -> str:
+    return (f"{'ok' if a['ok'] else 'FAIL'} rel_l2={a['rel_l2']:.3g} "
+            f"lse_err={a['lse_err']:.3g}" + ("" if a["ok"] else f" ({a['reason']})"))
+
+
+# --- smoke (child process) -------------------------------------------------------------------
+
+def smoke() -> int:
+    from mlatune.check import reference
+    from mlatune.check.inputs import make_decode_inputs
+    failed = 0
+    for batch, heads, kv_len, qlen, dtype, splits in SMOKE:
+        problem = problem_of(batch, heads, kv_len, qlen, dtype)
+        name = f"smoke {(batch, heads, kv_len, qlen)} {dtype} splits={splits}"
+        try:
+            inputs = make_decode_inputs(problem, seed=1, device=DEVICE, ragged=True)
+            ref = reference.decode_shard(inputs, inputs.shards[0])
+            run, out, lse = gluon_prepare(problem, inputs, splits)
+            a = check_run(run, out, lse, problem, ref)
+            stale = poison_stale_slots(inputs)
+            b = check_run(run, out, lse, problem, ref)
+            print(f"{name}: {fmt_acc(a)}; {stale} stale slots NaN: {fmt_acc(b)}", flush=True)
+            failed += not (a["ok"] and b["ok"])
+        except Exception as exc:  # report and go on to the next case
+            print(f"{name}: error {last_line(exc)}", flush=True)
+            failed += 1
+    print(f"smoke: {len(SMOKE) - failed}/{len(SMOKE)} cases passed", flush=True)
+    return 0
+
+
+def run_smoke_child(timeout_s: float) -> tuple[bool, str]:
+    """The smoke cases in a child process: (it finished, what it said)."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--smoke"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        tail = (exc.stdout or b"")
+        tail = tail.decode() if isinstance(tail, bytes) else tail
+        return False, f"{tail}\nsmoke: timed out after {timeout_s:.0f} s (hang?)"
+    text = done.stdout + ("" if done.returncode == 0 else
+                          "\n".join(done.stderr.splitlines()[-25:]))
+    return done.returncode == 0, text
+
+
+# --- points ----------------------------------------------------------------------------------
+
+def run_point(point, gluon_ok: bool, seconds: float) -> list[dict]:
+    from mlatune.check import reference
+    from mlatune.check.inputs import make_decode_inputs
+    from mlatune.sweep.bench import Budget, measure
+    problem = problem_of(*point)
+    ragged = make_decode_inputs(problem, seed=0, device=DEVICE, ragged=True)
+    ref_r = reference.decode_shard(ragged, ragged.shards[0])
+    full = make_decode_inputs(problem, seed=2, device=DEVICE, ragged=False)
+    ref_f = reference.decode_shard(full, full.shards[0])
+    budget = Budget(warmup=2, min_reps=10, max_reps=60, max_seconds=seconds, race_ratio=0.0)
+    ids = ([GLUON] if gluon_ok else []) + list(OTHERS)
+    rows = []
+    for rid in ids:
+        row = dict(batch=point[0], heads=point[1], kv_len=point[2], qlen=point[3], route=rid,
+                   status="ok")
+        try:
+            prep = gluon_prepare if rid == GLUON else (lambda p, x, r=rid: route_prepare(r, p, x))
+            run, out, lse = prep(problem, ragged)
+            a = check_run(run, out, lse, problem, ref_r)
+            row.update(ragged_ok=a["ok"], rel_l2=a["rel_l2"], lse_err=a["lse_err"])
+            if rid == GLUON:
+                # Forced split counts: the direct store path and the merged one, whatever
+                # pick_splits chose.
+                for splits in (1, 5):
+                    run2, out2, lse2 = gluon_prepare(problem, ragged, splits)
+                    a2 = check_run(run2, out2, lse2, problem, ref_r)
+                    row[f"splits{splits}_ok"] = a2["ok"]
+                    row[f"splits{splits}_rel_l2"] = a2["rel_l2"]
+                    a = a if a2["ok"] else a2
+            run, out, lse = prep(problem, full)
+            b = check_run(run, out, lse, problem, ref_f)
+            row.update(full_ok=b["ok"], full_rel_l2=b["rel_l2"], full_lse_err=b["lse_err"])
+            if not (a["ok"] and b["ok"]):
+                row["status"] = f"inaccurate: {a['reason'] if not a['ok'] else b['reason']}"
+            else:
+                t = measure(run, DEVICE, budget)
+                row.update(time_us=t.median_us, p20_us=t.p20_us, p80_us=t.p80_us, reps=t.reps,
+                           timer=t.timer, tb_s=problem.min_bytes() / t.median_us / 1e6,
+                           tflops=problem.flops() / t.median_us / 1e6)
+            if rid == GLUON:
+                n = poison_stale_slots(ragged)
+                run, out, lse = gluon_prepare(problem, ragged)
+                c = check_run(run, out, lse, problem, ref_r)
+                row.update(stale_nan_slots=n, stale_nan_ok=c["ok"])
+        except Exception as exc:  # one route's failure is a result; go on
+            row["status"] = f"error: {last_line(exc)}"
+        rows.append(row)
+        print("  " + line_of(row), flush=True)
+    del ragged, full, ref_r, ref_f
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def line_of(r: dict) -> str:
+    head = f"{r['route']:15s}"
+    if r["status"] != "ok":
+        return f"{head} {r['status']}"
+    extra = ""
+    if r["route"] == GLUON:
+        extra = (f" splits1={'ok' if r.get('splits1_ok') else 'FAIL'}"
+                 f" splits5={'ok' if r.get('splits5_ok') else 'FAIL'}"
+                 f" stale_nan={'ok' if r.get('stale_nan_ok') else 'FAIL'}")
+    return (f"{head} {r['time_us']:9.1f} us {r['tb_s']:5.2f} TB/s {r['tflops']:6.1f} TFLOP/s"
+            f"  rel_l2 {r['rel_l2']:.2g} lse_err {r['lse_err']:.2g}{extra}")
+
+
+def summary(point, rows) -> str:
+    t = {r["route"]: r.get("time_us", math.nan) for r in rows}
+    g = t.get(GLUON, math.nan)
+    parts = [f"{point}: gluon {g:.1f} us"]
+    for rid in OTHERS:
+        if not math.isnan(t.get(rid, math.nan)):
+            parts.append(f"{rid} {t[rid]:.1f} us (gluon/{rid.split('/')[0]} {g / t[rid]:.2f}x)")
+    return "; ".join(parts)
+
+
+def write(out_dir: Path, meta: dict, rows: list[dict]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "gluon_check.json").write_text(json.dumps(dict(meta, rows=rows), indent=1,
+                                                         default=str))
+    keys = sorted({k for r in rows for k in r})
+    with open(out_dir / "gluon_check.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/gluon-check"))
+    ap.add_argument("--smoke", action="store_true", help="run only the smoke cases (the child)")
+    ap.add_argument("--seconds", type=float, default=1.0, help="timing budget per route and point")
+    ap.add_argument("--smoke-timeout", type=float, default=120.0)
+    args = ap.parse_args()
+    os.environ.pop("TRITON_INTERPRET", None)
+    if args.smoke:
+        return smoke()
+    import triton
+    start = time.time()
+    meta = dict(date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), command=" ".join(sys.argv),
+                device=torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+                torch=torch.__version__, triton=triton.__version__)
+    print(json.dumps(meta), flush=True)
+    if not torch.cuda.is_available():
+        print("no GPU: nothing to do")
+        return 1
+    from mlatune.kernels.gluon_hopper import gluon_available
+    gluon_ok, why = gluon_available()
+    if gluon_ok:
+        print("smoke (child process) ...", flush=True)
+        gluon_ok, text = run_smoke_child(args.smoke_timeout)
+        print(text.rstrip(), flush=True)
+        meta["smoke"] = text
+        meta["smoke_finished"] = gluon_ok
+        if not gluon_ok:
+            print("the smoke run did not finish: the Gluon kernel is not run in this process")
+    else:
+        print(f"Gluon kernel skipped: {why}")
+    print(f"[{time.time() - start:5.1f} s] points", flush=True)
+    rows: list[dict] = []
+    for point in POINTS:
+        print(f"{point} bf16 page 64", flush=True)
+        try:
+            got = run_point(point, gluon_ok, args.seconds)
+            print("  " + summary(point, got), flush=True)
+        except Exception as exc:  # inputs or reference failed: note it, go on
+            print(f"  error: {last_line(exc)}", flush=True)
+            got = [dict(batch=point[0], heads=point[1], kv_len=point[2], qlen=point[3],
+                        route="all", status=f"error: {last_line(exc)}")]
+        rows += got
+        meta["elapsed_s"] = round(time.time() - start, 1)
+        write(args.out, meta, rows)
+        print(f"[{time.time() - start:5.1f} s]", flush=True)
+    print(f"wrote {args.out}/gluon_check.json and .csv in {time.time() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
