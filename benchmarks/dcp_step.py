@@ -7,10 +7,11 @@
 One process per GPU (NCCL; keep the machine's NCCL_NVLS_ENABLE=0): every rank builds the
 same seeded inputs and keeps its own heads' queries and its round-robin KV shard. Per
 point and scheme: the step (``mlatune.dcp``) is checked against the unsharded reference
-for each rank's heads, then timed: CUDA events around each call after a barrier, the
-slowest rank's median (all-reduce MAX). Beside it, on the same ranks and inputs: the
-attention alone and the sweep's simulation (rank 0's attention plus the merge of every
-rank's partials, no collectives). Numbers only; rank 0 prints and writes them.
+for each rank's heads, then timed (``mlatune.dcp.time_slowest``): CUDA events around each
+call after a barrier, on a cold L2, the slowest rank's median (all-reduce MAX). Beside it,
+on the same ranks and inputs: the attention alone and the sweep's simulation (rank 0's
+attention plus the merge of every rank's partials, no collectives).
+Numbers only; rank 0 prints and writes them.
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -28,35 +27,12 @@ from mlatune import routes
 from mlatune.check import reference
 from mlatune.check.accuracy import check
 from mlatune.check.inputs import make_decode_inputs
-from mlatune.dcp import SCHEMES, prepare_dcp_step
+from mlatune.dcp import SCHEMES, local_heads, prepare_dcp_step, time_slowest
 from mlatune.problem import MLAProblem
 from mlatune.sweep.merge import merge_ranks_into
 
 POINTS = [(8, 16, 4096, 1), (128, 16, 8192, 1), (64, 16, 16384, 1), (32, 64, 8192, 1)]
 CPU_POINTS = [(2, 2, 64, 1)]
-
-
-def _time(call, device: torch.device, reps: int) -> float:
-    """This rank's median of ``reps`` calls (us), after a barrier each; then the slowest
-    rank's."""
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-                enable_timing=True)
-            start.record()
-            call()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-        else:
-            t0 = time.perf_counter()
-            call()
-            times.append((time.perf_counter() - t0) * 1e6)
-    slowest = torch.tensor([statistics.median(times)], device=device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return float(slowest)
 
 
 def _point(point, route_id: str, schemes, device, reps: int, rank: int, world: int) -> list:
@@ -66,7 +42,7 @@ def _point(point, route_id: str, schemes, device, reps: int, rank: int, world: i
                          dcp_size=world, q_dtype=dtype, kv_dtype=dtype, page_size=64
                          if device.type == "cuda" else 8)
     inputs = make_decode_inputs(problem, seed=3, device=device, ragged=False)
-    mine = slice(rank * heads, (rank + 1) * heads)
+    mine = local_heads(rank, heads)
     q_local = inputs.q[:, mine].contiguous()
     want_out, want_lse = reference.run(inputs)
     route = routes.get(route_id)
@@ -77,8 +53,8 @@ def _point(point, route_id: str, schemes, device, reps: int, rank: int, world: i
         out, lse = step()
         accuracy = check(problem, out, want_out[:, mine], lse, want_lse[:, mine])
         results.append({"scheme": scheme, "ok": accuracy.ok, "reason": accuracy.reason,
-                        "step_us": _time(step, device, reps),
-                        "attention_us": _time(step.prepared.step, device, reps)})
+                        "step_us": time_slowest(step, device, reps),
+                        "attention_us": time_slowest(step.prepared.step, device, reps)})
     # The sweep's simulation: rank 0's attention, then the merge of every rank's partials.
     first = route.prepare(problem, inputs, rank=0, want_lse=True)
     first.step()
@@ -92,7 +68,7 @@ def _point(point, route_id: str, schemes, device, reps: int, rank: int, world: i
         lses[0].copy_(first.lse)
         merge_ranks_into(outs, lses, merged_out, merged_lse)
 
-    simulated_us = _time(simulated, device, reps)
+    simulated_us = time_slowest(simulated, device, reps)
     return [{"point": list(point), "world": world, "route": route_id, **r,
              "simulated_us": simulated_us} for r in results]
 

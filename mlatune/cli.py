@@ -439,7 +439,14 @@ def sweep(
     fresh: Annotated[bool, typer.Option(
         "--fresh", help="Start over. The earlier table and journal are moved aside, not "
                         "deleted: <out>.<UTC time>.parquet, .csv and .journal.jsonl.")] = False,
-    gpus: Annotated[int, typer.Option(min=1, help="Worker processes, one per GPU.")] = 1,
+    gpus: Annotated[int, typer.Option(
+        min=1, help="Worker processes, one per GPU. With 2 or more, DCP problems of a size up "
+                    "to it are then also measured for real, across that many GPUs (gloo "
+                    "processes without a GPU).")] = 1,
+    dcp_top_k: Annotated[int | None, typer.Option(
+        min=0, help="With --gpus N >= 2: the routes per DCP problem measured across GPUs, "
+                    "the fastest in the one-GPU pass (default: the spec's dcp_top_k, else "
+                    "3; 0: none).")] = None,
     timeout: Annotated[float, typer.Option(
         min=0.1, help="Seconds one candidate may take.")] = 300.0,
     compile_workers: Annotated[int | None, typer.Option(
@@ -478,7 +485,7 @@ def sweep(
 
     from mlatune.arch import current_device, gpu_devices
     from mlatune.errors import JournalError, TableError
-    from mlatune.sweep import runner
+    from mlatune.sweep import dcp_stage, runner
 
     if resume and fresh:
         raise typer.BadParameter("--resume and --fresh exclude each other",
@@ -538,10 +545,16 @@ def sweep(
     try:
         try:
             with Progress(*columns, console=console) as progress:
+                observer = _SweepProgress(progress)
                 result = runner.run(spec, device, journal,
                                     workers=gpus if device.is_gpu else 1, timeout_s=timeout,
-                                    only=only, observer=_SweepProgress(progress),
+                                    only=only, observer=observer,
                                     compile_workers=compile_workers)
+                if gpus > 1:
+                    result.measured_dcp = dcp_stage.run(
+                        spec, journal, gpus, gpu=device.is_gpu, timeout_s=timeout,
+                        top_k=spec.dcp_top_k if dcp_top_k is None else dcp_top_k,
+                        observer=observer)
         except KeyboardInterrupt:
             failure = (f"interrupted; finished candidates are in {journal_path}: rerun with "
                        f"--resume (or the same command without --fresh) to continue")
@@ -693,6 +706,10 @@ def _print_sweep_summary(name: str, result: SweepResult, wall: float) -> None:
     console.print(f"sweep {name}: {result.planned} candidates{fallbacks}; {result.ran} run "
                   f"now in {wall:.1f}s ({result.ran / wall if wall else 0:.2f}/s), "
                   f"{result.resumed} found in the journal", highlight=False)
+    if result.measured_dcp:
+        console.print(f"DCP steps measured across processes now: {result.measured_dcp} "
+                      f"(route and scheme per problem; in the table as dcp_timing 'measured')",
+                      highlight=False)
     summary = Table()
     summary.add_column("status")
     summary.add_column("candidates", justify="right")
@@ -1537,6 +1554,13 @@ def report(
     for row in reports.policy_rows(summary):
         policies.add_row(*row)
     console.print(policies)
+    dcp_rows = reports.dcp_rows(summary)
+    if dcp_rows:
+        dcp = Table(title="DCP measured across processes against its one-GPU simulation")
+        _columns(dcp, reports.DCP_COLUMNS, reports.DCP_COLUMNS[3:])
+        for row in dcp_rows:
+            dcp.add_row(*row)
+        console.print(dcp)
     for note in summary.notes:
         err_console.print(f"[yellow]note:[/] {note}", soft_wrap=True, highlight=False)
     console.print(f"[green]wrote[/] {made.html} and {len(made.images)} PNGs in {out}",

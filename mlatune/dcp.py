@@ -21,6 +21,9 @@ allocator each call (a CUDA graph of the step fixes them).
 
 from __future__ import annotations
 
+import statistics
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +35,7 @@ from mlatune.routes import Prepared, Route
 from mlatune.sweep.merge import merge_ranks_into
 
 SCHEMES = ("ag_rs", "a2a")
+_L2_FLUSH_BYTES = 256 << 20  # as the sweep's timing (bench): every repetition on a cold L2
 
 
 @dataclass
@@ -49,13 +53,15 @@ class DcpStep:
     out: torch.Tensor  # (T, H, d_v) fp32: this rank's heads over the whole KV
     lse: torch.Tensor  # (T, H) fp32
 
-    def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, plan: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step; ``plan=False`` leaves out the route's per-step plan, as every layer
+        of an engine step after the first does (the layers share one plan)."""
         # As bytes: no reduction, and gloo (NCCL before 2.24) has no fp8 type.
         _all_gather(self.gathered.view(-1, *self.q_local.shape[1:]).view(torch.uint8),
                     self.q_local.view(torch.uint8), self.group)
         t, h = self.q_local.shape[:2]
         self.q_all.view(t, self.world, h, -1).copy_(self.gathered.permute(1, 0, 2, 3))
-        self.prepared.step()
+        (self.prepared.step if plan else self.prepared.run)()
         (_ag_rs if self.scheme == "ag_rs" else _a2a)(self)
         return self.out, self.lse
 
@@ -126,3 +132,40 @@ def prepare_dcp_step(route: Route, problem: MLAProblem, q_local: torch.Tensor, s
     out = torch.empty(t, h, problem.d_v, dtype=torch.float32, device=q_local.device)
     lse = torch.empty(t, h, dtype=torch.float32, device=q_local.device)
     return DcpStep(scheme, rank, world, group, q_local, gathered, q_all, prepared, out, lse)
+
+
+def local_heads(rank: int, num_heads: int) -> slice:
+    """Rank ``rank``'s heads among the group's ``kernel_heads`` (rank-major)."""
+    return slice(rank * num_heads, (rank + 1) * num_heads)
+
+
+def time_slowest(call: Callable[[], object], device: torch.device, reps: int,
+                 warmup: int = 1, group: dist.ProcessGroup | None = None) -> float:
+    """The slowest rank's median time of ``call`` in microseconds, eager, each repetition
+    started together (a barrier) on a cold L2; device events on a GPU, wall time on the
+    CPU. Every rank of ``group`` must call it with the same ``reps``."""
+    flush = torch.empty(_L2_FLUSH_BYTES // 4, device=device) if device.type == "cuda" else None
+    for _ in range(warmup):
+        call()
+    times = []
+    for _ in range(reps):
+        if flush is not None:
+            flush.fill_(1.0)
+        dist.barrier(group=group)
+        times.append(_time_one(call, device))
+    slowest = torch.tensor([statistics.median(times)], device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return float(slowest)
+
+
+def _time_one(call: Callable[[], object], device: torch.device) -> float:
+    if device.type != "cuda":
+        start = time.perf_counter()
+        call()
+        return (time.perf_counter() - start) * 1e6
+    start, end = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+    start.record()
+    call()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3

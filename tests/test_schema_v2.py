@@ -17,6 +17,7 @@ from mlatune.problem import MLAProblem
 from mlatune.table import winners_map
 from mlatune.table.schema import (
     COLUMNS,
+    DCP_COLUMNS,
     PROVENANCE_TYPES,
     SCHEMA_VERSION,
     STEP_COST_COLUMNS,
@@ -52,8 +53,9 @@ def v2_table(**step: object) -> pd.DataFrame:
 
 
 def write_v1(frame: pd.DataFrame, path: Path) -> Path:
-    """``frame`` as mlatune 0.1 wrote it: no step columns, schema_version 1."""
-    old = frame.drop(columns=[*STEP_COLUMNS, "converted_from"]).assign(schema_version=1)
+    """``frame`` as mlatune 0.1 wrote it: no step or DCP columns, schema_version 1."""
+    old = frame.drop(columns=[*STEP_COLUMNS, *DCP_COLUMNS, "converted_from"]).assign(
+        schema_version=1)
     write_raw(old, path, metadata={"schema_version": 1, "provenance": [V1_PROVENANCE]})
     return path
 
@@ -103,12 +105,13 @@ def test_a_newer_table_is_still_refused_with_or_without_the_step_columns(tmp_pat
 def test_a_table_mixing_versions_is_refused():
     mixed = v2_table()
     mixed.loc[0, "schema_version"] = 1
-    assert any("schema_version 1 rows in a schema v2 table" in p
+    assert any(f"schema_version 1 rows in a schema v{SCHEMA_VERSION} table" in p
                for p in table.validate(mixed))
 
 
 def test_a_v1_parquet_whose_metadata_disagrees_is_still_refused(tmp_path):
-    old = v2_table().drop(columns=[*STEP_COLUMNS, "converted_from"]).assign(schema_version=1)
+    old = v2_table().drop(columns=[*STEP_COLUMNS, *DCP_COLUMNS, "converted_from"]).assign(
+        schema_version=1)
     write_raw(old, tmp_path / "t.parquet", metadata={
         "schema_version": 1, "provenance": [{**V1_PROVENANCE, "torch_version": "1.0"}]})
     assert "metadata provenance does not match" in refused(tmp_path / "t.parquet")
@@ -129,7 +132,10 @@ def test_the_table_shipped_before_v2_loads_as_before():
 
 def test_the_shipped_table_is_v2_with_measured_plan_costs(monkeypatch):
     frame, stored = table.read_versioned(REPO / "tables" / "sm_90-h200.parquet")
-    assert stored == 2 and (frame["converted_from"] == "").all()
+    assert stored == 2 and (frame["converted_from"] == "v2").all()  # upgraded on reading
+    dcp = frame["dcp_size"] > 1
+    assert dcp.any() and (frame.loc[dcp, "dcp_timing"] == "simulated").all()
+    assert (frame.loc[~dcp, "dcp_timing"] == "").all() and frame["simulated_us"].isna().all()
     from_csv = table.read(REPO / "tables" / "sm_90-h200.csv.gz")
     pd.testing.assert_frame_equal(from_csv, frame, check_exact=True)
     ok = frame["status"] == "ok"
@@ -220,19 +226,20 @@ def test_each_invalid_step_value_is_named(tmp_path):
 runner = CliRunner()
 
 
-def test_upgrade_writes_v2_parquet_and_csv_that_read_as_the_converter_reads(tmp_path):
+def test_upgrade_writes_current_parquet_and_csv_that_read_as_the_converter_reads(tmp_path):
     source = write_v1(v2_table(), tmp_path / "old.parquet")
     expected = table.read(source)
     result = runner.invoke(app, ["upgrade", str(source), "--out", str(tmp_path / "new.csv")])
     assert result.exit_code == 0, result.output
-    assert "from schema v1 to v2" in result.output and "new.parquet" in result.output
+    assert f"from schema v1 to v{SCHEMA_VERSION}" in result.output
+    assert "new.parquet" in result.output
     for suffix in ("parquet", "csv"):
         back, stored = table.read_versioned(tmp_path / f"new.{suffix}")
         assert stored == SCHEMA_VERSION
         pd.testing.assert_frame_equal(back, expected, check_exact=True)
     before = (tmp_path / "new.parquet").read_bytes()
     again = runner.invoke(app, ["upgrade", str(tmp_path / "new.parquet")])
-    assert again.exit_code == 0 and "already v2; nothing written" in again.output
+    assert again.exit_code == 0 and f"already v{SCHEMA_VERSION}; nothing written" in again.output
     assert (tmp_path / "new.parquet").read_bytes() == before
 
 

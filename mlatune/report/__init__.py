@@ -24,6 +24,7 @@ from mlatune import table
 from mlatune.report.metrics import (
     BATCH_BANDS,
     CEILINGS,
+    DCP_COLUMNS,
     POLICY_COLUMNS,
     PREFILL_COLUMNS,
     RULE_POLICY,
@@ -36,6 +37,8 @@ from mlatune.report.metrics import (
     batch_band,
     candidate_times,
     chosen_times,
+    dcp_measured,
+    dcp_rows,
     fixed_route_speedups,
     geomean,
     headline_rows,
@@ -64,10 +67,11 @@ HTML_NAME = "report.html"
 JSON_NAME = "summary.json"
 
 __all__ = [
-    "BATCH_BANDS", "CEILINGS", "HTML_NAME", "JSON_NAME", "POLICY_COLUMNS", "PREFILL_COLUMNS",
-    "RULE_POLICY",
+    "BATCH_BANDS", "CEILINGS", "DCP_COLUMNS", "HTML_NAME", "JSON_NAME", "POLICY_COLUMNS",
+    "PREFILL_COLUMNS", "RULE_POLICY",
     "Ceilings", "RegretStats", "Report", "ReportError", "SpeedupStats", "Summary", "Timed",
-    "batch_band", "build_report", "candidate_times", "chosen_times", "fixed_route_speedups",
+    "batch_band", "build_report", "candidate_times", "chosen_times", "dcp_measured",
+    "dcp_rows", "fixed_route_speedups",
     "geomean", "headline_rows", "measured_problems", "measured_with", "nearest_regret",
     "ok_times", "one_device", "percent_text", "pick_speedups", "policy_rows", "prefill_rows",
     "problem_label", "roofline", "rule_routes", "rule_speedup", "speedup_text", "summarize",

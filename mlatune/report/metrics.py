@@ -24,7 +24,7 @@ from mlatune import routes, table
 from mlatune.dispatch import Dispatcher, device_for_arch
 from mlatune.problem import FP8_DTYPES, MLAProblem
 from mlatune.sweep import journal
-from mlatune.table.schema import DEVICE_COLUMNS, KEY_COLUMNS
+from mlatune.table.schema import DCP_MEASURED, DEVICE_COLUMNS, KEY_COLUMNS
 
 
 class ReportError(ValueError):
@@ -116,6 +116,8 @@ class Summary:
     # the held-out table with the dispatcher's choice as the pick.
     vendor: list[Any] = field(default_factory=list)
     vendor_heldout: list[Any] = field(default_factory=list)
+    # DCP rows measured across processes beside their one-GPU simulation (dcp_measured).
+    dcp: pd.DataFrame = field(default_factory=pd.DataFrame)
 
     @property
     def best_fixed(self) -> SpeedupStats:
@@ -164,6 +166,21 @@ def measured_problems(frame: pd.DataFrame) -> pd.DataFrame:
     out = summary.merge(picks, on=list(KEY_COLUMNS), how="left").reset_index(drop=True)
     out["key"] = table.key_strings(out) if len(out) else []
     return out
+
+
+def dcp_measured(frame: pd.DataFrame) -> pd.DataFrame:
+    """The ok rows measured across processes, one per (problem, route): key, route, scheme,
+    simulated_us (the one-GPU simulation), measured_us (the real step), ratio (measured /
+    simulated) and comm_share (the step's time beyond the attention alone, as a share)."""
+    rows = frame[(frame["dcp_timing"] == DCP_MEASURED) & (frame["status"] == "ok")]
+    out = pd.DataFrame({
+        "key": table.key_strings(rows) if len(rows) else [], "route": rows["route"].to_numpy(),
+        "scheme": rows["dcp_scheme"].to_numpy(),
+        "simulated_us": rows["simulated_us"].to_numpy(),
+        "measured_us": rows["time_us"].to_numpy()})
+    out["ratio"] = out["measured_us"] / out["simulated_us"]
+    out["comm_share"] = rows["comm_us"].to_numpy() / out["measured_us"]
+    return out.sort_values(["key", "measured_us"], kind="stable").reset_index(drop=True)
 
 
 def ok_times(frame: pd.DataFrame) -> pd.DataFrame:
@@ -367,8 +384,12 @@ def winner_cells(problems: pd.DataFrame) -> pd.DataFrame:
 
 # Every number --------------------------------------------------------------------------
 
-def _table_notes(arch: str, rule_unmeasured: int) -> list[str]:
+def _table_notes(arch: str, rule_unmeasured: int, dcp: pd.DataFrame) -> list[str]:
     notes = []
+    if len(dcp):
+        notes.append(f"{dcp['key'].nunique()} DCP problem(s) have routes measured across "
+                     f"processes: those rank first and are their pick; the other routes' times "
+                     f"there are one-GPU simulations, without the collectives")
     if arch not in CEILINGS:
         notes.append(f"no measured ceilings for arch {arch} (known: {', '.join(CEILINGS)}): "
                      f"no roofline plot")
@@ -387,6 +408,7 @@ def _table_summary(table_path: str | os.PathLike, frame: pd.DataFrame
     times = ok_times(frame)
     rule, rule_unmeasured = rule_speedup(problems, times, device_for_arch(arch, name, cus))
     ceilings = CEILINGS.get(arch)
+    dcp = dcp_measured(frame)
     summary = Summary(
         table_path=str(table_path), device=(arch, name, cus),
         measured_with=measured_with(frame), problems=len(problems),
@@ -396,7 +418,7 @@ def _table_summary(table_path: str | os.PathLike, frame: pd.DataFrame
         routes_ok=len(times.columns), routes_tried=int(frame["route"].nunique()),
         fixed=fixed_route_speedups(problems, times), rule=rule, rule_unmeasured=rule_unmeasured,
         roofline=roofline(problems, ceilings) if ceilings else None,
-        spread=timing_spread(frame), notes=_table_notes(arch, rule_unmeasured))
+        spread=timing_spread(frame), notes=_table_notes(arch, rule_unmeasured, dcp), dcp=dcp)
     from mlatune.report import policies  # it imports this module
 
     picks = problems.set_index("key")
@@ -556,6 +578,8 @@ def summary_document(summary: Summary) -> dict[str, Any]:
         "rule_fallback": _speedup_json(summary.rule),
         "vendor_policies": [policies.as_json(s) for s in summary.vendor],
         "vendor_policies_heldout": [policies.as_json(s) for s in summary.vendor_heldout],
+        "dcp_measured": [{k: _number(v) if isinstance(v, float) else v for k, v in r.items()}
+                         for r in summary.dcp.to_dict("records")],
         "goal_over_always_flashmla": policies.GOAL_OVER_FLASHMLA,
         "vllm_hopper_order": {"source": policies.VLLM_SOURCE,
                               "backends": policies.vllm_order_json()},
@@ -575,6 +599,18 @@ def problem_label(key: str) -> str:
     causal = "" if f["causal"] == "1" else " non-causal"
     return (f"{f['phase']} h{f['num_heads']} q{f['qlen']} {f['q_dtype']}/{f['kv_dtype']}"
             f"{causal} dcp{f['dcp_size']} p{f['page_size']} b{f['batch']} kv{f['kv_len']}")
+
+
+DCP_COLUMNS = ("problem", "route", "scheme", "simulated (us)", "measured (us)",
+               "measured / simulated", "communication share")
+
+
+def dcp_rows(summary: Summary) -> list[tuple[str, ...]]:
+    """One line per DCP route measured across processes, beside its one-GPU simulation."""
+    return [(problem_label(r.key), str(r.route), str(r.scheme), f"{r.simulated_us:.4g}",
+             f"{r.measured_us:.4g}", speedup_text(r.ratio),
+             "-" if math.isnan(r.comm_share) else f"{r.comm_share * 100:.0f}%")
+            for r in summary.dcp.itertuples(index=False)]
 
 
 POLICY_COLUMNS = ("policy", "served", "wins", "geomean speedup", "largest speedup",

@@ -40,9 +40,11 @@ __all__ = ["FSYNC_INTERVAL_S", "Journal", "JournalError", "lock_path", "locked",
 
 FSYNC_INTERVAL_S = 1.0
 # Result fields a sweep reads, with their JSON types, checked where present.
-_TEXT_FIELDS = ("kind", "id", "status", "route", "route_params", "reason", "timer", "plan_on")
+_TEXT_FIELDS = ("kind", "id", "status", "route", "route_params", "reason", "timer", "plan_on",
+                "dcp_timing", "dcp_scheme")
 _NUMBER_FIELDS = ("time_us", "time_us_p20", "time_us_p80", "rel_err", "max_abs_err",
-                  "tb_per_s", "tflops", "plan_us", "plan_host_us", "launch_host_us")
+                  "tb_per_s", "tflops", "plan_us", "plan_host_us", "launch_host_us",
+                  "comm_us", "simulated_us")
 _RESUME_FIELDS = ("id", "status")  # what the journal itself needs to resume
 
 

@@ -7,6 +7,8 @@
     [max_params]                   # optional: that cut per route id, over the one above
     "segmented/triton" = 2
     max_problems = 200000          # refuse grids with more combinations (see below)
+    dcp_top_k = 3                  # DCP problems measured across GPUs (--gpus N): each
+                                   # problem's K fastest routes in the one-GPU pass (0: none)
 
     [budget]                       # per candidate (see bench.Budget)
     warmup = 1                     # counts: whole numbers up to 1,000,000
@@ -64,8 +66,9 @@ else:  # pragma: no cover
 
 DEFAULT_SPEC = "smoke.toml"
 _TOP_KEYS = {"name", "description", "seed", "routes", "max_params_per_route", "max_params",
-             "max_problems", "budget", "grid", "tolerance"}
+             "max_problems", "budget", "grid", "tolerance", "dcp_top_k"}
 _AXES = set(problem_field_names())
+DEFAULT_DCP_TOP_K = 3  # routes per DCP problem measured across GPUs: the one-GPU pass's fastest
 MAX_PROBLEMS = 200_000  # combinations a spec may have unless it or the environment says more
 MAX_PROBLEMS_ENV = "MLATUNE_MAX_PROBLEMS"
 # Bounds of the budget: beyond them a value is a typo, and a NaN or inf time limit or a
@@ -90,6 +93,7 @@ class SweepSpec:
     problems: tuple[MLAProblem, ...]
     skipped: tuple[str, ...]  # why each skipped combination is not a valid problem
     max_params: dict[str, int] = field(default_factory=dict)  # per route id, over the above
+    dcp_top_k: int = DEFAULT_DCP_TOP_K  # routes per DCP problem measured across GPUs
 
     def params_kept(self, route_id: str) -> int:
         """How many of the route's parameter sets a sweep keeps (0: all)."""
@@ -137,6 +141,9 @@ def parse(data: dict, where: str, sha256: str = "", gpu: bool = True) -> SweepSp
     for route_id, kept in per_route.items():
         if not isinstance(kept, int) or isinstance(kept, bool) or kept < 0:
             raise fail(f"max_params.{route_id}", f"must be an integer >= 0, got {kept!r}")
+    dcp_top_k = data.get("dcp_top_k", DEFAULT_DCP_TOP_K)
+    if not isinstance(dcp_top_k, int) or isinstance(dcp_top_k, bool) or dcp_top_k < 0:
+        raise fail("dcp_top_k", f"must be an integer >= 0, got {_shown(dcp_top_k)}")
     budget = _budget(data.get("budget", {}), fail)
     tolerances = data.get("tolerance", {})
     if not isinstance(tolerances, dict):
@@ -167,7 +174,7 @@ def parse(data: dict, where: str, sha256: str = "", gpu: bool = True) -> SweepSp
         raise fail("grid", "no valid problem in any grid" + (f" ({skipped[0]})" if skipped else ""))
     return SweepSpec(str(name), where, sha256, seed, tuple(routes), max_params, budget,
                      dict(tolerances), tuple(problems.values()), tuple(skipped),
-                     dict(per_route))
+                     dict(per_route), dcp_top_k)
 
 
 def _grid_axes(grid, i: int, gpu: bool, fail) -> dict:

@@ -162,10 +162,15 @@ def evaluate(task: dict[str, Any], device: torch.device, cache: _ProblemCache,
                 **_timing_fields(problem, timing), **step_costs, **spent}
     except Exception as exc:
         restart = not _context_healthy(device)
-        where = traceback.extract_tb(exc.__traceback__)[-1]
-        reason = f"raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}" \
-                 f" (at {where.name}:{where.lineno})"
-        return {"status": "crashed", "reason": reason[:500], "restart": restart, **spent}
+        return {"status": "crashed", "reason": raised(exc), "restart": restart, **spent}
+
+
+def raised(exc: BaseException) -> str:
+    """A crashed candidate's reason: the exception's first line and where it was raised."""
+    where = traceback.extract_tb(exc.__traceback__)[-1]
+    reason = f"raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}" \
+             f" (at {where.name}:{where.lineno})"
+    return reason[:500]
 
 
 def _timed_step(checked: _Checked) -> Callable[[], None]:

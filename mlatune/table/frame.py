@@ -1,4 +1,4 @@
-"""Dispatch tables (schema v2): build, write, read (upgrading v1), validate, merge.
+"""Dispatch tables (schema v3): build, write, read (upgrading v1 and v2), validate, merge.
 
 A table is a DataFrame with exactly the columns of ``schema.COLUMN_TYPES``,
 one row per (device, problem, route). It is stored as Parquet (provenance also
@@ -25,10 +25,10 @@ one software environment (every provenance field but the ``RUN_FIELDS`` equal),
 because timings taken under different torch or driver versions do not rank
 against each other.
 
-A schema v1 table is upgraded as it is read (``upgrade``; what that fills in
-is in ``mlatune.table.schema``), so the rest of mlatune sees only v2; a table newer
+A schema v1 or v2 table is upgraded as it is read (``upgrade``; what that fills in
+is in ``mlatune.table.schema``), so the rest of mlatune sees only v3; a table newer
 than this mlatune is refused. ``read_versioned`` also says which version the
-file held (``mlatune upgrade`` writes a v1 table back as v2).
+file held (``mlatune upgrade`` writes an older table back as v3).
 """
 
 from __future__ import annotations
@@ -56,6 +56,9 @@ from mlatune.table.outputs import FORMULA_STARTS, atomic_write
 from mlatune.table.schema import (
     COLUMN_TYPES,
     COLUMNS,
+    DCP_COLUMNS,
+    DCP_MEASURED,
+    DCP_TIMINGS,
     DEVICE_COLUMNS,
     KEY_COLUMNS,
     PROVENANCE_TYPES,
@@ -67,6 +70,7 @@ from mlatune.table.schema import (
     UNKNOWN_STEP_KIND,
     Provenance,
     declared_step_kind,
+    default_dcp_timing,
     upgraded_provenance,
 )
 
@@ -111,19 +115,21 @@ _STEP_COLUMNS = (*STEP_KIND_COLUMNS, *STEP_COST_COLUMNS)
 def build(rows: Iterable[Mapping[str, Any]], provenance: Provenance) -> pd.DataFrame:
     """A table from result rows (KEY_COLUMNS + RESULT_COLUMNS but ``rank``), ranked.
 
-    The step columns are optional: a row without plan_on or capturable gets the
-    route's declaration, one without a cost NaN (not measured).
+    The step and DCP columns are optional: a row without plan_on or capturable gets
+    the route's declaration, one without a cost NaN (not measured), one without DCP
+    columns was not measured across processes.
     """
+    optional = (*_STEP_COLUMNS, *DCP_COLUMNS)
     required = [c for c in COLUMNS if c != "rank" and c not in PROVENANCE_TYPES
-                and c not in _STEP_COLUMNS]
+                and c not in optional]
     records = []
     for i, row in enumerate(rows):
         missing = [c for c in required if c not in row]
         if missing:
             raise ValueError(f"result row {i} lacks {', '.join(missing)}")
-        records.append({c: row[c] for c in (*required, *_STEP_COLUMNS) if c in row})
-    frame = pd.DataFrame.from_records(records, columns=[*required, *_STEP_COLUMNS])
-    frame = _fill_step_kinds(frame)
+        records.append({c: row[c] for c in (*required, *optional) if c in row})
+    frame = pd.DataFrame.from_records(records, columns=[*required, *optional])
+    frame = _fill_dcp_columns(_fill_step_kinds(frame))
     for name, value in provenance.as_dict().items():
         frame[name] = value
     frame["rank"] = 0
@@ -161,18 +167,39 @@ def _fill_step_kinds(frame: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def upgrade(frame: pd.DataFrame) -> pd.DataFrame:
-    """A schema v1 table as v2: step kinds declared by the routes, costs NaN, provenance
-    ``schema_version`` 2 and ``converted_from`` "v1" (see mlatune.table.schema)."""
+def _fill_dcp_columns(frame: pd.DataFrame) -> pd.DataFrame:
+    """Where a row has no DCP timing, it was not measured across processes."""
     out = frame.copy()
-    out["plan_on"], out["capturable"] = _declared_step_kinds(out)
-    for name in STEP_COST_COLUMNS:
-        out[name] = np.nan
+    unset = out["dcp_timing"].isna()
+    if unset.any():
+        out["dcp_timing"] = out["dcp_timing"].astype(object)
+        out.loc[unset, "dcp_timing"] = [default_dcp_timing(int(d))
+                                        for d in out.loc[unset, "dcp_size"]]
+    out["dcp_scheme"] = out["dcp_scheme"].astype(object).where(out["dcp_scheme"].notna(), "")
+    return out
+
+
+def upgrade(frame: pd.DataFrame, version: int = 1) -> pd.DataFrame:
+    """A schema v1 or v2 table as v3 (see mlatune.table.schema): v1's step kinds declared by
+    the routes and costs NaN; DCP rows simulated; provenance ``schema_version`` 3 and
+    ``converted_from`` "v1" or "v2"."""
+    out = frame.copy()
+    changed = list(DCP_COLUMNS)
+    if version == 1:
+        out["plan_on"], out["capturable"] = _declared_step_kinds(out)
+        for name in STEP_COST_COLUMNS:
+            out[name] = np.nan
+        changed += _STEP_COLUMNS
+    out["dcp_timing"] = [default_dcp_timing(int(d)) if str(d).lstrip("-").isdigit() else ""
+                         for d in out["dcp_size"]] if "dcp_size" in out else ""
+    out["dcp_scheme"] = ""
+    out["comm_us"] = out["simulated_us"] = np.nan
     # The provenance columns as upgraded_provenance spells them, so they stay constant.
-    for name, value in upgraded_provenance({}).items():
+    provenance = upgraded_provenance({}, version)
+    for name, value in provenance.items():
         out[name] = value
-    # Only the columns set here are cast: a damaged v1 column stays as found, for validate.
-    for name in (*_STEP_COLUMNS, *upgraded_provenance({})):
+    # Only the columns set here are cast: a damaged old column stays as found, for validate.
+    for name in (*changed, *provenance):
         out[name] = out[name].astype(_dtype(COLUMN_TYPES[name]))
     ordered = [c for c in COLUMNS if c in out] + [c for c in out if c not in COLUMN_TYPES]
     return out[ordered]
@@ -187,10 +214,17 @@ def coerce(frame: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def _simulated_tier(frame: pd.DataFrame) -> pd.Series:
+    """0 for a row measured across processes, 1 otherwise: measured rows rank first."""
+    return (frame["dcp_timing"] != DCP_MEASURED).astype("int64")
+
+
 def assign_ranks(frame: pd.DataFrame) -> pd.DataFrame:
-    """rank 1, 2, ... by time among ``ok`` rows of each key (ties by route id); 0 otherwise."""
+    """rank 1, 2, ... among ``ok`` rows of each key: measured DCP rows first, then by time
+    (ties by route id); 0 otherwise."""
     out = frame.reset_index(drop=True)
-    ok = out[out["status"] == "ok"].sort_values(["time_us", "route"], kind="stable")
+    ok = out[out["status"] == "ok"].assign(_tier=_simulated_tier)
+    ok = ok.sort_values(["_tier", "time_us", "route"], kind="stable")
     ranks = ok.groupby(list(KEY_COLUMNS), sort=False, dropna=False).cumcount() + 1
     out["rank"] = np.zeros(len(out), dtype="int64")
     out.loc[ranks.index, "rank"] = ranks.astype("int64")
@@ -416,10 +450,10 @@ def _read_versioned(path: Path, check: bool) -> tuple[pd.DataFrame, int]:
     else:
         frame, problems, unparsed = _read_csv(path)
     stored = _stored_version(frame, unparsed)
-    if stored == 1:
-        frame = upgrade(frame)
+    if 1 <= stored < SCHEMA_VERSION:
+        frame = upgrade(frame, stored)
         if isinstance(recorded, list):
-            recorded = [upgraded_provenance(p) if isinstance(p, dict) else p
+            recorded = [upgraded_provenance(p, stored) if isinstance(p, dict) else p
                         for p in recorded]
     if recorded is not None:
         problems += _metadata_problems(recorded, frame)
@@ -498,7 +532,7 @@ def _validate(frame: pd.DataFrame, unparsed: set[str]) -> list[str]:
         elif any(v < SCHEMA_VERSION for v in versions):
             # A file of one older version is upgraded as it is read; this is a mix.
             problems.append(f"schema_version {versions[0]} rows in a schema v{SCHEMA_VERSION} "
-                            f"table (only a whole v1 table is upgraded)")
+                            f"table (only a whole older table is upgraded)")
     if have("status"):
         unknown = ~frame["status"].isin(STATUSES)
         if unknown.any():
@@ -530,9 +564,10 @@ def _validate(frame: pd.DataFrame, unparsed: set[str]) -> list[str]:
         bad_time = ok & ~(np.isfinite(times) & (times > 0))
         if bad_time.any():
             problems.append(f"{int(bad_time.sum())} ok rows lack a positive finite time_us")
-    if key_id is not None and have("status", "rank", "time_us", "route"):
+    if key_id is not None and have("status", "rank", "time_us", "route", "dcp_timing"):
         problems += _rank_problems(frame, key_id)
     problems += _step_problems(frame, have)
+    problems += _dcp_problems(frame, have)
     if have(*PROVENANCE_TYPES, *DEVICE_COLUMNS):
         problems += _provenance_problems(frame)
     if key_id is not None:
@@ -572,6 +607,33 @@ def _step_problems(frame: pd.DataFrame, have: Callable[..., bool]) -> list[str]:
     return problems
 
 
+def _dcp_problems(frame: pd.DataFrame, have: Callable[..., bool]) -> list[str]:
+    """dcp_timing says how a DCP row was timed, and only a DCP row has one; only a
+    measured row has a scheme."""
+    from mlatune.dcp import SCHEMES
+
+    problems = []
+    if have("dcp_timing"):
+        unknown = ~frame["dcp_timing"].isin(DCP_TIMINGS)
+        if unknown.any():
+            problems.append(f"unknown dcp_timing {_examples(frame['dcp_timing'][unknown])} "
+                            f"(expected one of {', '.join(map(repr, DCP_TIMINGS))})")
+        elif have("dcp_size"):
+            wrong = (frame["dcp_timing"] == "") != (frame["dcp_size"] == 1)
+            if wrong.any():
+                problems.append(f"{int(wrong.sum())} rows have a dcp_timing that does not fit "
+                                f"their dcp_size ('' exactly where dcp_size is 1)")
+    if have("dcp_timing", "dcp_scheme"):
+        measured = frame["dcp_timing"] == DCP_MEASURED
+        bad = measured & ~frame["dcp_scheme"].isin(SCHEMES) \
+            | ~measured & (frame["dcp_scheme"] != "")
+        if bad.any():
+            problems.append(f"{int(bad.sum())} rows have a dcp_scheme that does not fit their "
+                            f"dcp_timing (one of {', '.join(SCHEMES)} exactly where measured), "
+                            f"e.g. {_examples(frame['dcp_scheme'][bad])}")
+    return problems
+
+
 def _is_json_object(text: str) -> bool:
     try:
         return isinstance(json.loads(text), dict)
@@ -598,21 +660,27 @@ def _rank_problems(frame: pd.DataFrame, key_id: np.ndarray) -> list[str]:
                         f"than 0")
     if (ok & (rank < 1)).any():
         problems.append(f"{int((ok & (rank < 1)).sum())} ok rows have no rank (rank < 1)")
-    # Among the ok rows of a key, ranks are 1..n and follow time_us.
+    # Among the ok rows of a key, ranks are 1..n: measured DCP rows first, then by time_us.
     keys, ranks = key_id[ok], rank[ok]
     times = frame["time_us"].to_numpy()[ok]
+    tiers = _simulated_tier(frame).to_numpy()[ok]
     order = np.lexsort((ranks, keys))
-    keys, ranks, times = keys[order], ranks[order], times[order]
+    keys, ranks, times, tiers = keys[order], ranks[order], times[order], tiers[order]
     starts = np.r_[True, keys[1:] != keys[:-1]]
     position = np.arange(len(keys))
     expected = position - np.maximum.accumulate(np.where(starts, position, 0)) + 1
     if (ranks != expected).any():
         problems.append("ranks of the ok rows of some keys are not 1, 2, ... n")
     else:
-        slower = ~starts[1:] & (times[1:] < times[:-1])
+        same_tier = tiers[1:] == tiers[:-1]
+        slower = ~starts[1:] & same_tier & (times[1:] < times[:-1])
         if slower.any():
             problems.append(f"{int(slower.sum())} ranks contradict time_us (a higher rank is "
                             f"faster)")
+        measured_later = ~starts[1:] & (tiers[1:] < tiers[:-1])
+        if measured_later.any():
+            problems.append(f"{int(measured_later.sum())} measured DCP rows rank after "
+                            f"simulated ones of their problem")
     return problems
 
 
@@ -669,7 +737,9 @@ def _problem_problems(frame: pd.DataFrame, key_id: np.ndarray) -> list[str]:
 
 def merge(tables: Sequence[pd.DataFrame]) -> pd.DataFrame:
     """One table from several (runs, GPUs): per (device, problem, route) the best row
-    (an ok row before any other, then the fastest; otherwise the newest), re-ranked."""
+    (a DCP row measured across processes before a simulated one, whatever its status: it
+    says what the real step does; then an ok row before any other, then the fastest;
+    otherwise the newest), re-ranked."""
     if not tables:
         raise TableError("merge needs at least one table")
     for i, table in enumerate(tables):
@@ -678,9 +748,11 @@ def merge(tables: Sequence[pd.DataFrame]) -> pd.DataFrame:
             raise TableError(f"table {i} is invalid: " + "; ".join(problems))
     both = pd.concat([t[list(COLUMNS)] for t in tables], ignore_index=True)
     both["_not_ok"] = both["status"] != "ok"
-    both = both.sort_values(["_not_ok", "time_us", "created_utc"],
-                            ascending=[True, True, False], kind="stable", na_position="last")
-    best = both.drop_duplicates(list(ROW_KEY), keep="first").drop(columns="_not_ok")
+    both["_tier"] = _simulated_tier(both)
+    both = both.sort_values(["_tier", "_not_ok", "time_us", "created_utc"],
+                            ascending=[True, True, True, False], kind="stable",
+                            na_position="last")
+    best = both.drop_duplicates(list(ROW_KEY), keep="first").drop(columns=["_not_ok", "_tier"])
     merged = assign_ranks(best[list(COLUMNS)])
     problems = validate(merged)
     if problems:

@@ -1,17 +1,28 @@
-"""Dispatch table schema v2: the columns every table has, and what each holds.
+"""Dispatch table schema v3: the columns every table has, and what each holds.
 
 One row per (device, problem, route). The key is the whole problem spelled
 out, plus the device it was measured on. Provenance travels twice: as Parquet
 file metadata and as constant columns, so a CSV stands alone too.
 
-v2 adds how an engine steps each route (``mlatune.routes.base.StepKind``): a
+v2 added how an engine steps each route (``mlatune.routes.base.StepKind``): a
 per-step plan (``plan_on``: "none", "device" or "host") and a launch, whether
 both replay in one CUDA graph (``capturable``), and what the plan and the
 launch cost (``STEP_COST_COLUMNS``). ``time_us`` is still the launch's device
-time. A v1 table is upgraded as it is read (``mlatune.table.read``): its step
-kinds come from the routes' declarations (``declared_step_kind``), its costs
-are NaN (never measured), ``schema_version`` becomes 2 and the provenance field
-``converted_from`` says "v1" ("" for a table measured as v2).
+time.
+
+v3 adds how a DCP row (dcp_size > 1) was timed (``DCP_COLUMNS``): ``dcp_timing``
+"simulated" (on one GPU: rank 0's attention plus the merge of every rank's partials)
+or "measured" (the real step across dcp_size processes: q all-gather, attention,
+output and LSE exchange, correction; the slowest rank's time); "" without DCP. A
+measured row also holds its scheme, its communication time and the simulated time it
+replaced. Among a problem's ok rows the measured ones rank first: a simulated time
+leaves out the collectives, so it does not compare with a measured one.
+
+Older tables are upgraded as they are read (``mlatune.table.read``): a v1 table's step
+kinds come from the routes' declarations (``declared_step_kind``) and its costs are NaN
+(never measured); a v1 or v2 table's DCP rows are "simulated", the other DCP columns
+empty; ``schema_version`` becomes 3 and the provenance field ``converted_from`` says
+"v1" or "v2" ("" for a table measured as v3).
 """
 
 from __future__ import annotations
@@ -24,7 +35,7 @@ from datetime import datetime, timezone
 from mlatune.arch import DeviceInfo, driver_version, library_versions
 from mlatune.problem import KEY_FIELDS
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 DEVICE_COLUMNS = ("arch", "device_name", "cu_count")
 KEY_COLUMNS = DEVICE_COLUMNS + KEY_FIELDS
@@ -46,13 +57,20 @@ RESULT_COLUMNS: dict[str, str] = {
     "max_abs_err": "float64",
     "tb_per_s": "float64",  # problem.min_bytes() / time
     "tflops": "float64",  # problem.flops() / time
-    "rank": "int64",  # 1 = winner among ok rows of the key; 0 for rows that are not ok
+    # 1 = winner among ok rows of the key (measured DCP rows first, then by time_us);
+    # 0 for rows that are not ok
+    "rank": "int64",
     # The step kind is the route's declaration for these params, so every row has it.
     "plan_on": "string",  # where the per-step plan runs: "none", "device" or "host"
     "capturable": "bool",  # plan and launch replay in one CUDA graph (never with "host")
     "plan_us": "float64",  # device time of one per-step plan; 0 when plan_on is "none"
     "plan_host_us": "float64",  # host wall time of one eager plan call ("host": a re-prepare)
     "launch_host_us": "float64",  # host wall time of one eager launch: an eager engine's CPU cost
+    # v3: how a DCP row was timed (see the module docstring).
+    "dcp_timing": "string",  # "" without DCP, else DCP_SIMULATED or DCP_MEASURED
+    "dcp_scheme": "string",  # measured: "ag_rs" or "a2a" (mlatune.dcp.SCHEMES); else ""
+    "comm_us": "float64",  # measured: time_us minus the attention alone; else NaN
+    "simulated_us": "float64",  # measured: the one-GPU simulation's time_us; else NaN
 }
 STEP_KIND_COLUMNS = ("plan_on", "capturable")
 STEP_COST_COLUMNS = ("plan_us", "plan_host_us", "launch_host_us")
@@ -60,6 +78,10 @@ STEP_COST_COLUMNS = ("plan_us", "plan_host_us", "launch_host_us")
 # kind, so it is never picked where a capturable step is required.
 UNKNOWN_STEP_KIND = ("host", False)
 CONVERTED_FROM_V1 = "v1"
+DCP_COLUMNS = ("dcp_timing", "dcp_scheme", "comm_us", "simulated_us")
+DCP_SIMULATED = "simulated"
+DCP_MEASURED = "measured"
+DCP_TIMINGS = ("", DCP_SIMULATED, DCP_MEASURED)
 
 KEY_TYPES: dict[str, str] = {
     "arch": "string",
@@ -90,8 +112,8 @@ class Provenance:
     driver: str
     created_utc: str
     spec_sha256: str
-    # "" for a table measured under this schema; "v1" for one upgraded from schema v1
-    # (step kinds declared, not measured; per-step costs NaN).
+    # "" for a table measured under this schema; "v1" or "v2" for one upgraded from that
+    # schema (see the module docstring for what upgrading fills in).
     converted_from: str = ""
 
     @classmethod
@@ -148,6 +170,11 @@ def declared_step_kind(route_id: str, params: Mapping | str) -> tuple[str, bool]
     return kind.plan_on, kind.capturable
 
 
-def upgraded_provenance(provenance: Mapping) -> dict:
-    """A schema v1 provenance record as the upgraded table carries it."""
-    return {**provenance, "schema_version": SCHEMA_VERSION, "converted_from": CONVERTED_FROM_V1}
+def default_dcp_timing(dcp_size: int) -> str:
+    """A row's dcp_timing when nothing says it was measured across processes."""
+    return DCP_SIMULATED if dcp_size > 1 else ""
+
+
+def upgraded_provenance(provenance: Mapping, version: int = 1) -> dict:
+    """A schema ``version`` provenance record as the upgraded table carries it."""
+    return {**provenance, "schema_version": SCHEMA_VERSION, "converted_from": f"v{version}"}

@@ -1,0 +1,225 @@
+"""One rank of the DCP stage's group: real DCP steps measured across processes.
+
+Started by ``mlatune sweep --gpus N`` (``mlatune.sweep.dcp_stage``) or by hand under
+torchrun over a finished sweep's journal::
+
+    torchrun --nproc_per_node 2 -m mlatune.sweep.dcp_group --journal runs/h200-sm_90.journal.jsonl
+
+Every rank makes the same seeded inputs as the sweep's workers (``worker._ProblemCache``:
+ragged lengths, then the uniform ones that are timed), keeps its own heads' queries and
+its round-robin KV shard, and runs the step of ``mlatune.dcp``. Per task: poisoned
+outputs, the step, each rank's heads checked against the unsharded reference (every
+rank must pass); then the whole step (q all-gather, attention, exchange and correction;
+the per-step plan left out, as ``time_us`` is a launch's) and the attention alone, each
+the slowest rank's median. Rank 0 reports: events and results to ``--results`` for the
+sweep, or records straight into ``--journal`` by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mlatune import routes
+from mlatune.check.accuracy import check
+from mlatune.check.inputs import poison_
+from mlatune.dcp import DcpStep, local_heads, prepare_dcp_step, time_slowest
+from mlatune.problem import MLAProblem
+from mlatune.sweep import bench, dcp_stage, worker
+from mlatune.sweep import journal as journals
+from mlatune.sweep.dcp_stage import DcpTask, Settings
+from mlatune.sweep.journal import Journal
+from mlatune.sweep.runner import _seed
+from mlatune.sweep.spec import DEFAULT_DCP_TOP_K
+
+Emit = Callable[[dict[str, Any]], None]
+
+
+def measure(task: DcpTask, settings: Settings, device: torch.device,
+            cache: worker._ProblemCache, inputs_ready: Callable[[], None]) -> dict[str, Any]:
+    """This rank's part of one task; every rank returns the same result fields."""
+    problem, route = task.problem, routes.get(task.candidate.route_id)
+    cases = cache.get(problem, _seed(settings.seed, problem), device)
+    inputs_ready()
+    worst = {"rel_err": 0.0, "max_abs_err": 0.0}
+    for case in cases:
+        step, error = _prepared(task, case, device)
+        failed = _first_failure(error)
+        if failed:
+            return {"status": "crashed", "reason": failed, **worst}
+        assert step is not None
+        poison_(step.out, step.lse, step.prepared.out, step.prepared.lse)
+        out, lse = step()
+        mine = local_heads(dist.get_rank(), problem.num_heads)
+        acc = check(problem, out, case.ref[0][:, mine], lse, case.ref[1][:, mine],
+                    settings.tolerances, q_quantized=routes.quantizes_q(route, problem))
+        verdicts = _gathered((acc.ok, acc.reason, acc.rel_l2, acc.max_abs))
+        worst = {"rel_err": max([worst["rel_err"], *(v[2] for v in verdicts)]),
+                 "max_abs_err": max([worst["max_abs_err"], *(v[3] for v in verdicts)])}
+        bad = [(rank, v[1]) for rank, v in enumerate(verdicts) if not v[0]]
+        if bad:
+            return {"status": "rejected_accuracy",
+                    "reason": f"{case.name} lengths, rank {bad[0][0]}: {bad[0][1]}", **worst}
+    return {"status": "ok", "reason": "", **worst, **_timed(step, problem, settings, device)}
+
+
+def _prepared(task: DcpTask, case: worker._Case, device: torch.device
+              ) -> tuple[DcpStep | None, str]:
+    """This rank's step over the case's inputs, or why it could not be prepared (no
+    collective runs before every rank has said)."""
+    inputs, rank = case.inputs, dist.get_rank()
+    q_local = inputs.q[:, local_heads(rank, task.problem.num_heads)].contiguous()
+    try:
+        step = prepare_dcp_step(routes.get(task.candidate.route_id), task.problem, q_local,
+                                inputs.shards[rank], inputs.seq_lens, scheme=task.scheme,
+                                params=task.candidate.params, q_scale=inputs.q_scale,
+                                kv_scale=inputs.kv_scale, softmax_scale=inputs.sm_scale)
+        return step, ""
+    except Exception as exc:
+        return None, worker.raised(exc)
+
+
+def _timed(step: DcpStep, problem: MLAProblem, settings: Settings, device: torch.device
+           ) -> dict[str, Any]:
+    """The step and the attention alone, each the slowest rank's median; ``time_us`` is the
+    step's, ``comm_us`` what the collectives and the correction add to the attention."""
+    budget = bench.Budget(**settings.budget)
+    reps = max(1, min(max(budget.min_reps, 20), budget.max_reps))
+    step_us = time_slowest(lambda: step(plan=False), device, reps, budget.warmup)
+    attention_us = time_slowest(step.prepared.run, device, reps, budget.warmup)
+    timer = "cuda_event" if device.type == "cuda" else "wall"
+    timing = bench.Timing(step_us, float("nan"), float("nan"), reps, timer)
+    return {**worker._timing_fields(problem, timing), "comm_us": max(0.0, step_us - attention_us)}
+
+
+def _gathered(value: Any) -> list[Any]:
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def _first_failure(error: str) -> str:
+    """The first rank's error, on every rank ("" when none failed)."""
+    failed = [(rank, e) for rank, e in enumerate(_gathered(error)) if e]
+    return f"rank {failed[0][0]}: {failed[0][1]}" if failed else ""
+
+
+def _parent_gone(parent: int, device: torch.device) -> bool:
+    """Whether any rank's parent (the sweep, or torchrun) has died: then every rank stops
+    together, so no rank waits in a collective for one that left."""
+    gone = torch.tensor([float(os.getppid() != parent)], device=device)
+    dist.all_reduce(gone, op=dist.ReduceOp.MAX)
+    return bool(gone.item())
+
+
+def run_tasks(tasks: list[DcpTask], settings: Settings, device: torch.device,
+              emit_event: Emit, emit_record: Emit) -> None:
+    """Every task in order, in lockstep on every rank; rank 0 emits."""
+    rank, parent = dist.get_rank(), os.getppid()
+    cache = worker._ProblemCache()
+    say = emit_event if rank == 0 else (lambda event: None)
+    say({"event": "ready"})
+    for task in tasks:
+        if _parent_gone(parent, device):
+            return
+        try:
+            result = measure(task, settings, device, cache,
+                             lambda task=task: say({"event": "inputs", "id": task.id}))
+        except Exception as exc:  # mid-collective: the group cannot go on together
+            print(f"mlatune dcp rank {rank}: {worker.raised(exc)}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+        if rank == 0:
+            say({"event": "result", "id": task.id, "result": result})
+            emit_record(task.record(**result))
+
+
+def _appender(path: Path) -> Emit:
+    def emit(obj: dict[str, Any]) -> None:
+        with path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(obj, allow_nan=True) + "\n")
+
+    return emit
+
+
+def _journal_tasks(args: argparse.Namespace, header: dict[str, Any],
+                   records: list[dict[str, Any]], world: int) -> tuple[Settings, list[DcpTask]]:
+    """By hand: the tasks of a sweep's journal not yet done there, for a group of ``world``."""
+    from mlatune.sweep import spec as specs
+
+    spec = specs.load(args.spec or header["spec"], gpu=header.get("vendor") != "cpu")
+    if not args.spec and spec.sha256 != header.get("spec_sha256"):
+        raise SystemExit(f"{header['spec']} changed since the sweep: pass --spec")
+    done = {r["id"] for r in records}
+    top_k = spec.dcp_top_k if args.top_k is None else args.top_k
+    tasks = [t for t in dcp_stage.plan(records, [world], top_k) if t.id not in done]
+    return Settings.of(spec), tasks
+
+
+def _device(kind: str) -> torch.device:
+    if kind == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", help="the sweep's task file (with --results)")
+    parser.add_argument("--results", help="where rank 0 appends events and results")
+    parser.add_argument("--journal", help="by hand: a finished sweep's journal; results are "
+                                          "appended to it")
+    parser.add_argument("--spec", help="with --journal: the spec, if not the header's")
+    parser.add_argument("--top-k", type=int, default=None,
+                        help="with --journal: routes measured per problem, fastest simulated "
+                             f"first (default: the spec's dcp_top_k, else {DEFAULT_DCP_TOP_K})")
+    parser.add_argument("--device", choices=("cuda", "cpu"),
+                        default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    if bool(args.tasks) == bool(args.journal) or bool(args.tasks) != bool(args.results):
+        parser.error("pass --tasks and --results, or --journal")
+    device = _device(args.device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        if args.tasks:
+            settings, tasks = dcp_stage.read_tasks(Path(args.tasks))
+            run_tasks(tasks, settings, device, _appender(Path(args.results)), lambda r: None)
+        else:
+            _by_hand(args, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def _by_hand(args: argparse.Namespace, device: torch.device) -> None:
+    header, records = journals.read(Path(args.journal))
+    settings, tasks = _journal_tasks(args, header, records, dist.get_world_size())
+    dist.barrier()  # every rank has read the journal before rank 0 appends to it
+    journal = None
+    if dist.get_rank() == 0:
+        journal = Journal(Path(args.journal), {k: v for k, v in header.items()
+                                                if k != "kind"}, resume=True)
+        print(f"{len(tasks)} DCP task(s) for a group of {dist.get_world_size()}", flush=True)
+
+    def record(r: dict[str, Any]) -> None:
+        assert journal is not None
+        journal.append(r)
+        print(f"{r['status']:>17} {r['route']} {r['dcp_scheme']} {r.get('time_us', '')}"
+              f" {MLAProblem.from_key_dict(r['key']).key}", flush=True)
+
+    try:
+        run_tasks(tasks, settings, device, lambda event: None, record)
+    finally:
+        if journal is not None:
+            journal.close()
+
+
+if __name__ == "__main__":
+    main()
