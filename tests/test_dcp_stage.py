@@ -31,7 +31,7 @@ max_reps = 2
 max_seconds = 0.1
 [[grid]]
 num_heads = 2
-batch = {batch}
+batch = 2
 kv_len = 24
 page_size = 8
 q_dtype = "fp16"
@@ -42,14 +42,11 @@ TINY_PROBLEM = MLAProblem(num_heads=2, batch=2, kv_len=24, page_size=8, q_dtype=
                           kv_dtype="fp16", dcp_size=2)
 
 
-def sweep(tmp_path: Path, routes: list[str], *args: str, batch: str = "2", wait: bool = True):
+def sweep(tmp_path: Path, routes: list[str], *args: str) -> subprocess.CompletedProcess:
     spec_file = tmp_path / "tiny.toml"
-    spec_file.write_text(TINY.format(routes=json.dumps(routes), batch=batch))
+    spec_file.write_text(TINY.format(routes=json.dumps(routes)))
     cmd = [sys.executable, "-m", "mlatune", "sweep", str(spec_file), "--out",
            str(tmp_path / "t.parquet"), *args]
-    if not wait:
-        return subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
     done = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     return done
@@ -91,47 +88,65 @@ def test_without_two_gpus_nothing_is_measured_across_processes(tmp_path):
     assert set(frame.loc[frame["dcp_size"] == 2, "dcp_timing"]) == {"simulated"}
 
 
+def _simulated(route: str, time_us: float, problem: MLAProblem = TINY_PROBLEM) -> dict:
+    return Candidate(problem, route).record(status="ok", reason="", time_us=time_us)
+
+
+def _journal(path: Path, records: list[dict]) -> Journal:
+    """A journal holding ``records`` as a finished one-GPU pass would."""
+    device = cpu_device()
+    journal = Journal(path, {"spec_sha256": "x", "arch": device.arch,
+                             "device_name": device.name}, resume=False)
+    journal.extend(records)
+    return journal
+
+
+def run_stage(path: str, timeout_s: float = 60.0) -> int:
+    """The DCP stage over the journal at ``path``, as the sweep runs it after its pass."""
+    header = read(Path(path))[0]
+    journal = Journal(Path(path), {k: v for k, v in header.items() if k != "kind"},
+                      resume=True)
+    tiny = spec.parse({"budget": {"warmup": 0, "min_reps": 1, "max_reps": 2},
+                       "grid": [{"num_heads": 2}]}, "t.toml")
+    try:
+        return dcp_stage.run(tiny, journal, 2, gpu=False, top_k=5, timeout_s=timeout_s)
+    finally:
+        journal.close()
+
+
 def test_a_killed_stage_resumes_without_running_done_tasks_again(tmp_path):
-    # Two DCP problems of a slow route: the kill lands after the first measured result.
-    journal = tmp_path / "t.journal.jsonl"
-    proc = sweep(tmp_path, ["fault-slow/test"], "--gpus", "2", batch="[1, 2]",
-                 wait=False)
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and proc.poll() is None:
-        if journal.exists() and measured(journal):
-            break
-        time.sleep(0.05)
+    path = tmp_path / "j.jsonl"
+    _journal(path, [_simulated("fault-slow/test", 1.0, TINY_PROBLEM.with_(batch=b))
+                    for b in (1, 2)]).close()
+    stage = [sys.executable, "-c", f"from tests.test_dcp_stage import run_stage; "
+                                   f"run_stage({str(path)!r})"]
+    proc = subprocess.Popen(stage, env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None and not measured(path):
+        time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    before = measured(journal)
+    before = measured(path)
     assert 1 <= len(before) < 4, "the kill should land mid-stage"
-    sweep(tmp_path, ["fault-slow/test"], "--gpus", "2", batch="[1, 2]")
-    after = measured(journal)
+    subprocess.run(stage, env=ENV, cwd=ROOT, check=True, capture_output=True, timeout=120)
+    after = measured(path)
     ids = [r["id"] for r in after]
     assert len(ids) == len(set(ids)) == 4  # 2 problems x 2 schemes, none run twice
     assert after[:len(before)] == before  # what was done stays as it was
-
-
-def _simulated(route: str, time_us: float) -> dict:
-    return Candidate(TINY_PROBLEM, route).record(status="ok", reason="", time_us=time_us)
+    assert {r["status"] for r in after} == {"ok"}
 
 
 def test_a_crash_a_hang_and_a_wrong_answer_are_recorded_and_the_rest_go_on(tmp_path,
                                                                               monkeypatch):
     monkeypatch.setenv("MLATUNE_PLUGINS", "tests.fault_routes")
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
-    device = cpu_device()
-    journal = Journal(tmp_path / "j.jsonl", {"spec_sha256": "x", "arch": device.arch,
-                                             "device_name": device.name}, resume=False)
     # Simulated times order the tasks: each failure comes before a route that works.
-    journal.extend([_simulated("fault-abort/test", 1.0), _simulated("fault-hang/test", 2.0),
-                    _simulated("fault-wrong/test", 3.0), _simulated("fault-raise/test", 4.0),
-                    _simulated("reference/torch", 5.0)])
-    tiny = spec.parse({"budget": {"warmup": 0, "min_reps": 1, "max_reps": 2},
-                       "grid": [{"num_heads": 2}]}, "t.toml")
-    ran = dcp_stage.run(tiny, journal, 2, gpu=False, top_k=5, timeout_s=2.0)
-    journal.close()
-    assert ran == 10
+    _journal(tmp_path / "j.jsonl", [
+        _simulated("fault-abort/test", 1.0), _simulated("fault-hang/test", 2.0),
+        _simulated("fault-wrong/test", 3.0), _simulated("fault-raise/test", 4.0),
+        _simulated("reference/torch", 5.0)]).close()
+    assert run_stage(str(tmp_path / "j.jsonl"), timeout_s=2.0) == 10
     status = {(r["route"], r["dcp_scheme"]): (r["status"], r["reason"])
               for r in measured(tmp_path / "j.jsonl")}
     for scheme in SCHEMES:

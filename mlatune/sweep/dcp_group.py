@@ -21,6 +21,8 @@ import argparse
 import json
 import os
 import sys
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -112,24 +114,27 @@ def _first_failure(error: str) -> str:
     return f"rank {failed[0][0]}: {failed[0][1]}" if failed else ""
 
 
-def _parent_gone(parent: int, device: torch.device) -> bool:
-    """Whether any rank's parent (the sweep, or torchrun) has died: then every rank stops
-    together, so no rank waits in a collective for one that left."""
-    gone = torch.tensor([float(os.getppid() != parent)], device=device)
-    dist.all_reduce(gone, op=dist.ReduceOp.MAX)
-    return bool(gone.item())
+def _exit_with_parent() -> None:
+    """Leave as soon as this rank's parent (the sweep, or torchrun) dies: the rank of a
+    killed sweep must not hold its GPU, nor wait forever in a collective."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def run_tasks(tasks: list[DcpTask], settings: Settings, device: torch.device,
               emit_event: Emit, emit_record: Emit) -> None:
     """Every task in order, in lockstep on every rank; rank 0 emits."""
-    rank, parent = dist.get_rank(), os.getppid()
+    rank = dist.get_rank()
     cache = worker._ProblemCache()
     say = emit_event if rank == 0 else (lambda event: None)
     say({"event": "ready"})
     for task in tasks:
-        if _parent_gone(parent, device):
-            return
         try:
             result = measure(task, settings, device, cache,
                              lambda task=task: say({"event": "inputs", "id": task.id}))
@@ -186,6 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if bool(args.tasks) == bool(args.journal) or bool(args.tasks) != bool(args.results):
         parser.error("pass --tasks and --results, or --journal")
+    _exit_with_parent()
     device = _device(args.device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:

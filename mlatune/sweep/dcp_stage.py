@@ -236,10 +236,28 @@ def _run_group(tasks: list[DcpTask], size: int, settings: Settings, *, gpu: bool
                             f"{time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
             group_log.flush()
             group = _Group(size, rank_command(tasks_path, results_path, gpu), group_log)
+            # Where and when each ran, as the one-GPU pass records (benchmarks/sweep_cost.py).
+            where = ",".join(f"cuda:{rank}" for rank in range(size)) if gpu else "cpu"
             try:
-                return _follow(group, tasks, results_path, timeout_s, on_result, log_path)
+                return _follow(group, tasks, results_path, timeout_s,
+                               _stamped(on_result, where), log_path)
             finally:
                 group.kill()
+
+
+def _stamped(on_result: Callable[[dict[str, Any]], None], device: str
+             ) -> Callable[[dict[str, Any]], None]:
+    """``on_result`` with each record's device, finish time and seconds since the last."""
+    last = time.monotonic()
+
+    def stamp(record: dict[str, Any]) -> None:
+        nonlocal last
+        now = time.monotonic()
+        on_result({**record, "device": device, "finished_at": round(time.time(), 3),
+                   "elapsed_s": now - last})
+        last = now
+
+    return stamp
 
 
 def _follow(group: _Group, tasks: list[DcpTask], results: Path, timeout_s: float,
