@@ -1189,7 +1189,7 @@ def validate(
     table_path: Annotated[Path, typer.Argument(metavar="TABLE",
                                                help="Parquet, CSV or JSON winners table.")],
 ) -> None:
-    """Check a table against the current schema (a v1 table as upgraded on reading);
+    """Check a table against the current schema (an older table as upgraded on reading);
     every problem is reported at once."""
     with _one_line_errors(str(table_path)):
         if table_path.suffix.lower() == ".json":
@@ -1224,8 +1224,9 @@ def upgrade(
         "--out", help="Where to write, .parquet or .csv (both are written). Default: over "
                       "TABLE.")] = None,
 ) -> None:
-    """Rewrite a schema v1 table as the current schema: step kinds as the routes declare
-    them, per-step costs not measured (empty), provenance converted_from "v1"."""
+    """Rewrite an older table (schema v1 or v2) as the current schema: from v1, step kinds
+    as the routes declare them and per-step costs not measured (empty); DCP rows timed
+    "simulated"; provenance converted_from "v1" or "v2"."""
     from mlatune import table
     from mlatune.table.schema import SCHEMA_VERSION
 
@@ -1248,12 +1249,15 @@ def upgrade(
         # the new one, never half of either).
         written = [table.write(frame, t) for t in targets]
     kinds = frame.groupby(["plan_on", "capturable"], sort=True).size()
-    console.print(f"[green]upgraded[/] {table_path} from schema v{stored} to "
-                  f"v{SCHEMA_VERSION}: wrote {written[0]} and {written[1]} ({len(frame)} rows); "
-                  "step kinds as the routes here declare them ("
+    filled = "DCP rows timed 'simulated'"
+    if stored == 1:
+        filled = ("step kinds as the routes here declare them ("
                   + ", ".join(f"{plan_on}{' capturable' if cap else ''}: {n}"
                               for (plan_on, cap), n in kinds.items())
-                  + "), per-step costs not measured (empty)", soft_wrap=True, highlight=False)
+                  + f"), per-step costs not measured (empty), {filled}")
+    console.print(f"[green]upgraded[/] {table_path} from schema v{stored} to "
+                  f"v{SCHEMA_VERSION}: wrote {written[0]} and {written[1]} ({len(frame)} rows); "
+                  + filled, soft_wrap=True, highlight=False)
     _warn_unregistered(frame)
 
 

@@ -91,6 +91,12 @@ def test_a_v2_table_reads_with_its_dcp_rows_simulated(tmp_path, suffix):
         2: "simulated", 1: ""}
     assert (frame["dcp_scheme"] == "").all()
     assert frame[["comm_us", "simulated_us"]].isna().all().all()
+    upgraded = CliRunner().invoke(app, ["upgrade", str(tmp_path / f"t.{suffix}"), "--out",
+                                        str(tmp_path / "new.parquet")], terminal_width=250)
+    assert upgraded.exit_code == 0, upgraded.output
+    assert f"from schema v2 to v{SCHEMA_VERSION}" in upgraded.output
+    assert "DCP rows timed 'simulated'" in upgraded.output
+    assert table.read_versioned(tmp_path / "new.parquet")[1] == SCHEMA_VERSION
 
 
 def test_the_sweep_row_is_the_measured_run_even_when_it_failed():

@@ -4,7 +4,7 @@ there, for engines without pandas.
 Written by ``mlatune export --format json`` (``table.winners_json``), read by
 ``Dispatcher.load`` and by any engine with a JSON parser::
 
-    {"format": "mlatune-winners", "schema_version": 2, "key_fields": [...],
+    {"format": "mlatune-winners", "schema_version": 3, "key_fields": [...],
      "devices": [{"arch": "sm_90", "device_name": "NVIDIA H200", "cu_count": 132,
                   "provenance": [{...}],
                   "winners": {"<MLAProblem.key>": {"route": "...", "params": {...},
@@ -22,7 +22,9 @@ routes of the key, fastest first. ``schema_version`` is the table schema's:
 each option carries the table's columns of the same names (mlatune.table.schema), a
 cost not measured as null. A schema v1 map (options without the step fields)
 is upgraded as it is read, as a v1 table is: step kinds declared by the
-routes, costs null, ``converted_from`` "v1" in each provenance record.
+routes, costs null, ``converted_from`` "v1" in each provenance record. Schema v3 added
+only table columns a map does not carry (how a DCP row was timed): a v2 map reads as it is,
+its options in the order of the ranks (v3: a problem's measured DCP rows first).
 
 Failures: the table's rows that are not ok (``FAILED_STATUSES``), so a dispatcher
 never takes a route from a neighbour or the rule where it failed, as with the
