@@ -398,8 +398,8 @@ class Dispatcher:
         return choice
 
     def _predicted(self, problem: MLAProblem, failed: frozenset[str],
-                   notes: list[str] | None, shown_count: int | None = PREDICTIONS_SHOWN
-                   ) -> Choice | None:
+                   notes: list[str] | None, shown_count: int | None = PREDICTIONS_SHOWN,
+                   bucket_key: tuple | None = None) -> Choice | None:
         """The recipe predicted fastest at an unmeasured shape of a measured bucket, its
         sized parameters redone for it (``mlatune.dispatch.predict``); None when no
         usable route was measured in the bucket."""
@@ -415,7 +415,7 @@ class Dispatcher:
                 notes.append(f"predicted: {p.route_id} {recipe} {p.time_us:.4g} us "
                              f"(+-{100 * p.uncertainty:.0f}%; its nearest measured point: "
                              f"batch={p.nearest.batch} kv_len={p.nearest.kv_len})")
-        found = predictor.choose(problem, usable)
+        found = predictor.choose(problem, usable, bucket_key)
         if found is None:
             return None
         prediction, params = found
@@ -425,7 +425,7 @@ class Dispatcher:
     def _ensure_predictor(self) -> Predictor:
         if self._predictor is None:
             self._predictor = Predictor(self._measured_rows(), self.routes, self.device,
-                                        complete=False)
+                                        complete=False, failed=self._failed_rows())
         return self._predictor
 
     def predicted_choices(self, problem: MLAProblem, k: int) -> list[Choice]:
@@ -447,6 +447,15 @@ class Dispatcher:
             problem = winners_map.problem_of(key)
             for choice in self._ranked(key):
                 yield problem, choice.route_id, choice.params, choice.time_us
+
+    def _failed_rows(self) -> Iterator[tuple[MLAProblem, str]]:
+        """Where a route failed (accuracy, crash, timeout; a refusal is no failure): the
+        predictor does not choose a route next to its failures."""
+        for key, failures in self._failed.items():
+            routes = [r for r, status in failures if status != "unsupported"]
+            if routes:
+                problem = winners_map.problem_of(key)
+                yield from ((problem, r) for r in routes)
 
     def _ranked(self, key: str) -> tuple[Choice, ...]:
         """Every usable ok route of a measured key, fastest first ((): not measured)."""
@@ -495,9 +504,10 @@ class Dispatcher:
             elif winner is None:
                 notes.append("this exact problem was not measured (or only by routes not "
                              "installed here)")
-        bucket = self._buckets.get(problem.bucket)
+        bucket_key = problem.bucket
+        bucket = self._buckets.get(bucket_key)
         if bucket is not None:
-            predicted = self._predicted(problem, failed, notes, shown_count) \
+            predicted = self._predicted(problem, failed, notes, shown_count, bucket_key) \
                 if self.unmeasured == "predict" else None
             if predicted is not None:
                 return predicted

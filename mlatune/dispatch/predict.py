@@ -7,39 +7,55 @@ picks the fastest. A recipe is a route with its parameters less the sized ones
 (``route.sized_params``: KV splits, which ``routes.params_at`` redoes for the
 asked sizes).
 
-The model has two parts, both in log2 (batch, kv_len) space:
+Each recipe's time is a fitted cost law times a local correction:
 
-- the *envelope*: the bucket's best time at each measured point, fitted locally
-  linearly (log time against log sizes). It carries the trend: times grow about
-  in proportion to total KV tokens once the device is full.
-- each recipe's *slowness*: log(its time / the best time) at each point, averaged
-  over the nearest points (a Gaussian kernel whose width follows the distance to
-  the nearest point, so it stays local on a dense grid and widens on a sparse
-  one). Slowness is bounded and varies slowly where the trend does not, so an
-  average of the neighbours' answers beats any one neighbour's: where winners
-  change between grid points, each recipe's average margin picks the one that
-  loses least on either side.
+- the *law*, fitted per recipe over its bucket's points (relative least squares,
+  coefficients >= 0): ``t = a + c W + d B + e C``. ``B`` is the batch; ``W`` the KV
+  tokens one SM walks in turn and ``C`` the programs (CTAs) per SM. For the split-KV
+  routes (``mlatune.routes.triton_decode``: a route with ``_groups``,
+  ``_rows_per_group`` and ``_split_choices``) they follow the launch: batch x row
+  blocks x KV splits programs run in waves over the SMs (``device.cu_count``), each
+  wave as long as one program's KV share (whole ``block_n`` tiles), so a batch that
+  leaves the last wave nearly empty costs a whole wave (the splits as the route's
+  rule sizes them for the shape); a persistent variant (``persistent: true``)
+  spreads the same work evenly. Any other route is taken as balanced: ``W = B x
+  shard KV / SMs``, ``C = B / SMs``. ``a`` is the fixed cost, ``c`` the streaming
+  rate, ``d`` and ``e`` what each request and each program add (the partials a
+  split writes and the reduce reads).
+- the *correction*: the log ratio of measured to law time at the measured points,
+  averaged over the nearest ones (a Gaussian kernel in log2 (batch, kv_len) whose
+  width follows the distance to the nearest point, so it stays local on a dense grid
+  and widens on a sparse one). At a measured point the prediction is the
+  measurement; between points the law carries the shape of the curve (the fixed
+  cost that bends log time against log size, the waves) and the correction what it
+  misses nearby.
 
-A recipe's predicted time is envelope x exp(slowness); the choice is the least
-slowness, so it does not depend on the envelope. Distance is measured as the
-dispatcher's ``point_distance`` does (total KV tokens first, then batch) but with
-batch weighted 1, which averages the same-size neighbours with the same-batch ones
-(leave-one-out on the H200 journal, benchmarks/predict_loo.py).
+The choice is the least predicted time among the routes ``usable`` allows. Distance
+is measured as the dispatcher's ``point_distance`` does (total KV tokens first, then
+batch) but with batch weighted 1. Leave-one-out on the H200 table
+(benchmarks/heldout_regret.py, 2026-12-01): this model's picks, with the parameters
+they pass, cost 0.9% more than the best in geomean (step costs), the previous one's
+(a kernel average of each recipe's slowness over an envelope) 2.3%.
 
 Each prediction says how far it is from the data (``distance``: log2 units to the
-recipe's nearest measured point) and how much the neighbours disagree
-(``spread``: the weighted standard deviation of the recipe's slowness over them);
-``uncertainty`` combines the two into a relative error of the predicted time.
+recipe's nearest measured point) and how much the law misses nearby (``spread``: the
+weighted standard deviation of the correction over the neighbours); ``uncertainty``
+combines the two into a relative error of the predicted time.
 
 Data: a sweep journal holds every parameter set each route ran at each problem
 (``rows_from_journal``); a table holds only each route's best per problem
 (``rows_from_table``): there a recipe that lost to its route's best at a point is
-counted ``LOST_PENALTY`` slower than that best, not left out (which would make
-recipes look fast where only their wins were kept).
+counted ``LOST_PENALTY`` slower than that best, with ``LOST_WEIGHT`` of a
+measurement's weight, not left out (which would make recipes look fast where only
+their wins were kept). A route that failed (accuracy, crash, timeout) at measured
+points close to the asked shape (``failed``) is not chosen there: its failures hold
+at least ``FAILED_SHARE`` of the kernel weight of its points.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping
@@ -61,17 +77,19 @@ Row = tuple[MLAProblem, str, Mapping[str, Any], float]
 _Measured = tuple[float, Mapping[str, Any], MLAProblem]  # one recipe's (cost, params, problem)
 
 BATCH_WEIGHT = 1.0  # of d_batch² in the distance, beside d_tokens² (see the module doc)
-SLOWNESS_WIDTH = 0.5  # kernel width over the nearest distance, for slowness
-ENVELOPE_WIDTH = 1.0  # wider for the envelope: a linear fit needs three points
-# Nearer than this (one doubling of tokens), a kernel keeps this width: next to a
-# measured point a plane still rests on its neighbours, not on that point alone.
+CORRECTION_WIDTH = 1.0  # the correction's kernel width over the nearest distance
+# Nearer than this (one doubling of tokens), the kernel keeps this width: next to a
+# measured point the correction still rests on its neighbours, not on that point alone.
 NEAREST_FLOOR = 1.0
-RIDGE = 1e-3  # keeps the envelope's fit defined when its points are collinear
 LOST_PENALTY = 1.10  # a table's recipe that lost to its route's best there (module doc)
+LOST_WEIGHT = 0.3  # its weight, against 1 for a measurement
+FAILED_SHARE = 0.5  # a route's kernel weight on its failures from which it is not chosen
 # uncertainty = hypot(spread, DISTANCE_ERROR * distance²): an interpolation's error grows
-# with the square of the spacing. 0.04 puts about two thirds of the chosen predictions'
-# time errors within it on the H200 journal (distance 1 held-out, 2 leave-one-out).
+# with the square of the spacing.
 DISTANCE_ERROR = 0.04
+_FEATURES = 4  # the law's terms: 1, W, B, C
+_SUBSETS = [s for k in range(1, _FEATURES + 1)
+            for s in itertools.combinations(range(_FEATURES), k)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +101,7 @@ class Prediction:
     time_us: float  # predicted step cost
     slowness: float  # predicted time over the predicted best here, minus 1
     distance: float  # log2 units to this recipe's nearest measured point (0: measured)
-    spread: float  # weighted std of log slowness over the neighbours (0: they agree)
+    spread: float  # weighted std of the law's log error over the neighbours (0: none)
     nearest: MLAProblem  # that nearest point: ``params`` are sized from there
     params: Mapping[str, Any]  # as run at ``nearest``
 
@@ -93,98 +111,300 @@ class Prediction:
         return math.hypot(self.spread, DISTANCE_ERROR * self.distance ** 2)
 
 
+class _Geometry:
+    """How a split-KV recipe launches: programs per batch row and the route's split rule
+    (read from the route: ``_groups``, ``_rows_per_group``, ``_split_choices``)."""
+
+    __slots__ = ("block_n", "key", "per_batch", "route", "sized", "tile")
+
+    def __init__(self, route: Any, tile: dict, sized: str, persistent: bool, per_batch: float):
+        self.route, self.tile, self.sized, self.per_batch = route, tile, sized, per_batch
+        self.key = None if persistent else sized  # the split it runs with (None: none)
+        self.block_n = int(tile["block_n"])
+
+    def split(self, problem: MLAProblem, device: DeviceInfo) -> int:
+        """The split the route's rule gives this tile at ``problem`` (the device-filling)."""
+        return int(self.route._split_choices(problem, device, self.tile)[0])
+
+    def features(self, problem: MLAProblem, split: int | None, cus: int) -> tuple[float, float]:
+        """(W, C): KV tokens an SM walks in turn, programs per SM (the module doc)."""
+        programs = self.per_batch * problem.batch
+        if split is None:  # persistent: the same work, spread evenly
+            return programs * problem.shard_len / cus, programs / cus
+        ctas = programs * split
+        per_program = -(-problem.shard_len // (split * self.block_n)) * self.block_n
+        return math.ceil(ctas / cus) * per_program, ctas / cus
+
+
+def _geometry(route: Any, recipe: Mapping[str, Any], problem: MLAProblem) -> _Geometry | None:
+    """A split-KV recipe's launch geometry, None for any other (balanced) recipe."""
+    sized = getattr(route, "sized_params", ())
+    if len(sized) != 1 or "block_m" not in recipe or "block_n" not in recipe \
+            or not all(callable(getattr(route, m, None))
+                       for m in ("_groups", "_rows_per_group", "_split_choices")):
+        return None
+    try:
+        blocks = -(-int(route._rows_per_group(problem)) // int(recipe["block_m"]))
+        per_batch = route._groups(problem) * blocks / problem.batch
+    except Exception:  # a route whose layout this does not know: taken as balanced
+        return None
+    tile = {k: v for k, v in recipe.items() if k != "persistent"}
+    return _Geometry(route, tile, sized[0], bool(recipe.get("persistent")), per_batch)
+
+
 def _distance(d_batch: np.ndarray, d_kv: np.ndarray) -> np.ndarray:
     """Squared distance from log2 differences: total KV tokens first, then batch."""
     return (d_batch + d_kv) ** 2 + BATCH_WEIGHT * d_batch ** 2
 
 
-def _weights(dist: np.ndarray, known: np.ndarray, width: float) -> np.ndarray:
-    """Per row, a Gaussian kernel over its known points whose width scales with that
-    row's nearest distance (0 where unknown)."""
-    masked = np.where(known, dist, np.inf)  # every row has a known point (a recipe is seen)
-    nearest = masked.min(axis=1, keepdims=True)
-    return np.exp((nearest - masked) / (2 * width * width * np.maximum(nearest, NEAREST_FLOOR)))
+def _nnls(a: np.ndarray, b: np.ndarray, yy: np.ndarray, usable: np.ndarray) -> np.ndarray:
+    """Per row r, the coefficients c >= 0 minimising |X_r c - y_r|² from the normal
+    equations ``a`` (rows x F x F), ``b`` (rows x F) and ``yy`` = |y_r|²: the best of the
+    feature subsets whose unconstrained solution is >= 0 (F is small). ``usable``: how
+    many terms each row's points can fix."""
+    rows = a.shape[0]
+    best = np.full(rows, np.inf)
+    coef = np.zeros((rows, _FEATURES))
+    scale = np.sqrt(np.einsum("rii->ri", a)) + 1e-300  # conditions the solves
+    a = a / scale[:, :, None] / scale[:, None, :]
+    b = b / scale
+    for subset in _SUBSETS:
+        idx = list(subset)
+        sub = a[:, idx][:, :, idx] + 1e-12 * np.eye(len(idx))
+        c = np.linalg.solve(sub, b[:, idx][:, :, None])[:, :, 0]
+        residual = yy - 2 * np.einsum("ri,ri->r", c, b[:, idx]) \
+            + np.einsum("ri,rij,rj->r", c, sub, c)
+        ok = (c >= 0).all(axis=1) & (len(idx) <= usable) & (residual < best - 1e-12)
+        best = np.where(ok, residual, best)
+        coef[ok] = 0.0
+        coef[np.ix_(ok, idx)] = c[ok]
+    return coef / scale
 
 
 class _Bucket:
-    """One bucket's measured points and, per recipe, its log slowness at each."""
+    """One bucket's measured points and, per recipe, its fitted law and corrections."""
 
     def __init__(self, points: dict[tuple[int, int], dict[tuple[str, str], _Measured]],
-                 complete: bool):
+                 complete: bool, routes: Mapping[str, Route], device: DeviceInfo,
+                 failed: Iterable[tuple[int, int, str]] = ()):
         self.points = points
         self.complete = complete
+        self.routes, self.device = routes, device
+        self.cus = max(1, int(device.cu_count or 1))
+        self.failed = frozenset(failed)
         self.shapes = sorted(points)
         self.recipes = sorted({r for p in points.values() for r in p})
         # Built once, so an answer parses and validates nothing.
         self.labels = [(route_id, MappingProxyType(json.loads(recipe)))
                        for route_id, recipe in self.recipes]
         self.problems = [next(iter(points[s].values()))[2] for s in self.shapes]
-        # Rows 1, log2 batch, log2 kv_len: less the asked sizes, the envelope's design.
-        self.grid = np.vstack([np.ones(len(self.shapes)),
-                               np.log2(np.array(self.shapes, dtype=float)).T])
+        self.log_batch = np.log2(np.array([s[0] for s in self.shapes], dtype=float))
+        self.log_kv = np.log2(np.array([s[1] for s in self.shapes], dtype=float))
         logs = np.full((len(self.recipes), len(self.shapes)), np.nan)
         for j, shape in enumerate(self.shapes):
             for i, recipe in enumerate(self.recipes):
                 if recipe in points[shape]:
                     logs[i, j] = math.log(points[shape][recipe][0])
         self.ran = ~np.isnan(logs)  # measured, not imputed: where parameters come from
+        # Per recipe, its measured points (column indices): where ``nearest`` is looked up.
+        self.ran_at = [np.flatnonzero(row) for row in self.ran]
+        weight = self.ran.astype(float)
         if not complete:
-            logs = _impute_lost(self.recipes, logs)
-        self.log_best = np.nanmin(logs, axis=0)
-        self.known = ~np.isnan(logs)
-        self.slowness = np.where(self.known, logs - self.log_best, 0.0)
+            imputed = _impute_lost(self.recipes, logs)
+            weight[np.isnan(logs) & ~np.isnan(imputed)] = LOST_WEIGHT
+            logs = imputed
+        self.weight = weight
+        self.geometry = [_geometry(routes.get(route_id), dict(recipe), self.problems[0])
+                         for route_id, recipe in self.labels]
+        self._fit(logs)
+        self._failures()
+
+    # Fitting ----------------------------------------------------------------
+    def _features_at(self, i: int, j: int) -> tuple[float, float, float, float]:
+        """Recipe i's law terms (1, W, B, C) at point j, with the split it ran there (its
+        rule's where it did not)."""
+        problem = self.problems[j]
+        geometry = self.geometry[i]
+        if geometry is None:
+            return (1.0, problem.batch * problem.shard_len / self.cus, float(problem.batch),
+                    problem.batch / self.cus)
+        split = None
+        if geometry.key is not None:
+            ran = self.points[self.shapes[j]].get(self.recipes[i])
+            split = ran[1].get(geometry.key) if ran is not None else None
+            if split is None:
+                split = geometry.split(problem, self.device)
+        w, c = geometry.features(problem, split, self.cus)
+        return 1.0, w, float(problem.batch), c
+
+    def _fit(self, logs: np.ndarray) -> None:
+        """Each recipe's law (relative least squares over its known points, each as much
+        as its weight) and its log corrections at the known points."""
+        m, n = logs.shape
+        known = self.weight > 0
+        x = np.zeros((m, n, _FEATURES))
+        for i, j in zip(*np.nonzero(known), strict=True):
+            x[i, j] = self._features_at(int(i), int(j))
+        times = np.exp(np.where(known, logs, 0.0))
+        # Rows of the relative problem: sqrt(w) x / t against sqrt(w) (law / t = 1).
+        scaled = x * (np.sqrt(self.weight) / times)[:, :, None]
+        target = np.sqrt(self.weight)
+        a = np.einsum("rnf,rng->rfg", scaled, scaled)
+        b = np.einsum("rnf,rn->rf", scaled, target)
+        self.coef = _nnls(a, b, (target ** 2).sum(axis=1), known.sum(axis=1))
+        law = np.einsum("rnf,rf->rn", x, self.coef)
+        correction = np.where(known, logs - np.log(np.where(known, law, 1.0)), 0.0)
+        # One product with the kernel gives every recipe's sum of weights, of weighted
+        # corrections and of their squares (the correction and its spread).
+        self.sums = np.vstack([self.weight, self.weight * correction,
+                               self.weight * correction ** 2])
+        # The law at the asked shape, for the balanced recipes and as a lower bound for
+        # the split ones (waves and whole tiles only add): a + d B + c W0 + e C0, with
+        # W0 = per_batch B S / SMs and C0 = per_batch B / SMs; against (1, B, B x S).
+        per_batch = np.array([1.0 if g is None else g.per_batch for g in self.geometry])
+        a0, c0, d0, e0 = self.coef.T
+        self.exact = [g is None or g.key is None for g in self.geometry]
+        # Squared distance to (x, y) = log2 (batch, kv_len): |c|² - 2 c.q + |q|² over the
+        # points' coordinates c = (log2 tokens, sqrt(BATCH_WEIGHT) log2 batch). One product
+        # with (1, q_tokens, q_batch, B, B x S) gives the first two terms per point, then
+        # the law's bound per recipe.
+        tokens, batches = self.log_batch + self.log_kv, math.sqrt(BATCH_WEIGHT) * self.log_batch
+        n, m = len(self.shapes), len(self.recipes)
+        self.terms = np.zeros((n + m, 5))
+        self.terms[:n, :3] = np.stack([tokens ** 2 + batches ** 2, -2 * tokens, -2 * batches],
+                                      axis=1)
+        self.terms[n:, 0] = a0
+        self.terms[n:, 3] = d0 + e0 * per_batch / self.cus
+        self.terms[n:, 4] = c0 * per_batch / self.cus
+        # Where a split recipe ran with its rule's split: sized from there, it takes the
+        # rule's split at the asked shape (what ``params_at`` gives, without its lists).
+        self.at_rule = np.zeros_like(self.ran)
+        for i, geometry in enumerate(self.geometry):
+            if geometry is None or geometry.key is None:
+                continue
+            for j in self.ran_at[i].tolist():
+                params = self.points[self.shapes[j]][self.recipes[i]][1]
+                try:
+                    rule = geometry.split(self.problems[j], self.device)
+                except Exception:
+                    continue
+                self.at_rule[i, j] = params.get(geometry.key) == rule
+
+    def _failures(self) -> None:
+        """Per route, the points where it failed and the points where it ran ok."""
+        self.route_failed: dict[str, np.ndarray] = {}
+        index = {s: j for j, s in enumerate(self.shapes)}
+        by_route: dict[str, set[int]] = {}
+        for batch, kv_len, route_id in self.failed:
+            if (batch, kv_len) in index:
+                by_route.setdefault(route_id, set()).add(index[(batch, kv_len)])
+        for route_id, where in by_route.items():
+            mask = np.zeros(len(self.shapes), dtype=bool)
+            mask[list(where)] = True
+            ok = np.zeros(len(self.shapes), dtype=bool)
+            for i, (r, _) in enumerate(self.recipes):
+                if r == route_id:
+                    ok |= self.ran[i]
+            self.route_failed[route_id] = np.stack([mask, ok & ~mask]).astype(float)
+
+    # Answering ----------------------------------------------------------------
+    def _terms(self, problem: MLAProblem) -> tuple[np.ndarray, float, np.ndarray, np.ndarray]:
+        """At ``problem``: the squared distances to the points less the asked point's own
+        term (``offset``), that term, the correction's kernel over the points (unscaled:
+        only its ratios are used) and each recipe's law bound."""
+        x, batch = math.log2(problem.batch), problem.batch
+        t, b = x + math.log2(problem.kv_len), math.sqrt(BATCH_WEIGHT) * x
+        offset = t * t + b * b
+        terms = self.terms @ np.array([1.0, t, b, batch, batch * problem.shard_len])
+        n = len(self.shapes)
+        dist = terms[:n]
+        scale = -1.0 / (2 * CORRECTION_WIDTH ** 2 * max(dist.min().item() + offset,
+                                                        NEAREST_FLOOR))
+        return dist, offset, np.exp(dist * scale), terms[n:]
+
+    def _exact(self, i: int, problem: MLAProblem) -> tuple[float, int | None]:
+        """A split recipe's law at ``problem`` and the split it is sized with there (None:
+        persistent)."""
+        geometry = self.geometry[i]
+        split = geometry.split(problem, self.device)
+        w, c = geometry.features(problem, split, self.cus)
+        a, cw, d, e = self.coef[i].tolist()
+        return a + cw * w + d * problem.batch + e * c, split
+
+    def _failing(self, route_id: str, kernel: np.ndarray) -> bool:
+        marks = self.route_failed.get(route_id)  # kernel: the correction's (any scale)
+        if marks is None:
+            return False
+        failed, ok = (marks @ kernel).tolist()
+        return failed >= FAILED_SHARE * (failed + ok)
 
     def predict(self, problem: MLAProblem, usable: Callable[[str], bool] | None,
                 first_only: bool) -> list[Prediction]:
         """The usable recipes' predictions at ``problem``'s sizes, fastest first (only the
-        fastest with ``first_only``: the others are not built)."""
-        x = self.grid - np.array([[0.0], [math.log2(problem.batch)], [math.log2(problem.kv_len)]])
-        dist = _distance(x[1], x[2])
-        weights = _weights(np.broadcast_to(dist, self.known.shape), self.known, SLOWNESS_WIDTH)
-        weights /= weights.sum(axis=1, keepdims=True)
-        mean = (weights * self.slowness).sum(axis=1)
-        order = [i for i in np.argsort(mean, kind="stable").tolist()
-                 if usable is None or usable(self.recipes[i][0])]
+        fastest with ``first_only``: the others' laws are not all evaluated)."""
+        dist, offset, kernel, law = self._terms(problem)
+        m = len(self.recipes)
+        sums = self.sums @ kernel
+        correction = sums[m:2 * m] / sums[:m]
+        bound = np.log(law) + correction
+        order = np.argsort(bound, kind="stable").tolist()
+        bounds, corrections = bound.tolist(), correction.tolist()
+        verdicts: dict[str, bool] = {}
+        found: list[tuple[float, int, int | None]] = []
+        best = math.inf
+        for i in order:
+            if first_only and bounds[i] >= best:
+                break  # no later bound beats the best exact time: the choice is made
+            if self.exact[i]:
+                value, split = bounds[i], None
+            else:
+                law, split = self._exact(i, problem)
+                value = math.log(law) + corrections[i]
+            if first_only and value >= best:
+                continue
+            route_id = self.recipes[i][0]
+            allowed = verdicts.get(route_id)
+            if allowed is None:
+                allowed = verdicts[route_id] = (usable is None or usable(route_id)) \
+                    and not (self.route_failed and self._failing(route_id, kernel))
+            if allowed:
+                found.append((value, i, split))
+                best = min(best, value)
+        found.sort()
         if first_only:
-            order = order[:1]
-        if not order:
-            return []
-        envelope = self._envelope(dist, x)
-        return [self._prediction(i, problem, dist, weights[i], mean, envelope) for i in order]
+            found = found[:1]
+        floor = bounds[order[0]]
+        return [self._prediction(i, value, floor, split, dist, offset, sums)
+                for value, i, split in found]
 
-    def _prediction(self, i: int, problem: MLAProblem, dist: np.ndarray, weights: np.ndarray,
-                    mean: np.ndarray, envelope: float) -> Prediction:
-        spread = math.sqrt(float(weights @ (self.slowness[i] - mean[i]) ** 2))
-        j = int(np.where(self.ran[i], dist, np.inf).argmin())
+    def _prediction(self, i: int, value: float, floor: float, split: int | None,
+                    dist: np.ndarray, offset: float, sums: np.ndarray) -> Prediction:
+        m = len(self.recipes)
+        total, first, second = sums[i].item(), sums[m + i].item(), sums[2 * m + i].item()
+        mean = first / total
+        spread = math.sqrt(max(0.0, second / total - mean * mean))
+        ran = self.ran_at[i]
+        j = int(ran[dist[ran].argmin()]) if len(ran) > 1 else int(ran[0])
         route_id, recipe = self.labels[i]
-        return Prediction(route_id, recipe, math.exp(envelope + mean[i]),
-                          math.expm1(mean[i] - mean.min()), math.sqrt(dist[j]), spread,
-                          self.problems[j],
-                          self.points[self.shapes[j]][self.recipes[i]][1])
-
-    def _envelope(self, dist: np.ndarray, x: np.ndarray) -> float:
-        """The best log time at the asked shape: the intercept of a weighted local plane
-        through the measured points' best log times (the slopes lightly damped)."""
-        nearest = float(dist.min())
-        xw = x * np.exp((nearest - dist) / (2 * ENVELOPE_WIDTH ** 2 * max(nearest, NEAREST_FLOOR)))
-        lhs = (xw @ x.T).tolist()
-        lhs[1][1] += RIDGE
-        lhs[2][2] += RIDGE
-        return _intercept(lhs, (xw @ self.log_best).tolist())
+        measured = self.points[self.shapes[j]][self.recipes[i]]
+        return _SizedPrediction(route_id, recipe, math.exp(value), math.expm1(value - floor),
+                                math.sqrt(max(0.0, dist[j].item() + offset)), spread,
+                                self.problems[j], measured[1], self.geometry[i], split,
+                                bool(self.at_rule[i, j]))
 
     def without(self, shape: tuple[int, int]) -> _Bucket | None:
         rest = {s: p for s, p in self.points.items() if s != shape}
-        return _Bucket(rest, self.complete) if rest else None
+        return _Bucket(rest, self.complete, self.routes, self.device, self.failed) \
+            if rest else None
 
 
-def _intercept(a: list[list[float]], b: list[float]) -> float:
-    """The first unknown of a x = b, 3 x 3 (Cramer's rule: numpy's solver costs more
-    than the arithmetic at this size)."""
-    def det(m: list[list[float]]) -> float:
-        return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1])
-                - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
-                + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
-    return det([[b[r], a[r][1], a[r][2]] for r in range(3)]) / det(a)
+@dataclass(frozen=True, slots=True)
+class _SizedPrediction(Prediction):
+    """A prediction with what sizing it for the asked shape needs (not part of the API)."""
+
+    geometry: _Geometry | None = None
+    split: int | None = None  # the rule's split at the asked shape (None: not sized)
+    at_rule: bool = False  # ``params`` ran with the rule's split at ``nearest``
 
 
 def _impute_lost(recipes: list[tuple[str, str]], logs: np.ndarray) -> np.ndarray:
@@ -207,10 +427,12 @@ class Predictor:
     """Predicted step costs per recipe for unmeasured shapes of measured buckets."""
 
     def __init__(self, rows: Iterable[Row], routes: Mapping[str, Route], device: DeviceInfo,
-                 complete: bool = True):
+                 complete: bool = True, failed: Iterable[tuple[MLAProblem, str]] = ()):
         """``rows``: every ok candidate (``complete``, from a journal) or each route's best
-        per problem (a table's ok rows). ``routes`` name the sized parameters and redo
-        them; ``device`` is the one the parameters are sized for."""
+        per problem (a table's ok rows). ``routes`` name the sized parameters, redo them
+        and say how split-KV recipes launch; ``device`` is the one the parameters are
+        sized for. ``failed``: (problem, route id) where the route failed (accuracy,
+        crash, timeout; not a refusal)."""
         self.routes = routes
         self.device = device
         self.complete = complete
@@ -225,31 +447,48 @@ class Predictor:
             if seen is None or cost < seen[0]:  # a candidate run twice: its faster run
                 point[(route_id, recipe)] = (float(cost), MappingProxyType(dict(params)),
                                              problem)
-        self._buckets = {b: _Bucket(p, complete) for b, p in by_bucket.items()}
+        failures: dict[tuple, set[tuple[int, int, str]]] = {}
+        for problem, route_id in failed:
+            failures.setdefault(problem.bucket, set()).add(
+                (problem.batch, problem.kv_len, route_id))
+        self._buckets = {b: _Bucket(p, complete, routes, device, failures.get(b, ()))
+                         for b, p in by_bucket.items()}
 
-    def predict(self, problem: MLAProblem,
-                usable: Callable[[str], bool] | None = None) -> list[Prediction]:
+    def predict(self, problem: MLAProblem, usable: Callable[[str], bool] | None = None,
+                bucket_key: tuple | None = None) -> list[Prediction]:
         """Every recipe's prediction at ``problem``, fastest first; only routes for which
-        ``usable(route_id)`` holds; [] when nothing was measured in its bucket."""
-        bucket = self._buckets.get(problem.bucket)
+        ``usable(route_id)`` holds and that did not fail nearby; [] when nothing was
+        measured in its bucket (``bucket_key``: ``problem.bucket`` when the caller has it)."""
+        bucket = self._buckets.get(problem.bucket if bucket_key is None else bucket_key)
         if bucket is None:
             return []
         return bucket.predict(problem, usable, first_only=False)
 
-    def choose(self, problem: MLAProblem, usable: Callable[[str], bool] | None = None
-               ) -> tuple[Prediction, dict[str, Any]] | None:
+    def choose(self, problem: MLAProblem, usable: Callable[[str], bool] | None = None,
+               bucket_key: tuple | None = None) -> tuple[Prediction, dict[str, Any]] | None:
         """The fastest prediction whose route is usable, with its parameters sized for
         ``problem``; None when there is none."""
-        bucket = self._buckets.get(problem.bucket)
+        bucket = self._buckets.get(problem.bucket if bucket_key is None else bucket_key)
         found = bucket.predict(problem, usable, first_only=True) if bucket is not None else []
         return (found[0], self.sized(found[0], problem)) if found else None
 
     def sized(self, prediction: Prediction, problem: MLAProblem) -> dict[str, Any]:
-        """The prediction's parameters with the sized ones redone for ``problem``."""
+        """The prediction's parameters with the sized ones redone for ``problem``
+        (``routes.params_at``: the rule's split where the recipe ran at the rule's)."""
         route = self.routes.get(prediction.route_id)
         params = dict(prediction.params)
         if route is None or not getattr(route, "sized_params", ()):
             return params
+        geometry = getattr(prediction, "geometry", None)
+        if geometry is not None and prediction.nearest != problem:
+            if geometry.key is None:  # persistent: no split (as run, the route's default)
+                return {k: v for k, v in params.items() if k != geometry.sized}
+            if prediction.at_rule:  # what params_at gives, without its parameter lists
+                split = prediction.split
+                with contextlib.suppress(Exception):
+                    if split is None:
+                        split = geometry.split(problem, self.device)
+                    return {**params, geometry.key: split}
         try:
             return params_at(route, params, prediction.nearest, problem, self.device)
         except Exception:  # a broken param_space: the neighbour's own parameters
