@@ -53,7 +53,7 @@ def measure(task: DcpTask, settings: Settings, device: torch.device,
     inputs_ready()
     worst = {"rel_err": 0.0, "max_abs_err": 0.0}
     for case in cases:
-        step, error = _prepared(task, case, device)
+        step, error = _prepared(task, case)
         failed = _first_failure(error)
         if failed:
             return {"status": "crashed", "reason": failed, **worst}
@@ -73,8 +73,7 @@ def measure(task: DcpTask, settings: Settings, device: torch.device,
     return {"status": "ok", "reason": "", **worst, **_timed(step, problem, settings, device)}
 
 
-def _prepared(task: DcpTask, case: worker._Case, device: torch.device
-              ) -> tuple[DcpStep | None, str]:
+def _prepared(task: DcpTask, case: worker._Case) -> tuple[DcpStep | None, str]:
     """This rank's step over the case's inputs, or why it could not be prepared (no
     collective runs before every rank has said)."""
     inputs, rank = case.inputs, dist.get_rank()
