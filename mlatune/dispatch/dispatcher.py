@@ -315,6 +315,7 @@ class Dispatcher:
             points.setdefault(bucket, []).append((batch, kv_len, winner))
             wins[route_id] = wins.get(route_id, 0) + 1
         self._buckets = {b: _Bucket(p) for b, p in points.items()}
+        self._points = points  # per bucket (batch, kv_len, winner): the predictor's points
         self._rule_order = self._make_rule_order(wins)
         self._rule_choices = {r.id: Choice(r.id, EMPTY_PARAMS, "rule") for r in self._rule_order}
         # Read only when a key has no usable ok route (nearest and rule skip these).
@@ -443,10 +444,16 @@ class Dispatcher:
     def _measured_rows(self) -> Iterator[tuple[MLAProblem, str, Mapping[str, Any], float]]:
         """Every usable ok route of every measured key with its step cost: the predictor's
         data (the table's best parameter set per route and problem)."""
-        for key in self._winner:
-            problem = winners_map.problem_of(key)
-            for choice in self._ranked(key):
-                yield problem, choice.route_id, choice.params, choice.time_us
+        for points in self._points.values():
+            first = winners_map.problem_of(points[0][2].key)  # parsed once per bucket
+            for batch, kv_len, winner in points:
+                problem = first if (batch, kv_len) == (first.batch, first.kv_len) else \
+                    first.with_(batch=batch, kv_len=kv_len)
+                # Its key is the table's (as exact hits find it): kept, so that a predicted
+                # answer naming this point does not format it again (a cached property).
+                problem.__dict__.setdefault("key", winner.key)
+                for choice in self._ranked(winner.key):
+                    yield problem, choice.route_id, choice.params, choice.time_us
 
     def _failed_rows(self) -> Iterator[tuple[MLAProblem, str]]:
         """Where a route failed (accuracy, crash, timeout; a refusal is no failure): the
@@ -470,7 +477,9 @@ class Dispatcher:
         try:
             if self.planning and capability.known(route_id):
                 ruling = capability.check(route_id, problem, self.device.arch)
-                ok, reason = ruling.ok, f"rule {ruling.rule}: {ruling.reason}"
+                if ruling.ok or notes is None:  # the reason is written only into notes
+                    return ruling.ok
+                ok, reason = False, f"rule {ruling.rule}: {ruling.reason}"
             else:
                 verdict = self.routes[route_id].supports(problem, self.device)
                 ok, reason = bool(verdict.ok), verdict.reason

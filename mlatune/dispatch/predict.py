@@ -59,10 +59,9 @@ import itertools
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -87,13 +86,13 @@ FAILED_SHARE = 0.5  # a route's kernel weight on its failures from which it is n
 # uncertainty = hypot(spread, DISTANCE_ERROR * distance²): an interpolation's error grows
 # with the square of the spacing.
 DISTANCE_ERROR = 0.04
+MAX_SPLIT = 128  # the split-KV routes' largest split (routes.triton_decode.SPLIT_CHOICES)
 _FEATURES = 4  # the law's terms: 1, W, B, C
 _SUBSETS = [s for k in range(1, _FEATURES + 1)
             for s in itertools.combinations(range(_FEATURES), k)]
 
 
-@dataclass(frozen=True, slots=True)
-class Prediction:
+class Prediction(NamedTuple):
     """One recipe's predicted step cost at an asked shape, and how sure it is."""
 
     route_id: str
@@ -104,6 +103,10 @@ class Prediction:
     spread: float  # weighted std of the law's log error over the neighbours (0: none)
     nearest: MLAProblem  # that nearest point: ``params`` are sized from there
     params: Mapping[str, Any]  # as run at ``nearest``
+    # What sizing ``params`` for the asked shape needs (the predictor's own business):
+    # (launch geometry, the rule's split at the asked shape, whether ``params`` ran with
+    # the rule's split at ``nearest``); None for a recipe with nothing to size this way.
+    sizing: tuple | None = None
 
     @property
     def uncertainty(self) -> float:
@@ -115,16 +118,34 @@ class _Geometry:
     """How a split-KV recipe launches: programs per batch row and the route's split rule
     (read from the route: ``_groups``, ``_rows_per_group``, ``_split_choices``)."""
 
-    __slots__ = ("block_n", "key", "per_batch", "route", "sized", "tile")
+    __slots__ = ("block_n", "key", "own_rule", "per_batch", "route", "sized", "tile")
 
     def __init__(self, route: Any, tile: dict, sized: str, persistent: bool, per_batch: float):
         self.route, self.tile, self.sized, self.per_batch = route, tile, sized, per_batch
         self.key = None if persistent else sized  # the split it runs with (None: none)
         self.block_n = int(tile["block_n"])
+        # Whether ``fill`` gives what the route's rule gives (checked at every point the
+        # bucket measured); the route's own rule is asked where it does not.
+        self.own_rule = True
 
-    def split(self, problem: MLAProblem, device: DeviceInfo) -> int:
+    def route_split(self, problem: MLAProblem, device: DeviceInfo) -> int:
         """The split the route's rule gives this tile at ``problem`` (the device-filling)."""
         return int(self.route._split_choices(problem, device, self.tile)[0])
+
+    def fill(self, problem: MLAProblem, cus: int) -> int:
+        """The split-KV family's rule, in a few operations: the least power of two up to
+        MAX_SPLIT whose programs fill the SMs, no more than the KV has tiles."""
+        programs = self.per_batch * problem.batch
+        most = min(MAX_SPLIT, max(1, -(-problem.shard_len // self.block_n)))
+        split = 1
+        while programs * split < cus and split * 2 <= most:
+            split *= 2
+        return split
+
+    def split(self, problem: MLAProblem, device: DeviceInfo) -> int:
+        if self.own_rule:
+            return self.fill(problem, device.cu_count)
+        return self.route_split(problem, device)
 
     def features(self, problem: MLAProblem, split: int | None, cus: int) -> tuple[float, float]:
         """(W, C): KV tokens an SM walks in turn, programs per SM (the module doc)."""
@@ -186,7 +207,9 @@ class _Bucket:
 
     def __init__(self, points: dict[tuple[int, int], dict[tuple[str, str], _Measured]],
                  complete: bool, routes: Mapping[str, Route], device: DeviceInfo,
-                 failed: Iterable[tuple[int, int, str]] = ()):
+                 failed: Iterable[tuple[int, int, str]] = (), fit: bool = True):
+        """``fit``: solve the laws now; else ``normal`` holds their least-squares problems
+        and ``finish`` takes the solution (the Predictor solves every bucket's at once)."""
         self.points = points
         self.complete = complete
         self.routes, self.device = routes, device
@@ -216,43 +239,69 @@ class _Bucket:
         self.weight = weight
         self.geometry = [_geometry(routes.get(route_id), dict(recipe), self.problems[0])
                          for route_id, recipe in self.labels]
-        self._fit(logs)
-        self._failures()
+        self._splits: dict[tuple, int] = {}  # (route, block_m, block_n, point): its rule's
+        self._prepare(logs)
+        if fit:
+            self.finish(_nnls(*self.normal))
 
     # Fitting ----------------------------------------------------------------
     def _features_at(self, i: int, j: int) -> tuple[float, float, float, float]:
-        """Recipe i's law terms (1, W, B, C) at point j, with the split it ran there (its
-        rule's where it did not)."""
+        """Split recipe i's law terms (1, W, B, C) at point j, with the split it ran there
+        (its rule's where it did not)."""
         problem = self.problems[j]
         geometry = self.geometry[i]
-        if geometry is None:
-            return (1.0, problem.batch * problem.shard_len / self.cus, float(problem.batch),
-                    problem.batch / self.cus)
         split = None
         if geometry.key is not None:
             ran = self.points[self.shapes[j]].get(self.recipes[i])
             split = ran[1].get(geometry.key) if ran is not None else None
             if split is None:
-                split = geometry.split(problem, self.device)
+                split = self._rule_split(i, j)
         w, c = geometry.features(problem, split, self.cus)
         return 1.0, w, float(problem.batch), c
 
-    def _fit(self, logs: np.ndarray) -> None:
-        """Each recipe's law (relative least squares over its known points, each as much
-        as its weight) and its log corrections at the known points."""
+    def _rule_split(self, i: int, j: int) -> int:
+        """The split recipe i's route rule gives its tile at point j (recipes of one tile
+        share it)."""
+        geometry = self.geometry[i]
+        key = (id(geometry.route), geometry.tile["block_m"], geometry.block_n, j)
+        split = self._splits.get(key)
+        if split is None:
+            problem = self.problems[j]
+            split = self._splits[key] = geometry.route_split(problem, self.device)
+            if geometry.fill(problem, self.cus) != split:
+                geometry.own_rule = False
+        return split
+
+    def _prepare(self, logs: np.ndarray) -> None:
+        """Each recipe's law terms at its known points and its least-squares problem: the
+        law relative to the time (law / t = 1), each point as much as its weight."""
         m, n = logs.shape
         known = self.weight > 0
         x = np.zeros((m, n, _FEATURES))
-        for i, j in zip(*np.nonzero(known), strict=True):
-            x[i, j] = self._features_at(int(i), int(j))
+        batch = np.array([p.batch for p in self.problems], dtype=float)
+        size = batch * np.array([p.shard_len for p in self.problems], dtype=float)
+        balanced = np.stack([np.ones(n), size / self.cus, batch, batch / self.cus], axis=1)
+        for i, geometry in enumerate(self.geometry):
+            if geometry is None:
+                x[i] = balanced * known[i][:, None]
+            else:
+                for j in np.flatnonzero(known[i]).tolist():
+                    x[i, j] = self._features_at(i, j)
         times = np.exp(np.where(known, logs, 0.0))
-        # Rows of the relative problem: sqrt(w) x / t against sqrt(w) (law / t = 1).
         scaled = x * (np.sqrt(self.weight) / times)[:, :, None]
         target = np.sqrt(self.weight)
-        a = np.einsum("rnf,rng->rfg", scaled, scaled)
-        b = np.einsum("rnf,rn->rf", scaled, target)
-        self.coef = _nnls(a, b, (target ** 2).sum(axis=1), known.sum(axis=1))
-        law = np.einsum("rnf,rf->rn", x, self.coef)
+        self.normal = (np.einsum("rnf,rng->rfg", scaled, scaled),
+                       np.einsum("rnf,rn->rf", scaled, target),
+                       (target ** 2).sum(axis=1), known.sum(axis=1))
+        self._x, self._logs, self._known = x, logs, known
+
+    def finish(self, coef: np.ndarray) -> None:
+        """Take the laws' coefficients: the log corrections at the known points and what
+        answering needs."""
+        x, logs, known = self._x, self._logs, self._known
+        del self._x, self._logs, self._known, self.normal
+        self.coef = coef
+        law = np.einsum("rnf,rf->rn", x, coef)
         correction = np.where(known, logs - np.log(np.where(known, law, 1.0)), 0.0)
         # One product with the kernel gives every recipe's sum of weights, of weighted
         # corrections and of their squares (the correction and its spread).
@@ -285,10 +334,11 @@ class _Bucket:
             for j in self.ran_at[i].tolist():
                 params = self.points[self.shapes[j]][self.recipes[i]][1]
                 try:
-                    rule = geometry.split(self.problems[j], self.device)
+                    rule = self._rule_split(i, j)
                 except Exception:
                     continue
                 self.at_rule[i, j] = params.get(geometry.key) == rule
+        self._failures()
 
     def _failures(self) -> None:
         """Per route, the points where it failed and the points where it ran ok."""
@@ -318,7 +368,7 @@ class _Bucket:
         terms = self.terms @ np.array([1.0, t, b, batch, batch * problem.shard_len])
         n = len(self.shapes)
         dist = terms[:n]
-        scale = -1.0 / (2 * CORRECTION_WIDTH ** 2 * max(dist.min().item() + offset,
+        scale = -1.0 / (2 * CORRECTION_WIDTH ** 2 * max(np.minimum.reduce(dist) + offset,
                                                         NEAREST_FLOOR))
         return dist, offset, np.exp(dist * scale), terms[n:]
 
@@ -347,64 +397,82 @@ class _Bucket:
         sums = self.sums @ kernel
         correction = sums[m:2 * m] / sums[:m]
         bound = np.log(law) + correction
-        order = np.argsort(bound, kind="stable").tolist()
+        order = bound.argsort(kind="stable").tolist()
         bounds, corrections = bound.tolist(), correction.tolist()
-        verdicts: dict[str, bool] = {}
-        found: list[tuple[float, int, int | None]] = []
-        best = math.inf
-        for i in order:
-            if first_only and bounds[i] >= best:
-                break  # no later bound beats the best exact time: the choice is made
-            if self.exact[i]:
-                value, split = bounds[i], None
-            else:
-                law, split = self._exact(i, problem)
-                value = math.log(law) + corrections[i]
-            if first_only and value >= best:
-                continue
-            route_id = self.recipes[i][0]
-            allowed = verdicts.get(route_id)
-            if allowed is None:
-                allowed = verdicts[route_id] = (usable is None or usable(route_id)) \
-                    and not (self.route_failed and self._failing(route_id, kernel))
-            if allowed:
-                found.append((value, i, split))
-                best = min(best, value)
-        found.sort()
-        if first_only:
-            found = found[:1]
+        if not first_only:
+            found = []
+            for i in order:
+                route_id = self.recipes[i][0]
+                if self._allowed(route_id, usable, kernel):
+                    found.append((*self._value(i, problem, bounds, corrections), i))
+            found.sort(key=lambda f: f[0])
+        else:
+            found = self._fastest(order, problem, bounds, corrections, usable, kernel)
         floor = bounds[order[0]]
         return [self._prediction(i, value, floor, split, dist, offset, sums)
-                for value, i, split in found]
+                for value, split, i in found]
+
+    def _value(self, i: int, problem: MLAProblem, bounds: list[float],
+               corrections: list[float]) -> tuple[float, int | None]:
+        """Recipe i's predicted log time at ``problem`` and its split there."""
+        if self.exact[i]:
+            return bounds[i], None
+        law, split = self._exact(i, problem)
+        return math.log(law) + corrections[i], split
+
+    def _allowed(self, route_id: str, usable: Callable[[str], bool] | None,
+                 kernel: np.ndarray) -> bool:
+        return (usable is None or usable(route_id)) \
+            and not (self.route_failed and self._failing(route_id, kernel))
+
+    def _fastest(self, order: list[int], problem: MLAProblem, bounds: list[float],
+                 corrections: list[float], usable: Callable[[str], bool] | None,
+                 kernel: np.ndarray) -> list[tuple[float, int | None, int]]:
+        """[(log time, split, recipe)] of the fastest allowed recipe ([] if none): the least
+        value among the recipes not refused yet, each law evaluated while a bound says it
+        could win; then its route is asked (once, in the common case), and on a refusal
+        the search goes on without that route."""
+        refused: set[str] = set()
+        values: dict[int, tuple[float, int | None]] = {}
+        while True:
+            best, best_split, chosen = math.inf, None, -1
+            for i in order:
+                if bounds[i] >= best:
+                    break  # no later bound beats it: the choice is made
+                if refused and self.recipes[i][0] in refused:
+                    continue
+                found = values.get(i)
+                if found is None:
+                    found = values[i] = self._value(i, problem, bounds, corrections)
+                if found[0] < best:
+                    (best, best_split), chosen = found, i
+            if chosen < 0:
+                return []
+            route_id = self.recipes[chosen][0]
+            if self._allowed(route_id, usable, kernel):
+                return [(best, best_split, chosen)]
+            refused.add(route_id)
 
     def _prediction(self, i: int, value: float, floor: float, split: int | None,
                     dist: np.ndarray, offset: float, sums: np.ndarray) -> Prediction:
         m = len(self.recipes)
-        total, first, second = sums[i].item(), sums[m + i].item(), sums[2 * m + i].item()
+        total, first, second = sums.item(i), sums.item(m + i), sums.item(2 * m + i)
         mean = first / total
         spread = math.sqrt(max(0.0, second / total - mean * mean))
         ran = self.ran_at[i]
         j = int(ran[dist[ran].argmin()]) if len(ran) > 1 else int(ran[0])
         route_id, recipe = self.labels[i]
         measured = self.points[self.shapes[j]][self.recipes[i]]
-        return _SizedPrediction(route_id, recipe, math.exp(value), math.expm1(value - floor),
-                                math.sqrt(max(0.0, dist[j].item() + offset)), spread,
-                                self.problems[j], measured[1], self.geometry[i], split,
-                                bool(self.at_rule[i, j]))
+        geometry = self.geometry[i]
+        return Prediction(route_id, recipe, math.exp(value), math.expm1(value - floor),
+                          math.sqrt(max(0.0, dist.item(j) + offset)), spread, self.problems[j],
+                          measured[1], None if geometry is None else
+                          (geometry, split, self.at_rule.item(i, j)))
 
     def without(self, shape: tuple[int, int]) -> _Bucket | None:
         rest = {s: p for s, p in self.points.items() if s != shape}
         return _Bucket(rest, self.complete, self.routes, self.device, self.failed) \
             if rest else None
-
-
-@dataclass(frozen=True, slots=True)
-class _SizedPrediction(Prediction):
-    """A prediction with what sizing it for the asked shape needs (not part of the API)."""
-
-    geometry: _Geometry | None = None
-    split: int | None = None  # the rule's split at the asked shape (None: not sized)
-    at_rule: bool = False  # ``params`` ran with the rule's split at ``nearest``
 
 
 def _impute_lost(recipes: list[tuple[str, str]], logs: np.ndarray) -> np.ndarray:
@@ -437,11 +505,23 @@ class Predictor:
         self.device = device
         self.complete = complete
         by_bucket: dict[tuple, dict] = {}
+        recipes: dict[tuple, str] = {}  # (route, params' items) -> the recipe's JSON
+        last, bucket = None, ()
         for problem, route_id, params, cost in rows:
-            sized = getattr(routes.get(route_id), "sized_params", ())
-            recipe = json.dumps({k: v for k, v in params.items() if k not in sized},
-                                sort_keys=True)
-            point = by_bucket.setdefault(problem.bucket, {}).setdefault(
+            if problem is not last:  # a problem's rows come together: its bucket once
+                last, bucket = problem, problem.bucket
+            try:
+                seen_as = (route_id, *sorted(params.items()))
+                recipe = recipes.get(seen_as)
+            except TypeError:  # a value that is no dict key: spelled out each time
+                seen_as, recipe = None, None
+            if recipe is None:
+                sized = getattr(routes.get(route_id), "sized_params", ())
+                recipe = json.dumps({k: v for k, v in params.items() if k not in sized},
+                                    sort_keys=True)
+                if seen_as is not None:
+                    recipes[seen_as] = recipe
+            point = by_bucket.setdefault(bucket, {}).setdefault(
                 (problem.batch, problem.kv_len), {})
             seen = point.get((route_id, recipe))
             if seen is None or cost < seen[0]:  # a candidate run twice: its faster run
@@ -451,8 +531,16 @@ class Predictor:
         for problem, route_id in failed:
             failures.setdefault(problem.bucket, set()).add(
                 (problem.batch, problem.kv_len, route_id))
-        self._buckets = {b: _Bucket(p, complete, routes, device, failures.get(b, ()))
+        self._buckets = {b: _Bucket(p, complete, routes, device, failures.get(b, ()), fit=False)
                          for b, p in by_bucket.items()}
+        # Every bucket's laws in one solve: its cost is in the calls, not the arithmetic.
+        buckets = list(self._buckets.values())
+        if buckets:
+            parts = [np.concatenate([b.normal[k] for b in buckets]) for k in range(4)]
+            coef = _nnls(*parts)
+            ends = np.cumsum([len(b.recipes) for b in buckets]).tolist()
+            for bucket, start, end in zip(buckets, [0, *ends[:-1]], ends, strict=True):
+                bucket.finish(coef[start:end])
 
     def predict(self, problem: MLAProblem, usable: Callable[[str], bool] | None = None,
                 bucket_key: tuple | None = None) -> list[Prediction]:
@@ -479,12 +567,11 @@ class Predictor:
         params = dict(prediction.params)
         if route is None or not getattr(route, "sized_params", ()):
             return params
-        geometry = getattr(prediction, "geometry", None)
-        if geometry is not None and prediction.nearest != problem:
+        if prediction.sizing is not None and prediction.nearest != problem:
+            geometry, split, at_rule = prediction.sizing
             if geometry.key is None:  # persistent: no split (as run, the route's default)
                 return {k: v for k, v in params.items() if k != geometry.sized}
-            if prediction.at_rule:  # what params_at gives, without its parameter lists
-                split = prediction.split
+            if at_rule:  # what params_at gives, without its parameter lists
                 with contextlib.suppress(Exception):
                     if split is None:
                         split = geometry.split(problem, self.device)
