@@ -78,7 +78,9 @@ def route_prepare(route_id, problem, inputs):
     if not verdict:
         raise RuntimeError(f"refused: {verdict.reason}")
     p = route.prepare(problem, inputs)
-    return p.run, p.out, p.lse
+    # A route may hand back the library's own tensors after a run (FlashMLA does): the
+    # check reads Prepared.out/.lse after running, so out and lse here are callables.
+    return p.run, lambda: p.out, lambda: p.lse
 
 
 def poison_stale_slots(inputs) -> int:
@@ -97,10 +99,12 @@ def poison_stale_slots(inputs) -> int:
 def check_run(run, out, lse, problem, ref) -> dict:
     from mlatune.check.accuracy import check
     from mlatune.check.inputs import poison_
-    poison_(out, lse)
+    poison_(out() if callable(out) else out, lse() if callable(lse) else lse)
     run()
     if DEVICE == "cuda":
         torch.cuda.synchronize()
+    if callable(out):
+        out, lse = out(), lse()
     acc = check(problem, out, ref[0], lse, ref[1])
     return dict(ok=acc.ok, rel_l2=acc.rel_l2, lse_err=acc.lse_max_abs, reason=acc.reason)
 
