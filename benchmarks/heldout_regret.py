@@ -1,7 +1,7 @@
 """Where the dispatcher's predicted answers lose: leave-one-out on the table, and a
 held-out check, on the CPU from a table and sweep journals.
 
-    python benchmarks/heldout_regret.py loo [--table T] [--journal J] [--show N] [--errors]
+    python benchmarks/heldout_regret.py loo [--table T] [--journal J ...] [--show N] [--errors]
     python benchmarks/heldout_regret.py heldout [--table T] [--heldout H] [--journal HJ]
                                                 [--show N]
 
@@ -52,7 +52,10 @@ from mlatune.table.winners_map import problem_of
 
 ROOT = Path(__file__).resolve().parent.parent
 TABLE = ROOT / "mlatune/tables/sm_90-h200.parquet"
-JOURNAL = ROOT / "benchmarks/results/h200-sweep20-20261130/sm_90-h200.journal.jsonl.gz"
+# The shipped table's sweep, then FlashMLA re-timed after its DCP fix (merged into the table
+# on 2026-11-30 21:44: its rows there replace the sweep's)
+SWEEP = ROOT / "benchmarks/results/h200-sweep20-20261130"
+JOURNALS = [SWEEP / "sm_90-h200.journal.jsonl.gz", SWEEP / "sm_90-flashmla-retime.journal.jsonl.gz"]
 HELDOUT = ROOT / "benchmarks/results/h200-vendors-20261130/sm_90-traffic.parquet"
 HELDOUT_JOURNAL = ROOT / "benchmarks/results/h200-vendors-20261130/sm_90-traffic.journal.jsonl.gz"
 CURRENCIES = ("cost", "launch")
@@ -62,15 +65,20 @@ Runs = dict[tuple[str, str], list[tuple[dict, float]]]
 
 
 class Timings:
-    """A sweep journal's ok candidates, timed in both currencies."""
+    """Sweep journals' ok candidates, timed in both currencies; a later journal's runs of a
+    (problem, route) replace an earlier one's (a route re-timed)."""
 
-    def __init__(self, journal: Path, dispatcher: Dispatcher):
+    def __init__(self, journals: list[Path], dispatcher: Dispatcher):
         sharing = frozenset(r for r, route in dispatcher.routes.items()
                             if getattr(route, "shares_plan", False))
-        self.runs: dict[str, Runs] = {"launch": candidate_times(journal), "cost": {}}
-        for problem, route_id, params, cost in rows_from_journal(
-                journal, plan_calls=dispatcher.plan_calls, sharing=sharing):
-            self.runs["cost"].setdefault((problem.key, route_id), []).append((params, cost))
+        self.runs: dict[str, Runs] = {"launch": {}, "cost": {}}
+        for journal in journals:
+            cost: Runs = {}
+            for problem, route_id, params, us in rows_from_journal(
+                    journal, plan_calls=dispatcher.plan_calls, sharing=sharing):
+                cost.setdefault((problem.key, route_id), []).append((params, us))
+            self.runs["cost"].update(cost)
+            self.runs["launch"].update(candidate_times(journal))
         self.best: dict[str, dict[str, tuple[float, str]]] = {}
         for currency, runs in self.runs.items():
             best: dict[str, tuple[float, str]] = {}
@@ -223,15 +231,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("mode", choices=("loo", "heldout"))
     parser.add_argument("--table", type=Path, default=TABLE)
-    parser.add_argument("--journal", type=Path, help="the sweep journal that times the answers "
-                        "(loo: the table's; heldout: the held-out sweep's)")
+    parser.add_argument("--journal", type=Path, action="append",
+                        help="a sweep journal that times the answers (loo: the table's, "
+                        "default its sweep's and FlashMLA's re-time; heldout: the held-out "
+                        "sweep's); repeated, a later one's runs of a problem's route replace "
+                        "an earlier one's")
     parser.add_argument("--heldout", type=Path, default=HELDOUT)
     parser.add_argument("--show", type=int, default=10)
     parser.add_argument("--errors", action="store_true")
     args = parser.parse_args()
     dispatcher = load(args.table)
     if args.mode == "loo":
-        timings = Timings(args.journal or JOURNAL, dispatcher)
+        timings = Timings(args.journal or JOURNALS, dispatcher)
         start = time.perf_counter()
         judged, errors = leave_one_out(dispatcher, timings, args.errors)
         print(f"leave-one-out on {args.table} ({time.perf_counter() - start:.0f} s)")
@@ -245,7 +256,7 @@ def main() -> None:
             print(f"  {route_id}: {len(e)} points, |log error| median {np.median(e):.3f}, "
                   f"p90 {np.quantile(e, 0.9):.3f}, mean error {np.mean(values):+.3f}")
         return
-    timings = Timings(args.journal or HELDOUT_JOURNAL, dispatcher)
+    timings = Timings(args.journal or [HELDOUT_JOURNAL], dispatcher)
     judged = heldout(dispatcher, timings.problems(), timings)
     summary(f"held-out {args.heldout}", judged)
     by_axis(judged)

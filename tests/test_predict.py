@@ -4,6 +4,7 @@ leave-one-out harness of benchmarks/predict_loo.py."""
 from __future__ import annotations
 
 import gzip
+import heapq
 import importlib.util
 import json
 import math
@@ -281,6 +282,69 @@ def test_the_choice_is_the_fastest_of_all_predictions():
             first = predictor.predict(at(b, k))[0]
             assert (chosen.route_id, chosen.recipe) == (first.route_id, first.recipe)
             assert chosen.time_us == pytest.approx(first.time_us)
+
+
+# FlashInfer's plan: whole requests handed out in rounds over the SMs ------------------
+def greedy_plan(tiles: int, kv: int, clusters: int) -> int:
+    """FlashInfer's MLAPlan played chunk by chunk: each tile's KV cut at kv_len_limit (the
+    mean per cluster, rounded up to 256), each chunk to the least loaded cluster; the
+    largest load."""
+    mean = -(-tiles * kv // clusters)
+    limit = 32 if mean <= 8 else 64 if mean <= 16 else 128 if mean <= 32 else \
+        192 if mean <= 64 else -(-mean // 256) * 256
+    loads = [(0, c) for c in range(clusters)]
+    for _ in range(tiles):
+        left = kv
+        while left > 0:
+            load, cluster = heapq.heappop(loads)
+            heapq.heappush(loads, (load + min(left, limit), cluster))
+            left -= min(left, limit)
+    return max(load for load, _ in loads)
+
+
+@pytest.mark.parametrize("clusters", [132, 66])
+def test_the_plan_s_rounds_are_counted_as_flashinfer_hands_chunks_out(clusters):
+    from mlatune.dispatch.predict import _plan_makespan
+
+    for tiles in (1, 5, 40, 61, 100, 131, 133, 160, 200, 264, 300, 517):
+        for kv in (100, 1500, 4096, 9000, 47000, 65536):
+            assert _plan_makespan(tiles, kv, clusters)[0] == greedy_plan(tiles, kv, clusters)
+
+
+class _Named:
+    """A route object that only has an id."""
+
+    def __init__(self, route_id: str):
+        self.id = route_id
+
+
+def flashinfer_time(b: int, k: int) -> float:
+    """16 heads x 1 query: one 64-row tile per request, 132 clusters."""
+    return 9.0 + 0.0098 * greedy_plan(b, k, 132)
+
+
+def balanced_time(b: int, k: int) -> float:
+    return 10.0 + 0.0102 * b * k / 132
+
+
+@pytest.mark.parametrize("shape", [(160, 11000), (160, 47000), (200, 3000), (97, 30000),
+                                   (40, 9000), (3, 1500)])
+def test_a_batch_past_one_request_per_sm_costs_flashinfer_a_round(shape):
+    # FlashInfer is the faster at the grid's largest batch (256 requests fill two rounds of
+    # 132); at batch 160 its plan gives 28 SMs a second request, 1.65x the even share, and
+    # the balanced route wins
+    measured = [(at(b, k), "fa3/flashinfer", {"backend": "fa3"}, flashinfer_time(b, k))
+                for b in BATCHES for k in KV_LENS]
+    measured += [(at(b, k), "dense/fake", {}, balanced_time(b, k))
+                 for b in BATCHES for k in KV_LENS]
+    assert all(flashinfer_time(256, k) < balanced_time(256, k) for k in KV_LENS)
+    assert balanced_time(160, 11000) < flashinfer_time(160, 11000) / 1.3
+    predictor = Predictor(measured, {"fa3/flashinfer": _Named("fa3/flashinfer")}, DEVICE)
+    chosen, _ = predictor.choose(at(*shape))
+    laws = {"fa3/flashinfer": flashinfer_time, "dense/fake": balanced_time}
+    assert chosen.route_id == min(laws, key=lambda r: laws[r](*shape))
+    for found in predictor.predict(at(*shape)):
+        assert found.time_us == pytest.approx(laws[found.route_id](*shape), rel=1e-6)
 
 
 # Routes that failed nearby ------------------------------------------------------------

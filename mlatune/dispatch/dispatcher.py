@@ -49,6 +49,7 @@ import itertools
 import json
 import logging
 import math
+import operator
 import os
 import re
 import weakref
@@ -121,6 +122,9 @@ Option = tuple[str, Mapping[str, Any], float]  # (route_id, params, step cost in
 # shared tuple per distinct pattern (most keys that fail repeat a few patterns).
 Failures = tuple[tuple[str, str], ...]
 NO_ROUTES: frozenset[str] = frozenset()
+# ``problem.bucket`` in one C call (the property builds it field by field): a first select
+# of an unmeasured shape looks its bucket up twice.
+_bucket_of = operator.attrgetter(*BUCKET_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -513,7 +517,7 @@ class Dispatcher:
             elif winner is None:
                 notes.append("this exact problem was not measured (or only by routes not "
                              "installed here)")
-        bucket_key = problem.bucket
+        bucket_key = _bucket_of(problem)
         bucket = self._buckets.get(bucket_key)
         if bucket is not None:
             predicted = self._predicted(problem, failed, notes, shown_count, bucket_key) \

@@ -54,7 +54,6 @@ at least ``FAILED_SHARE`` of the kernel weight of its points.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import math
@@ -76,6 +75,7 @@ Row = tuple[MLAProblem, str, Mapping[str, Any], float]
 _Measured = tuple[float, Mapping[str, Any], MLAProblem]  # one recipe's (cost, params, problem)
 
 BATCH_WEIGHT = 1.0  # of d_batch² in the distance, beside d_tokens² (see the module doc)
+_ROOT_BATCH_WEIGHT = math.sqrt(BATCH_WEIGHT)
 CORRECTION_WIDTH = 1.0  # the correction's kernel width over the nearest distance
 # Nearer than this (one doubling of tokens), the kernel keeps this width: next to a
 # measured point the correction still rests on its neighbours, not on that point alone.
@@ -118,11 +118,13 @@ class _Geometry:
     """How a split-KV recipe launches: programs per batch row and the route's split rule
     (read from the route: ``_groups``, ``_rows_per_group``, ``_split_choices``)."""
 
-    __slots__ = ("block_n", "key", "own_rule", "per_batch", "route", "sized", "tile")
+    __slots__ = ("balanced", "block_n", "key", "own_rule", "per_batch", "route", "sized",
+                 "tile")
 
     def __init__(self, route: Any, tile: dict, sized: str, persistent: bool, per_batch: float):
         self.route, self.tile, self.sized, self.per_batch = route, tile, sized, per_batch
         self.key = None if persistent else sized  # the split it runs with (None: none)
+        self.balanced = persistent  # its law at a shape needs no launch evaluated there
         self.block_n = int(tile["block_n"])
         # Whether ``fill`` gives what the route's rule gives (checked at every point the
         # bucket measured); the route's own rule is asked where it does not.
@@ -157,8 +159,72 @@ class _Geometry:
         return math.ceil(ctas / cus) * per_program, ctas / cus
 
 
-def _geometry(route: Any, recipe: Mapping[str, Any], problem: MLAProblem) -> _Geometry | None:
-    """A split-KV recipe's launch geometry, None for any other (balanced) recipe."""
+class _FlashInferLayout:
+    """How FlashInfer's MLA decode (``fa3/flashinfer``, ``fa2/flashinfer``) spreads the work:
+    its host plan (``MLAPlan`` in FlashInfer's ``attention/scheduler.cuh``) packs each
+    request's qlen x heads rows into 64-row tiles (128-row two-CTA clusters, half as many,
+    past 64 rows), cuts each tile's KV into chunks of at most ``kv_len_limit`` (the mean
+    KV per cluster, rounded up to 256) and hands the chunks out, in order, each to the
+    least loaded cluster. A request whose KV fits under the cap stays whole: past one per
+    cluster, a batch that leaves the last round nearly empty costs a whole round (batch
+    160 on 132 SMs: two)."""
+
+    __slots__ = ("clusters", "per_batch")
+    key = sized = None  # nothing sized
+    balanced = False
+
+    def __init__(self, problem: MLAProblem, cus: int):
+        rows = problem.qlen * problem.kernel_heads
+        cluster = 2 if rows > 64 else 1
+        self.clusters = max(1, cus // cluster)
+        self.per_batch = float(-(-rows // (64 * cluster)))  # tiles per request
+
+    def split(self, problem: MLAProblem, device: DeviceInfo) -> None:
+        return None
+
+    def features(self, problem: MLAProblem, split: None, cus: int) -> tuple[float, float]:
+        """(the most KV a cluster walks, in SM units; chunks per SM)."""
+        tiles = int(self.per_batch) * problem.batch
+        longest, chunks = _plan_makespan(tiles, problem.shard_len, self.clusters)
+        return longest * self.clusters / cus, chunks / cus
+
+
+def _plan_makespan(tiles: int, kv: int, clusters: int) -> tuple[int, int]:
+    """(the largest KV a cluster gets, the chunks) when ``tiles`` tiles of ``kv`` tokens
+    each are cut and handed out as FlashInfer's MLAPlan does, without playing it chunk by
+    chunk: each round gives the next chunks in order to all the clusters at the least
+    load (a tile's chunks are full ones, then its remainder)."""
+    mean = -(-tiles * kv // clusters)
+    limit = 32 if mean <= 8 else 64 if mean <= 16 else 128 if mean <= 32 else \
+        192 if mean <= 64 else -(-mean // 256) * 256
+    if kv <= limit:  # whole tiles, in rounds over the clusters
+        return -(-tiles // clusters) * kv, tiles
+    per_tile = -(-kv // limit)
+    rest = kv - (per_tile - 1) * limit
+    total = tiles * per_tile
+    loads = {0: clusters}  # load -> clusters at it
+    given = 0
+    while given < total:
+        least = min(loads)
+        count = loads.pop(least)
+        take = min(count, total - given)
+        rests = (given + take) // per_tile - given // per_tile  # a tile's last chunk
+        if count > take:
+            loads[least] = count - take
+        if take > rests:
+            loads[least + limit] = loads.get(least + limit, 0) + take - rests
+        if rests:
+            loads[least + rest] = loads.get(least + rest, 0) + rests
+        given += take
+    return max(loads), total
+
+
+def _geometry(route: Any, recipe: Mapping[str, Any], problem: MLAProblem,
+              cus: int) -> _Geometry | _FlashInferLayout | None:
+    """A recipe's launch geometry where it is known (split-KV, FlashInfer's plan), None for
+    any other recipe (taken as balanced)."""
+    if str(getattr(route, "id", "")).endswith("/flashinfer") and problem.phase == "decode":
+        return _FlashInferLayout(problem, cus)
     sized = getattr(route, "sized_params", ())
     if len(sized) != 1 or "block_m" not in recipe or "block_n" not in recipe \
             or not all(callable(getattr(route, m, None))
@@ -237,8 +303,8 @@ class _Bucket:
             weight[np.isnan(logs) & ~np.isnan(imputed)] = LOST_WEIGHT
             logs = imputed
         self.weight = weight
-        self.geometry = [_geometry(routes.get(route_id), dict(recipe), self.problems[0])
-                         for route_id, recipe in self.labels]
+        self.geometry = [_geometry(routes.get(route_id), dict(recipe), self.problems[0],
+                                   self.cus) for route_id, recipe in self.labels]
         self._splits: dict[tuple, int] = {}  # (route, block_m, block_n, point): its rule's
         self._prepare(logs)
         if fit:
@@ -312,13 +378,13 @@ class _Bucket:
         # W0 = per_batch B S / SMs and C0 = per_batch B / SMs; against (1, B, B x S).
         per_batch = np.array([1.0 if g is None else g.per_batch for g in self.geometry])
         a0, c0, d0, e0 = self.coef.T
-        self.exact = [g is None or g.key is None for g in self.geometry]
+        self.exact = [g is None or g.balanced for g in self.geometry]
         # Squared distance to (x, y) = log2 (batch, kv_len): |c|² - 2 c.q + |q|² over the
         # points' coordinates c = (log2 tokens, sqrt(BATCH_WEIGHT) log2 batch). One product
         # with (1, q_tokens, q_batch, B, B x S) gives the first two terms per point, then
         # the law's bound per recipe.
-        tokens, batches = self.log_batch + self.log_kv, math.sqrt(BATCH_WEIGHT) * self.log_batch
-        n, m = len(self.shapes), len(self.recipes)
+        tokens, batches = self.log_batch + self.log_kv, _ROOT_BATCH_WEIGHT * self.log_batch
+        self.n, self.m = n, m = len(self.shapes), len(self.recipes)
         self.terms = np.zeros((n + m, 5))
         self.terms[:n, :3] = np.stack([tokens ** 2 + batches ** 2, -2 * tokens, -2 * batches],
                                       axis=1)
@@ -362,15 +428,17 @@ class _Bucket:
         """At ``problem``: the squared distances to the points less the asked point's own
         term (``offset``), that term, the correction's kernel over the points (unscaled:
         only its ratios are used) and each recipe's law bound."""
-        x, batch = math.log2(problem.batch), problem.batch
-        t, b = x + math.log2(problem.kv_len), math.sqrt(BATCH_WEIGHT) * x
+        batch = problem.batch
+        x = math.log2(batch)
+        t, b = x + math.log2(problem.kv_len), _ROOT_BATCH_WEIGHT * x
         offset = t * t + b * b
-        terms = self.terms @ np.array([1.0, t, b, batch, batch * problem.shard_len])
-        n = len(self.shapes)
+        # ndarray.dot, argmin and item: the cheapest calls for arrays this small
+        terms = self.terms.dot(np.array([1.0, t, b, batch, batch * problem.shard_len]))
+        n = self.n
         dist = terms[:n]
-        scale = -1.0 / (2 * CORRECTION_WIDTH ** 2 * max(np.minimum.reduce(dist) + offset,
-                                                        NEAREST_FLOOR))
-        return dist, offset, np.exp(dist * scale), terms[n:]
+        nearest = max(dist.item(dist.argmin()) + offset, NEAREST_FLOOR)
+        kernel = dist * (-0.5 / (CORRECTION_WIDTH * CORRECTION_WIDTH * nearest))
+        return dist, offset, np.exp(kernel, out=kernel), terms[n:]
 
     def _exact(self, i: int, problem: MLAProblem) -> tuple[float, int | None]:
         """A split recipe's law at ``problem`` and the split it is sized with there (None:
@@ -393,10 +461,11 @@ class _Bucket:
         """The usable recipes' predictions at ``problem``'s sizes, fastest first (only the
         fastest with ``first_only``: the others' laws are not all evaluated)."""
         dist, offset, kernel, law = self._terms(problem)
-        m = len(self.recipes)
-        sums = self.sums @ kernel
+        m = self.m
+        sums = self.sums.dot(kernel)
         correction = sums[m:2 * m] / sums[:m]
-        bound = np.log(law) + correction
+        bound = np.log(law)
+        bound += correction
         order = bound.argsort(kind="stable").tolist()
         bounds, corrections = bound.tolist(), correction.tolist()
         if not first_only:
@@ -443,7 +512,11 @@ class _Bucket:
                     continue
                 found = values.get(i)
                 if found is None:
-                    found = values[i] = self._value(i, problem, bounds, corrections)
+                    if self.exact[i]:
+                        found = values[i] = (bounds[i], None)
+                    else:
+                        law, split = self._exact(i, problem)
+                        found = values[i] = (math.log(law) + corrections[i], split)
                 if found[0] < best:
                     (best, best_split), chosen = found, i
             if chosen < 0:
@@ -455,7 +528,7 @@ class _Bucket:
 
     def _prediction(self, i: int, value: float, floor: float, split: int | None,
                     dist: np.ndarray, offset: float, sums: np.ndarray) -> Prediction:
-        m = len(self.recipes)
+        m = self.m
         total, first, second = sums.item(i), sums.item(m + i), sums.item(2 * m + i)
         mean = first / total
         spread = math.sqrt(max(0.0, second / total - mean * mean))
@@ -466,8 +539,8 @@ class _Bucket:
         geometry = self.geometry[i]
         return Prediction(route_id, recipe, math.exp(value), math.expm1(value - floor),
                           math.sqrt(max(0.0, dist.item(j) + offset)), spread, self.problems[j],
-                          measured[1], None if geometry is None else
-                          (geometry, split, self.at_rule.item(i, j)))
+                          measured[1], None if geometry is None or geometry.sized is None
+                          else (geometry, split, self.at_rule.item(i, j)))
 
     def without(self, shape: tuple[int, int]) -> _Bucket | None:
         rest = {s: p for s, p in self.points.items() if s != shape}
@@ -572,9 +645,12 @@ class Predictor:
             if geometry.key is None:  # persistent: no split (as run, the route's default)
                 return {k: v for k, v in params.items() if k != geometry.sized}
             if at_rule:  # what params_at gives, without its parameter lists
-                with contextlib.suppress(Exception):
-                    if split is None:
+                if split is None:
+                    try:
                         split = geometry.split(problem, self.device)
+                    except Exception:  # the route's rule failed: params_at says why not
+                        split = None
+                if split is not None:
                     return {**params, geometry.key: split}
         try:
             return params_at(route, params, prediction.nearest, problem, self.device)
