@@ -20,25 +20,27 @@ from typer.testing import CliRunner
 from mlatune import capability, routes
 from mlatune.cli import app
 from mlatune.routes import aiter as aiter_routes
-from mlatune.routes import flashinfer, flashmla, triton_support
+from mlatune.routes import flashinfer, flashmla, gluon_hopper, triton_support
 from mlatune.routes.aiter_probe import AiterBuild
 from mlatune.sweep import planning
 from mlatune.sweep import spec as specs
 
 BUNDLED = sorted(specs.bundled_spec_path().parent.glob("*.toml"))
 VENDOR_ROUTES = {"dense/flashmla", "fa3/flashinfer", "fa2/flashinfer"}
+OWN_KERNEL_ROUTES = {"wgmma/gluon"}  # mlatune's kernels past the portable Triton ones
 
 
 @pytest.fixture
 def libraries_found(monkeypatch):
     """Every route's probe finds its library (this machine has none of AITER, FlashMLA,
-    FlashInfer; Triton may be absent too)."""
+    FlashInfer; Triton may be absent too, or not the 3.6 the Gluon decode needs)."""
     monkeypatch.setattr(aiter_routes, "probe", lambda arch: AiterBuild(arch, None, "fake"))
     monkeypatch.setattr(flashmla, "library",
                         lambda: flashmla.FlashMLALib("legacy", "fake", ""))
     monkeypatch.setattr(flashinfer, "library",
                         lambda: (types.SimpleNamespace(__version__="fake"), ""))
     monkeypatch.setattr(triton_support, "triton_present", lambda: True)
+    monkeypatch.setattr(gluon_hopper, "triton_version", lambda: "3.6.0")
 
 
 def _problems() -> dict[str, list]:
@@ -53,7 +55,7 @@ def bundled_problems():
 
 def test_capability_owns_every_registered_route():
     ids = {r.id for r in routes.all_routes()}
-    assert ids >= VENDOR_ROUTES
+    assert ids >= VENDOR_ROUTES | OWN_KERNEL_ROUTES
     assert {"padded/triton", "gluon/triton", "cprr/triton", "segmented/triton",
             "fp8-ps/triton", "bf16-ps/triton", "sdpa/torch", "reference/torch"} <= ids
     assert not [i for i in ids if not capability.known(i)]

@@ -8,8 +8,9 @@ laptop and a route's ``supports`` on the device (where the route adds its
 probe of the machine: the installed library, Triton's interpreter on a CPU).
 
 Every built-in route has its rules here (the AITER routes, the portable Triton
-and torch routes; the vendor routes' in ``vendors``), so `mlatune plan` and
-``route.supports`` cannot disagree but by that probe.
+and torch routes, mlatune's Hopper Gluon decode; the vendor routes' in
+``vendors``), so `mlatune plan` and ``route.supports`` cannot disagree but by
+that probe (for ``wgmma/gluon``: the installed triton's version).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from mlatune.capability.heads import (
     fp8_prefill_heads,
     valid_num_heads,
 )
+from mlatune.kernels import gluon_hopper_plan as wgmma
 from mlatune.kernels.prefill_plan import split_head_dim
 from mlatune.problem import FP8_DTYPES, MLAProblem, dtype_size, is_power_of_two
 
@@ -496,6 +498,37 @@ def _sdpa_dtypes(c: Context) -> str | None:
     return None
 
 
+# --- wgmma/gluon: mlatune's Hopper Gluon decode ----------------------------------------
+def _wgmma_dims(c: Context) -> str | None:
+    if (c.p.kv_lora_rank, c.p.rope_dim) != (wgmma.D_NOPE, wgmma.D_ROPE):
+        return (f"the Gluon kernel is built for kv_lora_rank {wgmma.D_NOPE} + rope_dim "
+                f"{wgmma.D_ROPE} (d_qk/d_v {wgmma.D_NOPE + wgmma.D_ROPE}/{wgmma.D_NOPE}); this "
+                f"problem has {c.p.d_qk}/{c.p.d_v}")
+    return None
+
+
+def _wgmma_page(c: Context) -> str | None:
+    if c.p.page_size != wgmma.PAGE_SIZE:
+        return (f"page_size {c.p.page_size}: the Gluon kernel's KV tile is one "
+                f"{wgmma.PAGE_SIZE}-token page")
+    return None
+
+
+def _wgmma_dtypes(c: Context) -> str | None:
+    q, kv = c.p.q_dtype, c.p.kv_dtype
+    if q == kv and q in wgmma.DTYPES:
+        return None
+    return (f"{q} q over a {kv} cache: the Gluon kernel reads a bf16 or fp16 q over a cache "
+            f"of the same dtype (fp8 caches are not done yet)")
+
+
+def _wgmma_dcp(c: Context) -> str | None:
+    if c.p.dcp_size > 1 and c.block_has_order:
+        return ("causal verify over a DCP shard: the Gluon kernel masks on the shard's local "
+                "positions (cprr or segmented serve it)")
+    return None
+
+
 def _rule(rule_id: str, refuse: Refusal, source_key: str | None = None) -> Rule:
     return Rule(rule_id, refuse, source_key or rule_id)
 
@@ -600,6 +633,14 @@ ROUTE_RULES.update({
     "sdpa/torch": (_rule("sdpa.prefill", _serves_prefill("sdpa/torch"), "sdpa.route"),
                    _rule("sdpa.dtypes", _sdpa_dtypes, "sdpa.route")),
     "reference/torch": (),  # eager fp32 torch: any problem on any device
+    "wgmma/gluon": (
+        _rule("wgmma.arch", _arch_in(tables.WGMMA_GLUON_ARCHS, "the Hopper Gluon decode")),
+        _rule("wgmma.decode", _decode, "wgmma.shape"),
+        _rule("wgmma.dims", _wgmma_dims, "wgmma.shape"),
+        _rule("wgmma.page", _wgmma_page, "wgmma.shape"),
+        _rule("wgmma.dtypes", _wgmma_dtypes),
+        _rule("wgmma.dcp", _wgmma_dcp),
+    ),
 })
 
 

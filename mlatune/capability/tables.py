@@ -74,6 +74,11 @@ TRITON_AMD_FP8 = {"gfx940": "fp8_e4m3fnuz", "gfx941": "fp8_e4m3fnuz", "gfx942": 
                   "gfx950": "fp8_e4m3fn"}  # the fp8 format each AMD arch's matrix cores take
 TRITON_MIN_DIM = 16  # a tl.dot operand side
 
+# --- wgmma/gluon: mlatune's Hopper Gluon decode ---------------------------------------
+# The sizes are the kernel's own (mlatune/kernels/gluon_hopper_plan.py, read by the rules).
+WGMMA_GLUON = "mlatune/kernels/gluon_hopper.py"
+WGMMA_GLUON_ARCHS = ("sm_90",)
+
 # --- FP8 persistent-scheduling prefill --------------------------------------------------
 FP8_PREFILL_ARCHS = ("gfx950",)
 FP8_PREFILL_TILE_Q = 256
@@ -226,6 +231,20 @@ SOURCES: dict[str, Source] = {
     "triton.prefill.dims": Source("mlatune/kernels/prefill.py + prefill_plan.split_head_dim",
                                   "the q.k dot is split in two power-of-two parts >= 16 "
                                   "(192 = 128 + 64); d_v is one power of two >= 16"),
+    # --- wgmma/gluon: mlatune's Hopper Gluon decode ------------------------------------
+    "wgmma.arch": Source(WGMMA_GLUON + " (checked on the H200 2026-11-30: "
+                         "benchmarks/gluon_check.py)",
+                         "warpgroup MMAs (wgmma), TMA copies and mbarriers: sm_90 (Hopper) only"),
+    "wgmma.shape": Source(WGMMA_GLUON, "decode (the absorbed form): q rows of 512 latent + 64 "
+                                       "rope dims, V the 512 latent dims; one 64-key KV tile is "
+                                       "one 64-token page, read by TMA from the block table"),
+    "wgmma.dtypes": Source(WGMMA_GLUON, "bf16 or fp16 q over a cache of the same dtype "
+                                        "(check_supported); fp8 caches are not written yet"),
+    "wgmma.dcp": Source(WGMMA_GLUON, "the causal mask is applied on the lengths the kernel is "
+                                     "given (local to a DCP shard): right for single-token "
+                                     "decode and non-causal blocks, wrong for a causal block "
+                                     "over a round-robin shard; the LSE it writes lets DCP "
+                                     "ranks merge"),
     "sdpa.route": Source("torch.nn.functional.scaled_dot_product_attention",
                          "a prefill (dense q/k/v) attention; takes bf16 or fp16 q with k/v in "
                          "q's dtype, so the route dequantizes an fp8 k/v into q's dtype"),

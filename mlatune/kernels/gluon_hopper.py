@@ -2,9 +2,10 @@
 
 Written against triton 3.6.0's ``triton.experimental.gluon`` (the H200's
 triton); other triton versions change the Gluon API and are refused by
-``gluon_available``. Not a route yet: ``decode_launcher`` takes the tensors the
-Triton routes take and returns a zero-argument launch, for a ``wgmma/gluon``
-route to wrap.
+``gluon_available``. ``decode_launcher`` takes the tensors the Triton routes
+take and returns a zero-argument launch, which the ``wgmma/gluon`` route
+(``mlatune/routes/gluon_hopper.py``) wraps; the sizes and the split rule live in
+``gluon_hopper_plan`` (no Triton import) for the route and the capability rules.
 
 Problem (absorbed MLA): q (tokens, heads, 576) = 512 latent ("nope") + 64 rope
 dims; a paged cache (pages, 64, 576) holding one latent head shared by every
@@ -47,7 +48,6 @@ ping-pongs), no persistent schedule; fp8 caches are refused.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -63,27 +63,30 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from mlatune.kernels.gluon_hopper_plan import (  # noqa: F401  (GLUON_TRITON, H200_SMS: the API)
+    BLOCK_M,
+    BLOCK_N,
+    D_NOPE,
+    D_ROPE,
+    GLUON_TRITON,
+    H200_SMS,
+    PAGE_SIZE,
+    pick_splits,
+    triton_refusal,
+)
+
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-GLUON_TRITON = "3.6."  # the triton release this kernel is written for
-D_NOPE = 512
-D_ROPE = 64
-BLOCK_M = 64
-BLOCK_N = 64  # keys per tile: one page
-PAGE_SIZE = 64
 NUM_WARPS = 8
 NUM_STAGES = 2
-H200_SMS = 132
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
 def gluon_available() -> tuple[bool, str]:
     """Whether this triton is the release the kernel is written for, and why not."""
-    if not triton.__version__.startswith(GLUON_TRITON):
-        return False, (f"the Gluon kernel is written for triton {GLUON_TRITON}x's Gluon API; "
-                       f"this is triton {triton.__version__}")
-    return True, "ok"
+    why = triton_refusal(triton.__version__)
+    return (False, why) if why else (True, "ok")
 
 
 @gluon.jit
@@ -304,24 +307,6 @@ def check_supported(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
         return "block_table and seq_lens must be int32"
     ok, why = gluon_available()
     return None if ok else why
-
-
-def pick_splits(batch: int, row_blocks: int, max_seq_len: int, sms: int = H200_SMS) -> int:
-    """Splits per request: least estimated time over waves of one program per SM.
-
-    A program's time ~ its tiles plus a fixed cost (Q load, epilogue: ~2 tiles);
-    more than one split adds the merge (~1 tile). One program fits an SM (its
-    shared memory), so programs run in waves of ``sms``.
-    """
-    tiles = max(1, math.ceil(max_seq_len / BLOCK_N))
-    programs = batch * row_blocks
-    best, best_cost = 1, math.inf
-    for s in range(1, min(tiles, 64) + 1):
-        waves = math.ceil(programs * s / sms)
-        cost = waves * (math.ceil(tiles / s) + 2) + (1 if s > 1 else 0)
-        if cost < best_cost - 1e-9:
-            best, best_cost = s, cost
-    return best
 
 
 def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,

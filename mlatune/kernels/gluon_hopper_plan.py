@@ -1,0 +1,53 @@
+"""What the Hopper Gluon decode (``gluon_hopper``) is built for, and its split rule, on the host.
+
+Plain Python, no Triton: the capability rules, the ``wgmma/gluon`` route's
+``supports`` and ``param_space`` (which the dispatcher may ask) read these
+without importing the kernel, whose module imports Triton's Gluon dialect.
+"""
+
+from __future__ import annotations
+
+import math
+
+GLUON_TRITON = "3.6."  # the triton release whose Gluon API the kernel is written for
+D_NOPE = 512  # kv_lora_rank: the latent part of q and K, and all of V
+D_ROPE = 64
+BLOCK_M = 64  # query rows (heads x qlen folded) per program
+BLOCK_N = 64  # keys per tile: one page
+PAGE_SIZE = 64
+DTYPES = ("bf16", "fp16")  # q and cache alike; fp8 caches are not done yet
+H200_SMS = 132
+MAX_SPLITS = 64
+
+
+def triton_refusal(version: str | None) -> str | None:
+    """Why a triton of ``version`` (None: not installed) cannot run the kernel, or None."""
+    if version is None:
+        return f"triton is not installed; the Gluon kernel needs triton {GLUON_TRITON}x"
+    if not version.startswith(GLUON_TRITON):
+        return (f"the Gluon kernel is written for triton {GLUON_TRITON}x's Gluon API; "
+                f"this is triton {version}")
+    return None
+
+
+def row_blocks(heads: int, qlen: int) -> int:
+    """Programs per request (and split): heads x qlen rows in blocks of ``BLOCK_M``."""
+    return -(-heads * qlen // BLOCK_M)
+
+
+def pick_splits(batch: int, row_blocks: int, max_seq_len: int, sms: int = H200_SMS) -> int:
+    """Splits per request: least estimated time over waves of one program per SM.
+
+    A program's time ~ its tiles plus a fixed cost (Q load, epilogue: ~2 tiles);
+    more than one split adds the merge (~1 tile). One program fits an SM (its
+    shared memory), so programs run in waves of ``sms``.
+    """
+    tiles = max(1, math.ceil(max_seq_len / BLOCK_N))
+    programs = batch * row_blocks
+    best, best_cost = 1, math.inf
+    for s in range(1, min(tiles, MAX_SPLITS) + 1):
+        waves = math.ceil(programs * s / sms)
+        cost = waves * (math.ceil(tiles / s) + 2) + (1 if s > 1 else 0)
+        if cost < best_cost - 1e-9:
+            best, best_cost = s, cost
+    return best

@@ -1,0 +1,97 @@
+"""mlatune's Hopper Gluon MLA decode (``mlatune/kernels/gluon_hopper.py``) as ``wgmma/gluon``.
+
+Which problems it serves is the capability model's (``capability.rules``, the
+``wgmma.*`` rules: sm_90, decode, 576/512 dims, page 64, bf16 or fp16 q and
+cache, no causal verify over a DCP shard); ``supports`` adds what only the
+machine can say: the installed triton must be the 3.6 release whose Gluon API
+the kernel is written for (refused like a missing library, naming the version).
+
+The step is the kernel's launch (plus the split reduce when it splits the keys):
+it reads the lengths and the block table when it runs, so it is captured in a
+CUDA graph and replayed with new lengths written in place (``LAUNCH_ONLY``). The
+split count is fixed in ``prepare`` from the problem's sizes (the busiest rank's
+length bound, no host read of the lengths): the kernel's own pick first, then
+half and twice it. A DCP rank runs over its shard's local lengths; the kernel's
+causal mask uses them, which is right for single-token decode and non-causal
+blocks (the only DCP problems the rules let through), and the LSE it writes lets
+the ranks merge.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from functools import cache
+from importlib import metadata
+
+import torch
+
+from mlatune import capability
+from mlatune.arch import DeviceInfo, device_of
+from mlatune.check.inputs import DecodeInputs, PrefillInputs
+from mlatune.kernels import gluon_hopper_plan as plan
+from mlatune.problem import MLAProblem
+from mlatune.routes.base import LAUNCH_ONLY, Params, Prepared, StepKind, Verdict, no
+
+
+@cache
+def triton_version() -> str | None:
+    """The installed triton's version (from its metadata: no import), None without one."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    try:
+        return metadata.version("triton")
+    except metadata.PackageNotFoundError:  # a build under another name: ask the module
+        import triton
+
+        return str(getattr(triton, "__version__", "unknown"))
+
+
+class WgmmaGluonRoute:
+    """The Hopper Gluon decode: heads x qlen folded into 64-row wgmma tiles, split-KV."""
+
+    id = "wgmma/gluon"
+    sized_params = ("num_splits",)  # derived from batch and KV length (base.params_at)
+    writes_into = True  # prepare takes the caller's out= and lse= buffers
+
+    def supports(self, problem: MLAProblem, device: DeviceInfo) -> Verdict:
+        ruling = capability.check(self.id, problem, device.arch)
+        if not ruling:
+            return no(f"rule {ruling.rule}: {ruling.reason}")
+        version = triton_version()
+        refusal = plan.triton_refusal(version)
+        if refusal:
+            return no(refusal)
+        return Verdict(True, f"Gluon decode on triton {version}")
+
+    def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
+        """The kernel's split pick for the busiest rank's length bound, then half and twice it
+        (where the keys allow)."""
+        sms = device.cu_count if device.is_gpu and device.cu_count else plan.H200_SMS
+        length = problem.shard_len
+        pick = plan.pick_splits(problem.batch, plan.row_blocks(problem.kernel_heads,
+                                                               problem.qlen), length, sms)
+        top = min(plan.MAX_SPLITS, max(1, -(-length // plan.BLOCK_N)))
+        splits = dict.fromkeys(s for s in (pick, pick // 2, pick * 2) if 1 <= s <= top)
+        return [{"num_splits": s} for s in splits]
+
+    def step_kind(self, params: Params) -> StepKind:
+        return LAUNCH_ONLY
+
+    def prepare(self, problem: MLAProblem, inputs: DecodeInputs | PrefillInputs, *,
+                rank: int = 0, params: Params | None = None, want_lse: bool = True,
+                out: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> Prepared:
+        if not isinstance(inputs, DecodeInputs):
+            raise TypeError(f"{self.id} serves decode inputs, got {type(inputs).__name__}")
+        if problem.dcp_size > 1 and problem.causal and problem.qlen > 1:
+            raise ValueError(f"{self.id}: causal verify over a DCP shard is not served (the "
+                             f"kernel masks on the shard's local positions)")
+        from mlatune.kernels import gluon_hopper
+
+        chosen = dict(self.param_space(problem, device_of(inputs.q))[0])
+        chosen.update(params or {})
+        shard = inputs.shards[rank]
+        launch, out, lse = gluon_hopper.decode_launcher(
+            inputs.q, shard.kv_cache, shard.block_table, shard.seq_lens, qlen=problem.qlen,
+            sm_scale=inputs.softmax_scale, causal=problem.causal, out=out, lse=lse,
+            num_splits=chosen["num_splits"], max_seq_len=problem.shard_len)
+        return Prepared(launch, out, lse if want_lse else None, graph_safe=True, params=chosen)
