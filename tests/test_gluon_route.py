@@ -1,0 +1,260 @@
+"""The ``wgmma/gluon`` route (the Hopper Gluon decode) on the CPU: its rules, its refusal
+where triton is not 3.6.x, its parameters, and what ``prepare`` hands the kernel's launcher
+(a recording fake: the kernel itself runs on an sm_90 GPU only, tests/test_gluon_gpu.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mlatune import capability, routes
+from mlatune.arch import cpu_device
+from mlatune.check.inputs import make_decode_inputs
+from mlatune.kernels import gluon_hopper, gluon_hopper_plan
+from mlatune.problem import MLAProblem
+from mlatune.routes import gluon_hopper as route_module
+
+ROUTE = "wgmma/gluon"
+H200 = capability.device_for_arch("sm_90")
+FP8 = "fp8_e4m3fn"
+
+
+def _p(**kw) -> MLAProblem:
+    return MLAProblem(**{"num_heads": 16, "batch": 4, "kv_len": 4096, **kw})
+
+
+@pytest.fixture
+def triton_36(monkeypatch):
+    monkeypatch.setattr(route_module, "triton_version", lambda: "3.6.0")
+
+
+# (arch, problem, refusing rule or None)
+RULINGS = [
+    ("sm_90", _p(), None),
+    ("sm_90", _p(q_dtype="fp16", kv_dtype="fp16"), None),
+    ("sm_90", _p(num_heads=128, qlen=4), None),
+    ("sm_90", _p(num_heads=1, qlen=8), None),
+    ("sm_90", _p(num_heads=8, qlen=2, causal=False), None),
+    ("sm_90", _p(num_heads=64, dcp_size=2), None),  # single-token decode over a shard
+    ("sm_90", _p(qlen=3, dcp_size=4, causal=False), None),
+    ("sm_90", _p(qlen=2, dcp_size=2), "wgmma.dcp"),
+    ("sm_90", _p(kv_dtype=FP8), "wgmma.dtypes"),
+    ("sm_90", _p(q_dtype=FP8, kv_dtype=FP8), "wgmma.dtypes"),
+    ("sm_90", _p(page_size=16), "wgmma.page"),
+    ("sm_90", _p(page_size=1), "wgmma.page"),
+    ("sm_90", _p(kv_lora_rank=256), "wgmma.dims"),
+    ("sm_90", _p(rope_dim=32), "wgmma.dims"),
+    ("sm_90", MLAProblem(phase="prefill", qlen=64, kv_len=64, page_size=1), "wgmma.decode"),
+    ("sm_100", _p(), "wgmma.arch"),
+    ("sm_80", _p(), "wgmma.arch"),
+    ("gfx950", _p(), "wgmma.arch"),
+    ("cpu", _p(), "wgmma.arch"),
+]
+
+
+@pytest.mark.parametrize(("arch", "problem", "rule"), RULINGS,
+                         ids=[f"{a}-{p.key}" for a, p, _ in RULINGS])
+def test_rules(arch, problem, rule):
+    ruling = capability.check(ROUTE, problem, arch)
+    assert ruling.ok is (rule is None), ruling
+    assert ruling.rule == (rule or "")
+    if rule:
+        assert ruling.reason and capability.tables.SOURCES[
+            next(r for r in capability.rules_for(ROUTE) if r.id == rule).source_key]
+
+
+def test_refusals_say_why():
+    dcp = capability.check(ROUTE, _p(qlen=2, dcp_size=2), "sm_90")
+    assert "local positions" in dcp.reason
+    assert "fp8 caches are not done yet" in capability.check(ROUTE, _p(kv_dtype=FP8),
+                                                             "sm_90").reason
+    assert "64-token page" in capability.check(ROUTE, _p(page_size=16), "sm_90").reason
+    assert "sm_90 only; this is sm_100" in capability.check(ROUTE, _p(), "sm_100").reason
+
+
+def test_the_rules_read_the_kernels_sizes():
+    assert (gluon_hopper.D_NOPE, gluon_hopper.D_ROPE, gluon_hopper.PAGE_SIZE) == (512, 64, 64)
+    assert gluon_hopper.pick_splits is gluon_hopper_plan.pick_splits
+
+
+def test_refused_where_triton_is_not_3_6(monkeypatch):
+    route = routes.get(ROUTE)
+    installed = route_module.triton_version()
+    if installed is not None and installed.startswith("3.6."):
+        pytest.skip("this machine has triton 3.6")
+    verdict = route.supports(_p(), H200)
+    assert not verdict
+    assert "triton 3.6.x" in verdict.reason and f"triton {installed}" in verdict.reason
+    monkeypatch.setattr(route_module, "triton_version", lambda: None)
+    assert "triton is not installed" in route.supports(_p(), H200).reason
+    monkeypatch.setattr(route_module, "triton_version", lambda: "3.9.0")
+    assert "this is triton 3.9.0" in route.supports(_p(), H200).reason
+    # The rules come first: an fp8 cache is refused by its rule whatever triton is here.
+    assert route.supports(_p(kv_dtype=FP8), H200).reason.startswith("rule wgmma.dtypes")
+
+
+def test_supported_with_triton_3_6(triton_36):
+    verdict = routes.get(ROUTE).supports(_p(), H200)
+    assert verdict and "3.6.0" in verdict.reason
+    assert not routes.get(ROUTE).supports(_p(), cpu_device())
+
+
+def test_asking_the_route_imports_no_triton():
+    """supports() and param_space() may be asked by a dispatcher, which never imports
+    triton (tests/test_light_import.py): the version comes from the package metadata."""
+    code = ("import sys\nfrom mlatune import routes\nfrom mlatune.capability import "
+            "device_for_arch\nfrom mlatune.problem import MLAProblem\n"
+            "r, d = routes.get('wgmma/gluon'), device_for_arch('sm_90')\n"
+            "r.supports(MLAProblem(), d); r.param_space(MLAProblem(), d)\n"
+            "print('triton' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True)
+    assert done.stdout.split()[-1] == "False"
+
+
+@pytest.mark.parametrize(("problem", "first"), [
+    (_p(batch=1), 64),  # one request: many splits (capped at 64)
+    (_p(batch=64), 2),
+    (_p(batch=128, num_heads=128), 1),  # 256 programs already fill 132 SMs
+    (_p(batch=8, num_heads=128, kv_len=32768), 8),
+    (_p(batch=1, kv_len=64), 1),  # one tile: nothing to split
+])
+def test_param_space_is_the_kernels_pick_then_half_and_twice(problem, first):
+    space = routes.get(ROUTE).param_space(problem, H200)
+    assert space[0] == {"num_splits": first}
+    assert 1 <= len(space) <= 3
+    tiles = -(-problem.shard_len // 64)
+    assert all(set(p) == {"num_splits"} and 1 <= p["num_splits"] <= min(64, tiles)
+               for p in space)
+    assert len({p["num_splits"] for p in space}) == len(space)
+    assert {p["num_splits"] for p in space} <= {first, first // 2, first * 2}
+
+
+def test_param_space_follows_the_shard_and_the_gathered_heads():
+    route = routes.get(ROUTE)
+    dcp = _p(batch=2, num_heads=16, kv_len=8192, dcp_size=4)  # 64 kernel heads, 2048 keys
+    want = gluon_hopper_plan.pick_splits(2, 1, 2048, 132)
+    assert route.param_space(dcp, H200)[0] == {"num_splits": want}
+    # Off a GPU (a CPU description, no SM count that means anything) the H200's is used.
+    assert route.param_space(_p(batch=1), cpu_device()) == route.param_space(_p(batch=1), H200)
+    assert routes.step_kind_of(route, {"num_splits": 2}) == routes.LAUNCH_ONLY
+    assert route.sized_params == ("num_splits",)
+
+
+def test_params_at_redoes_the_split_at_a_neighbour():
+    route = routes.get(ROUTE)
+    measured, asked = _p(batch=64), _p(batch=1)
+    picked = route.param_space(measured, H200)[0]
+    assert routes.params_at(route, picked, measured, asked, H200) == \
+        route.param_space(asked, H200)[0]
+
+
+class _Recorder:
+    """Stands in for ``gluon_hopper.decode_launcher``: records its arguments, allocates what
+    the real one would, and counts launches."""
+
+    def __init__(self):
+        self.calls: list[dict] = []
+        self.launches = 0
+
+    def __call__(self, q, kv_cache, block_table, seq_lens, **kw):
+        self.calls.append(dict(q=q, kv_cache=kv_cache, block_table=block_table,
+                               seq_lens=seq_lens, **kw))
+        out = kw["out"] if kw["out"] is not None else torch.empty(
+            q.shape[0], q.shape[1], 512, dtype=q.dtype)
+        lse = kw["lse"] if kw["lse"] is not None else torch.empty(q.shape[0], q.shape[1])
+
+        def launch() -> None:
+            self.launches += 1
+
+        return launch, out, lse
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    fake = _Recorder()
+    monkeypatch.setattr(gluon_hopper, "decode_launcher", fake)
+    return fake
+
+
+@pytest.mark.parametrize("problem", [
+    _p(batch=3, kv_len=300),
+    _p(batch=2, num_heads=128, qlen=4, kv_len=700, causal=True),
+    _p(batch=2, num_heads=8, qlen=2, kv_len=200, causal=False, q_dtype="fp16", kv_dtype="fp16"),
+], ids=lambda p: p.key)
+def test_prepare_hands_the_launcher_the_inputs(problem, recorder):
+    route = routes.get(ROUTE)
+    inputs = make_decode_inputs(problem, seed=3, ragged=True)
+    prepared = route.prepare(problem, inputs, params={"num_splits": 3})
+    (call,) = recorder.calls
+    shard = inputs.shards[0]
+    assert call["q"] is inputs.q and call["q"].shape == (problem.batch * problem.qlen,
+                                                        problem.num_heads, 576)
+    assert call["kv_cache"] is shard.kv_cache and call["kv_cache"].shape[1:] == (64, 576)
+    assert call["kv_cache"].stride() == (64 * 576, 576, 1)
+    assert call["block_table"] is shard.block_table and call["seq_lens"] is shard.seq_lens
+    assert call["qlen"] == problem.qlen and call["causal"] is problem.causal
+    assert call["sm_scale"] == pytest.approx(problem.softmax_scale)
+    # Both given, so the launcher never reads the lengths on the host.
+    assert call["num_splits"] == 3 and call["max_seq_len"] == problem.kv_len
+    assert prepared.params == {"num_splits": 3}
+    assert prepared.graph_safe and not prepared.plan_reads_lengths and prepared.plan is None
+    assert prepared.step_kind == routes.LAUNCH_ONLY
+    assert prepared.out.shape == (problem.batch * problem.qlen, problem.num_heads, 512)
+    assert prepared.lse.shape == (problem.batch * problem.qlen, problem.num_heads)
+    prepared.step()
+    prepared.run()
+    assert recorder.launches == 2
+
+
+def test_prepare_defaults_to_the_first_params_and_takes_the_callers_buffers(recorder):
+    route = routes.get(ROUTE)
+    problem = _p(batch=2, kv_len=256)
+    inputs = make_decode_inputs(problem, seed=4)
+    scaled = dataclasses.replace(inputs, sm_scale=0.05)
+    out = torch.empty(2, 16, 512, dtype=torch.bfloat16)
+    lse = torch.empty(2, 16)
+    prepared = route.prepare(problem, scaled, out=out, lse=lse)
+    call = recorder.calls[-1]
+    assert call["sm_scale"] == 0.05
+    assert call["out"] is out and call["lse"] is lse
+    assert prepared.out is out and prepared.lse is lse
+    assert call["num_splits"] == route.param_space(problem, cpu_device())[0]["num_splits"]
+    assert route.prepare(problem, inputs, want_lse=False).lse is None
+
+
+@pytest.mark.parametrize(("qlen", "causal"), [(1, True), (3, False)])
+def test_a_dcp_rank_runs_over_its_own_shard(qlen, causal, recorder):
+    route = routes.get(ROUTE)
+    problem = _p(batch=3, num_heads=8, qlen=qlen, kv_len=500, dcp_size=2, causal=causal)
+    inputs = make_decode_inputs(problem, seed=5, ragged=True)
+    for rank in (1, 0):
+        prepared = route.prepare(problem, inputs, rank=rank, params={"num_splits": 2})
+        call = recorder.calls[-1]
+        shard = inputs.shards[rank]
+        assert call["kv_cache"] is shard.kv_cache and call["block_table"] is shard.block_table
+        assert call["seq_lens"] is shard.seq_lens  # local lengths: the kernel masks on them
+        assert call["q"].shape[1] == problem.kernel_heads == 16
+        assert call["max_seq_len"] == problem.shard_len == 250
+        assert prepared.lse is not None  # the ranks merge by it
+
+
+def test_prepare_refuses_causal_verify_over_a_shard(recorder):
+    problem = _p(batch=2, qlen=2, kv_len=300, dcp_size=2)
+    inputs = make_decode_inputs(problem, seed=6)
+    with pytest.raises(ValueError, match="local positions"):
+        routes.get(ROUTE).prepare(problem, inputs, rank=0)
+    assert not recorder.calls
+
+
+def test_prepare_without_triton_3_6_raises_naming_it():
+    if gluon_hopper.gluon_available()[0]:
+        pytest.skip("this machine has triton 3.6")
+    problem = _p(batch=2, kv_len=256)
+    inputs = make_decode_inputs(problem, seed=7)
+    with pytest.raises(ValueError, match=r"triton 3\.6\.x"):
+        routes.get(ROUTE).prepare(problem, inputs)
