@@ -261,6 +261,36 @@ def test_a_batch_that_leaves_the_last_wave_nearly_empty_gets_the_persistent_vari
             assert found.time_us == pytest.approx(wave_time(problem, truth), rel=1e-6)
 
 
+def test_a_table_s_lost_recipe_is_as_slow_as_its_launch_makes_it():
+    # 16 heads x 3 queries over 4 DCP ranks: 3 row blocks a request, so batches 16 and 64
+    # launch 192 programs, 2 waves on 132 SMs: there the plain recipe loses to the
+    # persistent one by 20-28%, and a table keeps only the winner. Its lost points are
+    # counted from the winner's law on its own launch, not LOST_PENALTY over the winner.
+    base = MLAProblem(num_heads=16, qlen=3, kv_dtype="bf16", page_size=64, dcp_size=4)
+
+    def time_of(problem: MLAProblem, params: dict) -> float:
+        blocks = problem.with_(batch=3 * problem.batch)  # programs = 3 x batch
+        return wave_time(blocks, params)
+
+    table = []
+    for b in BATCHES:
+        for k in KV_LENS:
+            problem = base.with_(batch=b, kv_len=k)
+            params = min(wave_recipes(problem), key=lambda p: time_of(problem, p))
+            table.append((problem, PADDED.id, params, time_of(problem, params)))
+    slow = time_of(base.with_(batch=16, kv_len=65536), wave_recipes(base.with_(batch=16,
+                                                                               kv_len=65536))[0])
+    assert slow > 1.2 * min(t for p, _, _, t in table if (p.batch, p.kv_len) == (16, 65536))
+    predictor = Predictor(table, {PADDED.id: PADDED}, DEVICE, complete=False)
+    for shape in [(24, 20000), (6, 9000), (40, 40000)]:
+        problem = base.with_(batch=shape[0], kv_len=shape[1])
+        truth = {bool(p.get("persistent")): time_of(problem, p) for p in wave_recipes(problem)}
+        found = {bool(p.recipe.get("persistent")): p.time_us for p in predictor.predict(problem)}
+        assert predictor.choose(problem)[0].recipe.get("persistent")
+        assert found[False] == pytest.approx(truth[False], rel=0.1)
+        assert found[True] == pytest.approx(truth[True], rel=0.05)
+
+
 @pytest.mark.parametrize("table", [False, True])
 def test_sized_parameters_are_what_params_at_gives(table):
     predictor = Predictor(wave_rows(table), {PADDED.id: PADDED}, DEVICE, complete=not table)

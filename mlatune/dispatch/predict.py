@@ -298,6 +298,7 @@ class _Bucket:
         # Per recipe, its measured points (column indices): where ``nearest`` is looked up.
         self.ran_at = [np.flatnonzero(row) for row in self.ran]
         weight = self.ran.astype(float)
+        self._measured = logs  # NaN where not measured
         if not complete:
             imputed = _impute_lost(self.recipes, logs)
             weight[np.isnan(logs) & ~np.isnan(imputed)] = LOST_WEIGHT
@@ -308,7 +309,11 @@ class _Bucket:
         self._splits: dict[tuple, int] = {}  # (route, block_m, block_n, point): its rule's
         self._prepare(logs)
         if fit:
-            self.finish(_nnls(*self.normal))
+            coef = _nnls(*self.normal)
+            if not complete:
+                self.reimpute(coef)
+                coef = _nnls(*self.normal)
+            self.finish(coef)
 
     # Fitting ----------------------------------------------------------------
     def _features_at(self, i: int, j: int) -> tuple[float, float, float, float]:
@@ -321,28 +326,34 @@ class _Bucket:
             ran = self.points[self.shapes[j]].get(self.recipes[i])
             split = ran[1].get(geometry.key) if ran is not None else None
             if split is None:
-                split = self._rule_split(i, j)
+                split = self._rule_split(i, j, ask=False)
         w, c = geometry.features(problem, split, self.cus)
         return 1.0, w, float(problem.batch), c
 
-    def _rule_split(self, i: int, j: int) -> int:
+    def _rule_split(self, i: int, j: int, ask: bool = True) -> int:
         """The split recipe i's route rule gives its tile at point j (recipes of one tile
-        share it)."""
+        share it). ``ask``: from the route, checking ``fill`` against it; else from
+        ``fill`` where it has agreed so far."""
         geometry = self.geometry[i]
         key = (id(geometry.route), geometry.tile["block_m"], geometry.block_n, j)
         split = self._splits.get(key)
         if split is None:
             problem = self.problems[j]
+            if not ask and geometry.own_rule:
+                return geometry.fill(problem, self.cus)
             split = self._splits[key] = geometry.route_split(problem, self.device)
             if geometry.fill(problem, self.cus) != split:
                 geometry.own_rule = False
         return split
 
     def _prepare(self, logs: np.ndarray) -> None:
-        """Each recipe's law terms at its known points and its least-squares problem: the
-        law relative to the time (law / t = 1), each point as much as its weight."""
+        """Each recipe's law terms at its known points and its least-squares problem."""
         m, n = logs.shape
         known = self.weight > 0
+        for i, geometry in enumerate(self.geometry):  # the split rule checked where it ran
+            if geometry is not None and geometry.key is not None:
+                for j in self.ran_at[i].tolist():
+                    self._rule_split(i, j)
         x = np.zeros((m, n, _FEATURES))
         batch = np.array([p.batch for p in self.problems], dtype=float)
         size = batch * np.array([p.shard_len for p in self.problems], dtype=float)
@@ -353,19 +364,48 @@ class _Bucket:
             else:
                 for j in np.flatnonzero(known[i]).tolist():
                     x[i, j] = self._features_at(i, j)
+        self._x, self._known = x, known
+        self._normal(logs)
+
+    def _normal(self, logs: np.ndarray) -> None:
+        """The laws' least-squares problems: each law relative to the time (law / t = 1),
+        each point as much as its weight."""
+        x, known = self._x, self._known
         times = np.exp(np.where(known, logs, 0.0))
         scaled = x * (np.sqrt(self.weight) / times)[:, :, None]
         target = np.sqrt(self.weight)
         self.normal = (np.einsum("rnf,rng->rfg", scaled, scaled),
                        np.einsum("rnf,rn->rf", scaled, target),
                        (target ** 2).sum(axis=1), known.sum(axis=1))
-        self._x, self._logs, self._known = x, logs, known
+        self._logs = logs
+
+    def reimpute(self, coef: np.ndarray) -> None:
+        """A table's lost points again, from the laws fitted once: where recipe k lost to
+        its route's best w at a point, k takes w's law on k's own launch there (its waves,
+        its split), at least LOST_PENALTY over w's time: a split recipe that loses to the
+        persistent one by a wave is counted as slow as that wave makes it, not 10%."""
+        logs = self._logs.copy()
+        lost = self._known & np.isnan(self._measured)
+        columns = np.arange(len(self.shapes))
+        for route_id in {r for r, _ in self.recipes}:
+            rows = np.array([i for i, (r, _) in enumerate(self.recipes) if r == route_id])
+            where = lost[rows]
+            if not where.any():
+                continue
+            measured = np.where(np.isnan(self._measured[rows]), np.inf, self._measured[rows])
+            best = rows[measured.argmin(axis=0)]  # per point, the route's best recipe
+            law = coef[best]  # per point, its law
+            own = np.einsum("nf,nf->n", self._x[best, columns], law)
+            other = np.einsum("knf,nf->kn", self._x[rows], law)
+            ratio = np.maximum(other / np.where(own > 0, own, np.inf), LOST_PENALTY)
+            logs[rows] = np.where(where, measured.min(axis=0) + np.log(ratio), logs[rows])
+        self._normal(logs)
 
     def finish(self, coef: np.ndarray) -> None:
         """Take the laws' coefficients: the log corrections at the known points and what
         answering needs."""
         x, logs, known = self._x, self._logs, self._known
-        del self._x, self._logs, self._known, self.normal
+        del self._x, self._logs, self._known, self._measured, self.normal
         self.coef = coef
         law = np.einsum("rnf,rf->rn", x, coef)
         correction = np.where(known, logs - np.log(np.where(known, law, 1.0)), 0.0)
@@ -609,10 +649,19 @@ class Predictor:
         # Every bucket's laws in one solve: its cost is in the calls, not the arithmetic.
         buckets = list(self._buckets.values())
         if buckets:
-            parts = [np.concatenate([b.normal[k] for b in buckets]) for k in range(4)]
-            coef = _nnls(*parts)
             ends = np.cumsum([len(b.recipes) for b in buckets]).tolist()
-            for bucket, start, end in zip(buckets, [0, *ends[:-1]], ends, strict=True):
+            spans = list(zip(buckets, [0, *ends[:-1]], ends, strict=True))
+
+            def solve() -> np.ndarray:
+                return _nnls(*(np.concatenate([b.normal[k] for b in buckets])
+                               for k in range(4)))
+
+            coef = solve()
+            if not complete:  # a table's lost points again, from the laws: then refitted
+                for bucket, start, end in spans:
+                    bucket.reimpute(coef[start:end])
+                coef = solve()
+            for bucket, start, end in spans:
                 bucket.finish(coef[start:end])
 
     def predict(self, problem: MLAProblem, usable: Callable[[str], bool] | None = None,
