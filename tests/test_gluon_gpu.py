@@ -1,0 +1,99 @@
+"""The ``wgmma/gluon`` route (the Hopper Gluon decode) on an sm_90 GPU (``pytest -m gpu``).
+
+The Triton routes' checks, imported: every parameter set against the fp32 reference
+on ragged lengths with NaN-poisoned outputs, DCP ranks' partials merged by their LSEs,
+CUDA-graph capture (same lengths, every replay rewriting every element), and an
+engine's captured step through ``attention.decode`` replayed as the lengths and page
+ids change in place. Over bf16 and fp16, qlen 1-4 and 8, causal and not, 1-128 heads
+(heads x qlen below, at and across the kernel's 64-row blocks), DCP 2 and 4, batch
+1-128, KV up to 32k; and stale cache slots (past a request's length in its last
+page) set to NaN, which the kernel must not let through. Skipped, with the reason,
+off sm_90 or without triton 3.6.x (the kernel's Gluon API).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from benchmarks.gluon_check import poison_stale_slots
+from mlatune import routes
+from mlatune.arch import current_device
+from mlatune.check import reference
+from mlatune.check.accuracy import check
+from mlatune.check.inputs import make_decode_inputs, poison_
+from tests.test_engine_gpu import _p as _engine_p
+from tests.test_engine_gpu import test_a_captured_step_replays_with_new_lengths as _captured
+from tests.test_triton_decode_gpu import (
+    _label,
+    _needs_a_gpu,  # noqa: F401  (autouse: fail without a GPU)
+    _p,
+)
+from tests.test_triton_decode_gpu import test_cuda_graph_replay as _replayed
+from tests.test_triton_decode_gpu import test_route_at_real_size as _at_real_size
+
+pytestmark = pytest.mark.gpu
+GLUON = "wgmma/gluon"
+
+
+@pytest.fixture(autouse=True)
+def _needs_hopper_and_triton_36(_needs_a_gpu):  # noqa: F811  (the imported fixture, first)
+    verdict = routes.get(GLUON).supports(_p(16, 1, 4096), current_device())
+    if not verdict:
+        pytest.skip(verdict.reason)
+
+
+CASES = [
+    (GLUON, _p(16, 1, 4096)),  # one request: the most splits
+    (GLUON, _p(16, 64, 4096)),
+    (GLUON, _p(128, 32, 4096)),  # two row blocks per request
+    (GLUON, _p(128, 8, 32768)),
+    (GLUON, _p(16, 64, 8192, qlen=2)),
+    (GLUON, _p(32, 16, 4096, qlen=3, kv="fp16")),
+    (GLUON, _p(16, 128, 4096, qlen=4)),
+    (GLUON, _p(24, 12, 3000, qlen=3)),  # 72 rows: a block holds parts of two tokens
+    (GLUON, _p(8, 16, 4096, qlen=4, causal=False)),  # 32 rows; non-causal verify
+    (GLUON, _p(1, 5, 2000, qlen=8)),
+    (GLUON, _p(16, 32, 4096, dcp=2)),  # 32 gathered heads, ranks merged
+    (GLUON, _p(64, 16, 8192, dcp=4, kv="fp16")),
+    (GLUON, _p(8, 16, 4096, qlen=2, dcp=2, causal=False)),
+    (GLUON, _p(128, 128, 4096)),  # 256 programs: one split
+]
+
+
+@pytest.mark.parametrize("item", CASES, ids=_label)
+def test_gluon_route_at_real_size(item):
+    _at_real_size(item)
+
+
+@pytest.mark.parametrize("item", [CASES[5], CASES[10], CASES[13]], ids=_label)
+def test_gluon_cuda_graph_replay(item):
+    _replayed(item)
+
+
+ENGINE_CASES = [_engine_p(16, 32, 4096), _engine_p(64, 16, 4096, qlen=2),
+                _engine_p(16, 8, 4096, dcp=2), _engine_p(128, 4, 8192)]
+
+
+@pytest.mark.parametrize("problem", ENGINE_CASES, ids=lambda p: p.key)
+def test_gluon_captured_step_replays_with_new_lengths(problem, tmp_path):
+    _captured(GLUON, False, problem, tmp_path)
+
+
+@pytest.mark.parametrize("item", [CASES[1], CASES[5], CASES[7]], ids=_label)
+def test_stale_cache_slots_hold_nan(item):
+    _, problem = item
+    route = routes.get(GLUON)
+    inputs = make_decode_inputs(problem, seed=zlib.crc32(_label(item).encode()) % 10_000,
+                                device="cuda", ragged=True)
+    want_out, want_lse = reference.decode_shard(inputs, inputs.shards[0])
+    assert poison_stale_slots(inputs) > 0
+    for params in route.param_space(problem, current_device()):
+        prepared = route.prepare(problem, inputs, params=params)
+        poison_(prepared.out, prepared.lse)
+        prepared.run()
+        torch.cuda.synchronize()
+        acc = check(problem, prepared.out, want_out, prepared.lse, want_lse)
+        assert acc.ok, f"{params}: {acc.reason} ({acc.summary})"
