@@ -142,6 +142,22 @@ def summary(label: str, judged: list[Judged]) -> None:
                   f"{len(values) - len(timed)} not timed")
 
 
+def calibration(label: str, judged: list[Judged]) -> None:
+    """How far the predicted step costs of the picks were from their measured ones (with
+    the parameters passed), against the uncertainty the predictor gave."""
+    pairs = [(j.uncertainty, abs(math.log(j.picked["cost"][1] / j.predicted_us)))
+             for j in judged if not math.isnan(j.predicted_us)
+             and not math.isnan(j.picked["cost"][1])]
+    if not pairs:
+        return
+    data = np.array(pairs)
+    within = float(np.mean(data[:, 1] <= np.log1p(data[:, 0])))
+    median, p90 = (100 * math.expm1(np.quantile(data[:, 1], q)) for q in (0.5, 0.9))
+    print(f"  {label}: the picks' predicted step costs off by {median:.1f}% in median, "
+          f"{p90:.1f}% p90; {100 * within:.0f}% within their uncertainty (median "
+          f"{100 * np.median(data[:, 0]):.0f}%)")
+
+
 def _label(problem: MLAProblem) -> str:
     return (f"h{problem.num_heads} q{problem.qlen} {problem.kv_dtype[:4]} dcp{problem.dcp_size} "
             f"p{problem.page_size} ({problem.batch}, {problem.kv_len})")
@@ -249,6 +265,8 @@ def main() -> None:
         summary(" all", judged)
         inside = [j for j in judged if _interior(dispatcher, j.problem)]
         summary(" interior (measured batches and KV lengths on both sides)", inside)
+        calibration("all", judged)
+        calibration("interior", inside)
         by_axis(judged)
         show(judged, args.show)
         for route_id, values in sorted(errors.items()):
@@ -259,6 +277,7 @@ def main() -> None:
     timings = Timings(args.journal or [HELDOUT_JOURNAL], dispatcher)
     judged = heldout(dispatcher, timings.problems(), timings)
     summary(f"held-out {args.heldout}", judged)
+    calibration("held-out", judged)
     by_axis(judged)
     show(judged, args.show)
     show(judged, args.show, "launch")

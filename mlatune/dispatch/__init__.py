@@ -3,8 +3,9 @@
 ``dispatcher`` holds the ``Dispatcher`` engines load (its public names are
 re-exported here, so ``mlatune.dispatch.Dispatcher`` is the spelling engines
 use); ``environment`` compares a table's recorded environment with the running
-one; ``predict`` models route times at unmeasured shapes (studied, not yet what
-``select`` uses). Nothing here imports pandas, pyarrow or Triton at import.
+one; ``predict`` models route times at unmeasured shapes (how ``select`` answers them
+by default); ``first_sight`` times unsure answers at run time. Nothing here imports
+pandas, pyarrow or Triton at import.
 """
 
 from mlatune.dispatch.dispatcher import (

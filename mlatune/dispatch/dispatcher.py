@@ -29,7 +29,7 @@ allocation. The first ``select`` of a key pays for the ``supports()`` checks
 (a few microseconds; measured keys have their memo slot from load, unmeasured
 ones are remembered up to MEMO_LIMIT and resolved afresh beyond it) and, for a
 predicted or nearest answer, for the prediction and redoing its route's
-size-derived parameters (a median 65 us for a predicted one, 70 us for a nearest
+size-derived parameters (a median 19 us for a predicted one, 7 us for a nearest
 one, on the 2-core CI machine, 2026-11-30: benchmarks/select_cost.py).
 
 Routes the table names but this process has not registered (a backend that
@@ -94,9 +94,10 @@ DEFAULT_PLAN_CALLS = 61
 PREDICTIONS_SHOWN = 3  # by explain (`mlatune lookup`): the fastest predicted recipes
 # How an unmeasured shape of a measured bucket is answered: "predict" (each recipe's time
 # predicted from the bucket's points, mlatune.dispatch.predict) or "nearest" (the nearest
-# point's winner). Leave-one-out on the H200 table and its 214 held-out traffic problems
-# (benchmarks/predict_loo.py, 2026-11-30): held-out regret 1.1% geomean / 36% worst with
-# "predict", 1.7% / 183% with "nearest".
+# point's winner). On the 214 held-out traffic problems, the picks with the parameters they
+# pass (benchmarks/heldout_regret.py heldout, launch times as `mlatune report --heldout`
+# judges them, the table as shipped on 2026-11-30): 0.3% slower than the best in geomean,
+# 8.6% at worst with "predict"; 1.9% / 36% with "nearest".
 UNMEASURED = ("predict", "nearest")
 DEFAULT_UNMEASURED = "predict"
 

@@ -11,31 +11,43 @@ Each recipe's time is a fitted cost law times a local correction:
 
 - the *law*, fitted per recipe over its bucket's points (relative least squares,
   coefficients >= 0): ``t = a + c W + d B + e C``. ``B`` is the batch; ``W`` the KV
-  tokens one SM walks in turn and ``C`` the programs (CTAs) per SM. For the split-KV
-  routes (``mlatune.routes.triton_decode``: a route with ``_groups``,
-  ``_rows_per_group`` and ``_split_choices``) they follow the launch: batch x row
-  blocks x KV splits programs run in waves over the SMs (``device.cu_count``), each
-  wave as long as one program's KV share (whole ``block_n`` tiles), so a batch that
-  leaves the last wave nearly empty costs a whole wave (the splits as the route's
-  rule sizes them for the shape); a persistent variant (``persistent: true``)
-  spreads the same work evenly. Any other route is taken as balanced: ``W = B x
-  shard KV / SMs``, ``C = B / SMs``. ``a`` is the fixed cost, ``c`` the streaming
-  rate, ``d`` and ``e`` what each request and each program add (the partials a
-  split writes and the reduce reads).
+  tokens one SM walks in turn and ``C`` the programs (CTAs, work items) per SM; ``a``
+  is the fixed cost, ``c`` the streaming rate, ``d`` and ``e`` what each request and
+  each program add (the partials a split writes and the reduce reads). ``W`` and
+  ``C`` follow the launch where it is known, so that a batch that leaves the last
+  round of work nearly empty costs the whole round:
+
+  - split-KV routes (``mlatune.routes.triton_decode``: a route with ``_groups``,
+    ``_rows_per_group`` and ``_split_choices``): batch x row blocks x KV splits
+    programs run in waves over the SMs (``device.cu_count``), each wave as long as
+    one program's KV share in whole ``block_n`` tiles, the splits as the route's rule
+    sizes them for the shape; a persistent variant (``persistent: true``) spreads the
+    same work evenly;
+  - FlashInfer's MLA (``*/flashinfer``): its host plan keeps a request's KV whole when
+    it fits under the mean per SM, and hands requests out in rounds
+    (``_FlashInferLayout``: batch 160 of 16 heads on 132 SMs takes two rounds);
+  - any other route is taken as balanced: ``W = B x shard KV / SMs``, ``C = B / SMs``
+    (FlashMLA's scheduler splits the KV evenly over the SMs).
+
 - the *correction*: the log ratio of measured to law time at the measured points,
   averaged over the nearest ones (a Gaussian kernel in log2 (batch, kv_len) whose
   width follows the distance to the nearest point, so it stays local on a dense grid
-  and widens on a sparse one). At a measured point the prediction is the
-  measurement; between points the law carries the shape of the curve (the fixed
-  cost that bends log time against log size, the waves) and the correction what it
-  misses nearby.
+  and widens on a sparse one). The law carries the shape of the curve between points
+  (the fixed cost that bends log time against log size, the waves), the correction
+  what it misses nearby.
 
 The choice is the least predicted time among the routes ``usable`` allows. Distance
 is measured as the dispatcher's ``point_distance`` does (total KV tokens first, then
-batch) but with batch weighted 1. Leave-one-out on the H200 table
-(benchmarks/heldout_regret.py, 2026-12-01): this model's picks, with the parameters
-they pass, cost 0.9% more than the best in geomean (step costs), the previous one's
-(a kernel average of each recipe's slowness over an envelope) 2.3%.
+batch) but with batch weighted 1. ``choose`` evaluates a split recipe's law at the
+asked shape only while a lower bound (its law without the waves) could still win, and
+asks ``usable`` of the fastest candidate's route only (about 19 us a first select on
+the 2-core CI machine, benchmarks/select_cost.py).
+
+Leave-one-out on the H200 table as shipped on 2026-11-30 (benchmarks/heldout_regret.py
+loo: each of its 2,496 problems with a neighbour answered without its own rows): the
+picks, with the parameters they pass, cost 0.83% more than the best in geomean (step
+costs; 0.26% at interior points, none of those over 10%), against 2.13% for the
+previous model (a kernel average of each recipe's slowness over a fitted envelope).
 
 Each prediction says how far it is from the data (``distance``: log2 units to the
 recipe's nearest measured point) and how much the law misses nearby (``spread``: the
@@ -45,11 +57,13 @@ combines the two into a relative error of the predicted time.
 Data: a sweep journal holds every parameter set each route ran at each problem
 (``rows_from_journal``); a table holds only each route's best per problem
 (``rows_from_table``): there a recipe that lost to its route's best at a point is
-counted ``LOST_PENALTY`` slower than that best, with ``LOST_WEIGHT`` of a
-measurement's weight, not left out (which would make recipes look fast where only
-their wins were kept). A route that failed (accuracy, crash, timeout) at measured
-points close to the asked shape (``failed``) is not chosen there: its failures hold
-at least ``FAILED_SHARE`` of the kernel weight of its points.
+not left out (which would make recipes look fast where only their wins were kept) but
+counted as slow as the best's law makes it on the recipe's own launch, at least
+``LOST_PENALTY`` over the best (``_Bucket.reimpute``; ``LOST_PENALTY`` alone in a first
+fit), with ``LOST_WEIGHT`` of a measurement's weight. A route that failed (accuracy,
+crash, timeout) at measured points close to the asked shape (``failed``) is not
+chosen there: its failures hold at least ``FAILED_SHARE`` of the kernel weight of its
+points.
 """
 
 from __future__ import annotations
@@ -84,8 +98,11 @@ LOST_PENALTY = 1.10  # a table's recipe that lost to its route's best there (mod
 LOST_WEIGHT = 0.3  # its weight, against 1 for a measurement
 FAILED_SHARE = 0.5  # a route's kernel weight on its failures from which it is not chosen
 # uncertainty = hypot(spread, DISTANCE_ERROR * distance²): an interpolation's error grows
-# with the square of the spacing.
-DISTANCE_ERROR = 0.04
+# with the square of the spacing. Leave-one-out on the H200 table (each point 2 log2 units
+# from its nearest neighbours; benchmarks/heldout_regret.py loo): the chosen predictions'
+# time errors are 2.7% in median, 79% of them within the uncertainty (93% of the interior
+# points'), the spread alone 68%.
+DISTANCE_ERROR = 0.01
 MAX_SPLIT = 128  # the split-KV routes' largest split (routes.triton_decode.SPLIT_CHOICES)
 _FEATURES = 4  # the law's terms: 1, W, B, C
 _SUBSETS = [s for k in range(1, _FEATURES + 1)
