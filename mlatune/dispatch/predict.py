@@ -256,11 +256,6 @@ def _geometry(route: Any, recipe: Mapping[str, Any], problem: MLAProblem,
     return _Geometry(route, tile, sized[0], bool(recipe.get("persistent")), per_batch)
 
 
-def _distance(d_batch: np.ndarray, d_kv: np.ndarray) -> np.ndarray:
-    """Squared distance from log2 differences: total KV tokens first, then batch."""
-    return (d_batch + d_kv) ** 2 + BATCH_WEIGHT * d_batch ** 2
-
-
 def _nnls(a: np.ndarray, b: np.ndarray, yy: np.ndarray, usable: np.ndarray) -> np.ndarray:
     """Per row r, the coefficients c >= 0 minimising |X_r c - y_r|² from the normal
     equations ``a`` (rows x F x F), ``b`` (rows x F) and ``yy`` = |y_r|²: the best of the
@@ -526,10 +521,13 @@ class _Bucket:
         order = bound.argsort(kind="stable").tolist()
         bounds, corrections = bound.tolist(), correction.tolist()
         if not first_only:
+            verdicts: dict[str, bool] = {}  # per route, asked once
             found = []
             for i in order:
                 route_id = self.recipes[i][0]
-                if self._allowed(route_id, usable, kernel):
+                if route_id not in verdicts:
+                    verdicts[route_id] = self._allowed(route_id, usable, kernel)
+                if verdicts[route_id]:
                     found.append((*self._value(i, problem, bounds, corrections), i))
             found.sort(key=lambda f: f[0])
         else:
