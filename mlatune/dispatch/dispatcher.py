@@ -18,6 +18,11 @@ on purpose), and builds everything ``select`` needs (the predictor too).
 - ``rule``: the first route of the arch's rule order that supports the
   problem; ``reference/torch`` is last and supports everything.
 
+DCP rows timed across processes (``dcp_timing`` "measured") and on one GPU ("simulated")
+never compete with each other (``mlatune.table.schema.competing``): at a problem with
+measured rows only those answer it, and in a bucket with measured points only those
+answer its unmeasured shapes (nearest and predicted).
+
 A route whose row at the exact problem is not ok (rejected_accuracy, crashed,
 timeout, unsupported) failed there: nearest and rule skip it for that problem,
 and when every other route failed or refuses, ``reference/torch`` answers as
@@ -54,7 +59,7 @@ import os
 import re
 import weakref
 from bisect import bisect_left
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -70,6 +75,7 @@ from mlatune.problem import BUCKET_FIELDS, MLAProblem
 from mlatune.routes import Route, all_routes, params_at, step_kind_of
 from mlatune.routes.torch_ref import REFERENCE_ID as REFERENCE_ROUTE
 from mlatune.table import winners_map
+from mlatune.table.schema import DCP_MEASURED, competing, is_measured
 
 __all__ = ["Choice", "Dispatcher", "TableError", "device_for_arch", "find_table"]
 
@@ -126,6 +132,7 @@ NO_ROUTES: frozenset[str] = frozenset()
 # ``problem.bucket`` in one C call (the property builds it field by field): a first select
 # of an unmeasured shape looks its bucket up twice.
 _bucket_of = operator.attrgetter(*BUCKET_FIELDS)
+_PROBLEM_COLUMNS = [*BUCKET_FIELDS, "batch", "kv_len"]  # a problem's columns, on one device
 
 
 @dataclass(frozen=True)
@@ -275,12 +282,16 @@ class Dispatcher:
                  failed: Mapping[str, Failures] | None = None, capturable: bool = False,
                  environment_differences: Sequence[str] = (), planning: bool = False,
                  plan_calls: int = DEFAULT_PLAN_CALLS, unmeasured: str | None = None,
-                 first_sight: str | os.PathLike | None = None):
+                 first_sight: str | os.PathLike | None = None,
+                 measured_keys: Collection[str] = ()):
         """Built by ``load``: ``entries`` name only routes in ``routes`` (the registry
-        snapshot they were filtered with); ``skipped_routes`` counts the rows dropped;
+        snapshot they were filtered with), each key's rows those that compete there
+        (``schema.competing``); ``skipped_routes`` counts the rows dropped;
         ``failed`` holds, per measured key, the routes whose row there is not ok;
         ``environment_differences`` what differs between where the table was measured and
-        here (``mlatune.dispatch.environment``)."""
+        here (``mlatune.dispatch.environment``); ``measured_keys`` the keys whose rows were
+        timed across processes (DCP): a bucket that has some answers unmeasured shapes
+        from those alone."""
         self.device = device
         self.capturable = capturable
         # Answering for another machine (allow_arch): support is the capability rules', as
@@ -319,6 +330,7 @@ class Dispatcher:
                 self._others[key] = (columns, start + 1, end)
             points.setdefault(bucket, []).append((batch, kv_len, winner))
             wins[route_id] = wins.get(route_id, 0) + 1
+        points = _learnable(points, measured_keys)
         self._buckets = {b: _Bucket(p) for b, p in points.items()}
         self._points = points  # per bucket (batch, kv_len, winner): the predictor's points
         self._rule_order = self._make_rule_order(wins)
@@ -666,6 +678,7 @@ class Dispatcher:
         dispatcher = cls(device, entries, routes=routes, source=where, table_device=chosen,
                          planning=allow_arch is not None, plan_calls=plan_calls,
                          unmeasured=unmeasured,
+                         measured_keys=source.measured_keys(chosen, set(routes), capturable),
                          provenance=provenance, skipped_routes=skipped, failed=failed,
                          capturable=capturable, environment_differences=differences)
         environment.warn_once(str(path), differences)
@@ -705,6 +718,20 @@ class Dispatcher:
         except Exception as exc:  # load raises TableError; an unreadable directory OSError
             log.warning("mlatune: bundled table unusable, dispatching by rule: %s", exc)
             return cls.rules_only(device, capturable)
+
+
+def _learnable(points: dict[tuple, list[tuple[int, int, Choice]]], measured: Collection[str]
+               ) -> dict[tuple, list[tuple[int, int, Choice]]]:
+    """Per bucket the points that answer its unmeasured shapes (nearest, predicted): in a
+    bucket with points timed across processes only those (``schema.competing``)."""
+    if not measured:
+        return points
+    learnable = {}
+    for bucket, bucket_points in points.items():
+        keep = competing([bucket] * len(bucket_points),
+                         [winner.key in measured for _, _, winner in bucket_points])
+        learnable[bucket] = [p for p, kept in zip(bucket_points, keep, strict=True) if kept]
+    return learnable
 
 
 def _measured_note(choice: Choice, ranked: Sequence[Choice]) -> str:
@@ -823,19 +850,17 @@ class _FrameSource:
 
         rows = self._rows(device)
         ok = (rows["status"] == "ok").to_numpy()
-        # With ``capturable`` the other ok steps are left out, not failed: eager callers'.
-        usable = ok & rows["capturable"].to_numpy(dtype=bool) if capturable else ok
         known = rows["route"].isin(route_ids).to_numpy()
         skipped = {str(r): int(n) for r, n in
                    rows.loc[ok & ~known, "route"].value_counts().items()}
-        failed = self._failures(rows.loc[~ok & known, [*BUCKET_FIELDS, "batch", "kv_len",
-                                                      "route", "status"]])
-        rows = rows.loc[usable & known, [*BUCKET_FIELDS, "batch", "kv_len", "route",
-                                         "route_params", "time_us", "rank", "plan_on", "plan_us",
-                                         "plan_host_us"]]
+        failed = self._failures(rows.loc[~ok & known, [*_PROBLEM_COLUMNS, "route", "status"]])
+        rows = rows.loc[self._usable(rows, route_ids, capturable),
+                        [*_PROBLEM_COLUMNS, "route", "route_params", "time_us", "rank",
+                         "plan_on", "plan_us", "plan_host_us", "dcp_timing"]]
+        rows = rows[self._table.competing_rows(rows, by=_PROBLEM_COLUMNS)]
         if rows.empty:
             return [], skipped, failed
-        key_id = rows.groupby([*BUCKET_FIELDS, "batch", "kv_len"], sort=False).ngroup()
+        key_id = rows.groupby(_PROBLEM_COLUMNS, sort=False).ngroup()
         cost = step_cost(rows["time_us"].to_numpy(), rows["plan_on"].to_numpy(dtype=object),
                          rows["plan_us"].to_numpy(), rows["plan_host_us"].to_numpy(),
                          capturable, plan_calls, rows["route"].isin(sharing).to_numpy())
@@ -860,6 +885,21 @@ class _FrameSource:
                            winners, [columns] * len(keys), starts.tolist(), ends, strict=True))
         return entries, skipped, failed
 
+    @staticmethod
+    def _usable(rows, route_ids: set[str], capturable: bool):
+        """The ok rows of known routes; with ``capturable`` only the steps a graph replays
+        (the other ok steps are left out, not failed: they are eager callers')."""
+        usable = (rows["status"] == "ok").to_numpy() & rows["route"].isin(route_ids).to_numpy()
+        return usable & rows["capturable"].to_numpy(dtype=bool) if capturable else usable
+
+    def measured_keys(self, device: Device, route_ids: set[str], capturable: bool = False
+                      ) -> set[str]:
+        """The keys with a usable row timed across processes (``schema.is_measured``)."""
+        rows = self._rows(device)
+        rows = rows[self._usable(rows, route_ids, capturable)
+                    & (rows["dcp_timing"] == DCP_MEASURED).to_numpy()]
+        return set(self._table.key_strings(rows)) if len(rows) else set()
+
     def _failures(self, rows) -> dict[str, Failures]:
         """Per key, its rows that are not ok as (route, status) pairs; keys that fail the
         same way share one tuple. Column-wise but for one short step per failing key."""
@@ -868,7 +908,7 @@ class _FrameSource:
 
         if rows.empty:
             return {}
-        key_id = rows.groupby([*BUCKET_FIELDS, "batch", "kv_len"], sort=False).ngroup()
+        key_id = rows.groupby(_PROBLEM_COLUMNS, sort=False).ngroup()
         route_codes, route_names = pd.factorize(rows["route"])
         status_codes, status_names = pd.factorize(rows["status"])
         n = len(status_names)
@@ -918,11 +958,12 @@ class _JsonSource:
         entry, problems = self._by_device[device]
         for key, winner in entry["winners"].items():
             start = len(times)
-            for cost, option in _by_step_cost((winner, *winner.get("alternatives", ())),
-                                              capturable, plan_calls, sharing):
+            options = [winner, *winner.get("alternatives", ())]
+            for option in options:
                 if option["route"] not in route_ids:
                     skipped[option["route"]] = skipped.get(option["route"], 0) + 1
-                    continue
+            for cost, option in _by_step_cost(_competing(options, route_ids, capturable),
+                                              capturable, plan_calls, sharing):
                 text = json.dumps(option["params"], sort_keys=True) if option["params"] \
                     else "{}"
                 route_codes.append(routes.setdefault(option["route"], len(routes)))
@@ -936,6 +977,13 @@ class _JsonSource:
         entries = [(p.key, buckets.setdefault(p.bucket, p.bucket), p.batch, p.kv_len,
                     columns.option(start), columns, start, end) for p, start, end in spans]
         return entries, skipped, self._failures(entry, route_ids)
+
+    def measured_keys(self, device: Device, route_ids: set[str], capturable: bool = False
+                      ) -> set[str]:
+        """As ``_FrameSource.measured_keys``, from the options' ``dcp_timing``."""
+        return {key for key, winner in self._by_device[device][0]["winners"].items()
+                if any(is_measured(o.get("dcp_timing")) for o in _competing(
+                    [winner, *winner.get("alternatives", ())], route_ids, capturable))}
 
     @staticmethod
     def _failures(entry: Mapping[str, Any], route_ids: set[str]) -> dict[str, Failures]:
@@ -958,6 +1006,17 @@ class _JsonSource:
             if pairs:
                 failed[key] = pairs
         return failed
+
+
+def _competing(options: Sequence[Mapping[str, Any]], route_ids: set[str], capturable: bool
+               ) -> list[Mapping[str, Any]]:
+    """A winners-map key's usable options (known routes; with ``capturable`` steps a graph
+    replays) that compete (``schema.competing``), as ``_FrameSource.entries`` keeps rows."""
+    usable = [o for o in options if o["route"] in route_ids
+              and (o.get("capturable", False) or not capturable)]
+    measured = [is_measured(o.get("dcp_timing")) for o in usable]
+    return [o for o, kept in zip(usable, competing([0] * len(usable), measured), strict=True)
+            if kept]
 
 
 def _by_step_cost(options, capturable: bool, plan_calls: int = DEFAULT_PLAN_CALLS,

@@ -79,7 +79,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from mlatune.arch import DeviceInfo
-from mlatune.problem import MLAProblem
+from mlatune.problem import BUCKET_FIELDS, MLAProblem
 from mlatune.routes import Route, params_at
 
 __all__ = ["Prediction", "Predictor", "Row", "rows_from_journal", "rows_from_table"]
@@ -745,26 +745,41 @@ def rows_from_journal(path: str | Path, capturable: bool = False,
                       ) -> list[Row]:
     """Every ok candidate of a sweep journal, with its step cost as the dispatcher ranks
     it (``dispatch.step_cost``; plan costs a journal lacks count as 0); with
-    ``capturable`` only steps a CUDA graph replays. A record without its step kind gets
+    ``capturable`` only steps a CUDA graph replays; in a bucket with DCP steps timed
+    across processes, only those (``_learnable``). A record without its step kind gets
     the one its route declares, as a table's row does."""
     from mlatune.dispatch import step_cost  # lazily: the dispatcher may import this module
     from mlatune.sweep import journal
     from mlatune.table.schema import declared_step_kind
 
-    rows = []
+    stepped = []  # (record, params, plan_on): the ok steps the caller can take
     for r in journal.read(Path(path))[1]:
         if r.get("status") != "ok":
             continue
         params = json.loads(r["route_params"])
         plan_on, replays = (r["plan_on"], r["capturable"]) if "plan_on" in r \
             and "capturable" in r else declared_step_kind(r["route"], params)
-        if capturable and not replays:
-            continue
+        if replays or not capturable:
+            stepped.append((r, params, plan_on))
+    rows = []
+    for r, params, plan_on in _learnable(stepped):
         cost = step_cost(float(r["time_us"]), plan_on, _number(r.get("plan_us")),
                          _number(r.get("plan_host_us")), capturable, **_calls(plan_calls),
                          shares_host_plan=r["route"] in sharing)
         rows.append((MLAProblem.from_key_dict(r["key"]), str(r["route"]), params, float(cost)))
     return rows
+
+
+def _learnable(stepped: list[tuple[dict[str, Any], Any, Any]]
+               ) -> list[tuple[dict[str, Any], Any, Any]]:
+    """Of (record, ...) tuples, those a predictor learns from: in a bucket with DCP steps
+    timed across processes only those (``schema.competing``: a simulated time leaves the
+    collectives out, so a law is never fitted over both kinds)."""
+    from mlatune.table.schema import competing, is_measured
+
+    buckets = [MLAProblem.from_key_dict(r["key"]).bucket for r, *_ in stepped]
+    keep = competing(buckets, [is_measured(r.get("dcp_timing")) for r, *_ in stepped])
+    return [s for s, kept in zip(stepped, keep, strict=True) if kept]
 
 
 def _calls(plan_calls: int | None) -> dict[str, int]:
@@ -777,12 +792,16 @@ def rows_from_table(frame: Any, capturable: bool = False,
                     ) -> list[Row]:
     """A table's ok rows (a DataFrame as ``mlatune.table.read`` gives), costed as the
     dispatcher ranks them (``sharing``: the routes whose host plan a step's calls share);
-    with ``capturable`` only steps a CUDA graph replays."""
+    with ``capturable`` only steps a CUDA graph replays; in a bucket with DCP rows timed
+    across processes, only those (as ``rows_from_journal``)."""
+    from mlatune import table
     from mlatune.dispatch import step_cost
+    from mlatune.table.schema import DEVICE_COLUMNS
 
     ok = frame[frame["status"] == "ok"]
     if capturable:
         ok = ok[ok["capturable"].astype(bool)]
+    ok = ok[table.competing_rows(ok, by=[*DEVICE_COLUMNS, *BUCKET_FIELDS])]
     costs = step_cost(ok["time_us"].to_numpy(dtype=float), ok["plan_on"].to_numpy(dtype=object),
                       ok["plan_us"].to_numpy(dtype=float),
                       ok["plan_host_us"].to_numpy(dtype=float), capturable,

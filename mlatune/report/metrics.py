@@ -24,7 +24,13 @@ from mlatune import routes, table
 from mlatune.dispatch import Dispatcher, device_for_arch
 from mlatune.problem import FP8_DTYPES, MLAProblem
 from mlatune.sweep import journal
-from mlatune.table.schema import DCP_MEASURED, DEVICE_COLUMNS, KEY_COLUMNS
+from mlatune.table.schema import (
+    DCP_MEASURED,
+    DEVICE_COLUMNS,
+    KEY_COLUMNS,
+    competing,
+    is_measured,
+)
 
 
 class ReportError(ValueError):
@@ -184,8 +190,10 @@ def dcp_measured(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def ok_times(frame: pd.DataFrame) -> pd.DataFrame:
-    """time_us of every ok row: index problem key, one column per route (NaN: no ok row)."""
-    ok = frame[frame["status"] == "ok"]
+    """time_us of every ok row that competes (``table.competing_rows``: at a problem with
+    DCP rows measured across processes, only those): index problem key, one column per
+    route (NaN: no such row)."""
+    ok = frame[(frame["status"] == "ok") & table.competing_rows(frame)]
     long = pd.DataFrame({"key": table.key_strings(ok), "route": ok["route"].astype(str).to_numpy(),
                          "time_us": ok["time_us"].to_numpy()})
     return long.pivot(index="key", columns="route", values="time_us")
@@ -273,24 +281,29 @@ Timed = dict[tuple[str, str], list[tuple[dict[str, Any], float]]]
 
 def candidate_times(journal_path: str | os.PathLike) -> Timed:
     """(problem key, route) -> [(parameters as run, time_us)] of every ok candidate of
-    a sweep journal (plain or gzipped)."""
+    a sweep journal (plain or gzipped); at a problem with DCP steps measured across
+    processes only those, each scheme's (``schema.competing``), as the table keeps them."""
+    ok = [r for r in journal.read(Path(journal_path))[1] if r.get("status") == "ok"]
+    keys = [MLAProblem.from_key_dict(r["key"]).key for r in ok]
+    keep = competing(keys, [is_measured(r.get("dcp_timing")) for r in ok])
     timed: Timed = {}
-    for r in journal.read(Path(journal_path))[1]:
-        if r.get("status") == "ok":
-            key = (MLAProblem.from_key_dict(r["key"]).key, r["route"])
-            timed.setdefault(key, []).append((json.loads(r["route_params"]), r["time_us"]))
+    for key, r, kept in zip(keys, ok, keep, strict=True):
+        if kept:
+            timed.setdefault((key, r["route"]), []).append(
+                (json.loads(r["route_params"]), r["time_us"]))
     return timed
 
 
 def time_with(timed: Timed, problem: MLAProblem, route_id: str, params: Any, device) -> float:
     """The time of ``route_id`` called with ``params`` on ``problem``: the candidate
     that ran with exactly those, defaults filled in from the route's first set as the
-    routes do; NaN if none was timed."""
+    routes do (the fastest, where it ran more than once); NaN if none was timed."""
     want = dict(params)
     with contextlib.suppress(Exception):  # a route not registered here: as given
         want = {**routes.get(route_id).param_space(problem, device)[0], **want}
-    return next((float(t) for ran, t in timed.get((problem.key, route_id), ()) if ran == want),
-                math.nan)
+    # Several runs with the same parameters: a DCP step measured in each scheme.
+    return min((float(t) for ran, t in timed.get((problem.key, route_id), ()) if ran == want),
+               default=math.nan)
 
 
 def _regret_summary(regret: pd.Series) -> tuple[float, float, float]:

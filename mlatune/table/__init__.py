@@ -13,9 +13,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_FRAME = ("FORMATS", "assign_ranks", "build", "coerce", "diff", "key_strings", "merge",
-          "provenances", "read", "read_versioned", "summary", "validate", "winners",
-          "winners_json", "write", "write_json")
+_FRAME = ("FORMATS", "assign_ranks", "build", "coerce", "competing_rows", "diff",
+          "key_strings", "merge", "provenances", "read", "read_versioned", "summary",
+          "validate", "winners", "winners_json", "write", "write_json")
 __all__ = list(_FRAME)
 
 

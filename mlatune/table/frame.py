@@ -69,6 +69,7 @@ from mlatune.table.schema import (
     STEP_KIND_COLUMNS,
     UNKNOWN_STEP_KIND,
     Provenance,
+    competing,
     declared_step_kind,
     default_dcp_timing,
     upgraded_provenance,
@@ -217,6 +218,16 @@ def coerce(frame: pd.DataFrame) -> pd.DataFrame:
 def _simulated_tier(frame: pd.DataFrame) -> pd.Series:
     """0 for a row measured across processes, 1 otherwise: measured rows rank first."""
     return (frame["dcp_timing"] != DCP_MEASURED).astype("int64")
+
+
+def competing_rows(frame: pd.DataFrame, by: Sequence[str] = KEY_COLUMNS) -> pd.Series:
+    """``schema.competing`` over a frame: True for the rows that compete within their group
+    of ``by`` (a problem by default; a bucket for what a predictor learns from)."""
+    measured = frame["dcp_timing"] == DCP_MEASURED
+    if not measured.any():
+        return pd.Series(True, index=frame.index)
+    groups = frame.groupby(list(by), sort=False, dropna=False).ngroup()
+    return pd.Series(competing(groups.tolist(), measured.tolist()), index=frame.index)
 
 
 def assign_ranks(frame: pd.DataFrame) -> pd.DataFrame:
@@ -771,8 +782,9 @@ def summary(frame: pd.DataFrame) -> pd.DataFrame:
     slower); NaN without a runner-up. Keys with no ok row have winner "".
     """
     keys = frame[list(KEY_COLUMNS)].drop_duplicates()
-    ranked = frame.loc[frame["rank"].isin([1, 2]), [*KEY_COLUMNS, "rank", "route", "time_us",
-                                                     "route_params"]]
+    # A measured winner's runner-up is measured too: a simulated one is no comparison.
+    ranked = frame.loc[frame["rank"].isin([1, 2]) & competing_rows(frame),
+                       [*KEY_COLUMNS, "rank", "route", "time_us", "route_params"]]
     first = ranked[ranked["rank"] == 1].drop(columns="rank").rename(
         columns={"route": "winner", "time_us": "winner_us", "route_params": "winner_params"})
     second = ranked[ranked["rank"] == 2].drop(columns=["rank", "route_params"]).rename(
@@ -817,7 +829,9 @@ def diff(a: pd.DataFrame, b: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, int]
 
 def winners_json(frame: pd.DataFrame, winners_only: bool = False) -> dict[str, Any]:
     """The winners map of a valid table (see mlatune.table.winners_map for the format): per device
-    each key's ok routes and, kept even with ``winners_only``, the routes that failed."""
+    each key's ok routes that compete (``competing_rows``) and, kept even with
+    ``winners_only``, the routes that failed."""
+    frame = frame[competing_rows(frame) | (frame["status"] != "ok")]
     frame = frame.sort_values([*KEY_COLUMNS, "rank", "route"], kind="stable")
     devices = []
     for device, rows in frame.groupby(list(DEVICE_COLUMNS), sort=True):
@@ -857,13 +871,14 @@ def _device_winners(rows: pd.DataFrame, winners_only: bool
 
 def _options(rows: pd.DataFrame) -> Iterable[dict[str, Any]]:
     """Each row as a winners-map option; a cost not measured (NaN) as null."""
-    columns = ["route", "route_params", "time_us", *_STEP_COLUMNS]
-    for route, params, time_us, plan_on, capturable, *costs in rows[columns].itertuples(
+    columns = ["route", "route_params", "time_us", "dcp_timing", *_STEP_COLUMNS]
+    for route, params, time_us, timing, plan_on, capturable, *costs in rows[columns].itertuples(
             index=False, name=None):
         yield {"route": str(route), "params": json.loads(params), "time_us": float(time_us),
                "plan_on": str(plan_on), "capturable": bool(capturable),
                **{name: None if math.isnan(c) else float(c)
-                  for name, c in zip(STEP_COST_COLUMNS, costs, strict=True)}}
+                  for name, c in zip(STEP_COST_COLUMNS, costs, strict=True)},
+               **({"dcp_timing": DCP_MEASURED} if timing == DCP_MEASURED else {})}
 
 
 def write_json(document: Mapping[str, Any], path: str | os.PathLike) -> Path:

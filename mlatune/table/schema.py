@@ -15,8 +15,10 @@ v3 adds how a DCP row (dcp_size > 1) was timed (``DCP_COLUMNS``): ``dcp_timing``
 or "measured" (the real step across dcp_size processes: q all-gather, attention,
 output and LSE exchange, correction; the slowest rank's time); "" without DCP. A
 measured row also holds its scheme, its communication time and the simulated time it
-replaced. Among a problem's ok rows the measured ones rank first: a simulated time
-leaves out the collectives, so it does not compare with a measured one.
+replaced. A simulated time leaves out the collectives, so it never competes with a
+measured one (``competing``, the one rule the table, the dispatcher, the predictor and
+the report apply): where a problem has measured rows only they compete, and its
+simulated rows rank after them; the JSON winners map carries only the rows that compete.
 
 Older tables are upgraded as they are read (``mlatune.table.read``): a v1 table's step
 kinds come from the routes' declarations (``declared_step_kind``) and its costs are NaN
@@ -28,7 +30,7 @@ empty; ``schema_version`` becomes 3 and the provenance field ``converted_from`` 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 
@@ -168,6 +170,23 @@ def declared_step_kind(route_id: str, params: Mapping | str) -> tuple[str, bool]
         return UNKNOWN_STEP_KIND
     kind = step_kind_of(route, dict(params))
     return kind.plan_on, kind.capturable
+
+
+def is_measured(dcp_timing: object) -> bool:
+    """Whether a row or record with this ``dcp_timing`` was timed across processes."""
+    return dcp_timing == DCP_MEASURED
+
+
+def competing(groups: Sequence[Hashable], measured: Sequence[bool]) -> list[bool]:
+    """Which rows compete, given each row's group and whether it was timed across
+    processes: in a group with a measured row only the measured rows do; a group with
+    none keeps every row. The group is a problem for the rows that answer it, a bucket
+    (every key field but batch and kv_len) for the rows a predictor learns from: a
+    simulated time leaves the collectives out, so it is never set against a measured one."""
+    with_measured = {g for g, m in zip(groups, measured, strict=True) if m}
+    if not with_measured:
+        return [True] * len(groups)
+    return [bool(m) or g not in with_measured for g, m in zip(groups, measured, strict=True)]
 
 
 def default_dcp_timing(dcp_size: int) -> str:

@@ -23,8 +23,10 @@ each option carries the table's columns of the same names (mlatune.table.schema)
 cost not measured as null. A schema v1 map (options without the step fields)
 is upgraded as it is read, as a v1 table is: step kinds declared by the
 routes, costs null, ``converted_from`` "v1" in each provenance record. Schema v3 added
-only table columns a map does not carry (how a DCP row was timed): a v2 map reads as it is,
-its options in the order of the ranks (v3: a problem's measured DCP rows first).
+how a DCP row was timed: an option measured across processes carries ``"dcp_timing":
+"measured"`` (absent otherwise, so a v2 map reads as it is), and a problem with measured
+options lists only those (``schema.competing``: a simulated time leaves the collectives
+out); the options in the order of the ranks.
 
 Failures: the table's rows that are not ok (``FAILED_STATUSES``), so a dispatcher
 never takes a route from a neighbour or the rule where it failed, as with the
