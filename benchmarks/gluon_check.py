@@ -47,6 +47,7 @@ SMOKE = [  # (batch, heads, kv_len, qlen, dtype, num_splits)
 ]
 OTHERS = ("padded/triton", "dense/flashmla")
 GLUON = "wgmma/gluon"
+VARIANTS = [(64, False), (64, True), (32, False), (32, True)]  # (block_n, pipeline)
 DEVICE = "cuda"  # a dry run of the plumbing may set "cpu" (with a stand-in kernel)
 
 
@@ -61,13 +62,17 @@ def problem_of(batch, heads, kv_len, qlen, dtype="bf16"):
                       kv_dtype=dtype, page_size=64)
 
 
-def gluon_prepare(problem, inputs, num_splits=None):
+def variant_id(variant) -> str:
+    return f"{GLUON} n{variant[0]}{' pipe' if variant[1] else ''}"
+
+
+def gluon_prepare(problem, inputs, num_splits=None, variant=VARIANTS[0]):
     from mlatune.kernels.gluon_hopper import decode_launcher
     shard = inputs.shards[0]
     return decode_launcher(inputs.q, shard.kv_cache, shard.block_table, shard.seq_lens,
                            qlen=problem.qlen, sm_scale=inputs.softmax_scale,
                            causal=problem.causal, num_splits=num_splits,
-                           max_seq_len=problem.kv_len)
+                           max_seq_len=problem.kv_len, block_n=variant[0], pipeline=variant[1])
 
 
 def route_prepare(route_id, problem, inputs):
@@ -120,13 +125,15 @@ def smoke() -> int:
     from mlatune.check import reference
     from mlatune.check.inputs import make_decode_inputs
     failed = 0
-    for batch, heads, kv_len, qlen, dtype, splits in SMOKE:
+    cases = [(c, v) for c in SMOKE for v in VARIANTS]
+    for (batch, heads, kv_len, qlen, dtype, splits), variant in cases:
         problem = problem_of(batch, heads, kv_len, qlen, dtype)
-        name = f"smoke {(batch, heads, kv_len, qlen)} {dtype} splits={splits}"
+        name = (f"smoke {(batch, heads, kv_len, qlen)} {dtype} splits={splits} "
+                f"{variant_id(variant)}")
         try:
             inputs = make_decode_inputs(problem, seed=1, device=DEVICE, ragged=True)
             ref = reference.decode_shard(inputs, inputs.shards[0])
-            run, out, lse = gluon_prepare(problem, inputs, splits)
+            run, out, lse = gluon_prepare(problem, inputs, splits, variant)
             a = check_run(run, out, lse, problem, ref)
             stale = poison_stale_slots(inputs)
             b = check_run(run, out, lse, problem, ref)
@@ -135,7 +142,7 @@ def smoke() -> int:
         except Exception as exc:  # report and go on to the next case
             print(f"{name}: error {last_line(exc)}", flush=True)
             failed += 1
-    print(f"smoke: {len(SMOKE) - failed}/{len(SMOKE)} cases passed", flush=True)
+    print(f"smoke: {len(cases) - failed}/{len(cases)} cases passed", flush=True)
     return 0
 
 
@@ -165,21 +172,28 @@ def run_point(point, gluon_ok: bool, seconds: float) -> list[dict]:
     full = make_decode_inputs(problem, seed=2, device=DEVICE, ragged=False)
     ref_f = reference.decode_shard(full, full.shards[0])
     budget = Budget(warmup=2, min_reps=10, max_reps=60, max_seconds=seconds, race_ratio=0.0)
-    ids = ([GLUON] if gluon_ok else []) + list(OTHERS)
+    ids = ([variant_id(v) for v in VARIANTS] if gluon_ok else []) + list(OTHERS)
     rows = []
     for rid in ids:
         row = dict(batch=point[0], heads=point[1], kv_len=point[2], qlen=point[3], route=rid,
                    status="ok")
+        is_gluon = rid.startswith(GLUON)
+        variant = VARIANTS[[variant_id(v) for v in VARIANTS].index(rid)] if is_gluon else None
         try:
-            prep = gluon_prepare if rid == GLUON else (lambda p, x, r=rid: route_prepare(r, p, x))
+            if is_gluon:
+                def prep(p, x, splits=None, v=variant):
+                    return gluon_prepare(p, x, splits, v)
+            else:
+                def prep(p, x, splits=None, r=rid):
+                    return route_prepare(r, p, x)
             run, out, lse = prep(problem, ragged)
             a = check_run(run, out, lse, problem, ref_r)
             row.update(ragged_ok=a["ok"], rel_l2=a["rel_l2"], lse_err=a["lse_err"])
-            if rid == GLUON:
+            if is_gluon:
                 # Forced split counts: the direct store path and the merged one, whatever
                 # pick_splits chose.
                 for splits in (1, 5):
-                    run2, out2, lse2 = gluon_prepare(problem, ragged, splits)
+                    run2, out2, lse2 = prep(problem, ragged, splits)
                     a2 = check_run(run2, out2, lse2, problem, ref_r)
                     row[f"splits{splits}_ok"] = a2["ok"]
                     row[f"splits{splits}_rel_l2"] = a2["rel_l2"]
@@ -189,14 +203,14 @@ def run_point(point, gluon_ok: bool, seconds: float) -> list[dict]:
             row.update(full_ok=b["ok"], full_rel_l2=b["rel_l2"], full_lse_err=b["lse_err"])
             if not (a["ok"] and b["ok"]):
                 row["status"] = f"inaccurate: {a['reason'] if not a['ok'] else b['reason']}"
-            if row["status"] == "ok" or rid == GLUON:  # the kernel's speed is news even if wrong
+            if row["status"] == "ok" or is_gluon:  # the kernel's speed is news even if wrong
                 t = measure(run, DEVICE, budget)
                 row.update(time_us=t.median_us, p20_us=t.p20_us, p80_us=t.p80_us, reps=t.reps,
                            timer=t.timer, tb_s=problem.min_bytes() / t.median_us / 1e6,
                            tflops=problem.flops() / t.median_us / 1e6)
-            if rid == GLUON:
+            if is_gluon:
                 n = poison_stale_slots(ragged)
-                run, out, lse = gluon_prepare(problem, ragged)
+                run, out, lse = prep(problem, ragged)
                 c = check_run(run, out, lse, problem, ref_r)
                 row.update(stale_nan_slots=n, stale_nan_ok=c["ok"])
         except Exception as exc:  # one route's failure is a result; go on
@@ -210,13 +224,13 @@ def run_point(point, gluon_ok: bool, seconds: float) -> list[dict]:
 
 
 def line_of(r: dict) -> str:
-    head = f"{r['route']:15s}"
+    head = f"{r['route']:22s}"
     if "time_us" not in r:
         return f"{head} {r['status']}"
     if r["status"] != "ok":
         head += f" [{r['status'][:60]}]"
     extra = ""
-    if r["route"] == GLUON:
+    if r["route"].startswith(GLUON):
         extra = (f" splits1={'ok' if r.get('splits1_ok') else 'FAIL'}"
                  f" splits5={'ok' if r.get('splits5_ok') else 'FAIL'}"
                  f" stale_nan={'ok' if r.get('stale_nan_ok') else 'FAIL'}")
@@ -226,8 +240,11 @@ def line_of(r: dict) -> str:
 
 def summary(point, rows) -> str:
     t = {r["route"]: r.get("time_us", math.nan) for r in rows}
-    g = t.get(GLUON, math.nan)
-    parts = [f"{point}: gluon {g:.1f} us"]
+    ok = {r["route"]: r.get("time_us", math.nan) for r in rows
+          if r["route"].startswith(GLUON) and r["status"] == "ok"}
+    best = min(ok, key=ok.get) if ok else GLUON
+    g = t.get(best, math.nan)
+    parts = [f"{point}: best gluon {best} {g:.1f} us"]
     for rid in OTHERS:
         if not math.isnan(t.get(rid, math.nan)):
             parts.append(f"{rid} {t[rid]:.1f} us (gluon/{rid.split('/')[0]} {g / t[rid]:.2f}x)")

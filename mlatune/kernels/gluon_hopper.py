@@ -66,19 +66,20 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from mlatune.kernels.gluon_hopper_plan import (  # noqa: F401  (GLUON_TRITON, H200_SMS: the API)
     BLOCK_M,
     BLOCK_N,
+    BLOCK_NS,
     D_NOPE,
     D_ROPE,
     GLUON_TRITON,
     H200_SMS,
     PAGE_SIZE,
     pick_splits,
+    stages_for,
     triton_refusal,
 )
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 NUM_WARPS = 8
-NUM_STAGES = 2
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
@@ -90,13 +91,42 @@ def gluon_available() -> tuple[bool, str]:
 
 
 @gluon.jit
-def _issue_kv(kn_desc, kr_desc, kn_buf, kr_buf, bar, bt_row, page_idx, pred):
-    """Start the TMA copies of one 64-key tile (one page) into a ring slot."""
-    page = gl.load(bt_row + page_idx, mask=pred, other=0)
-    row = page * kn_desc.block_type.shape[0]
+def _issue_kv(kn_desc, kr_desc, kn_buf, kr_buf, bar, bt_row, key, pred, PAGE: gl.constexpr):
+    """Start the TMA copies of the key tile that begins at local key ``key`` into a ring slot."""
+    page = gl.load(bt_row + key // PAGE, mask=pred, other=0)
+    row = page * PAGE + key % PAGE
     mbarrier.expect(bar, kn_desc.block_type.nbytes + kr_desc.block_type.nbytes, pred=pred)
     tma.async_copy_global_to_shared(kn_desc, [row, 0], bar, kn_buf, pred=pred)
     tma.async_copy_global_to_shared(kr_desc, [row, 0], bar, kr_buf, pred=pred)
+
+
+@gluon.jit
+def _issue_scores(q_nope, q_rope, kn, kr, s_layout: gl.constexpr):
+    """Start S = Q K^T of one tile (the 512-wide and the 64-wide parts): an async token."""
+    BM: gl.constexpr = q_nope.shape[0]
+    BN: gl.constexpr = kn.shape[0]
+    s = gl.zeros([BM, BN], gl.float32, layout=s_layout)
+    s = warpgroup_mma(q_nope, kn.permute((1, 0)), s, use_acc=False, is_async=True)
+    return warpgroup_mma(q_rope, kr.permute((1, 0)), s, is_async=True)
+
+
+@gluon.jit
+def _softmax_tile(s, n0, end, last_pos, cols, m_i, l_i):
+    """Online softmax (base 2) of one tile's scaled scores: (P, new max, new sum, alpha).
+
+    Keys past ``end`` or past a row's causal bound get weight 0; alpha rescales what
+    the rows accumulated before this tile.
+    """
+    key = n0 + cols
+    allowed = (gl.expand_dims(key, 0) <= gl.expand_dims(last_pos, 1)) \
+        & gl.expand_dims(key < end, 0)
+    s = gl.where(allowed, s, gl.full_like(s, float("-inf")))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    # A row with no key yet keeps m = -inf: shift by 0 there so exp2 gives 0, not NaN.
+    m_shift = gl.where(m_new == float("-inf"), gl.zeros_like(m_new), m_new)
+    alpha = gl.exp2(m_i - m_shift)
+    p = gl.exp2(s - gl.expand_dims(m_shift, 1))
+    return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
 
 
 @gluon.jit
@@ -116,13 +146,98 @@ def _zero_stale_rows(kn_buf, valid, num_warps: gl.constexpr):
     gl.thread_barrier()
 
 
+@gluon.jit
+def _walk_serial(q_nope, q_rope, k_nope, k_rope, kv_bar, p_buf, kn_desc, kr_desc, bt_row,
+                 start, end, n_tiles, last_pos, qk_scale, m_i, l_i, acc,
+                 s_layout: gl.constexpr, o_layout: gl.constexpr, PAGE: gl.constexpr,
+                 NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """The key walk, one tile at a time: S, softmax, then P V, each waited for at once."""
+    BN: gl.constexpr = k_nope.shape[1]
+    cols = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+    for i in range(n_tiles):
+        stage = i % NUM_STAGES
+        kn = k_nope.index(stage)
+        kr = k_rope.index(stage)
+        mbarrier.wait(kv_bar.index(stage), (i // NUM_STAGES) & 1)
+        n0 = start + i * BN
+        if n0 + BN > end:
+            _zero_stale_rows(kn, end - n0, num_warps)
+        s = _issue_scores(q_nope, q_rope, kn, kr, s_layout)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        p, m_i, l_i, alpha = _softmax_tile(s * qk_scale, n0, end, last_pos, cols, m_i, l_i)
+        p_buf.store(p.to(p_buf.dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        acc = warpgroup_mma(p_buf, kn, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        # Both warpgroups are done with this slot (and with P): refill it.
+        gl.thread_barrier()
+        _issue_kv(kn_desc, kr_desc, kn, kr, kv_bar.index(stage), bt_row,
+                  n0 + NUM_STAGES * BN, i + NUM_STAGES < n_tiles, PAGE)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _walk_pipelined(q_nope, q_rope, k_nope, k_rope, kv_bar, p_buf, kn_desc, kr_desc, bt_row,
+                    start, end, n_tiles, last_pos, qk_scale, m_i, l_i, acc,
+                    s_layout: gl.constexpr, o_layout: gl.constexpr, PAGE: gl.constexpr,
+                    NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """The key walk with tile i+1's S = Q K^T issued before tile i's P V, so that the
+    softmax of tile i+1 runs while the tensor cores compute P V of tile i.
+
+    wgmma groups retire in issue order: waiting until one is in flight leaves only P V
+    running. Tile 0's scores come first (a prologue) and the last tile's P V after
+    the loop; with no tile at all the prologue's buffer is zeroed and masked, so the
+    rows stay empty.
+    """
+    BN: gl.constexpr = k_nope.shape[1]
+    cols = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    mbarrier.wait(kv_bar.index(0), 0, pred=n_tiles > 0)
+    if start + BN > end:
+        _zero_stale_rows(k_nope.index(0), end - start, num_warps)
+    s = _issue_scores(q_nope, q_rope, k_nope.index(0), k_rope.index(0), s_layout)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    p, m_i, l_i, alpha = _softmax_tile(s * qk_scale, start, end, last_pos, cols, m_i, l_i)
+    for i in range(n_tiles - 1):
+        cur = i % NUM_STAGES
+        nxt = (i + 1) % NUM_STAGES
+        p_buf.store(p.to(p_buf.dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        n1 = start + (i + 1) * BN
+        mbarrier.wait(kv_bar.index(nxt), ((i + 1) // NUM_STAGES) & 1)
+        if n1 + BN > end:
+            _zero_stale_rows(k_nope.index(nxt), end - n1, num_warps)
+        s = _issue_scores(q_nope, q_rope, k_nope.index(nxt), k_rope.index(nxt), s_layout)
+        acc = warpgroup_mma(p_buf, k_nope.index(cur), acc, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+        p, m_i, l_i, alpha = _softmax_tile(s * qk_scale, n1, end, last_pos, cols, m_i, l_i)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        # Both warpgroups are done with slot cur and with P: refill the slot.
+        gl.thread_barrier()
+        _issue_kv(kn_desc, kr_desc, k_nope.index(cur), k_rope.index(cur), kv_bar.index(cur),
+                  bt_row, start + (i + NUM_STAGES) * BN, i + NUM_STAGES < n_tiles, PAGE)
+    p_buf.store(p.to(p_buf.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+    last = gl.maximum(n_tiles - 1, 0) % NUM_STAGES
+    acc = warpgroup_mma(p_buf, k_nope.index(last), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    return acc, m_i, l_i
+
+
 @gluon.jit(do_not_specialize=["num_splits", "qlen", "heads"])
 def mla_decode_kernel(qn_desc, qr_desc, kn_desc, kr_desc, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr,
                       num_splits, qlen, heads, qk_scale,
                       stride_bt, stride_o_tok, stride_o_head, stride_lse_tok,
                       stride_po_slot, stride_po_row, stride_pl_slot,
                       CAUSAL: gl.constexpr, DIRECT: gl.constexpr, WRITE_LSE: gl.constexpr,
-                      NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
+                      PIPELINE: gl.constexpr, PAGE: gl.constexpr, NUM_STAGES: gl.constexpr,
+                      num_warps: gl.constexpr):
     BM: gl.constexpr = qn_desc.block_type.shape[0]
     DN: gl.constexpr = qn_desc.block_type.shape[1]
     BN: gl.constexpr = kn_desc.block_type.shape[0]
@@ -133,7 +248,6 @@ def mla_decode_kernel(qn_desc, qr_desc, kn_desc, kr_desc, bt_ptr, seq_lens_ptr, 
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, WG_N], instr_shape=[16, DN // WG_N, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
     rb = gl.program_id(0)
@@ -169,59 +283,29 @@ def mla_decode_kernel(qn_desc, qr_desc, kn_desc, kr_desc, bt_ptr, seq_lens_ptr, 
     tma.async_copy_global_to_shared(qn_desc, [q_row, 0], q_bar, q_nope)
     tma.async_copy_global_to_shared(qr_desc, [q_row, 0], q_bar, q_rope)
     bt_row = bt_ptr + b.to(gl.int64) * stride_bt
-    first_page = start // BN
     for i in gl.static_range(NUM_STAGES):
         _issue_kv(kn_desc, kr_desc, k_nope.index(i), k_rope.index(i), kv_bar.index(i), bt_row,
-                  first_page + i, i < n_tiles)
+                  start + i * BN, i < n_tiles, PAGE)
 
     offs_m = rb * BM + gl.arange(0, BM, layout=row_s)
     if CAUSAL:
         last_pos = seq_len - qlen + offs_m // heads
     else:
         last_pos = gl.full([BM], 0, gl.int32, layout=row_s) + (seq_len - 1)
-    cols = gl.arange(0, BN, layout=col_s)
     m_i = gl.full([BM], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.full([BM], 0.0, gl.float32, layout=row_s)
     acc = gl.zeros([BM, DN], gl.float32, layout=o_layout)
     mbarrier.wait(q_bar, 0)
-
-    for i in range(n_tiles):
-        stage = i % NUM_STAGES
-        kn = k_nope.index(stage)
-        kr = k_rope.index(stage)
-        mbarrier.wait(kv_bar.index(stage), (i // NUM_STAGES) & 1)
-        n0 = start + i * BN
-        if n0 + BN > end:
-            _zero_stale_rows(kn, end - n0, num_warps)
-
-        s = gl.zeros([BM, BN], gl.float32, layout=s_layout)
-        s = warpgroup_mma(q_nope, kn.permute((1, 0)), s, use_acc=False, is_async=True)
-        s = warpgroup_mma(q_rope, kr.permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-
-        s = s * qk_scale
-        key = n0 + cols
-        allowed = (gl.expand_dims(key, 0) <= gl.expand_dims(last_pos, 1)) \
-            & gl.expand_dims(key < end, 0)
-        s = gl.where(allowed, s, gl.full_like(s, float("-inf")))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        # A row with no key yet keeps m = -inf: shift by 0 there so exp2 gives 0, not NaN.
-        m_shift = gl.where(m_new == float("-inf"), gl.zeros_like(m_new), m_new)
-        alpha = gl.exp2(m_i - m_shift)
-        p = gl.exp2(s - gl.expand_dims(m_shift, 1))
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
-
-        p_buf.store(p.to(dtype))
-        fence_async_shared()
-        gl.thread_barrier()
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-        acc = warpgroup_mma(p_buf, kn, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        # Both warpgroups are done with this slot (and with P): refill it.
-        gl.thread_barrier()
-        _issue_kv(kn_desc, kr_desc, kn, kr, kv_bar.index(stage), bt_row,
-                  first_page + i + NUM_STAGES, i + NUM_STAGES < n_tiles)
+    if PIPELINE:
+        acc, m_i, l_i = _walk_pipelined(q_nope, q_rope, k_nope, k_rope, kv_bar, p_buf, kn_desc,
+                                        kr_desc, bt_row, start, end, n_tiles, last_pos, qk_scale,
+                                        m_i, l_i, acc, s_layout, o_layout, PAGE, NUM_STAGES,
+                                        num_warps)
+    else:
+        acc, m_i, l_i = _walk_serial(q_nope, q_rope, k_nope, k_rope, kv_bar, p_buf, kn_desc,
+                                     kr_desc, bt_row, start, end, n_tiles, last_pos, qk_scale,
+                                     m_i, l_i, acc, s_layout, o_layout, PAGE, NUM_STAGES,
+                                     num_warps)
 
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(NUM_STAGES):
@@ -268,7 +352,8 @@ def _nvmma(block: list[int], dtype: torch.dtype) -> gl.NVMMASharedLayout:
     return gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[dtype])
 
 
-def _descriptors(q: torch.Tensor, kv_cache: torch.Tensor) -> tuple[TensorDescriptor, ...]:
+def _descriptors(q: torch.Tensor, kv_cache: torch.Tensor,
+                 block_n: int) -> tuple[TensorDescriptor, ...]:
     """TMA descriptors: q's and the cache's nope and rope parts as 2-D row tables.
 
     q's (token, head) rows and the cache's (page, slot) rows are rows of one table
@@ -276,7 +361,7 @@ def _descriptors(q: torch.Tensor, kv_cache: torch.Tensor) -> tuple[TensorDescrip
     read, so no view or copy is made.
     """
     out = []
-    for t, block_rows in ((q, BLOCK_M), (kv_cache, BLOCK_N)):
+    for t, block_rows in ((q, BLOCK_M), (kv_cache, block_n)):
         n_rows, row_stride = t.shape[0] * t.shape[1], t.stride(1)
         for col, width in ((0, D_NOPE), (D_NOPE, D_ROPE)):
             block = [block_rows, width]
@@ -313,7 +398,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                     seq_lens: torch.Tensor, *, qlen: int, sm_scale: float, causal: bool = True,
                     out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                     num_splits: int | None = None, max_seq_len: int | None = None,
-                    num_stages: int = NUM_STAGES
+                    block_n: int = BLOCK_N, pipeline: bool = False
                     ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
     """A zero-argument launch of the Gluon decode, with the out and LSE it writes.
 
@@ -322,9 +407,13 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     out (batch * qlen, heads, 512) in q's dtype and lse (batch * qlen, heads)
     fp32 (natural log) are allocated when not given. ``num_splits`` None: picked
     from the batch and ``max_seq_len`` (read from seq_lens, a host sync, when not
-    given). The launch reads seq_lens and block_table when it runs (capturable).
+    given). ``block_n`` keys per tile (64 or 32: ``stages_for`` gives the ring's depth)
+    and ``pipeline`` (the walk of ``_walk_pipelined``) are the kernel's variants.
+    The launch reads seq_lens and block_table when it runs (capturable).
     """
     why = check_supported(q, kv_cache, block_table, seq_lens)
+    if block_n not in BLOCK_NS:
+        raise ValueError(f"gluon MLA decode: block_n {block_n} (one of {BLOCK_NS})")
     if why is not None:
         raise ValueError(f"gluon MLA decode: {why}")
     batch = seq_lens.shape[0]
@@ -341,10 +430,11 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max()) if batch else 0
         num_splits = pick_splits(batch, row_blocks, max_seq_len)
-    descs = _descriptors(q, kv_cache)
+    descs = _descriptors(q, kv_cache, block_n)
     grid = (row_blocks, num_splits, batch)
     scale = sm_scale * LOG2E
-    meta = dict(CAUSAL=causal and qlen > 1, NUM_STAGES=num_stages, num_warps=NUM_WARPS)
+    meta = dict(CAUSAL=causal and qlen > 1, PIPELINE=pipeline, PAGE=PAGE_SIZE,
+                NUM_STAGES=stages_for(block_n), num_warps=NUM_WARPS)
     common = (*descs, block_table, seq_lens)
     sizes = (num_splits, qlen, heads, scale, block_table.stride(0))
     if num_splits == 1:
@@ -376,10 +466,12 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
 
 def gluon_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, *, qlen: int, sm_scale: float, causal: bool = True,
-                 num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 num_splits: int | None = None, block_n: int = BLOCK_N,
+                 pipeline: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One eager call: (out, lse). See ``decode_launcher``."""
     launch, out, lse = decode_launcher(q, kv_cache, block_table, seq_lens, qlen=qlen,
-                                       sm_scale=sm_scale, causal=causal, num_splits=num_splits)
+                                       sm_scale=sm_scale, causal=causal, num_splits=num_splits,
+                                       block_n=block_n, pipeline=pipeline)
     launch()
     return out, lse
 
@@ -390,7 +482,7 @@ _TORCH_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def aot_compile(dtype: str = "bf16", *, direct: bool = True, causal: bool = True,
-                num_stages: int = NUM_STAGES, arch: int = 90):
+                block_n: int = BLOCK_N, pipeline: bool = False, arch: int = 90):
     """Compile ``mla_decode_kernel`` for ``sm_<arch>`` without a GPU; returns triton's
     CompiledKernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``)."""
     from triton.backends.compiler import GPUTarget
@@ -398,11 +490,11 @@ def aot_compile(dtype: str = "bf16", *, direct: bool = True, causal: bool = True
 
     tdtype = _TORCH_NAMES[dtype]
     descs = {"qn_desc": [BLOCK_M, D_NOPE], "qr_desc": [BLOCK_M, D_ROPE],
-             "kn_desc": [BLOCK_N, D_NOPE], "kr_desc": [BLOCK_N, D_ROPE]}
+             "kn_desc": [block_n, D_NOPE], "kr_desc": [block_n, D_ROPE]}
     pointers = {"bt_ptr": "i32", "seq_lens_ptr": "i32", "out_ptr": dtype if direct else "fp32",
                 "lse_ptr": "fp32"}
-    constants = dict(CAUSAL=causal, DIRECT=direct, WRITE_LSE=True, NUM_STAGES=num_stages,
-                     num_warps=NUM_WARPS)
+    constants = dict(CAUSAL=causal, DIRECT=direct, WRITE_LSE=True, PIPELINE=pipeline,
+                     PAGE=PAGE_SIZE, NUM_STAGES=stages_for(block_n), num_warps=NUM_WARPS)
     fn = mla_decode_kernel
     types = {**dict.fromkeys(constants, "constexpr"),
              **{n: "*" + t for n, t in pointers.items()}, "qk_scale": "fp32",
