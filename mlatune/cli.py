@@ -447,6 +447,10 @@ def sweep(
         min=0, help="With --gpus N >= 2: the routes per DCP problem measured across GPUs, "
                     "the fastest in the one-GPU pass (default: the spec's dcp_top_k, else "
                     "3; 0: none).")] = None,
+    dcp_graph: Annotated[bool, typer.Option(
+        "--dcp-graph", help="With --gpus N >= 2 on GPUs: time each DCP step across GPUs "
+                            "from a CUDA graph of the whole step (NCCL collectives "
+                            "captured), not eagerly; the table's timer says which.")] = False,
     timeout: Annotated[float, typer.Option(
         min=0.1, help="Seconds one candidate may take.")] = 300.0,
     compile_workers: Annotated[int | None, typer.Option(
@@ -486,6 +490,7 @@ def sweep(
     from mlatune.arch import current_device, gpu_devices
     from mlatune.errors import JournalError, TableError
     from mlatune.sweep import dcp_stage, runner
+    from mlatune.sweep.dcp_graph import REFUSAL
 
     if resume and fresh:
         raise typer.BadParameter("--resume and --fresh exclude each other",
@@ -503,6 +508,8 @@ def sweep(
               f"mlatune plan SPEC --arch {arch.value}")
     if device.is_gpu and gpus > len(gpu_devices()):
         _fail(f"--gpus {gpus} but only {len(gpu_devices())} GPU(s) are visible")
+    if dcp_graph and not device.is_gpu:
+        _fail(f"--dcp-graph: {REFUSAL}")
     path, spec = _load_spec(spec_name, gpu=device.is_gpu)
     only = [r.strip() for r in routes.split(",") if r.strip()] if routes else None
     _check_routes(only, (*spec.routes, *spec.max_params), path)
@@ -554,7 +561,7 @@ def sweep(
                     result.measured_dcp = dcp_stage.run(
                         spec, journal, gpus, gpu=device.is_gpu, timeout_s=timeout,
                         top_k=spec.dcp_top_k if dcp_top_k is None else dcp_top_k,
-                        observer=observer)
+                        observer=observer, graph=dcp_graph)
         except KeyboardInterrupt:
             failure = (f"interrupted; finished candidates are in {journal_path}: rerun with "
                        f"--resume (or the same command without --fresh) to continue")
@@ -1561,7 +1568,7 @@ def report(
     dcp_rows = reports.dcp_rows(summary)
     if dcp_rows:
         dcp = Table(title="DCP measured across processes against its one-GPU simulation")
-        _columns(dcp, reports.DCP_COLUMNS, reports.DCP_COLUMNS[3:])
+        _columns(dcp, reports.DCP_COLUMNS, reports.DCP_COLUMNS[4:])
         for row in dcp_rows:
             dcp.add_row(*row)
         console.print(dcp)

@@ -125,26 +125,20 @@ def test_asking_the_route_imports_no_triton():
 ])
 def test_param_space_is_the_kernels_pick_then_half_and_twice(problem, first):
     space = routes.get(ROUTE).param_space(problem, H200)
-    (block_n, pipeline), *others = gluon_hopper_plan.VARIANTS
-    default = {"block_n": block_n, "pipeline": pipeline}
-    assert space[0] == {"num_splits": first, **default}
-    by_default = [p for p in space if {k: p[k] for k in default} == default]
-    assert 1 <= len(by_default) <= 3 and space[:len(by_default)] == by_default
+    assert space[0] == {"num_splits": first}
+    assert 1 <= len(space) <= 3
     tiles = -(-problem.shard_len // 64)
-    assert all(set(p) == {"num_splits", *default} and 1 <= p["num_splits"] <= min(64, tiles)
+    assert all(set(p) == {"num_splits"} and 1 <= p["num_splits"] <= min(64, tiles)
                for p in space)
-    assert len({p["num_splits"] for p in by_default}) == len(by_default)
-    assert {p["num_splits"] for p in by_default} <= {first, first // 2, first * 2}
-    # Each other variant once, at the pick (its recipe's first set is the rule's split).
-    assert space[len(by_default):] == [{"num_splits": first, "block_n": n, "pipeline": pipe}
-                                       for n, pipe in others]
+    assert len({p["num_splits"] for p in space}) == len(space)
+    assert {p["num_splits"] for p in space} <= {first, first // 2, first * 2}
 
 
 def test_param_space_follows_the_shard_and_the_gathered_heads():
     route = routes.get(ROUTE)
     dcp = _p(batch=2, num_heads=16, kv_len=8192, dcp_size=4)  # 64 kernel heads, 2048 keys
     want = gluon_hopper_plan.pick_splits(2, 1, 2048, 132)
-    assert route.param_space(dcp, H200)[0]["num_splits"] == want
+    assert route.param_space(dcp, H200)[0] == {"num_splits": want}
     # Off a GPU (a CPU description, no SM count that means anything) the H200's is used.
     assert route.param_space(_p(batch=1), cpu_device()) == route.param_space(_p(batch=1), H200)
     assert routes.step_kind_of(route, {"num_splits": 2}) == routes.LAUNCH_ONLY
@@ -195,7 +189,7 @@ def recorder(monkeypatch):
 def test_prepare_hands_the_launcher_the_inputs(problem, recorder):
     route = routes.get(ROUTE)
     inputs = make_decode_inputs(problem, seed=3, ragged=True)
-    prepared = route.prepare(problem, inputs, params={"num_splits": 3, "block_n": 32})
+    prepared = route.prepare(problem, inputs, params={"num_splits": 3})
     (call,) = recorder.calls
     shard = inputs.shards[0]
     assert call["q"] is inputs.q and call["q"].shape == (problem.batch * problem.qlen,
@@ -207,9 +201,7 @@ def test_prepare_hands_the_launcher_the_inputs(problem, recorder):
     assert call["sm_scale"] == pytest.approx(problem.softmax_scale)
     # Both given, so the launcher never reads the lengths on the host.
     assert call["num_splits"] == 3 and call["max_seq_len"] == problem.kv_len
-    assert call["block_n"] == 32 and call["pipeline"] is gluon_hopper_plan.VARIANTS[0][1]
-    assert prepared.params == {"num_splits": 3, "block_n": 32,
-                               "pipeline": gluon_hopper_plan.VARIANTS[0][1]}
+    assert prepared.params == {"num_splits": 3}
     assert prepared.graph_safe and not prepared.plan_reads_lengths and prepared.plan is None
     assert prepared.step_kind == routes.LAUNCH_ONLY
     assert prepared.out.shape == (problem.batch * problem.qlen, problem.num_heads, 512)

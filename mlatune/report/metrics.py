@@ -27,6 +27,7 @@ from mlatune.sweep import journal
 from mlatune.table.schema import (
     DCP_MEASURED,
     DEVICE_COLUMNS,
+    GRAPH_TIMER,
     KEY_COLUMNS,
     competing,
     is_measured,
@@ -176,12 +177,14 @@ def measured_problems(frame: pd.DataFrame) -> pd.DataFrame:
 
 def dcp_measured(frame: pd.DataFrame) -> pd.DataFrame:
     """The ok rows measured across processes, one per (problem, route): key, route, scheme,
-    simulated_us (the one-GPU simulation), measured_us (the real step), ratio (measured /
-    simulated) and comm_share (the step's time beyond the attention alone, as a share)."""
+    timed ("graph": a CUDA graph's replay, else "eager"), simulated_us (the one-GPU
+    simulation), measured_us (the real step), ratio (measured / simulated) and comm_share
+    (the step's time beyond the attention alone, as a share)."""
     rows = frame[(frame["dcp_timing"] == DCP_MEASURED) & (frame["status"] == "ok")]
     out = pd.DataFrame({
         "key": table.key_strings(rows) if len(rows) else [], "route": rows["route"].to_numpy(),
         "scheme": rows["dcp_scheme"].to_numpy(),
+        "timed": np.where(rows["timer"].to_numpy(dtype=object) == GRAPH_TIMER, "graph", "eager"),
         "simulated_us": rows["simulated_us"].to_numpy(),
         "measured_us": rows["time_us"].to_numpy()})
     out["ratio"] = out["measured_us"] / out["simulated_us"]
@@ -614,13 +617,14 @@ def problem_label(key: str) -> str:
             f"{causal} dcp{f['dcp_size']} p{f['page_size']} b{f['batch']} kv{f['kv_len']}")
 
 
-DCP_COLUMNS = ("problem", "route", "scheme", "simulated (us)", "measured (us)",
+DCP_COLUMNS = ("problem", "route", "scheme", "timed", "simulated (us)", "measured (us)",
                "measured / simulated", "communication share")
 
 
 def dcp_rows(summary: Summary) -> list[tuple[str, ...]]:
     """One line per DCP route measured across processes, beside its one-GPU simulation."""
-    return [(problem_label(r.key), str(r.route), str(r.scheme), f"{r.simulated_us:.4g}",
+    return [(problem_label(r.key), str(r.route), str(r.scheme), str(r.timed),
+             f"{r.simulated_us:.4g}",
              f"{r.measured_us:.4g}", speedup_text(r.ratio),
              "-" if math.isnan(r.comm_share) else f"{r.comm_share * 100:.0f}%")
             for r in summary.dcp.itertuples(index=False)]

@@ -64,19 +64,15 @@ class WgmmaGluonRoute:
         return Verdict(True, f"Gluon decode on triton {version}")
 
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
-        """The default variant at the kernel's split pick for the busiest rank's length
-        bound, then at half and twice it (where the keys allow); then each other variant
-        (tile width, pipelined walk) at the pick."""
+        """The kernel's split pick for the busiest rank's length bound, then half and twice it
+        (where the keys allow)."""
         sms = device.cu_count if device.is_gpu and device.cu_count else plan.H200_SMS
         length = problem.shard_len
         pick = plan.pick_splits(problem.batch, plan.row_blocks(problem.kernel_heads,
                                                                problem.qlen), length, sms)
         top = min(plan.MAX_SPLITS, max(1, -(-length // plan.BLOCK_N)))
         splits = dict.fromkeys(s for s in (pick, pick // 2, pick * 2) if 1 <= s <= top)
-        (block_n, pipeline), *others = plan.VARIANTS
-        space = [{"num_splits": s, "block_n": block_n, "pipeline": pipeline} for s in splits]
-        return space + [{"num_splits": pick, "block_n": n, "pipeline": pipe}
-                        for n, pipe in others]
+        return [{"num_splits": s} for s in splits]
 
     def step_kind(self, params: Params) -> StepKind:
         return LAUNCH_ONLY
@@ -97,6 +93,5 @@ class WgmmaGluonRoute:
         launch, out, lse = gluon_hopper.decode_launcher(
             inputs.q, shard.kv_cache, shard.block_table, shard.seq_lens, qlen=problem.qlen,
             sm_scale=inputs.softmax_scale, causal=problem.causal, out=out, lse=lse,
-            num_splits=chosen["num_splits"], max_seq_len=problem.shard_len,
-            block_n=chosen["block_n"], pipeline=chosen["pipeline"])
+            num_splits=chosen["num_splits"], max_seq_len=problem.shard_len)
         return Prepared(launch, out, lse if want_lse else None, graph_safe=True, params=chosen)

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mlatune.table.schema import GRAPH_TIMER
+
 _L2_FLUSH_BYTES = 256 << 20  # > the H200's 60 MB and MI300's 256 MB infinity cache
 # Repetitions between two looks at whether the median has settled; with a cold L2
 # the spread is small (about 1% between the 20th and 80th percentiles on the H200),
@@ -51,7 +53,7 @@ class Timing:
     p20_us: float
     p80_us: float
     reps: int
-    timer: str  # "cuda_graph", "cuda_event" or "wall"
+    timer: str  # GRAPH_TIMER, "cuda_event" or "wall" (the table's timer column)
     raced: bool = False  # stopped after race_reps: plainly slower than the problem's best
 
 
@@ -102,7 +104,7 @@ def measure(run: Callable[[], None], device: torch.device | str, budget: Budget 
     if graph_safe:
         graph = capture_graph(run, device)  # runs the route once and replays it once
         if graph is not None:
-            launch, timer, untimed = graph.replay, "cuda_graph", 2
+            launch, timer, untimed = graph.replay, GRAPH_TIMER, 2
     for _ in range(budget.warmup - untimed):
         launch()
     torch.cuda.synchronize(device)

@@ -11,8 +11,10 @@ its round-robin KV shard, and runs the step of ``mlatune.dcp``. Per task: poison
 outputs, the step, each rank's heads checked against the unsharded reference (every
 rank must pass); then the whole step (q all-gather, attention, exchange and correction;
 the per-step plan left out, as ``time_us`` is a launch's) and the attention alone, each
-the slowest rank's median. Rank 0 reports: events and results to ``--results`` for the
-sweep, or records straight into ``--journal`` by hand.
+the slowest rank's median: eagerly, or with ``--graph`` (``Settings.graph``; NCCL only)
+each captured in a CUDA graph whose replay is checked again and timed
+(``mlatune.sweep.dcp_graph``; the record's ``timer`` says which). Rank 0 reports: events
+and results to ``--results`` for the sweep, or records straight into ``--journal`` by hand.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from mlatune.check.accuracy import check
 from mlatune.check.inputs import poison_
 from mlatune.dcp import DcpStep, local_heads, prepare_dcp_step, time_slowest
 from mlatune.problem import MLAProblem
-from mlatune.sweep import bench, dcp_stage, worker
+from mlatune.sweep import bench, dcp_graph, dcp_stage, worker
 from mlatune.sweep import journal as journals
 from mlatune.sweep.dcp_stage import DcpTask, Settings
 from mlatune.sweep.journal import Journal
@@ -48,7 +50,7 @@ Emit = Callable[[dict[str, Any]], None]
 def measure(task: DcpTask, settings: Settings, device: torch.device,
             cache: worker._ProblemCache, inputs_ready: Callable[[], None]) -> dict[str, Any]:
     """This rank's part of one task; every rank returns the same result fields."""
-    problem, route = task.problem, routes.get(task.candidate.route_id)
+    problem = task.problem
     cases = cache.get(problem, _seed(settings.seed, problem), device)
     inputs_ready()
     worst = {"rel_err": 0.0, "max_abs_err": 0.0}
@@ -58,19 +60,35 @@ def measure(task: DcpTask, settings: Settings, device: torch.device,
         if failed:
             return {"status": "crashed", "reason": failed, **worst}
         assert step is not None
-        poison_(step.out, step.lse, step.prepared.out, step.prepared.lse)
-        out, lse = step()
-        mine = local_heads(dist.get_rank(), problem.num_heads)
-        acc = check(problem, out, case.ref[0][:, mine], lse, case.ref[1][:, mine],
-                    settings.tolerances, q_quantized=routes.quantizes_q(route, problem))
-        verdicts = _gathered((acc.ok, acc.reason, acc.rel_l2, acc.max_abs))
-        worst = {"rel_err": max([worst["rel_err"], *(v[2] for v in verdicts)]),
-                 "max_abs_err": max([worst["max_abs_err"], *(v[3] for v in verdicts)])}
-        bad = [(rank, v[1]) for rank, v in enumerate(verdicts) if not v[0]]
-        if bad:
-            return {"status": "rejected_accuracy",
-                    "reason": f"{case.name} lengths, rank {bad[0][0]}: {bad[0][1]}", **worst}
-    return {"status": "ok", "reason": "", **worst, **_timed(step, problem, settings, device)}
+        errors, failed = _checked(step, step, task, case, settings)
+        worst = _worse(worst, errors)
+        if failed:
+            return {"status": "rejected_accuracy", "reason": f"{case.name} lengths, {failed}",
+                    **worst}
+    timed = _timed(step, task, case, settings, device)
+    return {"status": "ok", "reason": "", **worst, **timed}
+
+
+def _checked(run: Callable[[], object], step: DcpStep, task: DcpTask, case: worker._Case,
+             settings: Settings) -> tuple[dict[str, float], str]:
+    """Poisoned outputs, then ``run`` (the step, or its graph's replay), every rank's heads
+    checked against the unsharded reference: the worst errors over the ranks, and the
+    first failing rank's reason ("" when every rank passes)."""
+    problem = task.problem
+    poison_(step.out, step.lse, step.prepared.out, step.prepared.lse)
+    run()
+    mine = local_heads(dist.get_rank(), problem.num_heads)
+    acc = check(problem, step.out, case.ref[0][:, mine], step.lse, case.ref[1][:, mine],
+                settings.tolerances,
+                q_quantized=routes.quantizes_q(routes.get(task.candidate.route_id), problem))
+    verdicts = _gathered((acc.ok, acc.reason, acc.rel_l2, acc.max_abs))
+    errors = {"rel_err": max(v[2] for v in verdicts), "max_abs_err": max(v[3] for v in verdicts)}
+    bad = [(rank, v[1]) for rank, v in enumerate(verdicts) if not v[0]]
+    return errors, f"rank {bad[0][0]}: {bad[0][1]}" if bad else ""
+
+
+def _worse(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    return {name: max(a[name], b[name]) for name in a}
 
 
 def _prepared(task: DcpTask, case: worker._Case) -> tuple[DcpStep | None, str]:
@@ -88,17 +106,43 @@ def _prepared(task: DcpTask, case: worker._Case) -> tuple[DcpStep | None, str]:
         return None, worker.raised(exc)
 
 
-def _timed(step: DcpStep, problem: MLAProblem, settings: Settings, device: torch.device
-           ) -> dict[str, Any]:
+def _timed(step: DcpStep, task: DcpTask, case: worker._Case, settings: Settings,
+           device: torch.device) -> dict[str, Any]:
     """The step and the attention alone, each the slowest rank's median; ``time_us`` is the
-    step's, ``comm_us`` what the collectives and the correction add to the attention."""
+    step's, ``comm_us`` what the collectives and the correction add to the attention. From
+    CUDA graphs with ``settings.graph`` where the route's launch is graph-safe (the
+    replay checked first: a wrong one rejects the task), else eagerly."""
     budget = bench.Budget(**settings.budget)
     reps = max(1, min(max(budget.min_reps, 20), budget.max_reps))
-    step_us = time_slowest(lambda: step(plan=False), device, reps, budget.warmup)
-    attention_us = time_slowest(step.prepared.run, device, reps, budget.warmup)
-    timer = "cuda_event" if device.type == "cuda" else "wall"
+    if settings.graph and dcp_graph.capturable(step):
+        graphs, error = _captured(step)
+        failed = _first_failure(error)
+        if failed:
+            return {"status": "crashed", "reason": f"CUDA-graph capture: {failed}"}
+        step_graph, attention_graph = graphs
+        errors, failed = _checked(step_graph.replay, step, task, case, settings)
+        if failed:
+            return {"status": "rejected_accuracy", "reason": f"CUDA-graph replay, {failed}",
+                    **errors}
+        step_us = dcp_graph.time_replay(step_graph, device, reps, budget.warmup)
+        attention_us = dcp_graph.time_replay(attention_graph, device, reps, budget.warmup)
+        timer = dcp_graph.GRAPH_TIMER
+    else:
+        step_us = time_slowest(lambda: step(plan=False), device, reps, budget.warmup)
+        attention_us = time_slowest(step.prepared.run, device, reps, budget.warmup)
+        timer = dcp_graph.EAGER_TIMERS[device.type]
     timing = bench.Timing(step_us, float("nan"), float("nan"), reps, timer)
-    return {**worker._timing_fields(problem, timing), "comm_us": max(0.0, step_us - attention_us)}
+    return {**worker._timing_fields(task.problem, timing),
+            "comm_us": max(0.0, step_us - attention_us)}
+
+
+def _captured(step: DcpStep) -> tuple[tuple[Any, Any], str]:
+    """The whole step's graph and the attention's alone, or why capturing failed."""
+    try:
+        return (dcp_graph.capture(lambda: step(plan=False)),
+                dcp_graph.capture(step.prepared.run)), ""
+    except Exception as exc:
+        return (None, None), worker.raised(exc)
 
 
 def _gathered(value: Any) -> list[Any]:
@@ -164,7 +208,11 @@ def _journal_tasks(args: argparse.Namespace, header: dict[str, Any],
     done = {r["id"] for r in records}
     top_k = spec.dcp_top_k if args.top_k is None else args.top_k
     tasks = [t for t in dcp_stage.plan(records, [world], top_k) if t.id not in done]
-    return Settings.of(spec), tasks
+    return Settings.of(spec, graph=args.graph), tasks
+
+
+def _backend(device_type: str) -> str:
+    return "nccl" if device_type == "cuda" else "gloo"
 
 
 def _device(kind: str) -> torch.device:
@@ -187,15 +235,21 @@ def main(argv: list[str] | None = None) -> None:
                              f"first (default: the spec's dcp_top_k, else {DEFAULT_DCP_TOP_K})")
     parser.add_argument("--device", choices=("cuda", "cpu"),
                         default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--graph", action="store_true",
+                        help="with --journal: time each step from a CUDA graph (NCCL only)")
     args = parser.parse_args(argv)
     if bool(args.tasks) == bool(args.journal) or bool(args.tasks) != bool(args.results):
         parser.error("pass --tasks and --results, or --journal")
+    if args.graph and dcp_graph.refusal(torch.device(args.device), _backend(args.device)):
+        parser.error(dcp_graph.REFUSAL)
     _exit_with_parent()
     device = _device(args.device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    dist.init_process_group(_backend(device.type))
     try:
         if args.tasks:
             settings, tasks = dcp_stage.read_tasks(Path(args.tasks))
+            if settings.graph and dcp_graph.refusal(device):
+                raise SystemExit(f"mlatune dcp rank {dist.get_rank()}: {dcp_graph.REFUSAL}")
             run_tasks(tasks, settings, device, _appender(Path(args.results)), lambda r: None)
         else:
             _by_hand(args, device)

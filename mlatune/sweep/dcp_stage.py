@@ -35,6 +35,7 @@ from typing import Any
 
 from mlatune.dcp import SCHEMES
 from mlatune.problem import MLAProblem
+from mlatune.sweep.dcp_graph import REFUSAL
 from mlatune.sweep.journal import Journal
 from mlatune.sweep.runner import (
     SETUP_TIMEOUT_S,
@@ -119,15 +120,17 @@ def plan(records: Iterable[dict[str, Any]], sizes: Iterable[int], top_k: int = D
 
 @dataclass(frozen=True)
 class Settings:
-    """What every task of a group shares: the spec's seed, timing budget and tolerances."""
+    """What every task of a group shares: the spec's seed, timing budget and tolerances,
+    and whether steps are timed from CUDA graphs (``mlatune.sweep.dcp_graph``)."""
 
     seed: int
     budget: dict[str, Any]
     tolerances: dict[str, float]
+    graph: bool = False  # absent from task files written before graph timing: eager
 
     @classmethod
-    def of(cls, spec: SweepSpec) -> Settings:
-        return cls(spec.seed, asdict(spec.budget), dict(spec.tolerances))
+    def of(cls, spec: SweepSpec, graph: bool = False) -> Settings:
+        return cls(spec.seed, asdict(spec.budget), dict(spec.tolerances), graph)
 
 
 def write_tasks(path: Path, settings: Settings, tasks: list[DcpTask]) -> None:
@@ -146,10 +149,13 @@ class GroupStartError(RuntimeError):
 
 def run(spec: SweepSpec, journal: Journal, processes: int, *, gpu: bool,
         top_k: int = DEFAULT_DCP_TOP_K, timeout_s: float = 300.0,
-        observer: Observer | None = None) -> int:
+        observer: Observer | None = None, graph: bool = False) -> int:
     """Measure every DCP task of the journal's records that fits in ``processes`` and is
     not journaled yet; returns how many ran. A group that will not start stops the stage
-    with a warning: the one-GPU results stand."""
+    with a warning: the one-GPU results stand. ``graph``: each step timed from a CUDA
+    graph (GPUs only: ValueError, ``dcp_graph.REFUSAL``, without)."""
+    if graph and not gpu:
+        raise ValueError(REFUSAL)
     sizes = range(2, processes + 1)
     every = plan(journal.records, sizes, top_k)
     todo = [t for t in every if t.id not in journal.done_ids]
@@ -167,7 +173,7 @@ def run(spec: SweepSpec, journal: Journal, processes: int, *, gpu: bool,
         for size in sorted({t.problem.dcp_size for t in todo}):
             group = [t for t in todo if t.problem.dcp_size == size]
             while group:
-                used = _run_group(group, size, Settings.of(spec), gpu=gpu,
+                used = _run_group(group, size, Settings.of(spec, graph), gpu=gpu,
                                   timeout_s=timeout_s, on_result=journal_it, log_path=log_path)
                 ran += used
                 group = group[used:]

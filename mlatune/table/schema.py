@@ -54,7 +54,9 @@ RESULT_COLUMNS: dict[str, str] = {
     "time_us": "float64",  # median device time of one launch (graph replay when capturable)
     "time_us_p20": "float64",
     "time_us_p80": "float64",
-    "timer": "string",  # "cuda_graph", "cuda_event" or "wall"
+    # GRAPH_TIMER (a CUDA graph's replay), "cuda_event" (eager, device events) or "wall";
+    # for a DCP row measured across processes it says whether its step was graph-timed.
+    "timer": "string",
     "rel_err": "float64",  # relative L2 error of the output against the reference
     "max_abs_err": "float64",
     "tb_per_s": "float64",  # problem.min_bytes() / time
@@ -84,6 +86,7 @@ DCP_COLUMNS = ("dcp_timing", "dcp_scheme", "comm_us", "simulated_us")
 DCP_SIMULATED = "simulated"
 DCP_MEASURED = "measured"
 DCP_TIMINGS = ("", DCP_SIMULATED, DCP_MEASURED)
+GRAPH_TIMER = "cuda_graph"
 
 KEY_TYPES: dict[str, str] = {
     "arch": "string",
