@@ -40,10 +40,17 @@ Design of this first version (correct and simple before fast):
   1/num_splits of the request's keys. One split writes out and LSE directly;
   more write fp32 partials (normalized output, base-2 LSE) that
   ``reduce.reduce_launcher`` merges.
-Known gaps (speed): no overlap of softmax with the MMAs (every wgmma is
-waited for at once), no warp specialization (a producer warp for the TMA
-copies), S split across warpgroups (FlashMLA computes S in one warpgroup and
-ping-pongs), no persistent schedule; fp8 caches are refused.
+Two variants of the walk exist for measurement (``decode_launcher``'s ``pipeline``
+and ``block_n``; ``benchmarks/gluon_check.py`` times them) and are not route
+parameters, being slower at every point measured on the H200 (2026-12-01): the
+pipelined walk (tile i+1's S issued before tile i's P V, so its softmax overlaps
+P V) by 3-26%, and 32-key tiles with a 4-deep ring by 10-46%. Both warpgroups
+read all of Q from shared memory for their half of S's columns; the 32-key
+tiles read Q twice as often per key, and their extra time follows that traffic.
+Known gaps (speed): S split across warpgroups by columns (Q read twice per tile;
+FlashMLA computes a whole tile's S in one warpgroup and ping-pongs), no warp
+specialization (a producer warp for the TMA copies), no persistent schedule;
+fp8 caches are refused.
 """
 
 from __future__ import annotations

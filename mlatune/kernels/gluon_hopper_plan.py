@@ -15,8 +15,6 @@ D_ROPE = 64
 BLOCK_M = 64  # query rows (heads x qlen folded) per program
 BLOCK_N = 64  # keys per tile by default: one page
 BLOCK_NS = (64, 32)  # the kernel's tile widths (half pages keep more bytes in flight)
-# The kernel's variants (block_n, pipeline), the default first: the sweep times each.
-VARIANTS = ((64, False), (64, True), (32, False), (32, True))
 PAGE_SIZE = 64
 DTYPES = ("bf16", "fp16")  # q and cache alike; fp8 caches are not done yet
 H200_SMS = 132
