@@ -41,7 +41,7 @@ from mlatune.problem import MLAProblem
 
 POINTS = [(1, 16, 4096, 1), (16, 16, 4096, 1), (64, 16, 4096, 1), (128, 16, 8192, 1),
           (128, 16, 4096, 4), (64, 8, 4096, 1), (64, 64, 4096, 1), (128, 128, 4096, 1),
-          (8, 128, 32768, 1)]
+          (8, 128, 32768, 1), (128, 16, 4096, 2)]
 # The issue's targets for the best route at a point (bf16): (metric, bound, sense).
 TARGETS = {(1, 16, 4096, 1): ("time_us", 12.0, "<="), (128, 16, 8192, 1): ("tb_s", 3.9, ">="),
            (64, 64, 4096, 1): ("time_us", 110.0, "<="),
@@ -93,20 +93,41 @@ def time_calls(prepared: list, reps: int) -> tuple[float, float, float]:
     return statistics.median(times), times[len(times) // 5], times[(4 * len(times)) // 5]
 
 
-def bench_point(point, kv_name: str, device, reps: int, max_params: int | None) -> list[Result]:
+@dataclass(frozen=True)
+class Selection:
+    """Which (route, parameter set) pairs a run times: the first ``max_params`` sets of each
+    route (all when None), plus every set with one of the ``also`` parameters true (the
+    new paths: ``fp8_dot``, ``fold``); ``routes``: these route ids only (all when empty)."""
+
+    max_params: int | None = None
+    also: tuple[str, ...] = ()
+    routes: tuple[str, ...] = ()
+
+    def wants_route(self, route_id: str) -> bool:
+        return route_id.endswith(BENCHED_BACKENDS) and (not self.routes
+                                                        or route_id in self.routes)
+
+    def params(self, space: list[dict]) -> list[dict]:
+        first = space[:self.max_params]
+        return first + [p for p in space[len(first):] if any(p.get(k) for k in self.also)]
+
+
+def bench_point(point, kv_name: str, device, reps: int, pick: Selection,
+                dcp: int = 1) -> list[Result]:
+    """Every selected set at one point; with ``dcp`` > 1, rank 0's step of the DCP problem."""
     batch, heads, kv_len, qlen = point
     q_dtype, kv_dtype = KV_DTYPES[kv_name]
     problem = MLAProblem(num_heads=heads, batch=batch, kv_len=kv_len, qlen=qlen, q_dtype=q_dtype,
-                         kv_dtype=kv_dtype, page_size=64)
+                         kv_dtype=kv_dtype, page_size=64, dcp_size=dcp)
     kv_bytes = problem.min_bytes()
     copies = max(1, min(MAX_COPIES, math.ceil(ROTATE_BYTES / kv_bytes)))
     inputs = [make_decode_inputs(problem, seed=s, device="cuda") for s in range(copies)]
     want_out, want_lse = reference.decode_shard(inputs[0], inputs[0].shards[0])
     results = []
     for route in routes.viable(problem, device):
-        if not route.id.endswith(BENCHED_BACKENDS):
+        if not pick.wants_route(route.id):
             continue
-        for params in route.param_space(problem, device)[:max_params]:
+        for params in pick.params(route.param_space(problem, device)):
             res = Result(point, kv_name, route.id, params, "ok")
             prepared = []
             try:
@@ -211,7 +232,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=30, help="timed graph replays per config")
     parser.add_argument("--max-params", type=int, default=None,
                         help="only the first N parameter sets of each route")
+    parser.add_argument("--also", default="",
+                        help="with --max-params: also every set with one of these params true "
+                             "(comma separated, e.g. fp8_dot,fold,kv_twice)")
+    parser.add_argument("--routes", default="",
+                        help="only these route ids (comma separated; default every route)")
+    parser.add_argument("--dcp", type=int, default=1,
+                        help="DCP size of every point (rank 0's step is timed)")
     args = parser.parse_args(argv)
+    pick = Selection(args.max_params, tuple(filter(None, args.also.split(","))),
+                     tuple(filter(None, args.routes.split(","))))
     if not torch.cuda.is_available():
         print("benchmarks/decode.py needs a GPU", file=sys.stderr)
         return 2
@@ -219,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     points = POINTS if args.points == "all" else [POINTS[int(i)] for i in args.points.split(",")]
     versions = library_versions()
     header = {"device": f"{device.name} ({device.arch}, {device.cu_count} SMs)",
+              "dcp": args.dcp,
               "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
               "command": "PYTHONPATH=$PWD python " + " ".join(sys.argv),
               "torch": versions["torch"], "triton": versions["triton"]}
@@ -228,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     for point in points:
         for kv in args.kv.split(","):
             print(f"(batch, heads, kv_len, qlen) = {point}, kv {kv}", flush=True)
-            here = bench_point(point, kv, device, args.reps, args.max_params)
+            here = bench_point(point, kv, device, args.reps, pick, args.dcp)
             results += here
             best = best_per_route(here)
             for route, r in sorted(best.items(), key=lambda x: x[1].time_us):

@@ -11,6 +11,11 @@ largest power of two <= 128 dividing the page size), so every tile lies in one
 subpage. Each segment writes its unreduced partial: normalized output, the
 base-2 score max and the exp-sum; ``reduce.reduce_kernel`` merges them.
 
+Folded (``fold``): row group ``b`` holds all qlen x heads rows of request b,
+so the tokens share each KV tile (one 64-row MMA tile at 16 heads x 4 tokens
+instead of four 16-row ones); a row block walks the window of its last token,
+each row masked to its own window, and segments cut the longest window.
+
 Per step the route refills the row lengths and the subpage table from the
 current lengths and block table with ``segmented_plan_launcher``: one small
 kernel, no host sync or allocation, so the step replays from a CUDA graph.
@@ -26,8 +31,13 @@ import triton
 import triton.language as tl
 
 from mlatune.check.inputs import shard_lengths
-from mlatune.kernels.attend import LOG2E, attend_keys, load_q_rows, qk_scale_and_v_scale
-from mlatune.kernels.split_kv import TileConfig
+from mlatune.kernels.attend import (
+    LOG2E,
+    attend_rows,
+    load_q_rows,
+    qk_scale_and_v_scale,
+)
+from mlatune.kernels.split_kv import TileConfig, dtype_flags
 
 MAX_TILE = 128
 
@@ -66,34 +76,50 @@ def segmented_kernel(q_ptr, kv_ptr, bt_ptr, row_lens_ptr, q_scale_ptr, kv_scale_
                      D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, Q_FP8: tl.constexpr,
                      HAS_Q_SCALE: tl.constexpr, HAS_KV_SCALE: tl.constexpr,
-                     KV_TWICE: tl.constexpr):
-    hb = tl.program_id(0)
+                     KV_TWICE: tl.constexpr, DOT_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+                     FOLD: tl.constexpr):
+    # Unfolded: program (head block, segment, b * qlen + t) holds heads of token t.
+    # Folded: program (row block, segment, b) holds rows t * q_heads + h of all b's tokens,
+    # which share the walk over the window of the block's last token, each row masked
+    # to its own window; segments cut the request's longest window.
+    rb = tl.program_id(0)
     segment = tl.program_id(1)
-    row = tl.program_id(2)  # b * qlen + t: the token's row in q
-    b = row // qlen
-    n_keys = tl.load(row_lens_ptr + row)
-    chunk = tl.cdiv(tl.cdiv(n_keys, num_segments), BLOCK_N) * BLOCK_N
+    group = tl.program_id(2)
+    offs_m = rb * BLOCK_M + tl.arange(0, BLOCK_M)
+    if FOLD:
+        b = group
+        rows = qlen * q_heads
+        tok_base = b * qlen
+        tok = tl.minimum(offs_m, rows - 1) // q_heads
+        row_len = tl.load(row_lens_ptr + tok_base + tok)
+        n_group = tl.load(row_lens_ptr + tok_base + qlen - 1)
+        n_keys = tl.load(row_lens_ptr + tok_base
+                         + (tl.minimum(rows, rb * BLOCK_M + BLOCK_M) - 1) // q_heads)
+    else:
+        b = group // qlen
+        rows = q_heads
+        tok_base = group
+        n_keys = tl.load(row_lens_ptr + group)
+        n_group = n_keys
+        row_len = tl.zeros([BLOCK_M], dtype=tl.int32) + n_keys
+    chunk = tl.cdiv(tl.cdiv(n_group, num_segments), BLOCK_N) * BLOCK_N
     start = segment * chunk
     end = tl.minimum(start + chunk, n_keys)
 
-    offs_m = hb * BLOCK_M + tl.arange(0, BLOCK_M)
-    q_nope, q_rope = load_q_rows(q_ptr, row, offs_m, q_heads, q_heads, 1, q_heads,
-                                 stride_q_tok, stride_q_head, D_NOPE, D_ROPE, Q_FP8)
+    q_nope, q_rope = load_q_rows(q_ptr, tok_base, offs_m, rows, q_heads, 1, q_heads,
+                                 stride_q_tok, stride_q_head, D_NOPE, D_ROPE, Q_FP8, DOT_FP8)
     qk_scale, v_scale = qk_scale_and_v_scale(sm_scale_log2, q_scale_ptr, kv_scale_ptr,
                                              HAS_Q_SCALE, HAS_KV_SCALE)
-    acc = tl.zeros([BLOCK_M, D_NOPE], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    # The row length is the whole window: every key below it is allowed.
-    last_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + (n_keys - 1)
-    acc, m_i, l_i = attend_keys(acc, m_i, l_i, q_nope, q_rope, last_pos, kv_ptr,
-                                bt_ptr + b.to(tl.int64) * stride_bt, start, end, 0, 1, qk_scale,
-                                stride_kv_page, stride_kv_tok, D_NOPE, D_ROPE, PAGE_SIZE, BLOCK_N,
-                                KV_TWICE)
+    # A row's length is its whole window: every key below it is allowed.
+    acc, m_i, l_i, v_scale = attend_rows(q_nope, q_rope, qk_scale, v_scale, row_len - 1, kv_ptr,
+                                         bt_ptr + b.to(tl.int64) * stride_bt, start, end, 0, 1,
+                                         stride_kv_page, stride_kv_tok, D_NOPE, D_ROPE,
+                                         PAGE_SIZE, BLOCK_M, BLOCK_N, KV_TWICE, Q_FP8, DOT_FP8,
+                                         FP8_MAX)
     has_keys = l_i > 0.0
     inv = tl.where(has_keys, v_scale / tl.where(has_keys, l_i, 1.0), 0.0)
-    slot = (row * num_segments + segment).to(tl.int64)
-    ok = offs_m < q_heads
+    slot = (group * num_segments + segment).to(tl.int64)
+    ok = offs_m < rows
     d = tl.arange(0, D_NOPE)
     tl.store(seg_out_ptr + slot * stride_so_slot + offs_m[:, None] * stride_so_row + d[None, :],
              acc * inv[:, None], mask=ok[:, None])
@@ -105,25 +131,28 @@ def segmented_launcher(q: torch.Tensor, kv_subpages: torch.Tensor, subpage_table
                        row_lens: torch.Tensor, q_scale: torch.Tensor | None,
                        kv_scale: torch.Tensor | None, *, qlen: int, sm_scale: float,
                        tiles: TileConfig, num_segments: int, seg_out: torch.Tensor,
-                       seg_max: torch.Tensor, seg_sum: torch.Tensor) -> Callable[[], None]:
+                       seg_max: torch.Tensor, seg_sum: torch.Tensor,
+                       fold: bool = False) -> Callable[[], None]:
     """A zero-argument launch of ``segmented_kernel``.
 
     ``kv_subpages`` is the cache viewed as (subpages, tile, d_qk); partial
-    buffers are (rows * num_segments, q_heads[, d_v]).
+    buffers are (row groups * num_segments, rows[, d_v]): row groups are the
+    tokens (b * qlen + t) with q_heads rows each, or with ``fold`` the requests
+    with qlen * q_heads rows each.
     """
     q_heads = q.shape[1]
     d_v = seg_out.shape[-1]
-    grid = (triton.cdiv(q_heads, tiles.block_m), num_segments, row_lens.shape[0])
+    rows, groups = (qlen * q_heads, row_lens.shape[0] // qlen) if fold \
+        else (q_heads, row_lens.shape[0])
+    grid = (triton.cdiv(rows, tiles.block_m), num_segments, groups)
     args = (q, kv_subpages, subpage_table, row_lens, q if q_scale is None else q_scale,
             q if kv_scale is None else kv_scale, seg_out, seg_max, seg_sum,
             num_segments, qlen, q_heads, sm_scale * LOG2E,
             q.stride(0), q.stride(1), kv_subpages.stride(0), kv_subpages.stride(1),
             subpage_table.stride(0), seg_out.stride(0), seg_out.stride(1), seg_max.stride(0))
     meta = dict(D_NOPE=d_v, D_ROPE=q.shape[-1] - d_v, PAGE_SIZE=kv_subpages.shape[1],
-                BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, Q_FP8=q.element_size() == 1,
-                HAS_Q_SCALE=q_scale is not None, HAS_KV_SCALE=kv_scale is not None,
-                num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-                KV_TWICE=tiles.kv_twice)
+                BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, FOLD=fold,
+                **dtype_flags(q, kv_subpages, q_scale, kv_scale, tiles))
 
     def launch() -> None:
         segmented_kernel[grid](*args, **meta)

@@ -15,9 +15,16 @@ own (``mlatune.kernels``) that run wherever Triton does:
   padded to 16/32/64/128, causal window applied in the kernel from the global
   lengths, cp_rank and cp_world_size.
 - ``segmented/triton``: DCP causal verify: one single-query row group per
-  verify token with its local window length computed on the host; KV walked in
+  verify token with its local window length computed on the device; KV walked in
   segments of page-dividing tiles; unreduced (out, max, expsum) partials merged
-  by a second kernel.
+  by a second kernel. ``fold: true`` puts a request's verify tokens in one row
+  group instead (qlen x heads rows sharing each KV tile, each row masked to its
+  own window), as the other families always do.
+
+Over an fp8 cache on a GPU, ``fp8_dot: true`` sets read the cache tile into fp8
+MMAs as stored (a 16-bit q quantized per row in two fp8 parts, P in fp8;
+``kernels.attend.attend_keys_fp8``) instead of upcasting it; the route then
+declares ``quantizes_q`` (the fp8 tolerance applies to its sets over fp8 caches).
 
 The padding is applied as an index map when q rows are loaded and when results
 are stored (``kernels.attend``) instead of through copies: the kernels compute
@@ -34,7 +41,7 @@ import torch
 from mlatune.arch import DeviceInfo, device_of
 from mlatune.capability import tables
 from mlatune.check.inputs import DecodeInputs, PrefillInputs
-from mlatune.problem import DTYPES, MLAProblem, next_power_of_two
+from mlatune.problem import DTYPES, FP8_DTYPES, MLAProblem, next_power_of_two
 from mlatune.routes.base import (
     DEVICE_PLANNED,
     LAUNCH_ONLY,
@@ -110,7 +117,10 @@ class _TritonDecodeRoute:
     def _split_choices(self, problem: MLAProblem, device: DeviceInfo, tiles: Params) -> list[int]:
         """Split counts around the smallest that fills the device, where the keys allow them;
         that one first."""
-        programs = self._groups(problem) * -(-self._rows_per_group(problem) // tiles["block_m"])
+        groups, rows = self._groups(problem), self._rows_per_group(problem)
+        if tiles.get("fold"):  # segmented: a request's tokens in one row group
+            groups, rows = problem.batch, problem.qlen * problem.kernel_heads
+        programs = groups * -(-rows // tiles["block_m"])
         max_splits = max(1, -(-problem.shard_len // tiles["block_n"]))
         usable = [s for s in SPLIT_CHOICES if s <= max_splits]
         fill = next((s for s in usable if programs * s >= device.cu_count), usable[-1])
@@ -123,15 +133,33 @@ class _TritonDecodeRoute:
         # The tile loaded twice (transposed for the scores, upright for the values).
         return [{**tiles[0], "kv_twice": True}] if device.is_gpu else []
 
+    def _fp8_tiles(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
+        """fp8-MMA tiles (``attend.attend_keys_fp8``) over an fp8 cache on a GPU: 64 or 128
+        keys as the MMA rows; at most 32 query rows (ptxas spills at 64)."""
+        if not device.is_gpu or problem.kv_dtype not in FP8_DTYPES:
+            return []
+        block_m = min(32, max(16, next_power_of_two(self._rows_per_group(problem))))
+        tiles = [{"block_m": block_m, "block_n": 128, "num_warps": 8, "num_stages": 2},
+                 {"block_m": block_m, "block_n": 64, "num_warps": 4, "num_stages": 2}]
+        return [{**t, "num_splits": self._split_choices(problem, device, t)[0], "fp8_dot": True}
+                for t in tiles]
+
+    def quantizes_q(self, problem: MLAProblem) -> bool:
+        """Over an fp8 cache a 16-bit q may be quantized (``fp8_dot``): its tolerance applies."""
+        return problem.kv_dtype in FP8_DTYPES and problem.q_dtype not in FP8_DTYPES
+
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
         """Most promising first, so a sweep that keeps the first N still tries each option:
-        every tile at its device-filling split, the variants, then the other splits."""
+        every tile at its device-filling split (the first fp8-MMA tile second), the
+        variants, then the other splits."""
         tiles = [{**t, "num_splits": self._split_choices(problem, device, t)[0]}
                  for t in self._tile_choices(problem, device)]
+        fp8 = self._fp8_tiles(problem, device)
         variants = self._variants(problem, device, tiles)
         other_splits = [{**t, "num_splits": s} for t in tiles
                         for s in self._split_choices(problem, device, t)[1:]]
-        return [*tiles[:2], *variants, *tiles[2:], *other_splits]
+        return [*tiles[:1], *fp8[:1], *tiles[1:2], *variants, *fp8[1:], *tiles[2:],
+                *other_splits]
 
     def _resolve(self, problem: MLAProblem, params: Params | None, device: DeviceInfo) -> Params:
         chosen = dict(self.param_space(problem, device)[0])
@@ -185,16 +213,11 @@ class _TritonDecodeRoute:
               out: torch.Tensor, lse: torch.Tensor | None, device: DeviceInfo,
               shared: SharedPlan | None = None) -> _Step:
         from mlatune.kernels.reduce import reduce_launcher
-        from mlatune.kernels.split_kv import (
-            RowLayout,
-            TileConfig,
-            split_kv_launcher,
-        )
+        from mlatune.kernels.split_kv import RowLayout, split_kv_launcher
 
         row_heads, head_rep = row_padding(problem.kernel_heads, self._padded_heads(problem))
         layout = RowLayout(problem.qlen, problem.kernel_heads, row_heads, head_rep)
-        tiles = TileConfig(params["block_m"], params["block_n"], params["num_warps"],
-                           params["num_stages"], bool(params.get("kv_twice")))
+        tiles = _tile_config(params)
         shard = inputs.shards[rank]
         dev = inputs.q.device
         common = dict(layout=layout, rank=rank, world=problem.dcp_size, causal=problem.causal,
@@ -217,6 +240,14 @@ class _TritonDecodeRoute:
             reduce_launcher(part_out, part_lse, None, split_indptr, out, lse, **reduce_args,
                             max_slots=splits),
         ])
+
+
+def _tile_config(params: Params, block_n: int | None = None):
+    from mlatune.kernels.split_kv import TileConfig
+
+    return TileConfig(params["block_m"], block_n or params["block_n"], params["num_warps"],
+                      params["num_stages"], bool(params.get("kv_twice")),
+                      bool(params.get("fp8_dot")))
 
 
 @dataclass
@@ -337,6 +368,21 @@ class SegmentedTritonRoute(_TritonDecodeRoute):
     def _groups(self, problem: MLAProblem) -> int:
         return problem.batch * problem.qlen
 
+    def _variants(self, problem: MLAProblem, device: DeviceInfo, tiles: list[Params]
+                  ) -> list[Params]:
+        """The verify tokens folded into the rows (``fold``): a request's tokens share one
+        walk over its KV, each row masked to its own window, as padded and cprr do."""
+        if not device.is_gpu:
+            return []
+        rows = problem.qlen * problem.kernel_heads
+        block_m = min(MAX_BLOCK_M, max(16, next_power_of_two(rows)))
+        folded = ([{"block_m": 64, "block_n": 64, "num_warps": 8, "num_stages": 1}]
+                  if block_m == 64 else
+                  [{"block_m": block_m, "block_n": 32, "num_warps": 4, "num_stages": 3}])
+        folded = [{**t, "fold": True} for t in folded]
+        folded = [{**t, "num_splits": self._split_choices(problem, device, t)[0]} for t in folded]
+        return [*folded, *super()._variants(problem, device, tiles)]
+
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
         space = []
         for p in super().param_space(problem, device):
@@ -356,7 +402,6 @@ class SegmentedTritonRoute(_TritonDecodeRoute):
             segmented_launcher,
             segmented_plan_launcher,
         )
-        from mlatune.kernels.split_kv import TileConfig
 
         shard = inputs.shards[rank]
         dev = inputs.q.device
@@ -364,9 +409,7 @@ class SegmentedTritonRoute(_TritonDecodeRoute):
         tile = segment_tile(page)
         # The tile is the subpage; the dot needs at least 16 keys, so tiles of
         # small pages span several subpages (looked up key by key).
-        block_n = min(tile, params["block_n"]) if tile >= 16 else 16
-        tiles = TileConfig(params["block_m"], block_n, params["num_warps"],
-                           params["num_stages"], bool(params.get("kv_twice")))
+        tiles = _tile_config(params, min(tile, params["block_n"]) if tile >= 16 else 16)
         kv = shard.kv_cache.view(-1, tile, shard.kv_cache.shape[-1])
         if shared is None:  # filled by ``plan`` from the lengths and block table, on the device
             table = torch.empty(shard.block_table.shape[0],
@@ -381,19 +424,22 @@ class SegmentedTritonRoute(_TritonDecodeRoute):
             (table, lens), plan = shared.buffers, shared.plan
 
         segments = params["num_segments"]
-        slots = lens.shape[0] * segments
+        fold = bool(params.get("fold"))
         heads = problem.kernel_heads
-        seg_out = torch.empty(slots, heads, problem.d_v, dtype=torch.float32, device=dev)
-        seg_max = torch.empty(slots, heads, dtype=torch.float32, device=dev)
-        seg_sum = torch.empty(slots, heads, dtype=torch.float32, device=dev)
-        split_indptr = torch.arange(lens.shape[0] + 1, dtype=torch.int32, device=dev) * segments
+        # Row groups: the requests (qlen * heads rows each) when folded, else the tokens.
+        groups, tokens = (problem.batch, problem.qlen) if fold else (lens.shape[0], 1)
+        slots, rows = groups * segments, tokens * heads
+        seg_out = torch.empty(slots, rows, problem.d_v, dtype=torch.float32, device=dev)
+        seg_max = torch.empty(slots, rows, dtype=torch.float32, device=dev)
+        seg_sum = torch.empty(slots, rows, dtype=torch.float32, device=dev)
+        split_indptr = torch.arange(groups + 1, dtype=torch.int32, device=dev) * segments
         return _Step([
             segmented_launcher(inputs.q, kv, table, lens, inputs.q_scale, inputs.kv_scale,
                                qlen=problem.qlen, sm_scale=inputs.softmax_scale, tiles=tiles,
                                num_segments=segments, seg_out=seg_out, seg_max=seg_max,
-                               seg_sum=seg_sum),
+                               seg_sum=seg_sum, fold=fold),
             reduce_launcher(seg_out, seg_max, seg_sum, split_indptr, out, lse,
-                            tokens_per_group=1, q_heads=heads, row_heads=heads, head_rep=1,
+                            tokens_per_group=tokens, q_heads=heads, row_heads=heads, head_rep=1,
                             max_slots=segments),
         ], plan, (table, lens))
 
