@@ -11,7 +11,11 @@ settled repetitions). TFLOP/s counts the causal lower triangle on the real
 
 writes prefill-<arch>.csv (every candidate) and prefill-<arch>.md (the best
 parameters per route, the fp8-vs-bf16 comparison, device, date and command).
-``--out`` defaults to $OUT when set.
+``--out`` defaults to $OUT when set. fp8-ps also times its comparison configs (the
+kernel before v was transposed, and a spilling q.k-ahead variant) unless
+``--no-fp8-comparison``; each shape ends with a line per fp8-ps candidate giving its
+speed-up over the fastest bf16 route (issue 19's target: 1.3x at 128 heads x 4096).
+For issue 19 alone: ``--sizes 1x4096 --heads 128``.
 """
 
 from __future__ import annotations
@@ -35,11 +39,14 @@ from mlatune.check import reference
 from mlatune.check.accuracy import check
 from mlatune.check.inputs import make_prefill_inputs, poison_
 from mlatune.problem import MLAProblem
+from mlatune.routes.prefill_triton import FP8_COMPARISON_CONFIGS, config_params
 from mlatune.sweep import bench
 
 SIZES = ((1, 4096), (8, 2048), (32, 512))
 HEADS = (16, 128)
 ROUTE_DTYPES = {"fp8-ps/triton": "fp8", "bf16-ps/triton": "bf16", "sdpa/torch": "bf16"}
+BF16_ROUTES = ("bf16-ps/triton", "sdpa/torch")
+TARGET_OVER_BF16 = 1.3  # issue 19: fp8-ps at least 1.3x faster than the fastest bf16 route
 COLUMNS = ("batch", "tokens", "heads", "route", "dtype", "params", "status", "time_us",
            "p20_us", "p80_us", "tflops", "rel_l2", "lse_err", "timer", "reason")
 
@@ -53,15 +60,25 @@ def sync(device: DeviceInfo) -> None:
         torch.cuda.synchronize()
 
 
+def candidates(route_id: str, problem: MLAProblem, device: DeviceInfo,
+               comparison: bool) -> list[dict]:
+    """The route's parameter sets, and for fp8-ps on a GPU its comparison configs (the
+    kernel as it was, a spilling variant) unless ``comparison`` is off."""
+    space = routes.get(route_id).param_space(problem, device)
+    if comparison and route_id == "fp8-ps/triton" and device.is_gpu:
+        space += [config_params(c) for c in FP8_COMPARISON_CONFIGS]
+    return space
+
+
 def measure_route(route_id: str, problem: MLAProblem, inputs, ref, device: DeviceInfo,
-                  budget: bench.Budget) -> list[dict]:
+                  budget: bench.Budget, comparison: bool = True) -> list[dict]:
     """Every parameter set of one route on one problem: check, then time."""
     route = routes.get(route_id)
     verdict = route.supports(problem, device)
     if not verdict:
         return [{"route": route_id, "status": "unsupported", "reason": verdict.reason}]
     rows = []
-    for params in route.param_space(problem, device):
+    for params in candidates(route_id, problem, device, comparison):
         row = {"route": route_id, "params": json.dumps(params)}
         try:
             prepared = route.prepare(problem, inputs, params=params)
@@ -93,10 +110,11 @@ def measure_route(route_id: str, problem: MLAProblem, inputs, ref, device: Devic
 
 
 def run(sizes, heads_list, route_ids, budget: bench.Budget, seed: int,
-        device: DeviceInfo) -> list[dict]:
+        device: DeviceInfo, comparison: bool = True) -> list[dict]:
     rows = []
     for batch, tokens in sizes:
         for heads in heads_list:
+            shape_rows = []
             for dtype in sorted({ROUTE_DTYPES[r] for r in route_ids}):
                 name = fp8_dtype(device) if dtype == "fp8" else dtype
                 problem = MLAProblem(phase="prefill", num_heads=heads, batch=batch, qlen=tokens,
@@ -107,12 +125,36 @@ def run(sizes, heads_list, route_ids, budget: bench.Budget, seed: int,
                 for route_id in route_ids:
                     if ROUTE_DTYPES[route_id] == dtype:
                         shape = {"batch": batch, "tokens": tokens, "heads": heads, "dtype": name}
-                        rows += [{**shape, **r} for r in
-                                 measure_route(route_id, problem, inputs, ref, device, budget)]
+                        shape_rows += [{**shape, **r} for r in measure_route(
+                            route_id, problem, inputs, ref, device, budget, comparison)]
                 del inputs, ref
                 if device.is_gpu:
                     torch.cuda.empty_cache()
+            print(fp8_summary(shape_rows), flush=True)
+            rows += shape_rows
     return rows
+
+
+def fp8_over_bf16(rows: list[dict]) -> tuple[float | None, str | None]:
+    """Time of the fastest ok bf16 candidate among ``rows`` (one shape), and its route."""
+    bf16 = [r for r in rows if r.get("status") == "ok" and r["route"] in BF16_ROUTES]
+    if not bf16:
+        return None, None
+    best = min(bf16, key=lambda r: float(r["time_us"]))
+    return float(best["time_us"]), best["route"]
+
+
+def fp8_summary(rows: list[dict]) -> str:
+    """One line per fp8-ps candidate of one shape: its speed-up over the fastest bf16."""
+    bf16_us, bf16_route = fp8_over_bf16(rows)
+    lines = []
+    for r in rows:
+        if r["route"] == "fp8-ps/triton" and r.get("status") == "ok":
+            ratio = f"{bf16_us / float(r['time_us']):.2f}x" if bf16_us else "-"
+            lines.append(f"  fp8-ps {r['time_us']} us {r['tflops']} TFLOP/s: {ratio} the "
+                         f"fastest bf16 ({bf16_route} {bf16_us} us; target "
+                         f"{TARGET_OVER_BF16}x)  {r['params']}")
+    return "\n".join(lines)
 
 
 def best_per_route(rows: list[dict]) -> dict[tuple, dict]:
@@ -152,17 +194,32 @@ def markdown(rows: list[dict], device: DeviceInfo, command: str, seconds: float)
                      f"`{r['params']}` |")
     lines += ["", "## FP8 persistent prefill against its bf16 twin and SDPA", "",
               "| batch x tokens | heads | fp8-ps (us) | bf16-ps (us) | sdpa (us) | "
-              "fp8-ps speed-up over bf16-ps | over sdpa |",
-              "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+              "fp8-ps speed-up over bf16-ps | over sdpa | over the fastest bf16 "
+              f"(target {TARGET_OVER_BF16}x) |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for shape in sorted({k[:3] for k in best}):
         times = {rid: float(best[(*shape, rid)]["time_us"]) if (*shape, rid) in best else None
                  for rid in ROUTE_DTYPES}
         fp8 = times["fp8-ps/triton"]
         cells = [f"{t:.1f}" if t else "-" for t in times.values()]
-        ratios = [f"{times[rid] / fp8:.2f}x" if fp8 and times[rid] else "-"
-                  for rid in ("bf16-ps/triton", "sdpa/torch")]
+        bf16_times = [times[rid] for rid in BF16_ROUTES if times[rid]]
+        ratios = [f"{t / fp8:.2f}x" if fp8 and t else "-"
+                  for t in (times["bf16-ps/triton"], times["sdpa/torch"],
+                            min(bf16_times, default=None))]
         lines.append(f"| {shape[0]} x {shape[1]} | {shape[2]} | " + " | ".join(cells + ratios)
                      + " |")
+    lines += ["", "## Every fp8-ps candidate against the fastest bf16 route", "",
+              "| batch x tokens | heads | params | time (us) | TFLOP/s | speed-up |",
+              "| --- | --- | --- | ---: | ---: | ---: |"]
+    for shape in sorted({k[:3] for k in best}):
+        shape_rows = [r for r in rows if (r.get("batch"), r.get("tokens"), r.get("heads"))
+                      == shape]
+        bf16_us, _ = fp8_over_bf16(shape_rows)
+        for r in shape_rows:
+            if r["route"] == "fp8-ps/triton" and r.get("status") == "ok":
+                ratio = f"{bf16_us / float(r['time_us']):.2f}x" if bf16_us else "-"
+                lines.append(f"| {shape[0]} x {shape[1]} | {shape[2]} | `{r['params']}` | "
+                             f"{r['time_us']} | {r['tflops']} | {ratio} |")
     failed = [r for r in rows if r.get("status") not in ("ok", None)]
     if failed:
         lines += ["", "## Candidates that did not run or were rejected", ""]
@@ -184,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=0.3,
                         help="timed repetitions per candidate stop after this long")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-fp8-comparison", dest="comparison", action="store_false",
+                        help="time only fp8-ps's parameter space, not its comparison configs "
+                        "(the kernel as it was, a spilling variant)")
     args = parser.parse_args(argv)
     device = current_device()
     if not device.is_gpu:
@@ -192,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [tuple(int(x) for x in s.lower().split("x")) for s in args.sizes]
     budget = bench.Budget(warmup=3, min_reps=10, max_reps=200, max_seconds=args.seconds)
     start = time.perf_counter()
-    rows = run(sizes, args.heads, args.routes, budget, args.seed, device)
+    rows = run(sizes, args.heads, args.routes, budget, args.seed, device, args.comparison)
     seconds = time.perf_counter() - start
     command = "PYTHONPATH=$PWD python " + shlex.join(["benchmarks/prefill.py", *sys.argv[1:]])
     report = markdown(rows, device, command, seconds)

@@ -3,14 +3,17 @@
 Run as a script (``python -m tests.prefill_aot``) with TRITON_INTERPRET unset:
 Triton lowers the kernels to PTX and assembles them with the ptxas its wheel
 carries, so compile errors and the choice of Hopper's wgmma show up in CPU CI.
-Prints one JSON line per kernel: name, whether the PTX uses wgmma, and the
-registers and stack (spill) bytes ptxas reports.
+Prints one JSON line per kernel: name, whether the PTX uses wgmma, the
+registers and stack (spill) bytes ptxas reports, and the loop's schedule
+(``schedule``: wgmma shapes, dot-wait pendings, tile loads not pipelined).
+Arguments, if any, keep only the kernels whose names contain one of them.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -22,7 +25,12 @@ from triton.compiler.compiler import ASTSource
 
 from mlatune.kernels import prefill as kernels
 from mlatune.kernels.prefill_plan import MERGE_INFO_COLUMNS, WORK_INFO_COLUMNS
-from mlatune.routes.prefill_triton import _GPU_CONFIGS_16BIT, _GPU_CONFIGS_FP8, TILE_Q
+from mlatune.routes.prefill_triton import (
+    _GPU_CONFIGS_16BIT,
+    _GPU_CONFIGS_FP8,
+    FP8_COMPARISON_CONFIGS,
+    TILE_Q,
+)
 
 _FP32_POINTERS = ("lse_ptr", "part_out_ptr", "part_lse_ptr", "q_scale_ptr", "k_scale_ptr",
                   "v_scale_ptr")
@@ -48,9 +56,10 @@ def _aligned(fn, names) -> dict:
     return {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in names}
 
 
-def compile_main(dtype: str, config: tuple[int, int, int, int], arch: int = 90,
-                 kv_dtype: str | None = None):
-    block_m, block_n, warps, stages = config
+def compile_main(dtype: str, config: tuple, arch: int = 90, kv_dtype: str | None = None):
+    """config: (block_m, block_n, num_warps, num_stages[, v_transposed, qk_ahead])."""
+    block_m, block_n, warps, stages, *variant = config
+    v_transposed, qk_ahead = variant or (False, False)
     kv_dtype = kv_dtype or dtype
     pointers = {"q_ptr": dtype, "k_ptr": kv_dtype, "v_ptr": kv_dtype, "out_ptr": "bf16",
                 **dict.fromkeys(_FP32_POINTERS, "fp32"),
@@ -58,13 +67,50 @@ def compile_main(dtype: str, config: tuple[int, int, int, int], arch: int = 90,
     constants = dict(HAS_SCALES=kv_dtype.startswith("fp8"), CAUSAL=True, D_A=128, D_B=64,
                      D_V=128, BLOCK_M=block_m, BLOCK_N=block_n, TILE_Q=TILE_Q,
                      ROUND_P_FIRST=False, INFO_COLUMNS=WORK_INFO_COLUMNS,
-                     KV_UPCAST=kv_dtype != dtype)
+                     KV_UPCAST=kv_dtype != dtype, QK_AHEAD=qk_ahead,
+                     P_SHIFT=8 if dtype == kv_dtype == "fp8e4nv" else 0,
+                     V_ALIGN=kernels.V_ALIGN if v_transposed else 1)
+    # The stride of v's contiguous dimension is 1, which Triton's launcher specializes.
+    constants["stride_v_key" if v_transposed else "stride_v_dim"] = 1
     fn = kernels._prefill_persistent_kernel
-    strides = [n for n in fn.arg_names if n.startswith("stride_")]
+    strides = [n for n in fn.arg_names if n.startswith("stride_") and n not in constants]
     src = ASTSource(fn, _signature(fn, pointers, constants), constants,
                     _aligned(fn, [*pointers, *strides]))
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": warps, "num_stages": stages})
+
+
+def compile_transpose(arch: int = 90):
+    fn = kernels._transpose_v_kernel
+    constants = dict(D_V=128, BLOCK_K=kernels._TRANSPOSE_BLOCK, V_ALIGN=kernels.V_ALIGN)
+    pointers = {"v_ptr": "fp8e4nv", "vt_ptr": "fp8e4nv", "tiles_ptr": "i32"}
+    strides = [n for n in fn.arg_names if n.startswith("stride_")]
+    src = ASTSource(fn, _signature(fn, pointers, constants), constants,
+                    _aligned(fn, [*pointers, *strides]))
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+
+
+def schedule(compiled) -> dict:
+    """What the attention loop does on Hopper, from the ttgir and PTX: the wgmma
+    shapes, the pendings of every warp_group_dot_wait (0: wait for every dot in
+    flight; n > 0: n dots may stay in flight), the dots left in flight across a
+    loop step (no wait right after them: Triton waits for them in the next step,
+    at its first full wait) and the tile loads that are not async copies (a
+    register load then a shared-memory store: not pipelined; q's two are outside
+    the key loops)."""
+    ttgir, ptx = compiled.asm["ttgir"], compiled.asm["ptx"]
+    dots = re.findall(r"(%\S+) = ttng\.warp_group_dot [^\n]*isAsync = true", ttgir)
+    waited = set(re.findall(r"warp_group_dot_wait (%[^ ,]+)", ttgir))
+    return {
+        "wgmma_shapes": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)",
+                                              ptx))),
+        "dot_waits": [int(n) for n in re.findall(r"warp_group_dot_wait .*pendings = (\d+)",
+                                                 ttgir)],
+        # Async dots whose result no wait names: loop-carried, waited in the next step
+        # (dots outside loops are synchronous).
+        "dots_in_flight": sum(d not in waited for d in dots),
+        "sync_tile_loads": len(re.findall(r"ttg\.local_alloc %\S+ : \(tensor<\d+x\d+x", ttgir)),
+    }
 
 
 def compile_merge(arch: int = 90):
@@ -93,15 +139,20 @@ def resources(compiled) -> dict[str, int]:
 def main() -> None:
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         sys.exit("unset TRITON_INTERPRET: the interpreter compiles nothing")
+    only = sys.argv[1:]  # substrings of job names, to compile a few
     jobs = [(f"bf16 {c}", lambda c=c: compile_main("bf16", c)) for c in _GPU_CONFIGS_16BIT]
-    jobs += [(f"fp8 {c}", lambda c=c: compile_main("fp8e4nv", c)) for c in _GPU_CONFIGS_FP8]
+    jobs += [(f"fp8 {c}", lambda c=c: compile_main("fp8e4nv", c))
+             for c in (*_GPU_CONFIGS_FP8, *FP8_COMPARISON_CONFIGS)]
     jobs += [(f"bf16 over fp8 {c}", lambda c=c: compile_main("bf16", c, kv_dtype="fp8e4nv"))
              for c in _GPU_CONFIGS_16BIT]
-    jobs.append(("merge", compile_merge))
+    jobs += [("merge", compile_merge), ("transpose v", compile_transpose)]
     for name, job in jobs:
+        if only and not any(o in name for o in only):
+            continue
         compiled = job()
-        print(json.dumps({"kernel": name, "wgmma": "wgmma.mma_async" in compiled.asm["ptx"],
-                          **resources(compiled)}), flush=True)
+        print(json.dumps({"kernel": name, "triton": triton.__version__,
+                          "wgmma": "wgmma.mma_async" in compiled.asm["ptx"],
+                          **resources(compiled), **schedule(compiled)}), flush=True)
 
 
 if __name__ == "__main__":

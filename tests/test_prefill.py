@@ -21,9 +21,14 @@ from mlatune.arch import DeviceInfo, cpu_device
 from mlatune.check import reference
 from mlatune.check.accuracy import check
 from mlatune.check.inputs import make_prefill_inputs, poison_
-from mlatune.kernels.prefill_plan import plan_work, split_head_dim
+from mlatune.kernels.prefill_plan import (
+    plan_work,
+    split_head_dim,
+    v_key_offsets,
+    v_transpose_tiles,
+)
 from mlatune.problem import DTYPES, MLAProblem
-from mlatune.routes.prefill_triton import TILE_Q
+from mlatune.routes.prefill_triton import _GPU_CONFIGS_FP8, FP8_COMPARISON_CONFIGS, TILE_Q
 from mlatune.routes.triton_support import interpreter_enabled
 
 H200 = DeviceInfo("sm_90", "NVIDIA H200", "nvidia", 132)
@@ -70,6 +75,10 @@ def run_route(route_id, problem, seed, params=None, want_lse=True):
 # (heads, batch, qlen, kv_len): 12 and 24 take the head-padding path (to 16, 32);
 # kv_len > qlen gives every request a prefix of kv_len - qlen keys.
 SHAPES = [(12, 3, 20, 30), (16, 2, 40, 40), (24, 3, 24, 56), (128, 2, 8, 8)]
+
+# The kernel's variants: v as given; v transposed; v transposed with q.k one block ahead.
+VARIANTS = [(False, False), (True, False), (True, True)]
+variant_ids = ["v-rows", "v-transposed", "qk-ahead"]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"h{s[0]}-b{s[1]}-q{s[2]}-k{s[3]}")
@@ -128,6 +137,62 @@ def test_fp8_fnuz(heads):
     run_route("fp8-ps/triton", problem, seed_of("fnuz", heads))
 
 
+@pytest.mark.parametrize("variant", VARIANTS, ids=variant_ids)
+@pytest.mark.parametrize(("dtype", "causal", "shape"), [
+    ("fp8_e4m3fn", True, (12, 3, 20, 30)),
+    ("fp8_e4m3fnuz", True, (16, 3, 37, 37)),
+    ("fp8_e4m3fn", False, (4, 3, 40, 70)),
+    ("fp16", True, (12, 3, 24, 56)),
+])
+def test_every_kernel_variant(variant, dtype, causal, shape):
+    """Each variant through the route, ragged with prefixes, at two key blocks: 16
+    (several blocks a row, the diagonal inside the loop) and 64 (one partial block)."""
+    heads, batch, qlen, kv_len = shape
+    route_id = "fp8-ps/triton" if dtype.startswith("fp8") else "bf16-ps/triton"
+    for block_n in (16, 64):
+        params = {"block_m": 32, "block_n": block_n, "num_warps": 4, "num_stages": 1,
+                  "v_transposed": variant[0], "qk_ahead": variant[1]}
+        prepared, _ = run_route(route_id, prefill(heads, qlen, kv_len, batch, dtype, causal),
+                                seed_of("variant", variant, dtype, causal, block_n), params)
+        assert prepared.params["v_transposed"] == variant[0]
+
+
+@interpreted
+def test_transposed_v_has_aligned_requests_and_zero_padding():
+    from mlatune.kernels.prefill import V_ALIGN, KernelConfig, PersistentPrefill
+
+    k_lens = [5, 40, 17]
+    v = torch.randn(sum(k_lens), 2, 32).to(torch.float8_e4m3fn)
+    q = torch.zeros(sum(k_lens), 2, 48, dtype=torch.float8_e4m3fn)
+    launch = PersistentPrefill(
+        q, q, v, torch.empty(sum(k_lens), 2, 32, dtype=torch.bfloat16),
+        torch.empty(sum(k_lens), 2), k_lens, k_lens, causal=True, sm_scale=1.0,
+        scales=(torch.ones(1),) * 3, config=KernelConfig(16, 16, 4, 1, True, False),
+        num_programs=2)
+    vt = launch._main_args[2]
+    v.copy_(torch.randn(v.shape).to(v.dtype))  # each call copies the v of that call
+    launch()
+    cols = v_key_offsets(k_lens, V_ALIGN)
+    assert vt.shape == (2, 32, cols[-1]) and all(c % V_ALIGN == 0 for c in cols)
+    for b, (k0, n) in enumerate(zip([0, 5, 45], k_lens, strict=True)):
+        got = vt[:, :, cols[b]:cols[b] + n].view(torch.uint8)
+        assert torch.equal(got, v[k0:k0 + n].permute(1, 2, 0).view(torch.uint8))
+        assert not vt[:, :, cols[b] + n:cols[b + 1]].view(torch.uint8).any()
+
+
+def test_v_transpose_tiles_cover_every_key_once():
+    k_lens = [5, 130, 64, 1]
+    tiles = v_transpose_tiles(k_lens, 16, 64)
+    cols = v_key_offsets(k_lens, 16)
+    assert cols == [0, 16, 160, 224, 240]
+    rows = [r for row0, _, n in tiles for r in range(row0, row0 + n)]
+    assert rows == list(range(sum(k_lens)))
+    assert all(col0 % 16 == 0 and 1 <= n <= 64 for _, col0, n in tiles)
+    plan = plan_work(k_lens, k_lens, 2, 3, tile_q=64, block_m=32, v_align=16)
+    assert {(it.k_row0, it.v_row0) for items in plan.programs for it in items} == {
+        (0, 0), (5, 16), (135, 160), (199, 224)}
+
+
 @pytest.mark.parametrize("route_id", ["fp8-ps/triton", "bf16-ps/triton"])
 def test_not_causal(route_id):
     dtype = "fp8_e4m3fn" if route_id.startswith("fp8") else "fp16"
@@ -155,9 +220,10 @@ def test_lse_is_optional_and_runs_repeat():
 
 # The kernel's split-KV path, which the routes reach only at GPU sizes -------
 @interpreted
+@pytest.mark.parametrize("variant", VARIANTS, ids=variant_ids)
 @pytest.mark.parametrize("dtype", ["fp16", "fp8_e4m3fn"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_split_tiles_are_merged_by_lse(dtype, causal):
+def test_split_tiles_are_merged_by_lse(dtype, causal, variant):
     from mlatune.kernels.prefill import KernelConfig, PersistentPrefill
 
     problem = prefill(3, 70, 100, 3, dtype, causal=causal)
@@ -169,7 +235,7 @@ def test_split_tiles_are_merged_by_lse(dtype, causal):
     launch = PersistentPrefill(
         inputs.q, inputs.k, inputs.v, out, lse, inputs.cu_seqlens_q.diff().tolist(),
         inputs.cu_seqlens_k.diff().tolist(), causal=causal, sm_scale=problem.softmax_scale,
-        scales=scales, config=KernelConfig(16, 16, 4, 1), num_programs=24, tile_q=32,
+        scales=scales, config=KernelConfig(16, 16, 4, 1, *variant), num_programs=24, tile_q=32,
         min_split=16)
     assert len(launch.plan.merges) >= 5  # more programs than tiles: many tiles are cut
     poison_(out, lse)
@@ -292,7 +358,13 @@ def test_param_space_is_small_and_valid(device, dtype):
     assert 1 <= len(space) <= 3
     for params in space:
         assert TILE_Q % params["block_m"] == 0
-        assert set(params) == {"block_m", "block_n", "num_warps", "num_stages"}
+        assert {"block_m", "block_n", "num_warps", "num_stages"} <= set(params) <= {
+            "block_m", "block_n", "num_warps", "num_stages", "v_transposed", "qk_ahead"}
+        assert params.get("v_transposed") or not params.get("qk_ahead")
+    if dtype != "bf16" and device in (H200, cpu_device()):
+        # Hopper's fp8 P.V reads v transposed; the interpreter runs the q.k-ahead loop.
+        assert all(p["v_transposed"] for p in space)
+        assert any(p["qk_ahead"] for p in space)
     if device is MI300 and dtype == "bf16":  # 64 KB of LDS: only the smallest config fits
         assert space == [{"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 1}]
 
@@ -307,7 +379,19 @@ def test_kernels_compile_for_hopper():
                           cwd=Path(__file__).resolve().parent.parent, capture_output=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
-    reports = [json.loads(line) for line in done.stdout.splitlines()]
-    assert len(reports) == 3 + 3 + 3 + 1  # 16-bit, fp8, 16-bit over fp8 configs; merge
-    assert all(r["wgmma"] for r in reports if r["kernel"] != "merge")
-    assert all(r["stack"] <= 64 for r in reports), reports  # no config spills much
+    reports = {r["kernel"]: r for r in map(json.loads, done.stdout.splitlines())}
+    # 16-bit, fp8 and its comparison configs, 16-bit over fp8; merge; transpose
+    assert len(reports) == 3 + 3 + 2 + 3 + 1 + 1
+    assert all(r["wgmma"] for name, r in reports.items() if name.startswith(("bf16", "fp8")))
+    swept = [r for name, r in reports.items()
+             if not any(name == f"fp8 {c}" for c in FP8_COMPARISON_CONFIGS)]
+    assert all(r["stack"] <= 64 for r in swept), reports  # no swept config spills much
+    for config in _GPU_CONFIGS_FP8:
+        r = reports[f"fp8 {config}"]
+        # v transposed: every k/v tile an async copy (only q's two tiles are not), and
+        # a dot left in flight across a step in each loop (P.V; or the q.k halves ahead).
+        assert r["sync_tile_loads"] == (7 if config[5] else 2), r
+        assert r["dots_in_flight"] == 2 and r["wgmma_shapes"][0] == "m64n128k32", r
+    # As it was: each v tile loaded through registers, every dot waited for at once.
+    old = reports[f"fp8 {FP8_COMPARISON_CONFIGS[0]}"]
+    assert old["sync_tile_loads"] == 4 and old["dots_in_flight"] == 0, old

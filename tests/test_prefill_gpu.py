@@ -18,6 +18,7 @@ from mlatune.check.accuracy import check
 from mlatune.check.inputs import make_prefill_inputs, poison_
 from mlatune.problem import MLAProblem
 from mlatune.routes.base import Prepared
+from mlatune.routes.prefill_triton import FP8_COMPARISON_CONFIGS, config_params
 
 pytestmark = pytest.mark.gpu
 
@@ -105,6 +106,24 @@ def test_every_parameter_set(device, route_id):
     assert space
     for params in space:
         run_and_check(route_id, problem, device, ragged=True, params=params)
+
+
+def fp8_variants(device: DeviceInfo) -> list[dict]:
+    """fp8-ps's parameter space and the comparison configs the benchmark times."""
+    problem = prefill(128, 1, 4096, 4096, fp8_for(device))
+    return (routes.get("fp8-ps/triton").param_space(problem, device)
+            + [config_params(c) for c in FP8_COMPARISON_CONFIGS])
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_every_fp8_variant_at_128_heads(device, causal):
+    """Issue 19's point (128 heads x 4096 tokens) and a ragged batch with prefixes, for
+    every fp8 kernel variant (v transposed or not, q.k ahead or not, key blocks)."""
+    for params in fp8_variants(device):
+        run_and_check("fp8-ps/triton", prefill(128, 1, 4096, 4096, fp8_for(device), causal),
+                      device, params=params)
+        run_and_check("fp8-ps/triton", prefill(24, 5, 1000, 1700, fp8_for(device), causal),
+                      device, ragged=True, params=params)
 
 
 @pytest.mark.parametrize("route_id", ["bf16-ps/triton", "sdpa/torch"])

@@ -39,9 +39,13 @@ from mlatune.kernels.prefill_plan import (
     WorkPlan,
     plan_work,
     split_head_dim,
+    v_key_offsets,
+    v_transpose_tiles,
 )
 
 _MERGE_BLOCK_ROWS = 64
+V_ALIGN = 16  # keys: a request's start in a transposed v (16-byte vector loads of fp8)
+_TRANSPOSE_BLOCK = 64  # keys per program of the transpose kernel
 
 
 @dataclass(frozen=True)
@@ -50,10 +54,16 @@ class KernelConfig:
     block_n: int  # keys per inner-loop step
     num_warps: int
     num_stages: int
+    # v stored transposed (keys contiguous) for the P.V dot: Hopper's fp8 wgmma takes
+    # its B operand only K-major, and without this Triton loads each v tile
+    # synchronously through registers (not pipelined).
+    v_transposed: bool = False
+    qk_ahead: bool = False  # the hot loop keeps the next block's q.k in flight (fp8)
 
-    def as_params(self) -> dict[str, int]:
+    def as_params(self) -> dict[str, int | bool]:
         return {"block_m": self.block_m, "block_n": self.block_n,
-                "num_warps": self.num_warps, "num_stages": self.num_stages}
+                "num_warps": self.num_warps, "num_stages": self.num_stages,
+                "v_transposed": self.v_transposed, "qk_ahead": self.qk_ahead}
 
 
 def _interpreting() -> bool:
@@ -74,26 +84,67 @@ def _round_to_3_mantissa_bits(x):
 
 
 @triton.jit
+def _online_softmax(scores, l_i, m_i, p_dtype: tl.constexpr, MASKED: tl.constexpr,
+                    ROUND_P_FIRST: tl.constexpr, P_SHIFT: tl.constexpr):
+    """One key block's softmax update (log2 domain): the new l and max, the block's
+    probabilities in ``p_dtype`` for the P.V dot, and the factor alpha that the
+    output accumulator is to be rescaled by before that dot.
+
+    The probabilities are scaled by 2**P_SHIFT: fp8's normal range starts at 2**-6,
+    and a [0, 1] P would round its small entries coarsely or to 0. The power of two
+    is exact and cancels in acc / l, since l sums the same scaled values.
+    """
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_ref = m_new
+    if MASKED:
+        # A row that has seen no key yet keeps max -inf; subtract 0 instead of -inf.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(scores - (m_ref - P_SHIFT)[:, None])
+    alpha = tl.exp2(m_i - m_ref)
+    p_rounded = p
+    if ROUND_P_FIRST:
+        p_rounded = _round_to_3_mantissa_bits(p)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return l_i, m_new, p_rounded.to(p_dtype), alpha
+
+
+@triton.jit
+def _mask_scores(scores, keys, q_pos, prefix, kv_stop, CAUSAL: tl.constexpr):
+    """-inf where a key is past the range or, causal, after the row's own position."""
+    allowed = (keys < kv_stop)[None, :]
+    if CAUSAL:
+        allowed = allowed & (keys[None, :] <= (prefix + q_pos)[:, None])
+    return tl.where(allowed, scores, float("-inf"))
+
+
+@triton.jit
 def _attend_keys(acc, l_i, m_i, q_a, q_b, k_base, v_base, q_pos, prefix, kv_start, kv_stop,
-                 stride_k_row, stride_v_row, qk_scale,
+                 stride_k_row, stride_v_key, stride_v_dim, qk_scale,
                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
                  D_A: tl.constexpr, D_B: tl.constexpr, D_V: tl.constexpr,
-                 ROUND_P_FIRST: tl.constexpr, KV_UPCAST: tl.constexpr):
+                 ROUND_P_FIRST: tl.constexpr, KV_UPCAST: tl.constexpr,
+                 P_SHIFT: tl.constexpr, V_ALIGN: tl.constexpr):
     """Online softmax over keys [kv_start, kv_stop) in BLOCK_N steps (log2 domain).
 
     MASKED=False is the hot loop over key blocks every row sees whole; MASKED=True
-    handles the causal diagonal and the last partial block.
+    handles the causal diagonal and the last partial block. v is addressed through
+    (key, dim) strides: rows of v, or v transposed (key stride 1), which fp8 needs.
+    A transposed v is masked in groups of V_ALIGN keys, so that its loads stay
+    vector loads (Triton pipelines only those): the keys past the range that this
+    reads are the request's own or the transposed buffer's zero padding, and P is 0
+    for them.
     """
     offs_n = tl.arange(0, BLOCK_N)
     # Offsets within one key block: 32-bit and loop-invariant (fewer live registers);
     # the block's 64-bit start goes into the scalar base pointer.
     kt_a_offs = offs_n[None, :] * stride_k_row + tl.arange(0, D_A)[:, None]  # k transposed
     kt_b_offs = offs_n[None, :] * stride_k_row + (D_A + tl.arange(0, D_B))[:, None]
-    v_offs = offs_n[:, None] * stride_v_row + tl.arange(0, D_V)[None, :]
+    v_offs = offs_n[:, None] * stride_v_key + tl.arange(0, D_V)[None, :] * stride_v_dim
+    v_group = offs_n // V_ALIGN * V_ALIGN
     for start_n in range(kv_start, kv_stop, BLOCK_N):
         keys = start_n + offs_n
         k_block = k_base + tl.cast(start_n, tl.int64) * stride_k_row
-        v_block = v_base + tl.cast(start_n, tl.int64) * stride_v_row
+        v_block = v_base + tl.cast(start_n, tl.int64) * stride_v_key
         kt_a_ptrs = k_block + kt_a_offs
         kt_b_ptrs = k_block + kt_b_offs
         v_ptrs = v_block + v_offs
@@ -101,7 +152,7 @@ def _attend_keys(acc, l_i, m_i, q_a, q_b, k_base, v_base, q_pos, prefix, kv_star
             in_range = keys < kv_stop
             kt_a = tl.load(kt_a_ptrs, mask=in_range[None, :], other=0.0)
             kt_b = tl.load(kt_b_ptrs, mask=in_range[None, :], other=0.0)
-            v = tl.load(v_ptrs, mask=in_range[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=(start_n + v_group < kv_stop)[:, None], other=0.0)
         else:
             kt_a = tl.load(kt_a_ptrs)
             kt_b = tl.load(kt_b_ptrs)
@@ -114,25 +165,70 @@ def _attend_keys(acc, l_i, m_i, q_a, q_b, k_base, v_base, q_pos, prefix, kv_star
         scores = tl.dot(q_b, kt_b, scores)
         scores = scores * qk_scale
         if MASKED:
-            allowed = in_range[None, :]
-            if CAUSAL:
-                allowed = allowed & (keys[None, :] <= (prefix + q_pos)[:, None])
-            scores = tl.where(allowed, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_ref = m_new
-        if MASKED:
-            # A row that has seen no key yet keeps max -inf; subtract 0 instead of -inf.
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(scores - m_ref[:, None])
-        alpha = tl.exp2(m_i - m_ref)
-        p_rounded = p
-        if ROUND_P_FIRST:
-            p_rounded = _round_to_3_mantissa_bits(p)
-        p_low = p_rounded.to(v.dtype)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p_low, v, acc)
-        m_i = m_new
+            scores = _mask_scores(scores, keys, q_pos, prefix, kv_stop, CAUSAL)
+        l_i, m_i, p_low, alpha = _online_softmax(scores, l_i, m_i, v.dtype, MASKED,
+                                                 ROUND_P_FIRST, P_SHIFT)
+        acc = tl.dot(p_low, v, acc * alpha[:, None])
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attend_keys_ahead(acc, l_i, m_i, q_a, q_b, k_base, v_base, q_pos, prefix, kv_lo,
+                       full_stop, kv_stop, stride_k_row, stride_v_key, stride_v_dim, qk_scale,
+                       CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, D_A: tl.constexpr,
+                       D_B: tl.constexpr, D_V: tl.constexpr, ROUND_P_FIRST: tl.constexpr,
+                       P_SHIFT: tl.constexpr):
+    """All keys [kv_lo, kv_stop) (at least one) in one loop that keeps the q.k of
+    block j+1 in flight on the tensor cores while block j's softmax runs.
+
+    A step runs P.V of block j-1, issues q.k of block j+1, then the softmax of block
+    j (masked from ``full_stop`` on: the causal diagonal). Triton waits for every
+    dot in flight after a dot whose result the loop reads at once (the P.V here); a
+    loop-carried dot result read only after such a wait may stay in flight (its
+    Hopper wgmma pipelining rules), which the two q.k halves are: they are carried
+    separately and summed in the next step, since a dot that feeds another dot's
+    accumulator is waited for at once. The first step's P.V multiplies zeros (there
+    is no block before), one wasted P.V per call; the last block's softmax and P.V
+    follow the loop. v is transposed here (key stride 1), so its loads in the loop
+    need no mask: every block but the last is whole.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    kt_a_offs = offs_n[None, :] * stride_k_row + tl.arange(0, D_A)[:, None]
+    kt_b_offs = offs_n[None, :] * stride_k_row + (D_A + tl.arange(0, D_B))[:, None]
+    v_offs = offs_n[:, None] * stride_v_key + tl.arange(0, D_V)[None, :] * stride_v_dim
+    last = kv_lo + (kv_stop - 1 - kv_lo) // BLOCK_N * BLOCK_N
+    k_block = k_base + tl.cast(kv_lo, tl.int64) * stride_k_row
+    in_range = (kv_lo + offs_n < kv_stop)[None, :]
+    s_a = tl.dot(q_a, tl.load(k_block + kt_a_offs, mask=in_range, other=0.0))
+    s_b = tl.dot(q_b, tl.load(k_block + kt_b_offs, mask=in_range, other=0.0))
+    p_low = tl.zeros([q_a.shape[0], BLOCK_N], dtype=v_base.dtype.element_ty)
+    alpha = tl.full([q_a.shape[0]], 1.0, dtype=tl.float32)
+    for start_n in range(kv_lo, last, BLOCK_N):
+        prev = tl.maximum(start_n - BLOCK_N, kv_lo)
+        # acc is rescaled here, next to its dot, not in the softmax: that keeps it in
+        # the P.V dot's layout (the scores' differs when BLOCK_N != D_V), not in both.
+        acc = tl.dot(p_low, tl.load(v_base + tl.cast(prev, tl.int64) * stride_v_key + v_offs),
+                     acc * alpha[:, None])
+        scores = (s_a + s_b) * qk_scale
+        if start_n + BLOCK_N > full_stop:
+            scores = _mask_scores(scores, start_n + offs_n, q_pos, prefix, kv_stop, CAUSAL)
+        nxt = start_n + BLOCK_N
+        k_block = k_base + tl.cast(nxt, tl.int64) * stride_k_row
+        in_range = (nxt + offs_n < kv_stop)[None, :]
+        s_a = tl.dot(q_a, tl.load(k_block + kt_a_offs, mask=in_range, other=0.0))
+        s_b = tl.dot(q_b, tl.load(k_block + kt_b_offs, mask=in_range, other=0.0))
+        l_i, m_i, p_low, alpha = _online_softmax(scores, l_i, m_i, p_low.dtype, True,
+                                                 ROUND_P_FIRST, P_SHIFT)
+    # The last block: the P.V of the one before it, its softmax, its own P.V.
+    prev = tl.maximum(last - BLOCK_N, kv_lo)
+    acc = tl.dot(p_low, tl.load(v_base + tl.cast(prev, tl.int64) * stride_v_key + v_offs),
+                 acc * alpha[:, None])
+    scores = _mask_scores((s_a + s_b) * qk_scale, last + offs_n, q_pos, prefix, kv_stop, CAUSAL)
+    l_i, m_i, p_low, alpha = _online_softmax(scores, l_i, m_i, p_low.dtype, True,
+                                             ROUND_P_FIRST, P_SHIFT)
+    v_last = tl.load(v_base + tl.cast(last, tl.int64) * stride_v_key + v_offs,
+                     mask=(last + offs_n < kv_stop)[:, None], other=0.0)
+    acc = tl.dot(p_low, v_last, acc * alpha[:, None])
     return acc, l_i, m_i
 
 
@@ -142,12 +238,13 @@ def _prefill_persistent_kernel(
     q_scale_ptr, k_scale_ptr, v_scale_ptr, work_indptr_ptr, work_info_ptr,
     sm_scale_log2,  # softmax scale times log2(e): the kernel works with exp2
     stride_q_row, stride_q_head, stride_k_row, stride_k_head,
-    stride_v_row, stride_v_head,
+    stride_v_key, stride_v_dim, stride_v_head,
     stride_o_row, stride_o_head, stride_lse_row,
     HAS_SCALES: tl.constexpr, CAUSAL: tl.constexpr,
     D_A: tl.constexpr, D_B: tl.constexpr, D_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_Q: tl.constexpr,
     ROUND_P_FIRST: tl.constexpr, INFO_COLUMNS: tl.constexpr, KV_UPCAST: tl.constexpr,
+    QK_AHEAD: tl.constexpr, P_SHIFT: tl.constexpr, V_ALIGN: tl.constexpr,
 ):
     if HAS_SCALES:
         qk_scale = sm_scale_log2 * tl.load(q_scale_ptr) * tl.load(k_scale_ptr)
@@ -173,8 +270,11 @@ def _prefill_persistent_kernel(
         kv_hi = tl.load(info + 6)
         head = tl.load(info + 7).to(tl.int64)  # 64-bit: head * stride can pass 2**31
         slot = tl.load(info + 8)
+        # Aligned when v is transposed (keys contiguous): 16-byte vector loads.
+        v_row0 = tl.multiple_of(tl.load(info + 9), V_ALIGN)
+        kv_lo = tl.multiple_of(kv_lo, BLOCK_N)  # the plan splits at whole key blocks
         k_base = k_ptr + k_row0.to(tl.int64) * stride_k_row + head * stride_k_head
-        v_base = v_ptr + k_row0.to(tl.int64) * stride_v_row + head * stride_v_head
+        v_base = v_ptr + v_row0.to(tl.int64) * stride_v_key + head * stride_v_head
         for m0 in range(0, q_rows, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)  # rows within the tile
             row_ok = offs_m < q_rows
@@ -195,21 +295,29 @@ def _prefill_persistent_kernel(
             acc = tl.zeros([BLOCK_M, D_V], dtype=tl.float32)
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
             m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-            acc, l_i, m_i = _attend_keys(
-                acc, l_i, m_i, q_a, q_b, k_base, v_base, q_pos, prefix, kv_lo, full_stop,
-                stride_k_row, stride_v_row, qk_scale,
-                False, CAUSAL, BLOCK_N, D_A, D_B, D_V, ROUND_P_FIRST, KV_UPCAST)
-            acc, l_i, m_i = _attend_keys(
-                acc, l_i, m_i, q_a, q_b, k_base, v_base, q_pos, prefix, full_stop, kv_stop,
-                stride_k_row, stride_v_row, qk_scale,
-                True, CAUSAL, BLOCK_N, D_A, D_B, D_V, ROUND_P_FIRST, KV_UPCAST)
+            if QK_AHEAD:
+                if kv_stop > kv_lo:
+                    acc, l_i, m_i = _attend_keys_ahead(
+                        acc, l_i, m_i, q_a, q_b, k_base, v_base, q_pos, prefix, kv_lo,
+                        full_stop, kv_stop, stride_k_row, stride_v_key, stride_v_dim, qk_scale,
+                        CAUSAL, BLOCK_N, D_A, D_B, D_V, ROUND_P_FIRST, P_SHIFT)
+            else:
+                acc, l_i, m_i = _attend_keys(
+                    acc, l_i, m_i, q_a, q_b, k_base, v_base, q_pos, prefix, kv_lo, full_stop,
+                    stride_k_row, stride_v_key, stride_v_dim, qk_scale, False, CAUSAL,
+                    BLOCK_N, D_A, D_B, D_V, ROUND_P_FIRST, KV_UPCAST, P_SHIFT, V_ALIGN)
+                acc, l_i, m_i = _attend_keys(
+                    acc, l_i, m_i, q_a, q_b, k_base, v_base, q_pos, prefix, full_stop, kv_stop,
+                    stride_k_row, stride_v_key, stride_v_dim, qk_scale, True, CAUSAL,
+                    BLOCK_N, D_A, D_B, D_V, ROUND_P_FIRST, KV_UPCAST, P_SHIFT, V_ALIGN)
             # Rows with no key in this item's range (only in a split tile's piece)
             # get output 0 and LSE -inf, which the merge weighs as nothing.
             has_keys = l_i > 0.0
             l_safe = tl.where(has_keys, l_i, 1.0)
             o = acc * (out_scale / l_safe)[:, None]
-            # Scores are in log2 units: times ln 2 for a natural-log LSE.
-            lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * 0.6931471805599453,
+            # Scores are in log2 units: times ln 2 for a natural-log LSE; l is the sum
+            # of the probabilities scaled by 2**P_SHIFT.
+            lse = tl.where(has_keys, (m_i + tl.log2(l_safe) - P_SHIFT) * 0.6931471805599453,
                            float("-inf"))
             if slot < 0:
                 o_ptrs = (out_ptr + rows[:, None] * stride_o_row + head * stride_o_head
@@ -221,6 +329,26 @@ def _prefill_persistent_kernel(
                 tl.store(part_out_ptr + part_rows[:, None] * D_V + offs_v[None, :], o,
                          mask=row_ok[:, None])
                 tl.store(part_lse_ptr + part_rows, lse, mask=row_ok)
+
+
+@triton.jit
+def _transpose_v_kernel(v_ptr, vt_ptr, tiles_ptr, stride_v_row, stride_v_head,
+                        stride_vt_head, stride_vt_dim,
+                        D_V: tl.constexpr, BLOCK_K: tl.constexpr, V_ALIGN: tl.constexpr):
+    """vt[h, d, col0 + t] = v[row0 + t, h, d] for one (tile, head): v with its keys as
+    the contiguous dimension, as Hopper's fp8 wgmma needs v (its B operand, K-major)."""
+    tile = tiles_ptr + tl.program_id(0) * 3  # columns as in prefill_plan.v_transpose_tiles
+    row0 = tl.load(tile).to(tl.int64)
+    col0 = tl.multiple_of(tl.load(tile + 1), V_ALIGN).to(tl.int64)
+    rows = tl.load(tile + 2)
+    head = tl.program_id(1).to(tl.int64)
+    offs_t = tl.arange(0, BLOCK_K)
+    offs_d = tl.arange(0, D_V)
+    ok = (offs_t < rows)[:, None]
+    src = v_ptr + (row0 + offs_t)[:, None] * stride_v_row + head * stride_v_head + offs_d[None, :]
+    dst = (vt_ptr + head * stride_vt_head + offs_d[None, :] * stride_vt_dim
+           + (col0 + offs_t)[:, None])
+    tl.store(dst, tl.load(src, mask=ok), mask=ok)
 
 
 @triton.jit
@@ -264,13 +392,26 @@ def _merge_partials_kernel(
     tl.store(lse_ptr + rows * stride_lse_row + head, lse, mask=row_ok)
 
 
+def fp8_p_shift(dtype: torch.dtype) -> int:
+    """log2 of the factor P is scaled by before its cast to fp8: the largest that keeps
+    1.0 * 2**shift finite (e4m3fn reaches 448, e4m3fnuz 240)."""
+    return 8 if torch.finfo(dtype).max >= 256 else 7
+
+
+def _int_table(rows: list[tuple[int, ...]], width: int, device: torch.device) -> torch.Tensor:
+    t = torch.tensor(rows, dtype=torch.int32) if rows else torch.zeros(0, width, dtype=torch.int32)
+    return t.reshape(-1, width).contiguous().to(device)
+
+
 class PersistentPrefill:
     """One varlen batch planned and allocated: calling it only launches the kernels.
 
     q: (total_q, H, d_qk), k: (total_k, H, d_qk), v: (total_k, H, d_v), out
     (total_q, H, d_v) and lse (total_q, H), each with a contiguous last dimension
     (any token and head strides). ``out`` and ``lse`` are written in full on
-    every call.
+    every call. With ``config.v_transposed`` every call first copies v into a
+    transposed buffer (heads, d_v, keys) of this object's, requests at aligned
+    starts, and the attention kernel reads that.
     """
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -284,19 +425,24 @@ class PersistentPrefill:
             raise ValueError(f"d_qk {d_qk} is not a sum of two powers of two >= 16")
         if any(t.stride(-1) != 1 for t in (q, k, v, out, lse)):
             raise ValueError("q, k, v, out and lse need a contiguous last dimension")
+        if config.qk_ahead and not config.v_transposed:
+            raise ValueError("qk_ahead needs v_transposed")
+        v_align = V_ALIGN if config.v_transposed else 1
         self.plan: WorkPlan = plan_work(seq_lens_q, seq_lens_k, heads, num_programs,
                                         tile_q=tile_q, block_m=config.block_m, causal=causal,
-                                        split_align=config.block_n, min_split=min_split)
+                                        split_align=config.block_n, min_split=min_split,
+                                        v_align=v_align)
         device = q.device
-
-        def table(rows: list[tuple[int, ...]], width: int) -> torch.Tensor:
-            t = torch.tensor(rows, dtype=torch.int32) if rows else torch.zeros(0, width,
-                                                                               dtype=torch.int32)
-            return t.reshape(-1, width).contiguous().to(device)
-
+        self._transpose: tuple | None = None
+        v_kernel = v
+        if config.v_transposed:
+            v_kernel = self._transposed_v(v, seq_lens_k)
+        # (key, dim) strides of the v the kernel reads.
+        v_strides = (v_kernel.stride(2), v_kernel.stride(1)) if config.v_transposed else (
+            v.stride(0), 1)
         work_indptr = torch.tensor(self.plan.work_indptr, dtype=torch.int32, device=device)
-        work_info = table(self.plan.work_info, WORK_INFO_COLUMNS)
-        merge_info = table(self.plan.merge_info, MERGE_INFO_COLUMNS)
+        work_info = _int_table(self.plan.work_info, WORK_INFO_COLUMNS, device)
+        merge_info = _int_table(self.plan.merge_info, MERGE_INFO_COLUMNS, device)
         slots = max(self.plan.num_partials, 1)
         part_out = torch.empty(slots * tile_q, d_v, dtype=torch.float32, device=device)
         part_lse = torch.empty(slots * tile_q, dtype=torch.float32, device=device)
@@ -304,19 +450,20 @@ class PersistentPrefill:
         q_scale, k_scale, v_scale = scales if scales is not None else (placeholder,) * 3
         self._main_grid = (num_programs,)
         self._main_args = (
-            q, k, v, out, lse, part_out, part_lse, q_scale, k_scale, v_scale,
+            q, k, v_kernel, out, lse, part_out, part_lse, q_scale, k_scale, v_scale,
             work_indptr, work_info, sm_scale * math.log2(math.e),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            v.stride(0), v.stride(1),
+            *v_strides, v_kernel.stride(0) if config.v_transposed else v.stride(1),
             out.stride(0), out.stride(1), lse.stride(0),
         )
         upcast = k.dtype != q.dtype
+        fp8_p = v.dtype.itemsize == 1 and not upcast
         self._main_meta = dict(
             HAS_SCALES=scales is not None, CAUSAL=causal, D_A=parts[0], D_B=parts[1], D_V=d_v,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, TILE_Q=tile_q,
-            ROUND_P_FIRST=v.dtype.itemsize == 1 and not upcast and _interpreting(),
-            INFO_COLUMNS=WORK_INFO_COLUMNS, KV_UPCAST=upcast, num_warps=config.num_warps,
-            num_stages=config.num_stages,
+            ROUND_P_FIRST=fp8_p and _interpreting(), INFO_COLUMNS=WORK_INFO_COLUMNS,
+            KV_UPCAST=upcast, QK_AHEAD=config.qk_ahead, P_SHIFT=fp8_p_shift(v.dtype) if fp8_p
+            else 0, V_ALIGN=v_align, num_warps=config.num_warps, num_stages=config.num_stages,
         )
         block_r = min(_MERGE_BLOCK_ROWS, triton.next_power_of_2(tile_q))
         self._merge_grid = (len(self.plan.merges), triton.cdiv(tile_q, block_r))
@@ -327,7 +474,25 @@ class PersistentPrefill:
         # Keep every buffer the launches read alive as long as this object.
         self._buffers = (work_indptr, work_info, merge_info, part_out, part_lse, placeholder)
 
+    def _transposed_v(self, v: torch.Tensor, seq_lens_k: list[int]) -> torch.Tensor:
+        """The (heads, d_v, keys) buffer the transpose kernel fills from ``v`` each call."""
+        heads, d_v = v.shape[1], v.shape[2]
+        cols = v_key_offsets(seq_lens_k, V_ALIGN)[-1]
+        # Zeros: the padding between requests is read (as a key group past the range,
+        # whose P is 0) but never written.
+        vt = torch.zeros(heads, d_v, cols, dtype=v.dtype, device=v.device)
+        tiles = _int_table(v_transpose_tiles(seq_lens_k, V_ALIGN, _TRANSPOSE_BLOCK), 3, v.device)
+        self._transpose = (
+            (len(tiles), heads),
+            (v, vt, tiles, v.stride(0), v.stride(1), vt.stride(0), vt.stride(1)),
+            dict(D_V=d_v, BLOCK_K=_TRANSPOSE_BLOCK, V_ALIGN=V_ALIGN, num_warps=4),
+        )
+        return vt
+
     def __call__(self) -> None:
+        if self._transpose is not None and self._transpose[0][0]:
+            grid, args, meta = self._transpose
+            _transpose_v_kernel[grid](*args, **meta)
         _prefill_persistent_kernel[self._main_grid](*self._main_args, **self._main_meta)
         if self.plan.merges:
             _merge_partials_kernel[self._merge_grid](*self._merge_args, **self._merge_meta)

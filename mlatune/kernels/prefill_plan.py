@@ -53,6 +53,7 @@ class WorkItem:
     kv_hi: int
     head: int
     slot: int  # partial-result slot, or -1 to write the output directly
+    v_row0: int  # the request's first key in v's layout (k_row0, or aligned in a transposed v)
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,7 @@ class _Tile:
     prefix: int
     head: int
     sub_ends: tuple[int, ...]  # key bound (exclusive) of each sub-block
+    v_row0: int
 
     def cost(self, lo: int, hi: int) -> int:
         """Keys the tile's sub-blocks visit in [lo, hi), plus their fixed cost."""
@@ -116,11 +118,34 @@ class _Tile:
         return max(self.sub_ends)
 
 
+def v_key_offsets(seq_lens_k: list[int], align: int = 1) -> list[int]:
+    """Each request's first key in a v whose requests start at multiples of ``align``
+    keys (a transposed v: its keys are the contiguous dimension, and the kernel's
+    vector loads need aligned starts), and the total length last."""
+    offsets = [0]
+    for k_len in seq_lens_k:
+        offsets.append(offsets[-1] + -(-k_len // align) * align)
+    return offsets
+
+
+def v_transpose_tiles(seq_lens_k: list[int], align: int, block: int
+                      ) -> list[tuple[int, int, int]]:
+    """(first key row in v, first column in the transposed v, keys) per ``block`` keys
+    of each request: the tiles of the kernel that writes the transposed v."""
+    tiles = []
+    k_row0 = 0
+    for k_len, v_col0 in zip(seq_lens_k, v_key_offsets(seq_lens_k, align), strict=False):
+        tiles += [(k_row0 + t, v_col0 + t, min(block, k_len - t)) for t in range(0, k_len, block)]
+        k_row0 += k_len
+    return tiles
+
+
 def _tiles(seq_lens_q: list[int], seq_lens_k: list[int], num_heads: int, tile_q: int,
-           block_m: int, causal: bool) -> list[_Tile]:
+           block_m: int, causal: bool, v_align: int) -> list[_Tile]:
     tiles = []
     q_row0 = k_row0 = 0
-    for q_len, k_len in zip(seq_lens_q, seq_lens_k, strict=True):
+    v_rows = v_key_offsets(seq_lens_k, v_align)
+    for b, (q_len, k_len) in enumerate(zip(seq_lens_q, seq_lens_k, strict=True)):
         if q_len > k_len:
             raise ValueError(f"a request has more query tokens ({q_len}) than keys ({k_len})")
         prefix = k_len - q_len
@@ -130,7 +155,8 @@ def _tiles(seq_lens_q: list[int], seq_lens_k: list[int], num_heads: int, tile_q:
                 # Causal: sub-block rows [s, s + block_m) see keys up to prefix + their last row.
                 ends = tuple(min(k_len, prefix + pos0 + min(s + block_m, rows)) if causal
                              else k_len for s in range(0, rows, block_m))
-                tiles.append(_Tile(q_row0 + pos0, pos0, rows, k_row0, prefix, head, ends))
+                tiles.append(_Tile(q_row0 + pos0, pos0, rows, k_row0, prefix, head, ends,
+                                   v_rows[b]))
         q_row0 += q_len
         k_row0 += k_len
     return tiles
@@ -138,18 +164,19 @@ def _tiles(seq_lens_q: list[int], seq_lens_k: list[int], num_heads: int, tile_q:
 
 def plan_work(seq_lens_q: list[int], seq_lens_k: list[int], num_heads: int, num_programs: int,
               *, tile_q: int = 256, block_m: int = 128, causal: bool = True,
-              split_align: int = 128, min_split: int = 256) -> WorkPlan:
+              split_align: int = 128, min_split: int = 256, v_align: int = 1) -> WorkPlan:
     """Spread the tiles of a varlen batch evenly over ``num_programs`` programs.
 
     A tile is split only where it straddles a cut between programs, never into
     pieces shorter than ``min_split`` keys, and at multiples of ``split_align``
     keys (a multiple of the kernel's key block, so pieces stay block-aligned).
+    Requests start at multiples of ``v_align`` keys in v (``v_key_offsets``).
     """
     if tile_q % block_m:
         raise ValueError(f"tile_q ({tile_q}) must be a multiple of block_m ({block_m})")
     if num_programs < 1:
         raise ValueError(f"num_programs must be >= 1, got {num_programs}")
-    tiles = _tiles(seq_lens_q, seq_lens_k, num_heads, tile_q, block_m, causal)
+    tiles = _tiles(seq_lens_q, seq_lens_k, num_heads, tile_q, block_m, causal, v_align)
     programs: list[list[WorkItem]] = [[] for _ in range(num_programs)]
     loads = [0.0] * num_programs
     merges: list[MergeItem] = []
@@ -195,7 +222,8 @@ def plan_work(seq_lens_q: list[int], seq_lens_k: list[int], num_heads: int, num_
         for i, (prog, kv_lo, kv_hi) in enumerate(pieces):
             slot = num_partials + i if split else -1
             programs[prog].append(WorkItem(tile.q_row0, tile.q_pos0, tile.q_rows, tile.k_row0,
-                                           tile.prefix, kv_lo, kv_hi, tile.head, slot))
+                                           tile.prefix, kv_lo, kv_hi, tile.head, slot,
+                                           tile.v_row0))
         if split:
             num_partials += len(pieces)
     return WorkPlan(programs, merges, num_partials, loads)

@@ -33,25 +33,41 @@ _SHARED_MEMORY = {"sm_80": 163 << 10, "sm_86": 99 << 10, "sm_89": 99 << 10,
                   "gfx950": 160 << 10}
 _DEFAULT_SHARED_MEMORY = 99 << 10
 
-# (block_m, block_n, num_warps, num_stages), the default first. Compiled for
-# sm_90 by Triton 3.9 (tests/prefill_aot.py, no GPU needed) all use wgmma; the
-# 16-bit ones sit at the register limit (q, 128 x 192, stays in registers), so
-# wide key blocks and deep pipelines spill: (128, 64, 8, 2) spills 40 bytes,
-# (128, 128, 8, 2) over 300 and is left out. fp8 halves q and P and does not spill.
+# (block_m, block_n, num_warps, num_stages[, v_transposed, qk_ahead]), the default
+# first. Compiled for sm_90 by Triton 3.9 (tests/prefill_aot.py, no GPU needed) all
+# use wgmma; the 16-bit ones sit at the register limit (q, 128 x 192, stays in
+# registers), so wide key blocks and deep pipelines spill: (128, 64, 8, 2) spills 40
+# bytes, (128, 128, 8, 2) over 300 and is left out. fp8 halves q and P and does not
+# spill. fp8's P.V needs v transposed (Hopper's fp8 wgmma reads its B operand only
+# K-major; otherwise each v tile is loaded through registers, not pipelined); the
+# last fp8 set is the kernel as it was before (v as given), kept for comparison.
 _GPU_CONFIGS_16BIT = ((128, 64, 8, 2), (128, 32, 8, 3), (128, 32, 8, 2))
-_GPU_CONFIGS_FP8 = ((128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3))
+_GPU_CONFIGS_FP8 = ((128, 128, 8, 2, True, False), (128, 64, 8, 2, True, False),
+                    (128, 32, 8, 2, True, True))
+# Timed beside the space by benchmarks/prefill.py, not swept: the kernel as it was
+# (v as given: 2531 us at 128 heads x 4096 tokens on the H200, 2026-11-29), and q.k
+# ahead over 64-key blocks, which spills (~340 bytes with Triton 3.6).
+FP8_COMPARISON_CONFIGS = ((128, 128, 8, 2, False, False), (128, 64, 8, 2, True, True))
 _SMALLEST_CONFIG = (64, 32, 4, 1)  # fits every device's shared memory
-# The interpreter runs block ops in numpy: fewer, larger blocks run faster.
+# The interpreter runs block ops in numpy: fewer, larger blocks run faster. fp8 takes
+# the q.k-ahead loop there, the one that differs most from the rest.
 _CPU_CONFIG = (32, 32, 4, 1)
+_CPU_CONFIG_FP8 = (32, 32, 4, 1, True, True)
+
+
+def config_params(config: tuple) -> Params:
+    """A config tuple as route params (fp8's variant flags only where the tuple has them)."""
+    keys = ("block_m", "block_n", "num_warps", "num_stages", "v_transposed", "qk_ahead")
+    return dict(zip(keys, config, strict=False))
 
 
 def padded_heads(num_heads: int) -> int:
     return -(-num_heads // HEAD_ALIGN) * HEAD_ALIGN
 
 
-def _shared_bytes(config: tuple[int, int, int, int], problem: MLAProblem) -> int:
+def _shared_bytes(config: tuple, problem: MLAProblem) -> int:
     """Rough shared memory of a config: q tile plus num_stages k/v tiles."""
-    block_m, block_n, _, stages = config
+    block_m, block_n, _, stages = config[:4]
     item = DTYPES[problem.q_dtype].itemsize
     return item * (block_m * problem.d_qk + stages * block_n * (problem.d_qk + problem.d_v))
 
@@ -69,15 +85,14 @@ class _PersistentPrefillRoute:
         return HOST_PLANNED  # the tile schedule is planned from cu_seqlens on the host
 
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
+        fp8 = problem.q_dtype in FP8_DTYPES
         if not device.is_gpu:
-            configs = [_CPU_CONFIG]
+            configs = [_CPU_CONFIG_FP8 if fp8 else _CPU_CONFIG]
         else:
-            fp8 = problem.q_dtype in FP8_DTYPES
             limit = _SHARED_MEMORY.get(device.arch, _DEFAULT_SHARED_MEMORY)
             configs = [c for c in (_GPU_CONFIGS_FP8 if fp8 else _GPU_CONFIGS_16BIT)
                        if _shared_bytes(c, problem) <= limit] or [_SMALLEST_CONFIG]
-        keys = ("block_m", "block_n", "num_warps", "num_stages")
-        return [dict(zip(keys, c, strict=True)) for c in configs]
+        return [config_params(c) for c in configs]
 
     def prepare(self, problem: MLAProblem, inputs: DecodeInputs | PrefillInputs, *,
                 rank: int = 0, params: Params | None = None,
@@ -91,7 +106,8 @@ class _PersistentPrefillRoute:
         device = device_of(inputs.q)
         params = {**self.param_space(problem, device)[0], **(params or {})}
         config = KernelConfig(params["block_m"], params["block_n"], params["num_warps"],
-                              params["num_stages"])
+                              params["num_stages"], bool(params.get("v_transposed")),
+                              bool(params.get("qk_ahead")))
         heads, kernel_heads = problem.num_heads, padded_heads(problem.num_heads)
         q, k, v = inputs.q, inputs.k, inputs.v
         dev = q.device
