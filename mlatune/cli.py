@@ -595,9 +595,9 @@ def _refined(spec: SweepSpec, table_path: Path, journal_path: Path, device: Devi
 
     from mlatune.dispatch import Dispatcher
     from mlatune.errors import JournalError, TableError
-    from mlatune.problem import MLAProblem
     from mlatune.sweep import journal as journals
     from mlatune.sweep import refine as refinement
+    from mlatune.sweep.records import problem_of
 
     if not (table_path.exists() and journal_path.exists()):
         _fail(f"--refine adds points to a measured grid: {table_path} and its journal do "
@@ -607,7 +607,7 @@ def _refined(spec: SweepSpec, table_path: Path, journal_path: Path, device: Devi
         dispatcher = Dispatcher.load(table_path, device=device)
     except (JournalError, TableError, OSError) as exc:
         _fail(str(exc))
-    measured = {p.key: p for p in (MLAProblem.from_key_dict(r["key"]) for r in records
+    measured = {p.key: p for p in (problem_of(r) for r in records
                                    if r.get("kind") == "result" and r.get("status") == "ok")}
     chosen = refinement.propose(dispatcher, measured.values(), records, budget_s)
     seconds = sum(r.seconds for r in chosen)

@@ -88,14 +88,14 @@ def test_a_problem_s_share_is_its_key_hash_mod_n_and_seeds_did_not_change():
     """One hash (sha1 of the key) for shares and seeds; the seeds are those of before."""
     import hashlib
 
-    from mlatune.sweep import runner as runners
+    from mlatune.sweep.candidates import problem_seed
 
     problem = MLAProblem(num_heads=16, batch=3, kv_len=4096)
     digest = hashlib.sha1(problem.key.encode()).digest()
     assert [i for i in range(5) if Shard(i, 5).holds(problem)] == [
         int.from_bytes(digest[:8], "little") % 5]
     before = hashlib.sha1(f"7#{problem.key}".encode()).digest()
-    assert runners._seed(7, problem) == int.from_bytes(before[:4], "little")
+    assert problem_seed(7, problem) == int.from_bytes(before[:4], "little")
 
 
 @pytest.mark.parametrize("text", ["0/0", "3/2", "2/2", "abc", "-1/4", "1/", "/4", "1/4/2",

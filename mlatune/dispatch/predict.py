@@ -750,6 +750,7 @@ def rows_from_journal(path: str | Path, capturable: bool = False,
     the one its route declares, as a table's row does."""
     from mlatune.dispatch import step_cost  # lazily: the dispatcher may import this module
     from mlatune.sweep import journal
+    from mlatune.sweep.records import problem_of
     from mlatune.table.schema import declared_step_kind
 
     stepped = []  # (record, params, plan_on): the ok steps the caller can take
@@ -766,7 +767,7 @@ def rows_from_journal(path: str | Path, capturable: bool = False,
         cost = step_cost(float(r["time_us"]), plan_on, _number(r.get("plan_us")),
                          _number(r.get("plan_host_us")), capturable, **_calls(plan_calls),
                          shares_host_plan=r["route"] in sharing)
-        rows.append((MLAProblem.from_key_dict(r["key"]), str(r["route"]), params, float(cost)))
+        rows.append((problem_of(r), str(r["route"]), params, float(cost)))
     return rows
 
 
@@ -775,9 +776,10 @@ def _learnable(stepped: list[tuple[dict[str, Any], Any, Any]]
     """Of (record, ...) tuples, those a predictor learns from: in a bucket with DCP steps
     timed across processes only those (``schema.competing``: a simulated time leaves the
     collectives out, so a law is never fitted over both kinds)."""
+    from mlatune.sweep.records import problem_of
     from mlatune.table.schema import competing, is_measured
 
-    buckets = [MLAProblem.from_key_dict(r["key"]).bucket for r, *_ in stepped]
+    buckets = [problem_of(r).bucket for r, *_ in stepped]
     keep = competing(buckets, [is_measured(r.get("dcp_timing")) for r, *_ in stepped])
     return [s for s, kept in zip(stepped, keep, strict=True) if kept]
 

@@ -24,6 +24,7 @@ from mlatune import routes, table
 from mlatune.dispatch import Dispatcher, device_for_arch
 from mlatune.problem import FP8_DTYPES, MLAProblem
 from mlatune.sweep import journal
+from mlatune.sweep.records import problem_key
 from mlatune.table.schema import (
     DCP_MEASURED,
     DEVICE_COLUMNS,
@@ -287,7 +288,7 @@ def candidate_times(journal_path: str | os.PathLike) -> Timed:
     a sweep journal (plain or gzipped); at a problem with DCP steps measured across
     processes only those, each scheme's (``schema.competing``), as the table keeps them."""
     ok = [r for r in journal.read(Path(journal_path))[1] if r.get("status") == "ok"]
-    keys = [MLAProblem.from_key_dict(r["key"]).key for r in ok]
+    keys = [problem_key(r) for r in ok]
     keep = competing(keys, [is_measured(r.get("dcp_timing")) for r in ok])
     timed: Timed = {}
     for key, r, kept in zip(keys, ok, keep, strict=True):

@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from mlatune.problem import MLAProblem
-
-if TYPE_CHECKING:
-    from mlatune.sweep.runner import Candidate
+from mlatune.sweep.candidates import Candidate
 
 
 def default_workers(gpus: int) -> int:

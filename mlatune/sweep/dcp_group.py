@@ -39,9 +39,9 @@ from mlatune.dcp import DcpStep, local_heads, prepare_dcp_step, time_slowest
 from mlatune.problem import MLAProblem
 from mlatune.sweep import bench, dcp_graph, dcp_stage, worker
 from mlatune.sweep import journal as journals
+from mlatune.sweep.candidates import problem_seed
 from mlatune.sweep.dcp_stage import DcpTask, Settings
 from mlatune.sweep.journal import Journal
-from mlatune.sweep.runner import _seed
 from mlatune.sweep.spec import DEFAULT_DCP_TOP_K
 
 Emit = Callable[[dict[str, Any]], None]
@@ -51,7 +51,7 @@ def measure(task: DcpTask, settings: Settings, device: torch.device,
             cache: worker._ProblemCache, inputs_ready: Callable[[], None]) -> dict[str, Any]:
     """This rank's part of one task; every rank returns the same result fields."""
     problem = task.problem
-    cases = cache.get(problem, _seed(settings.seed, problem), device)
+    cases = cache.get(problem, problem_seed(settings.seed, problem), device)
     inputs_ready()
     worst = {"rel_err": 0.0, "max_abs_err": 0.0}
     for case in cases:

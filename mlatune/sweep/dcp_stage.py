@@ -35,15 +35,11 @@ from typing import Any
 
 from mlatune.dcp import SCHEMES
 from mlatune.problem import MLAProblem
+from mlatune.sweep.candidates import Candidate
 from mlatune.sweep.dcp_graph import REFUSAL
 from mlatune.sweep.journal import Journal
-from mlatune.sweep.runner import (
-    SETUP_TIMEOUT_S,
-    WORKER_START_TIMEOUT_S,
-    Candidate,
-    Observer,
-    _step_us,
-)
+from mlatune.sweep.records import problem_key, problem_of, step_us
+from mlatune.sweep.runner import SETUP_TIMEOUT_S, WORKER_START_TIMEOUT_S, Observer
 from mlatune.sweep.spec import DEFAULT_DCP_TOP_K, SweepSpec
 from mlatune.table.schema import DCP_MEASURED
 
@@ -101,16 +97,16 @@ def plan(records: Iterable[dict[str, Any]], sizes: Iterable[int], top_k: int = D
         if r["status"] != "ok" or is_measured(r) or r["key"].get("dcp_size") not in wanted \
                 or r["key"].get("phase") != "decode":
             continue
-        pair = (json.dumps(r["key"], sort_keys=True), r["route"])
-        if pair not in best or _step_us(r) < _step_us(best[pair]):
+        pair = (problem_key(r), r["route"])
+        if pair not in best or step_us(r) < step_us(best[pair]):
             best[pair] = r
     by_problem: dict[str, list[dict[str, Any]]] = {}
     for (key, _), r in best.items():
         by_problem.setdefault(key, []).append(r)
     tasks = []
     for runs in by_problem.values():
-        for r in sorted(runs, key=lambda r: (_step_us(r), r["route"]))[:top_k]:
-            candidate = Candidate(MLAProblem.from_key_dict(r["key"]), r["route"],
+        for r in sorted(runs, key=lambda r: (step_us(r), r["route"]))[:top_k]:
+            candidate = Candidate(problem_of(r), r["route"],
                                   json.loads(r["route_params"]))
             simulated = {"simulated_us": r["time_us"],
                          **{f: r[f] for f in _STEP_FIELDS if f in r}}

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlatune.problem import MLAProblem
+from mlatune.sweep.records import problem_of
 
 WORKER_SECONDS = ("setup_s", "first_check_s", "check_s", "bench_s")
 # The uncertainty given an answer the predictor could not make (nearest or rule): above
@@ -82,7 +83,7 @@ def bucket_seconds(records: Iterable[Mapping[str, Any]]) -> tuple[dict[tuple, fl
         spent = sum(float(r.get(k) or 0.0) for k in WORKER_SECONDS)
         if spent <= 0:
             continue
-        problem = MLAProblem.from_key_dict(r["key"])
+        problem = problem_of(r)
         per_problem[problem.key] = per_problem.get(problem.key, 0.0) + spent
         buckets[problem.key] = problem.bucket
     sums: dict[tuple, list[float]] = {}

@@ -12,83 +12,37 @@ sweep resumes where it stopped.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import math
 import multiprocessing as mp
-import re
 import signal
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import wait
 from typing import Any, Protocol
 
-from mlatune import routes
 from mlatune.arch import DeviceInfo
 from mlatune.problem import MLAProblem
-from mlatune.routes.torch_ref import REFERENCE_ID as REFERENCE
 from mlatune.sweep import compile_ahead, worker
+from mlatune.sweep.candidates import (  # noqa: F401  (the names callers import from here)
+    REFERENCE,
+    Candidate,
+    Shard,
+    plan,
+    problem_seed,
+    stable_hash,
+)
 from mlatune.sweep.journal import Journal
+from mlatune.sweep.records import problem_key, step_us, table_rows  # noqa: F401
 from mlatune.sweep.spec import SweepSpec
-from mlatune.table.schema import DCP_MEASURED, device_key
 
 log = logging.getLogger(__name__)
 
 WORKER_START_TIMEOUT_S = 300.0  # importing torch and creating a CUDA context
 SETUP_TIMEOUT_S = 900.0  # a problem's inputs and fp32 references, before the route's timeout
-
-
-@dataclass(frozen=True)
-class Candidate:
-    problem: MLAProblem
-    route_id: str
-    params: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def params_json(self) -> str:
-        return json.dumps(self.params, sort_keys=True)
-
-    @property
-    def id(self) -> str:
-        text = f"{self.problem.key}#{self.route_id}#{self.params_json}"
-        return hashlib.sha1(text.encode()).hexdigest()[:20]
-
-    def record(self, **result: Any) -> dict[str, Any]:
-        return {"id": self.id, "key": self.problem.key_dict(), "route": self.route_id,
-                "route_params": self.params_json, **result}
-
-
-def plan(spec: SweepSpec, device: DeviceInfo, only: Iterable[str] | None = None
-         ) -> tuple[list[Candidate], list[dict[str, Any]]]:
-    """Candidates to run, and ``unsupported`` records for the routes that refuse a problem.
-
-    By default every viable route runs, except the eager reference where another
-    route serves the problem: it is the fallback of last resort, and timing it
-    costs more than all the others together. Naming routes (spec or --routes)
-    runs exactly those. Each route's parameter sets are cut to the spec's
-    ``max_params_per_route`` (or its ``max_params`` entry for the route), keeping the
-    first: routes list theirs most promising first.
-    """
-    selected = list(only) if only else (list(spec.routes) or None)
-    candidates, refused = [], []
-    for problem in spec.problems:
-        answers = routes.verdicts(problem, device, selected)
-        serving = [r for r, v in answers if v.ok]
-        if selected is None and len(serving) > 1:
-            serving = [r for r in serving if r.id != REFERENCE]
-        for route in serving:
-            space = route.param_space(problem, device)
-            kept = spec.params_kept(route.id)
-            if kept:
-                space = space[:kept]
-            candidates += [Candidate(problem, route.id, p) for p in space]
-        refused += [Candidate(problem, r.id).record(status="unsupported", reason=v.reason)
-                    for r, v in answers if not v.ok]
-    return candidates, refused
 
 
 class Observer(Protocol):
@@ -271,13 +225,12 @@ def _reference_fallbacks(problems: Iterable[MLAProblem], records: list[dict[str,
     """The reference for each problem whose every run failed (it had none of its own)."""
     ok, tried = set(), set()
     for r in records:
-        key = json.dumps(r["key"], sort_keys=True)
+        key = problem_key(r)
         if r["status"] == "ok":
             ok.add(key)
         if r["status"] != "unsupported":
             tried.add(key)
-    return [Candidate(p, REFERENCE) for p in problems
-            if (k := json.dumps(p.key_dict(), sort_keys=True)) in tried and k not in ok]
+    return [Candidate(p, REFERENCE) for p in problems if p.key in tried and p.key not in ok]
 
 
 class _Executor:
@@ -295,7 +248,7 @@ class _Executor:
 
     def task(self, c: Candidate) -> dict[str, Any]:
         return {"problem": c.problem.as_dict(), "route": c.route_id, "params": c.params,
-                "seed": _seed(self.spec.seed, c.problem), "budget": self.budget,
+                "seed": problem_seed(self.spec.seed, c.problem), "budget": self.budget,
                 "tolerances": self.spec.tolerances, "check_only": self.check_only}
 
     def __call__(self, candidates: list[Candidate]) -> None:
@@ -385,99 +338,3 @@ class _Executor:
         _shut_down(pool, gently=True)
 
 
-def _hash(text: str) -> int:
-    """A stable 64-bit hash of text (sha1's first 8 bytes, little-endian): the same on
-    every machine and Python, unlike ``hash``. Seeds and shards both derive from it."""
-    return int.from_bytes(hashlib.sha1(text.encode()).digest()[:8], "little")
-
-
-def _seed(base: int, problem: MLAProblem) -> int:
-    """Each problem's inputs depend only on the spec seed and the problem."""
-    return _hash(f"{base}#{problem.key}") & 0xFFFF_FFFF
-
-
-@dataclass(frozen=True)
-class Shard:
-    """One share of a spec's problems, for running a sweep on several machines: problem
-    p belongs to share ``_hash(p.key) % count``, so the shares are disjoint, together
-    cover the spec, do not depend on the order of its grids or axes, and are balanced in
-    expectation. ``index`` counts from 0 (``I/N`` with 0 <= I < N), as Slurm's
-    SLURM_ARRAY_TASK_ID does under ``--array=0-(N-1)``."""
-
-    index: int
-    count: int
-
-    def __post_init__(self):
-        if not 0 <= self.index < self.count:
-            raise ValueError(f"shard {self.index}/{self.count}: expected I/N with "
-                             f"0 <= I < N (I counts from 0)")
-
-    @classmethod
-    def parse(cls, text: str) -> Shard:
-        """``"I/N"``; ValueError, one line, for anything else."""
-        found = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text, re.ASCII)
-        if not found:
-            raise ValueError(f"{text!r} is not I/N (two whole numbers, 0 <= I < N; e.g. 0/4)")
-        return cls(int(found[1]), int(found[2]))
-
-    def __str__(self) -> str:
-        return f"{self.index}/{self.count}"
-
-    @property
-    def tag(self) -> str:
-        """For file names: ``shard-I-of-N``."""
-        return f"shard-{self.index}-of-{self.count}"
-
-    def holds(self, problem: MLAProblem) -> bool:
-        return _hash(problem.key) % self.count == self.index
-
-    def of(self, spec: SweepSpec) -> SweepSpec:
-        """The spec with only this share's problems (its sha256 stays the spec's)."""
-        return replace(spec, problems=tuple(p for p in spec.problems if self.holds(p)))
-
-
-def table_rows(records: list[dict[str, Any]], device: DeviceInfo) -> list[dict[str, Any]]:
-    """One row per (problem, route): its fastest ok parameters, else why it failed. Where a
-    DCP route was measured across processes, the row is the measured step's (whatever its
-    status: it says what the real step does), its simulated time kept beside it."""
-    runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for r in records:
-        runs.setdefault((json.dumps(r["key"], sort_keys=True), r["route"]), []).append(r)
-    return [_row(_best(group), device) for group in runs.values()]
-
-
-def _best(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    measured = [r for r in runs if r.get("dcp_timing") == DCP_MEASURED]
-    best = None
-    for r in measured or runs:
-        if best is None or _better(r, best):
-            best = r
-    assert best is not None
-    return best
-
-
-def _row(r: dict[str, Any], device: DeviceInfo) -> dict[str, Any]:
-    row = {**device_key(device), **r["key"], "route": r["route"],
-           "route_params": r["route_params"], "status": r["status"],
-           "reason": r.get("reason", "")}
-    for col in ("time_us", "time_us_p20", "time_us_p80", "rel_err", "max_abs_err",
-                "tb_per_s", "tflops", "plan_us", "plan_host_us", "launch_host_us",
-                "comm_us", "simulated_us"):
-        row[col] = r.get(col, math.nan)
-    row["timer"] = r.get("timer", "")
-    for col in ("plan_on", "capturable", "dcp_timing", "dcp_scheme"):
-        if col in r:  # absent: the table derives them (the route's step kind; simulated)
-            row[col] = r[col]
-    return row
-
-
-def _better(new: dict[str, Any], held: dict[str, Any]) -> bool:
-    """A route's row keeps its parameters of the cheapest step: launch plus device plan."""
-    if new["status"] == "ok":
-        return held["status"] != "ok" or _step_us(new) < _step_us(held)
-    return False
-
-
-def _step_us(record: dict[str, Any]) -> float:
-    plan = record.get("plan_us", 0.0)
-    return record["time_us"] + (0.0 if plan is None or math.isnan(plan) else plan)
