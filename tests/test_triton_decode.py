@@ -82,7 +82,8 @@ CASES: dict[str, list[Case]] = {
         Case(16, 1, 1, 64, FN, {**T16, "num_splits": 2, "fp8_dot": True}),
         Case(12, 3, 2, 16, FNUZ, {**T32, "persistent": True, "num_workers": 3,
                                   "fp8_dot": True}),
-        Case(8, 2, 1, 1, FN, {**T16, "num_splits": 1, "fp8_dot": True}, q_fp8=True),
+        Case(8, 2, 1, 1, FN, {**T16, "num_splits": 1, "fp8_dot": True, "kv_twice": True},
+             q_fp8=True),
         Case(4, 4, 4, 16, FN, {**T16, "num_splits": 2, "fp8_dot": True}, kv_len=5),
     ],
     "gluon/triton": [
@@ -120,7 +121,8 @@ CASES: dict[str, list[Case]] = {
         Case(16, 4, 2, 16, "fp16", {**T64, "num_segments": 2, "fold": True}),
         Case(12, 3, 4, 64, "fp16", {**T16, "num_segments": 3, "fold": True}),
         Case(8, 4, 4, 1, "fp16", {**T32, "num_segments": 2, "fold": True}, kv_len=5),
-        Case(24, 2, 2, 16, FN, {**T32, "num_segments": 1, "fold": True, "fp8_dot": True}),
+        Case(24, 2, 2, 16, FN, {**T32, "num_segments": 1, "fold": True, "fp8_dot": True,
+                                 "kv_twice": True}),
         Case(4, 3, 2, 64, FNUZ, {**T16, "num_segments": 2, "fold": True, "fp8_dot": True},
              q_fp8=True),
     ],
@@ -197,6 +199,7 @@ def test_cases_cover_every_axis():
         fp8_dot = [c for c in cases if c.params.get("fp8_dot")]
         assert {c.q_fp8 for c in fp8_dot} == {False, True} or route_id != "padded/triton"
         assert fp8_dot, route_id
+        assert any(c.params.get("kv_twice") for c in fp8_dot) or route_id != "padded/triton"
         if route_id == "segmented/triton":
             folded = [c for c in cases if c.params.get("fold")]
             assert {c.qlen for c in folded} == servable["qlen"], route_id

@@ -157,7 +157,7 @@ def attend_rows(q_nope, q_rope, qk_scale, v_scale, last_pos, kv_ptr, bt_row_ptr,
                                           qk_scale * row_scale, last_pos, kv_ptr, bt_row_ptr,
                                           start, end, rank, world, stride_kv_page,
                                           stride_kv_tok, D_NOPE, D_ROPE, PAGE_SIZE, BLOCK_M,
-                                          BLOCK_N, not Q_FP8)
+                                          BLOCK_N, not Q_FP8, KV_TWICE)
         acc = tl.trans(acc_t)
         v_scale = v_scale / P_SCALE
     else:
@@ -173,7 +173,8 @@ def attend_rows(q_nope, q_rope, qk_scale, v_scale, last_pos, kv_ptr, bt_row_ptr,
 def attend_keys_fp8(acc_t, m_i, l_i, qn_hi, qn_lo, qr_hi, qr_lo, qk_scale, last_pos, kv_ptr,
                     bt_row_ptr, start, end, rank, world, stride_kv_page, stride_kv_tok,
                     D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HI_LO: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HI_LO: tl.constexpr,
+                    KV_TWICE: tl.constexpr):
     """``attend_keys`` over an fp8 cache with fp8 MMAs, transposed: keys are the MMA rows.
 
     Hopper's fp8 wgmma reads only K-major operands from shared memory and needs
@@ -183,6 +184,11 @@ def attend_keys_fp8(acc_t, m_i, l_i, qn_hi, qn_lo, qr_hi, qr_lo, qk_scale, last_
     come from registers, and P^T in B. q^T comes as fp8 (hi, lo) parts
     (``HI_LO``: lo counts 1 / LO_SCALE), ``qk_scale`` is per row, acc_t is
     (D_NOPE, rows) and P is rounded to fp8 times P_SCALE.
+
+    One load of the tile cannot be copied asynchronously into both layouts, so
+    Triton loads it into registers, unpipelined. ``KV_TWICE`` loads it twice:
+    as k for the scores (pipelined by cp.async into shared memory) and, first,
+    as v^T into registers, whose latency the scores and the softmax then hide.
     """
     d_nope = tl.arange(0, D_NOPE)
     d_rope = tl.arange(0, D_ROPE)
@@ -190,10 +196,15 @@ def attend_keys_fp8(acc_t, m_i, l_i, qn_hi, qn_lo, qr_hi, qr_lo, qk_scale, last_
         offs_n, key_ok, key_off = key_tile(bt_row_ptr, n0, end, stride_kv_page, stride_kv_tok,
                                            PAGE_SIZE, BLOCK_N)
         # Masked so that stale slots past the end (NaN in a real cache) never reach P @ V.
+        if KV_TWICE:
+            v_t = tl.load(kv_ptr + key_off[None, :] + d_nope[:, None], mask=key_ok[None, :],
+                          other=0.0)
         k_nope = tl.load(kv_ptr + key_off[:, None] + d_nope[None, :], mask=key_ok[:, None],
                          other=0.0)
         k_rope = tl.load(kv_ptr + key_off[:, None] + D_NOPE + d_rope[None, :],
                          mask=key_ok[:, None], other=0.0)
+        if not KV_TWICE:
+            v_t = tl.trans(k_nope)
         s = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         if HI_LO:
             s = tl.dot(k_nope, qn_lo, s)
@@ -210,7 +221,7 @@ def attend_keys_fp8(acc_t, m_i, l_i, qn_hi, qn_lo, qr_hi, qr_lo, qk_scale, last_
         p = tl.exp2(s - m_shift[None, :])
         l_i = l_i * alpha + tl.sum(p, 0)
         acc_t = acc_t * alpha[None, :]
-        acc_t = tl.dot(tl.trans(k_nope), (p * P_SCALE).to(k_nope.dtype), acc_t)
+        acc_t = tl.dot(v_t, (p * P_SCALE).to(k_nope.dtype), acc_t)
         m_i = m_new
     return acc_t, m_i, l_i
 

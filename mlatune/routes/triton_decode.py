@@ -135,12 +135,15 @@ class _TritonDecodeRoute:
 
     def _fp8_tiles(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
         """fp8-MMA tiles (``attend.attend_keys_fp8``) over an fp8 cache on a GPU: 64 or 128
-        keys as the MMA rows; at most 32 query rows (ptxas spills at 64)."""
+        keys as the MMA rows; at most 32 query rows (ptxas spills at 64). ``kv_twice``
+        first: only then is the tile's load pipelined (cp.async)."""
         if not device.is_gpu or problem.kv_dtype not in FP8_DTYPES:
             return []
         block_m = min(32, max(16, next_power_of_two(self._rows_per_group(problem))))
-        tiles = [{"block_m": block_m, "block_n": 128, "num_warps": 8, "num_stages": 2},
-                 {"block_m": block_m, "block_n": 64, "num_warps": 4, "num_stages": 2}]
+        wide = {"block_m": block_m, "block_n": 128, "num_warps": 8, "num_stages": 2}
+        tiles = [{**wide, "kv_twice": True},
+                 {"block_m": block_m, "block_n": 64, "num_warps": 4, "num_stages": 2,
+                  "kv_twice": True}, wide]
         return [{**t, "num_splits": self._split_choices(problem, device, t)[0], "fp8_dot": True}
                 for t in tiles]
 
