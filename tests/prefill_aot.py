@@ -4,8 +4,9 @@ Run as a script (``python -m tests.prefill_aot``) with TRITON_INTERPRET unset:
 Triton lowers the kernels to PTX and assembles them with the ptxas its wheel
 carries, so compile errors and the choice of Hopper's wgmma show up in CPU CI.
 Prints one JSON line per kernel: name, whether the PTX uses wgmma, the
-registers and stack (spill) bytes ptxas reports, and the loop's schedule
-(``schedule``: wgmma shapes, dot-wait pendings, tile loads not pipelined).
+registers and stack (spill) bytes ptxas reports, the loop's schedule in the ttgir
+(``schedule``: wgmma shapes, dot-wait pendings, dots left in flight, tile loads not
+pipelined) and in the SASS (``hot_loops``: wgmma waits and spills per key step).
 Arguments, if any, keep only the kernels whose names contain one of them.
 """
 
@@ -90,6 +91,38 @@ def compile_transpose(arch: int = 90):
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
 
 
+def _sass(compiled) -> list[str]:
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        return subprocess.run([str(tool), "-c", cubin.name], capture_output=True, text=True,
+                              check=True).stdout.splitlines()
+
+
+def hot_loops(compiled) -> dict:
+    """The innermost SASS loops that run MMAs (the key loops), as ptxas left them: the
+    wgmma waits per step (WARPGROUP.DEPBAR: 1 when every wgmma but one stays in flight
+    until the step's single wait; ptxas serializes them all when it cannot pipeline,
+    its warning C7514) and local-memory spill accesses (LDL/STL) per step, the most
+    of any such loop."""
+    lines = _sass(compiled)
+    labels = {m.group(1): i for i, line in enumerate(lines)
+              if (m := re.match(r"\.(L_x_\d+):", line.strip()))}
+    loops = [(labels[m.group(1)], i) for i, line in enumerate(lines)
+             if (m := re.search(r"BRA\s+`\(\.(L_x_\d+)\)", line))
+             and labels.get(m.group(1), i) < i]
+    inner = [(a, b) for a, b in loops
+             if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
+    bodies = [lines[a:b] for a, b in inner if any("GMMA" in x for x in lines[a:b])]
+
+    def most(*keys: str) -> int:
+        return max((sum(any(k in x for k in keys) for x in body) for body in bodies), default=0)
+
+    return {"key_loops": len(bodies), "loop_wgmma_waits": most("WARPGROUP.DEPBAR"),
+            "loop_spill_accesses": most("LDL", "STL")}
+
+
 def schedule(compiled) -> dict:
     """What the attention loop does on Hopper, from the ttgir and PTX: the wgmma
     shapes, the pendings of every warp_group_dot_wait (0: wait for every dot in
@@ -152,7 +185,8 @@ def main() -> None:
         compiled = job()
         print(json.dumps({"kernel": name, "triton": triton.__version__,
                           "wgmma": "wgmma.mma_async" in compiled.asm["ptx"],
-                          **resources(compiled), **schedule(compiled)}), flush=True)
+                          **resources(compiled), **schedule(compiled),
+                          **hot_loops(compiled)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -383,15 +383,24 @@ def test_kernels_compile_for_hopper():
     # 16-bit, fp8 and its comparison configs, 16-bit over fp8; merge; transpose
     assert len(reports) == 3 + 3 + 2 + 3 + 1 + 1
     assert all(r["wgmma"] for name, r in reports.items() if name.startswith(("bf16", "fp8")))
-    swept = [r for name, r in reports.items()
-             if not any(name == f"fp8 {c}" for c in FP8_COMPARISON_CONFIGS)]
-    assert all(r["stack"] <= 64 for r in swept), reports  # no swept config spills much
+    # No key loop spills; outside it, q.k ahead spills some (~100-200 bytes).
+    assert all(r["loop_spill_accesses"] == 0 for r in reports.values()), reports
+    assert all(r["stack"] <= 256 for r in reports.values()), reports
     for config in _GPU_CONFIGS_FP8:
         r = reports[f"fp8 {config}"]
-        # v transposed: every k/v tile an async copy (only q's two tiles are not), and
-        # a dot left in flight across a step in each loop (P.V; or the q.k halves ahead).
-        assert r["sync_tile_loads"] == (7 if config[5] else 2), r
-        assert r["dots_in_flight"] == 2 and r["wgmma_shapes"][0] == "m64n128k32", r
+        assert r["wgmma_shapes"][0] == "m64n128k32", r
+        if config[5]:
+            # q.k ahead: one key loop whose q.k halves stay in flight through the
+            # softmax; one wgmma wait per step, after P.V. Its q.k prologue and last
+            # P.V are outside the loop (5 register-staged tiles besides q's two).
+            assert (r["key_loops"], r["loop_wgmma_waits"], r["dots_in_flight"],
+                    r["sync_tile_loads"]) == (1, 1, 2, 7), r
+        else:
+            # v transposed: every k/v tile an async copy (q's two tiles are not), P.V
+            # in flight into the next step, the q.k halves waited for each.
+            assert (r["loop_wgmma_waits"], r["dots_in_flight"], r["sync_tile_loads"]) == (
+                2, 2, 2), r
     # As it was: each v tile loaded through registers, every dot waited for at once.
     old = reports[f"fp8 {FP8_COMPARISON_CONFIGS[0]}"]
-    assert old["sync_tile_loads"] == 4 and old["dots_in_flight"] == 0, old
+    assert (old["loop_wgmma_waits"], old["dots_in_flight"], old["sync_tile_loads"]) == (
+        3, 0, 4), old

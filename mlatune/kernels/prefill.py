@@ -13,11 +13,21 @@ of one request and one head, or a key range of one). Items of split tiles write
 partial (output, LSE) rows to slots that ``_merge_partials_kernel`` combines.
 
 q, k and v may be bf16/fp16 or fp8 (e4m3fn, or e4m3fnuz on AMD) with
-per-tensor scales. The q and k scales fold into the softmax scale and the v
-scale into the output, so the kernel never rescales a tile; with fp8 the
-probabilities are rounded to v's fp8 type for the P.V dot, as fp8 attention
-kernels do. Over an fp8 k/v with a 16-bit q (``KV_UPCAST``) the k and v tiles
-are converted to q's type as they are loaded and both dots run in 16 bits.
+per-tensor scales. With fp8 both dots are fp8 MMAs: the q and k scales fold into
+the softmax scale and the v scale into the output (a per-tensor scale is the same
+for every tile, so applying it once per tile's scores and once to the output is
+exact), and the probabilities, scaled by a power of two into e4m3's range, are
+rounded to v's fp8 type for the P.V dot, as fp8 attention kernels do. Over an fp8
+k/v with a 16-bit q (``KV_UPCAST``) the k and v tiles are converted to q's type as
+they are loaded and both dots run in 16 bits.
+
+Hopper's fp8 wgmma takes its B operand only K-major, which for P.V means v with
+its keys contiguous: from v as given, Triton stages every v tile through
+registers, a synchronous load each key step. ``KernelConfig.v_transposed`` copies
+v once per call into a (heads, d_v, keys) buffer (``_transpose_v_kernel``) that
+the loop then streams with async copies. ``qk_ahead`` (``_attend_keys_ahead``)
+also issues the next block's q.k before this block's softmax, so the tensor
+cores compute it while the softmax runs.
 The output is written in ``out``'s dtype, the LSE in fp32 as a natural log.
 All sizes are runtime arguments, so one compiled kernel serves every batch,
 length and head count of a (dtype, block config) pair.
@@ -209,14 +219,21 @@ def _attend_keys_ahead(acc, l_i, m_i, q_a, q_b, k_base, v_base, q_pos, prefix, k
         # the P.V dot's layout (the scores' differs when BLOCK_N != D_V), not in both.
         acc = tl.dot(p_low, tl.load(v_base + tl.cast(prev, tl.int64) * stride_v_key + v_offs),
                      acc * alpha[:, None])
-        scores = (s_a + s_b) * qk_scale
+        raw = s_a + s_b
+        zeros = raw * 0.0  # before masking: -inf * 0 is NaN
+        scores = raw * qk_scale
         if start_n + BLOCK_N > full_stop:
             scores = _mask_scores(scores, start_n + offs_n, q_pos, prefix, kv_stop, CAUSAL)
         nxt = start_n + BLOCK_N
         k_block = k_base + tl.cast(nxt, tl.int64) * stride_k_row
         in_range = (nxt + offs_n < kv_stop)[None, :]
-        s_a = tl.dot(q_a, tl.load(k_block + kt_a_offs, mask=in_range, other=0.0))
-        s_b = tl.dot(q_b, tl.load(k_block + kt_b_offs, mask=in_range, other=0.0))
+        # The next q.k accumulates onto zeros made from this block's scores: that orders
+        # the sum above before the dots and lets each dot reuse its halves' registers.
+        # Otherwise the compiler sums after issuing them, the old and new halves live
+        # at once, and the loop's register copies read the accumulators of dots in
+        # flight, which makes ptxas wait for every wgmma at once (its warning C7514).
+        s_a = tl.dot(q_a, tl.load(k_block + kt_a_offs, mask=in_range, other=0.0), zeros)
+        s_b = tl.dot(q_b, tl.load(k_block + kt_b_offs, mask=in_range, other=0.0), zeros)
         l_i, m_i, p_low, alpha = _online_softmax(scores, l_i, m_i, p_low.dtype, True,
                                                  ROUND_P_FIRST, P_SHIFT)
     # The last block: the P.V of the one before it, its softmax, its own P.V.
