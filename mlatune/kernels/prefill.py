@@ -211,13 +211,19 @@ def _attend_keys_ahead(acc, l_i, m_i, q_a, q_b, k_base, v_base, q_pos, prefix, k
     in_range = (kv_lo + offs_n < kv_stop)[None, :]
     s_a = tl.dot(q_a, tl.load(k_block + kt_a_offs, mask=in_range, other=0.0))
     s_b = tl.dot(q_b, tl.load(k_block + kt_b_offs, mask=in_range, other=0.0))
-    p_low = tl.zeros([q_a.shape[0], BLOCK_N], dtype=v_base.dtype.element_ty)
+    p_dtype: tl.constexpr = v_base.dtype.element_ty
+    # P is carried to the next step as bytes: Triton puts a dot operand that is a
+    # loop-carried value as such in shared memory (a store, a fence and a CTA barrier
+    # each step); one computed in the step, as the bitcast back is, stays in registers.
+    bits_dtype: tl.constexpr = tl.uint8 if p_dtype.primitive_bitwidth == 8 else tl.uint16
+    p_bits = tl.zeros([q_a.shape[0], BLOCK_N], dtype=bits_dtype)
     alpha = tl.full([q_a.shape[0]], 1.0, dtype=tl.float32)
     for start_n in range(kv_lo, last, BLOCK_N):
         prev = tl.maximum(start_n - BLOCK_N, kv_lo)
         # acc is rescaled here, next to its dot, not in the softmax: that keeps it in
         # the P.V dot's layout (the scores' differs when BLOCK_N != D_V), not in both.
-        acc = tl.dot(p_low, tl.load(v_base + tl.cast(prev, tl.int64) * stride_v_key + v_offs),
+        acc = tl.dot(p_bits.to(p_dtype, bitcast=True),
+                     tl.load(v_base + tl.cast(prev, tl.int64) * stride_v_key + v_offs),
                      acc * alpha[:, None])
         raw = s_a + s_b
         zeros = raw * 0.0  # before masking: -inf * 0 is NaN
@@ -234,14 +240,16 @@ def _attend_keys_ahead(acc, l_i, m_i, q_a, q_b, k_base, v_base, q_pos, prefix, k
         # flight, which makes ptxas wait for every wgmma at once (its warning C7514).
         s_a = tl.dot(q_a, tl.load(k_block + kt_a_offs, mask=in_range, other=0.0), zeros)
         s_b = tl.dot(q_b, tl.load(k_block + kt_b_offs, mask=in_range, other=0.0), zeros)
-        l_i, m_i, p_low, alpha = _online_softmax(scores, l_i, m_i, p_low.dtype, True,
+        l_i, m_i, p_low, alpha = _online_softmax(scores, l_i, m_i, p_dtype, True,
                                                  ROUND_P_FIRST, P_SHIFT)
+        p_bits = p_low.to(bits_dtype, bitcast=True)
     # The last block: the P.V of the one before it, its softmax, its own P.V.
     prev = tl.maximum(last - BLOCK_N, kv_lo)
-    acc = tl.dot(p_low, tl.load(v_base + tl.cast(prev, tl.int64) * stride_v_key + v_offs),
+    acc = tl.dot(p_bits.to(p_dtype, bitcast=True),
+                 tl.load(v_base + tl.cast(prev, tl.int64) * stride_v_key + v_offs),
                  acc * alpha[:, None])
     scores = _mask_scores((s_a + s_b) * qk_scale, last + offs_n, q_pos, prefix, kv_stop, CAUSAL)
-    l_i, m_i, p_low, alpha = _online_softmax(scores, l_i, m_i, p_low.dtype, True,
+    l_i, m_i, p_low, alpha = _online_softmax(scores, l_i, m_i, p_dtype, True,
                                              ROUND_P_FIRST, P_SHIFT)
     v_last = tl.load(v_base + tl.cast(last, tl.int64) * stride_v_key + v_offs,
                      mask=(last + offs_n < kv_stop)[:, None], other=0.0)
