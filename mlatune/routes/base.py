@@ -183,8 +183,8 @@ class Route(Protocol):
 
     # Optional: ``step_kind(params) -> StepKind``, what ``prepare(params=params)``'s
     # ``Prepared.step_kind`` will be, known without a GPU (``step_kind_of``).
-    # Optional: ``quantizes_q(problem) -> bool``, True where the route quantizes a
-    # 16-bit q to fp8 (the fp8 tolerance then applies; ``quantizes_q``).
+    # Optional: ``quantizes_q(problem, params) -> bool``, True where the route run with
+    # ``params`` quantizes a 16-bit q to fp8 (the fp8 tolerance then applies; ``quantizes_q``).
 
 
 def step_kind_of(route: Route, params: Params) -> StepKind:
@@ -193,10 +193,11 @@ def step_kind_of(route: Route, params: Params) -> StepKind:
     return LAUNCH_ONLY if declare is None else declare(params)
 
 
-def quantizes_q(route: Route, problem: MLAProblem) -> bool:
-    """Whether ``route`` quantizes the problem's 16-bit q to fp8 (False when it declares not)."""
+def quantizes_q(route: Route, problem: MLAProblem, params: Params | None = None) -> bool:
+    """Whether ``route`` run with ``params`` (None: its defaults) quantizes the problem's
+    16-bit q to fp8 (False when it declares not)."""
     declare = getattr(route, "quantizes_q", None)
-    return bool(declare and declare(problem))
+    return bool(declare and declare(problem, params or {}))
 
 
 def params_at(route: Route, params: Params, measured_at: MLAProblem, problem: MLAProblem,

@@ -161,7 +161,7 @@ class FlashMLARoute:
     def step_kind(self, params: Params) -> StepKind:
         return DEVICE_PLANNED
 
-    def quantizes_q(self, problem: MLAProblem) -> bool:
+    def quantizes_q(self, problem: MLAProblem, params: Params) -> bool:
         """Whether a 16-bit q is quantized to fp8 (the fp8 tolerance applies)."""
         return problem.kv_dtype in FP8_DTYPES and problem.q_dtype not in FP8_DTYPES
 
@@ -180,7 +180,7 @@ class FlashMLARoute:
                                   shard.kv_cache.shape[-1])
         fp8 = problem.kv_dtype in FP8_DTYPES
         q8 = descale_q = None
-        if self.quantizes_q(problem):
+        if self.quantizes_q(problem, params or {}):
             q8 = torch.empty(q4.shape, dtype=shard.kv_cache.dtype, device=q4.device)
             descale_q = torch.empty(1, dtype=torch.float32, device=q4.device)
         elif fp8:

@@ -147,9 +147,11 @@ class _TritonDecodeRoute:
         return [{**t, "num_splits": self._split_choices(problem, device, t)[0], "fp8_dot": True}
                 for t in tiles]
 
-    def quantizes_q(self, problem: MLAProblem) -> bool:
-        """Over an fp8 cache a 16-bit q may be quantized (``fp8_dot``): its tolerance applies."""
-        return problem.kv_dtype in FP8_DTYPES and problem.q_dtype not in FP8_DTYPES
+    def quantizes_q(self, problem: MLAProblem, params: Params) -> bool:
+        """``fp8_dot`` over an fp8 cache quantizes a 16-bit q: its tolerance applies (the other
+        sets read q as it is and keep theirs)."""
+        return (bool(params.get("fp8_dot")) and problem.kv_dtype in FP8_DTYPES
+                and problem.q_dtype not in FP8_DTYPES)
 
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
         """Most promising first, so a sweep that keeps the first N still tries each option:
