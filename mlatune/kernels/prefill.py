@@ -94,22 +94,25 @@ def _round_to_3_mantissa_bits(x):
 
 
 @triton.jit
-def _online_softmax(scores, l_i, m_i, p_dtype: tl.constexpr, MASKED: tl.constexpr,
+def _online_softmax(raw, qk_scale, l_i, m_i, p_dtype: tl.constexpr, MASKED: tl.constexpr,
                     ROUND_P_FIRST: tl.constexpr, P_SHIFT: tl.constexpr):
-    """One key block's softmax update (log2 domain): the new l and max, the block's
-    probabilities in ``p_dtype`` for the P.V dot, and the factor alpha that the
-    output accumulator is to be rescaled by before that dot.
+    """One key block's softmax update (log2 domain) from its unscaled scores: the new
+    l and max, the block's probabilities in ``p_dtype`` for the P.V dot, and the
+    factor alpha that the output accumulator is to be rescaled by before that dot.
+
+    The scale (> 0) goes into the max and, fused, into the exponent's argument: one
+    FFMA an element instead of a multiply and a subtraction.
 
     The probabilities are scaled by 2**P_SHIFT: fp8's normal range starts at 2**-6,
     and a [0, 1] P would round its small entries coarsely or to 0. The power of two
     is exact and cancels in acc / l, since l sums the same scaled values.
     """
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_new = tl.maximum(m_i, tl.max(raw, 1) * qk_scale)
     m_ref = m_new
     if MASKED:
         # A row that has seen no key yet keeps max -inf; subtract 0 instead of -inf.
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(scores - (m_ref - P_SHIFT)[:, None])
+    p = tl.exp2(raw * qk_scale - (m_ref - P_SHIFT)[:, None])
     alpha = tl.exp2(m_i - m_ref)
     p_rounded = p
     if ROUND_P_FIRST:
@@ -173,10 +176,9 @@ def _attend_keys(acc, l_i, m_i, q_a, q_b, k_base, v_base, q_pos, prefix, kv_star
             v = v.to(q_a.dtype)
         scores = tl.dot(q_a, kt_a)
         scores = tl.dot(q_b, kt_b, scores)
-        scores = scores * qk_scale
         if MASKED:
             scores = _mask_scores(scores, keys, q_pos, prefix, kv_stop, CAUSAL)
-        l_i, m_i, p_low, alpha = _online_softmax(scores, l_i, m_i, v.dtype, MASKED,
+        l_i, m_i, p_low, alpha = _online_softmax(scores, qk_scale, l_i, m_i, v.dtype, MASKED,
                                                  ROUND_P_FIRST, P_SHIFT)
         acc = tl.dot(p_low, v, acc * alpha[:, None])
     return acc, l_i, m_i
@@ -227,9 +229,6 @@ def _attend_keys_ahead(acc, l_i, m_i, q_a, q_b, k_base, v_base, q_pos, prefix, k
                      acc * alpha[:, None])
         raw = s_a + s_b
         zeros = raw * 0.0  # before masking: -inf * 0 is NaN
-        scores = raw * qk_scale
-        if start_n + BLOCK_N > full_stop:
-            scores = _mask_scores(scores, start_n + offs_n, q_pos, prefix, kv_stop, CAUSAL)
         nxt = start_n + BLOCK_N
         k_block = k_base + tl.cast(nxt, tl.int64) * stride_k_row
         in_range = (nxt + offs_n < kv_stop)[None, :]
@@ -240,16 +239,23 @@ def _attend_keys_ahead(acc, l_i, m_i, q_a, q_b, k_base, v_base, q_pos, prefix, k
         # flight, which makes ptxas wait for every wgmma at once (its warning C7514).
         s_a = tl.dot(q_a, tl.load(k_block + kt_a_offs, mask=in_range, other=0.0), zeros)
         s_b = tl.dot(q_b, tl.load(k_block + kt_b_offs, mask=in_range, other=0.0), zeros)
-        l_i, m_i, p_low, alpha = _online_softmax(scores, l_i, m_i, p_dtype, True,
-                                                 ROUND_P_FIRST, P_SHIFT)
+        # The softmax in both branches, not the mask alone: a mask-only branch is
+        # turned into selects that every step pays (~130 instructions of ~740).
+        if start_n + BLOCK_N > full_stop:
+            raw = _mask_scores(raw, start_n + offs_n, q_pos, prefix, kv_stop, CAUSAL)
+            l_i, m_i, p_low, alpha = _online_softmax(raw, qk_scale, l_i, m_i, p_dtype, True,
+                                                     ROUND_P_FIRST, P_SHIFT)
+        else:
+            l_i, m_i, p_low, alpha = _online_softmax(raw, qk_scale, l_i, m_i, p_dtype, True,
+                                                     ROUND_P_FIRST, P_SHIFT)
         p_bits = p_low.to(bits_dtype, bitcast=True)
     # The last block: the P.V of the one before it, its softmax, its own P.V.
     prev = tl.maximum(last - BLOCK_N, kv_lo)
     acc = tl.dot(p_bits.to(p_dtype, bitcast=True),
                  tl.load(v_base + tl.cast(prev, tl.int64) * stride_v_key + v_offs),
                  acc * alpha[:, None])
-    scores = _mask_scores((s_a + s_b) * qk_scale, last + offs_n, q_pos, prefix, kv_stop, CAUSAL)
-    l_i, m_i, p_low, alpha = _online_softmax(scores, l_i, m_i, p_dtype, True,
+    raw = _mask_scores(s_a + s_b, last + offs_n, q_pos, prefix, kv_stop, CAUSAL)
+    l_i, m_i, p_low, alpha = _online_softmax(raw, qk_scale, l_i, m_i, p_dtype, True,
                                              ROUND_P_FIRST, P_SHIFT)
     v_last = tl.load(v_base + tl.cast(last, tl.int64) * stride_v_key + v_offs,
                      mask=(last + offs_n < kv_stop)[:, None], other=0.0)
