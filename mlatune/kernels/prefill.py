@@ -123,10 +123,12 @@ def _online_softmax(raw, qk_scale, l_i, m_i, p_dtype: tl.constexpr, MASKED: tl.c
 
 @triton.jit
 def _mask_scores(scores, keys, q_pos, prefix, kv_stop, CAUSAL: tl.constexpr):
-    """-inf where a key is past the range or, causal, after the row's own position."""
-    allowed = (keys < kv_stop)[None, :]
+    """-inf where a key is past the range or, causal, after the row's own position
+    (one compare an element: against each row's last key)."""
     if CAUSAL:
-        allowed = allowed & (keys[None, :] <= (prefix + q_pos)[:, None])
+        allowed = keys[None, :] <= tl.minimum(prefix + q_pos, kv_stop - 1)[:, None]
+    else:
+        allowed = (keys < kv_stop)[None, :]
     return tl.where(allowed, scores, float("-inf"))
 
 

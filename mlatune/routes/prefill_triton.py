@@ -39,17 +39,19 @@ _DEFAULT_SHARED_MEMORY = 99 << 10
 # registers), so wide key blocks and deep pipelines spill: (128, 64, 8, 2) spills 40
 # bytes, (128, 128, 8, 2) over 300 and is left out. fp8 halves q and P and does not
 # spill. fp8's P.V needs v transposed (Hopper's fp8 wgmma reads its B operand only
-# K-major; otherwise each v tile is loaded through registers, not pipelined); the
-# last fp8 set is the kernel as it was before (v as given), kept for comparison.
+# K-major; otherwise each v tile is loaded through registers, not pipelined).
 _GPU_CONFIGS_16BIT = ((128, 64, 8, 2), (128, 32, 8, 3), (128, 32, 8, 2))
-# With q.k ahead, ptxas (Triton 3.6) keeps both q.k halves in flight through the
-# softmax (one wgmma wait per key step); it spills outside the key loop only (~210
-# bytes at 64-key blocks; 128-key blocks spill ~900 and are left out).
-_GPU_CONFIGS_FP8 = ((128, 64, 8, 2, True, True), (128, 128, 8, 2, True, False),
-                    (128, 32, 8, 2, True, True))
+# fp8 (Triton 3.6 SASS, tests/prefill_aot.py): v transposed over 128-key blocks
+# issues ~550 instructions a warp per block off the diagonal, P.V in flight into the
+# next block, the q.k halves waited for; q.k ahead keeps q.k in flight through the
+# softmax (one wgmma wait a block) but issues ~580 a warp per 64-key block (its
+# 128-key blocks spill in the loop), so it leads only if the wgmma waits cost more
+# than the issue slots: the GPU run decides.
+_GPU_CONFIGS_FP8 = ((128, 128, 8, 2, True, False), (128, 64, 8, 2, True, True),
+                    (128, 128, 8, 3, True, False))
 # Timed beside the space by benchmarks/prefill.py, not swept: the kernel as it was
 # (v as given: 2531 us at 128 heads x 4096 tokens on the H200, 2026-11-29), and v
-# transposed over 64-key blocks without q.k ahead.
+# transposed over 64-key blocks.
 FP8_COMPARISON_CONFIGS = ((128, 128, 8, 2, False, False), (128, 64, 8, 2, True, False))
 _SMALLEST_CONFIG = (64, 32, 4, 1)  # fits every device's shared memory
 # The interpreter runs block ops in numpy: fewer, larger blocks run faster. fp8 takes
