@@ -2,7 +2,9 @@
 
     python3 benchmarks/gluon_check.py --out DIR
 
-Needs an sm_90 GPU and triton 3.6.x (``mlatune/kernels/gluon_hopper.py``).
+Needs an sm_90 GPU and triton 3.6.x (``mlatune/kernels/gluon_hopper.py``). The
+kernel's variants (``VARIANTS``: tile width, pipelined walk, and the warp-specialized
+seesaw kernel of ``mlatune/kernels/gluon_seesaw.py``) are each checked and timed.
 Steps, each caught so that one failure never ends the run:
 1. smoke: a child process (``--smoke``, 75 s limit, so a hang or an illegal
    address cannot take this process down) runs small problems: one split and
@@ -47,7 +49,8 @@ SMOKE = [  # (batch, heads, kv_len, qlen, dtype, num_splits)
 ]
 OTHERS = ("padded/triton", "dense/flashmla")
 GLUON = "wgmma/gluon"
-VARIANTS = [(64, False), (64, True), (32, False), (32, True)]  # (block_n, pipeline)
+SEESAW = ("seesaw", )  # the warp-specialized kernel (mlatune/kernels/gluon_seesaw.py)
+VARIANTS = [(64, False), (64, True), (32, False), (32, True), SEESAW]  # (block_n, pipeline)
 DEVICE = "cuda"  # a dry run of the plumbing may set "cpu" (with a stand-in kernel)
 
 
@@ -63,16 +66,21 @@ def problem_of(batch, heads, kv_len, qlen, dtype="bf16"):
 
 
 def variant_id(variant) -> str:
+    if variant == SEESAW:
+        return f"{GLUON} seesaw"
     return f"{GLUON} n{variant[0]}{' pipe' if variant[1] else ''}"
 
 
 def gluon_prepare(problem, inputs, num_splits=None, variant=VARIANTS[0]):
-    from mlatune.kernels.gluon_hopper import decode_launcher
     shard = inputs.shards[0]
-    return decode_launcher(inputs.q, shard.kv_cache, shard.block_table, shard.seq_lens,
-                           qlen=problem.qlen, sm_scale=inputs.softmax_scale,
-                           causal=problem.causal, num_splits=num_splits,
-                           max_seq_len=problem.kv_len, block_n=variant[0], pipeline=variant[1])
+    args = (inputs.q, shard.kv_cache, shard.block_table, shard.seq_lens)
+    kwargs = dict(qlen=problem.qlen, sm_scale=inputs.softmax_scale, causal=problem.causal,
+                  num_splits=num_splits, max_seq_len=problem.kv_len)
+    if variant == SEESAW:
+        from mlatune.kernels.gluon_seesaw import decode_launcher as seesaw_launcher
+        return seesaw_launcher(*args, **kwargs)
+    from mlatune.kernels.gluon_hopper import decode_launcher
+    return decode_launcher(*args, **kwargs, block_n=variant[0], pipeline=variant[1])
 
 
 def route_prepare(route_id, problem, inputs):
@@ -245,6 +253,9 @@ def summary(point, rows) -> str:
     best = min(ok, key=ok.get) if ok else GLUON
     g = t.get(best, math.nan)
     parts = [f"{point}: best gluon {best} {g:.1f} us"]
+    seesaw, n64 = (t.get(variant_id(v), math.nan) for v in (SEESAW, VARIANTS[0]))
+    if not math.isnan(seesaw):
+        parts.append(f"seesaw {seesaw:.1f} us (seesaw/n64 {seesaw / n64:.2f}x)")
     for rid in OTHERS:
         if not math.isnan(t.get(rid, math.nan)):
             parts.append(f"{rid} {t[rid]:.1f} us (gluon/{rid.split('/')[0]} {g / t[rid]:.2f}x)")

@@ -1,0 +1,517 @@
+"""A warp-specialized "seesaw" MLA decode for Hopper (sm_90) in Triton's Gluon dialect.
+
+A variant of ``gluon_hopper`` (same problem, same launcher interface, same host
+helpers, imported from there), written against triton 3.6.0's Gluon API. Why
+another schedule: ``gluon_hopper`` splits S = Q K^T across its two warpgroups
+by key columns, so both read all of Q (72 KB) from shared memory every tile
+and P goes through shared memory too; its per-tile time is the same whatever
+the number of heads. Here each warpgroup computes S of a whole tile (Q read
+once per tile) and the two alternate, so one's softmax runs while the other's
+MMAs use the tensor cores (the schedule FlashMLA's deep dive calls "seesaw";
+this is our own code).
+
+Per program: 64 query rows (heads x qlen folded, as ``gluon_hopper``), Q in
+shared memory once, a ring of two 64-key tiles (one page each; slot 0 holds the
+even tiles, slot 1 the odd ones) and three partitions (``gl.warp_specialize``):
+- loader (the default partition: 4 warps at 24 registers, one thread issues):
+  Q, then each tile by TMA into its slot once both compute warpgroups have
+  released the slot (``empty``, count 2), page id from the block table.
+- WG0 (a worker partition, 4 warps) owns O[:, :256]; WG1 (4 warps) owns
+  O[:, 256:]. For a pair of tiles (a = 2j in slot 0, b = 2j+1 in slot 1):
+  WG0: S_a = Q K_a^T; m0 = max(m, rowmax S_a); P_a = exp2(S_a - m0), published
+  (with m0) for WG1; O_L = O_L * 2^(m - m0) + P_a V_a[:, :256] (P_a from
+  registers, the wgmma A operand); then, with WG1's m1: O_L *= 2^(m0 - m1);
+  O_L += P_b V_b[:, :256] (P_b from shared memory).
+  WG1: S_b issued first; with m0: O_R *= 2^(m - m0); O_R += P_a V_a[:, 256:]
+  (shared) while S_b finishes; m1 = max(m0, rowmax S_b); P_b = exp2(S_b - m1),
+  published (with m1); O_R *= 2^(m0 - m1); O_R += P_b V_b[:, 256:] (registers).
+  Both end the pair at the running max m1. Each warpgroup keeps the row sum of
+  its own tiles' P in the current max's base; the two sums are added at the end.
+- P needs no buffer of its own: a tile's rope part (64 keys x 64 dims, the same
+  size and swizzle as P) is dead once that tile's S is done (V is the first 512
+  dims), so P_a is written over K_a's rope part and P_b over K_b's.
+- An odd tile count: WG1's S of the missing tile reads a slot that nothing is
+  loading (masked to weight 0 whatever it holds) and both skip its P V.
+- Stale slots past the split's end in the last page (NaN in a real cache): each
+  warpgroup zeroes the V rows of the half of V it reads before its P V; S of
+  those keys is masked, never multiplied.
+- Split-KV, the row mapping, causal verify rows, out and LSE as ``gluon_hopper``:
+  one split writes out and the natural-log LSE directly; more write fp32
+  partials (normalized output, base-2 LSE) merged by ``reduce.reduce_launcher``.
+Registers: O's half (64 x 256 fp32) is 128 a thread, so the compute warpgroups get
+240 (setmaxnreg) and the loader 24, over 12 warps at ``MAXNREG`` 168. The compute
+warpgroups are both workers (not one the default partition) so that they compile
+alike: as the default partition WG0 kept its scalars in registers and spilled.
+Not measured yet on the GPU (2026-12-01): ``benchmarks/gluon_check.py`` times it
+as the ``wgmma/gluon seesaw`` variant; it is no route.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from mlatune.kernels.gluon_hopper import (
+    _TORCH_NAMES,
+    BLOCK_M,
+    BLOCK_N,
+    D_NOPE,
+    D_ROPE,
+    LOG2E,
+    PAGE_SIZE,
+    _descriptors,
+    _issue_kv,
+    _issue_scores,
+    _nvmma,
+    _softmax_tile,
+    _zero_stale_rows,
+    check_supported,
+    pick_splits,
+)
+
+NUM_WARPS = 4  # the default partition: the loader (one thread issues); WG0, WG1: workers
+COMPUTE_REGS = gl.constexpr(240)  # a compute warpgroup's registers a thread (O's half alone is 128)
+LOADER_REGS = gl.constexpr(24)
+MAXNREG = 168  # 12 warps (3 warpgroups) x 168 = the SM's 64K registers, rounded down
+
+__all__ = ["aot_compile", "decode_launcher", "seesaw_decode", "seesaw_kernel"]
+
+
+@gluon.jit
+def _loader(descs, bufs, bars, bt_row, q_row, start, n_tiles, PAGE: gl.constexpr):
+    """Q once, then tile t into slot t % 2 as soon as both warpgroups have released it."""
+    qn_desc, qr_desc, kn_desc, kr_desc = descs
+    q_nope, q_rope, k_nope, k_rope = bufs[:4]
+    q_bar, ready, empty = bars[:3]
+    BN: gl.constexpr = kn_desc.block_type.shape[0]
+    mbarrier.expect(q_bar, qn_desc.block_type.nbytes + qr_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(qn_desc, [q_row, 0], q_bar, q_nope)
+    tma.async_copy_global_to_shared(qr_desc, [q_row, 0], q_bar, q_rope)
+    for t in range(n_tiles):
+        slot = t % 2
+        # A fresh barrier counts as phase 1 complete: the first wait on each slot passes.
+        mbarrier.wait(empty.index(slot), ((t // 2) & 1) ^ 1)
+        # The warpgroups wrote the slot (P, zeroed rows) through the generic proxy.
+        fence_async_shared()
+        _issue_kv(kn_desc, kr_desc, k_nope.index(slot), k_rope.index(slot), ready.index(slot),
+                  bt_row, start + t * BN, True, PAGE)
+
+
+@gluon.jit
+def _no_shift(m):
+    """The max to subtract: 0 where a row has no key yet (m = -inf), so exp2 gives 0, not NaN."""
+    return gl.where(m == float("-inf"), gl.zeros_like(m), m)
+
+
+@gluon.jit
+def _scale_rows(acc, factor, o_layout: gl.constexpr):
+    return acc * gl.expand_dims(gl.convert_layout(factor, gl.SliceLayout(1, o_layout)), 1)
+
+
+@gluon.jit
+def _row_slot(buf, i: gl.constexpr):
+    """Rows' values number ``i`` (a max or a sum) of a [2 * 64] fp32 buffer."""
+    return buf.slice(i * (buf.shape[0] // 2), buf.shape[0] // 2)
+
+
+@gluon.jit
+def _publish(p, kr_buf, m_slot, m, bar):
+    """Hand a tile's P (over its dead rope part) and its running max to the other warpgroup."""
+    kr_buf.store(p)
+    m_slot.store(m)
+    fence_async_shared()  # P is read by the other warpgroup's wgmma (async proxy)
+    gl.thread_barrier()  # every thread's stores precede the one arrival
+    mbarrier.arrive(bar)
+
+
+@gluon.jit
+def _zero_if_last(v, n0, end):
+    """Zero the V rows past ``end`` of the tile at ``n0`` (only the last tile has any)."""
+    if n0 + v.shape[0] > end:
+        _zero_stale_rows(v, end - n0, 4)
+
+
+@gluon.jit
+def _halves(kn_a, kn_b, half: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """The V columns a warpgroup owns in both tiles of a pair, and S's key columns."""
+    DH: gl.constexpr = o_layout.instr_shape[1]
+    cols = gl.arange(0, kn_a.shape[0], layout=gl.SliceLayout(0, s_layout))
+    return kn_a.slice(half * DH, DH, dim=1), kn_b.slice(half * DH, DH, dim=1), cols
+
+
+@gluon.jit
+def _pair_wg0(bufs, kv, bars, ph, n0, end, has_b, last_pos, qk_scale, m_run, l_run, acc,
+              s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """WG0's half of a pair: its own tile a (slot 0), then WG1's tile b (slot 1)."""
+    q_nope, q_rope, m_buf = bufs[0], bufs[1], bufs[4]
+    kn_a, kr_a, kn_b, kr_b = kv
+    ready, empty, p_bars = bars[1:4]
+    v_a, v_b, cols = _halves(kn_a, kn_b, 0, s_layout, o_layout)
+    BN: gl.constexpr = kn_a.shape[0]
+    mbarrier.wait(ready.index(0), ph)
+    _zero_if_last(v_a, n0, end)
+    s = _issue_scores(q_nope, q_rope, kn_a, kr_a, s_layout)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    p, m0, l_run, alpha = _softmax_tile(s * qk_scale, n0, end, last_pos, cols, m_run, l_run)
+    p = p.to(kr_a.dtype)
+    _publish(p, kr_a, _row_slot(m_buf, 0), m0, p_bars.index(0))
+    acc = _scale_rows(acc, alpha, o_layout)
+    p_op = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+    acc = warpgroup_mma(p_op, v_a, acc, is_async=True)
+    mbarrier.wait(p_bars.index(1), ph)
+    m1 = _row_slot(m_buf, 1).load(gl.SliceLayout(1, s_layout))
+    acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+    mbarrier.arrive(empty.index(0))
+    alpha = gl.exp2(m0 - _no_shift(m1))
+    acc = _scale_rows(acc, alpha, o_layout)
+    if has_b:
+        mbarrier.wait(ready.index(1), ph)
+        _zero_if_last(v_b, n0 + BN, end)
+        acc = warpgroup_mma(kr_b, v_b, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    mbarrier.arrive(empty.index(1))
+    return acc, m1, l_run * alpha
+
+
+@gluon.jit
+def _pair_wg1(bufs, kv, bars, ph, n0, end, has_b, last_pos, qk_scale, m_run, l_run, acc,
+              s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """WG1's half of a pair: S of its own tile b first, WG0's P_a V_a while S_b finishes."""
+    kn_a, kr_a, kn_b, kr_b = kv
+    q_nope, q_rope, m_buf = bufs[0], bufs[1], bufs[4]
+    ready, empty, p_bars = bars[1:4]
+    v_a, v_b, cols = _halves(kn_a, kn_b, 1, s_layout, o_layout)
+    n1 = n0 + kn_a.shape[0]
+    # Without a tile b (odd count), S_b reads whatever slot 1 holds: all masked (n1 >= end).
+    mbarrier.wait(ready.index(1), ph, pred=has_b)
+    s = _issue_scores(q_nope, q_rope, kn_b, kr_b, s_layout)
+    mbarrier.wait(ready.index(0), ph)
+    mbarrier.wait(p_bars.index(0), ph)
+    m0 = _row_slot(m_buf, 0).load(gl.SliceLayout(1, s_layout))
+    alpha = gl.exp2(m_run - _no_shift(m0))
+    acc = _scale_rows(acc, alpha, o_layout)
+    _zero_if_last(v_a, n0, end)
+    acc = warpgroup_mma(kr_a, v_a, acc, is_async=True)
+    # wgmma groups retire in order: one outstanding leaves P_a V_a running.
+    s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+    p, m1, l_run, alpha = _softmax_tile(s * qk_scale, n1, end, last_pos, cols, m0, l_run * alpha)
+    p = p.to(kr_a.dtype)
+    _publish(p, kr_b, _row_slot(m_buf, 1), m1, p_bars.index(1))
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    mbarrier.arrive(empty.index(0))
+    acc = _scale_rows(acc, alpha, o_layout)
+    if has_b:
+        _zero_if_last(v_b, n1, end)
+        p_op = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=o_layout,
+                                                        k_width=2))
+        acc = warpgroup_mma(p_op, v_b, acc, is_async=True)
+        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+    mbarrier.arrive(empty.index(1))
+    return acc, m1, l_run
+
+
+@gluon.jit
+def _last_keys(rb, seq_len, qlen, heads, BM: gl.constexpr, row_s: gl.constexpr,
+               CAUSAL: gl.constexpr):
+    """Each row's last allowed key: causal row r (token r // heads) sees keys up to
+    seq_len - qlen + token; otherwise all seq_len."""
+    if CAUSAL:
+        return seq_len - qlen + (rb * BM + gl.arange(0, BM, layout=row_s)) // heads
+    return gl.full([BM], 0, gl.int32, layout=row_s) + (seq_len - 1)
+
+
+@gluon.jit
+def _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, WG: gl.constexpr,
+             CAUSAL: gl.constexpr, DIRECT: gl.constexpr):
+    """One compute warpgroup: its walk over the pairs of tiles, then its half of the output."""
+    q_nope, k_nope, k_rope, l_buf = bufs[0], bufs[2], bufs[3], bufs[5]
+    q_bar, l_bar = bars[0], bars[4]
+    BM: gl.constexpr = q_nope.shape[0]
+    BN: gl.constexpr = k_nope.shape[1]
+    DH: gl.constexpr = q_nope.shape[1] // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DH, 16])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    start, end, n_tiles, seq_len, rb = ints[:5]
+    qlen, heads = ints[8:10]
+    last_pos = _last_keys(rb, seq_len, qlen, heads, BM, row_s, CAUSAL)
+    m_run = gl.full([BM], float("-inf"), gl.float32, layout=row_s)
+    l_run = gl.full([BM], 0.0, gl.float32, layout=row_s)
+    acc = gl.zeros([BM, DH], gl.float32, layout=o_layout)
+    mbarrier.wait(q_bar, 0)
+    for j in range((n_tiles + 1) // 2):
+        # j >> 30 is 0, which the compiler cannot prove: slot addresses stay loop
+        # variant, so their 36 wgmma descriptors are not hoisted into (spilled) registers.
+        kv = (k_nope.index(j >> 30), k_rope.index(j >> 30), k_nope.index(1 + (j >> 30)),
+              k_rope.index(1 + (j >> 30)))
+        n0 = start + 2 * j * BN
+        has_b = 2 * j + 1 < n_tiles
+        if WG == 0:
+            acc, m_run, l_run = _pair_wg0(bufs, kv, bars, j & 1, n0, end, has_b, last_pos, qk_scale,
+                                          m_run, l_run, acc, s_layout, o_layout)
+        else:
+            acc, m_run, l_run = _pair_wg1(bufs, kv, bars, j & 1, n0, end, has_b, last_pos, qk_scale,
+                                          m_run, l_run, acc, s_layout, o_layout)
+    # The row sum is the two warpgroups' sums, both in the base of the final max.
+    _row_slot(l_buf, WG).store(l_run)
+    gl.thread_barrier()
+    mbarrier.arrive(l_bar)
+    mbarrier.wait(l_bar, 0)
+    l_run = l_run + _row_slot(l_buf, 1 - WG).load(row_s)
+    _epilogue(acc, m_run, l_run, out_ptr, lse_ptr, ints, WG, DIRECT, o_layout)
+
+
+@gluon.jit
+def _epilogue(acc, m_i, l_i, out_ptr, lse_ptr, ints, WG: gl.constexpr, DIRECT: gl.constexpr,
+              o_layout: gl.constexpr):
+    """Store this warpgroup's 256 columns of the normalized output (and, WG0, the LSE).
+
+    Straight from the accumulator's registers: the output is 1/72 of the bytes the
+    program reads, and a staging buffer would not fit next to Q and the ring.
+    """
+    rb, b, split, num_splits, qlen, heads = ints[4:10]
+    stride_o_tok, stride_o_head = ints[10:12]
+    stride_po_slot, stride_po_row = ints[13:15]
+    BM: gl.constexpr = acc.shape[0]
+    DH: gl.constexpr = acc.shape[1]
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    l_o = gl.convert_layout(l_i, row_o)
+    has_keys = l_o > 0.0
+    inv = gl.where(has_keys, 1.0 / gl.where(has_keys, l_o, gl.full_like(l_o, 1.0)),
+                   gl.zeros_like(l_o))
+    o = acc * gl.expand_dims(inv, 1)
+    rows = qlen * heads
+    r = rb * BM + gl.arange(0, BM, layout=row_o)
+    r_ok = r < rows
+    if DIRECT:
+        row_off = (b * qlen + r // heads).to(gl.int64) * stride_o_tok + (r % heads) * stride_o_head
+    else:
+        slot = b * num_splits + split
+        row_off = slot.to(gl.int64) * stride_po_slot + r * stride_po_row
+    d = WG * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
+    gl.store(out_ptr + gl.expand_dims(row_off, 1) + gl.expand_dims(d, 0),
+             o.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(r_ok, 1))
+    if WG == 0:
+        _store_lse(m_i, l_i, lse_ptr, ints, BM, DIRECT)
+
+
+@gluon.jit
+def _store_lse(m_i, l_i, lse_ptr, ints, BM: gl.constexpr, DIRECT: gl.constexpr):
+    """The rows' LSE: natural log when direct, base 2 in the partials (as ``reduce`` reads)."""
+    rb, b, split, num_splits, qlen, heads = ints[4:10]
+    stride_lse_tok = ints[12]
+    stride_pl_slot = ints[15]
+    # One thread a row: triton 3.6 does not lower the store from the wgmma row layout here.
+    flat: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    m_i = gl.convert_layout(m_i, flat)
+    l_i = gl.convert_layout(l_i, flat)
+    has_keys = l_i > 0.0
+    lse2 = gl.where(has_keys, m_i + gl.log2(gl.where(has_keys, l_i, gl.full_like(l_i, 1.0))),
+                    gl.full_like(l_i, float("-inf")))
+    r = rb * BM + gl.arange(0, BM, layout=flat)
+    if DIRECT:
+        dst = lse_ptr + (b * qlen + r // heads).to(gl.int64) * stride_lse_tok + r % heads
+        val = lse2 * 0.6931471805599453
+    else:
+        dst = lse_ptr + (b * num_splits + split).to(gl.int64) * stride_pl_slot + r
+        val = lse2
+    gl.store(dst, val, mask=r < qlen * heads)
+
+
+@gluon.jit
+def _wg0(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
+         DIRECT: gl.constexpr):
+    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 0, CAUSAL, DIRECT)
+
+
+@gluon.jit
+def _wg1(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
+         DIRECT: gl.constexpr):
+    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 1, CAUSAL, DIRECT)
+
+
+@gluon.jit
+def _key_range(seq_len, rb, split, num_splits, qlen, heads, BM: gl.constexpr,
+               BN: gl.constexpr, CAUSAL: gl.constexpr):
+    """The split's keys [start, end) (64-aligned chunks; causal: none past the block's
+    last row's bound) and its tile count."""
+    chunk = gl.cdiv(gl.cdiv(seq_len, num_splits), BN) * BN
+    start = split * chunk
+    end = gl.minimum(start + chunk, seq_len)
+    if CAUSAL:
+        block_last = seq_len - qlen + (gl.minimum(qlen * heads, rb * BM + BM) - 1) // heads
+        end = gl.minimum(end, block_last + 1)
+    return start, end, gl.cdiv(gl.maximum(end - start, 0), BN)
+
+
+@gluon.jit(do_not_specialize=["num_splits", "qlen", "heads"])
+def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache's two parts
+                  bt_ptr, seq_lens_ptr, out_ptr, lse_ptr, num_splits, qlen, heads, qk_scale,
+                  stride_bt, stride_o_tok, stride_o_head, stride_lse_tok,  # direct out
+                  stride_po_slot, stride_po_row, stride_pl_slot,  # fp32 partials
+                  CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PAGE: gl.constexpr,
+                  num_warps: gl.constexpr):
+    BM: gl.constexpr = qn_desc.block_type.shape[0]
+    BN: gl.constexpr = kn_desc.block_type.shape[0]
+    dtype: gl.constexpr = qn_desc.dtype
+    rb = gl.program_id(0)
+    split = gl.program_id(1)
+    b = gl.program_id(2)
+    seq_len = gl.load(seq_lens_ptr + b)
+    start, end, n_tiles = _key_range(seq_len, rb, split, num_splits, qlen, heads, BM, BN, CAUSAL)
+
+    q_nope = gl.allocate_shared_memory(dtype, qn_desc.block_type.shape, qn_desc.layout)
+    q_rope = gl.allocate_shared_memory(dtype, qr_desc.block_type.shape, qr_desc.layout)
+    k_nope = gl.allocate_shared_memory(dtype, [2, BN, kn_desc.block_type.shape[1]], kn_desc.layout)
+    k_rope = gl.allocate_shared_memory(dtype, [2, BN, kr_desc.block_type.shape[1]], kr_desc.layout)
+    rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    m_buf = gl.allocate_shared_memory(gl.float32, [2 * BM], rows_layout)  # m0, m1 of a pair
+    l_buf = gl.allocate_shared_memory(gl.float32, [2 * BM], rows_layout)  # each WG's row sum
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    l_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    p_bars = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)  # P_a and m0; P_b and m1
+    mbarrier.init(q_bar, count=1)
+    mbarrier.init(l_bar, count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both warpgroups release a slot
+        mbarrier.init(p_bars.index(i), count=1)
+    fence_async_shared()
+
+    bufs = (q_nope, q_rope, k_nope, k_rope, m_buf, l_buf)
+    bars = (q_bar, ready, empty, p_bars, l_bar)
+    ints = (start, end, n_tiles, seq_len, rb, b, split, num_splits, qlen, heads,
+            stride_o_tok, stride_o_head, stride_lse_tok, stride_po_slot, stride_po_row,
+            stride_pl_slot)
+    bt_row = bt_ptr + b.to(gl.int64) * stride_bt
+    q_row = b * qlen * heads + rb * BM
+    compute_args = (bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL, DIRECT)
+    # The loader is the default partition: as workers, both compute warpgroups get the
+    # same register budget and take their scalars from shared memory alike.
+    gl.warp_specialize([
+        (_loader, ((qn_desc, qr_desc, kn_desc, kr_desc), bufs, bars, bt_row, q_row, start,
+                   n_tiles, PAGE)),
+        (_wg0, compute_args),
+        (_wg1, compute_args),
+    ], [4, 4], [COMPUTE_REGS, COMPUTE_REGS])
+
+
+# Host side -------------------------------------------------------------------------------
+
+def _partials_and_merge(out: torch.Tensor, lse: torch.Tensor, batch: int, num_splits: int,
+                        qlen: int) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None]]:
+    """fp32 partials (a slot per request and split: normalized output, base-2 LSE) and
+    the launch of ``reduce_launcher`` that merges them into out and lse."""
+    from mlatune.kernels.reduce import reduce_launcher
+
+    heads = out.shape[1]
+    slots = batch * num_splits
+    part_out = out.new_empty((slots, qlen * heads, D_NOPE), dtype=torch.float32)
+    part_lse = out.new_empty((slots, qlen * heads), dtype=torch.float32)
+    indptr = torch.arange(0, slots + 1, num_splits, dtype=torch.int32, device=out.device)
+    merge = reduce_launcher(part_out, part_lse, None, indptr, out, lse, tokens_per_group=qlen,
+                            q_heads=heads, row_heads=heads, head_rep=1, max_slots=num_splits)
+    return part_out, part_lse, merge
+
+
+def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                    seq_lens: torch.Tensor, *, qlen: int, sm_scale: float, causal: bool = True,
+                    out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                    num_splits: int | None = None, max_seq_len: int | None = None
+                    ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
+    """A zero-argument launch of the seesaw decode, with the out and LSE it writes.
+
+    Tensors and arguments as ``gluon_hopper.decode_launcher`` (page 64, bf16/fp16,
+    ``num_splits`` None: ``pick_splits``); capturable.
+    """
+    why = check_supported(q, kv_cache, block_table, seq_lens)
+    if why is not None:
+        raise ValueError(f"gluon seesaw MLA decode: {why}")
+    batch, heads = seq_lens.shape[0], q.shape[1]
+    if q.shape[0] != batch * qlen:
+        raise ValueError(f"q has {q.shape[0]} tokens, expected batch {batch} x qlen {qlen}")
+    rows = qlen * heads
+    row_blocks = triton.cdiv(rows, BLOCK_M)
+    out = torch.empty(q.shape[0], heads, D_NOPE, dtype=q.dtype, device=q.device) \
+        if out is None else out
+    lse = torch.empty(q.shape[0], heads, dtype=torch.float32, device=q.device) \
+        if lse is None else lse
+    if num_splits is None:
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max()) if batch else 0
+        num_splits = pick_splits(batch, row_blocks, max_seq_len)
+    grid = (row_blocks, num_splits, batch)
+    head = (*_descriptors(q, kv_cache, BLOCK_N), block_table, seq_lens)
+    sizes = (num_splits, qlen, heads, sm_scale * LOG2E, block_table.stride(0))
+    meta = dict(CAUSAL=causal and qlen > 1, PAGE=PAGE_SIZE, num_warps=NUM_WARPS, maxnreg=MAXNREG)
+    if num_splits == 1:
+        args = (*head, out, lse, *sizes, out.stride(0), out.stride(1), lse.stride(0), 0, 0, 0)
+        return (lambda: seesaw_kernel[grid](*args, DIRECT=True, **meta)), out, lse
+
+    part_out, part_lse, reduce = _partials_and_merge(out, lse, batch, num_splits, qlen)
+    args = (*head, part_out, part_lse, *sizes, 0, 0, 0, part_out.stride(0), part_out.stride(1),
+            part_lse.stride(0))
+
+    def launch_split() -> None:
+        seesaw_kernel[grid](*args, DIRECT=False, **meta)
+        reduce()
+
+    return launch_split, out, lse
+
+
+def seesaw_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                  seq_lens: torch.Tensor, *, qlen: int, sm_scale: float, causal: bool = True,
+                  num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One eager call: (out, lse). See ``decode_launcher``."""
+    launch, out, lse = decode_launcher(q, kv_cache, block_table, seq_lens, qlen=qlen,
+                                       sm_scale=sm_scale, causal=causal, num_splits=num_splits)
+    launch()
+    return out, lse
+
+
+def aot_compile(dtype: str = "bf16", *, direct: bool = True, causal: bool = True,
+                arch: int = 90):
+    """Compile ``seesaw_kernel`` for ``sm_<arch>`` without a GPU (triton's bundled ptxas);
+    returns triton's CompiledKernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata``)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = seesaw_kernel
+    constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=PAGE_SIZE, num_warps=NUM_WARPS)
+    blocks = dict(qn_desc=(BLOCK_M, D_NOPE), qr_desc=(BLOCK_M, D_ROPE),
+                  kn_desc=(BLOCK_N, D_NOPE), kr_desc=(BLOCK_N, D_ROPE))
+    ptr_types = dict(bt_ptr="i32", seq_lens_ptr="i32", out_ptr=dtype if direct else "fp32",
+                     lse_ptr="fp32")
+
+    def arg_type(name: str) -> str:
+        if name in constants:
+            return "constexpr"
+        if name in blocks:
+            block = list(blocks[name])
+            layout = _nvmma(block, _TORCH_NAMES[dtype])
+            return f"tensordesc<{dtype}[{block[0]}, {block[1]}],{layout!r}>"
+        if name in ptr_types:
+            return "*" + ptr_types[name]
+        return "fp32" if name == "qk_scale" else "i32"
+
+    sixteen = (*ptr_types, "stride_o_tok", "stride_o_head", "stride_po_slot", "stride_po_row")
+    src = GluonASTSource(fn, {n: arg_type(n) for n in fn.arg_names}, constants,
+                         {(fn.arg_names.index(n), ): [["tt.divisibility", 16]] for n in sixteen})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": NUM_WARPS, "maxnreg": MAXNREG})

@@ -1,0 +1,77 @@
+"""The warp-specialized seesaw decode (mlatune/kernels/gluon_seesaw.py) compiled on the CPU.
+
+Needs triton 3.6.x, like tests/test_gluon_compile.py (whose module docstring says how
+to unpack it locally); other versions skip. Compiling says nothing about the numbers
+the kernel computes: benchmarks/gluon_check.py checks those on the GPU.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from mlatune.kernels import gluon_hopper as g
+from tests.prefill_aot import resources
+from tests.test_gluon_compile import HOPPER_SMEM, _needs_gluon_triton
+
+
+@pytest.fixture(scope="module", params=[("bf16", True, True), ("fp16", False, False)],
+                ids=["bf16-direct-causal", "fp16-split"])
+def compiled(request):
+    _needs_gluon_triton()
+    from mlatune.kernels import gluon_seesaw as s
+    dtype, direct, causal = request.param
+    return s.aot_compile(dtype, direct=direct, causal=causal)
+
+
+def test_targets_sm90a_with_tma_and_mbarriers(compiled):
+    ptx = compiled.asm["ptx"]
+    assert ".target sm_90a" in ptx
+    assert "cp.async.bulk.tensor.2d" in ptx
+    assert "mbarrier.try_wait" in ptx
+    assert len(compiled.asm["cubin"]) > 0
+
+
+def test_wgmma_count(compiled):
+    # Per compute warpgroup: S = Q K^T, 36 k-steps (576 deep) on its own tile; P V twice
+    # (its own P from registers, the other's from shared memory), 64 keys = 4 k-steps each.
+    ptx = compiled.asm["ptx"]
+    assert ptx.count("wgmma.mma_async") == 2 * (36 + 2 * 4)
+    # P of its own tile as the A operand in registers: the register-A form, 4 k-steps.
+    own_p = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.\w+\.\w+ "
+                       r"[^;]*\{[^}]*\}, \{%r", ptx)
+    assert len(own_p) == 2 * 4
+
+
+def test_three_partitions_with_register_budgets(compiled):
+    ptx = compiled.asm["ptx"]
+    assert ".reqntid 384" in ptx  # 3 warpgroups: loader (default), WG0, WG1
+    grows = set(map(int, re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+);", ptx)))
+    shrinks = set(map(int, re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+(\d+);", ptx)))
+    from mlatune.kernels import gluon_seesaw as s
+    assert s.COMPUTE_REGS.value in grows
+    assert s.LOADER_REGS.value in shrinks
+    # Each compute warpgroup synchronizes its own 128 threads (named barriers), not the block.
+    assert len(set(re.findall(r"bar\.sync\s+(\d+), 128;", ptx))) >= 2
+
+
+def test_fits_shared_memory_without_spills(compiled):
+    # Q (72 KB) + two 64-key tiles (144 KB) + rows' maxima and sums; P lives in the
+    # tiles' rope parts, so no P buffer.
+    assert compiled.metadata.shared <= HOPPER_SMEM
+    assert compiled.metadata.shared < 3 * 73728 + 2048
+    # A few scalars spill in one warpgroup (ptxas, 240 registers); the accumulators do not.
+    assert resources(compiled)["stack"] <= 128
+
+
+def test_refuses_what_gluon_hopper_refuses():
+    from tests.test_gluon_compile import _tensors
+    q, kv, bt, sl = _tensors(page=32)
+    assert "page_size 32" in g.check_supported(q, kv, bt, sl)
+    try:
+        from mlatune.kernels import gluon_seesaw as s
+    except ImportError as exc:  # another triton's Gluon lacks what the kernel imports
+        pytest.skip(str(exc))
+    with pytest.raises(ValueError, match="page_size 32"):
+        s.decode_launcher(q, kv, bt, sl, qlen=1, sm_scale=0.1)
