@@ -6,13 +6,15 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
 from mlatune.arch import cpu_device
-from mlatune.sweep import compile_ahead, runner, spec
+from mlatune.sweep import compile_ahead, pool, runner, spec
 from mlatune.sweep.journal import Journal, JournalError, read
+from mlatune.sweep.records import Status, Task
 
 ROOT = Path(__file__).resolve().parent.parent
 FAULTS = ["fault-abort/test", "fault-hang/test", "fault-wrong/test", "fault-raise/test"]
@@ -256,31 +258,50 @@ def test_ctrl_c_while_a_worker_starts_prints_no_traceback(tmp_path):
 
 
 def test_shut_down_kills_every_worker_even_when_interrupted_midway():
-    class Proc:
+    class Process:
         def __init__(self, interrupts: bool):
-            self.interrupts = interrupts
+            self.interrupts, self.asked, self.killed = interrupts, False, False
 
-        def join(self, timeout=None):
+        def stop(self):
+            self.asked = True
+
+        def wait(self, timeout=None):
             if self.interrupts:
                 raise KeyboardInterrupt
-
-    class Worker:
-        def __init__(self, interrupts: bool):
-            self.proc, self.asked, self.killed = Proc(interrupts), False, False
-
-        def ask_to_stop(self):
-            self.asked = True
 
         def kill(self):
             self.killed = True
 
-    pool = [Worker(False), Worker(True), Worker(False)]
+    processes = [Process(False), Process(True), Process(False)]
     with pytest.raises(KeyboardInterrupt):
-        runner._shut_down(pool, gently=True)
-    assert all(w.asked and w.killed for w in pool)
-    pool = [Worker(False), Worker(False)]
-    runner._shut_down(pool, gently=False)
-    assert all(w.killed and not w.asked for w in pool)
+        pool.shut_down(processes, gently=True)
+    assert all(p.asked and p.killed for p in processes)
+    processes = [Process(False), Process(False)]
+    pool.shut_down(processes, gently=False)
+    assert all(p.killed and not p.asked for p in processes)
+
+
+def test_a_worker_process_reports_typed_events(fault_plugins):
+    """start, alive, put, get (with a timeout), stop: the pool's verbs on one process;
+    a process that dies is a Gone event, not an exception."""
+    s = tiny_spec(["reference/torch"])
+    worker = pool.WorkerProcess("cpu")
+    worker.start()
+    try:
+        assert isinstance(worker.get(timeout=120), pool.Ready) and worker.alive()
+        worker.put(Task(s.problems[0], "reference/torch", {}, 1, asdict(s.budget)))
+        assert isinstance(worker.get(timeout=120), pool.InputsReady)
+        answer = worker.get(timeout=120)
+        assert isinstance(answer, pool.Answer) and answer.fields["status"] == Status.OK
+        assert worker.get(timeout=0.01) is None  # nothing more within the timeout
+        worker.put(Task(s.problems[0], "fault-abort/test", {}, 1, asdict(s.budget)))
+        event = worker.get(timeout=120)
+        if isinstance(event, pool.InputsReady):
+            event = worker.get(timeout=120)
+        assert isinstance(event, pool.Gone) and "SIGABRT" in event.reason
+        assert not worker.alive()
+    finally:
+        worker.kill()
 
 
 def test_plan_drops_the_reference_where_others_serve_and_cuts_params(monkeypatch):
@@ -465,14 +486,14 @@ def test_compiling_ahead_changes_no_result(tmp_path):
 
 
 def test_a_failed_compile_pass_does_not_stop_the_sweep(tmp_path, monkeypatch):
-    real_call = runner._Executor.__call__
+    real_call = pool.WorkerPool.__call__
 
     def call(self, candidates):
-        if self.check_only:
+        if candidates and self.task_of(candidates[0]).check_only:
             raise RuntimeError("sweep worker on cpu did not start within 300s")
         return real_call(self, candidates)
 
-    monkeypatch.setattr(runner._Executor, "__call__", call)
+    monkeypatch.setattr(pool.WorkerPool, "__call__", call)
     s = tiny_spec(["reference/torch"])
     journal = Journal(tmp_path / "j.jsonl", header(), resume=False)
     result = runner.run(s, cpu_device(), journal, timeout_s=20, compile_workers=1)

@@ -38,8 +38,9 @@ from mlatune.problem import MLAProblem
 from mlatune.sweep.candidates import Candidate
 from mlatune.sweep.dcp_graph import REFUSAL
 from mlatune.sweep.journal import Journal
+from mlatune.sweep.pool import SETUP_TIMEOUT_S, WORKER_START_TIMEOUT_S
 from mlatune.sweep.records import problem_key, problem_of, step_us
-from mlatune.sweep.runner import SETUP_TIMEOUT_S, WORKER_START_TIMEOUT_S, Observer
+from mlatune.sweep.runner import Observer
 from mlatune.sweep.spec import DEFAULT_DCP_TOP_K, SweepSpec
 from mlatune.table.schema import DCP_MEASURED
 

@@ -11,11 +11,39 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from mlatune.arch import DeviceInfo
 from mlatune.problem import MLAProblem
-from mlatune.table.schema import device_key, is_measured
+from mlatune.table.schema import Status, device_key, is_measured
+
+__all__ = ["Status", "Task", "problem_key", "problem_of", "step_us", "table_rows"]
+
+
+@dataclass(frozen=True)
+class Task:
+    """What a worker process gets for one candidate: plain data, never tensors (it makes
+    its own inputs from the seed). ``check_only``: stop after the first accuracy check
+    (compiling ahead)."""
+
+    problem: MLAProblem
+    route: str
+    params: dict[str, Any]
+    seed: int
+    budget: dict[str, Any]
+    tolerances: dict[str, float] | None = None
+    check_only: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"problem": self.problem.as_dict(), "route": self.route, "params": self.params,
+                "seed": self.seed, "budget": self.budget, "tolerances": self.tolerances,
+                "check_only": self.check_only}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Task:
+        return cls(MLAProblem(**data["problem"]), data["route"], data["params"], data["seed"],
+                   data["budget"], data.get("tolerances"), bool(data.get("check_only")))
 
 
 def problem_of(record: Mapping[str, Any]) -> MLAProblem:

@@ -1,32 +1,20 @@
-"""Running a sweep: candidates out to worker processes, results into the journal.
-
-One worker process per device, started with ``spawn``. Each gets one
-candidate at a time; candidates of a problem go to the same worker so its
-inputs and reference are made once. A worker that dies (abort, segfault,
-illegal memory access) scores its candidate ``crashed``, one that overruns the
-timeout is killed and scores ``timeout``; either way a fresh worker takes over
-and the sweep goes on. Every result is journaled as it arrives, so a killed
-sweep resumes where it stopped.
+"""Running a sweep: the spec's candidates through the worker pool (``pool``), one
+worker per device, every result journaled as it arrives, so a killed sweep resumes
+where it stopped. Before the timed pass, processes compile kernels ahead
+(``compile_ahead``); after it, the reference runs where every route failed.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
-import multiprocessing as mp
-import signal
-import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from multiprocessing.connection import wait
 from typing import Any, Protocol
 
 from mlatune.arch import DeviceInfo
 from mlatune.problem import MLAProblem
-from mlatune.sweep import compile_ahead, worker
+from mlatune.sweep import compile_ahead
 from mlatune.sweep.candidates import (  # noqa: F401  (the names callers import from here)
     REFERENCE,
     Candidate,
@@ -36,13 +24,16 @@ from mlatune.sweep.candidates import (  # noqa: F401  (the names callers import 
     stable_hash,
 )
 from mlatune.sweep.journal import Journal
-from mlatune.sweep.records import problem_key, step_us, table_rows  # noqa: F401
+from mlatune.sweep.pool import (  # noqa: F401
+    COST_PARTS,
+    SETUP_TIMEOUT_S,
+    WORKER_START_TIMEOUT_S,
+    WorkerPool,
+)
+from mlatune.sweep.records import Task, problem_key, step_us, table_rows  # noqa: F401
 from mlatune.sweep.spec import SweepSpec
 
 log = logging.getLogger(__name__)
-
-WORKER_START_TIMEOUT_S = 300.0  # importing torch and creating a CUDA context
-SETUP_TIMEOUT_S = 900.0  # a problem's inputs and fp32 references, before the route's timeout
 
 
 class Observer(Protocol):
@@ -52,12 +43,6 @@ class Observer(Protocol):
 
     def started(self, total: int, already_done: int, what: str = "sweep") -> None: ...
     def finished(self, record: dict[str, Any]) -> None: ...
-
-
-# Where a sweep's worker time went: the worker reports these; the rest of elapsed_s
-# (from handing a candidate over to its result) is "other" (transfer, a crash or
-# timeout).
-COST_PARTS = ("setup_s", "first_check_s", "check_s", "bench_s")
 
 
 @dataclass
@@ -78,75 +63,6 @@ class SweepResult:
         for r in self.records:
             counts[r["status"]] = counts.get(r["status"], 0) + 1
         return counts
-
-
-class _Worker:
-    def __init__(self, ctx, device: str):
-        self.device = device
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=worker.serve, args=(child, device), daemon=True)
-        _start_ignoring_sigint(self.proc)
-        child.close()
-        self.ready = False
-        self.started = time.monotonic()
-        self.candidate: Candidate | None = None
-        self.deadline = math.inf
-        self.awaiting = ""  # "inputs" or "result" while a candidate runs
-        self.group: deque[Candidate] = deque()
-        self.sent_at = 0.0
-
-    def send(self, candidate: Candidate, task: dict) -> None:
-        """Hand over a task; until its inputs exist, the setup allowance applies."""
-        self.candidate = candidate
-        self.sent_at = time.monotonic()
-        self.deadline = self.sent_at + SETUP_TIMEOUT_S
-        self.awaiting = "inputs"
-        self.conn.send(task)
-
-    def ask_to_stop(self) -> None:
-        with contextlib.suppress(OSError):  # already gone
-            self.conn.send(None)
-
-    def kill(self) -> None:
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.proc.join(timeout=10)
-        self.conn.close()
-
-    def death_reason(self) -> str:
-        self.proc.join(timeout=10)
-        code = self.proc.exitcode
-        if code is not None and code < 0:
-            return f"worker died with {signal.Signals(-code).name}"
-        return f"worker exited with code {code}"
-
-
-def _start_ignoring_sigint(proc) -> None:
-    """Start ``proc`` with SIGINT ignored, which it inherits through spawn's exec and
-    Python keeps. Ctrl-C reaches the whole process group; the parent handles it and
-    kills its workers, which must not die mid-import or mid-run with a traceback."""
-    if threading.current_thread() is not threading.main_thread():
-        proc.start()  # handlers can be set from the main thread only; Ctrl-C goes there
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        proc.start()
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-def _shut_down(pool: list[_Worker], gently: bool) -> None:
-    """Gently: ask every worker to stop, then wait for each (they exit side by side).
-    Whatever is alive after that, or when interrupted meanwhile, is killed."""
-    try:
-        if gently:
-            for w in pool:
-                w.ask_to_stop()
-            for w in pool:
-                w.proc.join(timeout=10)
-    finally:
-        for w in pool:
-            w.kill()
 
 
 def run(spec: SweepSpec, device: DeviceInfo, journal: Journal, *, workers: int = 1,
@@ -182,7 +98,7 @@ def run(spec: SweepSpec, device: DeviceInfo, journal: Journal, *, workers: int =
         if observer:
             observer.finished(record)
 
-    execute = _Executor(spec, _devices(device, workers), timeout_s, on_result=journal_it)
+    execute = _pool(spec, _devices(device, workers), timeout_s, on_result=journal_it)
     execute(todo)
     fallbacks = []
     if not only and not spec.routes:
@@ -209,8 +125,8 @@ def _compile_ahead(spec: SweepSpec, device: DeviceInfo, workers: int, per_device
     if observer:
         observer.started(len(firsts), 0, "compiling")
     try:
-        _Executor(spec, devices, timeout_s, check_only=True,
-                  on_result=observer.finished if observer else lambda record: None)(firsts)
+        _pool(spec, devices, timeout_s, check_only=True,
+              on_result=observer.finished if observer else lambda record: None)(firsts)
     except RuntimeError as exc:  # a worker that would not start
         log.warning("mlatune: compiling ahead stopped (%s); the sweep compiles as it goes", exc)
 
@@ -233,108 +149,15 @@ def _reference_fallbacks(problems: Iterable[MLAProblem], records: list[dict[str,
     return [Candidate(p, REFERENCE) for p in problems if p.key in tried and p.key not in ok]
 
 
-class _Executor:
-    """Runs candidates on a pool of worker processes (one per entry of ``devices``),
-    handing each result record to ``on_result``. With ``check_only`` the workers
-    stop after the first accuracy check (compiling ahead) and results are dropped."""
+def _pool(spec: SweepSpec, devices: list[str], timeout_s: float, *,
+          on_result: Callable[[dict[str, Any]], None] = lambda record: None,
+          check_only: bool = False) -> WorkerPool:
+    """A pool whose tasks carry the spec's seed, budget and tolerances. With
+    ``check_only`` the workers stop after the first accuracy check (compiling ahead)."""
+    budget = asdict(spec.budget)
 
-    def __init__(self, spec: SweepSpec, devices: list[str], timeout_s: float, *,
-                 on_result: Callable[[dict[str, Any]], None] = lambda record: None,
-                 check_only: bool = False):
-        self.spec, self.devices, self.timeout_s = spec, devices, timeout_s
-        self.on_result, self.check_only = on_result, check_only
-        self.budget = asdict(spec.budget)
-        self.seconds = dict.fromkeys((*COST_PARTS, "other_s"), 0.0)
+    def task_of(c: Candidate) -> Task:
+        return Task(c.problem, c.route_id, c.params, problem_seed(spec.seed, c.problem), budget,
+                    spec.tolerances, check_only)
 
-    def task(self, c: Candidate) -> dict[str, Any]:
-        return {"problem": c.problem.as_dict(), "route": c.route_id, "params": c.params,
-                "seed": problem_seed(self.spec.seed, c.problem), "budget": self.budget,
-                "tolerances": self.spec.tolerances, "check_only": self.check_only}
-
-    def __call__(self, candidates: list[Candidate]) -> None:
-        if not candidates:
-            return
-        groups: deque[deque[Candidate]] = deque()
-        for c in candidates:  # a problem's candidates come together
-            if not groups or groups[-1][0].problem != c.problem:
-                groups.append(deque())
-            groups[-1].append(c)
-        ctx = mp.get_context("spawn")
-        pool = [_Worker(ctx, d) for d in self.devices]
-
-        def finish(w: _Worker, result: dict[str, Any]) -> None:
-            result.pop("restart", None)
-            result["elapsed_s"] = time.monotonic() - w.sent_at
-            # Where and when it ran: how busy each GPU was (benchmarks/sweep_cost.py).
-            result["device"], result["finished_at"] = w.device, round(time.time(), 3)
-            parts = [result.get(p, 0.0) for p in COST_PARTS]
-            for part, spent in zip(COST_PARTS, parts, strict=True):
-                self.seconds[part] += spent
-            self.seconds["other_s"] += max(0.0, result["elapsed_s"] - sum(parts))
-            self.on_result(w.candidate.record(**result))
-            w.candidate, w.deadline = None, math.inf
-
-        def replace(w: _Worker) -> None:
-            w.kill()
-            fresh = _Worker(ctx, w.device)
-            fresh.group = w.group
-            pool[pool.index(w)] = fresh
-
-        try:
-            while True:
-                for w in list(pool):
-                    if w.ready and w.candidate is None:
-                        if not w.group and groups:
-                            w.group = groups.popleft()
-                        if w.group:
-                            c = w.group.popleft()
-                            try:
-                                w.send(c, self.task(c))
-                            except OSError:  # it died while idle: a fresh one takes over
-                                w.group.appendleft(c)
-                                w.candidate = None
-                                replace(w)
-                busy = [w for w in pool if w.candidate is not None or not w.ready]
-                if not busy:
-                    break
-                now = time.monotonic()
-                next_deadline = min(w.deadline if w.ready else w.started + WORKER_START_TIMEOUT_S
-                                    for w in busy)
-                for conn in wait([w.conn for w in busy], timeout=max(0.0, next_deadline - now)):
-                    w = next(w for w in pool if w.conn is conn)
-                    try:
-                        message = w.conn.recv()
-                    except (EOFError, OSError):
-                        if not w.ready:
-                            raise RuntimeError(f"sweep worker on {w.device} failed to start: "
-                                               f"{w.death_reason()}") from None
-                        if w.candidate is not None:
-                            finish(w, {"status": "crashed", "reason": w.death_reason()})
-                        replace(w)
-                        continue
-                    if not w.ready:
-                        w.ready = True
-                    elif message.get("inputs_ready"):
-                        w.deadline, w.awaiting = time.monotonic() + self.timeout_s, "result"
-                    else:
-                        restart = message.get("restart", False)
-                        finish(w, message)
-                        if restart:
-                            replace(w)
-                now = time.monotonic()
-                for w in list(pool):
-                    if not w.ready and now > w.started + WORKER_START_TIMEOUT_S:
-                        raise RuntimeError(f"sweep worker on {w.device} did not start within "
-                                           f"{WORKER_START_TIMEOUT_S:.0f}s")
-                    if w.candidate is not None and now > w.deadline:
-                        reason = (f"no result within the {self.timeout_s:g}s timeout"
-                                  if w.awaiting == "result" else
-                                  f"inputs and references not made within {SETUP_TIMEOUT_S:g}s")
-                        finish(w, {"status": "timeout", "reason": reason})
-                        replace(w)
-        except BaseException:  # interrupted: what is in flight is not worth waiting for
-            _shut_down(pool, gently=False)
-            raise
-        _shut_down(pool, gently=True)
-
-
+    return WorkerPool(devices, timeout_s, task_of, on_result)

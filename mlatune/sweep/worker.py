@@ -29,6 +29,7 @@ from mlatune.problem import MLAProblem
 from mlatune.routes import Prepared, Route
 from mlatune.sweep import bench
 from mlatune.sweep.merge import merge_ranks_into
+from mlatune.sweep.records import Status, Task
 
 _RAGGED_SEED_OFFSET = 7919
 
@@ -103,16 +104,16 @@ def _run_checked(problem: MLAProblem, route: Route, params: dict, case: _Case,
     return _Checked(prepared, outs, lses, out, lse)
 
 
-def evaluate(task: dict[str, Any], device: torch.device, cache: _ProblemCache,
+def evaluate(data: dict[str, Any], device: torch.device, cache: _ProblemCache,
              inputs_ready: Callable[[], None] = lambda: None) -> dict[str, Any]:
-    """Run one candidate; return its result fields (status, reason, timing, errors).
+    """Run one candidate (a ``Task`` as JSON); return its result fields (status, reason,
+    timing, errors).
 
     ``inputs_ready`` is called once inputs and references exist, so that the
     caller's timeout covers the route and not the setup.
     """
-    problem = MLAProblem(**task["problem"])
-    route = routes.get(task["route"])
-    params = task["params"]
+    task = Task.from_json(data)
+    problem, route, params = task.problem, routes.get(task.route), task.params
     # Where the worker's time goes (journaled; the sweep sums them): inputs and
     # references (0 when a previous candidate of the problem made them); the first
     # check, which also pays for compiling (or loading) kernels new to this worker;
@@ -127,9 +128,9 @@ def evaluate(task: dict[str, Any], device: torch.device, cache: _ProblemCache,
         clock = now
 
     try:
-        check_only = bool(task.get("check_only"))
-        made_here = not cache.holds(problem, task["seed"], check_only)
-        cases = cache.get(problem, task["seed"], device, ragged_only=check_only)
+        check_only = task.check_only
+        made_here = not cache.holds(problem, task.seed, check_only)
+        cases = cache.get(problem, task.seed, device, ragged_only=check_only)
         lap("setup_s" if made_here else "first_check_s")
         inputs_ready()
         worst = {"rel_err": 0.0, "max_abs_err": 0.0}
@@ -137,17 +138,17 @@ def evaluate(task: dict[str, Any], device: torch.device, cache: _ProblemCache,
             checked = _run_checked(problem, route, params, case, device)
             ref_out, ref_lse = case.ref
             acc = check(problem, checked.out, ref_out, checked.lse,
-                        ref_lse if checked.lse is not None else None, task.get("tolerances"),
+                        ref_lse if checked.lse is not None else None, task.tolerances,
                         q_quantized=routes.quantizes_q(route, problem, params))
             worst = {"rel_err": max(worst["rel_err"], acc.rel_l2),
                      "max_abs_err": max(worst["max_abs_err"], acc.max_abs)}
             lap("first_check_s" if case is cases[0] else "check_s")
             if not acc.ok:
-                return {"status": "rejected_accuracy",
+                return {"status": Status.REJECTED_ACCURACY,
                         "reason": f"{case.name} lengths: {acc.reason}", **worst, **spent}
             if check_only:  # compiling ahead: the kernels exist now
-                return {"status": "checked", "reason": "", **worst, **spent}
-        budget = bench.Budget(**task["budget"])
+                return {"status": Status.CHECKED, "reason": "", **worst, **spent}
+        budget = bench.Budget(**task.budget)
         timing = bench.measure(_timed_step(checked), device, budget,
                                graph_safe=all(p.graph_safe for p in checked.prepared),
                                best_us=cache.best_us)
@@ -158,11 +159,11 @@ def evaluate(task: dict[str, Any], device: torch.device, cache: _ProblemCache,
         # What the route reports it ran with (a backend it picked, a plan) joins the params.
         ran_with = json.dumps({**params, **checked.prepared[0].params}, sort_keys=True,
                               default=str)
-        return {"status": "ok", "reason": "", "route_params": ran_with, **worst,
+        return {"status": Status.OK, "reason": "", "route_params": ran_with, **worst,
                 **_timing_fields(problem, timing), **step_costs, **spent}
     except Exception as exc:
         restart = not _context_healthy(device)
-        return {"status": "crashed", "reason": raised(exc), "restart": restart, **spent}
+        return {"status": Status.CRASHED, "reason": raised(exc), "restart": restart, **spent}
 
 
 def raised(exc: BaseException) -> str:

@@ -33,6 +33,7 @@ import json
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
+from enum import StrEnum
 
 from mlatune.arch import DeviceInfo, driver_version, library_versions
 from mlatune.problem import KEY_FIELDS
@@ -43,7 +44,21 @@ DEVICE_COLUMNS = ("arch", "device_name", "cu_count")
 KEY_COLUMNS = DEVICE_COLUMNS + KEY_FIELDS
 ROW_KEY = (*KEY_COLUMNS, "route")  # unique per table
 
-STATUSES = ("ok", "rejected_accuracy", "crashed", "timeout", "unsupported")
+
+
+class Status(StrEnum):
+    """What became of a candidate: the one owner of these names (journal, table, report).
+    A StrEnum, so each compares equal to, and is written as, its text."""
+
+    OK = "ok"
+    REJECTED_ACCURACY = "rejected_accuracy"
+    CRASHED = "crashed"
+    TIMEOUT = "timeout"
+    UNSUPPORTED = "unsupported"  # a rule refuses the (problem, route): nothing ran
+    CHECKED = "checked"  # compiling ahead: checked once, never journaled nor in a table
+
+
+STATUSES = tuple(s.value for s in Status if s is not Status.CHECKED)  # a table's statuses
 
 # Column -> pandas dtype. Floats are NaN where a status has no measurement.
 RESULT_COLUMNS: dict[str, str] = {

@@ -1,0 +1,309 @@
+"""The worker pool: candidates out to worker processes, their results back.
+
+``WorkerProcess`` is one process on one device with small verbs (``start``, ``alive``,
+``put``, ``get`` with a timeout, ``stop``, ``wait``, ``kill``), as PyTorch Inductor's
+autotune processes have; what ``get`` returns is typed (``Ready``, ``InputsReady``,
+``Answer``, ``Gone``), so a process that died is an outcome, not an exception.
+
+``WorkerPool`` runs a list of candidates on one process per entry of its devices.
+Candidates of a problem go to the same process so its inputs and reference are made
+once. A process that dies (abort, segfault, illegal memory access) scores its candidate
+``crashed``, one that overruns the timeout is killed and scores ``timeout``; either way a
+fresh process takes over and the pool goes on. Processes start with SIGINT ignored:
+Ctrl-C is the sweep's to handle, and it kills them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import multiprocessing as mp
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
+from typing import Any
+
+from mlatune.sweep import worker
+from mlatune.sweep.candidates import Candidate
+from mlatune.sweep.records import Status, Task
+
+WORKER_START_TIMEOUT_S = 300.0  # importing torch and creating a CUDA context
+SETUP_TIMEOUT_S = 900.0  # a problem's inputs and fp32 references, before the route's timeout
+
+# Where a sweep's worker time went: the worker reports these; the rest of elapsed_s
+# (from handing a candidate over to its result) is "other" (transfer, a crash or
+# timeout).
+COST_PARTS = ("setup_s", "first_check_s", "check_s", "bench_s")
+
+
+@dataclass(frozen=True)
+class Ready:
+    """The process has started and takes tasks."""
+
+
+@dataclass(frozen=True)
+class InputsReady:
+    """The task's inputs and references exist: the route's own timeout starts."""
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The task's result fields (``worker.evaluate``'s)."""
+
+    fields: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Gone:
+    """The process died or closed its end; ``reason`` says how it ended."""
+
+    reason: str
+
+
+Event = Ready | InputsReady | Answer | Gone
+
+
+class WorkerProcess:
+    """One worker process (``worker.serve``) on one device, over a pipe."""
+
+    def __init__(self, device: str):
+        self.device = device
+        self.started_at = math.inf
+        self._proc: Any = None
+        self._conn: Any = None
+
+    def start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=worker.serve, args=(child, self.device), daemon=True)
+        _start_ignoring_sigint(self._proc)
+        child.close()
+        self.started_at = time.monotonic()
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.is_alive()
+
+    @property
+    def connection(self) -> Any:
+        """What ``multiprocessing.connection.wait`` waits on."""
+        return self._conn
+
+    def put(self, task: Task) -> None:
+        """Hand over a task; OSError when the process is gone."""
+        self._conn.send(task.to_json())
+
+    def get(self, timeout: float = 0.0) -> Event | None:
+        """The process's next event, or None when none came within ``timeout`` seconds."""
+        try:
+            if not self._conn.poll(timeout):
+                return None
+            message = self._conn.recv()
+        except (EOFError, OSError):
+            return Gone(self.death_reason())
+        if message.get("ready"):
+            return Ready()
+        if message.get("inputs_ready"):
+            return InputsReady()
+        return Answer(message)
+
+    def stop(self) -> None:
+        """Ask the process to exit after its task; returns at once (``wait`` for it)."""
+        with contextlib.suppress(OSError):  # already gone
+            self._conn.send(None)
+
+    def wait(self, timeout: float) -> None:
+        self._proc.join(timeout=timeout)
+
+    def kill(self) -> None:
+        if self._proc.is_alive():
+            self._proc.kill()
+        self._proc.join(timeout=10)
+        self._conn.close()
+
+    def death_reason(self) -> str:
+        self._proc.join(timeout=10)
+        code = self._proc.exitcode
+        if code is not None and code < 0:
+            return f"worker died with {signal.Signals(-code).name}"
+        return f"worker exited with code {code}"
+
+
+def _start_ignoring_sigint(proc: Any) -> None:
+    """Start ``proc`` with SIGINT ignored, which it inherits through spawn's exec and
+    Python keeps. Ctrl-C reaches the whole process group; the parent handles it and
+    kills its workers, which must not die mid-import or mid-run with a traceback."""
+    if threading.current_thread() is not threading.main_thread():
+        proc.start()  # handlers can be set from the main thread only; Ctrl-C goes there
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        proc.start()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def shut_down(processes: Iterable[WorkerProcess], gently: bool) -> None:
+    """Gently: ask every process to stop, then wait for each (they exit side by side).
+    Whatever is alive after that, or when interrupted meanwhile, is killed."""
+    processes = list(processes)
+    try:
+        if gently:
+            for p in processes:
+                p.stop()
+            for p in processes:
+                p.wait(timeout=10)
+    finally:
+        for p in processes:
+            p.kill()
+
+
+@dataclass
+class _Slot:
+    """A process and what it is doing: the candidate in flight and the problem's rest."""
+
+    process: WorkerProcess
+    ready: bool = False
+    candidate: Candidate | None = None
+    sent_at: float = 0.0
+    deadline: float = math.inf
+    awaiting: str = ""  # "inputs" or "result" while a candidate runs
+    group: deque[Candidate] = field(default_factory=deque)
+
+    @property
+    def busy(self) -> bool:
+        return self.candidate is not None or not self.ready
+
+    def next_deadline(self) -> float:
+        return self.deadline if self.ready else self.process.started_at + WORKER_START_TIMEOUT_S
+
+
+class WorkerPool:
+    """Runs candidates on one worker process per entry of ``devices``, handing each
+    result record to ``on_result``. ``task_of`` makes a candidate's task. With
+    ``check_only`` tasks the workers stop after the first accuracy check (compiling
+    ahead). ``seconds`` sums where the workers' time went, by ``COST_PARTS``."""
+
+    def __init__(self, devices: list[str], timeout_s: float, task_of: Callable[[Candidate], Task],
+                 on_result: Callable[[dict[str, Any]], None] = lambda record: None):
+        self.devices, self.timeout_s = devices, timeout_s
+        self.task_of, self.on_result = task_of, on_result
+        self.seconds = dict.fromkeys((*COST_PARTS, "other_s"), 0.0)
+        self._slots: list[_Slot] = []
+        self._groups: deque[deque[Candidate]] = deque()
+
+    def __call__(self, candidates: list[Candidate]) -> None:
+        if not candidates:
+            return
+        self._groups = _by_problem(candidates)
+        self._slots = [self._started(d) for d in self.devices]
+        try:
+            while self._step():
+                pass
+        except BaseException:  # interrupted: what is in flight is not worth waiting for
+            shut_down((s.process for s in self._slots), gently=False)
+            raise
+        shut_down((s.process for s in self._slots), gently=True)
+
+    def _step(self) -> bool:
+        """Hand out work, take what arrives, expire what overran; False once all is done."""
+        self._hand_out()
+        busy = [s for s in self._slots if s.busy]
+        if not busy:
+            return False
+        timeout = max(0.0, min(s.next_deadline() for s in busy) - time.monotonic())
+        for conn in wait([s.process.connection for s in busy], timeout=timeout):
+            slot = next(s for s in self._slots if s.process.connection is conn)
+            event = slot.process.get()
+            if event is not None:
+                self._receive(slot, event)
+        self._expire(time.monotonic())
+        return True
+
+    def _hand_out(self) -> None:
+        for slot in list(self._slots):
+            if not slot.ready or slot.candidate is not None:
+                continue
+            if not slot.group and self._groups:
+                slot.group = self._groups.popleft()
+            if slot.group:
+                self._send(slot, slot.group.popleft())
+
+    def _send(self, slot: _Slot, candidate: Candidate) -> None:
+        """Hand over a task; until its inputs exist, the setup allowance applies."""
+        try:
+            slot.process.put(self.task_of(candidate))
+        except OSError:  # it died while idle: a fresh one takes over
+            slot.group.appendleft(candidate)
+            self._replace(slot)
+            return
+        slot.candidate, slot.sent_at = candidate, time.monotonic()
+        slot.deadline, slot.awaiting = slot.sent_at + SETUP_TIMEOUT_S, "inputs"
+
+    def _receive(self, slot: _Slot, event: Event) -> None:
+        if isinstance(event, Gone):
+            if not slot.ready:
+                raise RuntimeError(f"sweep worker on {slot.process.device} failed to start: "
+                                   f"{event.reason}")
+            if slot.candidate is not None:
+                self._finish(slot, {"status": Status.CRASHED, "reason": event.reason})
+            self._replace(slot)
+        elif not slot.ready:
+            slot.ready = True
+        elif isinstance(event, InputsReady):
+            slot.deadline, slot.awaiting = time.monotonic() + self.timeout_s, "result"
+        elif isinstance(event, Answer):
+            restart = event.fields.pop("restart", False)
+            self._finish(slot, event.fields)
+            if restart:  # its CUDA context is lost
+                self._replace(slot)
+
+    def _expire(self, now: float) -> None:
+        for slot in list(self._slots):
+            if not slot.ready and now > slot.process.started_at + WORKER_START_TIMEOUT_S:
+                raise RuntimeError(f"sweep worker on {slot.process.device} did not start "
+                                   f"within {WORKER_START_TIMEOUT_S:.0f}s")
+            if slot.candidate is not None and now > slot.deadline:
+                reason = (f"no result within the {self.timeout_s:g}s timeout"
+                          if slot.awaiting == "result" else
+                          f"inputs and references not made within {SETUP_TIMEOUT_S:g}s")
+                self._finish(slot, {"status": Status.TIMEOUT, "reason": reason})
+                self._replace(slot)
+
+    def _finish(self, slot: _Slot, result: dict[str, Any]) -> None:
+        assert slot.candidate is not None
+        elapsed = time.monotonic() - slot.sent_at
+        parts = [result.get(p, 0.0) for p in COST_PARTS]
+        for part, spent in zip(COST_PARTS, parts, strict=True):
+            self.seconds[part] += spent
+        self.seconds["other_s"] += max(0.0, elapsed - sum(parts))
+        # Where and when it ran: how busy each GPU was (benchmarks/sweep_cost.py).
+        self.on_result(slot.candidate.record(**result, elapsed_s=elapsed,
+                                             device=slot.process.device,
+                                             finished_at=round(time.time(), 3)))
+        slot.candidate, slot.deadline = None, math.inf
+
+    def _replace(self, slot: _Slot) -> None:
+        slot.process.kill()
+        fresh = self._started(slot.process.device)
+        fresh.group = slot.group
+        self._slots[self._slots.index(slot)] = fresh
+
+    @staticmethod
+    def _started(device: str) -> _Slot:
+        process = WorkerProcess(device)
+        process.start()
+        return _Slot(process)
+
+
+def _by_problem(candidates: list[Candidate]) -> deque[deque[Candidate]]:
+    """Consecutive candidates of one problem, grouped: a worker makes its inputs once."""
+    groups: deque[deque[Candidate]] = deque()
+    for c in candidates:
+        if not groups or groups[-1][0].problem != c.problem:
+            groups.append(deque())
+        groups[-1].append(c)
+    return groups
