@@ -97,7 +97,7 @@ def time_calls(prepared: list, reps: int) -> tuple[float, float, float]:
 class Selection:
     """Which (route, parameter set) pairs a run times: the first ``max_params`` sets of each
     route (all when None), plus every set with one of the ``also`` parameters true (the
-    new paths: ``fp8_dot``, ``fold``); ``routes``: these route ids only (all when empty)."""
+    new paths, e.g. ``fold``); ``routes``: these route ids only (all when empty)."""
 
     max_params: int | None = None
     also: tuple[str, ...] = ()
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the first N parameter sets of each route")
     parser.add_argument("--also", default="",
                         help="with --max-params: also every set with one of these params true "
-                             "(comma separated, e.g. fp8_dot,fold,kv_twice)")
+                             "(comma separated, e.g. fold,kv_twice)")
     parser.add_argument("--routes", default="",
                         help="only these route ids (comma separated; default every route)")
     parser.add_argument("--dcp", type=int, default=1,

@@ -130,16 +130,14 @@ def test_params_at_keeps_the_recipe_and_redoes_sized_params():
     assert params_at(sdpa, {"x": 1}, there, here, H200) == {"x": 1}
 
 
-def test_quantizes_q_follows_the_params():
-    """The looser quantized-q tolerance only for the parameter sets that quantize q."""
+def test_quantizes_q_per_route_and_params():
+    """The looser quantized-q tolerance only where q is quantized: FlashMLA over an fp8
+    cache, whatever its params; no Triton or Gluon set (they upcast the cache tile)."""
     fp8 = MLAProblem(num_heads=16, batch=2, kv_len=256, q_dtype="bf16", kv_dtype="fp8_e4m3fn")
-    triton = routes.get("padded/triton")
-    assert routes.quantizes_q(triton, fp8, {"fp8_dot": True, "num_splits": 2})
-    assert not routes.quantizes_q(triton, fp8, {"num_splits": 2})
-    assert not routes.quantizes_q(triton, fp8)  # its defaults read q as it is
-    bf16 = dataclasses.replace(fp8, kv_dtype="bf16")
-    assert not routes.quantizes_q(triton, bf16, {"fp8_dot": True})
+    for route_id in ("padded/triton", "segmented/triton", "wgmma/gluon"):
+        assert not routes.quantizes_q(routes.get(route_id), fp8, {"num_splits": 2}), route_id
+        assert not routes.quantizes_q(routes.get(route_id), fp8), route_id
+    flashmla = routes.get("dense/flashmla")
+    assert routes.quantizes_q(flashmla, fp8) and routes.quantizes_q(flashmla, fp8, {"x": 1})
     both_fp8 = dataclasses.replace(fp8, q_dtype="fp8_e4m3fn")
-    assert not routes.quantizes_q(triton, both_fp8, {"fp8_dot": True})  # q is fp8 already
-    assert routes.quantizes_q(routes.get("dense/flashmla"), fp8)  # whatever the params
-    assert not routes.quantizes_q(routes.get("wgmma/gluon"), fp8, {"num_splits": 1})
+    assert not routes.quantizes_q(flashmla, both_fp8)  # q is fp8 already

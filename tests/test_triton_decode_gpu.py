@@ -19,9 +19,9 @@ import torch
 from mlatune import routes
 from mlatune.arch import current_device
 from mlatune.check import reference
+from mlatune.check.accuracy import check
 from mlatune.check.inputs import make_decode_inputs, poison_
 from mlatune.problem import MLAProblem
-from tests.test_triton_decode import tolerance_check
 
 pytestmark = pytest.mark.gpu
 
@@ -45,8 +45,8 @@ def _p(heads: int, batch: int, kv_len: int, qlen: int = 1, dcp: int = 1, kv: str
 
 
 # (route, problem): between them, every family at small and large heads, qlen 1..4,
-# dcp 1/2/4, pages 1/16/64/256, bf16 and fp8, batch up to 256 and KV up to 32k. Over an
-# fp8 cache the spaces hold the fp8-MMA sets (``fp8_dot``), segmented's the folded ones.
+# dcp 1/2/4, pages 1/16/64/256, bf16 and fp8, batch up to 256 and KV up to 32k; segmented's
+# spaces hold the folded sets (``fold``), over bf16 and fp8 caches.
 PROBLEMS = [
     ("padded/triton", _p(16, 1, 4096)),
     ("padded/triton", _p(16, 256, 2048, kv=FP8)),
@@ -97,8 +97,7 @@ def test_route_at_real_size(item):
             poison_(prepared.out, prepared.lse)
             prepared.run()
             torch.cuda.synchronize()
-            acc = tolerance_check(problem, params, prepared.out, wants[rank][0], prepared.lse,
-                                  wants[rank][1])
+            acc = check(problem, prepared.out, wants[rank][0], prepared.lse, wants[rank][1])
             if not acc.ok:
                 failures.append(f"rank {rank} {params}: {acc.reason} ({acc.summary})")
             outs.append(prepared.out)
@@ -110,7 +109,7 @@ def test_route_at_real_size(item):
             poison_(out, lse)
             merge_partials_into(torch.stack(outs), torch.stack(lses), out, lse)
             want = reference.decode(inputs)
-            acc = tolerance_check(problem, params, out, want[0], lse, want[1])
+            acc = check(problem, out, want[0], lse, want[1])
             if not acc.ok:
                 failures.append(f"merged {params}: {acc.reason} ({acc.summary})")
     assert not failures, "\n".join(failures)
@@ -126,7 +125,7 @@ def test_cuda_graph_replay(item):
     inputs = make_decode_inputs(problem, seed=7, device="cuda", ragged=True)
     want_out, want_lse = reference.decode_shard(inputs, inputs.shards[0])
     space = route.param_space(problem, device)
-    new_paths = [p for p in space[2:-1] if p.get("fold") or p.get("fp8_dot")][:1]
+    new_paths = [p for p in space[2:-1] if p.get("fold")][:1]
     for params in space[:2] + new_paths + space[-1:]:
         prepared = route.prepare(problem, inputs, rank=0, params=params)
         assert prepared.graph_safe
@@ -141,8 +140,7 @@ def test_cuda_graph_replay(item):
             poison_(prepared.out, prepared.lse)
             graph.replay()
             torch.cuda.synchronize()
-            acc = tolerance_check(problem, params, prepared.out, want_out, prepared.lse,
-                                  want_lse)
+            acc = check(problem, prepared.out, want_out, prepared.lse, want_lse)
             assert acc.ok, f"{params}: {acc.reason} ({acc.summary})"
 
 

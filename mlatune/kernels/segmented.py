@@ -76,8 +76,7 @@ def segmented_kernel(q_ptr, kv_ptr, bt_ptr, row_lens_ptr, q_scale_ptr, kv_scale_
                      D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, Q_FP8: tl.constexpr,
                      HAS_Q_SCALE: tl.constexpr, HAS_KV_SCALE: tl.constexpr,
-                     KV_TWICE: tl.constexpr, DOT_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
-                     FOLD: tl.constexpr):
+                     KV_TWICE: tl.constexpr, FOLD: tl.constexpr):
     # Unfolded: program (head block, segment, b * qlen + t) holds heads of token t.
     # Folded: program (row block, segment, b) holds rows t * q_heads + h of all b's tokens,
     # which share the walk over the window of the block's last token, each row masked
@@ -107,15 +106,14 @@ def segmented_kernel(q_ptr, kv_ptr, bt_ptr, row_lens_ptr, q_scale_ptr, kv_scale_
     end = tl.minimum(start + chunk, n_keys)
 
     q_nope, q_rope = load_q_rows(q_ptr, tok_base, offs_m, rows, q_heads, 1, q_heads,
-                                 stride_q_tok, stride_q_head, D_NOPE, D_ROPE, Q_FP8, DOT_FP8)
+                                 stride_q_tok, stride_q_head, D_NOPE, D_ROPE, Q_FP8)
     qk_scale, v_scale = qk_scale_and_v_scale(sm_scale_log2, q_scale_ptr, kv_scale_ptr,
                                              HAS_Q_SCALE, HAS_KV_SCALE)
     # A row's length is its whole window: every key below it is allowed.
-    acc, m_i, l_i, v_scale = attend_rows(q_nope, q_rope, qk_scale, v_scale, row_len - 1, kv_ptr,
-                                         bt_ptr + b.to(tl.int64) * stride_bt, start, end, 0, 1,
-                                         stride_kv_page, stride_kv_tok, D_NOPE, D_ROPE,
-                                         PAGE_SIZE, BLOCK_M, BLOCK_N, KV_TWICE, Q_FP8, DOT_FP8,
-                                         FP8_MAX)
+    acc, m_i, l_i = attend_rows(q_nope, q_rope, qk_scale, row_len - 1, kv_ptr,
+                                bt_ptr + b.to(tl.int64) * stride_bt, start, end, 0, 1,
+                                stride_kv_page, stride_kv_tok, D_NOPE, D_ROPE, PAGE_SIZE,
+                                BLOCK_M, BLOCK_N, KV_TWICE)
     has_keys = l_i > 0.0
     inv = tl.where(has_keys, v_scale / tl.where(has_keys, l_i, 1.0), 0.0)
     slot = (group * num_segments + segment).to(tl.int64)
@@ -152,7 +150,7 @@ def segmented_launcher(q: torch.Tensor, kv_subpages: torch.Tensor, subpage_table
             subpage_table.stride(0), seg_out.stride(0), seg_out.stride(1), seg_max.stride(0))
     meta = dict(D_NOPE=d_v, D_ROPE=q.shape[-1] - d_v, PAGE_SIZE=kv_subpages.shape[1],
                 BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, FOLD=fold,
-                **dtype_flags(q, kv_subpages, q_scale, kv_scale, tiles))
+                **dtype_flags(q, q_scale, kv_scale, tiles))
 
     def launch() -> None:
         segmented_kernel[grid](*args, **meta)

@@ -26,7 +26,6 @@ import triton
 import triton.language as tl
 
 from mlatune.kernels.attend import (
-    E4M3_MAX,
     LOG2E,
     attend_rows,
     load_q_rows,
@@ -65,8 +64,7 @@ def _stage1_item(q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, q_scale_ptr, kv_scale_ptr,
                  D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                  Q_FP8: tl.constexpr, HAS_Q_SCALE: tl.constexpr, HAS_KV_SCALE: tl.constexpr,
-                 DIRECT: tl.constexpr, WRITE_LSE: tl.constexpr, KV_TWICE: tl.constexpr,
-                 DOT_FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+                 DIRECT: tl.constexpr, WRITE_LSE: tl.constexpr, KV_TWICE: tl.constexpr):
     rows = qlen * row_heads
     offs_m = rb * BLOCK_M + tl.arange(0, BLOCK_M)
     seq_len = tl.load(seq_lens_ptr + b)
@@ -82,14 +80,13 @@ def _stage1_item(q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, q_scale_ptr, kv_scale_ptr,
     end = tl.minimum(end_req, n_keys)
 
     q_nope, q_rope = load_q_rows(q_ptr, b * qlen, offs_m, rows, row_heads, head_rep, q_heads,
-                                 stride_q_tok, stride_q_head, D_NOPE, D_ROPE, Q_FP8, DOT_FP8)
+                                 stride_q_tok, stride_q_head, D_NOPE, D_ROPE, Q_FP8)
     qk_scale, v_scale = qk_scale_and_v_scale(sm_scale_log2, q_scale_ptr, kv_scale_ptr,
                                              HAS_Q_SCALE, HAS_KV_SCALE)
-    acc, m_i, l_i, v_scale = attend_rows(q_nope, q_rope, qk_scale, v_scale, last_pos, kv_ptr,
-                                         bt_ptr + b.to(tl.int64) * stride_bt, start, end, rank,
-                                         world, stride_kv_page, stride_kv_tok, D_NOPE, D_ROPE,
-                                         PAGE_SIZE, BLOCK_M, BLOCK_N, KV_TWICE, Q_FP8, DOT_FP8,
-                                         FP8_MAX)
+    acc, m_i, l_i = attend_rows(q_nope, q_rope, qk_scale, last_pos, kv_ptr,
+                                bt_ptr + b.to(tl.int64) * stride_bt, start, end, rank, world,
+                                stride_kv_page, stride_kv_tok, D_NOPE, D_ROPE, PAGE_SIZE,
+                                BLOCK_M, BLOCK_N, KV_TWICE)
     o, lse2 = normalize(acc, m_i, l_i, v_scale)
     if DIRECT:
         store_final_rows(out_ptr, lse_ptr, o, lse2, b * qlen, offs_m, rows, row_heads, head_rep,
@@ -114,8 +111,7 @@ def split_kv_kernel(q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, q_scale_ptr, kv_scale_p
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                     Q_FP8: tl.constexpr, HAS_Q_SCALE: tl.constexpr,
                     HAS_KV_SCALE: tl.constexpr, DIRECT: tl.constexpr,
-                    WRITE_LSE: tl.constexpr, KV_TWICE: tl.constexpr, DOT_FP8: tl.constexpr,
-                    FP8_MAX: tl.constexpr):
+                    WRITE_LSE: tl.constexpr, KV_TWICE: tl.constexpr):
     rb = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
@@ -133,7 +129,7 @@ def split_kv_kernel(q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, q_scale_ptr, kv_scale_p
                  stride_po_slot, stride_po_row, stride_pl_slot,
                  stride_o_tok, stride_o_head, stride_lse_tok,
                  D_NOPE, D_ROPE, PAGE_SIZE, BLOCK_M, BLOCK_N, CAUSAL, Q_FP8, HAS_Q_SCALE,
-                 HAS_KV_SCALE, DIRECT, WRITE_LSE, KV_TWICE, DOT_FP8, FP8_MAX)
+                 HAS_KV_SCALE, DIRECT, WRITE_LSE, KV_TWICE)
 
 
 @triton.jit(do_not_specialize=_SIZE_ARGS)
@@ -145,8 +141,7 @@ def persistent_kernel(q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, q_scale_ptr, kv_scale
                       D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                       Q_FP8: tl.constexpr, HAS_Q_SCALE: tl.constexpr,
-                      HAS_KV_SCALE: tl.constexpr, KV_TWICE: tl.constexpr,
-                      DOT_FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+                      HAS_KV_SCALE: tl.constexpr, KV_TWICE: tl.constexpr):
     rb = tl.program_id(0)
     worker = tl.program_id(1)
     first = tl.load(work_indptr_ptr + worker)
@@ -163,7 +158,7 @@ def persistent_kernel(q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, q_scale_ptr, kv_scale
                      stride_q_tok, stride_q_head, stride_kv_page, stride_kv_tok, stride_bt,
                      stride_po_slot, stride_po_row, stride_pl_slot, 0, 0, 0,
                      D_NOPE, D_ROPE, PAGE_SIZE, BLOCK_M, BLOCK_N, CAUSAL, Q_FP8, HAS_Q_SCALE,
-                     HAS_KV_SCALE, False, False, KV_TWICE, DOT_FP8, FP8_MAX)
+                     HAS_KV_SCALE, False, False, KV_TWICE)
 
 
 @dataclass(frozen=True)
@@ -173,7 +168,6 @@ class TileConfig:
     num_warps: int
     num_stages: int
     kv_twice: bool = False  # see attend.attend_keys
-    fp8_dot: bool = False  # an fp8 cache read by fp8 MMAs (q quantized per row; attend)
 
 
 def _common_args(q, kv_cache, block_table, seq_lens, q_scale, kv_scale, layout: RowLayout,
@@ -187,17 +181,11 @@ def _common_args(q, kv_cache, block_table, seq_lens, q_scale, kv_scale, layout: 
     return pointers, sizes
 
 
-def dtype_flags(q, kv_cache, q_scale, kv_scale, tiles: TileConfig) -> dict:
-    """Constexprs from the dtypes: fp8 dots only where the cache is fp8 and asked for."""
-    fp8_kv = kv_cache.element_size() == 1
-    if tiles.fp8_dot and not fp8_kv:
-        raise ValueError("fp8_dot needs an fp8 cache")
-    fp8_max = E4M3_MAX["fp8_e4m3fnuz" if kv_cache.dtype == torch.float8_e4m3fnuz
-                      else "fp8_e4m3fn"]
+def dtype_flags(q, q_scale, kv_scale, tiles: TileConfig) -> dict:
+    """Constexprs and launch options every decode stage 1 takes from dtypes and tiles."""
     return dict(Q_FP8=q.element_size() == 1, HAS_Q_SCALE=q_scale is not None,
                 HAS_KV_SCALE=kv_scale is not None, KV_TWICE=tiles.kv_twice,
-                DOT_FP8=tiles.fp8_dot, FP8_MAX=fp8_max, num_warps=tiles.num_warps,
-                num_stages=tiles.num_stages)
+                num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
 def split_kv_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -232,7 +220,7 @@ def split_kv_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
     meta = dict(D_NOPE=d_v, D_ROPE=q.shape[-1] - d_v, PAGE_SIZE=kv_cache.shape[1],
                 BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, CAUSAL=causal, DIRECT=direct,
                 WRITE_LSE=direct and lse is not None,
-                **dtype_flags(q, kv_cache, q_scale, kv_scale, tiles))
+                **dtype_flags(q, q_scale, kv_scale, tiles))
 
     def launch() -> None:
         split_kv_kernel[grid](*args, **meta)
@@ -256,7 +244,7 @@ def persistent_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: to
     d_v = part_out.shape[-1]
     meta = dict(D_NOPE=d_v, D_ROPE=q.shape[-1] - d_v, PAGE_SIZE=kv_cache.shape[1],
                 BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, CAUSAL=causal,
-                **dtype_flags(q, kv_cache, q_scale, kv_scale, tiles))
+                **dtype_flags(q, q_scale, kv_scale, tiles))
 
     def launch() -> None:
         persistent_kernel[grid](*args, **meta)

@@ -21,10 +21,11 @@ own (``mlatune.kernels``) that run wherever Triton does:
   group instead (qlen x heads rows sharing each KV tile, each row masked to its
   own window), as the other families always do.
 
-Over an fp8 cache on a GPU, ``fp8_dot: true`` sets read the cache tile into fp8
-MMAs as stored (a 16-bit q quantized per row in two fp8 parts, P in fp8;
-``kernels.attend.attend_keys_fp8``) instead of upcasting it; the route then
-declares ``quantizes_q`` (the fp8 tolerance applies to its sets over fp8 caches).
+Over an fp8 cache the kernels upcast each tile to q's 16-bit type (fp16 for an
+fp8 q, exactly) and quantize nothing, so no set declares ``quantizes_q``. An
+fp8-MMA variant (``fp8_dot``: the tile fed to fp8 wgmma as stored, q quantized
+per row) was built and measured 4.5-4.9x slower than this path on the H200
+(2026-12-01, benchmarks/results/h200-call5-20261201/), and removed.
 
 The padding is applied as an index map when q rows are loaded and when results
 are stored (``kernels.attend``) instead of through copies: the kernels compute
@@ -41,7 +42,7 @@ import torch
 from mlatune.arch import DeviceInfo, device_of
 from mlatune.capability import tables
 from mlatune.check.inputs import DecodeInputs, PrefillInputs
-from mlatune.problem import DTYPES, FP8_DTYPES, MLAProblem, next_power_of_two
+from mlatune.problem import DTYPES, MLAProblem, next_power_of_two
 from mlatune.routes.base import (
     DEVICE_PLANNED,
     LAUNCH_ONLY,
@@ -133,38 +134,15 @@ class _TritonDecodeRoute:
         # The tile loaded twice (transposed for the scores, upright for the values).
         return [{**tiles[0], "kv_twice": True}] if device.is_gpu else []
 
-    def _fp8_tiles(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
-        """fp8-MMA tiles (``attend.attend_keys_fp8``) over an fp8 cache on a GPU: 64 or 128
-        keys as the MMA rows; at most 32 query rows (ptxas spills at 64). ``kv_twice``
-        first: only then is the tile's load pipelined (cp.async)."""
-        if not device.is_gpu or problem.kv_dtype not in FP8_DTYPES:
-            return []
-        block_m = min(32, max(16, next_power_of_two(self._rows_per_group(problem))))
-        wide = {"block_m": block_m, "block_n": 128, "num_warps": 8, "num_stages": 2}
-        tiles = [{**wide, "kv_twice": True},
-                 {"block_m": block_m, "block_n": 64, "num_warps": 4, "num_stages": 2,
-                  "kv_twice": True}, wide]
-        return [{**t, "num_splits": self._split_choices(problem, device, t)[0], "fp8_dot": True}
-                for t in tiles]
-
-    def quantizes_q(self, problem: MLAProblem, params: Params) -> bool:
-        """``fp8_dot`` over an fp8 cache quantizes a 16-bit q: its tolerance applies (the other
-        sets read q as it is and keep theirs)."""
-        return (bool(params.get("fp8_dot")) and problem.kv_dtype in FP8_DTYPES
-                and problem.q_dtype not in FP8_DTYPES)
-
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
         """Most promising first, so a sweep that keeps the first N still tries each option:
-        every tile at its device-filling split (the first fp8-MMA tile second), the
-        variants, then the other splits."""
+        every tile at its device-filling split, the variants, then the other splits."""
         tiles = [{**t, "num_splits": self._split_choices(problem, device, t)[0]}
                  for t in self._tile_choices(problem, device)]
-        fp8 = self._fp8_tiles(problem, device)
         variants = self._variants(problem, device, tiles)
         other_splits = [{**t, "num_splits": s} for t in tiles
                         for s in self._split_choices(problem, device, t)[1:]]
-        return [*tiles[:1], *fp8[:1], *tiles[1:2], *variants, *fp8[1:], *tiles[2:],
-                *other_splits]
+        return [*tiles[:2], *variants, *tiles[2:], *other_splits]
 
     def _resolve(self, problem: MLAProblem, params: Params | None, device: DeviceInfo) -> Params:
         chosen = dict(self.param_space(problem, device)[0])
@@ -251,8 +229,7 @@ def _tile_config(params: Params, block_n: int | None = None):
     from mlatune.kernels.split_kv import TileConfig
 
     return TileConfig(params["block_m"], block_n or params["block_n"], params["num_warps"],
-                      params["num_stages"], bool(params.get("kv_twice")),
-                      bool(params.get("fp8_dot")))
+                      params["num_stages"], bool(params.get("kv_twice")))
 
 
 @dataclass
