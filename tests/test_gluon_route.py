@@ -14,7 +14,7 @@ import torch
 from mlatune import capability, routes
 from mlatune.arch import cpu_device
 from mlatune.check.inputs import make_decode_inputs
-from mlatune.kernels import gluon_hopper, gluon_hopper_plan
+from mlatune.kernels import gluon_hopper, gluon_hopper_plan, gluon_seesaw
 from mlatune.problem import MLAProblem
 from mlatune.routes import gluon_hopper as route_module
 
@@ -154,7 +154,7 @@ def test_params_at_redoes_the_split_at_a_neighbour():
 
 
 class _Recorder:
-    """Stands in for ``gluon_hopper.decode_launcher``: records its arguments, allocates what
+    """Stands in for ``gluon_seesaw.decode_launcher``: records its arguments, allocates what
     the real one would, and counts launches."""
 
     def __init__(self):
@@ -177,7 +177,7 @@ class _Recorder:
 @pytest.fixture
 def recorder(monkeypatch):
     fake = _Recorder()
-    monkeypatch.setattr(gluon_hopper, "decode_launcher", fake)
+    monkeypatch.setattr(gluon_seesaw, "decode_launcher", fake)
     return fake
 
 

@@ -1,5 +1,9 @@
 """A Hopper (sm_90) MLA decode kernel in Triton's Gluon dialect (issue 19, item 1).
 
+The ``wgmma/gluon`` route runs the warp-specialized kernel of ``gluon_seesaw`` since
+2026-12-01 (faster at every point timed); this first kernel stays for comparison
+(``benchmarks/gluon_check.py``) and holds the host helpers both use.
+
 Written against triton 3.6.0's ``triton.experimental.gluon`` (the H200's
 triton); other triton versions change the Gluon API and are refused by
 ``gluon_available``. ``decode_launcher`` takes the tensors the Triton routes

@@ -1,4 +1,7 @@
-"""mlatune's Hopper Gluon MLA decode (``mlatune/kernels/gluon_hopper.py``) as ``wgmma/gluon``.
+"""mlatune's Hopper Gluon MLA decode as ``wgmma/gluon``: the warp-specialized seesaw kernel
+(``mlatune/kernels/gluon_seesaw.py``; ``gluon_hopper.py`` holds the first kernel, whose host
+helpers it shares, and which it replaced after both were timed on the H200, 2026-12-01: the
+seesaw kernel took 0.78-0.94x its time at every point, ``benchmarks/results/README.md``).
 
 Which problems it serves is the capability model's (``capability.rules``, the
 ``wgmma.*`` rules: sm_90, decode, 576/512 dims, page 64, bf16 or fp16 q and
@@ -85,12 +88,12 @@ class WgmmaGluonRoute:
         if problem.dcp_size > 1 and problem.causal and problem.qlen > 1:
             raise ValueError(f"{self.id}: causal verify over a DCP shard is not served (the "
                              f"kernel masks on the shard's local positions)")
-        from mlatune.kernels import gluon_hopper
+        from mlatune.kernels import gluon_seesaw
 
         chosen = dict(self.param_space(problem, device_of(inputs.q))[0])
         chosen.update(params or {})
         shard = inputs.shards[rank]
-        launch, out, lse = gluon_hopper.decode_launcher(
+        launch, out, lse = gluon_seesaw.decode_launcher(
             inputs.q, shard.kv_cache, shard.block_table, shard.seq_lens, qlen=problem.qlen,
             sm_scale=inputs.softmax_scale, causal=problem.causal, out=out, lse=lse,
             num_splits=chosen["num_splits"], max_seq_len=problem.shard_len)
