@@ -79,6 +79,7 @@ if TYPE_CHECKING:  # the commands import these where they run: --help stays ligh
     from mlatune.problem import MLAProblem
     from mlatune.sweep.journal import Journal
     from mlatune.sweep.planning import PlanRow
+    from mlatune.sweep.records import Record
     from mlatune.sweep.runner import SweepResult
     from mlatune.sweep.spec import SweepSpec
 
@@ -415,8 +416,10 @@ class _SweepProgress:
         self.task = self.progress.add_task(what, total=total, completed=already_done,
                                            failures=0, ran=0)
 
-    def finished(self, record: dict) -> None:
-        if record["status"] not in ("ok", "unsupported", "checked"):
+    def finished(self, record: Record) -> None:
+        from mlatune.table.schema import Status
+
+        if record.status not in (Status.OK, Status.UNSUPPORTED, Status.CHECKED):
             self.failures += 1
         self.ran += 1
         self.progress.update(self.task, advance=1, failures=self.failures, ran=self.ran)
@@ -597,18 +600,15 @@ def _refined(spec: SweepSpec, table_path: Path, journal_path: Path, device: Devi
     from mlatune.errors import JournalError, TableError
     from mlatune.sweep import journal as journals
     from mlatune.sweep import refine as refinement
-    from mlatune.sweep.records import problem_of
-
     if not (table_path.exists() and journal_path.exists()):
         _fail(f"--refine adds points to a measured grid: {table_path} and its journal do "
               f"not exist yet (run the sweep without --refine first)")
     try:
-        records = journals.read(journal_path)[1]
+        records = journals.read_records(journal_path)[1]
         dispatcher = Dispatcher.load(table_path, device=device)
     except (JournalError, TableError, OSError) as exc:
         _fail(str(exc))
-    measured = {p.key: p for p in (problem_of(r) for r in records
-                                   if r.get("kind") == "result" and r.get("status") == "ok")}
+    measured = {r.problem_key: r.problem for r in records if r.ok}
     chosen = refinement.propose(dispatcher, measured.values(), records, budget_s)
     seconds = sum(r.seconds for r in chosen)
     console.print(f"refine: {len(chosen)} point(s) between the grid's, about {seconds:.0f} s "
@@ -705,10 +705,12 @@ def _move_aside(table_path: Path, journal_path: Path) -> list[Path]:
 def _print_sweep_summary(name: str, result: SweepResult, wall: float) -> None:
     """The bar's numbers again: candidates run now and found in the journal; statuses of
     the candidates (refusals apart: they ran nothing); where the workers' time went."""
+    from mlatune.table.schema import Status
+
     statuses: dict[str, int] = {}
     for r in result.records:
-        if r["status"] != "unsupported":
-            statuses[r["status"]] = statuses.get(r["status"], 0) + 1
+        if r.status is not Status.UNSUPPORTED:
+            statuses[r.status.value] = statuses.get(r.status.value, 0) + 1
     fallbacks = f" + {result.fallbacks} reference fallbacks" if result.fallbacks else ""
     console.print(f"sweep {name}: {result.planned} candidates{fallbacks}; {result.ran} run "
                   f"now in {wall:.1f}s ({result.ran / wall if wall else 0:.2f}/s), "

@@ -116,7 +116,7 @@ def test_the_observer_is_told_refusals_apart_from_the_candidates(tmp_path):
             seen.append((what, total, already_done))
 
         def finished(self, record):
-            seen.append(record["status"])
+            seen.append(record.status)
 
     spec = specs.load(tiny_spec(tmp_path), gpu=False)
     journal = Journal(tmp_path / "j.jsonl", {"spec_sha256": spec.sha256}, resume=False)

@@ -19,6 +19,7 @@ from mlatune.dcp import SCHEMES
 from mlatune.problem import MLAProblem
 from mlatune.sweep import dcp_stage, spec
 from mlatune.sweep.journal import Journal, read
+from mlatune.sweep.records import Record
 from mlatune.sweep.runner import Candidate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,11 +89,11 @@ def test_without_two_gpus_nothing_is_measured_across_processes(tmp_path):
     assert set(frame.loc[frame["dcp_size"] == 2, "dcp_timing"]) == {"simulated"}
 
 
-def _simulated(route: str, time_us: float, problem: MLAProblem = TINY_PROBLEM) -> dict:
+def _simulated(route: str, time_us: float, problem: MLAProblem = TINY_PROBLEM) -> Record:
     return Candidate(problem, route).record(status="ok", reason="", time_us=time_us)
 
 
-def _journal(path: Path, records: list[dict]) -> Journal:
+def _journal(path: Path, records: list[Record]) -> Journal:
     """A journal holding ``records`` as a finished one-GPU pass would."""
     device = cpu_device()
     journal = Journal(path, {"spec_sha256": "x", "arch": device.arch,

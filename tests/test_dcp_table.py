@@ -101,15 +101,16 @@ def test_a_v2_table_reads_with_its_dcp_rows_simulated(tmp_path, suffix):
 
 def test_the_sweep_row_is_the_measured_run_even_when_it_failed():
     simulated = Candidate(DCP2, "padded/triton").record(status="ok", reason="", time_us=30.0)
-    measured = [{**simulated, "id": f"m{i}", "dcp_timing": "measured", "dcp_scheme": scheme,
-                 "status": status, "time_us": t, "comm_us": 9.0, "simulated_us": 30.0}
+    measured = [{**simulated.to_json(), "id": f"m{i}", "dcp_timing": "measured",
+                 "dcp_scheme": scheme, "status": status, "time_us": t, "comm_us": 9.0,
+                 "simulated_us": 30.0}
                 for i, (scheme, status, t) in enumerate([("ag_rs", "ok", 50.0),
                                                          ("a2a", "ok", 45.0)])]
     rows = runner.table_rows([simulated, *measured], H200)
     assert len(rows) == 1
     assert (rows[0]["dcp_timing"], rows[0]["dcp_scheme"], rows[0]["time_us"]) == (
         "measured", "a2a", 45.0)
-    crashed = {**simulated, "id": "c", "dcp_timing": "measured", "dcp_scheme": "ag_rs",
+    crashed = {**simulated.to_json(), "id": "c", "dcp_timing": "measured", "dcp_scheme": "ag_rs",
                "status": "crashed", "reason": "a DCP rank died with SIGSEGV"}
     row = runner.table_rows([simulated, crashed], H200)[0]
     assert (row["status"], row["dcp_timing"]) == ("crashed", "measured")

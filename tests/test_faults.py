@@ -163,7 +163,7 @@ def test_a_torn_last_line_is_still_dropped_and_a_wrong_shaped_one_is_not(tmp_pat
     with path.open("ab") as f:
         f.write(b'{"kind": "result", "id": "c2", "status": "o\xe2\x82')  # cut inside a char
     journal = Journal(path, HEADER, resume=True)
-    assert [r["id"] for r in journal.records] == ["c1"]
+    assert [r.id for r in journal.records] == ["c1"]
     journal.append(record(3))
     journal.close()
     assert [r["id"] for r in read(path)[1]] == ["c1", "c3"]
@@ -269,7 +269,7 @@ def test_a_full_disk_is_one_output_error_and_nothing_is_glued_after_it(tmp_path,
         journal.close()
     monkeypatch.undo()
     assert not lock_path(path).exists()
-    assert [r["id"] for r in Journal(path, HEADER, resume=True).records] == ["c1"]
+    assert [r.id for r in Journal(path, HEADER, resume=True).records] == ["c1"]
 
 
 # Damaged tables at model load ----------------------------------------------------------

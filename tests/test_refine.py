@@ -13,6 +13,7 @@ from mlatune.cli import app
 from mlatune.dispatch import Dispatcher
 from mlatune.problem import MLAProblem
 from mlatune.sweep import refine
+from mlatune.sweep.records import Record, Status
 from tests.test_predict import DEVICE, _crossing_table, at, crossing_routes  # noqa: F401
 from tests.test_shards import tiny_spec
 
@@ -36,7 +37,7 @@ def test_the_least_certain_points_come_first_within_the_budget(tmp_path, crossin
                 table.read(path)[["phase", "num_heads", "qlen", "q_dtype", "kv_dtype",
                                   "causal", "dcp_size", "page_size", "batch", "kv_len",
                                   "d_qk", "d_v"]].drop_duplicates().to_dict("records")]
-    records = [{"kind": "result", "key": p.key_dict(), "setup_s": 1.0, "bench_s": 2.0}
+    records = [Record(status=Status.OK, key=p.key_dict(), setup_s=1.0, bench_s=2.0)
                for p in measured]  # 3 worker seconds per problem
     everything = refine.propose(dispatcher, measured, records, budget_s=1e9)
     assert len(everything) == len(refine.between_points(measured))

@@ -13,8 +13,8 @@ import pytest
 
 from mlatune.arch import cpu_device
 from mlatune.sweep import compile_ahead, pool, runner, spec
-from mlatune.sweep.journal import Journal, JournalError, read
-from mlatune.sweep.records import Status, Task
+from mlatune.sweep.journal import Journal, JournalError, read, read_records
+from mlatune.sweep.records import Record, Status, Task
 
 ROOT = Path(__file__).resolve().parent.parent
 FAULTS = ["fault-abort/test", "fault-hang/test", "fault-wrong/test", "fault-raise/test"]
@@ -49,21 +49,23 @@ def test_every_fault_is_recorded_and_the_sweep_goes_on(tmp_path):
     journal = Journal(tmp_path / "j.jsonl", header(), resume=False)
     result = runner.run(s, cpu_device(), journal, timeout_s=4)
     journal.close()
-    by_route: dict[str, list[dict]] = {}
+    by_route: dict[str, list[Record]] = {}
     for r in result.records:
-        by_route.setdefault(r["route"], []).append(r)
+        by_route.setdefault(r.route, []).append(r)
     assert all(len(v) == 2 for v in by_route.values())  # both problems, every route
-    assert {r["status"] for r in by_route["reference/torch"]} == {"ok"}
-    assert all(r["time_us"] > 0 for r in by_route["reference/torch"])
-    assert all(r["status"] == "crashed" and "SIGABRT" in r["reason"]
+    assert {r.status for r in by_route["reference/torch"]} == {Status.OK}
+    assert all(r.time_us > 0 for r in by_route["reference/torch"])
+    assert all(r.status is Status.CRASHED and "SIGABRT" in r.reason
                for r in by_route["fault-abort/test"])
-    assert all(r["status"] == "timeout" for r in by_route["fault-hang/test"])
-    assert all(r["status"] == "rejected_accuracy" and r["rel_err"] > 0.1
+    assert all(r.status is Status.TIMEOUT for r in by_route["fault-hang/test"])
+    assert all(r.status is Status.REJECTED_ACCURACY and r.rel_err > 0.1
                for r in by_route["fault-wrong/test"])
-    assert all(r["status"] == "crashed" and "always raises" in r["reason"]
+    assert all(r.status is Status.CRASHED and "always raises" in r.reason
                for r in by_route["fault-raise/test"])
-    # The journal on disk holds exactly what the run returned.
-    assert read(tmp_path / "j.jsonl")[1] == result.records
+    # The journal on disk holds exactly what the run returned, line for line.
+    assert read_records(tmp_path / "j.jsonl")[1] == result.records
+    assert read(tmp_path / "j.jsonl")[1] == [{"kind": "result", **r.to_json()}
+                                             for r in result.records]
 
 
 def test_two_workers_share_the_problems_and_survive_faults(tmp_path):
@@ -72,7 +74,7 @@ def test_two_workers_share_the_problems_and_survive_faults(tmp_path):
     journal = Journal(tmp_path / "j.jsonl", header(), resume=False)
     records = runner.run(s, cpu_device(), journal, workers=2, timeout_s=20).records
     journal.close()
-    statuses = {(r["route"], json.dumps(r["key"], sort_keys=True)): r["status"] for r in records}
+    statuses = {(r.route, r.problem_key): r.status for r in records}
     assert len(records) == len(statuses) == 6 * 3  # every (problem, route) exactly once
     assert {s for (route, _), s in statuses.items() if route == "reference/torch"} == {"ok"}
     assert {s for (route, _), s in statuses.items() if route == "fault-abort/test"} == {"crashed"}
@@ -97,17 +99,17 @@ def test_unsupported_routes_are_recorded_with_the_reason(tmp_path):
         records = runner.run(s, cpu_device(), journal).records
     finally:
         unregister("never/test")
-    assert [r["status"] for r in records] == ["unsupported", "unsupported"]
-    assert records[0]["reason"] == "never serves anything"
+    assert [r.status for r in records] == [Status.UNSUPPORTED, Status.UNSUPPORTED]
+    assert records[0].reason == "never serves anything"
 
 
 def test_table_rows_keep_the_fastest_ok_parameters():
     device = cpu_device()
     c = runner.Candidate(spec.parse({"grid": [{"kv_len": 64}]}, "t").problems[0], "r/x")
     records = [
-        {**c.record(status="ok", time_us=5.0), "route_params": '{"s": 1}'},
-        {**c.record(status="ok", time_us=3.0), "route_params": '{"s": 2}'},
-        {**c.record(status="rejected_accuracy", reason="bad"), "route_params": '{"s": 4}'},
+        c.record(status="ok", time_us=5.0, route_params='{"s": 1}'),
+        c.record(status="ok", time_us=3.0, route_params='{"s": 2}'),
+        c.record(status="rejected_accuracy", reason="bad", route_params='{"s": 4}'),
     ]
     (row,) = runner.table_rows(records, device)
     assert row["route_params"] == '{"s": 2}' and row["time_us"] == 3.0
@@ -337,7 +339,7 @@ def test_plan_drops_the_reference_where_others_serve_and_cuts_params(monkeypatch
         assert not any(r == "reference/torch" for r, _ in by_batch[1])
         # batch 2: nothing else serves, so the reference runs
         assert [r for r, _ in by_batch[2]] == ["reference/torch"]
-        assert any(r["route"] == "tunable/test" and r["key"]["batch"] == 2 for r in refused)
+        assert any(r.route == "tunable/test" and r.key["batch"] == 2 for r in refused)
         # Naming routes runs exactly those, the reference included.
         named, _ = runner.plan(s, cpu_device(), only=["reference/torch", "tunable/test"])
         assert sum(c.route_id == "reference/torch" for c in named) == 2
@@ -365,7 +367,7 @@ def test_reference_runs_where_every_route_failed(tmp_path, monkeypatch):
     journal.close()
     by_route = {}
     for r in records:
-        by_route.setdefault(r["route"], []).append(r["status"])
+        by_route.setdefault(r.route, []).append(r.status)
     # The wrong route served both problems and failed; the reference then filled in.
     assert by_route == {"fault-wrong/test": ["rejected_accuracy"] * 2,
                         "reference/torch": ["ok", "ok"]}
@@ -467,7 +469,7 @@ def test_compiling_ahead_changes_no_result(tmp_path):
             seen.append((what, total, already_done))
 
         def finished(self, record):
-            seen.append(record["status"])
+            seen.append(record.status)
 
     results = {}
     for ahead in (0, 2):
@@ -498,7 +500,7 @@ def test_a_failed_compile_pass_does_not_stop_the_sweep(tmp_path, monkeypatch):
     journal = Journal(tmp_path / "j.jsonl", header(), resume=False)
     result = runner.run(s, cpu_device(), journal, timeout_s=20, compile_workers=1)
     journal.close()
-    assert [r["status"] for r in result.records] == ["ok", "ok"]
+    assert [r.status for r in result.records] == [Status.OK, Status.OK]
     assert "compile_ahead_wall_s" in result.seconds
 
 

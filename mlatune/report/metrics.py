@@ -24,14 +24,12 @@ from mlatune import routes, table
 from mlatune.dispatch import Dispatcher, device_for_arch
 from mlatune.problem import FP8_DTYPES, MLAProblem
 from mlatune.sweep import journal
-from mlatune.sweep.records import problem_key
 from mlatune.table.schema import (
     DCP_MEASURED,
     DEVICE_COLUMNS,
     GRAPH_TIMER,
     KEY_COLUMNS,
     competing,
-    is_measured,
 )
 
 
@@ -287,14 +285,13 @@ def candidate_times(journal_path: str | os.PathLike) -> Timed:
     """(problem key, route) -> [(parameters as run, time_us)] of every ok candidate of
     a sweep journal (plain or gzipped); at a problem with DCP steps measured across
     processes only those, each scheme's (``schema.competing``), as the table keeps them."""
-    ok = [r for r in journal.read(Path(journal_path))[1] if r.get("status") == "ok"]
-    keys = [problem_key(r) for r in ok]
-    keep = competing(keys, [is_measured(r.get("dcp_timing")) for r in ok])
+    ok = [r for r in journal.read_records(Path(journal_path))[1] if r.ok]
+    keys = [r.problem_key for r in ok]
+    keep = competing(keys, [r.measured_dcp for r in ok])
     timed: Timed = {}
     for key, r, kept in zip(keys, ok, keep, strict=True):
         if kept:
-            timed.setdefault((key, r["route"]), []).append(
-                (json.loads(r["route_params"]), r["time_us"]))
+            timed.setdefault((key, r.route), []).append((json.loads(r.route_params), r.time_us))
     return timed
 
 

@@ -18,6 +18,7 @@ from mlatune import routes
 from mlatune.arch import DeviceInfo
 from mlatune.problem import MLAProblem
 from mlatune.routes.torch_ref import REFERENCE_ID as REFERENCE
+from mlatune.sweep.records import Record, Status
 from mlatune.sweep.spec import SweepSpec
 
 
@@ -36,13 +37,16 @@ class Candidate:
         text = f"{self.problem.key}#{self.route_id}#{self.params_json}"
         return hashlib.sha1(text.encode()).hexdigest()[:20]
 
-    def record(self, **result: Any) -> dict[str, Any]:
-        return {"id": self.id, "key": self.problem.key_dict(), "route": self.route_id,
-                "route_params": self.params_json, **result}
+    def record(self, **result: Any) -> Record:
+        """The candidate's journal record with ``result``'s fields (a ``route_params`` there,
+        what the route reports it ran with, replaces the candidate's own)."""
+        return Record.from_json({"id": self.id, "key": self.problem.key_dict(),
+                                 "route": self.route_id, "route_params": self.params_json,
+                                 **result})
 
 
 def plan(spec: SweepSpec, device: DeviceInfo, only: Iterable[str] | None = None
-         ) -> tuple[list[Candidate], list[dict[str, Any]]]:
+         ) -> tuple[list[Candidate], list[Record]]:
     """Candidates to run, and ``unsupported`` records for the routes that refuse a problem.
 
     By default every viable route runs, except the eager reference where another
@@ -65,7 +69,7 @@ def plan(spec: SweepSpec, device: DeviceInfo, only: Iterable[str] | None = None
             if kept:
                 space = space[:kept]
             candidates += [Candidate(problem, route.id, p) for p in space]
-        refused += [Candidate(problem, r.id).record(status="unsupported", reason=v.reason)
+        refused += [Candidate(problem, r.id).record(status=Status.UNSUPPORTED, reason=v.reason)
                     for r, v in answers if not v.ok]
     return candidates, refused
 

@@ -36,12 +36,12 @@ from mlatune import routes
 from mlatune.check.accuracy import check
 from mlatune.check.inputs import poison_
 from mlatune.dcp import DcpStep, local_heads, prepare_dcp_step, time_slowest
-from mlatune.problem import MLAProblem
 from mlatune.sweep import bench, dcp_graph, dcp_stage, worker
 from mlatune.sweep import journal as journals
 from mlatune.sweep.candidates import problem_seed
 from mlatune.sweep.dcp_stage import DcpTask, Settings
 from mlatune.sweep.journal import Journal
+from mlatune.sweep.records import Record
 from mlatune.sweep.spec import DEFAULT_DCP_TOP_K
 
 Emit = Callable[[dict[str, Any]], None]
@@ -172,7 +172,7 @@ def _exit_with_parent() -> None:
 
 
 def run_tasks(tasks: list[DcpTask], settings: Settings, device: torch.device,
-              emit_event: Emit, emit_record: Emit) -> None:
+              emit_event: Emit, emit_record: Callable[[Record], None]) -> None:
     """Every task in order, in lockstep on every rank; rank 0 emits."""
     rank = dist.get_rank()
     cache = worker._ProblemCache()
@@ -199,14 +199,14 @@ def _appender(path: Path) -> Emit:
 
 
 def _journal_tasks(args: argparse.Namespace, header: dict[str, Any],
-                   records: list[dict[str, Any]], world: int) -> tuple[Settings, list[DcpTask]]:
+                   records: list[Record], world: int) -> tuple[Settings, list[DcpTask]]:
     """By hand: the tasks of a sweep's journal not yet done there, for a group of ``world``."""
     from mlatune.sweep import spec as specs
 
     spec = specs.load(args.spec or header["spec"], gpu=header.get("vendor") != "cpu")
     if not args.spec and spec.sha256 != header.get("spec_sha256"):
         raise SystemExit(f"{header['spec']} changed since the sweep: pass --spec")
-    done = {r["id"] for r in records}
+    done = {r.id for r in records}
     top_k = spec.dcp_top_k if args.top_k is None else args.top_k
     tasks = [t for t in dcp_stage.plan(records, [world], top_k) if t.id not in done]
     return Settings.of(spec, graph=args.graph), tasks
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _by_hand(args: argparse.Namespace, device: torch.device) -> None:
-    header, records = journals.read(Path(args.journal))
+    header, records = journals.read_records(Path(args.journal))
     settings, tasks = _journal_tasks(args, header, records, dist.get_world_size())
     dist.barrier()  # every rank has read the journal before rank 0 appends to it
     journal = None
@@ -268,11 +268,12 @@ def _by_hand(args: argparse.Namespace, device: torch.device) -> None:
                                                 if k != "kind"}, resume=True)
         print(f"{len(tasks)} DCP task(s) for a group of {dist.get_world_size()}", flush=True)
 
-    def record(r: dict[str, Any]) -> None:
+    def record(r: Record) -> None:
         assert journal is not None
         journal.append(r)
-        print(f"{r['status']:>17} {r['route']} {r['dcp_scheme']} {r.get('time_us', '')}"
-              f" {MLAProblem.from_key_dict(r['key']).key}", flush=True)
+        time_us = "" if r.time_us is None else r.time_us
+        print(f"{r.status.value:>17} {r.route} {r.dcp_scheme} {time_us} {r.problem_key}",
+              flush=True)
 
     try:
         run_tasks(tasks, settings, device, lambda event: None, record)

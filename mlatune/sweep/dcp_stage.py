@@ -28,8 +28,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,7 @@ from mlatune.sweep.candidates import Candidate
 from mlatune.sweep.dcp_graph import REFUSAL
 from mlatune.sweep.journal import Journal
 from mlatune.sweep.pool import SETUP_TIMEOUT_S, WORKER_START_TIMEOUT_S
-from mlatune.sweep.records import problem_key, problem_of, step_us
+from mlatune.sweep.records import Record, Status, as_record
 from mlatune.sweep.runner import Observer
 from mlatune.sweep.spec import DEFAULT_DCP_TOP_K, SweepSpec
 from mlatune.table.schema import DCP_MEASURED
@@ -68,9 +68,10 @@ class DcpTask:
     def problem(self) -> MLAProblem:
         return self.candidate.problem
 
-    def record(self, **result: Any) -> dict[str, Any]:
-        return {**self.candidate.record(**self.simulated, **result), "id": self.id,
-                "dcp_timing": DCP_MEASURED, "dcp_scheme": self.scheme}
+    def record(self, **result: Any) -> Record:
+        return replace(self.candidate.record(**self.simulated, **result,
+                                             dcp_timing=DCP_MEASURED, dcp_scheme=self.scheme),
+                       id=self.id)
 
     def as_json(self) -> dict[str, Any]:
         return {"problem": self.problem.as_dict(), "route": self.candidate.route_id,
@@ -83,34 +84,34 @@ class DcpTask:
         return cls(candidate, data["scheme"], data["simulated"])
 
 
-def is_measured(record: dict[str, Any]) -> bool:
-    return record.get("dcp_timing") == DCP_MEASURED
+def is_measured(record: Record | Mapping[str, Any]) -> bool:
+    return as_record(record).measured_dcp
 
 
-def plan(records: Iterable[dict[str, Any]], sizes: Iterable[int], top_k: int = DEFAULT_DCP_TOP_K
+def plan(records: Iterable[Record], sizes: Iterable[int], top_k: int = DEFAULT_DCP_TOP_K
          ) -> list[DcpTask]:
     """The tasks for the DCP problems of ``sizes``: per problem the ``top_k`` routes with an
     ok simulated run (their runs returned an LSE: the merge needs one), fastest simulated
     step first, each with its best parameters, in every scheme."""
     wanted = set(sizes)
-    best: dict[tuple[str, str], dict[str, Any]] = {}  # (problem key, route) -> fastest run
+    best: dict[tuple[str, str], Record] = {}  # (problem key, route) -> fastest run
     for r in records:
-        if r["status"] != "ok" or is_measured(r) or r["key"].get("dcp_size") not in wanted \
-                or r["key"].get("phase") != "decode":
+        if not r.ok or r.measured_dcp or r.key.get("dcp_size") not in wanted \
+                or r.key.get("phase") != "decode":
             continue
-        pair = (problem_key(r), r["route"])
-        if pair not in best or step_us(r) < step_us(best[pair]):
+        pair = (r.problem_key, r.route)
+        if pair not in best or r.step_us < best[pair].step_us:
             best[pair] = r
-    by_problem: dict[str, list[dict[str, Any]]] = {}
+    by_problem: dict[str, list[Record]] = {}
     for (key, _), r in best.items():
         by_problem.setdefault(key, []).append(r)
     tasks = []
     for runs in by_problem.values():
-        for r in sorted(runs, key=lambda r: (step_us(r), r["route"]))[:top_k]:
-            candidate = Candidate(problem_of(r), r["route"],
-                                  json.loads(r["route_params"]))
-            simulated = {"simulated_us": r["time_us"],
-                         **{f: r[f] for f in _STEP_FIELDS if f in r}}
+        for r in sorted(runs, key=lambda r: (r.step_us, r.route))[:top_k]:
+            candidate = Candidate(r.problem, r.route, json.loads(r.route_params))
+            simulated = {"simulated_us": r.time_us,
+                         **{f: getattr(r, f) for f in _STEP_FIELDS
+                            if getattr(r, f) is not None}}
             tasks += [DcpTask(candidate, scheme, simulated) for scheme in SCHEMES]
     return tasks
 
@@ -159,7 +160,7 @@ def run(spec: SweepSpec, journal: Journal, processes: int, *, gpu: bool,
     if observer and every:
         observer.started(len(every), len(every) - len(todo), "DCP across processes")
 
-    def journal_it(record: dict[str, Any]) -> None:
+    def journal_it(record: Record) -> None:
         journal.append(record)
         if observer:
             observer.finished(record)
@@ -226,7 +227,7 @@ def _free_port() -> int:
 
 
 def _run_group(tasks: list[DcpTask], size: int, settings: Settings, *, gpu: bool,
-               timeout_s: float, on_result: Callable[[dict[str, Any]], None],
+               timeout_s: float, on_result: Callable[[Record], None],
                log_path: Path) -> int:
     """Run ``tasks`` in order in one group until they are done or the group fails; the
     count that got a record (the one in flight when it failed included)."""
@@ -248,23 +249,22 @@ def _run_group(tasks: list[DcpTask], size: int, settings: Settings, *, gpu: bool
                 group.kill()
 
 
-def _stamped(on_result: Callable[[dict[str, Any]], None], device: str
-             ) -> Callable[[dict[str, Any]], None]:
+def _stamped(on_result: Callable[[Record], None], device: str) -> Callable[[Record], None]:
     """``on_result`` with each record's device, finish time and seconds since the last."""
     last = time.monotonic()
 
-    def stamp(record: dict[str, Any]) -> None:
+    def stamp(record: Record) -> None:
         nonlocal last
         now = time.monotonic()
-        on_result({**record, "device": device, "finished_at": round(time.time(), 3),
-                   "elapsed_s": now - last})
+        on_result(replace(record, device=device, finished_at=round(time.time(), 3),
+                          elapsed_s=now - last))
         last = now
 
     return stamp
 
 
 def _follow(group: _Group, tasks: list[DcpTask], results: Path, timeout_s: float,
-            on_result: Callable[[dict[str, Any]], None], log_path: Path) -> int:
+            on_result: Callable[[Record], None], log_path: Path) -> int:
     """Journal the group's results as they come; score the task in flight when the group
     dies or overruns its deadline."""
     done, ready = 0, False
@@ -288,8 +288,8 @@ def _follow(group: _Group, tasks: list[DcpTask], results: Path, timeout_s: float
             group.kill()
             reason = (_death_reason(code, log_path) if code is not None else
                       f"no result within the {timeout_s:g}s timeout (the group was killed)")
-            on_result(tasks[done].record(status="crashed" if code is not None else "timeout",
-                                         reason=reason))
+            status = Status.CRASHED if code is not None else Status.TIMEOUT
+            on_result(tasks[done].record(status=status, reason=reason))
             return done + 1
         time.sleep(_POLL_S)
     return done

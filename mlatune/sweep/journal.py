@@ -35,8 +35,10 @@ from pathlib import Path
 from typing import IO, Any
 
 from mlatune.errors import JournalError, OutputError
+from mlatune.sweep.records import Record, as_record
 
-__all__ = ["FSYNC_INTERVAL_S", "Journal", "JournalError", "lock_path", "locked", "read"]
+__all__ = ["FSYNC_INTERVAL_S", "Journal", "JournalError", "lock_path", "locked", "read",
+           "read_records"]
 
 FSYNC_INTERVAL_S = 1.0
 # Result fields a sweep reads, with their JSON types, checked where present.
@@ -51,7 +53,7 @@ _RESUME_FIELDS = ("id", "status")  # what the journal itself needs to resume
 class Journal:
     def __init__(self, path: Path, header: dict, resume: bool):
         self.path = Path(path)
-        self.records: list[dict] = []
+        self.records: list[Record] = []
         self._synced = -FSYNC_INTERVAL_S
         self._broken = False
         self._lock = _lock(self.path)  # first: creating and resuming must not race
@@ -106,7 +108,7 @@ class Journal:
             missing = [f for f in _RESUME_FIELDS if f not in record]
             if missing:
                 raise _damaged(self.path, line, f"a result without {', '.join(missing)}")
-        self.records = [record for _, record in numbered]
+        self.records = [_typed(self.path, line, record) for line, record in numbered]
         return found
 
     def _opened(self, open_it) -> IO[str]:
@@ -120,17 +122,17 @@ class Journal:
 
     @property
     def done_ids(self) -> set[str]:
-        return {r["id"] for r in self.records}
+        return {r.id for r in self.records}
 
-    def append(self, record: dict) -> None:
+    def append(self, record: Record | dict) -> None:
         self.extend([record])
 
-    def extend(self, records: list[dict]) -> None:
+    def extend(self, records: list[Record] | list[dict]) -> None:
         """Append several records with one flush to disk (a sweep's thousands of
         ``unsupported`` verdicts arrive together)."""
-        records = [{"kind": "result", **r} for r in records]
-        self._write(*records)
-        self.records.extend(records)
+        typed = [as_record(r) for r in records]
+        self._write(*({"kind": "result", **r.to_json()} for r in typed))
+        self.records.extend(typed)
 
     def _write(self, *objs: dict) -> None:
         if self._broken:  # a line after a half-written one would damage the middle
@@ -252,11 +254,26 @@ def _drop_torn_tail(path: Path) -> None:
 
 
 def read(path: Path) -> tuple[dict, list[dict]]:
-    """(header, result records); a torn final line is dropped. Reads gzipped
+    """(header, result lines as raw dicts); a torn final line is dropped. Reads gzipped
     journals (``.gz``, as results are committed) too. Raises JournalError, naming the
     file and line, for anything else that is damaged."""
     header, numbered = _read_numbered(Path(path))
     return header, [record for _, record in numbered]
+
+
+def read_records(path: Path) -> tuple[dict, list[Record]]:
+    """``read``, each result a ``Record``: JournalError for a line no Record holds (a
+    result without a status, or with one no one knows)."""
+    header, numbered = _read_numbered(Path(path))
+    return header, [_typed(Path(path), line, record) for line, record in numbered]
+
+
+def _typed(path: Path, line: int, record: dict) -> Record:
+    try:
+        return Record.from_json(record)
+    except (KeyError, ValueError, TypeError) as exc:
+        raise _damaged(path, line, f"not a result record ({type(exc).__name__}: {exc})"
+                       ) from None
 
 
 def _read_numbered(path: Path) -> tuple[dict, list[tuple[int, dict]]]:

@@ -29,15 +29,11 @@ from typing import Any
 
 from mlatune.sweep import worker
 from mlatune.sweep.candidates import Candidate
-from mlatune.sweep.records import Status, Task
+from mlatune.sweep.records import COST_PARTS, Record, Status, Task
 
 WORKER_START_TIMEOUT_S = 300.0  # importing torch and creating a CUDA context
 SETUP_TIMEOUT_S = 900.0  # a problem's inputs and fp32 references, before the route's timeout
 
-# Where a sweep's worker time went: the worker reports these; the rest of elapsed_s
-# (from handing a candidate over to its result) is "other" (transfer, a crash or
-# timeout).
-COST_PARTS = ("setup_s", "first_check_s", "check_s", "bench_s")
 
 
 @dataclass(frozen=True)
@@ -188,7 +184,7 @@ class WorkerPool:
     ahead). ``seconds`` sums where the workers' time went, by ``COST_PARTS``."""
 
     def __init__(self, devices: list[str], timeout_s: float, task_of: Callable[[Candidate], Task],
-                 on_result: Callable[[dict[str, Any]], None] = lambda record: None):
+                 on_result: Callable[[Record], None] = lambda record: None):
         self.devices, self.timeout_s = devices, timeout_s
         self.task_of, self.on_result = task_of, on_result
         self.seconds = dict.fromkeys((*COST_PARTS, "other_s"), 0.0)

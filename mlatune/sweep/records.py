@@ -1,24 +1,34 @@
-"""Journal records as the table reads them: one problem identity (``problem_key``), a
-record's step cost, and the journal's records folded into table rows (``table_rows``).
+"""The sweep's typed records: what a worker gets (``Task``), what the journal holds for
+each candidate (``Record``, one JSON line), the statuses (``Status``, owned by
+``mlatune.table.schema``), and the journal's records folded into table rows
+(``table_rows``).
 
-A record is the dict a worker or the DCP stage returns, with the candidate's ``id``,
-``key`` (the problem's fields), ``route`` and ``route_params``; the journal stores it as
-one JSON line. Everything that groups records by problem asks ``problem_key``, the
-problem's canonical ``MLAProblem.key``, as the table's rows and the dispatcher do.
+A ``Record`` reads every journal line written so far (``Record.from_json``: fields a
+line lacks stay None, fields this code does not know are kept in ``extra``) and writes
+the same line back (``to_json``). Everything that groups records by problem asks
+``problem_key``, the problem's canonical ``MLAProblem.key``, as the table's rows and the
+dispatcher do; tools that read a journal as raw dicts (``journal.read``) get the same
+answer from ``problem_key``/``problem_of``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from functools import cached_property
 from typing import Any
 
 from mlatune.arch import DeviceInfo
 from mlatune.problem import MLAProblem
 from mlatune.table.schema import Status, device_key, is_measured
 
-__all__ = ["Status", "Task", "problem_key", "problem_of", "step_us", "table_rows"]
+__all__ = ["COST_PARTS", "Record", "Status", "Task", "as_record", "problem_key", "problem_of",
+           "step_us", "table_rows"]
+
+# Where a worker's time went (Record fields the worker reports); the rest of elapsed_s,
+# from handing a candidate over to its result, is "other" (transfer, a crash or timeout).
+COST_PARTS = ("setup_s", "first_check_s", "check_s", "bench_s")
 
 
 @dataclass(frozen=True)
@@ -46,27 +56,133 @@ class Task:
                    data["budget"], data.get("tolerances"), bool(data.get("check_only")))
 
 
-def problem_of(record: Mapping[str, Any]) -> MLAProblem:
-    return MLAProblem.from_key_dict(record["key"])
+@dataclass(frozen=True, kw_only=True)
+class Record:
+    """One candidate's result line in a journal: which candidate (``id``; the problem's
+    ``key`` fields, ``route``, ``route_params`` as JSON), what became of it (``status``,
+    ``reason``), and, where measured, its errors, times, step costs, worker seconds and
+    DCP timing. None: the line does not have the field (a failure measured nothing; an
+    older journal did not record it)."""
+
+    status: Status
+    id: str = ""
+    key: dict[str, Any] = field(default_factory=dict)
+    route: str = ""
+    route_params: str = "{}"
+    reason: str = ""
+    # accuracy against the reference
+    rel_err: float | None = None
+    max_abs_err: float | None = None
+    # timing of the launch (worker.evaluate's _timing_fields)
+    time_us: float | None = None
+    time_us_p20: float | None = None
+    time_us_p80: float | None = None
+    timer: str | None = None
+    reps: int | None = None
+    raced: bool | None = None
+    tb_per_s: float | None = None
+    tflops: float | None = None
+    # the engine's step beyond the launch (schema v2)
+    plan_on: str | None = None
+    capturable: bool | None = None
+    plan_us: float | None = None
+    plan_host_us: float | None = None
+    launch_host_us: float | None = None
+    # where the worker's time went, where and when it ran
+    setup_s: float | None = None
+    first_check_s: float | None = None
+    check_s: float | None = None
+    bench_s: float | None = None
+    elapsed_s: float | None = None
+    device: str | None = None
+    finished_at: float | None = None
+    # DCP timing (schema v3)
+    dcp_timing: str | None = None
+    dcp_scheme: str | None = None
+    comm_us: float | None = None
+    simulated_us: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # fields this code does not know
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Record:
+        """A journal line (its ``kind`` left out); ValueError for a status no one knows."""
+        known = {k: v for k, v in data.items() if k in _FIELDS}
+        extra = {k: v for k, v in data.items() if k not in _FIELDS and k != "kind"}
+        return cls(**{**known, "status": Status(data["status"])}, extra=extra)
+
+    def to_json(self) -> dict[str, Any]:
+        """The line's fields: those it has (not None) and the unknown ones it came with."""
+        line = {name: getattr(self, name) for name in _FIELDS
+                if getattr(self, name) is not None}
+        line["status"] = self.status.value
+        return {**line, **self.extra}
+
+    @cached_property
+    def problem(self) -> MLAProblem:
+        return MLAProblem.from_key_dict(self.key)
+
+    @property
+    def problem_key(self) -> str:
+        """The record's problem, as every table and dispatcher names it."""
+        return self.problem.key
+
+    @property
+    def worker_s(self) -> float:
+        """The worker's seconds on it (``COST_PARTS``; 0 where a line has none)."""
+        return sum(getattr(self, part) or 0.0 for part in COST_PARTS)
+
+    @property
+    def ok(self) -> bool:
+        return self.status is Status.OK
+
+    @property
+    def measured_dcp(self) -> bool:
+        """A DCP step measured across processes (not the one-GPU simulation)."""
+        return is_measured(self.dcp_timing)
+
+    @property
+    def step_us(self) -> float:
+        """Launch plus device plan: what a route's row is ranked by."""
+        plan = self.plan_us
+        return (self.time_us if self.time_us is not None else math.nan) + \
+            (0.0 if plan is None or math.isnan(plan) else plan)
 
 
-def problem_key(record: Mapping[str, Any]) -> str:
+_FIELDS = tuple(f.name for f in fields(Record) if f.name != "extra")
+
+
+def as_record(record: Record | Mapping[str, Any]) -> Record:
+    """A record, from a raw journal line too (tools that read ``journal.read``)."""
+    return record if isinstance(record, Record) else Record.from_json(record)
+
+
+def problem_of(record: Record | Mapping[str, Any]) -> MLAProblem:
+    return record.problem if isinstance(record, Record) else MLAProblem.from_key_dict(
+        record["key"])
+
+
+def problem_key(record: Record | Mapping[str, Any]) -> str:
     """The record's problem, as every table and dispatcher names it (``MLAProblem.key``)."""
     return problem_of(record).key
 
 
-def table_rows(records: list[dict[str, Any]], device: DeviceInfo) -> list[dict[str, Any]]:
+def step_us(record: Record | Mapping[str, Any]) -> float:
+    return as_record(record).step_us
+
+
+def table_rows(records: Iterable[Record | Mapping[str, Any]], device: DeviceInfo
+               ) -> list[dict[str, Any]]:
     """One row per (problem, route): its fastest ok parameters, else why it failed. Where a
     DCP route was measured across processes, the row is the measured step's (whatever its
     status: it says what the real step does), its simulated time kept beside it."""
-    runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for r in records:
-        runs.setdefault((problem_key(r), r["route"]), []).append(r)
+    runs: dict[tuple[str, str], list[Record]] = {}
+    for r in map(as_record, records):
+        runs.setdefault((r.problem_key, r.route), []).append(r)
     return [_row(_best(group), device) for group in runs.values()]
 
 
-def _best(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    measured = [r for r in runs if is_measured(r.get("dcp_timing"))]
+def _best(runs: list[Record]) -> Record:
+    measured = [r for r in runs if r.measured_dcp]
     best = None
     for r in measured or runs:
         if best is None or _better(r, best):
@@ -75,28 +191,25 @@ def _best(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return best
 
 
-def _row(r: dict[str, Any], device: DeviceInfo) -> dict[str, Any]:
-    row = {**device_key(device), **r["key"], "route": r["route"],
-           "route_params": r["route_params"], "status": r["status"],
-           "reason": r.get("reason", "")}
-    for col in ("time_us", "time_us_p20", "time_us_p80", "rel_err", "max_abs_err",
-                "tb_per_s", "tflops", "plan_us", "plan_host_us", "launch_host_us",
-                "comm_us", "simulated_us"):
-        row[col] = r.get(col, math.nan)
-    row["timer"] = r.get("timer", "")
-    for col in ("plan_on", "capturable", "dcp_timing", "dcp_scheme"):
-        if col in r:  # absent: the table derives them (the route's step kind; simulated)
-            row[col] = r[col]
+_ROW_NUMBERS = ("time_us", "time_us_p20", "time_us_p80", "rel_err", "max_abs_err", "tb_per_s",
+                "tflops", "plan_us", "plan_host_us", "launch_host_us", "comm_us", "simulated_us")
+# Absent from a record: the table derives them (the route's step kind; simulated).
+_ROW_DERIVED = ("plan_on", "capturable", "dcp_timing", "dcp_scheme")
+
+
+def _row(r: Record, device: DeviceInfo) -> dict[str, Any]:
+    row = {**device_key(device), **r.key, "route": r.route, "route_params": r.route_params,
+           "status": r.status.value, "reason": r.reason}
+    for col in _ROW_NUMBERS:
+        value = getattr(r, col)
+        row[col] = math.nan if value is None else value
+    row["timer"] = r.timer or ""
+    row.update({col: getattr(r, col) for col in _ROW_DERIVED if getattr(r, col) is not None})
     return row
 
 
-def _better(new: dict[str, Any], held: dict[str, Any]) -> bool:
+def _better(new: Record, held: Record) -> bool:
     """A route's row keeps its parameters of the cheapest step: launch plus device plan."""
-    if new["status"] == "ok":
-        return held["status"] != "ok" or step_us(new) < step_us(held)
+    if new.ok:
+        return not held.ok or new.step_us < held.step_us
     return False
-
-
-def step_us(record: dict[str, Any]) -> float:
-    plan = record.get("plan_us", 0.0)
-    return record["time_us"] + (0.0 if plan is None or math.isnan(plan) else plan)

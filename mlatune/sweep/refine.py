@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from mlatune.problem import MLAProblem
-from mlatune.sweep.records import problem_of
+from mlatune.sweep.records import Record
 
-WORKER_SECONDS = ("setup_s", "first_check_s", "check_s", "bench_s")
 # The uncertainty given an answer the predictor could not make (nearest or rule): above
 # any prediction's, so such points come first.
 UNPREDICTED = 1.0
@@ -73,17 +71,15 @@ def between_points(measured: Iterable[MLAProblem]) -> list[MLAProblem]:
     return list(found.values())
 
 
-def bucket_seconds(records: Iterable[Mapping[str, Any]]) -> tuple[dict[tuple, float], float]:
+def bucket_seconds(records: Iterable[Record]) -> tuple[dict[tuple, float], float]:
     """Mean worker seconds per measured problem, per bucket and overall, from a journal."""
     per_problem: dict[str, float] = {}
     buckets: dict[str, tuple] = {}
     for r in records:
-        if r.get("kind") != "result" or "key" not in r:
+        spent = r.worker_s
+        if spent <= 0 or not r.key:
             continue
-        spent = sum(float(r.get(k) or 0.0) for k in WORKER_SECONDS)
-        if spent <= 0:
-            continue
-        problem = problem_of(r)
+        problem = r.problem
         per_problem[problem.key] = per_problem.get(problem.key, 0.0) + spent
         buckets[problem.key] = problem.bucket
     sums: dict[tuple, list[float]] = {}
@@ -94,7 +90,7 @@ def bucket_seconds(records: Iterable[Mapping[str, Any]]) -> tuple[dict[tuple, fl
     return means, overall
 
 
-def propose(dispatcher, measured: Iterable[MLAProblem], records: Iterable[Mapping[str, Any]],
+def propose(dispatcher, measured: Iterable[MLAProblem], records: Iterable[Record],
             budget_s: float) -> list[Refinement]:
     """The points to measure next within ``budget_s`` worker seconds, most uncertain
     first; ``dispatcher`` answers from the table measured so far."""

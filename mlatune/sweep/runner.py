@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from mlatune.arch import DeviceInfo
 from mlatune.problem import MLAProblem
@@ -25,12 +25,19 @@ from mlatune.sweep.candidates import (  # noqa: F401  (the names callers import 
 )
 from mlatune.sweep.journal import Journal
 from mlatune.sweep.pool import (  # noqa: F401
-    COST_PARTS,
     SETUP_TIMEOUT_S,
     WORKER_START_TIMEOUT_S,
     WorkerPool,
 )
-from mlatune.sweep.records import Task, problem_key, step_us, table_rows  # noqa: F401
+from mlatune.sweep.records import (  # noqa: F401
+    COST_PARTS,
+    Record,
+    Status,
+    Task,
+    problem_key,
+    step_us,
+    table_rows,
+)
 from mlatune.sweep.spec import SweepSpec
 
 log = logging.getLogger(__name__)
@@ -42,12 +49,12 @@ class Observer(Protocol):
     and run nothing. An observer may also have ``refused(count)``, told their number."""
 
     def started(self, total: int, already_done: int, what: str = "sweep") -> None: ...
-    def finished(self, record: dict[str, Any]) -> None: ...
+    def finished(self, record: Record) -> None: ...
 
 
 @dataclass
 class SweepResult:
-    records: list[dict[str, Any]]
+    records: list[Record]
     wall_s: float
     ran: int  # candidates run in this invocation, reference fallbacks included
     seconds: dict[str, float] = field(default_factory=dict)  # this invocation's cost, by part
@@ -61,7 +68,7 @@ class SweepResult:
     def counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}
         for r in self.records:
-            counts[r["status"]] = counts.get(r["status"], 0) + 1
+            counts[r.status] = counts.get(r.status, 0) + 1
         return counts
 
 
@@ -79,7 +86,7 @@ def run(spec: SweepSpec, device: DeviceInfo, journal: Journal, *, workers: int =
     t0 = time.monotonic()
     candidates, refused = plan(spec, device, only)
     done = journal.done_ids
-    journal.extend([r for r in refused if r["id"] not in done])
+    journal.extend([r for r in refused if r.id not in done])
     todo = [c for c in candidates if c.id not in done]
     if observer and hasattr(observer, "refused"):
         observer.refused(len(refused))
@@ -93,7 +100,7 @@ def run(spec: SweepSpec, device: DeviceInfo, journal: Journal, *, workers: int =
     if observer:
         observer.started(len(candidates), len(candidates) - len(todo))
 
-    def journal_it(record: dict[str, Any]) -> None:
+    def journal_it(record: Record) -> None:
         journal.append(record)
         if observer:
             observer.finished(record)
@@ -136,21 +143,20 @@ def _devices(device: DeviceInfo, workers: int) -> list[str]:
     return [f"cuda:{i}" for i in range(workers)] if device.is_gpu else ["cpu"] * workers
 
 
-def _reference_fallbacks(problems: Iterable[MLAProblem], records: list[dict[str, Any]]
+def _reference_fallbacks(problems: Iterable[MLAProblem], records: list[Record]
                          ) -> list[Candidate]:
     """The reference for each problem whose every run failed (it had none of its own)."""
     ok, tried = set(), set()
     for r in records:
-        key = problem_key(r)
-        if r["status"] == "ok":
-            ok.add(key)
-        if r["status"] != "unsupported":
-            tried.add(key)
+        if r.ok:
+            ok.add(r.problem_key)
+        if r.status is not Status.UNSUPPORTED:
+            tried.add(r.problem_key)
     return [Candidate(p, REFERENCE) for p in problems if p.key in tried and p.key not in ok]
 
 
 def _pool(spec: SweepSpec, devices: list[str], timeout_s: float, *,
-          on_result: Callable[[dict[str, Any]], None] = lambda record: None,
+          on_result: Callable[[Record], None] = lambda record: None,
           check_only: bool = False) -> WorkerPool:
     """A pool whose tasks carry the spec's seed, budget and tolerances. With
     ``check_only`` the workers stop after the first accuracy check (compiling ahead)."""
