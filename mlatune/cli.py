@@ -77,11 +77,10 @@ if TYPE_CHECKING:  # the commands import these where they run: --help stays ligh
     from mlatune.arch import DeviceInfo
     from mlatune.dispatch import Choice, Dispatcher
     from mlatune.problem import MLAProblem
-    from mlatune.sweep.journal import Journal
     from mlatune.sweep.planning import PlanRow
     from mlatune.sweep.records import Record
-    from mlatune.sweep.runner import SweepResult
     from mlatune.sweep.spec import SweepSpec
+    from mlatune.sweep.stages import SweepSummary
 
 Device = tuple[str, str, int]  # (arch, device_name, cu_count), as tables key them
 
@@ -480,8 +479,6 @@ def sweep(
     flight); --fresh starts over. It prints which it did. With --shard I/N only one share
     of the spec's problems runs; `mlatune merge OUT TABLE...` joins the shares' tables.
     """
-    import time
-
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -491,8 +488,8 @@ def sweep(
     )
 
     from mlatune.arch import current_device, gpu_devices
-    from mlatune.errors import JournalError, TableError
-    from mlatune.sweep import dcp_stage, runner
+    from mlatune.sweep import stages
+    from mlatune.sweep.candidates import Shard
     from mlatune.sweep.dcp_graph import REFUSAL
 
     if resume and fresh:
@@ -501,7 +498,7 @@ def sweep(
     share = None
     if shard is not None:
         try:
-            share = runner.Shard.parse(shard)
+            share = Shard.parse(shard)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="'--shard'") from None
     device = current_device()
@@ -516,100 +513,52 @@ def sweep(
     path, spec = _load_spec(spec_name, gpu=device.is_gpu)
     only = [r.strip() for r in routes.split(",") if r.strip()] if routes else None
     _check_routes(only, (*spec.routes, *spec.max_params), path)
-    share_tag = f".{share.tag}" if share else ""
-    table_path = Path(out) if out else \
-        Path("runs") / f"{spec.name}-{device.arch}{share_tag}.parquet"
+    table_path = Path(out) if out else stages.default_table_path(spec, device, share)
     if table_path.suffix not in (".parquet", ".csv"):
         _fail(f"--out {out}: name the table .parquet or .csv (both are written)")
     table_path = table_path.with_suffix(".parquet")
-    journal_path = table_path.with_suffix(".journal.jsonl")
-    _check_outputs(table_path, table_path.with_suffix(".csv"), journal_path)
+    _check_outputs(table_path, table_path.with_suffix(".csv"), stages.journal_path(table_path))
     if refine is not None:
         if fresh or share:
             _fail("--refine adds points to a measured grid: not with --fresh or --shard")
-        spec = _refined(spec, table_path, journal_path, device, refine)
+        spec = _refined(spec, table_path, device, refine)
     if not device.is_gpu:
         console.print("[yellow]no GPU[/]: running the CPU-capable routes on the spec's CPU "
                       "grid; wall-clock timings, not for dispatch.")
     console.print(f"spec {path} ({len(spec.problems)} problems, "
                   f"{len(spec.skipped)} invalid combinations skipped) on {device.arch} "
                   f"({device.name})", highlight=False)
-    header = {"spec_sha256": spec.sha256, "spec": str(path), **device.as_dict(),
-              "device_name": device.name}
-    if share:
-        whole = len(spec.problems)
-        spec = share.of(spec)
-        header["shard"] = str(share)
-        if not spec.problems:
-            _fail(f"shard {share} holds none of the spec's {whole} problems: use fewer "
-                  f"shares")
-        console.print(f"shard {share}: {len(spec.problems)} of the {whole} problems",
-                      highlight=False)
-    journal = _open_journal(table_path, journal_path, header, fresh)
+    settings = stages.SweepSettings(
+        spec, path, device, table_path, gpus=gpus, timeout_s=timeout,
+        only=tuple(only) if only else None, compile_workers=compile_workers,
+        dcp_top_k=dcp_top_k, dcp_graph=dcp_graph, shard=share, fresh=fresh)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                _rate_eta_column(), TextColumn("[red]{task.fields[failures]} failed"),
                TimeElapsedColumn())
-    t0 = time.monotonic()
-    failure = ""  # said once the journal is closed: one line, whatever failed
-    rerun = f"finished candidates are in {journal_path}: rerun to continue"
     try:
-        try:
-            with Progress(*columns, console=console) as progress:
-                observer = _SweepProgress(progress)
-                result = runner.run(spec, device, journal,
-                                    workers=gpus if device.is_gpu else 1, timeout_s=timeout,
-                                    only=only, observer=observer,
-                                    compile_workers=compile_workers)
-                if gpus > 1:
-                    result.measured_dcp = dcp_stage.run(
-                        spec, journal, gpus, gpu=device.is_gpu, timeout_s=timeout,
-                        top_k=spec.dcp_top_k if dcp_top_k is None else dcp_top_k,
-                        observer=observer, graph=dcp_graph)
-        except KeyboardInterrupt:
-            failure = (f"interrupted; finished candidates are in {journal_path}: rerun with "
-                       f"--resume (or the same command without --fresh) to continue")
-        except typer.Exit:  # typer's Exit is a RuntimeError: never one of ours below
-            raise
-        except (OSError, JournalError) as exc:  # the journal's disk full or gone
-            failure = f"{exc}; {rerun}"
-        except RuntimeError as exc:  # a sweep worker that would not start
-            failure = f"{exc}; {rerun}"
-    finally:
-        try:
-            journal.close()
-        except OSError as exc:  # its last flush: a full disk (an OutputError)
-            failure = failure or f"{exc}; {rerun}"
-    if failure:
-        _fail(failure)
-    wall = time.monotonic() - t0
-    try:
-        _write_table(runner.table_rows(result.records, device), spec, table_path)
-    except (OSError, TableError) as exc:  # OutputError: the disk; TableError: a bad row
-        _fail(f"{exc}; every result is in {journal_path}: rerun to write the table")
-    _print_sweep_summary(spec.name, result, wall)
-    console.print(f"table: {table_path} (and {table_path.with_suffix('.csv')}); "
-                  f"journal: {journal_path}", highlight=False)
-
-
-def _refined(spec: SweepSpec, table_path: Path, journal_path: Path, device: DeviceInfo,
-             budget_s: float) -> SweepSpec:
-    """The spec with, for problems, the points ``mlatune.sweep.refine`` proposes."""
-    from dataclasses import replace
-
-    from mlatune.dispatch import Dispatcher
-    from mlatune.errors import JournalError, TableError
-    from mlatune.sweep import journal as journals
-    from mlatune.sweep import refine as refinement
-    if not (table_path.exists() and journal_path.exists()):
-        _fail(f"--refine adds points to a measured grid: {table_path} and its journal do "
-              f"not exist yet (run the sweep without --refine first)")
-    try:
-        records = journals.read_records(journal_path)[1]
-        dispatcher = Dispatcher.load(table_path, device=device)
-    except (JournalError, TableError, OSError) as exc:
+        with Progress(*columns, console=console) as progress:
+            summary = stages.run_sweep(settings, _SweepProgress(progress), _say)
+    except stages.SweepError as exc:
         _fail(str(exc))
-    measured = {r.problem_key: r.problem for r in records if r.ok}
-    chosen = refinement.propose(dispatcher, measured.values(), records, budget_s)
+    _print_sweep_summary(summary)
+    console.print(f"table: {summary.table_path} (and {summary.table_path.with_suffix('.csv')}); "
+                  f"journal: {summary.journal_path}", highlight=False)
+
+
+def _say(text: str) -> None:
+    console.print(text, highlight=False)
+
+
+def _refined(spec: SweepSpec, table_path: Path, device: DeviceInfo, budget_s: float
+             ) -> SweepSpec:
+    """The spec with, for problems, the points ``mlatune.sweep.refine`` proposes."""
+    from mlatune.sweep import refine as refinement
+    from mlatune.sweep import stages
+
+    try:
+        spec, chosen = stages.refined(spec, table_path, device, budget_s)
+    except stages.SweepError as exc:
+        _fail(str(exc))
     seconds = sum(r.seconds for r in chosen)
     console.print(f"refine: {len(chosen)} point(s) between the grid's, about {seconds:.0f} s "
                   f"of worker time (budget {budget_s:g} s); the least certain first:",
@@ -621,7 +570,7 @@ def _refined(spec: SweepSpec, table_path: Path, journal_path: Path, device: Devi
     if not chosen:
         console.print("nothing to measure within the budget")
         raise typer.Exit(0)
-    return replace(spec, problems=tuple(r.problem for r in chosen))
+    return spec
 
 
 def _check_routes(only: list[str] | None, named: tuple[str, ...], spec_path: Path) -> None:
@@ -636,98 +585,31 @@ def _check_routes(only: list[str] | None, named: tuple[str, ...], spec_path: Pat
             _fail(f"{exc.args[0]}" + ("" if only and r in only else f" (named in {spec_path})"))
 
 
-def _open_journal(table_path: Path, journal_path: Path, header: dict[str, Any],
-                  fresh: bool) -> Journal:
-    """The sweep's journal, saying what became of an earlier one: resumed (Journal checks
-    it was written for this spec and device) or, with --fresh, moved aside."""
-    from mlatune.sweep.journal import Journal, JournalError
-
-    moved = _moved_aside(table_path, journal_path) if fresh else []
-    existed = journal_path.exists()
-    try:
-        journal = Journal(journal_path, header, resume=True)
-    except JournalError as exc:
-        hint = "" if "in use by another sweep" in str(exc) else \
-            " (--fresh starts over, moving the earlier journal and table aside)"
-        _fail(f"{exc}{hint}")
-    except OSError as exc:  # its folder cannot be made or written (an OutputError)
-        _fail(f"cannot write journal {journal_path}: {exc.strerror}" if exc.strerror
-              else str(exc))
-    if moved:
-        said = "starting over; the earlier run moved to " + ", ".join(map(str, moved))
-    elif existed:
-        said = (f"resuming {journal_path}: {len(journal.records)} results recorded before "
-                f"(--fresh starts over)")
-    else:
-        said = f"new journal {journal_path}"
-    console.print(said, highlight=False)
-    return journal
-
-
-def _moved_aside(table_path: Path, journal_path: Path) -> list[Path]:
-    """--fresh: the earlier run moved aside while holding the journal's lock, so no sweep
-    can start on (or be running with) the files being moved. The lock is journal.py's
-    flock, taken and given back as a Journal does; refused (one line) while another
-    sweep holds it."""
-    from mlatune.sweep import journal as journals
-
-    try:
-        with journals.locked(journal_path):
-            return _move_aside(table_path, journal_path)
-    except journals.JournalError as exc:
-        _fail(f"{exc}: --fresh would move its files from under it")
-    except OSError as exc:  # the lock file cannot be made, or a rename failed
-        _fail(f"--fresh could not move the earlier run aside: {exc.strerror or exc}"
-              + (f" ({exc.filename})" if exc.filename else ""))
-
-
-def _move_aside(table_path: Path, journal_path: Path) -> list[Path]:
-    """An earlier run's table (.parquet, .csv) and journal, renamed with the UTC time
-    after the table's stem: still a table and journal pair (`--out` the moved .parquet
-    resumes it), and nothing is deleted."""
-    import time
-
-    stem = table_path.with_suffix("")
-    olds = [p for p in (table_path, table_path.with_suffix(".csv"), journal_path) if p.exists()]
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    n = 0
-    while True:  # two --fresh runs within a second must not overwrite the first
-        tag = stamp if n == 0 else f"{stamp}-{n}"
-        news = [p.with_name(f"{stem.name}.{tag}{p.name[len(stem.name):]}") for p in olds]
-        if not any(p.exists() for p in news):
-            break
-        n += 1
-    for old, new in zip(olds, news, strict=True):
-        old.rename(new)
-    return news
-
-
-def _print_sweep_summary(name: str, result: SweepResult, wall: float) -> None:
+def _print_sweep_summary(summary: SweepSummary) -> None:
     """The bar's numbers again: candidates run now and found in the journal; statuses of
     the candidates (refusals apart: they ran nothing); where the workers' time went."""
     from mlatune.table.schema import Status
 
-    statuses: dict[str, int] = {}
-    for r in result.records:
-        if r.status is not Status.UNSUPPORTED:
-            statuses[r.status.value] = statuses.get(r.status.value, 0) + 1
+    result, wall = summary.result, summary.wall_s
+    statuses = {s.value: n for s, n in result.counts.items() if s is not Status.UNSUPPORTED}
     fallbacks = f" + {result.fallbacks} reference fallbacks" if result.fallbacks else ""
-    console.print(f"sweep {name}: {result.planned} candidates{fallbacks}; {result.ran} run "
-                  f"now in {wall:.1f}s ({result.ran / wall if wall else 0:.2f}/s), "
+    rate = result.ran / wall if wall else 0
+    console.print(f"sweep {summary.spec.name}: {result.planned} candidates{fallbacks}; "
+                  f"{result.ran} run now in {wall:.1f}s ({rate:.2f}/s), "
                   f"{result.resumed} found in the journal", highlight=False)
     if result.measured_dcp:
         console.print(f"DCP steps measured across processes now: {result.measured_dcp} "
                       f"(route and scheme per problem; in the table as dcp_timing 'measured')",
                       highlight=False)
-    summary = Table()
-    summary.add_column("status")
-    summary.add_column("candidates", justify="right")
+    counts = Table()
+    counts.add_column("status")
+    counts.add_column("candidates", justify="right")
     for status, n in sorted(statuses.items()):
-        summary.add_row(status, str(n))
+        counts.add_row(status, str(n))
     if result.refused:
-        summary.add_section()
-        summary.add_row("refused by a rule (not run)", str(result.refused))
-    console.print(summary)
+        counts.add_section()
+        counts.add_row("refused by a rule (not run)", str(result.refused))
+    console.print(counts)
     if result.ran:
         cost = dict(result.seconds)
         ahead = cost.pop("compile_ahead_wall_s", None)
@@ -738,15 +620,6 @@ def _print_sweep_summary(name: str, result: SweepResult, wall: float) -> None:
             + " (setup: inputs and references; first_check: the first accuracy run, "
               "with kernel compiles; check: the second; bench: timing)",
             highlight=False)
-
-
-def _write_table(rows: list[dict], spec: SweepSpec, path: Path) -> None:
-    from mlatune import table
-    from mlatune.table.schema import Provenance
-
-    frame = table.build(rows, Provenance.here(spec.sha256))
-    table.write(frame, path)
-    table.write(frame, path.with_suffix(".csv"))
 
 
 # plan -----------------------------------------------------------------------------

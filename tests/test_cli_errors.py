@@ -17,7 +17,7 @@ from mlatune import cli, table
 from mlatune.cli import app
 from mlatune.errors import JournalError, OutputError, TableError
 from mlatune.problem import MLAProblem
-from mlatune.sweep import runner
+from mlatune.sweep import runner, stages
 from mlatune.sweep.journal import Journal, lock_path
 from mlatune.sweep.spec import bundled_spec_path
 from mlatune.table import outputs
@@ -316,7 +316,7 @@ def test_fresh_moves_aside_under_the_journal_lock(tmp_path, monkeypatch):
     journal = out.with_suffix(".journal.jsonl")
     assert invoke("sweep", spec, "--out", out).exit_code == 0
     seen = []
-    real = cli._move_aside
+    real = stages.move_aside
 
     def move_aside(table_path, journal_path):
         if not lock_path(journal_path).exists():
@@ -330,7 +330,7 @@ def test_fresh_moves_aside_under_the_journal_lock(tmp_path, monkeypatch):
                 seen.append("held")
         return real(table_path, journal_path)
 
-    monkeypatch.setattr(cli, "_move_aside", move_aside)
+    monkeypatch.setattr(stages, "move_aside", move_aside)
     result = invoke("sweep", spec, "--out", out, "--fresh")
     assert result.exit_code == 0, result.output
     assert seen == ["held"] and "the earlier run moved to" in result.output

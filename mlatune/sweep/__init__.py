@@ -1,14 +1,23 @@
-"""The sweep, one file per stage, in the order a sweep runs them:
+"""The sweep, one file per stage, in the order data flows through a sweep:
 
 - ``spec``: the sweep spec (problems, budget, tolerances);
-- ``candidates``: what to run (``Candidate``: a route and parameters on a problem),
-  from the spec and the routes' rules; shares (``Shard``) and input seeds;
+- ``candidates``: what to run (``Candidate``: a route and parameters on a problem), from
+  the spec and the routes' rules; shares (``Shard``) and input seeds;
 - ``compile_ahead``: which candidates compile the kernels before timing;
-- ``runner``: the worker processes that check and time candidates (``worker``,
-  ``bench``), a crash or hang recorded and the sweep going on;
-- ``dcp_stage``, ``dcp_group``, ``dcp_graph``: DCP steps measured across a group of
-  processes, eagerly or from a CUDA graph;
-- ``journal``: every result as it arrives; ``records``: results as the table reads
-  them, with the one problem identity (``records.problem_key``);
-- ``merge`` (ranks' partials), ``refine`` (points to add), ``planning`` (`mlatune plan`).
+- ``pool``: the worker processes (``WorkerProcess``: start, alive, put, get with a
+  timeout, stop, kill; ``WorkerPool``: a crash or hang scored and the pool going on),
+  each running ``worker`` (check, then time with ``bench``) on one ``records.Task``;
+- ``runner``: the one-device pass (compiling ahead, the pool, reference fallbacks),
+  every result journaled as it arrives;
+- ``dcp_stage``, ``dcp_group``, ``dcp_graph``, ``merge``: DCP steps measured across a
+  group of processes, eagerly or from a CUDA graph;
+- ``journal``: every result as one JSON line, resumable; ``records``: the typed records
+  all stages, the table and the report read (``Task``, ``Record``, ``Status``), with the
+  one problem identity (``Record.problem_key``), folded into table rows (``table_rows``);
+- ``stages``: the whole sweep as ``mlatune sweep`` runs it (``run_sweep``: share,
+  journal, one-device pass, DCP stage, table); the CLI only parses and prints;
+- beside the sweep: ``refine`` (points to add), ``planning`` (`mlatune plan`).
+
+The modules import downwards only: ``records`` imports none of the others, and no other
+module here imports ``stages``.
 """

@@ -1,0 +1,50 @@
+"""The whole sweep without the CLI: stages.run_sweep writes the table, resumes, and turns
+whatever stops it into one SweepError line."""
+
+from pathlib import Path
+
+import pytest
+
+from mlatune import table
+from mlatune.arch import cpu_device
+from mlatune.sweep import runner, spec, stages
+from mlatune.sweep.candidates import Shard
+from mlatune.sweep.records import Status
+
+TINY = {"routes": ["reference/torch"],
+        "budget": {"warmup": 0, "min_reps": 1, "max_reps": 2, "max_seconds": 0.1},
+        "grid": [{"num_heads": 2, "batch": [1, 2], "kv_len": 24, "page_size": 8,
+                  "q_dtype": "fp16", "kv_dtype": "fp16"}]}
+
+
+def settings(tmp_path: Path, **choices) -> stages.SweepSettings:
+    return stages.SweepSettings(spec.parse(TINY, "tiny.toml"), Path("tiny.toml"), cpu_device(),
+                                tmp_path / "t.parquet", timeout_s=60, **choices)
+
+
+def test_run_sweep_writes_the_table_and_a_rerun_resumes(tmp_path):
+    said = []
+    first = stages.run_sweep(settings(tmp_path), say=said.append)
+    assert said == [f"new journal {tmp_path / 't.journal.jsonl'}"]
+    assert first.result.counts == {Status.OK: 2} and first.result.ran == 2
+    assert len(table.read(first.table_path)) == 2 and first.table_path.with_suffix(".csv").exists()
+    again = stages.run_sweep(settings(tmp_path), say=said.append)
+    assert said[-1].startswith("resuming") and again.result.resumed == 2 and again.result.ran == 0
+    fresh = stages.run_sweep(settings(tmp_path, fresh=True), say=said.append)
+    assert said[-1].startswith("starting over") and fresh.result.ran == 2
+
+
+def test_an_interrupted_sweep_is_one_line_that_says_how_to_go_on(tmp_path, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "run", interrupted)
+    with pytest.raises(stages.SweepError, match="interrupted; finished candidates are in"):
+        stages.run_sweep(settings(tmp_path))
+    assert not (tmp_path / "t.parquet").exists()
+
+
+def test_a_share_without_problems_is_refused(tmp_path):
+    many = Shard(0, 10_000)
+    with pytest.raises(stages.SweepError, match="holds none of the spec's 2 problems"):
+        stages.run_sweep(settings(tmp_path, shard=many))
