@@ -30,6 +30,7 @@ from mlatune.routes.prefill_triton import (
     _GPU_CONFIGS_16BIT,
     _GPU_CONFIGS_FP8,
     FP8_COMPARISON_CONFIGS,
+    FP8_QK_AHEAD_CONFIG,
     TILE_Q,
 )
 
@@ -175,7 +176,7 @@ def main() -> None:
     only = sys.argv[1:]  # substrings of job names, to compile a few
     jobs = [(f"bf16 {c}", lambda c=c: compile_main("bf16", c)) for c in _GPU_CONFIGS_16BIT]
     jobs += [(f"fp8 {c}", lambda c=c: compile_main("fp8e4nv", c))
-             for c in (*_GPU_CONFIGS_FP8, *FP8_COMPARISON_CONFIGS)]
+             for c in (*_GPU_CONFIGS_FP8, *FP8_COMPARISON_CONFIGS, FP8_QK_AHEAD_CONFIG)]
     jobs += [(f"bf16 over fp8 {c}", lambda c=c: compile_main("bf16", c, kv_dtype="fp8e4nv"))
              for c in _GPU_CONFIGS_16BIT]
     jobs += [("merge", compile_merge), ("transpose v", compile_transpose)]

@@ -28,7 +28,12 @@ from mlatune.kernels.prefill_plan import (
     v_transpose_tiles,
 )
 from mlatune.problem import DTYPES, MLAProblem
-from mlatune.routes.prefill_triton import _GPU_CONFIGS_FP8, FP8_COMPARISON_CONFIGS, TILE_Q
+from mlatune.routes.prefill_triton import (
+    _GPU_CONFIGS_FP8,
+    FP8_COMPARISON_CONFIGS,
+    FP8_QK_AHEAD_CONFIG,
+    TILE_Q,
+)
 from mlatune.routes.triton_support import interpreter_enabled
 
 H200 = DeviceInfo("sm_90", "NVIDIA H200", "nvidia", 132)
@@ -362,9 +367,8 @@ def test_param_space_is_small_and_valid(device, dtype):
             "block_m", "block_n", "num_warps", "num_stages", "v_transposed", "qk_ahead"}
         assert params.get("v_transposed") or not params.get("qk_ahead")
     if dtype != "bf16" and device in (H200, cpu_device()):
-        # Hopper's fp8 P.V reads v transposed; the interpreter runs the q.k-ahead loop.
-        assert all(p["v_transposed"] for p in space)
-        assert any(p["qk_ahead"] for p in space)
+        # Hopper's fp8 P.V reads v transposed; q.k ahead is wrong on the H200 (call 6).
+        assert all(p["v_transposed"] and not p["qk_ahead"] for p in space)
     if device is MI300 and dtype == "bf16":  # 64 KB of LDS: only the smallest config fits
         assert space == [{"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 1}]
 
@@ -380,27 +384,25 @@ def test_kernels_compile_for_hopper():
                           timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     reports = {r["kernel"]: r for r in map(json.loads, done.stdout.splitlines())}
-    # 16-bit, fp8 and its comparison configs, 16-bit over fp8; merge; transpose
-    assert len(reports) == 3 + 3 + 2 + 3 + 1 + 1
+    # 16-bit, fp8 with its comparison and q.k-ahead configs, 16-bit over fp8; merge; transpose
+    assert len(reports) == 3 + 3 + 2 + 1 + 3 + 1 + 1
     assert all(r["wgmma"] for name, r in reports.items() if name.startswith(("bf16", "fp8")))
-    # No key loop spills; outside it, q.k ahead spills some (~100-200 bytes).
+    # No key loop spills; outside it, deep fp8 pipelines and q.k ahead spill some.
     assert all(r["loop_spill_accesses"] == 0 for r in reports.values()), reports
-    assert all(r["stack"] <= 256 for r in reports.values()), reports
+    assert all(r["stack"] <= 512 for r in reports.values()), reports
     for config in _GPU_CONFIGS_FP8:
         r = reports[f"fp8 {config}"]
-        assert r["wgmma_shapes"][0] == "m64n128k32", r
-        if config[5]:
-            # q.k ahead: one key loop whose q.k halves stay in flight through the
-            # softmax; one wgmma wait per step, after P.V (P from registers). Its q.k
-            # prologue and last two P.V are outside the loop (4 register-staged tiles
-            # besides q's two).
-            assert (r["key_loops"], r["loop_wgmma_waits"], r["dots_in_flight"],
-                    r["sync_tile_loads"]) == (1, 1, 2, 6), r
-        else:
-            # v transposed: every k/v tile an async copy (q's two tiles are not), P.V
-            # in flight into the next step, the q.k halves waited for each.
-            assert (r["loop_wgmma_waits"], r["dots_in_flight"], r["sync_tile_loads"]) == (
-                2, 2, 2), r
+        # v transposed: every k/v tile an async copy (q's two tiles are not), P.V in
+        # flight into the next step, the q.k halves waited for each.
+        assert r["wgmma_shapes"] == ["m64n128k32"], r
+        assert (r["loop_wgmma_waits"], r["dots_in_flight"], r["sync_tile_loads"]) == (
+            2, 2, 2), r
+    # q.k ahead: one key loop whose q.k halves stay in flight through the softmax; one
+    # wgmma wait per step, after P.V (P from registers). Its q.k prologue and last two
+    # P.V are outside the loop (4 register-staged tiles besides q's two).
+    r = reports[f"fp8 {FP8_QK_AHEAD_CONFIG}"]
+    assert (r["key_loops"], r["loop_wgmma_waits"], r["dots_in_flight"],
+            r["sync_tile_loads"]) == (1, 1, 2, 6), r
     # As it was: each v tile loaded through registers, every dot waited for at once.
     old = reports[f"fp8 {FP8_COMPARISON_CONFIGS[0]}"]
     assert (old["loop_wgmma_waits"], old["dots_in_flight"], old["sync_tile_loads"]) == (

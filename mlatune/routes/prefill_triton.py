@@ -41,23 +41,25 @@ _DEFAULT_SHARED_MEMORY = 99 << 10
 # spill. fp8's P.V needs v transposed (Hopper's fp8 wgmma reads its B operand only
 # K-major; otherwise each v tile is loaded through registers, not pipelined).
 _GPU_CONFIGS_16BIT = ((128, 64, 8, 2), (128, 32, 8, 3), (128, 32, 8, 2))
-# fp8 (Triton 3.6 SASS, tests/prefill_aot.py): v transposed over 128-key blocks
-# issues ~550 instructions a warp per block off the diagonal, P.V in flight into the
-# next block, the q.k halves waited for; q.k ahead keeps q.k in flight through the
-# softmax (one wgmma wait a block) but issues ~580 a warp per 64-key block (its
-# 128-key blocks spill in the loop), so it leads only if the wgmma waits cost more
-# than the issue slots: the GPU run decides.
-_GPU_CONFIGS_FP8 = ((128, 128, 8, 2, True, False), (128, 64, 8, 2, True, True),
-                    (128, 128, 8, 3, True, False))
+# fp8: v transposed over 128-key blocks, P.V in flight into the next block (Triton 3.6
+# SASS, tests/prefill_aot.py, ~550 instructions a warp per block off the diagonal). On
+# the H200 (call 6, 2026-12-01, 128 heads x 4096) deeper pipelines paid: 1,836 us at 2
+# stages, 1,477 at 3; 4 and 5 stages fit in shared memory (184 and 224 KB) and spill
+# only outside the key loop.
+_GPU_CONFIGS_FP8 = ((128, 128, 8, 3, True, False), (128, 128, 8, 4, True, False),
+                    (128, 128, 8, 5, True, False))
 # Timed beside the space by benchmarks/prefill.py, not swept: the kernel as it was
-# (v as given: 2531 us at 128 heads x 4096 tokens on the H200, 2026-11-29), and v
-# transposed over 64-key blocks.
-FP8_COMPARISON_CONFIGS = ((128, 128, 8, 2, False, False), (128, 64, 8, 2, True, False))
+# (v as given: 2,843 us in call 6) and v transposed at 2 stages (1,836 us).
+FP8_COMPARISON_CONFIGS = ((128, 128, 8, 2, False, False), (128, 128, 8, 2, True, False))
+# q.k one block ahead (kept in flight through the softmax): right under the
+# interpreter, wrong on the H200 (call 6: rel_l2 0.20-0.26), so never run on a GPU;
+# tests/prefill_aot.py still compiles it for sm_90.
+FP8_QK_AHEAD_CONFIG = (128, 64, 8, 2, True, True)
 _SMALLEST_CONFIG = (64, 32, 4, 1)  # fits every device's shared memory
-# The interpreter runs block ops in numpy: fewer, larger blocks run faster. fp8 takes
-# the q.k-ahead loop there, the one that differs most from the rest.
+# The interpreter runs block ops in numpy: fewer, larger blocks run faster. fp8 reads
+# v transposed there too, as on GPUs.
 _CPU_CONFIG = (32, 32, 4, 1)
-_CPU_CONFIG_FP8 = (32, 32, 4, 1, True, True)
+_CPU_CONFIG_FP8 = (32, 32, 4, 1, True, False)
 
 
 def config_params(config: tuple) -> Params:
