@@ -24,6 +24,7 @@ from mlatune.dispatch.predict import (
 )
 from mlatune.problem import MLAProblem
 from mlatune.routes import YES, params_at
+from mlatune.routes.gluon_hopper import WgmmaGluonRoute
 from mlatune.routes.triton_decode import PaddedTritonRoute
 
 DEVICE = device_for_arch("sm_90", "NVIDIA H200", 132)
@@ -289,6 +290,42 @@ def test_a_table_s_lost_recipe_is_as_slow_as_its_launch_makes_it():
         assert predictor.choose(problem)[0].recipe.get("persistent")
         assert found[False] == pytest.approx(truth[False], rel=0.1)
         assert found[True] == pytest.approx(truth[True], rel=0.05)
+
+
+GLUON = WgmmaGluonRoute()
+
+
+def gluon_time(problem: MLAProblem, splits: int) -> float:
+    """wgmma/gluon under the model's law: batch x row blocks x splits programs in waves of
+    one per SM, each walking its split's 64-key tiles; each program adds 3 us per SM (the
+    partials it writes and the reduce reads)."""
+    programs = problem.batch * -(-problem.num_heads * problem.qlen // 64) * splits
+    share = -(-problem.shard_len // (splits * 64)) * 64
+    return 6.0 + 0.004 * math.ceil(programs / 132) * share + 3.0 * programs / 132
+
+
+def gluon_best(problem: MLAProblem) -> tuple[int, float]:
+    """(the fastest split the route lists at ``problem``, its time)."""
+    return min(((p["num_splits"], gluon_time(problem, p["num_splits"]))
+                for p in GLUON.param_space(problem, DEVICE)), key=lambda st: st[1])
+
+
+@pytest.mark.parametrize("shape", [(5, 16384), (7, 4096), (3, 2048), (24, 20000), (100, 8000)])
+def test_a_listed_split_is_chosen_by_its_law_not_carried_from_the_neighbour(shape):
+    # A table keeps the route's fastest split per point (its rule's pick, half or twice):
+    # between batches the split the law makes fastest is passed, with its predicted time
+    table = []
+    for b in BATCHES:
+        for k in KV_LENS:
+            split, time_us = gluon_best(at(b, k))
+            table.append((at(b, k), GLUON.id, {"num_splits": split}, time_us))
+    predictor = Predictor(table, {GLUON.id: GLUON}, DEVICE, complete=False)
+    problem = at(*shape)
+    prediction, params = predictor.choose(problem)
+    split, time_us = gluon_best(problem)
+    assert params == {"num_splits": split}
+    assert prediction.time_us == pytest.approx(time_us, rel=0.02)
+    assert predictor.sized(predictor.predict(problem)[0], problem) == params
 
 
 @pytest.mark.parametrize("table", [False, True])

@@ -23,6 +23,10 @@ Each recipe's time is a fitted cost law times a local correction:
     one program's KV share in whole ``block_n`` tiles, the splits as the route's rule
     sizes them for the shape; a persistent variant (``persistent: true``) spreads the
     same work evenly;
+  - ``wgmma/gluon`` (``_ListedSplits``): launched the same way (batch x its 64-row blocks
+    x splits programs, 64-key tiles), but its parameter list offers its rule's split, half
+    and twice it, all swept: the law chooses among them at the asked shape (the split
+    passed is that one, not a neighbour's winner carried over by ``params_at``);
   - FlashInfer's MLA (``*/flashinfer``): its host plan keeps a request's KV whole when
     it fits under the mean per SM, and hands requests out in rounds
     (``_FlashInferLayout``: batch 160 of 16 heads on 132 SMs takes two rounds);
@@ -137,6 +141,7 @@ class _Geometry:
 
     __slots__ = ("balanced", "block_n", "key", "own_rule", "per_batch", "route", "sized",
                  "tile")
+    chooses = False  # whether its law chooses the split among ``splits`` (else the rule's)
 
     def __init__(self, route: Any, tile: dict, sized: str, persistent: bool, per_batch: float):
         self.route, self.tile, self.sized, self.per_batch = route, tile, sized, per_batch
@@ -166,6 +171,10 @@ class _Geometry:
             return self.fill(problem, device.cu_count)
         return self.route_split(problem, device)
 
+    def splits(self, problem: MLAProblem, device: DeviceInfo) -> tuple[int, ...]:
+        """The splits its law chooses among at ``problem``: the rule's alone."""
+        return (self.split(problem, device),)
+
     def features(self, problem: MLAProblem, split: int | None, cus: int) -> tuple[float, float]:
         """(W, C): KV tokens an SM walks in turn, programs per SM (the module doc)."""
         programs = self.per_batch * problem.batch
@@ -174,6 +183,48 @@ class _Geometry:
         ctas = programs * split
         per_program = -(-problem.shard_len // (split * self.block_n)) * self.block_n
         return math.ceil(ctas / cus) * per_program, ctas / cus
+
+
+class _ListedSplits(_Geometry):
+    """A split-KV route whose parameter list offers several splits (``wgmma/gluon``: its
+    rule's pick, half and twice it, ``gluon_hopper_plan.pick_splits``), each swept: its law
+    chooses among them at an asked shape (the waves and per-split cost each makes),
+    rather than carrying a neighbour's winner over relative to the rule's pick, which
+    lands on a poor split where the batch changes the wave count."""
+
+    __slots__ = ()
+    chooses = True
+
+    def route_split(self, problem: MLAProblem, device: DeviceInfo) -> int:
+        return int(self.route.param_space(problem, device)[0][self.sized])
+
+    def fill(self, problem: MLAProblem, cus: int) -> int:
+        return self.route_split(problem, _device_with(cus))
+
+    def split(self, problem: MLAProblem, device: DeviceInfo) -> int:
+        return self.route_split(problem, device)
+
+    def splits(self, problem: MLAProblem, device: DeviceInfo) -> tuple[int, ...]:
+        return tuple(int(p[self.sized]) for p in self.route.param_space(problem, device))
+
+
+def _device_with(cus: int) -> DeviceInfo:
+    return DeviceInfo("sm_90", "", "nvidia", cus, 0, 0)
+
+
+def _gluon_layout(route: Any, problem: MLAProblem) -> tuple[dict, float]:
+    """``wgmma/gluon``'s tile and programs per request (its 64-row blocks of heads x qlen)."""
+    from mlatune.kernels import gluon_hopper_plan as plan
+
+    blocks = plan.row_blocks(problem.kernel_heads, problem.qlen)
+    return {"block_m": plan.BLOCK_M, "block_n": plan.BLOCK_N}, float(blocks)
+
+
+# Split-KV routes whose launch the predictor knows without the triton routes' hooks: route
+# id -> (tile, programs per request) at a problem of the bucket.
+_LISTED_LAYOUTS: dict[str, Callable[[Any, MLAProblem], tuple[dict, float]]] = {
+    "wgmma/gluon": _gluon_layout,
+}
 
 
 class _FlashInferLayout:
@@ -188,7 +239,7 @@ class _FlashInferLayout:
 
     __slots__ = ("clusters", "per_batch")
     key = sized = None  # nothing sized
-    balanced = False
+    balanced = chooses = False
 
     def __init__(self, problem: MLAProblem, cus: int):
         rows = problem.qlen * problem.kernel_heads
@@ -243,6 +294,13 @@ def _geometry(route: Any, recipe: Mapping[str, Any], problem: MLAProblem,
     if str(getattr(route, "id", "")).endswith("/flashinfer") and problem.phase == "decode":
         return _FlashInferLayout(problem, cus)
     sized = getattr(route, "sized_params", ())
+    listed = _LISTED_LAYOUTS.get(str(getattr(route, "id", "")))
+    if listed is not None and len(sized) == 1 and problem.phase == "decode":
+        try:
+            tile, per_batch = listed(route, problem)
+        except Exception:  # a layout this does not know: taken as balanced
+            return None
+        return _ListedSplits(route, tile, sized[0], False, per_batch)
     if len(sized) != 1 or "block_m" not in recipe or "block_n" not in recipe \
             or not all(callable(getattr(route, m, None))
                        for m in ("_groups", "_rows_per_group", "_split_choices")):
@@ -496,10 +554,19 @@ class _Bucket:
         """A split recipe's law at ``problem`` and the split it is sized with there (None:
         persistent)."""
         geometry = self.geometry[i]
+        a, cw, d, e = self.coef[i].tolist()
+        fixed = a + d * problem.batch
+        if geometry.chooses:  # the least law over the splits it may run
+            best, chosen = math.inf, None
+            for split in geometry.splits(problem, self.device):
+                w, c = geometry.features(problem, split, self.cus)
+                law = fixed + cw * w + e * c
+                if law < best:
+                    best, chosen = law, split
+            return best, chosen
         split = geometry.split(problem, self.device)
         w, c = geometry.features(problem, split, self.cus)
-        a, cw, d, e = self.coef[i].tolist()
-        return a + cw * w + d * problem.batch + e * c, split
+        return fixed + cw * w + e * c, split
 
     def _failing(self, route_id: str, kernel: np.ndarray) -> bool:
         marks = self.route_failed.get(route_id)  # kernel: the correction's (any scale)
@@ -708,7 +775,8 @@ class Predictor:
             geometry, split, at_rule = prediction.sizing
             if geometry.key is None:  # persistent: no split (as run, the route's default)
                 return {k: v for k, v in params.items() if k != geometry.sized}
-            if at_rule:  # what params_at gives, without its parameter lists
+            if at_rule or geometry.chooses:  # the rule's split (params_at's answer,
+                # without its parameter lists) or the one the law chose
                 if split is None:
                     try:
                         split = geometry.split(problem, self.device)
