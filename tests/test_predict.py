@@ -328,6 +328,28 @@ def test_a_listed_split_is_chosen_by_its_law_not_carried_from_the_neighbour(shap
     assert predictor.sized(predictor.predict(problem)[0], problem) == params
 
 
+def flashmla_time(problem: MLAProblem) -> float:
+    """dense/flashmla under the model's law with its metadata: each of 132 SM parts walks
+    an even share of the requests' 64-key blocks (5 blocks more a request, plus 5), and the
+    combine walks a request's pieces in turn (0.1 us each): a request cut over every part
+    at batch 1 costs more than four at batch 4."""
+    blocks = -(-problem.shard_len // 64)
+    share = -(-problem.batch * (blocks + 5) // 132)
+    return 8.0 + 0.01 * 64 * (share + 5) + 0.1 * -(-blocks // share)
+
+
+@pytest.mark.parametrize("shape", [(2, 4096), (5, 4096), (3, 16384), (40, 9000)])
+def test_flashmla_s_law_follows_its_metadata_between_batches(shape):
+    from mlatune.routes import get
+
+    route = get("dense/flashmla")
+    assert flashmla_time(at(1, 4096)) > flashmla_time(at(4, 4096))
+    table = [(at(b, k), route.id, {}, flashmla_time(at(b, k))) for b in BATCHES for k in KV_LENS]
+    predictor = Predictor(table, {route.id: route}, DEVICE, complete=False)
+    prediction, _ = predictor.choose(at(*shape))
+    assert prediction.time_us == pytest.approx(flashmla_time(at(*shape)), rel=0.01)
+
+
 @pytest.mark.parametrize("table", [False, True])
 def test_sized_parameters_are_what_params_at_gives(table):
     predictor = Predictor(wave_rows(table), {PADDED.id: PADDED}, DEVICE, complete=not table)

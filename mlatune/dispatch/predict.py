@@ -30,8 +30,11 @@ Each recipe's time is a fitted cost law times a local correction:
   - FlashInfer's MLA (``*/flashinfer``): its host plan keeps a request's KV whole when
     it fits under the mean per SM, and hands requests out in rounds
     (``_FlashInferLayout``: batch 160 of 16 heads on 132 SMs takes two rounds);
-  - any other route is taken as balanced: ``W = B x shard KV / SMs``, ``C = B / SMs``
-    (FlashMLA's scheduler splits the KV evenly over the SMs).
+  - FlashMLA (``dense/flashmla``, ``_FlashMLALayout``): its metadata's even share of 64-key
+    blocks per SM part, each request charged 5 blocks of overhead (``W``), and the pieces
+    a request is cut into, which its combine walks in turn (``C``: at batch 1 one request is
+    cut over every part, slower than batch 4 at short KV);
+  - any other route is taken as balanced: ``W = B x shard KV / SMs``, ``C = B / SMs``.
 
 - the *correction*: the log ratio of measured to law time at the measured points,
   averaged over the nearest ones (a Gaussian kernel in log2 (batch, kv_len) whose
@@ -257,6 +260,39 @@ class _FlashInferLayout:
         return longest * self.clusters / cus, chunks / cus
 
 
+class _FlashMLALayout:
+    """How FlashMLA's decode (``dense/flashmla``) spreads the work: its metadata
+    (``get_mla_metadata``) gives each of ``SMs / ceil(qlen x heads / 64)`` SM parts an even
+    share of the requests' 64-key blocks, each request charged 5 blocks more (its fixed
+    overhead), plus 5; a request cut over several parts is merged by the combine kernel,
+    which walks its pieces in turn. So (W, C) here are the keys one part walks (its share,
+    overhead included) and the pieces a request is cut into: at batch 1 a request's KV is cut
+    over every part, and the combine's walk makes batch 1 slower than batch 4 at 4,096 keys
+    on the H200 (28.5 against 25.6 us, 16 heads), which a balanced law cannot follow."""
+
+    __slots__ = ("parts",)
+    key = sized = None  # nothing sized
+    balanced = chooses = False
+    per_batch = 0.0  # the lower bound's terms: W >= B x S / parts and C >= 1 (c_fixed)
+    c_fixed = 1.0
+    OVERHEAD = 5  # blocks a request costs a part (FlashMLA's fixed_overhead_num_blocks)
+
+    def __init__(self, problem: MLAProblem, cus: int):
+        self.parts = max(1, cus // -(-problem.qlen * problem.kernel_heads // 64))
+
+    def split(self, problem: MLAProblem, device: DeviceInfo) -> None:
+        return None
+
+    def bound_w(self, cus: int) -> float:
+        """W's least per B x S token (W >= B S / parts)."""
+        return 1.0 / self.parts
+
+    def features(self, problem: MLAProblem, split: None, cus: int) -> tuple[float, float]:
+        blocks = -(-problem.shard_len // 64)
+        share = -(-problem.batch * (blocks + self.OVERHEAD) // self.parts)  # blocks a part
+        return 64.0 * (share + self.OVERHEAD), float(-(-blocks // share))
+
+
 def _plan_makespan(tiles: int, kv: int, clusters: int) -> tuple[int, int]:
     """(the largest KV a cluster gets, the chunks) when ``tiles`` tiles of ``kv`` tokens
     each are cut and handed out as FlashInfer's MLAPlan does, without playing it chunk by
@@ -293,6 +329,8 @@ def _geometry(route: Any, recipe: Mapping[str, Any], problem: MLAProblem,
     any other recipe (taken as balanced)."""
     if str(getattr(route, "id", "")).endswith("/flashinfer") and problem.phase == "decode":
         return _FlashInferLayout(problem, cus)
+    if getattr(route, "id", "") == "dense/flashmla" and problem.phase == "decode":
+        return _FlashMLALayout(problem, cus)
     sized = getattr(route, "sized_params", ())
     listed = _LISTED_LAYOUTS.get(str(getattr(route, "id", "")))
     if listed is not None and len(sized) == 1 and problem.phase == "decode":
@@ -487,6 +525,10 @@ class _Bucket:
         # the split ones (waves and whole tiles only add): a + d B + c W0 + e C0, with
         # W0 = per_batch B S / SMs and C0 = per_batch B / SMs; against (1, B, B x S).
         per_batch = np.array([1.0 if g is None else g.per_batch for g in self.geometry])
+        # W's least per B x S token and C's least constant, where a layout says otherwise
+        w_floor = np.array([g.bound_w(self.cus) if hasattr(g, "bound_w") else pb / self.cus
+                            for g, pb in zip(self.geometry, per_batch.tolist(), strict=True)])
+        c_fixed = np.array([getattr(g, "c_fixed", 0.0) for g in self.geometry])
         a0, c0, d0, e0 = self.coef.T
         self.exact = [g is None or g.balanced for g in self.geometry]
         # Squared distance to (x, y) = log2 (batch, kv_len): |c|² - 2 c.q + |q|² over the
@@ -498,9 +540,9 @@ class _Bucket:
         self.terms = np.zeros((n + m, 5))
         self.terms[:n, :3] = np.stack([tokens ** 2 + batches ** 2, -2 * tokens, -2 * batches],
                                       axis=1)
-        self.terms[n:, 0] = a0
+        self.terms[n:, 0] = a0 + e0 * c_fixed
         self.terms[n:, 3] = d0 + e0 * per_batch / self.cus
-        self.terms[n:, 4] = c0 * per_batch / self.cus
+        self.terms[n:, 4] = c0 * w_floor
         # Where a split recipe ran with its rule's split: sized from there, it takes the
         # rule's split at the asked shape (what ``params_at`` gives, without its lists).
         self.at_rule = np.zeros_like(self.ran)
