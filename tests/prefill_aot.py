@@ -61,7 +61,7 @@ def _aligned(fn, names) -> dict:
 def compile_main(dtype: str, config: tuple, arch: int = 90, kv_dtype: str | None = None):
     """config: (block_m, block_n, num_warps, num_stages[, v_transposed, qk_ahead])."""
     block_m, block_n, warps, stages, *variant = config
-    v_transposed, qk_ahead = variant or (False, False)
+    v_transposed, qk_ahead = variant[:2] or (False, False)  # a plan flag may follow
     kv_dtype = kv_dtype or dtype
     pointers = {"q_ptr": dtype, "k_ptr": kv_dtype, "v_ptr": kv_dtype, "out_ptr": "bf16",
                 **dict.fromkeys(_FP32_POINTERS, "fp32"),

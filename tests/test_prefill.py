@@ -250,14 +250,15 @@ def test_split_tiles_are_merged_by_lse(dtype, causal, variant):
 
 
 # The host plan -------------------------------------------------------------------
+@pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("programs", [1, 5, 132])
-def test_plan_covers_every_key_of_every_row_once(programs, causal):
+def test_plan_covers_every_key_of_every_row_once(programs, causal, grouped):
     gen = torch.Generator().manual_seed(seed_of("cover", programs, causal))
     q_lens = torch.randint(1, 700, (5,), generator=gen).tolist()
     k_lens = [q + int(torch.randint(0, 300, (), generator=gen)) for q in q_lens]
     plan = plan_work(q_lens, k_lens, 3, programs, tile_q=256, block_m=64, causal=causal,
-                     split_align=64, min_split=128)
+                     split_align=64, min_split=128, grouped=grouped)
     assert len(plan.programs) == programs and plan.work_indptr[-1] == len(plan.work_info)
     pieces: dict[tuple[int, int], list] = {}
     for items in plan.programs:
@@ -292,6 +293,58 @@ def test_plan_balances_the_causal_tail(q_lens, heads):
     mean = sum(plan.loads) / 132
     assert max(plan.loads) <= 1.2 * mean and min(plan.loads) >= 0.8 * mean
     assert len(plan.merges) < 132
+
+
+def test_grouped_plan_runs_few_heads_at_once_and_stays_balanced():
+    """128 heads x 4096 on 132 programs: whole tiles, within a few percent of the mean
+    load, and the tiles the programs run at the same time (by planned start) from a
+    few heads, where the contiguous plan has each program on a head of its own."""
+    plan = plan_work([4096], [4096], 128, 132, grouped=True)
+    assert not plan.merges and all(it.slot == -1 for items in plan.programs for it in items)
+    mean = sum(plan.loads) / 132
+    assert max(plan.loads) <= 1.05 * mean
+    assert sum(len(items) for items in plan.programs) == 128 * 16
+    for items in plan.programs:  # in head order, a window at a time
+        heads = [it.head for it in items]
+        assert all(b - a <= 16 for a, b in itertools.pairwise(heads)), heads
+    starts = []
+    for p, items in enumerate(plan.programs):
+        t = 0.0
+        for it in items:
+            starts.append((t, it.head, p))
+            t += (it.kv_hi + 64) * 2  # about its cost: two sub-blocks
+    starts.sort()
+    for i in range(0, len(starts) - 132, 132):
+        assert len({h for _, h, _ in starts[i:i + 132]}) <= 16
+    contiguous = plan_work([4096], [4096], 128, 132)
+    assert len({items[0].head for items in contiguous.programs}) > 100
+
+
+@interpreted
+@pytest.mark.parametrize("causal", [True, False])
+def test_grouped_plan_through_the_kernel(causal):
+    """Whole tiles in head-grouped order (many tiles on 2 programs) against the reference."""
+    from mlatune.kernels.prefill import KernelConfig, PersistentPrefill
+
+    problem = prefill(6, 70, 90, 3, "fp8_e4m3fn", causal=causal)
+    inputs = make_prefill_inputs(problem, seed=seed_of("grouped", causal), ragged=True)
+    ref_out, ref_lse = reference.prefill(inputs, torch.float64)
+    out = torch.empty(inputs.q.shape[0], 6, 128, dtype=DTYPES[problem.out_dtype])
+    lse = torch.empty(inputs.q.shape[0], 6)
+    launch = PersistentPrefill(
+        inputs.q, inputs.k, inputs.v, out, lse, inputs.cu_seqlens_q.diff().tolist(),
+        inputs.cu_seqlens_k.diff().tolist(), causal=causal, sm_scale=problem.softmax_scale,
+        scales=(inputs.q_scale, inputs.k_scale, inputs.v_scale),
+        config=KernelConfig(16, 16, 4, 1, True, False, True), num_programs=2, tile_q=32)
+    assert not launch.plan.merges and sum(map(len, launch.plan.programs)) >= 12
+    poison_(out, lse)
+    launch()
+    acc = check(problem, out, ref_out, lse, ref_lse)
+    assert acc.ok, acc.reason
+
+
+def test_grouped_plan_falls_back_to_splitting_few_tiles():
+    assert plan_work([4096], [4096], 16, 132, grouped=True).merges  # 256 tiles: split
 
 
 def test_splitting_is_what_balances_few_long_tiles():
@@ -364,7 +417,8 @@ def test_param_space_is_small_and_valid(device, dtype):
     for params in space:
         assert TILE_Q % params["block_m"] == 0
         assert {"block_m", "block_n", "num_warps", "num_stages"} <= set(params) <= {
-            "block_m", "block_n", "num_warps", "num_stages", "v_transposed", "qk_ahead"}
+            "block_m", "block_n", "num_warps", "num_stages", "v_transposed", "qk_ahead",
+            "grouped"}
         assert params.get("v_transposed") or not params.get("qk_ahead")
     if dtype != "bf16" and device in (H200, cpu_device()):
         # Hopper's fp8 P.V reads v transposed; q.k ahead is wrong on the H200 (call 6).

@@ -69,11 +69,13 @@ class KernelConfig:
     # synchronously through registers (not pipelined).
     v_transposed: bool = False
     qk_ahead: bool = False  # the hot loop keeps the next block's q.k in flight (fp8)
+    grouped: bool = False  # plan the tiles head-grouped where they are many (L2 reuse)
 
     def as_params(self) -> dict[str, int | bool]:
         return {"block_m": self.block_m, "block_n": self.block_n,
                 "num_warps": self.num_warps, "num_stages": self.num_stages,
-                "v_transposed": self.v_transposed, "qk_ahead": self.qk_ahead}
+                "v_transposed": self.v_transposed, "qk_ahead": self.qk_ahead,
+                "grouped": self.grouped}
 
 
 def _interpreting() -> bool:
@@ -464,7 +466,7 @@ class PersistentPrefill:
         self.plan: WorkPlan = plan_work(seq_lens_q, seq_lens_k, heads, num_programs,
                                         tile_q=tile_q, block_m=config.block_m, causal=causal,
                                         split_align=config.block_n, min_split=min_split,
-                                        v_align=v_align)
+                                        v_align=v_align, grouped=config.grouped)
         device = q.device
         self._transpose: tuple | None = None
         v_kernel = v

@@ -16,10 +16,15 @@ Everything here is plain Python on host lists: the route runs it once in
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import astuple, dataclass
 
 # Fixed cost of a sub-block (loading its q, the epilogue), in keys visited.
 SUB_BLOCK_OVERHEAD_KEYS = 64
+# Head-grouped scheduling needs this many of the costliest tile per program's mean
+# load: list scheduling then ends within one tile of the mean (the last tiles it
+# places are a head's cheapest).
+GROUPED_MIN_TILES = 6
 
 
 def split_head_dim(d_qk: int) -> tuple[int, int] | None:
@@ -164,19 +169,24 @@ def _tiles(seq_lens_q: list[int], seq_lens_k: list[int], num_heads: int, tile_q:
 
 def plan_work(seq_lens_q: list[int], seq_lens_k: list[int], num_heads: int, num_programs: int,
               *, tile_q: int = 256, block_m: int = 128, causal: bool = True,
-              split_align: int = 128, min_split: int = 256, v_align: int = 1) -> WorkPlan:
+              split_align: int = 128, min_split: int = 256, v_align: int = 1,
+              grouped: bool = False) -> WorkPlan:
     """Spread the tiles of a varlen batch evenly over ``num_programs`` programs.
 
     A tile is split only where it straddles a cut between programs, never into
     pieces shorter than ``min_split`` keys, and at multiples of ``split_align``
     keys (a multiple of the kernel's key block, so pieces stay block-aligned).
     Requests start at multiples of ``v_align`` keys in v (``v_key_offsets``).
+    ``grouped``: where tiles are many enough, ``_grouped_plan`` instead.
     """
     if tile_q % block_m:
         raise ValueError(f"tile_q ({tile_q}) must be a multiple of block_m ({block_m})")
     if num_programs < 1:
         raise ValueError(f"num_programs must be >= 1, got {num_programs}")
     tiles = _tiles(seq_lens_q, seq_lens_k, num_heads, tile_q, block_m, causal, v_align)
+    costs = [t.cost(0, t.kv_end) for t in tiles]
+    if grouped and tiles and sum(costs) >= GROUPED_MIN_TILES * max(costs) * num_programs:
+        return _grouped_plan(tiles, num_programs)
     programs: list[list[WorkItem]] = [[] for _ in range(num_programs)]
     loads = [0.0] * num_programs
     merges: list[MergeItem] = []
@@ -184,7 +194,7 @@ def plan_work(seq_lens_q: list[int], seq_lens_k: list[int], num_heads: int, num_
     # Each program's quota is an equal share of the work still unassigned, so an
     # over- or undershoot (pieces are whole key blocks; a split's extra piece pays
     # the sub-block overhead again) is spread over the programs after it.
-    remaining = float(sum(t.cost(0, t.kv_end) for t in tiles))
+    remaining = float(sum(costs))
     p = 0
     quota = remaining / num_programs
     for tile in tiles:
@@ -227,6 +237,30 @@ def plan_work(seq_lens_q: list[int], seq_lens_k: list[int], num_heads: int, num_
         if split:
             num_partials += len(pieces)
     return WorkPlan(programs, merges, num_partials, loads)
+
+
+def _grouped_plan(tiles: list[_Tile], num_programs: int) -> WorkPlan:
+    """List scheduling in head order: each tile, whole, to the least loaded program.
+
+    The contiguous cuts of ``plan_work`` give each program about one head, so the
+    programs stream as many heads' keys at once as there are programs, more than
+    L2 holds at long prompts; here the tiles running at any time are neighbours
+    in head order, a few heads' worth, whose keys the programs share in L2. Each
+    window of ``num_programs`` tiles goes costliest first, so the last tiles placed
+    are cheap ones and the loads end close together.
+    """
+    heap = [(0, p) for p in range(num_programs)]
+    programs: list[list[WorkItem]] = [[] for _ in range(num_programs)]
+    loads = [0.0] * num_programs
+    for w in range(0, len(tiles), num_programs):
+        for tile in sorted(tiles[w:w + num_programs], key=lambda t: -t.cost(0, t.kv_end)):
+            load, p = heapq.heappop(heap)
+            programs[p].append(WorkItem(tile.q_row0, tile.q_pos0, tile.q_rows, tile.k_row0,
+                                        tile.prefix, 0, tile.kv_end, tile.head, -1,
+                                        tile.v_row0))
+            loads[p] = load + tile.cost(0, tile.kv_end)
+            heapq.heappush(heap, (loads[p], p))
+    return WorkPlan(programs, [], 0, loads)
 
 
 def _split_point(tile: _Tile, lo: int, room: float, align: int) -> int:

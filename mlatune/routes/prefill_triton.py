@@ -46,11 +46,15 @@ _GPU_CONFIGS_16BIT = ((128, 64, 8, 2), (128, 32, 8, 3), (128, 32, 8, 2))
 # the H200 (call 6, 2026-12-01, 128 heads x 4096) deeper pipelines paid: 1,836 us at 2
 # stages, 1,477 at 3; 4 and 5 stages fit in shared memory (184 and 224 KB) and spill
 # only outside the key loop.
-_GPU_CONFIGS_FP8 = ((128, 128, 8, 3, True, False), (128, 128, 8, 4, True, False),
-                    (128, 128, 8, 5, True, False))
+# The last flag plans head-grouped (prefill_plan._grouped_plan): at 128 heads x 4096
+# the contiguous plan streams ~132 heads' keys at once (~170 MB, past the 50 MB L2),
+# about 2.7 GB from HBM in all; grouped, a few heads at a time share them in L2.
+_GPU_CONFIGS_FP8 = ((128, 128, 8, 3, True, False, True), (128, 128, 8, 4, True, False, True),
+                    (128, 128, 8, 5, True, False, True))
 # Timed beside the space by benchmarks/prefill.py, not swept: the kernel as it was
-# (v as given: 2,843 us in call 6) and v transposed at 2 stages (1,836 us).
-FP8_COMPARISON_CONFIGS = ((128, 128, 8, 2, False, False), (128, 128, 8, 2, True, False))
+# (v as given: 2,843 us in call 6) and the call-6 winner (3 stages, 1,477 us) with
+# the contiguous plan.
+FP8_COMPARISON_CONFIGS = ((128, 128, 8, 2, False, False), (128, 128, 8, 3, True, False))
 # q.k one block ahead (kept in flight through the softmax): right under the
 # interpreter, wrong on the H200 (call 6: rel_l2 0.20-0.26), so never run on a GPU;
 # tests/prefill_aot.py still compiles it for sm_90.
@@ -59,12 +63,13 @@ _SMALLEST_CONFIG = (64, 32, 4, 1)  # fits every device's shared memory
 # The interpreter runs block ops in numpy: fewer, larger blocks run faster. fp8 reads
 # v transposed there too, as on GPUs.
 _CPU_CONFIG = (32, 32, 4, 1)
-_CPU_CONFIG_FP8 = (32, 32, 4, 1, True, False)
+_CPU_CONFIG_FP8 = (32, 32, 4, 1, True, False, True)
 
 
 def config_params(config: tuple) -> Params:
     """A config tuple as route params (fp8's variant flags only where the tuple has them)."""
-    keys = ("block_m", "block_n", "num_warps", "num_stages", "v_transposed", "qk_ahead")
+    keys = ("block_m", "block_n", "num_warps", "num_stages", "v_transposed", "qk_ahead",
+            "grouped")
     return dict(zip(keys, config, strict=False))
 
 
@@ -114,7 +119,7 @@ class _PersistentPrefillRoute:
         params = {**self.param_space(problem, device)[0], **(params or {})}
         config = KernelConfig(params["block_m"], params["block_n"], params["num_warps"],
                               params["num_stages"], bool(params.get("v_transposed")),
-                              bool(params.get("qk_ahead")))
+                              bool(params.get("qk_ahead")), bool(params.get("grouped")))
         heads, kernel_heads = problem.num_heads, padded_heads(problem.num_heads)
         q, k, v = inputs.q, inputs.k, inputs.v
         dev = q.device
