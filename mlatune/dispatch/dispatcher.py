@@ -430,7 +430,10 @@ class Dispatcher:
             shown = predictor.predict(problem, usable)[:shown_count]
             for p in shown:
                 recipe = json.dumps(dict(p.recipe), sort_keys=True)
-                notes.append(f"predicted: {p.route_id} {recipe} {p.time_us:.4g} us "
+                # A split the law chose among the route's list (predict._ListedSplits)
+                chose = p.sizing is not None and p.sizing[0].chooses and p.sizing[1] is not None
+                split = f" at {p.sizing[0].sized}={p.sizing[1]}" if chose else ""
+                notes.append(f"predicted: {p.route_id} {recipe}{split} {p.time_us:.4g} us "
                              f"(+-{100 * p.uncertainty:.0f}%; its nearest measured point: "
                              f"batch={p.nearest.batch} kv_len={p.nearest.kv_len})")
         found = predictor.choose(problem, usable, bucket_key)
