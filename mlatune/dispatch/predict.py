@@ -216,7 +216,7 @@ def _device_with(cus: int) -> DeviceInfo:
 
 
 def _gluon_layout(route: Any, problem: MLAProblem) -> tuple[dict, float]:
-    """``wgmma/gluon``'s tile and programs per request (its 64-row blocks of heads x qlen)."""
+    """The Gluon decodes' tile and programs per request (64-row blocks of heads x qlen)."""
     from mlatune.kernels import gluon_hopper_plan as plan
 
     blocks = plan.row_blocks(problem.kernel_heads, problem.qlen)
@@ -227,6 +227,7 @@ def _gluon_layout(route: Any, problem: MLAProblem) -> tuple[dict, float]:
 # id -> (tile, programs per request) at a problem of the bucket.
 _LISTED_LAYOUTS: dict[str, Callable[[Any, MLAProblem], tuple[dict, float]]] = {
     "wgmma/gluon": _gluon_layout,
+    "seesaw/gluon": _gluon_layout,
 }
 
 
