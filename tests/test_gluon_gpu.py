@@ -1,4 +1,5 @@
-"""The ``wgmma/gluon`` route (the Hopper Gluon decode) on an sm_90 GPU (``pytest -m gpu``).
+"""The Gluon routes (``wgmma/gluon``, ``seesaw/gluon``: mlatune's Hopper Gluon decodes) on
+an sm_90 GPU (``pytest -m gpu``).
 
 The Triton routes' checks, imported: every parameter set against the fp32 reference
 on ragged lengths with NaN-poisoned outputs, DCP ranks' partials merged by their LSEs,
@@ -45,7 +46,8 @@ def _needs_hopper_and_triton_36(_needs_a_gpu):  # noqa: F811  (the imported fixt
         pytest.skip(verdict.reason)
 
 
-CASES = [
+SEESAW = "seesaw/gluon"  # the warp-specialized kernel: the same problems, every case
+PROBLEMS = [
     (GLUON, _p(16, 1, 4096)),  # one request: the most splits
     (GLUON, _p(16, 64, 4096)),
     (GLUON, _p(128, 32, 4096)),  # two row blocks per request
@@ -61,6 +63,7 @@ CASES = [
     (GLUON, _p(8, 16, 4096, qlen=2, dcp=2, causal=False)),
     (GLUON, _p(128, 128, 4096)),  # 256 programs: one split
 ]
+CASES = PROBLEMS + [(SEESAW, problem) for _, problem in PROBLEMS]
 
 
 @pytest.mark.parametrize("item", CASES, ids=_label)
@@ -68,7 +71,11 @@ def test_gluon_route_at_real_size(item):
     _at_real_size(item)
 
 
-@pytest.mark.parametrize("item", [CASES[5], CASES[10], CASES[13]], ids=_label)
+GRAPHED = [5, 10, 13]
+
+
+@pytest.mark.parametrize("item", [CASES[i] for i in GRAPHED] + [CASES[len(PROBLEMS) + i]
+                                                                for i in GRAPHED], ids=_label)
 def test_gluon_cuda_graph_replay(item):
     _replayed(item)
 
@@ -77,15 +84,17 @@ ENGINE_CASES = [_engine_p(16, 32, 4096), _engine_p(64, 16, 4096, qlen=2),
                 _engine_p(16, 8, 4096, dcp=2), _engine_p(128, 4, 8192)]
 
 
+@pytest.mark.parametrize("route_id", [GLUON, SEESAW])
 @pytest.mark.parametrize("problem", ENGINE_CASES, ids=lambda p: p.key)
-def test_gluon_captured_step_replays_with_new_lengths(problem, tmp_path):
-    _captured(GLUON, False, problem, tmp_path)
+def test_gluon_captured_step_replays_with_new_lengths(problem, route_id, tmp_path):
+    _captured(route_id, False, problem, tmp_path)
 
 
-@pytest.mark.parametrize("item", [CASES[1], CASES[5], CASES[7]], ids=_label)
+@pytest.mark.parametrize("item", [CASES[i] for i in (1, 5, 7)]
+                         + [CASES[len(PROBLEMS) + i] for i in (1, 5, 7)], ids=_label)
 def test_stale_cache_slots_hold_nan(item):
-    _, problem = item
-    route = routes.get(GLUON)
+    route_id, problem = item
+    route = routes.get(route_id)
     inputs = make_decode_inputs(problem, seed=zlib.crc32(_label(item).encode()) % 10_000,
                                 device="cuda", ragged=True)
     want_out, want_lse = reference.decode_shard(inputs, inputs.shards[0])

@@ -19,6 +19,7 @@ from mlatune.problem import MLAProblem
 from mlatune.routes import gluon_hopper as route_module
 
 ROUTE = "wgmma/gluon"
+KERNELS = {"wgmma/gluon": gluon_hopper, "seesaw/gluon": gluon_seesaw}  # route -> its kernel
 H200 = capability.device_for_arch("sm_90")
 FP8 = "fp8_e4m3fn"
 
@@ -174,11 +175,30 @@ class _Recorder:
         return launch, out, lse
 
 
-@pytest.fixture
-def recorder(monkeypatch):
+@pytest.fixture(params=list(KERNELS))
+def recorder(request, monkeypatch):
+    """Each Gluon route with its own kernel's launcher recorded (the other's raises)."""
     fake = _Recorder()
-    monkeypatch.setattr(gluon_seesaw, "decode_launcher", fake)
+    fake.route_id = request.param
+    for route_id, kernel in KERNELS.items():
+        if route_id == request.param:
+            monkeypatch.setattr(kernel, "decode_launcher", fake)
+        else:
+            monkeypatch.setattr(kernel, "decode_launcher", _not_this_kernel)
     return fake
+
+
+def _not_this_kernel(*args, **kwargs):
+    raise AssertionError("the route ran another route's kernel")
+
+
+def test_both_gluon_routes_serve_the_same_problems_with_the_same_splits():
+    assert capability.rules_for("seesaw/gluon") == capability.rules_for(ROUTE)
+    wgmma, seesaw = routes.get(ROUTE), routes.get("seesaw/gluon")
+    for problem in (_p(batch=1), _p(batch=64, num_heads=128, qlen=2, kv_len=8192),
+                    _p(batch=8, dcp_size=2)):
+        assert seesaw.param_space(problem, H200) == wgmma.param_space(problem, H200)
+    assert seesaw.sized_params == wgmma.sized_params
 
 
 @pytest.mark.parametrize("problem", [
@@ -187,7 +207,7 @@ def recorder(monkeypatch):
     _p(batch=2, num_heads=8, qlen=2, kv_len=200, causal=False, q_dtype="fp16", kv_dtype="fp16"),
 ], ids=lambda p: p.key)
 def test_prepare_hands_the_launcher_the_inputs(problem, recorder):
-    route = routes.get(ROUTE)
+    route = routes.get(recorder.route_id)
     inputs = make_decode_inputs(problem, seed=3, ragged=True)
     prepared = route.prepare(problem, inputs, params={"num_splits": 3})
     (call,) = recorder.calls
@@ -212,7 +232,7 @@ def test_prepare_hands_the_launcher_the_inputs(problem, recorder):
 
 
 def test_prepare_defaults_to_the_first_params_and_takes_the_callers_buffers(recorder):
-    route = routes.get(ROUTE)
+    route = routes.get(recorder.route_id)
     problem = _p(batch=2, kv_len=256)
     inputs = make_decode_inputs(problem, seed=4)
     scaled = dataclasses.replace(inputs, sm_scale=0.05)
@@ -229,7 +249,7 @@ def test_prepare_defaults_to_the_first_params_and_takes_the_callers_buffers(reco
 
 @pytest.mark.parametrize(("qlen", "causal"), [(1, True), (3, False)])
 def test_a_dcp_rank_runs_over_its_own_shard(qlen, causal, recorder):
-    route = routes.get(ROUTE)
+    route = routes.get(recorder.route_id)
     problem = _p(batch=3, num_heads=8, qlen=qlen, kv_len=500, dcp_size=2, causal=causal)
     inputs = make_decode_inputs(problem, seed=5, ragged=True)
     for rank in (1, 0):
@@ -247,14 +267,15 @@ def test_prepare_refuses_causal_verify_over_a_shard(recorder):
     problem = _p(batch=2, qlen=2, kv_len=300, dcp_size=2)
     inputs = make_decode_inputs(problem, seed=6)
     with pytest.raises(ValueError, match="local positions"):
-        routes.get(ROUTE).prepare(problem, inputs, rank=0)
+        routes.get(recorder.route_id).prepare(problem, inputs, rank=0)
     assert not recorder.calls
 
 
-def test_prepare_without_triton_3_6_raises_naming_it():
+@pytest.mark.parametrize("route_id", list(KERNELS))
+def test_prepare_without_triton_3_6_raises_naming_it(route_id):
     if gluon_hopper.gluon_available()[0]:
         pytest.skip("this machine has triton 3.6")
     problem = _p(batch=2, kv_len=256)
     inputs = make_decode_inputs(problem, seed=7)
     with pytest.raises(ValueError, match=r"triton 3\.6\.x"):
-        routes.get(ROUTE).prepare(problem, inputs)
+        routes.get(route_id).prepare(problem, inputs)

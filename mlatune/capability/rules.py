@@ -539,6 +539,15 @@ _AITER_DECODE = (
     _rule("aiter.heads", _aiter_heads),
 )
 
+_WGMMA_GLUON = (
+    _rule("wgmma.arch", _arch_in(tables.WGMMA_GLUON_ARCHS, "the Hopper Gluon decode")),
+    _rule("wgmma.decode", _decode, "wgmma.shape"),
+    _rule("wgmma.dims", _wgmma_dims, "wgmma.shape"),
+    _rule("wgmma.page", _wgmma_page, "wgmma.shape"),
+    _rule("wgmma.dtypes", _wgmma_dtypes),
+    _rule("wgmma.dcp", _wgmma_dcp),
+)
+
 ROUTE_RULES: dict[str, tuple[Rule, ...]] = {
     "gluon/aiter": (
         *_AITER_DECODE,
@@ -633,14 +642,8 @@ ROUTE_RULES.update({
     "sdpa/torch": (_rule("sdpa.prefill", _serves_prefill("sdpa/torch"), "sdpa.route"),
                    _rule("sdpa.dtypes", _sdpa_dtypes, "sdpa.route")),
     "reference/torch": (),  # eager fp32 torch: any problem on any device
-    "wgmma/gluon": (
-        _rule("wgmma.arch", _arch_in(tables.WGMMA_GLUON_ARCHS, "the Hopper Gluon decode")),
-        _rule("wgmma.decode", _decode, "wgmma.shape"),
-        _rule("wgmma.dims", _wgmma_dims, "wgmma.shape"),
-        _rule("wgmma.page", _wgmma_page, "wgmma.shape"),
-        _rule("wgmma.dtypes", _wgmma_dtypes),
-        _rule("wgmma.dcp", _wgmma_dcp),
-    ),
+    "wgmma/gluon": _WGMMA_GLUON,
+    "seesaw/gluon": _WGMMA_GLUON,  # the same problems: the kernels share sizes and helpers
 })
 
 

@@ -1,7 +1,10 @@
-"""mlatune's Hopper Gluon MLA decode as ``wgmma/gluon``: the warp-specialized seesaw kernel
-(``mlatune/kernels/gluon_seesaw.py``; ``gluon_hopper.py`` holds the first kernel, whose host
-helpers it shares, and which it replaced after both were timed on the H200, 2026-12-01: the
-seesaw kernel took 0.78-0.94x its time at every point, ``benchmarks/results/README.md``).
+"""mlatune's Hopper Gluon MLA decodes as routes: ``wgmma/gluon`` (the first kernel,
+``mlatune/kernels/gluon_hopper.py``: two warpgroups split each tile's S by key columns)
+and ``seesaw/gluon`` (the warp-specialized kernel, ``mlatune/kernels/gluon_seesaw.py``: a
+loader partition and two compute warpgroups alternating whole tiles; 0.78-0.94x the
+first kernel's time at every point timed on the H200, 2026-12-01). The two kernels take
+the same tensors and share the host helpers, the rules and the split rule; a stored
+route id keeps its kernel, so the faster one came in under a new id.
 
 Which problems it serves is the capability model's (``capability.rules``, the
 ``wgmma.*`` rules: sm_90, decode, 576/512 dims, page 64, bf16 or fp16 q and
@@ -22,6 +25,7 @@ the ranks merge.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from functools import cache
 from importlib import metadata
@@ -53,6 +57,7 @@ class WgmmaGluonRoute:
     """The Hopper Gluon decode: heads x qlen folded into 64-row wgmma tiles, split-KV."""
 
     id = "wgmma/gluon"
+    kernel = "gluon_hopper"  # the module under mlatune.kernels whose decode_launcher runs
     sized_params = ("num_splits",)  # derived from batch and KV length (base.params_at)
     writes_into = True  # prepare takes the caller's out= and lse= buffers
 
@@ -88,13 +93,20 @@ class WgmmaGluonRoute:
         if problem.dcp_size > 1 and problem.causal and problem.qlen > 1:
             raise ValueError(f"{self.id}: causal verify over a DCP shard is not served (the "
                              f"kernel masks on the shard's local positions)")
-        from mlatune.kernels import gluon_seesaw
-
+        kernel = importlib.import_module(f"mlatune.kernels.{self.kernel}")
         chosen = dict(self.param_space(problem, device_of(inputs.q))[0])
         chosen.update(params or {})
         shard = inputs.shards[rank]
-        launch, out, lse = gluon_seesaw.decode_launcher(
+        launch, out, lse = kernel.decode_launcher(
             inputs.q, shard.kv_cache, shard.block_table, shard.seq_lens, qlen=problem.qlen,
             sm_scale=inputs.softmax_scale, causal=problem.causal, out=out, lse=lse,
             num_splits=chosen["num_splits"], max_seq_len=problem.shard_len)
         return Prepared(launch, out, lse if want_lse else None, graph_safe=True, params=chosen)
+
+
+class SeesawGluonRoute(WgmmaGluonRoute):
+    """The warp-specialized Hopper Gluon decode: each warpgroup computes S of a whole tile,
+    the two alternating (Q read once a tile); same rules, tensors and splits."""
+
+    id = "seesaw/gluon"
+    kernel = "gluon_seesaw"
