@@ -3,8 +3,10 @@
     python3 benchmarks/gluon_check.py --out DIR
 
 Needs an sm_90 GPU and triton 3.6.x (``mlatune/kernels/gluon_hopper.py``). The
-kernel's variants (``VARIANTS``: tile width, pipelined walk, and the warp-specialized
-seesaw kernel of ``mlatune/kernels/gluon_seesaw.py``) are each checked and timed.
+kernel's variants (``VARIANTS``: the first kernel's 64-key serial walk, the warp-specialized
+seesaw kernel of ``mlatune/kernels/gluon_seesaw.py`` and its chunked form, whose tiles land
+in 64-column chunks that S starts on) are each checked and timed; ``--all-variants`` adds
+the first kernel's pipelined walk and 32-key tiles (slower at every point on 2026-12-01).
 Steps, each caught so that one failure never ends the run:
 1. smoke: a child process (``--smoke``, 75 s limit, so a hang or an illegal
    address cannot take this process down) runs small problems: one split and
@@ -20,7 +22,7 @@ Steps, each caught so that one failure never ends the run:
    kv_len long, as benchmarks/decode.py), beside ``padded/triton`` and
    ``dense/flashmla`` when FlashMLA is installed.
 Writes DIR/gluon_check.json and .csv after every point; points that would
-start after ``--budget`` seconds (150) are skipped.
+start after ``--budget`` seconds (200) are skipped.
 """
 
 from __future__ import annotations
@@ -50,7 +52,9 @@ SMOKE = [  # (batch, heads, kv_len, qlen, dtype, num_splits)
 OTHERS = ("padded/triton", "dense/flashmla")
 GLUON = "wgmma/gluon"
 SEESAW = ("seesaw", )  # the warp-specialized kernel (mlatune/kernels/gluon_seesaw.py)
-VARIANTS = [(64, False), (64, True), (32, False), (32, True), SEESAW]  # (block_n, pipeline)
+SEESAW_CHUNKED = ("seesaw", "chunked")  # its CHUNKED form: decode_launcher(chunked=True)
+VARIANTS = [(64, False), SEESAW, SEESAW_CHUNKED]  # first kernel: (block_n, pipeline)
+MORE_VARIANTS = [(64, True), (32, False), (32, True)]  # --all-variants
 DEVICE = "cuda"  # a dry run of the plumbing may set "cpu" (with a stand-in kernel)
 
 
@@ -66,8 +70,8 @@ def problem_of(batch, heads, kv_len, qlen, dtype="bf16"):
 
 
 def variant_id(variant) -> str:
-    if variant == SEESAW:
-        return f"{GLUON} seesaw"
+    if variant[0] == "seesaw":
+        return f"{GLUON} {' '.join(variant)}"
     return f"{GLUON} n{variant[0]}{' pipe' if variant[1] else ''}"
 
 
@@ -76,9 +80,9 @@ def gluon_prepare(problem, inputs, num_splits=None, variant=VARIANTS[0]):
     args = (inputs.q, shard.kv_cache, shard.block_table, shard.seq_lens)
     kwargs = dict(qlen=problem.qlen, sm_scale=inputs.softmax_scale, causal=problem.causal,
                   num_splits=num_splits, max_seq_len=problem.kv_len)
-    if variant == SEESAW:
+    if variant[0] == "seesaw":
         from mlatune.kernels.gluon_seesaw import decode_launcher as seesaw_launcher
-        return seesaw_launcher(*args, **kwargs)
+        return seesaw_launcher(*args, **kwargs, chunked=variant == SEESAW_CHUNKED)
     from mlatune.kernels.gluon_hopper import decode_launcher
     return decode_launcher(*args, **kwargs, block_n=variant[0], pipeline=variant[1])
 
@@ -154,9 +158,10 @@ def smoke() -> int:
     return 0
 
 
-def run_smoke_child(timeout_s: float) -> tuple[bool, str]:
+def run_smoke_child(timeout_s: float, all_variants: bool = False) -> tuple[bool, str]:
     """The smoke cases in a child process: (it finished, what it said)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--smoke"]
+    cmd += ["--all-variants"] if all_variants else []
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as exc:
@@ -232,7 +237,7 @@ def run_point(point, gluon_ok: bool, seconds: float) -> list[dict]:
 
 
 def line_of(r: dict) -> str:
-    head = f"{r['route']:22s}"
+    head = f"{r['route']:26s}"
     if "time_us" not in r:
         return f"{head} {r['status']}"
     if r["status"] != "ok":
@@ -253,9 +258,12 @@ def summary(point, rows) -> str:
     best = min(ok, key=ok.get) if ok else GLUON
     g = t.get(best, math.nan)
     parts = [f"{point}: best gluon {best} {g:.1f} us"]
-    seesaw, n64 = (t.get(variant_id(v), math.nan) for v in (SEESAW, VARIANTS[0]))
+    seesaw, chunked, n64 = (t.get(variant_id(v), math.nan)
+                            for v in (SEESAW, SEESAW_CHUNKED, VARIANTS[0]))
     if not math.isnan(seesaw):
         parts.append(f"seesaw {seesaw:.1f} us (seesaw/n64 {seesaw / n64:.2f}x)")
+    if not math.isnan(chunked):
+        parts.append(f"chunked {chunked:.1f} us (chunked/seesaw {chunked / seesaw:.2f}x)")
     for rid in OTHERS:
         if not math.isnan(t.get(rid, math.nan)):
             parts.append(f"{rid} {t[rid]:.1f} us (gluon/{rid.split('/')[0]} {g / t[rid]:.2f}x)")
@@ -278,11 +286,15 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/gluon-check"))
     ap.add_argument("--smoke", action="store_true", help="run only the smoke cases (the child)")
     ap.add_argument("--seconds", type=float, default=0.6, help="timing budget per route and point")
-    ap.add_argument("--smoke-timeout", type=float, default=75.0)
-    ap.add_argument("--budget", type=float, default=150.0,
+    ap.add_argument("--smoke-timeout", type=float, default=120.0)
+    ap.add_argument("--all-variants", action="store_true",
+                    help="also the first kernel's pipelined walk and 32-key tiles")
+    ap.add_argument("--budget", type=float, default=200.0,
                     help="seconds for the whole run: points that would start past it are skipped")
     args = ap.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
+    if args.all_variants:
+        VARIANTS[1:1] = MORE_VARIANTS
     if args.smoke:
         return smoke()
     import triton
@@ -298,7 +310,7 @@ def main() -> int:
     gluon_ok, why = gluon_available()
     if gluon_ok:
         print("smoke (child process) ...", flush=True)
-        gluon_ok, text = run_smoke_child(args.smoke_timeout)
+        gluon_ok, text = run_smoke_child(args.smoke_timeout, args.all_variants)
         print(text.rstrip(), flush=True)
         meta["smoke"] = text
         meta["smoke_finished"] = gluon_ok

@@ -42,8 +42,27 @@ Registers: O's half (64 x 256 fp32) is 128 a thread, so the compute warpgroups g
 240 (setmaxnreg) and the loader 24, over 12 warps at ``MAXNREG`` 168. The compute
 warpgroups are both workers (not one the default partition) so that they compile
 alike: as the default partition WG0 kept its scalars in registers and spilled.
-Not measured yet on the GPU (2026-12-01): ``benchmarks/gluon_check.py`` times it
-as the ``wgmma/gluon seesaw`` variant; it is no route.
+The ``wgmma/gluon`` route runs it since 2026-12-01 (``benchmarks/results/README.md``,
+session 8, call 6); ``benchmarks/gluon_check.py`` times it as ``wgmma/gluon seesaw``.
+
+The CHUNKED form (``decode_launcher(chunked=True)``; ``gluon_check``'s ``wgmma/gluon
+seesaw chunked``; not measured yet) aims at the compute-bound gap to FlashMLA (2.28 us a
+64-key tile per SM against 1.86 at (8, 128, 32768, 1)). Above, S of a tile starts only
+when all of its 72 KB has landed, and WG1 asks for its next tile b only as it releases
+slot 1, so its S waits out the copy's whole latency every pair. Chunked:
+- each tile lands as 9 TMA boxes of [64, 64] (nope columns 64c..64c+63, then the rope
+  part), each on its own barrier (``ready[9 * slot + c]``), from one descriptor over the
+  cache's whole 576-wide rows (passed as ``kr_desc``); S = Q K^T is issued a chunk at a
+  time (4 k-steps), each after its chunk's wait, so it starts on the first 8 KB;
+- a slot is released in two groups, each by the one warpgroup that reads it last: the
+  owner's V half (slot 0: columns 0-255, WG0; slot 1: 256-511, WG1) by the owner after
+  its own P V, the other V half and the rope part (P) by the other warpgroup after its
+  P V (``_release``; ``empty[2 * slot + group]``, count 1). The loader copies the
+  owner's half first and S reads the chunks in that order (slot 1: 256-511 first), so
+  WG0's next S starts on columns 0-255 that WG0 itself freed half a pair earlier.
+The same ops otherwise; stale-row zeroing of tile a by WG0 moves after S (which has
+waited for every chunk). Compiled (triton 3.6.0, sm_90a): 26 mbarriers, 222,688 bytes
+of shared memory, 24 bytes of spills (72 above), no wgmma serialization.
 """
 
 from __future__ import annotations
@@ -61,6 +80,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mlatune.kernels.gluon_hopper import (
     _TORCH_NAMES,
@@ -89,15 +109,26 @@ __all__ = ["aot_compile", "decode_launcher", "seesaw_decode", "seesaw_kernel"]
 
 
 @gluon.jit
-def _loader(descs, bufs, bars, bt_row, q_row, start, n_tiles, PAGE: gl.constexpr):
+def _loader(descs, bufs, bars, bt_row, q_row, start, n_tiles, PAGE: gl.constexpr,
+            CHUNKED: gl.constexpr):
     """Q once, then tile t into slot t % 2 as soon as both warpgroups have released it."""
-    qn_desc, qr_desc, kn_desc, kr_desc = descs
-    q_nope, q_rope, k_nope, k_rope = bufs[:4]
-    q_bar, ready, empty = bars[:3]
-    BN: gl.constexpr = kn_desc.block_type.shape[0]
+    qn_desc, qr_desc = descs[:2]
+    q_bar = bars[0]
     mbarrier.expect(q_bar, qn_desc.block_type.nbytes + qr_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(qn_desc, [q_row, 0], q_bar, q_nope)
-    tma.async_copy_global_to_shared(qr_desc, [q_row, 0], q_bar, q_rope)
+    tma.async_copy_global_to_shared(qn_desc, [q_row, 0], q_bar, bufs[0])
+    tma.async_copy_global_to_shared(qr_desc, [q_row, 0], q_bar, bufs[1])
+    if CHUNKED:
+        _load_tiles_chunked(descs[3], bufs, bars, bt_row, start, n_tiles, PAGE)
+    else:
+        _load_tiles(descs, bufs, bars, bt_row, start, n_tiles, PAGE)
+
+
+@gluon.jit
+def _load_tiles(descs, bufs, bars, bt_row, start, n_tiles, PAGE: gl.constexpr):
+    kn_desc, kr_desc = descs[2:]
+    k_nope, k_rope = bufs[2:4]
+    ready, empty = bars[1:3]
+    BN: gl.constexpr = kn_desc.block_type.shape[0]
     for t in range(n_tiles):
         slot = t % 2
         # A fresh barrier counts as phase 1 complete: the first wait on each slot passes.
@@ -106,6 +137,86 @@ def _loader(descs, bufs, bars, bt_row, q_row, start, n_tiles, PAGE: gl.constexpr
         fence_async_shared()
         _issue_kv(kn_desc, kr_desc, k_nope.index(slot), k_rope.index(slot), ready.index(slot),
                   bt_row, start + t * BN, True, PAGE)
+
+
+@gluon.jit
+def _load_tiles_chunked(kc_desc, bufs, bars, bt_row, start, n_tiles, PAGE: gl.constexpr):
+    """``_load_tiles`` with each tile copied in 9 chunks of 64 columns, each on its own
+    barrier (``ready[9 * slot + c]``: nope columns [64c, 64c + 64), c = 8 the rope part),
+    in two groups released apart (see ``_release``): the owner's V half first, then the rest."""
+    k_nope, k_rope = bufs[2:4]
+    ready, empty = bars[1:3]
+    BN: gl.constexpr = kc_desc.block_type.shape[0]
+    for j in range((n_tiles + 1) // 2):
+        ph = (j & 1) ^ 1  # a fresh barrier counts as phase 1 complete: the first waits pass
+        key = start + 2 * j * BN
+        _load_tile_chunked(kc_desc, k_nope.index(0), k_rope.index(0), ready, empty, 0, ph,
+                           bt_row, key, PAGE)
+        if 2 * j + 1 < n_tiles:
+            _load_tile_chunked(kc_desc, k_nope.index(1), k_rope.index(1), ready, empty, 1, ph,
+                               bt_row, key + BN, PAGE)
+
+
+@gluon.jit
+def _load_tile_chunked(kc_desc, kn, kr, ready, empty, SLOT: gl.constexpr, ph, bt_row, key,
+                       PAGE: gl.constexpr):
+    """One tile into slot SLOT: its owner's V half (slot 0: columns 0-255, slot 1: 256-511)
+    once the owner released it, then the other half and the rope part."""
+    W: gl.constexpr = kc_desc.block_type.shape[1]
+    page = gl.load(bt_row + key // PAGE)
+    row = page * PAGE + key % PAGE
+    for g in gl.static_range(2):
+        mbarrier.wait(empty.index(2 * SLOT + g), ph)
+        fence_async_shared()  # the warpgroups wrote the slot (P, zeroed rows) as generic proxy
+        # Chunk (4 (SLOT + g) + i) % 8: slot 0 copies columns 0-255 first, slot 1 256-511.
+        for c in gl.static_range(4 * (SLOT + g), 4 * (SLOT + g) + 4):
+            bar = ready.index(9 * SLOT + c % 8)
+            mbarrier.expect(bar, kc_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(kc_desc, [row, c % 8 * W], bar,
+                                            kn.slice(c % 8 * W, W, dim=1))
+    bar = ready.index(9 * SLOT + 8)
+    mbarrier.expect(bar, kc_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(kc_desc, [row, kn.shape[1]], bar, kr)
+
+
+@gluon.jit
+def _scores_chunked(q_nope, q_rope, kn, kr, ready, SLOT: gl.constexpr, ph, pred,
+                    s_layout: gl.constexpr):
+    """S = Q K^T of the tile in slot SLOT, each 64-column step issued as soon as its chunk
+    has landed, in the order the loader copies them (the owner's V half first, rope last)."""
+    W: gl.constexpr = kr.shape[1]
+    BM: gl.constexpr = q_nope.shape[0]
+    BN: gl.constexpr = kn.shape[0]
+    s = gl.zeros([BM, BN], gl.float32, layout=s_layout)
+    for c in gl.static_range(4 * SLOT, 4 * SLOT + 8):  # chunk c % 8
+        mbarrier.wait(ready.index(9 * SLOT + c % 8), ph, pred=pred)
+        s = warpgroup_mma(q_nope.slice(c % 8 * W, W, dim=1),
+                          kn.slice(c % 8 * W, W, dim=1).permute((1, 0)), s,
+                          use_acc=c > 4 * SLOT, is_async=True)
+    mbarrier.wait(ready.index(9 * SLOT + 8), ph, pred=pred)
+    return warpgroup_mma(q_rope, kr.permute((1, 0)), s, is_async=True)
+
+
+@gluon.jit
+def _wait_half(ready, SLOT: gl.constexpr, HALF: gl.constexpr, ph, pred, CHUNKED: gl.constexpr):
+    """Wait until the V half HALF (0: columns 0-255) of slot SLOT has landed."""
+    if CHUNKED:
+        for i in gl.static_range(4):
+            mbarrier.wait(ready.index(9 * SLOT + 4 * HALF + i), ph, pred=pred)
+    else:
+        mbarrier.wait(ready.index(SLOT), ph, pred=pred)
+
+
+@gluon.jit
+def _release(empty, SLOT: gl.constexpr, WG: gl.constexpr, CHUNKED: gl.constexpr):
+    """Warpgroup WG is done with slot SLOT. Chunked, the slot's two groups are each read by
+    one warpgroup last: the owner's V half by the owner (WG0 owns slot 0, WG1 slot 1), the
+    other V half and the rope part (P) by the other: ``empty[2 * SLOT + (WG != SLOT)]``,
+    count 1; else ``empty[SLOT]``, count 2."""
+    if CHUNKED:
+        mbarrier.arrive(empty.index(2 * SLOT + (WG != SLOT)))
+    else:
+        mbarrier.arrive(empty.index(SLOT))
 
 
 @gluon.jit
@@ -152,17 +263,22 @@ def _halves(kn_a, kn_b, half: gl.constexpr, s_layout: gl.constexpr, o_layout: gl
 
 @gluon.jit
 def _pair_wg0(bufs, kv, bars, ph, n0, end, has_b, last_pos, qk_scale, m_run, l_run, acc,
-              s_layout: gl.constexpr, o_layout: gl.constexpr):
+              s_layout: gl.constexpr, o_layout: gl.constexpr, CHUNKED: gl.constexpr):
     """WG0's half of a pair: its own tile a (slot 0), then WG1's tile b (slot 1)."""
     q_nope, q_rope, m_buf = bufs[0], bufs[1], bufs[4]
     kn_a, kr_a, kn_b, kr_b = kv
     ready, empty, p_bars = bars[1:4]
     v_a, v_b, cols = _halves(kn_a, kn_b, 0, s_layout, o_layout)
     BN: gl.constexpr = kn_a.shape[0]
-    mbarrier.wait(ready.index(0), ph)
-    _zero_if_last(v_a, n0, end)
-    s = _issue_scores(q_nope, q_rope, kn_a, kr_a, s_layout)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    if CHUNKED:
+        s = _scores_chunked(q_nope, q_rope, kn_a, kr_a, ready, 0, ph, True, s_layout)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        _zero_if_last(v_a, n0, end)  # after S, which has waited for every chunk
+    else:
+        mbarrier.wait(ready.index(0), ph)
+        _zero_if_last(v_a, n0, end)
+        s = _issue_scores(q_nope, q_rope, kn_a, kr_a, s_layout)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
     p, m0, l_run, alpha = _softmax_tile(s * qk_scale, n0, end, last_pos, cols, m_run, l_run)
     p = p.to(kr_a.dtype)
     _publish(p, kr_a, _row_slot(m_buf, 0), m0, p_bars.index(0))
@@ -172,21 +288,21 @@ def _pair_wg0(bufs, kv, bars, ph, n0, end, has_b, last_pos, qk_scale, m_run, l_r
     mbarrier.wait(p_bars.index(1), ph)
     m1 = _row_slot(m_buf, 1).load(gl.SliceLayout(1, s_layout))
     acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-    mbarrier.arrive(empty.index(0))
+    _release(empty, 0, 0, CHUNKED)
     alpha = gl.exp2(m0 - _no_shift(m1))
     acc = _scale_rows(acc, alpha, o_layout)
     if has_b:
-        mbarrier.wait(ready.index(1), ph)
+        _wait_half(ready, 1, 0, ph, True, CHUNKED)
         _zero_if_last(v_b, n0 + BN, end)
         acc = warpgroup_mma(kr_b, v_b, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    mbarrier.arrive(empty.index(1))
+    _release(empty, 1, 0, CHUNKED)
     return acc, m1, l_run * alpha
 
 
 @gluon.jit
 def _pair_wg1(bufs, kv, bars, ph, n0, end, has_b, last_pos, qk_scale, m_run, l_run, acc,
-              s_layout: gl.constexpr, o_layout: gl.constexpr):
+              s_layout: gl.constexpr, o_layout: gl.constexpr, CHUNKED: gl.constexpr):
     """WG1's half of a pair: S of its own tile b first, WG0's P_a V_a while S_b finishes."""
     kn_a, kr_a, kn_b, kr_b = kv
     q_nope, q_rope, m_buf = bufs[0], bufs[1], bufs[4]
@@ -194,9 +310,12 @@ def _pair_wg1(bufs, kv, bars, ph, n0, end, has_b, last_pos, qk_scale, m_run, l_r
     v_a, v_b, cols = _halves(kn_a, kn_b, 1, s_layout, o_layout)
     n1 = n0 + kn_a.shape[0]
     # Without a tile b (odd count), S_b reads whatever slot 1 holds: all masked (n1 >= end).
-    mbarrier.wait(ready.index(1), ph, pred=has_b)
-    s = _issue_scores(q_nope, q_rope, kn_b, kr_b, s_layout)
-    mbarrier.wait(ready.index(0), ph)
+    if CHUNKED:
+        s = _scores_chunked(q_nope, q_rope, kn_b, kr_b, ready, 1, ph, has_b, s_layout)
+    else:
+        mbarrier.wait(ready.index(1), ph, pred=has_b)
+        s = _issue_scores(q_nope, q_rope, kn_b, kr_b, s_layout)
+    _wait_half(ready, 0, 1, ph, True, CHUNKED)
     mbarrier.wait(p_bars.index(0), ph)
     m0 = _row_slot(m_buf, 0).load(gl.SliceLayout(1, s_layout))
     alpha = gl.exp2(m_run - _no_shift(m0))
@@ -209,7 +328,7 @@ def _pair_wg1(bufs, kv, bars, ph, n0, end, has_b, last_pos, qk_scale, m_run, l_r
     p = p.to(kr_a.dtype)
     _publish(p, kr_b, _row_slot(m_buf, 1), m1, p_bars.index(1))
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    mbarrier.arrive(empty.index(0))
+    _release(empty, 0, 1, CHUNKED)
     acc = _scale_rows(acc, alpha, o_layout)
     if has_b:
         _zero_if_last(v_b, n1, end)
@@ -217,7 +336,7 @@ def _pair_wg1(bufs, kv, bars, ph, n0, end, has_b, last_pos, qk_scale, m_run, l_r
                                                         k_width=2))
         acc = warpgroup_mma(p_op, v_b, acc, is_async=True)
         acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-    mbarrier.arrive(empty.index(1))
+    _release(empty, 1, 1, CHUNKED)
     return acc, m1, l_run
 
 
@@ -233,7 +352,7 @@ def _last_keys(rb, seq_len, qlen, heads, BM: gl.constexpr, row_s: gl.constexpr,
 
 @gluon.jit
 def _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, WG: gl.constexpr,
-             CAUSAL: gl.constexpr, DIRECT: gl.constexpr):
+             CAUSAL: gl.constexpr, DIRECT: gl.constexpr, CHUNKED: gl.constexpr):
     """One compute warpgroup: its walk over the pairs of tiles, then its half of the output."""
     q_nope, k_nope, k_rope, l_buf = bufs[0], bufs[2], bufs[3], bufs[5]
     q_bar, l_bar = bars[0], bars[4]
@@ -261,10 +380,10 @@ def _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, WG: gl.constexpr,
         has_b = 2 * j + 1 < n_tiles
         if WG == 0:
             acc, m_run, l_run = _pair_wg0(bufs, kv, bars, j & 1, n0, end, has_b, last_pos, qk_scale,
-                                          m_run, l_run, acc, s_layout, o_layout)
+                                          m_run, l_run, acc, s_layout, o_layout, CHUNKED)
         else:
             acc, m_run, l_run = _pair_wg1(bufs, kv, bars, j & 1, n0, end, has_b, last_pos, qk_scale,
-                                          m_run, l_run, acc, s_layout, o_layout)
+                                          m_run, l_run, acc, s_layout, o_layout, CHUNKED)
     # The row sum is the two warpgroups' sums, both in the base of the final max.
     _row_slot(l_buf, WG).store(l_run)
     gl.thread_barrier()
@@ -334,13 +453,27 @@ def _store_lse(m_i, l_i, lse_ptr, ints, BM: gl.constexpr, DIRECT: gl.constexpr):
 @gluon.jit
 def _wg0(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
          DIRECT: gl.constexpr):
-    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 0, CAUSAL, DIRECT)
+    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 0, CAUSAL, DIRECT, False)
+
+
+@gluon.jit
+def _wg0_chunked(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
+                 DIRECT: gl.constexpr):
+    # A worker's arguments reach it as values (constexprs too): the form is in its name.
+    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 0, CAUSAL, DIRECT, True)
 
 
 @gluon.jit
 def _wg1(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
          DIRECT: gl.constexpr):
-    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 1, CAUSAL, DIRECT)
+    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 1, CAUSAL, DIRECT, False)
+
+
+@gluon.jit
+def _wg1_chunked(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
+                 DIRECT: gl.constexpr):
+    # A worker's arguments reach it as values (constexprs too): the form is in its name.
+    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 1, CAUSAL, DIRECT, True)
 
 
 @gluon.jit
@@ -359,11 +492,12 @@ def _key_range(seq_len, rb, split, num_splits, qlen, heads, BM: gl.constexpr,
 
 @gluon.jit(do_not_specialize=["num_splits", "qlen", "heads"])
 def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache's two parts
+                  # (CHUNKED: kr_desc is the cache's whole rows in [64, 64] blocks instead)
                   bt_ptr, seq_lens_ptr, out_ptr, lse_ptr, num_splits, qlen, heads, qk_scale,
                   stride_bt, stride_o_tok, stride_o_head, stride_lse_tok,  # direct out
                   stride_po_slot, stride_po_row, stride_pl_slot,  # fp32 partials
                   CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PAGE: gl.constexpr,
-                  num_warps: gl.constexpr):
+                  CHUNKED: gl.constexpr, num_warps: gl.constexpr):
     BM: gl.constexpr = qn_desc.block_type.shape[0]
     BN: gl.constexpr = kn_desc.block_type.shape[0]
     dtype: gl.constexpr = qn_desc.dtype
@@ -383,15 +517,24 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache'
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     q_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     l_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-    ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-    empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    # Chunked: a barrier a 64-column chunk (9 a slot) and two release groups a slot.
+    ready = gl.allocate_shared_memory(gl.int64, [18 if CHUNKED else 2, 1], bar_layout)
+    empty = gl.allocate_shared_memory(gl.int64, [4 if CHUNKED else 2, 1], bar_layout)
     p_bars = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)  # P_a and m0; P_b and m1
     mbarrier.init(q_bar, count=1)
     mbarrier.init(l_bar, count=2)
-    for i in gl.static_range(2):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # both warpgroups release a slot
-        mbarrier.init(p_bars.index(i), count=1)
+    if CHUNKED:
+        for i in gl.static_range(18):
+            mbarrier.init(ready.index(i), count=1)
+        for i in gl.static_range(4):
+            mbarrier.init(empty.index(i), count=1)  # one warpgroup reads each group last
+        for i in gl.static_range(2):
+            mbarrier.init(p_bars.index(i), count=1)
+    else:
+        for i in gl.static_range(2):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # both warpgroups release a slot
+            mbarrier.init(p_bars.index(i), count=1)
     fence_async_shared()
 
     bufs = (q_nope, q_rope, k_nope, k_rope, m_buf, l_buf)
@@ -406,9 +549,9 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache'
     # same register budget and take their scalars from shared memory alike.
     gl.warp_specialize([
         (_loader, ((qn_desc, qr_desc, kn_desc, kr_desc), bufs, bars, bt_row, q_row, start,
-                   n_tiles, PAGE)),
-        (_wg0, compute_args),
-        (_wg1, compute_args),
+                   n_tiles, PAGE, CHUNKED)),
+        (_wg0_chunked if CHUNKED else _wg0, compute_args),
+        (_wg1_chunked if CHUNKED else _wg1, compute_args),
     ], [4, 4], [COMPUTE_REGS, COMPUTE_REGS])
 
 
@@ -430,15 +573,25 @@ def _partials_and_merge(out: torch.Tensor, lse: torch.Tensor, batch: int, num_sp
     return part_out, part_lse, merge
 
 
+def _chunk_descriptor(kv_cache: torch.Tensor) -> TensorDescriptor:
+    """The cache's whole (page, slot) rows, 576 wide, in [64, 64] blocks: the chunked form's
+    copies (nope chunk c at column 64c, the rope part at 512), in the rope part's layout."""
+    block = [BLOCK_N, D_ROPE]
+    return TensorDescriptor(kv_cache, [kv_cache.shape[0] * kv_cache.shape[1], D_NOPE + D_ROPE],
+                            [kv_cache.stride(1), 1], block, _nvmma(block, kv_cache.dtype))
+
+
 def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                     seq_lens: torch.Tensor, *, qlen: int, sm_scale: float, causal: bool = True,
                     out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                    num_splits: int | None = None, max_seq_len: int | None = None
+                    num_splits: int | None = None, max_seq_len: int | None = None,
+                    chunked: bool = False
                     ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
     """A zero-argument launch of the seesaw decode, with the out and LSE it writes.
 
     Tensors and arguments as ``gluon_hopper.decode_launcher`` (page 64, bf16/fp16,
-    ``num_splits`` None: ``pick_splits``); capturable.
+    ``num_splits`` None: ``pick_splits``); capturable. ``chunked``: the kernel's CHUNKED
+    form (each tile copied in 64-column chunks, S started on the first; module docstring).
     """
     why = check_supported(q, kv_cache, block_table, seq_lens)
     if why is not None:
@@ -457,9 +610,13 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
             max_seq_len = int(seq_lens.max()) if batch else 0
         num_splits = pick_splits(batch, row_blocks, max_seq_len)
     grid = (row_blocks, num_splits, batch)
-    head = (*_descriptors(q, kv_cache, BLOCK_N), block_table, seq_lens)
+    descs = _descriptors(q, kv_cache, BLOCK_N)
+    if chunked:
+        descs = (*descs[:3], _chunk_descriptor(kv_cache))
+    head = (*descs, block_table, seq_lens)
     sizes = (num_splits, qlen, heads, sm_scale * LOG2E, block_table.stride(0))
-    meta = dict(CAUSAL=causal and qlen > 1, PAGE=PAGE_SIZE, num_warps=NUM_WARPS, maxnreg=MAXNREG)
+    meta = dict(CAUSAL=causal and qlen > 1, PAGE=PAGE_SIZE, CHUNKED=chunked, num_warps=NUM_WARPS,
+                maxnreg=MAXNREG)
     if num_splits == 1:
         args = (*head, out, lse, *sizes, out.stride(0), out.stride(1), lse.stride(0), 0, 0, 0)
         return (lambda: seesaw_kernel[grid](*args, DIRECT=True, **meta)), out, lse
@@ -477,23 +634,26 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
 
 def seesaw_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                   seq_lens: torch.Tensor, *, qlen: int, sm_scale: float, causal: bool = True,
-                  num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  num_splits: int | None = None, chunked: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """One eager call: (out, lse). See ``decode_launcher``."""
     launch, out, lse = decode_launcher(q, kv_cache, block_table, seq_lens, qlen=qlen,
-                                       sm_scale=sm_scale, causal=causal, num_splits=num_splits)
+                                       sm_scale=sm_scale, causal=causal, num_splits=num_splits,
+                                       chunked=chunked)
     launch()
     return out, lse
 
 
 def aot_compile(dtype: str = "bf16", *, direct: bool = True, causal: bool = True,
-                arch: int = 90):
+                arch: int = 90, chunked: bool = False):
     """Compile ``seesaw_kernel`` for ``sm_<arch>`` without a GPU (triton's bundled ptxas);
     returns triton's CompiledKernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata``)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     fn = seesaw_kernel
-    constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=PAGE_SIZE, num_warps=NUM_WARPS)
+    constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=PAGE_SIZE, CHUNKED=chunked,
+                     num_warps=NUM_WARPS)
     blocks = dict(qn_desc=(BLOCK_M, D_NOPE), qr_desc=(BLOCK_M, D_ROPE),
                   kn_desc=(BLOCK_N, D_NOPE), kr_desc=(BLOCK_N, D_ROPE))
     ptr_types = dict(bt_ptr="i32", seq_lens_ptr="i32", out_ptr=dtype if direct else "fp32",
