@@ -11,8 +11,8 @@ import pytest
 from mlatune.arch import DeviceInfo
 from mlatune.problem import MLAProblem
 from mlatune.sweep.candidates import Candidate
-from mlatune.sweep.journal import Journal, JournalError, read, read_records
-from mlatune.sweep.records import Record, Status, Task, table_rows
+from mlatune.sweep.journal import Journal, JournalError, JournalHeader, read, read_records
+from mlatune.sweep.records import Record, Result, Status, Task, table_rows
 from mlatune.table.schema import STATUSES
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
@@ -47,11 +47,39 @@ def test_committed_journals_read_as_records_and_write_back_the_same_lines(path):
             assert step == cheapest[(MLAProblem.from_key_dict(row).key, row["route"])]
 
 
+@pytest.mark.parametrize("path", [OLD, NEW], ids=["2026-11-29", "2026-12-01"])
+def test_committed_journal_headers_read_typed_and_write_back_the_same_line(path):
+    raw = read(path)[0]
+    header = read_records(path)[0]
+    assert isinstance(header, JournalHeader) and not header.extra
+    assert header.to_json() == raw
+    assert header.device.name == header.device_name and header.shard is None
+    assert JournalHeader.of(header.spec_sha256, header.spec, header.device) == header
+
+
+def test_a_journal_header_names_what_a_resume_refuses(tmp_path):
+    device = DeviceInfo("cpu", "cpu", "cpu", 2)
+    whole = JournalHeader.of("s", "t.toml", device)
+    share = JournalHeader.of("s", "t.toml", device, shard="1/2")
+    assert whole.to_json() == {"kind": "header", "spec_sha256": "s", "spec": "t.toml",
+                               **device.as_dict(), "device_name": "cpu"}
+    assert share.to_json()["shard"] == "1/2" and not whole.mismatch(whole)
+    assert "shard 1/2" in share.mismatch(whole)
+    assert "spec_sha256='s'" in whole.mismatch(JournalHeader.of("other", "t.toml", device))
+    path = tmp_path / "j.jsonl"
+    Journal(path, share, resume=False).close()
+    assert json.loads(path.read_text().splitlines()[0]) == share.to_json()
+    with pytest.raises(JournalError, match="written for shard 1/2"):
+        Journal(path, whole, resume=True)
+    resumed = Journal(path, share.to_json(), resume=True)  # a raw header too
+    resumed.close()
+    assert resumed.header == share
+
+
 def test_a_committed_journal_resumes(tmp_path):
     path = tmp_path / "old.journal.jsonl"
     path.write_bytes(gzip.decompress(NEW.read_bytes()))
-    header = {k: v for k, v in read(path)[0].items() if k != "kind"}
-    journal = Journal(path, header, resume=True)
+    journal = Journal(path, read_records(path)[0], resume=True)
     try:
         assert journal.done_ids == {r["id"] for r in read(NEW)[1]}
         assert all(isinstance(r, Record) for r in journal.records)
@@ -88,6 +116,23 @@ def test_a_task_travels_as_plain_data():
     task = Task(MLAProblem(kv_len=64), "r/x", {"split": 2}, 7, {"warmup": 0}, {"rtol": 0.1},
                 check_only=True)
     assert Task.from_json(json.loads(json.dumps(task.to_json()))) == task
+
+
+def test_a_worker_result_travels_as_json_and_becomes_the_record_it_measured():
+    result = Result(status=Status.CRASHED, reason="raised X", setup_s=0.5, bench_s=0.0,
+                    restart=True)
+    sent = json.loads(json.dumps(result.to_json()))
+    assert sent == {"status": "crashed", "reason": "raised X", "setup_s": 0.5, "bench_s": 0.0,
+                    "restart": True}
+    assert Result.from_json(sent) == result
+    assert Result.from_json(Result(status=Status.OK).to_json()).restart is False
+    c = Candidate(MLAProblem(kv_len=64), "r/x", {"split": 2})
+    record = c.record(**result.fields(), elapsed_s=1.0)
+    assert record.to_json() == {"id": c.id, "key": c.problem.key_dict(), "route": "r/x",
+                                "route_params": c.params_json, "status": "crashed",
+                                "reason": "raised X", "setup_s": 0.5, "bench_s": 0.0,
+                                "elapsed_s": 1.0}
+    assert result.cost("setup_s") == 0.5 and result.cost("check_s") == 0.0
 
 
 def test_statuses_have_one_owner():

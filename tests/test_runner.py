@@ -294,7 +294,7 @@ def test_a_worker_process_reports_typed_events(fault_plugins):
         worker.put(Task(s.problems[0], "reference/torch", {}, 1, asdict(s.budget)))
         assert isinstance(worker.get(timeout=120), pool.InputsReady)
         answer = worker.get(timeout=120)
-        assert isinstance(answer, pool.Answer) and answer.fields["status"] == Status.OK
+        assert isinstance(answer, pool.Answer) and answer.result.status is Status.OK
         assert worker.get(timeout=0.01) is None  # nothing more within the timeout
         worker.put(Task(s.problems[0], "fault-abort/test", {}, 1, asdict(s.budget)))
         event = worker.get(timeout=120)
@@ -386,16 +386,16 @@ def test_evaluate_checks_ragged_and_dcp_merge_in_process():
             "tolerances": {}}
     ok = evaluate({**task, "route": "reference/torch"}, torch.device("cpu"), _ProblemCache(),
                   lambda: calls.append(1))
-    assert ok["status"] == "ok" and ok["rel_err"] < 2e-3 and calls == [1]
+    assert ok.status is Status.OK and ok.rel_err < 2e-3 and calls == [1]
     wrong = evaluate({**task, "route": "fault-wrong/test"}, torch.device("cpu"), _ProblemCache())
-    assert wrong["status"] == "rejected_accuracy" and wrong["reason"].startswith("ragged")
+    assert wrong.status is Status.REJECTED_ACCURACY and wrong.reason.startswith("ragged")
     # Compiling ahead makes and checks the ragged case only; the timed pass makes both.
     cache = _ProblemCache()
     ahead = evaluate({**task, "route": "reference/torch", "check_only": True},
                      torch.device("cpu"), cache)
-    assert ahead["status"] == "checked" and [c.name for c in cache.cases] == ["ragged"]
+    assert ahead.status is Status.CHECKED and [c.name for c in cache.cases] == ["ragged"]
     assert evaluate({**task, "route": "reference/torch"}, torch.device("cpu"),
-                    cache)["status"] == "ok"
+                    cache).status is Status.OK
     assert [c.name for c in cache.cases] == ["ragged", "uniform"]
 
 

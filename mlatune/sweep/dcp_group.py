@@ -198,14 +198,14 @@ def _appender(path: Path) -> Emit:
     return emit
 
 
-def _journal_tasks(args: argparse.Namespace, header: dict[str, Any],
+def _journal_tasks(args: argparse.Namespace, header: journals.JournalHeader,
                    records: list[Record], world: int) -> tuple[Settings, list[DcpTask]]:
     """By hand: the tasks of a sweep's journal not yet done there, for a group of ``world``."""
     from mlatune.sweep import spec as specs
 
-    spec = specs.load(args.spec or header["spec"], gpu=header.get("vendor") != "cpu")
-    if not args.spec and spec.sha256 != header.get("spec_sha256"):
-        raise SystemExit(f"{header['spec']} changed since the sweep: pass --spec")
+    spec = specs.load(args.spec or header.spec, gpu=header.vendor != "cpu")
+    if not args.spec and spec.sha256 != header.spec_sha256:
+        raise SystemExit(f"{header.spec} changed since the sweep: pass --spec")
     done = {r.id for r in records}
     top_k = spec.dcp_top_k if args.top_k is None else args.top_k
     tasks = [t for t in dcp_stage.plan(records, [world], top_k) if t.id not in done]
@@ -264,8 +264,7 @@ def _by_hand(args: argparse.Namespace, device: torch.device) -> None:
     dist.barrier()  # every rank has read the journal before rank 0 appends to it
     journal = None
     if dist.get_rank() == 0:
-        journal = Journal(Path(args.journal), {k: v for k, v in header.items()
-                                                if k != "kind"}, resume=True)
+        journal = Journal(Path(args.journal), header, resume=True)
         print(f"{len(tasks)} DCP task(s) for a group of {dist.get_world_size()}", flush=True)
 
     def record(r: Record) -> None:

@@ -30,15 +30,17 @@ import json
 import os
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import IO, Any
 
+from mlatune.arch import DeviceInfo
 from mlatune.errors import JournalError, OutputError
-from mlatune.sweep.records import Record, as_record
+from mlatune.sweep.records import Record, as_record, present, split_line
 
-__all__ = ["FSYNC_INTERVAL_S", "Journal", "JournalError", "lock_path", "locked", "read",
-           "read_records"]
+__all__ = ["FSYNC_INTERVAL_S", "Journal", "JournalError", "JournalHeader", "lock_path",
+           "locked", "read", "read_records"]
 
 FSYNC_INTERVAL_S = 1.0
 # Result fields a sweep reads, with their JSON types, checked where present.
@@ -50,20 +52,80 @@ _NUMBER_FIELDS = ("time_us", "time_us_p20", "time_us_p80", "rel_err", "max_abs_e
 _RESUME_FIELDS = ("id", "status")  # what the journal itself needs to resume
 
 
+@dataclass(frozen=True, kw_only=True)
+class JournalHeader:
+    """A journal's first line: the spec (its path and ``spec_sha256``), the device
+    (``DeviceInfo``'s fields, and ``device_name``) and, for one share of a spec, the
+    ``shard`` ("I/N"). Read (``from_json``: fields a header lacks stay None, unknown ones
+    are kept in ``extra``) and written (``to_json``) here only, the same line back."""
+
+    spec_sha256: str | None = None
+    spec: str | None = None
+    arch: str | None = None
+    name: str | None = None
+    vendor: str | None = None
+    cu_count: int | None = None
+    memory_bytes: int | None = None
+    index: int | None = None
+    device_name: str | None = None
+    shard: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # fields this code does not know
+
+    @classmethod
+    def of(cls, spec_sha256: str, spec: str, device: DeviceInfo, shard: str | None = None
+           ) -> JournalHeader:
+        """The header of a sweep of ``spec`` on ``device`` (one ``shard`` of it, or all)."""
+        return cls(spec_sha256=spec_sha256, spec=spec, **device.as_dict(),
+                   device_name=device.name, shard=shard)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> JournalHeader:
+        """A header line (its ``kind`` left out); an empty one where a journal has none."""
+        known, extra = split_line(data, _HEADER_FIELDS)
+        return cls(**known, extra=extra)
+
+    def to_json(self) -> dict[str, Any]:
+        """The header line: its fields (not None), the unknown ones it came with."""
+        return {"kind": "header", **present(self, _HEADER_FIELDS), **self.extra}
+
+    @property
+    def device(self) -> DeviceInfo:
+        """The device the journal was written on (TypeError where the header lacks it)."""
+        return DeviceInfo(**{f.name: getattr(self, f.name) for f in fields(DeviceInfo)})
+
+    def mismatch(self, sweep: JournalHeader) -> str:
+        """Why a journal with this header cannot be resumed by ``sweep``; "" when it can."""
+        for name in ("spec_sha256", "arch", "device_name"):
+            if getattr(self, name) != getattr(sweep, name):
+                return f"was written for {name}={getattr(self, name)!r}, this sweep has " \
+                       f"{getattr(sweep, name)!r}"
+        if self.shard != sweep.shard:  # None: the whole spec
+            return f"was written for {_share(self.shard)}, this sweep runs {_share(sweep.shard)}"
+        return ""
+
+
+_HEADER_FIELDS = tuple(f.name for f in fields(JournalHeader) if f.name != "extra")
+
+
+def _header(header: JournalHeader | Mapping[str, Any]) -> JournalHeader:
+    return header if isinstance(header, JournalHeader) else JournalHeader.from_json(header)
+
+
 class Journal:
-    def __init__(self, path: Path, header: dict, resume: bool):
+    def __init__(self, path: Path, header: JournalHeader | Mapping[str, Any], resume: bool):
         self.path = Path(path)
+        self.header = _header(header)
         self.records: list[Record] = []
         self._synced = -FSYNC_INTERVAL_S
         self._broken = False
         self._lock = _lock(self.path)  # first: creating and resuming must not race
         try:
-            self._file = self._open(header, resume)
+            self._file = self._open(self.header, resume)
         except BaseException:
             _unlock(self._lock, self.path)
             raise
 
-    def _open(self, header: dict, resume: bool) -> IO[str]:
+    def _open(self, header: JournalHeader, resume: bool) -> IO[str]:
         if self.path.exists():
             if not resume:
                 raise JournalError(f"{self.path} exists: pass --resume to continue that sweep, "
@@ -71,25 +133,19 @@ class Journal:
             found = self._resume()
             if not found and not self.records:  # killed before its header reached the disk
                 self._file = self._opened(lambda: self.path.open("a", encoding="utf-8"))
-                self._write({"kind": "header", **header})
+                self._write(header.to_json())
                 return self._file
-            for field in ("spec_sha256", "arch", "device_name"):
-                if found.get(field) != header.get(field):
-                    raise JournalError(
-                        f"{self.path} was written for {field}={found.get(field)!r}, this sweep "
-                        f"has {header.get(field)!r}; use another --out or delete the journal")
-            if found.get("shard") != header.get("shard"):  # absent: the whole spec
-                raise JournalError(
-                    f"{self.path} was written for {_share(found.get('shard'))}, this sweep "
-                    f"runs {_share(header.get('shard'))}; use another --out or delete the "
-                    f"journal")
+            mismatch = (found or JournalHeader()).mismatch(header)
+            if mismatch:
+                raise JournalError(f"{self.path} {mismatch}; use another --out or delete the "
+                                   f"journal")
             return self._opened(lambda: self.path.open("a", encoding="utf-8"))
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
         handle = self._opened(lambda: os.fdopen(os.open(self.path, flags, 0o666), "w",
                                                 encoding="utf-8"))
         self._file = handle
         try:
-            self._write({"kind": "header", **header})
+            self._write(header.to_json())
         except OutputError:  # a journal without its header could never be resumed
             with contextlib.suppress(OSError):
                 handle.close()
@@ -97,8 +153,9 @@ class Journal:
             raise
         return handle
 
-    def _resume(self) -> dict:
-        """The header of the journal on disk; its results into ``records``."""
+    def _resume(self) -> JournalHeader | None:
+        """The header of the journal on disk (None: it has none); its results into
+        ``records``."""
         try:
             _drop_torn_tail(self.path)
         except OSError as exc:
@@ -109,7 +166,7 @@ class Journal:
             if missing:
                 raise _damaged(self.path, line, f"a result without {', '.join(missing)}")
         self.records = [_typed(self.path, line, record) for line, record in numbered]
-        return found
+        return _typed_header(self.path, found) if found else None
 
     def _opened(self, open_it) -> IO[str]:
         try:
@@ -261,11 +318,21 @@ def read(path: Path) -> tuple[dict, list[dict]]:
     return header, [record for _, record in numbered]
 
 
-def read_records(path: Path) -> tuple[dict, list[Record]]:
-    """``read``, each result a ``Record``: JournalError for a line no Record holds (a
-    result without a status, or with one no one knows)."""
+def read_records(path: Path) -> tuple[JournalHeader, list[Record]]:
+    """``read``, typed: the header a ``JournalHeader`` (an empty one where the journal has
+    none), each result a ``Record``; JournalError for a line no Record holds (a result
+    without a status, or with one no one knows)."""
     header, numbered = _read_numbered(Path(path))
-    return header, [_typed(Path(path), line, record) for line, record in numbered]
+    return _typed_header(Path(path), header), [_typed(Path(path), line, record)
+                                                for line, record in numbered]
+
+
+def _typed_header(path: Path, header: dict) -> JournalHeader:
+    try:
+        return JournalHeader.from_json(header)
+    except TypeError as exc:
+        raise JournalError(f"{path}: its header is damaged ({exc}): repair or delete the "
+                           f"journal") from None
 
 
 def _typed(path: Path, line: int, record: dict) -> Record:

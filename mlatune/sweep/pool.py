@@ -29,7 +29,7 @@ from typing import Any
 
 from mlatune.sweep import worker
 from mlatune.sweep.candidates import Candidate
-from mlatune.sweep.records import COST_PARTS, Record, Status, Task
+from mlatune.sweep.records import COST_PARTS, Record, Result, Status, Task
 
 WORKER_START_TIMEOUT_S = 300.0  # importing torch and creating a CUDA context
 SETUP_TIMEOUT_S = 900.0  # a problem's inputs and fp32 references, before the route's timeout
@@ -48,9 +48,9 @@ class InputsReady:
 
 @dataclass(frozen=True)
 class Answer:
-    """The task's result fields (``worker.evaluate``'s)."""
+    """The task's result (``worker.evaluate``'s)."""
 
-    fields: dict[str, Any]
+    result: Result
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ class WorkerProcess:
             return Ready()
         if message.get("inputs_ready"):
             return InputsReady()
-        return Answer(message)
+        return Answer(Result.from_json(message))
 
     def stop(self) -> None:
         """Ask the process to exit after its task; returns at once (``wait`` for it)."""
@@ -245,16 +245,15 @@ class WorkerPool:
                 raise RuntimeError(f"sweep worker on {slot.process.device} failed to start: "
                                    f"{event.reason}")
             if slot.candidate is not None:
-                self._finish(slot, {"status": Status.CRASHED, "reason": event.reason})
+                self._finish(slot, Result(status=Status.CRASHED, reason=event.reason))
             self._replace(slot)
         elif not slot.ready:
             slot.ready = True
         elif isinstance(event, InputsReady):
             slot.deadline, slot.awaiting = time.monotonic() + self.timeout_s, "result"
         elif isinstance(event, Answer):
-            restart = event.fields.pop("restart", False)
-            self._finish(slot, event.fields)
-            if restart:  # its CUDA context is lost
+            self._finish(slot, event.result)
+            if event.result.restart:  # its CUDA context is lost
                 self._replace(slot)
 
     def _expire(self, now: float) -> None:
@@ -266,18 +265,18 @@ class WorkerPool:
                 reason = (f"no result within the {self.timeout_s:g}s timeout"
                           if slot.awaiting == "result" else
                           f"inputs and references not made within {SETUP_TIMEOUT_S:g}s")
-                self._finish(slot, {"status": Status.TIMEOUT, "reason": reason})
+                self._finish(slot, Result(status=Status.TIMEOUT, reason=reason))
                 self._replace(slot)
 
-    def _finish(self, slot: _Slot, result: dict[str, Any]) -> None:
+    def _finish(self, slot: _Slot, result: Result) -> None:
         assert slot.candidate is not None
         elapsed = time.monotonic() - slot.sent_at
-        parts = [result.get(p, 0.0) for p in COST_PARTS]
+        parts = [result.cost(p) for p in COST_PARTS]
         for part, spent in zip(COST_PARTS, parts, strict=True):
             self.seconds[part] += spent
         self.seconds["other_s"] += max(0.0, elapsed - sum(parts))
         # Where and when it ran: how busy each GPU was (benchmarks/sweep_cost.py).
-        self.on_result(slot.candidate.record(**result, elapsed_s=elapsed,
+        self.on_result(slot.candidate.record(**result.fields(), elapsed_s=elapsed,
                                              device=slot.process.device,
                                              finished_at=round(time.time(), 3)))
         slot.candidate, slot.deadline = None, math.inf

@@ -1,7 +1,7 @@
-"""The sweep's typed records: what a worker gets (``Task``), what the journal holds for
-each candidate (``Record``, one JSON line), the statuses (``Status``, owned by
-``mlatune.table.schema``), and the journal's records folded into table rows
-(``table_rows``).
+"""The sweep's typed records: what a worker gets (``Task``), what it answers (``Result``),
+what the journal holds for each candidate (``Record``, one JSON line), the statuses
+(``Status``, owned by ``mlatune.table.schema``), and the journal's records folded into
+table rows (``table_rows``).
 
 A ``Record`` reads every journal line written so far (``Record.from_json``: fields a
 line lacks stay None, fields this code does not know are kept in ``extra``) and writes
@@ -23,8 +23,8 @@ from mlatune.arch import DeviceInfo
 from mlatune.problem import MLAProblem
 from mlatune.table.schema import Status, device_key, is_measured
 
-__all__ = ["COST_PARTS", "Record", "Status", "Task", "as_record", "problem_key", "problem_of",
-           "step_us", "table_rows"]
+__all__ = ["COST_PARTS", "Measured", "Record", "Result", "Status", "Task", "as_record",
+           "present", "problem_key", "problem_of", "split_line", "step_us", "table_rows"]
 
 # Where a worker's time went (Record fields the worker reports); the rest of elapsed_s,
 # from handing a candidate over to its result, is "other" (transfer, a crash or timeout).
@@ -57,18 +57,13 @@ class Task:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Record:
-    """One candidate's result line in a journal: which candidate (``id``; the problem's
-    ``key`` fields, ``route``, ``route_params`` as JSON), what became of it (``status``,
-    ``reason``), and, where measured, its errors, times, step costs, worker seconds and
-    DCP timing. None: the line does not have the field (a failure measured nothing; an
-    older journal did not record it)."""
+class Measured:
+    """What a worker measures of one candidate: what became of it (``status``,
+    ``reason``), its errors, the launch's timing, the engine's step beyond the launch and
+    where the worker's time went. None: not measured (a failure measured nothing; an
+    older journal did not record it). ``Result`` and ``Record`` both hold these."""
 
     status: Status
-    id: str = ""
-    key: dict[str, Any] = field(default_factory=dict)
-    route: str = ""
-    route_params: str = "{}"
     reason: str = ""
     # accuracy against the reference
     rel_err: float | None = None
@@ -88,11 +83,57 @@ class Record:
     plan_us: float | None = None
     plan_host_us: float | None = None
     launch_host_us: float | None = None
-    # where the worker's time went, where and when it ran
+    # where the worker's time went (COST_PARTS)
     setup_s: float | None = None
     first_check_s: float | None = None
     check_s: float | None = None
     bench_s: float | None = None
+
+    def cost(self, part: str) -> float:
+        """The worker's seconds on a part of ``COST_PARTS`` (0 where not measured)."""
+        return getattr(self, part) or 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Result(Measured):
+    """What a worker answers for one task (``worker.evaluate``), sent back over the pipe
+    as JSON and made a ``Record`` by the pool (``Candidate.record(**result.fields())``).
+    ``route_params``: what the route reports it ran with (replaces the candidate's own).
+    ``restart``: the worker's CUDA context is lost; the pool starts a fresh process (never
+    journaled)."""
+
+    route_params: str | None = None
+    restart: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        """For the pipe: the fields measured (not None), ``restart`` where set."""
+        line = {**self.fields(), "status": self.status.value}
+        return {**line, "restart": True} if self.restart else line
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Result:
+        return cls(**{**data, "status": Status(data["status"])})
+
+    def fields(self) -> dict[str, Any]:
+        """The record's fields the worker measured (not None; ``restart`` left out)."""
+        return present(self, _RESULT_FIELDS)
+
+
+_RESULT_FIELDS = tuple(f.name for f in fields(Result) if f.name != "restart")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Record(Measured):
+    """One candidate's result line in a journal: which candidate (``id``; the problem's
+    ``key`` fields, ``route``, ``route_params`` as JSON), what was measured of it
+    (``Measured``), and how long it took in all, where and when it ran and, for DCP,
+    how the step was timed. None: the line does not have the field."""
+
+    id: str = ""
+    key: dict[str, Any] = field(default_factory=dict)
+    route: str = ""
+    route_params: str = "{}"
+    # the whole of the candidate's time (COST_PARTS and the rest), where and when it ran
     elapsed_s: float | None = None
     device: str | None = None
     finished_at: float | None = None
@@ -106,16 +147,12 @@ class Record:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Record:
         """A journal line (its ``kind`` left out); ValueError for a status no one knows."""
-        known = {k: v for k, v in data.items() if k in _FIELDS}
-        extra = {k: v for k, v in data.items() if k not in _FIELDS and k != "kind"}
+        known, extra = split_line(data, _FIELDS)
         return cls(**{**known, "status": Status(data["status"])}, extra=extra)
 
     def to_json(self) -> dict[str, Any]:
         """The line's fields: those it has (not None) and the unknown ones it came with."""
-        line = {name: getattr(self, name) for name in _FIELDS
-                if getattr(self, name) is not None}
-        line["status"] = self.status.value
-        return {**line, **self.extra}
+        return {**present(self, _FIELDS), "status": self.status.value, **self.extra}
 
     @cached_property
     def problem(self) -> MLAProblem:
@@ -129,7 +166,7 @@ class Record:
     @property
     def worker_s(self) -> float:
         """The worker's seconds on it (``COST_PARTS``; 0 where a line has none)."""
-        return sum(getattr(self, part) or 0.0 for part in COST_PARTS)
+        return sum(self.cost(part) for part in COST_PARTS)
 
     @property
     def ok(self) -> bool:
@@ -149,6 +186,18 @@ class Record:
 
 
 _FIELDS = tuple(f.name for f in fields(Record) if f.name != "extra")
+
+
+def split_line(data: Mapping[str, Any], names: tuple[str, ...]
+               ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A JSON line's fields: (those named, the others but its ``kind``)."""
+    known = {k: v for k, v in data.items() if k in names}
+    return known, {k: v for k, v in data.items() if k not in names and k != "kind"}
+
+
+def present(obj: Any, names: tuple[str, ...]) -> dict[str, Any]:
+    """``obj``'s fields of ``names`` that it has (not None)."""
+    return {name: value for name in names if (value := getattr(obj, name)) is not None}
 
 
 def as_record(record: Record | Mapping[str, Any]) -> Record:

@@ -19,7 +19,7 @@ from mlatune.errors import JournalError, TableError
 from mlatune.sweep import dcp_stage, runner
 from mlatune.sweep import journal as journals
 from mlatune.sweep.candidates import Shard
-from mlatune.sweep.journal import Journal
+from mlatune.sweep.journal import Journal, JournalHeader
 from mlatune.sweep.runner import Observer, SweepResult
 from mlatune.sweep.spec import SweepSpec
 
@@ -57,11 +57,10 @@ class SweepSettings:
     def csv_path(self) -> Path:
         return self.table_path.with_suffix(".csv")
 
-    def header(self) -> dict[str, Any]:
+    def header(self) -> JournalHeader:
         """The journal's header: what a resumed journal must have been written for."""
-        header = {"spec_sha256": self.spec.sha256, "spec": str(self.spec_path),
-                  **self.device.as_dict(), "device_name": self.device.name}
-        return {**header, "shard": str(self.shard)} if self.shard else header
+        return JournalHeader.of(self.spec.sha256, str(self.spec_path), self.device,
+                                str(self.shard) if self.shard else None)
 
 
 @dataclass(frozen=True)

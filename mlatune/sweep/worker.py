@@ -29,7 +29,7 @@ from mlatune.problem import MLAProblem
 from mlatune.routes import Prepared, Route
 from mlatune.sweep import bench
 from mlatune.sweep.merge import merge_ranks_into
-from mlatune.sweep.records import Status, Task
+from mlatune.sweep.records import Result, Status, Task
 
 _RAGGED_SEED_OFFSET = 7919
 
@@ -105,9 +105,9 @@ def _run_checked(problem: MLAProblem, route: Route, params: dict, case: _Case,
 
 
 def evaluate(data: dict[str, Any], device: torch.device, cache: _ProblemCache,
-             inputs_ready: Callable[[], None] = lambda: None) -> dict[str, Any]:
-    """Run one candidate (a ``Task`` as JSON); return its result fields (status, reason,
-    timing, errors).
+             inputs_ready: Callable[[], None] = lambda: None) -> Result:
+    """Run one candidate (a ``Task`` as JSON); return what it measured (status, reason,
+    timing, errors, where the time went).
 
     ``inputs_ready`` is called once inputs and references exist, so that the
     caller's timeout covers the route and not the setup.
@@ -144,10 +144,10 @@ def evaluate(data: dict[str, Any], device: torch.device, cache: _ProblemCache,
                      "max_abs_err": max(worst["max_abs_err"], acc.max_abs)}
             lap("first_check_s" if case is cases[0] else "check_s")
             if not acc.ok:
-                return {"status": Status.REJECTED_ACCURACY,
-                        "reason": f"{case.name} lengths: {acc.reason}", **worst, **spent}
+                return Result(status=Status.REJECTED_ACCURACY,
+                              reason=f"{case.name} lengths: {acc.reason}", **worst, **spent)
             if check_only:  # compiling ahead: the kernels exist now
-                return {"status": Status.CHECKED, "reason": "", **worst, **spent}
+                return Result(status=Status.CHECKED, **worst, **spent)
         budget = bench.Budget(**task.budget)
         timing = bench.measure(_timed_step(checked), device, budget,
                                graph_safe=all(p.graph_safe for p in checked.prepared),
@@ -159,11 +159,11 @@ def evaluate(data: dict[str, Any], device: torch.device, cache: _ProblemCache,
         # What the route reports it ran with (a backend it picked, a plan) joins the params.
         ran_with = json.dumps({**params, **checked.prepared[0].params}, sort_keys=True,
                               default=str)
-        return {"status": Status.OK, "reason": "", "route_params": ran_with, **worst,
-                **_timing_fields(problem, timing), **step_costs, **spent}
+        return Result(status=Status.OK, route_params=ran_with, **worst,
+                      **_timing_fields(problem, timing), **step_costs, **spent)
     except Exception as exc:
         restart = not _context_healthy(device)
-        return {"status": Status.CRASHED, "reason": raised(exc), "restart": restart, **spent}
+        return Result(status=Status.CRASHED, reason=raised(exc), restart=restart, **spent)
 
 
 def raised(exc: BaseException) -> str:
@@ -270,8 +270,8 @@ def serve(conn, device_str: str) -> None:
             if task is None:
                 return
             result = evaluate(task, device, cache, lambda: conn.send({"inputs_ready": True}))
-            conn.send(result)
-            if result.get("restart"):
+            conn.send(result.to_json())
+            if result.restart:
                 return
     except (EOFError, ConnectionError):  # the sweep is gone (killed): no one to answer
         return
