@@ -6,14 +6,17 @@
 - ``compile_ahead``: which candidates compile the kernels before timing;
 - ``pool``: the worker processes (``WorkerProcess``: start, alive, put, get with a
   timeout, stop, kill; ``WorkerPool``: a crash or hang scored and the pool going on),
-  each running ``worker`` (check, then time with ``bench``) on one ``records.Task``;
+  each running ``worker`` (check, then time with ``bench``) on one ``records.Task``,
+  answering a ``records.Result``;
 - ``runner``: the one-device pass (compiling ahead, the pool, reference fallbacks),
-  every result journaled as it arrives;
+  every result journaled as it arrives; ``progress``: what the stages tell an
+  ``Observer`` (a progress bar) as candidates start and finish;
 - ``dcp_stage``, ``dcp_group``, ``dcp_graph``, ``merge``: DCP steps measured across a
   group of processes, eagerly or from a CUDA graph;
-- ``journal``: every result as one JSON line, resumable; ``records``: the typed records
-  all stages, the table and the report read (``Task``, ``Record``, ``Status``), with the
-  one problem identity (``Record.problem_key``), folded into table rows (``table_rows``);
+- ``journal``: every result as one JSON line after a typed header (``JournalHeader``),
+  resumable; ``records``: the typed records all stages, the table and the report read
+  (``Task``, ``Result``, ``Record``, ``Status``), with the one problem identity
+  (``Record.problem_key``), folded into table rows (``table_rows``);
 - ``stages``: the whole sweep as ``mlatune sweep`` runs it (``run_sweep``: share,
   journal, one-device pass, DCP stage, table); the CLI only parses and prints;
 - beside the sweep: ``refine`` (points to add), ``planning`` (`mlatune plan`).

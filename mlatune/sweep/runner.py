@@ -10,7 +10,6 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Protocol
 
 from mlatune.arch import DeviceInfo
 from mlatune.problem import MLAProblem
@@ -29,6 +28,7 @@ from mlatune.sweep.pool import (  # noqa: F401
     WORKER_START_TIMEOUT_S,
     WorkerPool,
 )
+from mlatune.sweep.progress import Observer
 from mlatune.sweep.records import (  # noqa: F401
     COST_PARTS,
     Record,
@@ -41,15 +41,6 @@ from mlatune.sweep.records import (  # noqa: F401
 from mlatune.sweep.spec import SweepSpec
 
 log = logging.getLogger(__name__)
-
-
-class Observer(Protocol):
-    """Told what a sweep runs. ``started`` counts candidates that run (a progress bar's
-    whole), never the (problem, route) pairs a rule refuses: those are recorded at once
-    and run nothing. An observer may also have ``refused(count)``, told their number."""
-
-    def started(self, total: int, already_done: int, what: str = "sweep") -> None: ...
-    def finished(self, record: Record) -> None: ...
 
 
 @dataclass

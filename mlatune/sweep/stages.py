@@ -20,7 +20,8 @@ from mlatune.sweep import dcp_stage, runner
 from mlatune.sweep import journal as journals
 from mlatune.sweep.candidates import Shard
 from mlatune.sweep.journal import Journal, JournalHeader
-from mlatune.sweep.runner import Observer, SweepResult
+from mlatune.sweep.progress import Observer
+from mlatune.sweep.runner import SweepResult
 from mlatune.sweep.spec import SweepSpec
 
 Say = Callable[[str], None]
