@@ -81,13 +81,16 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from mlatune.arch import DeviceInfo
 from mlatune.problem import BUCKET_FIELDS, MLAProblem
 from mlatune.routes import Route, params_at
+
+if TYPE_CHECKING:
+    from mlatune.sweep.records import Record
 
 __all__ = ["Prediction", "Predictor", "Row", "rows_from_journal", "rows_from_table"]
 
@@ -861,37 +864,33 @@ def rows_from_journal(path: str | Path, capturable: bool = False,
     the one its route declares, as a table's row does."""
     from mlatune.dispatch import step_cost  # lazily: the dispatcher may import this module
     from mlatune.sweep import journal
-    from mlatune.sweep.records import problem_of
     from mlatune.table.schema import declared_step_kind
 
     stepped = []  # (record, params, plan_on): the ok steps the caller can take
-    for r in journal.read(Path(path))[1]:
-        if r.get("status") != "ok":
+    for r in journal.read_records(Path(path))[1]:
+        if not r.ok:
             continue
-        params = json.loads(r["route_params"])
-        plan_on, replays = (r["plan_on"], r["capturable"]) if "plan_on" in r \
-            and "capturable" in r else declared_step_kind(r["route"], params)
+        params = json.loads(r.route_params)
+        plan_on, replays = (r.plan_on, r.capturable) if r.plan_on is not None \
+            and r.capturable is not None else declared_step_kind(r.route, params)
         if replays or not capturable:
             stepped.append((r, params, plan_on))
     rows = []
     for r, params, plan_on in _learnable(stepped):
-        cost = step_cost(float(r["time_us"]), plan_on, _number(r.get("plan_us")),
-                         _number(r.get("plan_host_us")), capturable, **_calls(plan_calls),
-                         shares_host_plan=r["route"] in sharing)
-        rows.append((problem_of(r), str(r["route"]), params, float(cost)))
+        cost = step_cost(float(r.time_us), plan_on, _number(r.plan_us), _number(r.plan_host_us),
+                         capturable, **_calls(plan_calls), shares_host_plan=r.route in sharing)
+        rows.append((r.problem, r.route, params, float(cost)))
     return rows
 
 
-def _learnable(stepped: list[tuple[dict[str, Any], Any, Any]]
-               ) -> list[tuple[dict[str, Any], Any, Any]]:
+def _learnable(stepped: list[tuple[Record, Any, Any]]) -> list[tuple[Record, Any, Any]]:
     """Of (record, ...) tuples, those a predictor learns from: in a bucket with DCP steps
     timed across processes only those (``schema.competing``: a simulated time leaves the
     collectives out, so a law is never fitted over both kinds)."""
-    from mlatune.sweep.records import problem_of
-    from mlatune.table.schema import competing, is_measured
+    from mlatune.table.schema import competing
 
-    buckets = [problem_of(r).bucket for r, *_ in stepped]
-    keep = competing(buckets, [is_measured(r.get("dcp_timing")) for r, *_ in stepped])
+    buckets = [r.problem.bucket for r, *_ in stepped]
+    keep = competing(buckets, [r.measured_dcp for r, *_ in stepped])
     return [s for s, kept in zip(stepped, keep, strict=True) if kept]
 
 
