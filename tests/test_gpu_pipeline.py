@@ -63,8 +63,8 @@ def test_reference_route_end_to_end(cuda, problem):
             "params": {}, "seed": 1, "budget": {"warmup": 1, "min_reps": 3, "max_reps": 5},
             "tolerances": {}}
     result = evaluate(task, cuda, _ProblemCache())
-    assert result["status"] == "ok", result
-    assert result["rel_err"] < 1e-2 and result["time_us"] > 0 and result["timer"] == "cuda_event"
+    assert result.status == "ok", result
+    assert result.rel_err < 1e-2 and result.time_us > 0 and result.timer == "cuda_event"
 
 
 def test_a_sweep_on_the_gpu_compiles_ahead_and_times_from_graphs(cuda, tmp_path):
