@@ -145,3 +145,20 @@ def test_a_measured_winner_has_no_simulated_runner_up():
     lone = make_table([result_row(DCP2, SIM, 10.0), measured_row(DCP2, MEAS_A, 50.0)])
     row = table.summary(lone).iloc[0]
     assert (row["winner"], row["runner_up"]) == (MEAS_A, "")
+
+
+def test_measured_runs_that_all_failed_leave_the_simulated_rows_competing(tmp_path):
+    """A problem whose cross-process runs all crashed is answered by its simulated rows,
+    in the summary and the JSON map as by the dispatcher (only an ok measured row counts)."""
+    frame = make_table([
+        result_row(DCP2, SIM, 10.0),
+        measured_row(DCP2, MEAS_A, 50.0) | {"status": "crashed", "time_us": float("nan"),
+                                            "reason": "rank 1 died"},
+    ])
+    assert table.competing_rows(frame).tolist() == [True, True]
+    (winner,) = table.summary(frame)["winner"].tolist()
+    assert winner == SIM
+    entry = table.winners_json(frame)["devices"][0]["winners"][DCP2.key]
+    assert entry["route"] == SIM
+    dispatcher = Dispatcher.load(table.write(frame, tmp_path / "t.parquet"), device=H200)
+    assert dispatcher.select(DCP2).route_id == SIM

@@ -25,6 +25,7 @@ from mlatune.problem import MLAProblem
 from mlatune.sweep import dcp_graph, dcp_group
 from mlatune.sweep.bench import Budget
 from mlatune.sweep.dcp_stage import DcpTask, Settings
+from mlatune.sweep.records import Record
 from mlatune.sweep.runner import Candidate
 
 pytestmark = pytest.mark.gpu
@@ -75,15 +76,15 @@ def test_the_stage_times_a_task_from_its_graph(nccl_group, scheme):
     params = routes.get(ROUTE).param_space(PROBLEM, current_device())[0]
     task = DcpTask(Candidate(PROBLEM, ROUTE, params), scheme, {"simulated_us": 1.0})
     settings = Settings(seed=0, budget=asdict(Budget()), tolerances={}, graph=True)
-    records: list[dict] = []
+    records: list[Record] = []
     dcp_group.run_tasks([task], settings, nccl_group, lambda event: None, records.append)
     (record,) = records
-    assert record["status"] == "ok", record.get("reason")
-    assert record["timer"] == dcp_graph.GRAPH_TIMER
-    assert record["time_us"] > 0 and record["comm_us"] >= 0
-    assert record["dcp_timing"] == "measured" and record["dcp_scheme"] == scheme
+    assert record.status == "ok", record.reason
+    assert record.timer == dcp_graph.GRAPH_TIMER
+    assert record.time_us > 0 and record.comm_us >= 0
+    assert record.dcp_timing == "measured" and record.dcp_scheme == scheme
     # Eager, the same task says so.
-    eager: list[dict] = []
+    eager: list[Record] = []
     dcp_group.run_tasks([task], Settings(seed=0, budget=asdict(Budget()), tolerances={}),
                         nccl_group, lambda event: None, eager.append)
-    assert eager[0]["status"] == "ok" and eager[0]["timer"] == "cuda_event"
+    assert eager[0].status == "ok" and eager[0].timer == "cuda_event"

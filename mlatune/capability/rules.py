@@ -10,7 +10,7 @@ probe of the machine: the installed library, Triton's interpreter on a CPU).
 Every built-in route has its rules here (the AITER routes, the portable Triton
 and torch routes, mlatune's Hopper Gluon decode; the vendor routes' in
 ``vendors``), so `mlatune plan` and ``route.supports`` cannot disagree but by
-that probe (for ``wgmma/gluon``: the installed triton's version).
+that probe (for the Gluon routes: the installed triton's version).
 """
 
 from __future__ import annotations
@@ -498,7 +498,7 @@ def _sdpa_dtypes(c: Context) -> str | None:
     return None
 
 
-# --- wgmma/gluon: mlatune's Hopper Gluon decode ----------------------------------------
+# --- wgmma/gluon and seesaw/gluon: mlatune's Hopper Gluon decodes (one rule set) ---------
 def _wgmma_dims(c: Context) -> str | None:
     if (c.p.kv_lora_rank, c.p.rope_dim) != (wgmma.D_NOPE, wgmma.D_ROPE):
         return (f"the Gluon kernel is built for kv_lora_rank {wgmma.D_NOPE} + rope_dim "

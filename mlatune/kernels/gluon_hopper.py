@@ -1,8 +1,8 @@
 """A Hopper (sm_90) MLA decode kernel in Triton's Gluon dialect (issue 19, item 1).
 
-The ``wgmma/gluon`` route runs the warp-specialized kernel of ``gluon_seesaw`` since
-2026-12-01 (faster at every point timed); this first kernel stays for comparison
-(``benchmarks/gluon_check.py``) and holds the host helpers both use.
+The ``wgmma/gluon`` route runs this kernel; ``seesaw/gluon`` runs the warp-specialized
+kernel of ``gluon_seesaw`` (0.78-0.94x this one's time at every point timed on the H200,
+2026-12-01), which takes its host helpers from here.
 
 Written against triton 3.6.0's ``triton.experimental.gluon`` (the H200's
 triton); other triton versions change the Gluon API and are refused by

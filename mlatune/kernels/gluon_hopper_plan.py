@@ -1,6 +1,7 @@
-"""What the Hopper Gluon decode (``gluon_hopper``) is built for, and its split rule, on the host.
+"""What the Hopper Gluon decodes (``gluon_hopper``, ``gluon_seesaw``) are built for, and
+their split rule, on the host.
 
-Plain Python, no Triton: the capability rules, the ``wgmma/gluon`` route's
+Plain Python, no Triton: the capability rules, the Gluon routes'
 ``supports`` and ``param_space`` (which the dispatcher may ask) read these
 without importing the kernel, whose module imports Triton's Gluon dialect.
 """

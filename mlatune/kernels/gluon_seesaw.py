@@ -42,11 +42,12 @@ Registers: O's half (64 x 256 fp32) is 128 a thread, so the compute warpgroups g
 240 (setmaxnreg) and the loader 24, over 12 warps at ``MAXNREG`` 168. The compute
 warpgroups are both workers (not one the default partition) so that they compile
 alike: as the default partition WG0 kept its scalars in registers and spilled.
-The ``wgmma/gluon`` route runs it since 2026-12-01 (``benchmarks/results/README.md``,
+The ``seesaw/gluon`` route runs it (first timed 2026-12-01: ``benchmarks/results/README.md``,
 session 8, call 6); ``benchmarks/gluon_check.py`` times it as ``wgmma/gluon seesaw``.
 
 The CHUNKED form (``decode_launcher(chunked=True)``; ``gluon_check``'s ``wgmma/gluon
-seesaw chunked``; not measured yet) aims at the compute-bound gap to FlashMLA (2.28 us a
+seesaw chunked``; call 8: correct, 0-3.5% faster at every point, not yet what the route
+runs) aims at the compute-bound gap to FlashMLA (2.28 us a
 64-key tile per SM against 1.86 at (8, 128, 32768, 1)). Above, S of a tile starts only
 when all of its 72 KB has landed, and WG1 asks for its next tile b only as it releases
 slot 1, so its S waits out the copy's whole latency every pair. Chunked:

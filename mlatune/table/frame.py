@@ -222,8 +222,12 @@ def _simulated_tier(frame: pd.DataFrame) -> pd.Series:
 
 def competing_rows(frame: pd.DataFrame, by: Sequence[str] = KEY_COLUMNS) -> pd.Series:
     """``schema.competing`` over a frame: True for the rows that compete within their group
-    of ``by`` (a problem by default; a bucket for what a predictor learns from)."""
+    of ``by`` (a problem by default; a bucket for what a predictor learns from). Only an
+    ``ok`` measured row counts: a group whose measured runs all failed keeps its simulated
+    rows, as the dispatcher (which reads ok rows alone) does."""
     measured = frame["dcp_timing"] == DCP_MEASURED
+    if "status" in frame.columns:
+        measured &= frame["status"] == "ok"
     if not measured.any():
         return pd.Series(True, index=frame.index)
     groups = frame.groupby(list(by), sort=False, dropna=False).ngroup()
