@@ -3,10 +3,9 @@
     python3 benchmarks/gluon_check.py --out DIR
 
 Needs an sm_90 GPU and triton 3.6.x (``mlatune/kernels/gluon_hopper.py``). The
-kernel's variants (``VARIANTS``: the first kernel's 64-key serial walk, the warp-specialized
-seesaw kernel of ``mlatune/kernels/gluon_seesaw.py`` and its chunked form, whose tiles land
-in 64-column chunks that S starts on) are each checked and timed; ``--all-variants`` adds
-the first kernel's pipelined walk and 32-key tiles (slower at every point on 2026-12-01).
+kernels (``VARIANTS``: the first kernel, the warp-specialized seesaw kernel of
+``mlatune/kernels/gluon_seesaw.py`` and its chunked form, whose tiles land in 64-column
+chunks that S starts on) are each checked and timed.
 Steps, each caught so that one failure never ends the run:
 1. smoke: a child process (``--smoke``, 75 s limit, so a hang or an illegal
    address cannot take this process down) runs small problems: one split and
@@ -50,11 +49,10 @@ SMOKE = [  # (batch, heads, kv_len, qlen, dtype, num_splits)
     (2, 32, 130, 3, "fp16", 1),
 ]
 OTHERS = ("padded/triton", "dense/flashmla")
-GLUON = "wgmma/gluon"
-SEESAW = ("seesaw", )  # the warp-specialized kernel (mlatune/kernels/gluon_seesaw.py)
-SEESAW_CHUNKED = ("seesaw", "chunked")  # its CHUNKED form: decode_launcher(chunked=True)
-VARIANTS = [(64, False), SEESAW, SEESAW_CHUNKED]  # first kernel: (block_n, pipeline)
-MORE_VARIANTS = [(64, True), (32, False), (32, True)]  # --all-variants
+FIRST = "wgmma/gluon"  # the first kernel (mlatune/kernels/gluon_hopper.py), as its route
+SEESAW = "seesaw/gluon"  # the warp-specialized kernel (mlatune/kernels/gluon_seesaw.py)
+SEESAW_CHUNKED = "seesaw/gluon chunked"  # its CHUNKED form: decode_launcher(chunked=True)
+VARIANTS = [FIRST, SEESAW, SEESAW_CHUNKED]
 DEVICE = "cuda"  # a dry run of the plumbing may set "cpu" (with a stand-in kernel)
 
 
@@ -69,22 +67,16 @@ def problem_of(batch, heads, kv_len, qlen, dtype="bf16"):
                       kv_dtype=dtype, page_size=64)
 
 
-def variant_id(variant) -> str:
-    if variant[0] == "seesaw":
-        return f"{GLUON} {' '.join(variant)}"
-    return f"{GLUON} n{variant[0]}{' pipe' if variant[1] else ''}"
-
-
-def gluon_prepare(problem, inputs, num_splits=None, variant=VARIANTS[0]):
+def gluon_prepare(problem, inputs, num_splits=None, variant=FIRST):
     shard = inputs.shards[0]
     args = (inputs.q, shard.kv_cache, shard.block_table, shard.seq_lens)
     kwargs = dict(qlen=problem.qlen, sm_scale=inputs.softmax_scale, causal=problem.causal,
                   num_splits=num_splits, max_seq_len=problem.kv_len)
-    if variant[0] == "seesaw":
-        from mlatune.kernels.gluon_seesaw import decode_launcher as seesaw_launcher
-        return seesaw_launcher(*args, **kwargs, chunked=variant == SEESAW_CHUNKED)
-    from mlatune.kernels.gluon_hopper import decode_launcher
-    return decode_launcher(*args, **kwargs, block_n=variant[0], pipeline=variant[1])
+    if variant == FIRST:
+        from mlatune.kernels.gluon_hopper import decode_launcher
+        return decode_launcher(*args, **kwargs)
+    from mlatune.kernels.gluon_seesaw import decode_launcher as seesaw_launcher
+    return seesaw_launcher(*args, **kwargs, chunked=variant == SEESAW_CHUNKED)
 
 
 def route_prepare(route_id, problem, inputs):
@@ -141,7 +133,7 @@ def smoke() -> int:
     for (batch, heads, kv_len, qlen, dtype, splits), variant in cases:
         problem = problem_of(batch, heads, kv_len, qlen, dtype)
         name = (f"smoke {(batch, heads, kv_len, qlen)} {dtype} splits={splits} "
-                f"{variant_id(variant)}")
+                f"{variant}")
         try:
             inputs = make_decode_inputs(problem, seed=1, device=DEVICE, ragged=True)
             ref = reference.decode_shard(inputs, inputs.shards[0])
@@ -158,10 +150,9 @@ def smoke() -> int:
     return 0
 
 
-def run_smoke_child(timeout_s: float, all_variants: bool = False) -> tuple[bool, str]:
+def run_smoke_child(timeout_s: float) -> tuple[bool, str]:
     """The smoke cases in a child process: (it finished, what it said)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--smoke"]
-    cmd += ["--all-variants"] if all_variants else []
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as exc:
@@ -185,16 +176,15 @@ def run_point(point, gluon_ok: bool, seconds: float) -> list[dict]:
     full = make_decode_inputs(problem, seed=2, device=DEVICE, ragged=False)
     ref_f = reference.decode_shard(full, full.shards[0])
     budget = Budget(warmup=2, min_reps=10, max_reps=60, max_seconds=seconds, race_ratio=0.0)
-    ids = ([variant_id(v) for v in VARIANTS] if gluon_ok else []) + list(OTHERS)
+    ids = (VARIANTS if gluon_ok else []) + list(OTHERS)
     rows = []
     for rid in ids:
         row = dict(batch=point[0], heads=point[1], kv_len=point[2], qlen=point[3], route=rid,
                    status="ok")
-        is_gluon = rid.startswith(GLUON)
-        variant = VARIANTS[[variant_id(v) for v in VARIANTS].index(rid)] if is_gluon else None
+        is_gluon = rid in VARIANTS
         try:
             if is_gluon:
-                def prep(p, x, splits=None, v=variant):
+                def prep(p, x, splits=None, v=rid):
                     return gluon_prepare(p, x, splits, v)
             else:
                 def prep(p, x, splits=None, r=rid):
@@ -243,7 +233,7 @@ def line_of(r: dict) -> str:
     if r["status"] != "ok":
         head += f" [{r['status'][:60]}]"
     extra = ""
-    if r["route"].startswith(GLUON):
+    if r["route"] in VARIANTS:
         extra = (f" splits1={'ok' if r.get('splits1_ok') else 'FAIL'}"
                  f" splits5={'ok' if r.get('splits5_ok') else 'FAIL'}"
                  f" stale_nan={'ok' if r.get('stale_nan_ok') else 'FAIL'}")
@@ -254,14 +244,13 @@ def line_of(r: dict) -> str:
 def summary(point, rows) -> str:
     t = {r["route"]: r.get("time_us", math.nan) for r in rows}
     ok = {r["route"]: r.get("time_us", math.nan) for r in rows
-          if r["route"].startswith(GLUON) and r["status"] == "ok"}
-    best = min(ok, key=ok.get) if ok else GLUON
+          if r["route"] in VARIANTS and r["status"] == "ok"}
+    best = min(ok, key=ok.get) if ok else FIRST
     g = t.get(best, math.nan)
     parts = [f"{point}: best gluon {best} {g:.1f} us"]
-    seesaw, chunked, n64 = (t.get(variant_id(v), math.nan)
-                            for v in (SEESAW, SEESAW_CHUNKED, VARIANTS[0]))
+    seesaw, chunked, first = (t.get(v, math.nan) for v in (SEESAW, SEESAW_CHUNKED, FIRST))
     if not math.isnan(seesaw):
-        parts.append(f"seesaw {seesaw:.1f} us (seesaw/n64 {seesaw / n64:.2f}x)")
+        parts.append(f"seesaw {seesaw:.1f} us (seesaw/first {seesaw / first:.2f}x)")
     if not math.isnan(chunked):
         parts.append(f"chunked {chunked:.1f} us (chunked/seesaw {chunked / seesaw:.2f}x)")
     for rid in OTHERS:
@@ -287,14 +276,10 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="run only the smoke cases (the child)")
     ap.add_argument("--seconds", type=float, default=0.6, help="timing budget per route and point")
     ap.add_argument("--smoke-timeout", type=float, default=120.0)
-    ap.add_argument("--all-variants", action="store_true",
-                    help="also the first kernel's pipelined walk and 32-key tiles")
     ap.add_argument("--budget", type=float, default=200.0,
                     help="seconds for the whole run: points that would start past it are skipped")
     args = ap.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
-    if args.all_variants:
-        VARIANTS[1:1] = MORE_VARIANTS
     if args.smoke:
         return smoke()
     import triton
@@ -310,7 +295,7 @@ def main() -> int:
     gluon_ok, why = gluon_available()
     if gluon_ok:
         print("smoke (child process) ...", flush=True)
-        gluon_ok, text = run_smoke_child(args.smoke_timeout, args.all_variants)
+        gluon_ok, text = run_smoke_child(args.smoke_timeout)
         print(text.rstrip(), flush=True)
         meta["smoke"] = text
         meta["smoke_finished"] = gluon_ok

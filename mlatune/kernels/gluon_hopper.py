@@ -44,13 +44,12 @@ Design of this first version (correct and simple before fast):
   1/num_splits of the request's keys. One split writes out and LSE directly;
   more write fp32 partials (normalized output, base-2 LSE) that
   ``reduce.reduce_launcher`` merges.
-Two variants of the walk exist for measurement (``decode_launcher``'s ``pipeline``
-and ``block_n``; ``benchmarks/gluon_check.py`` times them) and are not route
-parameters, being slower at every point measured on the H200 (2026-12-01): the
-pipelined walk (tile i+1's S issued before tile i's P V, so its softmax overlaps
-P V) by 3-26%, and 32-key tiles with a 4-deep ring by 10-46%. Both warpgroups
-read all of Q from shared memory for their half of S's columns; the 32-key
-tiles read Q twice as often per key, and their extra time follows that traffic.
+Two variants of the walk were built and timed on the H200 (2026-12-01,
+``benchmarks/results/README.md``, session 8, call 2) and removed, being slower at
+every point: a pipelined walk (tile i+1's S issued before tile i's P V, so its
+softmax overlaps P V) by 3-26%, and 32-key tiles with a 4-deep ring by 10-46%. Both
+warpgroups read all of Q from shared memory for their half of S's columns; the
+32-key tiles read Q twice as often per key, and their extra time followed that traffic.
 Known gaps (speed): S split across warpgroups by columns (Q read twice per tile;
 FlashMLA computes a whole tile's S in one warpgroup and ping-pongs), no warp
 specialization (a producer warp for the TMA copies), no persistent schedule;
@@ -77,20 +76,19 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from mlatune.kernels.gluon_hopper_plan import (  # noqa: F401  (GLUON_TRITON, H200_SMS: the API)
     BLOCK_M,
     BLOCK_N,
-    BLOCK_NS,
     D_NOPE,
     D_ROPE,
     GLUON_TRITON,
     H200_SMS,
     PAGE_SIZE,
     pick_splits,
-    stages_for,
     triton_refusal,
 )
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 NUM_WARPS = 8
+NUM_STAGES = 2  # the ring of 64-key tiles: with Q (72 KB), what one block's shared memory holds
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
@@ -158,10 +156,10 @@ def _zero_stale_rows(kn_buf, valid, num_warps: gl.constexpr):
 
 
 @gluon.jit
-def _walk_serial(q_nope, q_rope, k_nope, k_rope, kv_bar, p_buf, kn_desc, kr_desc, bt_row,
-                 start, end, n_tiles, last_pos, qk_scale, m_i, l_i, acc,
-                 s_layout: gl.constexpr, o_layout: gl.constexpr, PAGE: gl.constexpr,
-                 NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
+def _walk_keys(q_nope, q_rope, k_nope, k_rope, kv_bar, p_buf, kn_desc, kr_desc, bt_row,
+               start, end, n_tiles, last_pos, qk_scale, m_i, l_i, acc,
+               s_layout: gl.constexpr, o_layout: gl.constexpr, PAGE: gl.constexpr,
+               NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
     """The key walk, one tile at a time: S, softmax, then P V, each waited for at once."""
     BN: gl.constexpr = k_nope.shape[1]
     cols = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
@@ -189,65 +187,13 @@ def _walk_serial(q_nope, q_rope, k_nope, k_rope, kv_bar, p_buf, kn_desc, kr_desc
     return acc, m_i, l_i
 
 
-@gluon.jit
-def _walk_pipelined(q_nope, q_rope, k_nope, k_rope, kv_bar, p_buf, kn_desc, kr_desc, bt_row,
-                    start, end, n_tiles, last_pos, qk_scale, m_i, l_i, acc,
-                    s_layout: gl.constexpr, o_layout: gl.constexpr, PAGE: gl.constexpr,
-                    NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
-    """The key walk with tile i+1's S = Q K^T issued before tile i's P V, so that the
-    softmax of tile i+1 runs while the tensor cores compute P V of tile i.
-
-    wgmma groups retire in issue order: waiting until one is in flight leaves only P V
-    running. Tile 0's scores come first (a prologue) and the last tile's P V after
-    the loop; with no tile at all the prologue's buffer is zeroed and masked, so the
-    rows stay empty.
-    """
-    BN: gl.constexpr = k_nope.shape[1]
-    cols = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    mbarrier.wait(kv_bar.index(0), 0, pred=n_tiles > 0)
-    if start + BN > end:
-        _zero_stale_rows(k_nope.index(0), end - start, num_warps)
-    s = _issue_scores(q_nope, q_rope, k_nope.index(0), k_rope.index(0), s_layout)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-    p, m_i, l_i, alpha = _softmax_tile(s * qk_scale, start, end, last_pos, cols, m_i, l_i)
-    for i in range(n_tiles - 1):
-        cur = i % NUM_STAGES
-        nxt = (i + 1) % NUM_STAGES
-        p_buf.store(p.to(p_buf.dtype))
-        fence_async_shared()
-        gl.thread_barrier()
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-        n1 = start + (i + 1) * BN
-        mbarrier.wait(kv_bar.index(nxt), ((i + 1) // NUM_STAGES) & 1)
-        if n1 + BN > end:
-            _zero_stale_rows(k_nope.index(nxt), end - n1, num_warps)
-        s = _issue_scores(q_nope, q_rope, k_nope.index(nxt), k_rope.index(nxt), s_layout)
-        acc = warpgroup_mma(p_buf, k_nope.index(cur), acc, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
-        p, m_i, l_i, alpha = _softmax_tile(s * qk_scale, n1, end, last_pos, cols, m_i, l_i)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        # Both warpgroups are done with slot cur and with P: refill the slot.
-        gl.thread_barrier()
-        _issue_kv(kn_desc, kr_desc, k_nope.index(cur), k_rope.index(cur), kv_bar.index(cur),
-                  bt_row, start + (i + NUM_STAGES) * BN, i + NUM_STAGES < n_tiles, PAGE)
-    p_buf.store(p.to(p_buf.dtype))
-    fence_async_shared()
-    gl.thread_barrier()
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-    last = gl.maximum(n_tiles - 1, 0) % NUM_STAGES
-    acc = warpgroup_mma(p_buf, k_nope.index(last), acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    return acc, m_i, l_i
-
-
 @gluon.jit(do_not_specialize=["num_splits", "qlen", "heads"])
 def mla_decode_kernel(qn_desc, qr_desc, kn_desc, kr_desc, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr,
                       num_splits, qlen, heads, qk_scale,
                       stride_bt, stride_o_tok, stride_o_head, stride_lse_tok,
                       stride_po_slot, stride_po_row, stride_pl_slot,
                       CAUSAL: gl.constexpr, DIRECT: gl.constexpr, WRITE_LSE: gl.constexpr,
-                      PIPELINE: gl.constexpr, PAGE: gl.constexpr, NUM_STAGES: gl.constexpr,
+                      PAGE: gl.constexpr, NUM_STAGES: gl.constexpr,
                       num_warps: gl.constexpr):
     BM: gl.constexpr = qn_desc.block_type.shape[0]
     DN: gl.constexpr = qn_desc.block_type.shape[1]
@@ -307,16 +253,10 @@ def mla_decode_kernel(qn_desc, qr_desc, kn_desc, kr_desc, bt_ptr, seq_lens_ptr, 
     l_i = gl.full([BM], 0.0, gl.float32, layout=row_s)
     acc = gl.zeros([BM, DN], gl.float32, layout=o_layout)
     mbarrier.wait(q_bar, 0)
-    if PIPELINE:
-        acc, m_i, l_i = _walk_pipelined(q_nope, q_rope, k_nope, k_rope, kv_bar, p_buf, kn_desc,
-                                        kr_desc, bt_row, start, end, n_tiles, last_pos, qk_scale,
-                                        m_i, l_i, acc, s_layout, o_layout, PAGE, NUM_STAGES,
-                                        num_warps)
-    else:
-        acc, m_i, l_i = _walk_serial(q_nope, q_rope, k_nope, k_rope, kv_bar, p_buf, kn_desc,
-                                     kr_desc, bt_row, start, end, n_tiles, last_pos, qk_scale,
-                                     m_i, l_i, acc, s_layout, o_layout, PAGE, NUM_STAGES,
-                                     num_warps)
+    acc, m_i, l_i = _walk_keys(q_nope, q_rope, k_nope, k_rope, kv_bar, p_buf, kn_desc,
+                               kr_desc, bt_row, start, end, n_tiles, last_pos, qk_scale,
+                               m_i, l_i, acc, s_layout, o_layout, PAGE, NUM_STAGES,
+                               num_warps)
 
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(NUM_STAGES):
@@ -363,8 +303,7 @@ def _nvmma(block: list[int], dtype: torch.dtype) -> gl.NVMMASharedLayout:
     return gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[dtype])
 
 
-def _descriptors(q: torch.Tensor, kv_cache: torch.Tensor,
-                 block_n: int) -> tuple[TensorDescriptor, ...]:
+def _descriptors(q: torch.Tensor, kv_cache: torch.Tensor) -> tuple[TensorDescriptor, ...]:
     """TMA descriptors: q's and the cache's nope and rope parts as 2-D row tables.
 
     q's (token, head) rows and the cache's (page, slot) rows are rows of one table
@@ -372,7 +311,7 @@ def _descriptors(q: torch.Tensor, kv_cache: torch.Tensor,
     read, so no view or copy is made.
     """
     out = []
-    for t, block_rows in ((q, BLOCK_M), (kv_cache, block_n)):
+    for t, block_rows in ((q, BLOCK_M), (kv_cache, BLOCK_N)):
         n_rows, row_stride = t.shape[0] * t.shape[1], t.stride(1)
         for col, width in ((0, D_NOPE), (D_NOPE, D_ROPE)):
             block = [block_rows, width]
@@ -408,8 +347,7 @@ def check_supported(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
 def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                     seq_lens: torch.Tensor, *, qlen: int, sm_scale: float, causal: bool = True,
                     out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                    num_splits: int | None = None, max_seq_len: int | None = None,
-                    block_n: int = BLOCK_N, pipeline: bool = False
+                    num_splits: int | None = None, max_seq_len: int | None = None
                     ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
     """A zero-argument launch of the Gluon decode, with the out and LSE it writes.
 
@@ -418,13 +356,9 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     out (batch * qlen, heads, 512) in q's dtype and lse (batch * qlen, heads)
     fp32 (natural log) are allocated when not given. ``num_splits`` None: picked
     from the batch and ``max_seq_len`` (read from seq_lens, a host sync, when not
-    given). ``block_n`` keys per tile (64 or 32: ``stages_for`` gives the ring's depth)
-    and ``pipeline`` (the walk of ``_walk_pipelined``) are the kernel's variants.
-    The launch reads seq_lens and block_table when it runs (capturable).
+    given). The launch reads seq_lens and block_table when it runs (capturable).
     """
     why = check_supported(q, kv_cache, block_table, seq_lens)
-    if block_n not in BLOCK_NS:
-        raise ValueError(f"gluon MLA decode: block_n {block_n} (one of {BLOCK_NS})")
     if why is not None:
         raise ValueError(f"gluon MLA decode: {why}")
     batch = seq_lens.shape[0]
@@ -441,11 +375,11 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max()) if batch else 0
         num_splits = pick_splits(batch, row_blocks, max_seq_len)
-    descs = _descriptors(q, kv_cache, block_n)
+    descs = _descriptors(q, kv_cache)
     grid = (row_blocks, num_splits, batch)
     scale = sm_scale * LOG2E
-    meta = dict(CAUSAL=causal and qlen > 1, PIPELINE=pipeline, PAGE=PAGE_SIZE,
-                NUM_STAGES=stages_for(block_n), num_warps=NUM_WARPS)
+    meta = dict(CAUSAL=causal and qlen > 1, PAGE=PAGE_SIZE, NUM_STAGES=NUM_STAGES,
+                num_warps=NUM_WARPS)
     common = (*descs, block_table, seq_lens)
     sizes = (num_splits, qlen, heads, scale, block_table.stride(0))
     if num_splits == 1:
@@ -477,12 +411,10 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
 
 def gluon_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, *, qlen: int, sm_scale: float, causal: bool = True,
-                 num_splits: int | None = None, block_n: int = BLOCK_N,
-                 pipeline: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One eager call: (out, lse). See ``decode_launcher``."""
     launch, out, lse = decode_launcher(q, kv_cache, block_table, seq_lens, qlen=qlen,
-                                       sm_scale=sm_scale, causal=causal, num_splits=num_splits,
-                                       block_n=block_n, pipeline=pipeline)
+                                       sm_scale=sm_scale, causal=causal, num_splits=num_splits)
     launch()
     return out, lse
 
@@ -493,7 +425,7 @@ _TORCH_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def aot_compile(dtype: str = "bf16", *, direct: bool = True, causal: bool = True,
-                block_n: int = BLOCK_N, pipeline: bool = False, arch: int = 90):
+                arch: int = 90):
     """Compile ``mla_decode_kernel`` for ``sm_<arch>`` without a GPU; returns triton's
     CompiledKernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``)."""
     from triton.backends.compiler import GPUTarget
@@ -501,11 +433,11 @@ def aot_compile(dtype: str = "bf16", *, direct: bool = True, causal: bool = True
 
     tdtype = _TORCH_NAMES[dtype]
     descs = {"qn_desc": [BLOCK_M, D_NOPE], "qr_desc": [BLOCK_M, D_ROPE],
-             "kn_desc": [block_n, D_NOPE], "kr_desc": [block_n, D_ROPE]}
+             "kn_desc": [BLOCK_N, D_NOPE], "kr_desc": [BLOCK_N, D_ROPE]}
     pointers = {"bt_ptr": "i32", "seq_lens_ptr": "i32", "out_ptr": dtype if direct else "fp32",
                 "lse_ptr": "fp32"}
-    constants = dict(CAUSAL=causal, DIRECT=direct, WRITE_LSE=True, PIPELINE=pipeline,
-                     PAGE=PAGE_SIZE, NUM_STAGES=stages_for(block_n), num_warps=NUM_WARPS)
+    constants = dict(CAUSAL=causal, DIRECT=direct, WRITE_LSE=True, PAGE=PAGE_SIZE,
+                     NUM_STAGES=NUM_STAGES, num_warps=NUM_WARPS)
     fn = mla_decode_kernel
     types = {**dict.fromkeys(constants, "constexpr"),
              **{n: "*" + t for n, t in pointers.items()}, "qk_scale": "fp32",

@@ -14,8 +14,7 @@ GLUON_TRITON = "3.6."  # the triton release whose Gluon API the kernel is writte
 D_NOPE = 512  # kv_lora_rank: the latent part of q and K, and all of V
 D_ROPE = 64
 BLOCK_M = 64  # query rows (heads x qlen folded) per program
-BLOCK_N = 64  # keys per tile by default: one page
-BLOCK_NS = (64, 32)  # the kernel's tile widths (half pages keep more bytes in flight)
+BLOCK_N = 64  # keys per tile: one page
 PAGE_SIZE = 64
 DTYPES = ("bf16", "fp16")  # q and cache alike; fp8 caches are not done yet
 H200_SMS = 132
@@ -30,12 +29,6 @@ def triton_refusal(version: str | None) -> str | None:
         return (f"the Gluon kernel is written for triton {GLUON_TRITON}x's Gluon API; "
                 f"this is triton {version}")
     return None
-
-
-def stages_for(block_n: int) -> int:
-    """The ring's depth for ``block_n``-key tiles: the shared memory of two 64-key tiles
-    (with Q, 72 KB, that is what one block may hold)."""
-    return 2 * 64 // block_n
 
 
 def row_blocks(heads: int, qlen: int) -> int:

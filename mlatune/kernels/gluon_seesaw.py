@@ -43,10 +43,10 @@ Registers: O's half (64 x 256 fp32) is 128 a thread, so the compute warpgroups g
 warpgroups are both workers (not one the default partition) so that they compile
 alike: as the default partition WG0 kept its scalars in registers and spilled.
 The ``seesaw/gluon`` route runs it (first timed 2026-12-01: ``benchmarks/results/README.md``,
-session 8, call 6); ``benchmarks/gluon_check.py`` times it as ``wgmma/gluon seesaw``.
+session 8, call 6); ``benchmarks/gluon_check.py`` times it as ``seesaw/gluon``.
 
-The CHUNKED form (``decode_launcher(chunked=True)``; ``gluon_check``'s ``wgmma/gluon
-seesaw chunked``; call 8: correct, 0-3.5% faster at every point, not yet what the route
+The CHUNKED form (``decode_launcher(chunked=True)``; ``gluon_check``'s ``seesaw/gluon
+chunked``; call 8: correct, 0-3.5% faster at every point, not yet what the route
 runs) aims at the compute-bound gap to FlashMLA (2.28 us a
 64-key tile per SM against 1.86 at (8, 128, 32768, 1)). Above, S of a tile starts only
 when all of its 72 KB has landed, and WG1 asks for its next tile b only as it releases
@@ -611,7 +611,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
             max_seq_len = int(seq_lens.max()) if batch else 0
         num_splits = pick_splits(batch, row_blocks, max_seq_len)
     grid = (row_blocks, num_splits, batch)
-    descs = _descriptors(q, kv_cache, BLOCK_N)
+    descs = _descriptors(q, kv_cache)
     if chunked:
         descs = (*descs[:3], _chunk_descriptor(kv_cache))
     head = (*descs, block_table, seq_lens)

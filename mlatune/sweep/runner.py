@@ -14,28 +14,22 @@ from dataclasses import asdict, dataclass, field
 from mlatune.arch import DeviceInfo
 from mlatune.problem import MLAProblem
 from mlatune.sweep import compile_ahead
-from mlatune.sweep.candidates import (  # noqa: F401  (the names callers import from here)
+from mlatune.sweep.candidates import (  # noqa: F401  (Shard: callers import it from here)
     REFERENCE,
     Candidate,
     Shard,
     plan,
     problem_seed,
-    stable_hash,
 )
 from mlatune.sweep.journal import Journal
-from mlatune.sweep.pool import (  # noqa: F401
-    SETUP_TIMEOUT_S,
-    WORKER_START_TIMEOUT_S,
-    WorkerPool,
-)
+from mlatune.sweep.pool import WorkerPool
 from mlatune.sweep.progress import Observer
-from mlatune.sweep.records import (  # noqa: F401
+from mlatune.sweep.records import (  # noqa: F401  (COST_PARTS, table_rows: callers' imports)
     COST_PARTS,
     Record,
     Status,
     Task,
     problem_key,
-    step_us,
     table_rows,
 )
 from mlatune.sweep.spec import SweepSpec
