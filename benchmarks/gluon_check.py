@@ -41,18 +41,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-POINTS = [(1, 16, 4096, 1), (64, 16, 4096, 1), (128, 16, 8192, 1), (128, 16, 4096, 4),
-          (64, 64, 4096, 1), (128, 128, 4096, 1), (8, 128, 32768, 1)]
-SMOKE = [  # (batch, heads, kv_len, qlen, dtype, num_splits)
+POINTS = [  # (batch, heads, kv_len, qlen, kv dtype): q is bf16
+    (1, 16, 4096, 1, "bf16"), (64, 16, 4096, 1, "bf16"), (128, 16, 8192, 1, "bf16"),
+    (128, 16, 4096, 2, "bf16"), (128, 16, 4096, 4, "bf16"), (64, 64, 4096, 1, "bf16"),
+    (128, 128, 4096, 1, "bf16"), (8, 128, 32768, 1, "bf16"), (128, 16, 8192, 1, "fp8"),
+    (64, 16, 4096, 1, "fp8"), (1, 16, 4096, 1, "fp8"),
+]
+SMOKE = [  # (batch, heads, kv_len, qlen, dtype (q; the cache too unless fp8), num_splits)
     (3, 16, 300, 1, "bf16", 1), (3, 16, 300, 1, "bf16", 3), (2, 16, 200, 2, "bf16", 1),
     (2, 16, 700, 4, "bf16", 4), (2, 128, 500, 1, "bf16", 2), (3, 16, 300, 1, "fp16", 2),
-    (2, 32, 130, 3, "fp16", 1),
+    (2, 32, 130, 3, "fp16", 1), (3, 16, 300, 1, "fp8", 1), (2, 16, 700, 4, "fp8", 3),
+    (2, 8, 200, 2, "fp8", 1),
 ]
 OTHERS = ("padded/triton", "dense/flashmla")
 FIRST = "wgmma/gluon"  # the first kernel (mlatune/kernels/gluon_hopper.py), as its route
 SEESAW = "seesaw/gluon"  # the warp-specialized kernel (mlatune/kernels/gluon_seesaw.py)
 SEESAW_CHUNKED = "seesaw/gluon chunked"  # its CHUNKED form: decode_launcher(chunked=True)
-VARIANTS = [FIRST, SEESAW, SEESAW_CHUNKED]
+TRANSPOSED = "transposed/gluon"  # keys as the MMA's M (mlatune/kernels/gluon_transposed.py)
+VARIANTS = [FIRST, SEESAW, SEESAW_CHUNKED, TRANSPOSED]
+FP8_VARIANTS = (TRANSPOSED, )  # the kernels that read an fp8 cache
+SKIPPED: set[str] = set()  # --skip (the child smoke run gets it through the environment)
 DEVICE = "cuda"  # a dry run of the plumbing may set "cpu" (with a stand-in kernel)
 
 
@@ -62,9 +70,15 @@ def last_line(exc: BaseException) -> str:
 
 
 def problem_of(batch, heads, kv_len, qlen, dtype="bf16"):
+    """dtype "fp8": a bf16 q over an e4m3 cache; else q and cache of that dtype."""
     from mlatune.problem import MLAProblem
-    return MLAProblem(num_heads=heads, batch=batch, kv_len=kv_len, qlen=qlen, q_dtype=dtype,
-                      kv_dtype=dtype, page_size=64)
+    q_dtype, kv_dtype = ("bf16", "fp8_e4m3fn") if dtype == "fp8" else (dtype, dtype)
+    return MLAProblem(num_heads=heads, batch=batch, kv_len=kv_len, qlen=qlen, q_dtype=q_dtype,
+                      kv_dtype=kv_dtype, page_size=64)
+
+
+def variants_for(dtype: str) -> list[str]:
+    return [v for v in VARIANTS if (dtype != "fp8" or v in FP8_VARIANTS) and v not in SKIPPED]
 
 
 def gluon_prepare(problem, inputs, num_splits=None, variant=FIRST):
@@ -75,6 +89,9 @@ def gluon_prepare(problem, inputs, num_splits=None, variant=FIRST):
     if variant == FIRST:
         from mlatune.kernels.gluon_hopper import decode_launcher
         return decode_launcher(*args, **kwargs)
+    if variant == TRANSPOSED:
+        from mlatune.kernels.gluon_transposed import decode_launcher as transposed_launcher
+        return transposed_launcher(*args, **kwargs, kv_scale=inputs.kv_scale)
     from mlatune.kernels.gluon_seesaw import decode_launcher as seesaw_launcher
     return seesaw_launcher(*args, **kwargs, chunked=variant == SEESAW_CHUNKED)
 
@@ -129,7 +146,7 @@ def smoke() -> int:
     from mlatune.check import reference
     from mlatune.check.inputs import make_decode_inputs
     failed = 0
-    cases = [(c, v) for c in SMOKE for v in VARIANTS]
+    cases = [(c, v) for c in SMOKE for v in variants_for(c[4])]
     for (batch, heads, kv_len, qlen, dtype, splits), variant in cases:
         problem = problem_of(batch, heads, kv_len, qlen, dtype)
         name = (f"smoke {(batch, heads, kv_len, qlen)} {dtype} splits={splits} "
@@ -171,16 +188,17 @@ def run_point(point, gluon_ok: bool, seconds: float) -> list[dict]:
     from mlatune.check.inputs import make_decode_inputs
     from mlatune.sweep.bench import Budget, measure
     problem = problem_of(*point)
+    dtype = point[4]
     ragged = make_decode_inputs(problem, seed=0, device=DEVICE, ragged=True)
     ref_r = reference.decode_shard(ragged, ragged.shards[0])
     full = make_decode_inputs(problem, seed=2, device=DEVICE, ragged=False)
     ref_f = reference.decode_shard(full, full.shards[0])
     budget = Budget(warmup=2, min_reps=10, max_reps=60, max_seconds=seconds, race_ratio=0.0)
-    ids = (VARIANTS if gluon_ok else []) + list(OTHERS)
+    ids = (variants_for(dtype) if gluon_ok else []) + list(OTHERS)
     rows = []
     for rid in ids:
-        row = dict(batch=point[0], heads=point[1], kv_len=point[2], qlen=point[3], route=rid,
-                   status="ok")
+        row = dict(batch=point[0], heads=point[1], kv_len=point[2], qlen=point[3], kv=dtype,
+                   route=rid, status="ok")
         is_gluon = rid in VARIANTS
         try:
             if is_gluon:
@@ -249,6 +267,8 @@ def summary(point, rows) -> str:
     g = t.get(best, math.nan)
     parts = [f"{point}: best gluon {best} {g:.1f} us"]
     seesaw, chunked, first = (t.get(v, math.nan) for v in (SEESAW, SEESAW_CHUNKED, FIRST))
+    if not math.isnan(t.get(TRANSPOSED, math.nan)):
+        parts.append(f"transposed {t[TRANSPOSED]:.1f} us")
     if not math.isnan(seesaw):
         parts.append(f"seesaw {seesaw:.1f} us (seesaw/first {seesaw / first:.2f}x)")
     if not math.isnan(chunked):
@@ -278,7 +298,11 @@ def main() -> int:
     ap.add_argument("--smoke-timeout", type=float, default=120.0)
     ap.add_argument("--budget", type=float, default=200.0,
                     help="seconds for the whole run: points that would start past it are skipped")
+    ap.add_argument("--skip", default=os.environ.get("GLUON_CHECK_SKIP", ""),
+                    help="kernels not to run, comma-separated (e.g. wgmma/gluon)")
     args = ap.parse_args()
+    SKIPPED.update(v for v in args.skip.split(",") if v)
+    os.environ["GLUON_CHECK_SKIP"] = args.skip
     os.environ.pop("TRITON_INTERPRET", None)
     if args.smoke:
         return smoke()
@@ -309,16 +333,16 @@ def main() -> int:
         if time.time() - start > args.budget - 12:
             print(f"{point}: skipped, the {args.budget:.0f} s budget is spent", flush=True)
             rows.append(dict(batch=point[0], heads=point[1], kv_len=point[2], qlen=point[3],
-                             route="all", status="skipped: time budget"))
+                             kv=point[4], route="all", status="skipped: time budget"))
             continue
-        print(f"{point} bf16 page 64", flush=True)
+        print(f"{point} page 64", flush=True)
         try:
             got = run_point(point, gluon_ok, args.seconds)
             print("  " + summary(point, got), flush=True)
         except Exception as exc:  # inputs or reference failed: note it, go on
             print(f"  error: {last_line(exc)}", flush=True)
             got = [dict(batch=point[0], heads=point[1], kv_len=point[2], qlen=point[3],
-                        route="all", status=f"error: {last_line(exc)}")]
+                        kv=point[4], route="all", status=f"error: {last_line(exc)}")]
         rows += got
         meta["elapsed_s"] = round(time.time() - start, 1)
         write(args.out, meta, rows)

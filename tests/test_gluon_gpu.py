@@ -1,5 +1,5 @@
-"""The Gluon routes (``wgmma/gluon``, ``seesaw/gluon``: mlatune's Hopper Gluon decodes) on
-an sm_90 GPU (``pytest -m gpu``).
+"""The Gluon routes (``wgmma/gluon``, ``seesaw/gluon``, ``transposed/gluon``: mlatune's
+Hopper Gluon decodes) on an sm_90 GPU (``pytest -m gpu``).
 
 The Triton routes' checks, imported: every parameter set against the fp32 reference
 on ragged lengths with NaN-poisoned outputs, DCP ranks' partials merged by their LSEs,
@@ -63,7 +63,16 @@ PROBLEMS = [
     (GLUON, _p(8, 16, 4096, qlen=2, dcp=2, causal=False)),
     (GLUON, _p(128, 128, 4096)),  # 256 programs: one split
 ]
-CASES = PROBLEMS + [(SEESAW, problem) for _, problem in PROBLEMS]
+TRANSPOSED = "transposed/gluon"  # keys as the MMA's M: every case, and fp8 caches
+FP8 = [  # transposed/gluon over fp8 (e4m3) caches: one split and several, verify, DCP
+    (TRANSPOSED, _p(16, 1, 4096, kv="fp8_e4m3fn")),
+    (TRANSPOSED, _p(16, 128, 8192, kv="fp8_e4m3fn")),
+    (TRANSPOSED, _p(32, 16, 4096, qlen=3, kv="fp8_e4m3fn")),
+    (TRANSPOSED, _p(16, 128, 4096, qlen=2, kv="fp8_e4m3fn")),
+    (TRANSPOSED, _p(16, 32, 4096, dcp=2, kv="fp8_e4m3fn")),
+]
+CASES = PROBLEMS + [(SEESAW, problem) for _, problem in PROBLEMS] \
+    + [(TRANSPOSED, problem) for _, problem in PROBLEMS] + FP8
 
 
 @pytest.mark.parametrize("item", CASES, ids=_label)
@@ -74,8 +83,8 @@ def test_gluon_route_at_real_size(item):
 GRAPHED = [5, 10, 13]
 
 
-@pytest.mark.parametrize("item", [CASES[i] for i in GRAPHED] + [CASES[len(PROBLEMS) + i]
-                                                                for i in GRAPHED], ids=_label)
+@pytest.mark.parametrize("item", [CASES[k * len(PROBLEMS) + i] for k in range(3)
+                                  for i in GRAPHED] + FP8[:3:2], ids=_label)
 def test_gluon_cuda_graph_replay(item):
     _replayed(item)
 
@@ -84,14 +93,14 @@ ENGINE_CASES = [_engine_p(16, 32, 4096), _engine_p(64, 16, 4096, qlen=2),
                 _engine_p(16, 8, 4096, dcp=2), _engine_p(128, 4, 8192)]
 
 
-@pytest.mark.parametrize("route_id", [GLUON, SEESAW])
+@pytest.mark.parametrize("route_id", [GLUON, SEESAW, TRANSPOSED])
 @pytest.mark.parametrize("problem", ENGINE_CASES, ids=lambda p: p.key)
 def test_gluon_captured_step_replays_with_new_lengths(problem, route_id, tmp_path):
     _captured(route_id, False, problem, tmp_path)
 
 
-@pytest.mark.parametrize("item", [CASES[i] for i in (1, 5, 7)]
-                         + [CASES[len(PROBLEMS) + i] for i in (1, 5, 7)], ids=_label)
+@pytest.mark.parametrize("item", [CASES[k * len(PROBLEMS) + i] for k in range(3)
+                                  for i in (1, 5, 7)] + FP8[:3], ids=_label)
 def test_stale_cache_slots_hold_nan(item):
     route_id, problem = item
     route = routes.get(route_id)

@@ -14,12 +14,13 @@ import torch
 from mlatune import capability, routes
 from mlatune.arch import cpu_device
 from mlatune.check.inputs import make_decode_inputs
-from mlatune.kernels import gluon_hopper, gluon_hopper_plan, gluon_seesaw
+from mlatune.kernels import gluon_hopper, gluon_hopper_plan, gluon_seesaw, gluon_transposed
 from mlatune.problem import MLAProblem
 from mlatune.routes import gluon_hopper as route_module
 
 ROUTE = "wgmma/gluon"
-KERNELS = {"wgmma/gluon": gluon_hopper, "seesaw/gluon": gluon_seesaw}  # route -> its kernel
+KERNELS = {"wgmma/gluon": gluon_hopper, "seesaw/gluon": gluon_seesaw,
+           "transposed/gluon": gluon_transposed}  # route -> its kernel
 H200 = capability.device_for_arch("sm_90")
 FP8 = "fp8_e4m3fn"
 
@@ -201,6 +202,36 @@ def test_both_gluon_routes_serve_the_same_problems_with_the_same_splits():
     assert seesaw.sized_params == wgmma.sized_params
 
 
+def test_the_transposed_route_serves_fp8_caches_and_its_own_row_blocks():
+    route = routes.get("transposed/gluon")
+    fp8 = _p(batch=4, kv_dtype="fp8_e4m3fn")
+    assert capability.check("transposed/gluon", fp8, "sm_90")
+    assert not capability.check(ROUTE, fp8, "sm_90")
+    refused = capability.check("transposed/gluon", _p(q_dtype="fp8_e4m3fn", kv_dtype="fp8_e4m3fn"),
+                               "sm_90")
+    assert not refused and refused.rule == "transposed.dtypes"
+    # 16 heads x 1 token: one 16-row program a request; 16 x 4 = 64 rows: two of 32;
+    # 128 heads: four. The 64-row kernels: one, one and two.
+    for heads, qlen, blocks in ((16, 1, 1), (16, 4, 2), (128, 1, 4), (8, 3, 1)):
+        problem = _p(batch=1, num_heads=heads, qlen=qlen)
+        assert route.row_blocks(problem) == blocks
+    # Fewer programs a request: the split pick goes up at batch 64 x 128 heads.
+    wide = _p(batch=8, num_heads=128, kv_len=16384)
+    assert route.param_space(wide, H200)[0]["num_splits"] <= \
+        routes.get(ROUTE).param_space(wide, H200)[0]["num_splits"]
+
+
+def test_prepare_hands_an_fp8_cache_and_its_scale_to_the_transposed_kernel(monkeypatch):
+    fake = _Recorder()
+    monkeypatch.setattr(gluon_transposed, "decode_launcher", fake)
+    problem = _p(batch=2, kv_len=300, kv_dtype="fp8_e4m3fn")
+    inputs = make_decode_inputs(problem, seed=8, ragged=True)
+    routes.get("transposed/gluon").prepare(problem, inputs)
+    (call,) = fake.calls
+    assert call["kv_cache"].dtype == torch.float8_e4m3fn
+    assert call["kv_scale"] is inputs.kv_scale and call["q"].dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("problem", [
     _p(batch=3, kv_len=300),
     _p(batch=2, num_heads=128, qlen=4, kv_len=700, causal=True),
@@ -221,6 +252,8 @@ def test_prepare_hands_the_launcher_the_inputs(problem, recorder):
     assert call["sm_scale"] == pytest.approx(problem.softmax_scale)
     # Both given, so the launcher never reads the lengths on the host.
     assert call["num_splits"] == 3 and call["max_seq_len"] == problem.kv_len
+    # Only the kernel that reads an fp8 cache is handed the cache's scale (a device tensor).
+    assert ("kv_scale" in call) == (recorder.route_id == "transposed/gluon")
     assert prepared.params == {"num_splits": 3}
     assert prepared.graph_safe and not prepared.plan_reads_lengths and prepared.plan is None
     assert prepared.step_kind == routes.LAUNCH_ONLY

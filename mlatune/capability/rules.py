@@ -522,6 +522,14 @@ def _wgmma_dtypes(c: Context) -> str | None:
             f"of the same dtype (fp8 caches are not done yet)")
 
 
+def _transposed_dtypes(c: Context) -> str | None:
+    q, kv = c.p.q_dtype, c.p.kv_dtype
+    if q in wgmma.DTYPES and kv in (q, wgmma.FP8_CACHE):
+        return None
+    return (f"{q} q over a {kv} cache: the transposed Gluon kernel reads a bf16 or fp16 q "
+            f"over a cache of q's dtype or {wgmma.FP8_CACHE}")
+
+
 def _wgmma_dcp(c: Context) -> str | None:
     if c.p.dcp_size > 1 and c.block_has_order:
         return ("causal verify over a DCP shard: the Gluon kernel masks on the shard's local "
@@ -547,6 +555,10 @@ _WGMMA_GLUON = (
     _rule("wgmma.dtypes", _wgmma_dtypes),
     _rule("wgmma.dcp", _wgmma_dcp),
 )
+
+_TRANSPOSED_GLUON = tuple(
+    _rule("transposed.dtypes", _transposed_dtypes) if r.id == "wgmma.dtypes" else r
+    for r in _WGMMA_GLUON)
 
 ROUTE_RULES: dict[str, tuple[Rule, ...]] = {
     "gluon/aiter": (
@@ -644,6 +656,7 @@ ROUTE_RULES.update({
     "reference/torch": (),  # eager fp32 torch: any problem on any device
     "wgmma/gluon": _WGMMA_GLUON,
     "seesaw/gluon": _WGMMA_GLUON,  # the same problems: the kernels share sizes and helpers
+    "transposed/gluon": _TRANSPOSED_GLUON,  # the same, and fp8 caches
 })
 
 

@@ -240,6 +240,10 @@ SOURCES: dict[str, Source] = {
                                        "one 64-token page, read by TMA from the block table"),
     "wgmma.dtypes": Source(WGMMA_GLUON, "bf16 or fp16 q over a cache of the same dtype "
                                         "(check_supported); fp8 caches are not written yet"),
+    "transposed.dtypes": Source("mlatune/kernels/gluon_transposed.py",
+                                "bf16 or fp16 q over a cache of q's dtype or fp8 e4m3fn "
+                                "(check_supported): an fp8 tile is widened to q's dtype in "
+                                "shared memory, exactly, before the 16-bit MMAs"),
     "wgmma.dcp": Source(WGMMA_GLUON, "the causal mask is applied on the lengths the kernel is "
                                      "given (local to a DCP shard): right for single-token "
                                      "decode and non-causal blocks, wrong for a causal block "

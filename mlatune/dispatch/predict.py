@@ -219,11 +219,13 @@ def _device_with(cus: int) -> DeviceInfo:
 
 
 def _gluon_layout(route: Any, problem: MLAProblem) -> tuple[dict, float]:
-    """The Gluon decodes' tile and programs per request (64-row blocks of heads x qlen)."""
+    """The Gluon decodes' tile and programs per request (row blocks of heads x qlen)."""
     from mlatune.kernels import gluon_hopper_plan as plan
 
-    blocks = plan.row_blocks(problem.kernel_heads, problem.qlen)
-    return {"block_m": plan.BLOCK_M, "block_n": plan.BLOCK_N}, float(blocks)
+    block_m = plan.BLOCK_M
+    if route.id == "transposed/gluon":
+        block_m = plan.transposed_rows(problem.kernel_heads * problem.qlen)
+    return {"block_m": block_m, "block_n": plan.BLOCK_N}, float(route.row_blocks(problem))
 
 
 # Split-KV routes whose launch the predictor knows without the triton routes' hooks: route
@@ -231,6 +233,7 @@ def _gluon_layout(route: Any, problem: MLAProblem) -> tuple[dict, float]:
 _LISTED_LAYOUTS: dict[str, Callable[[Any, MLAProblem], tuple[dict, float]]] = {
     "wgmma/gluon": _gluon_layout,
     "seesaw/gluon": _gluon_layout,
+    "transposed/gluon": _gluon_layout,
 }
 
 

@@ -1,5 +1,5 @@
-"""What the Hopper Gluon decodes (``gluon_hopper``, ``gluon_seesaw``) are built for, and
-their split rule, on the host.
+"""What the Hopper Gluon decodes (``gluon_hopper``, ``gluon_seesaw``, ``gluon_transposed``)
+are built for, and their split rule, on the host.
 
 Plain Python, no Triton: the capability rules, the Gluon routes'
 ``supports`` and ``param_space`` (which the dispatcher may ask) read these
@@ -16,7 +16,8 @@ D_ROPE = 64
 BLOCK_M = 64  # query rows (heads x qlen folded) per program
 BLOCK_N = 64  # keys per tile: one page
 PAGE_SIZE = 64
-DTYPES = ("bf16", "fp16")  # q and cache alike; fp8 caches are not done yet
+DTYPES = ("bf16", "fp16")  # q and cache alike (wgmma/gluon, seesaw/gluon)
+FP8_CACHE = "fp8_e4m3fn"  # transposed/gluon also reads this cache under a 16-bit q
 H200_SMS = 132
 MAX_SPLITS = 64
 
@@ -34,6 +35,18 @@ def triton_refusal(version: str | None) -> str | None:
 def row_blocks(heads: int, qlen: int) -> int:
     """Programs per request (and split): heads x qlen rows in blocks of ``BLOCK_M``."""
     return -(-heads * qlen // BLOCK_M)
+
+
+def transposed_rows(rows: int) -> int:
+    """The transposed kernel's query rows per program (its MMAs' N): 16 up to 16 rows, else
+    32 (O^T, 512 x 32 fp32, is 128 registers a thread)."""
+    return 16 if rows <= 16 else 32
+
+
+def transposed_row_blocks(heads: int, qlen: int) -> int:
+    """The transposed kernel's programs per request (and split)."""
+    rows = heads * qlen
+    return -(-rows // transposed_rows(rows))
 
 
 def pick_splits(batch: int, row_blocks: int, max_seq_len: int, sms: int = H200_SMS) -> int:

@@ -22,7 +22,7 @@ from mlatune.routes.base import (
 )
 from mlatune.routes.flashinfer import FLASHINFER_ROUTES
 from mlatune.routes.flashmla import FlashMLARoute
-from mlatune.routes.gluon_hopper import SeesawGluonRoute, WgmmaGluonRoute
+from mlatune.routes.gluon_hopper import SeesawGluonRoute, TransposedGluonRoute, WgmmaGluonRoute
 from mlatune.routes.prefill_triton import BF16PersistentPrefillRoute, FP8PersistentPrefillRoute
 from mlatune.routes.registry import (
     all_routes,
@@ -45,6 +45,7 @@ for _route in TRITON_DECODE_ROUTES:
     register(_route())
 register(WgmmaGluonRoute())  # Hopper only; needs triton 3.6 (checked when asked)
 register(SeesawGluonRoute())  # the same, warp-specialized
+register(TransposedGluonRoute())  # keys as the MMA's M; also fp8 caches
 register(FlashMLARoute())  # NVIDIA vendor kernels: their libraries are imported when asked
 for _route in FLASHINFER_ROUTES:
     register(_route)

@@ -58,6 +58,7 @@ class WgmmaGluonRoute:
 
     id = "wgmma/gluon"
     kernel = "gluon_hopper"  # the module under mlatune.kernels whose decode_launcher runs
+    reads_fp8 = False  # whether decode_launcher takes an fp8 cache (and its kv_scale)
     sized_params = ("num_splits",)  # derived from batch and KV length (base.params_at)
     writes_into = True  # prepare takes the caller's out= and lse= buffers
 
@@ -76,11 +77,14 @@ class WgmmaGluonRoute:
         (where the keys allow)."""
         sms = device.cu_count if device.is_gpu and device.cu_count else plan.H200_SMS
         length = problem.shard_len
-        pick = plan.pick_splits(problem.batch, plan.row_blocks(problem.kernel_heads,
-                                                               problem.qlen), length, sms)
+        pick = plan.pick_splits(problem.batch, self.row_blocks(problem), length, sms)
         top = min(plan.MAX_SPLITS, max(1, -(-length // plan.BLOCK_N)))
         splits = dict.fromkeys(s for s in (pick, pick // 2, pick * 2) if 1 <= s <= top)
         return [{"num_splits": s} for s in splits]
+
+    def row_blocks(self, problem: MLAProblem) -> int:
+        """Programs per request and split."""
+        return plan.row_blocks(problem.kernel_heads, problem.qlen)
 
     def step_kind(self, params: Params) -> StepKind:
         return LAUNCH_ONLY
@@ -97,10 +101,11 @@ class WgmmaGluonRoute:
         chosen = dict(self.param_space(problem, device_of(inputs.q))[0])
         chosen.update(params or {})
         shard = inputs.shards[rank]
+        extra = {"kv_scale": inputs.kv_scale} if self.reads_fp8 else {}
         launch, out, lse = kernel.decode_launcher(
             inputs.q, shard.kv_cache, shard.block_table, shard.seq_lens, qlen=problem.qlen,
             sm_scale=inputs.softmax_scale, causal=problem.causal, out=out, lse=lse,
-            num_splits=chosen["num_splits"], max_seq_len=problem.shard_len)
+            num_splits=chosen["num_splits"], max_seq_len=problem.shard_len, **extra)
         return Prepared(launch, out, lse if want_lse else None, graph_safe=True, params=chosen)
 
 
@@ -110,3 +115,17 @@ class SeesawGluonRoute(WgmmaGluonRoute):
 
     id = "seesaw/gluon"
     kernel = "gluon_seesaw"
+
+
+class TransposedGluonRoute(WgmmaGluonRoute):
+    """The transposed Hopper Gluon decode: S^T = K Q^T with the tile's 64 keys as the MMA's
+    M and 16 or 32 query rows as its N (no padding of few rows to 64), one warpgroup; bf16
+    or fp16 q over a cache of q's dtype or fp8 (e4m3, widened to q's dtype in shared
+    memory, its scale read on the device)."""
+
+    id = "transposed/gluon"
+    kernel = "gluon_transposed"
+    reads_fp8 = True
+
+    def row_blocks(self, problem: MLAProblem) -> int:
+        return plan.transposed_row_blocks(problem.kernel_heads, problem.qlen)

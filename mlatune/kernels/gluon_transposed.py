@@ -1,0 +1,455 @@
+"""A transposed MLA decode for Hopper (sm_90) in Triton's Gluon dialect: keys are the
+MMA's M, query rows its N, for problems with few query rows (heads x qlen <= 32).
+
+Why: ``gluon_hopper`` and ``gluon_seesaw`` put the query rows on the warpgroup MMA's M,
+which is 64 rows wide whatever the problem has: at 16 heads x 1 token three quarters of
+every product is padding, and at (128, 16, 8192, 1) those padded products alone take about
+as long as reading the cache (146 GFLOP at the H200's ~790 TFLOP/s: 185 us against 276 us
+of bytes). Computed transposed, S^T = K Q^T has the tile's 64 keys as M and the query rows
+as N (wgmma takes N in steps of 8), and O^T = V^T P^T has the 512 latent dims as M and the
+rows as N: no padding, and the kernel is left to the bytes it reads.
+
+Per program: BR query rows (16 or 32; heads x qlen folded as ``gluon_hopper``) of one
+request and one split of its keys; one warpgroup (4 warps), no warp specialization: the
+TMA copies are asynchronous, so a ring of STAGES 64-key tiles (one page each) keeps the
+next tile in flight while this one is computed.
+- S^T = K Q^T: A = the tile's K (smem, K-major), B = Q^T (Q's [BR, 576] rows in smem:
+  K-major), 36 k-steps of m64nBRk16.
+- Softmax over the keys (axis 0 of S^T), base 2, online max and sum per query row.
+- O^T += V^T P^T: A = V^T, the tile's first 512 dims read MN-major (allowed for 16-bit
+  operands), B = P^T, written to shared memory as [BR, 64] (K-major).
+- fp8 caches (FP8): the tile lands as fp8 (half the bytes) and is widened to bf16/fp16
+  in shared memory (exact: e4m3 values are bf16 and fp16 values) before the 16-bit MMAs,
+  stale rows zeroed in the same pass; the cache's per-tensor scale multiplies S (folded
+  into the softmax scale) and O (in the epilogue). q stays 16-bit: nothing is quantized
+  beyond the cache the engine holds.
+- Stale slots past the split's end in the last page (NaN in a real cache): their V rows
+  are zeroed before P V; their S is masked, never multiplied.
+- Split-KV, out and LSE as ``gluon_hopper``: one split writes out and the natural-log LSE
+  directly; more write fp32 partials merged by ``reduce.reduce_launcher``.
+Registers: O^T is 512 x BR fp32 over 128 threads (64 or 128 a thread), S^T 64 x BR.
+Shared memory: Q (BR x 576 16-bit), the ring (STAGES x 64 x 576 of the cache's dtype),
+the widened tile (fp8 only) and P^T: 2 stages hold 166-188 KB (16-bit cache), 3 stages
+of fp8 with the widened tile 203-222 KB.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from mlatune.kernels.gluon_hopper import (
+    _GL_DTYPES,
+    BLOCK_N,
+    D_NOPE,
+    D_ROPE,
+    LOG2E,
+    PAGE_SIZE,
+    _issue_kv,
+    _zero_stale_rows,
+    gluon_available,
+    pick_splits,
+)
+from mlatune.kernels.gluon_hopper_plan import transposed_rows as block_rows
+from mlatune.kernels.gluon_seesaw import _partials_and_merge
+
+NUM_WARPS = 4  # one warpgroup
+FP8_CACHES = (torch.float8_e4m3fn, )
+_KV_DTYPES = {**_GL_DTYPES, torch.float8_e4m3fn: gl.float8e4nv}
+_TORCH_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
+
+__all__ = ["aot_compile", "block_rows", "decode_launcher", "stages_for", "transposed_kernel"]
+
+
+def stages_for(fp8: bool) -> int:
+    """Ring depth that fits shared memory with Q (and, fp8, the widened tile)."""
+    return 3 if fp8 else 2
+
+
+# e4m3 -> 16-bit by bit moves (integer pipes, not the few conversion units that
+# cvt uses): the byte's 7 magnitude bits placed under the 16-bit format's exponent field
+# give value * 2^-120 (bf16) or value * 2^-8 (fp16) exactly, subnormals included; one
+# multiply by the power of two (exact) restores it. NaN (0x7f) becomes 480: only stale
+# slots hold it, and those are masked or zeroed. prmt spreads bytes b0, b1 into the
+# high bytes of two 16-bit halves ([b1 00 b0 00]; b2, b3 likewise).
+_WIDEN_ASM = """{{
+.reg .b32 y, m, c;
+mov.b32 c, {one};
+prmt.b32 y, $2, 0, 0x1404;
+shr.b32 m, y, {shift};
+and.b32 m, m, {mask};
+and.b32 y, y, 0x80008000;
+or.b32 y, y, m;
+mul.rn.{ty}x2 $0, y, c;
+prmt.b32 y, $2, 0, 0x3424;
+shr.b32 m, y, {shift};
+and.b32 m, m, {mask};
+and.b32 y, y, 0x80008000;
+or.b32 y, y, m;
+mul.rn.{ty}x2 $1, y, c;
+}}"""
+_WIDEN_BF16 = gl.constexpr(_WIDEN_ASM.format(ty="bf16", shift=4, mask="0x07f007f0",
+                                             one="0x7b807b80"))  # 2^120 in bf16
+_WIDEN_F16 = gl.constexpr(_WIDEN_ASM.format(ty="f16", shift=1, mask="0x3f803f80",
+                                            one="0x5c005c00"))  # 2^8 in fp16
+
+
+@gluon.jit
+def _widen(x, dtype: gl.constexpr):
+    """e4m3 values (any layout) as ``dtype`` (bf16 or fp16), exactly."""
+    bits = x.to(gl.int8, bitcast=True)
+    if dtype == gl.bfloat16:
+        y = gl.inline_asm_elementwise(_WIDEN_BF16, "=r,=r,r", [bits], dtype=gl.bfloat16,
+                                      is_pure=True, pack=4)
+    else:
+        y = gl.inline_asm_elementwise(_WIDEN_F16, "=r,=r,r", [bits], dtype=gl.float16,
+                                      is_pure=True, pack=4)
+    return y
+
+
+@gluon.jit
+def _widen_tile(kn8, kr8, kn16, kr16, valid, num_warps: gl.constexpr):
+    """Copy a tile's fp8 K (nope and rope) into the 16-bit buffers, rows >= valid of the
+    nope part (V) as zeros (a real cache holds NaN there)."""
+    N: gl.constexpr = kn8.shape[0]
+    layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
+    rows = gl.arange(0, N, layout=gl.SliceLayout(1, layout))
+    keep = gl.expand_dims(rows < valid, 1)
+    for c in gl.static_range(kn8.shape[1] // 64):
+        x = _widen(kn8.slice(c * 64, 64, dim=1).load(layout), kn16.dtype)
+        kn16.slice(c * 64, 64, dim=1).store(gl.where(keep, x, gl.zeros_like(x)))
+    kr16.store(_widen(kr8.load(layout), kr16.dtype))
+    fence_async_shared()  # generic-proxy writes read by wgmma (async proxy)
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _row_bounds(rb, seq_len, qlen, heads, BR: gl.constexpr, row_layout: gl.constexpr,
+                CAUSAL: gl.constexpr):
+    """Each query row's last allowed key: causal row r (token r // heads) sees keys up to
+    seq_len - qlen + token; otherwise all seq_len."""
+    if CAUSAL:
+        return seq_len - qlen + (rb * BR + gl.arange(0, BR, layout=row_layout)) // heads
+    return gl.full([BR], 0, gl.int32, layout=row_layout) + (seq_len - 1)
+
+
+@gluon.jit
+def _softmax_keys(s, n0, end, last_pos, keys, m_i, l_i):
+    """Online softmax (base 2) over a tile's keys (axis 0 of S^T): (P^T, max, sum, alpha)."""
+    key = n0 + keys
+    allowed = (gl.expand_dims(key, 1) <= gl.expand_dims(last_pos, 0)) \
+        & gl.expand_dims(key < end, 1)
+    s = gl.where(allowed, s, gl.full_like(s, float("-inf")))
+    m_new = gl.maximum(m_i, gl.max(s, axis=0))
+    # A row with no key yet keeps m = -inf: shift by 0 there so exp2 gives 0, not NaN.
+    m_shift = gl.where(m_new == float("-inf"), gl.zeros_like(m_new), m_new)
+    alpha = gl.exp2(m_i - m_shift)
+    p = gl.exp2(s - gl.expand_dims(m_shift, 0))
+    return p, m_new, l_i * alpha + gl.sum(p, axis=0), alpha
+
+
+@gluon.jit
+def _tile(q_nope, q_rope, kn, kr, p_buf, n0, end, last_pos, keys, qk_scale, m_i, l_i, acc,
+          s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """One tile: S^T = K Q^T, softmax over its keys, O^T = O^T * alpha + V^T P^T."""
+    BN: gl.constexpr = kn.shape[0]
+    BR: gl.constexpr = q_nope.shape[0]
+    s = gl.zeros([BN, BR], gl.float32, layout=s_layout)
+    s = warpgroup_mma(kn, q_nope.permute((1, 0)), s, use_acc=False, is_async=True)
+    s = warpgroup_mma(kr, q_rope.permute((1, 0)), s, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    p, m_i, l_i, alpha = _softmax_keys(s * qk_scale, n0, end, last_pos, keys, m_i, l_i)
+    p_buf.store(gl.permute(p.to(p_buf.dtype), (1, 0)))
+    fence_async_shared()  # P^T is read by wgmma (async proxy)
+    gl.thread_barrier()
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, o_layout)), 0)
+    acc = warpgroup_mma(kn.permute((1, 0)), p_buf.permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    gl.thread_barrier()  # every warp's MMAs are done with the slot and P^T: refill them
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _epilogue(acc, m_i, l_i, v_scale, out_ptr, lse_ptr, ints, o_layout: gl.constexpr,
+              DIRECT: gl.constexpr):
+    """O^T's rows of the request (normalized, times the cache's V scale) and their LSE:
+    natural log when direct, base 2 in the partials (as ``reduce`` reads)."""
+    rb, b, split, num_splits, qlen, heads = ints[:6]
+    stride_o_tok, stride_o_head, stride_lse_tok, stride_po_slot, stride_po_row, \
+        stride_pl_slot = ints[6:]
+    DN: gl.constexpr = acc.shape[0]
+    BR: gl.constexpr = acc.shape[1]
+    col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+    l_o = gl.convert_layout(l_i, col_o)
+    has_keys = l_o > 0.0
+    inv = gl.where(has_keys, v_scale / gl.where(has_keys, l_o, gl.full_like(l_o, 1.0)),
+                   gl.zeros_like(l_o))
+    o = acc * gl.expand_dims(inv, 0)
+    r = rb * BR + gl.arange(0, BR, layout=col_o)
+    r_ok = r < qlen * heads
+    if DIRECT:
+        row_off = (b * qlen + r // heads).to(gl.int64) * stride_o_tok + (r % heads) * stride_o_head
+    else:
+        row_off = (b * num_splits + split).to(gl.int64) * stride_po_slot + r * stride_po_row
+    d = gl.arange(0, DN, layout=gl.SliceLayout(1, o_layout))
+    gl.store(out_ptr + gl.expand_dims(row_off, 0) + gl.expand_dims(d, 1),
+             o.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(r_ok, 0))
+    # One thread a row: the store from the MMA's column layout is not lowered here.
+    flat: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    m_f = gl.convert_layout(m_i, flat)
+    l_f = gl.convert_layout(l_i, flat)
+    ok = l_f > 0.0
+    lse2 = gl.where(ok, m_f + gl.log2(gl.where(ok, l_f, gl.full_like(l_f, 1.0))),
+                    gl.full_like(l_f, float("-inf")))
+    r = rb * BR + gl.arange(0, BR, layout=flat)
+    if DIRECT:
+        dst = lse_ptr + (b * qlen + r // heads).to(gl.int64) * stride_lse_tok + r % heads
+        val = lse2 * 0.6931471805599453
+    else:
+        dst = lse_ptr + (b * num_splits + split).to(gl.int64) * stride_pl_slot + r
+        val = lse2
+    gl.store(dst, val, mask=r < qlen * heads)
+
+
+@gluon.jit
+def _key_range(seq_len, rb, split, num_splits, qlen, heads, BR: gl.constexpr,
+               BN: gl.constexpr, CAUSAL: gl.constexpr):
+    """The split's keys [start, end) (64-aligned chunks; causal: none past the block's
+    last row's bound) and its tile count."""
+    chunk = gl.cdiv(gl.cdiv(seq_len, num_splits), BN) * BN
+    start = split * chunk
+    end = gl.minimum(start + chunk, seq_len)
+    if CAUSAL:
+        block_last = seq_len - qlen + (gl.minimum(qlen * heads, rb * BR + BR) - 1) // heads
+        end = gl.minimum(end, block_last + 1)
+    return start, end, gl.cdiv(gl.maximum(end - start, 0), BN)
+
+
+@gluon.jit(do_not_specialize=["num_splits", "qlen", "heads"])
+def transposed_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache's parts
+                      bt_ptr, seq_lens_ptr, kv_scale_ptr, out_ptr, lse_ptr, num_splits, qlen,
+                      heads, qk_scale,
+                      stride_bt, stride_o_tok, stride_o_head, stride_lse_tok,  # direct out
+                      stride_po_slot, stride_po_row, stride_pl_slot,  # fp32 partials
+                      CAUSAL: gl.constexpr, DIRECT: gl.constexpr, FP8: gl.constexpr,
+                      PAGE: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    BR: gl.constexpr = qn_desc.block_type.shape[0]
+    BN: gl.constexpr = kn_desc.block_type.shape[0]
+    DN: gl.constexpr = kn_desc.block_type.shape[1]
+    DR: gl.constexpr = kr_desc.block_type.shape[1]
+    dtype: gl.constexpr = qn_desc.dtype
+    rb = gl.program_id(0)
+    split = gl.program_id(1)
+    b = gl.program_id(2)
+    seq_len = gl.load(seq_lens_ptr + b)
+    start, end, n_tiles = _key_range(seq_len, rb, split, num_splits, qlen, heads, BR, BN, CAUSAL)
+
+    q_nope = gl.allocate_shared_memory(dtype, [BR, DN], qn_desc.layout)
+    q_rope = gl.allocate_shared_memory(dtype, [BR, DR], qr_desc.layout)
+    k_nope = gl.allocate_shared_memory(kn_desc.dtype, [STAGES, BN, DN], kn_desc.layout)
+    k_rope = gl.allocate_shared_memory(kr_desc.dtype, [STAGES, BN, DR], kr_desc.layout)
+    p_buf = gl.allocate_shared_memory(dtype, [BR, BN],
+                                      gl.NVMMASharedLayout.get_default_for([BR, BN], dtype))
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    if FP8:
+        wide: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, 64], dtype)
+        kn16 = gl.allocate_shared_memory(dtype, [BN, DN], wide)
+        kr16 = gl.allocate_shared_memory(dtype, [BN, DR], wide)
+    fence_async_shared()
+
+    mbarrier.expect(q_bar, qn_desc.block_type.nbytes + qr_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(qn_desc, [b * qlen * heads + rb * BR, 0], q_bar, q_nope)
+    tma.async_copy_global_to_shared(qr_desc, [b * qlen * heads + rb * BR, 0], q_bar, q_rope)
+    bt_row = bt_ptr + b.to(gl.int64) * stride_bt
+    for i in gl.static_range(STAGES - 1):
+        _issue_kv(kn_desc, kr_desc, k_nope.index(i), k_rope.index(i), ready.index(i), bt_row,
+                  start + i * BN, i < n_tiles, PAGE)
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BR, 16])
+    o_layout: gl.constexpr = s_layout  # O^T: the same BR columns, 512 rows in 8 repeats
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    last_pos = _row_bounds(rb, seq_len, qlen, heads, BR, col_s, CAUSAL)
+    keys = gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout))
+    kv_scale = gl.load(kv_scale_ptr)
+    qk = qk_scale * kv_scale
+    m_i = gl.full([BR], float("-inf"), gl.float32, layout=col_s)
+    l_i = gl.full([BR], 0.0, gl.float32, layout=col_s)
+    acc = gl.zeros([DN, BR], gl.float32, layout=o_layout)
+    mbarrier.wait(q_bar, 0)
+    for i in range(n_tiles):
+        # Refill the slot tile i - 1 used (its MMAs are done: ``_tile`` waited for them).
+        nxt = i + STAGES - 1
+        fence_async_shared()  # the slot was written through the generic proxy (zeroed rows)
+        _issue_kv(kn_desc, kr_desc, k_nope.index(nxt % STAGES), k_rope.index(nxt % STAGES),
+                  ready.index(nxt % STAGES), bt_row, start + nxt * BN, nxt < n_tiles, PAGE)
+        slot = i % STAGES
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        n0 = start + i * BN
+        if FP8:
+            _widen_tile(k_nope.index(slot), k_rope.index(slot), kn16, kr16, end - n0, num_warps)
+            kn = kn16
+            kr = kr16
+        else:
+            kn = k_nope.index(slot)
+            kr = k_rope.index(slot)
+            if n0 + BN > end:
+                _zero_stale_rows(kn, end - n0, num_warps)
+        acc, m_i, l_i = _tile(q_nope, q_rope, kn, kr, p_buf, n0, end, last_pos, keys, qk,
+                              m_i, l_i, acc, s_layout, o_layout)
+
+    ints = (rb, b, split, num_splits, qlen, heads, stride_o_tok, stride_o_head, stride_lse_tok,
+            stride_po_slot, stride_po_row, stride_pl_slot)
+    _epilogue(acc, m_i, l_i, kv_scale, out_ptr, lse_ptr, ints, o_layout, DIRECT)
+
+
+# Host side -------------------------------------------------------------------------------
+
+def _nvmma(block: list[int], dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    return gl.NVMMASharedLayout.get_default_for(block, _KV_DTYPES[dtype])
+
+
+def _descriptors(q: torch.Tensor, kv_cache: torch.Tensor, br: int
+                 ) -> tuple[TensorDescriptor, ...]:
+    """TMA descriptors: q's nope and rope parts in [br, .] blocks, the cache's in [64, .]
+    blocks, each as a 2-D table of (token, head) or (page, slot) rows (no copy made)."""
+    out = []
+    for t, rows in ((q, br), (kv_cache, BLOCK_N)):
+        n_rows, row_stride = t.shape[0] * t.shape[1], t.stride(1)
+        for col, width in ((0, D_NOPE), (D_NOPE, D_ROPE)):
+            block = [rows, width]
+            out.append(TensorDescriptor(t[..., col:], [n_rows, width], [row_stride, 1], block,
+                                        _nvmma(block, t.dtype)))
+    return tuple(out)
+
+
+def check_supported(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                    seq_lens: torch.Tensor, kv_scale: torch.Tensor | None) -> str | None:
+    """Why the kernel cannot take these tensors (or this triton), or None when it can."""
+    if q.dtype not in _GL_DTYPES:
+        return f"q dtype {q.dtype} (bf16 and fp16 only)"
+    if kv_cache.dtype != q.dtype and kv_cache.dtype not in FP8_CACHES:
+        return f"cache dtype {kv_cache.dtype}: q's {q.dtype} or float8_e4m3fn"
+    if kv_cache.dtype in FP8_CACHES and (kv_scale is None or kv_scale.numel() != 1):
+        return "an fp8 cache needs its per-tensor scale (a 1-element fp32 tensor)"
+    if q.shape[-1] != D_NOPE + D_ROPE or kv_cache.shape[-1] != D_NOPE + D_ROPE:
+        return f"head width must be {D_NOPE + D_ROPE}"
+    if kv_cache.shape[1] != PAGE_SIZE:
+        return f"page_size {kv_cache.shape[1]} (only {PAGE_SIZE})"
+    if kv_cache.stride(-1) != 1 or kv_cache.stride(0) != kv_cache.shape[1] * kv_cache.stride(1):
+        return "the cache's pages must be contiguous rows"
+    if q.stride(-1) != 1 or q.stride(0) != q.shape[1] * q.stride(1):
+        return "q's (token, head) rows must be contiguous"
+    if (kv_cache.stride(1) * kv_cache.element_size()) % 16 or (q.stride(1) * 2) % 16 \
+            or kv_cache.data_ptr() % 16 or q.data_ptr() % 16:
+        return "addresses and row strides must be 16-byte aligned for TMA"
+    if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        return "block_table and seq_lens must be int32"
+    ok, why = gluon_available()
+    return None if ok else why
+
+
+def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                    seq_lens: torch.Tensor, *, qlen: int, sm_scale: float, causal: bool = True,
+                    kv_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                    lse: torch.Tensor | None = None, num_splits: int | None = None,
+                    max_seq_len: int | None = None
+                    ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
+    """A zero-argument launch of the transposed decode, with the out and LSE it writes.
+
+    Tensors as ``gluon_hopper.decode_launcher`` (page 64, bf16/fp16 q) plus an fp8
+    (e4m3) cache with its per-tensor ``kv_scale`` (read by the kernel: capturable).
+    ``num_splits`` None: ``pick_splits``.
+    """
+    why = check_supported(q, kv_cache, block_table, seq_lens, kv_scale)
+    if why is not None:
+        raise ValueError(f"gluon transposed MLA decode: {why}")
+    batch, heads = seq_lens.shape[0], q.shape[1]
+    if q.shape[0] != batch * qlen:
+        raise ValueError(f"q has {q.shape[0]} tokens, expected batch {batch} x qlen {qlen}")
+    fp8 = kv_cache.dtype in FP8_CACHES
+    br = block_rows(qlen * heads)
+    row_blocks = triton.cdiv(qlen * heads, br)
+    out = torch.empty(q.shape[0], heads, D_NOPE, dtype=q.dtype, device=q.device) \
+        if out is None else out
+    lse = torch.empty(q.shape[0], heads, dtype=torch.float32, device=q.device) \
+        if lse is None else lse
+    if kv_scale is None:
+        kv_scale = torch.ones(1, dtype=torch.float32, device=q.device)
+    if num_splits is None:
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max()) if batch else 0
+        num_splits = pick_splits(batch, row_blocks, max_seq_len)
+    grid = (row_blocks, num_splits, batch)
+    head = (*_descriptors(q, kv_cache, br), block_table, seq_lens, kv_scale)
+    sizes = (num_splits, qlen, heads, sm_scale * LOG2E, block_table.stride(0))
+    meta = dict(CAUSAL=causal and qlen > 1, FP8=fp8, PAGE=PAGE_SIZE, STAGES=stages_for(fp8),
+                num_warps=NUM_WARPS)
+    if num_splits == 1:
+        args = (*head, out, lse, *sizes, out.stride(0), out.stride(1), lse.stride(0), 0, 0, 0)
+        return (lambda: transposed_kernel[grid](*args, DIRECT=True, **meta)), out, lse
+
+    part_out, part_lse, reduce = _partials_and_merge(out, lse, batch, num_splits, qlen)
+    args = (*head, part_out, part_lse, *sizes, 0, 0, 0, part_out.stride(0), part_out.stride(1),
+            part_lse.stride(0))
+
+    def launch_split() -> None:
+        transposed_kernel[grid](*args, DIRECT=False, **meta)
+        reduce()
+
+    return launch_split, out, lse
+
+
+def aot_compile(dtype: str = "bf16", kv: str | None = None, *, rows: int = 16,
+                direct: bool = True, causal: bool = True, arch: int = 90):
+    """Compile ``transposed_kernel`` for ``sm_<arch>`` without a GPU (triton's bundled
+    ptxas): q of ``dtype``, a cache of ``kv`` (None: q's; "fp8": e4m3), ``rows`` query
+    rows; returns triton's CompiledKernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata``)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    kv = kv or dtype
+    fn = transposed_kernel
+    fp8 = kv == "fp8"
+    br = block_rows(rows)
+    constants = dict(CAUSAL=causal, DIRECT=direct, FP8=fp8, PAGE=PAGE_SIZE,
+                     STAGES=stages_for(fp8), num_warps=NUM_WARPS)
+    blocks = dict(qn_desc=(dtype, br, D_NOPE), qr_desc=(dtype, br, D_ROPE),
+                  kn_desc=(kv, BLOCK_N, D_NOPE), kr_desc=(kv, BLOCK_N, D_ROPE))
+    ptr_types = dict(bt_ptr="i32", seq_lens_ptr="i32", kv_scale_ptr="fp32",
+                     out_ptr=dtype if direct else "fp32", lse_ptr="fp32")
+    ir_names = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8e4nv"}
+
+    def arg_type(name: str) -> str:
+        if name in constants:
+            return "constexpr"
+        if name in blocks:
+            dt, *block = blocks[name]
+            layout = _nvmma(block, _TORCH_NAMES[dt])
+            return f"tensordesc<{ir_names[dt]}[{block[0]}, {block[1]}],{layout!r}>"
+        if name in ptr_types:
+            return "*" + ptr_types[name]
+        return "fp32" if name == "qk_scale" else "i32"
+
+    sixteen = (*ptr_types, "stride_o_tok", "stride_o_head", "stride_po_slot", "stride_po_row")
+    src = GluonASTSource(fn, {n: arg_type(n) for n in fn.arg_names}, constants,
+                         {(fn.arg_names.index(n), ): [["tt.divisibility", 16]] for n in sixteen})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": NUM_WARPS})

@@ -1,0 +1,109 @@
+"""The transposed Gluon decode (mlatune/kernels/gluon_transposed.py) on the CPU.
+
+The widening of fp8 to 16 bits is inline PTX: ``test_widen_asm_is_exact`` runs that PTX's
+instructions (a few integer and one packed multiply) on every e4m3 byte in Python and
+compares with torch's conversion, on any machine. The compile tests need triton 3.6.x,
+like tests/test_gluon_compile.py; other versions skip. Compiling says nothing about the
+numbers the kernel computes: benchmarks/gluon_check.py and tests/test_gluon_gpu.py check
+those on the GPU.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from mlatune.kernels import gluon_transposed as t
+from tests.prefill_aot import resources
+from tests.test_gluon_compile import _needs_gluon_triton
+
+
+def _run_widen_asm(asm: str, word: int, ty: torch.dtype) -> list[float]:
+    """The four values the asm writes to $0 and $1 (two packed 16-bit halves each)."""
+    regs: dict[str, int] = {"$2": word}
+
+    def val(x: str) -> int:
+        x = x.strip()
+        return int(x, 16) if x.startswith("0x") else int(x) if x.isdigit() else regs[x]
+
+    def halves(v: int) -> list[float]:
+        return torch.tensor([v & 0xFFFF, v >> 16], dtype=torch.int32).to(torch.int16) \
+            .view(ty).float().tolist()
+
+    for line in asm.strip("{}\n").splitlines():
+        op, _, rest = line.strip().rstrip(";").partition(" ")
+        if op.startswith(".reg"):
+            continue
+        dst, *src = [a.strip() for a in rest.split(",")]
+        if op == "mov.b32":
+            regs[dst] = val(src[0])
+        elif op == "prmt.b32":
+            pool = val(src[0]).to_bytes(4, "little") + val(src[1]).to_bytes(4, "little")
+            sel = val(src[2])
+            regs[dst] = int.from_bytes(bytes(pool[(sel >> 4 * i) & 7] for i in range(4)), "little")
+        elif op == "shr.b32":
+            regs[dst] = val(src[0]) >> val(src[1])
+        elif op == "and.b32":
+            regs[dst] = val(src[0]) & val(src[1])
+        elif op == "or.b32":
+            regs[dst] = val(src[0]) | val(src[1])
+        elif op.startswith("mul.rn."):
+            a, b = halves(val(src[0])), halves(val(src[1]))
+            regs[dst] = [x * y for x, y in zip(a, b, strict=True)]  # exact: times a power of 2
+        else:
+            raise AssertionError(f"an instruction this test does not know: {line}")
+    return regs["$0"] + regs["$1"]
+
+
+@pytest.mark.parametrize(("asm", "ty"), [(t._WIDEN_BF16.value, torch.bfloat16),
+                                         (t._WIDEN_F16.value, torch.float16)], ids=["bf16", "f16"])
+def test_widen_asm_is_exact(asm, ty):
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    want = every.view(torch.float8_e4m3fn).float()
+    got = []
+    for base in range(0, 256, 4):
+        got += _run_widen_asm(asm, int.from_bytes(bytes(range(base, base + 4)), "little"), ty)
+    got = torch.tensor(got)
+    finite = ~want.isnan()
+    assert finite.sum() == 254
+    assert torch.equal(got[finite], want[finite])  # subnormals and both zeros included
+    assert (got[finite].abs() == 0).sum() == 2
+    assert got[~finite].abs().max() == 480  # NaN bytes: finite, masked or zeroed by the kernel
+
+
+@pytest.fixture(scope="module",
+                params=[("bf16", None, 16, True, True), ("fp16", None, 32, False, False),
+                        ("bf16", "fp8", 16, True, True), ("bf16", "fp8", 32, False, True)],
+                ids=["bf16-16rows-direct", "fp16-32rows-split", "fp8-16rows-direct",
+                     "fp8-32rows-split"])
+def compiled(request):
+    _needs_gluon_triton()
+    dtype, kv, rows, direct, causal = request.param
+    kernel = t.aot_compile(dtype, kv, rows=rows, direct=direct, causal=causal)
+    kernel.case = request.param
+    return kernel
+
+
+def test_keys_are_m_and_rows_are_n(compiled):
+    # S^T = K Q^T: 36 k-steps over 576 dims; O^T = V^T P^T: 512 dims as 8 m64 blocks x 4
+    # k-steps over 64 keys; every MMA's N is the program's 16 or 32 query rows.
+    _, _, rows, _, _ = compiled.case
+    ptx = compiled.asm["ptx"]
+    shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))
+    assert shapes == {f"m64n{rows}k16"}
+    assert ptx.count("wgmma.mma_async") == 36 + 8 * 4
+    assert ".target sm_90a" in ptx and "cp.async.bulk.tensor.2d" in ptx
+
+
+def test_fp8_widens_with_integer_moves_not_conversions(compiled):
+    _, kv, _, _, _ = compiled.case
+    ptx = compiled.asm["ptx"]
+    assert ("prmt.b32" in ptx) == (kv == "fp8")
+    assert "e4m3" not in ptx  # no cvt from fp8 (the few conversion units are slow)
+
+
+def test_fits_one_block_an_sm_without_spills(compiled):
+    assert compiled.metadata.shared <= 227 * 1024
+    assert resources(compiled)["stack"] == 0
