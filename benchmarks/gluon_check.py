@@ -109,6 +109,11 @@ def route_prepare(route_id, problem, inputs):
     return p.run, lambda: p.out, lambda: p.lse
 
 
+def routes_quantize_q(route_id, problem) -> bool:
+    from mlatune import routes
+    return routes.quantizes_q(routes.get(route_id), problem)
+
+
 def poison_stale_slots(inputs) -> int:
     """Set the slots past each request's length in its last page to NaN; returns how many."""
     shard = inputs.shards[0]
@@ -122,7 +127,8 @@ def poison_stale_slots(inputs) -> int:
     return count
 
 
-def check_run(run, out, lse, problem, ref) -> dict:
+def check_run(run, out, lse, problem, ref, q_quantized: bool = False) -> dict:
+    """Poison, run, compare (with the fp8 tolerance where the route quantizes q)."""
     from mlatune.check.accuracy import check
     from mlatune.check.inputs import poison_
     poison_(out() if callable(out) else out, lse() if callable(lse) else lse)
@@ -131,7 +137,7 @@ def check_run(run, out, lse, problem, ref) -> dict:
         torch.cuda.synchronize()
     if callable(out):
         out, lse = out(), lse()
-    acc = check(problem, out, ref[0], lse, ref[1])
+    acc = check(problem, out, ref[0], lse, ref[1], q_quantized=q_quantized)
     return dict(ok=acc.ok, rel_l2=acc.rel_l2, lse_err=acc.lse_max_abs, reason=acc.reason)
 
 
@@ -208,7 +214,9 @@ def run_point(point, gluon_ok: bool, seconds: float) -> list[dict]:
                 def prep(p, x, splits=None, r=rid):
                     return route_prepare(r, p, x)
             run, out, lse = prep(problem, ragged)
-            a = check_run(run, out, lse, problem, ref_r)
+            quantized = not is_gluon and routes_quantize_q(rid, problem)
+            row["q_quantized"] = quantized
+            a = check_run(run, out, lse, problem, ref_r, quantized)
             row.update(ragged_ok=a["ok"], rel_l2=a["rel_l2"], lse_err=a["lse_err"])
             if is_gluon:
                 # Forced split counts: the direct store path and the merged one, whatever
@@ -220,7 +228,7 @@ def run_point(point, gluon_ok: bool, seconds: float) -> list[dict]:
                     row[f"splits{splits}_rel_l2"] = a2["rel_l2"]
                     a = a if a2["ok"] else a2
             run, out, lse = prep(problem, full)
-            b = check_run(run, out, lse, problem, ref_f)
+            b = check_run(run, out, lse, problem, ref_f, quantized)
             row.update(full_ok=b["ok"], full_rel_l2=b["rel_l2"], full_lse_err=b["lse_err"])
             if not (a["ok"] and b["ok"]):
                 row["status"] = f"inaccurate: {a['reason'] if not a['ok'] else b['reason']}"

@@ -1,9 +1,12 @@
 """Time a Gluon decode kernel over split counts at a few points (CUDA-graph replay, cold L2).
 
     python3 benchmarks/gluon_splits.py [--kernel gluon_transposed] [--splits 1,2,4,...]
+        [--widen 64,128,256] [--points fp8]
 
 Prints one line per (point, split count): the time, and whether the output matched the
-reference at that split count; the kernel's own pick is marked. Needs an sm_90 GPU and
+reference at that split count; the kernel's own pick is marked. Over an fp8 cache, the
+transposed kernel is also timed at its own split pick for each ``--widen`` step (columns
+of the tile widened to 16 bits at a time). Needs an sm_90 GPU and
 triton 3.6.x. What the split rule (``gluon_hopper_plan.pick_splits``) should choose is
 read from these lines.
 """
@@ -18,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 POINTS = [(1, 16, 4096, 1, "bf16"), (1, 16, 32768, 1, "bf16"), (8, 16, 4096, 1, "bf16"),
-          (1, 16, 4096, 1, "fp8")]
+          (1, 16, 4096, 1, "fp8"), (128, 16, 8192, 1, "fp8"), (64, 16, 4096, 1, "fp8")]
 
 
 def main() -> int:
@@ -30,24 +33,33 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernel", default="gluon_transposed")
     ap.add_argument("--splits", default="1,2,4,8,16,24,32,48,64,96,128")
+    ap.add_argument("--widen", default="", help="fp8: widening steps to time (columns)")
+    ap.add_argument("--points", default="", help="only the points of this kv dtype")
     args = ap.parse_args()
     kernel = importlib.import_module(f"mlatune.kernels.{args.kernel}")
     budget = Budget(warmup=2, min_reps=20, max_reps=100, max_seconds=0.3, race_ratio=0.0)
     for point in POINTS:
+        if args.points and point[4] != args.points:
+            continue
         problem = problem_of(*point)
         inputs = make_decode_inputs(problem, seed=2, device="cuda", ragged=False)
         ref = reference.decode_shard(inputs, inputs.shards[0])
         shard = inputs.shards[0]
         extra = {"kv_scale": inputs.kv_scale} if point[4] == "fp8" else {}
         tiles = -(-problem.kv_len // 64)
-        for splits in [None] + [int(s) for s in args.splits.split(",") if int(s) <= tiles]:
+        runs = [(s, {}) for s in [None] + [int(s) for s in args.splits.split(",") if s
+                                           and int(s) <= tiles]]
+        if extra:
+            runs += [(None, {"widen_cols": int(w)}) for w in args.widen.split(",") if w]
+        for splits, option in runs:
             launch, out, lse = kernel.decode_launcher(
                 inputs.q, shard.kv_cache, shard.block_table, shard.seq_lens, qlen=problem.qlen,
                 sm_scale=inputs.softmax_scale, causal=problem.causal, num_splits=splits,
-                max_seq_len=problem.kv_len, **extra)
+                max_seq_len=problem.kv_len, **extra, **option)
             ok = check_run(launch, out, lse, problem, ref)["ok"]
             t = measure(launch, "cuda", budget)
-            label = "pick" if splits is None else f"{splits:4d}"
+            label = ("pick" if splits is None else f"{splits:4d}") + \
+                "".join(f" {k}={v}" for k, v in option.items())
             print(f"{point} splits {label}: {t.median_us:8.1f} us  "
                   f"{'ok' if ok else 'WRONG'}", flush=True)
     return 0
