@@ -5,7 +5,10 @@
 Needs an sm_90 GPU and triton 3.6.x (``mlatune/kernels/gluon_hopper.py``). The
 kernels (``VARIANTS``: the first kernel, the warp-specialized seesaw kernel of
 ``mlatune/kernels/gluon_seesaw.py`` and its chunked form, whose tiles land in 64-column
-chunks that S starts on) are each checked and timed.
+chunks that S starts on, the transposed kernel of ``mlatune/kernels/gluon_transposed.py``,
+which also reads fp8 caches (as its route runs it, and with split partials merged always
+by a second kernel or always by the last split); ``--skip`` leaves some out) are each
+checked and timed.
 Steps, each caught so that one failure never ends the run:
 1. smoke: a child process (``--smoke``, 75 s limit, so a hang or an illegal
    address cannot take this process down) runs small problems: one split and
@@ -58,8 +61,10 @@ FIRST = "wgmma/gluon"  # the first kernel (mlatune/kernels/gluon_hopper.py), as 
 SEESAW = "seesaw/gluon"  # the warp-specialized kernel (mlatune/kernels/gluon_seesaw.py)
 SEESAW_CHUNKED = "seesaw/gluon chunked"  # its CHUNKED form: decode_launcher(chunked=True)
 TRANSPOSED = "transposed/gluon"  # keys as the MMA's M (mlatune/kernels/gluon_transposed.py)
-VARIANTS = [FIRST, SEESAW, SEESAW_CHUNKED, TRANSPOSED]
-FP8_VARIANTS = (TRANSPOSED, )  # the kernels that read an fp8 cache
+TRANSPOSED_REDUCE = "transposed/gluon reduce"  # its partials merged by a second kernel
+TRANSPOSED_MERGE = "transposed/gluon merge"  # ... by the last split, whatever the count
+VARIANTS = [FIRST, SEESAW, SEESAW_CHUNKED, TRANSPOSED, TRANSPOSED_REDUCE, TRANSPOSED_MERGE]
+FP8_VARIANTS = (TRANSPOSED, TRANSPOSED_REDUCE, TRANSPOSED_MERGE)  # read an fp8 cache
 SKIPPED: set[str] = set()  # --skip (the child smoke run gets it through the environment)
 DEVICE = "cuda"  # a dry run of the plumbing may set "cpu" (with a stand-in kernel)
 
@@ -89,9 +94,10 @@ def gluon_prepare(problem, inputs, num_splits=None, variant=FIRST):
     if variant == FIRST:
         from mlatune.kernels.gluon_hopper import decode_launcher
         return decode_launcher(*args, **kwargs)
-    if variant == TRANSPOSED:
+    if variant in (TRANSPOSED, TRANSPOSED_REDUCE, TRANSPOSED_MERGE):
         from mlatune.kernels.gluon_transposed import decode_launcher as transposed_launcher
-        return transposed_launcher(*args, **kwargs, kv_scale=inputs.kv_scale)
+        merge = {TRANSPOSED: "auto", TRANSPOSED_REDUCE: "reduce"}.get(variant, "kernel")
+        return transposed_launcher(*args, **kwargs, kv_scale=inputs.kv_scale, merge=merge)
     from mlatune.kernels.gluon_seesaw import decode_launcher as seesaw_launcher
     return seesaw_launcher(*args, **kwargs, chunked=variant == SEESAW_CHUNKED)
 

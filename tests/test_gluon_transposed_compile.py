@@ -110,3 +110,12 @@ def test_fits_one_block_an_sm_with_few_spills(compiled):
     _, kv, rows, _, _ = compiled.case
     assert compiled.metadata.shared <= 227 * 1024
     assert resources(compiled)["stack"] <= (16 if (kv, rows) == ("fp8", 32) else 0)
+
+
+def test_split_builds_merge_in_the_kernel_after_one_release(compiled):
+    # Split-KV: the last split of a row block to arrive merges the partials, found by one
+    # acq_rel atomic add at GPU scope on the block's counter; a direct build has none.
+    _, _, _, direct, _ = compiled.case
+    ptx = compiled.asm["ptx"]
+    assert ptx.count("atom.global.gpu.acq_rel.add") == (0 if direct else 1)
+    assert ("ld.global.cg" in ptx) == (not direct)  # partials read past L1

@@ -67,6 +67,12 @@ from mlatune.kernels.gluon_seesaw import _partials_and_merge
 
 NUM_WARPS = 4  # one warpgroup
 FP8_CACHES = (torch.float8_e4m3fn, )
+# Split partials: merged by the last split to finish (no second launch) up to this many
+# splits, else by the reduce kernel. The last split merges alone, one split after another:
+# at 64 splits (1, 16, 4096, 1) took 64.9 us that way against 15.9 with the reduce kernel;
+# at 2, (64, 16, 4096, 1) 87.4 against 92.5 (H200, 2026-12-01, session 9 call 5).
+MERGE_IN_KERNEL_MAX_SPLITS = 2
+MERGE = "auto"
 WIDEN_COLS = 256  # fp8 columns widened per step (256: 0.94x the time of 64, H200 2026-12-01)
 _KV_DTYPES = {**_GL_DTYPES, torch.float8_e4m3fn: gl.float8e4nv}
 _TORCH_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
@@ -185,10 +191,15 @@ def _tile(q_nope, q_rope, kn, kr, p_buf, n0, end, last_pos, keys, qk_scale, m_i,
 
 
 @gluon.jit
-def _epilogue(acc, m_i, l_i, v_scale, out_ptr, lse_ptr, ints, o_layout: gl.constexpr,
+def _epilogue(acc, m_i, l_i, v_scale, ptrs, ints, o_layout: gl.constexpr,
               DIRECT: gl.constexpr):
     """O^T's rows of the request (normalized, times the cache's V scale) and their LSE:
-    natural log when direct, base 2 in the partials (as ``reduce`` reads)."""
+    into out and lse (natural log) when direct, else into the split's fp32 partials (base
+    2, as ``reduce`` and ``_merge_if_last`` read)."""
+    if DIRECT:
+        out_ptr, lse_ptr = ptrs[:2]
+    else:
+        out_ptr, lse_ptr = ptrs[2:4]
     rb, b, split, num_splits, qlen, heads = ints[:6]
     stride_o_tok, stride_o_head, stride_lse_tok, stride_po_slot, stride_po_row, \
         stride_pl_slot = ints[6:]
@@ -227,6 +238,59 @@ def _epilogue(acc, m_i, l_i, v_scale, out_ptr, lse_ptr, ints, o_layout: gl.const
 
 
 @gluon.jit
+def _merge_if_last(ptrs, counter_ptr, ints, BR: gl.constexpr, DN: gl.constexpr,
+                   num_warps: gl.constexpr):
+    """The last split to finish these rows merges every split's partials into out and lse
+    (the split-KV reduce without a second launch), then rezeroes the rows' counter for the
+    next launch (a CUDA graph replays it as it left it)."""
+    out_ptr, lse_ptr, part_out, part_lse = ptrs
+    rb, b, _, num_splits, qlen, heads = ints[:6]
+    stride_o_tok, stride_o_head, stride_lse_tok, stride_po_slot, stride_po_row, \
+        stride_pl_slot = ints[6:]
+    counter = counter_ptr + b * gl.num_programs(0) + rb
+    gl.thread_barrier()  # every thread's partial stores precede the release below
+    ticket = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if ticket == num_splits - 1:
+        layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
+        rows: gl.constexpr = gl.SliceLayout(1, layout)
+        r = rb * BR + gl.arange(0, BR, layout=rows)
+        r_ok = r < qlen * heads
+        first = (b * num_splits).to(gl.int64)
+        m = gl.full([BR], float("-inf"), gl.float32, layout=rows)
+        for s in range(num_splits):  # partials written on other SMs: read past L1 (.cg)
+            lse_s = gl.load(part_lse + (first + s) * stride_pl_slot + r, mask=r_ok,
+                            other=float("-inf"), cache_modifier=".cg")
+            m = gl.maximum(m, lse_s)
+        m_shift = gl.where(m == float("-inf"), gl.zeros_like(m), m)
+        row_off = (b * qlen + r // heads).to(gl.int64) * stride_o_tok + (r % heads) * stride_o_head
+        CW: gl.constexpr = 256  # columns merged at a time (registers: 32 rows x 256 fp32)
+        for c in gl.static_range(DN // CW):
+            d = c * CW + gl.arange(0, CW, layout=gl.SliceLayout(0, layout))
+            acc = gl.zeros([BR, CW], gl.float32, layout=layout)
+            w_sum = gl.zeros([BR], gl.float32, layout=rows)
+            for s in range(num_splits):
+                lse_s = gl.load(part_lse + (first + s) * stride_pl_slot + r, mask=r_ok,
+                                other=float("-inf"), cache_modifier=".cg")
+                w = gl.exp2(lse_s - m_shift)
+                o = gl.load(part_out + (first + s) * stride_po_slot
+                            + gl.expand_dims(r * stride_po_row, 1) + gl.expand_dims(d, 0),
+                            mask=gl.expand_dims(r_ok, 1), other=0.0, cache_modifier=".cg")
+                acc += o * gl.expand_dims(w, 1)
+                w_sum += w
+            has = w_sum > 0.0
+            inv = gl.where(has, 1.0 / gl.where(has, w_sum, gl.full_like(w_sum, 1.0)),
+                           gl.zeros_like(w_sum))
+            gl.store(out_ptr + gl.expand_dims(row_off, 1) + gl.expand_dims(d, 0),
+                     (acc * gl.expand_dims(inv, 1)).to(out_ptr.dtype.element_ty),
+                     mask=gl.expand_dims(r_ok, 1))
+        lse = gl.where(has, (m + gl.log2(gl.where(has, w_sum, gl.full_like(w_sum, 1.0))))
+                       * 0.6931471805599453, gl.full_like(w_sum, float("-inf")))
+        gl.store(lse_ptr + (b * qlen + r // heads).to(gl.int64) * stride_lse_tok + r % heads,
+                 lse, mask=r_ok)
+        gl.store(counter, 0)
+
+
+@gluon.jit
 def _key_range(seq_len, rb, split, num_splits, qlen, heads, BR: gl.constexpr,
                BN: gl.constexpr, CAUSAL: gl.constexpr):
     """The split's keys [start, end) (64-aligned chunks; causal: none past the block's
@@ -242,13 +306,14 @@ def _key_range(seq_len, rb, split, num_splits, qlen, heads, BR: gl.constexpr,
 
 @gluon.jit(do_not_specialize=["num_splits", "qlen", "heads"])
 def transposed_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache's parts
-                      bt_ptr, seq_lens_ptr, kv_scale_ptr, out_ptr, lse_ptr, num_splits, qlen,
-                      heads, qk_scale,
+                      bt_ptr, seq_lens_ptr, kv_scale_ptr, out_ptr, lse_ptr,
+                      part_out_ptr, part_lse_ptr, counter_ptr,  # split-KV: partials, merge
+                      num_splits, qlen, heads, qk_scale,
                       stride_bt, stride_o_tok, stride_o_head, stride_lse_tok,  # direct out
                       stride_po_slot, stride_po_row, stride_pl_slot,  # fp32 partials
                       CAUSAL: gl.constexpr, DIRECT: gl.constexpr, FP8: gl.constexpr,
                       PAGE: gl.constexpr, STAGES: gl.constexpr, WIDEN_COLS: gl.constexpr,
-                      num_warps: gl.constexpr):
+                      MERGE: gl.constexpr, num_warps: gl.constexpr):
     BR: gl.constexpr = qn_desc.block_type.shape[0]
     BN: gl.constexpr = kn_desc.block_type.shape[0]
     DN: gl.constexpr = kn_desc.block_type.shape[1]
@@ -322,7 +387,10 @@ def transposed_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the ca
 
     ints = (rb, b, split, num_splits, qlen, heads, stride_o_tok, stride_o_head, stride_lse_tok,
             stride_po_slot, stride_po_row, stride_pl_slot)
-    _epilogue(acc, m_i, l_i, kv_scale, out_ptr, lse_ptr, ints, o_layout, DIRECT)
+    ptrs = (out_ptr, lse_ptr, part_out_ptr, part_lse_ptr)
+    _epilogue(acc, m_i, l_i, kv_scale, ptrs, ints, o_layout, DIRECT)
+    if MERGE:
+        _merge_if_last(ptrs, counter_ptr, ints, BR, DN, num_warps)
 
 
 # Host side -------------------------------------------------------------------------------
@@ -375,15 +443,21 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                     seq_lens: torch.Tensor, *, qlen: int, sm_scale: float, causal: bool = True,
                     kv_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
                     lse: torch.Tensor | None = None, num_splits: int | None = None,
-                    max_seq_len: int | None = None, widen_cols: int = WIDEN_COLS
-                    ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
+                    max_seq_len: int | None = None, widen_cols: int = WIDEN_COLS,
+                    merge: str = MERGE) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
     """A zero-argument launch of the transposed decode, with the out and LSE it writes.
 
     Tensors as ``gluon_hopper.decode_launcher`` (page 64, bf16/fp16 q) plus an fp8
     (e4m3) cache with its per-tensor ``kv_scale`` (read by the kernel: capturable).
     ``num_splits`` None: ``pick_splits``. ``widen_cols``: the fp8 tile is widened that many
-    columns at a time (64, 128 or 256).
+    columns at a time (64, 128 or 256). ``merge``: how split partials become out and lse:
+    "kernel" (the last split of a row block merges them, one launch; its arrival counter
+    is this launcher's own, so two of its launches must not run at once), "reduce" (a
+    second kernel, ``reduce.reduce_launcher``) or "auto" (the first up to
+    ``MERGE_IN_KERNEL_MAX_SPLITS`` splits, else the second).
     """
+    if merge not in ("auto", "kernel", "reduce"):
+        raise ValueError(f"merge must be 'auto', 'kernel' or 'reduce', got {merge!r}")
     why = check_supported(q, kv_cache, block_table, seq_lens, kv_scale)
     if why is not None:
         raise ValueError(f"gluon transposed MLA decode: {why}")
@@ -404,20 +478,27 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
             max_seq_len = int(seq_lens.max()) if batch else 0
         num_splits = pick_splits(batch, row_blocks, max_seq_len)
     grid = (row_blocks, num_splits, batch)
-    head = (*_descriptors(q, kv_cache, br), block_table, seq_lens, kv_scale)
-    sizes = (num_splits, qlen, heads, sm_scale * LOG2E, block_table.stride(0))
+    head = (*_descriptors(q, kv_cache, br), block_table, seq_lens, kv_scale, out, lse)
+    sizes = (num_splits, qlen, heads, sm_scale * LOG2E, block_table.stride(0), out.stride(0),
+             out.stride(1), lse.stride(0))
     meta = dict(CAUSAL=causal and qlen > 1, FP8=fp8, PAGE=PAGE_SIZE, STAGES=stages_for(fp8),
                 WIDEN_COLS=widen_cols, num_warps=NUM_WARPS)
     if num_splits == 1:
-        args = (*head, out, lse, *sizes, out.stride(0), out.stride(1), lse.stride(0), 0, 0, 0)
-        return (lambda: transposed_kernel[grid](*args, DIRECT=True, **meta)), out, lse
+        args = (*head, out, lse, kv_scale, *sizes, 0, 0, 0)  # no partials, no counter
+        return (lambda: transposed_kernel[grid](*args, DIRECT=True, MERGE=False, **meta)), \
+            out, lse
 
     part_out, part_lse, reduce = _partials_and_merge(out, lse, batch, num_splits, qlen)
-    args = (*head, part_out, part_lse, *sizes, 0, 0, 0, part_out.stride(0), part_out.stride(1),
+    # One arrival counter per (request, row block), zero between launches.
+    counter = torch.zeros(batch * row_blocks, dtype=torch.int32, device=q.device)
+    args = (*head, part_out, part_lse, counter, *sizes, part_out.stride(0), part_out.stride(1),
             part_lse.stride(0))
+    if merge == "kernel" or (merge == "auto" and num_splits <= MERGE_IN_KERNEL_MAX_SPLITS):
+        return (lambda: transposed_kernel[grid](*args, DIRECT=False, MERGE=True, **meta)), \
+            out, lse
 
     def launch_split() -> None:
-        transposed_kernel[grid](*args, DIRECT=False, **meta)
+        transposed_kernel[grid](*args, DIRECT=False, MERGE=False, **meta)
         reduce()
 
     return launch_split, out, lse
@@ -425,7 +506,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
 
 def aot_compile(dtype: str = "bf16", kv: str | None = None, *, rows: int = 16,
                 direct: bool = True, causal: bool = True, arch: int = 90,
-                widen_cols: int = 0):
+                widen_cols: int = 0, merge: str = MERGE):
     """Compile ``transposed_kernel`` for ``sm_<arch>`` without a GPU (triton's bundled
     ptxas): q of ``dtype``, a cache of ``kv`` (None: q's; "fp8": e4m3), ``rows`` query
     rows; returns triton's CompiledKernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata``)."""
@@ -438,11 +519,12 @@ def aot_compile(dtype: str = "bf16", kv: str | None = None, *, rows: int = 16,
     fp8 = kv == "fp8"
     br = block_rows(rows)
     constants = dict(CAUSAL=causal, DIRECT=direct, FP8=fp8, PAGE=PAGE_SIZE,
-                     STAGES=stages_for(fp8), WIDEN_COLS=widen_cols, num_warps=NUM_WARPS)
+                     STAGES=stages_for(fp8), WIDEN_COLS=widen_cols,
+                     MERGE=not direct and merge != "reduce", num_warps=NUM_WARPS)
     blocks = dict(qn_desc=(dtype, br, D_NOPE), qr_desc=(dtype, br, D_ROPE),
                   kn_desc=(kv, BLOCK_N, D_NOPE), kr_desc=(kv, BLOCK_N, D_ROPE))
-    ptr_types = dict(bt_ptr="i32", seq_lens_ptr="i32", kv_scale_ptr="fp32",
-                     out_ptr=dtype if direct else "fp32", lse_ptr="fp32")
+    ptr_types = dict(bt_ptr="i32", seq_lens_ptr="i32", kv_scale_ptr="fp32", out_ptr=dtype,
+                     lse_ptr="fp32", part_out_ptr="fp32", part_lse_ptr="fp32", counter_ptr="i32")
     ir_names = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8e4nv"}
 
     def arg_type(name: str) -> str:
