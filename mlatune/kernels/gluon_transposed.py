@@ -26,11 +26,16 @@ next tile in flight while this one is computed.
 - Stale slots past the split's end in the last page (NaN in a real cache): their V rows
   are zeroed before P V; their S is masked, never multiplied.
 - Split-KV, out and LSE as ``gluon_hopper``: one split writes out and the natural-log LSE
-  directly; more write fp32 partials merged by ``reduce.reduce_launcher``.
+  directly; more write fp32 partials, merged (``MERGE``) by the last split of a row block
+  to arrive (an acq_rel counter; up to ``MERGE_IN_KERNEL_MAX_SPLITS``) or by
+  ``reduce.reduce_launcher``.
 Registers: O^T is 512 x BR fp32 over 128 threads (64 or 128 a thread), S^T 64 x BR.
 Shared memory: Q (BR x 576 16-bit), the ring (STAGES x 64 x 576 of the cache's dtype),
-the widened tile (fp8 only) and P^T: 2 stages hold 166-188 KB (16-bit cache), 3 stages
-of fp8 with the widened tile 203-222 KB.
+the widened tile (fp8 only) and P^T: 2 stages hold 164-185 KB (16-bit cache), 3 stages
+of fp8 with the widened tile 200-221 KB (triton 3.6.0's counts: 168,208-225,816 bytes).
+Measured on the H200 (``benchmarks/results/README.md``, session 9): 0.91-0.93x FlashMLA's
+time at 16 heads (4.33 TB/s at (128, 16, 8192, 1)), 1.5-2x the seesaw kernel's at 64-128
+heads; over an fp8 cache 1.5x its own bf16 time (the widening is not overlapped).
 """
 
 from __future__ import annotations
