@@ -106,7 +106,8 @@ COMPUTE_REGS = gl.constexpr(240)  # a compute warpgroup's registers a thread (O'
 LOADER_REGS = gl.constexpr(24)
 MAXNREG = 168  # 12 warps (3 warpgroups) x 168 = the SM's 64K registers, rounded down
 
-__all__ = ["aot_compile", "decode_launcher", "seesaw_decode", "seesaw_kernel"]
+__all__ = ["aot_compile", "decode_launcher", "key_range", "seesaw_decode", "seesaw_kernel",
+           "store_row_lse"]
 
 
 @gluon.jit
@@ -430,10 +431,19 @@ def _epilogue(acc, m_i, l_i, out_ptr, lse_ptr, ints, WG: gl.constexpr, DIRECT: g
 
 @gluon.jit
 def _store_lse(m_i, l_i, lse_ptr, ints, BM: gl.constexpr, DIRECT: gl.constexpr):
-    """The rows' LSE: natural log when direct, base 2 in the partials (as ``reduce`` reads)."""
+    """The rows' LSE (see ``store_row_lse``), the strides from this kernel's ``ints``."""
     rb, b, split, num_splits, qlen, heads = ints[4:10]
-    stride_lse_tok = ints[12]
-    stride_pl_slot = ints[15]
+    store_row_lse(m_i, l_i, lse_ptr, (rb, b, split, num_splits, qlen, heads), ints[12],
+                  ints[15], BM, DIRECT)
+
+
+@gluon.jit
+def store_row_lse(m_i, l_i, lse_ptr, where, stride_lse_tok, stride_pl_slot, BM: gl.constexpr,
+                  DIRECT: gl.constexpr):
+    """BM rows' LSE from their running max and sum (base 2): natural log into the LSE
+    (direct), base 2 into the split's partial slot (as ``reduce`` reads). ``where``: (row
+    block, request, split, splits, qlen, heads)."""
+    rb, b, split, num_splits, qlen, heads = where
     # One thread a row: triton 3.6 does not lower the store from the wgmma row layout here.
     flat: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     m_i = gl.convert_layout(m_i, flat)
@@ -478,7 +488,7 @@ def _wg1_chunked(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.conste
 
 
 @gluon.jit
-def _key_range(seq_len, rb, split, num_splits, qlen, heads, BM: gl.constexpr,
+def key_range(seq_len, rb, split, num_splits, qlen, heads, BM: gl.constexpr,
                BN: gl.constexpr, CAUSAL: gl.constexpr):
     """The split's keys [start, end) (64-aligned chunks; causal: none past the block's
     last row's bound) and its tile count."""
@@ -506,7 +516,7 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache'
     split = gl.program_id(1)
     b = gl.program_id(2)
     seq_len = gl.load(seq_lens_ptr + b)
-    start, end, n_tiles = _key_range(seq_len, rb, split, num_splits, qlen, heads, BM, BN, CAUSAL)
+    start, end, n_tiles = key_range(seq_len, rb, split, num_splits, qlen, heads, BM, BN, CAUSAL)
 
     q_nope = gl.allocate_shared_memory(dtype, qn_desc.block_type.shape, qn_desc.layout)
     q_rope = gl.allocate_shared_memory(dtype, qr_desc.block_type.shape, qr_desc.layout)

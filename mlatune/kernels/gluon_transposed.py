@@ -68,7 +68,7 @@ from mlatune.kernels.gluon_hopper import (
     pick_splits,
 )
 from mlatune.kernels.gluon_hopper_plan import transposed_rows as block_rows
-from mlatune.kernels.gluon_seesaw import _partials_and_merge
+from mlatune.kernels.gluon_seesaw import _partials_and_merge, key_range, store_row_lse
 
 NUM_WARPS = 4  # one warpgroup
 FP8_CACHES = (torch.float8_e4m3fn, )
@@ -225,21 +225,7 @@ def _epilogue(acc, m_i, l_i, v_scale, ptrs, ints, o_layout: gl.constexpr,
     d = gl.arange(0, DN, layout=gl.SliceLayout(1, o_layout))
     gl.store(out_ptr + gl.expand_dims(row_off, 0) + gl.expand_dims(d, 1),
              o.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(r_ok, 0))
-    # One thread a row: the store from the MMA's column layout is not lowered here.
-    flat: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    m_f = gl.convert_layout(m_i, flat)
-    l_f = gl.convert_layout(l_i, flat)
-    ok = l_f > 0.0
-    lse2 = gl.where(ok, m_f + gl.log2(gl.where(ok, l_f, gl.full_like(l_f, 1.0))),
-                    gl.full_like(l_f, float("-inf")))
-    r = rb * BR + gl.arange(0, BR, layout=flat)
-    if DIRECT:
-        dst = lse_ptr + (b * qlen + r // heads).to(gl.int64) * stride_lse_tok + r % heads
-        val = lse2 * 0.6931471805599453
-    else:
-        dst = lse_ptr + (b * num_splits + split).to(gl.int64) * stride_pl_slot + r
-        val = lse2
-    gl.store(dst, val, mask=r < qlen * heads)
+    store_row_lse(m_i, l_i, lse_ptr, ints[:6], stride_lse_tok, stride_pl_slot, BR, DIRECT)
 
 
 @gluon.jit
@@ -295,20 +281,6 @@ def _merge_if_last(ptrs, counter_ptr, ints, BR: gl.constexpr, DN: gl.constexpr,
         gl.store(counter, 0)
 
 
-@gluon.jit
-def _key_range(seq_len, rb, split, num_splits, qlen, heads, BR: gl.constexpr,
-               BN: gl.constexpr, CAUSAL: gl.constexpr):
-    """The split's keys [start, end) (64-aligned chunks; causal: none past the block's
-    last row's bound) and its tile count."""
-    chunk = gl.cdiv(gl.cdiv(seq_len, num_splits), BN) * BN
-    start = split * chunk
-    end = gl.minimum(start + chunk, seq_len)
-    if CAUSAL:
-        block_last = seq_len - qlen + (gl.minimum(qlen * heads, rb * BR + BR) - 1) // heads
-        end = gl.minimum(end, block_last + 1)
-    return start, end, gl.cdiv(gl.maximum(end - start, 0), BN)
-
-
 @gluon.jit(do_not_specialize=["num_splits", "qlen", "heads"])
 def transposed_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache's parts
                       bt_ptr, seq_lens_ptr, kv_scale_ptr, out_ptr, lse_ptr,
@@ -328,7 +300,7 @@ def transposed_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the ca
     split = gl.program_id(1)
     b = gl.program_id(2)
     seq_len = gl.load(seq_lens_ptr + b)
-    start, end, n_tiles = _key_range(seq_len, rb, split, num_splits, qlen, heads, BR, BN, CAUSAL)
+    start, end, n_tiles = key_range(seq_len, rb, split, num_splits, qlen, heads, BR, BN, CAUSAL)
 
     q_nope = gl.allocate_shared_memory(dtype, [BR, DN], qn_desc.layout)
     q_rope = gl.allocate_shared_memory(dtype, [BR, DR], qr_desc.layout)
