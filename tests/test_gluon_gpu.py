@@ -70,6 +70,7 @@ FP8 = [  # transposed/gluon over fp8 (e4m3) caches: one split and several, verif
     (TRANSPOSED, _p(32, 16, 4096, qlen=3, kv="fp8_e4m3fn")),
     (TRANSPOSED, _p(16, 128, 4096, qlen=2, kv="fp8_e4m3fn")),
     (TRANSPOSED, _p(16, 32, 4096, dcp=2, kv="fp8_e4m3fn")),
+    (TRANSPOSED, _p(16, 24, 3000, qlen=2, kv="fp8_e4m3fn", q="fp16")),  # fp16 MMAs over fp8
 ]
 CASES = PROBLEMS + [(SEESAW, problem) for _, problem in PROBLEMS] \
     + [(TRANSPOSED, problem) for _, problem in PROBLEMS] + FP8
@@ -100,7 +101,7 @@ def test_gluon_captured_step_replays_with_new_lengths(problem, route_id, tmp_pat
 
 
 @pytest.mark.parametrize("item", [CASES[k * len(PROBLEMS) + i] for k in range(3)
-                                  for i in (1, 5, 7)] + FP8[1:4], ids=_label)
+                                  for i in (1, 5, 7)] + FP8[1:4] + FP8[5:], ids=_label)
 def test_stale_cache_slots_hold_nan(item):
     route_id, problem = item
     route = routes.get(route_id)

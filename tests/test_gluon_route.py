@@ -72,8 +72,8 @@ def test_rules(arch, problem, rule):
 def test_refusals_say_why():
     dcp = capability.check(ROUTE, _p(qlen=2, dcp_size=2), "sm_90")
     assert "local positions" in dcp.reason
-    assert "fp8 caches are not done yet" in capability.check(ROUTE, _p(kv_dtype=FP8),
-                                                             "sm_90").reason
+    fp8 = capability.check(ROUTE, _p(kv_dtype=FP8), "sm_90")
+    assert "transposed/gluon reads an fp8 cache" in fp8.reason
     assert "64-token page" in capability.check(ROUTE, _p(page_size=16), "sm_90").reason
     assert "sm_90 only; this is sm_100" in capability.check(ROUTE, _p(), "sm_100").reason
 

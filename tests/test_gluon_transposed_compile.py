@@ -74,14 +74,17 @@ def test_widen_asm_is_exact(asm, ty):
 
 
 @pytest.fixture(scope="module",
-                params=[("bf16", None, 16, True, True), ("fp16", None, 32, False, False),
-                        ("bf16", "fp8", 16, True, True), ("bf16", "fp8", 32, False, True)],
+                params=[("bf16", None, 16, True, True, "auto"),
+                        ("fp16", None, 32, False, False, "auto"),
+                        ("bf16", "fp8", 16, True, True, "auto"),
+                        ("bf16", "fp8", 32, False, True, "auto"),
+                        ("fp16", "fp8", 16, False, True, "reduce")],
                 ids=["bf16-16rows-direct", "fp16-32rows-split", "fp8-16rows-direct",
-                     "fp8-32rows-split"])
+                     "fp8-32rows-split", "fp16-over-fp8-split-reduce"])
 def compiled(request):
     _needs_gluon_triton()
-    dtype, kv, rows, direct, causal = request.param
-    kernel = t.aot_compile(dtype, kv, rows=rows, direct=direct, causal=causal)
+    dtype, kv, rows, direct, causal, merge = request.param
+    kernel = t.aot_compile(dtype, kv, rows=rows, direct=direct, causal=causal, merge=merge)
     kernel.case = request.param
     return kernel
 
@@ -89,33 +92,39 @@ def compiled(request):
 def test_keys_are_m_and_rows_are_n(compiled):
     # S^T = K Q^T: 36 k-steps over 576 dims; O^T = V^T P^T: 512 dims as 8 m64 blocks x 4
     # k-steps over 64 keys; every MMA's N is the program's 16 or 32 query rows.
-    _, _, rows, _, _ = compiled.case
+    dtype, _, rows, _, _, _ = compiled.case
     ptx = compiled.asm["ptx"]
     shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))
     assert shapes == {f"m64n{rows}k16"}
+    ptx_type = {"bf16": "bf16", "fp16": "f16"}[dtype]
+    assert f".f32.{ptx_type}.{ptx_type}" in ptx  # the MMAs in q's dtype, whatever the cache's
     assert ptx.count("wgmma.mma_async") == 36 + 8 * 4
     assert ".target sm_90a" in ptx and "cp.async.bulk.tensor.2d" in ptx
 
 
 def test_fp8_widens_with_integer_moves_not_conversions(compiled):
-    _, kv, _, _, _ = compiled.case
+    dtype, kv, _, _, _, _ = compiled.case
     ptx = compiled.asm["ptx"]
     assert ("prmt.b32" in ptx) == (kv == "fp8")
+    # The widening multiplies by the power of two in q's dtype (2^120 bf16, 2^8 fp16).
+    assert (f"mul.rn.{'bf16' if dtype == 'bf16' else 'f16'}x2" in ptx) == (kv == "fp8")
     assert "e4m3" not in ptx  # no cvt from fp8 (the few conversion units are slow)
 
 
 def test_fits_one_block_an_sm_with_few_spills(compiled):
     # 255 registers over an fp8 tile at 32 rows (O^T 128 a thread, the widened chunk 64):
     # 8 bytes of stack there (triton 3.6.0, 2026-12-01), none elsewhere.
-    _, kv, rows, _, _ = compiled.case
+    _, kv, rows, _, _, _ = compiled.case
     assert compiled.metadata.shared <= 227 * 1024
     assert resources(compiled)["stack"] <= (16 if (kv, rows) == ("fp8", 32) else 0)
 
 
-def test_split_builds_merge_in_the_kernel_after_one_release(compiled):
+def test_split_builds_merge_in_the_kernel_after_one_release_unless_reduced(compiled):
     # Split-KV: the last split of a row block to arrive merges the partials, found by one
-    # acq_rel atomic add at GPU scope on the block's counter; a direct build has none.
-    _, _, _, direct, _ = compiled.case
+    # acq_rel atomic add at GPU scope on the block's counter; a direct build has none, nor
+    # a split build whose partials the reduce kernel merges.
+    _, _, _, direct, _, merge = compiled.case
+    merges = not direct and merge != "reduce"
     ptx = compiled.asm["ptx"]
-    assert ptx.count("atom.global.gpu.acq_rel.add") == (0 if direct else 1)
-    assert ("ld.global.cg" in ptx) == (not direct)  # partials read past L1
+    assert ptx.count("atom.global.gpu.acq_rel.add") == (1 if merges else 0)
+    assert ("ld.global.cg" in ptx) == merges  # partials read past L1

@@ -498,7 +498,7 @@ def _sdpa_dtypes(c: Context) -> str | None:
     return None
 
 
-# --- wgmma/gluon and seesaw/gluon: mlatune's Hopper Gluon decodes (one rule set) ---------
+# --- wgmma/gluon, seesaw/gluon, transposed/gluon: mlatune's Hopper Gluon decodes --------
 def _wgmma_dims(c: Context) -> str | None:
     if (c.p.kv_lora_rank, c.p.rope_dim) != (wgmma.D_NOPE, wgmma.D_ROPE):
         return (f"the Gluon kernel is built for kv_lora_rank {wgmma.D_NOPE} + rope_dim "
@@ -519,7 +519,7 @@ def _wgmma_dtypes(c: Context) -> str | None:
     if q == kv and q in wgmma.DTYPES:
         return None
     return (f"{q} q over a {kv} cache: the Gluon kernel reads a bf16 or fp16 q over a cache "
-            f"of the same dtype (fp8 caches are not done yet)")
+            f"of the same dtype (transposed/gluon reads an fp8 cache)")
 
 
 def _transposed_dtypes(c: Context) -> str | None:

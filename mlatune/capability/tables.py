@@ -74,7 +74,7 @@ TRITON_AMD_FP8 = {"gfx940": "fp8_e4m3fnuz", "gfx941": "fp8_e4m3fnuz", "gfx942": 
                   "gfx950": "fp8_e4m3fn"}  # the fp8 format each AMD arch's matrix cores take
 TRITON_MIN_DIM = 16  # a tl.dot operand side
 
-# --- wgmma/gluon and seesaw/gluon: mlatune's Hopper Gluon decodes (one rule set) ---------
+# --- wgmma/gluon, seesaw/gluon, transposed/gluon: mlatune's Hopper Gluon decodes --------
 # The sizes are the kernel's own (mlatune/kernels/gluon_hopper_plan.py, read by the rules).
 WGMMA_GLUON = "mlatune/kernels/gluon_hopper.py"
 WGMMA_GLUON_ARCHS = ("sm_90",)
@@ -231,7 +231,7 @@ SOURCES: dict[str, Source] = {
     "triton.prefill.dims": Source("mlatune/kernels/prefill.py + prefill_plan.split_head_dim",
                                   "the q.k dot is split in two power-of-two parts >= 16 "
                                   "(192 = 128 + 64); d_v is one power of two >= 16"),
-    # --- wgmma/gluon and seesaw/gluon: mlatune's Hopper Gluon decodes -------------------
+    # --- wgmma/gluon, seesaw/gluon, transposed/gluon: mlatune's Hopper Gluon decodes ----
     "wgmma.arch": Source(WGMMA_GLUON + " (checked on the H200 2026-11-30: "
                          "benchmarks/gluon_check.py)",
                          "warpgroup MMAs (wgmma), TMA copies and mbarriers: sm_90 (Hopper) only"),

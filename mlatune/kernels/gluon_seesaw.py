@@ -434,18 +434,19 @@ def _store_lse(m_i, l_i, lse_ptr, ints, BM: gl.constexpr, DIRECT: gl.constexpr):
     """The rows' LSE (see ``store_row_lse``), the strides from this kernel's ``ints``."""
     rb, b, split, num_splits, qlen, heads = ints[4:10]
     store_row_lse(m_i, l_i, lse_ptr, (rb, b, split, num_splits, qlen, heads), ints[12],
-                  ints[15], BM, DIRECT)
+                  ints[15], BM, DIRECT, 4)
 
 
 @gluon.jit
 def store_row_lse(m_i, l_i, lse_ptr, where, stride_lse_tok, stride_pl_slot, BM: gl.constexpr,
-                  DIRECT: gl.constexpr):
+                  DIRECT: gl.constexpr, num_warps: gl.constexpr):
     """BM rows' LSE from their running max and sum (base 2): natural log into the LSE
     (direct), base 2 into the split's partial slot (as ``reduce`` reads). ``where``: (row
-    block, request, split, splits, qlen, heads)."""
+    block, request, split, splits, qlen, heads); ``num_warps``: the calling partition's."""
     rb, b, split, num_splits, qlen, heads = where
-    # One thread a row: triton 3.6 does not lower the store from the wgmma row layout here.
-    flat: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    # A flat layout over the partition's threads (a row's value on several threads when
+    # BM is under their count): triton 3.6 does not lower the store from the wgmma layout.
+    flat: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     m_i = gl.convert_layout(m_i, flat)
     l_i = gl.convert_layout(l_i, flat)
     has_keys = l_i > 0.0

@@ -1,5 +1,6 @@
 """A transposed MLA decode for Hopper (sm_90) in Triton's Gluon dialect: keys are the
-MMA's M, query rows its N, for problems with few query rows (heads x qlen <= 32).
+MMA's M, query rows its N. Built for few query rows (heads x qlen up to 32 per program);
+more rows run as more programs, each reading the keys again.
 
 Why: ``gluon_hopper`` and ``gluon_seesaw`` put the query rows on the warpgroup MMA's M,
 which is 64 rows wide whatever the problem has: at 16 heads x 1 token three quarters of
@@ -31,11 +32,12 @@ next tile in flight while this one is computed.
   ``reduce.reduce_launcher``.
 Registers: O^T is 512 x BR fp32 over 128 threads (64 or 128 a thread), S^T 64 x BR.
 Shared memory: Q (BR x 576 16-bit), the ring (STAGES x 64 x 576 of the cache's dtype),
-the widened tile (fp8 only) and P^T: 2 stages hold 164-185 KB (16-bit cache), 3 stages
-of fp8 with the widened tile 200-221 KB (triton 3.6.0's counts: 168,208-225,816 bytes).
-Measured on the H200 (``benchmarks/results/README.md``, session 9): 0.91-0.93x FlashMLA's
-time at 16 heads (4.33 TB/s at (128, 16, 8192, 1)), 1.5-2x the seesaw kernel's at 64-128
-heads; over an fp8 cache 1.5x its own bf16 time (the widening is not overlapped).
+the widened tile (fp8 only) and P^T: 2 stages hold 164-185 KiB (16-bit cache), 3 stages
+of fp8 with the widened tile 200-221 KiB (triton 3.6.0's counts: 168,208-225,816 bytes).
+Measured on the H200 (``benchmarks/results/README.md``, session 9, call 7): 0.60x FlashMLA's
+time at (1, 16, 4096, 1) and 0.91-0.93x at batch 64-128 with 16 heads (4.33 TB/s at (128,
+16, 8192, 1)); 1.17-1.74x the seesaw kernel's (chunked form) at 64-128 heads; over an fp8
+cache 1.52x its own bf16 time (the widening is not overlapped).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from mlatune.kernels import gluon_hopper_plan as plan
 from mlatune.kernels.gluon_hopper import (
     _GL_DTYPES,
     BLOCK_N,
@@ -67,10 +70,10 @@ from mlatune.kernels.gluon_hopper import (
     gluon_available,
     pick_splits,
 )
-from mlatune.kernels.gluon_hopper_plan import transposed_rows as block_rows
 from mlatune.kernels.gluon_seesaw import _partials_and_merge, key_range, store_row_lse
 
 NUM_WARPS = 4  # one warpgroup
+LN2 = gl.constexpr(0.6931471805599453)  # natural log of 2: base-2 LSE to the caller's
 FP8_CACHES = (torch.float8_e4m3fn, )
 # Split partials: merged by the last split to finish (no second launch) up to this many
 # splits, else by the reduce kernel. The last split merges alone, one split after another:
@@ -78,11 +81,12 @@ FP8_CACHES = (torch.float8_e4m3fn, )
 # at 2, (64, 16, 4096, 1) 87.4 against 92.5 (H200, 2026-12-01, session 9 call 5).
 MERGE_IN_KERNEL_MAX_SPLITS = 2
 MERGE = "auto"
-WIDEN_COLS = 256  # fp8 columns widened per step (256: 0.94x the time of 64, H200 2026-12-01)
+WIDEN_STEPS = (64, 128, 256, 512)  # fp8 columns widened per step: whole 64-column atoms
+WIDEN_COLS = 256  # (256: 0.94x the time of 64, H200 2026-12-01)
 _KV_DTYPES = {**_GL_DTYPES, torch.float8_e4m3fn: gl.float8e4nv}
 _TORCH_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
 
-__all__ = ["aot_compile", "block_rows", "decode_launcher", "stages_for", "transposed_kernel"]
+__all__ = ["aot_compile", "check_supported", "decode_launcher", "stages_for", "transposed_kernel"]
 
 
 def stages_for(fp8: bool) -> int:
@@ -197,7 +201,7 @@ def _tile(q_nope, q_rope, kn, kr, p_buf, n0, end, last_pos, keys, qk_scale, m_i,
 
 @gluon.jit
 def _epilogue(acc, m_i, l_i, v_scale, ptrs, ints, o_layout: gl.constexpr,
-              DIRECT: gl.constexpr):
+              DIRECT: gl.constexpr, num_warps: gl.constexpr):
     """O^T's rows of the request (normalized, times the cache's V scale) and their LSE:
     into out and lse (natural log) when direct, else into the split's fp32 partials (base
     2, as ``reduce`` and ``_merge_if_last`` read)."""
@@ -225,7 +229,8 @@ def _epilogue(acc, m_i, l_i, v_scale, ptrs, ints, o_layout: gl.constexpr,
     d = gl.arange(0, DN, layout=gl.SliceLayout(1, o_layout))
     gl.store(out_ptr + gl.expand_dims(row_off, 0) + gl.expand_dims(d, 1),
              o.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(r_ok, 0))
-    store_row_lse(m_i, l_i, lse_ptr, ints[:6], stride_lse_tok, stride_pl_slot, BR, DIRECT)
+    store_row_lse(m_i, l_i, lse_ptr, ints[:6], stride_lse_tok, stride_pl_slot, BR, DIRECT,
+                  num_warps)
 
 
 @gluon.jit
@@ -275,7 +280,7 @@ def _merge_if_last(ptrs, counter_ptr, ints, BR: gl.constexpr, DN: gl.constexpr,
                      (acc * gl.expand_dims(inv, 1)).to(out_ptr.dtype.element_ty),
                      mask=gl.expand_dims(r_ok, 1))
         lse = gl.where(has, (m + gl.log2(gl.where(has, w_sum, gl.full_like(w_sum, 1.0))))
-                       * 0.6931471805599453, gl.full_like(w_sum, float("-inf")))
+                       * LN2, gl.full_like(w_sum, float("-inf")))
         gl.store(lse_ptr + (b * qlen + r // heads).to(gl.int64) * stride_lse_tok + r % heads,
                  lse, mask=r_ok)
         gl.store(counter, 0)
@@ -343,7 +348,9 @@ def transposed_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the ca
     for i in range(n_tiles):
         # Refill the slot tile i - 1 used (its MMAs are done: ``_tile`` waited for them).
         nxt = i + STAGES - 1
-        fence_async_shared()  # the slot was written through the generic proxy (zeroed rows)
+        # The slot was touched through the generic proxy (16-bit: rows zeroed; fp8: read by
+        # the widening) before this TMA write (async proxy).
+        fence_async_shared()
         _issue_kv(kn_desc, kr_desc, k_nope.index(nxt % STAGES), k_rope.index(nxt % STAGES),
                   ready.index(nxt % STAGES), bt_row, start + nxt * BN, nxt < n_tiles, PAGE)
         slot = i % STAGES
@@ -365,7 +372,7 @@ def transposed_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the ca
     ints = (rb, b, split, num_splits, qlen, heads, stride_o_tok, stride_o_head, stride_lse_tok,
             stride_po_slot, stride_po_row, stride_pl_slot)
     ptrs = (out_ptr, lse_ptr, part_out_ptr, part_lse_ptr)
-    _epilogue(acc, m_i, l_i, kv_scale, ptrs, ints, o_layout, DIRECT)
+    _epilogue(acc, m_i, l_i, kv_scale, ptrs, ints, o_layout, DIRECT, num_warps)
     if MERGE:
         _merge_if_last(ptrs, counter_ptr, ints, BR, DN, num_warps)
 
@@ -393,12 +400,20 @@ def _descriptors(q: torch.Tensor, kv_cache: torch.Tensor, br: int
 def check_supported(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                     seq_lens: torch.Tensor, kv_scale: torch.Tensor | None) -> str | None:
     """Why the kernel cannot take these tensors (or this triton), or None when it can."""
+    if q.dim() != 3 or kv_cache.dim() != 3 or block_table.dim() != 2 or seq_lens.dim() != 1:
+        return ("q (tokens, heads, 576), kv_cache (pages, 64, 576), block_table (batch, pages) "
+                "and seq_lens (batch,) expected")
     if q.dtype not in _GL_DTYPES:
         return f"q dtype {q.dtype} (bf16 and fp16 only)"
     if kv_cache.dtype != q.dtype and kv_cache.dtype not in FP8_CACHES:
         return f"cache dtype {kv_cache.dtype}: q's {q.dtype} or float8_e4m3fn"
-    if kv_cache.dtype in FP8_CACHES and (kv_scale is None or kv_scale.numel() != 1):
-        return "an fp8 cache needs its per-tensor scale (a 1-element fp32 tensor)"
+    if kv_cache.dtype in FP8_CACHES and kv_scale is None:
+        return "an fp8 cache needs its per-tensor scale (kv_scale)"
+    if kv_scale is not None and (kv_scale.numel() != 1 or kv_scale.dtype != torch.float32):
+        return f"kv_scale must be one fp32 value, got {kv_scale.dtype} x {kv_scale.numel()}"
+    tensors = (q, kv_cache, block_table, seq_lens) + ((kv_scale, ) if kv_scale is not None else ())
+    if len({t.device for t in tensors}) > 1:
+        return "q, the cache, block_table, seq_lens and kv_scale must be on one device"
     if q.shape[-1] != D_NOPE + D_ROPE or kv_cache.shape[-1] != D_NOPE + D_ROPE:
         return f"head width must be {D_NOPE + D_ROPE}"
     if kv_cache.shape[1] != PAGE_SIZE:
@@ -412,8 +427,31 @@ def check_supported(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
         return "addresses and row strides must be 16-byte aligned for TMA"
     if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
         return "block_table and seq_lens must be int32"
+    if block_table.shape[0] < seq_lens.shape[0] or block_table.stride(1) != 1:
+        return "block_table needs a row of contiguous page ids per request"
     ok, why = gluon_available()
     return None if ok else why
+
+
+def _check_call(q: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None,
+                tokens: int, num_splits: int | None, widen_cols: int, merge: str) -> None:
+    """Refuse, with a ValueError, options and caller buffers the kernel cannot take."""
+    if merge not in ("auto", "kernel", "reduce"):
+        raise ValueError(f"merge must be 'auto', 'kernel' or 'reduce', got {merge!r}")
+    if widen_cols not in WIDEN_STEPS:
+        raise ValueError(f"widen_cols must be one of {WIDEN_STEPS}, got {widen_cols}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be at least 1, got {num_splits}")
+    if q.shape[0] != tokens:
+        raise ValueError(f"q has {q.shape[0]} tokens, expected {tokens} (batch x qlen)")
+    heads = q.shape[1]
+    for name, buf, shape, dtype in (("out", out, (tokens, heads, D_NOPE), q.dtype),
+                                    ("lse", lse, (tokens, heads), torch.float32)):
+        if buf is not None and (tuple(buf.shape) != shape or buf.dtype != dtype
+                                or buf.stride(-1) != 1 or buf.device != q.device):
+            raise ValueError(f"{name} must be {dtype} of shape {shape} on q's device with "
+                             f"unit stride last; got {buf.dtype} {tuple(buf.shape)} "
+                             f"stride {buf.stride()} on {buf.device}")
 
 
 def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -425,25 +463,23 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     """A zero-argument launch of the transposed decode, with the out and LSE it writes.
 
     Tensors as ``gluon_hopper.decode_launcher`` (page 64, bf16/fp16 q) plus an fp8
-    (e4m3) cache with its per-tensor ``kv_scale`` (read by the kernel: capturable).
+    (e4m3) cache with its per-tensor ``kv_scale`` (the cache holds value / scale; read by
+    the kernel, so capturable; given with a 16-bit cache, it is applied the same way).
     ``num_splits`` None: ``pick_splits``. ``widen_cols``: the fp8 tile is widened that many
-    columns at a time (64, 128 or 256). ``merge``: how split partials become out and lse:
+    columns at a time (``WIDEN_STEPS``). ``merge``: how split partials become out and lse:
     "kernel" (the last split of a row block merges them, one launch; its arrival counter
     is this launcher's own, so two of its launches must not run at once), "reduce" (a
     second kernel, ``reduce.reduce_launcher``) or "auto" (the first up to
     ``MERGE_IN_KERNEL_MAX_SPLITS`` splits, else the second).
     """
-    if merge not in ("auto", "kernel", "reduce"):
-        raise ValueError(f"merge must be 'auto', 'kernel' or 'reduce', got {merge!r}")
+    batch, heads = seq_lens.shape[0], q.shape[1]
+    _check_call(q, out, lse, batch * qlen, num_splits, widen_cols, merge)
     why = check_supported(q, kv_cache, block_table, seq_lens, kv_scale)
     if why is not None:
         raise ValueError(f"gluon transposed MLA decode: {why}")
-    batch, heads = seq_lens.shape[0], q.shape[1]
-    if q.shape[0] != batch * qlen:
-        raise ValueError(f"q has {q.shape[0]} tokens, expected batch {batch} x qlen {qlen}")
     fp8 = kv_cache.dtype in FP8_CACHES
-    br = block_rows(qlen * heads)
-    row_blocks = triton.cdiv(qlen * heads, br)
+    br = plan.transposed_rows(qlen * heads)
+    row_blocks = plan.transposed_row_blocks(heads, qlen)
     out = torch.empty(q.shape[0], heads, D_NOPE, dtype=q.dtype, device=q.device) \
         if out is None else out
     lse = torch.empty(q.shape[0], heads, dtype=torch.float32, device=q.device) \
@@ -465,12 +501,15 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
         return (lambda: transposed_kernel[grid](*args, DIRECT=True, MERGE=False, **meta)), \
             out, lse
 
+    in_kernel = merge == "kernel" or (merge == "auto"
+                                      and num_splits <= MERGE_IN_KERNEL_MAX_SPLITS)
     part_out, part_lse, reduce = _partials_and_merge(out, lse, batch, num_splits, qlen)
     # One arrival counter per (request, row block), zero between launches.
-    counter = torch.zeros(batch * row_blocks, dtype=torch.int32, device=q.device)
+    counter = torch.zeros(batch * row_blocks if in_kernel else 1, dtype=torch.int32,
+                          device=q.device)
     args = (*head, part_out, part_lse, counter, *sizes, part_out.stride(0), part_out.stride(1),
             part_lse.stride(0))
-    if merge == "kernel" or (merge == "auto" and num_splits <= MERGE_IN_KERNEL_MAX_SPLITS):
+    if in_kernel:
         return (lambda: transposed_kernel[grid](*args, DIRECT=False, MERGE=True, **meta)), \
             out, lse
 
@@ -483,18 +522,19 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
 
 def aot_compile(dtype: str = "bf16", kv: str | None = None, *, rows: int = 16,
                 direct: bool = True, causal: bool = True, arch: int = 90,
-                widen_cols: int = 0, merge: str = MERGE):
+                widen_cols: int = WIDEN_COLS, merge: str = MERGE):
     """Compile ``transposed_kernel`` for ``sm_<arch>`` without a GPU (triton's bundled
     ptxas): q of ``dtype``, a cache of ``kv`` (None: q's; "fp8": e4m3), ``rows`` query
     rows; returns triton's CompiledKernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata``)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    if merge not in ("auto", "kernel", "reduce") or widen_cols not in WIDEN_STEPS:
+        raise ValueError(f"merge {merge!r} or widen_cols {widen_cols} is not an option")
     kv = kv or dtype
-    widen_cols = widen_cols or WIDEN_COLS
     fn = transposed_kernel
     fp8 = kv == "fp8"
-    br = block_rows(rows)
+    br = plan.transposed_rows(rows)
     constants = dict(CAUSAL=causal, DIRECT=direct, FP8=fp8, PAGE=PAGE_SIZE,
                      STAGES=stages_for(fp8), WIDEN_COLS=widen_cols,
                      MERGE=not direct and merge != "reduce", num_warps=NUM_WARPS)

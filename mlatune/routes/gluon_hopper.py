@@ -1,14 +1,18 @@
 """mlatune's Hopper Gluon MLA decodes as routes: ``wgmma/gluon`` (the first kernel,
-``mlatune/kernels/gluon_hopper.py``: two warpgroups split each tile's S by key columns)
-and ``seesaw/gluon`` (the warp-specialized kernel, ``mlatune/kernels/gluon_seesaw.py``: a
+``mlatune/kernels/gluon_hopper.py``: two warpgroups split each tile's S by key columns),
+``seesaw/gluon`` (the warp-specialized kernel, ``mlatune/kernels/gluon_seesaw.py``: a
 loader partition and two compute warpgroups alternating whole tiles; 0.78-0.94x the
-first kernel's time at every point timed on the H200, 2026-12-01). The two kernels take
-the same tensors and share the host helpers, the rules and the split rule; a stored
-route id keeps its kernel, so the faster one came in under a new id.
+first kernel's time at every point timed on the H200, 2026-12-01) and ``transposed/gluon``
+(``mlatune/kernels/gluon_transposed.py``: keys as the MMA's M and 16 or 32 query rows as
+its N, for few heads; it also reads fp8 caches). The kernels take the same tensors (the
+transposed one also an fp8 cache's scale) and share the host helpers and the split rule
+(each over its own programs per request); a stored route id keeps its kernel, so a faster
+one comes in under a new id.
 
-Which problems it serves is the capability model's (``capability.rules``, the
+Which problems they serve is the capability model's (``capability.rules``, the
 ``wgmma.*`` rules: sm_90, decode, 576/512 dims, page 64, bf16 or fp16 q and
-cache, no causal verify over a DCP shard); ``supports`` adds what only the
+cache, no causal verify over a DCP shard; ``transposed.dtypes`` lets the transposed
+kernel take an fp8 e4m3 cache too); ``supports`` adds what only the
 machine can say: the installed triton must be the 3.6 release whose Gluon API
 the kernel is written for (refused like a missing library, naming the version).
 

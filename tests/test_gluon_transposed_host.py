@@ -1,0 +1,61 @@
+"""The transposed Gluon decode's host side (mlatune/kernels/gluon_transposed.py) on the CPU:
+what its launcher refuses, with a ValueError that says why, before any GPU work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mlatune.kernels import gluon_transposed as t
+
+
+def _tensors(batch=2, heads=16, qlen=1, kv=torch.bfloat16, pages=8):
+    q = torch.randn(batch * qlen, heads, 576, dtype=torch.bfloat16)
+    cache = torch.randn(pages, 64, 576).to(kv)
+    table = torch.arange(batch * 4, dtype=torch.int32).reshape(batch, 4) % pages
+    lens = torch.full((batch, ), 200, dtype=torch.int32)
+    return q, cache, table, lens
+
+
+def _launch(q, cache, table, lens, **kw):
+    return t.decode_launcher(q, cache, table, lens, qlen=kw.pop("qlen", 1), sm_scale=0.1, **kw)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (dict(merge="fused"), "merge must be"),
+    (dict(widen_cols=1024), "widen_cols must be one of"),
+    (dict(widen_cols=0), "widen_cols must be one of"),
+    (dict(num_splits=0), "num_splits must be at least 1"),
+    (dict(qlen=3), "expected 6 .batch x qlen."),
+    (dict(out=torch.empty(2, 16, 256, dtype=torch.bfloat16)), "out must be"),
+    (dict(out=torch.empty(2, 16, 512, dtype=torch.float16)), "out must be"),
+    (dict(lse=torch.empty(16, 2).t()), "lse must be"),
+])
+def test_bad_options_and_buffers_are_refused(change, message):
+    with pytest.raises(ValueError, match=message):
+        _launch(*_tensors(), **change)
+
+
+def test_bad_tensors_are_refused_with_the_reason():
+    q, cache, table, lens = _tensors()
+    fp8 = cache.to(torch.float8_e4m3fn)
+    scale = torch.ones(1)
+    cases = [
+        ((q, fp8, table, lens, None), "needs its per-tensor scale"),
+        ((q, fp8, table, lens, torch.ones(1, dtype=torch.float64)), "one fp32 value"),
+        ((q, fp8, table, lens, torch.ones(2)), "one fp32 value"),
+        ((q, cache.half(), table, lens, None), "cache dtype"),
+        ((q.float(), cache, table, lens, None), "q dtype"),
+        ((q, cache, table[:1], lens, None), "a row of contiguous page ids per request"),
+        ((q, cache, table.t().contiguous().t(), lens, None), "contiguous page ids"),
+        ((q, cache, table.long(), lens, None), "int32"),
+        ((q[0], cache, table, lens, None), "expected"),
+        ((q, cache[:, :32], table, lens, None), "page_size 32"),
+    ]
+    for args, message in cases:
+        why = t.check_supported(*args)
+        assert why is not None and message in why, (message, why)
+    # A well-formed fp8 call gets as far as the triton check (none on this machine's 3.9,
+    # or None where triton 3.6 is installed).
+    why = t.check_supported(q, fp8, table, lens, scale)
+    assert why is None or "triton" in why
