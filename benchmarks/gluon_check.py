@@ -7,8 +7,8 @@ kernels (``VARIANTS``: the first kernel, the warp-specialized seesaw kernel of
 ``mlatune/kernels/gluon_seesaw.py`` and its chunked form, whose tiles land in 64-column
 chunks that S starts on, the transposed kernel of ``mlatune/kernels/gluon_transposed.py``,
 which also reads fp8 caches (as its route runs it, and with split partials merged always
-by a second kernel or always by the last split); ``--skip`` leaves some out) are each
-checked and timed.
+by a second kernel or always by the last split), and its experimental warp-specialized
+fp8 form (``gluon_transposed_ws``); ``--skip`` leaves some out) are each checked and timed.
 Steps, each caught so that one failure never ends the run:
 1. smoke: a child process (``--smoke``, 75 s limit, so a hang or an illegal
    address cannot take this process down) runs small problems: one split and
@@ -63,8 +63,11 @@ SEESAW_CHUNKED = "seesaw/gluon chunked"  # its CHUNKED form: decode_launcher(chu
 TRANSPOSED = "transposed/gluon"  # keys as the MMA's M (mlatune/kernels/gluon_transposed.py)
 TRANSPOSED_REDUCE = "transposed/gluon reduce"  # its partials merged by a second kernel
 TRANSPOSED_MERGE = "transposed/gluon merge"  # ... by the last split, whatever the count
-VARIANTS = [FIRST, SEESAW, SEESAW_CHUNKED, TRANSPOSED, TRANSPOSED_REDUCE, TRANSPOSED_MERGE]
-FP8_VARIANTS = (TRANSPOSED, TRANSPOSED_REDUCE, TRANSPOSED_MERGE)  # read an fp8 cache
+TRANSPOSED_WS = "transposed/gluon ws"  # fp8 only: widening warp-specialized (experimental)
+VARIANTS = [FIRST, SEESAW, SEESAW_CHUNKED, TRANSPOSED, TRANSPOSED_REDUCE, TRANSPOSED_MERGE,
+            TRANSPOSED_WS]
+FP8_VARIANTS = (TRANSPOSED, TRANSPOSED_REDUCE, TRANSPOSED_MERGE, TRANSPOSED_WS)  # read fp8
+FP8_ONLY = (TRANSPOSED_WS, )
 SKIPPED: set[str] = set()  # --skip (the child smoke run gets it through the environment)
 DEVICE = "cuda"  # a dry run of the plumbing may set "cpu" (with a stand-in kernel)
 
@@ -83,7 +86,8 @@ def problem_of(batch, heads, kv_len, qlen, dtype="bf16"):
 
 
 def variants_for(dtype: str) -> list[str]:
-    return [v for v in VARIANTS if (dtype != "fp8" or v in FP8_VARIANTS) and v not in SKIPPED]
+    return [v for v in VARIANTS if (v in FP8_VARIANTS if dtype == "fp8" else v not in FP8_ONLY)
+            and v not in SKIPPED]
 
 
 def gluon_prepare(problem, inputs, num_splits=None, variant=FIRST):
@@ -94,6 +98,9 @@ def gluon_prepare(problem, inputs, num_splits=None, variant=FIRST):
     if variant == FIRST:
         from mlatune.kernels.gluon_hopper import decode_launcher
         return decode_launcher(*args, **kwargs)
+    if variant == TRANSPOSED_WS:
+        from mlatune.kernels.gluon_transposed_ws import decode_launcher as ws_launcher
+        return ws_launcher(*args, **kwargs, kv_scale=inputs.kv_scale)
     if variant in (TRANSPOSED, TRANSPOSED_REDUCE, TRANSPOSED_MERGE):
         from mlatune.kernels.gluon_transposed import decode_launcher as transposed_launcher
         merge = {TRANSPOSED: "auto", TRANSPOSED_REDUCE: "reduce"}.get(variant, "kernel")

@@ -128,3 +128,18 @@ def test_split_builds_merge_in_the_kernel_after_one_release_unless_reduced(compi
     ptx = compiled.asm["ptx"]
     assert ptx.count("atom.global.gpu.acq_rel.add") == (1 if merges else 0)
     assert ("ld.global.cg" in ptx) == merges  # partials read past L1
+
+
+@pytest.mark.parametrize(("dtype", "rows", "direct"), [("bf16", 16, True), ("fp16", 32, False)])
+def test_the_warp_specialized_fp8_form_compiles_without_spills(dtype, rows, direct):
+    """``gluon_transposed_ws`` (experimental, not a route): the same 68 MMAs in q's dtype,
+    three partitions (setmaxnreg), within shared memory and without local memory."""
+    _needs_gluon_triton()
+    from mlatune.kernels import gluon_transposed_ws as ws
+
+    compiled = ws.aot_compile(dtype, rows=rows, direct=direct)
+    ptx = compiled.asm["ptx"]
+    assert ptx.count("wgmma.mma_async") == 36 + 8 * 4
+    assert "setmaxnreg" in ptx and "prmt.b32" in ptx
+    assert compiled.metadata.shared <= 227 * 1024
+    assert resources(compiled)["stack"] == 0

@@ -1,0 +1,291 @@
+"""The transposed Gluon decode over an fp8 cache, warp-specialized so the widening of one
+tile overlaps the MMAs of the one before (EXPERIMENTAL: compiled, not yet run on a GPU).
+
+Why: ``gluon_transposed`` widens each fp8 tile to 16 bits in the same warpgroup that runs
+the MMAs, between the tile's landing and its first MMA; on the H200 that path took 1.52x
+its own bf16 time at (128, 16, 8192, 1) (426 against 280 us, ``benchmarks/results/README.md``
+session 9), though it reads half the bytes. Here three partitions share the work:
+- loader (the default partition, 4 warps, one thread issues): Q once, then each 64-key
+  tile as two halves of 32 keys, each half into its own fp8 slot (``f_ready[h]``) once the
+  converter has released it (``f_empty[h]``);
+- converter (4 warps): widens half h of tile t into rows 32h..32h+31 of the 16-bit ring
+  slot t % 2 (``_widen_tile``, stale V rows zeroed), releases the fp8 half at once, and
+  when both halves are in, hands the slot to the MMA warpgroup (``w_ready[t % 2]``) after
+  waiting for it to be free (``w_empty[t % 2]``);
+- MMA warpgroup (4 warps): ``gluon_transposed``'s tile (S^T, softmax over keys, O^T) on the
+  16-bit slot, which it releases when its MMAs are done; then its epilogue and merge.
+Shared memory: Q (BR x 576, 16-bit), two fp8 halves (2 x 32 x 576 = 36 KiB), two 16-bit
+slots (2 x 72 KiB) and P^T: about 201 KiB at BR 16, 220 KiB at 32. Every barrier has one
+arrival a phase (one thread of the arriving partition). Same tensors, out and LSE as
+``gluon_transposed.decode_launcher``, fp8 e4m3 caches only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+from mlatune.kernels import gluon_hopper_plan as plan
+from mlatune.kernels import gluon_transposed as base
+from mlatune.kernels.gluon_hopper import D_NOPE, D_ROPE, LOG2E, PAGE_SIZE, pick_splits
+from mlatune.kernels.gluon_seesaw import _partials_and_merge, key_range
+
+HALF = 32  # keys per fp8 half tile
+MAXNREG = 168  # 12 warps: the loader drops to 24 registers, the two worker partitions rise
+MMA_REGS = gl.constexpr(240)
+CONVERT_REGS = gl.constexpr(232)
+
+__all__ = ["decode_launcher", "transposed_ws_kernel"]
+
+
+@gluon.jit
+def _loader(descs, q_bufs, f_bufs, bars, bt_row, q_row, start, n_tiles, PAGE: gl.constexpr):
+    """Q once, then every tile as two 32-key halves, each into its own fp8 slot."""
+    qn_desc, qr_desc, kn_desc, kr_desc = descs
+    q_nope, q_rope = q_bufs
+    f_nope, f_rope = f_bufs
+    q_bar, f_ready, f_empty = bars
+    H: gl.constexpr = kn_desc.block_type.shape[0]
+    mbarrier.expect(q_bar, qn_desc.block_type.nbytes + qr_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(qn_desc, [q_row, 0], q_bar, q_nope)
+    tma.async_copy_global_to_shared(qr_desc, [q_row, 0], q_bar, q_rope)
+    for t in range(n_tiles):
+        key = start + t * PAGE
+        row = gl.load(bt_row + key // PAGE) * PAGE  # a tile is one page
+        for h in gl.static_range(2):
+            # A fresh barrier counts as phase 1 complete: the first wait on each half passes.
+            mbarrier.wait(f_empty.index(h), (t & 1) ^ 1)
+            fence_async_shared()  # the converter read the half through the generic proxy
+            bar = f_ready.index(h)
+            mbarrier.expect(bar, kn_desc.block_type.nbytes + kr_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(kn_desc, [row + h * H, 0], bar, f_nope.index(h))
+            tma.async_copy_global_to_shared(kr_desc, [row + h * H, 0], bar, f_rope.index(h))
+
+
+@gluon.jit
+def _converter(f_bufs, w_bufs, bars, start, end, n_tiles, WIDEN_COLS: gl.constexpr):
+    """Widen each tile's halves into the 16-bit ring; hand the slot over when whole."""
+    f_nope, f_rope = f_bufs
+    w_nope, w_rope = w_bufs
+    f_ready, f_empty, w_ready, w_empty = bars
+    H: gl.constexpr = f_nope.shape[1]
+    for t in range(n_tiles):
+        slot = t % 2
+        mbarrier.wait(w_empty.index(slot), ((t // 2) & 1) ^ 1)
+        valid = end - (start + t * 2 * H)
+        for h in gl.static_range(2):
+            mbarrier.wait(f_ready.index(h), t & 1)
+            base._widen_tile(f_nope.index(h), f_rope.index(h),
+                             w_nope.index(slot).slice(h * H, H, dim=0),
+                             w_rope.index(slot).slice(h * H, H, dim=0), valid - h * H,
+                             WIDEN_COLS, 4)
+            mbarrier.arrive(f_empty.index(h))  # _widen_tile ended on a thread barrier
+        mbarrier.arrive(w_ready.index(slot))
+
+
+@gluon.jit
+def _mma(q_bufs, w_bufs, p_buf, bars, ptrs, counter_ptr, ints, seq_len, start, end, n_tiles, qk,
+         kv_scale, CAUSAL: gl.constexpr, DIRECT: gl.constexpr, MERGE: gl.constexpr):
+    """``gluon_transposed``'s walk over the widened tiles, then its epilogue and merge."""
+    q_nope, q_rope = q_bufs
+    w_nope, w_rope = w_bufs
+    q_bar, w_ready, w_empty = bars
+    rb, qlen, heads = ints[0], ints[4], ints[5]
+    BR: gl.constexpr = q_nope.shape[0]
+    BN: gl.constexpr = w_nope.shape[1]
+    DN: gl.constexpr = w_nope.shape[2]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BR, 16])
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    last_pos = base._row_bounds(rb, seq_len, qlen, heads, BR, col_s, CAUSAL)
+    keys = gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout))
+    m_i = gl.full([BR], float("-inf"), gl.float32, layout=col_s)
+    l_i = gl.full([BR], 0.0, gl.float32, layout=col_s)
+    acc = gl.zeros([DN, BR], gl.float32, layout=s_layout)
+    mbarrier.wait(q_bar, 0)
+    for t in range(n_tiles):
+        slot = t % 2
+        mbarrier.wait(w_ready.index(slot), (t // 2) & 1)
+        acc, m_i, l_i = base._tile(q_nope, q_rope, w_nope.index(slot), w_rope.index(slot), p_buf,
+                                   start + t * BN, end, last_pos, keys, qk, m_i, l_i, acc,
+                                   s_layout, s_layout)
+        mbarrier.arrive(w_empty.index(slot))  # _tile waited for its MMAs, then a barrier
+    base._epilogue(acc, m_i, l_i, kv_scale, ptrs, ints, s_layout, DIRECT, 4)
+    if MERGE:
+        base._merge_if_last(ptrs, counter_ptr, ints, BR, DN, 4)
+
+
+@gluon.jit(do_not_specialize=["num_splits", "qlen", "heads"])
+def transposed_ws_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # kn/kr: 32-key fp8 halves
+                         bt_ptr, seq_lens_ptr, kv_scale_ptr, out_ptr, lse_ptr,
+                         part_out_ptr, part_lse_ptr, counter_ptr,
+                         num_splits, qlen, heads, qk_scale,
+                         stride_bt, stride_o_tok, stride_o_head, stride_lse_tok,
+                         stride_po_slot, stride_po_row, stride_pl_slot,
+                         CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PAGE: gl.constexpr,
+                         WIDEN_COLS: gl.constexpr, MERGE: gl.constexpr,
+                         num_warps: gl.constexpr):
+    BR: gl.constexpr = qn_desc.block_type.shape[0]
+    H: gl.constexpr = kn_desc.block_type.shape[0]
+    DN: gl.constexpr = kn_desc.block_type.shape[1]
+    DR: gl.constexpr = kr_desc.block_type.shape[1]
+    dtype: gl.constexpr = qn_desc.dtype
+    rb = gl.program_id(0)
+    split = gl.program_id(1)
+    b = gl.program_id(2)
+    seq_len = gl.load(seq_lens_ptr + b)
+    start, end, n_tiles = key_range(seq_len, rb, split, num_splits, qlen, heads, BR, 2 * H,
+                                    CAUSAL)
+
+    q_nope = gl.allocate_shared_memory(dtype, [BR, DN], qn_desc.layout)
+    q_rope = gl.allocate_shared_memory(dtype, [BR, DR], qr_desc.layout)
+    f_nope = gl.allocate_shared_memory(kn_desc.dtype, [2, H, DN], kn_desc.layout)
+    f_rope = gl.allocate_shared_memory(kr_desc.dtype, [2, H, DR], kr_desc.layout)
+    wide: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * H, 64], dtype)
+    w_nope = gl.allocate_shared_memory(dtype, [2, 2 * H, DN], wide)
+    w_rope = gl.allocate_shared_memory(dtype, [2, 2 * H, DR], wide)
+    p_buf = gl.allocate_shared_memory(dtype, [BR, 2 * H],
+                                      gl.NVMMASharedLayout.get_default_for([BR, 2 * H], dtype))
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    f_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    f_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    w_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    w_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(f_ready.index(i), count=1)
+        mbarrier.init(f_empty.index(i), count=1)
+        mbarrier.init(w_ready.index(i), count=1)
+        mbarrier.init(w_empty.index(i), count=1)
+    fence_async_shared()
+
+    kv_scale = gl.load(kv_scale_ptr)
+    q_bufs = (q_nope, q_rope)
+    f_bufs = (f_nope, f_rope)
+    w_bufs = (w_nope, w_rope)
+    ints = (rb, b, split, num_splits, qlen, heads, stride_o_tok, stride_o_head, stride_lse_tok,
+            stride_po_slot, stride_po_row, stride_pl_slot)
+    ptrs = (out_ptr, lse_ptr, part_out_ptr, part_lse_ptr)
+    bt_row = bt_ptr + b.to(gl.int64) * stride_bt
+    gl.warp_specialize([
+        (_loader, ((qn_desc, qr_desc, kn_desc, kr_desc), q_bufs, f_bufs,
+                   (q_bar, f_ready, f_empty), bt_row, b * qlen * heads + rb * BR, start,
+                   n_tiles, PAGE)),
+        (_mma, (q_bufs, w_bufs, p_buf, (q_bar, w_ready, w_empty), ptrs, counter_ptr, ints,
+                seq_len, start, end, n_tiles, qk_scale * kv_scale, kv_scale, CAUSAL, DIRECT,
+                MERGE)),
+        (_converter, (f_bufs, w_bufs, (f_ready, f_empty, w_ready, w_empty), start, end,
+                      n_tiles, WIDEN_COLS)),
+    ], [4, 4], [MMA_REGS, CONVERT_REGS])
+
+
+# Host side -------------------------------------------------------------------------------
+
+def _descriptors(q: torch.Tensor, kv_cache: torch.Tensor, br: int) -> tuple:
+    """``gluon_transposed``'s descriptors, the cache's in 32-key halves."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    qn, qr = base._descriptors(q, kv_cache, br)[:2]
+    n_rows, row_stride = kv_cache.shape[0] * kv_cache.shape[1], kv_cache.stride(1)
+    halves = []
+    for col, width in ((0, D_NOPE), (D_NOPE, D_ROPE)):
+        block = [HALF, width]
+        halves.append(TensorDescriptor(kv_cache[..., col:], [n_rows, width], [row_stride, 1],
+                                       block, base._nvmma(block, kv_cache.dtype)))
+    return (qn, qr, *halves)
+
+
+def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                    seq_lens: torch.Tensor, *, qlen: int, sm_scale: float, causal: bool = True,
+                    kv_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                    lse: torch.Tensor | None = None, num_splits: int | None = None,
+                    max_seq_len: int | None = None, widen_cols: int = base.WIDEN_COLS,
+                    merge: str = base.MERGE
+                    ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
+    """``gluon_transposed.decode_launcher`` for this kernel (an fp8 e4m3 cache only)."""
+    if kv_cache.dtype not in base.FP8_CACHES:
+        raise ValueError(f"the warp-specialized transposed decode reads an fp8 cache only, "
+                         f"got {kv_cache.dtype}")
+    batch, heads = seq_lens.shape[0], q.shape[1]
+    base._check_call(q, out, lse, batch * qlen, num_splits, widen_cols, merge)
+    why = base.check_supported(q, kv_cache, block_table, seq_lens, kv_scale)
+    if why is not None:
+        raise ValueError(f"gluon transposed MLA decode (warp-specialized): {why}")
+    br = plan.transposed_rows(qlen * heads)
+    row_blocks = plan.transposed_row_blocks(heads, qlen)
+    out = torch.empty(q.shape[0], heads, D_NOPE, dtype=q.dtype, device=q.device) \
+        if out is None else out
+    lse = torch.empty(q.shape[0], heads, dtype=torch.float32, device=q.device) \
+        if lse is None else lse
+    if num_splits is None:
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max()) if batch else 0
+        num_splits = pick_splits(batch, row_blocks, max_seq_len)
+    grid = (row_blocks, num_splits, batch)
+    head = (*_descriptors(q, kv_cache, br), block_table, seq_lens, kv_scale, out, lse)
+    sizes = (num_splits, qlen, heads, sm_scale * LOG2E, block_table.stride(0), out.stride(0),
+             out.stride(1), lse.stride(0))
+    meta = dict(CAUSAL=causal and qlen > 1, PAGE=PAGE_SIZE, WIDEN_COLS=widen_cols,
+                num_warps=4, maxnreg=MAXNREG)
+    if num_splits == 1:
+        args = (*head, out, lse, kv_scale, *sizes, 0, 0, 0)
+        return (lambda: transposed_ws_kernel[grid](*args, DIRECT=True, MERGE=False, **meta)), \
+            out, lse
+    in_kernel = merge == "kernel" or (merge == "auto"
+                                      and num_splits <= base.MERGE_IN_KERNEL_MAX_SPLITS)
+    part_out, part_lse, reduce = _partials_and_merge(out, lse, batch, num_splits, qlen)
+    counter = torch.zeros(batch * row_blocks if in_kernel else 1, dtype=torch.int32,
+                          device=q.device)
+    args = (*head, part_out, part_lse, counter, *sizes, part_out.stride(0), part_out.stride(1),
+            part_lse.stride(0))
+    if in_kernel:
+        return (lambda: transposed_ws_kernel[grid](*args, DIRECT=False, MERGE=True, **meta)), \
+            out, lse
+
+    def launch_split() -> None:
+        transposed_ws_kernel[grid](*args, DIRECT=False, MERGE=False, **meta)
+        reduce()
+
+    return launch_split, out, lse
+
+
+def aot_compile(dtype: str = "bf16", *, rows: int = 16, direct: bool = True,
+                causal: bool = True, merge: str = base.MERGE, arch: int = 90):
+    """Compile ``transposed_ws_kernel`` (an fp8 cache under a ``dtype`` q) for ``sm_<arch>``
+    without a GPU; returns triton's CompiledKernel."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = transposed_ws_kernel
+    br = plan.transposed_rows(rows)
+    constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=PAGE_SIZE, WIDEN_COLS=base.WIDEN_COLS,
+                     MERGE=not direct and merge != "reduce", num_warps=4)
+    blocks = dict(qn_desc=(dtype, br, D_NOPE), qr_desc=(dtype, br, D_ROPE),
+                  kn_desc=("fp8", HALF, D_NOPE), kr_desc=("fp8", HALF, D_ROPE))
+    ptr_types = dict(bt_ptr="i32", seq_lens_ptr="i32", kv_scale_ptr="fp32", out_ptr=dtype,
+                     lse_ptr="fp32", part_out_ptr="fp32", part_lse_ptr="fp32", counter_ptr="i32")
+    ir_names = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8e4nv"}
+
+    def arg_type(name: str) -> str:
+        if name in constants:
+            return "constexpr"
+        if name in blocks:
+            dt, *block = blocks[name]
+            layout = base._nvmma(block, base._TORCH_NAMES[dt])
+            return f"tensordesc<{ir_names[dt]}[{block[0]}, {block[1]}],{layout!r}>"
+        if name in ptr_types:
+            return "*" + ptr_types[name]
+        return "fp32" if name == "qk_scale" else "i32"
+
+    sixteen = (*ptr_types, "stride_o_tok", "stride_o_head", "stride_po_slot", "stride_po_row")
+    src = GluonASTSource(fn, {n: arg_type(n) for n in fn.arg_names}, constants,
+                         {(fn.arg_names.index(n), ): [["tt.divisibility", 16]] for n in sixteen})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": 4, "maxnreg": MAXNREG})
+
