@@ -336,7 +336,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no GPU: nothing to do")
         return 1
-    from mlatune.kernels.gluon_hopper import gluon_available
+    from mlatune.kernels.gluon_common import gluon_available
     gluon_ok, why = gluon_available()
     if gluon_ok:
         print("smoke (child process) ...", flush=True)

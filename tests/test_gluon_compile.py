@@ -21,6 +21,7 @@ import pytest
 import torch
 import triton
 
+from mlatune.kernels import gluon_common
 from mlatune.kernels import gluon_hopper as g
 from tests.prefill_aot import resources
 
@@ -28,7 +29,7 @@ HOPPER_SMEM = 232448  # bytes of shared memory one block may use on sm_90
 
 
 def _needs_gluon_triton():
-    ok, why = g.gluon_available()
+    ok, why = gluon_common.gluon_available()
     if not ok:
         pytest.skip(why)
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():

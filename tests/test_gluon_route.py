@@ -14,7 +14,13 @@ import torch
 from mlatune import capability, routes
 from mlatune.arch import cpu_device
 from mlatune.check.inputs import make_decode_inputs
-from mlatune.kernels import gluon_hopper, gluon_hopper_plan, gluon_seesaw, gluon_transposed
+from mlatune.kernels import (
+    gluon_common,
+    gluon_hopper,
+    gluon_hopper_plan,
+    gluon_seesaw,
+    gluon_transposed,
+)
 from mlatune.problem import MLAProblem
 from mlatune.routes import gluon_hopper as route_module
 
@@ -306,9 +312,39 @@ def test_prepare_refuses_causal_verify_over_a_shard(recorder):
 
 @pytest.mark.parametrize("route_id", list(KERNELS))
 def test_prepare_without_triton_3_6_raises_naming_it(route_id):
-    if gluon_hopper.gluon_available()[0]:
+    if gluon_common.gluon_available()[0]:
         pytest.skip("this machine has triton 3.6")
     problem = _p(batch=2, kv_len=256)
     inputs = make_decode_inputs(problem, seed=7)
     with pytest.raises(ValueError, match=r"triton 3\.6\.x"):
         routes.get(route_id).prepare(problem, inputs)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(num_heads=16, batch=3, kv_len=300), dict(num_heads=16, batch=2, kv_len=700, qlen=4),
+    dict(num_heads=16, batch=3, kv_len=300, kv_dtype="fp8_e4m3fn"),
+    dict(num_heads=8, batch=3, kv_len=500, dcp_size=2), dict(num_heads=128, batch=2, kv_len=5000),
+    dict(num_heads=16, batch=2, kv_len=300, qlen=2, q_dtype="fp16", kv_dtype="fp8_e4m3fn"),
+], ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
+@pytest.mark.parametrize("route_id", list(KERNELS))
+def test_each_route_reaches_its_launch_at_every_param_set_and_rank(route_id, kw):
+    """Every parameter set and DCP rank, with and without the caller's buffers, gets past
+    the launcher's checks and builds its TMA descriptors (no launch: no GPU here). Needs
+    triton 3.6.x, whose Gluon descriptors the launchers build."""
+    from tests.test_gluon_compile import _needs_gluon_triton
+
+    _needs_gluon_triton()
+    route = routes.get(route_id)
+    problem = _p(page_size=64, **kw)
+    if not capability.check(route_id, problem, "sm_90"):
+        pytest.skip(f"{route_id} does not serve {problem.key}")
+    inputs = make_decode_inputs(problem, seed=1, ragged=True)
+    tokens, heads = problem.batch * problem.qlen, problem.kernel_heads
+    for params in route.param_space(problem, cpu_device()):
+        for rank in range(problem.dcp_size):
+            own = route.prepare(problem, inputs, rank=rank, params=params)
+            assert own.out.shape == (tokens, heads, 512) and own.params == params
+            out = torch.empty(tokens, heads, 512, dtype=inputs.q.dtype)
+            lse = torch.empty(tokens, heads)
+            given = route.prepare(problem, inputs, rank=rank, params=params, out=out, lse=lse)
+            assert given.out is out and given.lse is lse

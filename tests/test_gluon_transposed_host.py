@@ -60,33 +60,3 @@ def test_bad_tensors_are_refused_with_the_reason():
     why = t.check_supported(q, fp8, table, lens, scale)
     assert why is None or "triton" in why
 
-
-@pytest.mark.parametrize("kw", [
-    dict(num_heads=16, batch=3, kv_len=300), dict(num_heads=16, batch=2, kv_len=700, qlen=4),
-    dict(num_heads=16, batch=3, kv_len=300, kv_dtype="fp8_e4m3fn"),
-    dict(num_heads=8, batch=3, kv_len=500, dcp_size=2), dict(num_heads=128, batch=2, kv_len=5000),
-    dict(num_heads=16, batch=2, kv_len=300, qlen=2, q_dtype="fp16", kv_dtype="fp8_e4m3fn"),
-], ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
-def test_the_route_reaches_the_launch_at_every_param_set_and_rank(kw):
-    """Every parameter set and DCP rank, with and without the caller's buffers, gets past
-    the launcher's checks and builds its TMA descriptors (no launch: no GPU here). Needs
-    triton 3.6.x, whose Gluon descriptors the launcher builds."""
-    from mlatune import routes
-    from mlatune.arch import cpu_device
-    from mlatune.check.inputs import make_decode_inputs
-    from mlatune.problem import MLAProblem
-    from tests.test_gluon_compile import _needs_gluon_triton
-
-    _needs_gluon_triton()
-    route = routes.get("transposed/gluon")
-    problem = MLAProblem(page_size=64, **kw)
-    inputs = make_decode_inputs(problem, seed=1, ragged=True)
-    tokens, heads = problem.batch * problem.qlen, problem.kernel_heads
-    for params in route.param_space(problem, cpu_device()):
-        for rank in range(problem.dcp_size):
-            own = route.prepare(problem, inputs, rank=rank, params=params)
-            assert own.out.shape == (tokens, heads, 512) and own.params == params
-            out = torch.empty(tokens, heads, 512, dtype=inputs.q.dtype)
-            lse = torch.empty(tokens, heads)
-            given = route.prepare(problem, inputs, rank=rank, params=params, out=out, lse=lse)
-            assert given.out is out and given.lse is lse

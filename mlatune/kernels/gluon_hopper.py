@@ -2,11 +2,13 @@
 
 The ``wgmma/gluon`` route runs this kernel; ``seesaw/gluon`` runs the warp-specialized
 kernel of ``gluon_seesaw`` (0.78-0.94x this one's time at every point timed on the H200,
-2026-12-01), which takes its host helpers from here.
+2026-12-01), which takes its S and softmax steps from here; the helpers all the Gluon
+decodes share (TMA descriptors and tile copies, stale rows, key ranges, LSE, split
+partials, the ahead-of-time compile) live in ``gluon_common``.
 
 Written against triton 3.6.0's ``triton.experimental.gluon`` (the H200's
 triton); other triton versions change the Gluon API and are refused by
-``gluon_available``. ``decode_launcher`` takes the tensors the Triton routes
+``gluon_common.gluon_available``. ``decode_launcher`` takes the tensors the Triton routes
 take and returns a zero-argument launch, which the ``wgmma/gluon`` route
 (``mlatune/routes/gluon_hopper.py``) wraps; the sizes and the split rule live in
 ``gluon_hopper_plan`` (no Triton import) for the route and the capability rules.
@@ -71,8 +73,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from mlatune.kernels.gluon_common import (
+    GL_DTYPES,
+    LOG2E,
+    aot_compile_kernel,
+    gluon_available,
+    issue_kv,
+    outputs_and_splits,
+    tma_descriptors,
+    zero_stale_rows,
+)
 from mlatune.kernels.gluon_hopper_plan import (  # noqa: F401  (GLUON_TRITON, H200_SMS: the API)
     BLOCK_M,
     BLOCK_N,
@@ -85,29 +96,8 @@ from mlatune.kernels.gluon_hopper_plan import (  # noqa: F401  (GLUON_TRITON, H2
     triton_refusal,
 )
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 NUM_WARPS = 8
 NUM_STAGES = 2  # the ring of 64-key tiles: with Q (72 KB), what one block's shared memory holds
-
-_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-
-
-def gluon_available() -> tuple[bool, str]:
-    """Whether this triton is the release the kernel is written for, and why not."""
-    why = triton_refusal(triton.__version__)
-    return (False, why) if why else (True, "ok")
-
-
-@gluon.jit
-def _issue_kv(kn_desc, kr_desc, kn_buf, kr_buf, bar, bt_row, key, pred, PAGE: gl.constexpr):
-    """Start the TMA copies of the key tile that begins at local key ``key`` into a ring slot."""
-    page = gl.load(bt_row + key // PAGE, mask=pred, other=0)
-    row = page * PAGE + key % PAGE
-    mbarrier.expect(bar, kn_desc.block_type.nbytes + kr_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(kn_desc, [row, 0], bar, kn_buf, pred=pred)
-    tma.async_copy_global_to_shared(kr_desc, [row, 0], bar, kr_buf, pred=pred)
-
 
 @gluon.jit
 def _issue_scores(q_nope, q_rope, kn, kr, s_layout: gl.constexpr):
@@ -139,23 +129,6 @@ def _softmax_tile(s, n0, end, last_pos, cols, m_i, l_i):
 
 
 @gluon.jit
-def _zero_stale_rows(kn_buf, valid, num_warps: gl.constexpr):
-    """Zero the V rows (first 512 dims) of slots >= valid in a tile's buffer."""
-    N: gl.constexpr = kn_buf.shape[0]
-    D: gl.constexpr = kn_buf.shape[1]
-    # 64 columns (128 bytes) at a time: whole swizzle atoms of the 128B-swizzled tile.
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    rows = gl.arange(0, N, layout=gl.SliceLayout(1, layout))
-    keep = gl.expand_dims(rows < valid, 1)
-    for c in gl.static_range(D // 64):
-        part = kn_buf.slice(c * 64, 64, dim=1)
-        x = part.load(layout)
-        part.store(gl.where(keep, x, gl.zeros_like(x)))
-    fence_async_shared()
-    gl.thread_barrier()
-
-
-@gluon.jit
 def _walk_keys(q_nope, q_rope, k_nope, k_rope, kv_bar, p_buf, kn_desc, kr_desc, bt_row,
                start, end, n_tiles, last_pos, qk_scale, m_i, l_i, acc,
                s_layout: gl.constexpr, o_layout: gl.constexpr, PAGE: gl.constexpr,
@@ -170,7 +143,7 @@ def _walk_keys(q_nope, q_rope, k_nope, k_rope, kv_bar, p_buf, kn_desc, kr_desc, 
         mbarrier.wait(kv_bar.index(stage), (i // NUM_STAGES) & 1)
         n0 = start + i * BN
         if n0 + BN > end:
-            _zero_stale_rows(kn, end - n0, num_warps)
+            zero_stale_rows(kn, end - n0, num_warps)
         s = _issue_scores(q_nope, q_rope, kn, kr, s_layout)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         p, m_i, l_i, alpha = _softmax_tile(s * qk_scale, n0, end, last_pos, cols, m_i, l_i)
@@ -182,7 +155,7 @@ def _walk_keys(q_nope, q_rope, k_nope, k_rope, kv_bar, p_buf, kn_desc, kr_desc, 
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         # Both warpgroups are done with this slot (and with P): refill it.
         gl.thread_barrier()
-        _issue_kv(kn_desc, kr_desc, kn, kr, kv_bar.index(stage), bt_row,
+        issue_kv(kn_desc, kr_desc, kn, kr, kv_bar.index(stage), bt_row,
                   n0 + NUM_STAGES * BN, i + NUM_STAGES < n_tiles, PAGE)
     return acc, m_i, l_i
 
@@ -241,7 +214,7 @@ def mla_decode_kernel(qn_desc, qr_desc, kn_desc, kr_desc, bt_ptr, seq_lens_ptr, 
     tma.async_copy_global_to_shared(qr_desc, [q_row, 0], q_bar, q_rope)
     bt_row = bt_ptr + b.to(gl.int64) * stride_bt
     for i in gl.static_range(NUM_STAGES):
-        _issue_kv(kn_desc, kr_desc, k_nope.index(i), k_rope.index(i), kv_bar.index(i), bt_row,
+        issue_kv(kn_desc, kr_desc, k_nope.index(i), k_rope.index(i), kv_bar.index(i), bt_row,
                   start + i * BN, i < n_tiles, PAGE)
 
     offs_m = rb * BM + gl.arange(0, BM, layout=row_s)
@@ -299,31 +272,10 @@ def mla_decode_kernel(qn_desc, qr_desc, kn_desc, kr_desc, bt_ptr, seq_lens_ptr, 
 
 # Host side -------------------------------------------------------------------------------
 
-def _nvmma(block: list[int], dtype: torch.dtype) -> gl.NVMMASharedLayout:
-    return gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[dtype])
-
-
-def _descriptors(q: torch.Tensor, kv_cache: torch.Tensor) -> tuple[TensorDescriptor, ...]:
-    """TMA descriptors: q's and the cache's nope and rope parts as 2-D row tables.
-
-    q's (token, head) rows and the cache's (page, slot) rows are rows of one table
-    each (``check_supported`` asks for that); only the base's address and dtype are
-    read, so no view or copy is made.
-    """
-    out = []
-    for t, block_rows in ((q, BLOCK_M), (kv_cache, BLOCK_N)):
-        n_rows, row_stride = t.shape[0] * t.shape[1], t.stride(1)
-        for col, width in ((0, D_NOPE), (D_NOPE, D_ROPE)):
-            block = [block_rows, width]
-            out.append(TensorDescriptor(t[..., col:], [n_rows, width], [row_stride, 1], block,
-                                        _nvmma(block, t.dtype)))
-    return tuple(out)
-
-
 def check_supported(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                     seq_lens: torch.Tensor) -> str | None:
     """Why the kernel cannot take these tensors (or this triton), or None when it can."""
-    if q.dtype not in _GL_DTYPES:
+    if q.dtype not in GL_DTYPES:
         return f"q dtype {q.dtype} (bf16 and fp16 only; fp8 caches are not done yet)"
     if kv_cache.dtype != q.dtype:
         return f"cache dtype {kv_cache.dtype} differs from q's {q.dtype}"
@@ -367,15 +319,9 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
         raise ValueError(f"q has {q.shape[0]} tokens, expected batch {batch} x qlen {qlen}")
     rows = qlen * heads
     row_blocks = triton.cdiv(rows, BLOCK_M)
-    if out is None:
-        out = torch.empty(q.shape[0], heads, D_NOPE, dtype=q.dtype, device=q.device)
-    if lse is None:
-        lse = torch.empty(q.shape[0], heads, dtype=torch.float32, device=q.device)
-    if num_splits is None:
-        if max_seq_len is None:
-            max_seq_len = int(seq_lens.max()) if batch else 0
-        num_splits = pick_splits(batch, row_blocks, max_seq_len)
-    descs = _descriptors(q, kv_cache)
+    out, lse, num_splits = outputs_and_splits(q, seq_lens, out, lse, row_blocks, num_splits,
+                                              max_seq_len)
+    descs = tma_descriptors(q, kv_cache, BLOCK_M)
     grid = (row_blocks, num_splits, batch)
     scale = sm_scale * LOG2E
     meta = dict(CAUSAL=causal and qlen > 1, PAGE=PAGE_SIZE, NUM_STAGES=NUM_STAGES,
@@ -421,31 +367,15 @@ def gluon_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
 
 # Ahead-of-time compile (no GPU needed: triton's bundled ptxas) ---------------------------
 
-_TORCH_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
 def aot_compile(dtype: str = "bf16", *, direct: bool = True, causal: bool = True,
                 arch: int = 90):
     """Compile ``mla_decode_kernel`` for ``sm_<arch>`` without a GPU; returns triton's
     CompiledKernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    tdtype = _TORCH_NAMES[dtype]
-    descs = {"qn_desc": [BLOCK_M, D_NOPE], "qr_desc": [BLOCK_M, D_ROPE],
-             "kn_desc": [BLOCK_N, D_NOPE], "kr_desc": [BLOCK_N, D_ROPE]}
+    blocks = dict(qn_desc=(dtype, BLOCK_M, D_NOPE), qr_desc=(dtype, BLOCK_M, D_ROPE),
+                  kn_desc=(dtype, BLOCK_N, D_NOPE), kr_desc=(dtype, BLOCK_N, D_ROPE))
     pointers = {"bt_ptr": "i32", "seq_lens_ptr": "i32", "out_ptr": dtype if direct else "fp32",
                 "lse_ptr": "fp32"}
     constants = dict(CAUSAL=causal, DIRECT=direct, WRITE_LSE=True, PAGE=PAGE_SIZE,
                      NUM_STAGES=NUM_STAGES, num_warps=NUM_WARPS)
-    fn = mla_decode_kernel
-    types = {**dict.fromkeys(constants, "constexpr"),
-             **{n: "*" + t for n, t in pointers.items()}, "qk_scale": "fp32",
-             **{n: f"tensordesc<{dtype}[{b[0]}, {b[1]}],{_nvmma(b, tdtype)!r}>"
-                for n, b in descs.items()}}
-    sig = {name: types.get(name, "i32") for name in fn.arg_names}
-    aligned = [*pointers, "stride_o_tok", "stride_o_head", "stride_po_slot", "stride_po_row"]
-    attrs = {(fn.arg_names.index(n), ): [["tt.divisibility", 16]] for n in aligned}
-    src = GluonASTSource(fn, sig, constants, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": NUM_WARPS})
+    return aot_compile_kernel(mla_decode_kernel, constants, blocks, pointers, arch=arch,
+                              num_warps=NUM_WARPS)

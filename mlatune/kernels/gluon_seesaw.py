@@ -1,7 +1,7 @@
 """A warp-specialized "seesaw" MLA decode for Hopper (sm_90) in Triton's Gluon dialect.
 
-A variant of ``gluon_hopper`` (same problem, same launcher interface, same host
-helpers, imported from there), written against triton 3.6.0's Gluon API. Why
+A variant of ``gluon_hopper`` (same problem, same launcher interface, its S and softmax
+steps; the shared helpers from ``gluon_common``), written against triton 3.6.0's Gluon API. Why
 another schedule: ``gluon_hopper`` splits S = Q K^T across its two warpgroups
 by key columns, so both read all of Q (72 KB) from shared memory every tile
 and P goes through shared memory too; its per-tile time is the same whatever
@@ -83,22 +83,25 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from mlatune.kernels.gluon_hopper import (
-    _TORCH_NAMES,
+from mlatune.kernels.gluon_common import (
+    LOG2E,
+    aot_compile_kernel,
+    issue_kv,
+    key_range,
+    nvmma_layout,
+    outputs_and_splits,
+    partials_and_merge,
+    store_row_lse,
+    tma_descriptors,
+    zero_stale_rows,
+)
+from mlatune.kernels.gluon_hopper import _issue_scores, _softmax_tile, check_supported
+from mlatune.kernels.gluon_hopper_plan import (
     BLOCK_M,
     BLOCK_N,
     D_NOPE,
     D_ROPE,
-    LOG2E,
     PAGE_SIZE,
-    _descriptors,
-    _issue_kv,
-    _issue_scores,
-    _nvmma,
-    _softmax_tile,
-    _zero_stale_rows,
-    check_supported,
-    pick_splits,
 )
 
 NUM_WARPS = 4  # the default partition: the loader (one thread issues); WG0, WG1: workers
@@ -106,8 +109,7 @@ COMPUTE_REGS = gl.constexpr(240)  # a compute warpgroup's registers a thread (O'
 LOADER_REGS = gl.constexpr(24)
 MAXNREG = 168  # 12 warps (3 warpgroups) x 168 = the SM's 64K registers, rounded down
 
-__all__ = ["aot_compile", "decode_launcher", "key_range", "seesaw_decode", "seesaw_kernel",
-           "store_row_lse"]
+__all__ = ["aot_compile", "decode_launcher", "seesaw_decode", "seesaw_kernel"]
 
 
 @gluon.jit
@@ -137,7 +139,7 @@ def _load_tiles(descs, bufs, bars, bt_row, start, n_tiles, PAGE: gl.constexpr):
         mbarrier.wait(empty.index(slot), ((t // 2) & 1) ^ 1)
         # The warpgroups wrote the slot (P, zeroed rows) through the generic proxy.
         fence_async_shared()
-        _issue_kv(kn_desc, kr_desc, k_nope.index(slot), k_rope.index(slot), ready.index(slot),
+        issue_kv(kn_desc, kr_desc, k_nope.index(slot), k_rope.index(slot), ready.index(slot),
                   bt_row, start + t * BN, True, PAGE)
 
 
@@ -252,7 +254,7 @@ def _publish(p, kr_buf, m_slot, m, bar):
 def _zero_if_last(v, n0, end):
     """Zero the V rows past ``end`` of the tile at ``n0`` (only the last tile has any)."""
     if n0 + v.shape[0] > end:
-        _zero_stale_rows(v, end - n0, 4)
+        zero_stale_rows(v, end - n0, 4)
 
 
 @gluon.jit
@@ -438,31 +440,6 @@ def _store_lse(m_i, l_i, lse_ptr, ints, BM: gl.constexpr, DIRECT: gl.constexpr):
 
 
 @gluon.jit
-def store_row_lse(m_i, l_i, lse_ptr, where, stride_lse_tok, stride_pl_slot, BM: gl.constexpr,
-                  DIRECT: gl.constexpr, num_warps: gl.constexpr):
-    """BM rows' LSE from their running max and sum (base 2): natural log into the LSE
-    (direct), base 2 into the split's partial slot (as ``reduce`` reads). ``where``: (row
-    block, request, split, splits, qlen, heads); ``num_warps``: the calling partition's."""
-    rb, b, split, num_splits, qlen, heads = where
-    # A flat layout over the partition's threads (a row's value on several threads when
-    # BM is under their count): triton 3.6 does not lower the store from the wgmma layout.
-    flat: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-    m_i = gl.convert_layout(m_i, flat)
-    l_i = gl.convert_layout(l_i, flat)
-    has_keys = l_i > 0.0
-    lse2 = gl.where(has_keys, m_i + gl.log2(gl.where(has_keys, l_i, gl.full_like(l_i, 1.0))),
-                    gl.full_like(l_i, float("-inf")))
-    r = rb * BM + gl.arange(0, BM, layout=flat)
-    if DIRECT:
-        dst = lse_ptr + (b * qlen + r // heads).to(gl.int64) * stride_lse_tok + r % heads
-        val = lse2 * 0.6931471805599453
-    else:
-        dst = lse_ptr + (b * num_splits + split).to(gl.int64) * stride_pl_slot + r
-        val = lse2
-    gl.store(dst, val, mask=r < qlen * heads)
-
-
-@gluon.jit
 def _wg0(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
          DIRECT: gl.constexpr):
     _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 0, CAUSAL, DIRECT, False)
@@ -486,20 +463,6 @@ def _wg1_chunked(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.conste
                  DIRECT: gl.constexpr):
     # A worker's arguments reach it as values (constexprs too): the form is in its name.
     _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 1, CAUSAL, DIRECT, True)
-
-
-@gluon.jit
-def key_range(seq_len, rb, split, num_splits, qlen, heads, BM: gl.constexpr,
-               BN: gl.constexpr, CAUSAL: gl.constexpr):
-    """The split's keys [start, end) (64-aligned chunks; causal: none past the block's
-    last row's bound) and its tile count."""
-    chunk = gl.cdiv(gl.cdiv(seq_len, num_splits), BN) * BN
-    start = split * chunk
-    end = gl.minimum(start + chunk, seq_len)
-    if CAUSAL:
-        block_last = seq_len - qlen + (gl.minimum(qlen * heads, rb * BM + BM) - 1) // heads
-        end = gl.minimum(end, block_last + 1)
-    return start, end, gl.cdiv(gl.maximum(end - start, 0), BN)
 
 
 @gluon.jit(do_not_specialize=["num_splits", "qlen", "heads"])
@@ -569,28 +532,12 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache'
 
 # Host side -------------------------------------------------------------------------------
 
-def _partials_and_merge(out: torch.Tensor, lse: torch.Tensor, batch: int, num_splits: int,
-                        qlen: int) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None]]:
-    """fp32 partials (a slot per request and split: normalized output, base-2 LSE) and
-    the launch of ``reduce_launcher`` that merges them into out and lse."""
-    from mlatune.kernels.reduce import reduce_launcher
-
-    heads = out.shape[1]
-    slots = batch * num_splits
-    part_out = out.new_empty((slots, qlen * heads, D_NOPE), dtype=torch.float32)
-    part_lse = out.new_empty((slots, qlen * heads), dtype=torch.float32)
-    indptr = torch.arange(0, slots + 1, num_splits, dtype=torch.int32, device=out.device)
-    merge = reduce_launcher(part_out, part_lse, None, indptr, out, lse, tokens_per_group=qlen,
-                            q_heads=heads, row_heads=heads, head_rep=1, max_slots=num_splits)
-    return part_out, part_lse, merge
-
-
 def _chunk_descriptor(kv_cache: torch.Tensor) -> TensorDescriptor:
     """The cache's whole (page, slot) rows, 576 wide, in [64, 64] blocks: the chunked form's
     copies (nope chunk c at column 64c, the rope part at 512), in the rope part's layout."""
     block = [BLOCK_N, D_ROPE]
     return TensorDescriptor(kv_cache, [kv_cache.shape[0] * kv_cache.shape[1], D_NOPE + D_ROPE],
-                            [kv_cache.stride(1), 1], block, _nvmma(block, kv_cache.dtype))
+                            [kv_cache.stride(1), 1], block, nvmma_layout(block, kv_cache.dtype))
 
 
 def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -613,16 +560,10 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
         raise ValueError(f"q has {q.shape[0]} tokens, expected batch {batch} x qlen {qlen}")
     rows = qlen * heads
     row_blocks = triton.cdiv(rows, BLOCK_M)
-    out = torch.empty(q.shape[0], heads, D_NOPE, dtype=q.dtype, device=q.device) \
-        if out is None else out
-    lse = torch.empty(q.shape[0], heads, dtype=torch.float32, device=q.device) \
-        if lse is None else lse
-    if num_splits is None:
-        if max_seq_len is None:
-            max_seq_len = int(seq_lens.max()) if batch else 0
-        num_splits = pick_splits(batch, row_blocks, max_seq_len)
+    out, lse, num_splits = outputs_and_splits(q, seq_lens, out, lse, row_blocks, num_splits,
+                                              max_seq_len)
     grid = (row_blocks, num_splits, batch)
-    descs = _descriptors(q, kv_cache)
+    descs = tma_descriptors(q, kv_cache, BLOCK_M)
     if chunked:
         descs = (*descs[:3], _chunk_descriptor(kv_cache))
     head = (*descs, block_table, seq_lens)
@@ -633,7 +574,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
         args = (*head, out, lse, *sizes, out.stride(0), out.stride(1), lse.stride(0), 0, 0, 0)
         return (lambda: seesaw_kernel[grid](*args, DIRECT=True, **meta)), out, lse
 
-    part_out, part_lse, reduce = _partials_and_merge(out, lse, batch, num_splits, qlen)
+    part_out, part_lse, reduce = partials_and_merge(out, lse, batch, num_splits, qlen)
     args = (*head, part_out, part_lse, *sizes, 0, 0, 0, part_out.stride(0), part_out.stride(1),
             part_lse.stride(0))
 
@@ -660,30 +601,11 @@ def aot_compile(dtype: str = "bf16", *, direct: bool = True, causal: bool = True
                 arch: int = 90, chunked: bool = False):
     """Compile ``seesaw_kernel`` for ``sm_<arch>`` without a GPU (triton's bundled ptxas);
     returns triton's CompiledKernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata``)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    fn = seesaw_kernel
     constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=PAGE_SIZE, CHUNKED=chunked,
                      num_warps=NUM_WARPS)
-    blocks = dict(qn_desc=(BLOCK_M, D_NOPE), qr_desc=(BLOCK_M, D_ROPE),
-                  kn_desc=(BLOCK_N, D_NOPE), kr_desc=(BLOCK_N, D_ROPE))
-    ptr_types = dict(bt_ptr="i32", seq_lens_ptr="i32", out_ptr=dtype if direct else "fp32",
-                     lse_ptr="fp32")
-
-    def arg_type(name: str) -> str:
-        if name in constants:
-            return "constexpr"
-        if name in blocks:
-            block = list(blocks[name])
-            layout = _nvmma(block, _TORCH_NAMES[dtype])
-            return f"tensordesc<{dtype}[{block[0]}, {block[1]}],{layout!r}>"
-        if name in ptr_types:
-            return "*" + ptr_types[name]
-        return "fp32" if name == "qk_scale" else "i32"
-
-    sixteen = (*ptr_types, "stride_o_tok", "stride_o_head", "stride_po_slot", "stride_po_row")
-    src = GluonASTSource(fn, {n: arg_type(n) for n in fn.arg_names}, constants,
-                         {(fn.arg_names.index(n), ): [["tt.divisibility", 16]] for n in sixteen})
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": NUM_WARPS, "maxnreg": MAXNREG})
+    blocks = dict(qn_desc=(dtype, BLOCK_M, D_NOPE), qr_desc=(dtype, BLOCK_M, D_ROPE),
+                  kn_desc=(dtype, BLOCK_N, D_NOPE), kr_desc=(dtype, BLOCK_N, D_ROPE))
+    pointers = dict(bt_ptr="i32", seq_lens_ptr="i32", out_ptr=dtype if direct else "fp32",
+                    lse_ptr="fp32")
+    return aot_compile_kernel(seesaw_kernel, constants, blocks, pointers, arch=arch,
+                              num_warps=NUM_WARPS, maxnreg=MAXNREG)

@@ -45,7 +45,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -55,22 +54,22 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mlatune.kernels import gluon_hopper_plan as plan
-from mlatune.kernels.gluon_hopper import (
-    _GL_DTYPES,
-    BLOCK_N,
-    D_NOPE,
-    D_ROPE,
+from mlatune.kernels.gluon_common import (
+    GL_DTYPES,
     LOG2E,
-    PAGE_SIZE,
-    _issue_kv,
-    _zero_stale_rows,
+    aot_compile_kernel,
     gluon_available,
-    pick_splits,
+    issue_kv,
+    key_range,
+    outputs_and_splits,
+    partials_and_merge,
+    store_row_lse,
+    tma_descriptors,
+    zero_stale_rows,
 )
-from mlatune.kernels.gluon_seesaw import _partials_and_merge, key_range, store_row_lse
+from mlatune.kernels.gluon_hopper_plan import BLOCK_N, D_NOPE, D_ROPE, PAGE_SIZE
 
 NUM_WARPS = 4  # one warpgroup
 LN2 = gl.constexpr(0.6931471805599453)  # natural log of 2: base-2 LSE to the caller's
@@ -83,8 +82,6 @@ MERGE_IN_KERNEL_MAX_SPLITS = 2
 MERGE = "auto"
 WIDEN_STEPS = (64, 128, 256, 512)  # fp8 columns widened per step: whole 64-column atoms
 WIDEN_COLS = 256  # (256: 0.94x the time of 64, H200 2026-12-01)
-_KV_DTYPES = {**_GL_DTYPES, torch.float8_e4m3fn: gl.float8e4nv}
-_TORCH_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
 
 __all__ = ["aot_compile", "check_supported", "decode_launcher", "stages_for", "transposed_kernel"]
 
@@ -330,7 +327,7 @@ def transposed_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the ca
     tma.async_copy_global_to_shared(qr_desc, [b * qlen * heads + rb * BR, 0], q_bar, q_rope)
     bt_row = bt_ptr + b.to(gl.int64) * stride_bt
     for i in gl.static_range(STAGES - 1):
-        _issue_kv(kn_desc, kr_desc, k_nope.index(i), k_rope.index(i), ready.index(i), bt_row,
+        issue_kv(kn_desc, kr_desc, k_nope.index(i), k_rope.index(i), ready.index(i), bt_row,
                   start + i * BN, i < n_tiles, PAGE)
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -351,7 +348,7 @@ def transposed_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the ca
         # The slot was touched through the generic proxy (16-bit: rows zeroed; fp8: read by
         # the widening) before this TMA write (async proxy).
         fence_async_shared()
-        _issue_kv(kn_desc, kr_desc, k_nope.index(nxt % STAGES), k_rope.index(nxt % STAGES),
+        issue_kv(kn_desc, kr_desc, k_nope.index(nxt % STAGES), k_rope.index(nxt % STAGES),
                   ready.index(nxt % STAGES), bt_row, start + nxt * BN, nxt < n_tiles, PAGE)
         slot = i % STAGES
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
@@ -365,7 +362,7 @@ def transposed_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the ca
             kn = k_nope.index(slot)
             kr = k_rope.index(slot)
             if n0 + BN > end:
-                _zero_stale_rows(kn, end - n0, num_warps)
+                zero_stale_rows(kn, end - n0, num_warps)
         acc, m_i, l_i = _tile(q_nope, q_rope, kn, kr, p_buf, n0, end, last_pos, keys, qk,
                               m_i, l_i, acc, s_layout, o_layout)
 
@@ -379,31 +376,13 @@ def transposed_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the ca
 
 # Host side -------------------------------------------------------------------------------
 
-def _nvmma(block: list[int], dtype: torch.dtype) -> gl.NVMMASharedLayout:
-    return gl.NVMMASharedLayout.get_default_for(block, _KV_DTYPES[dtype])
-
-
-def _descriptors(q: torch.Tensor, kv_cache: torch.Tensor, br: int
-                 ) -> tuple[TensorDescriptor, ...]:
-    """TMA descriptors: q's nope and rope parts in [br, .] blocks, the cache's in [64, .]
-    blocks, each as a 2-D table of (token, head) or (page, slot) rows (no copy made)."""
-    out = []
-    for t, rows in ((q, br), (kv_cache, BLOCK_N)):
-        n_rows, row_stride = t.shape[0] * t.shape[1], t.stride(1)
-        for col, width in ((0, D_NOPE), (D_NOPE, D_ROPE)):
-            block = [rows, width]
-            out.append(TensorDescriptor(t[..., col:], [n_rows, width], [row_stride, 1], block,
-                                        _nvmma(block, t.dtype)))
-    return tuple(out)
-
-
 def check_supported(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                     seq_lens: torch.Tensor, kv_scale: torch.Tensor | None) -> str | None:
     """Why the kernel cannot take these tensors (or this triton), or None when it can."""
     if q.dim() != 3 or kv_cache.dim() != 3 or block_table.dim() != 2 or seq_lens.dim() != 1:
         return ("q (tokens, heads, 576), kv_cache (pages, 64, 576), block_table (batch, pages) "
                 "and seq_lens (batch,) expected")
-    if q.dtype not in _GL_DTYPES:
+    if q.dtype not in GL_DTYPES:
         return f"q dtype {q.dtype} (bf16 and fp16 only)"
     if kv_cache.dtype != q.dtype and kv_cache.dtype not in FP8_CACHES:
         return f"cache dtype {kv_cache.dtype}: q's {q.dtype} or float8_e4m3fn"
@@ -478,43 +457,48 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     if why is not None:
         raise ValueError(f"gluon transposed MLA decode: {why}")
     fp8 = kv_cache.dtype in FP8_CACHES
-    br = plan.transposed_rows(qlen * heads)
-    row_blocks = plan.transposed_row_blocks(heads, qlen)
-    out = torch.empty(q.shape[0], heads, D_NOPE, dtype=q.dtype, device=q.device) \
-        if out is None else out
-    lse = torch.empty(q.shape[0], heads, dtype=torch.float32, device=q.device) \
-        if lse is None else lse
-    if kv_scale is None:
-        kv_scale = torch.ones(1, dtype=torch.float32, device=q.device)
-    if num_splits is None:
-        if max_seq_len is None:
-            max_seq_len = int(seq_lens.max()) if batch else 0
-        num_splits = pick_splits(batch, row_blocks, max_seq_len)
-    grid = (row_blocks, num_splits, batch)
-    head = (*_descriptors(q, kv_cache, br), block_table, seq_lens, kv_scale, out, lse)
-    sizes = (num_splits, qlen, heads, sm_scale * LOG2E, block_table.stride(0), out.stride(0),
-             out.stride(1), lse.stride(0))
     meta = dict(CAUSAL=causal and qlen > 1, FP8=fp8, PAGE=PAGE_SIZE, STAGES=stages_for(fp8),
                 WIDEN_COLS=widen_cols, num_warps=NUM_WARPS)
+    descs = tma_descriptors(q, kv_cache, plan.transposed_rows(qlen * heads))
+    return launch(transposed_kernel, descs, q, block_table, seq_lens, kv_scale, out, lse,
+                  qlen=qlen, sm_scale=sm_scale, num_splits=num_splits,
+                  max_seq_len=max_seq_len, merge=merge, meta=meta)
+
+
+def launch(kernel, descs: tuple, q: torch.Tensor, block_table: torch.Tensor,
+           seq_lens: torch.Tensor, kv_scale: torch.Tensor | None, out: torch.Tensor | None,
+           lse: torch.Tensor | None, *, qlen: int, sm_scale: float, num_splits: int | None,
+           max_seq_len: int | None, merge: str, meta: dict
+           ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
+    """A transposed kernel's launch (this module's or ``gluon_transposed_ws``'s: they take
+    the same arguments), its split partials merged as ``merge`` says, with out and LSE."""
+    batch, heads = seq_lens.shape[0], q.shape[1]
+    row_blocks = plan.transposed_row_blocks(heads, qlen)
+    out, lse, num_splits = outputs_and_splits(q, seq_lens, out, lse, row_blocks, num_splits,
+                                              max_seq_len)
+    if kv_scale is None:
+        kv_scale = torch.ones(1, dtype=torch.float32, device=q.device)
+    grid = (row_blocks, num_splits, batch)
+    head = (*descs, block_table, seq_lens, kv_scale, out, lse)
+    sizes = (num_splits, qlen, heads, sm_scale * LOG2E, block_table.stride(0), out.stride(0),
+             out.stride(1), lse.stride(0))
     if num_splits == 1:
         args = (*head, out, lse, kv_scale, *sizes, 0, 0, 0)  # no partials, no counter
-        return (lambda: transposed_kernel[grid](*args, DIRECT=True, MERGE=False, **meta)), \
-            out, lse
+        return (lambda: kernel[grid](*args, DIRECT=True, MERGE=False, **meta)), out, lse
 
     in_kernel = merge == "kernel" or (merge == "auto"
                                       and num_splits <= MERGE_IN_KERNEL_MAX_SPLITS)
-    part_out, part_lse, reduce = _partials_and_merge(out, lse, batch, num_splits, qlen)
+    part_out, part_lse, reduce = partials_and_merge(out, lse, batch, num_splits, qlen)
     # One arrival counter per (request, row block), zero between launches.
     counter = torch.zeros(batch * row_blocks if in_kernel else 1, dtype=torch.int32,
                           device=q.device)
     args = (*head, part_out, part_lse, counter, *sizes, part_out.stride(0), part_out.stride(1),
             part_lse.stride(0))
     if in_kernel:
-        return (lambda: transposed_kernel[grid](*args, DIRECT=False, MERGE=True, **meta)), \
-            out, lse
+        return (lambda: kernel[grid](*args, DIRECT=False, MERGE=True, **meta)), out, lse
 
     def launch_split() -> None:
-        transposed_kernel[grid](*args, DIRECT=False, MERGE=False, **meta)
+        kernel[grid](*args, DIRECT=False, MERGE=False, **meta)
         reduce()
 
     return launch_split, out, lse
@@ -526,37 +510,25 @@ def aot_compile(dtype: str = "bf16", kv: str | None = None, *, rows: int = 16,
     """Compile ``transposed_kernel`` for ``sm_<arch>`` without a GPU (triton's bundled
     ptxas): q of ``dtype``, a cache of ``kv`` (None: q's; "fp8": e4m3), ``rows`` query
     rows; returns triton's CompiledKernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata``)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     if merge not in ("auto", "kernel", "reduce") or widen_cols not in WIDEN_STEPS:
         raise ValueError(f"merge {merge!r} or widen_cols {widen_cols} is not an option")
     kv = kv or dtype
-    fn = transposed_kernel
     fp8 = kv == "fp8"
     br = plan.transposed_rows(rows)
     constants = dict(CAUSAL=causal, DIRECT=direct, FP8=fp8, PAGE=PAGE_SIZE,
                      STAGES=stages_for(fp8), WIDEN_COLS=widen_cols,
                      MERGE=not direct and merge != "reduce", num_warps=NUM_WARPS)
-    blocks = dict(qn_desc=(dtype, br, D_NOPE), qr_desc=(dtype, br, D_ROPE),
-                  kn_desc=(kv, BLOCK_N, D_NOPE), kr_desc=(kv, BLOCK_N, D_ROPE))
-    ptr_types = dict(bt_ptr="i32", seq_lens_ptr="i32", kv_scale_ptr="fp32", out_ptr=dtype,
-                     lse_ptr="fp32", part_out_ptr="fp32", part_lse_ptr="fp32", counter_ptr="i32")
-    ir_names = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8e4nv"}
+    return aot_compile_kernel(transposed_kernel, constants, _blocks(dtype, kv, br, BLOCK_N),
+                              _pointers(dtype), arch=arch, num_warps=NUM_WARPS)
 
-    def arg_type(name: str) -> str:
-        if name in constants:
-            return "constexpr"
-        if name in blocks:
-            dt, *block = blocks[name]
-            layout = _nvmma(block, _TORCH_NAMES[dt])
-            return f"tensordesc<{ir_names[dt]}[{block[0]}, {block[1]}],{layout!r}>"
-        if name in ptr_types:
-            return "*" + ptr_types[name]
-        return "fp32" if name == "qk_scale" else "i32"
 
-    sixteen = (*ptr_types, "stride_o_tok", "stride_o_head", "stride_po_slot", "stride_po_row")
-    src = GluonASTSource(fn, {n: arg_type(n) for n in fn.arg_names}, constants,
-                         {(fn.arg_names.index(n), ): [["tt.divisibility", 16]] for n in sixteen})
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": NUM_WARPS})
+def _blocks(dtype: str, kv: str, q_rows: int, kv_rows: int) -> dict:
+    """The descriptor arguments' (dtype, rows, columns), for ``aot_compile_kernel``."""
+    return dict(qn_desc=(dtype, q_rows, D_NOPE), qr_desc=(dtype, q_rows, D_ROPE),
+                kn_desc=(kv, kv_rows, D_NOPE), kr_desc=(kv, kv_rows, D_ROPE))
+
+
+def _pointers(dtype: str) -> dict:
+    """The pointer arguments' element types, for ``aot_compile_kernel``."""
+    return dict(bt_ptr="i32", seq_lens_ptr="i32", kv_scale_ptr="fp32", out_ptr=dtype,
+                lse_ptr="fp32", part_out_ptr="fp32", part_lse_ptr="fp32", counter_ptr="i32")

@@ -25,15 +25,18 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from mlatune.kernels import gluon_hopper_plan as plan
 from mlatune.kernels import gluon_transposed as base
-from mlatune.kernels.gluon_hopper import D_NOPE, D_ROPE, LOG2E, PAGE_SIZE, pick_splits
-from mlatune.kernels.gluon_seesaw import _partials_and_merge, key_range
+from mlatune.kernels.gluon_common import (
+    aot_compile_kernel,
+    key_range,
+    tma_descriptors,
+)
+from mlatune.kernels.gluon_hopper_plan import PAGE_SIZE
 
 HALF = 32  # keys per fp8 half tile
 MAXNREG = 168  # 12 warps: the loader drops to 24 registers, the two worker partitions rise
@@ -187,20 +190,6 @@ def transposed_ws_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # kn/kr: 32-key fp
 
 # Host side -------------------------------------------------------------------------------
 
-def _descriptors(q: torch.Tensor, kv_cache: torch.Tensor, br: int) -> tuple:
-    """``gluon_transposed``'s descriptors, the cache's in 32-key halves."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    qn, qr = base._descriptors(q, kv_cache, br)[:2]
-    n_rows, row_stride = kv_cache.shape[0] * kv_cache.shape[1], kv_cache.stride(1)
-    halves = []
-    for col, width in ((0, D_NOPE), (D_NOPE, D_ROPE)):
-        block = [HALF, width]
-        halves.append(TensorDescriptor(kv_cache[..., col:], [n_rows, width], [row_stride, 1],
-                                       block, base._nvmma(block, kv_cache.dtype)))
-    return (qn, qr, *halves)
-
-
 def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                     seq_lens: torch.Tensor, *, qlen: int, sm_scale: float, causal: bool = True,
                     kv_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
@@ -217,75 +206,20 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     why = base.check_supported(q, kv_cache, block_table, seq_lens, kv_scale)
     if why is not None:
         raise ValueError(f"gluon transposed MLA decode (warp-specialized): {why}")
-    br = plan.transposed_rows(qlen * heads)
-    row_blocks = plan.transposed_row_blocks(heads, qlen)
-    out = torch.empty(q.shape[0], heads, D_NOPE, dtype=q.dtype, device=q.device) \
-        if out is None else out
-    lse = torch.empty(q.shape[0], heads, dtype=torch.float32, device=q.device) \
-        if lse is None else lse
-    if num_splits is None:
-        if max_seq_len is None:
-            max_seq_len = int(seq_lens.max()) if batch else 0
-        num_splits = pick_splits(batch, row_blocks, max_seq_len)
-    grid = (row_blocks, num_splits, batch)
-    head = (*_descriptors(q, kv_cache, br), block_table, seq_lens, kv_scale, out, lse)
-    sizes = (num_splits, qlen, heads, sm_scale * LOG2E, block_table.stride(0), out.stride(0),
-             out.stride(1), lse.stride(0))
     meta = dict(CAUSAL=causal and qlen > 1, PAGE=PAGE_SIZE, WIDEN_COLS=widen_cols,
                 num_warps=4, maxnreg=MAXNREG)
-    if num_splits == 1:
-        args = (*head, out, lse, kv_scale, *sizes, 0, 0, 0)
-        return (lambda: transposed_ws_kernel[grid](*args, DIRECT=True, MERGE=False, **meta)), \
-            out, lse
-    in_kernel = merge == "kernel" or (merge == "auto"
-                                      and num_splits <= base.MERGE_IN_KERNEL_MAX_SPLITS)
-    part_out, part_lse, reduce = _partials_and_merge(out, lse, batch, num_splits, qlen)
-    counter = torch.zeros(batch * row_blocks if in_kernel else 1, dtype=torch.int32,
-                          device=q.device)
-    args = (*head, part_out, part_lse, counter, *sizes, part_out.stride(0), part_out.stride(1),
-            part_lse.stride(0))
-    if in_kernel:
-        return (lambda: transposed_ws_kernel[grid](*args, DIRECT=False, MERGE=True, **meta)), \
-            out, lse
-
-    def launch_split() -> None:
-        transposed_ws_kernel[grid](*args, DIRECT=False, MERGE=False, **meta)
-        reduce()
-
-    return launch_split, out, lse
+    descs = tma_descriptors(q, kv_cache, plan.transposed_rows(qlen * heads), HALF)
+    return base.launch(transposed_ws_kernel, descs, q, block_table, seq_lens, kv_scale, out,
+                       lse, qlen=qlen, sm_scale=sm_scale, num_splits=num_splits,
+                       max_seq_len=max_seq_len, merge=merge, meta=meta)
 
 
 def aot_compile(dtype: str = "bf16", *, rows: int = 16, direct: bool = True,
                 causal: bool = True, merge: str = base.MERGE, arch: int = 90):
     """Compile ``transposed_ws_kernel`` (an fp8 cache under a ``dtype`` q) for ``sm_<arch>``
     without a GPU; returns triton's CompiledKernel."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    fn = transposed_ws_kernel
-    br = plan.transposed_rows(rows)
     constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=PAGE_SIZE, WIDEN_COLS=base.WIDEN_COLS,
                      MERGE=not direct and merge != "reduce", num_warps=4)
-    blocks = dict(qn_desc=(dtype, br, D_NOPE), qr_desc=(dtype, br, D_ROPE),
-                  kn_desc=("fp8", HALF, D_NOPE), kr_desc=("fp8", HALF, D_ROPE))
-    ptr_types = dict(bt_ptr="i32", seq_lens_ptr="i32", kv_scale_ptr="fp32", out_ptr=dtype,
-                     lse_ptr="fp32", part_out_ptr="fp32", part_lse_ptr="fp32", counter_ptr="i32")
-    ir_names = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8e4nv"}
-
-    def arg_type(name: str) -> str:
-        if name in constants:
-            return "constexpr"
-        if name in blocks:
-            dt, *block = blocks[name]
-            layout = base._nvmma(block, base._TORCH_NAMES[dt])
-            return f"tensordesc<{ir_names[dt]}[{block[0]}, {block[1]}],{layout!r}>"
-        if name in ptr_types:
-            return "*" + ptr_types[name]
-        return "fp32" if name == "qk_scale" else "i32"
-
-    sixteen = (*ptr_types, "stride_o_tok", "stride_o_head", "stride_po_slot", "stride_po_row")
-    src = GluonASTSource(fn, {n: arg_type(n) for n in fn.arg_names}, constants,
-                         {(fn.arg_names.index(n), ): [["tt.divisibility", 16]] for n in sixteen})
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": 4, "maxnreg": MAXNREG})
-
+    return aot_compile_kernel(transposed_ws_kernel, constants,
+                              base._blocks(dtype, "fp8", plan.transposed_rows(rows), HALF),
+                              base._pointers(dtype), arch=arch, num_warps=4, maxnreg=MAXNREG)

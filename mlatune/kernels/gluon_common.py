@@ -1,0 +1,195 @@
+"""What mlatune's Hopper Gluon decodes share (``gluon_hopper``, ``gluon_seesaw``,
+``gluon_transposed``, ``gluon_transposed_ws``), written against triton 3.6.0's Gluon API.
+
+Host: whether this triton can run them, the shared-memory layouts and TMA descriptors of q
+and the paged cache, the fp32 split partials with the reduce launch that merges them, and
+the ahead-of-time compile (no GPU). Device: a tile's TMA copy from the block table, the
+zeroing of stale cache rows, a split's key range, and the rows' LSE store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from mlatune.kernels.gluon_hopper_plan import (
+    BLOCK_N,
+    D_NOPE,
+    D_ROPE,
+    pick_splits,
+    triton_refusal,
+)
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}  # q's (and MMAs')
+GL_CACHE_DTYPES = {**GL_DTYPES, torch.float8_e4m3fn: gl.float8e4nv}
+TORCH_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
+_IR_NAMES = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8e4nv"}
+
+
+def gluon_available() -> tuple[bool, str]:
+    """Whether this triton is the release the kernels are written for, and why not."""
+    why = triton_refusal(triton.__version__)
+    return (False, why) if why else (True, "ok")
+
+
+# Host ------------------------------------------------------------------------------------
+
+def nvmma_layout(block: list[int], dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    """The MMA-ready (swizzled) shared-memory layout of a ``block`` of ``dtype``."""
+    return gl.NVMMASharedLayout.get_default_for(block, GL_CACHE_DTYPES[dtype])
+
+
+def tma_descriptors(q: torch.Tensor, kv_cache: torch.Tensor, q_rows: int,
+                    kv_rows: int = BLOCK_N) -> tuple[TensorDescriptor, ...]:
+    """TMA descriptors of q's and the cache's nope and rope parts (in that order), in
+    [q_rows, .] and [kv_rows, .] blocks, each a 2-D table of (token, head) or (page, slot)
+    rows: the rows of one table each (``check_supported`` asks for that); only the base's
+    address and dtype are read, so no view or copy is made."""
+    out = []
+    for t, rows in ((q, q_rows), (kv_cache, kv_rows)):
+        n_rows, row_stride = t.shape[0] * t.shape[1], t.stride(1)
+        for col, width in ((0, D_NOPE), (D_NOPE, D_ROPE)):
+            block = [rows, width]
+            out.append(TensorDescriptor(t[..., col:], [n_rows, width], [row_stride, 1], block,
+                                        nvmma_layout(block, t.dtype)))
+    return tuple(out)
+
+
+def outputs_and_splits(q: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor | None,
+                       lse: torch.Tensor | None, row_blocks: int, num_splits: int | None,
+                       max_seq_len: int | None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The caller's out and lse, or new ones ((tokens, heads, 512) in q's dtype, (tokens,
+    heads) fp32), and the split count: ``num_splits`` or ``pick_splits`` over the longest
+    request (``max_seq_len``, read from ``seq_lens`` on the host only when not given)."""
+    tokens, heads = q.shape[0], q.shape[1]
+    if out is None:
+        out = torch.empty(tokens, heads, D_NOPE, dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty(tokens, heads, dtype=torch.float32, device=q.device)
+    if num_splits is None:
+        batch = seq_lens.shape[0]
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max()) if batch else 0
+        num_splits = pick_splits(batch, row_blocks, max_seq_len)
+    return out, lse, num_splits
+
+
+def partials_and_merge(out: torch.Tensor, lse: torch.Tensor, batch: int, num_splits: int,
+                       qlen: int) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None]]:
+    """fp32 partials (a slot per request and split: normalized output, base-2 LSE) and
+    the launch of ``reduce_launcher`` that merges them into out and lse."""
+    from mlatune.kernels.reduce import reduce_launcher
+
+    heads = out.shape[1]
+    slots = batch * num_splits
+    part_out = out.new_empty((slots, qlen * heads, D_NOPE), dtype=torch.float32)
+    part_lse = out.new_empty((slots, qlen * heads), dtype=torch.float32)
+    indptr = torch.arange(0, slots + 1, num_splits, dtype=torch.int32, device=out.device)
+    merge = reduce_launcher(part_out, part_lse, None, indptr, out, lse, tokens_per_group=qlen,
+                            q_heads=heads, row_heads=heads, head_rep=1, max_slots=num_splits)
+    return part_out, part_lse, merge
+
+
+def aot_compile_kernel(fn, constants: dict, blocks: dict[str, tuple[str, int, int]],
+                       pointers: dict[str, str], *, arch: int, num_warps: int,
+                       maxnreg: int | None = None):
+    """Compile a Gluon decode kernel for ``sm_<arch>`` without a GPU (triton's bundled
+    ptxas). ``blocks``: descriptor argument -> (dtype name, rows, columns); ``pointers``:
+    pointer argument -> element type; other arguments are i32 but ``qk_scale`` (fp32).
+    Pointers and the output strides are taken as 16-divisible. Returns triton's
+    CompiledKernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata``)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    def arg_type(name: str) -> str:
+        if name in constants:
+            return "constexpr"
+        if name in blocks:
+            dt, rows, cols = blocks[name]
+            layout = nvmma_layout([rows, cols], TORCH_NAMES[dt])
+            return f"tensordesc<{_IR_NAMES[dt]}[{rows}, {cols}],{layout!r}>"
+        if name in pointers:
+            return "*" + pointers[name]
+        return "fp32" if name == "qk_scale" else "i32"
+
+    aligned = (*pointers, "stride_o_tok", "stride_o_head", "stride_po_slot", "stride_po_row")
+    attrs = {(fn.arg_names.index(n), ): [["tt.divisibility", 16]] for n in aligned}
+    src = GluonASTSource(fn, {n: arg_type(n) for n in fn.arg_names}, constants, attrs)
+    options = {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})}
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+# Device ----------------------------------------------------------------------------------
+
+@gluon.jit
+def issue_kv(kn_desc, kr_desc, kn_buf, kr_buf, bar, bt_row, key, pred, PAGE: gl.constexpr):
+    """Start the TMA copies of the key tile that begins at local key ``key`` into a ring slot."""
+    page = gl.load(bt_row + key // PAGE, mask=pred, other=0)
+    row = page * PAGE + key % PAGE
+    mbarrier.expect(bar, kn_desc.block_type.nbytes + kr_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(kn_desc, [row, 0], bar, kn_buf, pred=pred)
+    tma.async_copy_global_to_shared(kr_desc, [row, 0], bar, kr_buf, pred=pred)
+
+
+@gluon.jit
+def zero_stale_rows(kn_buf, valid, num_warps: gl.constexpr):
+    """Zero the V rows (first 512 dims) of slots >= valid in a tile's buffer."""
+    N: gl.constexpr = kn_buf.shape[0]
+    D: gl.constexpr = kn_buf.shape[1]
+    # 64 columns (128 bytes) at a time: whole swizzle atoms of the 128B-swizzled tile.
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    rows = gl.arange(0, N, layout=gl.SliceLayout(1, layout))
+    keep = gl.expand_dims(rows < valid, 1)
+    for c in gl.static_range(D // 64):
+        part = kn_buf.slice(c * 64, 64, dim=1)
+        x = part.load(layout)
+        part.store(gl.where(keep, x, gl.zeros_like(x)))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def key_range(seq_len, rb, split, num_splits, qlen, heads, BM: gl.constexpr,
+              BN: gl.constexpr, CAUSAL: gl.constexpr):
+    """The split's keys [start, end) (BN-aligned chunks; causal: none past the BM-row
+    block's last row's bound) and its tile count."""
+    chunk = gl.cdiv(gl.cdiv(seq_len, num_splits), BN) * BN
+    start = split * chunk
+    end = gl.minimum(start + chunk, seq_len)
+    if CAUSAL:
+        block_last = seq_len - qlen + (gl.minimum(qlen * heads, rb * BM + BM) - 1) // heads
+        end = gl.minimum(end, block_last + 1)
+    return start, end, gl.cdiv(gl.maximum(end - start, 0), BN)
+
+
+@gluon.jit
+def store_row_lse(m_i, l_i, lse_ptr, where, stride_lse_tok, stride_pl_slot, BM: gl.constexpr,
+                  DIRECT: gl.constexpr, num_warps: gl.constexpr):
+    """BM rows' LSE from their running max and sum (base 2): natural log into the LSE
+    (direct), base 2 into the split's partial slot (as ``reduce`` reads). ``where``: (row
+    block, request, split, splits, qlen, heads); ``num_warps``: the calling partition's."""
+    rb, b, split, num_splits, qlen, heads = where
+    # A flat layout over the partition's threads (a row's value on several threads when
+    # BM is under their count): triton 3.6 does not lower the store from the wgmma layout.
+    flat: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    m_i = gl.convert_layout(m_i, flat)
+    l_i = gl.convert_layout(l_i, flat)
+    has_keys = l_i > 0.0
+    lse2 = gl.where(has_keys, m_i + gl.log2(gl.where(has_keys, l_i, gl.full_like(l_i, 1.0))),
+                    gl.full_like(l_i, float("-inf")))
+    r = rb * BM + gl.arange(0, BM, layout=flat)
+    if DIRECT:
+        dst = lse_ptr + (b * qlen + r // heads).to(gl.int64) * stride_lse_tok + r % heads
+        val = lse2 * 0.6931471805599453
+    else:
+        dst = lse_ptr + (b * num_splits + split).to(gl.int64) * stride_pl_slot + r
+        val = lse2
+    gl.store(dst, val, mask=r < qlen * heads)
