@@ -8,7 +8,8 @@ kernels (``VARIANTS``: the first kernel, the warp-specialized seesaw kernel of
 chunks that S starts on, the transposed kernel of ``mlatune/kernels/gluon_transposed.py``,
 which also reads fp8 caches (as its route runs it, and with split partials merged always
 by a second kernel or always by the last split), and its experimental warp-specialized
-fp8 form (``gluon_transposed_ws``); ``--skip`` leaves some out) are each checked and timed.
+fp8 form (``gluon_transposed_ws``, only with ``--experimental``); ``--skip`` leaves some out)
+are each checked and timed.
 Steps, each caught so that one failure never ends the run:
 1. smoke: a child process (``--smoke``, 75 s limit, so a hang or an illegal
    address cannot take this process down) runs small problems: one split and
@@ -68,6 +69,7 @@ VARIANTS = [FIRST, SEESAW, SEESAW_CHUNKED, TRANSPOSED, TRANSPOSED_REDUCE, TRANSP
             TRANSPOSED_WS]
 FP8_VARIANTS = (TRANSPOSED, TRANSPOSED_REDUCE, TRANSPOSED_MERGE, TRANSPOSED_WS)  # read fp8
 FP8_ONLY = (TRANSPOSED_WS, )
+EXPERIMENTAL = (TRANSPOSED_WS, )  # not run unless --experimental (a hang would stop the smoke)
 SKIPPED: set[str] = set()  # --skip (the child smoke run gets it through the environment)
 DEVICE = "cuda"  # a dry run of the plumbing may set "cpu" (with a stand-in kernel)
 
@@ -321,9 +323,15 @@ def main() -> int:
                     help="seconds for the whole run: points that would start past it are skipped")
     ap.add_argument("--skip", default=os.environ.get("GLUON_CHECK_SKIP", ""),
                     help="kernels not to run, comma-separated (e.g. wgmma/gluon)")
+    ap.add_argument("--experimental", action="store_true",
+                    default=os.environ.get("GLUON_CHECK_EXPERIMENTAL") == "1",
+                    help=f"also run the experimental kernels ({', '.join(EXPERIMENTAL)})")
     args = ap.parse_args()
     SKIPPED.update(v for v in args.skip.split(",") if v)
+    if not args.experimental:
+        SKIPPED.update(EXPERIMENTAL)
     os.environ["GLUON_CHECK_SKIP"] = args.skip
+    os.environ["GLUON_CHECK_EXPERIMENTAL"] = "1" if args.experimental else "0"
     os.environ.pop("TRITON_INTERPRET", None)
     if args.smoke:
         return smoke()
