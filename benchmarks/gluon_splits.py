@@ -1,7 +1,7 @@
 """Time a Gluon decode kernel over split counts at a few points (CUDA-graph replay, cold L2).
 
     python3 benchmarks/gluon_splits.py [--kernel gluon_transposed] [--splits 1,2,4,...]
-        [--widen 64,128,256] [--points fp8]
+        [--widen 64,128,256] [--points fp8] [--pdl]
 
 Prints one line per (point, split count): the time, and whether the output matched the
 reference at that split count; the kernel's own pick is marked. Over an fp8 cache, the
@@ -35,6 +35,10 @@ def main() -> int:
     ap.add_argument("--splits", default="1,2,4,8,16,24,32,48,64,96,128")
     ap.add_argument("--widen", default="", help="fp8: widening steps to time (columns)")
     ap.add_argument("--points", default="", help="only the points of this kv dtype")
+    ap.add_argument("--pdl", action="store_true",
+                    help="also time the kernel's own split pick with pdl=True (the reduce "
+                         "kernel as a programmatic dependent launch), forcing the reduce "
+                         "kernel (merge='reduce') for both")
     args = ap.parse_args()
     kernel = importlib.import_module(f"mlatune.kernels.{args.kernel}")
     budget = Budget(warmup=2, min_reps=20, max_reps=100, max_seconds=0.3, race_ratio=0.0)
@@ -51,6 +55,9 @@ def main() -> int:
                                            and int(s) <= tiles]]
         if extra:
             runs += [(None, {"widen_cols": int(w)}) for w in args.widen.split(",") if w]
+        if args.pdl:
+            runs += [(None, {"merge": "reduce", "pdl": flag}) for flag in (False, True, False,
+                                                                           True)]
         for splits, option in runs:
             launch, out, lse = kernel.decode_launcher(
                 inputs.q, shard.kv_cache, shard.block_table, shard.seq_lens, qlen=problem.qlen,

@@ -14,6 +14,7 @@ import re
 
 import pytest
 import torch
+import triton
 
 from mlatune.kernels import gluon_transposed as t
 from tests.prefill_aot import resources
@@ -143,3 +144,27 @@ def test_the_warp_specialized_fp8_form_compiles_without_spills(dtype, rows, dire
     assert "setmaxnreg" in ptx and "prmt.b32" in ptx
     assert compiled.metadata.shared <= 227 * 1024
     assert resources(compiled)["stack"] == 0
+
+
+def test_pdl_builds_let_the_reduce_kernel_launch_early():
+    """``pdl=True`` (experimental): the split kernel signals its dependents at once and the
+    reduce kernel waits on the grid dependency; a default build has neither."""
+    _needs_gluon_triton()
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import ASTSource
+
+    from mlatune.kernels.reduce import reduce_kernel
+
+    split = t.aot_compile("bf16", rows=16, direct=False, merge="reduce", pdl=True)
+    assert split.asm["ptx"].count("griddepcontrol.launch_dependents") == 1
+    plain = t.aot_compile("bf16", rows=16, direct=False, merge="reduce")
+    assert "griddepcontrol" not in plain.asm["ptx"]
+    sig = {n: "i32" for n in reduce_kernel.arg_names}
+    sig.update(dict.fromkeys(("part_out_ptr", "part_a_ptr", "part_b_ptr", "out_ptr", "lse_ptr"),
+                             "*fp32"), split_indptr_ptr="*i32")
+    consts = dict(BLOCK_R=2, BLOCK_D=64, SLOT_BLOCK=16, MAX_EXPSUM=False, WRITE_LSE=True,
+                  WAIT_PRIMARY=True)
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    reduce = triton.compile(ASTSource(reduce_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": 4, "launch_pdl": True})
+    assert "griddepcontrol.wait" in reduce.asm["ptx"] and reduce.metadata.launch_pdl

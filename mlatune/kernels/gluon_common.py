@@ -83,9 +83,11 @@ def outputs_and_splits(q: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tenso
 
 
 def partials_and_merge(out: torch.Tensor, lse: torch.Tensor, batch: int, num_splits: int,
-                       qlen: int) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None]]:
+                       qlen: int, pdl: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None]]:
     """fp32 partials (a slot per request and split: normalized output, base-2 LSE) and
-    the launch of ``reduce_launcher`` that merges them into out and lse."""
+    the launch of ``reduce_launcher`` that merges them into out and lse (``pdl``: as a
+    programmatic dependent launch of the kernel that writes them)."""
     from mlatune.kernels.reduce import reduce_launcher
 
     heads = out.shape[1]
@@ -94,7 +96,8 @@ def partials_and_merge(out: torch.Tensor, lse: torch.Tensor, batch: int, num_spl
     part_lse = out.new_empty((slots, qlen * heads), dtype=torch.float32)
     indptr = torch.arange(0, slots + 1, num_splits, dtype=torch.int32, device=out.device)
     merge = reduce_launcher(part_out, part_lse, None, indptr, out, lse, tokens_per_group=qlen,
-                            q_heads=heads, row_heads=heads, head_rep=1, max_slots=num_splits)
+                            q_heads=heads, row_heads=heads, head_rep=1, max_slots=num_splits,
+                            pdl=pdl)
     return part_out, part_lse, merge
 
 
@@ -154,6 +157,14 @@ def zero_stale_rows(kn_buf, valid, num_warps: gl.constexpr):
         part.store(gl.where(keep, x, gl.zeros_like(x)))
     fence_async_shared()
     gl.thread_barrier()
+
+
+@gluon.jit
+def launch_dependents():
+    """Let the next kernel on the stream, if launched as a programmatic dependent, start
+    (it waits for this one's writes itself); a no-op otherwise."""
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
+                              dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit

@@ -63,6 +63,7 @@ from mlatune.kernels.gluon_common import (
     gluon_available,
     issue_kv,
     key_range,
+    launch_dependents,
     outputs_and_splits,
     partials_and_merge,
     store_row_lse,
@@ -292,7 +293,7 @@ def transposed_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the ca
                       stride_po_slot, stride_po_row, stride_pl_slot,  # fp32 partials
                       CAUSAL: gl.constexpr, DIRECT: gl.constexpr, FP8: gl.constexpr,
                       PAGE: gl.constexpr, STAGES: gl.constexpr, WIDEN_COLS: gl.constexpr,
-                      MERGE: gl.constexpr, num_warps: gl.constexpr):
+                      MERGE: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):
     BR: gl.constexpr = qn_desc.block_type.shape[0]
     BN: gl.constexpr = kn_desc.block_type.shape[0]
     DN: gl.constexpr = kn_desc.block_type.shape[1]
@@ -301,6 +302,8 @@ def transposed_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the ca
     rb = gl.program_id(0)
     split = gl.program_id(1)
     b = gl.program_id(2)
+    if PDL:  # the reduce kernel may launch now; it waits for these partials
+        launch_dependents()
     seq_len = gl.load(seq_lens_ptr + b)
     start, end, n_tiles = key_range(seq_len, rb, split, num_splits, qlen, heads, BR, BN, CAUSAL)
 
@@ -438,7 +441,8 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                     kv_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
                     lse: torch.Tensor | None = None, num_splits: int | None = None,
                     max_seq_len: int | None = None, widen_cols: int = WIDEN_COLS,
-                    merge: str = MERGE) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
+                    merge: str = MERGE, pdl: bool = False
+                    ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
     """A zero-argument launch of the transposed decode, with the out and LSE it writes.
 
     Tensors as ``gluon_hopper.decode_launcher`` (page 64, bf16/fp16 q) plus an fp8
@@ -449,7 +453,9 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     "kernel" (the last split of a row block merges them, one launch; its arrival counter
     is this launcher's own, so two of its launches must not run at once), "reduce" (a
     second kernel, ``reduce.reduce_launcher``) or "auto" (the first up to
-    ``MERGE_IN_KERNEL_MAX_SPLITS`` splits, else the second).
+    ``MERGE_IN_KERNEL_MAX_SPLITS`` splits, else the second). ``pdl``: the reduce kernel is a
+    programmatic dependent launch, started as this kernel's blocks begin (EXPERIMENTAL: not
+    yet run on a GPU; the route does not ask for it).
     """
     batch, heads = seq_lens.shape[0], q.shape[1]
     _check_call(q, out, lse, batch * qlen, num_splits, widen_cols, merge)
@@ -462,13 +468,13 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     descs = tma_descriptors(q, kv_cache, plan.transposed_rows(qlen * heads))
     return launch(transposed_kernel, descs, q, block_table, seq_lens, kv_scale, out, lse,
                   qlen=qlen, sm_scale=sm_scale, num_splits=num_splits,
-                  max_seq_len=max_seq_len, merge=merge, meta=meta)
+                  max_seq_len=max_seq_len, merge=merge, meta=meta, pdl=pdl)
 
 
 def launch(kernel, descs: tuple, q: torch.Tensor, block_table: torch.Tensor,
            seq_lens: torch.Tensor, kv_scale: torch.Tensor | None, out: torch.Tensor | None,
            lse: torch.Tensor | None, *, qlen: int, sm_scale: float, num_splits: int | None,
-           max_seq_len: int | None, merge: str, meta: dict
+           max_seq_len: int | None, merge: str, meta: dict, pdl: bool = False
            ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
     """A transposed kernel's launch (this module's or ``gluon_transposed_ws``'s: they take
     the same arguments), its split partials merged as ``merge`` says, with out and LSE."""
@@ -484,21 +490,24 @@ def launch(kernel, descs: tuple, q: torch.Tensor, block_table: torch.Tensor,
              out.stride(1), lse.stride(0))
     if num_splits == 1:
         args = (*head, out, lse, kv_scale, *sizes, 0, 0, 0)  # no partials, no counter
-        return (lambda: kernel[grid](*args, DIRECT=True, MERGE=False, **meta)), out, lse
+        return (lambda: kernel[grid](*args, DIRECT=True, MERGE=False, PDL=False, **meta)), \
+            out, lse
 
     in_kernel = merge == "kernel" or (merge == "auto"
                                       and num_splits <= MERGE_IN_KERNEL_MAX_SPLITS)
-    part_out, part_lse, reduce = partials_and_merge(out, lse, batch, num_splits, qlen)
+    pdl = pdl and not in_kernel  # a dependent to launch early: the reduce kernel
+    part_out, part_lse, reduce = partials_and_merge(out, lse, batch, num_splits, qlen, pdl)
     # One arrival counter per (request, row block), zero between launches.
     counter = torch.zeros(batch * row_blocks if in_kernel else 1, dtype=torch.int32,
                           device=q.device)
     args = (*head, part_out, part_lse, counter, *sizes, part_out.stride(0), part_out.stride(1),
             part_lse.stride(0))
     if in_kernel:
-        return (lambda: kernel[grid](*args, DIRECT=False, MERGE=True, **meta)), out, lse
+        return (lambda: kernel[grid](*args, DIRECT=False, MERGE=True, PDL=False, **meta)), \
+            out, lse
 
     def launch_split() -> None:
-        kernel[grid](*args, DIRECT=False, MERGE=False, **meta)
+        kernel[grid](*args, DIRECT=False, MERGE=False, PDL=pdl, **meta)
         reduce()
 
     return launch_split, out, lse
@@ -506,7 +515,7 @@ def launch(kernel, descs: tuple, q: torch.Tensor, block_table: torch.Tensor,
 
 def aot_compile(dtype: str = "bf16", kv: str | None = None, *, rows: int = 16,
                 direct: bool = True, causal: bool = True, arch: int = 90,
-                widen_cols: int = WIDEN_COLS, merge: str = MERGE):
+                widen_cols: int = WIDEN_COLS, merge: str = MERGE, pdl: bool = False):
     """Compile ``transposed_kernel`` for ``sm_<arch>`` without a GPU (triton's bundled
     ptxas): q of ``dtype``, a cache of ``kv`` (None: q's; "fp8": e4m3), ``rows`` query
     rows; returns triton's CompiledKernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata``)."""
@@ -517,7 +526,7 @@ def aot_compile(dtype: str = "bf16", kv: str | None = None, *, rows: int = 16,
     br = plan.transposed_rows(rows)
     constants = dict(CAUSAL=causal, DIRECT=direct, FP8=fp8, PAGE=PAGE_SIZE,
                      STAGES=stages_for(fp8), WIDEN_COLS=widen_cols,
-                     MERGE=not direct and merge != "reduce", num_warps=NUM_WARPS)
+                     MERGE=not direct and merge != "reduce", PDL=pdl, num_warps=NUM_WARPS)
     return aot_compile_kernel(transposed_kernel, constants, _blocks(dtype, kv, br, BLOCK_N),
                               _pointers(dtype), arch=arch, num_warps=NUM_WARPS)
 

@@ -34,6 +34,7 @@ from mlatune.kernels import gluon_transposed as base
 from mlatune.kernels.gluon_common import (
     aot_compile_kernel,
     key_range,
+    launch_dependents,
     tma_descriptors,
 )
 from mlatune.kernels.gluon_hopper_plan import PAGE_SIZE
@@ -132,7 +133,7 @@ def transposed_ws_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # kn/kr: 32-key fp
                          stride_po_slot, stride_po_row, stride_pl_slot,
                          CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PAGE: gl.constexpr,
                          WIDEN_COLS: gl.constexpr, MERGE: gl.constexpr,
-                         num_warps: gl.constexpr):
+                         PDL: gl.constexpr, num_warps: gl.constexpr):
     BR: gl.constexpr = qn_desc.block_type.shape[0]
     H: gl.constexpr = kn_desc.block_type.shape[0]
     DN: gl.constexpr = kn_desc.block_type.shape[1]
@@ -141,6 +142,8 @@ def transposed_ws_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # kn/kr: 32-key fp
     rb = gl.program_id(0)
     split = gl.program_id(1)
     b = gl.program_id(2)
+    if PDL:  # the reduce kernel may launch now; it waits for these partials
+        launch_dependents()
     seq_len = gl.load(seq_lens_ptr + b)
     start, end, n_tiles = key_range(seq_len, rb, split, num_splits, qlen, heads, BR, 2 * H,
                                     CAUSAL)
@@ -219,7 +222,7 @@ def aot_compile(dtype: str = "bf16", *, rows: int = 16, direct: bool = True,
     """Compile ``transposed_ws_kernel`` (an fp8 cache under a ``dtype`` q) for ``sm_<arch>``
     without a GPU; returns triton's CompiledKernel."""
     constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=PAGE_SIZE, WIDEN_COLS=base.WIDEN_COLS,
-                     MERGE=not direct and merge != "reduce", num_warps=4)
+                     MERGE=not direct and merge != "reduce", PDL=False, num_warps=4)
     return aot_compile_kernel(transposed_ws_kernel, constants,
                               base._blocks(dtype, "fp8", plan.transposed_rows(rows), HALF),
                               base._pointers(dtype), arch=arch, num_warps=4, maxnreg=MAXNREG)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from mlatune.kernels.attend import LN2
 
@@ -26,9 +27,12 @@ def reduce_kernel(part_out_ptr, part_a_ptr, part_b_ptr, split_indptr_ptr, out_pt
                   stride_po_slot, stride_po_row, stride_pa_slot,
                   stride_o_tok, stride_o_head, stride_lse_tok,
                   BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, SLOT_BLOCK: tl.constexpr,
-                  MAX_EXPSUM: tl.constexpr, WRITE_LSE: tl.constexpr):
+                  MAX_EXPSUM: tl.constexpr, WRITE_LSE: tl.constexpr,
+                  WAIT_PRIMARY: tl.constexpr = False):
     # Grid (row blocks, value-dim blocks, groups): enough programs that a batch
     # of one request is not a handful of programs walking all slots serially.
+    if WAIT_PRIMARY:  # launched early (programmatic dependent launch): wait for the partials
+        gdc_wait()
     offs = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     group = tl.program_id(2)
@@ -89,8 +93,13 @@ def reduce_launcher(part_out: torch.Tensor, part_lse: torch.Tensor,
                     part_expsum: torch.Tensor | None, split_indptr: torch.Tensor,
                     out: torch.Tensor, lse: torch.Tensor | None, *, tokens_per_group: int,
                     q_heads: int, row_heads: int, head_rep: int, max_slots: int,
-                    blocks: tuple[int, int] | None = None) -> Callable[[], None]:
+                    blocks: tuple[int, int] | None = None, pdl: bool = False
+                    ) -> Callable[[], None]:
     """A zero-argument launch of ``reduce_kernel``.
+
+    ``pdl``: launched as a programmatic dependent of the kernel before it on the stream
+    (sm_90+), so its launch overlaps that kernel's tail; it waits for that kernel's writes
+    before reading the partials.
 
     ``part_lse`` holds base-2 LSEs, or maxima when ``part_expsum`` is given.
     ``out`` is (groups * tokens_per_group, q_heads, d_v); ``max_slots``, the
@@ -118,7 +127,8 @@ def reduce_launcher(part_out: torch.Tensor, part_lse: torch.Tensor,
             out.stride(0), out.stride(1), 0 if lse is None else lse.stride(0))
     meta = dict(BLOCK_R=block_r, BLOCK_D=block_d,
                 SLOT_BLOCK=min(triton.next_power_of_2(max(max_slots, 1)), 16),
-                MAX_EXPSUM=part_expsum is not None, WRITE_LSE=lse is not None, num_warps=4)
+                MAX_EXPSUM=part_expsum is not None, WRITE_LSE=lse is not None, num_warps=4,
+                **({"WAIT_PRIMARY": True, "launch_pdl": True} if pdl else {}))
 
     def launch() -> None:
         reduce_kernel[grid](*args, **meta)
