@@ -5,6 +5,7 @@ where triton is not 3.6.x, its parameters, and what ``prepare`` hands the kernel
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import subprocess
 import sys
 
@@ -204,7 +205,9 @@ def test_both_gluon_routes_serve_the_same_problems_with_the_same_splits():
     wgmma, seesaw = routes.get(ROUTE), routes.get("seesaw/gluon")
     for problem in (_p(batch=1), _p(batch=64, num_heads=128, qlen=2, kv_len=8192),
                     _p(batch=8, dcp_size=2)):
-        assert seesaw.param_space(problem, H200) == wgmma.param_space(problem, H200)
+        assert [p["num_splits"] for p in seesaw.param_space(problem, H200)] == \
+            [p["num_splits"] for p in wgmma.param_space(problem, H200)]
+        assert all(p["chunked"] for p in seesaw.param_space(problem, H200))
     assert seesaw.sized_params == wgmma.sized_params
 
 
@@ -260,7 +263,7 @@ def test_prepare_hands_the_launcher_the_inputs(problem, recorder):
     assert call["num_splits"] == 3 and call["max_seq_len"] == problem.kv_len
     # Only the kernel that reads an fp8 cache is handed the cache's scale (a device tensor).
     assert ("kv_scale" in call) == (recorder.route_id == "transposed/gluon")
-    assert prepared.params == {"num_splits": 3}
+    assert prepared.params == {"num_splits": 3, **route.kernel_options}
     assert prepared.graph_safe and not prepared.plan_reads_lengths and prepared.plan is None
     assert prepared.step_kind == routes.LAUNCH_ONLY
     assert prepared.out.shape == (problem.batch * problem.qlen, problem.num_heads, 512)
@@ -268,6 +271,22 @@ def test_prepare_hands_the_launcher_the_inputs(problem, recorder):
     prepared.step()
     prepared.run()
     assert recorder.launches == 2
+
+
+def test_a_stored_param_set_without_an_option_runs_what_it_ran(monkeypatch):
+    """seesaw/gluon's param sets run the chunked form; a set stored before the option
+    (``{"num_splits": k}``) still runs the unchunked form it was timed with."""
+    fake = _Recorder()
+    monkeypatch.setattr(gluon_seesaw, "decode_launcher", fake)
+    route = routes.get("seesaw/gluon")
+    problem = _p(batch=2, kv_len=300)
+    inputs = make_decode_inputs(problem, seed=9)
+    assert route.prepare(problem, inputs).params["chunked"] is True
+    assert route.prepare(problem, inputs, params={"num_splits": 2}).params["chunked"] is False
+    assert route.prepare(problem, inputs, params={"num_splits": 2, "chunked": True}) \
+        .params["chunked"] is True
+    assert [call["chunked"] for call in fake.calls] == [True, False, True]
+    assert "chunked" not in inspect.signature(gluon_transposed.decode_launcher).parameters
 
 
 def test_prepare_defaults_to_the_first_params_and_takes_the_callers_buffers(recorder):

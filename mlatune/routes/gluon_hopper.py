@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from collections.abc import Mapping
 from functools import cache
 from importlib import metadata
+from types import MappingProxyType
 
 import torch
 
@@ -63,6 +65,9 @@ class WgmmaGluonRoute:
     id = "wgmma/gluon"
     kernel = "gluon_hopper"  # the module under mlatune.kernels whose decode_launcher runs
     reads_fp8 = False  # whether decode_launcher takes an fp8 cache (and its kv_scale)
+    # Kernel options a param set may carry (decode_launcher keywords), each with the value a
+    # param set without it means: what rows stored before the option existed ran.
+    kernel_options: Mapping[str, object] = MappingProxyType({})
     sized_params = ("num_splits",)  # derived from batch and KV length (base.params_at)
     writes_into = True  # prepare takes the caller's out= and lse= buffers
 
@@ -102,10 +107,12 @@ class WgmmaGluonRoute:
             raise ValueError(f"{self.id}: causal verify over a DCP shard is not served (the "
                              f"kernel masks on the shard's local positions)")
         kernel = importlib.import_module(f"mlatune.kernels.{self.kernel}")
-        chosen = dict(self.param_space(problem, device_of(inputs.q))[0])
-        chosen.update(params or {})
+        first = self.param_space(problem, device_of(inputs.q))[0]
+        chosen = dict(first) if params is None else {**first, **self.kernel_options, **params}
         shard = inputs.shards[rank]
-        extra = {"kv_scale": inputs.kv_scale} if self.reads_fp8 else {}
+        extra = {name: chosen[name] for name in self.kernel_options}
+        if self.reads_fp8:
+            extra["kv_scale"] = inputs.kv_scale
         launch, out, lse = kernel.decode_launcher(
             inputs.q, shard.kv_cache, shard.block_table, shard.seq_lens, qlen=problem.qlen,
             sm_scale=inputs.softmax_scale, causal=problem.causal, out=out, lse=lse,
@@ -115,10 +122,17 @@ class WgmmaGluonRoute:
 
 class SeesawGluonRoute(WgmmaGluonRoute):
     """The warp-specialized Hopper Gluon decode: each warpgroup computes S of a whole tile,
-    the two alternating (Q read once a tile); same rules, tensors and splits."""
+    the two alternating (Q read once a tile); same rules, tensors and splits. Its param sets
+    run the kernel's chunked form (tiles copied in 64-column chunks that S starts on; 0-3.5%
+    faster at every point timed on the H200, 2026-12-01); a stored param set without
+    ``chunked`` ran the unchunked form and still does."""
 
     id = "seesaw/gluon"
     kernel = "gluon_seesaw"
+    kernel_options = MappingProxyType({"chunked": False})
+
+    def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
+        return [{**params, "chunked": True} for params in super().param_space(problem, device)]
 
 
 class TransposedGluonRoute(WgmmaGluonRoute):
