@@ -1,4 +1,5 @@
-"""Portable Triton kernels behind the ``*/triton`` routes.
+"""mlatune's own kernels: portable Triton kernels behind the ``*/triton`` routes and
+Hopper Gluon kernels behind the ``*/gluon`` routes.
 
 One module per concern. Decode (the absorbed form: 576-wide q·k, 512-wide v):
 - ``attend``: jit building blocks every decode kernel shares (query row loads,
@@ -12,6 +13,10 @@ One module per concern. Decode (the absorbed form: 576-wide q·k, 512-wide v):
 - ``plan``: the persistent work list, planned on the device from the lengths
   every step (one program; capturable), and its plain-Python reference.
 Prefill: ``prefill`` (persistent varlen kernel) and ``prefill_plan`` (its host plan).
+Hopper decode in Gluon (sm_90, triton 3.6): ``gluon_hopper`` (the first, 64-row tiles),
+``gluon_seesaw`` (warp-specialized), ``gluon_transposed`` (keys as the MMA's M; fp8
+caches), ``gluon_transposed_ws`` (experimental fp8 form); ``gluon_common`` holds what they
+share, ``gluon_hopper_plan`` their sizes and split rule without a Triton import.
 
 Modules here import Triton at import time; routes import them lazily (in
 ``prepare``) so that ``import mlatune.routes`` works without Triton and tests
