@@ -289,6 +289,36 @@ def test_a_stored_param_set_without_an_option_runs_what_it_ran(monkeypatch):
     assert "chunked" not in inspect.signature(gluon_transposed.decode_launcher).parameters
 
 
+def test_a_stored_seesaw_row_keeps_its_form_and_rescales_its_split_at_a_neighbour():
+    """A shipped seesaw row (no ``chunked``: the unchunked form was timed) carried from batch
+    1 to batch 64: its split is redone as wgmma/gluon's is, its form kept; an empty set
+    (a rule's fallback) is the route's first set, chunked."""
+    seesaw, wgmma = routes.get("seesaw/gluon"), routes.get(ROUTE)
+    measured, asked = _p(batch=1), _p(batch=64)
+    stored = {"num_splits": wgmma.param_space(measured, H200)[0]["num_splits"]}
+    moved = routes.params_at(seesaw, stored, measured, asked, H200)
+    assert moved == {**routes.params_at(wgmma, stored, measured, asked, H200), "chunked": False}
+    assert moved["num_splits"] != stored["num_splits"]
+    new = routes.params_at(seesaw, seesaw.param_space(measured, H200)[0], measured, asked, H200)
+    assert new == seesaw.param_space(asked, H200)[0] and new["chunked"] is True
+    first = seesaw.param_space(asked, H200)[0]
+    assert routes.with_defaults(seesaw, {}, first) == first
+    assert routes.with_defaults(seesaw, None, first) == first
+    assert routes.with_defaults(seesaw, stored, first) == {**stored, "chunked": False}
+    assert routes.with_defaults(wgmma, stored, first) == {**first, **stored}
+
+
+def test_the_report_times_a_stored_seesaw_choice_as_it_ran():
+    from mlatune.report.metrics import time_with
+
+    problem = _p(batch=2)
+    splits = routes.get("seesaw/gluon").param_space(problem, H200)[0]["num_splits"]
+    timed = {(problem.key, "seesaw/gluon"): [({"num_splits": splits, "chunked": False}, 10.0),
+                                             ({"num_splits": splits, "chunked": True}, 9.0)]}
+    assert time_with(timed, problem, "seesaw/gluon", {"num_splits": splits}, H200) == 10.0
+    assert time_with(timed, problem, "seesaw/gluon", {}, H200) == 9.0
+
+
 def test_prepare_defaults_to_the_first_params_and_takes_the_callers_buffers(recorder):
     route = routes.get(recorder.route_id)
     problem = _p(batch=2, kv_len=256)

@@ -2,9 +2,11 @@
 ``gluon_transposed``, ``gluon_transposed_ws``), written against triton 3.6.0's Gluon API.
 
 Host: whether this triton can run them, the shared-memory layouts and TMA descriptors of q
-and the paged cache, the fp32 split partials with the reduce launch that merges them, and
-the ahead-of-time compile (no GPU). Device: a tile's TMA copy from the block table, the
-zeroing of stale cache rows, a split's key range, and the rows' LSE store.
+and the paged cache, their out, LSE and split count, the fp32 split partials with the reduce
+launch that merges them, and the ahead-of-time compile (no GPU). Device: a tile's TMA copy
+from the block table, the zeroing of stale cache rows, a split's key range, the rows' LSE
+store and the signal that lets a dependent launch start. The first kernel (``gluon_hopper``)
+computes its key range, partials and LSE store inline; the others call these.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from mlatune.kernels.gluon_hopper_plan import (
 )
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LN2 = gl.constexpr(0.6931471805599453)  # a base-2 LSE times this: the natural-log LSE
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}  # q's (and MMAs')
 GL_CACHE_DTYPES = {**GL_DTYPES, torch.float8_e4m3fn: gl.float8e4nv}
 TORCH_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
@@ -51,8 +53,8 @@ def tma_descriptors(q: torch.Tensor, kv_cache: torch.Tensor, q_rows: int,
                     kv_rows: int = BLOCK_N) -> tuple[TensorDescriptor, ...]:
     """TMA descriptors of q's and the cache's nope and rope parts (in that order), in
     [q_rows, .] and [kv_rows, .] blocks, each a 2-D table of (token, head) or (page, slot)
-    rows: the rows of one table each (``check_supported`` asks for that); only the base's
-    address and dtype are read, so no view or copy is made."""
+    rows: the rows of one table each (``check_supported`` asks for that); the descriptors
+    take a view at the rope column, no copy."""
     out = []
     for t, rows in ((q, q_rows), (kv_cache, kv_rows)):
         n_rows, row_stride = t.shape[0] * t.shape[1], t.stride(1)
@@ -162,7 +164,8 @@ def zero_stale_rows(kn_buf, valid, num_warps: gl.constexpr):
 @gluon.jit
 def launch_dependents():
     """Let the next kernel on the stream, if launched as a programmatic dependent, start
-    (it waits for this one's writes itself); a no-op otherwise."""
+    once every block of this one has signalled or exited (it waits for this one's writes
+    itself); a no-op otherwise."""
     gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
                               dtype=gl.int32, is_pure=False, pack=1)
 
@@ -199,7 +202,7 @@ def store_row_lse(m_i, l_i, lse_ptr, where, stride_lse_tok, stride_pl_slot, BM: 
     r = rb * BM + gl.arange(0, BM, layout=flat)
     if DIRECT:
         dst = lse_ptr + (b * qlen + r // heads).to(gl.int64) * stride_lse_tok + r % heads
-        val = lse2 * 0.6931471805599453
+        val = lse2 * LN2
     else:
         dst = lse_ptr + (b * num_splits + split).to(gl.int64) * stride_pl_slot + r
         val = lse2

@@ -47,8 +47,9 @@ session 8, call 6); ``benchmarks/gluon_check.py`` times it as ``seesaw/gluon``.
 
 The CHUNKED form (``decode_launcher(chunked=True)``; ``gluon_check``'s ``seesaw/gluon
 chunked``; call 8: correct, 0-3.5% faster at every point; the route's param sets run it
-since session 9, its stored rows without ``chunked`` the form above) aims at the compute-bound gap to FlashMLA (2.28 us a
-64-key tile per SM against 1.86 at (8, 128, 32768, 1)). Above, S of a tile starts only
+since session 9, its stored rows without ``chunked`` the form above) aims at the
+compute-bound gap to FlashMLA (2.28 us a 64-key tile per SM against 1.86 at (8, 128,
+32768, 1)). Above, S of a tile starts only
 when all of its 72 KB has landed, and WG1 asks for its next tile b only as it releases
 slot 1, so its S waits out the copy's whole latency every pair. Chunked:
 - each tile lands as 9 TMA boxes of [64, 64] (nope columns 64c..64c+63, then the rope

@@ -58,6 +58,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from mlatune.kernels import gluon_hopper_plan as plan
 from mlatune.kernels.gluon_common import (
     GL_DTYPES,
+    LN2,
     LOG2E,
     aot_compile_kernel,
     gluon_available,
@@ -73,7 +74,6 @@ from mlatune.kernels.gluon_common import (
 from mlatune.kernels.gluon_hopper_plan import BLOCK_N, D_NOPE, D_ROPE, PAGE_SIZE
 
 NUM_WARPS = 4  # one warpgroup
-LN2 = gl.constexpr(0.6931471805599453)  # natural log of 2: base-2 LSE to the caller's
 FP8_CACHES = (torch.float8_e4m3fn, )
 # Split partials: merged by the last split to finish (no second launch) up to this many
 # splits, else by the reduce kernel. The last split merges alone, one split after another:

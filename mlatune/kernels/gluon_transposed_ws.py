@@ -40,7 +40,7 @@ from mlatune.kernels.gluon_common import (
 from mlatune.kernels.gluon_hopper_plan import PAGE_SIZE
 
 HALF = 32  # keys per fp8 half tile
-MAXNREG = 168  # 12 warps: the loader drops to 24 registers, the two worker partitions rise
+MAXNREG = 168  # 12 warps: the two worker partitions rise to theirs, the loader gets the rest
 MMA_REGS = gl.constexpr(240)
 CONVERT_REGS = gl.constexpr(232)
 
@@ -69,6 +69,7 @@ def _loader(descs, q_bufs, f_bufs, bars, bt_row, q_row, start, n_tiles, PAGE: gl
             mbarrier.expect(bar, kn_desc.block_type.nbytes + kr_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(kn_desc, [row + h * H, 0], bar, f_nope.index(h))
             tma.async_copy_global_to_shared(kr_desc, [row + h * H, 0], bar, f_rope.index(h))
+        gl.thread_barrier()  # the partition's warps keep to one tile (no phase run ahead)
 
 
 @gluon.jit

@@ -97,9 +97,9 @@ def reduce_launcher(part_out: torch.Tensor, part_lse: torch.Tensor,
                     ) -> Callable[[], None]:
     """A zero-argument launch of ``reduce_kernel``.
 
-    ``pdl``: launched as a programmatic dependent of the kernel before it on the stream
-    (sm_90+), so its launch overlaps that kernel's tail; it waits for that kernel's writes
-    before reading the partials.
+    ``pdl``: launched as a programmatic dependent of the kernel launched just before it on
+    the same stream (sm_90+), so its launch overlaps that kernel's tail; it waits for that
+    kernel's writes before reading the partials (ignored off the GPU).
 
     ``part_lse`` holds base-2 LSEs, or maxima when ``part_expsum`` is given.
     ``out`` is (groups * tokens_per_group, q_heads, d_v); ``max_slots``, the
@@ -128,7 +128,7 @@ def reduce_launcher(part_out: torch.Tensor, part_lse: torch.Tensor,
     meta = dict(BLOCK_R=block_r, BLOCK_D=block_d,
                 SLOT_BLOCK=min(triton.next_power_of_2(max(max_slots, 1)), 16),
                 MAX_EXPSUM=part_expsum is not None, WRITE_LSE=lse is not None, num_warps=4,
-                **({"WAIT_PRIMARY": True, "launch_pdl": True} if pdl else {}))
+                **({"WAIT_PRIMARY": True, "launch_pdl": True} if pdl and out.is_cuda else {}))
 
     def launch() -> None:
         reduce_kernel[grid](*args, **meta)

@@ -297,11 +297,13 @@ def candidate_times(journal_path: str | os.PathLike) -> Timed:
 
 def time_with(timed: Timed, problem: MLAProblem, route_id: str, params: Any, device) -> float:
     """The time of ``route_id`` called with ``params`` on ``problem``: the candidate
-    that ran with exactly those, defaults filled in from the route's first set as the
-    routes do (the fastest, where it ran more than once); NaN if none was timed."""
+    that ran with exactly those, defaults filled in as the routes do
+    (``routes.with_defaults``; the fastest, where it ran more than once); NaN if none was
+    timed."""
     want = dict(params)
     with contextlib.suppress(Exception):  # a route not registered here: as given
-        want = {**routes.get(route_id).param_space(problem, device)[0], **want}
+        route = routes.get(route_id)
+        want = routes.with_defaults(route, want, route.param_space(problem, device)[0])
     # Several runs with the same parameters: a DCP step measured in each scheme.
     return min((float(t) for ran, t in timed.get((problem.key, route_id), ()) if ran == want),
                default=math.nan)

@@ -19,6 +19,7 @@ from mlatune.routes.base import (
     params_at,
     quantizes_q,
     step_kind_of,
+    with_defaults,
 )
 from mlatune.routes.flashinfer import FLASHINFER_ROUTES
 from mlatune.routes.flashmla import FlashMLARoute
@@ -88,4 +89,5 @@ __all__ = [
     "unregister",
     "verdicts",
     "viable",
+    "with_defaults",
 ]

@@ -200,6 +200,16 @@ def quantizes_q(route: Route, problem: MLAProblem, params: Params | None = None)
     return bool(declare and declare(problem, params or {}))
 
 
+def with_defaults(route: Route, params: Params | None, first: Params) -> Params:
+    """``params`` as ``route`` runs them: its first set (``first``, at the problem) where
+    none are given; else the given ones over that set, with each kernel option the route
+    added since (``kernel_options``: option -> value) at the value a set stored without it
+    ran, so a stored row keeps meaning what was timed."""
+    if not params:
+        return dict(first)
+    return {**first, **getattr(route, "kernel_options", {}), **params}
+
+
 def params_at(route: Route, params: Params, measured_at: MLAProblem, problem: MLAProblem,
               device: DeviceInfo) -> Params:
     """How to call ``route`` on ``problem`` when ``params`` won at ``measured_at``, a
@@ -218,9 +228,11 @@ def params_at(route: Route, params: Params, measured_at: MLAProblem, problem: ML
     sized = getattr(route, "sized_params", ())
     if not sized or measured_at == problem:
         return params
+    # Kernel options are matched apart from the recipe and kept as ``params`` ran them.
+    options = {k: params.get(k, v) for k, v in getattr(route, "kernel_options", {}).items()}
 
     def recipe(p: Params) -> Params:
-        return {k: v for k, v in p.items() if k not in sized}
+        return {k: v for k, v in p.items() if k not in sized and k not in options}
 
     want = recipe(params)
     there = [p for p in route.param_space(measured_at, device) if recipe(p) == want]
@@ -231,4 +243,4 @@ def params_at(route: Route, params: Params, measured_at: MLAProblem, problem: ML
         return params
     target = {k: asked[k] * here[0][k] / there[0][k] for k in sized if k in asked}
     best = min(here, key=lambda p: sum(abs(math.log(p[k] / v)) for k, v in target.items()))
-    return best
+    return {**best, **options}

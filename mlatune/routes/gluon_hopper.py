@@ -43,7 +43,15 @@ from mlatune.arch import DeviceInfo, device_of
 from mlatune.check.inputs import DecodeInputs, PrefillInputs
 from mlatune.kernels import gluon_hopper_plan as plan
 from mlatune.problem import MLAProblem
-from mlatune.routes.base import LAUNCH_ONLY, Params, Prepared, StepKind, Verdict, no
+from mlatune.routes.base import (
+    LAUNCH_ONLY,
+    Params,
+    Prepared,
+    StepKind,
+    Verdict,
+    no,
+    with_defaults,
+)
 
 
 @cache
@@ -107,8 +115,7 @@ class WgmmaGluonRoute:
             raise ValueError(f"{self.id}: causal verify over a DCP shard is not served (the "
                              f"kernel masks on the shard's local positions)")
         kernel = importlib.import_module(f"mlatune.kernels.{self.kernel}")
-        first = self.param_space(problem, device_of(inputs.q))[0]
-        chosen = dict(first) if params is None else {**first, **self.kernel_options, **params}
+        chosen = with_defaults(self, params, self.param_space(problem, device_of(inputs.q))[0])
         shard = inputs.shards[rank]
         extra = {name: chosen[name] for name in self.kernel_options}
         if self.reads_fp8:
