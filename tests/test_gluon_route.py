@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import subprocess
 import sys
 
@@ -317,6 +318,10 @@ def test_the_report_times_a_stored_seesaw_choice_as_it_ran():
                                              ({"num_splits": splits, "chunked": True}, 9.0)]}
     assert time_with(timed, problem, "seesaw/gluon", {"num_splits": splits}, H200) == 10.0
     assert time_with(timed, problem, "seesaw/gluon", {}, H200) == 9.0
+    # A journal written before the option: its runs' params lack it too.
+    old = {(problem.key, "seesaw/gluon"): [({"num_splits": splits}, 11.0)]}
+    assert time_with(old, problem, "seesaw/gluon", {"num_splits": splits}, H200) == 11.0
+    assert math.isnan(time_with(old, problem, "seesaw/gluon", {}, H200))
 
 
 def test_prepare_defaults_to_the_first_params_and_takes_the_callers_buffers(recorder):

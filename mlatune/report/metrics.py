@@ -8,7 +8,6 @@ lines (``headline_rows``, ``policy_rows``).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -300,13 +299,19 @@ def time_with(timed: Timed, problem: MLAProblem, route_id: str, params: Any, dev
     that ran with exactly those, defaults filled in as the routes do
     (``routes.with_defaults``; the fastest, where it ran more than once); NaN if none was
     timed."""
-    want = dict(params)
-    with contextlib.suppress(Exception):  # a route not registered here: as given
+    try:
         route = routes.get(route_id)
-        want = routes.with_defaults(route, want, route.param_space(problem, device)[0])
+        first = route.param_space(problem, device)[0]
+    except Exception:  # a route not registered here: parameters as given
+        route = first = None
+
+    def as_run(p: Any) -> dict:
+        return dict(p) if route is None else routes.with_defaults(route, dict(p), first)
+
+    want = as_run(params)
     # Several runs with the same parameters: a DCP step measured in each scheme.
-    return min((float(t) for ran, t in timed.get((problem.key, route_id), ()) if ran == want),
-               default=math.nan)
+    return min((float(t) for ran, t in timed.get((problem.key, route_id), ())
+                if as_run(ran) == want), default=math.nan)
 
 
 def _regret_summary(regret: pd.Series) -> tuple[float, float, float]:
