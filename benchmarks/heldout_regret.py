@@ -32,7 +32,6 @@ and of the best, the regrets. Numbers only.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import time
 from collections import defaultdict
@@ -42,12 +41,11 @@ from pathlib import Path
 
 import numpy as np
 
-from mlatune import routes as registry
 from mlatune import table
 from mlatune.dispatch import Dispatcher, device_for_arch
 from mlatune.dispatch.predict import Predictor, rows_from_journal
 from mlatune.problem import MLAProblem
-from mlatune.report.metrics import candidate_times, nearest_regret, one_device
+from mlatune.report.metrics import candidate_times, nearest_regret, one_device, params_as_run
 from mlatune.table.winners_map import problem_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -95,10 +93,9 @@ class Timings:
     def of(self, currency: str, problem: MLAProblem, route_id: str, params) -> tuple[float, float]:
         """(the route at its best parameters there, called with ``params``); NaN: not run."""
         ran = self.runs[currency].get((problem.key, route_id), ())
-        want = dict(params)
-        with contextlib.suppress(Exception):  # defaults filled in as the routes do
-            want = {**registry.get(route_id).param_space(problem, self.device)[0], **want}
-        with_params = next((float(us) for p, us in ran if p == want), math.nan)
+        as_run = params_as_run(route_id, problem, self.device)  # both read as the route does
+        want = as_run(params)
+        with_params = next((float(us) for p, us in ran if as_run(p) == want), math.nan)
         return (min(us for _, us in ran) if ran else math.nan), with_params
 
 

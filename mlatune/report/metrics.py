@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -294,20 +294,28 @@ def candidate_times(journal_path: str | os.PathLike) -> Timed:
     return timed
 
 
-def time_with(timed: Timed, problem: MLAProblem, route_id: str, params: Any, device) -> float:
-    """The time of ``route_id`` called with ``params`` on ``problem``: the candidate
-    that ran with exactly those, defaults filled in as the routes do
-    (``routes.with_defaults``; the fastest, where it ran more than once); NaN if none was
-    timed."""
+def params_as_run(route_id: str, problem: MLAProblem, device) -> Callable[[Any], dict]:
+    """How ``route_id`` reads a parameter set on ``problem`` (``routes.with_defaults``: its
+    defaults filled in, a kernel option missing from a stored set at the value it ran),
+    so that a chosen set and a journal's run compare; as given for a route not registered
+    here."""
     try:
         route = routes.get(route_id)
         first = route.param_space(problem, device)[0]
     except Exception:  # a route not registered here: parameters as given
-        route = first = None
+        return dict
 
-    def as_run(p: Any) -> dict:
-        return dict(p) if route is None else routes.with_defaults(route, dict(p), first)
+    def as_run(params: Any) -> dict:
+        return routes.with_defaults(route, dict(params), first)
 
+    return as_run
+
+
+def time_with(timed: Timed, problem: MLAProblem, route_id: str, params: Any, device) -> float:
+    """The time of ``route_id`` called with ``params`` on ``problem``: the candidate
+    that ran with those, both read as the route does (``params_as_run``; the fastest,
+    where it ran more than once); NaN if none was timed."""
+    as_run = params_as_run(route_id, problem, device)
     want = as_run(params)
     # Several runs with the same parameters: a DCP step measured in each scheme.
     return min((float(t) for ran, t in timed.get((problem.key, route_id), ())
