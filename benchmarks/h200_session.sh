@@ -23,6 +23,10 @@
 #                  back and unpacked before a later call, a fresh machine skips the nvcc builds
 #   dcp            benchmarks/dcp_step.py under torchrun on every GPU (NCCL; real DCP step
 #                  against the sweep's simulation), into $OUT/dcp-step.jsonl
+#   gluon          the Gluon kernels beside FlashMLA (benchmarks/gluon_check.py, with the
+#                  experimental ones), the transposed kernel's split counts with and without
+#                  PDL (benchmarks/gluon_splits.py), pytest -m gpu tests/test_gluon_gpu.py
+#   seesaw         sweeps/h200.toml for seesaw/gluon alone (its chunked param sets) on GPU 0
 # Vendor libraries (FlashMLA, FlashInfer) come as wheels installed before this script runs,
 # with PYTHONPATH pointing at them (the script keeps it).
 # Everything it makes goes under $OUT (logs, tables and the journals, gzipped).
@@ -93,6 +97,14 @@ for step in "$@"; do
     dcp) timeout "$(( BUDGET_S - ($(date +%s) - T0) ))" torchrun --nproc_per_node "$NGPU" \
            benchmarks/dcp_step.py --out "$OUT/dcp-step.jsonl" > "$OUT/dcp-step.log" 2>&1
          log "dcp: rc=$?"; tail -12 "$OUT/dcp-step.log" | tee -a "$OUT/session.log" ;;
+    gluon) { timeout 330 python3 benchmarks/gluon_check.py --out "$OUT/gluon-check" \
+               --experimental --skip wgmma/gluon,seesaw/gluon --budget 300
+             timeout 120 python3 benchmarks/gluon_splits.py --points bf16 --pdl --splits 16,32,64
+             timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gluon_gpu.py
+           } > "$OUT/gluon.log" 2>&1
+           log "gluon: rc=$?; $(grep -c 'FAIL\|error' "$OUT/gluon.log") FAIL/error lines"
+           grep "): best gluon\|smoke:\|passed\|failed" "$OUT/gluon.log" | tee -a "$OUT/session.log" ;;
+    seesaw) ( export CUDA_VISIBLE_DEVICES=0; sweep seesaw sweeps/h200.toml 1 --routes seesaw/gluon ) ;;
     *) log "unknown step $step" ;;
   esac
 done
