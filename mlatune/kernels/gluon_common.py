@@ -4,9 +4,10 @@
 Host: whether this triton can run them, the shared-memory layouts and TMA descriptors of q
 and the paged cache, their out, LSE and split count, the fp32 split partials with the reduce
 launch that merges them, and the ahead-of-time compile (no GPU). Device: a tile's TMA copy
-from the block table, the zeroing of stale cache rows, a split's key range, the rows' LSE
-store and the signal that lets a dependent launch start. The first kernel (``gluon_hopper``)
-computes its key range, partials and LSE store inline; the others call these.
+from the block table, the zeroing of stale cache rows, a split's key range, each row's last
+key, a tile's online softmax, the rows' LSE store and the signal that lets a dependent
+launch start. The first kernel (``gluon_hopper``) computes its key range, partials and LSE
+store inline; the others call these.
 """
 
 from __future__ import annotations
@@ -182,6 +183,37 @@ def key_range(seq_len, rb, split, num_splits, qlen, heads, BM: gl.constexpr,
         block_last = seq_len - qlen + (gl.minimum(qlen * heads, rb * BM + BM) - 1) // heads
         end = gl.minimum(end, block_last + 1)
     return start, end, gl.cdiv(gl.maximum(end - start, 0), BN)
+
+
+@gluon.jit
+def last_keys(rb, seq_len, qlen, heads, BM: gl.constexpr, row_layout: gl.constexpr,
+              CAUSAL: gl.constexpr):
+    """Each of a BM-row block's last allowed key: causal row r (token r // heads) sees keys
+    up to seq_len - qlen + token; otherwise all seq_len."""
+    if CAUSAL:
+        return seq_len - qlen + (rb * BM + gl.arange(0, BM, layout=row_layout)) // heads
+    return gl.full([BM], 0, gl.int32, layout=row_layout) + (seq_len - 1)
+
+
+@gluon.jit
+def online_softmax(s, n0, end, last_pos, cols, m_i, l_i, KEY_AXIS: gl.constexpr):
+    """Online softmax (base 2) of one tile's scaled scores, keys along ``KEY_AXIS`` (1: S,
+    rows x keys; 0: S^T): (P, new max, new sum, alpha).
+
+    Keys past ``end`` or past a row's causal bound get weight 0; alpha rescales what
+    the rows accumulated before this tile.
+    """
+    ROW_AXIS: gl.constexpr = 1 - KEY_AXIS
+    key = n0 + cols
+    allowed = (gl.expand_dims(key, ROW_AXIS) <= gl.expand_dims(last_pos, KEY_AXIS)) \
+        & gl.expand_dims(key < end, ROW_AXIS)
+    s = gl.where(allowed, s, gl.full_like(s, float("-inf")))
+    m_new = gl.maximum(m_i, gl.max(s, axis=KEY_AXIS))
+    # A row with no key yet keeps m = -inf: shift by 0 there so exp2 gives 0, not NaN.
+    m_shift = gl.where(m_new == float("-inf"), gl.zeros_like(m_new), m_new)
+    alpha = gl.exp2(m_i - m_shift)
+    p = gl.exp2(s - gl.expand_dims(m_shift, KEY_AXIS))
+    return p, m_new, l_i * alpha + gl.sum(p, axis=KEY_AXIS), alpha
 
 
 @gluon.jit

@@ -80,6 +80,7 @@ from mlatune.kernels.gluon_common import (
     aot_compile_kernel,
     gluon_available,
     issue_kv,
+    online_softmax,
     outputs_and_splits,
     tma_descriptors,
     zero_stale_rows,
@@ -110,25 +111,6 @@ def _issue_scores(q_nope, q_rope, kn, kr, s_layout: gl.constexpr):
 
 
 @gluon.jit
-def _softmax_tile(s, n0, end, last_pos, cols, m_i, l_i):
-    """Online softmax (base 2) of one tile's scaled scores: (P, new max, new sum, alpha).
-
-    Keys past ``end`` or past a row's causal bound get weight 0; alpha rescales what
-    the rows accumulated before this tile.
-    """
-    key = n0 + cols
-    allowed = (gl.expand_dims(key, 0) <= gl.expand_dims(last_pos, 1)) \
-        & gl.expand_dims(key < end, 0)
-    s = gl.where(allowed, s, gl.full_like(s, float("-inf")))
-    m_new = gl.maximum(m_i, gl.max(s, axis=1))
-    # A row with no key yet keeps m = -inf: shift by 0 there so exp2 gives 0, not NaN.
-    m_shift = gl.where(m_new == float("-inf"), gl.zeros_like(m_new), m_new)
-    alpha = gl.exp2(m_i - m_shift)
-    p = gl.exp2(s - gl.expand_dims(m_shift, 1))
-    return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
-
-
-@gluon.jit
 def _walk_keys(q_nope, q_rope, k_nope, k_rope, kv_bar, p_buf, kn_desc, kr_desc, bt_row,
                start, end, n_tiles, last_pos, qk_scale, m_i, l_i, acc,
                s_layout: gl.constexpr, o_layout: gl.constexpr, PAGE: gl.constexpr,
@@ -146,7 +128,7 @@ def _walk_keys(q_nope, q_rope, k_nope, k_rope, kv_bar, p_buf, kn_desc, kr_desc, 
             zero_stale_rows(kn, end - n0, num_warps)
         s = _issue_scores(q_nope, q_rope, kn, kr, s_layout)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-        p, m_i, l_i, alpha = _softmax_tile(s * qk_scale, n0, end, last_pos, cols, m_i, l_i)
+        p, m_i, l_i, alpha = online_softmax(s * qk_scale, n0, end, last_pos, cols, m_i, l_i, 1)
         p_buf.store(p.to(p_buf.dtype))
         fence_async_shared()
         gl.thread_barrier()

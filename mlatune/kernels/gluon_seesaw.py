@@ -89,14 +89,16 @@ from mlatune.kernels.gluon_common import (
     aot_compile_kernel,
     issue_kv,
     key_range,
+    last_keys,
     nvmma_layout,
+    online_softmax,
     outputs_and_splits,
     partials_and_merge,
     store_row_lse,
     tma_descriptors,
     zero_stale_rows,
 )
-from mlatune.kernels.gluon_hopper import _issue_scores, _softmax_tile, check_supported
+from mlatune.kernels.gluon_hopper import _issue_scores, check_supported
 from mlatune.kernels.gluon_hopper_plan import (
     BLOCK_M,
     BLOCK_N,
@@ -284,7 +286,7 @@ def _pair_wg0(bufs, kv, bars, ph, n0, end, has_b, last_pos, qk_scale, m_run, l_r
         _zero_if_last(v_a, n0, end)
         s = _issue_scores(q_nope, q_rope, kn_a, kr_a, s_layout)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-    p, m0, l_run, alpha = _softmax_tile(s * qk_scale, n0, end, last_pos, cols, m_run, l_run)
+    p, m0, l_run, alpha = online_softmax(s * qk_scale, n0, end, last_pos, cols, m_run, l_run, 1)
     p = p.to(kr_a.dtype)
     _publish(p, kr_a, _row_slot(m_buf, 0), m0, p_bars.index(0))
     acc = _scale_rows(acc, alpha, o_layout)
@@ -329,7 +331,8 @@ def _pair_wg1(bufs, kv, bars, ph, n0, end, has_b, last_pos, qk_scale, m_run, l_r
     acc = warpgroup_mma(kr_a, v_a, acc, is_async=True)
     # wgmma groups retire in order: one outstanding leaves P_a V_a running.
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
-    p, m1, l_run, alpha = _softmax_tile(s * qk_scale, n1, end, last_pos, cols, m0, l_run * alpha)
+    p, m1, l_run, alpha = online_softmax(s * qk_scale, n1, end, last_pos, cols, m0,
+                                         l_run * alpha, 1)
     p = p.to(kr_a.dtype)
     _publish(p, kr_b, _row_slot(m_buf, 1), m1, p_bars.index(1))
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
@@ -343,16 +346,6 @@ def _pair_wg1(bufs, kv, bars, ph, n0, end, has_b, last_pos, qk_scale, m_run, l_r
         acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
     _release(empty, 1, 1, CHUNKED)
     return acc, m1, l_run
-
-
-@gluon.jit
-def _last_keys(rb, seq_len, qlen, heads, BM: gl.constexpr, row_s: gl.constexpr,
-               CAUSAL: gl.constexpr):
-    """Each row's last allowed key: causal row r (token r // heads) sees keys up to
-    seq_len - qlen + token; otherwise all seq_len."""
-    if CAUSAL:
-        return seq_len - qlen + (rb * BM + gl.arange(0, BM, layout=row_s)) // heads
-    return gl.full([BM], 0, gl.int32, layout=row_s) + (seq_len - 1)
 
 
 @gluon.jit
@@ -371,7 +364,7 @@ def _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, WG: gl.constexpr,
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     start, end, n_tiles, seq_len, rb = ints[:5]
     qlen, heads = ints[8:10]
-    last_pos = _last_keys(rb, seq_len, qlen, heads, BM, row_s, CAUSAL)
+    last_pos = last_keys(rb, seq_len, qlen, heads, BM, row_s, CAUSAL)
     m_run = gl.full([BM], float("-inf"), gl.float32, layout=row_s)
     l_run = gl.full([BM], 0.0, gl.float32, layout=row_s)
     acc = gl.zeros([BM, DH], gl.float32, layout=o_layout)

@@ -64,7 +64,9 @@ from mlatune.kernels.gluon_common import (
     gluon_available,
     issue_kv,
     key_range,
+    last_keys,
     launch_dependents,
+    online_softmax,
     outputs_and_splits,
     partials_and_merge,
     store_row_lse,
@@ -152,31 +154,6 @@ def _widen_tile(kn8, kr8, kn16, kr16, valid, COLS: gl.constexpr, num_warps: gl.c
 
 
 @gluon.jit
-def _row_bounds(rb, seq_len, qlen, heads, BR: gl.constexpr, row_layout: gl.constexpr,
-                CAUSAL: gl.constexpr):
-    """Each query row's last allowed key: causal row r (token r // heads) sees keys up to
-    seq_len - qlen + token; otherwise all seq_len."""
-    if CAUSAL:
-        return seq_len - qlen + (rb * BR + gl.arange(0, BR, layout=row_layout)) // heads
-    return gl.full([BR], 0, gl.int32, layout=row_layout) + (seq_len - 1)
-
-
-@gluon.jit
-def _softmax_keys(s, n0, end, last_pos, keys, m_i, l_i):
-    """Online softmax (base 2) over a tile's keys (axis 0 of S^T): (P^T, max, sum, alpha)."""
-    key = n0 + keys
-    allowed = (gl.expand_dims(key, 1) <= gl.expand_dims(last_pos, 0)) \
-        & gl.expand_dims(key < end, 1)
-    s = gl.where(allowed, s, gl.full_like(s, float("-inf")))
-    m_new = gl.maximum(m_i, gl.max(s, axis=0))
-    # A row with no key yet keeps m = -inf: shift by 0 there so exp2 gives 0, not NaN.
-    m_shift = gl.where(m_new == float("-inf"), gl.zeros_like(m_new), m_new)
-    alpha = gl.exp2(m_i - m_shift)
-    p = gl.exp2(s - gl.expand_dims(m_shift, 0))
-    return p, m_new, l_i * alpha + gl.sum(p, axis=0), alpha
-
-
-@gluon.jit
 def _tile(q_nope, q_rope, kn, kr, p_buf, n0, end, last_pos, keys, qk_scale, m_i, l_i, acc,
           s_layout: gl.constexpr, o_layout: gl.constexpr):
     """One tile: S^T = K Q^T, softmax over its keys, O^T = O^T * alpha + V^T P^T."""
@@ -186,7 +163,7 @@ def _tile(q_nope, q_rope, kn, kr, p_buf, n0, end, last_pos, keys, qk_scale, m_i,
     s = warpgroup_mma(kn, q_nope.permute((1, 0)), s, use_acc=False, is_async=True)
     s = warpgroup_mma(kr, q_rope.permute((1, 0)), s, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-    p, m_i, l_i, alpha = _softmax_keys(s * qk_scale, n0, end, last_pos, keys, m_i, l_i)
+    p, m_i, l_i, alpha = online_softmax(s * qk_scale, n0, end, last_pos, keys, m_i, l_i, 0)
     p_buf.store(gl.permute(p.to(p_buf.dtype), (1, 0)))
     fence_async_shared()  # P^T is read by wgmma (async proxy)
     gl.thread_barrier()
@@ -337,7 +314,7 @@ def transposed_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the ca
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BR, 16])
     o_layout: gl.constexpr = s_layout  # O^T: the same BR columns, 512 rows in 8 repeats
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-    last_pos = _row_bounds(rb, seq_len, qlen, heads, BR, col_s, CAUSAL)
+    last_pos = last_keys(rb, seq_len, qlen, heads, BR, col_s, CAUSAL)
     keys = gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout))
     kv_scale = gl.load(kv_scale_ptr)
     qk = qk_scale * kv_scale

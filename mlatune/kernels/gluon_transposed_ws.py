@@ -34,6 +34,7 @@ from mlatune.kernels import gluon_transposed as base
 from mlatune.kernels.gluon_common import (
     aot_compile_kernel,
     key_range,
+    last_keys,
     launch_dependents,
     tma_descriptors,
 )
@@ -107,7 +108,7 @@ def _mma(q_bufs, w_bufs, p_buf, bars, ptrs, counter_ptr, ints, seq_len, start, e
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BR, 16])
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-    last_pos = base._row_bounds(rb, seq_len, qlen, heads, BR, col_s, CAUSAL)
+    last_pos = last_keys(rb, seq_len, qlen, heads, BR, col_s, CAUSAL)
     keys = gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout))
     m_i = gl.full([BR], float("-inf"), gl.float32, layout=col_s)
     l_i = gl.full([BR], 0.0, gl.float32, layout=col_s)
