@@ -222,10 +222,8 @@ def _gluon_layout(route: Any, problem: MLAProblem) -> tuple[dict, float]:
     """The Gluon decodes' tile and programs per request (row blocks of heads x qlen)."""
     from mlatune.kernels import gluon_hopper_plan as plan
 
-    block_m = plan.BLOCK_M
-    if route.id == "transposed/gluon":
-        block_m = plan.transposed_rows(problem.kernel_heads * problem.qlen)
-    return {"block_m": block_m, "block_n": plan.BLOCK_N}, float(route.row_blocks(problem))
+    return ({"block_m": route.block_rows(problem), "block_n": plan.BLOCK_N},
+            float(route.row_blocks(problem)))
 
 
 # Split-KV routes whose launch the predictor knows without the triton routes' hooks: route

@@ -32,11 +32,6 @@ def triton_refusal(version: str | None) -> str | None:
     return None
 
 
-def row_blocks(heads: int, qlen: int) -> int:
-    """Programs per request (and split): heads x qlen rows in blocks of ``BLOCK_M``."""
-    return -(-heads * qlen // BLOCK_M)
-
-
 def transposed_rows(rows: int) -> int:
     """The transposed kernel's query rows per program (its MMAs' N): 16 up to 16 rows, else
     32 (O^T, 512 x 32 fp32, is 128 registers a thread)."""

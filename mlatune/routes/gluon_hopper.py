@@ -99,9 +99,13 @@ class WgmmaGluonRoute:
         splits = dict.fromkeys(s for s in (pick, pick // 2, pick * 2) if 1 <= s <= top)
         return [{"num_splits": s} for s in splits]
 
+    def block_rows(self, problem: MLAProblem) -> int:
+        """Query rows (heads x qlen folded) per program."""
+        return plan.BLOCK_M
+
     def row_blocks(self, problem: MLAProblem) -> int:
         """Programs per request and split."""
-        return plan.row_blocks(problem.kernel_heads, problem.qlen)
+        return -(-problem.kernel_heads * problem.qlen // self.block_rows(problem))
 
     def step_kind(self, params: Params) -> StepKind:
         return LAUNCH_ONLY
@@ -152,5 +156,5 @@ class TransposedGluonRoute(WgmmaGluonRoute):
     kernel = "gluon_transposed"
     reads_fp8 = True
 
-    def row_blocks(self, problem: MLAProblem) -> int:
-        return plan.transposed_row_blocks(problem.kernel_heads, problem.qlen)
+    def block_rows(self, problem: MLAProblem) -> int:
+        return plan.transposed_rows(problem.kernel_heads * problem.qlen)
