@@ -84,7 +84,8 @@ FP8_CACHES = (torch.float8_e4m3fn, )
 MERGE_IN_KERNEL_MAX_SPLITS = 2
 MERGE = "auto"
 WIDEN_STEPS = (64, 128, 256, 512)  # fp8 columns widened per step: whole 64-column atoms
-WIDEN_COLS = 256  # (256: 0.94x the time of 64, H200 2026-12-01)
+# 256 columns a step: 0.94x the time of 64 (H200 2026-12-01, gluon_splits.py --widen, call 3)
+WIDEN_COLS = 256
 
 __all__ = ["aot_compile", "check_supported", "decode_launcher", "stages_for", "transposed_kernel"]
 
