@@ -97,10 +97,10 @@ for step in "$@"; do
     dcp) timeout "$(( BUDGET_S - ($(date +%s) - T0) ))" torchrun --nproc_per_node "$NGPU" \
            benchmarks/dcp_step.py --out "$OUT/dcp-step.jsonl" > "$OUT/dcp-step.log" 2>&1
          log "dcp: rc=$?"; tail -12 "$OUT/dcp-step.log" | tee -a "$OUT/session.log" ;;
-    gluon) { timeout 330 python3 benchmarks/gluon_check.py --out "$OUT/gluon-check" \
-               --experimental --skip wgmma/gluon,seesaw/gluon --budget 300
-             timeout 120 python3 benchmarks/gluon_splits.py --points bf16 --pdl --splits 16,32,64
-             timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gluon_gpu.py
+    gluon) { timeout 250 python3 benchmarks/gluon_check.py --out "$OUT/gluon-check" \
+               --experimental --skip wgmma/gluon,seesaw/gluon --budget 220
+             timeout 90 python3 benchmarks/gluon_splits.py --points bf16 --pdl --splits 16,32,64
+             timeout 210 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gluon_gpu.py
            } > "$OUT/gluon.log" 2>&1
            log "gluon: rc=$?; $(grep -c 'FAIL\|error' "$OUT/gluon.log") FAIL/error lines"
            grep "): best gluon\|smoke:\|passed\|failed" "$OUT/gluon.log" | tee -a "$OUT/session.log" ;;
