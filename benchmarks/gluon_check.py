@@ -6,10 +6,11 @@ Needs an sm_90 GPU and triton 3.6.x (``mlatune/kernels/gluon_hopper.py``). The
 kernels (``VARIANTS``: the first kernel, the warp-specialized seesaw kernel of
 ``mlatune/kernels/gluon_seesaw.py`` and its chunked form, whose tiles land in 64-column
 chunks that S starts on, the transposed kernel of ``mlatune/kernels/gluon_transposed.py``,
-which also reads fp8 caches (as its route runs it, and with split partials merged always
-by a second kernel or always by the last split), and its experimental warp-specialized
-fp8 form (``gluon_transposed_ws``, only with ``--experimental``); ``--skip`` leaves some out)
-are each checked and timed.
+which also reads fp8 caches (as its route's param sets run it: the split reduce as a
+programmatic dependent launch, an fp8 cache widened by the warp-specialized form of
+``gluon_transposed_ws``; as stored rows ran it, "plain"; and with split partials merged
+always by a second kernel or always by the last split); ``--skip`` leaves some out;
+``--experimental`` adds kernels not yet routes, none at present) are each checked and timed.
 Steps, each caught so that one failure never ends the run:
 1. smoke: a child process (``--smoke``, 75 s limit, so a hang or an illegal
    address cannot take this process down) runs small problems: one split and
@@ -62,14 +63,16 @@ FIRST = "wgmma/gluon"  # the first kernel (mlatune/kernels/gluon_hopper.py), as 
 SEESAW = "seesaw/gluon"  # the warp-specialized kernel (mlatune/kernels/gluon_seesaw.py)
 SEESAW_CHUNKED = "seesaw/gluon chunked"  # its CHUNKED form: decode_launcher(chunked=True)
 TRANSPOSED = "transposed/gluon"  # keys as the MMA's M (mlatune/kernels/gluon_transposed.py)
-TRANSPOSED_REDUCE = "transposed/gluon reduce"  # its partials merged by a second kernel
+# as the route's param sets run it: the reduce (more than 2 splits) a programmatic dependent
+# launch, an fp8 cache widened by a partition of its own (gluon_transposed_ws.py)
+TRANSPOSED_PLAIN = "transposed/gluon plain"  # as stored rows ran it: neither
+TRANSPOSED_REDUCE = "transposed/gluon reduce"  # plain, its partials merged by a second kernel
 TRANSPOSED_MERGE = "transposed/gluon merge"  # ... by the last split, whatever the count
-TRANSPOSED_WS = "transposed/gluon ws"  # fp8 only: widening warp-specialized (experimental)
-VARIANTS = [FIRST, SEESAW, SEESAW_CHUNKED, TRANSPOSED, TRANSPOSED_REDUCE, TRANSPOSED_MERGE,
-            TRANSPOSED_WS]
-FP8_VARIANTS = (TRANSPOSED, TRANSPOSED_REDUCE, TRANSPOSED_MERGE, TRANSPOSED_WS)  # read fp8
-FP8_ONLY = (TRANSPOSED_WS, )
-EXPERIMENTAL = (TRANSPOSED_WS, )  # not run unless --experimental (a hang would stop the smoke)
+VARIANTS = [FIRST, SEESAW, SEESAW_CHUNKED, TRANSPOSED, TRANSPOSED_PLAIN, TRANSPOSED_REDUCE,
+            TRANSPOSED_MERGE]
+FP8_VARIANTS = (TRANSPOSED, TRANSPOSED_PLAIN, TRANSPOSED_REDUCE, TRANSPOSED_MERGE)  # read fp8
+FP8_ONLY: tuple[str, ...] = ()
+EXPERIMENTAL: tuple[str, ...] = ()  # not run unless --experimental (a hang would stop the smoke)
 SKIPPED: set[str] = set()  # --skip (the child smoke run gets it through the environment)
 DEVICE = "cuda"  # a dry run of the plumbing may set "cpu" (with a stand-in kernel)
 
@@ -100,13 +103,12 @@ def gluon_prepare(problem, inputs, num_splits=None, variant=FIRST):
     if variant == FIRST:
         from mlatune.kernels.gluon_hopper import decode_launcher
         return decode_launcher(*args, **kwargs)
-    if variant == TRANSPOSED_WS:
-        from mlatune.kernels.gluon_transposed_ws import decode_launcher as ws_launcher
-        return ws_launcher(*args, **kwargs, kv_scale=inputs.kv_scale)
-    if variant in (TRANSPOSED, TRANSPOSED_REDUCE, TRANSPOSED_MERGE):
+    if variant in (TRANSPOSED, TRANSPOSED_PLAIN, TRANSPOSED_REDUCE, TRANSPOSED_MERGE):
         from mlatune.kernels.gluon_transposed import decode_launcher as transposed_launcher
-        merge = {TRANSPOSED: "auto", TRANSPOSED_REDUCE: "reduce"}.get(variant, "kernel")
-        return transposed_launcher(*args, **kwargs, kv_scale=inputs.kv_scale, merge=merge)
+        merge = {TRANSPOSED_REDUCE: "reduce", TRANSPOSED_MERGE: "kernel"}.get(variant, "auto")
+        new = variant == TRANSPOSED
+        return transposed_launcher(*args, **kwargs, kv_scale=inputs.kv_scale, merge=merge,
+                                   pdl=new, ws=new and problem.kv_dtype != problem.q_dtype)
     from mlatune.kernels.gluon_seesaw import decode_launcher as seesaw_launcher
     return seesaw_launcher(*args, **kwargs, chunked=variant == SEESAW_CHUNKED)
 

@@ -27,6 +27,9 @@
 #                  experimental ones), the transposed kernel's split counts with and without
 #                  PDL (benchmarks/gluon_splits.py), pytest -m gpu tests/test_gluon_gpu.py
 #   seesaw         sweeps/h200.toml for seesaw/gluon alone (its chunked param sets) on GPU 0
+#   resweep        sweeps/h200{,-traffic,-heldout}.toml for the seesaw and transposed Gluon
+#                  routes (their current param sets) on all GPUs, into runs/g-<spec>
+#   gluontests     pytest -m gpu tests/test_gluon_gpu.py
 # Vendor libraries (FlashMLA, FlashInfer) come as wheels installed before this script runs,
 # with PYTHONPATH pointing at them (the script keeps it).
 # Everything it makes goes under $OUT (logs, tables and the journals, gzipped).
@@ -105,6 +108,13 @@ for step in "$@"; do
            log "gluon: rc=$?; $(grep -c 'FAIL\|error' "$OUT/gluon.log") FAIL/error lines"
            grep "): best gluon\|smoke:\|passed\|failed" "$OUT/gluon.log" | tee -a "$OUT/session.log" ;;
     seesaw) ( export CUDA_VISIBLE_DEVICES=0; sweep seesaw sweeps/h200.toml 1 --routes seesaw/gluon ) ;;
+    resweep) for spec in h200 h200-traffic h200-heldout; do
+               sweep "g-$spec" "sweeps/$spec.toml" "$NGPU" --routes seesaw/gluon,transposed/gluon
+             done ;;
+    gluontests) s=$(date +%s)
+                timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gluon_gpu.py \
+                  > "$OUT/gluon-tests.log" 2>&1
+                log "gluontests: rc=$? wall=$(( $(date +%s) - s ))s; $(tail -1 "$OUT/gluon-tests.log")" ;;
     *) log "unknown step $step" ;;
   esac
 done

@@ -100,6 +100,15 @@ def test_gluon_captured_step_replays_with_new_lengths(problem, route_id, tmp_pat
     _captured(route_id, False, problem, tmp_path)
 
 
+@pytest.mark.parametrize("problem", [_engine_p(16, 32, 4096, kv="fp8_e4m3fn"),
+                                     _engine_p(16, 2, 8192, kv="fp8_e4m3fn")],
+                         ids=lambda p: p.key)
+def test_transposed_fp8_captured_step_replays_with_new_lengths(problem, tmp_path):
+    """The fp8 param sets (the warp-specialized widening, the reduce as a dependent launch)
+    as an engine runs them: captured once, replayed as lengths and pages change."""
+    _captured(TRANSPOSED, False, problem, tmp_path)
+
+
 @pytest.mark.parametrize("item", [CASES[k * len(PROBLEMS) + i] for k in range(3)
                                   for i in (1, 5, 7)] + FP8[1:4] + FP8[5:], ids=_label)
 def test_stale_cache_slots_hold_nan(item):

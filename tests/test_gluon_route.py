@@ -290,6 +290,46 @@ def test_a_stored_param_set_without_an_option_runs_what_it_ran(monkeypatch):
     assert "chunked" not in inspect.signature(gluon_transposed.decode_launcher).parameters
 
 
+def test_transposed_param_sets_ask_for_pdl_and_the_ws_widening_over_fp8_only(monkeypatch):
+    """New sets launch the reduce as a dependent (pdl) and read an fp8 cache with the
+    warp-specialized widening (ws); a stored set without them runs the forms it was timed
+    with; a 16-bit cache never gets ws."""
+    fake = _Recorder()
+    monkeypatch.setattr(gluon_transposed, "decode_launcher", fake)
+    route = routes.get("transposed/gluon")
+    fp8, bf16 = _p(batch=2, kv_len=300, kv_dtype="fp8_e4m3fn"), _p(batch=2, kv_len=300)
+    assert all(p["pdl"] and p["ws"] for p in route.param_space(fp8, H200))
+    assert all(p["pdl"] and "ws" not in p for p in route.param_space(bf16, H200))
+    for problem in (fp8, bf16):
+        inputs = make_decode_inputs(problem, seed=10)
+        route.prepare(problem, inputs)
+        route.prepare(problem, inputs, params={"num_splits": 2})
+    assert [(c["ws"], c["pdl"]) for c in fake.calls] == \
+        [(True, True), (False, False), (False, True), (False, False)]
+
+
+def test_the_transposed_launcher_hands_ws_to_its_warp_specialized_form(monkeypatch):
+    from mlatune.kernels import gluon_transposed_ws
+
+    fake = _Recorder()
+    monkeypatch.setattr(gluon_transposed_ws, "decode_launcher", fake)
+    problem = _p(batch=2, kv_len=300, kv_dtype="fp8_e4m3fn")
+    inputs = make_decode_inputs(problem, seed=11)
+    shard = inputs.shards[0]
+    gluon_transposed.decode_launcher(inputs.q, shard.kv_cache, shard.block_table,
+                                     shard.seq_lens, qlen=1, sm_scale=0.1, ws=True, pdl=True,
+                                     kv_scale=inputs.kv_scale, num_splits=4, merge="reduce")
+    (call,) = fake.calls
+    assert call["kv_cache"] is shard.kv_cache and call["kv_scale"] is inputs.kv_scale
+    assert (call["pdl"], call["num_splits"], call["merge"]) == (True, 4, "reduce")
+    # The warp-specialized form reads fp8 caches only: a 16-bit one is refused, not widened.
+    monkeypatch.undo()
+    bf16 = make_decode_inputs(_p(batch=2, kv_len=300), seed=12).shards[0]
+    with pytest.raises(ValueError, match="fp8 cache only"):
+        gluon_transposed.decode_launcher(inputs.q, bf16.kv_cache, bf16.block_table,
+                                         bf16.seq_lens, qlen=1, sm_scale=0.1, ws=True)
+
+
 def test_a_stored_seesaw_row_keeps_its_form_and_rescales_its_split_at_a_neighbour():
     """A shipped seesaw row (no ``chunked``: the unchunked form was timed) carried from batch
     1 to batch 64: its split is redone as wgmma/gluon's is, its form kept; an empty set
@@ -397,7 +437,8 @@ def test_each_route_reaches_its_launch_at_every_param_set_and_rank(route_id, kw)
     for params in route.param_space(problem, cpu_device()):
         for rank in range(problem.dcp_size):
             own = route.prepare(problem, inputs, rank=rank, params=params)
-            assert own.out.shape == (tokens, heads, 512) and own.params == params
+            assert own.out.shape == (tokens, heads, 512)
+            assert own.params == {**route.kernel_options, **params}
             out = torch.empty(tokens, heads, 512, dtype=inputs.q.dtype)
             lse = torch.empty(tokens, heads)
             given = route.prepare(problem, inputs, rank=rank, params=params, out=out, lse=lse)

@@ -1,5 +1,9 @@
 """The transposed Gluon decode over an fp8 cache, warp-specialized so the widening of one
-tile overlaps the MMAs of the one before (EXPERIMENTAL: compiled, not yet run on a GPU).
+tile overlaps the MMAs of the one before: what ``transposed/gluon``'s fp8 param sets run
+(``decode_launcher(ws=True)`` there). On the H200 (2026-12-01, session 10 call 1,
+``benchmarks/gluon_check.py --experimental``): 330.2 us at (128, 16, 8192, 1) against the
+one-warpgroup widening's 426.8 (0.77x) and FlashMLA's 251.7 (q quantized), 96.7 at (64, 16,
+4096, 1) against 115.0; still 1.15x the bf16 time (286.4): see ``benchmarks/results``.
 
 Why: ``gluon_transposed`` widens each fp8 tile to 16 bits in the same warpgroup that runs
 the MMAs, between the tile's landing and its first MMA; on the H200 that path took 1.52x
@@ -200,7 +204,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                     kv_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
                     lse: torch.Tensor | None = None, num_splits: int | None = None,
                     max_seq_len: int | None = None, widen_cols: int = base.WIDEN_COLS,
-                    merge: str = base.MERGE
+                    merge: str = base.MERGE, pdl: bool = False
                     ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
     """``gluon_transposed.decode_launcher`` for this kernel (an fp8 e4m3 cache only)."""
     if kv_cache.dtype not in base.FP8_CACHES:
@@ -216,7 +220,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     descs = tma_descriptors(q, kv_cache, plan.transposed_rows(qlen * heads), HALF)
     return base.launch(transposed_ws_kernel, descs, q, block_table, seq_lens, kv_scale, out,
                        lse, qlen=qlen, sm_scale=sm_scale, num_splits=num_splits,
-                       max_seq_len=max_seq_len, merge=merge, meta=meta)
+                       max_seq_len=max_seq_len, merge=merge, meta=meta, pdl=pdl)
 
 
 def aot_compile(dtype: str = "bf16", *, rows: int = 16, direct: bool = True,

@@ -204,10 +204,12 @@ def with_defaults(route: Route, params: Params | None, first: Params) -> Params:
     """``params`` as ``route`` runs them: its first set (``first``, at the problem) where
     none are given; else the given ones over that set, with each kernel option the route
     added since (``kernel_options``: option -> value) at the value a set stored without it
-    ran, so a stored row keeps meaning what was timed."""
+    ran, so a stored row keeps meaning what was timed (an option the first set leaves out
+    is at that value too)."""
+    options = getattr(route, "kernel_options", {})
     if not params:
-        return dict(first)
-    return {**first, **getattr(route, "kernel_options", {}), **params}
+        return {**options, **first}
+    return {**first, **options, **params}
 
 
 def params_at(route: Route, params: Params, measured_at: MLAProblem, problem: MLAProblem,

@@ -42,7 +42,7 @@ from mlatune import capability
 from mlatune.arch import DeviceInfo, device_of
 from mlatune.check.inputs import DecodeInputs, PrefillInputs
 from mlatune.kernels import gluon_hopper_plan as plan
-from mlatune.problem import MLAProblem
+from mlatune.problem import FP8_DTYPES, MLAProblem
 from mlatune.routes.base import (
     LAUNCH_ONLY,
     Params,
@@ -150,11 +150,21 @@ class TransposedGluonRoute(WgmmaGluonRoute):
     """The transposed Hopper Gluon decode: S^T = K Q^T with the tile's 64 keys as the MMA's
     M and 16 or 32 query rows as its N (no padding of few rows to 64), one warpgroup; bf16
     or fp16 q over a cache of q's dtype or fp8 (e4m3, widened to q's dtype in shared
-    memory, its scale read on the device)."""
+    memory, its scale read on the device). Its param sets widen in a partition of its own
+    (``ws``, fp8) and launch the split reduce as a programmatic dependent (``pdl``); a
+    stored param set without them ran the earlier forms and still does."""
 
     id = "transposed/gluon"
     kernel = "gluon_transposed"
     reads_fp8 = True
+    # ws: an fp8 cache widened by a partition of its own (0.77x the time at (128, 16, 8192,
+    # 1)); pdl: the split reduce launched as a programmatic dependent (0.5 us less at batch
+    # 1-8). H200, 2026-12-01 (benchmarks/results/README.md, session 10).
+    kernel_options = MappingProxyType({"ws": False, "pdl": False})
+
+    def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
+        ws = {"ws": True} if problem.kv_dtype in FP8_DTYPES else {}
+        return [{**params, "pdl": True, **ws} for params in super().param_space(problem, device)]
 
     def block_rows(self, problem: MLAProblem) -> int:
         return plan.transposed_rows(problem.kernel_heads * problem.qlen)
