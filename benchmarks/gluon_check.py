@@ -68,10 +68,14 @@ TRANSPOSED = "transposed/gluon"  # keys as the MMA's M (mlatune/kernels/gluon_tr
 TRANSPOSED_PLAIN = "transposed/gluon plain"  # as stored rows ran it: neither
 TRANSPOSED_REDUCE = "transposed/gluon reduce"  # plain, its partials merged by a second kernel
 TRANSPOSED_MERGE = "transposed/gluon merge"  # ... by the last split, whatever the count
+# fp8 only: the warp-specialized form with fp16 MMAs (a bf16 q copied to fp16), the tile
+# widened by the paired conversion instruction (cvt) or by bit moves
+TRANSPOSED_F16 = "transposed/gluon ws f16"
+TRANSPOSED_F16_BITS = "transposed/gluon ws f16 bits"
 VARIANTS = [FIRST, SEESAW, SEESAW_CHUNKED, TRANSPOSED, TRANSPOSED_PLAIN, TRANSPOSED_REDUCE,
-            TRANSPOSED_MERGE]
-FP8_VARIANTS = (TRANSPOSED, TRANSPOSED_PLAIN, TRANSPOSED_REDUCE, TRANSPOSED_MERGE)  # read fp8
-FP8_ONLY: tuple[str, ...] = ()
+            TRANSPOSED_MERGE, TRANSPOSED_F16, TRANSPOSED_F16_BITS]
+FP8_ONLY = (TRANSPOSED_F16, TRANSPOSED_F16_BITS)
+FP8_VARIANTS = (TRANSPOSED, TRANSPOSED_PLAIN, TRANSPOSED_REDUCE, TRANSPOSED_MERGE, *FP8_ONLY)
 EXPERIMENTAL: tuple[str, ...] = ()  # not run unless --experimental (a hang would stop the smoke)
 SKIPPED: set[str] = set()  # --skip (the child smoke run gets it through the environment)
 DEVICE = "cuda"  # a dry run of the plumbing may set "cpu" (with a stand-in kernel)
@@ -103,6 +107,10 @@ def gluon_prepare(problem, inputs, num_splits=None, variant=FIRST):
     if variant == FIRST:
         from mlatune.kernels.gluon_hopper import decode_launcher
         return decode_launcher(*args, **kwargs)
+    if variant in FP8_ONLY:
+        from mlatune.kernels.gluon_transposed_ws import decode_launcher as ws_launcher
+        return ws_launcher(*args, **kwargs, kv_scale=inputs.kv_scale, pdl=True, f16=True,
+                           widen="cvt" if variant == TRANSPOSED_F16 else "bits")
     if variant in (TRANSPOSED, TRANSPOSED_PLAIN, TRANSPOSED_REDUCE, TRANSPOSED_MERGE):
         from mlatune.kernels.gluon_transposed import decode_launcher as transposed_launcher
         merge = {TRANSPOSED_REDUCE: "reduce", TRANSPOSED_MERGE: "kernel"}.get(variant, "auto")
@@ -328,6 +336,7 @@ def main() -> int:
     ap.add_argument("--experimental", action="store_true",
                     default=os.environ.get("GLUON_CHECK_EXPERIMENTAL") == "1",
                     help=f"also run the experimental kernels ({', '.join(EXPERIMENTAL)})")
+    ap.add_argument("--kv", choices=("bf16", "fp8"), help="only the points of this cache dtype")
     args = ap.parse_args()
     SKIPPED.update(v for v in args.skip.split(",") if v)
     if not args.experimental:
@@ -360,7 +369,7 @@ def main() -> int:
         print(f"Gluon kernel skipped: {why}")
     print(f"[{time.time() - start:5.1f} s] points", flush=True)
     rows: list[dict] = []
-    for point in POINTS:
+    for point in [p for p in POINTS if args.kv in (None, p[4])]:
         if time.time() - start > args.budget - 12:
             print(f"{point}: skipped, the {args.budget:.0f} s budget is spent", flush=True)
             rows.append(dict(batch=point[0], heads=point[1], kv_len=point[2], qlen=point[3],
