@@ -1,11 +1,11 @@
-"""Decode benchmark of mlatune's Triton routes beside the vendor routes on a GPU.
+"""Decode benchmark of mlatune's own routes beside the vendor routes on a GPU.
 
-Routes: mlatune's Triton decode families and, where their libraries are installed,
+Routes: mlatune's Triton and Gluon decode families and, where their libraries are installed,
 FlashMLA (``dense/flashmla``) and FlashInfer (``fa3/flashinfer``, ``fa2/flashinfer``),
 all on the same inputs in one run (issue 5's points and targets, issue 15's vendors).
 
 For each point (batch, heads, kv_len, qlen) and KV dtype (bf16; fp8 e4m3fn with
-a bf16 q), every viable Triton route runs with each parameter set of its
+a bf16 q), every viable own route runs with each parameter set of its
 param_space: first checked against the fp32 torch reference (a wrong result is
 reported and not timed), then timed by CUDA-graph replay. Small problems
 rotate over several input copies inside one graph so that the KV is read from
@@ -46,7 +46,7 @@ POINTS = [(1, 16, 4096, 1), (16, 16, 4096, 1), (64, 16, 4096, 1), (128, 16, 8192
 TARGETS = {(1, 16, 4096, 1): ("time_us", 12.0, "<="), (128, 16, 8192, 1): ("tb_s", 3.9, ">="),
            (64, 64, 4096, 1): ("time_us", 110.0, "<="),
            (128, 128, 4096, 1): ("time_us", 400.0, "<=")}
-BENCHED_BACKENDS = ("/triton", "/flashmla", "/flashinfer")
+BENCHED_BACKENDS = ("/triton", "/gluon", "/flashmla", "/flashinfer")
 KV_DTYPES = {"bf16": ("bf16", "bf16"), "fp8": ("bf16", "fp8_e4m3fn")}
 ROTATE_BYTES = 4 * 60e6  # rotate copies until the KV read per replay is 4x the H200's L2
 MAX_COPIES = 32
