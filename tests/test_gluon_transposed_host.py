@@ -60,3 +60,17 @@ def test_bad_tensors_are_refused_with_the_reason():
     why = t.check_supported(q, fp8, table, lens, scale)
     assert why is None or "triton" in why
 
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (dict(widen="cvt"), "'cvt' with fp16 MMAs"),  # a bf16 q's MMAs are bf16
+    (dict(widen="shift", f16=True), "widen must be"),
+    (dict(kv=torch.bfloat16), "reads an fp8 cache only"),
+])
+def test_the_warp_specialized_form_refuses_what_it_cannot_widen(change, message):
+    from mlatune.kernels import gluon_transposed_ws as ws
+
+    q, cache, table, lens = _tensors(kv=change.pop("kv", torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match=message):
+        ws.decode_launcher(q, cache, table, lens, qlen=1, sm_scale=0.1,
+                           kv_scale=torch.ones(1), **change)

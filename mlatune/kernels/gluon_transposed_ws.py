@@ -220,13 +220,14 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                          f"got {kv_cache.dtype}")
     batch, heads = seq_lens.shape[0], q.shape[1]
     base._check_call(q, out, lse, batch * qlen, num_splits, widen_cols, merge)
+    mma_dtype = torch.float16 if f16 else q.dtype
+    if widen not in ("bits", "cvt") or (widen == "cvt" and mma_dtype != torch.float16):
+        raise ValueError(f"widen must be 'bits', or 'cvt' with fp16 MMAs (an fp16 q or "
+                         f"f16=True); got {widen!r} with {mma_dtype} MMAs")
     why = base.check_supported(q, kv_cache, block_table, seq_lens, kv_scale)
     if why is not None:
         raise ValueError(f"gluon transposed MLA decode (warp-specialized): {why}")
-    q_mma = torch.empty_like(q, dtype=torch.float16) if f16 and q.dtype != torch.float16 else q
-    if widen not in ("bits", "cvt") or (widen == "cvt" and q_mma.dtype != torch.float16):
-        raise ValueError(f"widen must be 'bits', or 'cvt' with fp16 MMAs (an fp16 q or "
-                         f"f16=True); got {widen!r} with {q_mma.dtype} MMAs")
+    q_mma = q if q.dtype == mma_dtype else torch.empty_like(q, dtype=mma_dtype)
     meta = dict(CAUSAL=causal and qlen > 1, PAGE=PAGE_SIZE, WIDEN_COLS=widen_cols,
                 CVT=widen == "cvt", num_warps=4, maxnreg=MAXNREG)
     descs = tma_descriptors(q_mma, kv_cache, plan.transposed_rows(qlen * heads), HALF)
