@@ -72,9 +72,12 @@ TRANSPOSED_MERGE = "transposed/gluon merge"  # ... by the last split, whatever t
 # widened by the paired conversion instruction (cvt) or by bit moves
 TRANSPOSED_F16 = "transposed/gluon ws f16"
 TRANSPOSED_F16_BITS = "transposed/gluon ws f16 bits"
+# fp8 only: fp8 MMAs, q quantized per row in the kernel (gluon_transposed_fp8.py)
+TRANSPOSED_FP8MMA = "transposed/gluon fp8mma"
 VARIANTS = [FIRST, SEESAW, SEESAW_CHUNKED, TRANSPOSED, TRANSPOSED_PLAIN, TRANSPOSED_REDUCE,
-            TRANSPOSED_MERGE, TRANSPOSED_F16, TRANSPOSED_F16_BITS]
-FP8_ONLY = (TRANSPOSED_F16, TRANSPOSED_F16_BITS)
+            TRANSPOSED_MERGE, TRANSPOSED_F16, TRANSPOSED_F16_BITS, TRANSPOSED_FP8MMA]
+FP8_ONLY = (TRANSPOSED_F16, TRANSPOSED_F16_BITS, TRANSPOSED_FP8MMA)
+QUANTIZE_Q = (TRANSPOSED_FP8MMA, )  # held to the quantized-q tolerance
 FP8_VARIANTS = (TRANSPOSED, TRANSPOSED_PLAIN, TRANSPOSED_REDUCE, TRANSPOSED_MERGE, *FP8_ONLY)
 EXPERIMENTAL: tuple[str, ...] = ()  # not run unless --experimental (a hang would stop the smoke)
 SKIPPED: set[str] = set()  # --skip (the child smoke run gets it through the environment)
@@ -107,6 +110,9 @@ def gluon_prepare(problem, inputs, num_splits=None, variant=FIRST):
     if variant == FIRST:
         from mlatune.kernels.gluon_hopper import decode_launcher
         return decode_launcher(*args, **kwargs)
+    if variant == TRANSPOSED_FP8MMA:
+        from mlatune.kernels.gluon_transposed_fp8 import decode_launcher as fp8_launcher
+        return fp8_launcher(*args, **kwargs, kv_scale=inputs.kv_scale, pdl=True)
     if variant in FP8_ONLY:
         from mlatune.kernels.gluon_transposed_ws import decode_launcher as ws_launcher
         return ws_launcher(*args, **kwargs, kv_scale=inputs.kv_scale, pdl=True, f16=True,
@@ -186,9 +192,10 @@ def smoke() -> int:
             inputs = make_decode_inputs(problem, seed=1, device=DEVICE, ragged=True)
             ref = reference.decode_shard(inputs, inputs.shards[0])
             run, out, lse = gluon_prepare(problem, inputs, splits, variant)
-            a = check_run(run, out, lse, problem, ref)
+            quantized = variant in QUANTIZE_Q
+            a = check_run(run, out, lse, problem, ref, quantized)
             stale = poison_stale_slots(inputs)
-            b = check_run(run, out, lse, problem, ref)
+            b = check_run(run, out, lse, problem, ref, quantized)
             print(f"{name}: {fmt_acc(a)}; {stale} stale slots NaN: {fmt_acc(b)}", flush=True)
             failed += not (a["ok"] and b["ok"])
         except Exception as exc:  # report and go on to the next case
@@ -239,7 +246,7 @@ def run_point(point, gluon_ok: bool, seconds: float) -> list[dict]:
                 def prep(p, x, splits=None, r=rid):
                     return route_prepare(r, p, x)
             run, out, lse = prep(problem, ragged)
-            quantized = not is_gluon and routes_quantize_q(rid, problem)
+            quantized = rid in QUANTIZE_Q or (not is_gluon and routes_quantize_q(rid, problem))
             row["q_quantized"] = quantized
             a = check_run(run, out, lse, problem, ref_r, quantized)
             row.update(ragged_ok=a["ok"], rel_l2=a["rel_l2"], lse_err=a["lse_err"])
@@ -248,7 +255,7 @@ def run_point(point, gluon_ok: bool, seconds: float) -> list[dict]:
                 # pick_splits chose.
                 for splits in (1, 5):
                     run2, out2, lse2 = prep(problem, ragged, splits)
-                    a2 = check_run(run2, out2, lse2, problem, ref_r)
+                    a2 = check_run(run2, out2, lse2, problem, ref_r, quantized)
                     row[f"splits{splits}_ok"] = a2["ok"]
                     row[f"splits{splits}_rel_l2"] = a2["rel_l2"]
                     a = a if a2["ok"] else a2
@@ -265,7 +272,7 @@ def run_point(point, gluon_ok: bool, seconds: float) -> list[dict]:
             if is_gluon:
                 n = poison_stale_slots(ragged)
                 run, out, lse = prep(problem, ragged)
-                c = check_run(run, out, lse, problem, ref_r)
+                c = check_run(run, out, lse, problem, ref_r, quantized)
                 row.update(stale_nan_slots=n, stale_nan_ok=c["ok"])
         except Exception as exc:  # one route's failure is a result; go on
             row["status"] = f"error: {last_line(exc)}"

@@ -1,0 +1,247 @@
+"""The transposed Gluon decode over an fp8 cache with fp8 MMAs (EXPERIMENTAL: not a route).
+
+Why: ``gluon_transposed`` and ``gluon_transposed_ws`` widen each fp8 tile to 16 bits in
+shared memory and run 16-bit MMAs. On the H200 that moves about 321 KB a 64-key tile through
+shared memory, at least 1.43 us a tile at its 128 B a cycle, more than the 1.34 us a tile
+that 0.6x the bf16 time allows (``benchmarks/results/README.md``, session 10). Here nothing is
+widened: both products are fp8 wgmmas (k32), about 190 KB a tile.
+- q is quantized once per program, each query row by its own scale (amax / 448 over its 576
+  dims), into fp8 shared memory; S^T = K Q8^T then carries one factor a column (the row's
+  scale, the cache's, the softmax scale), applied before the softmax. The accuracy is that
+  of a quantized q (``check.accuracy.QUANTIZED_Q``), as FlashMLA's fp8 path, which quantizes
+  q per tensor.
+- Hopper's fp8 wgmma takes both operands K-major. O^T = V^T P^T needs V^T with the tile's
+  keys contiguous: while S's MMAs run (asynchronously), the warpgroup copies the tile's V
+  (its first 512 dims) transposed into a [512, 64] buffer, four keys by four dims a thread
+  (a register transpose of bytes), stale rows as zeros (a real cache holds NaN there).
+- P (in [0, 1]) is scaled by 2^P_SHIFT before its cast to e4m3 (max 448), so values down
+  to 2^-17 survive; the sum of the unscaled P normalizes O, and the epilogue divides the
+  shift out with the cache's V scale.
+Everything else (one warpgroup, the TMA ring, splits, the merge, the epilogue, LSE) is
+``gluon_transposed``'s. Shared memory: Q (16-bit, then fp8), the fp8 ring (3 x 36 KiB),
+V^T (32 KiB), P^T.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from mlatune.kernels import gluon_hopper_plan as plan
+from mlatune.kernels import gluon_transposed as base
+from mlatune.kernels.gluon_common import (
+    aot_compile_kernel,
+    issue_kv,
+    key_range,
+    last_keys,
+    launch_dependents,
+    online_softmax,
+    tma_descriptors,
+)
+from mlatune.kernels.gluon_hopper_plan import BLOCK_N, PAGE_SIZE
+
+STAGES = gl.constexpr(3)
+P_SHIFT = gl.constexpr(8)  # P times 2^8 before e4m3 (largest 448): the largest power that fits
+E4M3_MAX = gl.constexpr(448.0)
+
+__all__ = ["aot_compile", "decode_launcher", "transposed_fp8_kernel"]
+
+
+@gluon.jit
+def _quantize_q(q_nope, q_rope, q8_nope, q8_rope, col_layout: gl.constexpr,
+                num_warps: gl.constexpr):
+    """Each query row of Q (16-bit, in shared memory) as e4m3 by its own scale (amax over its
+    576 dims / 448, 1 for a zero row) into the fp8 buffers; returns the scales."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    xn = q_nope.load(layout).to(gl.float32)
+    xr = q_rope.load(layout).to(gl.float32)
+    amax = gl.maximum(gl.max(gl.abs(xn), axis=1), gl.max(gl.abs(xr), axis=1))
+    scale = gl.where(amax > 0.0, amax / E4M3_MAX, gl.full_like(amax, 1.0))
+    inv = gl.expand_dims(1.0 / scale, 1)
+    q8_nope.store((xn * inv).to(q8_nope.dtype))
+    q8_rope.store((xr * inv).to(q8_rope.dtype))
+    fence_async_shared()  # generic-proxy writes read by wgmma
+    gl.thread_barrier()
+    return gl.convert_layout(scale, col_layout)
+
+
+# V's transpose: a thread holds 4 keys x 4 dims blocks. The lanes and warps are the same in
+# both layouts (8 lanes along dims, 4 along keys; 4 warps along dims); only the register
+# order differs: dims first to load (4 contiguous bytes of a key's row), keys first to store
+# (4 contiguous bytes of a dim's row in V^T), so the conversion between them stays in each
+# thread's registers (byte permutes, no shuffles). [64 keys, 512 dims] ...
+_V_LOAD = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [16, 0], [32, 0], [0, 128], [0, 256]],
+    lane_bases=[[0, 4], [0, 8], [0, 16], [4, 0], [8, 0]],
+    warp_bases=[[0, 32], [0, 64]], block_bases=[], shape=[64, 512]))
+# ... and [512 dims, 64 keys].
+_VT_STORE = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [0, 16], [0, 32], [128, 0], [256, 0]],
+    lane_bases=[[4, 0], [8, 0], [16, 0], [0, 4], [0, 8]],
+    warp_bases=[[32, 0], [64, 0]], block_bases=[], shape=[512, 64]))
+
+
+@gluon.jit
+def _transpose_v(kn, vt, valid):
+    """The tile's V (keys x 512 dims, fp8) into ``vt`` as dims x keys, keys contiguous;
+    rows >= valid as zeros (4 warps). Each thread moves 4 keys x 4 dims at a time: four
+    4-byte loads, a byte transpose in registers, four 4-byte stores."""
+    v = kn.load(_V_LOAD).to(gl.int8, bitcast=True)
+    keys = gl.arange(0, kn.shape[0], layout=gl.SliceLayout(1, _V_LOAD))
+    v = gl.where(gl.expand_dims(keys < valid, 1), v, gl.zeros_like(v))
+    vt.store(gl.convert_layout(gl.permute(v, (1, 0)), _VT_STORE).to(vt.dtype, bitcast=True))
+
+
+@gluon.jit
+def _tile(q8_nope, q8_rope, kn, kr, vt, p_buf, n0, end, last_pos, keys, qk_cols, m_i, l_i,
+          acc, s_layout: gl.constexpr, num_warps: gl.constexpr):
+    """One tile: S^T = K Q8^T (fp8) with V transposed meanwhile, the softmax over its keys,
+    O^T = O^T * alpha + V^T P8^T (fp8)."""
+    BN: gl.constexpr = kn.shape[0]
+    BR: gl.constexpr = q8_nope.shape[0]
+    s = gl.zeros([BN, BR], gl.float32, layout=s_layout)
+    s = warpgroup_mma(kn, q8_nope.permute((1, 0)), s, use_acc=False, is_async=True)
+    s = warpgroup_mma(kr, q8_rope.permute((1, 0)), s, is_async=True)
+    _transpose_v(kn, vt, end - n0)  # while S's MMAs run
+    fence_async_shared()  # V^T (generic-proxy writes) is read by wgmma
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    p, m_i, l_i, alpha = online_softmax(s * gl.expand_dims(qk_cols, 0), n0, end, last_pos,
+                                        keys, m_i, l_i, 0)
+    p8 = (p * (2.0 ** P_SHIFT)).to(p_buf.dtype)
+    p_buf.store(gl.permute(p8, (1, 0)))
+    fence_async_shared()
+    gl.thread_barrier()  # every warp's V^T and P^T are in
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, s_layout)), 0)
+    acc = warpgroup_mma(vt, p_buf.permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    gl.thread_barrier()  # the MMAs are done with the slot, V^T and P^T: refill them
+    return acc, m_i, l_i
+
+
+@gluon.jit(do_not_specialize=["num_splits", "qlen", "heads"])
+def transposed_fp8_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache's parts
+                          bt_ptr, seq_lens_ptr, kv_scale_ptr, out_ptr, lse_ptr,
+                          part_out_ptr, part_lse_ptr, counter_ptr,
+                          num_splits, qlen, heads, qk_scale,
+                          stride_bt, stride_o_tok, stride_o_head, stride_lse_tok,
+                          stride_po_slot, stride_po_row, stride_pl_slot,
+                          CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PAGE: gl.constexpr,
+                          MERGE: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):
+    BR: gl.constexpr = qn_desc.block_type.shape[0]
+    BN: gl.constexpr = kn_desc.block_type.shape[0]
+    DN: gl.constexpr = kn_desc.block_type.shape[1]
+    DR: gl.constexpr = kr_desc.block_type.shape[1]
+    fp8: gl.constexpr = kn_desc.dtype
+    rb = gl.program_id(0)
+    split = gl.program_id(1)
+    b = gl.program_id(2)
+    if PDL:  # the reduce kernel may launch now; it waits for these partials
+        launch_dependents()
+    seq_len = gl.load(seq_lens_ptr + b)
+    start, end, n_tiles = key_range(seq_len, rb, split, num_splits, qlen, heads, BR, BN, CAUSAL)
+
+    q_nope = gl.allocate_shared_memory(qn_desc.dtype, [BR, DN], qn_desc.layout)
+    q_rope = gl.allocate_shared_memory(qr_desc.dtype, [BR, DR], qr_desc.layout)
+    q8_nope = gl.allocate_shared_memory(fp8, [BR, DN],
+                                        gl.NVMMASharedLayout.get_default_for([BR, DN], fp8))
+    q8_rope = gl.allocate_shared_memory(fp8, [BR, DR],
+                                        gl.NVMMASharedLayout.get_default_for([BR, DR], fp8))
+    k_nope = gl.allocate_shared_memory(fp8, [STAGES, BN, DN], kn_desc.layout)
+    k_rope = gl.allocate_shared_memory(fp8, [STAGES, BN, DR], kr_desc.layout)
+    vt = gl.allocate_shared_memory(fp8, [DN, BN],
+                                   gl.NVMMASharedLayout.get_default_for([DN, BN], fp8))
+    p_buf = gl.allocate_shared_memory(fp8, [BR, BN],
+                                      gl.NVMMASharedLayout.get_default_for([BR, BN], fp8))
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    fence_async_shared()
+
+    mbarrier.expect(q_bar, qn_desc.block_type.nbytes + qr_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(qn_desc, [b * qlen * heads + rb * BR, 0], q_bar, q_nope)
+    tma.async_copy_global_to_shared(qr_desc, [b * qlen * heads + rb * BR, 0], q_bar, q_rope)
+    bt_row = bt_ptr + b.to(gl.int64) * stride_bt
+    for i in gl.static_range(STAGES - 1):
+        issue_kv(kn_desc, kr_desc, k_nope.index(i), k_rope.index(i), ready.index(i), bt_row,
+                  start + i * BN, i < n_tiles, PAGE)
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BR, 32])
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    last_pos = last_keys(rb, seq_len, qlen, heads, BR, col_s, CAUSAL)
+    keys = gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout))
+    kv_scale = gl.load(kv_scale_ptr)
+    m_i = gl.full([BR], float("-inf"), gl.float32, layout=col_s)
+    l_i = gl.full([BR], 0.0, gl.float32, layout=col_s)
+    acc = gl.zeros([DN, BR], gl.float32, layout=s_layout)
+    mbarrier.wait(q_bar, 0)
+    q_scales = _quantize_q(q_nope, q_rope, q8_nope, q8_rope, col_s, num_warps)
+    qk_cols = q_scales * (qk_scale * kv_scale)
+    for i in range(n_tiles):
+        nxt = i + STAGES - 1
+        fence_async_shared()  # the slot was read through the generic proxy (V's transpose)
+        issue_kv(kn_desc, kr_desc, k_nope.index(nxt % STAGES), k_rope.index(nxt % STAGES),
+                  ready.index(nxt % STAGES), bt_row, start + nxt * BN, nxt < n_tiles, PAGE)
+        slot = i % STAGES
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        acc, m_i, l_i = _tile(q8_nope, q8_rope, k_nope.index(slot), k_rope.index(slot), vt,
+                              p_buf, start + i * BN, end, last_pos, keys, qk_cols, m_i, l_i,
+                              acc, s_layout, num_warps)
+
+    ints = (rb, b, split, num_splits, qlen, heads, stride_o_tok, stride_o_head, stride_lse_tok,
+            stride_po_slot, stride_po_row, stride_pl_slot)
+    ptrs = (out_ptr, lse_ptr, part_out_ptr, part_lse_ptr)
+    base._epilogue(acc, m_i, l_i, kv_scale * (2.0 ** -P_SHIFT), ptrs, ints, s_layout, DIRECT,
+                   num_warps)
+    if MERGE:
+        base._merge_if_last(ptrs, counter_ptr, ints, BR, DN, num_warps)
+
+
+# Host side -------------------------------------------------------------------------------
+
+def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                    seq_lens: torch.Tensor, *, qlen: int, sm_scale: float, causal: bool = True,
+                    kv_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                    lse: torch.Tensor | None = None, num_splits: int | None = None,
+                    max_seq_len: int | None = None, merge: str = base.MERGE, pdl: bool = False
+                    ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
+    """``gluon_transposed.decode_launcher`` for this kernel: an fp8 e4m3 cache only, q
+    quantized per row inside the kernel (its accuracy: ``QUANTIZED_Q``)."""
+    if kv_cache.dtype not in base.FP8_CACHES:
+        raise ValueError(f"the fp8-MMA transposed decode reads an fp8 cache only, got "
+                         f"{kv_cache.dtype}")
+    batch, heads = seq_lens.shape[0], q.shape[1]
+    base._check_call(q, out, lse, batch * qlen, num_splits, base.WIDEN_COLS, merge)
+    why = base.check_supported(q, kv_cache, block_table, seq_lens, kv_scale)
+    if why is not None:
+        raise ValueError(f"gluon transposed MLA decode (fp8 MMAs): {why}")
+    meta = dict(CAUSAL=causal and qlen > 1, PAGE=PAGE_SIZE, num_warps=base.NUM_WARPS)
+    descs = tma_descriptors(q, kv_cache, plan.transposed_rows(qlen * heads))
+    return base.launch(transposed_fp8_kernel, descs, q, block_table, seq_lens, kv_scale, out,
+                       lse, qlen=qlen, sm_scale=sm_scale, num_splits=num_splits,
+                       max_seq_len=max_seq_len, merge=merge, meta=meta, pdl=pdl)
+
+
+def aot_compile(dtype: str = "bf16", *, rows: int = 16, direct: bool = True,
+                causal: bool = True, merge: str = base.MERGE, arch: int = 90):
+    """Compile ``transposed_fp8_kernel`` (a ``dtype`` q over an fp8 cache) for ``sm_<arch>``
+    without a GPU; returns triton's CompiledKernel."""
+    constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=PAGE_SIZE,
+                     MERGE=not direct and merge != "reduce", PDL=False,
+                     num_warps=base.NUM_WARPS)
+    return aot_compile_kernel(transposed_fp8_kernel, constants,
+                              base._blocks(dtype, "fp8", plan.transposed_rows(rows), BLOCK_N),
+                              base._pointers(dtype), arch=arch, num_warps=base.NUM_WARPS)
