@@ -147,17 +147,24 @@ def issue_kv(kn_desc, kr_desc, kn_buf, kr_buf, bar, bt_row, key, pred, PAGE: gl.
 
 @gluon.jit
 def zero_stale_rows(kn_buf, valid, num_warps: gl.constexpr):
-    """Zero the V rows (first 512 dims) of slots >= valid in a tile's buffer."""
+    """Zero the V rows (first 512 dims) of slots >= valid in a tile's buffer (16-bit or fp8)."""
     N: gl.constexpr = kn_buf.shape[0]
     D: gl.constexpr = kn_buf.shape[1]
-    # 64 columns (128 bytes) at a time: whole swizzle atoms of the 128B-swizzled tile.
+    # 128 bytes at a time (64 16-bit columns, 128 fp8 ones): whole swizzle atoms of the
+    # 128B-swizzled tile. fp8 bytes are zeroed as integers.
+    BYTE: gl.constexpr = kn_buf.dtype.primitive_bitwidth == 8
+    COLS: gl.constexpr = 128 if BYTE else 64
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     rows = gl.arange(0, N, layout=gl.SliceLayout(1, layout))
     keep = gl.expand_dims(rows < valid, 1)
-    for c in gl.static_range(D // 64):
-        part = kn_buf.slice(c * 64, 64, dim=1)
-        x = part.load(layout)
-        part.store(gl.where(keep, x, gl.zeros_like(x)))
+    for c in gl.static_range(D // COLS):
+        part = kn_buf.slice(c * COLS, COLS, dim=1)
+        if BYTE:
+            x = part.load(layout).to(gl.int8, bitcast=True)
+            part.store(gl.where(keep, x, gl.zeros_like(x)).to(kn_buf.dtype, bitcast=True))
+        else:
+            x = part.load(layout)
+            part.store(gl.where(keep, x, gl.zeros_like(x)))
     fence_async_shared()
     gl.thread_barrier()
 

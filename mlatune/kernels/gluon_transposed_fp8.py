@@ -13,7 +13,8 @@ widened: both products are fp8 wgmmas (k32), about 190 KB a tile.
 - Hopper's fp8 wgmma takes both operands K-major. O^T = V^T P^T needs V^T with the tile's
   keys contiguous: while S's MMAs run (asynchronously), the warpgroup copies the tile's V
   (its first 512 dims) transposed into a [512, 64] buffer, four keys by four dims a thread
-  (a register transpose of bytes), stale rows as zeros (a real cache holds NaN there).
+  (a register transpose of bytes); the split's last tile has its stale V rows zeroed first
+  (a real cache holds NaN there).
 - P (in [0, 1]) is scaled by 2^P_SHIFT before its cast to e4m3 (max 448), so values down
   to 2^-17 survive; the sum of the unscaled P normalizes O, and the epilogue divides the
   shift out with the cache's V scale.
@@ -47,6 +48,7 @@ from mlatune.kernels.gluon_common import (
     launch_dependents,
     online_softmax,
     tma_descriptors,
+    zero_stale_rows,
 )
 from mlatune.kernels.gluon_hopper_plan import BLOCK_N, PAGE_SIZE
 
@@ -92,13 +94,11 @@ _VT_STORE = gl.constexpr(gl.DistributedLinearLayout(
 
 
 @gluon.jit
-def _transpose_v(kn, vt, valid):
-    """The tile's V (keys x 512 dims, fp8) into ``vt`` as dims x keys, keys contiguous;
-    rows >= valid as zeros (4 warps). Each thread moves 4 keys x 4 dims at a time: four
-    4-byte loads, a byte transpose in registers, four 4-byte stores."""
+def _transpose_v(kn, vt):
+    """The tile's V (keys x 512 dims, fp8) into ``vt`` as dims x keys, keys contiguous (4
+    warps). Each thread moves 4 keys x 4 dims at a time: four 4-byte loads, a byte
+    transpose in registers, four 4-byte stores."""
     v = kn.load(_V_LOAD).to(gl.int8, bitcast=True)
-    keys = gl.arange(0, kn.shape[0], layout=gl.SliceLayout(1, _V_LOAD))
-    v = gl.where(gl.expand_dims(keys < valid, 1), v, gl.zeros_like(v))
     vt.store(gl.convert_layout(gl.permute(v, (1, 0)), _VT_STORE).to(vt.dtype, bitcast=True))
 
 
@@ -112,7 +112,7 @@ def _tile(q8_nope, q8_rope, kn, kr, vt, p_buf, n0, end, last_pos, keys, qk_cols,
     s = gl.zeros([BN, BR], gl.float32, layout=s_layout)
     s = warpgroup_mma(kn, q8_nope.permute((1, 0)), s, use_acc=False, is_async=True)
     s = warpgroup_mma(kr, q8_rope.permute((1, 0)), s, is_async=True)
-    _transpose_v(kn, vt, end - n0)  # while S's MMAs run
+    _transpose_v(kn, vt)  # while S's MMAs run
     fence_async_shared()  # V^T (generic-proxy writes) is read by wgmma
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
     p, m_i, l_i, alpha = online_softmax(s * gl.expand_dims(qk_cols, 0), n0, end, last_pos,
@@ -192,13 +192,16 @@ def transposed_fp8_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and th
     qk_cols = q_scales * (qk_scale * kv_scale)
     for i in range(n_tiles):
         nxt = i + STAGES - 1
-        fence_async_shared()  # the slot was read through the generic proxy (V's transpose)
+        fence_async_shared()  # the slot was read and written (stale rows) generically
         issue_kv(kn_desc, kr_desc, k_nope.index(nxt % STAGES), k_rope.index(nxt % STAGES),
                   ready.index(nxt % STAGES), bt_row, start + nxt * BN, nxt < n_tiles, PAGE)
         slot = i % STAGES
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        n0 = start + i * BN
+        if n0 + BN > end:  # the split's last tile: stale V rows (NaN in a real cache) to 0
+            zero_stale_rows(k_nope.index(slot), end - n0, num_warps)
         acc, m_i, l_i = _tile(q8_nope, q8_rope, k_nope.index(slot), k_rope.index(slot), vt,
-                              p_buf, start + i * BN, end, last_pos, keys, qk_cols, m_i, l_i,
+                              p_buf, n0, end, last_pos, keys, qk_cols, m_i, l_i,
                               acc, s_layout, num_warps)
 
     ints = (rb, b, split, num_splits, qlen, heads, stride_o_tok, stride_o_head, stride_lse_tok,
