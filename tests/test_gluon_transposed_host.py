@@ -74,3 +74,11 @@ def test_the_warp_specialized_form_refuses_what_it_cannot_widen(change, message)
     with pytest.raises(ValueError, match=message):
         ws.decode_launcher(q, cache, table, lens, qlen=1, sm_scale=0.1,
                            kv_scale=torch.ones(1), **change)
+
+
+def test_the_fp8_mma_form_reads_fp8_caches_only():
+    from mlatune.kernels import gluon_transposed_fp8 as f
+
+    q, cache, table, lens = _tensors()
+    with pytest.raises(ValueError, match="reads an fp8 cache only"):
+        f.decode_launcher(q, cache, table, lens, qlen=1, sm_scale=0.1)

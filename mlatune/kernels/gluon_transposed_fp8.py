@@ -1,5 +1,13 @@
 """The transposed Gluon decode over an fp8 cache with fp8 MMAs (EXPERIMENTAL: not a route).
 
+Measured once on the H200 (2026-12-01, session 10 call 7, ``benchmarks/gluon_check.py``), in
+the form before the split's last tile zeroed its stale rows (every tile then masked its V^T
+bytes instead): right everywhere (smoke 16/16, NaN stale slots, 1 and 5 splits; rel_l2
+0.028-0.048, FlashMLA's fp8 path 0.028-0.049), but slower than the widening kernels: 352.5
+us at (128, 16, 8192, 1) against 327.1 (``gluon_transposed_ws``) and FlashMLA's 249.9. The
+transpose runs in the MMA warpgroup between S's issue and its wait, in series with
+everything else. The current form is compiled (tests), not yet run on a GPU.
+
 Why: ``gluon_transposed`` and ``gluon_transposed_ws`` widen each fp8 tile to 16 bits in
 shared memory and run 16-bit MMAs. On the H200 that moves about 321 KB a 64-key tile through
 shared memory, at least 1.43 us a tile at its 128 B a cycle, more than the 1.34 us a tile
