@@ -6,8 +6,9 @@ The rows are Nsight Compute's per-SASS-instruction counters. A warp-specialized 
 starts with a branch that sends the default partition (warps 0-3: the loader here) to its
 code; the rows from that branch's target on are the loader's, the rows before it the worker
 partitions'. Each instruction's samples are put in one kind: an mbarrier wait (the try-wait
-and the branch that retries it), a warpgroup MMA issue or wait, a CTA barrier, a shared
-memory load or store, a local-memory (spill) load or store, or other (math, issue).
+and the branch that retries it), a warpgroup MMA issue or wait, a CTA barrier (bar.sync,
+and the NOPs ptxas puts beside them), a shared memory load or store, a local-memory (spill)
+load or store, or other (math, issue).
 """
 
 from __future__ import annotations
@@ -51,7 +52,10 @@ def loader_start(rows: list[dict[str, str]], sources: list[str]) -> int:
     for source in sources[:16]:
         jump = re.search(r"BRA (0x[0-9a-f]+)", source)
         if jump:
-            return addresses.index(int(jump.group(1), 16))
+            target = int(jump.group(1), 16)
+            if target not in addresses:
+                raise SystemExit(f"the first branch jumps to {target:#x}, not a row of the CSV")
+            return addresses.index(target)
     return len(rows)
 
 

@@ -316,12 +316,15 @@ def test_the_transposed_launcher_hands_ws_to_its_warp_specialized_form(monkeypat
     problem = _p(batch=2, kv_len=300, kv_dtype="fp8_e4m3fn")
     inputs = make_decode_inputs(problem, seed=11)
     shard = inputs.shards[0]
+    out = torch.empty(2, 16, 512, dtype=torch.bfloat16)
+    lse = torch.empty(2, 16)
+    kwargs = dict(qlen=1, sm_scale=0.1, causal=False, kv_scale=inputs.kv_scale, out=out, lse=lse,
+                  num_splits=4, max_seq_len=300, widen_cols=128, merge="reduce", pdl=True)
     gluon_transposed.decode_launcher(inputs.q, shard.kv_cache, shard.block_table,
-                                     shard.seq_lens, qlen=1, sm_scale=0.1, ws=True, pdl=True,
-                                     kv_scale=inputs.kv_scale, num_splits=4, merge="reduce")
+                                     shard.seq_lens, ws=True, **kwargs)
     (call,) = fake.calls
-    assert call["kv_cache"] is shard.kv_cache and call["kv_scale"] is inputs.kv_scale
-    assert (call["pdl"], call["num_splits"], call["merge"]) == (True, 4, "reduce")
+    assert call == dict(q=inputs.q, kv_cache=shard.kv_cache, block_table=shard.block_table,
+                        seq_lens=shard.seq_lens, **kwargs)
     # The warp-specialized form reads fp8 caches only: a 16-bit one is refused, not widened.
     monkeypatch.undo()
     bf16 = make_decode_inputs(_p(batch=2, kv_len=300), seed=12).shards[0]
