@@ -75,14 +75,16 @@ TRANSPOSED_F16 = "transposed/gluon ws f16"
 TRANSPOSED_F16_BITS = "transposed/gluon ws f16 bits"
 # fp8 only: fp8 MMAs, q quantized per row in the kernel (gluon_transposed_fp8.py)
 TRANSPOSED_FP8MMA = "transposed/gluon fp8mma"
+TRANSPOSED_FP8MMA_WS = "transposed/gluon fp8mma ws"  # ... V's transpose in its own partition
 VARIANTS = [FIRST, SEESAW, SEESAW_CHUNKED, TRANSPOSED, TRANSPOSED_PLAIN, TRANSPOSED_REDUCE,
-            TRANSPOSED_MERGE, TRANSPOSED_F16, TRANSPOSED_F16_BITS, TRANSPOSED_FP8MMA]
-FP8_ONLY = (TRANSPOSED_F16, TRANSPOSED_F16_BITS, TRANSPOSED_FP8MMA)
-QUANTIZE_Q = (TRANSPOSED_FP8MMA, )  # held to the quantized-q tolerance
+            TRANSPOSED_MERGE, TRANSPOSED_F16, TRANSPOSED_F16_BITS, TRANSPOSED_FP8MMA,
+            TRANSPOSED_FP8MMA_WS]
+FP8_ONLY = (TRANSPOSED_F16, TRANSPOSED_F16_BITS, TRANSPOSED_FP8MMA, TRANSPOSED_FP8MMA_WS)
+QUANTIZE_Q = (TRANSPOSED_FP8MMA, TRANSPOSED_FP8MMA_WS)  # held to the quantized-q tolerance
 FP8_VARIANTS = (TRANSPOSED, TRANSPOSED_PLAIN, TRANSPOSED_REDUCE, TRANSPOSED_MERGE, *FP8_ONLY)
 # Not run unless --experimental (a hang would stop the smoke, and with it every Gluon timing):
-# the fp8-MMA form's current code has not run on a GPU.
-EXPERIMENTAL: tuple[str, ...] = (TRANSPOSED_FP8MMA, )
+# the fp8-MMA forms' current code has not run on a GPU.
+EXPERIMENTAL: tuple[str, ...] = (TRANSPOSED_FP8MMA, TRANSPOSED_FP8MMA_WS)
 SKIPPED: set[str] = set()  # --skip (the child smoke run gets it through the environment)
 DEVICE = "cuda"  # a dry run of the plumbing may set "cpu" (with a stand-in kernel)
 
@@ -113,9 +115,10 @@ def gluon_prepare(problem, inputs, num_splits=None, variant=FIRST):
     if variant == FIRST:
         from mlatune.kernels.gluon_hopper import decode_launcher
         return decode_launcher(*args, **kwargs)
-    if variant == TRANSPOSED_FP8MMA:
+    if variant in (TRANSPOSED_FP8MMA, TRANSPOSED_FP8MMA_WS):
         from mlatune.kernels.gluon_transposed_fp8 import decode_launcher as fp8_launcher
-        return fp8_launcher(*args, **kwargs, kv_scale=inputs.kv_scale, pdl=True)
+        return fp8_launcher(*args, **kwargs, kv_scale=inputs.kv_scale, pdl=True,
+                            ws=variant == TRANSPOSED_FP8MMA_WS)
     if variant in FP8_ONLY:
         from mlatune.kernels.gluon_transposed_ws import decode_launcher as ws_launcher
         return ws_launcher(*args, **kwargs, kv_scale=inputs.kv_scale, pdl=True, f16=True,

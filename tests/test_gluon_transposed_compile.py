@@ -185,16 +185,19 @@ def test_the_paired_conversion_widens_fp8_for_fp16_mmas():
     assert "cvt.rn.f16x2.e4m3x2" not in bits.asm["ptx"] and "prmt.b32" in bits.asm["ptx"]
 
 
-@pytest.mark.parametrize(("rows", "direct"), [(16, True), (32, False)])
-def test_the_fp8_mma_form_runs_both_products_in_fp8(rows, direct):
+@pytest.mark.parametrize(("rows", "direct", "ws"), [(16, True, False), (32, False, False),
+                                                   (16, False, True), (32, True, True)])
+def test_the_fp8_mma_form_runs_both_products_in_fp8(rows, direct, ws):
     """``gluon_transposed_fp8`` (experimental): 18 k32 e4m3 MMAs for S^T (512 + 64 dims) and
     16 for O^T (8 blocks of 64 dims x 2 key steps), q quantized in the kernel (one cvt to
-    e4m3 pair a 2 values), V^T by byte permutes; within shared memory."""
+    e4m3 pair a 2 values), V^T by byte permutes; within shared memory. ``ws``: the
+    transpose in a partition of its own (setmaxnreg)."""
     _needs_gluon_triton()
     from mlatune.kernels import gluon_transposed_fp8 as f
 
-    compiled = f.aot_compile("bf16", rows=rows, direct=direct)
+    compiled = f.aot_compile("bf16", rows=rows, direct=direct, ws=ws)
     ptx = compiled.asm["ptx"]
+    assert ("setmaxnreg" in ptx) == ws
     assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{rows}k32.f32.e4m3.e4m3") == 18 + 16
     assert "wgmma.mma_async.sync.aligned.m64n16k16" not in ptx  # nothing widened to 16 bits
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "prmt.b32" in ptx
