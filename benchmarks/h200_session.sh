@@ -30,6 +30,8 @@
 #   resweep        sweeps/h200{,-traffic,-heldout}.toml for the seesaw and transposed Gluon
 #                  routes (their current param sets) on all GPUs, into runs/g-<spec>
 #   gluontests     pytest -m gpu tests/test_gluon_gpu.py
+#   fp8mma         gluon_check.py over fp8 caches with the experimental fp8-MMA kernels
+#                  (gluon_transposed_fp8: one warpgroup, and warp-specialized) beside the route
 # Vendor libraries (FlashMLA, FlashInfer) come as wheels installed before this script runs,
 # with PYTHONPATH pointing at them (the script keeps it).
 # Everything it makes goes under $OUT (logs, tables and the journals, gzipped).
@@ -111,6 +113,11 @@ for step in "$@"; do
     resweep) for spec in h200 h200-traffic h200-heldout; do
                sweep "g-$spec" "sweeps/$spec.toml" "$NGPU" --routes seesaw/gluon,transposed/gluon
              done ;;
+    fp8mma) timeout 200 python3 benchmarks/gluon_check.py --out "$OUT/gluon-fp8mma" --kv fp8 \
+              --experimental --budget 170 --smoke-timeout 90 --skip "wgmma/gluon,seesaw/gluon,\
+seesaw/gluon chunked,transposed/gluon plain,transposed/gluon reduce,transposed/gluon merge,\
+transposed/gluon ws f16 bits" > "$OUT/fp8mma.log" 2>&1
+            log "fp8mma: rc=$?"; grep "smoke:\|fp8mma\|best gluon" "$OUT/fp8mma.log" | tee -a "$OUT/session.log" ;;
     gluontests) s=$(date +%s)
                 timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gluon_gpu.py \
                   > "$OUT/gluon-tests.log" 2>&1
