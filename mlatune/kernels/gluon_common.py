@@ -1,13 +1,14 @@
 """What mlatune's Hopper Gluon decodes share (``gluon_hopper``, ``gluon_seesaw``,
-``gluon_transposed``, ``gluon_transposed_ws``), written against triton 3.6.0's Gluon API.
+``gluon_transposed``, ``gluon_transposed_ws``, ``gluon_transposed_fp8``), written against
+triton 3.6.0's Gluon API.
 
 Host: whether this triton can run them, the shared-memory layouts and TMA descriptors of q
 and the paged cache, their out, LSE and split count, the fp32 split partials with the reduce
 launch that merges them, and the ahead-of-time compile (no GPU). Device: a tile's TMA copy
-from the block table, the zeroing of stale cache rows, a split's key range, each row's last
-key, a tile's online softmax, the rows' LSE store and the signal that lets a dependent
-launch start. The first kernel (``gluon_hopper``) computes its key range, partials and LSE
-store inline; the others call these.
+from the block table, the zeroing of stale cache rows (16-bit or fp8), a program's request
+and its split's key range, each row's last key, a tile's online softmax, the rows' LSE store
+and the signal that lets a dependent launch start. The first kernel (``gluon_hopper``)
+computes its key range, partials and LSE store inline; the others call these.
 """
 
 from __future__ import annotations
@@ -176,6 +177,22 @@ def launch_dependents():
     itself); a no-op otherwise."""
     gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
                               dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def program_keys(seq_lens_ptr, num_splits, qlen, heads, BM: gl.constexpr, BN: gl.constexpr,
+                 CAUSAL: gl.constexpr, PDL: gl.constexpr):
+    """This program's (row block, split, request), its request's length and its split's keys
+    [start, end) with their tile count (``key_range``); with ``PDL`` it first lets the
+    dependent reduce kernel launch (it waits for the partials itself)."""
+    rb = gl.program_id(0)
+    split = gl.program_id(1)
+    b = gl.program_id(2)
+    if PDL:
+        launch_dependents()
+    seq_len = gl.load(seq_lens_ptr + b)
+    start, end, n_tiles = key_range(seq_len, rb, split, num_splits, qlen, heads, BM, BN, CAUSAL)
+    return rb, split, b, seq_len, start, end, n_tiles
 
 
 @gluon.jit

@@ -88,12 +88,12 @@ from mlatune.kernels.gluon_common import (
     LOG2E,
     aot_compile_kernel,
     issue_kv,
-    key_range,
     last_keys,
     nvmma_layout,
     online_softmax,
     outputs_and_splits,
     partials_and_merge,
+    program_keys,
     store_row_lse,
     tma_descriptors,
     zero_stale_rows,
@@ -470,11 +470,8 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache'
     BM: gl.constexpr = qn_desc.block_type.shape[0]
     BN: gl.constexpr = kn_desc.block_type.shape[0]
     dtype: gl.constexpr = qn_desc.dtype
-    rb = gl.program_id(0)
-    split = gl.program_id(1)
-    b = gl.program_id(2)
-    seq_len = gl.load(seq_lens_ptr + b)
-    start, end, n_tiles = key_range(seq_len, rb, split, num_splits, qlen, heads, BM, BN, CAUSAL)
+    rb, split, b, seq_len, start, end, n_tiles = program_keys(
+        seq_lens_ptr, num_splits, qlen, heads, BM, BN, CAUSAL, False)
 
     q_nope = gl.allocate_shared_memory(dtype, qn_desc.block_type.shape, qn_desc.layout)
     q_rope = gl.allocate_shared_memory(dtype, qr_desc.block_type.shape, qr_desc.layout)

@@ -63,12 +63,11 @@ from mlatune.kernels.gluon_common import (
     aot_compile_kernel,
     gluon_available,
     issue_kv,
-    key_range,
     last_keys,
-    launch_dependents,
     online_softmax,
     outputs_and_splits,
     partials_and_merge,
+    program_keys,
     store_row_lse,
     tma_descriptors,
     zero_stale_rows,
@@ -294,13 +293,8 @@ def transposed_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the ca
     DN: gl.constexpr = kn_desc.block_type.shape[1]
     DR: gl.constexpr = kr_desc.block_type.shape[1]
     dtype: gl.constexpr = qn_desc.dtype
-    rb = gl.program_id(0)
-    split = gl.program_id(1)
-    b = gl.program_id(2)
-    if PDL:  # the reduce kernel may launch now; it waits for these partials
-        launch_dependents()
-    seq_len = gl.load(seq_lens_ptr + b)
-    start, end, n_tiles = key_range(seq_len, rb, split, num_splits, qlen, heads, BR, BN, CAUSAL)
+    rb, split, b, seq_len, start, end, n_tiles = program_keys(
+        seq_lens_ptr, num_splits, qlen, heads, BR, BN, CAUSAL, PDL)
 
     q_nope = gl.allocate_shared_memory(dtype, [BR, DN], qn_desc.layout)
     q_rope = gl.allocate_shared_memory(dtype, [BR, DR], qr_desc.layout)

@@ -56,10 +56,9 @@ from mlatune.kernels import gluon_transposed as base
 from mlatune.kernels.gluon_common import (
     aot_compile_kernel,
     issue_kv,
-    key_range,
     last_keys,
-    launch_dependents,
     online_softmax,
+    program_keys,
     tma_descriptors,
     zero_stale_rows,
 )
@@ -71,6 +70,21 @@ E4M3_MAX = gl.constexpr(448.0)
 
 __all__ = ["aot_compile", "decode_launcher", "transposed_fp8_kernel", "transposed_fp8_ws_kernel",
            "ws_stages"]
+
+
+@gluon.jit
+def _q_buffers(qn_desc, qr_desc, fp8: gl.constexpr):
+    """Shared memory for Q's two parts as they land (16-bit) and quantized (fp8)."""
+    BR: gl.constexpr = qn_desc.block_type.shape[0]
+    DN: gl.constexpr = qn_desc.block_type.shape[1]
+    DR: gl.constexpr = qr_desc.block_type.shape[1]
+    q_nope = gl.allocate_shared_memory(qn_desc.dtype, [BR, DN], qn_desc.layout)
+    q_rope = gl.allocate_shared_memory(qr_desc.dtype, [BR, DR], qr_desc.layout)
+    q8_nope = gl.allocate_shared_memory(fp8, [BR, DN],
+                                        gl.NVMMASharedLayout.get_default_for([BR, DN], fp8))
+    q8_rope = gl.allocate_shared_memory(fp8, [BR, DR],
+                                        gl.NVMMASharedLayout.get_default_for([BR, DR], fp8))
+    return q_nope, q_rope, q8_nope, q8_rope
 
 
 @gluon.jit
@@ -166,20 +180,9 @@ def transposed_fp8_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and th
     DN: gl.constexpr = kn_desc.block_type.shape[1]
     DR: gl.constexpr = kr_desc.block_type.shape[1]
     fp8: gl.constexpr = kn_desc.dtype
-    rb = gl.program_id(0)
-    split = gl.program_id(1)
-    b = gl.program_id(2)
-    if PDL:  # the reduce kernel may launch now; it waits for these partials
-        launch_dependents()
-    seq_len = gl.load(seq_lens_ptr + b)
-    start, end, n_tiles = key_range(seq_len, rb, split, num_splits, qlen, heads, BR, BN, CAUSAL)
-
-    q_nope = gl.allocate_shared_memory(qn_desc.dtype, [BR, DN], qn_desc.layout)
-    q_rope = gl.allocate_shared_memory(qr_desc.dtype, [BR, DR], qr_desc.layout)
-    q8_nope = gl.allocate_shared_memory(fp8, [BR, DN],
-                                        gl.NVMMASharedLayout.get_default_for([BR, DN], fp8))
-    q8_rope = gl.allocate_shared_memory(fp8, [BR, DR],
-                                        gl.NVMMASharedLayout.get_default_for([BR, DR], fp8))
+    rb, split, b, seq_len, start, end, n_tiles = program_keys(
+        seq_lens_ptr, num_splits, qlen, heads, BR, BN, CAUSAL, PDL)
+    q_nope, q_rope, q8_nope, q8_rope = _q_buffers(qn_desc, qr_desc, fp8)
     k_nope = gl.allocate_shared_memory(fp8, [STAGES, BN, DN], kn_desc.layout)
     k_rope = gl.allocate_shared_memory(fp8, [STAGES, BN, DR], kr_desc.layout)
     vt = gl.allocate_shared_memory(fp8, [DN, BN],
@@ -355,20 +358,9 @@ def transposed_fp8_ws_kernel(qn_desc, qr_desc, kn_desc, kr_desc,
     DN: gl.constexpr = kn_desc.block_type.shape[1]
     DR: gl.constexpr = kr_desc.block_type.shape[1]
     fp8: gl.constexpr = kn_desc.dtype
-    rb = gl.program_id(0)
-    split = gl.program_id(1)
-    b = gl.program_id(2)
-    if PDL:  # the reduce kernel may launch now; it waits for these partials
-        launch_dependents()
-    seq_len = gl.load(seq_lens_ptr + b)
-    start, end, n_tiles = key_range(seq_len, rb, split, num_splits, qlen, heads, BR, BN, CAUSAL)
-
-    q_nope = gl.allocate_shared_memory(qn_desc.dtype, [BR, DN], qn_desc.layout)
-    q_rope = gl.allocate_shared_memory(qr_desc.dtype, [BR, DR], qr_desc.layout)
-    q8_nope = gl.allocate_shared_memory(fp8, [BR, DN],
-                                        gl.NVMMASharedLayout.get_default_for([BR, DN], fp8))
-    q8_rope = gl.allocate_shared_memory(fp8, [BR, DR],
-                                        gl.NVMMASharedLayout.get_default_for([BR, DR], fp8))
+    rb, split, b, seq_len, start, end, n_tiles = program_keys(
+        seq_lens_ptr, num_splits, qlen, heads, BR, BN, CAUSAL, PDL)
+    q_nope, q_rope, q8_nope, q8_rope = _q_buffers(qn_desc, qr_desc, fp8)
     k_nope = gl.allocate_shared_memory(fp8, [STAGES_WS, BN, DN], kn_desc.layout)
     k_rope = gl.allocate_shared_memory(fp8, [STAGES_WS, BN, DR], kr_desc.layout)
     vts = gl.allocate_shared_memory(fp8, [2, DN, BN],

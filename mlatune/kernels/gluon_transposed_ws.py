@@ -37,9 +37,8 @@ from mlatune.kernels import gluon_hopper_plan as plan
 from mlatune.kernels import gluon_transposed as base
 from mlatune.kernels.gluon_common import (
     aot_compile_kernel,
-    key_range,
     last_keys,
-    launch_dependents,
+    program_keys,
     tma_descriptors,
 )
 from mlatune.kernels.gluon_hopper_plan import PAGE_SIZE
@@ -146,14 +145,8 @@ def transposed_ws_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # kn/kr: 32-key fp
     DN: gl.constexpr = kn_desc.block_type.shape[1]
     DR: gl.constexpr = kr_desc.block_type.shape[1]
     dtype: gl.constexpr = qn_desc.dtype
-    rb = gl.program_id(0)
-    split = gl.program_id(1)
-    b = gl.program_id(2)
-    if PDL:  # the reduce kernel may launch now; it waits for these partials
-        launch_dependents()
-    seq_len = gl.load(seq_lens_ptr + b)
-    start, end, n_tiles = key_range(seq_len, rb, split, num_splits, qlen, heads, BR, 2 * H,
-                                    CAUSAL)
+    rb, split, b, seq_len, start, end, n_tiles = program_keys(
+        seq_lens_ptr, num_splits, qlen, heads, BR, 2 * H, CAUSAL, PDL)
 
     q_nope = gl.allocate_shared_memory(dtype, [BR, DN], qn_desc.layout)
     q_rope = gl.allocate_shared_memory(dtype, [BR, DR], qr_desc.layout)
