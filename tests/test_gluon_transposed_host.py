@@ -115,3 +115,22 @@ def test_f16_mmas_copy_a_bf16_q_into_fp16_at_each_launch(monkeypatch):
     q.copy_(torch.randn_like(q))  # a new step's q, written in place
     run()
     assert torch.equal(seen["at_run"], q.to(torch.float16))
+
+
+def test_gluon_check_keeps_unrun_kernels_behind_experimental_and_quantized_q_honest():
+    """benchmarks/gluon_check.py: fp8-only variants never run over 16-bit caches, those held
+    to the quantized-q tolerance are fp8-only, and the experimental ones leave the variant
+    lists unless asked for (a hang in the smoke child would stop every Gluon timing)."""
+    import benchmarks.gluon_check as gc
+
+    assert set(gc.QUANTIZE_Q) <= set(gc.FP8_ONLY) and set(gc.EXPERIMENTAL) <= set(gc.VARIANTS)
+    assert not set(gc.variants_for("bf16")) & set(gc.FP8_ONLY)
+    assert set(gc.FP8_ONLY) <= set(gc.variants_for("fp8")) | gc.SKIPPED
+    saved = set(gc.SKIPPED)
+    try:
+        gc.SKIPPED.update(gc.EXPERIMENTAL)
+        assert not set(gc.variants_for("fp8")) & set(gc.EXPERIMENTAL)
+        assert gc.TRANSPOSED in gc.variants_for("fp8")
+    finally:
+        gc.SKIPPED.clear()
+        gc.SKIPPED.update(saved)

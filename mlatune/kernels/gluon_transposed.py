@@ -278,6 +278,24 @@ def _merge_if_last(ptrs, counter_ptr, ints, BR: gl.constexpr, DN: gl.constexpr,
         gl.store(counter, 0)
 
 
+@gluon.jit
+def _start_copies(descs, q_bufs, ring, q_bar, ready, bt_row, q_row, start, n_tiles,
+                  PAGE: gl.constexpr):
+    """Q's TMA copy and the first tiles' (all the ring's slots but one); returns the
+    request's block-table row."""
+    qn_desc, qr_desc, kn_desc, kr_desc = descs
+    k_nope, k_rope = ring
+    STAGES: gl.constexpr = k_nope.shape[0]
+    BN: gl.constexpr = k_nope.shape[1]
+    mbarrier.expect(q_bar, qn_desc.block_type.nbytes + qr_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(qn_desc, [q_row, 0], q_bar, q_bufs[0])
+    tma.async_copy_global_to_shared(qr_desc, [q_row, 0], q_bar, q_bufs[1])
+    for i in gl.static_range(STAGES - 1):
+        issue_kv(kn_desc, kr_desc, k_nope.index(i), k_rope.index(i), ready.index(i), bt_row,
+                  start + i * BN, i < n_tiles, PAGE)
+    return bt_row
+
+
 @gluon.jit(do_not_specialize=["num_splits", "qlen", "heads"])
 def transposed_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache's parts
                       bt_ptr, seq_lens_ptr, kv_scale_ptr, out_ptr, lse_ptr,
@@ -314,13 +332,9 @@ def transposed_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the ca
         kr16 = gl.allocate_shared_memory(dtype, [BN, DR], wide)
     fence_async_shared()
 
-    mbarrier.expect(q_bar, qn_desc.block_type.nbytes + qr_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(qn_desc, [b * qlen * heads + rb * BR, 0], q_bar, q_nope)
-    tma.async_copy_global_to_shared(qr_desc, [b * qlen * heads + rb * BR, 0], q_bar, q_rope)
-    bt_row = bt_ptr + b.to(gl.int64) * stride_bt
-    for i in gl.static_range(STAGES - 1):
-        issue_kv(kn_desc, kr_desc, k_nope.index(i), k_rope.index(i), ready.index(i), bt_row,
-                  start + i * BN, i < n_tiles, PAGE)
+    bt_row = _start_copies((qn_desc, qr_desc, kn_desc, kr_desc), (q_nope, q_rope),
+                           (k_nope, k_rope), q_bar, ready, bt_ptr + b.to(gl.int64) * stride_bt,
+                           b * qlen * heads + rb * BR, start, n_tiles, PAGE)
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BR, 16])

@@ -197,13 +197,10 @@ def transposed_fp8_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and th
         mbarrier.init(ready.index(i), count=1)
     fence_async_shared()
 
-    mbarrier.expect(q_bar, qn_desc.block_type.nbytes + qr_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(qn_desc, [b * qlen * heads + rb * BR, 0], q_bar, q_nope)
-    tma.async_copy_global_to_shared(qr_desc, [b * qlen * heads + rb * BR, 0], q_bar, q_rope)
-    bt_row = bt_ptr + b.to(gl.int64) * stride_bt
-    for i in gl.static_range(STAGES - 1):
-        issue_kv(kn_desc, kr_desc, k_nope.index(i), k_rope.index(i), ready.index(i), bt_row,
-                  start + i * BN, i < n_tiles, PAGE)
+    bt_row = base._start_copies((qn_desc, qr_desc, kn_desc, kr_desc), (q_nope, q_rope),
+                                (k_nope, k_rope), q_bar, ready,
+                                bt_ptr + b.to(gl.int64) * stride_bt, b * qlen * heads + rb * BR,
+                                start, n_tiles, PAGE)
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BR, 32])
