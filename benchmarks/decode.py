@@ -2,7 +2,7 @@
 
 Routes: mlatune's Triton and Gluon decode families and, where their libraries are installed,
 FlashMLA (``dense/flashmla``) and FlashInfer (``fa3/flashinfer``, ``fa2/flashinfer``),
-all on the same inputs in one run (issue 5's points and targets, issue 15's vendors).
+all on the same inputs in one run (issue 5's points, issue 15's vendors, issue 19's targets).
 
 For each point (batch, heads, kv_len, qlen) and KV dtype (bf16; fp8 e4m3fn with
 a bf16 q), every viable own route runs with each parameter set of its
@@ -11,7 +11,7 @@ reported and not timed), then timed by CUDA-graph replay. Small problems
 rotate over several input copies inside one graph so that the KV is read from
 HBM, not the 60 MB L2. Reported: median time per call (us), TB/s
 (problem.min_bytes() / t) and TFLOP/s (problem.flops() / t), best parameters
-per route, and the issue's targets for the best route.
+per route, and issue 19's targets for mlatune's own best route (against FlashMLA's).
 
     PYTHONPATH=$PWD python benchmarks/decode.py --out benchmarks/results
 """
@@ -42,11 +42,17 @@ from mlatune.problem import MLAProblem
 POINTS = [(1, 16, 4096, 1), (16, 16, 4096, 1), (64, 16, 4096, 1), (128, 16, 8192, 1),
           (128, 16, 4096, 4), (64, 8, 4096, 1), (64, 64, 4096, 1), (128, 128, 4096, 1),
           (8, 128, 32768, 1), (128, 16, 4096, 2)]
-# The issue's targets for the best route at a point (bf16): (metric, bound, sense).
-TARGETS = {(1, 16, 4096, 1): ("time_us", 12.0, "<="), (128, 16, 8192, 1): ("tb_s", 3.9, ">="),
-           (64, 64, 4096, 1): ("time_us", 110.0, "<="),
-           (128, 128, 4096, 1): ("time_us", 400.0, "<=")}
-BENCHED_BACKENDS = ("/triton", "/gluon", "/flashmla", "/flashinfer")
+# Issue 19's targets for mlatune's own best route at a point (bf16): (metric, bound, sense);
+# "vs_flashmla" is its time over FlashMLA's best in the same run.
+TARGETS = {(1, 16, 4096, 1): ("time_us", 15.0, "<="), (128, 16, 8192, 1): ("tb_s", 4.0, ">="),
+           (64, 16, 4096, 1): ("vs_flashmla", 1.00, "<="),
+           **dict.fromkeys([(128, 128, 4096, 1), (64, 64, 4096, 1), (8, 128, 32768, 1),
+                            (128, 16, 4096, 2), (128, 16, 4096, 4)], ("vs_flashmla", 1.10, "<="))}
+# ... and over an fp8 cache at this point: at most 0.6x the own bf16 time and at most
+# FlashMLA's fp8 time.
+FP8_TARGET_POINT = (128, 16, 8192, 1)
+VENDOR_BACKENDS = ("/flashmla", "/flashinfer")
+BENCHED_BACKENDS = ("/triton", "/gluon", *VENDOR_BACKENDS)
 KV_DTYPES = {"bf16": ("bf16", "bf16"), "fp8": ("bf16", "fp8_e4m3fn")}
 ROTATE_BYTES = 4 * 60e6  # rotate copies until the KV read per replay is 4x the H200's L2
 MAX_COPIES = 32
@@ -168,16 +174,39 @@ def best_per_route(results: list[Result]) -> dict[str, Result]:
     return best
 
 
-def target_note(point, best: Result | None) -> str:
+def own_and_flashmla(best: dict[str, Result]) -> tuple[Result | None, Result | None]:
+    """The fastest of mlatune's own routes and FlashMLA's best, from the best per route."""
+    own = [r for route, r in best.items() if not route.endswith(VENDOR_BACKENDS)]
+    return min(own, key=lambda r: r.time_us, default=None), best.get("dense/flashmla")
+
+
+def target_note(point, best: dict[str, Result]) -> str:
+    """Issue 19's target at a bf16 point, judged on mlatune's own best route."""
     if point not in TARGETS:
         return ""
     metric, bound, sense = TARGETS[point]
-    if best is None:
-        return f"target {metric} {sense} {bound}: no route ran"
-    value = getattr(best, metric)
+    own, flashmla = own_and_flashmla(best)
+    if own is None or (metric == "vs_flashmla" and flashmla is None):
+        return f"target {metric} {sense} {bound}: not measured (a route did not run)"
+    value = own.time_us / flashmla.time_us if metric == "vs_flashmla" else getattr(own, metric)
     met = value <= bound if sense == "<=" else value >= bound
-    miss = "" if met else (f", missed by {abs(value - bound) / bound:.0%}")
-    return f"target {metric} {sense} {bound}: {value:.2f} {'met' if met else 'MISSED'}{miss}"
+    return (f"target {metric} {sense} {bound}: {own.route} {value:.2f} "
+            f"{'met' if met else 'MISSED'}")
+
+
+def fp8_target_note(results: list[Result]) -> str:
+    """The fp8 target: own fp8 time <= 0.6x own bf16 time and <= FlashMLA's fp8 time."""
+    def best_at(kv):
+        return own_and_flashmla(best_per_route(
+            [r for r in results if r.point == FP8_TARGET_POINT and r.kv == kv]))
+    (own8, flashmla8), (own16, _) = best_at("fp8"), best_at("bf16")
+    if own8 is None or own16 is None or flashmla8 is None:
+        return ""
+    met = own8.time_us <= 0.6 * own16.time_us and own8.time_us <= flashmla8.time_us
+    return (f"target fp8 at {FP8_TARGET_POINT}: {own8.route} {own8.time_us:.1f} us, "
+            f"{own8.time_us / own16.time_us:.2f}x own bf16 (<= 0.6), "
+            f"{own8.time_us / flashmla8.time_us:.2f}x FlashMLA fp8 (<= 1): "
+            f"{'met' if met else 'MISSED'}")
 
 
 def write_outputs(out_dir: Path, results: list[Result], header: dict) -> None:
@@ -210,13 +239,12 @@ def write_outputs(out_dir: Path, results: list[Result], header: dict) -> None:
             failed = [r for r in here if r.status != "ok"]
             for r in failed:
                 notes.append(f"- {point} {kv} {r.route} `{json.dumps(r.params)}`: {r.status}")
-            if kv == "bf16":
-                overall = min(best.values(), key=lambda r: r.time_us, default=None)
-                note = target_note(point, overall)
-                if note:
-                    notes.append(f"- {point} bf16 best ({overall.route if overall else '-'}): "
-                                 f"{note}")
-    lines += ["", "## Targets and failures", "", *notes, ""]
+            note = target_note(point, best) if kv == "bf16" else ""
+            if note:
+                notes.append(f"- {point} bf16, mlatune's best: {note}")
+    fp8_note = fp8_target_note(results)
+    notes += [f"- {fp8_note}"] if fp8_note else []
+    lines += ["", "## Issue 19's targets and failures", "", *notes, ""]
     md_path = out_dir / f"decode-{stamp}.md"
     md_path.write_text("\n".join(lines))
     print(f"wrote {csv_path} and {md_path}")
@@ -264,12 +292,12 @@ def main(argv: list[str] | None = None) -> int:
             best = best_per_route(here)
             for route, r in sorted(best.items(), key=lambda x: x[1].time_us):
                 print(f"  best {route:18s} {_fmt(r)} {json.dumps(r.params)}")
-            if kv == "bf16":
-                overall = min(best.values(), key=lambda r: r.time_us, default=None)
-                note = target_note(point, overall)
-                if note:
-                    print(f"  {note}")
+            note = target_note(point, best) if kv == "bf16" else ""
+            if note:
+                print(f"  {note}")
             print(f"  [{time.time() - started:.0f} s elapsed]", flush=True)
+    if fp8_target_note(results):
+        print(fp8_target_note(results))
     if args.out is not None:
         write_outputs(args.out, results, header)
     return 0

@@ -134,3 +134,28 @@ def test_gluon_check_keeps_unrun_kernels_behind_experimental_and_quantized_q_hon
     finally:
         gc.SKIPPED.clear()
         gc.SKIPPED.update(saved)
+
+
+def test_decode_benchmark_judges_issue_19_targets_on_own_routes_against_flashmla():
+    """benchmarks/decode.py: a target is met or missed by mlatune's fastest own route, a
+    vendor route (FlashMLA, FlashInfer) never counts as mlatune's, and the fp8 target needs
+    both 0.6x the own bf16 time and FlashMLA's fp8 time."""
+    from benchmarks import decode as d
+
+    def result(point, kv, route, us):
+        return d.Result(point, kv, route, {}, "ok", time_us=us, tb_s=1.0)
+
+    p = (128, 128, 4096, 1)
+    best = {"seesaw/gluon": result(p, "bf16", "seesaw/gluon", 110.0),
+            "fa3/flashinfer": result(p, "bf16", "fa3/flashinfer", 90.0),
+            "dense/flashmla": result(p, "bf16", "dense/flashmla", 100.0)}
+    assert "seesaw/gluon 1.10 met" in d.target_note(p, best)
+    best["seesaw/gluon"] = result(p, "bf16", "seesaw/gluon", 111.0)
+    assert "MISSED" in d.target_note(p, best)
+    assert "not measured" in d.target_note(p, {"fa3/flashinfer": best["fa3/flashinfer"]})
+    f = d.FP8_TARGET_POINT
+    runs = [result(f, "bf16", "transposed/gluon", 280.0),
+            result(f, "fp8", "transposed/gluon", 160.0), result(f, "fp8", "dense/flashmla", 250.0)]
+    assert d.fp8_target_note(runs).endswith("met")
+    runs[1] = result(f, "fp8", "transposed/gluon", 200.0)  # beats FlashMLA, not 0.6x bf16
+    assert d.fp8_target_note(runs).endswith("MISSED")
