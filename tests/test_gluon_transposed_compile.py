@@ -133,8 +133,9 @@ def test_split_builds_merge_in_the_kernel_after_one_release_unless_reduced(compi
 
 @pytest.mark.parametrize(("dtype", "rows", "direct"), [("bf16", 16, True), ("fp16", 32, False)])
 def test_the_warp_specialized_fp8_form_compiles_without_spills(dtype, rows, direct):
-    """``gluon_transposed_ws`` (experimental, not a route): the same 68 MMAs in q's dtype,
-    three partitions (setmaxnreg), within shared memory and without local memory."""
+    """``gluon_transposed_ws`` (what transposed/gluon's fp8 param sets run): the same 68
+    MMAs in q's dtype, three partitions (setmaxnreg), within shared memory and without
+    local memory."""
     _needs_gluon_triton()
     from mlatune.kernels import gluon_transposed_ws as ws
 
@@ -147,8 +148,9 @@ def test_the_warp_specialized_fp8_form_compiles_without_spills(dtype, rows, dire
 
 
 def test_pdl_builds_let_the_reduce_kernel_launch_early():
-    """``pdl=True`` (experimental): the split kernel signals its dependents at once and the
-    reduce kernel waits on the grid dependency; a default build has neither."""
+    """``pdl=True`` (transposed/gluon's param sets ask for it): the split kernel signals its
+    dependents at once and the reduce kernel waits on the grid dependency; a default build
+    has neither."""
     _needs_gluon_triton()
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import ASTSource
@@ -190,7 +192,7 @@ def test_the_paired_conversion_widens_fp8_for_fp16_mmas():
 def test_the_fp8_mma_form_runs_both_products_in_fp8(rows, direct, ws):
     """``gluon_transposed_fp8`` (experimental): 18 k32 e4m3 MMAs for S^T (512 + 64 dims) and
     16 for O^T (8 blocks of 64 dims x 2 key steps), q quantized in the kernel (one cvt to
-    e4m3 pair a 2 values), V^T by byte permutes; within shared memory. ``ws``: the
+    an e4m3 pair per two values), V^T by byte permutes; within shared memory. ``ws``: the
     transpose in a partition of its own (setmaxnreg)."""
     _needs_gluon_triton()
     from mlatune.kernels import gluon_transposed_fp8 as f
