@@ -51,7 +51,7 @@ POINTS = [  # (batch, heads, kv_len, qlen, kv dtype): q is bf16
     (1, 16, 4096, 1, "bf16"), (64, 16, 4096, 1, "bf16"), (128, 16, 8192, 1, "bf16"),
     (128, 16, 4096, 2, "bf16"), (128, 16, 4096, 4, "bf16"), (64, 64, 4096, 1, "bf16"),
     (128, 128, 4096, 1, "bf16"), (8, 128, 32768, 1, "bf16"), (128, 16, 8192, 1, "fp8"),
-    (64, 16, 4096, 1, "fp8"), (1, 16, 4096, 1, "fp8"),
+    (64, 16, 4096, 1, "fp8"), (1, 16, 4096, 1, "fp8"), (128, 16, 4096, 2, "fp8"),
 ]
 SMOKE = [  # (batch, heads, kv_len, qlen, dtype (q; the cache too unless fp8), num_splits)
     (3, 16, 300, 1, "bf16", 1), (3, 16, 300, 1, "bf16", 3), (2, 16, 200, 2, "bf16", 1),
@@ -73,18 +73,20 @@ TRANSPOSED_MERGE = "transposed/gluon merge"  # ... by the last split, whatever t
 # widened by the paired conversion instruction (cvt) or by bit moves
 TRANSPOSED_F16 = "transposed/gluon ws f16"
 TRANSPOSED_F16_BITS = "transposed/gluon ws f16 bits"
-# fp8 only: fp8 MMAs, q quantized per row in the kernel (gluon_transposed_fp8.py)
+# fp8 only: fp8 MMAs (gluon_transposed_fp8.py: the route's fp8_mma sets), q as two e4m3
+# terms, and as one (q quantized per row: held to the quantized-q tolerance)
 TRANSPOSED_FP8MMA = "transposed/gluon fp8mma"
-TRANSPOSED_FP8MMA_WS = "transposed/gluon fp8mma ws"  # ... V's transpose in its own partition
+TRANSPOSED_FP8MMA_1TERM = "transposed/gluon fp8mma 1term"
 VARIANTS = [FIRST, SEESAW, SEESAW_CHUNKED, TRANSPOSED, TRANSPOSED_PLAIN, TRANSPOSED_REDUCE,
             TRANSPOSED_MERGE, TRANSPOSED_F16, TRANSPOSED_F16_BITS, TRANSPOSED_FP8MMA,
-            TRANSPOSED_FP8MMA_WS]
-FP8_ONLY = (TRANSPOSED_F16, TRANSPOSED_F16_BITS, TRANSPOSED_FP8MMA, TRANSPOSED_FP8MMA_WS)
-QUANTIZE_Q = (TRANSPOSED_FP8MMA, TRANSPOSED_FP8MMA_WS)  # held to the quantized-q tolerance
+            TRANSPOSED_FP8MMA_1TERM]
+# held to the quantized-q tolerance: P is rounded to e4m3 (and q, with one term)
+QUANTIZE_Q = (TRANSPOSED_FP8MMA, TRANSPOSED_FP8MMA_1TERM)
+FP8_ONLY = (TRANSPOSED_F16, TRANSPOSED_F16_BITS, TRANSPOSED_FP8MMA, TRANSPOSED_FP8MMA_1TERM)
 FP8_VARIANTS = (TRANSPOSED, TRANSPOSED_PLAIN, TRANSPOSED_REDUCE, TRANSPOSED_MERGE, *FP8_ONLY)
 # Not run unless --experimental (a hang would stop the smoke, and with it every Gluon timing):
-# the fp8-MMA forms' current code has not run on a GPU.
-EXPERIMENTAL: tuple[str, ...] = (TRANSPOSED_FP8MMA, TRANSPOSED_FP8MMA_WS)
+# kernels whose current form has not run on a GPU (none now).
+EXPERIMENTAL: tuple[str, ...] = ()
 SKIPPED: set[str] = set()  # --skip (the child smoke run gets it through the environment)
 DEVICE = "cuda"  # a dry run of the plumbing may set "cpu" (with a stand-in kernel)
 
@@ -115,10 +117,10 @@ def gluon_prepare(problem, inputs, num_splits=None, variant=FIRST):
     if variant == FIRST:
         from mlatune.kernels.gluon_hopper import decode_launcher
         return decode_launcher(*args, **kwargs)
-    if variant in (TRANSPOSED_FP8MMA, TRANSPOSED_FP8MMA_WS):
+    if variant in (TRANSPOSED_FP8MMA, TRANSPOSED_FP8MMA_1TERM):
         from mlatune.kernels.gluon_transposed_fp8 import decode_launcher as fp8_launcher
         return fp8_launcher(*args, **kwargs, kv_scale=inputs.kv_scale, pdl=True,
-                            ws=variant == TRANSPOSED_FP8MMA_WS)
+                            q_terms=1 if variant == TRANSPOSED_FP8MMA_1TERM else 2)
     if variant in FP8_ONLY:
         from mlatune.kernels.gluon_transposed_ws import decode_launcher as ws_launcher
         return ws_launcher(*args, **kwargs, kv_scale=inputs.kv_scale, pdl=True, f16=True,

@@ -29,9 +29,11 @@
 #   seesaw         sweeps/h200.toml for seesaw/gluon alone (its chunked param sets) on GPU 0
 #   resweep        sweeps/h200{,-traffic,-heldout}.toml for the seesaw and transposed Gluon
 #                  routes (their current param sets) on all GPUs, into runs/g-<spec>
+#   fp8sweep       sweeps/h200{,-traffic,-heldout}.toml's fp8-cache problems for transposed/gluon
+#                  (its fp8-MMA and widening param sets) on all GPUs, into runs/f-<spec>
 #   gluontests     pytest -m gpu tests/test_gluon_gpu.py
-#   fp8mma         gluon_check.py over fp8 caches with the experimental fp8-MMA kernels
-#                  (gluon_transposed_fp8: one warpgroup, and warp-specialized) beside the route
+#   fp8mma         gluon_check.py over fp8 caches: the fp8-MMA kernel (gluon_transposed_fp8,
+#                  q as two e4m3 terms and as one) beside the widening and FlashMLA
 # Vendor libraries (FlashMLA, FlashInfer) come as wheels installed before this script runs,
 # with PYTHONPATH pointing at them (the script keeps it).
 # Everything it makes goes under $OUT (logs, tables and the journals, gzipped).
@@ -116,8 +118,13 @@ for step in "$@"; do
     fp8mma) timeout 200 python3 benchmarks/gluon_check.py --out "$OUT/gluon-fp8mma" --kv fp8 \
               --experimental --budget 170 --smoke-timeout 90 --skip "wgmma/gluon,seesaw/gluon,\
 seesaw/gluon chunked,transposed/gluon plain,transposed/gluon reduce,transposed/gluon merge,\
-transposed/gluon ws f16 bits" > "$OUT/fp8mma.log" 2>&1
+transposed/gluon ws f16 bits,transposed/gluon ws f16" > "$OUT/fp8mma.log" 2>&1
             log "fp8mma: rc=$?"; grep "smoke:\|fp8mma\|best gluon" "$OUT/fp8mma.log" | tee -a "$OUT/session.log" ;;
+    fp8sweep) for spec in h200 h200-traffic h200-heldout; do
+                sed -e 's/kv_dtype = \["bf16", "fp8_e4m3fn"\]/kv_dtype = ["fp8_e4m3fn"]/' \
+                  "sweeps/$spec.toml" > "runs/$spec-fp8.toml"
+                sweep "f-$spec" "runs/$spec-fp8.toml" "$NGPU" --routes transposed/gluon
+              done ;;
     gluontests) s=$(date +%s)
                 timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gluon_gpu.py \
                   > "$OUT/gluon-tests.log" 2>&1

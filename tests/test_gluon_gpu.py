@@ -123,5 +123,6 @@ def test_stale_cache_slots_hold_nan(item):
         poison_(prepared.out, prepared.lse)
         prepared.run()
         torch.cuda.synchronize()
-        acc = check(problem, prepared.out, want_out, prepared.lse, want_lse)
+        acc = check(problem, prepared.out, want_out, prepared.lse, want_lse,
+                    q_quantized=routes.quantizes_q(route, problem, params))
         assert acc.ok, f"{params}: {acc.reason} ({acc.summary})"

@@ -446,3 +446,41 @@ def test_each_route_reaches_its_launch_at_every_param_set_and_rank(route_id, kw)
             lse = torch.empty(tokens, heads)
             given = route.prepare(problem, inputs, rank=rank, params=params, out=out, lse=lse)
             assert given.out is out and given.lse is lse
+
+
+def test_transposed_fp8_sets_alternate_fp8_mmas_and_the_widening_and_declare_the_mmas(
+        monkeypatch):
+    """Over an fp8 cache each split count comes twice, fp8 MMAs first, alternating from the
+    kernel's pick (so a sweep keeping three times both forms at the pick); only the fp8-MMA
+    sets (and no params at all: the first set) declare a quantized q; the launcher hands
+    them to gluon_transposed_fp8 and a 16-bit cache ignores the option."""
+    from mlatune.kernels import gluon_transposed_fp8
+
+    route = routes.get("transposed/gluon")
+    fp8 = _p(batch=2, kv_len=4096, kv_dtype="fp8_e4m3fn")
+    space = route.param_space(fp8, H200)
+    splits = [p["num_splits"] for p in space if p.get("fp8_mma")]
+    assert len(splits) >= 2 and splits == [p["num_splits"] for p in space if "fp8_mma" not in p]
+    assert [bool(p.get("fp8_mma")) for p in space[:3]] == [True, False, True]
+    assert space[0]["num_splits"] == space[1]["num_splits"]
+    assert all(p["ws"] and p["pdl"] for p in space)
+    assert [routes.quantizes_q(route, fp8, p) for p in space[:2]] == [True, False]
+    assert routes.quantizes_q(route, fp8) and not routes.quantizes_q(route, fp8, {"num_splits": 2})
+    assert not routes.quantizes_q(route, _p(batch=2, kv_len=4096), {"fp8_mma": True})
+
+    fake = _Recorder()
+    monkeypatch.setattr(gluon_transposed_fp8, "decode_launcher", fake)
+    inputs = make_decode_inputs(_p(batch=2, kv_len=300, kv_dtype="fp8_e4m3fn"), seed=13)
+    shard = inputs.shards[0]
+    kwargs = dict(qlen=1, sm_scale=0.1, causal=False, kv_scale=inputs.kv_scale, out=None,
+                  lse=None, num_splits=4, max_seq_len=300, merge="reduce", pdl=True)
+    gluon_transposed.decode_launcher(inputs.q, shard.kv_cache, shard.block_table,
+                                     shard.seq_lens, ws=True, fp8_mma=True, **kwargs)
+    (call,) = fake.calls
+    assert call == dict(q=inputs.q, kv_cache=shard.kv_cache, block_table=shard.block_table,
+                        seq_lens=shard.seq_lens, **kwargs)
+    bf16 = make_decode_inputs(_p(batch=2, kv_len=300), seed=14).shards[0]
+    with pytest.raises(Exception) as caught:  # the 16-bit path (no Gluon here), not the fake
+        gluon_transposed.decode_launcher(inputs.q, bf16.kv_cache, bf16.block_table,
+                                         bf16.seq_lens, qlen=1, sm_scale=0.1, fp8_mma=True)
+    assert len(fake.calls) == 1, caught.value

@@ -187,20 +187,22 @@ def test_the_paired_conversion_widens_fp8_for_fp16_mmas():
     assert "cvt.rn.f16x2.e4m3x2" not in bits.asm["ptx"] and "prmt.b32" in bits.asm["ptx"]
 
 
-@pytest.mark.parametrize(("rows", "direct", "ws"), [(16, True, False), (32, False, False),
-                                                   (16, False, True), (32, True, True)])
-def test_the_fp8_mma_form_runs_both_products_in_fp8(rows, direct, ws):
-    """``gluon_transposed_fp8`` (experimental): 18 k32 e4m3 MMAs for S^T (512 + 64 dims) and
-    16 for O^T (8 blocks of 64 dims x 2 key steps), q quantized in the kernel (one cvt to
-    an e4m3 pair per two values), V^T by byte permutes; within shared memory. ``ws``: the
-    transpose in a partition of its own (setmaxnreg)."""
+@pytest.mark.parametrize(("rows", "direct", "q_terms"), [(16, True, 2), (32, False, 2),
+                                                        (16, False, 1), (32, True, 1)])
+def test_the_fp8_mma_form_runs_both_products_in_fp8(rows, direct, q_terms):
+    """``gluon_transposed_fp8``: per tile 18 k32 e4m3 MMAs for S^T (512 + 64 dims) per e4m3
+    term of q, issued twice in the code (the first tile, then each next one inside the
+    loop), and 16 for O^T (8 blocks of 64 dims x 2 key steps); q quantized in the kernel
+    (one cvt to an e4m3 pair per two values), V^T by byte permutes in a partition of its
+    own (setmaxnreg); within shared memory."""
     _needs_gluon_triton()
     from mlatune.kernels import gluon_transposed_fp8 as f
 
-    compiled = f.aot_compile("bf16", rows=rows, direct=direct, ws=ws)
+    compiled = f.aot_compile("bf16", rows=rows, direct=direct, q_terms=q_terms)
     ptx = compiled.asm["ptx"]
-    assert ("setmaxnreg" in ptx) == ws
-    assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{rows}k32.f32.e4m3.e4m3") == 18 + 16
+    assert "setmaxnreg" in ptx
+    mmas = ptx.count(f"wgmma.mma_async.sync.aligned.m64n{rows}k32.f32.e4m3.e4m3")
+    assert mmas == 2 * 18 * q_terms + 16
     assert "wgmma.mma_async.sync.aligned.m64n16k16" not in ptx  # nothing widened to 16 bits
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "prmt.b32" in ptx
     assert compiled.metadata.shared <= 227 * 1024

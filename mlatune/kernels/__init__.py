@@ -15,9 +15,9 @@ One module per concern. Decode (the absorbed form: 576-wide q·k, 512-wide v):
 Prefill: ``prefill`` (persistent varlen kernel) and ``prefill_plan`` (its host plan).
 Hopper decode in Gluon (sm_90, triton 3.6): ``gluon_hopper`` (the first, 64-row tiles),
 ``gluon_seesaw`` (warp-specialized), ``gluon_transposed`` (keys as the MMA's M; fp8
-caches), ``gluon_transposed_ws`` (its fp8 form with the widening in a partition of its own,
-what the route's fp8 param sets run), ``gluon_transposed_fp8`` (experimental: fp8 MMAs, q
-quantized); ``gluon_common`` holds what they share, ``gluon_hopper_plan`` their sizes and
+caches), ``gluon_transposed_ws`` (its fp8 form with the widening in a partition of its
+own) and ``gluon_transposed_fp8`` (fp8 MMAs, q as two e4m3 terms): the route's two kinds of
+fp8 param sets; ``gluon_common`` holds what they share, ``gluon_hopper_plan`` their sizes and
 split rule without a Triton import.
 
 Modules here import Triton at import time; routes import them lazily (in

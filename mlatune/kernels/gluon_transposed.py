@@ -446,7 +446,8 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                     kv_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
                     lse: torch.Tensor | None = None, num_splits: int | None = None,
                     max_seq_len: int | None = None, widen_cols: int = WIDEN_COLS,
-                    merge: str = MERGE, pdl: bool = False, ws: bool = False
+                    merge: str = MERGE, pdl: bool = False, ws: bool = False,
+                    fp8_mma: bool = False
                     ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
     """A zero-argument launch of the transposed decode, with the out and LSE it writes.
 
@@ -462,8 +463,17 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     programmatic dependent launch, started as this kernel's blocks begin (0.5 us less at
     batch 1-8 on the H200, 2026-12-01). ``ws``: an fp8 cache is read by the
     warp-specialized form (``gluon_transposed_ws``: the widening in its own partition;
-    0.77x this kernel's time at (128, 16, 8192, 1), same run).
+    0.77x this kernel's time at (128, 16, 8192, 1), same run). ``fp8_mma``: an fp8 cache is
+    read by ``gluon_transposed_fp8`` instead (fp8 MMAs, q as two e4m3 terms; ``ws`` and
+    ``widen_cols`` do not apply there); a 16-bit cache ignores it.
     """
+    if fp8_mma and kv_cache.dtype in FP8_CACHES:
+        from mlatune.kernels import gluon_transposed_fp8
+
+        return gluon_transposed_fp8.decode_launcher(
+            q, kv_cache, block_table, seq_lens, qlen=qlen, sm_scale=sm_scale, causal=causal,
+            kv_scale=kv_scale, out=out, lse=lse, num_splits=num_splits,
+            max_seq_len=max_seq_len, merge=merge, pdl=pdl)
     if ws:
         from mlatune.kernels import gluon_transposed_ws
 

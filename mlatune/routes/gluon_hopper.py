@@ -150,9 +150,10 @@ class TransposedGluonRoute(WgmmaGluonRoute):
     """The transposed Hopper Gluon decode: S^T = K Q^T with the tile's 64 keys as the MMA's
     M and 16 or 32 query rows as its N (no padding of few rows to 64), one warpgroup; bf16
     or fp16 q over a cache of q's dtype or fp8 (e4m3, widened to q's dtype in shared
-    memory, its scale read on the device). Its param sets widen in a partition of its own
-    (``ws``, fp8) and launch the split reduce as a programmatic dependent (``pdl``); a
-    stored param set without them ran the earlier forms and still does."""
+    memory, its scale read on the device). Its param sets launch the split reduce as a
+    programmatic dependent (``pdl``) and read an fp8 cache either with fp8 MMAs, q quantized
+    per row (``fp8_mma``), or widened in a partition of its own (``ws``); a stored param
+    set without them ran the earlier forms and still does."""
 
     id = "transposed/gluon"
     kernel = "gluon_transposed"
@@ -160,11 +161,24 @@ class TransposedGluonRoute(WgmmaGluonRoute):
     # ws: an fp8 cache widened by a partition of its own (0.77x the time at (128, 16, 8192,
     # 1)); pdl: the split reduce launched as a programmatic dependent (0.5 us less at batch
     # 1-8). H200, 2026-12-01 (benchmarks/results/README.md, session 10).
-    kernel_options = MappingProxyType({"ws": False, "pdl": False})
+    # fp8_mma: an fp8 cache read with fp8 MMAs (gluon_transposed_fp8).
+    kernel_options = MappingProxyType({"ws": False, "pdl": False, "fp8_mma": False})
 
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
-        ws = {"ws": True} if problem.kv_dtype in FP8_DTYPES else {}
-        return [{**params, "pdl": True, **ws} for params in super().param_space(problem, device)]
+        """Over a 16-bit cache the split counts with PDL. Over fp8 each split count twice,
+        with fp8 MMAs and with the widening, alternating from the kernel's own pick, so a
+        sweep that keeps the first three times both forms at that pick."""
+        sets = [{**params, "pdl": True} for params in super().param_space(problem, device)]
+        if problem.kv_dtype not in FP8_DTYPES:
+            return sets
+        mma = [{**params, "ws": True, "fp8_mma": True} for params in sets]
+        widen = [{**params, "ws": True} for params in sets]
+        return [mma[0], widen[0], *mma[1:], *widen[1:]]
+
+    def quantizes_q(self, problem: MLAProblem, params: Params) -> bool:
+        """Whether q is quantized to fp8 (the fp8 tolerance applies): the fp8-MMA sets, and
+        no params at all (the route's first set, an fp8-MMA one over an fp8 cache)."""
+        return problem.kv_dtype in FP8_DTYPES and bool(params.get("fp8_mma", not params))
 
     def block_rows(self, problem: MLAProblem) -> int:
         return plan.transposed_rows(problem.kernel_heads * problem.qlen)
