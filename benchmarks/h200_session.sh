@@ -31,6 +31,7 @@
 #                  routes (their current param sets) on all GPUs, into runs/g-<spec>
 #   fp8sweep       sweeps/h200{,-traffic,-heldout}.toml's fp8-cache problems for transposed/gluon
 #                  (its fp8-MMA and widening param sets) on all GPUs, into runs/f-<spec>
+#                  (FP8_SPECS: some of the three)
 #   gluontests     pytest -m gpu tests/test_gluon_gpu.py
 #   fp8mma         gluon_check.py over fp8 caches: the fp8-MMA kernel (gluon_transposed_fp8,
 #                  q as two e4m3 terms and as one) beside the widening and FlashMLA
@@ -120,7 +121,7 @@ for step in "$@"; do
 seesaw/gluon chunked,transposed/gluon plain,transposed/gluon reduce,transposed/gluon merge,\
 transposed/gluon ws f16 bits,transposed/gluon ws f16" > "$OUT/fp8mma.log" 2>&1
             log "fp8mma: rc=$?"; grep "smoke:\|fp8mma\|best gluon" "$OUT/fp8mma.log" | tee -a "$OUT/session.log" ;;
-    fp8sweep) for spec in h200 h200-traffic h200-heldout; do
+    fp8sweep) for spec in ${FP8_SPECS:-h200 h200-traffic h200-heldout}; do
                 sed -e 's/kv_dtype = \["bf16", "fp8_e4m3fn"\]/kv_dtype = ["fp8_e4m3fn"]/' \
                   "sweeps/$spec.toml" > "runs/$spec-fp8.toml"
                 sweep "f-$spec" "runs/$spec-fp8.toml" "$NGPU" --routes transposed/gluon
