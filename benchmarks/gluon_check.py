@@ -77,16 +77,18 @@ TRANSPOSED_F16_BITS = "transposed/gluon ws f16 bits"
 # terms, and as one (q quantized per row: held to the quantized-q tolerance)
 TRANSPOSED_FP8MMA = "transposed/gluon fp8mma"
 TRANSPOSED_FP8MMA_1TERM = "transposed/gluon fp8mma 1term"
+TRANSPOSED_FP8MMA_JOINED = "transposed/gluon fp8mma joined"  # the two terms as one operand
+FP8MMA = {TRANSPOSED_FP8MMA: {}, TRANSPOSED_FP8MMA_1TERM: {"q_terms": 1},
+          TRANSPOSED_FP8MMA_JOINED: {"q_joined": True}}  # -> gluon_transposed_fp8 options
 VARIANTS = [FIRST, SEESAW, SEESAW_CHUNKED, TRANSPOSED, TRANSPOSED_PLAIN, TRANSPOSED_REDUCE,
-            TRANSPOSED_MERGE, TRANSPOSED_F16, TRANSPOSED_F16_BITS, TRANSPOSED_FP8MMA,
-            TRANSPOSED_FP8MMA_1TERM]
+            TRANSPOSED_MERGE, TRANSPOSED_F16, TRANSPOSED_F16_BITS, *FP8MMA]
 # held to the quantized-q tolerance: P is rounded to e4m3 (and q, with one term)
-QUANTIZE_Q = (TRANSPOSED_FP8MMA, TRANSPOSED_FP8MMA_1TERM)
-FP8_ONLY = (TRANSPOSED_F16, TRANSPOSED_F16_BITS, TRANSPOSED_FP8MMA, TRANSPOSED_FP8MMA_1TERM)
+QUANTIZE_Q = tuple(FP8MMA)
+FP8_ONLY = (TRANSPOSED_F16, TRANSPOSED_F16_BITS, *FP8MMA)
 FP8_VARIANTS = (TRANSPOSED, TRANSPOSED_PLAIN, TRANSPOSED_REDUCE, TRANSPOSED_MERGE, *FP8_ONLY)
 # Not run unless --experimental (a hang would stop the smoke, and with it every Gluon timing):
-# kernels whose current form has not run on a GPU (none now).
-EXPERIMENTAL: tuple[str, ...] = ()
+# kernels whose current form has not run on a GPU.
+EXPERIMENTAL: tuple[str, ...] = (TRANSPOSED_FP8MMA_JOINED, )
 SKIPPED: set[str] = set()  # --skip (the child smoke run gets it through the environment)
 DEVICE = "cuda"  # a dry run of the plumbing may set "cpu" (with a stand-in kernel)
 
@@ -117,10 +119,10 @@ def gluon_prepare(problem, inputs, num_splits=None, variant=FIRST):
     if variant == FIRST:
         from mlatune.kernels.gluon_hopper import decode_launcher
         return decode_launcher(*args, **kwargs)
-    if variant in (TRANSPOSED_FP8MMA, TRANSPOSED_FP8MMA_1TERM):
+    if variant in FP8MMA:
         from mlatune.kernels.gluon_transposed_fp8 import decode_launcher as fp8_launcher
         return fp8_launcher(*args, **kwargs, kv_scale=inputs.kv_scale, pdl=True,
-                            q_terms=1 if variant == TRANSPOSED_FP8MMA_1TERM else 2)
+                            **FP8MMA[variant])
     if variant in FP8_ONLY:
         from mlatune.kernels.gluon_transposed_ws import decode_launcher as ws_launcher
         return ws_launcher(*args, **kwargs, kv_scale=inputs.kv_scale, pdl=True, f16=True,

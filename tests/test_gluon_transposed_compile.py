@@ -208,3 +208,21 @@ def test_the_fp8_mma_form_runs_both_products_in_fp8(rows, direct, q_terms):
     assert compiled.metadata.shared <= 227 * 1024
     if rows == 16:
         assert resources(compiled)["stack"] == 0
+
+
+@pytest.mark.parametrize("rows", [16, 32])
+def test_joined_q_terms_take_one_wgmma_of_twice_the_n_per_k_step(rows):
+    """``q_joined`` (experimental): q's two e4m3 terms as adjacent rows of one operand, so
+    S^T takes 18 k32 wgmmas of N = 2 x rows per tile (as one term does), O^T its 16 of N =
+    rows; the softmax works on the accumulator's column pairs added in registers; at 16
+    rows nothing spills."""
+    _needs_gluon_triton()
+    from mlatune.kernels import gluon_transposed_fp8 as f
+
+    ptx = (compiled := f.aot_compile("bf16", rows=rows, direct=False, q_joined=True)).asm["ptx"]
+    shape = "wgmma.mma_async.sync.aligned.m64n{}k32.f32.e4m3.e4m3"
+    assert ptx.count(shape.format(2 * rows)) == 2 * 18
+    assert ptx.count(shape.format(rows)) == 16
+    assert compiled.metadata.shared <= 227 * 1024
+    if rows == 16:
+        assert resources(compiled)["stack"] == 0

@@ -85,6 +85,9 @@ def test_the_fp8_mma_form_reads_fp8_caches_only():
     q, cache, table, lens = _tensors(kv=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="q_terms must be 1 or 2"):
         f.decode_launcher(q, cache, table, lens, qlen=1, sm_scale=0.1, q_terms=3)
+    with pytest.raises(ValueError, match="needs q_terms=2"):
+        f.decode_launcher(q, cache, table, lens, qlen=1, sm_scale=0.1, q_terms=1,
+                          q_joined=True)
 
 
 def test_f16_mmas_copy_a_bf16_q_into_fp16_at_each_launch(monkeypatch):
