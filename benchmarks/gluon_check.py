@@ -69,10 +69,6 @@ TRANSPOSED = "transposed/gluon"  # keys as the MMA's M (mlatune/kernels/gluon_tr
 TRANSPOSED_PLAIN = "transposed/gluon plain"  # as stored rows ran it: neither
 TRANSPOSED_REDUCE = "transposed/gluon reduce"  # plain, its partials merged by a second kernel
 TRANSPOSED_MERGE = "transposed/gluon merge"  # ... by the last split, whatever the count
-# fp8 only: the warp-specialized form with fp16 MMAs (a bf16 q copied to fp16), the tile
-# widened by the paired conversion instruction (cvt) or by bit moves
-TRANSPOSED_F16 = "transposed/gluon ws f16"
-TRANSPOSED_F16_BITS = "transposed/gluon ws f16 bits"
 # fp8 only: fp8 MMAs (gluon_transposed_fp8.py: the route's fp8_mma sets), q as two e4m3
 # terms, and as one (q quantized per row: held to the quantized-q tolerance)
 TRANSPOSED_FP8MMA = "transposed/gluon fp8mma"
@@ -81,10 +77,10 @@ TRANSPOSED_FP8MMA_JOINED = "transposed/gluon fp8mma joined"  # the two terms as 
 FP8MMA = {TRANSPOSED_FP8MMA: {}, TRANSPOSED_FP8MMA_1TERM: {"q_terms": 1},
           TRANSPOSED_FP8MMA_JOINED: {"q_joined": True}}  # -> gluon_transposed_fp8 options
 VARIANTS = [FIRST, SEESAW, SEESAW_CHUNKED, TRANSPOSED, TRANSPOSED_PLAIN, TRANSPOSED_REDUCE,
-            TRANSPOSED_MERGE, TRANSPOSED_F16, TRANSPOSED_F16_BITS, *FP8MMA]
+            TRANSPOSED_MERGE, *FP8MMA]
 # held to the quantized-q tolerance: P is rounded to e4m3 (and q, with one term)
 QUANTIZE_Q = tuple(FP8MMA)
-FP8_ONLY = (TRANSPOSED_F16, TRANSPOSED_F16_BITS, *FP8MMA)
+FP8_ONLY = tuple(FP8MMA)
 FP8_VARIANTS = (TRANSPOSED, TRANSPOSED_PLAIN, TRANSPOSED_REDUCE, TRANSPOSED_MERGE, *FP8_ONLY)
 # Not run unless --experimental (a hang would stop the smoke, and with it every Gluon timing):
 # kernels whose current form has not run on a GPU.
@@ -123,10 +119,6 @@ def gluon_prepare(problem, inputs, num_splits=None, variant=FIRST):
         from mlatune.kernels.gluon_transposed_fp8 import decode_launcher as fp8_launcher
         return fp8_launcher(*args, **kwargs, kv_scale=inputs.kv_scale, pdl=True,
                             **FP8MMA[variant])
-    if variant in FP8_ONLY:
-        from mlatune.kernels.gluon_transposed_ws import decode_launcher as ws_launcher
-        return ws_launcher(*args, **kwargs, kv_scale=inputs.kv_scale, pdl=True, f16=True,
-                           widen="cvt" if variant == TRANSPOSED_F16 else "bits")
     if variant in (TRANSPOSED, TRANSPOSED_PLAIN, TRANSPOSED_REDUCE, TRANSPOSED_MERGE):
         from mlatune.kernels.gluon_transposed import decode_launcher as transposed_launcher
         merge = {TRANSPOSED_REDUCE: "reduce", TRANSPOSED_MERGE: "kernel"}.get(variant, "auto")

@@ -172,21 +172,6 @@ def test_pdl_builds_let_the_reduce_kernel_launch_early():
     assert "griddepcontrol.wait" in reduce.asm["ptx"] and reduce.metadata.launch_pdl
 
 
-def test_the_paired_conversion_widens_fp8_for_fp16_mmas():
-    """``widen="cvt"`` (experimental): fp16 MMAs over the fp8 tile widened by
-    cvt.rn.f16x2.e4m3x2 (no bit moves), out in bf16, still without local memory."""
-    _needs_gluon_triton()
-    from mlatune.kernels import gluon_transposed_ws as ws
-
-    cvt = ws.aot_compile("fp16", rows=16, direct=False, widen="cvt", out="bf16")
-    ptx = cvt.asm["ptx"]
-    assert "cvt.rn.f16x2.e4m3x2" in ptx and "prmt.b32" not in ptx
-    assert "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16" in ptx
-    assert resources(cvt)["stack"] == 0
-    bits = ws.aot_compile("fp16", rows=16, direct=False, widen="bits", out="bf16")
-    assert "cvt.rn.f16x2.e4m3x2" not in bits.asm["ptx"] and "prmt.b32" in bits.asm["ptx"]
-
-
 @pytest.mark.parametrize(("rows", "direct", "q_terms"), [(16, True, 2), (32, False, 2),
                                                         (16, False, 1), (32, True, 1)])
 def test_the_fp8_mma_form_runs_both_products_in_fp8(rows, direct, q_terms):

@@ -124,27 +124,11 @@ _WIDEN_F16 = gl.constexpr(_WIDEN_ASM.format(ty="f16", shift=1, mask="0x3f803f80"
                                             one="0x5c005c00"))  # 2^8 in fp16
 
 
-# e4m3 -> fp16 by the hardware's paired conversion (sm_89+): one instruction per two
-# values against the bit moves' seven integer ones (exact too; NaN stays NaN: stale V rows
-# are zeroed after, stale K rows' scores masked).
-_WIDEN_F16_CVT = gl.constexpr("""{
-.reg .b16 lo, hi;
-mov.b32 {lo, hi}, $2;
-cvt.rn.f16x2.e4m3x2 $0, lo;
-cvt.rn.f16x2.e4m3x2 $1, hi;
-}""")
-
-
 @gluon.jit
-def _widen(x, dtype: gl.constexpr, CVT: gl.constexpr = False):
-    """e4m3 values (any layout) as ``dtype`` (bf16 or fp16), exactly; ``CVT`` (fp16 only):
-    by the paired conversion instruction instead of bit moves."""
+def _widen(x, dtype: gl.constexpr):
+    """e4m3 values (any layout) as ``dtype`` (bf16 or fp16), exactly."""
     bits = x.to(gl.int8, bitcast=True)
-    if CVT:
-        gl.static_assert(dtype == gl.float16, "the paired conversion widens to fp16 only")
-        y = gl.inline_asm_elementwise(_WIDEN_F16_CVT, "=r,=r,r", [bits], dtype=gl.float16,
-                                      is_pure=True, pack=4)
-    elif dtype == gl.bfloat16:
+    if dtype == gl.bfloat16:
         y = gl.inline_asm_elementwise(_WIDEN_BF16, "=r,=r,r", [bits], dtype=gl.bfloat16,
                                       is_pure=True, pack=4)
     else:
@@ -154,8 +138,7 @@ def _widen(x, dtype: gl.constexpr, CVT: gl.constexpr = False):
 
 
 @gluon.jit
-def _widen_tile(kn8, kr8, kn16, kr16, valid, COLS: gl.constexpr, num_warps: gl.constexpr,
-                CVT: gl.constexpr = False):
+def _widen_tile(kn8, kr8, kn16, kr16, valid, COLS: gl.constexpr, num_warps: gl.constexpr):
     """Copy a tile's fp8 K (nope and rope) into the 16-bit buffers, rows >= valid of the
     nope part (V) as zeros (a real cache holds NaN there), COLS columns at a time: every
     load of a chunk is issued before its stores, which the compiler cannot move past."""
@@ -163,9 +146,9 @@ def _widen_tile(kn8, kr8, kn16, kr16, valid, COLS: gl.constexpr, num_warps: gl.c
     layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
     rows = gl.arange(0, N, layout=gl.SliceLayout(1, layout))
     keep = gl.expand_dims(rows < valid, 1)
-    r = _widen(kr8.load(layout), kr16.dtype, CVT)
+    r = _widen(kr8.load(layout), kr16.dtype)
     for c in gl.static_range(kn8.shape[1] // COLS):
-        x = _widen(kn8.slice(c * COLS, COLS, dim=1).load(layout), kn16.dtype, CVT)
+        x = _widen(kn8.slice(c * COLS, COLS, dim=1).load(layout), kn16.dtype)
         kn16.slice(c * COLS, COLS, dim=1).store(gl.where(keep, x, gl.zeros_like(x)))
     kr16.store(r)
     fence_async_shared()  # generic-proxy writes read by wgmma (async proxy)

@@ -77,8 +77,7 @@ def _loader(descs, q_bufs, f_bufs, bars, bt_row, q_row, start, n_tiles, PAGE: gl
 
 
 @gluon.jit
-def _converter(f_bufs, w_bufs, bars, start, end, n_tiles, WIDEN_COLS: gl.constexpr,
-               CVT: gl.constexpr):
+def _converter(f_bufs, w_bufs, bars, start, end, n_tiles, WIDEN_COLS: gl.constexpr):
     """Widen each tile's halves into the 16-bit ring; hand the slot over when whole."""
     f_nope, f_rope = f_bufs
     w_nope, w_rope = w_bufs
@@ -93,7 +92,7 @@ def _converter(f_bufs, w_bufs, bars, start, end, n_tiles, WIDEN_COLS: gl.constex
             base._widen_tile(f_nope.index(h), f_rope.index(h),
                              w_nope.index(slot).slice(h * H, H, dim=0),
                              w_rope.index(slot).slice(h * H, H, dim=0), valid - h * H,
-                             WIDEN_COLS, 4, CVT)
+                             WIDEN_COLS, 4)
             mbarrier.arrive(f_empty.index(h))  # _widen_tile ended on a thread barrier
         mbarrier.arrive(w_ready.index(slot))
 
@@ -139,7 +138,7 @@ def transposed_ws_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # kn/kr: 32-key fp
                          stride_po_slot, stride_po_row, stride_pl_slot,
                          CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PAGE: gl.constexpr,
                          WIDEN_COLS: gl.constexpr, MERGE: gl.constexpr,
-                         PDL: gl.constexpr, CVT: gl.constexpr, num_warps: gl.constexpr):
+                         PDL: gl.constexpr, num_warps: gl.constexpr):
     BR: gl.constexpr = qn_desc.block_type.shape[0]
     H: gl.constexpr = kn_desc.block_type.shape[0]
     DN: gl.constexpr = kn_desc.block_type.shape[1]
@@ -187,7 +186,7 @@ def transposed_ws_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # kn/kr: 32-key fp
                 seq_len, start, end, n_tiles, qk_scale * kv_scale, kv_scale, CAUSAL, DIRECT,
                 MERGE)),
         (_converter, (f_bufs, w_bufs, (f_ready, f_empty, w_ready, w_empty), start, end,
-                      n_tiles, WIDEN_COLS, CVT)),
+                      n_tiles, WIDEN_COLS)),
     ], [4, 4], [MMA_REGS, CONVERT_REGS])
 
 
@@ -198,55 +197,31 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                     kv_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
                     lse: torch.Tensor | None = None, num_splits: int | None = None,
                     max_seq_len: int | None = None, widen_cols: int = base.WIDEN_COLS,
-                    merge: str = base.MERGE, pdl: bool = False, f16: bool = False,
-                    widen: str = "bits"
+                    merge: str = base.MERGE, pdl: bool = False
                     ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
-    """``gluon_transposed.decode_launcher`` for this kernel (an fp8 e4m3 cache only).
-
-    ``f16``: a bf16 q runs fp16 MMAs: each launch first copies q into an fp16 buffer
-    (exact within fp16's range, |q| < 65504; values under 2^-14 keep fewer bits), out stays
-    bf16. ``widen``: "bits" (bit moves) or "cvt" (the paired conversion instruction; fp16
-    MMAs only, so an fp16 q or ``f16``).
-    """
+    """``gluon_transposed.decode_launcher`` for this kernel (an fp8 e4m3 cache only)."""
     if kv_cache.dtype not in base.FP8_CACHES:
         raise ValueError(f"the warp-specialized transposed decode reads an fp8 cache only, "
                          f"got {kv_cache.dtype}")
     batch, heads = seq_lens.shape[0], q.shape[1]
     base._check_call(q, out, lse, batch * qlen, num_splits, widen_cols, merge)
-    mma_dtype = torch.float16 if f16 else q.dtype
-    if widen not in ("bits", "cvt") or (widen == "cvt" and mma_dtype != torch.float16):
-        raise ValueError(f"widen must be 'bits', or 'cvt' with fp16 MMAs (an fp16 q or "
-                         f"f16=True); got {widen!r} with {mma_dtype} MMAs")
     why = base.check_supported(q, kv_cache, block_table, seq_lens, kv_scale)
     if why is not None:
         raise ValueError(f"gluon transposed MLA decode (warp-specialized): {why}")
-    q_mma = q if q.dtype == mma_dtype else torch.empty_like(q, dtype=mma_dtype)
     meta = dict(CAUSAL=causal and qlen > 1, PAGE=PAGE_SIZE, WIDEN_COLS=widen_cols,
-                CVT=widen == "cvt", num_warps=4, maxnreg=MAXNREG)
-    descs = tma_descriptors(q_mma, kv_cache, plan.transposed_rows(qlen * heads), HALF)
-    run, out, lse = base.launch(transposed_ws_kernel, descs, q, block_table, seq_lens,
-                                kv_scale, out, lse, qlen=qlen, sm_scale=sm_scale,
-                                num_splits=num_splits, max_seq_len=max_seq_len, merge=merge,
-                                meta=meta, pdl=pdl)
-    if q_mma is q:
-        return run, out, lse
-
-    def convert_and_run() -> None:
-        q_mma.copy_(q)
-        run()
-
-    return convert_and_run, out, lse
+                num_warps=4, maxnreg=MAXNREG)
+    descs = tma_descriptors(q, kv_cache, plan.transposed_rows(qlen * heads), HALF)
+    return base.launch(transposed_ws_kernel, descs, q, block_table, seq_lens, kv_scale, out,
+                       lse, qlen=qlen, sm_scale=sm_scale, num_splits=num_splits,
+                       max_seq_len=max_seq_len, merge=merge, meta=meta, pdl=pdl)
 
 
 def aot_compile(dtype: str = "bf16", *, rows: int = 16, direct: bool = True,
-                causal: bool = True, merge: str = base.MERGE, arch: int = 90,
-                widen: str = "bits", out: str | None = None):
-    """Compile ``transposed_ws_kernel`` (an fp8 cache under MMAs of ``dtype``, out of ``out``,
-    default the same) for ``sm_<arch>`` without a GPU; returns triton's CompiledKernel."""
+                causal: bool = True, merge: str = base.MERGE, arch: int = 90):
+    """Compile ``transposed_ws_kernel`` (an fp8 cache under MMAs of ``dtype``) for
+    ``sm_<arch>`` without a GPU; returns triton's CompiledKernel."""
     constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=PAGE_SIZE, WIDEN_COLS=base.WIDEN_COLS,
-                     MERGE=not direct and merge != "reduce", PDL=False, CVT=widen == "cvt",
-                     num_warps=4)
-    pointers = {**base._pointers(dtype), "out_ptr": out or dtype}
+                     MERGE=not direct and merge != "reduce", PDL=False, num_warps=4)
     return aot_compile_kernel(transposed_ws_kernel, constants,
                               base._blocks(dtype, "fp8", plan.transposed_rows(rows), HALF),
-                              pointers, arch=arch, num_warps=4, maxnreg=MAXNREG)
+                              base._pointers(dtype), arch=arch, num_warps=4, maxnreg=MAXNREG)
