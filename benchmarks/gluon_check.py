@@ -6,11 +6,12 @@ Needs an sm_90 GPU and triton 3.6.x (``mlatune/kernels/gluon_hopper.py``). The
 kernels (``VARIANTS``: the first kernel, the warp-specialized seesaw kernel of
 ``mlatune/kernels/gluon_seesaw.py`` and its chunked form, whose tiles land in 64-column
 chunks that S starts on, the transposed kernel of ``mlatune/kernels/gluon_transposed.py``,
-which also reads fp8 caches (as its route's param sets run it: the split reduce as a
-programmatic dependent launch, an fp8 cache widened by the warp-specialized form of
-``gluon_transposed_ws``; as stored rows ran it, "plain"; and with split partials merged
-always by a second kernel or always by the last split; over fp8 caches also its fp16-MMA
-forms, not routes); ``--skip`` leaves some out; ``--experimental`` adds kernels whose current
+which also reads fp8 caches (the split reduce as a programmatic dependent launch and an
+fp8 cache widened by the warp-specialized form of ``gluon_transposed_ws``, as the route's
+widening sets run it; as stored rows ran it, "plain"; with split partials merged always by
+a second kernel or always by the last split; over fp8 caches also with fp8 MMAs,
+``gluon_transposed_fp8``, as the route's fp8_mma sets run it, and its other forms);
+``--skip`` leaves some out; ``--experimental`` adds kernels whose current
 form has not run on a GPU (``EXPERIMENTAL``)) are each checked and timed.
 Steps, each caught so that one failure never ends the run:
 1. smoke: a child process (``--smoke``, 75 s limit, so a hang or an illegal
@@ -64,8 +65,9 @@ FIRST = "wgmma/gluon"  # the first kernel (mlatune/kernels/gluon_hopper.py), as 
 SEESAW = "seesaw/gluon"  # the warp-specialized kernel (mlatune/kernels/gluon_seesaw.py)
 SEESAW_CHUNKED = "seesaw/gluon chunked"  # its CHUNKED form: decode_launcher(chunked=True)
 TRANSPOSED = "transposed/gluon"  # keys as the MMA's M (mlatune/kernels/gluon_transposed.py)
-# as the route's param sets run it: the reduce (more than 2 splits) a programmatic dependent
-# launch, an fp8 cache widened by a partition of its own (gluon_transposed_ws.py)
+# as the route's 16-bit and widening param sets run it: the reduce (more than 2 splits) a
+# programmatic dependent launch, an fp8 cache widened by a partition of its own
+# (gluon_transposed_ws.py)
 TRANSPOSED_PLAIN = "transposed/gluon plain"  # as stored rows ran it: neither
 TRANSPOSED_REDUCE = "transposed/gluon reduce"  # plain, its partials merged by a second kernel
 TRANSPOSED_MERGE = "transposed/gluon merge"  # ... by the last split, whatever the count

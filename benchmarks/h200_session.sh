@@ -30,11 +30,14 @@
 #   resweep        sweeps/h200{,-traffic,-heldout}.toml for the seesaw and transposed Gluon
 #                  routes (their current param sets) on all GPUs, into runs/g-<spec>
 #   fp8sweep       sweeps/h200{,-traffic,-heldout}.toml's fp8-cache problems for transposed/gluon
-#                  (its fp8-MMA and widening param sets) on all GPUs, into runs/f-<spec>
+#                  (its fp8-MMA and widening param sets) on all GPUs, into runs/f-<spec>;
+#                  a grid of bf16 caches only (h200-traffic's verify grid) is swept as it is
 #                  (FP8_SPECS: some of the three)
 #   gluontests     pytest -m gpu tests/test_gluon_gpu.py
 #   fp8mma         gluon_check.py over fp8 caches: the fp8-MMA kernel (gluon_transposed_fp8,
-#                  q as two e4m3 terms and as one) beside the widening and FlashMLA
+#                  q as two e4m3 terms and as one) beside the widening and FlashMLA; with
+#                  EXPERIMENTAL=1 also the forms not yet run on a GPU (their smoke child could
+#                  hang, and a failed smoke skips every Gluon timing of the run)
 # Vendor libraries (FlashMLA, FlashInfer) come as wheels installed before this script runs,
 # with PYTHONPATH pointing at them (the script keeps it).
 # Everything it makes goes under $OUT (logs, tables and the journals, gzipped).
@@ -117,7 +120,8 @@ for step in "$@"; do
                sweep "g-$spec" "sweeps/$spec.toml" "$NGPU" --routes seesaw/gluon,transposed/gluon
              done ;;
     fp8mma) timeout 200 python3 benchmarks/gluon_check.py --out "$OUT/gluon-fp8mma" --kv fp8 \
-              --experimental --budget 170 --smoke-timeout 90 --skip "wgmma/gluon,seesaw/gluon,\
+              ${EXPERIMENTAL:+--experimental} --budget 170 --smoke-timeout 90 \
+              --skip "wgmma/gluon,seesaw/gluon,\
 seesaw/gluon chunked,transposed/gluon plain,transposed/gluon reduce,transposed/gluon merge" \
               > "$OUT/fp8mma.log" 2>&1
             log "fp8mma: rc=$?"; grep "smoke:\|fp8mma\|best gluon" "$OUT/fp8mma.log" | tee -a "$OUT/session.log" ;;

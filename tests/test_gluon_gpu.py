@@ -71,6 +71,9 @@ FP8 = [  # transposed/gluon over fp8 (e4m3) caches: one split and several, verif
     (TRANSPOSED, _p(16, 128, 4096, qlen=2, kv="fp8_e4m3fn")),
     (TRANSPOSED, _p(16, 32, 4096, dcp=2, kv="fp8_e4m3fn")),
     (TRANSPOSED, _p(16, 24, 3000, qlen=2, kv="fp8_e4m3fn", q="fp16")),  # fp16 MMAs over fp8
+    # 16 rows a program, so the fp8-MMA sets too: an fp16 q's two e4m3 terms; causal verify
+    (TRANSPOSED, _p(16, 24, 3000, kv="fp8_e4m3fn", q="fp16")),
+    (TRANSPOSED, _p(8, 16, 4096, qlen=2, kv="fp8_e4m3fn")),
 ]
 CASES = PROBLEMS + [(SEESAW, problem) for _, problem in PROBLEMS] \
     + [(TRANSPOSED, problem) for _, problem in PROBLEMS] + FP8
@@ -104,8 +107,9 @@ def test_gluon_captured_step_replays_with_new_lengths(problem, route_id, tmp_pat
                                      _engine_p(16, 2, 8192, kv="fp8_e4m3fn")],
                          ids=lambda p: p.key)
 def test_transposed_fp8_captured_step_replays_with_new_lengths(problem, tmp_path):
-    """The fp8 param sets (the warp-specialized widening, the reduce as a dependent launch)
-    as an engine runs them: captured once, replayed as lengths and pages change."""
+    """The route's first fp8 param set (at 16 query rows a program: fp8 MMAs, the reduce as
+    a dependent launch) as an engine runs it: captured once, replayed as lengths and pages
+    change."""
     _captured(TRANSPOSED, False, problem, tmp_path)
 
 

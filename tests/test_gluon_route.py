@@ -448,25 +448,31 @@ def test_each_route_reaches_its_launch_at_every_param_set_and_rank(route_id, kw)
             assert given.out is out and given.lse is lse
 
 
-def test_transposed_fp8_sets_alternate_fp8_mmas_and_the_widening_and_declare_the_mmas(
-        monkeypatch):
-    """Over an fp8 cache each split count comes twice, fp8 MMAs first, alternating from the
-    kernel's pick (so a sweep keeping three times both forms at the pick); only the fp8-MMA
-    sets (and no params at all: the first set) declare a quantized q; the launcher hands
-    them to gluon_transposed_fp8 and a 16-bit cache ignores the option."""
-    from mlatune.kernels import gluon_transposed_fp8
-
+def test_transposed_fp8_sets_alternate_fp8_mmas_and_the_widening_up_to_16_rows(monkeypatch):
+    """Over an fp8 cache at up to 16 query rows a program each split count comes twice,
+    fp8 MMAs first, alternating split by split from the kernel's pick (so a sweep keeping
+    three times both forms at the pick); past 16 rows only the widening. Only the fp8-MMA
+    sets (and no params where the first set is one) declare a quantized q."""
     route = routes.get("transposed/gluon")
-    fp8 = _p(batch=2, kv_len=4096, kv_dtype="fp8_e4m3fn")
+    fp8 = _p(batch=2, kv_len=4096, kv_dtype="fp8_e4m3fn")  # 16 heads x 1 token: 16 rows
     space = route.param_space(fp8, H200)
-    splits = [p["num_splits"] for p in space if p.get("fp8_mma")]
-    assert len(splits) >= 2 and splits == [p["num_splits"] for p in space if "fp8_mma" not in p]
-    assert [bool(p.get("fp8_mma")) for p in space[:3]] == [True, False, True]
-    assert space[0]["num_splits"] == space[1]["num_splits"]
-    assert all(p["ws"] and p["pdl"] for p in space)
+    assert len(space) >= 4 and all(p["ws"] and p["pdl"] for p in space)
+    assert [bool(p.get("fp8_mma")) for p in space] == [True, False] * (len(space) // 2)
+    assert [p["num_splits"] for p in space[::2]] == [p["num_splits"] for p in space[1::2]]
     assert [routes.quantizes_q(route, fp8, p) for p in space[:2]] == [True, False]
     assert routes.quantizes_q(route, fp8) and not routes.quantizes_q(route, fp8, {"num_splits": 2})
     assert not routes.quantizes_q(route, _p(batch=2, kv_len=4096), {"fp8_mma": True})
+    for wide in (_p(num_heads=32, batch=2, kv_dtype="fp8_e4m3fn"),  # 32 rows a program
+                 _p(batch=2, qlen=2, kv_dtype="fp8_e4m3fn")):
+        assert route.block_rows(wide) == 32
+        assert all(p["ws"] and "fp8_mma" not in p for p in route.param_space(wide, H200))
+        assert not routes.quantizes_q(route, wide)
+
+
+def test_the_transposed_launcher_hands_fp8_mma_to_its_kernel_over_fp8_only(monkeypatch):
+    """``fp8_mma``: an fp8 cache goes to gluon_transposed_fp8 with the call's arguments; a
+    16-bit cache runs the transposed kernel as without it."""
+    from mlatune.kernels import gluon_transposed_fp8
 
     fake = _Recorder()
     monkeypatch.setattr(gluon_transposed_fp8, "decode_launcher", fake)
@@ -479,8 +485,12 @@ def test_transposed_fp8_sets_alternate_fp8_mmas_and_the_widening_and_declare_the
     (call,) = fake.calls
     assert call == dict(q=inputs.q, kv_cache=shard.kv_cache, block_table=shard.block_table,
                         seq_lens=shard.seq_lens, **kwargs)
+    launched = []
+    monkeypatch.setattr(gluon_transposed, "check_supported", lambda *args: None)
+    monkeypatch.setattr(gluon_transposed, "tma_descriptors", lambda *args: ("descs", ))
+    monkeypatch.setattr(gluon_transposed, "launch",
+                        lambda kernel, *args, **kw: launched.append(kernel) or (None, None, None))
     bf16 = make_decode_inputs(_p(batch=2, kv_len=300), seed=14).shards[0]
-    with pytest.raises(Exception) as caught:  # the 16-bit path (no Gluon here), not the fake
-        gluon_transposed.decode_launcher(inputs.q, bf16.kv_cache, bf16.block_table,
-                                         bf16.seq_lens, qlen=1, sm_scale=0.1, fp8_mma=True)
-    assert len(fake.calls) == 1, caught.value
+    gluon_transposed.decode_launcher(inputs.q, bf16.kv_cache, bf16.block_table, bf16.seq_lens,
+                                     qlen=1, sm_scale=0.1, fp8_mma=True)
+    assert launched == [gluon_transposed.transposed_kernel] and len(fake.calls) == 1

@@ -15,8 +15,8 @@ quantization, S^T, the softmax, O^T, the epilogue); a ring slot is released by b
   into one accumulator: S^T = K (Q8 + Q8lo)^T carries one factor a column (the row's scale,
   the cache's, the softmax scale), applied before the softmax. With two terms q keeps about
   a 16-bit q's precision; with one it is a quantized q (FlashMLA's fp8 path quantizes q per
-  tensor). On the H200 (2026-12-01, session 11): rel_l2 0.009-0.015 with two terms, 0.028-
-  0.081 with one (the per-row quantization alone: 0.034-0.081); the 16-bit widening 0.002.
+  tensor). On the H200 (2026-12-01, session 11): rel_l2 0.009-0.018 with two terms, 0.028-
+  0.082 with one (the per-row quantization alone: 0.034-0.081); the 16-bit widening 0.002.
   Two terms cost 1.11x one at (128, 16, 8192, 1) (twice the S^T wgmmas) and 1.8x at 32 rows
   (ptxas spills the MMA warpgroup). ``q_joined`` (EXPERIMENTAL, compiled only) puts them in
   adjacent rows of one operand: one wgmma of twice the N a k-step, as many as one term.
@@ -301,6 +301,7 @@ def _ws_mma(q_bufs, q8_bufs, ring, vts, p_buf, bars, ptrs, counter_ptr, ints, se
         mbarrier.wait(ready.index(0), 0)
         s = _issue_s(k_nope.index(0), k_rope.index(0), *q8_bufs, s_layout)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        gl.thread_barrier()  # every warp is past the wait (one thread arrives)
         mbarrier.arrive(k_empty.index(0))
     for t in range(n_tiles):
         j = t % 2

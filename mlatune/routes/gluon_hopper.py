@@ -146,14 +146,17 @@ class SeesawGluonRoute(WgmmaGluonRoute):
         return [{**params, "chunked": True} for params in super().param_space(problem, device)]
 
 
+FP8_MMA_MAX_ROWS = 16  # query rows a program up to which transposed/gluon offers fp8 MMAs
+
+
 class TransposedGluonRoute(WgmmaGluonRoute):
     """The transposed Hopper Gluon decode: S^T = K Q^T with the tile's 64 keys as the MMA's
     M and 16 or 32 query rows as its N (no padding of few rows to 64), one warpgroup; bf16
     or fp16 q over a cache of q's dtype or fp8 (e4m3, widened to q's dtype in shared
     memory, its scale read on the device). Its param sets launch the split reduce as a
-    programmatic dependent (``pdl``) and read an fp8 cache either with fp8 MMAs, q quantized
-    per row (``fp8_mma``), or widened in a partition of its own (``ws``); a stored param
-    set without them ran the earlier forms and still does."""
+    programmatic dependent (``pdl``) and read an fp8 cache widened in a partition of its own
+    (``ws``) or, at up to 16 query rows a program, with fp8 MMAs, q as two e4m3 terms
+    (``fp8_mma``); a stored param set without them ran the earlier forms and still does."""
 
     id = "transposed/gluon"
     kernel = "gluon_transposed"
@@ -165,20 +168,28 @@ class TransposedGluonRoute(WgmmaGluonRoute):
     kernel_options = MappingProxyType({"ws": False, "pdl": False, "fp8_mma": False})
 
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
-        """Over a 16-bit cache the split counts with PDL. Over fp8 each split count twice,
-        with fp8 MMAs and with the widening, alternating from the kernel's own pick, so a
-        sweep that keeps the first three times both forms at that pick."""
+        """The split counts with PDL. Over an fp8 cache, widened; at up to 16 query rows a
+        program also with fp8 MMAs, the two forms alternating split by split from the
+        kernel's own pick, fp8 MMAs first (a sweep keeping three times both at the pick).
+        Past 16 rows the fp8-MMA kernel (q's two terms) took 1.13-1.22x the widening's time
+        in geomean at the same split on the H200 (2026-12-01, session 11 call 6): not
+        offered."""
         sets = [{**params, "pdl": True} for params in super().param_space(problem, device)]
         if problem.kv_dtype not in FP8_DTYPES:
             return sets
-        mma = [{**params, "ws": True, "fp8_mma": True} for params in sets]
         widen = [{**params, "ws": True} for params in sets]
-        return [mma[0], widen[0], *mma[1:], *widen[1:]]
+        if self.block_rows(problem) > FP8_MMA_MAX_ROWS:
+            return widen
+        return [form for params in widen for form in ({**params, "fp8_mma": True}, params)]
 
     def quantizes_q(self, problem: MLAProblem, params: Params) -> bool:
         """Whether q is quantized to fp8 (the fp8 tolerance applies): the fp8-MMA sets, and
-        no params at all (the route's first set, an fp8-MMA one over an fp8 cache)."""
-        return problem.kv_dtype in FP8_DTYPES and bool(params.get("fp8_mma", not params))
+        no params at all where the route's first set is one."""
+        if problem.kv_dtype not in FP8_DTYPES:
+            return False
+        if not params:
+            return self.block_rows(problem) <= FP8_MMA_MAX_ROWS
+        return bool(params.get("fp8_mma"))
 
     def block_rows(self, problem: MLAProblem) -> int:
         return plan.transposed_rows(problem.kernel_heads * problem.qlen)
