@@ -76,8 +76,12 @@ TRANSPOSED_MERGE = "transposed/gluon merge"  # ... by the last split, whatever t
 TRANSPOSED_FP8MMA = "transposed/gluon fp8mma"
 TRANSPOSED_FP8MMA_1TERM = "transposed/gluon fp8mma 1term"
 TRANSPOSED_FP8MMA_JOINED = "transposed/gluon fp8mma joined"  # the two terms as one operand
+TRANSPOSED_FP8MMA_DEFERRED = "transposed/gluon fp8mma deferred"  # P's sums once at the end
+TRANSPOSED_FP8MMA_BOTH = "transposed/gluon fp8mma joined deferred"
 FP8MMA = {TRANSPOSED_FP8MMA: {}, TRANSPOSED_FP8MMA_1TERM: {"q_terms": 1},
-          TRANSPOSED_FP8MMA_JOINED: {"q_joined": True}}  # -> gluon_transposed_fp8 options
+          TRANSPOSED_FP8MMA_JOINED: {"q_joined": True},
+          TRANSPOSED_FP8MMA_DEFERRED: {"defer_sums": True},
+          TRANSPOSED_FP8MMA_BOTH: {"q_joined": True, "defer_sums": True}}  # launcher options
 VARIANTS = [FIRST, SEESAW, SEESAW_CHUNKED, TRANSPOSED, TRANSPOSED_PLAIN, TRANSPOSED_REDUCE,
             TRANSPOSED_MERGE, *FP8MMA]
 # held to the quantized-q tolerance: P is rounded to e4m3 (and q, with one term)
@@ -86,7 +90,8 @@ FP8_ONLY = tuple(FP8MMA)
 FP8_VARIANTS = (TRANSPOSED, TRANSPOSED_PLAIN, TRANSPOSED_REDUCE, TRANSPOSED_MERGE, *FP8_ONLY)
 # Not run unless --experimental (a hang would stop the smoke, and with it every Gluon timing):
 # kernels whose current form has not run on a GPU.
-EXPERIMENTAL: tuple[str, ...] = (TRANSPOSED_FP8MMA_JOINED, )
+EXPERIMENTAL: tuple[str, ...] = (TRANSPOSED_FP8MMA_JOINED, TRANSPOSED_FP8MMA_DEFERRED,
+                                 TRANSPOSED_FP8MMA_BOTH)
 SKIPPED: set[str] = set()  # --skip (the child smoke run gets it through the environment)
 DEVICE = "cuda"  # a dry run of the plumbing may set "cpu" (with a stand-in kernel)
 

@@ -211,3 +211,17 @@ def test_joined_q_terms_take_one_wgmma_of_twice_the_n_per_k_step(rows):
     assert compiled.metadata.shared <= 227 * 1024
     if rows == 16:
         assert resources(compiled)["stack"] == 0
+
+
+@pytest.mark.parametrize("joined", [False, True])
+def test_deferred_sums_leave_the_mmas_and_local_memory_as_they_were(joined):
+    """``defer_sums`` (experimental): P's row sums kept per element and summed once after
+    the keys; the same wgmmas as without, and at 16 rows no local memory."""
+    _needs_gluon_triton()
+    from mlatune.kernels import gluon_transposed_fp8 as f
+
+    plain, deferred = (f.aot_compile("bf16", rows=16, direct=False, q_joined=joined,
+                                     defer_sums=defer) for defer in (False, True))
+    assert plain.asm["ptx"] != deferred.asm["ptx"]
+    assert deferred.asm["ptx"].count("wgmma.mma_async") == plain.asm["ptx"].count("wgmma.mma_async")
+    assert resources(deferred)["stack"] == 0

@@ -222,7 +222,15 @@ def last_keys(rb, seq_len, qlen, heads, BM: gl.constexpr, row_layout: gl.constex
 @gluon.jit
 def online_softmax(s, n0, end, last_pos, cols, m_i, l_i, KEY_AXIS: gl.constexpr):
     """Online softmax (base 2) of one tile's scaled scores, keys along ``KEY_AXIS`` (1: S,
-    rows x keys; 0: S^T): (P, new max, new sum, alpha).
+    rows x keys; 0: S^T): (P, new max, new sum, alpha): ``softmax_step`` and the rows' sums.
+    """
+    p, m_new, alpha = softmax_step(s, n0, end, last_pos, cols, m_i, KEY_AXIS)
+    return p, m_new, l_i * alpha + gl.sum(p, axis=KEY_AXIS), alpha
+
+
+@gluon.jit
+def softmax_step(s, n0, end, last_pos, cols, m_i, KEY_AXIS: gl.constexpr):
+    """One tile's P, the rows' new max and alpha (as ``online_softmax``), without summing P.
 
     Keys past ``end`` or past a row's causal bound get weight 0; alpha rescales what
     the rows accumulated before this tile.
@@ -237,7 +245,7 @@ def online_softmax(s, n0, end, last_pos, cols, m_i, l_i, KEY_AXIS: gl.constexpr)
     m_shift = gl.where(m_new == float("-inf"), gl.zeros_like(m_new), m_new)
     alpha = gl.exp2(m_i - m_shift)
     p = gl.exp2(s - gl.expand_dims(m_shift, KEY_AXIS))
-    return p, m_new, l_i * alpha + gl.sum(p, axis=KEY_AXIS), alpha
+    return p, m_new, alpha
 
 
 @gluon.jit

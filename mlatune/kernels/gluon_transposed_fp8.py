@@ -56,6 +56,7 @@ from mlatune.kernels.gluon_common import (
     last_keys,
     online_softmax,
     program_keys,
+    softmax_step,
     tma_descriptors,
 )
 from mlatune.kernels.gluon_hopper_plan import BLOCK_N, PAGE_SIZE
@@ -271,8 +272,11 @@ def _scores(s, qk_cols, layout: gl.constexpr):
 @gluon.jit
 def _ws_mma(q_bufs, q8_bufs, ring, vts, p_buf, bars, ptrs, counter_ptr, ints, seq_len, start,
             end, n_tiles, qk, kv_scale, CAUSAL: gl.constexpr, DIRECT: gl.constexpr,
-            MERGE: gl.constexpr):
+            MERGE: gl.constexpr, DEFER_SUMS: gl.constexpr):
     """q quantized, then per tile S^T (fp8), the softmax, O^T += V^T P^T (fp8); the epilogue.
+    ``DEFER_SUMS`` (experimental): P's row sums kept per element ([keys, rows], rescaled
+    like O^T) and summed over the keys once at the end, so a tile's softmax crosses the
+    warps once (for its max), not twice.
     Tile t+1's S^T is issued before tile t's softmax and runs beside it and beside tile t's
     O^T product; the warpgroup waits for both at the tile's end. (Leaving O^T in flight into
     the next tile was slower, 1.26x at (128, 16, 8192, 1) on the H200, 2026-12-01: the
@@ -293,6 +297,7 @@ def _ws_mma(q_bufs, q8_bufs, ring, vts, p_buf, bars, ptrs, counter_ptr, ints, se
     keys = gl.arange(0, BN, layout=gl.SliceLayout(1, sm_layout))
     m_i = gl.full([BR], float("-inf"), gl.float32, layout=col_s)
     l_i = gl.full([BR], 0.0, gl.float32, layout=col_s)
+    l_acc = gl.zeros([BN, BR], gl.float32, layout=sm_layout)  # DEFER_SUMS: per key slot
     acc = gl.zeros([DN, BR], gl.float32, layout=o_layout)
     mbarrier.wait(q_bar, 0)
     qk_cols = gl.expand_dims(_quantize_q(q_bufs, q8_bufs, col_s, 4) * qk, 0)
@@ -312,8 +317,13 @@ def _ws_mma(q_bufs, q8_bufs, ring, vts, p_buf, bars, ptrs, counter_ptr, ints, se
         # The next tile's S^T runs beside this tile's softmax (after the last tile: a
         # product of the slot's old bytes, never read, so the issue count stays fixed).
         s_next = _issue_s(k_nope.index(nxt), k_rope.index(nxt), *q8_bufs, s_layout)
-        p, m_i, l_i, alpha = online_softmax(_scores(s, qk_cols, sm_layout), start + t * BN,
-                                            end, last_pos, keys, m_i, l_i, 0)
+        if DEFER_SUMS:
+            p, m_i, alpha = softmax_step(_scores(s, qk_cols, sm_layout), start + t * BN, end,
+                                         last_pos, keys, m_i, 0)
+            l_acc = l_acc * gl.expand_dims(alpha, 0) + p
+        else:
+            p, m_i, l_i, alpha = online_softmax(_scores(s, qk_cols, sm_layout), start + t * BN,
+                                                end, last_pos, keys, m_i, l_i, 0)
         p_buf.store(gl.permute((p * (2.0 ** P_SHIFT)).to(p_buf.dtype), (1, 0)))
         fence_async_shared()
         gl.thread_barrier()  # every warp's P^T is in
@@ -325,6 +335,8 @@ def _ws_mma(q_bufs, q8_bufs, ring, vts, p_buf, bars, ptrs, counter_ptr, ints, se
         mbarrier.arrive(vt_empty.index(j))
         if more:
             mbarrier.arrive(k_empty.index(nxt))
+    if DEFER_SUMS:
+        l_i = gl.sum(l_acc, axis=0)
     base._epilogue(acc, m_i, l_i, kv_scale * (2.0 ** -P_SHIFT), ptrs, ints, o_layout, DIRECT, 4)
     if MERGE:
         base._merge_if_last(ptrs, counter_ptr, ints, BR, DN, 4)
@@ -339,7 +351,7 @@ def transposed_fp8_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and th
                           stride_po_slot, stride_po_row, stride_pl_slot,
                           CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PAGE: gl.constexpr,
                           STAGES: gl.constexpr, Q_TERMS: gl.constexpr, Q_JOINED: gl.constexpr,
-                          MERGE: gl.constexpr,
+                          DEFER_SUMS: gl.constexpr, MERGE: gl.constexpr,
                           PDL: gl.constexpr, num_warps: gl.constexpr):
     BN: gl.constexpr = kn_desc.block_type.shape[0]
     DN: gl.constexpr = kn_desc.block_type.shape[1]
@@ -382,7 +394,7 @@ def transposed_fp8_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and th
                       n_tiles, PAGE)),
         (_ws_mma, (q_bufs, q8_bufs, ring, vts, p_buf, (q_bar, ready, k_empty, vt_ready, vt_empty),
                    ptrs, counter_ptr, ints, seq_len, start, end, n_tiles,
-                   qk_scale * kv_scale, kv_scale, CAUSAL, DIRECT, MERGE)),
+                   qk_scale * kv_scale, kv_scale, CAUSAL, DIRECT, MERGE, DEFER_SUMS)),
         (_ws_transposer, (ring, vts, (ready, k_empty, vt_ready, vt_empty), start, end,
                           n_tiles)),
     ], [4, 4], [WS_MMA_REGS, WS_TRANSPOSE_REGS])
@@ -401,13 +413,13 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                     kv_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
                     lse: torch.Tensor | None = None, num_splits: int | None = None,
                     max_seq_len: int | None = None, merge: str = base.MERGE, pdl: bool = False,
-                    q_terms: int = Q_TERMS, q_joined: bool = False
+                    q_terms: int = Q_TERMS, q_joined: bool = False, defer_sums: bool = False
                     ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
     """``gluon_transposed.decode_launcher`` for this kernel: an fp8 e4m3 cache only, q as
     ``q_terms`` e4m3 terms per row (1: a quantized q's accuracy, ``QUANTIZED_Q``).
     ``q_joined`` (two terms; EXPERIMENTAL, compiled, not yet run on a GPU): the terms as
     adjacent rows of one operand, so S^T takes one wgmma of twice the N a k-step instead of
-    two."""
+    two. ``defer_sums`` (EXPERIMENTAL, compiled, not yet run): ``_ws_mma``'s DEFER_SUMS."""
     if kv_cache.dtype not in base.FP8_CACHES:
         raise ValueError(f"the fp8-MMA transposed decode reads an fp8 cache only, got "
                          f"{kv_cache.dtype}")
@@ -422,8 +434,8 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
         raise ValueError(f"gluon transposed MLA decode (fp8 MMAs): {why}")
     rows = plan.transposed_rows(qlen * heads)
     meta = dict(CAUSAL=causal and qlen > 1, PAGE=PAGE_SIZE, STAGES=ring_stages(rows),
-                Q_TERMS=q_terms, Q_JOINED=q_joined, num_warps=base.NUM_WARPS,
-                maxnreg=MAXNREG)
+                Q_TERMS=q_terms, Q_JOINED=q_joined, DEFER_SUMS=defer_sums,
+                num_warps=base.NUM_WARPS, maxnreg=MAXNREG)
     descs = tma_descriptors(q, kv_cache, rows)
     return base.launch(transposed_fp8_kernel, descs, q, block_table, seq_lens, kv_scale, out,
                        lse, qlen=qlen, sm_scale=sm_scale, num_splits=num_splits,
@@ -432,14 +444,14 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
 
 def aot_compile(dtype: str = "bf16", *, rows: int = 16, direct: bool = True,
                 causal: bool = True, merge: str = base.MERGE, arch: int = 90,
-                q_terms: int = Q_TERMS, q_joined: bool = False):
+                q_terms: int = Q_TERMS, q_joined: bool = False, defer_sums: bool = False):
     """Compile ``transposed_fp8_kernel`` (a ``dtype`` q over an fp8 cache) for ``sm_<arch>``
     without a GPU; returns triton's CompiledKernel."""
     br = plan.transposed_rows(rows)
     constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=PAGE_SIZE,
                      MERGE=not direct and merge != "reduce", PDL=False,
                      STAGES=ring_stages(br), Q_TERMS=q_terms, Q_JOINED=q_joined,
-                     num_warps=base.NUM_WARPS)
+                     DEFER_SUMS=defer_sums, num_warps=base.NUM_WARPS)
     return aot_compile_kernel(transposed_fp8_kernel, constants,
                               base._blocks(dtype, "fp8", br, BLOCK_N), base._pointers(dtype),
                               arch=arch, num_warps=base.NUM_WARPS, maxnreg=MAXNREG)
