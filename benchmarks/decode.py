@@ -141,7 +141,7 @@ def bench_point(point, kv_name: str, device, reps: int, pick: Selection,
                 prepared[0].run()
                 torch.cuda.synchronize()
                 acc = check(problem, prepared[0].out, want_out, prepared[0].lse, want_lse,
-                            q_quantized=routes.quantizes_q(route, problem, params))
+                            **routes.rounding(route, problem, params))
                 res.rel_l2 = acc.rel_l2
                 if not acc.ok:
                     res.status = f"rejected_accuracy: {acc.reason}"

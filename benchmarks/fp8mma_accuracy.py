@@ -48,7 +48,7 @@ def main() -> None:
             prepared.run()
             torch.cuda.synchronize()
             acc = check(problem, prepared.out, want_out, prepared.lse, want_lse,
-                        q_quantized=routes.quantizes_q(route, problem, params))
+                        **routes.rounding(route, problem, params))
             print(f"  {params}: {'ok' if acc.ok else 'FAIL'} {acc.summary}")
 
 

@@ -84,8 +84,11 @@ FP8MMA = {TRANSPOSED_FP8MMA: {}, TRANSPOSED_FP8MMA_1TERM: {"q_terms": 1},
           TRANSPOSED_FP8MMA_BOTH: {"q_joined": True, "defer_sums": True}}  # launcher options
 VARIANTS = [FIRST, SEESAW, SEESAW_CHUNKED, TRANSPOSED, TRANSPOSED_PLAIN, TRANSPOSED_REDUCE,
             TRANSPOSED_MERGE, *FP8MMA]
-# held to the quantized-q tolerance: P is rounded to e4m3 (and q, with one term)
-QUANTIZE_Q = tuple(FP8MMA)
+# the variants' roundings past their dtypes, as check's keywords (routes.rounding): P in e4m3
+# with q's two terms, q quantized with one
+ROUNDING = {v: {"q_quantized": o.get("q_terms") == 1, "p_rounded": o.get("q_terms") != 1}
+            for v, o in FP8MMA.items()}
+NO_ROUNDING = {"q_quantized": False, "p_rounded": False}
 FP8_ONLY = tuple(FP8MMA)
 FP8_VARIANTS = (TRANSPOSED, TRANSPOSED_PLAIN, TRANSPOSED_REDUCE, TRANSPOSED_MERGE, *FP8_ONLY)
 # Not run unless --experimental (a hang would stop the smoke, and with it every Gluon timing):
@@ -149,9 +152,9 @@ def route_prepare(route_id, problem, inputs):
     return p.run, lambda: p.out, lambda: p.lse
 
 
-def routes_quantize_q(route_id, problem) -> bool:
+def route_rounding(route_id, problem) -> dict[str, bool]:
     from mlatune import routes
-    return routes.quantizes_q(routes.get(route_id), problem)
+    return routes.rounding(routes.get(route_id), problem)
 
 
 def poison_stale_slots(inputs) -> int:
@@ -167,8 +170,8 @@ def poison_stale_slots(inputs) -> int:
     return count
 
 
-def check_run(run, out, lse, problem, ref, q_quantized: bool = False) -> dict:
-    """Poison, run, compare (with the fp8 tolerance where the route quantizes q)."""
+def check_run(run, out, lse, problem, ref, rounding: dict[str, bool] = NO_ROUNDING) -> dict:
+    """Poison, run, compare (with the looser tolerances ``rounding`` names)."""
     from mlatune.check.accuracy import check
     from mlatune.check.inputs import poison_
     poison_(out() if callable(out) else out, lse() if callable(lse) else lse)
@@ -177,7 +180,7 @@ def check_run(run, out, lse, problem, ref, q_quantized: bool = False) -> dict:
         torch.cuda.synchronize()
     if callable(out):
         out, lse = out(), lse()
-    acc = check(problem, out, ref[0], lse, ref[1], q_quantized=q_quantized)
+    acc = check(problem, out, ref[0], lse, ref[1], **rounding)
     return dict(ok=acc.ok, rel_l2=acc.rel_l2, lse_err=acc.lse_max_abs, reason=acc.reason)
 
 
@@ -201,10 +204,10 @@ def smoke() -> int:
             inputs = make_decode_inputs(problem, seed=1, device=DEVICE, ragged=True)
             ref = reference.decode_shard(inputs, inputs.shards[0])
             run, out, lse = gluon_prepare(problem, inputs, splits, variant)
-            quantized = variant in QUANTIZE_Q
-            a = check_run(run, out, lse, problem, ref, quantized)
+            rounding = ROUNDING.get(variant, NO_ROUNDING)
+            a = check_run(run, out, lse, problem, ref, rounding)
             stale = poison_stale_slots(inputs)
-            b = check_run(run, out, lse, problem, ref, quantized)
+            b = check_run(run, out, lse, problem, ref, rounding)
             print(f"{name}: {fmt_acc(a)}; {stale} stale slots NaN: {fmt_acc(b)}", flush=True)
             failed += not (a["ok"] and b["ok"])
         except Exception as exc:  # report and go on to the next case
@@ -255,21 +258,22 @@ def run_point(point, gluon_ok: bool, seconds: float) -> list[dict]:
                 def prep(p, x, splits=None, r=rid):
                     return route_prepare(r, p, x)
             run, out, lse = prep(problem, ragged)
-            quantized = rid in QUANTIZE_Q or (not is_gluon and routes_quantize_q(rid, problem))
-            row["q_quantized"] = quantized
-            a = check_run(run, out, lse, problem, ref_r, quantized)
+            rounding = route_rounding(rid, problem) if not is_gluon \
+                else ROUNDING.get(rid, NO_ROUNDING)
+            row.update(rounding)
+            a = check_run(run, out, lse, problem, ref_r, rounding)
             row.update(ragged_ok=a["ok"], rel_l2=a["rel_l2"], lse_err=a["lse_err"])
             if is_gluon:
                 # Forced split counts: the direct store path and the merged one, whatever
                 # pick_splits chose.
                 for splits in (1, 5):
                     run2, out2, lse2 = prep(problem, ragged, splits)
-                    a2 = check_run(run2, out2, lse2, problem, ref_r, quantized)
+                    a2 = check_run(run2, out2, lse2, problem, ref_r, rounding)
                     row[f"splits{splits}_ok"] = a2["ok"]
                     row[f"splits{splits}_rel_l2"] = a2["rel_l2"]
                     a = a if a2["ok"] else a2
             run, out, lse = prep(problem, full)
-            b = check_run(run, out, lse, problem, ref_f, quantized)
+            b = check_run(run, out, lse, problem, ref_f, rounding)
             row.update(full_ok=b["ok"], full_rel_l2=b["rel_l2"], full_lse_err=b["lse_err"])
             if not (a["ok"] and b["ok"]):
                 row["status"] = f"inaccurate: {a['reason'] if not a['ok'] else b['reason']}"
@@ -281,7 +285,7 @@ def run_point(point, gluon_ok: bool, seconds: float) -> list[dict]:
             if is_gluon:
                 n = poison_stale_slots(ragged)
                 run, out, lse = prep(problem, ragged)
-                c = check_run(run, out, lse, problem, ref_r, quantized)
+                c = check_run(run, out, lse, problem, ref_r, rounding)
                 row.update(stale_nan_slots=n, stale_nan_ok=c["ok"])
         except Exception as exc:  # one route's failure is a result; go on
             row["status"] = f"error: {last_line(exc)}"

@@ -13,6 +13,22 @@ def test_tolerances_are_ordered_by_precision():
     assert tolerance_for("bf16", "fp8_e4m3fn") == bf16
 
 
+def test_p_rounded_sits_between_a_16_bit_q_and_a_quantized_one():
+    """P rounded to fp8 with a 16-bit-precision q: looser than bf16, half a quantized q's
+    output bound; a quantized q wins when both are declared; an fp8 q keeps its own; an
+    override of the fp8 class reaches it."""
+    bf16 = tolerance_for("bf16", "fp8_e4m3fn")
+    rounded = tolerance_for("bf16", "fp8_e4m3fn", p_rounded=True)
+    quantized = tolerance_for("bf16", "fp8_e4m3fn", q_quantized=True)
+    assert bf16.rel_l2 < rounded.rel_l2 < quantized.rel_l2
+    assert bf16.lse_abs < rounded.lse_abs < quantized.lse_abs
+    assert tolerance_for("fp16", "fp8_e4m3fn", p_rounded=True) == rounded
+    assert tolerance_for("bf16", "fp8_e4m3fn", q_quantized=True, p_rounded=True) == quantized
+    fp8 = tolerance_for("fp8_e4m3fn", "fp8_e4m3fn")
+    assert tolerance_for("fp8_e4m3fn", "fp8_e4m3fn", p_rounded=True) == fp8
+    assert tolerance_for("bf16", "fp8_e4m3fn", {"fp8": 0.05}, p_rounded=True).rel_l2 == 0.05
+
+
 def test_rounding_passes_and_bugs_fail():
     gen = torch.Generator().manual_seed(0)
     ref = torch.randn(64, 8, 32, generator=gen)

@@ -128,5 +128,5 @@ def test_stale_cache_slots_hold_nan(item):
         prepared.run()
         torch.cuda.synchronize()
         acc = check(problem, prepared.out, want_out, prepared.lse, want_lse,
-                    q_quantized=routes.quantizes_q(route, problem, params))
+                    **routes.rounding(route, problem, params))
         assert acc.ok, f"{params}: {acc.reason} ({acc.summary})"

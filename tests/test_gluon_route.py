@@ -452,21 +452,25 @@ def test_transposed_fp8_sets_alternate_fp8_mmas_and_the_widening_up_to_16_rows(m
     """Over an fp8 cache at up to 16 query rows a program each split count comes twice,
     fp8 MMAs first, alternating split by split from the kernel's pick (so a sweep keeping
     three times both forms at the pick); past 16 rows only the widening. Only the fp8-MMA
-    sets (and no params where the first set is one) declare a quantized q."""
+    sets (and no params where the first set is one) declare P rounded, none a quantized q
+    (q's two e4m3 terms keep it near 16 bits)."""
     route = routes.get("transposed/gluon")
     fp8 = _p(batch=2, kv_len=4096, kv_dtype="fp8_e4m3fn")  # 16 heads x 1 token: 16 rows
     space = route.param_space(fp8, H200)
     assert len(space) >= 4 and all(p["ws"] and p["pdl"] for p in space)
     assert [bool(p.get("fp8_mma")) for p in space] == [True, False] * (len(space) // 2)
     assert [p["num_splits"] for p in space[::2]] == [p["num_splits"] for p in space[1::2]]
-    assert [routes.quantizes_q(route, fp8, p) for p in space[:2]] == [True, False]
-    assert routes.quantizes_q(route, fp8) and not routes.quantizes_q(route, fp8, {"num_splits": 2})
-    assert not routes.quantizes_q(route, _p(batch=2, kv_len=4096), {"fp8_mma": True})
+    rounded = {"q_quantized": False, "p_rounded": True}
+    assert [routes.rounding(route, fp8, p) for p in space[:2]] == \
+        [rounded, {"q_quantized": False, "p_rounded": False}]
+    assert routes.rounding(route, fp8) == rounded
+    assert not routes.rounding(route, fp8, {"num_splits": 2})["p_rounded"]
+    assert not any(routes.rounding(route, _p(batch=2, kv_len=4096), {"fp8_mma": True}).values())
     for wide in (_p(num_heads=32, batch=2, kv_dtype="fp8_e4m3fn"),  # 32 rows a program
                  _p(batch=2, qlen=2, kv_dtype="fp8_e4m3fn")):
         assert route.block_rows(wide) == 32
         assert all(p["ws"] and "fp8_mma" not in p for p in route.param_space(wide, H200))
-        assert not routes.quantizes_q(route, wide)
+        assert not any(routes.rounding(route, wide).values())
 
 
 def test_the_transposed_launcher_hands_fp8_mma_to_its_kernel_over_fp8_only(monkeypatch):

@@ -85,13 +85,17 @@ def test_the_fp8_mma_form_reads_fp8_caches_only():
                           q_joined=True)
 
 
-def test_gluon_check_keeps_unrun_kernels_behind_experimental_and_quantized_q_honest():
+def test_gluon_check_keeps_unrun_kernels_behind_experimental_and_its_roundings_honest():
     """benchmarks/gluon_check.py: fp8-only variants never run over 16-bit caches, those held
-    to the quantized-q tolerance are fp8-only, and the experimental ones leave the variant
-    lists unless asked for (a hang in the smoke child would stop every Gluon timing)."""
+    to a looser tolerance (their roundings) are fp8-only, and the experimental ones leave
+    the variant lists unless asked for (a hang in the smoke child would stop every Gluon
+    timing)."""
     import benchmarks.gluon_check as gc
 
-    assert set(gc.QUANTIZE_Q) <= set(gc.FP8_ONLY) and set(gc.EXPERIMENTAL) <= set(gc.VARIANTS)
+    assert set(gc.ROUNDING) <= set(gc.FP8_ONLY) and set(gc.EXPERIMENTAL) <= set(gc.VARIANTS)
+    # one term quantizes q; two keep it near 16 bits and round P: never both, never neither
+    assert all(r["q_quantized"] != r["p_rounded"] for r in gc.ROUNDING.values())
+    assert gc.ROUNDING[gc.TRANSPOSED_FP8MMA_1TERM]["q_quantized"]
     assert not set(gc.variants_for("bf16")) & set(gc.FP8_ONLY)
     assert set(gc.FP8_ONLY) <= set(gc.variants_for("fp8")) | gc.SKIPPED
     saved = set(gc.SKIPPED)

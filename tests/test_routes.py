@@ -132,8 +132,8 @@ def test_params_at_keeps_the_recipe_and_redoes_sized_params():
 
 def test_quantizes_q_per_route_and_params():
     """The looser quantized-q tolerance only where q is quantized: FlashMLA over an fp8
-    cache, whatever its params; no Triton set and no Gluon set that upcasts the cache tile
-    (transposed/gluon's fp8-MMA sets declare it: tests/test_gluon_route.py)."""
+    cache, whatever its params; no Triton or Gluon set (transposed/gluon's fp8-MMA sets
+    keep q near 16 bits and declare P rounded instead: tests/test_gluon_route.py)."""
     fp8 = MLAProblem(num_heads=16, batch=2, kv_len=256, q_dtype="bf16", kv_dtype="fp8_e4m3fn")
     for route_id in ("padded/triton", "segmented/triton", "wgmma/gluon"):
         assert not routes.quantizes_q(routes.get(route_id), fp8, {"num_splits": 2}), route_id
@@ -142,3 +142,7 @@ def test_quantizes_q_per_route_and_params():
     assert routes.quantizes_q(flashmla, fp8) and routes.quantizes_q(flashmla, fp8, {"x": 1})
     both_fp8 = dataclasses.replace(fp8, q_dtype="fp8_e4m3fn")
     assert not routes.quantizes_q(flashmla, both_fp8)  # q is fp8 already
+    # routes.rounding: check's keywords; FlashMLA rounds P only as part of a quantized q
+    assert routes.rounding(flashmla, fp8) == {"q_quantized": True, "p_rounded": False}
+    assert routes.rounding(routes.get("padded/triton"), fp8) == \
+        {"q_quantized": False, "p_rounded": False}

@@ -52,18 +52,31 @@ _TOLERANCES = {
 # indexing bug moves the output's rel_l2 toward 1, which the output bound still refuses.
 QUANTIZED_Q = Tolerance(rel_l2=8e-2, lse_abs=0.6)
 
+# P rounded to e4m3 for P.V while q keeps about 16-bit precision (transposed/gluon's fp8-MMA
+# sets: q as two e4m3 terms). Measured on the H200 (2026-12-01, session 11): rel_l2
+# 0.009-0.025 (1,200 sweep runs, median 0.012; the GPU tests' cases), LSE within 0.05. Half
+# QUANTIZED_Q's output bound: a route that lost the second term lands near 0.03-0.08.
+P_ROUNDED = Tolerance(rel_l2=4e-2, lse_abs=1e-1)
+
 
 def tolerance_for(q_dtype: str, kv_dtype: str,
                   rel_l2_overrides: dict[str, float] | None = None,
-                  q_quantized: bool = False) -> Tolerance:
+                  q_quantized: bool = False, p_rounded: bool = False) -> Tolerance:
     """Tolerance for a (q dtype, kv dtype) pair; a spec may override rel_l2 per class.
 
     ``q_quantized``: the route quantizes a 16-bit q to fp8 (FlashMLA over an fp8
     cache), so the fp8 tolerance applies and the table says so in its params.
+    ``p_rounded``: the route rounds P to fp8 and keeps a 16-bit q near its precision
+    (``P_ROUNDED``); overrides of the fp8 class apply to both.
     """
     # fp8 -> 16-bit is exact, so a 16-bit q keeps its own tolerance over an fp8 cache.
-    cls = "fp8" if q_dtype in FP8_DTYPES or q_quantized else q_dtype
-    tol = QUANTIZED_Q if q_quantized and q_dtype not in FP8_DTYPES else _TOLERANCES[cls]
+    sixteen = q_dtype not in FP8_DTYPES
+    cls = "fp8" if not sixteen or q_quantized or p_rounded else q_dtype
+    tol = _TOLERANCES[cls]
+    if sixteen and q_quantized:
+        tol = QUANTIZED_Q
+    elif sixteen and p_rounded:
+        tol = P_ROUNDED
     if rel_l2_overrides and cls in rel_l2_overrides:
         tol = Tolerance(rel_l2_overrides[cls], tol.lse_abs)
     return tol
@@ -129,8 +142,10 @@ def compare(
 
 
 def check(problem: MLAProblem, out, ref_out, lse=None, ref_lse=None,
-          rel_l2_overrides: dict[str, float] | None = None, q_quantized: bool = False
-          ) -> Accuracy:
-    """Compare with the problem's dtype tolerance (fp8's where the route quantized q)."""
-    tol = tolerance_for(problem.q_dtype, problem.kv_dtype, rel_l2_overrides, q_quantized)
+          rel_l2_overrides: dict[str, float] | None = None, q_quantized: bool = False,
+          p_rounded: bool = False) -> Accuracy:
+    """Compare with the problem's dtype tolerance (a looser one where the route quantized q
+    or rounded P: ``routes.rounding`` says which)."""
+    tol = tolerance_for(problem.q_dtype, problem.kv_dtype, rel_l2_overrides, q_quantized,
+                        p_rounded)
     return compare(out, ref_out, tol, lse, ref_lse)

@@ -23,7 +23,8 @@ quantization, S^T, the softmax, O^T, the epilogue); a ring slot is released by b
 - P (in [0, 1]) is scaled by 2^P_SHIFT before its cast to e4m3 (max 448), so values down
   to 2^-17 survive; the sum of the unscaled P normalizes O, and the epilogue divides the
   shift out with the cache's V scale. P in e4m3 keeps the output error near 1e-2, so the
-  route declares these sets ``quantizes_q`` (the fp8 tolerance).
+  route declares these sets ``rounds_p`` (``check.accuracy.P_ROUNDED``; a quantized q,
+  one term, is held to ``QUANTIZED_Q``).
 - Hopper's fp8 wgmma takes both operands K-major; O^T = V^T P^T needs V^T with the tile's
   keys contiguous: the transposer moves 16 x 16 byte blocks through registers (byte
   permutes), stale rows of a split's last tile as zeros (a real cache holds NaN there).

@@ -18,6 +18,7 @@ from mlatune.routes.base import (
     no,
     params_at,
     quantizes_q,
+    rounding,
     step_kind_of,
     with_defaults,
 )
@@ -85,6 +86,7 @@ __all__ = [
     "params_at",
     "quantizes_q",
     "register",
+    "rounding",
     "step_kind_of",
     "unregister",
     "verdicts",

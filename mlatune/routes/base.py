@@ -185,6 +185,8 @@ class Route(Protocol):
     # ``Prepared.step_kind`` will be, known without a GPU (``step_kind_of``).
     # Optional: ``quantizes_q(problem, params) -> bool``, True where the route run with
     # ``params`` quantizes a 16-bit q to fp8 (the fp8 tolerance then applies; ``quantizes_q``).
+    # Optional: ``rounds_p(problem, params) -> bool``, True where it rounds P to fp8 while
+    # q keeps about 16-bit precision (``check.accuracy.P_ROUNDED``; ``rounding``).
 
 
 def step_kind_of(route: Route, params: Params) -> StepKind:
@@ -198,6 +200,16 @@ def quantizes_q(route: Route, problem: MLAProblem, params: Params | None = None)
     16-bit q to fp8 (False when it declares not)."""
     declare = getattr(route, "quantizes_q", None)
     return bool(declare and declare(problem, params or {}))
+
+
+def rounding(route: Route, problem: MLAProblem, params: Params | None = None
+             ) -> dict[str, bool]:
+    """What ``route`` run with ``params`` (None: its defaults) rounds past the problem's
+    dtypes, as ``check.accuracy.check``'s keywords: ``q_quantized`` (``quantizes_q``) and
+    ``p_rounded`` (its ``rounds_p``)."""
+    declare = getattr(route, "rounds_p", None)
+    return {"q_quantized": quantizes_q(route, problem, params),
+            "p_rounded": bool(declare and declare(problem, params or {}))}
 
 
 def with_defaults(route: Route, params: Params | None, first: Params) -> Params:

@@ -182,9 +182,10 @@ class TransposedGluonRoute(WgmmaGluonRoute):
             return widen
         return [form for params in widen for form in ({**params, "fp8_mma": True}, params)]
 
-    def quantizes_q(self, problem: MLAProblem, params: Params) -> bool:
-        """Whether q is quantized to fp8 (the fp8 tolerance applies): the fp8-MMA sets, and
-        no params at all where the route's first set is one."""
+    def rounds_p(self, problem: MLAProblem, params: Params) -> bool:
+        """Whether P is rounded to fp8 (q kept near 16 bits by its two e4m3 terms; the
+        ``P_ROUNDED`` tolerance applies): the fp8-MMA sets, and no params at all where the
+        route's first set is one."""
         if problem.kv_dtype not in FP8_DTYPES:
             return False
         if not params:
