@@ -37,8 +37,10 @@ class SlowRoute(FakeRoute):
         return prepared
 
 
-class WrongRoute(FakeRoute):
-    """Fast and wrong: its output is off."""
+class ScaledRoute(FakeRoute):
+    """Fast, its output scaled by ``factor`` after the run."""
+
+    factor = 2.0  # wrong
 
     def prepare(self, problem, inputs, *, rank=0, params=None, want_lse=True):
         prepared = super().prepare(problem, inputs, rank=rank, params=params,
@@ -47,15 +49,25 @@ class WrongRoute(FakeRoute):
 
         def run() -> None:
             inner()
-            prepared.out.mul_(2.0)
+            prepared.out.mul_(self.factor)
 
         prepared.run = run
         return prepared
 
 
+class RoundingRoute(ScaledRoute):
+    """Off by what rounding P to fp8 costs (2%), which it declares."""
+
+    factor = 1.02
+
+    def rounds_p(self, problem, params) -> bool:
+        return True
+
+
 @pytest.fixture
 def made():
-    made = [SlowRoute("slow/fake"), FakeRoute("quick/fake"), WrongRoute("wrong/fake")]
+    made = [SlowRoute("slow/fake"), FakeRoute("quick/fake"), ScaledRoute("wrong/fake"),
+            RoundingRoute("rounding/fake")]
     for route in made:
         routes.register(route)
     yield made
@@ -63,8 +75,9 @@ def made():
         routes.unregister(route.id)
 
 
-def _table(tmp_path, with_wrong: bool = False):
-    """The slow route wins every measured (tiny) point by its recorded times."""
+def _table(tmp_path, with_wrong: bool = False, third: str = "wrong/fake"):
+    """The slow route wins every measured (tiny) point by its recorded times (``third``,
+    with ``with_wrong``, comes second)."""
     rows = []
     for b in (1, 2, 3, 4):
         for k in (16, 24, 32):
@@ -72,7 +85,7 @@ def _table(tmp_path, with_wrong: bool = False):
             rows += [result_row(p, "slow/fake", 1.0, device=cpu_device()),
                      result_row(p, "quick/fake", 1.5, device=cpu_device())]
             if with_wrong:
-                rows.append(result_row(p, "wrong/fake", 1.2, device=cpu_device()))
+                rows.append(result_row(p, third, 1.2, device=cpu_device()))
     return table.write(make_table(rows), tmp_path / "cpu.parquet")
 
 
@@ -110,6 +123,16 @@ def test_a_candidate_that_disagrees_with_the_answer_is_dropped(tmp_path, made):
     _decode(dispatcher)
     assert dispatcher.select(FAR).route_id == "quick/fake"
     assert "wrong/fake" not in set(table.read(user)["route"])
+
+
+def test_a_candidate_off_by_its_declared_rounding_is_kept(tmp_path, made):
+    """Beside a 16-bit answer, a route that declares P rounded to fp8 is held to that
+    rounding's tolerance (2% off passes it, not fp16's), so it can win."""
+    user = tmp_path / "mine.parquet"
+    dispatcher = Dispatcher.load(_table(tmp_path, with_wrong=True, third="rounding/fake"),
+                                 device=cpu_device(), first_sight=user)
+    _decode(dispatcher)
+    assert "rounding/fake" in set(table.read(user)["route"])
 
 
 def test_without_first_sight_nothing_is_timed(tmp_path, made):

@@ -77,7 +77,7 @@ def _label(item) -> str:
 def test_vendor_route_matches_reference(item):
     route_id, problem = item
     route = _route(route_id, problem)
-    quantized = routes.quantizes_q(route, problem)
+    rounds = routes.rounding(route, problem)
     inputs = make_decode_inputs(problem, seed=11, device="cuda", ragged=True)
     outs, lses = [], []
     for shard in inputs.shards:
@@ -88,8 +88,7 @@ def test_vendor_route_matches_reference(item):
         outs.append(prepared.out)
         lses.append(prepared.lse)
         want_out, want_lse = reference.decode_shard(inputs, shard)
-        acc = check(problem, prepared.out, want_out, prepared.lse, want_lse,
-                    q_quantized=quantized)
+        acc = check(problem, prepared.out, want_out, prepared.lse, want_lse, **rounds)
         if route_id.endswith("/flashinfer") and problem.kv_dtype == FP8:
             # FlashInfer dequantizes an fp8 cache to bf16 with the scale applied
             # (mla_hopper.cuh repack_fp8_kv_to_bf16); its LSE was seen 0.046-0.051 off at
@@ -103,7 +102,7 @@ def test_vendor_route_matches_reference(item):
         poison_(out, lse)
         merge_partials_into(torch.stack(outs), torch.stack(lses), out, lse)
         want_out, want_lse = reference.decode(inputs)
-        acc = check(problem, out, want_out, lse, want_lse, q_quantized=quantized)
+        acc = check(problem, out, want_out, lse, want_lse, **rounds)
         assert acc.ok, f"merged: {acc.reason} ({acc.summary})"
 
 

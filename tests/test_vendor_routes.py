@@ -53,8 +53,7 @@ def run_route(route_id: str, problem: MLAProblem, seed: int = 3):
         merge_ranks_into(torch.stack([p.out for p in prepared]),
                          torch.stack([p.lse for p in prepared]), out, lse)
     want_out, want_lse = reference.run(inputs)
-    acc = check(problem, out, want_out, lse, want_lse,
-                q_quantized=routes.quantizes_q(route, problem))
+    acc = check(problem, out, want_out, lse, want_lse, **routes.rounding(route, problem))
     return inputs, prepared, acc
 
 

@@ -9,9 +9,10 @@ the caller's own tensors (its own output buffers), run, and timed as a sweep tim
 (``sweep.bench``: CUDA-graph replay on a GPU, wall clock on the CPU). The candidates are
 checked against each other, not against the reference (that would cost an fp32
 attention of the engine's size): one whose output differs from the dispatcher's own
-answer by more than the problem's tolerance is dropped. The fastest one that agrees is
-remembered for the problem at once and written to the user table (atomically, its
-earlier rows for the problem replaced).
+answer by more than the problem's tolerance is dropped (the looser tolerance of either
+one's declared rounding, ``routes.rounding``: a quantized q, P in fp8). The fastest one
+that agrees is remembered for the problem at once and written to the user table
+(atomically, its earlier rows for the problem replaced).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 from mlatune.check.accuracy import check
 from mlatune.problem import MLAProblem
+from mlatune.routes import rounding
 from mlatune.sweep import bench
 
 if TYPE_CHECKING:
@@ -55,7 +57,7 @@ def measure(dispatcher: Dispatcher, problem: MLAProblem, prepared_for: MLAProble
                            if (c.route_id, dict(c.params)) != (first.route_id,
                                                                 dict(first.params)))]
     timed: list[tuple[float, Choice, Any]] = []
-    anchor = None
+    anchor, anchor_rounding = None, {}
     for choice in candidates[:CANDIDATES]:
         try:
             route = dispatcher.route(choice.route_id)
@@ -65,11 +67,13 @@ def measure(dispatcher: Dispatcher, problem: MLAProblem, prepared_for: MLAProble
             out = prepared.out.float().clone()
             timing = bench.measure(prepared.step, inputs.q.device, BUDGET,
                                    graph_safe=prepared.step_kind.capturable)
+            rounds = rounding(route, problem, dict(choice.params))
         except Exception:  # a candidate that cannot run here is no candidate
             continue
         if anchor is None:
-            anchor = out
-        elif not check(problem, out, anchor).ok:
+            anchor, anchor_rounding = out, rounds
+        elif not check(problem, out, anchor,
+                       **{k: v or anchor_rounding[k] for k, v in rounds.items()}).ok:
             continue  # disagrees with the dispatcher's answer: not trusted
         timed.append((timing.median_us, choice, prepared.params))
     if not timed:
