@@ -25,7 +25,7 @@ next tile in flight while this one is computed.
   into the softmax scale) and O (in the epilogue). q stays 16-bit: nothing is quantized
   beyond the cache the engine holds. ``decode_launcher(ws=True)`` hands an fp8 cache to
   ``gluon_transposed_ws`` instead (the widening in a partition of its own), which is what
-  the route's fp8 param sets run.
+  the route's widening fp8 param sets run (its fp8_mma sets run ``gluon_transposed_fp8``).
 - Stale slots past the split's end in the last page (NaN in a real cache): their V rows
   are zeroed before P V; their S is masked, never multiplied.
 - Split-KV, out and LSE as ``gluon_hopper``: one split writes out and the natural-log LSE

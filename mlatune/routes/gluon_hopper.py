@@ -178,9 +178,14 @@ class TransposedGluonRoute(WgmmaGluonRoute):
         if problem.kv_dtype not in FP8_DTYPES:
             return sets
         widen = [{**params, "ws": True} for params in sets]
-        if self.block_rows(problem) > FP8_MMA_MAX_ROWS:
+        if not self.offers_fp8_mma(problem):
             return widen
         return [form for params in widen for form in ({**params, "fp8_mma": True}, params)]
+
+    def offers_fp8_mma(self, problem: MLAProblem) -> bool:
+        """Whether the param sets include fp8-MMA ones (then first): an fp8 cache, at up to
+        ``FP8_MMA_MAX_ROWS`` query rows a program."""
+        return problem.kv_dtype in FP8_DTYPES and self.block_rows(problem) <= FP8_MMA_MAX_ROWS
 
     def rounds_p(self, problem: MLAProblem, params: Params) -> bool:
         """Whether P is rounded to fp8 (q kept near 16 bits by its two e4m3 terms; the
@@ -188,9 +193,7 @@ class TransposedGluonRoute(WgmmaGluonRoute):
         route's first set is one."""
         if problem.kv_dtype not in FP8_DTYPES:
             return False
-        if not params:
-            return self.block_rows(problem) <= FP8_MMA_MAX_ROWS
-        return bool(params.get("fp8_mma"))
+        return bool(params.get("fp8_mma")) if params else self.offers_fp8_mma(problem)
 
     def block_rows(self, problem: MLAProblem) -> int:
         return plan.transposed_rows(problem.kernel_heads * problem.qlen)
