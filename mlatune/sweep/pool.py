@@ -230,13 +230,17 @@ class WorkerPool:
 
     def _send(self, slot: _Slot, candidate: Candidate) -> None:
         """Hand over a task; until its inputs exist, the setup allowance applies."""
+        # The clock starts before the hand-over: a worker may finish a quick candidate
+        # before this process is scheduled again, and elapsed_s must cover its parts.
+        task = self.task_of(candidate)
+        sent_at = time.monotonic()
         try:
-            slot.process.put(self.task_of(candidate))
+            slot.process.put(task)
         except OSError:  # it died while idle: a fresh one takes over
             slot.group.appendleft(candidate)
             self._replace(slot)
             return
-        slot.candidate, slot.sent_at = candidate, time.monotonic()
+        slot.candidate, slot.sent_at = candidate, sent_at
         slot.deadline, slot.awaiting = slot.sent_at + SETUP_TIMEOUT_S, "inputs"
 
     def _receive(self, slot: _Slot, event: Event) -> None:
