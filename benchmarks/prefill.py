@@ -61,24 +61,27 @@ def sync(device: DeviceInfo) -> None:
 
 
 def candidates(route_id: str, problem: MLAProblem, device: DeviceInfo,
-               comparison: bool) -> list[dict]:
-    """The route's parameter sets, and for fp8-ps on a GPU its comparison configs (the
-    kernel as it was, a spilling variant) unless ``comparison`` is off."""
-    space = routes.get(route_id).param_space(problem, device)
+               comparison: bool, gluon: bool = True) -> list[dict]:
+    """The route's parameter sets (without fp8-ps's Gluon kernel unless ``gluon``), and for
+    fp8-ps on a GPU its comparison configs (the kernel as it was, a spilling variant) unless
+    ``comparison`` is off."""
+    space = [p for p in routes.get(route_id).param_space(problem, device)
+             if gluon or p.get("kernel") != "gluon"]
     if comparison and route_id == "fp8-ps/triton" and device.is_gpu:
         space += [config_params(c) for c in FP8_COMPARISON_CONFIGS]
     return space
 
 
 def measure_route(route_id: str, problem: MLAProblem, inputs, ref, device: DeviceInfo,
-                  budget: bench.Budget, comparison: bool = True) -> list[dict]:
+                  budget: bench.Budget, comparison: bool = True, gluon: bool = True
+                  ) -> list[dict]:
     """Every parameter set of one route on one problem: check, then time."""
     route = routes.get(route_id)
     verdict = route.supports(problem, device)
     if not verdict:
         return [{"route": route_id, "status": "unsupported", "reason": verdict.reason}]
     rows = []
-    for params in candidates(route_id, problem, device, comparison):
+    for params in candidates(route_id, problem, device, comparison, gluon):
         row = {"route": route_id, "params": json.dumps(params)}
         try:
             prepared = route.prepare(problem, inputs, params=params)
@@ -110,7 +113,7 @@ def measure_route(route_id: str, problem: MLAProblem, inputs, ref, device: Devic
 
 
 def run(sizes, heads_list, route_ids, budget: bench.Budget, seed: int,
-        device: DeviceInfo, comparison: bool = True) -> list[dict]:
+        device: DeviceInfo, comparison: bool = True, gluon: bool = True) -> list[dict]:
     rows = []
     for batch, tokens in sizes:
         for heads in heads_list:
@@ -126,7 +129,8 @@ def run(sizes, heads_list, route_ids, budget: bench.Budget, seed: int,
                     if ROUTE_DTYPES[route_id] == dtype:
                         shape = {"batch": batch, "tokens": tokens, "heads": heads, "dtype": name}
                         shape_rows += [{**shape, **r} for r in measure_route(
-                            route_id, problem, inputs, ref, device, budget, comparison)]
+                            route_id, problem, inputs, ref, device, budget, comparison,
+                            gluon)]
                 del inputs, ref
                 if device.is_gpu:
                     torch.cuda.empty_cache()
@@ -244,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-fp8-comparison", dest="comparison", action="store_false",
                         help="time only fp8-ps's parameter space, not its comparison configs "
                         "(the kernel as it was, a spilling variant)")
+    parser.add_argument("--no-gluon", dest="gluon", action="store_false",
+                        help="leave out fp8-ps's Gluon kernel (where a GPU smoke of it failed)")
     args = parser.parse_args(argv)
     device = current_device()
     if not device.is_gpu:
@@ -252,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [tuple(int(x) for x in s.lower().split("x")) for s in args.sizes]
     budget = bench.Budget(warmup=3, min_reps=10, max_reps=200, max_seconds=args.seconds)
     start = time.perf_counter()
-    rows = run(sizes, args.heads, args.routes, budget, args.seed, device, args.comparison)
+    rows = run(sizes, args.heads, args.routes, budget, args.seed, device, args.comparison,
+               args.gluon)
     seconds = time.perf_counter() - start
     command = "PYTHONPATH=$PWD python " + shlex.join(["benchmarks/prefill.py", *sys.argv[1:]])
     report = markdown(rows, device, command, seconds)

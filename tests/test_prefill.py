@@ -413,6 +413,8 @@ def test_viable_prefill_routes_on_gpus():
 def test_param_space_is_small_and_valid(device, dtype):
     space = routes.get("fp8-ps/triton" if dtype != "bf16" else "bf16-ps/triton").param_space(
         prefill(dtype=dtype), device)
+    # The Gluon kernel's set (tests/test_gluon_prefill.py) comes last where it runs.
+    space = [p for p in space if p.get("kernel") != "gluon"]
     assert 1 <= len(space) <= 3
     for params in space:
         assert TILE_Q % params["block_m"] == 0

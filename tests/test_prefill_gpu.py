@@ -18,7 +18,7 @@ from mlatune.check.accuracy import check
 from mlatune.check.inputs import make_prefill_inputs, poison_
 from mlatune.problem import MLAProblem
 from mlatune.routes.base import Prepared
-from mlatune.routes.prefill_triton import FP8_COMPARISON_CONFIGS, config_params
+from mlatune.routes.prefill_triton import FP8_COMPARISON_CONFIGS, GLUON_PARAMS, config_params
 
 pytestmark = pytest.mark.gpu
 
@@ -145,3 +145,28 @@ def test_bf16_query_over_an_fp8_cache(device, route_id, heads):
     prepared = run_and_check(route_id, problem, device, ragged=True)
     if route_id == "sdpa/torch":
         assert prepared.params["kv_dequant"] == "bf16"
+
+
+GLUON_CASES = [  # (heads, batch, qlen, kv_len, causal, ragged)
+    (16, 1, 4096, 4096, True, False),  # causal tiles of unequal cost: the plan splits some
+    (128, 1, 4096, 4096, True, False),  # issue 19's point
+    (16, 3, 700, 900, True, True),  # ragged, with prefixes
+    (24, 5, 1000, 1700, False, True),  # padded heads, not causal
+    (16, 4, 1, 130, True, True),  # one query row a request: the second warpgroup's rows unused
+]
+
+
+@pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: "x".join(map(str, c[:4]))
+                         + ("-causal" if c[4] else "-full") + ("-ragged" if c[5] else ""))
+def test_gluon_fp8_kernel(device, case):
+    """fp8-ps/triton's Gluon set (kernels/gluon_prefill_fp8: warp-specialized, fp8 wgmmas,
+    P in registers) on poisoned outputs, eager and replayed from a CUDA graph."""
+    heads, batch, qlen, kv_len, causal, ragged = case
+    problem = prefill(heads, batch, qlen, kv_len, fp8_for(device), causal)
+    if GLUON_PARAMS not in routes.get("fp8-ps/triton").param_space(problem, device):
+        pytest.skip(f"the Gluon fp8 prefill is not offered on {device.arch} with this triton")
+    prepared = run_and_check("fp8-ps/triton", problem, device, ragged=ragged,
+                             params=GLUON_PARAMS)
+    assert prepared.params["kernel"] == "gluon"
+    if (heads, qlen) == (16, 4096):
+        assert prepared.params["split_tiles"] > 0

@@ -111,8 +111,8 @@ def aot_compile_kernel(fn, constants: dict, blocks: dict[str, tuple[str, int, in
     """Compile a Gluon decode kernel for ``sm_<arch>`` without a GPU (triton's bundled
     ptxas). ``blocks``: descriptor argument -> (dtype name, rows, columns); ``pointers``:
     pointer argument -> element type; other arguments are i32 but ``qk_scale`` (fp32).
-    Pointers and the output strides are taken as 16-divisible. Returns triton's
-    CompiledKernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata``)."""
+    Pointers and the output strides (those the kernel has) are taken as 16-divisible.
+    Returns triton's CompiledKernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata``)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -127,7 +127,9 @@ def aot_compile_kernel(fn, constants: dict, blocks: dict[str, tuple[str, int, in
             return "*" + pointers[name]
         return "fp32" if name == "qk_scale" else "i32"
 
-    aligned = (*pointers, "stride_o_tok", "stride_o_head", "stride_po_slot", "stride_po_row")
+    strides = ("stride_o_tok", "stride_o_head", "stride_po_slot", "stride_po_row",
+               "stride_o_row")
+    aligned = (*pointers, *(n for n in strides if n in fn.arg_names))
     attrs = {(fn.arg_names.index(n), ): [["tt.divisibility", 16]] for n in aligned}
     src = GluonASTSource(fn, {n: arg_type(n) for n in fn.arg_names}, constants, attrs)
     options = {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})}

@@ -438,6 +438,66 @@ def _int_table(rows: list[tuple[int, ...]], width: int, device: torch.device) ->
     return t.reshape(-1, width).contiguous().to(device)
 
 
+Launch = tuple[tuple[int, ...], tuple, dict]  # a Triton launch: grid, arguments, meta
+
+
+@dataclass(frozen=True)
+class PlanTables:
+    """A plan on the device: its work and merge tables, and the split tiles' partial
+    (output, LSE) slots, ``tile_q`` rows each (one at least, so the kernels get a pointer)."""
+
+    work_indptr: torch.Tensor
+    work_info: torch.Tensor
+    merge_info: torch.Tensor
+    part_out: torch.Tensor
+    part_lse: torch.Tensor
+
+    @classmethod
+    def of(cls, plan: WorkPlan, tile_q: int, d_v: int, device: torch.device) -> PlanTables:
+        slots = max(plan.num_partials, 1)
+        return cls(torch.tensor(plan.work_indptr, dtype=torch.int32, device=device),
+                   _int_table(plan.work_info, WORK_INFO_COLUMNS, device),
+                   _int_table(plan.merge_info, MERGE_INFO_COLUMNS, device),
+                   torch.empty(slots * tile_q, d_v, dtype=torch.float32, device=device),
+                   torch.empty(slots * tile_q, dtype=torch.float32, device=device))
+
+    def merge_launch(self, plan: WorkPlan, out: torch.Tensor, lse: torch.Tensor,
+                     tile_q: int) -> Launch | None:
+        """``_merge_partials_kernel``'s launch over the split tiles, None without any."""
+        if not plan.merges:
+            return None
+        block_r = min(_MERGE_BLOCK_ROWS, triton.next_power_of_2(tile_q))
+        return ((len(plan.merges), triton.cdiv(tile_q, block_r)),
+                (self.part_out, self.part_lse, out, lse, self.merge_info,
+                 out.stride(0), out.stride(1), lse.stride(0)),
+                dict(D_V=out.shape[2], TILE_Q=tile_q, BLOCK_R=block_r,
+                     INFO_COLUMNS=MERGE_INFO_COLUMNS, num_warps=4))
+
+
+def transposed_v(v: torch.Tensor, seq_lens_k: list[int], align: int,
+                 min_cols: int = 0) -> tuple[torch.Tensor, Launch | None]:
+    """A (heads, d_v, keys) buffer for v with each request's keys from a multiple of
+    ``align`` (``v_key_offsets``; at least ``min_cols`` columns), and the launch of
+    ``_transpose_v_kernel`` that fills it from ``v`` (None for no keys)."""
+    heads, d_v = v.shape[1], v.shape[2]
+    cols = max(v_key_offsets(seq_lens_k, align)[-1], min_cols)
+    # Zeros: the padding between requests is read (as keys past the range, whose P is 0)
+    # but never written.
+    vt = torch.zeros(heads, d_v, cols, dtype=v.dtype, device=v.device)
+    tiles = _int_table(v_transpose_tiles(seq_lens_k, align, _TRANSPOSE_BLOCK), 3, v.device)
+    if not len(tiles):
+        return vt, None
+    return vt, ((len(tiles), heads),
+                (v, vt, tiles, v.stride(0), v.stride(1), vt.stride(0), vt.stride(1)),
+                dict(D_V=d_v, BLOCK_K=_TRANSPOSE_BLOCK, V_ALIGN=align, num_warps=4))
+
+
+def run_launch(kernel, launch: Launch | None) -> None:
+    if launch is not None:
+        grid, args, meta = launch
+        kernel[grid](*args, **meta)
+
+
 class PersistentPrefill:
     """One varlen batch planned and allocated: calling it only launches the kernels.
 
@@ -472,25 +532,20 @@ class PersistentPrefill:
                                         split_align=config.block_n, min_split=min_split,
                                         v_align=v_align, grouped=config.grouped)
         device = q.device
-        self._transpose: tuple | None = None
+        self._transpose: Launch | None = None
         v_kernel = v
         if config.v_transposed:
-            v_kernel = self._transposed_v(v, seq_lens_k)
+            v_kernel, self._transpose = transposed_v(v, seq_lens_k, V_ALIGN)
         # (key, dim) strides of the v the kernel reads.
         v_strides = (v_kernel.stride(2), v_kernel.stride(1)) if config.v_transposed else (
             v.stride(0), 1)
-        work_indptr = torch.tensor(self.plan.work_indptr, dtype=torch.int32, device=device)
-        work_info = _int_table(self.plan.work_info, WORK_INFO_COLUMNS, device)
-        merge_info = _int_table(self.plan.merge_info, MERGE_INFO_COLUMNS, device)
-        slots = max(self.plan.num_partials, 1)
-        part_out = torch.empty(slots * tile_q, d_v, dtype=torch.float32, device=device)
-        part_lse = torch.empty(slots * tile_q, dtype=torch.float32, device=device)
+        tables = PlanTables.of(self.plan, tile_q, d_v, device)
         placeholder = torch.ones(1, dtype=torch.float32, device=device)
         q_scale, k_scale, v_scale = scales if scales is not None else (placeholder,) * 3
         self._main_grid = (num_programs,)
         self._main_args = (
-            q, k, v_kernel, out, lse, part_out, part_lse, q_scale, k_scale, v_scale,
-            work_indptr, work_info, sm_scale * math.log2(math.e),
+            q, k, v_kernel, out, lse, tables.part_out, tables.part_lse, q_scale, k_scale,
+            v_scale, tables.work_indptr, tables.work_info, sm_scale * math.log2(math.e),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             *v_strides, v_kernel.stride(0) if config.v_transposed else v.stride(1),
             out.stride(0), out.stride(1), lse.stride(0),
@@ -504,35 +559,11 @@ class PersistentPrefill:
             KV_UPCAST=upcast, QK_AHEAD=config.qk_ahead, P_SHIFT=fp8_p_shift(v.dtype) if fp8_p
             else 0, V_ALIGN=v_align, num_warps=config.num_warps, num_stages=config.num_stages,
         )
-        block_r = min(_MERGE_BLOCK_ROWS, triton.next_power_of_2(tile_q))
-        self._merge_grid = (len(self.plan.merges), triton.cdiv(tile_q, block_r))
-        self._merge_args = (part_out, part_lse, out, lse, merge_info,
-                            out.stride(0), out.stride(1), lse.stride(0))
-        self._merge_meta = dict(D_V=d_v, TILE_Q=tile_q, BLOCK_R=block_r,
-                                INFO_COLUMNS=MERGE_INFO_COLUMNS, num_warps=4)
+        self._merge = tables.merge_launch(self.plan, out, lse, tile_q)
         # Keep every buffer the launches read alive as long as this object.
-        self._buffers = (work_indptr, work_info, merge_info, part_out, part_lse, placeholder)
-
-    def _transposed_v(self, v: torch.Tensor, seq_lens_k: list[int]) -> torch.Tensor:
-        """The (heads, d_v, keys) buffer the transpose kernel fills from ``v`` each call."""
-        heads, d_v = v.shape[1], v.shape[2]
-        cols = v_key_offsets(seq_lens_k, V_ALIGN)[-1]
-        # Zeros: the padding between requests is read (as a key group past the range,
-        # whose P is 0) but never written.
-        vt = torch.zeros(heads, d_v, cols, dtype=v.dtype, device=v.device)
-        tiles = _int_table(v_transpose_tiles(seq_lens_k, V_ALIGN, _TRANSPOSE_BLOCK), 3, v.device)
-        self._transpose = (
-            (len(tiles), heads),
-            (v, vt, tiles, v.stride(0), v.stride(1), vt.stride(0), vt.stride(1)),
-            dict(D_V=d_v, BLOCK_K=_TRANSPOSE_BLOCK, V_ALIGN=V_ALIGN, num_warps=4),
-        )
-        return vt
+        self._buffers = (tables, placeholder)
 
     def __call__(self) -> None:
-        if self._transpose is not None and self._transpose[0][0]:
-            grid, args, meta = self._transpose
-            _transpose_v_kernel[grid](*args, **meta)
+        run_launch(_transpose_v_kernel, self._transpose)
         _prefill_persistent_kernel[self._main_grid](*self._main_args, **self._main_meta)
-        if self.plan.merges:
-            _merge_partials_kernel[self._merge_grid](*self._merge_args, **self._merge_meta)
-
+        run_launch(_merge_partials_kernel, self._merge)

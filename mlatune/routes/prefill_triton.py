@@ -64,6 +64,11 @@ _SMALLEST_CONFIG = (64, 32, 4, 1)  # fits every device's shared memory
 # v transposed there too, as on GPUs.
 _CPU_CONFIG = (32, 32, 4, 1)
 _CPU_CONFIG_FP8 = (32, 32, 4, 1, True, False, True)
+# fp8 on sm_90 with triton 3.6's Gluon: kernels/gluon_prefill_fp8 (warp-specialized, both
+# products fp8 wgmmas, P kept in registers; DeepSeek's 192/128 dims, e4m3fn). EXPERIMENTAL:
+# compiled, not yet run on a GPU, so offered after the Triton sets (the default stays
+# theirs, and a spec that keeps 3 sets a route does not sweep it).
+GLUON_PARAMS: Params = {"kernel": "gluon", "num_stages": 2, "grouped": True}
 
 
 def config_params(config: tuple) -> Params:
@@ -71,6 +76,17 @@ def config_params(config: tuple) -> Params:
     keys = ("block_m", "block_n", "num_warps", "num_stages", "v_transposed", "qk_ahead",
             "grouped")
     return dict(zip(keys, config, strict=False))
+
+
+def _gluon_serves(problem: MLAProblem, device: DeviceInfo) -> bool:
+    """Whether the Gluon fp8 kernel takes this problem here: sm_90, triton 3.6, e4m3fn q, k
+    and v, 192 / 128 dims."""
+    from mlatune.kernels.gluon_hopper_plan import triton_refusal
+    from mlatune.routes.gluon_hopper import triton_version
+
+    return (device.arch == "sm_90" and problem.q_dtype == problem.kv_dtype == "fp8_e4m3fn"
+            and (problem.d_qk, problem.d_v) == (192, 128)
+            and triton_refusal(triton_version()) is None)
 
 
 def padded_heads(num_heads: int) -> int:
@@ -104,7 +120,8 @@ class _PersistentPrefillRoute:
             limit = _SHARED_MEMORY.get(device.arch, _DEFAULT_SHARED_MEMORY)
             configs = [c for c in (_GPU_CONFIGS_FP8 if fp8 else _GPU_CONFIGS_16BIT)
                        if _shared_bytes(c, problem) <= limit] or [_SMALLEST_CONFIG]
-        return [config_params(c) for c in configs]
+        gluon = [dict(GLUON_PARAMS)] if _gluon_serves(problem, device) else []
+        return [config_params(c) for c in configs] + gluon
 
     def prepare(self, problem: MLAProblem, inputs: DecodeInputs | PrefillInputs, *,
                 rank: int = 0, params: Params | None = None,
@@ -116,10 +133,12 @@ class _PersistentPrefillRoute:
         from mlatune.kernels.prefill import KernelConfig, PersistentPrefill
 
         device = device_of(inputs.q)
-        params = {**self.param_space(problem, device)[0], **(params or {})}
-        config = KernelConfig(params["block_m"], params["block_n"], params["num_warps"],
-                              params["num_stages"], bool(params.get("v_transposed")),
-                              bool(params.get("qk_ahead")), bool(params.get("grouped")))
+        gluon = (params or {}).get("kernel") == "gluon"
+        if not gluon:
+            params = {**self.param_space(problem, device)[0], **(params or {})}
+            config = KernelConfig(params["block_m"], params["block_n"], params["num_warps"],
+                                  params["num_stages"], bool(params.get("v_transposed")),
+                                  bool(params.get("qk_ahead")), bool(params.get("grouped")))
         heads, kernel_heads = problem.num_heads, padded_heads(problem.num_heads)
         q, k, v = inputs.q, inputs.k, inputs.v
         dev = q.device
@@ -137,18 +156,28 @@ class _PersistentPrefillRoute:
             one = torch.ones(1, dtype=torch.float32, device=dev)  # a 16-bit q has no scale
             scales = (inputs.q_scale if inputs.q_scale is not None else one,
                       inputs.k_scale, inputs.v_scale)
-        launch = PersistentPrefill(
-            q, k, v, out_full, lse_full,
-            inputs.cu_seqlens_q.diff().tolist(), inputs.cu_seqlens_k.diff().tolist(),
-            causal=problem.causal, sm_scale=inputs.softmax_scale, scales=scales,
-            config=config, num_programs=device.cu_count, tile_q=TILE_Q)
+        lengths = (inputs.cu_seqlens_q.diff().tolist(), inputs.cu_seqlens_k.diff().tolist())
+        if gluon:
+            from mlatune.kernels.gluon_prefill_fp8 import GluonPrefill
+
+            chosen = {**GLUON_PARAMS, **(params or {})}
+            launch = GluonPrefill(
+                q, k, v, out_full, lse_full, *lengths, causal=problem.causal,
+                sm_scale=inputs.softmax_scale, scales=scales, num_programs=device.cu_count,
+                tile_q=TILE_Q, grouped=bool(chosen["grouped"]), stages=chosen["num_stages"])
+        else:
+            chosen = config.as_params()
+            launch = PersistentPrefill(
+                q, k, v, out_full, lse_full, *lengths, causal=problem.causal,
+                sm_scale=inputs.softmax_scale, scales=scales, config=config,
+                num_programs=device.cu_count, tile_q=TILE_Q)
 
         def run() -> None:
             for src, index, dst in stage:
                 torch.index_select(src, 1, index, out=dst)
             launch()
 
-        used = {**config.as_params(), "kernel_heads": kernel_heads,
+        used = {**chosen, "kernel_heads": kernel_heads,
                 "programs": device.cu_count, "split_tiles": len(launch.plan.merges)}
         return Prepared(run, out_full[:, :heads], lse_full[:, :heads] if want_lse else None,
                         graph_safe=True, params=used, plan_reads_lengths=True)

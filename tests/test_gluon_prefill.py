@@ -1,0 +1,125 @@
+"""The Gluon fp8 prefill (mlatune/kernels/gluon_prefill_fp8.py) on the CPU: what it refuses,
+its plan and transposed v (the interpreter runs the transpose kernel), where the route offers
+it, and, under triton 3.6.x, its compile for sm_90a. Compiling says nothing about the numbers
+it computes: tests/test_prefill_gpu.py checks those on the GPU (every fp8-ps param set)."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+
+from mlatune import routes
+from mlatune.arch import DeviceInfo
+from mlatune.kernels import gluon_common
+from mlatune.kernels import gluon_prefill_fp8 as g
+from mlatune.problem import MLAProblem
+from mlatune.routes.prefill_triton import GLUON_PARAMS
+from tests.prefill_aot import resources
+from tests.test_gluon_compile import _needs_gluon_triton
+
+H200 = DeviceInfo("sm_90", "NVIDIA H200", "nvidia", 132)
+A100 = DeviceInfo("sm_80", "NVIDIA A100", "nvidia", 108)
+FP8 = torch.float8_e4m3fn
+
+
+def _tensors(lens_q, lens_k, heads=4, d_qk=192, d_v=128, dtype=FP8):
+    torch.manual_seed(0)
+    q = torch.randn(sum(lens_q), heads, d_qk).to(dtype)
+    k = torch.randn(sum(lens_k), heads, d_qk).to(dtype)
+    v = torch.randn(sum(lens_k), heads, d_v).to(dtype)
+    out = torch.empty(sum(lens_q), heads, d_v, dtype=torch.bfloat16)
+    lse = torch.empty(sum(lens_q), heads)
+    return q, k, v, out, lse
+
+
+def test_tensors_it_cannot_take_are_refused_with_the_reason():
+    q, k, v, *_ = _tensors([100], [100])
+    cases = [
+        ((q.float().to(torch.bfloat16), k, v), "must all be"),
+        ((q, k, v.to(torch.bfloat16)), "must all be"),
+        ((q, k, v.to(torch.float8_e5m2)), "must all be"),
+        ((q[..., :128], k[..., :128], v), "d_qk must be 192"),
+        ((q, k, v[..., :64]), "d_v 128"),
+        ((q.transpose(0, 1).contiguous().transpose(0, 1), k, v), "q needs contiguous heads"),
+        ((q, k.transpose(0, 1).contiguous().transpose(0, 1), v), "k needs contiguous heads"),
+    ]
+    for args, message in cases:
+        why = g.check_supported(*args)
+        assert why is not None and message in why, (message, why)
+    assert g.check_supported(q, k, v) is None
+
+
+def test_the_launcher_names_the_triton_it_needs():
+    if gluon_common.gluon_available()[0]:
+        pytest.skip("this machine's triton is the one the kernel is written for")
+    q, k, v, out, lse = _tensors([100], [100])
+    with pytest.raises(ValueError, match=r"triton 3\.6"):
+        g.GluonPrefill(q, k, v, out, lse, [100], [100], causal=True, sm_scale=0.1,
+                       scales=None, num_programs=4)
+
+
+def test_plan_and_transposed_v(monkeypatch):
+    """Each request's keys start at a multiple of 128 in the transposed v (no key tile
+    crosses into another request's), the padding stays zeros, and the plan splits tiles.
+    The host side is built with any triton (the check for 3.6 is set aside here); the
+    interpreter runs the transpose kernel."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the transpose kernel on CPU tensors: needs TRITON_INTERPRET=1")
+    from mlatune.kernels.prefill import _transpose_v_kernel
+
+    monkeypatch.setattr(g, "gluon_available", lambda: (True, "ok"))
+
+    lens_q, lens_k = [300, 5, 129], [400, 5, 200]
+    q, k, v, out, lse = _tensors(lens_q, lens_k)
+    launch = g.GluonPrefill(q, k, v, out, lse, lens_q, lens_k, causal=True, sm_scale=0.1,
+                            scales=None, num_programs=8, min_split=128)
+    items = [item for program in launch.plan.programs for item in program]
+    assert {item.v_row0 for item in items} == {0, 512, 640}
+    assert launch.plan.merges and all(item.kv_lo % g.BLOCK_N == 0 for item in items)
+    grid, args, meta = launch._transpose
+    _transpose_v_kernel[grid](*args, **meta)
+    assert args[1] is launch._buffers[0]  # the buffer the kernel's descriptor reads
+    vt = args[1].view(torch.uint8)
+    assert vt.shape == (4, 128, 896)
+    k_row0 = 0
+    for col0, k_len in zip((0, 512, 640), lens_k, strict=True):
+        expect = v[k_row0:k_row0 + k_len].view(torch.uint8).permute(1, 2, 0)
+        assert torch.equal(vt[:, :, col0:col0 + k_len], expect)
+        k_row0 += k_len
+    for pad in (slice(400, 512), slice(517, 640), slice(840, 896)):
+        assert int(vt[:, :, pad].sum()) == 0
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("stages", [2, 3])
+def test_compiles_for_sm90_with_fp8_wgmmas(causal, stages):
+    _needs_gluon_triton()
+    compiled = g.aot_compile(causal=causal, stages=stages)
+    ptx = compiled.asm["ptx"]
+    assert ".target sm_90a" in ptx
+    # Each MMA warpgroup: S (4 + 2 k-steps) before the loop and in it, P.V (4): 16 each.
+    assert re.findall(r"wgmma\.mma_async\.[\w.]+", ptx) == [
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"] * 32
+    assert ptx.count("setmaxnreg.inc.sync.aligned.u32 \t240") == 2
+    assert compiled.metadata.shared <= 227 * 1024
+    # One register spilled once a query block (outside the key loop) where causal.
+    assert resources(compiled)["stack"] <= 8
+
+
+def _prefill(dtype="fp8_e4m3fn", **kw) -> MLAProblem:
+    return MLAProblem(phase="prefill", num_heads=kw.pop("heads", 128), batch=1, qlen=4096,
+                      kv_len=4096, q_dtype=dtype, kv_dtype=dtype, **kw)
+
+
+def test_the_route_offers_it_last_and_only_where_it_runs():
+    space = routes.get("fp8-ps/triton").param_space(_prefill(), H200)
+    if gluon_common.gluon_available()[0]:
+        assert space[-1] == GLUON_PARAMS and GLUON_PARAMS not in space[:-1]
+    else:
+        assert GLUON_PARAMS not in space
+    for problem, device in [(_prefill(), A100), (_prefill("fp8_e4m3fnuz"), H200),
+                            (_prefill(qk_head_dim=128), H200)]:
+        assert GLUON_PARAMS not in routes.get("fp8-ps/triton").param_space(problem, device)
