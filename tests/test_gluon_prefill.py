@@ -16,7 +16,7 @@ from mlatune.arch import DeviceInfo
 from mlatune.kernels import gluon_common
 from mlatune.kernels import gluon_prefill_fp8 as g
 from mlatune.problem import MLAProblem
-from mlatune.routes.prefill_triton import GLUON_PARAMS
+from mlatune.routes.prefill_triton import GLUON_PARAM_SETS, GLUON_PARAMS
 from tests.prefill_aot import resources
 from tests.test_gluon_compile import _needs_gluon_triton
 
@@ -117,7 +117,7 @@ def _prefill(dtype="fp8_e4m3fn", **kw) -> MLAProblem:
 def test_the_route_offers_it_last_and_only_where_it_runs():
     space = routes.get("fp8-ps/triton").param_space(_prefill(), H200)
     if gluon_common.gluon_available()[0]:
-        assert space[-1] == GLUON_PARAMS and GLUON_PARAMS not in space[:-1]
+        assert space[-2:] == list(GLUON_PARAM_SETS) and space[0].get("kernel") != "gluon"
     else:
         assert GLUON_PARAMS not in space
     for problem, device in [(_prefill(), A100), (_prefill("fp8_e4m3fnuz"), H200),

@@ -68,7 +68,10 @@ _CPU_CONFIG_FP8 = (32, 32, 4, 1, True, False, True)
 # products fp8 wgmmas, P kept in registers; DeepSeek's 192/128 dims, e4m3fn). EXPERIMENTAL:
 # compiled, not yet run on a GPU, so offered after the Triton sets (the default stays
 # theirs, and a spec that keeps 3 sets a route does not sweep it).
-GLUON_PARAMS: Params = {"kernel": "gluon", "num_stages": 2, "grouped": True}
+# Ring depths: 3 (168 KB of shared memory with the two query blocks) hides two tiles of TMA
+# latency, 2 (128 KB) one.
+GLUON_PARAMS: Params = {"kernel": "gluon", "num_stages": 3, "grouped": True}
+GLUON_PARAM_SETS: tuple[Params, ...] = (GLUON_PARAMS, {**GLUON_PARAMS, "num_stages": 2})
 
 
 def config_params(config: tuple) -> Params:
@@ -120,7 +123,7 @@ class _PersistentPrefillRoute:
             limit = _SHARED_MEMORY.get(device.arch, _DEFAULT_SHARED_MEMORY)
             configs = [c for c in (_GPU_CONFIGS_FP8 if fp8 else _GPU_CONFIGS_16BIT)
                        if _shared_bytes(c, problem) <= limit] or [_SMALLEST_CONFIG]
-        gluon = [dict(GLUON_PARAMS)] if _gluon_serves(problem, device) else []
+        gluon = [dict(p) for p in GLUON_PARAM_SETS] if _gluon_serves(problem, device) else []
         return [config_params(c) for c in configs] + gluon
 
     def prepare(self, problem: MLAProblem, inputs: DecodeInputs | PrefillInputs, *,
