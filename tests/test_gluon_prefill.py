@@ -46,10 +46,21 @@ def test_tensors_it_cannot_take_are_refused_with_the_reason():
         ((q.transpose(0, 1).contiguous().transpose(0, 1), k, v), "q needs contiguous heads"),
         ((q, k.transpose(0, 1).contiguous().transpose(0, 1), v), "k needs contiguous heads"),
     ]
+    shifted = torch.empty(q.numel() + 1, dtype=torch.uint8)[1:].view(FP8).view(q.shape)
+    cases.append(((shifted, k, v), "16-byte aligned"))
     for args, message in cases:
         why = g.check_supported(*args)
         assert why is not None and message in why, (message, why)
     assert g.check_supported(q, k, v) is None
+
+
+@pytest.mark.parametrize("stages", [1, 5])
+def test_ring_depths_that_deadlock_or_do_not_fit_are_refused(monkeypatch, stages):
+    monkeypatch.setattr(g, "gluon_available", lambda: (True, "ok"))
+    q, k, v, out, lse = _tensors([100], [100])
+    with pytest.raises(ValueError, match="stages must be 2, 3 or 4"):
+        g.GluonPrefill(q, k, v, out, lse, [100], [100], causal=True, sm_scale=0.1,
+                       scales=None, num_programs=4, stages=stages)
 
 
 def test_the_launcher_names_the_triton_it_needs():

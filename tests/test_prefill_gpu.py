@@ -18,7 +18,7 @@ from mlatune.check.accuracy import check
 from mlatune.check.inputs import make_prefill_inputs, poison_
 from mlatune.problem import MLAProblem
 from mlatune.routes.base import Prepared
-from mlatune.routes.prefill_triton import FP8_COMPARISON_CONFIGS, GLUON_PARAMS, config_params
+from mlatune.routes.prefill_triton import FP8_COMPARISON_CONFIGS, GLUON_PARAM_SETS, config_params
 
 pytestmark = pytest.mark.gpu
 
@@ -156,17 +156,17 @@ GLUON_CASES = [  # (heads, batch, qlen, kv_len, causal, ragged)
 ]
 
 
+@pytest.mark.parametrize("params", GLUON_PARAM_SETS, ids=lambda p: f"stages{p['num_stages']}")
 @pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: "x".join(map(str, c[:4]))
                          + ("-causal" if c[4] else "-full") + ("-ragged" if c[5] else ""))
-def test_gluon_fp8_kernel(device, case):
-    """fp8-ps/triton's Gluon set (kernels/gluon_prefill_fp8: warp-specialized, fp8 wgmmas,
+def test_gluon_fp8_kernel(device, case, params):
+    """fp8-ps/triton's Gluon sets (kernels/gluon_prefill_fp8: warp-specialized, fp8 wgmmas,
     P in registers) on poisoned outputs, eager and replayed from a CUDA graph."""
     heads, batch, qlen, kv_len, causal, ragged = case
     problem = prefill(heads, batch, qlen, kv_len, fp8_for(device), causal)
-    if GLUON_PARAMS not in routes.get("fp8-ps/triton").param_space(problem, device):
+    if params not in routes.get("fp8-ps/triton").param_space(problem, device):
         pytest.skip(f"the Gluon fp8 prefill is not offered on {device.arch} with this triton")
-    prepared = run_and_check("fp8-ps/triton", problem, device, ragged=ragged,
-                             params=GLUON_PARAMS)
+    prepared = run_and_check("fp8-ps/triton", problem, device, ragged=ragged, params=params)
     assert prepared.params["kernel"] == "gluon"
     if (heads, qlen) == (16, 4096):
         assert prepared.params["split_tiles"] > 0

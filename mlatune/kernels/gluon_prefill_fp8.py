@@ -222,11 +222,12 @@ def _mma_warpgroup(W: gl.constexpr, q_bufs, ring, bars, work_indptr_ptr, work_in
                                                        instr_shape=[16, DV, 32])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    # O / l needs no 2^-P_SHIFT: l sums the same shifted P that O accumulates.
     if HAS_SCALES:
         qk_scale = qk_scale * gl.load(q_scale_ptr) * gl.load(k_scale_ptr)
-        out_scale = gl.load(v_scale_ptr) * (2.0 ** -P_SHIFT)
+        out_scale = gl.load(v_scale_ptr)
     else:
-        out_scale = 2.0 ** -P_SHIFT
+        out_scale = 1.0
     pid = gl.program_id(0)
     it = 0
     qb = 0
@@ -360,6 +361,8 @@ def check_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | 
         if t.stride(2) != 1 or t.stride(1) != t.shape[2] or t.stride(0) % 16:
             return (f"{name} needs contiguous heads and dims and a token stride of a multiple "
                     f"of 16 bytes (TMA), got strides {tuple(t.stride())}")
+        if t.data_ptr() % 16:
+            return f"{name} must start at a 16-byte aligned address (TMA)"
     return None
 
 
@@ -382,6 +385,8 @@ class GluonPrefill:
             raise ValueError(f"gluon fp8 prefill: {why}")
         if out.stride(-1) != 1 or lse.stride(-1) != 1:
             raise ValueError("out and lse need a contiguous last dimension")
+        if not 2 <= stages <= 4:  # 1 deadlocks (tile t+1 is awaited before t is released)
+            raise ValueError(f"stages must be 2, 3 or 4 (shared memory), got {stages}")
         heads = q.shape[1]
         self.plan: WorkPlan = plan_work(seq_lens_q, seq_lens_k, heads, num_programs,
                                         tile_q=tile_q, block_m=BLOCK_M, causal=causal,

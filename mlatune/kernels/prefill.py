@@ -489,7 +489,9 @@ def transposed_v(v: torch.Tensor, seq_lens_k: list[int], align: int,
         return vt, None
     return vt, ((len(tiles), heads),
                 (v, vt, tiles, v.stride(0), v.stride(1), vt.stride(0), vt.stride(1)),
-                dict(D_V=d_v, BLOCK_K=_TRANSPOSE_BLOCK, V_ALIGN=align, num_warps=4))
+                # Tiles start at the request's column plus multiples of the block.
+                dict(D_V=d_v, BLOCK_K=_TRANSPOSE_BLOCK,
+                     V_ALIGN=math.gcd(align, _TRANSPOSE_BLOCK), num_warps=4))
 
 
 def run_launch(kernel, launch: Launch | None) -> None:
