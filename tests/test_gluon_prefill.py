@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
+import triton
 
 from mlatune import routes
 from mlatune.arch import DeviceInfo
@@ -118,6 +122,52 @@ def test_compiles_for_sm90_with_fp8_wgmmas(causal, stages):
     assert compiled.metadata.shared <= 227 * 1024
     # One register spilled once a query block (outside the key loop) where causal.
     assert resources(compiled)["stack"] <= 8
+
+
+def _sass(compiled) -> list[str]:
+    """The cubin's SASS instructions (cuobjdump of triton's wheel), one a line."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        text = subprocess.run([str(tool), "-sass", cubin.name], capture_output=True, text=True,
+                              check=True).stdout
+    return re.findall(r"/\*[0-9a-f]{4}\*/\s+([^;]*);", text)
+
+
+def _writes_to_p_during_pv(lines: list[str]) -> tuple[int, list[str]]:
+    """(P.V wgmmas with A from registers, instructions that write one of their A registers
+    before the next WARPGROUP.DEPBAR)."""
+    reading: set[int] = set()  # the A registers of the P.V wgmmas in flight
+    products, writes = 0, []
+    for line in lines:
+        text = re.sub(r"^@!?U?P\w+\s+", "", line.strip())  # a predicate may still write
+        op, _, args = text.partition(" ")
+        regs = [int(r) for r in re.findall(r"\bR(\d+)\b", args)]
+        if op.startswith("QGMMA") and "gdesc" in args.split(",")[2]:  # A from registers
+            reading |= {regs[1] + i for i in range(4)}
+            products += 1
+        elif op.startswith("WARPGROUP.DEPBAR"):
+            reading = set()
+        elif reading and regs and not op.startswith("QGMMA") and regs[0] in reading:
+            writes.append(line.strip())
+    return products, writes
+
+
+def test_p_registers_are_left_alone_while_the_pv_product_reads_them():
+    """P.V takes P from registers asynchronously, and triton 3.6 cannot list 8-bit registers
+    among warpgroup_mma_wait's deps: nothing may write them between the wgmma that reads them
+    and the wait (WARPGROUP.DEPBAR) after it."""
+    _needs_gluon_triton()
+    lines = _sass(g.aot_compile())
+    assert _writes_to_p_during_pv(lines) == (8, [])  # four k-steps a tile a warpgroup
+    # The check sees a write: one put right after the first P.V wgmma.
+    first = next(i for i, x in enumerate(lines) if x.strip().startswith("QGMMA")
+                 and "gdesc" in x.split(",")[2])
+    a_reg = re.findall(r"\bR(\d+)\b", lines[first])[1]
+    doctored = [*lines[:first + 1], f"@P0 IMAD.MOV.U32 R{a_reg}, RZ, RZ, R1 ",
+                *lines[first + 1:]]
+    assert len(_writes_to_p_during_pv(doctored)[1]) == 1
 
 
 def _prefill(dtype="fp8_e4m3fn", **kw) -> MLAProblem:
