@@ -37,6 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mlatune.kernels.gluon_common import aot_compile_kernel, gluon_available
+from mlatune.kernels.gluon_hopper import _issue_scores  # S = Q K^T of a tile's two parts
 from mlatune.kernels.prefill import (
     PlanTables,
     _merge_partials_kernel,
@@ -129,16 +130,6 @@ def _loader(descs, q_bufs, ring, bars, work_indptr_ptr, work_info_ptr,
                                                 kv_ready.index(s), vt.index(s))
             it += n_tiles
             qb += 1
-
-
-@gluon.jit
-def _issue_s(q_a, q_b, k_a, k_b, layout: gl.constexpr):
-    """S = Q K^T over one key tile (its two parts), issued, not waited on."""
-    R: gl.constexpr = q_a.shape[0]
-    BN: gl.constexpr = k_a.shape[0]
-    s = gl.zeros([R, BN], gl.float32, layout=layout)
-    s = warpgroup_mma(q_a, k_a.permute((1, 0)), s, use_acc=False, is_async=True)
-    return warpgroup_mma(q_b, k_b.permute((1, 0)), s, is_async=True)
 
 
 @gluon.jit
@@ -254,7 +245,7 @@ def _mma_warpgroup(W: gl.constexpr, q_bufs, ring, bars, work_indptr_ptr, work_in
             s = gl.zeros([R, BN], gl.float32, layout=s_layout)
             if n_tiles > 0:
                 mbarrier.wait(kv_ready.index(it % S), (it // S) & 1)
-                s = _issue_s(qa, qbuf, k_a.index(it % S), k_b.index(it % S), s_layout)
+                s = _issue_scores(qa, qbuf, k_a.index(it % S), k_b.index(it % S), s_layout)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
             for t in range(n_tiles):
                 g = it + t
@@ -266,7 +257,7 @@ def _mma_warpgroup(W: gl.constexpr, q_bufs, ring, bars, work_indptr_ptr, work_in
                     mbarrier.wait(kv_ready.index(nxt), ((g + 1) // S) & 1)
                 # The next tile's S runs beside this tile's softmax (after the last tile: this
                 # tile's again, never read, so that the issue count stays fixed).
-                s_next = _issue_s(qa, qbuf, k_a.index(nxt), k_b.index(nxt), s_layout)
+                s_next = _issue_scores(qa, qbuf, k_a.index(nxt), k_b.index(nxt), s_layout)
                 key0 = kv_lo + t * BN
                 if key0 + BN > full_stop:  # the causal diagonal or the range's last tile
                     p, m_i, l_i, alpha = _softmax(s, qk_scale, m_i, l_i, key0, last_key,
