@@ -193,12 +193,66 @@ def _epilogue(acc, m_i, l_i, out_scale, rows, row_ok, dst, where, P_SHIFT: gl.co
 
 
 @gluon.jit
+def _key_tile(t, g, n_tiles, s, state, q_half, ring, bars, bounds, qk_scale,
+              P_SHIFT: gl.constexpr):
+    """Key tile ``t`` of a query block (the ``g``-th through the ring) for one warpgroup:
+    the next tile's S issued, this tile's softmax from its S (``s``, done), O += P V, both
+    products waited for, the slot released. Returns (the next tile's S, O, max, sum)."""
+    acc, m_i, l_i = state
+    k_a, k_b, vt = ring
+    kv_ready, kv_empty = bars
+    kv_lo, full_stop, last_key = bounds
+    S: gl.constexpr = k_a.shape[0]
+    BN: gl.constexpr = k_a.shape[1]
+    s_layout: gl.constexpr = s.type.layout
+    o_layout: gl.constexpr = acc.type.layout
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    cur = g % S
+    nxt = cur
+    if t + 1 < n_tiles:
+        nxt = (g + 1) % S
+        mbarrier.wait(kv_ready.index(nxt), ((g + 1) // S) & 1)
+    # The next tile's S runs beside this tile's softmax (after the last tile: this tile's
+    # again, never read, so that the issue count stays fixed).
+    s_next = _issue_scores(q_half[0], q_half[1], k_a.index(nxt), k_b.index(nxt), s_layout)
+    key0 = kv_lo + t * BN
+    if key0 + BN > full_stop:  # the causal diagonal or the range's last tile
+        p, m_i, l_i, alpha = _softmax(s, qk_scale, m_i, l_i, key0, last_key, True, P_SHIFT)
+    else:
+        p, m_i, l_i, alpha = _softmax(s, qk_scale, m_i, l_i, key0, last_key, False, P_SHIFT)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    p8 = gl.convert_layout(p.to(vt.dtype), p_layout)
+    acc = warpgroup_mma(p8, vt.index(cur).permute((1, 0)), acc, is_async=True)
+    # P's registers (the A operand) are not among the deps: triton 3.6 cannot lower an 8-bit
+    # one, and nothing between the issue and this wait writes them (checked in the SASS by
+    # tests/test_gluon_prefill.py).
+    s_next, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, acc))
+    gl.thread_barrier()  # every warp is past both products (one thread arrives)
+    mbarrier.arrive(kv_empty.index(cur))
+    return s_next, acc, m_i, l_i
+
+
+@gluon.jit
+def _row_bounds(W: gl.constexpr, R: gl.constexpr, m0, q_pos0, prefix, kv_lo, kv_stop,
+                layout: gl.constexpr, CAUSAL: gl.constexpr, BN: gl.constexpr):
+    """Warpgroup ``W``'s rows of the query block at ``m0`` (within the tile), each row's last
+    visible key, and the end of the key tiles all its rows see whole (no mask needed)."""
+    rows = m0 + W * R + gl.arange(0, R, layout=layout)
+    last_key = gl.full([R], 0, gl.int32, layout=layout) + (kv_stop - 1)
+    seen_by_all = kv_stop
+    if CAUSAL:
+        last_key = gl.minimum(last_key, prefix + q_pos0 + rows)
+        seen_by_all = gl.minimum(kv_stop, prefix + q_pos0 + m0 + W * R + 1)
+    return rows, last_key, kv_lo + gl.maximum(seen_by_all - kv_lo, 0) // BN * BN
+
+
+@gluon.jit
 def _mma_warpgroup(W: gl.constexpr, q_bufs, ring, bars, work_indptr_ptr, work_info_ptr,
                    scale_ptrs, qk_scale, dst, CAUSAL: gl.constexpr, HAS_SCALES: gl.constexpr,
-                   INFO_COLUMNS: gl.constexpr, P_SHIFT: gl.constexpr):
-    """Warpgroup ``W``'s 64 rows of every query block: per key tile S (fp8), the softmax,
-    O += P V (fp8, P from registers); tile t+1's S is issued before tile t's softmax and both
-    products are waited for at the tile's end, then the slot is released."""
+                   INFO_COLUMNS: gl.constexpr, P_SHIFT: gl.constexpr, PAIRED: gl.constexpr):
+    """Warpgroup ``W``'s 64 rows of every query block: its key tiles (``_key_tile``), then the
+    epilogue. ``PAIRED``: two tiles a loop step, so that the S in flight and the S being read
+    swap registers instead of being copied at the loop's end (64 moves a tile)."""
     q_a, q_b = q_bufs
     k_a, k_b, vt = ring
     q_ready, q_empty, kv_ready, kv_empty = bars
@@ -211,7 +265,6 @@ def _mma_warpgroup(W: gl.constexpr, q_bufs, ring, bars, work_indptr_ptr, work_in
                                                        instr_shape=[16, BN, 32])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, DV, 32])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     # O / l needs no 2^-P_SHIFT: l sums the same shifted P that O accumulates.
     if HAS_SCALES:
@@ -228,16 +281,11 @@ def _mma_warpgroup(W: gl.constexpr, q_bufs, ring, bars, work_indptr_ptr, work_in
         for m0 in range(0, q_rows, 2 * R):
             kv_stop, n_tiles = _block_keys(m0, q_rows, q_pos0, prefix, kv_lo, kv_hi, CAUSAL,
                                            2 * R, BN)
-            rows = m0 + W * R + gl.arange(0, R, layout=row_s)  # within the tile
-            last_key = gl.full([R], 0, gl.int32, layout=row_s) + (kv_stop - 1)
-            seen_by_all = kv_stop  # keys below it: every row of this warpgroup sees them
-            if CAUSAL:
-                last_key = gl.minimum(last_key, prefix + q_pos0 + rows)
-                seen_by_all = gl.minimum(kv_stop, prefix + q_pos0 + m0 + W * R + 1)
-            full_stop = kv_lo + gl.maximum(seen_by_all - kv_lo, 0) // BN * BN
+            rows, last_key, full_stop = _row_bounds(W, R, m0, q_pos0, prefix, kv_lo, kv_stop,
+                                                    row_s, CAUSAL, BN)
+            bounds = (kv_lo, full_stop, last_key)
             qs = qb % 2
-            qa = q_a.index(2 * qs + W)
-            qbuf = q_b.index(2 * qs + W)
+            q_half = (q_a.index(2 * qs + W), q_b.index(2 * qs + W))
             mbarrier.wait(q_ready.index(qs), (qb // 2) & 1)
             m_i = gl.full([R], float("-inf"), gl.float32, layout=row_s)
             l_i = gl.full([R], 0.0, gl.float32, layout=row_s)
@@ -245,36 +293,26 @@ def _mma_warpgroup(W: gl.constexpr, q_bufs, ring, bars, work_indptr_ptr, work_in
             s = gl.zeros([R, BN], gl.float32, layout=s_layout)
             if n_tiles > 0:
                 mbarrier.wait(kv_ready.index(it % S), (it // S) & 1)
-                s = _issue_scores(qa, qbuf, k_a.index(it % S), k_b.index(it % S), s_layout)
+                s = _issue_scores(q_half[0], q_half[1], k_a.index(it % S), k_b.index(it % S),
+                                  s_layout)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-            for t in range(n_tiles):
-                g = it + t
-                cur = g % S
-                more = t + 1 < n_tiles
-                nxt = cur
-                if more:
-                    nxt = (g + 1) % S
-                    mbarrier.wait(kv_ready.index(nxt), ((g + 1) // S) & 1)
-                # The next tile's S runs beside this tile's softmax (after the last tile: this
-                # tile's again, never read, so that the issue count stays fixed).
-                s_next = _issue_scores(qa, qbuf, k_a.index(nxt), k_b.index(nxt), s_layout)
-                key0 = kv_lo + t * BN
-                if key0 + BN > full_stop:  # the causal diagonal or the range's last tile
-                    p, m_i, l_i, alpha = _softmax(s, qk_scale, m_i, l_i, key0, last_key,
-                                                  True, P_SHIFT)
-                else:
-                    p, m_i, l_i, alpha = _softmax(s, qk_scale, m_i, l_i, key0, last_key,
-                                                  False, P_SHIFT)
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)),
-                                           1)
-                p8 = gl.convert_layout(p.to(vt.dtype), p_layout)
-                acc = warpgroup_mma(p8, vt.index(cur).permute((1, 0)), acc, is_async=True)
-                # P's registers (the A operand) are not among the deps: triton 3.6 cannot
-                # lower an 8-bit one, and nothing between the issue and this wait writes
-                # them (PTX registers are assigned once here; ptxas keeps wgmma operands).
-                s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, acc))
-                gl.thread_barrier()  # every warp is past both products (one thread arrives)
-                mbarrier.arrive(kv_empty.index(cur))
+            if PAIRED:
+                for t in range(0, n_tiles - 1, 2):
+                    s2, acc, m_i, l_i = _key_tile(t, it + t, n_tiles, s, (acc, m_i, l_i), q_half,
+                                                  ring, (kv_ready, kv_empty), bounds, qk_scale,
+                                                  P_SHIFT)
+                    s, acc, m_i, l_i = _key_tile(t + 1, it + t + 1, n_tiles, s2, (acc, m_i, l_i),
+                                                 q_half, ring, (kv_ready, kv_empty), bounds,
+                                                 qk_scale, P_SHIFT)
+                if n_tiles % 2 == 1:
+                    s, acc, m_i, l_i = _key_tile(n_tiles - 1, it + n_tiles - 1, n_tiles, s,
+                                                 (acc, m_i, l_i), q_half, ring,
+                                                 (kv_ready, kv_empty), bounds, qk_scale, P_SHIFT)
+            else:
+                for t in range(n_tiles):
+                    s, acc, m_i, l_i = _key_tile(t, it + t, n_tiles, s, (acc, m_i, l_i), q_half,
+                                                 ring, (kv_ready, kv_empty), bounds, qk_scale,
+                                                 P_SHIFT)
             gl.thread_barrier()
             mbarrier.arrive(q_empty.index(qs))  # this half of the block's q is read
             _epilogue(acc, m_i, l_i, out_scale, rows, rows < q_rows, dst, (q_row0, head, slot),
@@ -291,7 +329,7 @@ def prefill_fp8_kernel(qa_desc, qb_desc, ka_desc, kb_desc, vt_desc,  # TMA: q's,
                        stride_o_row, stride_o_head, stride_lse_row,
                        CAUSAL: gl.constexpr, HAS_SCALES: gl.constexpr, TILE_Q: gl.constexpr,
                        STAGES: gl.constexpr, INFO_COLUMNS: gl.constexpr,
-                       P_SHIFT: gl.constexpr, num_warps: gl.constexpr):
+                       P_SHIFT: gl.constexpr, PAIRED: gl.constexpr, num_warps: gl.constexpr):
     R: gl.constexpr = qa_desc.block_type.shape[0]
     BN: gl.constexpr = ka_desc.block_type.shape[0]
     fp8: gl.constexpr = ka_desc.dtype
@@ -327,9 +365,9 @@ def prefill_fp8_kernel(qa_desc, qb_desc, ka_desc, kb_desc, vt_desc,  # TMA: q's,
         (_loader, ((qa_desc, qb_desc, ka_desc, kb_desc, vt_desc), q_bufs, ring, bars,
                    work_indptr_ptr, work_info_ptr, CAUSAL, INFO_COLUMNS)),
         (_mma_warpgroup, (0, q_bufs, ring, bars, work_indptr_ptr, work_info_ptr, scales,
-                          qk_scale, dst, CAUSAL, HAS_SCALES, INFO_COLUMNS, P_SHIFT)),
+                          qk_scale, dst, CAUSAL, HAS_SCALES, INFO_COLUMNS, P_SHIFT, PAIRED)),
         (_mma_warpgroup, (1, q_bufs, ring, bars, work_indptr_ptr, work_info_ptr, scales,
-                          qk_scale, dst, CAUSAL, HAS_SCALES, INFO_COLUMNS, P_SHIFT)),
+                          qk_scale, dst, CAUSAL, HAS_SCALES, INFO_COLUMNS, P_SHIFT, PAIRED)),
     ], [4, 4], [MMA_REGS, MMA_REGS])
 
 
@@ -367,7 +405,7 @@ class GluonPrefill:
                  lse: torch.Tensor, seq_lens_q: list[int], seq_lens_k: list[int], *,
                  causal: bool, sm_scale: float, scales: tuple[torch.Tensor, ...] | None,
                  num_programs: int, tile_q: int = 256, min_split: int = 256,
-                 grouped: bool = False, stages: int = STAGES):
+                 grouped: bool = False, stages: int = STAGES, paired: bool = False):
         ok, why = gluon_available()
         if not ok:
             raise ValueError(f"gluon fp8 prefill: {why}")
@@ -400,7 +438,8 @@ class GluonPrefill:
                       out.stride(0), out.stride(1), lse.stride(0))
         self._meta = dict(CAUSAL=causal, HAS_SCALES=scales is not None, TILE_Q=tile_q,
                           STAGES=stages, INFO_COLUMNS=WORK_INFO_COLUMNS,
-                          P_SHIFT=fp8_p_shift(v.dtype), num_warps=NUM_WARPS, maxnreg=MAXNREG)
+                          P_SHIFT=fp8_p_shift(v.dtype), PAIRED=paired, num_warps=NUM_WARPS,
+                          maxnreg=MAXNREG)
         self._merge = tables.merge_launch(self.plan, out, lse, tile_q)
         # Keep every buffer the launches read alive as long as this object.
         self._buffers = (vt, tables, ones)
@@ -412,12 +451,13 @@ class GluonPrefill:
 
 
 def aot_compile(*, causal: bool = True, has_scales: bool = True, tile_q: int = 256,
-                stages: int = STAGES, out_dtype: str = "bf16", arch: int = 90):
+                stages: int = STAGES, paired: bool = False, out_dtype: str = "bf16",
+                arch: int = 90):
     """Compile ``prefill_fp8_kernel`` for ``sm_<arch>`` without a GPU; returns triton's
     CompiledKernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata``)."""
     constants = dict(CAUSAL=causal, HAS_SCALES=has_scales, TILE_Q=tile_q, STAGES=stages,
                      INFO_COLUMNS=WORK_INFO_COLUMNS, P_SHIFT=fp8_p_shift(torch.float8_e4m3fn),
-                     num_warps=NUM_WARPS)
+                     PAIRED=paired, num_warps=NUM_WARPS)
     blocks = dict(qa_desc=("fp8", WG_ROWS, D_A), qb_desc=("fp8", WG_ROWS, D_B),
                   ka_desc=("fp8", BLOCK_N, D_A), kb_desc=("fp8", BLOCK_N, D_B),
                   vt_desc=("fp8", D_V, BLOCK_N))
