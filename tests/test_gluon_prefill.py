@@ -108,12 +108,48 @@ def test_plan_and_transposed_v(monkeypatch):
         assert int(vt[:, :, pad].sum()) == 0
 
 
+def test_permuted_v_holds_each_key_where_the_accumulator_holds_it(monkeypatch):
+    """With ``permuted_v`` the transposed v's column j (within 32) holds key (j4, j1, j3, j2,
+    j0): for quad q of a warp, the wgmma accumulator's keys {8i + 2q, 8i + 2q + 1} and the
+    fp8 A operand's columns {4q..4q+3, 16+4q..16+4q+3} then name the same keys, and
+    ``_keys_as_operand`` reorders P's columns the same way."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the transpose kernel on CPU tensors: needs TRITON_INTERPRET=1")
+    from mlatune.kernels.prefill import _transpose_v_kernel
+
+    monkeypatch.setattr(g, "gluon_available", lambda: (True, "ok"))
+    lens = [200, 70]
+    q, k, v, out, lse = _tensors(lens, lens)
+    launch = g.GluonPrefill(q, k, v, out, lse, lens, lens, causal=True, sm_scale=0.1,
+                            scales=None, num_programs=4, permuted_v=True)
+    grid, args, meta = launch._transpose
+    _transpose_v_kernel[grid](*args, **meta)
+    vt = args[1].view(torch.uint8)
+
+    def key(j: int) -> int:  # the key at column j
+        bit = [(j >> b) & 1 for b in range(5)]
+        return (j & ~31) | bit[4] << 4 | bit[1] << 3 | bit[3] << 2 | bit[2] << 1 | bit[0]
+
+    for col0, k_row0, k_len in ((0, 0, 200), (256, 200, 70)):
+        for j in range(-(-k_len // 32) * 32):
+            col = vt[:, :, col0 + j]
+            if key(j) < k_len:
+                assert torch.equal(col, v[k_row0 + key(j)].view(torch.uint8)), j
+            else:
+                assert int(col.sum()) == 0, j  # past the request: zeros, and P is 0 there
+    for quad in range(4):
+        acc_keys = {8 * i + 2 * quad + b for i in range(4) for b in (0, 1)}
+        operand_cols = {16 * h + 4 * quad + e for h in (0, 1) for e in range(4)}
+        assert {key(j) for j in operand_cols} == acc_keys
+
+
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize(("stages", "paired"), [(2, False), (3, False), (3, True)],
-                         ids=["2stages", "3stages", "3stages-paired"])
-def test_compiles_for_sm90_with_fp8_wgmmas(causal, stages, paired):
+@pytest.mark.parametrize(("stages", "paired", "permuted"),
+                         [(2, False, False), (3, False, False), (3, True, False), (3, True, True)],
+                         ids=["2stages", "3stages", "3stages-paired", "3stages-paired-permuted"])
+def test_compiles_for_sm90_with_fp8_wgmmas(causal, stages, paired, permuted):
     _needs_gluon_triton()
-    compiled = g.aot_compile(causal=causal, stages=stages, paired=paired)
+    compiled = g.aot_compile(causal=causal, stages=stages, paired=paired, permuted_v=permuted)
     ptx = compiled.asm["ptx"]
     assert ".target sm_90a" in ptx
     # Each MMA warpgroup: S (4 + 2 k-steps) before the loop, then S and P.V (4) a tile: 16
@@ -164,6 +200,7 @@ def test_p_registers_are_left_alone_while_the_pv_product_reads_them():
     _needs_gluon_triton()
     # Four k-steps a tile in each warpgroup; paired, three tiles' worth (two in the loop).
     assert _writes_to_p_during_pv(_sass(g.aot_compile(paired=True))) == (24, [])
+    assert _writes_to_p_during_pv(_sass(g.aot_compile(paired=True, permuted_v=True))) == (24, [])
     lines = _sass(g.aot_compile())
     assert _writes_to_p_during_pv(lines) == (8, [])
     # The check sees a write: one put right after the first P.V wgmma.

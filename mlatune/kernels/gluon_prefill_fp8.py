@@ -193,12 +193,26 @@ def _epilogue(acc, m_i, l_i, out_scale, rows, row_ok, dst, where, P_SHIFT: gl.co
 
 
 @gluon.jit
-def _key_tile(t, g, n_tiles, s, state, q_half, ring, bars, bounds, qk_scale,
-              P_SHIFT: gl.constexpr):
+def _keys_as_operand(p):
+    """P's columns reordered within each 32 keys as v^T's are when ``transposed_v`` permutes
+    them: column j holds key (j4, j1, j3, j2, j0) (bits of j), which is where the wgmma
+    accumulator holds that key, so the change to the A operand's layout stays in registers."""
+    R: gl.constexpr = p.shape[0]
+    N: gl.constexpr = p.shape[1]
+    x = gl.reshape(p, [R, N // 32, 2, 2, 2, 2, 2])  # key bits (k4, k3, k2, k1, k0)
+    return gl.reshape(gl.permute(x, (0, 1, 2, 4, 5, 3, 6)), [R, N])
+
+
+@gluon.jit
+def _key_tile(t, g, n_tiles, s, state, block, P_SHIFT: gl.constexpr,
+              PERMUTED_V: gl.constexpr):
     """Key tile ``t`` of a query block (the ``g``-th through the ring) for one warpgroup:
     the next tile's S issued, this tile's softmax from its S (``s``, done), O += P V, both
-    products waited for, the slot released. Returns (the next tile's S, O, max, sum)."""
+    products waited for, the slot released. ``state``: (O, max, sum); ``block``: the query
+    block's (q half, ring, (ready, empty) barriers, key bounds, scale). Returns (the next
+    tile's S, O, max, sum)."""
     acc, m_i, l_i = state
+    q_half, ring, bars, bounds, qk_scale = block
     k_a, k_b, vt = ring
     kv_ready, kv_empty = bars
     kv_lo, full_stop, last_key = bounds
@@ -221,7 +235,10 @@ def _key_tile(t, g, n_tiles, s, state, q_half, ring, bars, bounds, qk_scale,
     else:
         p, m_i, l_i, alpha = _softmax(s, qk_scale, m_i, l_i, key0, last_key, False, P_SHIFT)
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-    p8 = gl.convert_layout(p.to(vt.dtype), p_layout)
+    p8 = p.to(vt.dtype)
+    if PERMUTED_V:
+        p8 = _keys_as_operand(p8)
+    p8 = gl.convert_layout(p8, p_layout)
     acc = warpgroup_mma(p8, vt.index(cur).permute((1, 0)), acc, is_async=True)
     # P's registers (the A operand) are not among the deps: triton 3.6 cannot lower an 8-bit
     # one, and nothing between the issue and this wait writes them (checked in the SASS by
@@ -249,7 +266,8 @@ def _row_bounds(W: gl.constexpr, R: gl.constexpr, m0, q_pos0, prefix, kv_lo, kv_
 @gluon.jit
 def _mma_warpgroup(W: gl.constexpr, q_bufs, ring, bars, work_indptr_ptr, work_info_ptr,
                    scale_ptrs, qk_scale, dst, CAUSAL: gl.constexpr, HAS_SCALES: gl.constexpr,
-                   INFO_COLUMNS: gl.constexpr, P_SHIFT: gl.constexpr, PAIRED: gl.constexpr):
+                   INFO_COLUMNS: gl.constexpr, P_SHIFT: gl.constexpr, PAIRED: gl.constexpr,
+                   PERMUTED_V: gl.constexpr):
     """Warpgroup ``W``'s 64 rows of every query block: its key tiles (``_key_tile``), then the
     epilogue. ``PAIRED``: two tiles a loop step, so that the S in flight and the S being read
     swap registers instead of being copied at the loop's end (64 moves a tile)."""
@@ -296,23 +314,20 @@ def _mma_warpgroup(W: gl.constexpr, q_bufs, ring, bars, work_indptr_ptr, work_in
                 s = _issue_scores(q_half[0], q_half[1], k_a.index(it % S), k_b.index(it % S),
                                   s_layout)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+            block = (q_half, ring, (kv_ready, kv_empty), bounds, qk_scale)
             if PAIRED:
                 for t in range(0, n_tiles - 1, 2):
-                    s2, acc, m_i, l_i = _key_tile(t, it + t, n_tiles, s, (acc, m_i, l_i), q_half,
-                                                  ring, (kv_ready, kv_empty), bounds, qk_scale,
-                                                  P_SHIFT)
-                    s, acc, m_i, l_i = _key_tile(t + 1, it + t + 1, n_tiles, s2, (acc, m_i, l_i),
-                                                 q_half, ring, (kv_ready, kv_empty), bounds,
-                                                 qk_scale, P_SHIFT)
+                    s2, acc, m_i, l_i = _key_tile(t, it + t, n_tiles, s, (acc, m_i, l_i), block,
+                                                  P_SHIFT, PERMUTED_V)
+                    s, acc, m_i, l_i = _key_tile(t + 1, it + t + 1, n_tiles, s2,
+                                                 (acc, m_i, l_i), block, P_SHIFT, PERMUTED_V)
                 if n_tiles % 2 == 1:
                     s, acc, m_i, l_i = _key_tile(n_tiles - 1, it + n_tiles - 1, n_tiles, s,
-                                                 (acc, m_i, l_i), q_half, ring,
-                                                 (kv_ready, kv_empty), bounds, qk_scale, P_SHIFT)
+                                                 (acc, m_i, l_i), block, P_SHIFT, PERMUTED_V)
             else:
                 for t in range(n_tiles):
-                    s, acc, m_i, l_i = _key_tile(t, it + t, n_tiles, s, (acc, m_i, l_i), q_half,
-                                                 ring, (kv_ready, kv_empty), bounds, qk_scale,
-                                                 P_SHIFT)
+                    s, acc, m_i, l_i = _key_tile(t, it + t, n_tiles, s, (acc, m_i, l_i), block,
+                                                 P_SHIFT, PERMUTED_V)
             gl.thread_barrier()
             mbarrier.arrive(q_empty.index(qs))  # this half of the block's q is read
             _epilogue(acc, m_i, l_i, out_scale, rows, rows < q_rows, dst, (q_row0, head, slot),
@@ -329,7 +344,8 @@ def prefill_fp8_kernel(qa_desc, qb_desc, ka_desc, kb_desc, vt_desc,  # TMA: q's,
                        stride_o_row, stride_o_head, stride_lse_row,
                        CAUSAL: gl.constexpr, HAS_SCALES: gl.constexpr, TILE_Q: gl.constexpr,
                        STAGES: gl.constexpr, INFO_COLUMNS: gl.constexpr,
-                       P_SHIFT: gl.constexpr, PAIRED: gl.constexpr, num_warps: gl.constexpr):
+                       P_SHIFT: gl.constexpr, PAIRED: gl.constexpr, PERMUTED_V: gl.constexpr,
+                       num_warps: gl.constexpr):
     R: gl.constexpr = qa_desc.block_type.shape[0]
     BN: gl.constexpr = ka_desc.block_type.shape[0]
     fp8: gl.constexpr = ka_desc.dtype
@@ -365,9 +381,11 @@ def prefill_fp8_kernel(qa_desc, qb_desc, ka_desc, kb_desc, vt_desc,  # TMA: q's,
         (_loader, ((qa_desc, qb_desc, ka_desc, kb_desc, vt_desc), q_bufs, ring, bars,
                    work_indptr_ptr, work_info_ptr, CAUSAL, INFO_COLUMNS)),
         (_mma_warpgroup, (0, q_bufs, ring, bars, work_indptr_ptr, work_info_ptr, scales,
-                          qk_scale, dst, CAUSAL, HAS_SCALES, INFO_COLUMNS, P_SHIFT, PAIRED)),
+                          qk_scale, dst, CAUSAL, HAS_SCALES, INFO_COLUMNS, P_SHIFT, PAIRED,
+                          PERMUTED_V)),
         (_mma_warpgroup, (1, q_bufs, ring, bars, work_indptr_ptr, work_info_ptr, scales,
-                          qk_scale, dst, CAUSAL, HAS_SCALES, INFO_COLUMNS, P_SHIFT, PAIRED)),
+                          qk_scale, dst, CAUSAL, HAS_SCALES, INFO_COLUMNS, P_SHIFT, PAIRED,
+                          PERMUTED_V)),
     ], [4, 4], [MMA_REGS, MMA_REGS])
 
 
@@ -405,7 +423,8 @@ class GluonPrefill:
                  lse: torch.Tensor, seq_lens_q: list[int], seq_lens_k: list[int], *,
                  causal: bool, sm_scale: float, scales: tuple[torch.Tensor, ...] | None,
                  num_programs: int, tile_q: int = 256, min_split: int = 256,
-                 grouped: bool = False, stages: int = STAGES, paired: bool = False):
+                 grouped: bool = False, stages: int = STAGES, paired: bool = False,
+                 permuted_v: bool = False):
         ok, why = gluon_available()
         if not ok:
             raise ValueError(f"gluon fp8 prefill: {why}")
@@ -421,7 +440,8 @@ class GluonPrefill:
                                         tile_q=tile_q, block_m=BLOCK_M, causal=causal,
                                         split_align=BLOCK_N, min_split=min_split,
                                         v_align=V_ALIGN, grouped=grouped)
-        vt, self._transpose = transposed_v(v, seq_lens_k, V_ALIGN, min_cols=BLOCK_N)
+        vt, self._transpose = transposed_v(v, seq_lens_k, V_ALIGN, min_cols=BLOCK_N,
+                                           permute_keys=permuted_v)
         descs = (
             _descriptor(q, [q.shape[0], heads * q.shape[2]], q.stride(0), [WG_ROWS, D_A]),
             _descriptor(q, [q.shape[0], heads * q.shape[2]], q.stride(0), [WG_ROWS, D_B]),
@@ -438,8 +458,8 @@ class GluonPrefill:
                       out.stride(0), out.stride(1), lse.stride(0))
         self._meta = dict(CAUSAL=causal, HAS_SCALES=scales is not None, TILE_Q=tile_q,
                           STAGES=stages, INFO_COLUMNS=WORK_INFO_COLUMNS,
-                          P_SHIFT=fp8_p_shift(v.dtype), PAIRED=paired, num_warps=NUM_WARPS,
-                          maxnreg=MAXNREG)
+                          P_SHIFT=fp8_p_shift(v.dtype), PAIRED=paired, PERMUTED_V=permuted_v,
+                          num_warps=NUM_WARPS, maxnreg=MAXNREG)
         self._merge = tables.merge_launch(self.plan, out, lse, tile_q)
         # Keep every buffer the launches read alive as long as this object.
         self._buffers = (vt, tables, ones)
@@ -451,13 +471,13 @@ class GluonPrefill:
 
 
 def aot_compile(*, causal: bool = True, has_scales: bool = True, tile_q: int = 256,
-                stages: int = STAGES, paired: bool = False, out_dtype: str = "bf16",
-                arch: int = 90):
+                stages: int = STAGES, paired: bool = False, permuted_v: bool = False,
+                out_dtype: str = "bf16", arch: int = 90):
     """Compile ``prefill_fp8_kernel`` for ``sm_<arch>`` without a GPU; returns triton's
     CompiledKernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata``)."""
     constants = dict(CAUSAL=causal, HAS_SCALES=has_scales, TILE_Q=tile_q, STAGES=stages,
                      INFO_COLUMNS=WORK_INFO_COLUMNS, P_SHIFT=fp8_p_shift(torch.float8_e4m3fn),
-                     PAIRED=paired, num_warps=NUM_WARPS)
+                     PAIRED=paired, PERMUTED_V=permuted_v, num_warps=NUM_WARPS)
     blocks = dict(qa_desc=("fp8", WG_ROWS, D_A), qb_desc=("fp8", WG_ROWS, D_B),
                   ka_desc=("fp8", BLOCK_N, D_A), kb_desc=("fp8", BLOCK_N, D_B),
                   vt_desc=("fp8", D_V, BLOCK_N))

@@ -369,9 +369,11 @@ def _prefill_persistent_kernel(
 @triton.jit
 def _transpose_v_kernel(v_ptr, vt_ptr, tiles_ptr, stride_v_row, stride_v_head,
                         stride_vt_head, stride_vt_dim,
-                        D_V: tl.constexpr, BLOCK_K: tl.constexpr, V_ALIGN: tl.constexpr):
+                        D_V: tl.constexpr, BLOCK_K: tl.constexpr, V_ALIGN: tl.constexpr,
+                        PERMUTE_32: tl.constexpr = False):
     """vt[h, d, col0 + t] = v[row0 + t, h, d] for one (tile, head): v with its keys as
-    the contiguous dimension, as Hopper's fp8 wgmma needs v (its B operand, K-major)."""
+    the contiguous dimension, as Hopper's fp8 wgmma needs v (its B operand, K-major).
+    ``PERMUTE_32``: key t at column (t4, t2, t1, t3, t0) within its 32 (``transposed_v``)."""
     tile = tiles_ptr + tl.program_id(0) * 3  # columns as in prefill_plan.v_transpose_tiles
     row0 = tl.load(tile).to(tl.int64)
     col0 = tl.multiple_of(tl.load(tile + 1), V_ALIGN).to(tl.int64)
@@ -381,8 +383,12 @@ def _transpose_v_kernel(v_ptr, vt_ptr, tiles_ptr, stride_v_row, stride_v_head,
     offs_d = tl.arange(0, D_V)
     ok = (offs_t < rows)[:, None]
     src = v_ptr + (row0 + offs_t)[:, None] * stride_v_row + head * stride_v_head + offs_d[None, :]
+    cols = offs_t
+    if PERMUTE_32:
+        cols = (offs_t & ~31) | (offs_t & 16) | ((offs_t & 6) << 1) | ((offs_t & 8) >> 2) \
+            | (offs_t & 1)
     dst = (vt_ptr + head * stride_vt_head + offs_d[None, :] * stride_vt_dim
-           + (col0 + offs_t)[:, None])
+           + (col0 + cols)[:, None])
     tl.store(dst, tl.load(src, mask=ok), mask=ok)
 
 
@@ -474,11 +480,16 @@ class PlanTables:
                      INFO_COLUMNS=MERGE_INFO_COLUMNS, num_warps=4))
 
 
-def transposed_v(v: torch.Tensor, seq_lens_k: list[int], align: int,
-                 min_cols: int = 0) -> tuple[torch.Tensor, Launch | None]:
+def transposed_v(v: torch.Tensor, seq_lens_k: list[int], align: int, min_cols: int = 0,
+                 permute_keys: bool = False) -> tuple[torch.Tensor, Launch | None]:
     """A (heads, d_v, keys) buffer for v with each request's keys from a multiple of
     ``align`` (``v_key_offsets``; at least ``min_cols`` columns), and the launch of
-    ``_transpose_v_kernel`` that fills it from ``v`` (None for no keys)."""
+    ``_transpose_v_kernel`` that fills it from ``v`` (None for no keys). ``permute_keys``
+    (align a multiple of 32): within each 32 keys, key k goes to column (k4, k2, k1, k3, k0)
+    (bits of k), the order in which a wgmma accumulator holds a row's keys (the Gluon fp8
+    prefill's P, ``gluon_prefill_fp8._keys_as_operand``)."""
+    if permute_keys and align % 32:
+        raise ValueError(f"permuted keys need requests aligned to 32 keys, got {align}")
     heads, d_v = v.shape[1], v.shape[2]
     cols = max(v_key_offsets(seq_lens_k, align)[-1], min_cols)
     # Zeros: the padding between requests is read (as keys past the range, whose P is 0)
@@ -491,7 +502,8 @@ def transposed_v(v: torch.Tensor, seq_lens_k: list[int], align: int,
                 (v, vt, tiles, v.stride(0), v.stride(1), vt.stride(0), vt.stride(1)),
                 # Tiles start at the request's column plus multiples of the block.
                 dict(D_V=d_v, BLOCK_K=_TRANSPOSE_BLOCK,
-                     V_ALIGN=math.gcd(align, _TRANSPOSE_BLOCK), num_warps=4))
+                     V_ALIGN=math.gcd(align, _TRANSPOSE_BLOCK), PERMUTE_32=permute_keys,
+                     num_warps=4))
 
 
 def run_launch(kernel, launch: Launch | None) -> None:

@@ -70,10 +70,12 @@ _CPU_CONFIG_FP8 = (32, 32, 4, 1, True, False, True)
 # theirs, and a spec that keeps 3 sets a route does not sweep it).
 # Ring depths: 3 (168 KB of shared memory with the two query blocks) hides two tiles of TMA
 # latency, 2 (128 KB) one. ``paired``: two key tiles a loop step (about 55 fewer instructions
-# a tile: the S registers swap instead of being copied).
+# a tile: the S registers swap instead of being copied); ``permuted_v``: v's keys stored in the
+# order the accumulator holds P's, so P becomes the A operand without shuffles (32 fewer).
 GLUON_PARAMS: Params = {"kernel": "gluon", "num_stages": 3, "grouped": True}
-GLUON_PARAM_SETS: tuple[Params, ...] = (GLUON_PARAMS, {**GLUON_PARAMS, "num_stages": 2},
-                                        {**GLUON_PARAMS, "paired": True})
+GLUON_PARAM_SETS: tuple[Params, ...] = (
+    GLUON_PARAMS, {**GLUON_PARAMS, "num_stages": 2}, {**GLUON_PARAMS, "paired": True},
+    {**GLUON_PARAMS, "paired": True, "permuted_v": True})
 
 
 def config_params(config: tuple) -> Params:
@@ -170,7 +172,7 @@ class _PersistentPrefillRoute:
                 q, k, v, out_full, lse_full, *lengths, causal=problem.causal,
                 sm_scale=inputs.softmax_scale, scales=scales, num_programs=device.cu_count,
                 tile_q=TILE_Q, grouped=bool(chosen["grouped"]), stages=chosen["num_stages"],
-                paired=bool(chosen.get("paired")))
+                paired=bool(chosen.get("paired")), permuted_v=bool(chosen.get("permuted_v")))
         else:
             chosen = config.as_params()
             launch = PersistentPrefill(
