@@ -34,10 +34,11 @@
 #                  a grid of bf16 caches only (h200-traffic's verify grid) is swept as it is
 #                  (FP8_SPECS: some of the three)
 #   gluontests     pytest -m gpu tests/test_gluon_gpu.py
-#   gprefill       the Gluon fp8 prefill (fp8-ps/triton's Gluon set): its GPU tests first (a
+#   gprefill       the Gluon fp8 prefill (fp8-ps/triton's Gluon sets): its GPU tests first (a
 #                  hang ends at their timeout, and the benchmark then leaves the kernel out),
-#                  benchmarks/prefill.py at 1 x 4096 tokens, 128 and 16 heads, every prefill
-#                  route, then the other prefill GPU tests
+#                  then benchmarks/prefill.py at 1 x 4096 tokens, 128 and 16 heads, every
+#                  prefill route (fp8-ps without its comparison configs)
+#   prefilltests   pytest -m gpu tests/test_prefill_gpu.py but the Gluon kernel's tests
 #   fp8mma         gluon_check.py over fp8 caches: the fp8-MMA kernel (gluon_transposed_fp8,
 #                  q as two e4m3 terms and as one) beside the widening and FlashMLA; with
 #                  EXPERIMENTAL=1 also the forms not yet run on a GPU (their smoke child could
@@ -138,16 +139,17 @@ seesaw/gluon chunked,transposed/gluon plain,transposed/gluon reduce,transposed/g
                 timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gluon_gpu.py \
                   > "$OUT/gluon-tests.log" 2>&1
                 log "gluontests: rc=$? wall=$(( $(date +%s) - s ))s; $(tail -1 "$OUT/gluon-tests.log")" ;;
-    gprefill) { timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
+    gprefill) { timeout 180 python3 -m pytest -q -p no:cacheprovider -m gpu \
                   tests/test_prefill_gpu.py -k gluon; smoke=$?
                 timeout 240 python3 benchmarks/prefill.py --out "$OUT/prefill" --sizes 1x4096 \
-                  --heads 128 16 $( [ "$smoke" = 0 ] || echo --no-gluon )
-                timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu \
-                  tests/test_prefill_gpu.py -k "not gluon"
+                  --heads 128 16 --no-fp8-comparison $( [ "$smoke" = 0 ] || echo --no-gluon )
               } > "$OUT/gprefill.log" 2>&1
               log "gprefill: rc=$?"
               grep "passed\|failed\|fp8-ps\|sdpa\|bf16-ps" "$OUT/gprefill.log" | tail -30 \
                 | tee -a "$OUT/session.log" ;;
+    prefilltests) timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu \
+                    tests/test_prefill_gpu.py -k "not gluon" > "$OUT/prefill-tests.log" 2>&1
+                  log "prefilltests: rc=$?; $(tail -1 "$OUT/prefill-tests.log")" ;;
     *) log "unknown step $step" ;;
   esac
 done
