@@ -105,14 +105,17 @@ def test_every_parameter_set(device, route_id):
     space = routes.get(route_id).param_space(problem, device)
     assert space
     for params in space:
+        if params.get("kernel") == "gluon":
+            continue  # test_gluon_fp8_kernel's
         run_and_check(route_id, problem, device, ragged=True, params=params)
 
 
 def fp8_variants(device: DeviceInfo) -> list[dict]:
-    """fp8-ps's parameter space and the comparison configs the benchmark times."""
+    """fp8-ps's parameter space and the comparison configs the benchmark times (not the
+    Gluon kernel's sets: test_gluon_fp8_kernel runs those, so a hang there stays there)."""
     problem = prefill(128, 1, 4096, 4096, fp8_for(device))
-    return (routes.get("fp8-ps/triton").param_space(problem, device)
-            + [config_params(c) for c in FP8_COMPARISON_CONFIGS])
+    return ([p for p in routes.get("fp8-ps/triton").param_space(problem, device)
+             if p.get("kernel") != "gluon"] + [config_params(c) for c in FP8_COMPARISON_CONFIGS])
 
 
 @pytest.mark.parametrize("causal", [True, False])
