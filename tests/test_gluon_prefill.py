@@ -227,3 +227,35 @@ def test_the_route_offers_it_last_and_only_where_it_runs():
     for problem, device in [(_prefill(), A100), (_prefill("fp8_e4m3fnuz"), H200),
                             (_prefill(qk_head_dim=128), H200)]:
         assert GLUON_PARAMS not in routes.get("fp8-ps/triton").param_space(problem, device)
+
+
+@pytest.mark.parametrize("params", GLUON_PARAM_SETS, ids=lambda p: "-".join(
+    f"{k}={v}" for k, v in p.items() if k != "kernel"))
+def test_the_route_prepares_the_kernel_with_its_params(monkeypatch, params):
+    """fp8-ps/triton's prepare builds the Gluon launcher from a Gluon param set (padded heads,
+    the inputs' scales, its ring depth and forms) and reports what it runs; on the CPU only
+    the host side is built (the check for triton 3.6 is set aside, nothing is launched)."""
+    from mlatune.check.inputs import make_prefill_inputs
+
+    monkeypatch.setattr(g, "gluon_available", lambda: (True, "ok"))
+    problem = MLAProblem(phase="prefill", num_heads=12, batch=2, qlen=150, kv_len=300,
+                         q_dtype="fp8_e4m3fn", kv_dtype="fp8_e4m3fn")
+    inputs = make_prefill_inputs(problem, 0, "cpu", ragged=True)
+    built = []
+    real = g.GluonPrefill.__init__
+
+    def spy(self, q, k, v, *args, **kwargs):
+        built.append((q.shape, kwargs))
+        real(self, q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(g.GluonPrefill, "__init__", spy)
+    prepared = routes.get("fp8-ps/triton").prepare(problem, inputs, params=params)
+    (q_shape, kwargs), = built
+    assert q_shape[1] == 16  # 12 heads padded to 16, as the route's other kernels run
+    assert kwargs["stages"] == params["num_stages"]
+    assert kwargs["paired"] == bool(params.get("paired"))
+    assert kwargs["permuted_v"] == bool(params.get("permuted_v"))
+    assert all(a is b for a, b in zip(kwargs["scales"], (inputs.q_scale, inputs.k_scale,
+                                                         inputs.v_scale), strict=True))
+    assert {**params, "kernel_heads": 16}.items() <= prepared.params.items()
+    assert prepared.out.shape == (inputs.q.shape[0], 12, 128) and prepared.graph_safe
