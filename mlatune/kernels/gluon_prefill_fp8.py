@@ -238,7 +238,7 @@ def _key_tile(t, g, n_tiles, s, state, block, P_SHIFT: gl.constexpr,
     p8 = p.to(vt.dtype)
     if PERMUTED_V:
         p8 = _keys_as_operand(p8)
-    p8 = gl.convert_layout(p8, p_layout)
+    p8 = gl.convert_layout(p8, p_layout, assert_trivial=PERMUTED_V)  # permuted: in registers
     acc = warpgroup_mma(p8, vt.index(cur).permute((1, 0)), acc, is_async=True)
     # P's registers (the A operand) are not among the deps: triton 3.6 cannot lower an 8-bit
     # one, and nothing between the issue and this wait writes them (checked in the SASS by
