@@ -18,6 +18,12 @@ is ``prefill_plan.plan_work``'s, as for the Triton kernel, and the same merge ke
 combines split tiles. v is transposed once per call (``prefill._transpose_v_kernel``) into
 this launcher's buffer, each request at a multiple of 128 keys, so no key tile crosses into
 another request's keys (the padding is zeros, and P is 0 there).
+
+Two forms, each a kernel option (and a param set of the route): ``PAIRED`` runs two key tiles
+a loop step, so that the S in flight and the S being read swap registers instead of being
+copied (64 moves a tile); ``PERMUTED_V`` stores each 32 keys of the transposed v in the order
+the wgmma accumulator holds a row's keys and reorders P's columns to match
+(``_keys_as_operand``), so P becomes the A operand without shuffles.
 """
 
 from __future__ import annotations
