@@ -85,7 +85,7 @@ def compile_main(dtype: str, config: tuple, arch: int = 90, kv_dtype: str | None
 def compile_transpose(arch: int = 90):
     fn = kernels._transpose_v_kernel
     constants = dict(D_V=128, BLOCK_K=kernels._TRANSPOSE_BLOCK, V_ALIGN=kernels.V_ALIGN,
-                     PERMUTE_32=False)
+                     PERMUTE_32=False, WHOLE_TILES=False)
     pointers = {"v_ptr": "fp8e4nv", "vt_ptr": "fp8e4nv", "tiles_ptr": "i32"}
     strides = [n for n in fn.arg_names if n.startswith("stride_")]
     src = ASTSource(fn, _signature(fn, pointers, constants), constants,

@@ -370,10 +370,12 @@ def _prefill_persistent_kernel(
 def _transpose_v_kernel(v_ptr, vt_ptr, tiles_ptr, stride_v_row, stride_v_head,
                         stride_vt_head, stride_vt_dim,
                         D_V: tl.constexpr, BLOCK_K: tl.constexpr, V_ALIGN: tl.constexpr,
-                        PERMUTE_32: tl.constexpr = False):
+                        PERMUTE_32: tl.constexpr = False, WHOLE_TILES: tl.constexpr = False):
     """vt[h, d, col0 + t] = v[row0 + t, h, d] for one (tile, head): v with its keys as
     the contiguous dimension, as Hopper's fp8 wgmma needs v (its B operand, K-major).
-    ``PERMUTE_32``: key t at column (t4, t2, t1, t3, t0) within its 32 (``transposed_v``)."""
+    ``PERMUTE_32``: key t at column (t4, t2, t1, t3, t0) within its 32 (``transposed_v``).
+    ``WHOLE_TILES``: each request's columns end on a tile boundary, so a tile's keys past
+    its request are stored as zeros (its own padding), unmasked: the stores can be vectors."""
     tile = tiles_ptr + tl.program_id(0) * 3  # columns as in prefill_plan.v_transpose_tiles
     row0 = tl.load(tile).to(tl.int64)
     col0 = tl.multiple_of(tl.load(tile + 1), V_ALIGN).to(tl.int64)
@@ -389,7 +391,10 @@ def _transpose_v_kernel(v_ptr, vt_ptr, tiles_ptr, stride_v_row, stride_v_head,
             | (offs_t & 1)
     dst = (vt_ptr + head * stride_vt_head + offs_d[None, :] * stride_vt_dim
            + (col0 + cols)[:, None])
-    tl.store(dst, tl.load(src, mask=ok), mask=ok)
+    if WHOLE_TILES:
+        tl.store(dst, tl.load(src, mask=ok, other=0.0))
+    else:
+        tl.store(dst, tl.load(src, mask=ok), mask=ok)
 
 
 @triton.jit
@@ -503,7 +508,7 @@ def transposed_v(v: torch.Tensor, seq_lens_k: list[int], align: int, min_cols: i
                 # Tiles start at the request's column plus multiples of the block.
                 dict(D_V=d_v, BLOCK_K=_TRANSPOSE_BLOCK,
                      V_ALIGN=math.gcd(align, _TRANSPOSE_BLOCK), PERMUTE_32=permute_keys,
-                     num_warps=4))
+                     WHOLE_TILES=align % _TRANSPOSE_BLOCK == 0, num_warps=4))
 
 
 def run_launch(kernel, launch: Launch | None) -> None:
