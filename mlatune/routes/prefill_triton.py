@@ -6,6 +6,9 @@ counterpart of AITER's FP8 persistent prefill (mla_prefill_ps_asm_fwd +
 mla_reduce_v1) that vLLM's ROCm backend uses: fp8 q/k/v with per-tensor scales,
 bf16 output. ``bf16-ps`` is the same kernel with a 16-bit q, over a k/v in q's
 type or in fp8 (whose tiles the kernel converts to q's type as it loads them).
+On sm_90 with triton 3.6, ``fp8-ps``'s last param sets run the same plan through a Gluon
+kernel instead (``mlatune.kernels.gluon_prefill_fp8``: warp-specialized, fp8 wgmmas;
+EXPERIMENTAL, not yet run on a GPU).
 
 Like that backend, both pad the heads to a multiple of 16 by replication
 (12 -> 16, 24 -> 32; padded head j copies real head j mod H) and slice the
