@@ -131,3 +131,27 @@ def test_decode_benchmark_judges_issue_19_targets_on_own_routes_against_flashmla
     assert d.fp8_target_note(runs).endswith("met")
     runs[1] = result(f, "fp8", "transposed/gluon", 200.0)  # beats FlashMLA, not 0.6x bf16
     assert d.fp8_target_note(runs).endswith("MISSED")
+
+
+def test_gluon_check_leaves_out_a_variant_that_loses_the_cuda_context(monkeypatch):
+    """benchmarks/gluon_check.py: the smoke child names a variant whose error loses its CUDA
+    context; the parent leaves that variant out and runs the smoke again, so one faulting
+    experimental form does not stop every Gluon timing of the call."""
+    import benchmarks.gluon_check as gc
+
+    bad = gc.TRANSPOSED_FP8MMA_JOINED
+    runs = iter([(False, f"smoke x: error CUDA error: an illegal memory access\n"
+                         f"{gc.FATAL_LINE}{bad}\n"),
+                 (True, "smoke: 9/9 cases passed\n")])
+    monkeypatch.setattr(gc, "run_smoke_child", lambda timeout_s: next(runs))
+    monkeypatch.setattr(gc, "SKIPPED", set())
+    monkeypatch.setenv("GLUON_CHECK_SKIP", "")
+    meta: dict = {}
+    assert gc.smoke_until_clean(10, meta)
+    left_out = gc.SKIPPED
+    assert left_out == {bad} and meta["left_out"] == [bad] and meta["smoke_finished"]
+    assert gc.os.environ["GLUON_CHECK_SKIP"] == bad
+    # A hang (or a failure that names no variant) is not retried: the kernels stay out.
+    monkeypatch.setattr(gc, "run_smoke_child", lambda timeout_s: (False, "smoke: timed out"))
+    assert not gc.smoke_until_clean(10, {})
+    assert gc.fatal_variant("smoke: 3/3 cases passed") is None
