@@ -42,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from mlatune.kernels.gluon_common import aot_compile_kernel, gluon_available
+from mlatune.kernels.gluon_common import LN2, aot_compile_kernel, gluon_available, nvmma_layout
 from mlatune.kernels.gluon_hopper import _issue_scores  # S = Q K^T of a tile's two parts
 from mlatune.kernels.prefill import (
     PlanTables,
@@ -150,7 +150,7 @@ def _softmax(s, qk_scale, m_i, l_i, key0, last_key, MASKED: gl.constexpr,
     cancels in O / l, and the LSE takes it out.
     """
     if MASKED:
-        # Made here, not once per call: 32 registers a thread held across the loop.
+        # Made here: made once before the loop, it would hold 32 registers a thread.
         keys = gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
         allowed = gl.expand_dims(keys, 0) <= gl.expand_dims(last_key - key0, 1)
         s = gl.where(allowed, s, gl.full_like(s, float("-inf")))
@@ -176,7 +176,7 @@ def _epilogue(acc, m_i, l_i, out_scale, rows, row_ok, dst, where, P_SHIFT: gl.co
     l_safe = gl.where(has_keys, l_i, gl.full_like(l_i, 1.0))
     o = acc * gl.expand_dims(gl.convert_layout(out_scale / l_safe, gl.SliceLayout(1, o_layout)),
                              1)
-    lse = gl.where(has_keys, (m_i + gl.log2(l_safe) - P_SHIFT) * 0.6931471805599453,
+    lse = gl.where(has_keys, (m_i + gl.log2(l_safe) - P_SHIFT) * LN2,
                    gl.full_like(l_i, float("-inf")))
     o_rows = gl.convert_layout(rows, gl.SliceLayout(1, o_layout))
     o_ok = gl.expand_dims(gl.convert_layout(row_ok, gl.SliceLayout(1, o_layout)), 1)
@@ -400,8 +400,7 @@ def prefill_fp8_kernel(qa_desc, qb_desc, ka_desc, kb_desc, vt_desc,  # TMA: q's,
 def _descriptor(t: torch.Tensor, shape: list[int], row_stride: int, block: list[int]
                 ) -> TensorDescriptor:
     """A TMA descriptor of fp8 ``t`` seen as a 2-D [rows, columns] table, ``block`` boxes."""
-    return TensorDescriptor(t, shape, [row_stride, 1], block,
-                            gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv))
+    return TensorDescriptor(t, shape, [row_stride, 1], block, nvmma_layout(block, t.dtype))
 
 
 def check_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:

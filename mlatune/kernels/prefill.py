@@ -498,7 +498,7 @@ def transposed_v(v: torch.Tensor, seq_lens_k: list[int], align: int, min_cols: i
     heads, d_v = v.shape[1], v.shape[2]
     cols = max(v_key_offsets(seq_lens_k, align)[-1], min_cols)
     # Zeros: the padding between requests is read (as keys past the range, whose P is 0)
-    # but never written.
+    # and written, if at all, with zeros (WHOLE_TILES).
     vt = torch.zeros(heads, d_v, cols, dtype=v.dtype, device=v.device)
     tiles = _int_table(v_transpose_tiles(seq_lens_k, align, _TRANSPOSE_BLOCK), 3, v.device)
     if not len(tiles):

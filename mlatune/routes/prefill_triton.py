@@ -170,7 +170,7 @@ class _PersistentPrefillRoute:
         if gluon:
             from mlatune.kernels.gluon_prefill_fp8 import GluonPrefill
 
-            chosen = {**GLUON_PARAMS, **(params or {})}
+            chosen = {**GLUON_PARAMS, **params}
             launch = GluonPrefill(
                 q, k, v, out_full, lse_full, *lengths, causal=problem.causal,
                 sm_scale=inputs.softmax_scale, scales=scales, num_programs=device.cu_count,
