@@ -35,7 +35,8 @@
 #                  (FP8_SPECS: some of the three)
 #   gluontests     pytest -m gpu tests/test_gluon_gpu.py
 #   gprefill       the Gluon fp8 prefill (fp8-ps/triton's Gluon sets): its GPU tests first (a
-#                  hang ends at their timeout, and the benchmark then leaves the kernel out),
+#                  hang ends at their timeout, and the benchmark then leaves out the newest
+#                  form's sets: those with the flag GLUON_SUSPECT, default pingpong),
 #                  then benchmarks/prefill.py at 1 x 4096 tokens, 128 and 16 heads, every
 #                  prefill route (fp8-ps without its comparison configs)
 #   prefilltests   pytest -m gpu tests/test_prefill_gpu.py but the Gluon kernel's tests
@@ -142,7 +143,8 @@ seesaw/gluon chunked,transposed/gluon plain,transposed/gluon reduce,transposed/g
     gprefill) { timeout 180 python3 -m pytest -q -p no:cacheprovider -m gpu \
                   tests/test_prefill_gpu.py -k gluon; smoke=$?
                 timeout 240 python3 benchmarks/prefill.py --out "$OUT/prefill" --sizes 1x4096 \
-                  --heads 128 16 --no-fp8-comparison $( [ "$smoke" = 0 ] || echo --no-gluon )
+                  --heads 128 16 --no-fp8-comparison \
+                  $( [ "$smoke" = 0 ] || echo --gluon-without ${GLUON_SUSPECT:-pingpong} )
               } > "$OUT/gprefill.log" 2>&1
               log "gprefill: rc=$?"
               grep "passed\|failed\|fp8-ps\|sdpa\|bf16-ps" "$OUT/gprefill.log" | tail -30 \

@@ -29,6 +29,7 @@ import shlex
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -60,28 +61,30 @@ def sync(device: DeviceInfo) -> None:
         torch.cuda.synchronize()
 
 
+def keep_every(params: dict) -> bool:
+    return True
+
+
 def candidates(route_id: str, problem: MLAProblem, device: DeviceInfo,
-               comparison: bool, gluon: bool = True) -> list[dict]:
-    """The route's parameter sets (without fp8-ps's Gluon kernel unless ``gluon``), and for
-    fp8-ps on a GPU its comparison configs (the kernel as it was, a spilling variant) unless
-    ``comparison`` is off."""
-    space = [p for p in routes.get(route_id).param_space(problem, device)
-             if gluon or p.get("kernel") != "gluon"]
+               comparison: bool, keep: Callable[[dict], bool] = keep_every) -> list[dict]:
+    """The route's parameter sets that ``keep`` keeps, and for fp8-ps on a GPU its comparison
+    configs (the kernel as it was, a spilling variant) unless ``comparison`` is off."""
+    space = [p for p in routes.get(route_id).param_space(problem, device) if keep(p)]
     if comparison and route_id == "fp8-ps/triton" and device.is_gpu:
         space += [config_params(c) for c in FP8_COMPARISON_CONFIGS]
     return space
 
 
 def measure_route(route_id: str, problem: MLAProblem, inputs, ref, device: DeviceInfo,
-                  budget: bench.Budget, comparison: bool = True, gluon: bool = True
-                  ) -> list[dict]:
+                  budget: bench.Budget, comparison: bool = True,
+                  keep: Callable[[dict], bool] = keep_every) -> list[dict]:
     """Every parameter set of one route on one problem: check, then time."""
     route = routes.get(route_id)
     verdict = route.supports(problem, device)
     if not verdict:
         return [{"route": route_id, "status": "unsupported", "reason": verdict.reason}]
     rows = []
-    for params in candidates(route_id, problem, device, comparison, gluon):
+    for params in candidates(route_id, problem, device, comparison, keep):
         row = {"route": route_id, "params": json.dumps(params)}
         try:
             prepared = route.prepare(problem, inputs, params=params)
@@ -113,7 +116,8 @@ def measure_route(route_id: str, problem: MLAProblem, inputs, ref, device: Devic
 
 
 def run(sizes, heads_list, route_ids, budget: bench.Budget, seed: int,
-        device: DeviceInfo, comparison: bool = True, gluon: bool = True) -> list[dict]:
+        device: DeviceInfo, comparison: bool = True,
+        keep: Callable[[dict], bool] = keep_every) -> list[dict]:
     rows = []
     for batch, tokens in sizes:
         for heads in heads_list:
@@ -130,7 +134,7 @@ def run(sizes, heads_list, route_ids, budget: bench.Budget, seed: int,
                         shape = {"batch": batch, "tokens": tokens, "heads": heads, "dtype": name}
                         shape_rows += [{**shape, **r} for r in measure_route(
                             route_id, problem, inputs, ref, device, budget, comparison,
-                            gluon)]
+                            keep)]
                 del inputs, ref
                 if device.is_gpu:
                     torch.cuda.empty_cache()
@@ -233,6 +237,16 @@ def markdown(rows: list[dict], device: DeviceInfo, command: str, seconds: float)
     return "\n".join(lines) + "\n"
 
 
+def gluon_filter(gluon: bool, without: list[str]) -> Callable[[dict], bool]:
+    """Which param sets to time: none of the Gluon kernel's unless ``gluon``, and none that
+    set a flag in ``without``."""
+    def keep(params: dict) -> bool:
+        if params.get("kernel") != "gluon":
+            return True
+        return gluon and not any(params.get(flag) for flag in without)
+    return keep
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=os.environ.get("OUT") or None,
@@ -250,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(the kernel as it was, a spilling variant)")
     parser.add_argument("--no-gluon", dest="gluon", action="store_false",
                         help="leave out fp8-ps's Gluon kernel (where a GPU smoke of it failed)")
+    parser.add_argument("--gluon-without", nargs="+", default=[], metavar="FLAG",
+                        help="leave out the Gluon kernel's param sets that set one of these "
+                        "flags (a form whose GPU tests failed), e.g. pingpong")
     args = parser.parse_args(argv)
     device = current_device()
     if not device.is_gpu:
@@ -259,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     budget = bench.Budget(warmup=3, min_reps=10, max_reps=200, max_seconds=args.seconds)
     start = time.perf_counter()
     rows = run(sizes, args.heads, args.routes, budget, args.seed, device, args.comparison,
-               args.gluon)
+               gluon_filter(args.gluon, args.gluon_without))
     seconds = time.perf_counter() - start
     command = "PYTHONPATH=$PWD python " + shlex.join(["benchmarks/prefill.py", *sys.argv[1:]])
     report = markdown(rows, device, command, seconds)

@@ -67,6 +67,14 @@ def test_ring_depths_that_deadlock_or_do_not_fit_are_refused(monkeypatch, stages
                        scales=None, num_programs=4, stages=stages)
 
 
+def test_paired_and_pingpong_together_are_refused(monkeypatch):
+    monkeypatch.setattr(g, "gluon_available", lambda: (True, "ok"))
+    q, k, v, out, lse = _tensors([100], [100])
+    with pytest.raises(ValueError, match="paired and pingpong"):
+        g.GluonPrefill(q, k, v, out, lse, [100], [100], causal=True, sm_scale=0.1,
+                       scales=None, num_programs=4, paired=True, pingpong=True)
+
+
 def test_the_launcher_names_the_triton_it_needs():
     if gluon_common.gluon_available()[0]:
         pytest.skip("this machine's triton is the one the kernel is written for")
@@ -144,23 +152,26 @@ def test_permuted_v_holds_each_key_where_the_accumulator_holds_it(monkeypatch):
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize(("stages", "paired", "permuted"),
-                         [(2, False, False), (3, False, False), (3, True, False), (3, True, True)],
-                         ids=["2stages", "3stages", "3stages-paired", "3stages-paired-permuted"])
-def test_compiles_for_sm90_with_fp8_wgmmas(causal, stages, paired, permuted):
+@pytest.mark.parametrize("form", [
+    dict(stages=2), dict(stages=3), dict(paired=True), dict(paired=True, permuted_v=True),
+    dict(pingpong=True), dict(pingpong=True, permuted_v=True, stages=4)],
+    ids=["2stages", "3stages", "paired", "paired-permuted", "pingpong", "pingpong-permuted-4"])
+def test_compiles_for_sm90_with_fp8_wgmmas(causal, form):
     _needs_gluon_triton()
-    compiled = g.aot_compile(causal=causal, stages=stages, paired=paired, permuted_v=permuted)
+    compiled = g.aot_compile(causal=causal, **form)
     ptx = compiled.asm["ptx"]
     assert ".target sm_90a" in ptx
     # Each MMA warpgroup: S (4 + 2 k-steps) before the loop, then S and P.V (4) a tile: 16
-    # each, 36 paired (a loop step of two tiles and the odd one after it).
+    # each, 36 paired (a loop step of two tiles and the odd one after it), pingpong 20 (the
+    # last tile's P.V after the loop).
+    per_warpgroup = 36 if form.get("paired") else 20 if form.get("pingpong") else 16
     assert re.findall(r"wgmma\.mma_async\.[\w.]+", ptx) == [
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"] * (72 if paired else 32)
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"] * (2 * per_warpgroup)
     assert ptx.count("setmaxnreg.inc.sync.aligned.u32 \t240") == 2
     assert compiled.metadata.shared <= 227 * 1024
     # A few registers spilled, outside the key loops (read in the SASS, 2026-12-01): 8 bytes
     # causal, 0 not; paired 24 and 32 (the loader's 24 registers and the epilogues).
-    assert resources(compiled)["stack"] <= (32 if paired else 8)
+    assert resources(compiled)["stack"] <= (32 if form.get("paired") else 8)
 
 
 def _sass(compiled) -> list[str]:
@@ -186,8 +197,8 @@ def _writes_to_p_during_pv(lines: list[str]) -> tuple[int, list[str]]:
         if op.startswith("QGMMA") and "gdesc" in args.split(",")[2]:  # A from registers
             reading |= {regs[1] + i for i in range(4)}
             products += 1
-        elif op.startswith("WARPGROUP.DEPBAR"):
-            reading = set()
+        elif op.startswith("WARPGROUP.DEPBAR") and args.replace(" ", "").endswith(",0x0"):
+            reading = set()  # every product done (a wait that leaves some in flight is not)
         elif reading and regs and not op.startswith("QGMMA") and regs[0] in reading:
             writes.append(line.strip())
     return products, writes
@@ -201,6 +212,10 @@ def test_p_registers_are_left_alone_while_the_pv_product_reads_them():
     # Four k-steps a tile in each warpgroup; paired, three tiles' worth (two in the loop).
     assert _writes_to_p_during_pv(_sass(g.aot_compile(paired=True))) == (24, [])
     assert _writes_to_p_during_pv(_sass(g.aot_compile(paired=True, permuted_v=True))) == (24, [])
+    # Pingpong waits for S with P.V still in flight, and runs the softmax there.
+    for permuted in (False, True):
+        lines = _sass(g.aot_compile(pingpong=True, permuted_v=permuted))
+        assert _writes_to_p_during_pv(lines) == (16, [])
     lines = _sass(g.aot_compile())
     assert _writes_to_p_during_pv(lines) == (8, [])
     # The check sees a write: one put right after the first P.V wgmma.
@@ -255,7 +270,23 @@ def test_the_route_prepares_the_kernel_with_its_params(monkeypatch, params):
     assert kwargs["stages"] == params["num_stages"]
     assert kwargs["paired"] == bool(params.get("paired"))
     assert kwargs["permuted_v"] == bool(params.get("permuted_v"))
+    assert kwargs["pingpong"] == bool(params.get("pingpong"))
     assert all(a is b for a, b in zip(kwargs["scales"], (inputs.q_scale, inputs.k_scale,
                                                          inputs.v_scale), strict=True))
     assert {**params, "kernel_heads": 16}.items() <= prepared.params.items()
     assert prepared.out.shape == (inputs.q.shape[0], 12, 128) and prepared.graph_safe
+
+
+def test_the_benchmark_leaves_out_the_forms_it_is_told_to():
+    """benchmarks/prefill.py: --no-gluon drops every Gluon set, --gluon-without FLAG those
+    that set FLAG (a form whose GPU tests failed); the Triton sets always stay."""
+    import benchmarks.prefill as bp
+
+    triton_set = {"block_m": 128, "block_n": 128}
+    sets = [triton_set, *GLUON_PARAM_SETS]
+    assert [p for p in sets if bp.gluon_filter(False, [])(p)] == [triton_set]
+    kept = [p for p in sets if bp.gluon_filter(True, ["pingpong"])(p)]
+    assert triton_set in kept and GLUON_PARAMS in kept
+    assert not any(p.get("pingpong") for p in kept)
+    assert len(kept) == len(sets) - sum(bool(p.get("pingpong")) for p in sets) > 1
+    assert [p for p in sets if bp.gluon_filter(True, [])(p)] == sets

@@ -161,7 +161,8 @@ GLUON_CASES = [  # (heads, batch, qlen, kv_len, causal, ragged)
 
 @pytest.mark.parametrize("params", GLUON_PARAM_SETS, ids=lambda p: f"stages{p['num_stages']}"
                          + ("-paired" if p.get("paired") else "")
-                         + ("-permuted" if p.get("permuted_v") else ""))
+                         + ("-permuted" if p.get("permuted_v") else "")
+                         + ("-pingpong" if p.get("pingpong") else ""))
 @pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: "x".join(map(str, c[:4]))
                          + ("-causal" if c[4] else "-full") + ("-ragged" if c[5] else ""))
 def test_gluon_fp8_kernel(device, case, params):

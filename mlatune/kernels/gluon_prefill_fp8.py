@@ -96,7 +96,7 @@ def _loader(descs, q_bufs, ring, bars, work_indptr_ptr, work_info_ptr,
     qa_desc, qb_desc, ka_desc, kb_desc, vt_desc = descs
     q_a, q_b = q_bufs
     k_a, k_b, vt = ring
-    q_ready, q_empty, kv_ready, kv_empty = bars
+    q_ready, q_empty, kv_ready, kv_empty = bars[0], bars[1], bars[2], bars[3]
     S: gl.constexpr = k_a.shape[0]
     BN: gl.constexpr = k_a.shape[1]
     R: gl.constexpr = q_a.shape[1]
@@ -163,6 +163,19 @@ def _softmax(s, qk_scale, m_i, l_i, key0, last_key, MASKED: gl.constexpr,
 
 
 @gluon.jit
+def _tile_softmax(s, qk_scale, m_i, l_i, key0, bounds, P_SHIFT: gl.constexpr):
+    """``_softmax`` of the tile whose keys start at ``key0``: masked only on the causal
+    diagonal or the range's last tile (``bounds``: the block's first key, the end of the
+    tiles all rows see whole, each row's last key)."""
+    full_stop, last_key = bounds[1], bounds[2]
+    if key0 + s.shape[1] > full_stop:
+        p, m_i, l_i, alpha = _softmax(s, qk_scale, m_i, l_i, key0, last_key, True, P_SHIFT)
+    else:
+        p, m_i, l_i, alpha = _softmax(s, qk_scale, m_i, l_i, key0, last_key, False, P_SHIFT)
+    return p, m_i, l_i, alpha
+
+
+@gluon.jit
 def _epilogue(acc, m_i, l_i, out_scale, rows, row_ok, dst, where, P_SHIFT: gl.constexpr,
               o_layout: gl.constexpr):
     """A warpgroup's 64 rows (``rows`` of the work item ``where``: its first query row, head
@@ -221,12 +234,10 @@ def _key_tile(t, g, n_tiles, s, state, block, P_SHIFT: gl.constexpr,
     q_half, ring, bars, bounds, qk_scale = block
     k_a, k_b, vt = ring
     kv_ready, kv_empty = bars
-    kv_lo, full_stop, last_key = bounds
     S: gl.constexpr = k_a.shape[0]
     BN: gl.constexpr = k_a.shape[1]
     s_layout: gl.constexpr = s.type.layout
     o_layout: gl.constexpr = acc.type.layout
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
     cur = g % S
     nxt = cur
     if t + 1 < n_tiles:
@@ -235,16 +246,10 @@ def _key_tile(t, g, n_tiles, s, state, block, P_SHIFT: gl.constexpr,
     # The next tile's S runs beside this tile's softmax (after the last tile: this tile's
     # again, never read, so that the issue count stays fixed).
     s_next = _issue_scores(q_half[0], q_half[1], k_a.index(nxt), k_b.index(nxt), s_layout)
-    key0 = kv_lo + t * BN
-    if key0 + BN > full_stop:  # the causal diagonal or the range's last tile
-        p, m_i, l_i, alpha = _softmax(s, qk_scale, m_i, l_i, key0, last_key, True, P_SHIFT)
-    else:
-        p, m_i, l_i, alpha = _softmax(s, qk_scale, m_i, l_i, key0, last_key, False, P_SHIFT)
+    p, m_i, l_i, alpha = _tile_softmax(s, qk_scale, m_i, l_i, bounds[0] + t * BN, bounds,
+                                       P_SHIFT)
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-    p8 = p.to(vt.dtype)
-    if PERMUTED_V:
-        p8 = _keys_as_operand(p8)
-    p8 = gl.convert_layout(p8, p_layout, assert_trivial=PERMUTED_V)  # permuted: in registers
+    p8 = _pv_operand(p, vt, o_layout, PERMUTED_V)
     acc = warpgroup_mma(p8, vt.index(cur).permute((1, 0)), acc, is_async=True)
     # P's registers (the A operand) are not among the deps: triton 3.6 cannot lower an 8-bit
     # one, and nothing between the issue and this wait writes them (checked in the SASS by
@@ -253,6 +258,111 @@ def _key_tile(t, g, n_tiles, s, state, block, P_SHIFT: gl.constexpr,
     gl.thread_barrier()  # every warp is past both products (one thread arrives)
     mbarrier.arrive(kv_empty.index(cur))
     return s_next, acc, m_i, l_i
+
+
+@gluon.jit
+def _lookahead_tiles(g0, n_tiles, state, block, P_SHIFT: gl.constexpr, PAIRED: gl.constexpr,
+                     PERMUTED_V: gl.constexpr):
+    """A query block's key tiles, each tile's softmax beside the next tile's S
+    (``_key_tile``); ``g0``: the block's first tile through the ring. ``PAIRED``: two tiles a
+    loop step, so that the S in flight and the S being read swap registers instead of being
+    copied at the loop's end (64 moves a tile)."""
+    acc, m_i, l_i = state
+    q_half, ring, bars = block[0], block[1], block[2]
+    k_a, k_b = ring[0], ring[1]
+    kv_ready = bars[0]
+    S: gl.constexpr = k_a.shape[0]
+    BN: gl.constexpr = k_a.shape[1]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BN, 32])
+    s = gl.zeros([acc.shape[0], BN], gl.float32, layout=s_layout)
+    if n_tiles > 0:
+        mbarrier.wait(kv_ready.index(g0 % S), (g0 // S) & 1)
+        s = _issue_scores(q_half[0], q_half[1], k_a.index(g0 % S), k_b.index(g0 % S),
+                          s_layout)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    if PAIRED:
+        for t in range(0, n_tiles - 1, 2):
+            s2, acc, m_i, l_i = _key_tile(t, g0 + t, n_tiles, s, (acc, m_i, l_i), block,
+                                          P_SHIFT, PERMUTED_V)
+            s, acc, m_i, l_i = _key_tile(t + 1, g0 + t + 1, n_tiles, s2, (acc, m_i, l_i), block,
+                                         P_SHIFT, PERMUTED_V)
+        if n_tiles % 2 == 1:
+            s, acc, m_i, l_i = _key_tile(n_tiles - 1, g0 + n_tiles - 1, n_tiles, s,
+                                         (acc, m_i, l_i), block, P_SHIFT, PERMUTED_V)
+    else:
+        for t in range(n_tiles):
+            s, acc, m_i, l_i = _key_tile(t, g0 + t, n_tiles, s, (acc, m_i, l_i), block, P_SHIFT,
+                                         PERMUTED_V)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _take_turn(turns, W: gl.constexpr, k):
+    """Wait for warpgroup ``W``'s ``k``-th turn at the tensor cores (warpgroup 0 goes first:
+    a fresh barrier passes a wait on phase 1)."""
+    mbarrier.wait(turns.index(W), (k & 1) ^ (1 - W))
+
+
+@gluon.jit
+def _pv_operand(p, vt, o_layout: gl.constexpr, PERMUTED_V: gl.constexpr):
+    """P (fp32, times 2^P_SHIFT) as the fp8 A operand of O += P V (permuted: the layout change
+    stays in registers)."""
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    p8 = p.to(vt.dtype)
+    if PERMUTED_V:
+        p8 = _keys_as_operand(p8)
+    return gl.convert_layout(p8, p_layout, assert_trivial=PERMUTED_V)
+
+
+@gluon.jit
+def _pingpong_tiles(W: gl.constexpr, g0, n_tiles, k0, state, block, turns,
+                    P_SHIFT: gl.constexpr, PERMUTED_V: gl.constexpr):
+    """A query block's key tiles for warpgroup ``W`` in FlashAttention-3's order: at its turn
+    it issues tile t's S and tile t-1's P V back to back and hands the turn over, so the other
+    warpgroup's products run while this one does tile t's softmax (``n_tiles`` + 1 turns from
+    the ``k0``-th; ``g0``: the block's first tile through the ring). P crosses the loop's end
+    in fp32 and becomes fp8 at the turn: 8-bit values carried by the loop are unpacked and
+    repacked a byte at a time (about 110 instructions a tile in the SASS)."""
+    acc, m_i, l_i = state
+    q_half, ring, bars, bounds, qk_scale = block
+    k_a, k_b, vt = ring
+    kv_ready, kv_empty = bars
+    S: gl.constexpr = k_a.shape[0]
+    BN: gl.constexpr = k_a.shape[1]
+    o_layout: gl.constexpr = acc.type.layout
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BN, 32])
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    mbarrier.wait(kv_ready.index(g0 % S), (g0 // S) & 1)
+    _take_turn(turns, W, k0)
+    s = _issue_scores(q_half[0], q_half[1], k_a.index(g0 % S), k_b.index(g0 % S), s_layout)
+    mbarrier.arrive(turns.index(1 - W))
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    p, m_i, l_i, alpha = _tile_softmax(s, qk_scale, m_i, l_i, bounds[0], bounds, P_SHIFT)
+    for t in range(1, n_tiles):
+        g = g0 + t
+        mbarrier.wait(kv_ready.index(g % S), (g // S) & 1)
+        _take_turn(turns, W, k0 + t)
+        s = _issue_scores(q_half[0], q_half[1], k_a.index(g % S), k_b.index(g % S), s_layout)
+        p8 = _pv_operand(p, vt, o_layout, PERMUTED_V)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        acc = warpgroup_mma(p8, vt.index((g - 1) % S).permute((1, 0)), acc, is_async=True)
+        mbarrier.arrive(turns.index(1 - W))
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S done, P V in flight
+        p, m_i, l_i, alpha = _tile_softmax(s, qk_scale, m_i, l_i, bounds[0] + t * BN,
+                                           bounds, P_SHIFT)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(kv_empty.index((g - 1) % S))  # (arrive syncs the warpgroup first)
+    g = g0 + n_tiles - 1
+    _take_turn(turns, W, k0 + n_tiles)
+    p8 = _pv_operand(p, vt, o_layout, PERMUTED_V)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+    acc = warpgroup_mma(p8, vt.index(g % S).permute((1, 0)), acc, is_async=True)
+    mbarrier.arrive(turns.index(1 - W))
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    mbarrier.arrive(kv_empty.index(g % S))
+    return acc, m_i, l_i
 
 
 @gluon.jit
@@ -273,15 +383,13 @@ def _row_bounds(W: gl.constexpr, R: gl.constexpr, m0, q_pos0, prefix, kv_lo, kv_
 def _mma_warpgroup(W: gl.constexpr, q_bufs, ring, bars, work_indptr_ptr, work_info_ptr,
                    scale_ptrs, qk_scale, dst, CAUSAL: gl.constexpr, HAS_SCALES: gl.constexpr,
                    INFO_COLUMNS: gl.constexpr, P_SHIFT: gl.constexpr, PAIRED: gl.constexpr,
-                   PERMUTED_V: gl.constexpr):
-    """Warpgroup ``W``'s 64 rows of every query block: its key tiles (``_key_tile``), then the
-    epilogue. ``PAIRED``: two tiles a loop step, so that the S in flight and the S being read
-    swap registers instead of being copied at the loop's end (64 moves a tile)."""
+                   PERMUTED_V: gl.constexpr, PINGPONG: gl.constexpr):
+    """Warpgroup ``W``'s 64 rows of every query block: its key tiles (``_lookahead_tiles``, or
+    with ``PINGPONG`` ``_pingpong_tiles``), then the epilogue."""
     q_a, q_b = q_bufs
-    k_a, k_b, vt = ring
-    q_ready, q_empty, kv_ready, kv_empty = bars
+    k_a, vt = ring[0], ring[2]
+    q_ready, q_empty, kv_ready, kv_empty, turns = bars
     q_scale_ptr, k_scale_ptr, v_scale_ptr = scale_ptrs
-    S: gl.constexpr = k_a.shape[0]
     BN: gl.constexpr = k_a.shape[1]
     R: gl.constexpr = q_a.shape[1]
     DV: gl.constexpr = vt.shape[1]
@@ -299,6 +407,7 @@ def _mma_warpgroup(W: gl.constexpr, q_bufs, ring, bars, work_indptr_ptr, work_in
     pid = gl.program_id(0)
     it = 0
     qb = 0
+    turn = 0  # PINGPONG: this warpgroup's turns at the tensor cores so far
     for item in range(gl.load(work_indptr_ptr + pid), gl.load(work_indptr_ptr + pid + 1)):
         q_row0, q_pos0, q_rows, _, prefix, kv_lo, kv_hi, head, slot, _ = \
             _work_item(work_info_ptr, item, INFO_COLUMNS)
@@ -314,26 +423,15 @@ def _mma_warpgroup(W: gl.constexpr, q_bufs, ring, bars, work_indptr_ptr, work_in
             m_i = gl.full([R], float("-inf"), gl.float32, layout=row_s)
             l_i = gl.full([R], 0.0, gl.float32, layout=row_s)
             acc = gl.zeros([R, DV], gl.float32, layout=o_layout)
-            s = gl.zeros([R, BN], gl.float32, layout=s_layout)
-            if n_tiles > 0:
-                mbarrier.wait(kv_ready.index(it % S), (it // S) & 1)
-                s = _issue_scores(q_half[0], q_half[1], k_a.index(it % S), k_b.index(it % S),
-                                  s_layout)
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
             block = (q_half, ring, (kv_ready, kv_empty), bounds, qk_scale)
-            if PAIRED:
-                for t in range(0, n_tiles - 1, 2):
-                    s2, acc, m_i, l_i = _key_tile(t, it + t, n_tiles, s, (acc, m_i, l_i), block,
-                                                  P_SHIFT, PERMUTED_V)
-                    s, acc, m_i, l_i = _key_tile(t + 1, it + t + 1, n_tiles, s2,
-                                                 (acc, m_i, l_i), block, P_SHIFT, PERMUTED_V)
-                if n_tiles % 2 == 1:
-                    s, acc, m_i, l_i = _key_tile(n_tiles - 1, it + n_tiles - 1, n_tiles, s,
-                                                 (acc, m_i, l_i), block, P_SHIFT, PERMUTED_V)
+            if PINGPONG:
+                if n_tiles > 0:
+                    acc, m_i, l_i = _pingpong_tiles(W, it, n_tiles, turn, (acc, m_i, l_i),
+                                                    block, turns, P_SHIFT, PERMUTED_V)
+                    turn += n_tiles + 1
             else:
-                for t in range(n_tiles):
-                    s, acc, m_i, l_i = _key_tile(t, it + t, n_tiles, s, (acc, m_i, l_i), block,
-                                                 P_SHIFT, PERMUTED_V)
+                acc, m_i, l_i = _lookahead_tiles(it, n_tiles, (acc, m_i, l_i), block, P_SHIFT,
+                                                 PAIRED, PERMUTED_V)
             gl.thread_barrier()
             mbarrier.arrive(q_empty.index(qs))  # this half of the block's q is read
             _epilogue(acc, m_i, l_i, out_scale, rows, rows < q_rows, dst, (q_row0, head, slot),
@@ -351,7 +449,7 @@ def prefill_fp8_kernel(qa_desc, qb_desc, ka_desc, kb_desc, vt_desc,  # TMA: q's,
                        CAUSAL: gl.constexpr, HAS_SCALES: gl.constexpr, TILE_Q: gl.constexpr,
                        STAGES: gl.constexpr, INFO_COLUMNS: gl.constexpr,
                        P_SHIFT: gl.constexpr, PAIRED: gl.constexpr, PERMUTED_V: gl.constexpr,
-                       num_warps: gl.constexpr):
+                       PINGPONG: gl.constexpr, num_warps: gl.constexpr):
     R: gl.constexpr = qa_desc.block_type.shape[0]
     BN: gl.constexpr = ka_desc.block_type.shape[0]
     fp8: gl.constexpr = ka_desc.dtype
@@ -369,9 +467,11 @@ def prefill_fp8_kernel(qa_desc, qb_desc, ka_desc, kb_desc, vt_desc,  # TMA: q's,
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)  # PINGPONG: whose turn
     for i in gl.static_range(2):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=2)  # both MMA warpgroups
+        mbarrier.init(turns.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(kv_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=2)
@@ -379,7 +479,7 @@ def prefill_fp8_kernel(qa_desc, qb_desc, ka_desc, kb_desc, vt_desc,  # TMA: q's,
 
     q_bufs = (q_a, q_b)
     ring = (k_a, k_b, vt)
-    bars = (q_ready, q_empty, kv_ready, kv_empty)
+    bars = (q_ready, q_empty, kv_ready, kv_empty, turns)
     scales = (q_scale_ptr, k_scale_ptr, v_scale_ptr)
     dst = (out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, stride_o_row, stride_o_head,
            stride_lse_row, TILE_Q)
@@ -388,10 +488,10 @@ def prefill_fp8_kernel(qa_desc, qb_desc, ka_desc, kb_desc, vt_desc,  # TMA: q's,
                    work_indptr_ptr, work_info_ptr, CAUSAL, INFO_COLUMNS)),
         (_mma_warpgroup, (0, q_bufs, ring, bars, work_indptr_ptr, work_info_ptr, scales,
                           qk_scale, dst, CAUSAL, HAS_SCALES, INFO_COLUMNS, P_SHIFT, PAIRED,
-                          PERMUTED_V)),
+                          PERMUTED_V, PINGPONG)),
         (_mma_warpgroup, (1, q_bufs, ring, bars, work_indptr_ptr, work_info_ptr, scales,
                           qk_scale, dst, CAUSAL, HAS_SCALES, INFO_COLUMNS, P_SHIFT, PAIRED,
-                          PERMUTED_V)),
+                          PERMUTED_V, PINGPONG)),
     ], [4, 4], [MMA_REGS, MMA_REGS])
 
 
@@ -429,7 +529,7 @@ class GluonPrefill:
                  causal: bool, sm_scale: float, scales: tuple[torch.Tensor, ...] | None,
                  num_programs: int, tile_q: int = 256, min_split: int = 256,
                  grouped: bool = False, stages: int = STAGES, paired: bool = False,
-                 permuted_v: bool = False):
+                 permuted_v: bool = False, pingpong: bool = False):
         ok, why = gluon_available()
         if not ok:
             raise ValueError(f"gluon fp8 prefill: {why}")
@@ -440,6 +540,8 @@ class GluonPrefill:
             raise ValueError("out and lse need a contiguous last dimension")
         if not 2 <= stages <= 4:  # 1 deadlocks (tile t+1 is awaited before t is released)
             raise ValueError(f"stages must be 2, 3 or 4 (shared memory), got {stages}")
+        if paired and pingpong:
+            raise ValueError("paired and pingpong are two orders of the key walk: pick one")
         heads = q.shape[1]
         self.plan: WorkPlan = plan_work(seq_lens_q, seq_lens_k, heads, num_programs,
                                         tile_q=tile_q, block_m=BLOCK_M, causal=causal,
@@ -464,7 +566,7 @@ class GluonPrefill:
         self._meta = dict(CAUSAL=causal, HAS_SCALES=scales is not None, TILE_Q=tile_q,
                           STAGES=stages, INFO_COLUMNS=WORK_INFO_COLUMNS,
                           P_SHIFT=fp8_p_shift(v.dtype), PAIRED=paired, PERMUTED_V=permuted_v,
-                          num_warps=NUM_WARPS, maxnreg=MAXNREG)
+                          PINGPONG=pingpong, num_warps=NUM_WARPS, maxnreg=MAXNREG)
         self._merge = tables.merge_launch(self.plan, out, lse, tile_q)
         # Keep every buffer the launches read alive as long as this object.
         self._buffers = (vt, tables, ones)
@@ -477,12 +579,13 @@ class GluonPrefill:
 
 def aot_compile(*, causal: bool = True, has_scales: bool = True, tile_q: int = 256,
                 stages: int = STAGES, paired: bool = False, permuted_v: bool = False,
-                out_dtype: str = "bf16", arch: int = 90):
+                pingpong: bool = False, out_dtype: str = "bf16", arch: int = 90):
     """Compile ``prefill_fp8_kernel`` for ``sm_<arch>`` without a GPU; returns triton's
     CompiledKernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata``)."""
     constants = dict(CAUSAL=causal, HAS_SCALES=has_scales, TILE_Q=tile_q, STAGES=stages,
                      INFO_COLUMNS=WORK_INFO_COLUMNS, P_SHIFT=fp8_p_shift(torch.float8_e4m3fn),
-                     PAIRED=paired, PERMUTED_V=permuted_v, num_warps=NUM_WARPS)
+                     PAIRED=paired, PERMUTED_V=permuted_v, PINGPONG=pingpong,
+                     num_warps=NUM_WARPS)
     blocks = dict(qa_desc=("fp8", WG_ROWS, D_A), qb_desc=("fp8", WG_ROWS, D_B),
                   ka_desc=("fp8", BLOCK_N, D_A), kb_desc=("fp8", BLOCK_N, D_B),
                   vt_desc=("fp8", D_V, BLOCK_N))

@@ -68,17 +68,22 @@ _SMALLEST_CONFIG = (64, 32, 4, 1)  # fits every device's shared memory
 _CPU_CONFIG = (32, 32, 4, 1)
 _CPU_CONFIG_FP8 = (32, 32, 4, 1, True, False, True)
 # fp8 on sm_90 with triton 3.6's Gluon: kernels/gluon_prefill_fp8 (warp-specialized, both
-# products fp8 wgmmas, P kept in registers; DeepSeek's 192/128 dims, e4m3fn). EXPERIMENTAL:
-# compiled, not yet run on a GPU, so offered after the Triton sets (the default stays
-# theirs, and a spec that keeps 3 sets a route does not sweep it).
-# Ring depths: 3 (168 KB of shared memory with the two query blocks) hides two tiles of TMA
-# latency, 2 (128 KB) one. ``paired``: two key tiles a loop step (about 55 fewer instructions
-# a tile: the S registers swap instead of being copied); ``permuted_v``: v's keys stored in the
-# order the accumulator holds P's, so P becomes the A operand without shuffles (32 fewer).
+# products fp8 wgmmas, P kept in registers; DeepSeek's 192/128 dims, e4m3fn). Offered after
+# the Triton sets (a spec that keeps 3 sets a route does not sweep it). Ring depth 3 (168 KB
+# of shared memory with the two query blocks) or 4 (209 KB); ``paired``: two key tiles a
+# loop step (the S registers swap instead of being copied); ``permuted_v``: v's keys stored
+# in the order the accumulator holds P's, so P becomes the A operand without shuffles;
+# ``pingpong``: FlashAttention-3's order, the two warpgroups taking turns at the tensor cores.
+# H200, 2026-12-01 (benchmarks/results/README.md, session 13): at 128 heads x 4096 causal
+# tokens paired + permuted_v took 940 us, the plain form 986, 2 stages 1,349 (dropped).
 GLUON_PARAMS: Params = {"kernel": "gluon", "num_stages": 3, "grouped": True}
 GLUON_PARAM_SETS: tuple[Params, ...] = (
-    GLUON_PARAMS, {**GLUON_PARAMS, "num_stages": 2}, {**GLUON_PARAMS, "paired": True},
-    {**GLUON_PARAMS, "paired": True, "permuted_v": True})
+    GLUON_PARAMS,
+    {**GLUON_PARAMS, "paired": True, "permuted_v": True},
+    {**GLUON_PARAMS, "num_stages": 4, "paired": True, "permuted_v": True},
+    {**GLUON_PARAMS, "pingpong": True},
+    {**GLUON_PARAMS, "pingpong": True, "permuted_v": True},
+    {**GLUON_PARAMS, "num_stages": 4, "pingpong": True, "permuted_v": True})
 
 
 def config_params(config: tuple) -> Params:
@@ -175,7 +180,8 @@ class _PersistentPrefillRoute:
                 q, k, v, out_full, lse_full, *lengths, causal=problem.causal,
                 sm_scale=inputs.softmax_scale, scales=scales, num_programs=device.cu_count,
                 tile_q=TILE_Q, grouped=bool(chosen["grouped"]), stages=chosen["num_stages"],
-                paired=bool(chosen.get("paired")), permuted_v=bool(chosen.get("permuted_v")))
+                paired=bool(chosen.get("paired")), permuted_v=bool(chosen.get("permuted_v")),
+                pingpong=bool(chosen.get("pingpong")))
         else:
             chosen = config.as_params()
             launch = PersistentPrefill(
