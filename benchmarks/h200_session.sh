@@ -33,6 +33,10 @@
 #                  (its fp8-MMA and widening param sets) on all GPUs, into runs/f-<spec>;
 #                  a grid of bf16 caches only (h200-traffic's verify grid) is swept as it is
 #                  (FP8_SPECS: some of the three)
+#   prefillsweep   sweeps/h200.toml for fp8-ps/triton alone (its prefill problems; the Gluon
+#                  kernel's sets where it runs) on all GPUs, into runs/p-h200
+#   decodepoints   benchmarks/decode.py at issue 19's batch-1/64/128 points, bf16 and fp8
+#                  caches, transposed/gluon beside FlashMLA
 #   gluontests     pytest -m gpu tests/test_gluon_gpu.py
 #   gprefill       the Gluon fp8 prefill (fp8-ps/triton's Gluon sets): its GPU tests first (a
 #                  hang ends at their timeout, and the benchmark then leaves out the newest
@@ -42,8 +46,7 @@
 #   prefilltests   pytest -m gpu tests/test_prefill_gpu.py but the Gluon kernel's tests
 #   fp8mma         gluon_check.py over fp8 caches: the fp8-MMA kernel (gluon_transposed_fp8,
 #                  q as two e4m3 terms and as one) beside the widening and FlashMLA; with
-#                  EXPERIMENTAL=1 also the forms not yet run on a GPU (their smoke child could
-#                  hang, and a failed smoke skips every Gluon timing of the run)
+#                  EXPERIMENTAL=1 also its experimental forms (gluon_check.EXPERIMENTAL)
 # Vendor libraries (FlashMLA, FlashInfer) come as wheels installed before this script runs,
 # with PYTHONPATH pointing at them (the script keeps it).
 # Everything it makes goes under $OUT (logs, tables and the journals, gzipped).
@@ -136,6 +139,12 @@ seesaw/gluon chunked,transposed/gluon plain,transposed/gluon reduce,transposed/g
                   "sweeps/$spec.toml" > "runs/$spec-fp8.toml"
                 sweep "f-$spec" "runs/$spec-fp8.toml" "$NGPU" --routes transposed/gluon
               done ;;
+    prefillsweep) sweep p-h200 sweeps/h200.toml "$NGPU" --routes fp8-ps/triton ;;
+    decodepoints) timeout 150 python3 benchmarks/decode.py --points 0,2,3 --kv bf16,fp8 \
+                    --routes transposed/gluon,dense/flashmla --out "$OUT/decode" \
+                    > "$OUT/decode.log" 2>&1
+                  log "decodepoints: rc=$?"; grep -i "target\|ratio\|^|" "$OUT/decode.log" \
+                    | tail -20 | tee -a "$OUT/session.log" ;;
     gluontests) s=$(date +%s)
                 timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gluon_gpu.py \
                   > "$OUT/gluon-tests.log" 2>&1

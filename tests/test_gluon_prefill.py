@@ -235,8 +235,9 @@ def _prefill(dtype="fp8_e4m3fn", **kw) -> MLAProblem:
 def test_the_route_offers_it_last_and_only_where_it_runs():
     space = routes.get("fp8-ps/triton").param_space(_prefill(), H200)
     if gluon_common.gluon_available()[0]:
-        n = len(GLUON_PARAM_SETS)
-        assert space[-n:] == list(GLUON_PARAM_SETS) and space[0].get("kernel") != "gluon"
+        # The fastest form leads (it is the route's default), the others follow the Triton sets.
+        assert space[0] == GLUON_PARAMS and space[1].get("kernel") != "gluon"
+        assert space[-len(GLUON_PARAM_SETS) + 1:] == list(GLUON_PARAM_SETS[1:])
     else:
         assert GLUON_PARAMS not in space
     for problem, device in [(_prefill(), A100), (_prefill("fp8_e4m3fnuz"), H200),
@@ -244,15 +245,25 @@ def test_the_route_offers_it_last_and_only_where_it_runs():
         assert GLUON_PARAMS not in routes.get("fp8-ps/triton").param_space(problem, device)
 
 
-@pytest.mark.parametrize("params", GLUON_PARAM_SETS, ids=lambda p: "-".join(
+_STORED_BEFORE_PINGPONG = {"kernel": "gluon", "num_stages": 3, "grouped": True}
+
+
+@pytest.mark.parametrize(("params", "runs"), [
+    *((p, p) for p in GLUON_PARAM_SETS),
+    (_STORED_BEFORE_PINGPONG, _STORED_BEFORE_PINGPONG),  # a set keeps running what it ran
+    (None, GLUON_PARAMS),  # no params: the route's first set
+], ids=lambda p: "none" if p is None else "-".join(
     f"{k}={v}" for k, v in p.items() if k != "kernel"))
-def test_the_route_prepares_the_kernel_with_its_params(monkeypatch, params):
+def test_the_route_prepares_the_kernel_with_its_params(monkeypatch, params, runs):
     """fp8-ps/triton's prepare builds the Gluon launcher from a Gluon param set (padded heads,
-    the inputs' scales, its ring depth and forms) and reports what it runs; on the CPU only
-    the host side is built (the check for triton 3.6 is set aside, nothing is launched)."""
+    the inputs' scales, its ring depth and forms; a form a set leaves out is off) and reports
+    what it runs; on the CPU only the host side is built (the check for triton 3.6 and the
+    arch are set aside, nothing is launched)."""
     from mlatune.check.inputs import make_prefill_inputs
+    from mlatune.routes import prefill_triton
 
     monkeypatch.setattr(g, "gluon_available", lambda: (True, "ok"))
+    monkeypatch.setattr(prefill_triton, "_gluon_serves", lambda problem, device: True)
     problem = MLAProblem(phase="prefill", num_heads=12, batch=2, qlen=150, kv_len=300,
                          q_dtype="fp8_e4m3fn", kv_dtype="fp8_e4m3fn")
     inputs = make_prefill_inputs(problem, 0, "cpu", ragged=True)
@@ -267,13 +278,12 @@ def test_the_route_prepares_the_kernel_with_its_params(monkeypatch, params):
     prepared = routes.get("fp8-ps/triton").prepare(problem, inputs, params=params)
     (q_shape, kwargs), = built
     assert q_shape[1] == 16  # 12 heads padded to 16, as the route's other kernels run
-    assert kwargs["stages"] == params["num_stages"]
-    assert kwargs["paired"] == bool(params.get("paired"))
-    assert kwargs["permuted_v"] == bool(params.get("permuted_v"))
-    assert kwargs["pingpong"] == bool(params.get("pingpong"))
+    assert kwargs["stages"] == runs["num_stages"]
+    for form in ("grouped", "paired", "permuted_v", "pingpong"):
+        assert kwargs[form] == bool(runs.get(form)), form
     assert all(a is b for a, b in zip(kwargs["scales"], (inputs.q_scale, inputs.k_scale,
                                                          inputs.v_scale), strict=True))
-    assert {**params, "kernel_heads": 16}.items() <= prepared.params.items()
+    assert {**runs, "kernel_heads": 16}.items() <= prepared.params.items()
     assert prepared.out.shape == (inputs.q.shape[0], 12, 128) and prepared.graph_safe
 
 
@@ -286,7 +296,7 @@ def test_the_benchmark_leaves_out_the_forms_it_is_told_to():
     sets = [triton_set, *GLUON_PARAM_SETS]
     assert [p for p in sets if bp.gluon_filter(False, [])(p)] == [triton_set]
     kept = [p for p in sets if bp.gluon_filter(True, ["pingpong"])(p)]
-    assert triton_set in kept and GLUON_PARAMS in kept
+    assert triton_set in kept and any(p.get("kernel") == "gluon" for p in kept)
     assert not any(p.get("pingpong") for p in kept)
     assert len(kept) == len(sets) - sum(bool(p.get("pingpong")) for p in sets) > 1
     assert [p for p in sets if bp.gluon_filter(True, [])(p)] == sets

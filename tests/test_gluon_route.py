@@ -459,6 +459,7 @@ def test_transposed_fp8_sets_alternate_fp8_mmas_and_the_widening_up_to_16_rows(m
     space = route.param_space(fp8, H200)
     assert len(space) >= 4 and all(p["ws"] and p["pdl"] for p in space)
     assert [bool(p.get("fp8_mma")) for p in space] == [True, False] * (len(space) // 2)
+    assert all(bool(p.get("defer_sums")) == bool(p.get("fp8_mma")) for p in space)
     assert [p["num_splits"] for p in space[::2]] == [p["num_splits"] for p in space[1::2]]
     rounded = {"q_quantized": False, "p_rounded": True}
     assert [routes.rounding(route, fp8, p) for p in space[:2]] == \
@@ -483,7 +484,8 @@ def test_the_transposed_launcher_hands_fp8_mma_to_its_kernel_over_fp8_only(monke
     inputs = make_decode_inputs(_p(batch=2, kv_len=300, kv_dtype="fp8_e4m3fn"), seed=13)
     shard = inputs.shards[0]
     kwargs = dict(qlen=1, sm_scale=0.1, causal=False, kv_scale=inputs.kv_scale, out=None,
-                  lse=None, num_splits=4, max_seq_len=300, merge="reduce", pdl=True)
+                  lse=None, num_splits=4, max_seq_len=300, merge="reduce", pdl=True,
+                  defer_sums=True)
     gluon_transposed.decode_launcher(inputs.q, shard.kv_cache, shard.block_table,
                                      shard.seq_lens, ws=True, fp8_mma=True, **kwargs)
     (call,) = fake.calls

@@ -195,33 +195,14 @@ def test_the_fp8_mma_form_runs_both_products_in_fp8(rows, direct, q_terms):
         assert resources(compiled)["stack"] == 0
 
 
-@pytest.mark.parametrize("rows", [16, 32])
-def test_joined_q_terms_take_one_wgmma_of_twice_the_n_per_k_step(rows):
-    """``q_joined`` (experimental): q's two e4m3 terms as adjacent rows of one operand, so
-    S^T takes 18 k32 wgmmas of N = 2 x rows per tile (as one term does), O^T its 16 of N =
-    rows; the softmax works on the accumulator's column pairs added in registers; at 16
-    rows nothing spills."""
+def test_deferred_sums_leave_the_mmas_and_local_memory_as_they_were():
+    """``defer_sums`` (the route's fp8_mma form): P's row sums kept per element and summed
+    once after the keys; the same wgmmas as without, and at 16 rows no local memory."""
     _needs_gluon_triton()
     from mlatune.kernels import gluon_transposed_fp8 as f
 
-    ptx = (compiled := f.aot_compile("bf16", rows=rows, direct=False, q_joined=True)).asm["ptx"]
-    shape = "wgmma.mma_async.sync.aligned.m64n{}k32.f32.e4m3.e4m3"
-    assert ptx.count(shape.format(2 * rows)) == 2 * 18
-    assert ptx.count(shape.format(rows)) == 16
-    assert compiled.metadata.shared <= 227 * 1024
-    if rows == 16:
-        assert resources(compiled)["stack"] == 0
-
-
-@pytest.mark.parametrize("joined", [False, True])
-def test_deferred_sums_leave_the_mmas_and_local_memory_as_they_were(joined):
-    """``defer_sums`` (experimental): P's row sums kept per element and summed once after
-    the keys; the same wgmmas as without, and at 16 rows no local memory."""
-    _needs_gluon_triton()
-    from mlatune.kernels import gluon_transposed_fp8 as f
-
-    plain, deferred = (f.aot_compile("bf16", rows=16, direct=False, q_joined=joined,
-                                     defer_sums=defer) for defer in (False, True))
+    plain, deferred = (f.aot_compile("bf16", rows=16, direct=False, defer_sums=defer)
+                       for defer in (False, True))
     assert plain.asm["ptx"] != deferred.asm["ptx"]
     assert deferred.asm["ptx"].count("wgmma.mma_async") == plain.asm["ptx"].count("wgmma.mma_async")
     assert resources(deferred)["stack"] == 0

@@ -80,9 +80,6 @@ def test_the_fp8_mma_form_reads_fp8_caches_only():
     q, cache, table, lens = _tensors(kv=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="q_terms must be 1 or 2"):
         f.decode_launcher(q, cache, table, lens, qlen=1, sm_scale=0.1, q_terms=3)
-    with pytest.raises(ValueError, match="needs q_terms=2"):
-        f.decode_launcher(q, cache, table, lens, qlen=1, sm_scale=0.1, q_terms=1,
-                          q_joined=True)
 
 
 def test_gluon_check_keeps_unrun_kernels_behind_experimental_and_its_roundings_honest():
@@ -139,7 +136,7 @@ def test_gluon_check_leaves_out_a_variant_that_loses_the_cuda_context(monkeypatc
     experimental form does not stop every Gluon timing of the call."""
     import benchmarks.gluon_check as gc
 
-    bad = gc.TRANSPOSED_FP8MMA_JOINED
+    bad = gc.TRANSPOSED_FP8MMA_DEFERRED
     runs = iter([(False, f"smoke x: error CUDA error: an illegal memory access\n"
                          f"{gc.FATAL_LINE}{bad}\n"),
                  (True, "smoke: 9/9 cases passed\n")])

@@ -1,10 +1,10 @@
-"""An fp8 prefill for Hopper in Gluon: both products fp8 wgmmas, warp-specialized
-(EXPERIMENTAL: compiled under triton 3.6.0, not yet run on a GPU).
+"""An fp8 prefill for Hopper in Gluon: both products fp8 wgmmas, warp-specialized.
 
 Why: ``prefill.PersistentPrefill`` (the Triton kernel behind ``fp8-ps/triton``) reached 465
 TFLOP/s at 128 heads x 4096 causal tokens on the H200, 0.88x cuDNN's bf16 SDPA (session 8,
 ``benchmarks/results/README.md``): Triton waits for each dot before the softmax, so the
-tensor cores idle while it runs. Here, as in FlashAttention-3:
+tensor cores idle while it runs. This kernel's pingpong form took 851 us there, 808 TFLOP/s,
+1.42x SDPA in the same run (H200, 2026-12-01, session 13). As in FlashAttention-3:
 - a loader partition (TMA): each 128-row query block's q (double-buffered, so the next
   block's lands during this one's keys), then 128-key tiles of k (its 128 + 64 dims as two
   boxes) and of v transposed (keys contiguous: Hopper's fp8 wgmma takes B only K-major) into
@@ -19,11 +19,14 @@ combines split tiles. v is transposed once per call (``prefill._transpose_v_kern
 this launcher's buffer, each request at a multiple of 128 keys, so no key tile crosses into
 another request's keys (the padding is zeros, and P is 0 there).
 
-Two forms, each a kernel option (and a param set of the route): ``PAIRED`` runs two key tiles
-a loop step, so that the S in flight and the S being read swap registers instead of being
-copied (64 moves a tile); ``PERMUTED_V`` stores each 32 keys of the transposed v in the order
-the wgmma accumulator holds a row's keys and reorders P's columns to match
-(``_keys_as_operand``), so P becomes the A operand without shuffles.
+Three forms, each a kernel option (in the route's param sets): ``PINGPONG`` walks the keys
+in FlashAttention-3's order (``_pingpong_tiles``: the warpgroups take turns at the tensor
+cores, each one's softmax running during the other's products; 0.91x the plain walk's time
+above); ``PAIRED`` runs the plain walk two key tiles a loop step, so that the S in flight and
+the S being read swap registers instead of being copied (64 moves a tile); ``PERMUTED_V``
+stores each 32 keys of the transposed v in the order the wgmma accumulator holds a row's keys
+and reorders P's columns to match (``_keys_as_operand``), so P becomes the A operand without
+shuffles.
 """
 
 from __future__ import annotations

@@ -430,7 +430,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                     lse: torch.Tensor | None = None, num_splits: int | None = None,
                     max_seq_len: int | None = None, widen_cols: int = WIDEN_COLS,
                     merge: str = MERGE, pdl: bool = False, ws: bool = False,
-                    fp8_mma: bool = False
+                    fp8_mma: bool = False, defer_sums: bool = False
                     ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
     """A zero-argument launch of the transposed decode, with the out and LSE it writes.
 
@@ -448,7 +448,8 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     warp-specialized form (``gluon_transposed_ws``: the widening in its own partition;
     0.77x this kernel's time at (128, 16, 8192, 1), same run). ``fp8_mma``: an fp8 cache is
     read by ``gluon_transposed_fp8`` instead (fp8 MMAs, q as two e4m3 terms; ``ws`` and
-    ``widen_cols`` do not apply there); a 16-bit cache ignores it.
+    ``widen_cols`` do not apply there); a 16-bit cache ignores it. ``defer_sums``: that
+    kernel's DEFER_SUMS (P's row sums reduced across warps once, after the last tile).
     """
     if fp8_mma and kv_cache.dtype in FP8_CACHES:
         from mlatune.kernels import gluon_transposed_fp8
@@ -456,7 +457,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
         return gluon_transposed_fp8.decode_launcher(
             q, kv_cache, block_table, seq_lens, qlen=qlen, sm_scale=sm_scale, causal=causal,
             kv_scale=kv_scale, out=out, lse=lse, num_splits=num_splits,
-            max_seq_len=max_seq_len, merge=merge, pdl=pdl)
+            max_seq_len=max_seq_len, merge=merge, pdl=pdl, defer_sums=defer_sums)
     if ws:
         from mlatune.kernels import gluon_transposed_ws
 

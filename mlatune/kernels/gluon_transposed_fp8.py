@@ -18,8 +18,14 @@ quantization, S^T, the softmax, O^T, the epilogue); a ring slot is released by b
   tensor). On the H200 (2026-12-01, session 11): rel_l2 0.009-0.018 with two terms, 0.028-
   0.082 with one (the per-row quantization alone: 0.034-0.081); the 16-bit widening 0.002.
   Two terms cost 1.11x one at (128, 16, 8192, 1) (twice the S^T wgmmas) and 1.8x at 32 rows
-  (ptxas spills the MMA warpgroup). ``q_joined`` (EXPERIMENTAL, compiled only) puts them in
-  adjacent rows of one operand: one wgmma of twice the N a k-step, as many as one term.
+  (ptxas spills the MMA warpgroup). The two terms joined as adjacent rows of one operand
+  (one wgmma of twice the N a k-step) were tried and removed: on the H200 (2026-12-01,
+  session 13) that form, alone and with ``defer_sums``, left NaN or unwritten outputs in
+  every smoke case (24,624 elements at (3, 16, 300, 1) fp8).
+- P's row sums (``defer_sums``, ``_ws_mma``'s DEFER_SUMS) summed over the keys once at the
+  end: correct on the H200 (2026-12-01, session 13; rel_l2 0.0167 at (3, 16, 300, 1) fp8,
+  as without) and faster (fp8: 246.2 us against 266.1 at (128, 16, 8192, 1), FlashMLA
+  250.8; 73.9 against 80.4 at (64, 16, 4096, 1)), so it is the route's form.
 - P (in [0, 1]) is scaled by 2^P_SHIFT before its cast to e4m3 (max 448), so values down
   to 2^-17 survive; the sum of the unscaled P normalizes O, and the epilogue divides the
   shift out with the cache's V scale. P in e4m3 keeps the output error near 1e-2, so the
@@ -70,22 +76,18 @@ __all__ = ["aot_compile", "decode_launcher", "ring_stages", "transposed_fp8_kern
 
 
 @gluon.jit
-def _q_buffers(qn_desc, qr_desc, fp8: gl.constexpr, Q_TERMS: gl.constexpr,
-               Q_JOINED: gl.constexpr):
+def _q_buffers(qn_desc, qr_desc, fp8: gl.constexpr, Q_TERMS: gl.constexpr):
     """Shared memory for Q's two parts as they land (16-bit) and quantized: ((nope, rope),
-    (nope, rope) as [terms, rows, dims]: a buffer per e4m3 term, or (Q_JOINED) one of twice
-    the rows, each query row's two terms in adjacent rows)."""
+    (nope, rope) as [terms, rows, dims]: a buffer per e4m3 term)."""
     BR: gl.constexpr = qn_desc.block_type.shape[0]
     DN: gl.constexpr = qn_desc.block_type.shape[1]
     DR: gl.constexpr = qr_desc.block_type.shape[1]
     q_nope = gl.allocate_shared_memory(qn_desc.dtype, [BR, DN], qn_desc.layout)
     q_rope = gl.allocate_shared_memory(qr_desc.dtype, [BR, DR], qr_desc.layout)
-    T: gl.constexpr = 1 if Q_JOINED else Q_TERMS
-    R: gl.constexpr = 2 * BR if Q_JOINED else BR
-    q8_nope = gl.allocate_shared_memory(fp8, [T, R, DN],
-                                        gl.NVMMASharedLayout.get_default_for([R, DN], fp8))
-    q8_rope = gl.allocate_shared_memory(fp8, [T, R, DR],
-                                        gl.NVMMASharedLayout.get_default_for([R, DR], fp8))
+    q8_nope = gl.allocate_shared_memory(fp8, [Q_TERMS, BR, DN],
+                                        gl.NVMMASharedLayout.get_default_for([BR, DN], fp8))
+    q8_rope = gl.allocate_shared_memory(fp8, [Q_TERMS, BR, DR],
+                                        gl.NVMMASharedLayout.get_default_for([BR, DR], fp8))
     return (q_nope, q_rope), (q8_nope, q8_rope)
 
 
@@ -97,15 +99,9 @@ def _quantize_cols(x_buf, terms, inv, layout: gl.constexpr, C0: gl.constexpr,
     left out."""
     x = x_buf.slice(C0, WIDTH, dim=1).load(layout).to(gl.float32) * inv
     hi = x.to(terms.dtype)
-    if terms.shape[1] == 2 * x_buf.shape[0]:  # joined: row r's terms in rows 2r and 2r + 1
-        both = gl.join(hi, (x - hi.to(gl.float32)).to(terms.dtype))
-        both = gl.reshape(gl.permute(both, (0, 2, 1)), [terms.shape[1], WIDTH])
-        terms.index(0).slice(C0, WIDTH, dim=1).store(both)
-    else:
-        terms.index(0).slice(C0, WIDTH, dim=1).store(hi)
-        if terms.shape[0] == 2:
-            terms.index(1).slice(C0, WIDTH, dim=1).store(
-                (x - hi.to(gl.float32)).to(terms.dtype))
+    terms.index(0).slice(C0, WIDTH, dim=1).store(hi)
+    if terms.shape[0] == 2:
+        terms.index(1).slice(C0, WIDTH, dim=1).store((x - hi.to(gl.float32)).to(terms.dtype))
 
 
 @gluon.jit
@@ -242,42 +238,14 @@ def _mma_layout(cols):
                                      instr_shape=[16, cols, 32])
 
 
-@constexpr_function
-def _scores_layout(rows, cols):
-    """Where the softmax holds S^T's [64 keys, rows]: the accumulator's layout, or with q's
-    terms joined (cols = 2 rows) that of its even (or odd) columns: the accumulator gives
-    each thread columns in adjacent pairs (bit 0 of the column is a register's), so a row's
-    two terms meet in one thread and the layout is the accumulator's without that bit."""
-    if cols == rows:
-        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                         instr_shape=[16, rows, 32])
-    regs = [[8, 0]] + [[0, 4 << i] for i in range((rows // 4).bit_length() - 1)]
-    return gl.DistributedLinearLayout(
-        reg_bases=regs, lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, rows])
-
-
-@gluon.jit
-def _scores(s, qk_cols, layout: gl.constexpr):
-    """S^T's scaled scores [keys, rows] in ``layout``: the accumulator times each column's
-    factor, or with q's terms joined, its two columns of each row added first."""
-    ROWS: gl.constexpr = qk_cols.shape[1]
-    if s.shape[1] == ROWS:
-        x = s
-    else:
-        hi, lo = gl.split(gl.reshape(s, [s.shape[0], ROWS, 2]))
-        x = gl.convert_layout(hi + lo, layout)
-    return x * qk_cols
-
-
 @gluon.jit
 def _ws_mma(q_bufs, q8_bufs, ring, vts, p_buf, bars, ptrs, counter_ptr, ints, seq_len, start,
             end, n_tiles, qk, kv_scale, CAUSAL: gl.constexpr, DIRECT: gl.constexpr,
             MERGE: gl.constexpr, DEFER_SUMS: gl.constexpr):
     """q quantized, then per tile S^T (fp8), the softmax, O^T += V^T P^T (fp8); the epilogue.
-    ``DEFER_SUMS`` (experimental): P's row sums kept per element ([keys, rows], rescaled
-    like O^T) and summed over the keys once at the end, so a tile's softmax crosses the
-    warps once (for its max), not twice.
+    ``DEFER_SUMS``: P's row sums kept per element ([keys, rows], rescaled like O^T) and
+    summed over the keys once at the end, so a tile's softmax crosses the warps once (for
+    its max), not twice (correct and faster on the H200, 2026-12-01: the module's notes).
     Tile t+1's S^T is issued before tile t's softmax and runs beside it and beside tile t's
     O^T product; the warpgroup waits for both at the tile's end. (Leaving O^T in flight into
     the next tile was slower, 1.26x at (128, 16, 8192, 1) on the H200, 2026-12-01: the
@@ -289,20 +257,18 @@ def _ws_mma(q_bufs, q8_bufs, ring, vts, p_buf, bars, ptrs, counter_ptr, ints, se
     BN: gl.constexpr = k_nope.shape[1]
     DN: gl.constexpr = k_nope.shape[2]
     BR: gl.constexpr = q_bufs[0].shape[0]
-    SN: gl.constexpr = q8_bufs[0].shape[1]  # S^T's columns: BR, or 2 BR with q's terms joined
     o_layout: gl.constexpr = _mma_layout(BR)
-    s_layout: gl.constexpr = _mma_layout(SN)
-    sm_layout: gl.constexpr = _scores_layout(BR, SN)
-    col_s: gl.constexpr = gl.SliceLayout(0, sm_layout)
+    s_layout: gl.constexpr = o_layout  # S^T's (and the softmax's): the same for N = BR
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     last_pos = last_keys(rb, seq_len, qlen, heads, BR, col_s, CAUSAL)
-    keys = gl.arange(0, BN, layout=gl.SliceLayout(1, sm_layout))
+    keys = gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout))
     m_i = gl.full([BR], float("-inf"), gl.float32, layout=col_s)
     l_i = gl.full([BR], 0.0, gl.float32, layout=col_s)
-    l_acc = gl.zeros([BN, BR], gl.float32, layout=sm_layout)  # DEFER_SUMS: per key slot
+    l_acc = gl.zeros([BN, BR], gl.float32, layout=s_layout)  # DEFER_SUMS: per key slot
     acc = gl.zeros([DN, BR], gl.float32, layout=o_layout)
     mbarrier.wait(q_bar, 0)
     qk_cols = gl.expand_dims(_quantize_q(q_bufs, q8_bufs, col_s, 4) * qk, 0)
-    s = gl.zeros([BN, SN], gl.float32, layout=s_layout)
+    s = gl.zeros([BN, BR], gl.float32, layout=s_layout)
     if n_tiles > 0:  # (a split past its request's length has no tiles)
         mbarrier.wait(ready.index(0), 0)
         s = _issue_s(k_nope.index(0), k_rope.index(0), *q8_bufs, s_layout)
@@ -319,12 +285,12 @@ def _ws_mma(q_bufs, q8_bufs, ring, vts, p_buf, bars, ptrs, counter_ptr, ints, se
         # product of the slot's old bytes, never read, so the issue count stays fixed).
         s_next = _issue_s(k_nope.index(nxt), k_rope.index(nxt), *q8_bufs, s_layout)
         if DEFER_SUMS:
-            p, m_i, alpha = softmax_step(_scores(s, qk_cols, sm_layout), start + t * BN, end,
-                                         last_pos, keys, m_i, 0)
+            p, m_i, alpha = softmax_step(s * qk_cols, start + t * BN, end, last_pos, keys,
+                                         m_i, 0)
             l_acc = l_acc * gl.expand_dims(alpha, 0) + p
         else:
-            p, m_i, l_i, alpha = online_softmax(_scores(s, qk_cols, sm_layout), start + t * BN,
-                                                end, last_pos, keys, m_i, l_i, 0)
+            p, m_i, l_i, alpha = online_softmax(s * qk_cols, start + t * BN, end, last_pos,
+                                                keys, m_i, l_i, 0)
         p_buf.store(gl.permute((p * (2.0 ** P_SHIFT)).to(p_buf.dtype), (1, 0)))
         fence_async_shared()
         gl.thread_barrier()  # every warp's P^T is in
@@ -351,7 +317,7 @@ def transposed_fp8_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and th
                           stride_bt, stride_o_tok, stride_o_head, stride_lse_tok,
                           stride_po_slot, stride_po_row, stride_pl_slot,
                           CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PAGE: gl.constexpr,
-                          STAGES: gl.constexpr, Q_TERMS: gl.constexpr, Q_JOINED: gl.constexpr,
+                          STAGES: gl.constexpr, Q_TERMS: gl.constexpr,
                           DEFER_SUMS: gl.constexpr, MERGE: gl.constexpr,
                           PDL: gl.constexpr, num_warps: gl.constexpr):
     BN: gl.constexpr = kn_desc.block_type.shape[0]
@@ -361,7 +327,7 @@ def transposed_fp8_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and th
     fp8: gl.constexpr = kn_desc.dtype
     rb, split, b, seq_len, start, end, n_tiles = program_keys(
         seq_lens_ptr, num_splits, qlen, heads, BR, BN, CAUSAL, PDL)
-    q_bufs, q8_bufs = _q_buffers(qn_desc, qr_desc, fp8, Q_TERMS, Q_JOINED)
+    q_bufs, q8_bufs = _q_buffers(qn_desc, qr_desc, fp8, Q_TERMS)
     k_nope = gl.allocate_shared_memory(fp8, [STAGES, BN, DN], kn_desc.layout)
     k_rope = gl.allocate_shared_memory(fp8, [STAGES, BN, DR], kr_desc.layout)
     vts = gl.allocate_shared_memory(fp8, [2, DN, BN],
@@ -414,20 +380,17 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                     kv_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
                     lse: torch.Tensor | None = None, num_splits: int | None = None,
                     max_seq_len: int | None = None, merge: str = base.MERGE, pdl: bool = False,
-                    q_terms: int = Q_TERMS, q_joined: bool = False, defer_sums: bool = False
+                    q_terms: int = Q_TERMS, defer_sums: bool = False
                     ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
     """``gluon_transposed.decode_launcher`` for this kernel: an fp8 e4m3 cache only, q as
     ``q_terms`` e4m3 terms per row (1: a quantized q's accuracy, ``QUANTIZED_Q``).
-    ``q_joined`` (two terms; EXPERIMENTAL, compiled, not yet run on a GPU): the terms as
-    adjacent rows of one operand, so S^T takes one wgmma of twice the N a k-step instead of
-    two. ``defer_sums`` (EXPERIMENTAL, compiled, not yet run): ``_ws_mma``'s DEFER_SUMS."""
+    ``defer_sums``: ``_ws_mma``'s DEFER_SUMS (ran correct on the H200, 2026-12-01, and
+    faster than without: the module's notes)."""
     if kv_cache.dtype not in base.FP8_CACHES:
         raise ValueError(f"the fp8-MMA transposed decode reads an fp8 cache only, got "
                          f"{kv_cache.dtype}")
     if q_terms not in (1, 2):
         raise ValueError(f"q_terms must be 1 or 2, got {q_terms!r}")
-    if q_joined and q_terms != 2:
-        raise ValueError("q_joined joins two terms: it needs q_terms=2")
     batch, heads = seq_lens.shape[0], q.shape[1]
     base._check_call(q, out, lse, batch * qlen, num_splits, base.WIDEN_COLS, merge)
     why = base.check_supported(q, kv_cache, block_table, seq_lens, kv_scale)
@@ -435,7 +398,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
         raise ValueError(f"gluon transposed MLA decode (fp8 MMAs): {why}")
     rows = plan.transposed_rows(qlen * heads)
     meta = dict(CAUSAL=causal and qlen > 1, PAGE=PAGE_SIZE, STAGES=ring_stages(rows),
-                Q_TERMS=q_terms, Q_JOINED=q_joined, DEFER_SUMS=defer_sums,
+                Q_TERMS=q_terms, DEFER_SUMS=defer_sums,
                 num_warps=base.NUM_WARPS, maxnreg=MAXNREG)
     descs = tma_descriptors(q, kv_cache, rows)
     return base.launch(transposed_fp8_kernel, descs, q, block_table, seq_lens, kv_scale, out,
@@ -445,14 +408,14 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
 
 def aot_compile(dtype: str = "bf16", *, rows: int = 16, direct: bool = True,
                 causal: bool = True, merge: str = base.MERGE, arch: int = 90,
-                q_terms: int = Q_TERMS, q_joined: bool = False, defer_sums: bool = False):
+                q_terms: int = Q_TERMS, defer_sums: bool = False):
     """Compile ``transposed_fp8_kernel`` (a ``dtype`` q over an fp8 cache) for ``sm_<arch>``
     without a GPU; returns triton's CompiledKernel."""
     br = plan.transposed_rows(rows)
     constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=PAGE_SIZE,
                      MERGE=not direct and merge != "reduce", PDL=False,
-                     STAGES=ring_stages(br), Q_TERMS=q_terms, Q_JOINED=q_joined,
-                     DEFER_SUMS=defer_sums, num_warps=base.NUM_WARPS)
+                     STAGES=ring_stages(br), Q_TERMS=q_terms, DEFER_SUMS=defer_sums,
+                     num_warps=base.NUM_WARPS)
     return aot_compile_kernel(transposed_fp8_kernel, constants,
                               base._blocks(dtype, "fp8", br, BLOCK_N), base._pointers(dtype),
                               arch=arch, num_warps=base.NUM_WARPS, maxnreg=MAXNREG)

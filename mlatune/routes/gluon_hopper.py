@@ -156,7 +156,8 @@ class TransposedGluonRoute(WgmmaGluonRoute):
     memory, its scale read on the device). Its param sets launch the split reduce as a
     programmatic dependent (``pdl``) and read an fp8 cache widened in a partition of its own
     (``ws``) or, at up to 16 query rows a program, with fp8 MMAs, q as two e4m3 terms
-    (``fp8_mma``); a stored param set without them ran the earlier forms and still does."""
+    (``fp8_mma``, with ``defer_sums``); a stored param set without them ran the earlier forms
+    and still does."""
 
     id = "transposed/gluon"
     kernel = "gluon_transposed"
@@ -164,8 +165,11 @@ class TransposedGluonRoute(WgmmaGluonRoute):
     # ws: an fp8 cache widened by a partition of its own (0.77x the time at (128, 16, 8192,
     # 1)); pdl: the split reduce launched as a programmatic dependent (0.5 us less at batch
     # 1-8). H200, 2026-12-01 (benchmarks/results/README.md, session 10).
-    # fp8_mma: an fp8 cache read with fp8 MMAs (gluon_transposed_fp8).
-    kernel_options = MappingProxyType({"ws": False, "pdl": False, "fp8_mma": False})
+    # fp8_mma: an fp8 cache read with fp8 MMAs (gluon_transposed_fp8); defer_sums: its row
+    # sums reduced once after the last tile (0.92x the time at (128, 16, 8192, 1) and
+    # (64, 16, 4096, 1) fp8, same at batch 1; H200, 2026-12-01, session 13).
+    kernel_options = MappingProxyType({"ws": False, "pdl": False, "fp8_mma": False,
+                                       "defer_sums": False})
 
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
         """The split counts with PDL. Over an fp8 cache, widened; at up to 16 query rows a
@@ -180,7 +184,8 @@ class TransposedGluonRoute(WgmmaGluonRoute):
         widen = [{**params, "ws": True} for params in sets]
         if not self.offers_fp8_mma(problem):
             return widen
-        return [form for params in widen for form in ({**params, "fp8_mma": True}, params)]
+        fp8_mma = {"fp8_mma": True, "defer_sums": True}
+        return [form for params in widen for form in ({**params, **fp8_mma}, params)]
 
     def offers_fp8_mma(self, problem: MLAProblem) -> bool:
         """Whether the param sets include fp8-MMA ones (then first): an fp8 cache, at up to

@@ -6,9 +6,10 @@ counterpart of AITER's FP8 persistent prefill (mla_prefill_ps_asm_fwd +
 mla_reduce_v1) that vLLM's ROCm backend uses: fp8 q/k/v with per-tensor scales,
 bf16 output. ``bf16-ps`` is the same kernel with a 16-bit q, over a k/v in q's
 type or in fp8 (whose tiles the kernel converts to q's type as it loads them).
-On sm_90 with triton 3.6, ``fp8-ps``'s last param sets run the same plan through a Gluon
-kernel instead (``mlatune.kernels.gluon_prefill_fp8``: warp-specialized, fp8 wgmmas;
-EXPERIMENTAL, not yet run on a GPU).
+On sm_90 with triton 3.6, ``fp8-ps``'s first param set (its default there) and its last
+ones run the same plan through a Gluon kernel instead (``mlatune.kernels.gluon_prefill_fp8``:
+warp-specialized, fp8 wgmmas; 1.42x cuDNN's bf16 SDPA at 128 heads x 4096 causal tokens on
+the H200, 2026-12-01).
 
 Like that backend, both pad the heads to a multiple of 16 by replication
 (12 -> 16, 24 -> 32; padded head j copies real head j mod H) and slice the
@@ -68,22 +69,25 @@ _SMALLEST_CONFIG = (64, 32, 4, 1)  # fits every device's shared memory
 _CPU_CONFIG = (32, 32, 4, 1)
 _CPU_CONFIG_FP8 = (32, 32, 4, 1, True, False, True)
 # fp8 on sm_90 with triton 3.6's Gluon: kernels/gluon_prefill_fp8 (warp-specialized, both
-# products fp8 wgmmas, P kept in registers; DeepSeek's 192/128 dims, e4m3fn). Offered after
-# the Triton sets (a spec that keeps 3 sets a route does not sweep it). Ring depth 3 (168 KB
-# of shared memory with the two query blocks) or 4 (209 KB); ``paired``: two key tiles a
-# loop step (the S registers swap instead of being copied); ``permuted_v``: v's keys stored
-# in the order the accumulator holds P's, so P becomes the A operand without shuffles;
-# ``pingpong``: FlashAttention-3's order, the two warpgroups taking turns at the tensor cores.
-# H200, 2026-12-01 (benchmarks/results/README.md, session 13): at 128 heads x 4096 causal
-# tokens paired + permuted_v took 940 us, the plain form 986, 2 stages 1,349 (dropped).
-GLUON_PARAMS: Params = {"kernel": "gluon", "num_stages": 3, "grouped": True}
+# products fp8 wgmmas, P kept in registers; DeepSeek's 192/128 dims, e4m3fn). Its first set
+# leads the route's space where it runs, the others follow the Triton sets. ``pingpong``:
+# FlashAttention-3's order, the two warpgroups taking turns at the tensor cores;
+# ``permuted_v``: v's keys stored in the order the accumulator holds P's, so P becomes the A
+# operand without shuffles; ``paired``: two key tiles a loop step (the S registers swap
+# instead of being copied); ring depth 3 (168 KB of shared memory with the two query blocks)
+# or 4 (209 KB). H200, 2026-12-01 (benchmarks/results/README.md, session 13), us at 1 x 4096
+# causal tokens, 128 / 16 heads: pingpong + permuted_v 851 / 151.5 (cuDNN's bf16 SDPA 1,207
+# / 196), the same with 4 stages 866 / 151.6, paired + permuted_v 932 / 166.8, the plain
+# form 980 / 167.4, pingpong alone 893 / 156.5, 2 stages 1,349 (earlier run); the Triton
+# kernel 1,395 / 243.
+GLUON_PARAMS: Params = {"kernel": "gluon", "num_stages": 3, "grouped": True, "pingpong": True,
+                        "permuted_v": True}
+# What a stored Gluon set leaves out: the kernel's first form (a set runs what it ran).
+GLUON_FORM_DEFAULTS: Params = {"num_stages": 3, "grouped": False, "pingpong": False,
+                               "permuted_v": False, "paired": False}
 GLUON_PARAM_SETS: tuple[Params, ...] = (
-    GLUON_PARAMS,
-    {**GLUON_PARAMS, "paired": True, "permuted_v": True},
-    {**GLUON_PARAMS, "num_stages": 4, "paired": True, "permuted_v": True},
-    {**GLUON_PARAMS, "pingpong": True},
-    {**GLUON_PARAMS, "pingpong": True, "permuted_v": True},
-    {**GLUON_PARAMS, "num_stages": 4, "pingpong": True, "permuted_v": True})
+    GLUON_PARAMS, {**GLUON_PARAMS, "num_stages": 4},
+    {"kernel": "gluon", "num_stages": 3, "grouped": True, "paired": True, "permuted_v": True})
 
 
 def config_params(config: tuple) -> Params:
@@ -135,8 +139,11 @@ class _PersistentPrefillRoute:
             limit = _SHARED_MEMORY.get(device.arch, _DEFAULT_SHARED_MEMORY)
             configs = [c for c in (_GPU_CONFIGS_FP8 if fp8 else _GPU_CONFIGS_16BIT)
                        if _shared_bytes(c, problem) <= limit] or [_SMALLEST_CONFIG]
-        gluon = [dict(p) for p in GLUON_PARAM_SETS] if _gluon_serves(problem, device) else []
-        return [config_params(c) for c in configs] + gluon
+        triton_sets = [config_params(c) for c in configs]
+        if not _gluon_serves(problem, device):
+            return triton_sets
+        first, *rest = (dict(p) for p in GLUON_PARAM_SETS)
+        return [first, *triton_sets, *rest]
 
     def prepare(self, problem: MLAProblem, inputs: DecodeInputs | PrefillInputs, *,
                 rank: int = 0, params: Params | None = None,
@@ -148,9 +155,10 @@ class _PersistentPrefillRoute:
         from mlatune.kernels.prefill import KernelConfig, PersistentPrefill
 
         device = device_of(inputs.q)
-        gluon = (params or {}).get("kernel") == "gluon"
+        params = params or self.param_space(problem, device)[0]
+        gluon = params.get("kernel") == "gluon"
         if not gluon:
-            params = {**self.param_space(problem, device)[0], **(params or {})}
+            params = {**self._first_triton_set(problem, device), **params}
             config = KernelConfig(params["block_m"], params["block_n"], params["num_warps"],
                                   params["num_stages"], bool(params.get("v_transposed")),
                                   bool(params.get("qk_ahead")), bool(params.get("grouped")))
@@ -175,13 +183,13 @@ class _PersistentPrefillRoute:
         if gluon:
             from mlatune.kernels.gluon_prefill_fp8 import GluonPrefill
 
-            chosen = {**GLUON_PARAMS, **params}
+            chosen = {**GLUON_FORM_DEFAULTS, **params}
             launch = GluonPrefill(
                 q, k, v, out_full, lse_full, *lengths, causal=problem.causal,
                 sm_scale=inputs.softmax_scale, scales=scales, num_programs=device.cu_count,
                 tile_q=TILE_Q, grouped=bool(chosen["grouped"]), stages=chosen["num_stages"],
-                paired=bool(chosen.get("paired")), permuted_v=bool(chosen.get("permuted_v")),
-                pingpong=bool(chosen.get("pingpong")))
+                paired=bool(chosen["paired"]), permuted_v=bool(chosen["permuted_v"]),
+                pingpong=bool(chosen["pingpong"]))
         else:
             chosen = config.as_params()
             launch = PersistentPrefill(
@@ -198,6 +206,10 @@ class _PersistentPrefillRoute:
                 "programs": device.cu_count, "split_tiles": len(launch.plan.merges)}
         return Prepared(run, out_full[:, :heads], lse_full[:, :heads] if want_lse else None,
                         graph_safe=True, params=used, plan_reads_lengths=True)
+
+    def _first_triton_set(self, problem: MLAProblem, device: DeviceInfo) -> Params:
+        """The Triton kernel's default: what a Triton param set leaves out comes from it."""
+        return next(p for p in self.param_space(problem, device) if p.get("kernel") != "gluon")
 
     @staticmethod
     def _padded(src: torch.Tensor, head_index: torch.Tensor,
