@@ -20,7 +20,7 @@ from mlatune.arch import DeviceInfo
 from mlatune.kernels import gluon_common
 from mlatune.kernels import gluon_prefill_fp8 as g
 from mlatune.problem import MLAProblem
-from mlatune.routes.prefill_triton import GLUON_PARAM_SETS, GLUON_PARAMS
+from mlatune.routes.prefill_triton import GLUON_LEADING, GLUON_PARAM_SETS, GLUON_PARAMS
 from tests.prefill_aot import resources
 from tests.test_gluon_compile import _needs_gluon_triton
 
@@ -235,9 +235,13 @@ def _prefill(dtype="fp8_e4m3fn", **kw) -> MLAProblem:
 def test_the_route_offers_it_last_and_only_where_it_runs():
     space = routes.get("fp8-ps/triton").param_space(_prefill(), H200)
     if gluon_common.gluon_available()[0]:
-        # The fastest form leads (it is the route's default), the others follow the Triton sets.
-        assert space[0] == GLUON_PARAMS and space[1].get("kernel") != "gluon"
-        assert space[-len(GLUON_PARAM_SETS) + 1:] == list(GLUON_PARAM_SETS[1:])
+        # The fastest forms lead (the first is the route's default), the rest follow the
+        # Triton sets, so a sweep keeping 3 sets a route runs two Gluon sets and a Triton one.
+        assert space[0] == GLUON_PARAMS
+        assert space[:GLUON_LEADING] == list(GLUON_PARAM_SETS[:GLUON_LEADING])
+        assert space[GLUON_LEADING].get("kernel") != "gluon"
+        assert space[len(space) - len(GLUON_PARAM_SETS) + GLUON_LEADING:] == \
+            list(GLUON_PARAM_SETS[GLUON_LEADING:])
     else:
         assert GLUON_PARAMS not in space
     for problem, device in [(_prefill(), A100), (_prefill("fp8_e4m3fnuz"), H200),

@@ -6,10 +6,10 @@ counterpart of AITER's FP8 persistent prefill (mla_prefill_ps_asm_fwd +
 mla_reduce_v1) that vLLM's ROCm backend uses: fp8 q/k/v with per-tensor scales,
 bf16 output. ``bf16-ps`` is the same kernel with a 16-bit q, over a k/v in q's
 type or in fp8 (whose tiles the kernel converts to q's type as it loads them).
-On sm_90 with triton 3.6, ``fp8-ps``'s first param set (its default there) and its last
-ones run the same plan through a Gluon kernel instead (``mlatune.kernels.gluon_prefill_fp8``:
-warp-specialized, fp8 wgmmas; 1.42x cuDNN's bf16 SDPA at 128 heads x 4096 causal tokens on
-the H200, 2026-12-01).
+On sm_90 with triton 3.6, ``fp8-ps``'s first two param sets (the first its default there)
+and its last one run the same plan through a Gluon kernel instead
+(``mlatune.kernels.gluon_prefill_fp8``: warp-specialized, fp8 wgmmas; 1.42x cuDNN's bf16
+SDPA at 128 heads x 4096 causal tokens on the H200, 2026-12-01).
 
 Like that backend, both pad the heads to a multiple of 16 by replication
 (12 -> 16, 24 -> 32; padded head j copies real head j mod H) and slice the
@@ -69,8 +69,9 @@ _SMALLEST_CONFIG = (64, 32, 4, 1)  # fits every device's shared memory
 _CPU_CONFIG = (32, 32, 4, 1)
 _CPU_CONFIG_FP8 = (32, 32, 4, 1, True, False, True)
 # fp8 on sm_90 with triton 3.6's Gluon: kernels/gluon_prefill_fp8 (warp-specialized, both
-# products fp8 wgmmas, P kept in registers; DeepSeek's 192/128 dims, e4m3fn). Its first set
-# leads the route's space where it runs, the others follow the Triton sets. ``pingpong``:
+# products fp8 wgmmas, P kept in registers; DeepSeek's 192/128 dims, e4m3fn). Its first
+# ``GLUON_LEADING`` sets lead the route's space where it runs, the last follows the Triton
+# sets. ``pingpong``:
 # FlashAttention-3's order, the two warpgroups taking turns at the tensor cores;
 # ``permuted_v``: v's keys stored in the order the accumulator holds P's, so P becomes the A
 # operand without shuffles; ``paired``: two key tiles a loop step (the S registers swap
@@ -82,6 +83,10 @@ _CPU_CONFIG_FP8 = (32, 32, 4, 1, True, False, True)
 # kernel 1,395 / 243.
 GLUON_PARAMS: Params = {"kernel": "gluon", "num_stages": 3, "grouped": True, "pingpong": True,
                         "permuted_v": True}
+# The Gluon sets ahead of the Triton ones (a sweep keeping 3 sets a route runs both ring
+# depths of the pingpong form: the 4-stage one was faster at 8 x 2048 and 32 x 512 tokens,
+# 1,978 against 2,017 us and 1,013 against 1,051 at 128 heads, same run) and one Triton set.
+GLUON_LEADING = 2
 # What a stored Gluon set leaves out: the kernel's first form (a set runs what it ran).
 GLUON_FORM_DEFAULTS: Params = {"num_stages": 3, "grouped": False, "pingpong": False,
                                "permuted_v": False, "paired": False}
@@ -142,8 +147,8 @@ class _PersistentPrefillRoute:
         triton_sets = [config_params(c) for c in configs]
         if not _gluon_serves(problem, device):
             return triton_sets
-        first, *rest = (dict(p) for p in GLUON_PARAM_SETS)
-        return [first, *triton_sets, *rest]
+        gluon = [dict(p) for p in GLUON_PARAM_SETS]
+        return [*gluon[:GLUON_LEADING], *triton_sets, *gluon[GLUON_LEADING:]]
 
     def prepare(self, problem: MLAProblem, inputs: DecodeInputs | PrefillInputs, *,
                 rank: int = 0, params: Params | None = None,
