@@ -17,19 +17,16 @@ from tests.test_gluon_compile import HOPPER_SMEM, _needs_gluon_triton
 
 
 @pytest.fixture(scope="module",
-                params=[("bf16", True, True, ""), ("fp16", False, False, ""),
-                        ("bf16", True, True, "chunked"), ("fp16", False, False, "chunked"),
-                        ("bf16", True, True, "early"), ("fp16", False, False, "early")],
+                params=[("bf16", True, True, False), ("fp16", False, False, False),
+                        ("bf16", True, True, True), ("fp16", False, False, True)],
                 ids=["bf16-direct-causal", "fp16-split", "chunked-bf16-direct-causal",
-                     "chunked-fp16-split", "early-bf16-direct-causal", "early-fp16-split"])
+                     "chunked-fp16-split"])
 def compiled(request):
     _needs_gluon_triton()
     from mlatune.kernels import gluon_seesaw as s
-    dtype, direct, causal, form = request.param
-    kernel = s.aot_compile(dtype, direct=direct, causal=causal, chunked=bool(form),
-                           early_max=form == "early")
-    kernel.chunked = bool(form)  # for the tests that tell the forms apart
-    kernel.early_max = form == "early"
+    dtype, direct, causal, chunked = request.param
+    kernel = s.aot_compile(dtype, direct=direct, causal=causal, chunked=chunked)
+    kernel.chunked = chunked  # for the tests that tell the two forms apart
     return kernel
 
 
@@ -62,8 +59,7 @@ def test_barriers_and_chunked_scores(compiled):
                      for part in ptx.split("mbarrier.try_wait")]
     assert sum(between_waits) == 2 * 36  # S = Q K^T: 36 k-steps a warpgroup
     if compiled.chunked:
-        # early_max: two more, the row maxima's hand-overs
-        assert ptx.count("mbarrier.init") == 18 + 4 + 2 + 2 + 2 * compiled.early_max
+        assert ptx.count("mbarrier.init") == 18 + 4 + 2 + 2
         assert len(chunk_expects) == 2 * 9  # one slot a tile, as the loader unrolls a pair
         assert max(between_waits) == 4  # no more than one chunk's k-steps before a wait
         assert between_waits.count(4) == 2 * 9  # 8 nope chunks + the 64-wide rope part
@@ -91,24 +87,8 @@ def test_fits_shared_memory_without_spills(compiled):
     assert compiled.metadata.shared <= HOPPER_SMEM
     assert compiled.metadata.shared < 3 * 73728 + 2048
     # A few scalars spill in one warpgroup (ptxas, 240 registers); the accumulators do not.
-    # The chunked form spills less (24 bytes against 72 at triton 3.6.0; early_max 32).
+    # The chunked form spills less (24 bytes against 72 at triton 3.6.0).
     assert resources(compiled)["stack"] <= (48 if compiled.chunked else 128)
-
-
-def test_early_max_trades_the_row_maxima_apart_from_p(compiled):
-    """early_max: each warpgroup hands its tile's row max over (an mbarrier of its own)
-    before its exponentials, so the other's softmax need not wait for the whole of P."""
-    if not compiled.early_max:
-        pytest.skip("the early_max form only")
-    ptx = compiled.asm["ptx"]
-    # An arrive a hand-over: P_a, P_b, m0, m1, and the row sums at the end (two warpgroups).
-    assert ptx.count("mbarrier.arrive.shared") >= 4
-
-
-def test_early_max_needs_the_chunked_kernel():
-    from mlatune.kernels import gluon_seesaw as s
-    with pytest.raises(ValueError, match="chunked"):
-        s.decode_launcher(*[None] * 4, qlen=1, sm_scale=0.1, early_max=True)
 
 
 def test_refuses_what_gluon_hopper_refuses():

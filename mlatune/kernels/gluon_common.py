@@ -237,24 +237,17 @@ def softmax_step(s, n0, end, last_pos, cols, m_i, KEY_AXIS: gl.constexpr):
     Keys past ``end`` or past a row's causal bound get weight 0; alpha rescales what
     the rows accumulated before this tile.
     """
-    s, m_new = mask_and_max(s, n0, end, last_pos, cols, m_i, KEY_AXIS)
-    # A row with no key yet keeps m = -inf: shift by 0 there so exp2 gives 0, not NaN.
-    m_shift = gl.where(m_new == float("-inf"), gl.zeros_like(m_new), m_new)
-    alpha = gl.exp2(m_i - m_shift)
-    p = gl.exp2(s - gl.expand_dims(m_shift, KEY_AXIS))
-    return p, m_new, alpha
-
-
-@gluon.jit
-def mask_and_max(s, n0, end, last_pos, cols, m_i, KEY_AXIS: gl.constexpr):
-    """A tile's scores with the keys a row may not see at -inf (past ``end`` or past its
-    causal bound ``last_pos``; the tile's keys start at ``n0``), and the rows' new max."""
     ROW_AXIS: gl.constexpr = 1 - KEY_AXIS
     key = n0 + cols
     allowed = (gl.expand_dims(key, ROW_AXIS) <= gl.expand_dims(last_pos, KEY_AXIS)) \
         & gl.expand_dims(key < end, ROW_AXIS)
     s = gl.where(allowed, s, gl.full_like(s, float("-inf")))
-    return s, gl.maximum(m_i, gl.max(s, axis=KEY_AXIS))
+    m_new = gl.maximum(m_i, gl.max(s, axis=KEY_AXIS))
+    # A row with no key yet keeps m = -inf: shift by 0 there so exp2 gives 0, not NaN.
+    m_shift = gl.where(m_new == float("-inf"), gl.zeros_like(m_new), m_new)
+    alpha = gl.exp2(m_i - m_shift)
+    p = gl.exp2(s - gl.expand_dims(m_shift, KEY_AXIS))
+    return p, m_new, alpha
 
 
 @gluon.jit

@@ -65,6 +65,11 @@ slot 1, so its S waits out the copy's whole latency every pair. Chunked:
 The same ops otherwise; stale-row zeroing of tile a by WG0 moves after S (which has
 waited for every chunk). Compiled (triton 3.6.0, sm_90a): 26 mbarriers, 222,688 bytes
 of shared memory, 24 bytes of spills (72 above), no wgmma serialization.
+
+Tried and dropped (H200, 2026-12-01, session 13, commit 636020d): the warpgroups handing
+each tile's row max over on barriers of their own before the exponentials, P_a after WG1's
+max (FlashMLA's deep dive's order), so that the two softmaxes overlap: right, and 1.01-1.05x
+this form's time at every point (1.05x at 128 heads), 8 more bytes of spills.
 """
 
 from __future__ import annotations
@@ -89,7 +94,6 @@ from mlatune.kernels.gluon_common import (
     aot_compile_kernel,
     issue_kv,
     last_keys,
-    mask_and_max,
     nvmma_layout,
     online_softmax,
     outputs_and_splits,
@@ -350,109 +354,8 @@ def _pair_wg1(bufs, kv, bars, ph, n0, end, has_b, last_pos, qk_scale, m_run, l_r
 
 
 @gluon.jit
-def _share_max(m_slot, m, bar):
-    """Hand a tile's new row max to the other warpgroup (read with ordinary loads)."""
-    m_slot.store(m)
-    gl.thread_barrier()  # every thread's store precedes the one arrival
-    mbarrier.arrive(bar)
-
-
-@gluon.jit
-def _share_p(p, kr_buf, bar):
-    """Hand a tile's P (over its dead rope part) to the other warpgroup's wgmma."""
-    kr_buf.store(p)
-    fence_async_shared()  # read through the async proxy
-    gl.thread_barrier()
-    mbarrier.arrive(bar)
-
-
-@gluon.jit
-def _pair_wg0_early(bufs, kv, bars, ph, n0, end, has_b, last_pos, qk_scale, m_run, l_run, acc,
-                    s_layout: gl.constexpr, o_layout: gl.constexpr):
-    """WG0's half of a pair in the EARLY_MAX form: tile a's row max goes to WG1 before the
-    exponentials, so WG1's softmax of b runs beside WG0's of a; P_a is handed over once WG1's
-    max m1 is known, already in m1's base (times 2^(m0 - m1))."""
-    q_nope, q_rope, m_buf = bufs[0], bufs[1], bufs[4]
-    kn_a, kr_a, kn_b, kr_b = kv
-    ready, empty, p_bars, m_bars = bars[1], bars[2], bars[3], bars[5]
-    v_a, v_b, cols = _halves(kn_a, kn_b, 0, s_layout, o_layout)
-    BN: gl.constexpr = kn_a.shape[0]
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    s = _scores_chunked(q_nope, q_rope, kn_a, kr_a, ready, 0, ph, True, s_layout)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-    s, m0 = mask_and_max(s * qk_scale, n0, end, last_pos, cols, m_run, 1)
-    _share_max(_row_slot(m_buf, 0), m0, m_bars.index(0))
-    _zero_if_last(v_a, n0, end)
-    p = gl.exp2(s - gl.expand_dims(_no_shift(m0), 1))
-    alpha = gl.exp2(m_run - _no_shift(m0))
-    l_run = l_run * alpha + gl.sum(p, axis=1)
-    acc = _scale_rows(acc, alpha, o_layout)
-    p_op = gl.convert_layout(p.to(kr_a.dtype),
-                             gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
-    acc = warpgroup_mma(p_op, v_a, acc, is_async=True)
-    mbarrier.wait(m_bars.index(1), ph)
-    m1 = _row_slot(m_buf, 1).load(row_s)
-    to_m1 = gl.exp2(m0 - _no_shift(m1))
-    _share_p((p * gl.expand_dims(to_m1, 1)).to(kr_a.dtype), kr_a, p_bars.index(0))
-    acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-    _release(empty, 0, 0, True)
-    acc = _scale_rows(acc, to_m1, o_layout)
-    mbarrier.wait(p_bars.index(1), ph)  # WG1's P_b (its phase kept without a tile b too)
-    if has_b:
-        _wait_half(ready, 1, 0, ph, True, True)
-        _zero_if_last(v_b, n0 + BN, end)
-        acc = warpgroup_mma(kr_b, v_b, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    _release(empty, 1, 0, True)
-    return acc, m1, l_run * to_m1
-
-
-@gluon.jit
-def _pair_wg1_early(bufs, kv, bars, ph, n0, end, has_b, last_pos, qk_scale, m_run, l_run, acc,
-                    s_layout: gl.constexpr, o_layout: gl.constexpr):
-    """WG1's half of a pair in the EARLY_MAX form: S_b, then with WG0's max m0 its own max
-    m1 (handed back at once), P_b (handed over, and its own P_b V_b from registers), then
-    WG0's P_a V_a from shared memory."""
-    kn_a, kr_a, kn_b, kr_b = kv
-    q_nope, q_rope, m_buf = bufs[0], bufs[1], bufs[4]
-    ready, empty, p_bars, m_bars = bars[1], bars[2], bars[3], bars[5]
-    v_a, v_b, cols = _halves(kn_a, kn_b, 1, s_layout, o_layout)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    n1 = n0 + kn_a.shape[0]
-    # Without a tile b (odd count), S_b reads whatever slot 1 holds: all masked (n1 >= end).
-    s = _scores_chunked(q_nope, q_rope, kn_b, kr_b, ready, 1, ph, has_b, s_layout)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-    s, m_b = mask_and_max(s * qk_scale, n1, end, last_pos, cols, m_run, 1)
-    mbarrier.wait(m_bars.index(0), ph)
-    m1 = gl.maximum(m_b, _row_slot(m_buf, 0).load(row_s))
-    _share_max(_row_slot(m_buf, 1), m1, m_bars.index(1))
-    p = gl.exp2(s - gl.expand_dims(_no_shift(m1), 1))
-    alpha = gl.exp2(m_run - _no_shift(m1))
-    l_run = l_run * alpha + gl.sum(p, axis=1)
-    acc = _scale_rows(acc, alpha, o_layout)
-    p = p.to(kr_b.dtype)
-    # After WG0's max: WG0 has finished the last pair, so nothing still reads slot 1's rope.
-    _share_p(p, kr_b, p_bars.index(1))
-    if has_b:
-        _zero_if_last(v_b, n1, end)
-        p_op = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=o_layout,
-                                                        k_width=2))
-        acc = warpgroup_mma(p_op, v_b, acc, is_async=True)
-        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-    _release(empty, 1, 1, True)
-    _wait_half(ready, 0, 1, ph, True, True)
-    mbarrier.wait(p_bars.index(0), ph)
-    _zero_if_last(v_a, n0, end)
-    acc = warpgroup_mma(kr_a, v_a, acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    _release(empty, 0, 1, True)
-    return acc, m1, l_run
-
-
-@gluon.jit
 def _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, WG: gl.constexpr,
-             CAUSAL: gl.constexpr, DIRECT: gl.constexpr, CHUNKED: gl.constexpr,
-             EARLY_MAX: gl.constexpr = False):
+             CAUSAL: gl.constexpr, DIRECT: gl.constexpr, CHUNKED: gl.constexpr):
     """One compute warpgroup: its walk over the pairs of tiles, then its half of the output."""
     q_nope, k_nope, k_rope, l_buf = bufs[0], bufs[2], bufs[3], bufs[5]
     q_bar, l_bar = bars[0], bars[4]
@@ -478,16 +381,7 @@ def _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, WG: gl.constexpr,
               k_rope.index(1 + (j >> 30)))
         n0 = start + 2 * j * BN
         has_b = 2 * j + 1 < n_tiles
-        if EARLY_MAX:
-            if WG == 0:
-                acc, m_run, l_run = _pair_wg0_early(bufs, kv, bars, j & 1, n0, end, has_b,
-                                                    last_pos, qk_scale, m_run, l_run, acc,
-                                                    s_layout, o_layout)
-            else:
-                acc, m_run, l_run = _pair_wg1_early(bufs, kv, bars, j & 1, n0, end, has_b,
-                                                    last_pos, qk_scale, m_run, l_run, acc,
-                                                    s_layout, o_layout)
-        elif WG == 0:
+        if WG == 0:
             acc, m_run, l_run = _pair_wg0(bufs, kv, bars, j & 1, n0, end, has_b, last_pos, qk_scale,
                                           m_run, l_run, acc, s_layout, o_layout, CHUNKED)
         else:
@@ -570,18 +464,6 @@ def _wg1_chunked(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.conste
     _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 1, CAUSAL, DIRECT, True)
 
 
-@gluon.jit
-def _wg0_early(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
-               DIRECT: gl.constexpr):
-    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 0, CAUSAL, DIRECT, True, True)
-
-
-@gluon.jit
-def _wg1_early(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
-               DIRECT: gl.constexpr):
-    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 1, CAUSAL, DIRECT, True, True)
-
-
 @gluon.jit(do_not_specialize=["num_splits", "qlen", "heads"])
 def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache's two parts
                   # (CHUNKED: kr_desc is the cache's whole rows in [64, 64] blocks instead)
@@ -589,7 +471,7 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache'
                   stride_bt, stride_o_tok, stride_o_head, stride_lse_tok,  # direct out
                   stride_po_slot, stride_po_row, stride_pl_slot,  # fp32 partials
                   CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PAGE: gl.constexpr,
-                  CHUNKED: gl.constexpr, EARLY_MAX: gl.constexpr, num_warps: gl.constexpr):
+                  CHUNKED: gl.constexpr, num_warps: gl.constexpr):
     BM: gl.constexpr = qn_desc.block_type.shape[0]
     BN: gl.constexpr = kn_desc.block_type.shape[0]
     dtype: gl.constexpr = qn_desc.dtype
@@ -610,7 +492,6 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache'
     ready = gl.allocate_shared_memory(gl.int64, [18 if CHUNKED else 2, 1], bar_layout)
     empty = gl.allocate_shared_memory(gl.int64, [4 if CHUNKED else 2, 1], bar_layout)
     p_bars = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)  # P_a and m0; P_b and m1
-    m_bars = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)  # EARLY_MAX: m0; m1
     mbarrier.init(q_bar, count=1)
     mbarrier.init(l_bar, count=2)
     if CHUNKED:
@@ -620,8 +501,6 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache'
             mbarrier.init(empty.index(i), count=1)  # one warpgroup reads each group last
         for i in gl.static_range(2):
             mbarrier.init(p_bars.index(i), count=1)
-            if EARLY_MAX:
-                mbarrier.init(m_bars.index(i), count=1)
     else:
         for i in gl.static_range(2):
             mbarrier.init(ready.index(i), count=1)
@@ -630,7 +509,7 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache'
     fence_async_shared()
 
     bufs = (q_nope, q_rope, k_nope, k_rope, m_buf, l_buf)
-    bars = (q_bar, ready, empty, p_bars, l_bar, m_bars)
+    bars = (q_bar, ready, empty, p_bars, l_bar)
     ints = (start, end, n_tiles, seq_len, rb, b, split, num_splits, qlen, heads,
             stride_o_tok, stride_o_head, stride_lse_tok, stride_po_slot, stride_po_row,
             stride_pl_slot)
@@ -642,8 +521,8 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache'
     gl.warp_specialize([
         (_loader, ((qn_desc, qr_desc, kn_desc, kr_desc), bufs, bars, bt_row, q_row, start,
                    n_tiles, PAGE, CHUNKED)),
-        (_wg0_early if EARLY_MAX else _wg0_chunked if CHUNKED else _wg0, compute_args),
-        (_wg1_early if EARLY_MAX else _wg1_chunked if CHUNKED else _wg1, compute_args),
+        (_wg0_chunked if CHUNKED else _wg0, compute_args),
+        (_wg1_chunked if CHUNKED else _wg1, compute_args),
     ], [4, 4], [COMPUTE_REGS, COMPUTE_REGS])
 
 
@@ -661,18 +540,14 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                     seq_lens: torch.Tensor, *, qlen: int, sm_scale: float, causal: bool = True,
                     out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                     num_splits: int | None = None, max_seq_len: int | None = None,
-                    chunked: bool = False, early_max: bool = False
+                    chunked: bool = False
                     ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
     """A zero-argument launch of the seesaw decode, with the out and LSE it writes.
 
     Tensors and arguments as ``gluon_hopper.decode_launcher`` (page 64, bf16/fp16,
     ``num_splits`` None: ``pick_splits``); capturable. ``chunked``: the kernel's CHUNKED
     form (each tile copied in 64-column chunks, S started on the first; module docstring).
-    ``early_max`` (chunked only; EXPERIMENTAL, compiled, not yet run on a GPU): the
-    warpgroups trade each tile's row max before its exponentials (``_pair_wg0_early``).
     """
-    if early_max and not chunked:
-        raise ValueError("early_max is a form of the chunked kernel: pass chunked=True too")
     why = check_supported(q, kv_cache, block_table, seq_lens)
     if why is not None:
         raise ValueError(f"gluon seesaw MLA decode: {why}")
@@ -689,8 +564,8 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
         descs = (*descs[:3], _chunk_descriptor(kv_cache))
     head = (*descs, block_table, seq_lens)
     sizes = (num_splits, qlen, heads, sm_scale * LOG2E, block_table.stride(0))
-    meta = dict(CAUSAL=causal and qlen > 1, PAGE=PAGE_SIZE, CHUNKED=chunked,
-                EARLY_MAX=early_max, num_warps=NUM_WARPS, maxnreg=MAXNREG)
+    meta = dict(CAUSAL=causal and qlen > 1, PAGE=PAGE_SIZE, CHUNKED=chunked, num_warps=NUM_WARPS,
+                maxnreg=MAXNREG)
     if num_splits == 1:
         args = (*head, out, lse, *sizes, out.stride(0), out.stride(1), lse.stride(0), 0, 0, 0)
         return (lambda: seesaw_kernel[grid](*args, DIRECT=True, **meta)), out, lse
@@ -708,22 +583,22 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
 
 def seesaw_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                   seq_lens: torch.Tensor, *, qlen: int, sm_scale: float, causal: bool = True,
-                  num_splits: int | None = None, chunked: bool = False,
-                  early_max: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  num_splits: int | None = None, chunked: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """One eager call: (out, lse). See ``decode_launcher``."""
     launch, out, lse = decode_launcher(q, kv_cache, block_table, seq_lens, qlen=qlen,
                                        sm_scale=sm_scale, causal=causal, num_splits=num_splits,
-                                       chunked=chunked, early_max=early_max)
+                                       chunked=chunked)
     launch()
     return out, lse
 
 
 def aot_compile(dtype: str = "bf16", *, direct: bool = True, causal: bool = True,
-                arch: int = 90, chunked: bool = False, early_max: bool = False):
+                arch: int = 90, chunked: bool = False):
     """Compile ``seesaw_kernel`` for ``sm_<arch>`` without a GPU (triton's bundled ptxas);
     returns triton's CompiledKernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata``)."""
-    constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=PAGE_SIZE, CHUNKED=chunked or early_max,
-                     EARLY_MAX=early_max, num_warps=NUM_WARPS)
+    constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=PAGE_SIZE, CHUNKED=chunked,
+                     num_warps=NUM_WARPS)
     blocks = dict(qn_desc=(dtype, BLOCK_M, D_NOPE), qr_desc=(dtype, BLOCK_M, D_ROPE),
                   kn_desc=(dtype, BLOCK_N, D_NOPE), kr_desc=(dtype, BLOCK_N, D_ROPE))
     pointers = dict(bt_ptr="i32", seq_lens_ptr="i32", out_ptr=dtype if direct else "fp32",
