@@ -65,6 +65,7 @@ OTHERS = ("padded/triton", "dense/flashmla")
 FIRST = "wgmma/gluon"  # the first kernel (mlatune/kernels/gluon_hopper.py), as its route
 SEESAW = "seesaw/gluon"  # the warp-specialized kernel (mlatune/kernels/gluon_seesaw.py)
 SEESAW_CHUNKED = "seesaw/gluon chunked"  # its CHUNKED form: decode_launcher(chunked=True)
+SEESAW_PDL = "seesaw/gluon pdl"  # chunked, the split reduce a programmatic dependent launch
 TRANSPOSED = "transposed/gluon"  # keys as the MMA's M (mlatune/kernels/gluon_transposed.py)
 # as the route's 16-bit and widening param sets run it: the reduce (more than 2 splits) a
 # programmatic dependent launch, an fp8 cache widened by a partition of its own
@@ -79,8 +80,8 @@ TRANSPOSED_FP8MMA_1TERM = "transposed/gluon fp8mma 1term"
 TRANSPOSED_FP8MMA_DEFERRED = "transposed/gluon fp8mma deferred"  # P's sums once at the end
 FP8MMA = {TRANSPOSED_FP8MMA: {}, TRANSPOSED_FP8MMA_1TERM: {"q_terms": 1},
           TRANSPOSED_FP8MMA_DEFERRED: {"defer_sums": True}}  # launcher options
-VARIANTS = [FIRST, SEESAW, SEESAW_CHUNKED, TRANSPOSED, TRANSPOSED_PLAIN, TRANSPOSED_REDUCE,
-            TRANSPOSED_MERGE, *FP8MMA]
+VARIANTS = [FIRST, SEESAW, SEESAW_CHUNKED, SEESAW_PDL, TRANSPOSED, TRANSPOSED_PLAIN,
+            TRANSPOSED_REDUCE, TRANSPOSED_MERGE, *FP8MMA]
 # the variants' roundings past their dtypes, as check's keywords (routes.rounding): P in e4m3
 # with q's two terms, q quantized with one
 ROUNDING = {v: {"q_quantized": o.get("q_terms") == 1, "p_rounded": o.get("q_terms") != 1}
@@ -147,7 +148,8 @@ def gluon_prepare(problem, inputs, num_splits=None, variant=FIRST):
         return transposed_launcher(*args, **kwargs, kv_scale=inputs.kv_scale, merge=merge,
                                    pdl=new, ws=new and problem.kv_dtype != problem.q_dtype)
     from mlatune.kernels.gluon_seesaw import decode_launcher as seesaw_launcher
-    return seesaw_launcher(*args, **kwargs, chunked=variant == SEESAW_CHUNKED)
+    return seesaw_launcher(*args, **kwargs, chunked=variant in (SEESAW_CHUNKED, SEESAW_PDL),
+                           pdl=variant == SEESAW_PDL)
 
 
 def route_prepare(route_id, problem, inputs):
@@ -361,6 +363,8 @@ def summary(point, rows) -> str:
         parts.append(f"seesaw {seesaw:.1f} us (seesaw/first {seesaw / first:.2f}x)")
     if not math.isnan(chunked):
         parts.append(f"chunked {chunked:.1f} us (chunked/seesaw {chunked / seesaw:.2f}x)")
+    if not math.isnan(pdl := t.get(SEESAW_PDL, math.nan)):
+        parts.append(f"pdl {pdl:.1f} us (pdl/chunked {pdl / chunked:.2f}x)")
     for rid in OTHERS:
         if not math.isnan(t.get(rid, math.nan)):
             parts.append(f"{rid} {t[rid]:.1f} us (gluon/{rid.split('/')[0]} {g / t[rid]:.2f}x)")

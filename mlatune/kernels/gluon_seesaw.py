@@ -471,12 +471,12 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache'
                   stride_bt, stride_o_tok, stride_o_head, stride_lse_tok,  # direct out
                   stride_po_slot, stride_po_row, stride_pl_slot,  # fp32 partials
                   CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PAGE: gl.constexpr,
-                  CHUNKED: gl.constexpr, num_warps: gl.constexpr):
+                  CHUNKED: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr):
     BM: gl.constexpr = qn_desc.block_type.shape[0]
     BN: gl.constexpr = kn_desc.block_type.shape[0]
     dtype: gl.constexpr = qn_desc.dtype
     rb, split, b, seq_len, start, end, n_tiles = program_keys(
-        seq_lens_ptr, num_splits, qlen, heads, BM, BN, CAUSAL, False)
+        seq_lens_ptr, num_splits, qlen, heads, BM, BN, CAUSAL, PDL)
 
     q_nope = gl.allocate_shared_memory(dtype, qn_desc.block_type.shape, qn_desc.layout)
     q_rope = gl.allocate_shared_memory(dtype, qr_desc.block_type.shape, qr_desc.layout)
@@ -540,13 +540,15 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                     seq_lens: torch.Tensor, *, qlen: int, sm_scale: float, causal: bool = True,
                     out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                     num_splits: int | None = None, max_seq_len: int | None = None,
-                    chunked: bool = False
+                    chunked: bool = False, pdl: bool = False
                     ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
     """A zero-argument launch of the seesaw decode, with the out and LSE it writes.
 
     Tensors and arguments as ``gluon_hopper.decode_launcher`` (page 64, bf16/fp16,
     ``num_splits`` None: ``pick_splits``); capturable. ``chunked``: the kernel's CHUNKED
     form (each tile copied in 64-column chunks, S started on the first; module docstring).
+    ``pdl``: with more than one split, the reduce kernel is a programmatic dependent launch,
+    started as this kernel's blocks begin (``gluon_common.program_keys``).
     """
     why = check_supported(q, kv_cache, block_table, seq_lens)
     if why is not None:
@@ -568,14 +570,14 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                 maxnreg=MAXNREG)
     if num_splits == 1:
         args = (*head, out, lse, *sizes, out.stride(0), out.stride(1), lse.stride(0), 0, 0, 0)
-        return (lambda: seesaw_kernel[grid](*args, DIRECT=True, **meta)), out, lse
+        return (lambda: seesaw_kernel[grid](*args, DIRECT=True, PDL=False, **meta)), out, lse
 
-    part_out, part_lse, reduce = partials_and_merge(out, lse, batch, num_splits, qlen)
+    part_out, part_lse, reduce = partials_and_merge(out, lse, batch, num_splits, qlen, pdl)
     args = (*head, part_out, part_lse, *sizes, 0, 0, 0, part_out.stride(0), part_out.stride(1),
             part_lse.stride(0))
 
     def launch_split() -> None:
-        seesaw_kernel[grid](*args, DIRECT=False, **meta)
+        seesaw_kernel[grid](*args, DIRECT=False, PDL=pdl, **meta)
         reduce()
 
     return launch_split, out, lse
@@ -583,22 +585,22 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
 
 def seesaw_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                   seq_lens: torch.Tensor, *, qlen: int, sm_scale: float, causal: bool = True,
-                  num_splits: int | None = None, chunked: bool = False
+                  num_splits: int | None = None, chunked: bool = False, pdl: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """One eager call: (out, lse). See ``decode_launcher``."""
     launch, out, lse = decode_launcher(q, kv_cache, block_table, seq_lens, qlen=qlen,
                                        sm_scale=sm_scale, causal=causal, num_splits=num_splits,
-                                       chunked=chunked)
+                                       chunked=chunked, pdl=pdl)
     launch()
     return out, lse
 
 
 def aot_compile(dtype: str = "bf16", *, direct: bool = True, causal: bool = True,
-                arch: int = 90, chunked: bool = False):
+                arch: int = 90, chunked: bool = False, pdl: bool = False):
     """Compile ``seesaw_kernel`` for ``sm_<arch>`` without a GPU (triton's bundled ptxas);
     returns triton's CompiledKernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata``)."""
     constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=PAGE_SIZE, CHUNKED=chunked,
-                     num_warps=NUM_WARPS)
+                     PDL=pdl and not direct, num_warps=NUM_WARPS)
     blocks = dict(qn_desc=(dtype, BLOCK_M, D_NOPE), qr_desc=(dtype, BLOCK_M, D_ROPE),
                   kn_desc=(dtype, BLOCK_N, D_NOPE), kr_desc=(dtype, BLOCK_N, D_ROPE))
     pointers = dict(bt_ptr="i32", seq_lens_ptr="i32", out_ptr=dtype if direct else "fp32",
