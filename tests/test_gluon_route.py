@@ -208,7 +208,7 @@ def test_both_gluon_routes_serve_the_same_problems_with_the_same_splits():
                     _p(batch=8, dcp_size=2)):
         assert [p["num_splits"] for p in seesaw.param_space(problem, H200)] == \
             [p["num_splits"] for p in wgmma.param_space(problem, H200)]
-        assert all(p["chunked"] for p in seesaw.param_space(problem, H200))
+        assert all(p["chunked"] and p["pdl"] for p in seesaw.param_space(problem, H200))
     assert seesaw.sized_params == wgmma.sized_params
 
 
@@ -287,6 +287,8 @@ def test_a_stored_param_set_without_an_option_runs_what_it_ran(monkeypatch):
     assert route.prepare(problem, inputs, params={"num_splits": 2, "chunked": True}) \
         .params["chunked"] is True
     assert [call["chunked"] for call in fake.calls] == [True, False, True]
+    # pdl likewise: the route's sets launch the reduce as a dependent, stored sets do not.
+    assert [call["pdl"] for call in fake.calls] == [True, False, False]
     assert "chunked" not in inspect.signature(gluon_transposed.decode_launcher).parameters
 
 
@@ -336,19 +338,21 @@ def test_the_transposed_launcher_hands_ws_to_its_warp_specialized_form(monkeypat
 def test_a_stored_seesaw_row_keeps_its_form_and_rescales_its_split_at_a_neighbour():
     """A shipped seesaw row (no ``chunked``: the unchunked form was timed) carried from batch
     1 to batch 64: its split is redone as wgmma/gluon's is, its form kept; an empty set
-    (a rule's fallback) is the route's first set, chunked."""
+    (a rule's fallback) is the route's first set, chunked (and with pdl)."""
     seesaw, wgmma = routes.get("seesaw/gluon"), routes.get(ROUTE)
     measured, asked = _p(batch=1), _p(batch=64)
     stored = {"num_splits": wgmma.param_space(measured, H200)[0]["num_splits"]}
     moved = routes.params_at(seesaw, stored, measured, asked, H200)
-    assert moved == {**routes.params_at(wgmma, stored, measured, asked, H200), "chunked": False}
+    assert moved == {**routes.params_at(wgmma, stored, measured, asked, H200), "chunked": False,
+                     "pdl": False}
     assert moved["num_splits"] != stored["num_splits"]
     new = routes.params_at(seesaw, seesaw.param_space(measured, H200)[0], measured, asked, H200)
     assert new == seesaw.param_space(asked, H200)[0] and new["chunked"] is True
     first = seesaw.param_space(asked, H200)[0]
     assert routes.with_defaults(seesaw, {}, first) == first
     assert routes.with_defaults(seesaw, None, first) == first
-    assert routes.with_defaults(seesaw, stored, first) == {**stored, "chunked": False}
+    assert routes.with_defaults(seesaw, stored, first) == {**stored, "chunked": False,
+                                                           "pdl": False}
     assert routes.with_defaults(wgmma, stored, first) == {**first, **stored}
 
 
@@ -358,7 +362,8 @@ def test_the_report_times_a_stored_seesaw_choice_as_it_ran():
     problem = _p(batch=2)
     splits = routes.get("seesaw/gluon").param_space(problem, H200)[0]["num_splits"]
     timed = {(problem.key, "seesaw/gluon"): [({"num_splits": splits, "chunked": False}, 10.0),
-                                             ({"num_splits": splits, "chunked": True}, 9.0)]}
+                                             ({"num_splits": splits, "chunked": True,
+                                               "pdl": True}, 9.0)]}
     assert time_with(timed, problem, "seesaw/gluon", {"num_splits": splits}, H200) == 10.0
     assert time_with(timed, problem, "seesaw/gluon", {}, H200) == 9.0
     # A journal written before the option: its runs' params lack it too.
