@@ -1,0 +1,56 @@
+"""No register of an in-flight wgmma touched (tests/sass_hazards.py) in the Gluon decodes'
+builds for sm_90 (triton 3.6.0; the prefill's builds: tests/test_gluon_prefill.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import sass_hazards
+from tests.test_gluon_compile import _needs_gluon_triton
+
+BUILDS = {  # name: (module under mlatune.kernels, aot_compile keywords, wgmmas, A from registers)
+    "hopper": ("gluon_hopper", {}, 40, 0),
+    "seesaw": ("gluon_seesaw", {}, 88, 8),
+    "seesaw-chunked-split": ("gluon_seesaw", {"chunked": True, "direct": False, "pdl": True},
+                             88, 8),
+    "transposed": ("gluon_transposed", {"dtype": "bf16"}, 68, 0),
+    "transposed-fp8mma-deferred": ("gluon_transposed_fp8",
+                                   {"dtype": "bf16", "rows": 16, "direct": False,
+                                    "defer_sums": True}, 88, 0),
+}
+
+
+@pytest.mark.parametrize("name", list(BUILDS))
+def test_no_register_of_an_inflight_wgmma_is_touched(name):
+    _needs_gluon_triton()
+    import importlib
+
+    module, options, mmas, with_a = BUILDS[name]
+    kernel = importlib.import_module(f"mlatune.kernels.{module}").aot_compile(**options)
+    assert sass_hazards.hazards(sass_hazards.listing(kernel)) == (mmas, with_a, [])
+
+
+def _sass(*lines: str) -> str:
+    return "\n".join(f"        /*{16 * i:04x}*/  {text} ;" for i, text in enumerate(lines))
+
+
+def test_the_check_follows_commit_groups_branches_and_loops():
+    """A synthetic listing (runs without triton 3.6): P.V with A in R40 and its accumulator
+    in R0-R63 (64 x 128 fp32), S into R64-R127 in the group before it."""
+    s_then_pv = ("QGMMA.64x128x32.F32.E4M3.E4M3 R64, gdesc[UR4], RZ, !UPT, gsb0",
+                 "QGMMA.64x128x32.F32.E4M3.E4M3 R0, R40, gdesc[UR8], R0, gsb0")
+    # Waiting for S only (one group left in flight) frees S's registers, not P's or O's.
+    ok = _sass(*s_then_pv, "WARPGROUP.DEPBAR.LE gsb0, 0x1", "FADD R130, R64, R65",
+               "WARPGROUP.DEPBAR.LE gsb0, 0x0", "F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C R40, "
+               "R1, R0, RZ", "EXIT")
+    assert sass_hazards.hazards(ok) == (2, 1, [])
+    early_p = _sass(*s_then_pv, "WARPGROUP.DEPBAR.LE gsb0, 0x1", "IMAD.MOV.U32 R41, RZ, RZ, R3",
+                    "WARPGROUP.DEPBAR.LE gsb0, 0x0", "EXIT")
+    assert len(sass_hazards.hazards(early_p)[2]) == 1
+    early_s = _sass(*s_then_pv, "FMUL R130, R70, R71", "WARPGROUP.DEPBAR.LE gsb0, 0x0", "EXIT")
+    assert len(sass_hazards.hazards(early_s)[2]) == 1
+    # A loop whose back edge reaches a read of O with P.V still in flight (only on that path).
+    looped = _sass("FADD R130, R2, R3",  # 0x0000: O read; fine the first time
+                   "QGMMA.64x128x32.F32.E4M3.E4M3 R0, R40, gdesc[UR8], R0, gsb0",
+                   "@P0 BRA 0x0", "WARPGROUP.DEPBAR.LE gsb0, 0x0", "EXIT")
+    assert [h.split(":")[0] for h in sass_hazards.hazards(looped)[2]] == ["0x0"]
