@@ -66,6 +66,7 @@ FIRST = "wgmma/gluon"  # the first kernel (mlatune/kernels/gluon_hopper.py), as 
 SEESAW = "seesaw/gluon"  # the warp-specialized kernel (mlatune/kernels/gluon_seesaw.py)
 SEESAW_CHUNKED = "seesaw/gluon chunked"  # its CHUNKED form: decode_launcher(chunked=True)
 SEESAW_PDL = "seesaw/gluon pdl"  # chunked, the split reduce a programmatic dependent launch
+SEESAW_LEAD = "seesaw/gluon lead"  # chunked + pdl, each S's first chunks given more lead
 TRANSPOSED = "transposed/gluon"  # keys as the MMA's M (mlatune/kernels/gluon_transposed.py)
 # as the route's 16-bit and widening param sets run it: the reduce (more than 2 splits) a
 # programmatic dependent launch, an fp8 cache widened by a partition of its own
@@ -80,7 +81,7 @@ TRANSPOSED_FP8MMA_1TERM = "transposed/gluon fp8mma 1term"
 TRANSPOSED_FP8MMA_DEFERRED = "transposed/gluon fp8mma deferred"  # P's sums once at the end
 FP8MMA = {TRANSPOSED_FP8MMA: {}, TRANSPOSED_FP8MMA_1TERM: {"q_terms": 1},
           TRANSPOSED_FP8MMA_DEFERRED: {"defer_sums": True}}  # launcher options
-VARIANTS = [FIRST, SEESAW, SEESAW_CHUNKED, SEESAW_PDL, TRANSPOSED, TRANSPOSED_PLAIN,
+VARIANTS = [FIRST, SEESAW, SEESAW_CHUNKED, SEESAW_PDL, SEESAW_LEAD, TRANSPOSED, TRANSPOSED_PLAIN,
             TRANSPOSED_REDUCE, TRANSPOSED_MERGE, *FP8MMA]
 # the variants' roundings past their dtypes, as check's keywords (routes.rounding): P in e4m3
 # with q's two terms, q quantized with one
@@ -92,7 +93,7 @@ FP8_VARIANTS = (TRANSPOSED, TRANSPOSED_PLAIN, TRANSPOSED_REDUCE, TRANSPOSED_MERG
 # Not run unless --experimental (a hang would stop the smoke, and with it every Gluon timing):
 # kernels whose current form had not run on a GPU when added (deferred has since: correct and
 # faster on the H200, 2026-12-01, session 13; the route's fp8_mma sets now use it).
-EXPERIMENTAL: tuple[str, ...] = (TRANSPOSED_FP8MMA_DEFERRED,)
+EXPERIMENTAL: tuple[str, ...] = (TRANSPOSED_FP8MMA_DEFERRED, SEESAW_LEAD)
 SKIPPED: set[str] = set()  # --skip (the child smoke run gets it through the environment)
 DEVICE = "cuda"  # a dry run of the plumbing may set "cpu" (with a stand-in kernel)
 
@@ -148,8 +149,9 @@ def gluon_prepare(problem, inputs, num_splits=None, variant=FIRST):
         return transposed_launcher(*args, **kwargs, kv_scale=inputs.kv_scale, merge=merge,
                                    pdl=new, ws=new and problem.kv_dtype != problem.q_dtype)
     from mlatune.kernels.gluon_seesaw import decode_launcher as seesaw_launcher
-    return seesaw_launcher(*args, **kwargs, chunked=variant in (SEESAW_CHUNKED, SEESAW_PDL),
-                           pdl=variant == SEESAW_PDL)
+    return seesaw_launcher(*args, **kwargs,
+                           chunked=variant in (SEESAW_CHUNKED, SEESAW_PDL, SEESAW_LEAD),
+                           pdl=variant in (SEESAW_PDL, SEESAW_LEAD), lead=variant == SEESAW_LEAD)
 
 
 def route_prepare(route_id, problem, inputs):
@@ -365,6 +367,8 @@ def summary(point, rows) -> str:
         parts.append(f"chunked {chunked:.1f} us (chunked/seesaw {chunked / seesaw:.2f}x)")
     if not math.isnan(pdl := t.get(SEESAW_PDL, math.nan)):
         parts.append(f"pdl {pdl:.1f} us (pdl/chunked {pdl / chunked:.2f}x)")
+    if not math.isnan(lead := t.get(SEESAW_LEAD, math.nan)):
+        parts.append(f"lead {lead:.1f} us (lead/pdl {lead / pdl:.2f}x)")
     for rid in OTHERS:
         if not math.isnan(t.get(rid, math.nan)):
             parts.append(f"{rid} {t[rid]:.1f} us (gluon/{rid.split('/')[0]} {g / t[rid]:.2f}x)")

@@ -17,16 +17,18 @@ from tests.test_gluon_compile import HOPPER_SMEM, _needs_gluon_triton
 
 
 @pytest.fixture(scope="module",
-                params=[("bf16", True, True, False), ("fp16", False, False, False),
-                        ("bf16", True, True, True), ("fp16", False, False, True)],
+                params=[("bf16", True, True, ""), ("fp16", False, False, ""),
+                        ("bf16", True, True, "chunked"), ("fp16", False, False, "chunked"),
+                        ("bf16", False, True, "lead")],
                 ids=["bf16-direct-causal", "fp16-split", "chunked-bf16-direct-causal",
-                     "chunked-fp16-split"])
+                     "chunked-fp16-split", "lead-bf16-split-causal"])
 def compiled(request):
     _needs_gluon_triton()
     from mlatune.kernels import gluon_seesaw as s
-    dtype, direct, causal, chunked = request.param
-    kernel = s.aot_compile(dtype, direct=direct, causal=causal, chunked=chunked)
-    kernel.chunked = chunked  # for the tests that tell the two forms apart
+    dtype, direct, causal, form = request.param
+    kernel = s.aot_compile(dtype, direct=direct, causal=causal, chunked=bool(form),
+                           lead=form == "lead")
+    kernel.chunked = bool(form)  # for the tests that tell the forms apart (lead is chunked)
     return kernel
 
 
@@ -89,6 +91,12 @@ def test_fits_shared_memory_without_spills(compiled):
     # A few scalars spill in one warpgroup (ptxas, 240 registers); the accumulators do not.
     # The chunked form spills less (24 bytes against 72 at triton 3.6.0).
     assert resources(compiled)["stack"] <= (48 if compiled.chunked else 128)
+
+
+def test_lead_is_a_form_of_the_chunked_kernel():
+    from mlatune.kernels import gluon_seesaw as s
+    with pytest.raises(ValueError, match="chunked"):
+        s.decode_launcher(*[None] * 4, qlen=1, sm_scale=0.1, lead=True)
 
 
 def test_refuses_what_gluon_hopper_refuses():
