@@ -47,12 +47,17 @@ def main(argv: list[str] | None = None) -> int:
     old, new = table.read(args.table), table.read(args.new)
     if args.where:
         new = new.query(args.where)
+    if new.empty:
+        print(f"no rows of {args.new} to replace with{' (--where matched none)' * bool(args.where)}"
+              f": nothing written", file=sys.stderr)
+        return 1
     kept = rows_kept(old, new)
     print(f"{len(old) - len(kept)} of {len(old)} rows replaced by {len(new)} rows of {args.new}")
     with tempfile.TemporaryDirectory() as tmp:
-        # Each part is written as a valid table (ranks recounted over the rows it keeps).
+        # Each part is written as a valid table (ranks recounted over the rows it keeps); a
+        # table every row of which is replaced leaves no part to write.
         parts = [table.write(table.assign_ranks(part), Path(tmp) / f"{name}.parquet")
-                 for name, part in (("kept", kept), ("new", new))]
+                 for name, part in (("kept", kept), ("new", new)) if not part.empty]
         return subprocess.run([sys.executable, "-m", "mlatune", "merge", str(args.out),
                                *map(str, parts), "--allow-different-specs"]).returncode
 

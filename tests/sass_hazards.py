@@ -23,6 +23,7 @@ _MAX_GROUPS = 8
 # Opcodes whose first operand is not a register they write.
 _NO_DEST = ("ST", "SYNCS", "BAR", "UTMA", "BRA", "EXIT", "RED", "WARPGROUP", "FENCE", "MEMBAR",
             "BSYNC", "BSSY", "NOP", "WARPSYNC", "RET", "CALL", "ATOM")
+_PREDICATES_ONLY = ("ISETP", "FSETP", "DSETP", "HSETP2", "PSETP", "PLOP3")
 
 
 @dataclass(frozen=True)
@@ -76,11 +77,16 @@ def _width(op: str) -> int:
 
 
 def _touches(ins: Instruction) -> tuple[set[int], set[int]]:
-    """(registers written, registers read) by a non-wgmma instruction."""
+    """(registers written, registers read) by a non-wgmma instruction. A predicate written
+    beside the register (``SHFL.BFLY PT, R1, ...``, ``LOP3.LUT P0, R1, ...``) comes first;
+    the compares write predicates only."""
     operands, written = list(ins.operands), set()
     width = _width(ins.op)
-    if operands and not ins.op.startswith(_NO_DEST) and re.match(r"^R\d+", operands[0]):
-        written = _registers(operands.pop(0), width)
+    if not ins.op.startswith(_NO_DEST + _PREDICATES_ONLY):
+        while operands and re.match(r"^!?U?P(T|\d+)$", operands[0]):
+            operands.pop(0)
+        if operands and re.match(r"^R\d+", operands[0]):
+            written = _registers(operands.pop(0), width)
     read = set()
     for token in operands:
         read |= _registers(token, width if ins.op.startswith("ST") else 1)

@@ -97,6 +97,19 @@ def test_lead_is_a_form_of_the_chunked_kernel():
     from mlatune.kernels import gluon_seesaw as s
     with pytest.raises(ValueError, match="chunked"):
         s.decode_launcher(*[None] * 4, qlen=1, sm_scale=0.1, lead=True)
+    with pytest.raises(ValueError, match="chunked"):
+        s.aot_compile(lead=True)
+
+
+def test_lead_reorders_the_copies_and_reads_only():
+    """The lead form changes the order of slot 1's copies and S reads (and WG0's release),
+    not what is waited for."""
+    _needs_gluon_triton()
+    from mlatune.kernels import gluon_seesaw as s
+    lead, chunked = (s.aot_compile(direct=False, chunked=True, lead=flag).asm["ptx"]
+                     for flag in (True, False))
+    assert lead != chunked
+    assert lead.count("mbarrier.try_wait") == chunked.count("mbarrier.try_wait")
 
 
 def test_refuses_what_gluon_hopper_refuses():

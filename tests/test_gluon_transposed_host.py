@@ -97,8 +97,10 @@ def test_gluon_check_keeps_unrun_kernels_behind_experimental_and_its_roundings_h
     assert set(gc.FP8_ONLY) <= set(gc.variants_for("fp8")) | gc.SKIPPED
     saved = set(gc.SKIPPED)
     try:
+        assert set(gc.EXPERIMENTAL) & set(gc.variants_for("bf16") + gc.variants_for("fp8"))
         gc.SKIPPED.update(gc.EXPERIMENTAL)
-        assert not set(gc.variants_for("fp8")) & set(gc.EXPERIMENTAL)
+        for dtype in ("bf16", "fp8"):
+            assert not set(gc.variants_for(dtype)) & set(gc.EXPERIMENTAL)
         assert gc.TRANSPOSED in gc.variants_for("fp8")
     finally:
         gc.SKIPPED.clear()

@@ -159,7 +159,11 @@ GLUON_CASES = [  # (heads, batch, qlen, kv_len, causal, ragged)
 ]
 
 
-@pytest.mark.parametrize("params", GLUON_PARAM_SETS, ids=lambda p: f"stages{p['num_stages']}"
+# The route's Gluon sets, and the plain form a set stored without the newer flags runs.
+GLUON_RUNS = [*GLUON_PARAM_SETS, {"kernel": "gluon", "num_stages": 3, "grouped": True}]
+
+
+@pytest.mark.parametrize("params", GLUON_RUNS, ids=lambda p: f"stages{p['num_stages']}"
                          + ("-paired" if p.get("paired") else "")
                          + ("-permuted" if p.get("permuted_v") else "")
                          + ("-pingpong" if p.get("pingpong") else ""))
@@ -170,7 +174,7 @@ def test_gluon_fp8_kernel(device, case, params):
     P in registers) on poisoned outputs, eager and replayed from a CUDA graph."""
     heads, batch, qlen, kv_len, causal, ragged = case
     problem = prefill(heads, batch, qlen, kv_len, fp8_for(device), causal)
-    if params not in routes.get("fp8-ps/triton").param_space(problem, device):
+    if GLUON_PARAM_SETS[0] not in routes.get("fp8-ps/triton").param_space(problem, device):
         pytest.skip(f"the Gluon fp8 prefill is not offered on {device.arch} with this triton")
     prepared = run_and_check("fp8-ps/triton", problem, device, ragged=ragged, params=params)
     assert prepared.params["kernel"] == "gluon"

@@ -13,7 +13,7 @@ BUILDS = {  # name: (module under mlatune.kernels, aot_compile keywords, wgmmas,
     "seesaw": ("gluon_seesaw", {}, 88, 8),
     "seesaw-chunked-split": ("gluon_seesaw", {"chunked": True, "direct": False, "pdl": True},
                              88, 8),
-    "seesaw-lead": ("gluon_seesaw", {"lead": True, "direct": False}, 88, 8),
+    "seesaw-lead": ("gluon_seesaw", {"chunked": True, "lead": True, "direct": False}, 88, 8),
     "transposed": ("gluon_transposed", {"dtype": "bf16"}, 68, 0),
     "transposed-fp8mma-deferred": ("gluon_transposed_fp8",
                                    {"dtype": "bf16", "rows": 16, "direct": False,
@@ -36,22 +36,27 @@ def _sass(*lines: str) -> str:
 
 
 def test_the_check_follows_commit_groups_branches_and_loops():
-    """A synthetic listing (runs without triton 3.6): P.V with A in R40 and its accumulator
+    """A synthetic listing (runs without triton 3.6): P.V with A in R200 and its accumulator
     in R0-R63 (64 x 128 fp32), S into R64-R127 in the group before it."""
     s_then_pv = ("QGMMA.64x128x32.F32.E4M3.E4M3 R64, gdesc[UR4], RZ, !UPT, gsb0",
-                 "QGMMA.64x128x32.F32.E4M3.E4M3 R0, R40, gdesc[UR8], R0, gsb0")
+                 "QGMMA.64x128x32.F32.E4M3.E4M3 R0, R200, gdesc[UR8], R0, gsb0")
     # Waiting for S only (one group left in flight) frees S's registers, not P's or O's.
     ok = _sass(*s_then_pv, "WARPGROUP.DEPBAR.LE gsb0, 0x1", "FADD R130, R64, R65",
-               "WARPGROUP.DEPBAR.LE gsb0, 0x0", "F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C R40, "
+               "WARPGROUP.DEPBAR.LE gsb0, 0x0", "F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C R200, "
                "R1, R0, RZ", "EXIT")
     assert sass_hazards.hazards(ok) == (2, 1, [])
-    early_p = _sass(*s_then_pv, "WARPGROUP.DEPBAR.LE gsb0, 0x1", "IMAD.MOV.U32 R41, RZ, RZ, R3",
+    early_p = _sass(*s_then_pv, "WARPGROUP.DEPBAR.LE gsb0, 0x1", "IMAD.MOV.U32 R201, RZ, RZ, R150",
                     "WARPGROUP.DEPBAR.LE gsb0, 0x0", "EXIT")
     assert len(sass_hazards.hazards(early_p)[2]) == 1
     early_s = _sass(*s_then_pv, "FMUL R130, R70, R71", "WARPGROUP.DEPBAR.LE gsb0, 0x0", "EXIT")
     assert len(sass_hazards.hazards(early_s)[2]) == 1
+    # A write after a predicate destination (a shuffle), and a compare that only reads.
+    shuffled = _sass(*s_then_pv, "SHFL.BFLY PT, R201, R150, 0x1, 0x1f",
+                     "ISETP.GE.AND P0, PT, R200, R150, PT", "WARPGROUP.DEPBAR.LE gsb0, 0x0", "EXIT")
+    assert [h.split(": ")[1] for h in sass_hazards.hazards(shuffled)[2]] == \
+        ["SHFL.BFLY PT, R201, R150, 0x1, 0x1f"]
     # A loop whose back edge reaches a read of O with P.V still in flight (only on that path).
     looped = _sass("FADD R130, R2, R3",  # 0x0000: O read; fine the first time
-                   "QGMMA.64x128x32.F32.E4M3.E4M3 R0, R40, gdesc[UR8], R0, gsb0",
+                   "QGMMA.64x128x32.F32.E4M3.E4M3 R0, R200, gdesc[UR8], R0, gsb0",
                    "@P0 BRA 0x0", "WARPGROUP.DEPBAR.LE gsb0, 0x0", "EXIT")
     assert [h.split(":")[0] for h in sass_hazards.hazards(looped)[2]] == ["0x0"]

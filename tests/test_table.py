@@ -341,6 +341,12 @@ def test_replace_rows_keeps_the_newer_row_even_when_slower(tmp_path):
     assert out.loc[(4, "a/fake"), "time_us"] == 15.0  # newer and slower: kept
     assert out.loc[(4, "a/fake"), "rank"] == 2 and out.loc[(4, "b/fake"), "rank"] == 1
     assert out.loc[(8, "a/fake"), "time_us"] == 20.0  # not picked by --where
+    # Nothing to replace with: refused, nothing written; every row replaced: the new ones.
+    assert rr.main([*map(str, paths), str(tmp_path / "none.parquet"), "--where",
+                    "batch == 99"]) == 1
+    assert not (tmp_path / "none.parquet").exists()
+    assert rr.main([str(paths[1]), str(paths[1]), str(tmp_path / "all.parquet")]) == 0
+    assert len(table.read(tmp_path / "all.parquet")) == 2
 
 
 def test_merge_refuses_one_device_measured_in_two_environments():

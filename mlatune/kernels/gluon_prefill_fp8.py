@@ -258,7 +258,7 @@ def _key_tile(t, g, n_tiles, s, state, block, P_SHIFT: gl.constexpr,
     # one, and nothing between the issue and this wait writes them (checked in the SASS by
     # tests/test_gluon_prefill.py).
     s_next, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, acc))
-    gl.thread_barrier()  # every warp is past both products (one thread arrives)
+    gl.thread_barrier()  # every warp is past both products (so is arrive's own bar.sync)
     mbarrier.arrive(kv_empty.index(cur))
     return s_next, acc, m_i, l_i
 
@@ -356,7 +356,8 @@ def _pingpong_tiles(W: gl.constexpr, g0, n_tiles, k0, state, block, turns,
         p, m_i, l_i, alpha = _tile_softmax(s, qk_scale, m_i, l_i, bounds[0] + t * BN,
                                            bounds, P_SHIFT)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        mbarrier.arrive(kv_empty.index((g - 1) % S))  # (arrive syncs the warpgroup first)
+        mbarrier.arrive(kv_empty.index((g - 1) % S))  # (triton 3.6 puts a bar.sync of the
+        # warpgroup before the one thread's arrive: every warp is past P V)
     g = g0 + n_tiles - 1
     _take_turn(turns, W, k0 + n_tiles)
     p8 = _pv_operand(p, vt, o_layout, PERMUTED_V)
@@ -585,6 +586,8 @@ def aot_compile(*, causal: bool = True, has_scales: bool = True, tile_q: int = 2
                 pingpong: bool = False, out_dtype: str = "bf16", arch: int = 90):
     """Compile ``prefill_fp8_kernel`` for ``sm_<arch>`` without a GPU; returns triton's
     CompiledKernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata``)."""
+    if paired and pingpong:
+        raise ValueError("paired and pingpong are two orders of the key walk: pick one")
     constants = dict(CAUSAL=causal, HAS_SCALES=has_scales, TILE_Q=tile_q, STAGES=stages,
                      INFO_COLUMNS=WORK_INFO_COLUMNS, P_SHIFT=fp8_p_shift(torch.float8_e4m3fn),
                      PAIRED=paired, PERMUTED_V=permuted_v, PINGPONG=pingpong,

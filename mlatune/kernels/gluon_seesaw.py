@@ -64,7 +64,8 @@ slot 1, so its S waits out the copy's whole latency every pair. Chunked:
   WG0's next S starts on columns 0-255 that WG0 itself freed half a pair earlier.
 The same ops otherwise; stale-row zeroing of tile a by WG0 moves after S (which has
 waited for every chunk). Compiled (triton 3.6.0, sm_90a): 26 mbarriers, 222,688 bytes
-of shared memory, 24 bytes of spills (72 above), no wgmma serialization.
+of shared memory, 24 bytes of spills (72 above), no wgmma serialization. The LEAD form
+(``decode_launcher(lead=True)``, EXPERIMENTAL) copies and reads slot 1's columns 0-255 first.
 
 Tried and dropped (H200, 2026-12-01, session 13, commit 636020d): the warpgroups handing
 each tile's row max over on barriers of their own before the exponentials, P_a after WG1's
@@ -214,10 +215,10 @@ def _load_rope(kc_desc, kn, kr, ready, SLOT: gl.constexpr, row):
 
 @gluon.jit
 def _scores_chunked(q_nope, q_rope, kn, kr, ready, SLOT: gl.constexpr, ph, pred,
-                    s_layout: gl.constexpr, LEAD: gl.constexpr = False):
+                    s_layout: gl.constexpr, LEAD: gl.constexpr):
     """S = Q K^T of the tile in slot SLOT, each 64-column step issued as soon as its chunk
-    has landed, in the order the loader copies them (``_load_tile_chunked``: the first V
-    half, the other, rope last)."""
+    has landed, the V halves in the order the loader copies them (``_load_tile_chunked``),
+    the rope part last (LEAD copies slot 1's with the first half)."""
     W: gl.constexpr = kr.shape[1]
     BM: gl.constexpr = q_nope.shape[0]
     BN: gl.constexpr = kn.shape[0]
@@ -299,7 +300,7 @@ def _halves(kn_a, kn_b, half: gl.constexpr, s_layout: gl.constexpr, o_layout: gl
 @gluon.jit
 def _pair_wg0(bufs, kv, bars, ph, n0, end, has_b, last_pos, qk_scale, m_run, l_run, acc,
               s_layout: gl.constexpr, o_layout: gl.constexpr, CHUNKED: gl.constexpr,
-              LEAD: gl.constexpr = False):
+              LEAD: gl.constexpr):
     """WG0's half of a pair: its own tile a (slot 0), then WG1's tile b (slot 1). LEAD: its
     half of slot 0 is released as soon as its P_a V_a is done, before WG1's P_b is awaited."""
     q_nope, q_rope, m_buf = bufs[0], bufs[1], bufs[4]
@@ -344,7 +345,7 @@ def _pair_wg0(bufs, kv, bars, ph, n0, end, has_b, last_pos, qk_scale, m_run, l_r
 @gluon.jit
 def _pair_wg1(bufs, kv, bars, ph, n0, end, has_b, last_pos, qk_scale, m_run, l_run, acc,
               s_layout: gl.constexpr, o_layout: gl.constexpr, CHUNKED: gl.constexpr,
-              LEAD: gl.constexpr = False):
+              LEAD: gl.constexpr):
     """WG1's half of a pair: S of its own tile b first, WG0's P_a V_a while S_b finishes."""
     kn_a, kr_a, kn_b, kr_b = kv
     q_nope, q_rope, m_buf = bufs[0], bufs[1], bufs[4]
@@ -648,7 +649,9 @@ def aot_compile(dtype: str = "bf16", *, direct: bool = True, causal: bool = True
                 lead: bool = False):
     """Compile ``seesaw_kernel`` for ``sm_<arch>`` without a GPU (triton's bundled ptxas);
     returns triton's CompiledKernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata``)."""
-    constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=PAGE_SIZE, CHUNKED=chunked or lead,
+    if lead and not chunked:
+        raise ValueError("lead is a form of the chunked kernel: pass chunked=True too")
+    constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=PAGE_SIZE, CHUNKED=chunked,
                      PDL=pdl and not direct, LEAD=lead, num_warps=NUM_WARPS)
     blocks = dict(qn_desc=(dtype, BLOCK_M, D_NOPE), qr_desc=(dtype, BLOCK_M, D_ROPE),
                   kn_desc=(dtype, BLOCK_N, D_NOPE), kr_desc=(dtype, BLOCK_N, D_ROPE))
