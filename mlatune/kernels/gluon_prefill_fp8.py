@@ -66,6 +66,11 @@ STAGES = 3  # ring slots of (k, v^T) tiles beside two query blocks (40 KB a slot
 NUM_WARPS = 4  # the loader (the default partition); each MMA warpgroup is 4 more
 MAXNREG = 168  # 12 warps: the MMA warpgroups rise to theirs, the loader keeps the rest
 MMA_REGS = gl.constexpr(240)
+# A warpgroup's wgmma accumulators: S (64 rows x a key tile) and O (64 rows x v's width).
+S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_N, 32]))
+O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, D_V, 32]))
 FP8 = (torch.float8_e4m3fn, )
 
 __all__ = ["GluonPrefill", "aot_compile", "prefill_fp8_kernel"]
@@ -276,8 +281,7 @@ def _lookahead_tiles(g0, n_tiles, state, block, P_SHIFT: gl.constexpr, PAIRED: g
     kv_ready = bars[0]
     S: gl.constexpr = k_a.shape[0]
     BN: gl.constexpr = k_a.shape[1]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BN, 32])
+    s_layout: gl.constexpr = S_LAYOUT
     s = gl.zeros([acc.shape[0], BN], gl.float32, layout=s_layout)
     if n_tiles > 0:
         mbarrier.wait(kv_ready.index(g0 % S), (g0 // S) & 1)
@@ -334,8 +338,7 @@ def _pingpong_tiles(W: gl.constexpr, g0, n_tiles, k0, state, block, turns,
     S: gl.constexpr = k_a.shape[0]
     BN: gl.constexpr = k_a.shape[1]
     o_layout: gl.constexpr = acc.type.layout
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BN, 32])
+    s_layout: gl.constexpr = S_LAYOUT
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     mbarrier.wait(kv_ready.index(g0 % S), (g0 // S) & 1)
     _take_turn(turns, W, k0)
@@ -397,10 +400,8 @@ def _mma_warpgroup(W: gl.constexpr, q_bufs, ring, bars, work_indptr_ptr, work_in
     BN: gl.constexpr = k_a.shape[1]
     R: gl.constexpr = q_a.shape[1]
     DV: gl.constexpr = vt.shape[1]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BN, 32])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, DV, 32])
+    s_layout: gl.constexpr = S_LAYOUT
+    o_layout: gl.constexpr = O_LAYOUT
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     # O / l needs no 2^-P_SHIFT: l sums the same shifted P that O accumulates.
     if HAS_SCALES:
