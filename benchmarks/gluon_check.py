@@ -66,7 +66,7 @@ FIRST = "wgmma/gluon"  # the first kernel (mlatune/kernels/gluon_hopper.py), as 
 SEESAW = "seesaw/gluon"  # the warp-specialized kernel (mlatune/kernels/gluon_seesaw.py)
 SEESAW_CHUNKED = "seesaw/gluon chunked"  # its CHUNKED form: decode_launcher(chunked=True)
 SEESAW_PDL = "seesaw/gluon pdl"  # chunked, the split reduce a programmatic dependent launch
-SEESAW_LEAD = "seesaw/gluon lead"  # chunked + pdl, each S's first chunks given more lead
+SEESAW_SLIM = "seesaw/gluon slim"  # chunked + pdl, the softmax in fewer instructions
 TRANSPOSED = "transposed/gluon"  # keys as the MMA's M (mlatune/kernels/gluon_transposed.py)
 # as the route's 16-bit and widening param sets run it: the reduce (more than 2 splits) a
 # programmatic dependent launch, an fp8 cache widened by a partition of its own
@@ -82,7 +82,7 @@ TRANSPOSED_FP8MMA_1TERM = "transposed/gluon fp8mma 1term"
 TRANSPOSED_FP8MMA_DEFERRED = "transposed/gluon fp8mma deferred"  # P's sums once at the end
 FP8MMA = {TRANSPOSED_FP8MMA: {}, TRANSPOSED_FP8MMA_1TERM: {"q_terms": 1},
           TRANSPOSED_FP8MMA_DEFERRED: {"defer_sums": True}}  # launcher options
-VARIANTS = [FIRST, SEESAW, SEESAW_CHUNKED, SEESAW_PDL, SEESAW_LEAD, TRANSPOSED, TRANSPOSED_PLAIN,
+VARIANTS = [FIRST, SEESAW, SEESAW_CHUNKED, SEESAW_PDL, SEESAW_SLIM, TRANSPOSED, TRANSPOSED_PLAIN,
             TRANSPOSED_REDUCE, TRANSPOSED_MERGE, *FP8MMA]
 # the variants' roundings past their dtypes, as check's keywords (routes.rounding): P in e4m3
 # with q's two terms, q quantized with one
@@ -93,7 +93,7 @@ FP8_ONLY = tuple(FP8MMA)
 FP8_VARIANTS = (TRANSPOSED, TRANSPOSED_PLAIN, TRANSPOSED_REDUCE, TRANSPOSED_MERGE, *FP8_ONLY)
 # Not run unless --experimental (a hang would stop the smoke, and with it every Gluon timing):
 # kernels whose current form has not run on a GPU.
-EXPERIMENTAL: tuple[str, ...] = (SEESAW_LEAD,)
+EXPERIMENTAL: tuple[str, ...] = (SEESAW_SLIM,)
 SKIPPED: set[str] = set()  # --skip (the child smoke run gets it through the environment)
 DEVICE = "cuda"  # a dry run of the plumbing may set "cpu" (with a stand-in kernel)
 
@@ -150,8 +150,8 @@ def gluon_prepare(problem, inputs, num_splits=None, variant=FIRST):
                                    pdl=new, ws=new and problem.kv_dtype != problem.q_dtype)
     from mlatune.kernels.gluon_seesaw import decode_launcher as seesaw_launcher
     return seesaw_launcher(*args, **kwargs,
-                           chunked=variant in (SEESAW_CHUNKED, SEESAW_PDL, SEESAW_LEAD),
-                           pdl=variant in (SEESAW_PDL, SEESAW_LEAD), lead=variant == SEESAW_LEAD)
+                           chunked=variant in (SEESAW_CHUNKED, SEESAW_PDL, SEESAW_SLIM),
+                           pdl=variant in (SEESAW_PDL, SEESAW_SLIM), slim=variant == SEESAW_SLIM)
 
 
 def route_prepare(route_id, problem, inputs):
@@ -210,11 +210,12 @@ def smoke() -> int:
     from mlatune.check import reference
     from mlatune.check.inputs import make_decode_inputs
     failed = 0
+    start = time.time()  # each line's elapsed time tells a slow compile from a hang
     cases = [(c, v) for c in SMOKE for v in variants_for(c[4])]
     for (batch, heads, kv_len, qlen, dtype, splits), variant in cases:
         problem = problem_of(batch, heads, kv_len, qlen, dtype)
-        name = (f"smoke {(batch, heads, kv_len, qlen)} {dtype} splits={splits} "
-                f"{variant}")
+        name = (f"[{time.time() - start:5.1f} s] smoke {(batch, heads, kv_len, qlen)} {dtype} "
+                f"splits={splits} {variant}")
         try:
             inputs = make_decode_inputs(problem, seed=1, device=DEVICE, ragged=True)
             ref = reference.decode_shard(inputs, inputs.shards[0])
@@ -367,8 +368,8 @@ def summary(point, rows) -> str:
         parts.append(f"chunked {chunked:.1f} us (chunked/seesaw {chunked / seesaw:.2f}x)")
     if not math.isnan(pdl := t.get(SEESAW_PDL, math.nan)):
         parts.append(f"pdl {pdl:.1f} us (pdl/chunked {pdl / chunked:.2f}x)")
-    if not math.isnan(lead := t.get(SEESAW_LEAD, math.nan)):
-        parts.append(f"lead {lead:.1f} us (lead/pdl {lead / pdl:.2f}x)")
+    if not math.isnan(slim := t.get(SEESAW_SLIM, math.nan)):
+        parts.append(f"slim {slim:.1f} us (slim/pdl {slim / pdl:.2f}x)")
     for rid in OTHERS:
         if not math.isnan(t.get(rid, math.nan)):
             parts.append(f"{rid} {t[rid]:.1f} us (gluon/{rid.split('/')[0]} {g / t[rid]:.2f}x)")

@@ -38,7 +38,7 @@
 #   decodepoints   benchmarks/decode.py at issue 19's batch-1/64/128 points, bf16 and fp8
 #                  caches, transposed/gluon beside FlashMLA
 #   seesawcheck    gluon_check.py over bf16 caches: the seesaw kernel's chunked forms (the
-#                  route's, chunked + pdl, and the experimental lead form) beside FlashMLA
+#                  route's, chunked + pdl, and the experimental slim form) beside FlashMLA
 #   gluontests     pytest -m gpu tests/test_gluon_gpu.py
 #   gprefill       the Gluon fp8 prefill (fp8-ps/triton's Gluon sets): its GPU tests first (a
 #                  hang ends at their timeout, and the benchmark then leaves out the newest
@@ -147,8 +147,8 @@ seesaw/gluon chunked,transposed/gluon plain,transposed/gluon reduce,transposed/g
                     > "$OUT/decode.log" 2>&1
                   log "decodepoints: rc=$?"; grep -i "target\|ratio\|^|" "$OUT/decode.log" \
                     | tail -20 | tee -a "$OUT/session.log" ;;
-    seesawcheck) timeout 260 python3 benchmarks/gluon_check.py --out "$OUT/seesaw-check" \
-                   --kv bf16 --experimental --budget 220 --smoke-timeout 90 --skip "wgmma/gluon,\
+    seesawcheck) timeout 430 python3 benchmarks/gluon_check.py --out "$OUT/seesaw-check" \
+                   --kv bf16 --experimental --budget 380 --smoke-timeout 180 --skip "wgmma/gluon,\
 seesaw/gluon,transposed/gluon,transposed/gluon plain,transposed/gluon reduce,\
 transposed/gluon merge,transposed/gluon fp8mma,transposed/gluon fp8mma 1term,\
 transposed/gluon fp8mma deferred" > "$OUT/seesaw-check.log" 2>&1

@@ -208,7 +208,8 @@ def test_both_gluon_routes_serve_the_same_problems_with_the_same_splits():
                     _p(batch=8, dcp_size=2)):
         assert [p["num_splits"] for p in seesaw.param_space(problem, H200)] == \
             [p["num_splits"] for p in wgmma.param_space(problem, H200)]
-        assert all(p["chunked"] and p["pdl"] for p in seesaw.param_space(problem, H200))
+        assert all(p["chunked"] and p["pdl"] and p["slim"]
+                   for p in seesaw.param_space(problem, H200))
     assert seesaw.sized_params == wgmma.sized_params
 
 
@@ -344,7 +345,7 @@ def test_a_stored_seesaw_row_keeps_its_form_and_rescales_its_split_at_a_neighbou
     stored = {"num_splits": wgmma.param_space(measured, H200)[0]["num_splits"]}
     moved = routes.params_at(seesaw, stored, measured, asked, H200)
     assert moved == {**routes.params_at(wgmma, stored, measured, asked, H200), "chunked": False,
-                     "pdl": False}
+                     "pdl": False, "slim": False}
     assert moved["num_splits"] != stored["num_splits"]
     new = routes.params_at(seesaw, seesaw.param_space(measured, H200)[0], measured, asked, H200)
     assert new == seesaw.param_space(asked, H200)[0] and new["chunked"] is True
@@ -352,7 +353,7 @@ def test_a_stored_seesaw_row_keeps_its_form_and_rescales_its_split_at_a_neighbou
     assert routes.with_defaults(seesaw, {}, first) == first
     assert routes.with_defaults(seesaw, None, first) == first
     assert routes.with_defaults(seesaw, stored, first) == {**stored, "chunked": False,
-                                                           "pdl": False}
+                                                           "pdl": False, "slim": False}
     assert routes.with_defaults(wgmma, stored, first) == {**first, **stored}
 
 
@@ -363,7 +364,7 @@ def test_the_report_times_a_stored_seesaw_choice_as_it_ran():
     splits = routes.get("seesaw/gluon").param_space(problem, H200)[0]["num_splits"]
     timed = {(problem.key, "seesaw/gluon"): [({"num_splits": splits, "chunked": False}, 10.0),
                                              ({"num_splits": splits, "chunked": True,
-                                               "pdl": True}, 9.0)]}
+                                               "pdl": True, "slim": True}, 9.0)]}
     assert time_with(timed, problem, "seesaw/gluon", {"num_splits": splits}, H200) == 10.0
     assert time_with(timed, problem, "seesaw/gluon", {}, H200) == 9.0
     # A journal written before the option: its runs' params lack it too.

@@ -19,16 +19,16 @@ from tests.test_gluon_compile import HOPPER_SMEM, _needs_gluon_triton
 @pytest.fixture(scope="module",
                 params=[("bf16", True, True, ""), ("fp16", False, False, ""),
                         ("bf16", True, True, "chunked"), ("fp16", False, False, "chunked"),
-                        ("bf16", False, True, "lead")],
+                        ("bf16", False, True, "slim")],
                 ids=["bf16-direct-causal", "fp16-split", "chunked-bf16-direct-causal",
-                     "chunked-fp16-split", "lead-bf16-split-causal"])
+                     "chunked-fp16-split", "slim-bf16-split-causal"])
 def compiled(request):
     _needs_gluon_triton()
     from mlatune.kernels import gluon_seesaw as s
     dtype, direct, causal, form = request.param
     kernel = s.aot_compile(dtype, direct=direct, causal=causal, chunked=bool(form),
-                           lead=form == "lead")
-    kernel.chunked = bool(form)  # for the tests that tell the forms apart (lead is chunked)
+                           slim=form == "slim")
+    kernel.chunked = bool(form)  # for the tests that tell the forms apart (slim is chunked)
     return kernel
 
 
@@ -93,23 +93,30 @@ def test_fits_shared_memory_without_spills(compiled):
     assert resources(compiled)["stack"] <= (48 if compiled.chunked else 128)
 
 
-def test_lead_is_a_form_of_the_chunked_kernel():
+def test_slim_is_a_form_of_the_chunked_kernel():
     from mlatune.kernels import gluon_seesaw as s
     with pytest.raises(ValueError, match="chunked"):
-        s.decode_launcher(*[None] * 4, qlen=1, sm_scale=0.1, lead=True)
+        s.decode_launcher(*[None] * 4, qlen=1, sm_scale=0.1, slim=True)
     with pytest.raises(ValueError, match="chunked"):
-        s.aot_compile(lead=True)
+        s.aot_compile(slim=True)
 
 
-def test_lead_reorders_the_copies_and_reads_only():
-    """The lead form changes the order of slot 1's copies and S reads (and WG0's release),
-    not what is waited for."""
+def test_slim_folds_the_scale_into_the_exponent():
+    """The slim form waits for the same barriers and takes as many exponentials; each
+    exponent is one FMA (the scale folded in): a multiply a score fewer, less the rows'
+    scaled maxima (2 rows a thread)."""
     _needs_gluon_triton()
     from mlatune.kernels import gluon_seesaw as s
-    lead, chunked = (s.aot_compile(direct=False, chunked=True, lead=flag).asm["ptx"]
+    slim, chunked = (s.aot_compile(direct=False, chunked=True, causal=True, slim=flag).asm["ptx"]
                      for flag in (True, False))
-    assert lead != chunked
-    assert lead.count("mbarrier.try_wait") == chunked.count("mbarrier.try_wait")
+
+    def count(ptx: str, op: str) -> int:
+        return len(re.findall(rf"^\s*{re.escape(op)}[.\s]", ptx, re.MULTILINE))
+
+    assert slim.count("mbarrier.try_wait") == chunked.count("mbarrier.try_wait")
+    assert count(slim, "ex2.approx") == count(chunked, "ex2.approx")
+    assert count(slim, "fma.rn") >= count(chunked, "fma.rn") + 2 * 32  # 32 scores a thread
+    assert count(slim, "mul.f32") <= count(chunked, "mul.f32") - 2 * 32 + 2 * 2
 
 
 def test_refuses_what_gluon_hopper_refuses():

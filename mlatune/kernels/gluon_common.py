@@ -237,17 +237,45 @@ def softmax_step(s, n0, end, last_pos, cols, m_i, KEY_AXIS: gl.constexpr):
     Keys past ``end`` or past a row's causal bound get weight 0; alpha rescales what
     the rows accumulated before this tile.
     """
-    ROW_AXIS: gl.constexpr = 1 - KEY_AXIS
-    key = n0 + cols
-    allowed = (gl.expand_dims(key, ROW_AXIS) <= gl.expand_dims(last_pos, KEY_AXIS)) \
-        & gl.expand_dims(key < end, ROW_AXIS)
-    s = gl.where(allowed, s, gl.full_like(s, float("-inf")))
+    s = mask_scores(s, n0, end, last_pos, cols, KEY_AXIS)
     m_new = gl.maximum(m_i, gl.max(s, axis=KEY_AXIS))
     # A row with no key yet keeps m = -inf: shift by 0 there so exp2 gives 0, not NaN.
     m_shift = gl.where(m_new == float("-inf"), gl.zeros_like(m_new), m_new)
     alpha = gl.exp2(m_i - m_shift)
     p = gl.exp2(s - gl.expand_dims(m_shift, KEY_AXIS))
     return p, m_new, alpha
+
+
+@gluon.jit
+def mask_scores(s, n0, end, last_pos, cols, KEY_AXIS: gl.constexpr):
+    """S with -inf at keys past ``end`` or past a row's causal bound (``last_keys``)."""
+    ROW_AXIS: gl.constexpr = 1 - KEY_AXIS
+    key = n0 + cols
+    allowed = (gl.expand_dims(key, ROW_AXIS) <= gl.expand_dims(last_pos, KEY_AXIS)) \
+        & gl.expand_dims(key < end, ROW_AXIS)
+    return gl.where(allowed, s, gl.full_like(s, float("-inf")))
+
+
+@gluon.jit
+def first_masked_key(end, last_pos):
+    """The first key some row may not see: tiles wholly before it need no ``mask_scores``."""
+    return gl.minimum(end, gl.min(last_pos, axis=0) + 1)
+
+
+@gluon.jit
+def slim_softmax(s, qk_scale, n0, end, last_pos, cols, m_i, l_i, mask_from):
+    """``online_softmax`` of raw scores S (rows x keys) in fewer instructions a score: the
+    bounds applied only where the tile reaches ``mask_from`` (``first_masked_key``), the
+    scale folded into the exponent (one FMA: the max is taken of the raw scores, qk_scale
+    being positive)."""
+    if n0 + s.shape[1] > mask_from:
+        s = mask_scores(s, n0, end, last_pos, cols, 1)
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    # A row with no key yet keeps m = -inf: shift by 0 there so exp2 gives 0, not NaN.
+    m_shift = gl.where(m_new == float("-inf"), gl.zeros_like(m_new), m_new)
+    alpha = gl.exp2(m_i - m_shift)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_shift, 1))
+    return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
 
 
 @gluon.jit

@@ -64,13 +64,20 @@ slot 1, so its S waits out the copy's whole latency every pair. Chunked:
   WG0's next S starts on columns 0-255 that WG0 itself freed half a pair earlier.
 The same ops otherwise; stale-row zeroing of tile a by WG0 moves after S (which has
 waited for every chunk). Compiled (triton 3.6.0, sm_90a): 26 mbarriers, 222,688 bytes
-of shared memory, 24 bytes of spills (72 above), no wgmma serialization. The LEAD form
-(``decode_launcher(lead=True)``, EXPERIMENTAL) copies and reads slot 1's columns 0-255 first.
+of shared memory, 24 bytes of spills (72 above), no wgmma serialization. The SLIM form
+(``decode_launcher(chunked=True, slim=True)``) runs each tile's softmax in fewer
+instructions (``gluon_common.slim_softmax``: the bounds only on tiles that reach them, the
+scale folded into the exponent's FMA), for the softmax on the critical path between the
+two warpgroups.
 
-Tried and dropped (H200, 2026-12-01, session 13, commit 636020d): the warpgroups handing
-each tile's row max over on barriers of their own before the exponentials, P_a after WG1's
-max (FlashMLA's deep dive's order), so that the two softmaxes overlap: right, and 1.01-1.05x
-this form's time at every point (1.05x at 128 heads), 8 more bytes of spills.
+Tried and dropped (H200, 2026-12-01): the warpgroups handing each tile's row max over on
+barriers of their own before the exponentials, P_a after WG1's max (FlashMLA's deep dive's
+order), so that the two softmaxes overlap (session 13, commit 636020d): right, and
+1.01-1.05x this form's time at every point (1.05x at 128 heads), 8 more bytes of spills.
+A lead form (session 14, commit 90cc006): slot 1 copied and read columns 0-255 first and
+WG0's half of slot 0 released before it awaits P_b, so that each S's first chunks land
+earlier: right, and 1.00-1.03x the chunked form's time (1.02x at (128, 128, 4096, 1),
+1.03x at (8, 128, 32768, 1); ``benchmarks/results/README.md``, session 14, call 2).
 """
 
 from __future__ import annotations
@@ -93,6 +100,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from mlatune.kernels.gluon_common import (
     LOG2E,
     aot_compile_kernel,
+    first_masked_key,
     issue_kv,
     last_keys,
     nvmma_layout,
@@ -100,6 +108,7 @@ from mlatune.kernels.gluon_common import (
     outputs_and_splits,
     partials_and_merge,
     program_keys,
+    slim_softmax,
     store_row_lse,
     tma_descriptors,
     zero_stale_rows,
@@ -123,7 +132,7 @@ __all__ = ["aot_compile", "decode_launcher", "seesaw_decode", "seesaw_kernel"]
 
 @gluon.jit
 def _loader(descs, bufs, bars, bt_row, q_row, start, n_tiles, PAGE: gl.constexpr,
-            CHUNKED: gl.constexpr, LEAD: gl.constexpr):
+            CHUNKED: gl.constexpr):
     """Q once, then tile t into slot t % 2 as soon as both warpgroups have released it."""
     qn_desc, qr_desc = descs[:2]
     q_bar = bars[0]
@@ -131,7 +140,7 @@ def _loader(descs, bufs, bars, bt_row, q_row, start, n_tiles, PAGE: gl.constexpr
     tma.async_copy_global_to_shared(qn_desc, [q_row, 0], q_bar, bufs[0])
     tma.async_copy_global_to_shared(qr_desc, [q_row, 0], q_bar, bufs[1])
     if CHUNKED:
-        _load_tiles_chunked(descs[3], bufs, bars, bt_row, start, n_tiles, PAGE, LEAD)
+        _load_tiles_chunked(descs[3], bufs, bars, bt_row, start, n_tiles, PAGE)
     else:
         _load_tiles(descs, bufs, bars, bt_row, start, n_tiles, PAGE)
 
@@ -153,12 +162,10 @@ def _load_tiles(descs, bufs, bars, bt_row, start, n_tiles, PAGE: gl.constexpr):
 
 
 @gluon.jit
-def _load_tiles_chunked(kc_desc, bufs, bars, bt_row, start, n_tiles, PAGE: gl.constexpr,
-                        LEAD: gl.constexpr):
+def _load_tiles_chunked(kc_desc, bufs, bars, bt_row, start, n_tiles, PAGE: gl.constexpr):
     """``_load_tiles`` with each tile copied in 9 chunks of 64 columns, each on its own
     barrier (``ready[9 * slot + c]``: nope columns [64c, 64c + 64), c = 8 the rope part),
-    in two groups released apart (see ``_release``): the owner's V half first, then the rest
-    (``LEAD``: columns 0-255 first in both slots, ``_load_tile_chunked``)."""
+    in two groups released apart (see ``_release``): the owner's V half first, then the rest."""
     k_nope, k_rope = bufs[2:4]
     ready, empty = bars[1:3]
     BN: gl.constexpr = kc_desc.block_type.shape[0]
@@ -166,48 +173,29 @@ def _load_tiles_chunked(kc_desc, bufs, bars, bt_row, start, n_tiles, PAGE: gl.co
         ph = (j & 1) ^ 1  # a fresh barrier counts as phase 1 complete: the first waits pass
         key = start + 2 * j * BN
         _load_tile_chunked(kc_desc, k_nope.index(0), k_rope.index(0), ready, empty, 0, ph,
-                           bt_row, key, PAGE, LEAD)
+                           bt_row, key, PAGE)
         if 2 * j + 1 < n_tiles:
             _load_tile_chunked(kc_desc, k_nope.index(1), k_rope.index(1), ready, empty, 1, ph,
-                               bt_row, key + BN, PAGE, LEAD)
+                               bt_row, key + BN, PAGE)
 
 
 @gluon.jit
 def _load_tile_chunked(kc_desc, kn, kr, ready, empty, SLOT: gl.constexpr, ph, bt_row, key,
-                       PAGE: gl.constexpr, LEAD: gl.constexpr):
-    """One tile into slot SLOT, a V half at a time, each once the warpgroup that reads it
-    last released it (``_release``'s groups: the owner's half, and the other half with the
-    rope part), then the rope part (LEAD: with its group). The half copied (and read by S)
-    first: the owner's (slot 0: WG0's columns 0-255, slot 1: WG1's 256-511), or with LEAD
-    columns 0-255 in both, those of slot 1 being freed by WG0 a P V before WG1 frees its
-    own: more lead for the chunks S reads first."""
-    FIRST: gl.constexpr = SLOT * (1 - LEAD)  # the V half copied first
+                       PAGE: gl.constexpr):
+    """One tile into slot SLOT: its owner's V half (slot 0: columns 0-255, slot 1: 256-511)
+    once the owner released it, then the other half and the rope part."""
+    W: gl.constexpr = kc_desc.block_type.shape[1]
     page = gl.load(bt_row + key // PAGE)
     row = page * PAGE + key % PAGE
-    _load_half(kc_desc, kn, kr, ready, empty, SLOT, FIRST, ph, row, LEAD)
-    _load_half(kc_desc, kn, kr, ready, empty, SLOT, 1 - FIRST, ph, row, LEAD)
-    if not LEAD:
-        _load_rope(kc_desc, kn, kr, ready, SLOT, row)
-
-
-@gluon.jit
-def _load_half(kc_desc, kn, kr, ready, empty, SLOT: gl.constexpr, HALF: gl.constexpr, ph, row,
-               LEAD: gl.constexpr):
-    """V half HALF (0: columns 0-255) of slot SLOT's tile, once its release group is free
-    (LEAD: the rope part with the other warpgroup's group)."""
-    W: gl.constexpr = kc_desc.block_type.shape[1]
-    mbarrier.wait(empty.index(2 * SLOT + (HALF != SLOT)), ph)
-    fence_async_shared()  # the warpgroups wrote the slot (P, zeroed rows) as generic proxy
-    for c in gl.static_range(4 * HALF, 4 * HALF + 4):
-        bar = ready.index(9 * SLOT + c)
-        mbarrier.expect(bar, kc_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(kc_desc, [row, c * W], bar, kn.slice(c * W, W, dim=1))
-    if LEAD and HALF != SLOT:
-        _load_rope(kc_desc, kn, kr, ready, SLOT, row)
-
-
-@gluon.jit
-def _load_rope(kc_desc, kn, kr, ready, SLOT: gl.constexpr, row):
+    for g in gl.static_range(2):
+        mbarrier.wait(empty.index(2 * SLOT + g), ph)
+        fence_async_shared()  # the warpgroups wrote the slot (P, zeroed rows) as generic proxy
+        # Chunk (4 (SLOT + g) + i) % 8: slot 0 copies columns 0-255 first, slot 1 256-511.
+        for c in gl.static_range(4 * (SLOT + g), 4 * (SLOT + g) + 4):
+            bar = ready.index(9 * SLOT + c % 8)
+            mbarrier.expect(bar, kc_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(kc_desc, [row, c % 8 * W], bar,
+                                            kn.slice(c % 8 * W, W, dim=1))
     bar = ready.index(9 * SLOT + 8)
     mbarrier.expect(bar, kc_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(kc_desc, [row, kn.shape[1]], bar, kr)
@@ -215,20 +203,18 @@ def _load_rope(kc_desc, kn, kr, ready, SLOT: gl.constexpr, row):
 
 @gluon.jit
 def _scores_chunked(q_nope, q_rope, kn, kr, ready, SLOT: gl.constexpr, ph, pred,
-                    s_layout: gl.constexpr, LEAD: gl.constexpr):
+                    s_layout: gl.constexpr):
     """S = Q K^T of the tile in slot SLOT, each 64-column step issued as soon as its chunk
-    has landed, the V halves in the order the loader copies them (``_load_tile_chunked``),
-    the rope part last (LEAD copies slot 1's with the first half)."""
+    has landed, in the order the loader copies them (the owner's V half first, rope last)."""
     W: gl.constexpr = kr.shape[1]
     BM: gl.constexpr = q_nope.shape[0]
     BN: gl.constexpr = kn.shape[0]
-    FIRST: gl.constexpr = SLOT * (1 - LEAD)
     s = gl.zeros([BM, BN], gl.float32, layout=s_layout)
-    for c in gl.static_range(4 * FIRST, 4 * FIRST + 8):  # chunk c % 8
+    for c in gl.static_range(4 * SLOT, 4 * SLOT + 8):  # chunk c % 8
         mbarrier.wait(ready.index(9 * SLOT + c % 8), ph, pred=pred)
         s = warpgroup_mma(q_nope.slice(c % 8 * W, W, dim=1),
                           kn.slice(c % 8 * W, W, dim=1).permute((1, 0)), s,
-                          use_acc=c > 4 * FIRST, is_async=True)
+                          use_acc=c > 4 * SLOT, is_async=True)
     mbarrier.wait(ready.index(9 * SLOT + 8), ph, pred=pred)
     return warpgroup_mma(q_rope, kr.permute((1, 0)), s, is_async=True)
 
@@ -283,6 +269,20 @@ def _publish(p, kr_buf, m_slot, m, bar):
 
 
 @gluon.jit
+def _softmax(s, qk_scale, n0, end, bounds, cols, m_i, l_i, SLIM: gl.constexpr):
+    """One tile's online softmax of raw scores: ``slim_softmax`` (SLIM) or ``online_softmax``.
+    ``bounds``: the rows' last keys (``last_keys``) and the first key some row may not see."""
+    last_pos, mask_from = bounds
+    if SLIM:
+        p, m_new, l_new, alpha = slim_softmax(s, qk_scale, n0, end, last_pos, cols, m_i, l_i,
+                                              mask_from)
+    else:
+        p, m_new, l_new, alpha = online_softmax(s * qk_scale, n0, end, last_pos, cols, m_i,
+                                                l_i, 1)
+    return p, m_new, l_new, alpha
+
+
+@gluon.jit
 def _zero_if_last(v, n0, end):
     """Zero the V rows past ``end`` of the tile at ``n0`` (only the last tile has any)."""
     if n0 + v.shape[0] > end:
@@ -298,18 +298,17 @@ def _halves(kn_a, kn_b, half: gl.constexpr, s_layout: gl.constexpr, o_layout: gl
 
 
 @gluon.jit
-def _pair_wg0(bufs, kv, bars, ph, n0, end, has_b, last_pos, qk_scale, m_run, l_run, acc,
+def _pair_wg0(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run, acc,
               s_layout: gl.constexpr, o_layout: gl.constexpr, CHUNKED: gl.constexpr,
-              LEAD: gl.constexpr):
-    """WG0's half of a pair: its own tile a (slot 0), then WG1's tile b (slot 1). LEAD: its
-    half of slot 0 is released as soon as its P_a V_a is done, before WG1's P_b is awaited."""
+              SLIM: gl.constexpr):
+    """WG0's half of a pair: its own tile a (slot 0), then WG1's tile b (slot 1)."""
     q_nope, q_rope, m_buf = bufs[0], bufs[1], bufs[4]
     kn_a, kr_a, kn_b, kr_b = kv
     ready, empty, p_bars = bars[1:4]
     v_a, v_b, cols = _halves(kn_a, kn_b, 0, s_layout, o_layout)
     BN: gl.constexpr = kn_a.shape[0]
     if CHUNKED:
-        s = _scores_chunked(q_nope, q_rope, kn_a, kr_a, ready, 0, ph, True, s_layout, LEAD)
+        s = _scores_chunked(q_nope, q_rope, kn_a, kr_a, ready, 0, ph, True, s_layout)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         _zero_if_last(v_a, n0, end)  # after S, which has waited for every chunk
     else:
@@ -317,20 +316,16 @@ def _pair_wg0(bufs, kv, bars, ph, n0, end, has_b, last_pos, qk_scale, m_run, l_r
         _zero_if_last(v_a, n0, end)
         s = _issue_scores(q_nope, q_rope, kn_a, kr_a, s_layout)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-    p, m0, l_run, alpha = online_softmax(s * qk_scale, n0, end, last_pos, cols, m_run, l_run, 1)
+    p, m0, l_run, alpha = _softmax(s, qk_scale, n0, end, bounds, cols, m_run, l_run, SLIM)
     p = p.to(kr_a.dtype)
     _publish(p, kr_a, _row_slot(m_buf, 0), m0, p_bars.index(0))
     acc = _scale_rows(acc, alpha, o_layout)
     p_op = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
     acc = warpgroup_mma(p_op, v_a, acc, is_async=True)
-    if LEAD:
-        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-        _release(empty, 0, 0, CHUNKED)
     mbarrier.wait(p_bars.index(1), ph)
     m1 = _row_slot(m_buf, 1).load(gl.SliceLayout(1, s_layout))
-    if not LEAD:
-        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-        _release(empty, 0, 0, CHUNKED)
+    acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+    _release(empty, 0, 0, CHUNKED)
     alpha = gl.exp2(m0 - _no_shift(m1))
     acc = _scale_rows(acc, alpha, o_layout)
     if has_b:
@@ -343,9 +338,9 @@ def _pair_wg0(bufs, kv, bars, ph, n0, end, has_b, last_pos, qk_scale, m_run, l_r
 
 
 @gluon.jit
-def _pair_wg1(bufs, kv, bars, ph, n0, end, has_b, last_pos, qk_scale, m_run, l_run, acc,
+def _pair_wg1(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run, acc,
               s_layout: gl.constexpr, o_layout: gl.constexpr, CHUNKED: gl.constexpr,
-              LEAD: gl.constexpr):
+              SLIM: gl.constexpr):
     """WG1's half of a pair: S of its own tile b first, WG0's P_a V_a while S_b finishes."""
     kn_a, kr_a, kn_b, kr_b = kv
     q_nope, q_rope, m_buf = bufs[0], bufs[1], bufs[4]
@@ -354,7 +349,7 @@ def _pair_wg1(bufs, kv, bars, ph, n0, end, has_b, last_pos, qk_scale, m_run, l_r
     n1 = n0 + kn_a.shape[0]
     # Without a tile b (odd count), S_b reads whatever slot 1 holds: all masked (n1 >= end).
     if CHUNKED:
-        s = _scores_chunked(q_nope, q_rope, kn_b, kr_b, ready, 1, ph, has_b, s_layout, LEAD)
+        s = _scores_chunked(q_nope, q_rope, kn_b, kr_b, ready, 1, ph, has_b, s_layout)
     else:
         mbarrier.wait(ready.index(1), ph, pred=has_b)
         s = _issue_scores(q_nope, q_rope, kn_b, kr_b, s_layout)
@@ -367,8 +362,7 @@ def _pair_wg1(bufs, kv, bars, ph, n0, end, has_b, last_pos, qk_scale, m_run, l_r
     acc = warpgroup_mma(kr_a, v_a, acc, is_async=True)
     # wgmma groups retire in order: one outstanding leaves P_a V_a running.
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
-    p, m1, l_run, alpha = online_softmax(s * qk_scale, n1, end, last_pos, cols, m0,
-                                         l_run * alpha, 1)
+    p, m1, l_run, alpha = _softmax(s, qk_scale, n1, end, bounds, cols, m0, l_run * alpha, SLIM)
     p = p.to(kr_a.dtype)
     _publish(p, kr_b, _row_slot(m_buf, 1), m1, p_bars.index(1))
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
@@ -387,7 +381,7 @@ def _pair_wg1(bufs, kv, bars, ph, n0, end, has_b, last_pos, qk_scale, m_run, l_r
 @gluon.jit
 def _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, WG: gl.constexpr,
              CAUSAL: gl.constexpr, DIRECT: gl.constexpr, CHUNKED: gl.constexpr,
-             LEAD: gl.constexpr = False):
+             SLIM: gl.constexpr = False):
     """One compute warpgroup: its walk over the pairs of tiles, then its half of the output."""
     q_nope, k_nope, k_rope, l_buf = bufs[0], bufs[2], bufs[3], bufs[5]
     q_bar, l_bar = bars[0], bars[4]
@@ -402,6 +396,7 @@ def _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, WG: gl.constexpr,
     start, end, n_tiles, seq_len, rb = ints[:5]
     qlen, heads = ints[8:10]
     last_pos = last_keys(rb, seq_len, qlen, heads, BM, row_s, CAUSAL)
+    bounds = (last_pos, first_masked_key(end, last_pos))
     m_run = gl.full([BM], float("-inf"), gl.float32, layout=row_s)
     l_run = gl.full([BM], 0.0, gl.float32, layout=row_s)
     acc = gl.zeros([BM, DH], gl.float32, layout=o_layout)
@@ -414,11 +409,11 @@ def _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, WG: gl.constexpr,
         n0 = start + 2 * j * BN
         has_b = 2 * j + 1 < n_tiles
         if WG == 0:
-            acc, m_run, l_run = _pair_wg0(bufs, kv, bars, j & 1, n0, end, has_b, last_pos, qk_scale,
-                                          m_run, l_run, acc, s_layout, o_layout, CHUNKED, LEAD)
+            acc, m_run, l_run = _pair_wg0(bufs, kv, bars, j & 1, n0, end, has_b, bounds, qk_scale,
+                                          m_run, l_run, acc, s_layout, o_layout, CHUNKED, SLIM)
         else:
-            acc, m_run, l_run = _pair_wg1(bufs, kv, bars, j & 1, n0, end, has_b, last_pos, qk_scale,
-                                          m_run, l_run, acc, s_layout, o_layout, CHUNKED, LEAD)
+            acc, m_run, l_run = _pair_wg1(bufs, kv, bars, j & 1, n0, end, has_b, bounds, qk_scale,
+                                          m_run, l_run, acc, s_layout, o_layout, CHUNKED, SLIM)
     # The row sum is the two warpgroups' sums, both in the base of the final max.
     _row_slot(l_buf, WG).store(l_run)
     gl.thread_barrier()
@@ -497,13 +492,13 @@ def _wg1_chunked(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.conste
 
 
 @gluon.jit
-def _wg0_lead(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
+def _wg0_slim(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
               DIRECT: gl.constexpr):
     _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 0, CAUSAL, DIRECT, True, True)
 
 
 @gluon.jit
-def _wg1_lead(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
+def _wg1_slim(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
               DIRECT: gl.constexpr):
     _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 1, CAUSAL, DIRECT, True, True)
 
@@ -515,7 +510,7 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache'
                   stride_bt, stride_o_tok, stride_o_head, stride_lse_tok,  # direct out
                   stride_po_slot, stride_po_row, stride_pl_slot,  # fp32 partials
                   CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PAGE: gl.constexpr,
-                  CHUNKED: gl.constexpr, PDL: gl.constexpr, LEAD: gl.constexpr,
+                  CHUNKED: gl.constexpr, PDL: gl.constexpr, SLIM: gl.constexpr,
                   num_warps: gl.constexpr):
     BM: gl.constexpr = qn_desc.block_type.shape[0]
     BN: gl.constexpr = kn_desc.block_type.shape[0]
@@ -565,9 +560,9 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache'
     # same register budget and take their scalars from shared memory alike.
     gl.warp_specialize([
         (_loader, ((qn_desc, qr_desc, kn_desc, kr_desc), bufs, bars, bt_row, q_row, start,
-                   n_tiles, PAGE, CHUNKED, LEAD)),
-        (_wg0_lead if LEAD else _wg0_chunked if CHUNKED else _wg0, compute_args),
-        (_wg1_lead if LEAD else _wg1_chunked if CHUNKED else _wg1, compute_args),
+                   n_tiles, PAGE, CHUNKED)),
+        (_wg0_slim if SLIM else _wg0_chunked if CHUNKED else _wg0, compute_args),
+        (_wg1_slim if SLIM else _wg1_chunked if CHUNKED else _wg1, compute_args),
     ], [4, 4], [COMPUTE_REGS, COMPUTE_REGS])
 
 
@@ -581,11 +576,16 @@ def _chunk_descriptor(kv_cache: torch.Tensor) -> TensorDescriptor:
                             [kv_cache.stride(1), 1], block, nvmma_layout(block, kv_cache.dtype))
 
 
+def _check_form(chunked: bool, slim: bool) -> None:
+    if slim and not chunked:  # the workers of each form are functions of their own
+        raise ValueError("slim is a form of the chunked kernel: pass chunked=True too")
+
+
 def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                     seq_lens: torch.Tensor, *, qlen: int, sm_scale: float, causal: bool = True,
                     out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                     num_splits: int | None = None, max_seq_len: int | None = None,
-                    chunked: bool = False, pdl: bool = False, lead: bool = False
+                    chunked: bool = False, pdl: bool = False, slim: bool = False
                     ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
     """A zero-argument launch of the seesaw decode, with the out and LSE it writes.
 
@@ -593,12 +593,10 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     ``num_splits`` None: ``pick_splits``); capturable. ``chunked``: the kernel's CHUNKED
     form (each tile copied in 64-column chunks, S started on the first; module docstring).
     ``pdl``: with more than one split, the reduce kernel is a programmatic dependent launch,
-    started as this kernel's blocks begin (``gluon_common.program_keys``). ``lead``
-    (chunked only; EXPERIMENTAL: compiled, not yet run on a GPU): more lead for the chunks
-    each S reads first (``_load_tile_chunked``, ``_pair_wg0``).
+    started as this kernel's blocks begin (``gluon_common.program_keys``). ``slim`` (chunked
+    only): the softmax in fewer instructions (``gluon_common.slim_softmax``).
     """
-    if lead and not chunked:
-        raise ValueError("lead is a form of the chunked kernel: pass chunked=True too")
+    _check_form(chunked, slim)
     why = check_supported(q, kv_cache, block_table, seq_lens)
     if why is not None:
         raise ValueError(f"gluon seesaw MLA decode: {why}")
@@ -615,7 +613,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
         descs = (*descs[:3], _chunk_descriptor(kv_cache))
     head = (*descs, block_table, seq_lens)
     sizes = (num_splits, qlen, heads, sm_scale * LOG2E, block_table.stride(0))
-    meta = dict(CAUSAL=causal and qlen > 1, PAGE=PAGE_SIZE, CHUNKED=chunked, LEAD=lead,
+    meta = dict(CAUSAL=causal and qlen > 1, PAGE=PAGE_SIZE, CHUNKED=chunked, SLIM=slim,
                 num_warps=NUM_WARPS, maxnreg=MAXNREG)
     if num_splits == 1:
         args = (*head, out, lse, *sizes, out.stride(0), out.stride(1), lse.stride(0), 0, 0, 0)
@@ -635,24 +633,22 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
 def seesaw_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                   seq_lens: torch.Tensor, *, qlen: int, sm_scale: float, causal: bool = True,
                   num_splits: int | None = None, chunked: bool = False, pdl: bool = False,
-                  lead: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  slim: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One eager call: (out, lse). See ``decode_launcher``."""
     launch, out, lse = decode_launcher(q, kv_cache, block_table, seq_lens, qlen=qlen,
                                        sm_scale=sm_scale, causal=causal, num_splits=num_splits,
-                                       chunked=chunked, pdl=pdl, lead=lead)
+                                       chunked=chunked, pdl=pdl, slim=slim)
     launch()
     return out, lse
 
 
 def aot_compile(dtype: str = "bf16", *, direct: bool = True, causal: bool = True,
-                arch: int = 90, chunked: bool = False, pdl: bool = False,
-                lead: bool = False):
+                arch: int = 90, chunked: bool = False, pdl: bool = False, slim: bool = False):
     """Compile ``seesaw_kernel`` for ``sm_<arch>`` without a GPU (triton's bundled ptxas);
     returns triton's CompiledKernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata``)."""
-    if lead and not chunked:
-        raise ValueError("lead is a form of the chunked kernel: pass chunked=True too")
+    _check_form(chunked, slim)
     constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=PAGE_SIZE, CHUNKED=chunked,
-                     PDL=pdl and not direct, LEAD=lead, num_warps=NUM_WARPS)
+                     PDL=pdl and not direct, SLIM=slim, num_warps=NUM_WARPS)
     blocks = dict(qn_desc=(dtype, BLOCK_M, D_NOPE), qr_desc=(dtype, BLOCK_M, D_ROPE),
                   kn_desc=(dtype, BLOCK_N, D_NOPE), kr_desc=(dtype, BLOCK_N, D_ROPE))
     pointers = dict(bt_ptr="i32", seq_lens_ptr="i32", out_ptr=dtype if direct else "fp32",

@@ -136,15 +136,16 @@ class SeesawGluonRoute(WgmmaGluonRoute):
     the two alternating (Q read once a tile); same rules, tensors and splits. Its param sets
     run the kernel's chunked form (tiles copied in 64-column chunks that S starts on; 0-3.5%
     faster at every point timed on the H200, 2026-12-01) with the split reduce as a
-    programmatic dependent launch (``pdl``: 0-3% faster, session 13); a stored param set
-    without an option ran the form without it and still does."""
+    programmatic dependent launch (``pdl``: 0-3% faster, session 13) and the softmax in
+    fewer instructions (``slim``, session 14); a stored param set without an option ran the
+    form without it and still does."""
 
     id = "seesaw/gluon"
     kernel = "gluon_seesaw"
-    kernel_options = MappingProxyType({"chunked": False, "pdl": False})
+    kernel_options = MappingProxyType({"chunked": False, "pdl": False, "slim": False})
 
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
-        return [{**params, "chunked": True, "pdl": True}
+        return [{**params, "chunked": True, "pdl": True, "slim": True}
                 for params in super().param_space(problem, device)]
 
 
