@@ -16,7 +16,12 @@ from mlatune.arch import DeviceInfo
 from mlatune.kernels import gluon_common
 from mlatune.kernels import gluon_prefill_fp8 as g
 from mlatune.problem import MLAProblem
-from mlatune.routes.prefill_triton import GLUON_LEADING, GLUON_PARAM_SETS, GLUON_PARAMS
+from mlatune.routes.prefill_triton import (
+    GLUON_FORM_DEFAULTS,
+    GLUON_LEADING,
+    GLUON_PARAM_SETS,
+    GLUON_PARAMS,
+)
 from tests import sass_hazards
 from tests.prefill_aot import resources
 from tests.test_gluon_compile import _needs_gluon_triton
@@ -273,6 +278,31 @@ def test_the_route_prepares_the_kernel_with_its_params(monkeypatch, params, runs
                                                          inputs.v_scale), strict=True))
     assert {**runs, "kernel_heads": 16}.items() <= prepared.params.items()
     assert prepared.out.shape == (inputs.q.shape[0], 12, 128) and prepared.graph_safe
+
+
+def test_a_stored_set_is_read_as_its_kernel_runs_it(monkeypatch):
+    """The report reads a stored set as prepare runs it (``routes.with_defaults``, the
+    route's ``fill_defaults``): a Gluon set of the kernel's first form keeps its forms off
+    (not the first set's pingpong), a Triton set is filled from the first Triton set (no
+    Gluon option), none is the first set; so ``time_with`` finds the run that was timed."""
+    from mlatune.kernels import gluon_hopper_plan
+    from mlatune.report.metrics import time_with
+
+    monkeypatch.setattr(gluon_hopper_plan, "triton_refusal", lambda version: None)
+    route, problem = routes.get("fp8-ps/triton"), _prefill()
+    space = route.param_space(problem, H200)
+    first_triton = space[GLUON_LEADING]
+    assert routes.with_defaults(route, None, space) == {**GLUON_FORM_DEFAULTS, **GLUON_PARAMS}
+    old = routes.with_defaults(route, _STORED_BEFORE_PINGPONG, space)
+    assert old["num_stages"] == 3 and not (old["pingpong"] or old["permuted_v"] or old["paired"])
+    stored_triton = {"block_m": first_triton["block_m"], "num_stages": 1}
+    triton = routes.with_defaults(route, stored_triton, space)
+    assert triton == {**first_triton, "num_stages": 1} and "kernel" not in triton
+    timed = {(problem.key, route.id): [(_STORED_BEFORE_PINGPONG, 7.0), (GLUON_PARAMS, 5.0),
+                                       ({**first_triton, "num_stages": 1}, 9.0)]}
+    assert time_with(timed, problem, route.id, _STORED_BEFORE_PINGPONG, H200) == 7.0
+    assert time_with(timed, problem, route.id, {}, H200) == 5.0
+    assert time_with(timed, problem, route.id, stored_triton, H200) == 9.0
 
 
 def test_the_benchmark_leaves_out_the_forms_it_is_told_to():

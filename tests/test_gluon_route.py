@@ -349,12 +349,13 @@ def test_a_stored_seesaw_row_keeps_its_form_and_rescales_its_split_at_a_neighbou
     assert moved["num_splits"] != stored["num_splits"]
     new = routes.params_at(seesaw, seesaw.param_space(measured, H200)[0], measured, asked, H200)
     assert new == seesaw.param_space(asked, H200)[0] and new["chunked"] is True
-    first = seesaw.param_space(asked, H200)[0]
-    assert routes.with_defaults(seesaw, {}, first) == first
-    assert routes.with_defaults(seesaw, None, first) == first
-    assert routes.with_defaults(seesaw, stored, first) == {**stored, "chunked": False,
+    space = seesaw.param_space(asked, H200)
+    first = space[0]
+    assert routes.with_defaults(seesaw, {}, space) == first
+    assert routes.with_defaults(seesaw, None, space) == first
+    assert routes.with_defaults(seesaw, stored, space) == {**stored, "chunked": False,
                                                            "pdl": False, "slim": False}
-    assert routes.with_defaults(wgmma, stored, first) == {**first, **stored}
+    assert routes.with_defaults(wgmma, stored, space) == {**first, **stored}
 
 
 def test_the_report_times_a_stored_seesaw_choice_as_it_ran():

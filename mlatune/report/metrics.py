@@ -301,12 +301,12 @@ def params_as_run(route_id: str, problem: MLAProblem, device) -> Callable[[Any],
     here."""
     try:
         route = routes.get(route_id)
-        first = route.param_space(problem, device)[0]
+        space = route.param_space(problem, device)
     except Exception:  # a route not registered here: parameters as given
         return dict
 
     def as_run(params: Any) -> dict:
-        return routes.with_defaults(route, dict(params), first)
+        return routes.with_defaults(route, dict(params), space)
 
     return as_run
 

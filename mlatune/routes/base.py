@@ -212,16 +212,20 @@ def rounding(route: Route, problem: MLAProblem, params: Params | None = None
             "p_rounded": bool(declare and declare(problem, params or {}))}
 
 
-def with_defaults(route: Route, params: Params | None, first: Params) -> Params:
-    """``params`` as ``route`` runs them: its first set (``first``, at the problem) where
-    none are given; else the given ones over that set, with each kernel option the route
-    added since (``kernel_options``: option -> value) at the value a set stored without it
-    ran, so a stored row keeps meaning what was timed (an option the first set leaves out
-    is at that value too)."""
+def with_defaults(route: Route, params: Params | None, space: list[Params]) -> Params:
+    """``params`` as ``route`` runs them, ``space`` being its param sets at the problem: its
+    first set where none are given; else the given ones over that set, with each kernel
+    option the route added since (``kernel_options``: option -> value) at the value a set
+    stored without it ran, so a stored row keeps meaning what was timed (an option the first
+    set leaves out is at that value too). A route whose sets run different kernels, each
+    with defaults of its own, fills them itself (``fill_defaults(params, space)``)."""
+    own = getattr(route, "fill_defaults", None)
+    if own is not None:
+        return own(params or {}, space)
     options = getattr(route, "kernel_options", {})
     if not params:
-        return {**options, **first}
-    return {**first, **options, **params}
+        return {**options, **space[0]}
+    return {**space[0], **options, **params}
 
 
 def params_at(route: Route, params: Params, measured_at: MLAProblem, problem: MLAProblem,

@@ -119,7 +119,7 @@ class WgmmaGluonRoute:
             raise ValueError(f"{self.id}: causal verify over a DCP shard is not served (the "
                              f"kernel masks on the shard's local positions)")
         kernel = importlib.import_module(f"mlatune.kernels.{self.kernel}")
-        chosen = with_defaults(self, params, self.param_space(problem, device_of(inputs.q))[0])
+        chosen = with_defaults(self, params, self.param_space(problem, device_of(inputs.q)))
         shard = inputs.shards[rank]
         extra = {name: chosen[name] for name in self.kernel_options}
         if self.reads_fp8:

@@ -160,10 +160,9 @@ class _PersistentPrefillRoute:
         from mlatune.kernels.prefill import KernelConfig, PersistentPrefill
 
         device = device_of(inputs.q)
-        params = params or self.param_space(problem, device)[0]
+        params = self.fill_defaults(params or {}, self.param_space(problem, device))
         gluon = params.get("kernel") == "gluon"
         if not gluon:
-            params = {**self._first_triton_set(problem, device), **params}
             config = KernelConfig(params["block_m"], params["block_n"], params["num_warps"],
                                   params["num_stages"], bool(params.get("v_transposed")),
                                   bool(params.get("qk_ahead")), bool(params.get("grouped")))
@@ -188,7 +187,7 @@ class _PersistentPrefillRoute:
         if gluon:
             from mlatune.kernels.gluon_prefill_fp8 import GluonPrefill
 
-            chosen = {**GLUON_FORM_DEFAULTS, **params}
+            chosen = params
             launch = GluonPrefill(
                 q, k, v, out_full, lse_full, *lengths, causal=problem.causal,
                 sm_scale=inputs.softmax_scale, scales=scales, num_programs=device.cu_count,
@@ -212,9 +211,16 @@ class _PersistentPrefillRoute:
         return Prepared(run, out_full[:, :heads], lse_full[:, :heads] if want_lse else None,
                         graph_safe=True, params=used, plan_reads_lengths=True)
 
-    def _first_triton_set(self, problem: MLAProblem, device: DeviceInfo) -> Params:
-        """The Triton kernel's default: what a Triton param set leaves out comes from it."""
-        return next(p for p in self.param_space(problem, device) if p.get("kernel") != "gluon")
+    @staticmethod
+    def fill_defaults(params: Params, space: list[Params]) -> Params:
+        """A set as this route runs it (``routes.with_defaults``), ``space`` being its sets at
+        the problem: none given, the first; a Gluon set over the kernel's first form
+        (``GLUON_FORM_DEFAULTS``: what a stored set leaves out, it ran without); a Triton set
+        over the first Triton set (the Gluon sets' options mean nothing to that kernel)."""
+        params = params or space[0]
+        if params.get("kernel") == "gluon":
+            return {**GLUON_FORM_DEFAULTS, **params}
+        return {**next(p for p in space if p.get("kernel") != "gluon"), **params}
 
     @staticmethod
     def _padded(src: torch.Tensor, head_index: torch.Tensor,
