@@ -67,7 +67,6 @@ SEESAW = "seesaw/gluon"  # the warp-specialized kernel (mlatune/kernels/gluon_se
 SEESAW_CHUNKED = "seesaw/gluon chunked"  # its CHUNKED form: decode_launcher(chunked=True)
 SEESAW_PDL = "seesaw/gluon pdl"  # chunked, the split reduce a programmatic dependent launch
 SEESAW_SLIM = "seesaw/gluon slim"  # chunked + pdl, the softmax in fewer instructions
-SEESAW_SELF = "seesaw/gluon self"  # slim, each warpgroup copying what it read last itself
 TRANSPOSED = "transposed/gluon"  # keys as the MMA's M (mlatune/kernels/gluon_transposed.py)
 # as the route's 16-bit and widening param sets run it: the reduce (more than 2 splits) a
 # programmatic dependent launch, an fp8 cache widened by a partition of its own
@@ -83,8 +82,8 @@ TRANSPOSED_FP8MMA_1TERM = "transposed/gluon fp8mma 1term"
 TRANSPOSED_FP8MMA_DEFERRED = "transposed/gluon fp8mma deferred"  # P's sums once at the end
 FP8MMA = {TRANSPOSED_FP8MMA: {}, TRANSPOSED_FP8MMA_1TERM: {"q_terms": 1},
           TRANSPOSED_FP8MMA_DEFERRED: {"defer_sums": True}}  # launcher options
-VARIANTS = [FIRST, SEESAW, SEESAW_CHUNKED, SEESAW_PDL, SEESAW_SLIM, SEESAW_SELF, TRANSPOSED,
-            TRANSPOSED_PLAIN, TRANSPOSED_REDUCE, TRANSPOSED_MERGE, *FP8MMA]
+VARIANTS = [FIRST, SEESAW, SEESAW_CHUNKED, SEESAW_PDL, SEESAW_SLIM, TRANSPOSED, TRANSPOSED_PLAIN,
+            TRANSPOSED_REDUCE, TRANSPOSED_MERGE, *FP8MMA]
 # the variants' roundings past their dtypes, as check's keywords (routes.rounding): P in e4m3
 # with q's two terms, q quantized with one
 ROUNDING = {v: {"q_quantized": o.get("q_terms") == 1, "p_rounded": o.get("q_terms") != 1}
@@ -94,7 +93,7 @@ FP8_ONLY = tuple(FP8MMA)
 FP8_VARIANTS = (TRANSPOSED, TRANSPOSED_PLAIN, TRANSPOSED_REDUCE, TRANSPOSED_MERGE, *FP8_ONLY)
 # Not run unless --experimental (a hang would stop the smoke, and with it every Gluon timing):
 # kernels whose current form has not run on a GPU.
-EXPERIMENTAL: tuple[str, ...] = (SEESAW_SELF,)
+EXPERIMENTAL: tuple[str, ...] = ()
 SKIPPED: set[str] = set()  # --skip (the child smoke run gets it through the environment)
 DEVICE = "cuda"  # a dry run of the plumbing may set "cpu" (with a stand-in kernel)
 
@@ -151,11 +150,8 @@ def gluon_prepare(problem, inputs, num_splits=None, variant=FIRST):
                                    pdl=new, ws=new and problem.kv_dtype != problem.q_dtype)
     from mlatune.kernels.gluon_seesaw import decode_launcher as seesaw_launcher
     return seesaw_launcher(*args, **kwargs,
-                           chunked=variant in (SEESAW_CHUNKED, SEESAW_PDL, SEESAW_SLIM,
-                                               SEESAW_SELF),
-                           pdl=variant in (SEESAW_PDL, SEESAW_SLIM, SEESAW_SELF),
-                           slim=variant in (SEESAW_SLIM, SEESAW_SELF),
-                           self_copy=variant == SEESAW_SELF)
+                           chunked=variant in (SEESAW_CHUNKED, SEESAW_PDL, SEESAW_SLIM),
+                           pdl=variant in (SEESAW_PDL, SEESAW_SLIM), slim=variant == SEESAW_SLIM)
 
 
 def route_prepare(route_id, problem, inputs):
@@ -374,8 +370,6 @@ def summary(point, rows) -> str:
         parts.append(f"pdl {pdl:.1f} us (pdl/chunked {pdl / chunked:.2f}x)")
     if not math.isnan(slim := t.get(SEESAW_SLIM, math.nan)):
         parts.append(f"slim {slim:.1f} us (slim/pdl {slim / pdl:.2f}x)")
-    if not math.isnan(own := t.get(SEESAW_SELF, math.nan)):
-        parts.append(f"self {own:.1f} us (self/slim {own / slim:.2f}x)")
     for rid in OTHERS:
         if not math.isnan(t.get(rid, math.nan)):
             parts.append(f"{rid} {t[rid]:.1f} us (gluon/{rid.split('/')[0]} {g / t[rid]:.2f}x)")

@@ -38,7 +38,7 @@
 #   decodepoints   benchmarks/decode.py at issue 19's batch-1/64/128 points, bf16 and fp8
 #                  caches, transposed/gluon beside FlashMLA
 #   seesawcheck    gluon_check.py over bf16 caches: the seesaw kernel's chunked forms (the
-#                  route's slim one, chunked + pdl, and the experimental self-copy form) beside FlashMLA
+#                  route's slim one and chunked + pdl) beside FlashMLA
 #   gluontests     pytest -m gpu tests/test_gluon_gpu.py
 #   gprefill       the Gluon fp8 prefill (fp8-ps/triton's Gluon sets): its GPU tests first (a
 #                  hang ends at their timeout, and the benchmark then leaves out the newest

@@ -19,17 +19,16 @@ from tests.test_gluon_compile import HOPPER_SMEM, _needs_gluon_triton
 @pytest.fixture(scope="module",
                 params=[("bf16", True, True, ""), ("fp16", False, False, ""),
                         ("bf16", True, True, "chunked"), ("fp16", False, False, "chunked"),
-                        ("bf16", False, True, "slim"), ("bf16", False, True, "self_copy")],
+                        ("bf16", False, True, "slim")],
                 ids=["bf16-direct-causal", "fp16-split", "chunked-bf16-direct-causal",
-                     "chunked-fp16-split", "slim-bf16-split-causal", "self-copy-bf16-split"])
+                     "chunked-fp16-split", "slim-bf16-split-causal"])
 def compiled(request):
     _needs_gluon_triton()
     from mlatune.kernels import gluon_seesaw as s
     dtype, direct, causal, form = request.param
     kernel = s.aot_compile(dtype, direct=direct, causal=causal, chunked=bool(form),
-                           slim=form in ("slim", "self_copy"), self_copy=form == "self_copy")
-    kernel.chunked = bool(form)  # for the tests that tell the forms apart (both are chunked)
-    kernel.self_copy = form == "self_copy"
+                           slim=form == "slim")
+    kernel.chunked = bool(form)  # for the tests that tell the forms apart (slim is chunked)
     return kernel
 
 
@@ -61,11 +60,7 @@ def test_barriers_and_chunked_scores(compiled):
     between_waits = [part.count("wgmma.mma_async.sync.aligned.m64n64k16")
                      for part in ptx.split("mbarrier.try_wait")]
     assert sum(between_waits) == 2 * 36  # S = Q K^T: 36 k-steps a warpgroup
-    if compiled.self_copy:  # the loader's first pair, then each warpgroup's two groups
-        assert ptx.count("mbarrier.init") == 18 + 4 + 2 + 2
-        assert len(chunk_expects) == 2 * 9 + 2 * 9
-        assert max(between_waits) == 4
-    elif compiled.chunked:
+    if compiled.chunked:
         assert ptx.count("mbarrier.init") == 18 + 4 + 2 + 2
         assert len(chunk_expects) == 2 * 9  # one slot a tile, as the loader unrolls a pair
         assert max(between_waits) == 4  # no more than one chunk's k-steps before a wait
@@ -94,10 +89,8 @@ def test_fits_shared_memory_without_spills(compiled):
     assert compiled.metadata.shared <= HOPPER_SMEM
     assert compiled.metadata.shared < 3 * 73728 + 2048
     # A few scalars spill in one warpgroup (ptxas, 240 registers); the accumulators do not.
-    # The chunked form spills less (24 bytes against 72 at triton 3.6.0); the self-copy
-    # form more (80: the copy's descriptor and block-table row live in the compute loop).
-    limit = 96 if compiled.self_copy else 48 if compiled.chunked else 128
-    assert resources(compiled)["stack"] <= limit
+    # The chunked form spills less (24 bytes against 72 at triton 3.6.0).
+    assert resources(compiled)["stack"] <= (48 if compiled.chunked else 128)
 
 
 def test_slim_is_a_form_of_the_chunked_kernel():
@@ -124,22 +117,6 @@ def test_slim_folds_the_scale_into_the_exponent():
     assert count(slim, "ex2.approx") == count(chunked, "ex2.approx")
     assert count(slim, "fma.rn") >= count(chunked, "fma.rn") + 2 * 32  # 32 scores a thread
     assert count(slim, "mul.f32") <= count(chunked, "mul.f32") - 2 * 32 + 2 * 2
-
-
-def test_self_copy_is_a_form_of_the_slim_kernel_whose_loader_stops_after_two_tiles():
-    """The self-copy form: refused without slim; its loader waits on no release barrier
-    (it copies Q and the first two tiles only) and the compute warpgroups issue the rest of
-    the copies, each after a warpgroup barrier; the release barriers are never waited on."""
-    from mlatune.kernels import gluon_seesaw as s
-    with pytest.raises(ValueError, match="slim"):
-        s.decode_launcher(*[None] * 4, qlen=1, sm_scale=0.1, chunked=True, self_copy=True)
-    _needs_gluon_triton()
-    own, slim = (s.aot_compile(direct=False, chunked=True, slim=True, self_copy=flag).asm["ptx"]
-                 for flag in (True, False))
-    # slim waits: 2 x 9 chunk waits in S, 2 x 4 for the other's V half, P_a, P_b, Q, row
-    # sums, and the loader's 4 release waits; the self-copy form drops the loader's.
-    assert slim.count("mbarrier.try_wait") - own.count("mbarrier.try_wait") == 4
-    assert own.count("cp.async.bulk.tensor.2d") > slim.count("cp.async.bulk.tensor.2d")
 
 
 def test_refuses_what_gluon_hopper_refuses():

@@ -68,7 +68,8 @@ of shared memory, 24 bytes of spills (72 above), no wgmma serialization. The SLI
 (``decode_launcher(chunked=True, slim=True)``) runs each tile's softmax in fewer
 instructions (``gluon_common.slim_softmax``: the bounds only on tiles that reach them, the
 scale folded into the exponent's FMA), for the softmax on the critical path between the
-two warpgroups.
+two warpgroups: 0.97-1.00x the chunked form's time at 7 of issue 19's 8 points, 1.03x at
+batch 1 (H200, session 14, calls 3 and 5); the route's param sets run it.
 
 Tried and dropped (H200, 2026-12-01): the warpgroups handing each tile's row max over on
 barriers of their own before the exponentials, P_a after WG1's max (FlashMLA's deep dive's
@@ -77,7 +78,12 @@ order), so that the two softmaxes overlap (session 13, commit 636020d): right, a
 A lead form (session 14, commit 90cc006): slot 1 copied and read columns 0-255 first and
 WG0's half of slot 0 released before it awaits P_b, so that each S's first chunks land
 earlier: right, and 1.00-1.03x the chunked form's time (1.02x at (128, 128, 4096, 1),
-1.03x at (8, 128, 32768, 1); ``benchmarks/results/README.md``, session 14, call 2).
+1.03x at (8, 128, 32768, 1); ``benchmarks/results/README.md``, session 14, call 2). A
+self-copy form (session 14, commit 0510a3b; the profile of call 4 has WG1 waiting about a
+quarter of its time for slot 1's first chunk): the loader copied Q and the first two tiles
+only, each compute warpgroup the next tiles' groups it read last, with no loader wake-up
+between: right, and 1.03-1.11x the slim form's time (1.11x at 128 heads; 80 bytes of spills
+against 32), so the wake-up is not what that wait is made of (call 5).
 """
 
 from __future__ import annotations
@@ -132,17 +138,14 @@ __all__ = ["aot_compile", "decode_launcher", "seesaw_decode", "seesaw_kernel"]
 
 @gluon.jit
 def _loader(descs, bufs, bars, bt_row, q_row, start, n_tiles, PAGE: gl.constexpr,
-            CHUNKED: gl.constexpr, SELF_COPY: gl.constexpr):
-    """Q once, then tile t into slot t % 2 as soon as both warpgroups have released it
-    (SELF_COPY: the first two tiles only; the warpgroups copy the rest themselves)."""
+            CHUNKED: gl.constexpr):
+    """Q once, then tile t into slot t % 2 as soon as both warpgroups have released it."""
     qn_desc, qr_desc = descs[:2]
     q_bar = bars[0]
     mbarrier.expect(q_bar, qn_desc.block_type.nbytes + qr_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(qn_desc, [q_row, 0], q_bar, bufs[0])
     tma.async_copy_global_to_shared(qr_desc, [q_row, 0], q_bar, bufs[1])
-    if SELF_COPY:
-        _load_first_pair(descs[3], bufs, bars[1], bt_row, start, n_tiles, PAGE)
-    elif CHUNKED:
+    if CHUNKED:
         _load_tiles_chunked(descs[3], bufs, bars, bt_row, start, n_tiles, PAGE)
     else:
         _load_tiles(descs, bufs, bars, bt_row, start, n_tiles, PAGE)
@@ -187,46 +190,21 @@ def _load_tile_chunked(kc_desc, kn, kr, ready, empty, SLOT: gl.constexpr, ph, bt
                        PAGE: gl.constexpr):
     """One tile into slot SLOT: its owner's V half (slot 0: columns 0-255, slot 1: 256-511)
     once the owner released it, then the other half and the rope part."""
-    row = _cache_row(bt_row, key, PAGE)
+    W: gl.constexpr = kc_desc.block_type.shape[1]
+    page = gl.load(bt_row + key // PAGE)
+    row = page * PAGE + key % PAGE
     for g in gl.static_range(2):
         mbarrier.wait(empty.index(2 * SLOT + g), ph)
         fence_async_shared()  # the warpgroups wrote the slot (P, zeroed rows) as generic proxy
-        # Slot 0 copies columns 0-255 first, slot 1 256-511.
-        _copy_group(kc_desc, kn, kr, ready, SLOT, (SLOT + g) % 2, g == 1, row)
-
-
-@gluon.jit
-def _load_first_pair(kc_desc, bufs, ready, bt_row, start, n_tiles, PAGE: gl.constexpr):
-    """SELF_COPY's loader: tiles 0 and 1 into their fresh slots, chunk by chunk."""
-    BN: gl.constexpr = kc_desc.block_type.shape[0]
-    for t in gl.static_range(2):
-        if t < n_tiles:
-            row = _cache_row(bt_row, start + t * BN, PAGE)
-            for g in gl.static_range(2):  # the half S reads first (the owner's) first
-                _copy_group(kc_desc, bufs[2].index(t), bufs[3].index(t), ready, t, (t + g) % 2,
-                            g == 1, row)
-
-
-@gluon.jit
-def _cache_row(bt_row, key, PAGE: gl.constexpr):
-    """The cache row (page * PAGE + slot in the page) of this request's key ``key``."""
-    return gl.load(bt_row + key // PAGE) * PAGE + key % PAGE
-
-
-@gluon.jit
-def _copy_group(kc_desc, kn, kr, ready, SLOT: gl.constexpr, HALF: gl.constexpr,
-                ROPE: gl.constexpr, row):
-    """Copy V half HALF (0: columns 0-255) of the tile at cache row ``row`` into slot SLOT,
-    a [64, 64] chunk on each of its barriers, and (ROPE) then its rope part."""
-    W: gl.constexpr = kc_desc.block_type.shape[1]
-    for c in gl.static_range(4 * HALF, 4 * HALF + 4):
-        bar = ready.index(9 * SLOT + c)
-        mbarrier.expect(bar, kc_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(kc_desc, [row, c * W], bar, kn.slice(c * W, W, dim=1))
-    if ROPE:
-        bar = ready.index(9 * SLOT + 8)
-        mbarrier.expect(bar, kc_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(kc_desc, [row, kn.shape[1]], bar, kr)
+        # Chunk (4 (SLOT + g) + i) % 8: slot 0 copies columns 0-255 first, slot 1 256-511.
+        for c in gl.static_range(4 * (SLOT + g), 4 * (SLOT + g) + 4):
+            bar = ready.index(9 * SLOT + c % 8)
+            mbarrier.expect(bar, kc_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(kc_desc, [row, c % 8 * W], bar,
+                                            kn.slice(c % 8 * W, W, dim=1))
+    bar = ready.index(9 * SLOT + 8)
+    mbarrier.expect(bar, kc_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(kc_desc, [row, kn.shape[1]], bar, kr)
 
 
 @gluon.jit
@@ -267,29 +245,6 @@ def _release(empty, SLOT: gl.constexpr, WG: gl.constexpr, CHUNKED: gl.constexpr)
         mbarrier.arrive(empty.index(2 * SLOT + (WG != SLOT)))
     else:
         mbarrier.arrive(empty.index(SLOT))
-
-
-@gluon.jit
-def _done_with(empty, kv, ready, SLOT: gl.constexpr, WG: gl.constexpr, CHUNKED: gl.constexpr,
-               SELF_COPY: gl.constexpr, refill):
-    """Warpgroup WG read slot SLOT's tile for the last time (its group, ``_release``): it
-    releases the group to the loader, or (SELF_COPY) copies the group of the tile two ahead
-    itself, if there is one (``refill``: the chunk descriptor, the request's block-table row,
-    the pair's first key and the split's end), so that no loader wakes between the read and
-    the copy. The page id is loaded here, not ahead, to keep registers free (the compute
-    warpgroups are at their budget); its cache line is in L1 after a pair's first load."""
-    if SELF_COPY:
-        kc_desc, bt_row, n0, end = refill
-        BN: gl.constexpr = kc_desc.block_type.shape[0]
-        key = n0 + (2 + SLOT) * BN
-        if key < end:
-            # Pages of BN keys (check_supported: page 64 = BLOCK_N).
-            row = _cache_row(bt_row, key, BN)
-            gl.thread_barrier()  # every warp's part of the last MMA on the group is done
-            _copy_group(kc_desc, kv[2 * SLOT], kv[2 * SLOT + 1], ready, SLOT, WG, WG != SLOT,
-                        row)
-    else:
-        _release(empty, SLOT, WG, CHUNKED)
 
 
 @gluon.jit
@@ -351,9 +306,8 @@ def _halves(kn_a, kn_b, half: gl.constexpr, s_layout: gl.constexpr, o_layout: gl
 @gluon.jit
 def _pair_wg0(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run, acc,
               s_layout: gl.constexpr, o_layout: gl.constexpr, CHUNKED: gl.constexpr,
-              SLIM: gl.constexpr, SELF_COPY: gl.constexpr, refill):
-    """WG0's half of a pair: its own tile a (slot 0), then WG1's tile b (slot 1). SELF_COPY:
-    its half of slot 0 is copied again as soon as its P_a V_a is done, before P_b is awaited."""
+              SLIM: gl.constexpr):
+    """WG0's half of a pair: its own tile a (slot 0), then WG1's tile b (slot 1)."""
     q_nope, q_rope, m_buf = bufs[0], bufs[1], bufs[4]
     kn_a, kr_a, kn_b, kr_b = kv
     ready, empty, p_bars = bars[1:4]
@@ -374,14 +328,10 @@ def _pair_wg0(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run
     acc = _scale_rows(acc, alpha, o_layout)
     p_op = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
     acc = warpgroup_mma(p_op, v_a, acc, is_async=True)
-    if SELF_COPY:
-        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-        _done_with(empty, kv, ready, 0, 0, CHUNKED, SELF_COPY, refill)
     mbarrier.wait(p_bars.index(1), ph)
     m1 = _row_slot(m_buf, 1).load(gl.SliceLayout(1, s_layout))
-    if not SELF_COPY:
-        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-        _release(empty, 0, 0, CHUNKED)
+    acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+    _release(empty, 0, 0, CHUNKED)
     alpha = gl.exp2(m0 - _no_shift(m1))
     acc = _scale_rows(acc, alpha, o_layout)
     if has_b:
@@ -389,14 +339,14 @@ def _pair_wg0(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run
         _zero_if_last(v_b, n0 + BN, end)
         acc = warpgroup_mma(kr_b, v_b, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    _done_with(empty, kv, ready, 1, 0, CHUNKED, SELF_COPY, refill)
+    _release(empty, 1, 0, CHUNKED)
     return acc, m1, l_run * alpha
 
 
 @gluon.jit
 def _pair_wg1(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run, acc,
               s_layout: gl.constexpr, o_layout: gl.constexpr, CHUNKED: gl.constexpr,
-              SLIM: gl.constexpr, SELF_COPY: gl.constexpr, refill):
+              SLIM: gl.constexpr):
     """WG1's half of a pair: S of its own tile b first, WG0's P_a V_a while S_b finishes."""
     kn_a, kr_a, kn_b, kr_b = kv
     q_nope, q_rope, m_buf = bufs[0], bufs[1], bufs[4]
@@ -422,7 +372,7 @@ def _pair_wg1(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run
     p = p.to(kr_a.dtype)
     _publish(p, kr_b, _row_slot(m_buf, 1), m1, p_bars.index(1))
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    _done_with(empty, kv, ready, 0, 1, CHUNKED, SELF_COPY, refill)
+    _release(empty, 0, 1, CHUNKED)
     acc = _scale_rows(acc, alpha, o_layout)
     if has_b:
         _zero_if_last(v_b, n1, end)
@@ -430,14 +380,14 @@ def _pair_wg1(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run
                                                         k_width=2))
         acc = warpgroup_mma(p_op, v_b, acc, is_async=True)
         acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-    _done_with(empty, kv, ready, 1, 1, CHUNKED, SELF_COPY, refill)
+    _release(empty, 1, 1, CHUNKED)
     return acc, m1, l_run
 
 
 @gluon.jit
-def _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, copy_args, WG: gl.constexpr,
+def _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, WG: gl.constexpr,
              CAUSAL: gl.constexpr, DIRECT: gl.constexpr, CHUNKED: gl.constexpr,
-             SLIM: gl.constexpr = False, SELF_COPY: gl.constexpr = False):
+             SLIM: gl.constexpr = False):
     """One compute warpgroup: its walk over the pairs of tiles, then its half of the output."""
     q_nope, k_nope, k_rope, l_buf = bufs[0], bufs[2], bufs[3], bufs[5]
     q_bar, l_bar = bars[0], bars[4]
@@ -464,17 +414,12 @@ def _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, copy_args, WG: gl.con
               k_rope.index(1 + (j >> 30)))
         n0 = start + 2 * j * BN
         has_b = 2 * j + 1 < n_tiles
-        refill = None
-        if SELF_COPY:
-            refill = (copy_args[0], copy_args[1], n0, end)
         if WG == 0:
             acc, m_run, l_run = _pair_wg0(bufs, kv, bars, j & 1, n0, end, has_b, bounds, qk_scale,
-                                          m_run, l_run, acc, s_layout, o_layout, CHUNKED, SLIM,
-                                          SELF_COPY, refill)
+                                          m_run, l_run, acc, s_layout, o_layout, CHUNKED, SLIM)
         else:
             acc, m_run, l_run = _pair_wg1(bufs, kv, bars, j & 1, n0, end, has_b, bounds, qk_scale,
-                                          m_run, l_run, acc, s_layout, o_layout, CHUNKED, SLIM,
-                                          SELF_COPY, refill)
+                                          m_run, l_run, acc, s_layout, o_layout, CHUNKED, SLIM)
     # The row sum is the two warpgroups' sums, both in the base of the final max.
     _row_slot(l_buf, WG).store(l_run)
     gl.thread_barrier()
@@ -527,57 +472,41 @@ def _store_lse(m_i, l_i, lse_ptr, ints, BM: gl.constexpr, DIRECT: gl.constexpr):
 
 
 @gluon.jit
-def _wg0(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, copy_args,
-         CAUSAL: gl.constexpr, DIRECT: gl.constexpr):
-    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, copy_args, 0, CAUSAL, DIRECT, False)
+def _wg0(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
+         DIRECT: gl.constexpr):
+    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 0, CAUSAL, DIRECT, False)
 
 
 @gluon.jit
-def _wg0_chunked(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, copy_args,
-                 CAUSAL: gl.constexpr, DIRECT: gl.constexpr):
+def _wg0_chunked(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
+                 DIRECT: gl.constexpr):
     # A worker's arguments reach it as values (constexprs too): the form is in its name.
-    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, copy_args, 0, CAUSAL, DIRECT, True)
+    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 0, CAUSAL, DIRECT, True)
 
 
 @gluon.jit
-def _wg1(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, copy_args,
-         CAUSAL: gl.constexpr, DIRECT: gl.constexpr):
-    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, copy_args, 1, CAUSAL, DIRECT, False)
+def _wg1(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
+         DIRECT: gl.constexpr):
+    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 1, CAUSAL, DIRECT, False)
 
 
 @gluon.jit
-def _wg1_chunked(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, copy_args,
-                 CAUSAL: gl.constexpr, DIRECT: gl.constexpr):
+def _wg1_chunked(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
+                 DIRECT: gl.constexpr):
     # A worker's arguments reach it as values (constexprs too): the form is in its name.
-    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, copy_args, 1, CAUSAL, DIRECT, True)
+    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 1, CAUSAL, DIRECT, True)
 
 
 @gluon.jit
-def _wg0_slim(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, copy_args,
-              CAUSAL: gl.constexpr, DIRECT: gl.constexpr):
-    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, copy_args, 0, CAUSAL, DIRECT, True,
-             True)
-
-
-@gluon.jit
-def _wg1_slim(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, copy_args,
-              CAUSAL: gl.constexpr, DIRECT: gl.constexpr):
-    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, copy_args, 1, CAUSAL, DIRECT, True,
-             True)
-
-
-@gluon.jit
-def _wg0_self(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, copy_args, CAUSAL: gl.constexpr,
+def _wg0_slim(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
               DIRECT: gl.constexpr):
-    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, copy_args, 0, CAUSAL, DIRECT, True,
-             True, True)
+    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 0, CAUSAL, DIRECT, True, True)
 
 
 @gluon.jit
-def _wg1_self(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, copy_args, CAUSAL: gl.constexpr,
+def _wg1_slim(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
               DIRECT: gl.constexpr):
-    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, copy_args, 1, CAUSAL, DIRECT, True,
-             True, True)
+    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 1, CAUSAL, DIRECT, True, True)
 
 
 @gluon.jit(do_not_specialize=["num_splits", "qlen", "heads"])
@@ -588,7 +517,7 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache'
                   stride_po_slot, stride_po_row, stride_pl_slot,  # fp32 partials
                   CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PAGE: gl.constexpr,
                   CHUNKED: gl.constexpr, PDL: gl.constexpr, SLIM: gl.constexpr,
-                  SELF_COPY: gl.constexpr, num_warps: gl.constexpr):
+                  num_warps: gl.constexpr):
     BM: gl.constexpr = qn_desc.block_type.shape[0]
     BN: gl.constexpr = kn_desc.block_type.shape[0]
     dtype: gl.constexpr = qn_desc.dtype
@@ -632,17 +561,14 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache'
             stride_pl_slot)
     bt_row = bt_ptr + b.to(gl.int64) * stride_bt
     q_row = b * qlen * heads + rb * BM
-    copy_args = (kr_desc, bt_row) if SELF_COPY else ()  # SELF_COPY's warpgroups copy tiles
-    compute_args = (bufs, bars, out_ptr, lse_ptr, ints, qk_scale, copy_args, CAUSAL, DIRECT)
+    compute_args = (bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL, DIRECT)
     # The loader is the default partition: as workers, both compute warpgroups get the
     # same register budget and take their scalars from shared memory alike.
     gl.warp_specialize([
         (_loader, ((qn_desc, qr_desc, kn_desc, kr_desc), bufs, bars, bt_row, q_row, start,
-                   n_tiles, PAGE, CHUNKED, SELF_COPY)),
-        (_wg0_self if SELF_COPY else _wg0_slim if SLIM else _wg0_chunked if CHUNKED else _wg0,
-         compute_args),
-        (_wg1_self if SELF_COPY else _wg1_slim if SLIM else _wg1_chunked if CHUNKED else _wg1,
-         compute_args),
+                   n_tiles, PAGE, CHUNKED)),
+        (_wg0_slim if SLIM else _wg0_chunked if CHUNKED else _wg0, compute_args),
+        (_wg1_slim if SLIM else _wg1_chunked if CHUNKED else _wg1, compute_args),
     ], [4, 4], [COMPUTE_REGS, COMPUTE_REGS])
 
 
@@ -656,20 +582,16 @@ def _chunk_descriptor(kv_cache: torch.Tensor) -> TensorDescriptor:
                             [kv_cache.stride(1), 1], block, nvmma_layout(block, kv_cache.dtype))
 
 
-def _check_form(chunked: bool, slim: bool, self_copy: bool) -> None:
-    # The workers of each form are functions of their own: slim is chunked, self_copy slim.
-    if slim and not chunked:
+def _check_form(chunked: bool, slim: bool) -> None:
+    if slim and not chunked:  # the workers of each form are functions of their own
         raise ValueError("slim is a form of the chunked kernel: pass chunked=True too")
-    if self_copy and not slim:
-        raise ValueError("self_copy is a form of the slim kernel: pass chunked=slim=True too")
 
 
 def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                     seq_lens: torch.Tensor, *, qlen: int, sm_scale: float, causal: bool = True,
                     out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                     num_splits: int | None = None, max_seq_len: int | None = None,
-                    chunked: bool = False, pdl: bool = False, slim: bool = False,
-                    self_copy: bool = False
+                    chunked: bool = False, pdl: bool = False, slim: bool = False
                     ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
     """A zero-argument launch of the seesaw decode, with the out and LSE it writes.
 
@@ -678,11 +600,9 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     form (each tile copied in 64-column chunks, S started on the first; module docstring).
     ``pdl``: with more than one split, the reduce kernel is a programmatic dependent launch,
     started as this kernel's blocks begin (``gluon_common.program_keys``). ``slim`` (chunked
-    only): the softmax in fewer instructions (``gluon_common.slim_softmax``). ``self_copy``
-    (slim only; EXPERIMENTAL: compiled, not yet run on a GPU): each warpgroup copies the
-    next tiles' chunks it read last itself (``_done_with``), the loader only the first two.
+    only): the softmax in fewer instructions (``gluon_common.slim_softmax``).
     """
-    _check_form(chunked, slim, self_copy)
+    _check_form(chunked, slim)
     why = check_supported(q, kv_cache, block_table, seq_lens)
     if why is not None:
         raise ValueError(f"gluon seesaw MLA decode: {why}")
@@ -700,7 +620,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     head = (*descs, block_table, seq_lens)
     sizes = (num_splits, qlen, heads, sm_scale * LOG2E, block_table.stride(0))
     meta = dict(CAUSAL=causal and qlen > 1, PAGE=PAGE_SIZE, CHUNKED=chunked, SLIM=slim,
-                SELF_COPY=self_copy, num_warps=NUM_WARPS, maxnreg=MAXNREG)
+                num_warps=NUM_WARPS, maxnreg=MAXNREG)
     if num_splits == 1:
         args = (*head, out, lse, *sizes, out.stride(0), out.stride(1), lse.stride(0), 0, 0, 0)
         return (lambda: seesaw_kernel[grid](*args, DIRECT=True, PDL=False, **meta)), out, lse
@@ -719,24 +639,22 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
 def seesaw_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                   seq_lens: torch.Tensor, *, qlen: int, sm_scale: float, causal: bool = True,
                   num_splits: int | None = None, chunked: bool = False, pdl: bool = False,
-                  slim: bool = False, self_copy: bool = False
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  slim: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One eager call: (out, lse). See ``decode_launcher``."""
     launch, out, lse = decode_launcher(q, kv_cache, block_table, seq_lens, qlen=qlen,
                                        sm_scale=sm_scale, causal=causal, num_splits=num_splits,
-                                       chunked=chunked, pdl=pdl, slim=slim, self_copy=self_copy)
+                                       chunked=chunked, pdl=pdl, slim=slim)
     launch()
     return out, lse
 
 
 def aot_compile(dtype: str = "bf16", *, direct: bool = True, causal: bool = True,
-                arch: int = 90, chunked: bool = False, pdl: bool = False, slim: bool = False,
-                self_copy: bool = False):
+                arch: int = 90, chunked: bool = False, pdl: bool = False, slim: bool = False):
     """Compile ``seesaw_kernel`` for ``sm_<arch>`` without a GPU (triton's bundled ptxas);
     returns triton's CompiledKernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata``)."""
-    _check_form(chunked, slim, self_copy)
+    _check_form(chunked, slim)
     constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=PAGE_SIZE, CHUNKED=chunked,
-                     PDL=pdl and not direct, SLIM=slim, SELF_COPY=self_copy, num_warps=NUM_WARPS)
+                     PDL=pdl and not direct, SLIM=slim, num_warps=NUM_WARPS)
     blocks = dict(qn_desc=(dtype, BLOCK_M, D_NOPE), qr_desc=(dtype, BLOCK_M, D_ROPE),
                   kn_desc=(dtype, BLOCK_N, D_NOPE), kr_desc=(dtype, BLOCK_N, D_ROPE))
     pointers = dict(bt_ptr="i32", seq_lens_ptr="i32", out_ptr=dtype if direct else "fp32",
