@@ -268,6 +268,7 @@ def test_merge_kernel_matches_torch(dtype):
     (False, (2, 16), [3, 0, 1, 4], None), (True, (16, 64), [3, 0, 1, 4], None),
     (False, (16, 64), [20, 0, 1, 17], None), (True, (2, 16), [33, 2, 0, 16], None),  # blocks
     (False, (2, 16), [33, 2, 0, 16], 2),  # a slot hint below the counts (a device plan's)
+    (False, (1, 64), [3, 0, 1, 4], None), (True, (1, 64), [33, 2, 0, 16], None),  # a row each
 ])
 def test_reduce_kernel_matches_torch(max_expsum, blocks, counts, hint):
     """Slots of varying count per group (none for one), padded rows sliced by head_rep;
