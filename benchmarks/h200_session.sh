@@ -39,8 +39,8 @@
 #                  caches, transposed/gluon beside FlashMLA
 #   points19       benchmarks/decode.py at all of issue 19's points (fp8 caches too where it
 #                  has an fp8 target), both Gluon routes beside FlashMLA, in one run
-#   seesawcheck    gluon_check.py over bf16 caches: the seesaw kernel's chunked forms (the
-#                  route's slim one and chunked + pdl) beside FlashMLA
+#   seesawcheck    gluon_check.py over bf16 caches: the seesaw kernel's chunked forms (plain,
+#                  chunked + pdl, and the route's slim form) beside FlashMLA
 #   gluontests     pytest -m gpu tests/test_gluon_gpu.py
 #   gprefill       the Gluon fp8 prefill (fp8-ps/triton's Gluon sets): its GPU tests first (a
 #                  hang ends at their timeout, and the benchmark then leaves out the newest
@@ -149,12 +149,13 @@ seesaw/gluon chunked,transposed/gluon plain,transposed/gluon reduce,transposed/g
                     > "$OUT/decode.log" 2>&1
                   log "decodepoints: rc=$?"; grep -i "target\|ratio\|^|" "$OUT/decode.log" \
                     | tail -20 | tee -a "$OUT/session.log" ;;
-    points19) { timeout 100 python3 benchmarks/decode.py --points 0,2,3 --kv bf16,fp8 \
-                  --routes seesaw/gluon,transposed/gluon,dense/flashmla --out "$OUT/decode"
-                timeout 120 python3 benchmarks/decode.py --points 4,6,7,8,9 --kv bf16 \
-                  --routes seesaw/gluon,transposed/gluon,dense/flashmla --out "$OUT/decode"
-              } > "$OUT/points19.log" 2>&1
-              log "points19: rc=$?"; grep -i "target" "$OUT/points19.log" | tee -a "$OUT/session.log" ;;
+    points19) timeout 100 python3 benchmarks/decode.py --points 0,2,3 --kv bf16,fp8 \
+                --routes seesaw/gluon,transposed/gluon,dense/flashmla --out "$OUT/decode" \
+                > "$OUT/points19.log" 2>&1; rc=$?
+              timeout 120 python3 benchmarks/decode.py --points 4,6,7,8,9 --kv bf16 \
+                --routes seesaw/gluon,transposed/gluon,dense/flashmla --out "$OUT/decode" \
+                >> "$OUT/points19.log" 2>&1
+              log "points19: rc=$rc,$?"; grep -i "target" "$OUT/points19.log" | tee -a "$OUT/session.log" ;;
     seesawcheck) timeout 430 python3 benchmarks/gluon_check.py --out "$OUT/seesaw-check" \
                    --kv bf16 --experimental --budget 380 --smoke-timeout 180 --skip "wgmma/gluon,\
 seesaw/gluon,transposed/gluon,transposed/gluon plain,transposed/gluon reduce,\

@@ -54,7 +54,7 @@ def main() -> int:
         print("no GPU: nothing to do")
         return 0
     budget = Budget(warmup=3, min_reps=20, max_reps=100, max_seconds=0.5, race_ratio=0.0)
-    results = []
+    results: list[dict] = []
     for groups, tokens, heads, slots in SHAPES:
         gen = torch.Generator(device="cuda").manual_seed(0)
         rows = tokens * heads
@@ -86,7 +86,7 @@ def main() -> int:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "reduce_blocks.json").write_text(json.dumps(results, indent=1))
-    return 0
+    return 0 if all(r["ok"] for r in results) else 1  # a wrong block fails the run
 
 
 if __name__ == "__main__":

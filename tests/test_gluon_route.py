@@ -355,7 +355,8 @@ def test_a_stored_seesaw_row_keeps_its_form_and_rescales_its_split_at_a_neighbou
     assert routes.with_defaults(seesaw, None, space) == first
     assert routes.with_defaults(seesaw, stored, space) == {**stored, "chunked": False,
                                                            "pdl": False, "slim": False}
-    assert routes.with_defaults(wgmma, stored, space) == {**first, **stored}
+    wgmma_space = wgmma.param_space(asked, H200)
+    assert routes.with_defaults(wgmma, stored, wgmma_space) == {**wgmma_space[0], **stored}
 
 
 def test_the_report_times_a_stored_seesaw_choice_as_it_ran():

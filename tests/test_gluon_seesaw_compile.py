@@ -99,6 +99,8 @@ def test_slim_is_a_form_of_the_chunked_kernel():
         s.decode_launcher(*[None] * 4, qlen=1, sm_scale=0.1, slim=True)
     with pytest.raises(ValueError, match="chunked"):
         s.aot_compile(slim=True)
+    with pytest.raises(ValueError, match="positive sm_scale"):
+        s.decode_launcher(*[None] * 4, qlen=1, sm_scale=0.0, chunked=True, slim=True)
 
 
 def test_slim_folds_the_scale_into_the_exponent():

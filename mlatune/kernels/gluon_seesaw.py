@@ -603,6 +603,8 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     only): the softmax in fewer instructions (``gluon_common.slim_softmax``).
     """
     _check_form(chunked, slim)
+    if slim and not sm_scale > 0:  # slim_softmax takes the max of the unscaled scores
+        raise ValueError(f"the slim form needs a positive sm_scale, got {sm_scale}")
     why = check_supported(q, kv_cache, block_table, seq_lens)
     if why is not None:
         raise ValueError(f"gluon seesaw MLA decode: {why}")
