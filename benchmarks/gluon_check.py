@@ -67,6 +67,7 @@ SEESAW = "seesaw/gluon"  # the warp-specialized kernel (mlatune/kernels/gluon_se
 SEESAW_CHUNKED = "seesaw/gluon chunked"  # its CHUNKED form: decode_launcher(chunked=True)
 SEESAW_PDL = "seesaw/gluon pdl"  # chunked, the split reduce a programmatic dependent launch
 SEESAW_SLIM = "seesaw/gluon slim"  # chunked + pdl, the softmax in fewer instructions
+SEESAW_LONE = "seesaw/gluon lone"  # slim, each mbarrier its own allocation (fewer bar.syncs)
 TRANSPOSED = "transposed/gluon"  # keys as the MMA's M (mlatune/kernels/gluon_transposed.py)
 # as the route's 16-bit and widening param sets run it: the reduce (more than 2 splits) a
 # programmatic dependent launch, an fp8 cache widened by a partition of its own
@@ -82,8 +83,8 @@ TRANSPOSED_FP8MMA_1TERM = "transposed/gluon fp8mma 1term"
 TRANSPOSED_FP8MMA_DEFERRED = "transposed/gluon fp8mma deferred"  # P's sums once at the end
 FP8MMA = {TRANSPOSED_FP8MMA: {}, TRANSPOSED_FP8MMA_1TERM: {"q_terms": 1},
           TRANSPOSED_FP8MMA_DEFERRED: {"defer_sums": True}}  # launcher options
-VARIANTS = [FIRST, SEESAW, SEESAW_CHUNKED, SEESAW_PDL, SEESAW_SLIM, TRANSPOSED, TRANSPOSED_PLAIN,
-            TRANSPOSED_REDUCE, TRANSPOSED_MERGE, *FP8MMA]
+VARIANTS = [FIRST, SEESAW, SEESAW_CHUNKED, SEESAW_PDL, SEESAW_SLIM, SEESAW_LONE, TRANSPOSED,
+            TRANSPOSED_PLAIN, TRANSPOSED_REDUCE, TRANSPOSED_MERGE, *FP8MMA]
 # the variants' roundings past their dtypes, as check's keywords (routes.rounding): P in e4m3
 # with q's two terms, q quantized with one
 ROUNDING = {v: {"q_quantized": o.get("q_terms") == 1, "p_rounded": o.get("q_terms") != 1}
@@ -93,7 +94,7 @@ FP8_ONLY = tuple(FP8MMA)
 FP8_VARIANTS = (TRANSPOSED, TRANSPOSED_PLAIN, TRANSPOSED_REDUCE, TRANSPOSED_MERGE, *FP8_ONLY)
 # Not run unless --experimental (a hang would stop the smoke, and with it every Gluon timing):
 # kernels whose current form has not run on a GPU.
-EXPERIMENTAL: tuple[str, ...] = ()
+EXPERIMENTAL: tuple[str, ...] = (SEESAW_LONE,)
 SKIPPED: set[str] = set()  # --skip (the child smoke run gets it through the environment)
 DEVICE = "cuda"  # a dry run of the plumbing may set "cpu" (with a stand-in kernel)
 
@@ -150,8 +151,11 @@ def gluon_prepare(problem, inputs, num_splits=None, variant=FIRST):
                                    pdl=new, ws=new and problem.kv_dtype != problem.q_dtype)
     from mlatune.kernels.gluon_seesaw import decode_launcher as seesaw_launcher
     return seesaw_launcher(*args, **kwargs,
-                           chunked=variant in (SEESAW_CHUNKED, SEESAW_PDL, SEESAW_SLIM),
-                           pdl=variant in (SEESAW_PDL, SEESAW_SLIM), slim=variant == SEESAW_SLIM)
+                           chunked=variant in (SEESAW_CHUNKED, SEESAW_PDL, SEESAW_SLIM,
+                                               SEESAW_LONE),
+                           pdl=variant in (SEESAW_PDL, SEESAW_SLIM, SEESAW_LONE),
+                           slim=variant in (SEESAW_SLIM, SEESAW_LONE),
+                           lone_bars=variant == SEESAW_LONE)
 
 
 def route_prepare(route_id, problem, inputs):
@@ -370,6 +374,8 @@ def summary(point, rows) -> str:
         parts.append(f"pdl {pdl:.1f} us (pdl/chunked {pdl / chunked:.2f}x)")
     if not math.isnan(slim := t.get(SEESAW_SLIM, math.nan)):
         parts.append(f"slim {slim:.1f} us (slim/pdl {slim / pdl:.2f}x)")
+    if not math.isnan(lone := t.get(SEESAW_LONE, math.nan)):
+        parts.append(f"lone {lone:.1f} us (lone/slim {lone / slim:.2f}x)")
     for rid in OTHERS:
         if not math.isnan(t.get(rid, math.nan)):
             parts.append(f"{rid} {t[rid]:.1f} us (gluon/{rid.split('/')[0]} {g / t[rid]:.2f}x)")

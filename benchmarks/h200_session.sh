@@ -40,7 +40,8 @@
 #   points19       benchmarks/decode.py at all of issue 19's points (fp8 caches too where it
 #                  has an fp8 target), both Gluon routes beside FlashMLA, in one run
 #   seesawcheck    gluon_check.py over bf16 caches: the seesaw kernel's chunked forms (plain,
-#                  chunked + pdl, and the route's slim form) beside FlashMLA
+#                  chunked + pdl, the route's slim form and the experimental lone-barrier
+#                  form) beside FlashMLA
 #   gluontests     pytest -m gpu tests/test_gluon_gpu.py
 #   gprefill       the Gluon fp8 prefill (fp8-ps/triton's Gluon sets): its GPU tests first (a
 #                  hang ends at their timeout, and the benchmark then leaves out the newest

@@ -121,6 +121,28 @@ def test_slim_folds_the_scale_into_the_exponent():
     assert count(slim, "mul.f32") <= count(chunked, "mul.f32") - 2 * 32 + 2 * 2
 
 
+def test_lone_bars_drop_the_warpgroup_barriers_before_the_waits():
+    """Each mbarrier its own allocation: triton 3.6's shared-memory barrier analysis no longer
+    puts a warpgroup bar.sync before every wait (a wait writes its barrier, and rows of one
+    allocation count as the same memory); the same waits, copies and MMAs, no more spills,
+    and it stays a form of the slim kernel."""
+    from mlatune.kernels import gluon_seesaw as s
+    with pytest.raises(ValueError, match="slim"):
+        s.decode_launcher(*[None] * 4, qlen=1, sm_scale=0.1, chunked=True, lone_bars=True)
+    _needs_gluon_triton()
+    lone, slim = (s.aot_compile(direct=False, chunked=True, slim=True, lone_bars=flag)
+                  for flag in (True, False))
+    for op in ("mbarrier.try_wait", "cp.async.bulk.tensor.2d", "wgmma.mma_async"):
+        assert lone.asm["ptx"].count(op) == slim.asm["ptx"].count(op), op
+
+    def bar_syncs(kernel) -> int:
+        return len(re.findall(r"bar\.sync\s+\d+, 128;", kernel.asm["ptx"]))
+
+    assert bar_syncs(lone) <= 0.7 * bar_syncs(slim)
+    assert resources(lone)["stack"] <= resources(slim)["stack"]
+    assert lone.metadata.shared <= HOPPER_SMEM
+
+
 def test_refuses_what_gluon_hopper_refuses():
     from tests.test_gluon_compile import _tensors
     q, kv, bt, sl = _tensors(page=32)

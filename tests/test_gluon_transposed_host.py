@@ -97,7 +97,7 @@ def test_gluon_check_keeps_unrun_kernels_behind_experimental_and_its_roundings_h
     assert set(gc.FP8_ONLY) <= set(gc.variants_for("fp8")) | gc.SKIPPED
     saved = set(gc.SKIPPED)
     # None may be experimental now (every form has run on a GPU): hide a stand-in then.
-    experimental = set(gc.EXPERIMENTAL or (gc.SEESAW_SLIM, ))
+    experimental = set(gc.EXPERIMENTAL or (gc.SEESAW_SLIM, ))  # none: a stand-in
     try:
         assert experimental & set(gc.variants_for("bf16") + gc.variants_for("fp8"))
         gc.SKIPPED.update(experimental)  # what main() does without --experimental

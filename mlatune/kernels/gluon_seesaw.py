@@ -69,7 +69,11 @@ of shared memory, 24 bytes of spills (72 above), no wgmma serialization. The SLI
 instructions (``gluon_common.slim_softmax``: the bounds only on tiles that reach them, the
 scale folded into the exponent's FMA), for the softmax on the critical path between the
 two warpgroups: 0.97-1.00x the chunked form's time at 7 of issue 19's 8 points, 1.03x at
-batch 1 (H200, session 14, calls 3 and 5); the route's param sets run it.
+batch 1 (H200, session 14, calls 3 and 5); the route's param sets run it. The LONE form
+(``lone_bars=True``, of the slim one; EXPERIMENTAL, compiled only) gives each mbarrier its
+own allocation (``_lone_bars``): triton 3.6's barrier analysis takes a wait as a write of its
+barrier and the rows of one allocation as the same memory, so it puts a warpgroup bar.sync
+before every wait; with lone barriers a warpgroup's pair passes about 8 instead of 24.
 
 Tried and dropped (H200, 2026-12-01): the warpgroups handing each tile's row max over on
 barriers of their own before the exponentials, P_a after WG1's max (FlashMLA's deep dive's
@@ -138,7 +142,7 @@ __all__ = ["aot_compile", "decode_launcher", "seesaw_decode", "seesaw_kernel"]
 
 @gluon.jit
 def _loader(descs, bufs, bars, bt_row, q_row, start, n_tiles, PAGE: gl.constexpr,
-            CHUNKED: gl.constexpr):
+            CHUNKED: gl.constexpr, LONE: gl.constexpr):
     """Q once, then tile t into slot t % 2 as soon as both warpgroups have released it."""
     qn_desc, qr_desc = descs[:2]
     q_bar = bars[0]
@@ -146,7 +150,7 @@ def _loader(descs, bufs, bars, bt_row, q_row, start, n_tiles, PAGE: gl.constexpr
     tma.async_copy_global_to_shared(qn_desc, [q_row, 0], q_bar, bufs[0])
     tma.async_copy_global_to_shared(qr_desc, [q_row, 0], q_bar, bufs[1])
     if CHUNKED:
-        _load_tiles_chunked(descs[3], bufs, bars, bt_row, start, n_tiles, PAGE)
+        _load_tiles_chunked(descs[3], bufs, bars, bt_row, start, n_tiles, PAGE, LONE)
     else:
         _load_tiles(descs, bufs, bars, bt_row, start, n_tiles, PAGE)
 
@@ -168,7 +172,8 @@ def _load_tiles(descs, bufs, bars, bt_row, start, n_tiles, PAGE: gl.constexpr):
 
 
 @gluon.jit
-def _load_tiles_chunked(kc_desc, bufs, bars, bt_row, start, n_tiles, PAGE: gl.constexpr):
+def _load_tiles_chunked(kc_desc, bufs, bars, bt_row, start, n_tiles, PAGE: gl.constexpr,
+                        LONE: gl.constexpr):
     """``_load_tiles`` with each tile copied in 9 chunks of 64 columns, each on its own
     barrier (``ready[9 * slot + c]``: nope columns [64c, 64c + 64), c = 8 the rope part),
     in two groups released apart (see ``_release``): the owner's V half first, then the rest."""
@@ -179,37 +184,37 @@ def _load_tiles_chunked(kc_desc, bufs, bars, bt_row, start, n_tiles, PAGE: gl.co
         ph = (j & 1) ^ 1  # a fresh barrier counts as phase 1 complete: the first waits pass
         key = start + 2 * j * BN
         _load_tile_chunked(kc_desc, k_nope.index(0), k_rope.index(0), ready, empty, 0, ph,
-                           bt_row, key, PAGE)
+                           bt_row, key, PAGE, LONE)
         if 2 * j + 1 < n_tiles:
             _load_tile_chunked(kc_desc, k_nope.index(1), k_rope.index(1), ready, empty, 1, ph,
-                               bt_row, key + BN, PAGE)
+                               bt_row, key + BN, PAGE, LONE)
 
 
 @gluon.jit
 def _load_tile_chunked(kc_desc, kn, kr, ready, empty, SLOT: gl.constexpr, ph, bt_row, key,
-                       PAGE: gl.constexpr):
+                       PAGE: gl.constexpr, LONE: gl.constexpr):
     """One tile into slot SLOT: its owner's V half (slot 0: columns 0-255, slot 1: 256-511)
     once the owner released it, then the other half and the rope part."""
     W: gl.constexpr = kc_desc.block_type.shape[1]
     page = gl.load(bt_row + key // PAGE)
     row = page * PAGE + key % PAGE
     for g in gl.static_range(2):
-        mbarrier.wait(empty.index(2 * SLOT + g), ph)
+        mbarrier.wait(_bar(empty, 2 * SLOT + g, LONE), ph)
         fence_async_shared()  # the warpgroups wrote the slot (P, zeroed rows) as generic proxy
         # Chunk (4 (SLOT + g) + i) % 8: slot 0 copies columns 0-255 first, slot 1 256-511.
         for c in gl.static_range(4 * (SLOT + g), 4 * (SLOT + g) + 4):
-            bar = ready.index(9 * SLOT + c % 8)
+            bar = _bar(ready, 9 * SLOT + c % 8, LONE)
             mbarrier.expect(bar, kc_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(kc_desc, [row, c % 8 * W], bar,
                                             kn.slice(c % 8 * W, W, dim=1))
-    bar = ready.index(9 * SLOT + 8)
+    bar = _bar(ready, 9 * SLOT + 8, LONE)
     mbarrier.expect(bar, kc_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(kc_desc, [row, kn.shape[1]], bar, kr)
 
 
 @gluon.jit
 def _scores_chunked(q_nope, q_rope, kn, kr, ready, SLOT: gl.constexpr, ph, pred,
-                    s_layout: gl.constexpr):
+                    s_layout: gl.constexpr, LONE: gl.constexpr):
     """S = Q K^T of the tile in slot SLOT, each 64-column step issued as soon as its chunk
     has landed, in the order the loader copies them (the owner's V half first, rope last)."""
     W: gl.constexpr = kr.shape[1]
@@ -217,34 +222,55 @@ def _scores_chunked(q_nope, q_rope, kn, kr, ready, SLOT: gl.constexpr, ph, pred,
     BN: gl.constexpr = kn.shape[0]
     s = gl.zeros([BM, BN], gl.float32, layout=s_layout)
     for c in gl.static_range(4 * SLOT, 4 * SLOT + 8):  # chunk c % 8
-        mbarrier.wait(ready.index(9 * SLOT + c % 8), ph, pred=pred)
+        mbarrier.wait(_bar(ready, 9 * SLOT + c % 8, LONE), ph, pred=pred)
         s = warpgroup_mma(q_nope.slice(c % 8 * W, W, dim=1),
                           kn.slice(c % 8 * W, W, dim=1).permute((1, 0)), s,
                           use_acc=c > 4 * SLOT, is_async=True)
-    mbarrier.wait(ready.index(9 * SLOT + 8), ph, pred=pred)
+    mbarrier.wait(_bar(ready, 9 * SLOT + 8, LONE), ph, pred=pred)
     return warpgroup_mma(q_rope, kr.permute((1, 0)), s, is_async=True)
 
 
 @gluon.jit
-def _wait_half(ready, SLOT: gl.constexpr, HALF: gl.constexpr, ph, pred, CHUNKED: gl.constexpr):
+def _wait_half(ready, SLOT: gl.constexpr, HALF: gl.constexpr, ph, pred, CHUNKED: gl.constexpr,
+               LONE: gl.constexpr):
     """Wait until the V half HALF (0: columns 0-255) of slot SLOT has landed."""
     if CHUNKED:
         for i in gl.static_range(4):
-            mbarrier.wait(ready.index(9 * SLOT + 4 * HALF + i), ph, pred=pred)
+            mbarrier.wait(_bar(ready, 9 * SLOT + 4 * HALF + i, LONE), ph, pred=pred)
     else:
         mbarrier.wait(ready.index(SLOT), ph, pred=pred)
 
 
 @gluon.jit
-def _release(empty, SLOT: gl.constexpr, WG: gl.constexpr, CHUNKED: gl.constexpr):
+def _release(empty, SLOT: gl.constexpr, WG: gl.constexpr, CHUNKED: gl.constexpr,
+             LONE: gl.constexpr):
     """Warpgroup WG is done with slot SLOT. Chunked, the slot's two groups are each read by
     one warpgroup last: the owner's V half by the owner (WG0 owns slot 0, WG1 slot 1), the
     other V half and the rope part (P) by the other: ``empty[2 * SLOT + (WG != SLOT)]``,
     count 1; else ``empty[SLOT]``, count 2."""
     if CHUNKED:
-        mbarrier.arrive(empty.index(2 * SLOT + (WG != SLOT)))
+        mbarrier.arrive(_bar(empty, 2 * SLOT + (WG != SLOT), LONE))
     else:
         mbarrier.arrive(empty.index(SLOT))
+
+
+@gluon.jit
+def _bar(group, i: gl.constexpr, LONE: gl.constexpr):
+    """Barrier i of a group: its own allocation (LONE: the group is a tuple of them) or a row
+    of the group's one allocation."""
+    return group[i] if LONE else group.index(i)
+
+
+@gluon.jit
+def _lone_bars(N: gl.constexpr, layout: gl.constexpr):
+    """N mbarriers, each its own shared allocation: Triton's shared-memory barrier analysis
+    then tells a wait on one from a wait on another (a wait reads and writes its barrier;
+    rows of one allocation it takes as the same memory, and puts a warpgroup barrier
+    between any two waits)."""
+    bars = ()
+    for _ in gl.static_range(N):
+        bars = bars + (gl.allocate_shared_memory(gl.int64, [1], layout), )  # noqa: RUF005 (JIT)
+    return bars
 
 
 @gluon.jit
@@ -306,7 +332,7 @@ def _halves(kn_a, kn_b, half: gl.constexpr, s_layout: gl.constexpr, o_layout: gl
 @gluon.jit
 def _pair_wg0(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run, acc,
               s_layout: gl.constexpr, o_layout: gl.constexpr, CHUNKED: gl.constexpr,
-              SLIM: gl.constexpr):
+              SLIM: gl.constexpr, LONE: gl.constexpr):
     """WG0's half of a pair: its own tile a (slot 0), then WG1's tile b (slot 1)."""
     q_nope, q_rope, m_buf = bufs[0], bufs[1], bufs[4]
     kn_a, kr_a, kn_b, kr_b = kv
@@ -314,7 +340,7 @@ def _pair_wg0(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run
     v_a, v_b, cols = _halves(kn_a, kn_b, 0, s_layout, o_layout)
     BN: gl.constexpr = kn_a.shape[0]
     if CHUNKED:
-        s = _scores_chunked(q_nope, q_rope, kn_a, kr_a, ready, 0, ph, True, s_layout)
+        s = _scores_chunked(q_nope, q_rope, kn_a, kr_a, ready, 0, ph, True, s_layout, LONE)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         _zero_if_last(v_a, n0, end)  # after S, which has waited for every chunk
     else:
@@ -324,29 +350,29 @@ def _pair_wg0(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
     p, m0, l_run, alpha = _softmax(s, qk_scale, n0, end, bounds, cols, m_run, l_run, SLIM)
     p = p.to(kr_a.dtype)
-    _publish(p, kr_a, _row_slot(m_buf, 0), m0, p_bars.index(0))
+    _publish(p, kr_a, _row_slot(m_buf, 0), m0, _bar(p_bars, 0, LONE))
     acc = _scale_rows(acc, alpha, o_layout)
     p_op = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
     acc = warpgroup_mma(p_op, v_a, acc, is_async=True)
-    mbarrier.wait(p_bars.index(1), ph)
+    mbarrier.wait(_bar(p_bars, 1, LONE), ph)
     m1 = _row_slot(m_buf, 1).load(gl.SliceLayout(1, s_layout))
     acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-    _release(empty, 0, 0, CHUNKED)
+    _release(empty, 0, 0, CHUNKED, LONE)
     alpha = gl.exp2(m0 - _no_shift(m1))
     acc = _scale_rows(acc, alpha, o_layout)
     if has_b:
-        _wait_half(ready, 1, 0, ph, True, CHUNKED)
+        _wait_half(ready, 1, 0, ph, True, CHUNKED, LONE)
         _zero_if_last(v_b, n0 + BN, end)
         acc = warpgroup_mma(kr_b, v_b, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    _release(empty, 1, 0, CHUNKED)
+    _release(empty, 1, 0, CHUNKED, LONE)
     return acc, m1, l_run * alpha
 
 
 @gluon.jit
 def _pair_wg1(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run, acc,
               s_layout: gl.constexpr, o_layout: gl.constexpr, CHUNKED: gl.constexpr,
-              SLIM: gl.constexpr):
+              SLIM: gl.constexpr, LONE: gl.constexpr):
     """WG1's half of a pair: S of its own tile b first, WG0's P_a V_a while S_b finishes."""
     kn_a, kr_a, kn_b, kr_b = kv
     q_nope, q_rope, m_buf = bufs[0], bufs[1], bufs[4]
@@ -355,12 +381,12 @@ def _pair_wg1(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run
     n1 = n0 + kn_a.shape[0]
     # Without a tile b (odd count), S_b reads whatever slot 1 holds: all masked (n1 >= end).
     if CHUNKED:
-        s = _scores_chunked(q_nope, q_rope, kn_b, kr_b, ready, 1, ph, has_b, s_layout)
+        s = _scores_chunked(q_nope, q_rope, kn_b, kr_b, ready, 1, ph, has_b, s_layout, LONE)
     else:
         mbarrier.wait(ready.index(1), ph, pred=has_b)
         s = _issue_scores(q_nope, q_rope, kn_b, kr_b, s_layout)
-    _wait_half(ready, 0, 1, ph, True, CHUNKED)
-    mbarrier.wait(p_bars.index(0), ph)
+    _wait_half(ready, 0, 1, ph, True, CHUNKED, LONE)
+    mbarrier.wait(_bar(p_bars, 0, LONE), ph)
     m0 = _row_slot(m_buf, 0).load(gl.SliceLayout(1, s_layout))
     alpha = gl.exp2(m_run - _no_shift(m0))
     acc = _scale_rows(acc, alpha, o_layout)
@@ -370,9 +396,9 @@ def _pair_wg1(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
     p, m1, l_run, alpha = _softmax(s, qk_scale, n1, end, bounds, cols, m0, l_run * alpha, SLIM)
     p = p.to(kr_a.dtype)
-    _publish(p, kr_b, _row_slot(m_buf, 1), m1, p_bars.index(1))
+    _publish(p, kr_b, _row_slot(m_buf, 1), m1, _bar(p_bars, 1, LONE))
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    _release(empty, 0, 1, CHUNKED)
+    _release(empty, 0, 1, CHUNKED, LONE)
     acc = _scale_rows(acc, alpha, o_layout)
     if has_b:
         _zero_if_last(v_b, n1, end)
@@ -380,14 +406,14 @@ def _pair_wg1(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run
                                                         k_width=2))
         acc = warpgroup_mma(p_op, v_b, acc, is_async=True)
         acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-    _release(empty, 1, 1, CHUNKED)
+    _release(empty, 1, 1, CHUNKED, LONE)
     return acc, m1, l_run
 
 
 @gluon.jit
 def _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, WG: gl.constexpr,
              CAUSAL: gl.constexpr, DIRECT: gl.constexpr, CHUNKED: gl.constexpr,
-             SLIM: gl.constexpr = False):
+             SLIM: gl.constexpr = False, LONE: gl.constexpr = False):
     """One compute warpgroup: its walk over the pairs of tiles, then its half of the output."""
     q_nope, k_nope, k_rope, l_buf = bufs[0], bufs[2], bufs[3], bufs[5]
     q_bar, l_bar = bars[0], bars[4]
@@ -416,10 +442,12 @@ def _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, WG: gl.constexpr,
         has_b = 2 * j + 1 < n_tiles
         if WG == 0:
             acc, m_run, l_run = _pair_wg0(bufs, kv, bars, j & 1, n0, end, has_b, bounds, qk_scale,
-                                          m_run, l_run, acc, s_layout, o_layout, CHUNKED, SLIM)
+                                          m_run, l_run, acc, s_layout, o_layout, CHUNKED, SLIM,
+                                          LONE)
         else:
             acc, m_run, l_run = _pair_wg1(bufs, kv, bars, j & 1, n0, end, has_b, bounds, qk_scale,
-                                          m_run, l_run, acc, s_layout, o_layout, CHUNKED, SLIM)
+                                          m_run, l_run, acc, s_layout, o_layout, CHUNKED, SLIM,
+                                          LONE)
     # The row sum is the two warpgroups' sums, both in the base of the final max.
     _row_slot(l_buf, WG).store(l_run)
     gl.thread_barrier()
@@ -509,6 +537,18 @@ def _wg1_slim(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr
     _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 1, CAUSAL, DIRECT, True, True)
 
 
+@gluon.jit
+def _wg0_lone(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
+              DIRECT: gl.constexpr):
+    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 0, CAUSAL, DIRECT, True, True, True)
+
+
+@gluon.jit
+def _wg1_lone(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
+              DIRECT: gl.constexpr):
+    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 1, CAUSAL, DIRECT, True, True, True)
+
+
 @gluon.jit(do_not_specialize=["num_splits", "qlen", "heads"])
 def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache's two parts
                   # (CHUNKED: kr_desc is the cache's whole rows in [64, 64] blocks instead)
@@ -517,7 +557,7 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache'
                   stride_po_slot, stride_po_row, stride_pl_slot,  # fp32 partials
                   CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PAGE: gl.constexpr,
                   CHUNKED: gl.constexpr, PDL: gl.constexpr, SLIM: gl.constexpr,
-                  num_warps: gl.constexpr):
+                  LONE: gl.constexpr, num_warps: gl.constexpr):
     BM: gl.constexpr = qn_desc.block_type.shape[0]
     BN: gl.constexpr = kn_desc.block_type.shape[0]
     dtype: gl.constexpr = qn_desc.dtype
@@ -534,19 +574,25 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache'
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     q_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     l_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-    # Chunked: a barrier a 64-column chunk (9 a slot) and two release groups a slot.
-    ready = gl.allocate_shared_memory(gl.int64, [18 if CHUNKED else 2, 1], bar_layout)
-    empty = gl.allocate_shared_memory(gl.int64, [4 if CHUNKED else 2, 1], bar_layout)
-    p_bars = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)  # P_a and m0; P_b and m1
+    # Chunked: a barrier a 64-column chunk (9 a slot) and two release groups a slot; P_a and
+    # m0, P_b and m1. LONE: each barrier its own allocation (``_lone_bars``).
+    if LONE:
+        ready = _lone_bars(18, bar_layout)
+        empty = _lone_bars(4, bar_layout)
+        p_bars = _lone_bars(2, bar_layout)
+    else:
+        ready = gl.allocate_shared_memory(gl.int64, [18 if CHUNKED else 2, 1], bar_layout)
+        empty = gl.allocate_shared_memory(gl.int64, [4 if CHUNKED else 2, 1], bar_layout)
+        p_bars = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     mbarrier.init(q_bar, count=1)
     mbarrier.init(l_bar, count=2)
     if CHUNKED:
         for i in gl.static_range(18):
-            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(_bar(ready, i, LONE), count=1)
         for i in gl.static_range(4):
-            mbarrier.init(empty.index(i), count=1)  # one warpgroup reads each group last
+            mbarrier.init(_bar(empty, i, LONE), count=1)  # one warpgroup reads each group last
         for i in gl.static_range(2):
-            mbarrier.init(p_bars.index(i), count=1)
+            mbarrier.init(_bar(p_bars, i, LONE), count=1)
     else:
         for i in gl.static_range(2):
             mbarrier.init(ready.index(i), count=1)
@@ -566,9 +612,11 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache'
     # same register budget and take their scalars from shared memory alike.
     gl.warp_specialize([
         (_loader, ((qn_desc, qr_desc, kn_desc, kr_desc), bufs, bars, bt_row, q_row, start,
-                   n_tiles, PAGE, CHUNKED)),
-        (_wg0_slim if SLIM else _wg0_chunked if CHUNKED else _wg0, compute_args),
-        (_wg1_slim if SLIM else _wg1_chunked if CHUNKED else _wg1, compute_args),
+                   n_tiles, PAGE, CHUNKED, LONE)),
+        (_wg0_lone if LONE else _wg0_slim if SLIM else _wg0_chunked if CHUNKED else _wg0,
+         compute_args),
+        (_wg1_lone if LONE else _wg1_slim if SLIM else _wg1_chunked if CHUNKED else _wg1,
+         compute_args),
     ], [4, 4], [COMPUTE_REGS, COMPUTE_REGS])
 
 
@@ -582,16 +630,20 @@ def _chunk_descriptor(kv_cache: torch.Tensor) -> TensorDescriptor:
                             [kv_cache.stride(1), 1], block, nvmma_layout(block, kv_cache.dtype))
 
 
-def _check_form(chunked: bool, slim: bool) -> None:
-    if slim and not chunked:  # the workers of each form are functions of their own
+def _check_form(chunked: bool, slim: bool, lone_bars: bool = False) -> None:
+    # The workers of each form are functions of their own: slim is chunked, lone_bars slim.
+    if slim and not chunked:
         raise ValueError("slim is a form of the chunked kernel: pass chunked=True too")
+    if lone_bars and not slim:
+        raise ValueError("lone_bars is a form of the slim kernel: pass chunked=slim=True too")
 
 
 def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                     seq_lens: torch.Tensor, *, qlen: int, sm_scale: float, causal: bool = True,
                     out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                     num_splits: int | None = None, max_seq_len: int | None = None,
-                    chunked: bool = False, pdl: bool = False, slim: bool = False
+                    chunked: bool = False, pdl: bool = False, slim: bool = False,
+                    lone_bars: bool = False
                     ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
     """A zero-argument launch of the seesaw decode, with the out and LSE it writes.
 
@@ -600,9 +652,12 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     form (each tile copied in 64-column chunks, S started on the first; module docstring).
     ``pdl``: with more than one split, the reduce kernel is a programmatic dependent launch,
     started as this kernel's blocks begin (``gluon_common.program_keys``). ``slim`` (chunked
-    only): the softmax in fewer instructions (``gluon_common.slim_softmax``).
+    only): the softmax in fewer instructions (``gluon_common.slim_softmax``). ``lone_bars``
+    (slim only; EXPERIMENTAL: compiled, not yet run on a GPU): each mbarrier its own
+    allocation (``_lone_bars``), which drops most of the warpgroup barriers triton 3.6 puts
+    before the waits.
     """
-    _check_form(chunked, slim)
+    _check_form(chunked, slim, lone_bars)
     if slim and not sm_scale > 0:  # slim_softmax takes the max of the unscaled scores
         raise ValueError(f"the slim form needs a positive sm_scale, got {sm_scale}")
     why = check_supported(q, kv_cache, block_table, seq_lens)
@@ -622,7 +677,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     head = (*descs, block_table, seq_lens)
     sizes = (num_splits, qlen, heads, sm_scale * LOG2E, block_table.stride(0))
     meta = dict(CAUSAL=causal and qlen > 1, PAGE=PAGE_SIZE, CHUNKED=chunked, SLIM=slim,
-                num_warps=NUM_WARPS, maxnreg=MAXNREG)
+                LONE=lone_bars, num_warps=NUM_WARPS, maxnreg=MAXNREG)
     if num_splits == 1:
         args = (*head, out, lse, *sizes, out.stride(0), out.stride(1), lse.stride(0), 0, 0, 0)
         return (lambda: seesaw_kernel[grid](*args, DIRECT=True, PDL=False, **meta)), out, lse
@@ -641,22 +696,24 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
 def seesaw_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                   seq_lens: torch.Tensor, *, qlen: int, sm_scale: float, causal: bool = True,
                   num_splits: int | None = None, chunked: bool = False, pdl: bool = False,
-                  slim: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  slim: bool = False, lone_bars: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """One eager call: (out, lse). See ``decode_launcher``."""
     launch, out, lse = decode_launcher(q, kv_cache, block_table, seq_lens, qlen=qlen,
                                        sm_scale=sm_scale, causal=causal, num_splits=num_splits,
-                                       chunked=chunked, pdl=pdl, slim=slim)
+                                       chunked=chunked, pdl=pdl, slim=slim, lone_bars=lone_bars)
     launch()
     return out, lse
 
 
 def aot_compile(dtype: str = "bf16", *, direct: bool = True, causal: bool = True,
-                arch: int = 90, chunked: bool = False, pdl: bool = False, slim: bool = False):
+                arch: int = 90, chunked: bool = False, pdl: bool = False, slim: bool = False,
+                lone_bars: bool = False):
     """Compile ``seesaw_kernel`` for ``sm_<arch>`` without a GPU (triton's bundled ptxas);
     returns triton's CompiledKernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata``)."""
-    _check_form(chunked, slim)
+    _check_form(chunked, slim, lone_bars)
     constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=PAGE_SIZE, CHUNKED=chunked,
-                     PDL=pdl and not direct, SLIM=slim, num_warps=NUM_WARPS)
+                     PDL=pdl and not direct, SLIM=slim, LONE=lone_bars, num_warps=NUM_WARPS)
     blocks = dict(qn_desc=(dtype, BLOCK_M, D_NOPE), qr_desc=(dtype, BLOCK_M, D_ROPE),
                   kn_desc=(dtype, BLOCK_N, D_NOPE), kr_desc=(dtype, BLOCK_N, D_ROPE))
     pointers = dict(bt_ptr="i32", seq_lens_ptr="i32", out_ptr=dtype if direct else "fp32",
