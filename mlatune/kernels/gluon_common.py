@@ -239,11 +239,16 @@ def softmax_step(s, n0, end, last_pos, cols, m_i, KEY_AXIS: gl.constexpr):
     """
     s = mask_scores(s, n0, end, last_pos, cols, KEY_AXIS)
     m_new = gl.maximum(m_i, gl.max(s, axis=KEY_AXIS))
-    # A row with no key yet keeps m = -inf: shift by 0 there so exp2 gives 0, not NaN.
-    m_shift = gl.where(m_new == float("-inf"), gl.zeros_like(m_new), m_new)
+    m_shift = no_shift(m_new)
     alpha = gl.exp2(m_i - m_shift)
     p = gl.exp2(s - gl.expand_dims(m_shift, KEY_AXIS))
     return p, m_new, alpha
+
+
+@gluon.jit
+def no_shift(m):
+    """The max to subtract: 0 where a row has no key yet (m = -inf), so exp2 gives 0, not NaN."""
+    return gl.where(m == float("-inf"), gl.zeros_like(m), m)
 
 
 @gluon.jit
@@ -271,8 +276,7 @@ def slim_softmax(s, qk_scale, n0, end, last_pos, cols, m_i, l_i, mask_from):
     if n0 + s.shape[1] > mask_from:
         s = mask_scores(s, n0, end, last_pos, cols, 1)
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
-    # A row with no key yet keeps m = -inf: shift by 0 there so exp2 gives 0, not NaN.
-    m_shift = gl.where(m_new == float("-inf"), gl.zeros_like(m_new), m_new)
+    m_shift = no_shift(m_new)
     alpha = gl.exp2(m_i - m_shift)
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_shift, 1))
     return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha

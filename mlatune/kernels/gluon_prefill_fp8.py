@@ -45,7 +45,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from mlatune.kernels.gluon_common import LN2, aot_compile_kernel, gluon_available, nvmma_layout
+from mlatune.kernels.gluon_common import (
+    LN2,
+    aot_compile_kernel,
+    gluon_available,
+    no_shift,
+    nvmma_layout,
+)
 from mlatune.kernels.gluon_hopper import _issue_scores  # S = Q K^T of a tile's two parts
 from mlatune.kernels.prefill import (
     PlanTables,
@@ -163,8 +169,7 @@ def _softmax(s, qk_scale, m_i, l_i, key0, last_key, MASKED: gl.constexpr,
         allowed = gl.expand_dims(keys, 0) <= gl.expand_dims(last_key - key0, 1)
         s = gl.where(allowed, s, gl.full_like(s, float("-inf")))
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
-    # A row with no key yet keeps m = -inf: shift by 0 there so exp2 gives 0, not NaN.
-    m_ref = gl.where(m_new == float("-inf"), gl.zeros_like(m_new), m_new)
+    m_ref = no_shift(m_new)
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_ref - P_SHIFT, 1))
     alpha = gl.exp2(m_i - m_ref)
     return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha

@@ -113,6 +113,7 @@ from mlatune.kernels.gluon_common import (
     first_masked_key,
     issue_kv,
     last_keys,
+    no_shift,
     nvmma_layout,
     online_softmax,
     outputs_and_splits,
@@ -274,12 +275,6 @@ def _lone_bars(N: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _no_shift(m):
-    """The max to subtract: 0 where a row has no key yet (m = -inf), so exp2 gives 0, not NaN."""
-    return gl.where(m == float("-inf"), gl.zeros_like(m), m)
-
-
-@gluon.jit
 def _scale_rows(acc, factor, o_layout: gl.constexpr):
     return acc * gl.expand_dims(gl.convert_layout(factor, gl.SliceLayout(1, o_layout)), 1)
 
@@ -358,7 +353,7 @@ def _pair_wg0(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run
     m1 = _row_slot(m_buf, 1).load(gl.SliceLayout(1, s_layout))
     acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
     _release(empty, 0, 0, CHUNKED, LONE)
-    alpha = gl.exp2(m0 - _no_shift(m1))
+    alpha = gl.exp2(m0 - no_shift(m1))
     acc = _scale_rows(acc, alpha, o_layout)
     if has_b:
         _wait_half(ready, 1, 0, ph, True, CHUNKED, LONE)
@@ -388,7 +383,7 @@ def _pair_wg1(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run
     _wait_half(ready, 0, 1, ph, True, CHUNKED, LONE)
     mbarrier.wait(_bar(p_bars, 0, LONE), ph)
     m0 = _row_slot(m_buf, 0).load(gl.SliceLayout(1, s_layout))
-    alpha = gl.exp2(m_run - _no_shift(m0))
+    alpha = gl.exp2(m_run - no_shift(m0))
     acc = _scale_rows(acc, alpha, o_layout)
     _zero_if_last(v_a, n0, end)
     acc = warpgroup_mma(kr_a, v_a, acc, is_async=True)

@@ -66,6 +66,7 @@ from mlatune.kernels.gluon_common import (
     gluon_available,
     issue_kv,
     last_keys,
+    no_shift,
     online_softmax,
     outputs_and_splits,
     partials_and_merge,
@@ -234,7 +235,7 @@ def _merge_if_last(ptrs, counter_ptr, ints, BR: gl.constexpr, DN: gl.constexpr,
             lse_s = gl.load(part_lse + (first + s) * stride_pl_slot + r, mask=r_ok,
                             other=float("-inf"), cache_modifier=".cg")
             m = gl.maximum(m, lse_s)
-        m_shift = gl.where(m == float("-inf"), gl.zeros_like(m), m)
+        m_shift = no_shift(m)
         row_off = (b * qlen + r // heads).to(gl.int64) * stride_o_tok + (r % heads) * stride_o_head
         CW: gl.constexpr = 256  # columns merged at a time (registers: 32 rows x 256 fp32)
         for c in gl.static_range(DN // CW):
