@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -33,11 +34,13 @@ D_V = 512
 
 def merged(part_out: torch.Tensor, part_lse: torch.Tensor, groups: int, slots: int
            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch merge: softmax over each row's slots of their base-2 LSEs."""
-    lse = part_lse.view(groups, slots, -1)
-    w = torch.softmax(lse * torch.log(torch.tensor(2.0)), dim=1)
-    out = (w.unsqueeze(-1) * part_out.view(groups, slots, -1, D_V)).sum(1)
-    return out, torch.logsumexp(lse * torch.log(torch.tensor(2.0)), dim=1)
+    """The reference merge (``check.reference.merge_partials``) of each group's slots, the
+    partials' base-2 LSEs taken to natural logs."""
+    from mlatune.check.reference import merge_partials
+
+    outs = part_out.view(groups, slots, -1, D_V).unbind(1)
+    lses = (part_lse.view(groups, slots, -1) * math.log(2.0)).unbind(1)
+    return merge_partials(list(outs), list(lses))
 
 
 def main() -> int:
