@@ -69,7 +69,7 @@ of shared memory, 24 bytes of spills (72 above), no wgmma serialization. The SLI
 instructions (``gluon_common.slim_softmax``: the bounds only on tiles that reach them, the
 scale folded into the exponent's FMA), for the softmax on the critical path between the
 two warpgroups: 0.97-1.00x the chunked form's time at 7 of issue 19's 8 points, 1.03x at
-batch 1 (H200, session 14, calls 3 and 5); the route's param sets run it. The LONE form
+batch 1 (H200, 2026-12-01, session 14 calls 3 and 5); the route's param sets run it. The LONE form
 (``lone_bars=True``, of the slim one; EXPERIMENTAL, compiled only) gives each mbarrier its
 own allocation (``_lone_bars``): triton 3.6's barrier analysis takes a wait as a write of its
 barrier and the rows of one allocation as the same memory, so it puts a warpgroup bar.sync
