@@ -14,6 +14,7 @@ off sm_90 or without triton 3.6.x (the kernel's Gluon API).
 
 from __future__ import annotations
 
+import math
 import zlib
 
 import pytest
@@ -130,3 +131,71 @@ def test_stale_cache_slots_hold_nan(item):
         acc = check(problem, prepared.out, want_out, prepared.lse, want_lse,
                     **routes.rounding(route, problem, params))
         assert acc.ok, f"{params}: {acc.reason} ({acc.summary})"
+
+
+# The seesaw kernel's splits, each walk checked alone (before the reduce): 64 walks of one
+# tile that end on a page boundary (no stale rows to zero), ragged odd walks, two row
+# blocks a request, causal verify.
+SPLIT_WALKS = [(16, 1, 4096, 1, 64), (16, 6, 700, 1, 3), (128, 4, 1000, 1, 2),
+               (16, 4, 900, 4, 5)]
+SEESAW_FORMS = {"slim": dict(chunked=True, pdl=True, slim=True),
+                "lone": dict(chunked=True, pdl=True, slim=True, lone_bars=True)}
+
+
+@pytest.mark.parametrize("form", list(SEESAW_FORMS))
+@pytest.mark.parametrize("case", SPLIT_WALKS, ids=lambda c: "h{}-b{}-kv{}-q{}-s{}".format(*c))
+def test_seesaw_split_partials_match_their_own_keys(case, form, monkeypatch):
+    """Each (request, split) partial the kernel writes, before the reduce merges them,
+    against attention over that split's keys alone: a wrong walk shows here, apart from
+    the reduce's part (``key_range``'s rule: BN-aligned chunks of cdiv(L, splits))."""
+    from mlatune.check.accuracy import tolerance_for
+    from mlatune.kernels import gluon_seesaw
+
+    heads, batch, kv_len, qlen, splits = case
+    problem = _p(heads, batch, kv_len, qlen=qlen)
+    inputs = make_decode_inputs(problem, seed=sum(case), device="cuda", ragged=True)
+    kept = {}
+    real = gluon_seesaw.partials_and_merge
+
+    def no_merge(out, lse, batch, num_splits, qlen, pdl=False):
+        part_out, part_lse, _ = real(out, lse, batch, num_splits, qlen, pdl)
+        kept.update(out=part_out, lse=part_lse)
+        return part_out, part_lse, lambda: None
+
+    monkeypatch.setattr(gluon_seesaw, "partials_and_merge", no_merge)
+    shard = inputs.shards[0]
+    launch, _, _ = gluon_seesaw.decode_launcher(
+        inputs.q, shard.kv_cache, shard.block_table, shard.seq_lens, qlen=qlen,
+        sm_scale=inputs.softmax_scale, causal=problem.causal, num_splits=splits,
+        **SEESAW_FORMS[form])
+    poison_(kept["out"], kept["lse"])
+    launch()
+    torch.cuda.synchronize()
+    tol = tolerance_for("bf16", "bf16")
+    q = inputs.q.float().view(batch, qlen, heads, -1)
+    for b, length in enumerate(shard.seq_lens.tolist()):
+        keys = reference.dequantize(reference._gather_pages(
+            shard.kv_cache, shard.block_table[b:b + 1], length)[0], inputs.kv_scale,
+            torch.float32)[:, None, :]
+        chunk = _cdiv(_cdiv(length, splits), 64) * 64
+        tokens = torch.arange(qlen, device="cuda")
+        last = length - qlen + tokens if problem.causal else torch.full_like(tokens, length - 1)
+        for k in range(splits):
+            start, end = min(k * chunk, length), min(k * chunk + chunk, length)
+            want, want_lse = reference.attend(
+                q[b], keys[start:end], keys[start:end, :, :512],
+                torch.arange(start, end, device="cuda"), last, inputs.softmax_scale)
+            slot = b * splits + k
+            got = kept["out"][slot].view(qlen, heads, -1)
+            got_lse = kept["lse"][slot].view(qlen, heads) * math.log(2)
+            where = f"request {b} ({length} keys), split {k} [{start}, {end})"
+            seen = torch.isfinite(want_lse)
+            assert torch.equal(torch.isfinite(got_lse), seen), where
+            if seen.any():
+                err = (got[seen] - want[seen]).norm() / want[seen].norm()
+                assert err < tol.rel_l2, f"{where}: rel_l2 {err:.3g}"
+                assert (got_lse[seen] - want_lse[seen]).abs().max() < tol.lse_abs, where
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)

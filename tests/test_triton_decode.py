@@ -273,10 +273,17 @@ def test_merge_kernel_matches_torch(dtype):
 def test_reduce_kernel_matches_torch(max_expsum, blocks, counts, hint):
     """Slots of varying count per group (none for one), padded rows sliced by head_rep;
     any count is merged whatever ``max_slots`` says."""
+    check_reduce(max_expsum, blocks, counts, hint, next(_SEEDS), "cpu")
+
+
+def check_reduce(max_expsum: bool, blocks: tuple[int, int] | None, counts: list[int],
+                 hint: int | None, seed: int, device: str, *, tokens: int = 2, q_heads: int = 3,
+                 rep: int = 2, d_v: int = 64, pdl: bool = False) -> None:
+    """``reduce_launcher`` over groups of ``counts`` slots against a torch merge (also the
+    GPU tests' body, on ``device``)."""
     from mlatune.kernels.reduce import reduce_launcher
 
-    gen = torch.Generator().manual_seed(next(_SEEDS))
-    tokens, q_heads, rep, d_v = 2, 3, 2, 64
+    gen = torch.Generator().manual_seed(seed)
     row_heads = q_heads * rep
     indptr = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
     slots, rows = int(indptr[-1]), tokens * row_heads
@@ -286,12 +293,15 @@ def test_reduce_kernel_matches_torch(max_expsum, blocks, counts, hint):
     part_out[0, 1] = 0
     expsum = torch.rand(slots, rows, generator=gen) + 0.5 if max_expsum else None
     lse2 = stat + torch.log2(expsum) if max_expsum else stat
-    out = torch.empty(len(counts) * tokens, q_heads, d_v)
-    lse = torch.empty(len(counts) * tokens, q_heads)
+    out = torch.empty(len(counts) * tokens, q_heads, d_v, device=device)
+    lse = torch.empty(len(counts) * tokens, q_heads, device=device)
     poison_(out, lse)
-    reduce_launcher(part_out, stat, expsum, indptr, out, lse, tokens_per_group=tokens,
-                    q_heads=q_heads, row_heads=row_heads, head_rep=rep,
-                    max_slots=hint or max(counts), blocks=blocks)()
+    on = (part_out.to(device), stat.to(device), None if expsum is None else expsum.to(device),
+          indptr.to(device))
+    reduce_launcher(*on, out, lse, tokens_per_group=tokens, q_heads=q_heads,
+                    row_heads=row_heads, head_rep=rep, max_slots=hint or max(counts),
+                    blocks=blocks, pdl=pdl)()
+    out, lse = out.cpu(), lse.cpu()
     for g, n in enumerate(counts):
         first = int(indptr[g])
         for t in range(tokens):
@@ -306,7 +316,6 @@ def test_reduce_kernel_matches_torch(max_expsum, blocks, counts, hint):
             want = (w[..., None] * part_out[first:first + n][:, kept]).sum(0)
             torch.testing.assert_close(o, want, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(lg, want_lse, rtol=1e-5, atol=1e-5)
-
 
 # -- capability rules ---------------------------------------------------------------
 H200 = DeviceInfo("sm_90", "NVIDIA H200", "nvidia", 132, 141 << 30, 0)
