@@ -43,6 +43,8 @@
 #                  chunked + pdl, the route's slim form and the experimental lone-barrier
 #                  form) beside FlashMLA
 #   gluontests     pytest -m gpu tests/test_gluon_gpu.py
+#   walks          the seesaw kernel's split partials each against its own keys, and the split
+#                  reduce alone, on the GPU (which of the two a wrong split result comes from)
 #   gprefill       the Gluon fp8 prefill (fp8-ps/triton's Gluon sets): its GPU tests first (a
 #                  hang ends at their timeout, and the benchmark then leaves out the newest
 #                  form's sets: those with the flag GLUON_SUSPECT, default pingpong),
@@ -164,6 +166,11 @@ transposed/gluon merge,transposed/gluon fp8mma,transposed/gluon fp8mma 1term,\
 transposed/gluon fp8mma deferred" > "$OUT/seesaw-check.log" 2>&1
                  log "seesawcheck: rc=$?"; grep "smoke:\|best gluon" "$OUT/seesaw-check.log" \
                    | tee -a "$OUT/session.log" ;;
+    walks) timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gluon_gpu.py \
+             tests/test_triton_decode_gpu.py -k "split_partials or reduce_kernel" \
+             > "$OUT/walks.log" 2>&1
+           log "walks: rc=$?; $(tail -1 "$OUT/walks.log")"; grep "^FAILED" "$OUT/walks.log" \
+             | tee -a "$OUT/session.log" ;;
     gluontests) s=$(date +%s)
                 timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gluon_gpu.py \
                   > "$OUT/gluon-tests.log" 2>&1
