@@ -1,4 +1,5 @@
-"""Registers touched while a wgmma still uses them, found in a kernel's SASS.
+"""Registers touched while a wgmma still uses them, and wgmma descriptors read from uniform
+registers no path has written, found in a kernel's SASS.
 
 A Hopper wgmma (SASS ``QGMMA``/``HGMMA``) runs asynchronously: until a
 ``WARPGROUP.DEPBAR.LE gsb0, N`` retires its commit group, nothing may read or write its
@@ -136,6 +137,52 @@ def hazards(listing: str) -> tuple[int, int, list[str]]:
     with_a = sum(bool(_registers(ins.operands[1], 1)) for ins in mmas)
     return len(mmas), with_a, sorted(found)
 
+
+
+# Opcodes that write the uniform register named first (``.64``: and the next one).
+_UNIFORM_WRITERS = ("U", "R2UR", "S2UR", "VOTEU")
+
+
+def _uniform_writes(ins: Instruction) -> frozenset[int]:
+    if ins.predicate or not ins.operands or not ins.op.startswith(_UNIFORM_WRITERS):
+        return frozenset()
+    found = re.match(r"^UR(\d+)$", ins.operands[0])
+    if not found:
+        return frozenset()
+    first = int(found.group(1))
+    return frozenset(range(first, first + (2 if ".64" in ins.op else 1)))
+
+
+def undefined_descriptors(listing: str) -> list[str]:
+    """wgmmas whose shared-memory descriptors (``gdesc[URn]``: A's and B's in URn..URn+3, or
+    B's alone in URn, URn+1) come from uniform registers that some path from the kernel's
+    entry never writes (predicated writes do not count). ptxas 12.8 (triton 3.6's) compiled
+    a wgmma on one branch with the descriptor another branch had set up (the seesaw's WG1,
+    session 15): right or wrong by what the SM's previous block left there."""
+    code = parse(listing)
+    succ = _successors(code)
+    written: list[frozenset[int] | None] = [None] * len(code)  # on every path here
+    if code:
+        written[0] = frozenset()
+    work = [0] if code else []
+    while work:
+        i = work.pop()
+        after = written[i] | _uniform_writes(code[i])
+        for j in succ[i]:
+            met = after if written[j] is None else written[j] & after
+            if met != written[j]:
+                written[j] = met
+                work.append(j)
+    found = []
+    for ins, have in zip(code, written, strict=True):
+        desc = re.search(r"gdesc\[UR(\d+)\]", ins.text)
+        if not _MMA.match(ins.op) or desc is None or have is None:
+            continue
+        first = int(desc.group(1))
+        width = 4 if len(ins.operands) > 1 and ins.operands[1].startswith("gdesc") else 2
+        if set(range(first, first + width)) - have:
+            found.append(f"{ins.address:#x}: {ins.text}")
+    return found
 
 def listing(compiled) -> str:
     """A triton CompiledKernel's SASS (cuobjdump of triton's wheel)."""

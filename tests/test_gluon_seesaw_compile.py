@@ -12,6 +12,7 @@ import re
 import pytest
 
 from mlatune.kernels import gluon_hopper as g
+from tests import sass_hazards
 from tests.prefill_aot import resources
 from tests.test_gluon_compile import HOPPER_SMEM, _needs_gluon_triton
 
@@ -19,15 +20,15 @@ from tests.test_gluon_compile import HOPPER_SMEM, _needs_gluon_triton
 @pytest.fixture(scope="module",
                 params=[("bf16", True, True, ""), ("fp16", False, False, ""),
                         ("bf16", True, True, "chunked"), ("fp16", False, False, "chunked"),
-                        ("bf16", False, True, "slim")],
+                        ("bf16", False, True, "slim"), ("bf16", False, True, "lone")],
                 ids=["bf16-direct-causal", "fp16-split", "chunked-bf16-direct-causal",
-                     "chunked-fp16-split", "slim-bf16-split-causal"])
+                     "chunked-fp16-split", "slim-bf16-split-causal", "lone-bf16-split-causal"])
 def compiled(request):
     _needs_gluon_triton()
     from mlatune.kernels import gluon_seesaw as s
     dtype, direct, causal, form = request.param
     kernel = s.aot_compile(dtype, direct=direct, causal=causal, chunked=bool(form),
-                           slim=form == "slim")
+                           slim=form in ("slim", "lone"), lone_bars=form == "lone")
     kernel.chunked = bool(form)  # for the tests that tell the forms apart (slim is chunked)
     return kernel
 
@@ -92,6 +93,13 @@ def test_fits_shared_memory_without_spills(compiled):
     # The chunked form spills less (24 bytes against 72 at triton 3.6.0).
     assert resources(compiled)["stack"] <= (48 if compiled.chunked else 128)
 
+
+
+def test_every_wgmma_descriptor_is_written_on_every_path_to_it(compiled):
+    """No wgmma takes its shared-memory descriptors from uniform registers that only another
+    branch sets (ptxas 12.8 compiled one so in a WG1 path of session 15's persistent branch:
+    right or wrong by what the SM's previous block left in them)."""
+    assert sass_hazards.undefined_descriptors(sass_hazards.listing(compiled)) == []
 
 def test_slim_is_a_form_of_the_chunked_kernel():
     from mlatune.kernels import gluon_seesaw as s
