@@ -138,7 +138,6 @@ def hazards(listing: str) -> tuple[int, int, list[str]]:
     return len(mmas), with_a, sorted(found)
 
 
-
 # Opcodes that write the uniform register named first (``.64``: and the next one).
 _UNIFORM_WRITERS = ("U", "R2UR", "S2UR", "VOTEU")
 
@@ -183,6 +182,7 @@ def undefined_descriptors(listing: str) -> list[str]:
         if set(range(first, first + width)) - have:
             found.append(f"{ins.address:#x}: {ins.text}")
     return found
+
 
 def listing(compiled) -> str:
     """A triton CompiledKernel's SASS (cuobjdump of triton's wheel)."""

@@ -19,6 +19,7 @@ import zlib
 
 import pytest
 import torch
+import triton
 
 from benchmarks.gluon_check import poison_stale_slots
 from mlatune import routes
@@ -177,7 +178,7 @@ def test_seesaw_split_partials_match_their_own_keys(case, form, monkeypatch):
         keys = reference.dequantize(reference._gather_pages(
             shard.kv_cache, shard.block_table[b:b + 1], length)[0], inputs.kv_scale,
             torch.float32)[:, None, :]
-        chunk = _cdiv(_cdiv(length, splits), 64) * 64
+        chunk = triton.cdiv(triton.cdiv(length, splits), 64) * 64
         tokens = torch.arange(qlen, device="cuda")
         last = length - qlen + tokens if problem.causal else torch.full_like(tokens, length - 1)
         for k in range(splits):
@@ -195,7 +196,3 @@ def test_seesaw_split_partials_match_their_own_keys(case, form, monkeypatch):
                 err = (got[seen] - want[seen]).norm() / want[seen].norm()
                 assert err < tol.rel_l2, f"{where}: rel_l2 {err:.3g}"
                 assert (got_lse[seen] - want_lse[seen]).abs().max() < tol.lse_abs, where
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)

@@ -94,12 +94,12 @@ def test_fits_shared_memory_without_spills(compiled):
     assert resources(compiled)["stack"] <= (48 if compiled.chunked else 128)
 
 
-
 def test_every_wgmma_descriptor_is_written_on_every_path_to_it(compiled):
     """No wgmma takes its shared-memory descriptors from uniform registers that only another
     branch sets (ptxas 12.8 compiled one so in a WG1 path of session 15's persistent branch:
     right or wrong by what the SM's previous block left in them)."""
     assert sass_hazards.undefined_descriptors(sass_hazards.listing(compiled)) == []
+
 
 def test_slim_is_a_form_of_the_chunked_kernel():
     from mlatune.kernels import gluon_seesaw as s

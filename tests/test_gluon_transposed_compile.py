@@ -90,12 +90,12 @@ def compiled(request):
     return kernel
 
 
-
 def test_every_wgmma_descriptor_is_written_on_every_path_to_it(compiled):
     """As the seesaw kernel's test: no wgmma reads a descriptor that some path leaves unset."""
     from tests import sass_hazards
 
     assert sass_hazards.undefined_descriptors(sass_hazards.listing(compiled)) == []
+
 
 def test_keys_are_m_and_rows_are_n(compiled):
     # S^T = K Q^T: 36 k-steps over 576 dims; O^T = V^T P^T: 512 dims as 8 m64 blocks x 4

@@ -62,3 +62,28 @@ def test_the_check_follows_commit_groups_branches_and_loops():
                    "QGMMA.64x128x32.F32.E4M3.E4M3 R0, R200, gdesc[UR8], R0, gsb0",
                    "@P0 BRA 0x0", "WARPGROUP.DEPBAR.LE gsb0, 0x0", "EXIT")
     assert [h.split(":")[0] for h in sass_hazards.hazards(looped)[2]] == ["0x0"]
+
+
+def test_descriptors_unwritten_on_some_path_are_found():
+    """A synthetic listing: a branch writes UR48:49 (A's descriptor) and UR50:51 (B's) on one
+    path only; the P.V wgmma after the join reads them (found), unless the other path writes
+    them too (a predicated write does not count)."""
+    mma = "HGMMA.64x256x16.F32.BF16 R24, gdesc[UR48].tnspB, R24"
+    writes = ("R2UR UR48, R17", "R2UR UR49, R11", "UIADD3.64 UR50, UR12, 0x2, URZ")
+
+    def listing(other_path: tuple[str, ...]) -> str:
+        # a branch to the other path, this path (its writes, a jump to the join), the other
+        # path, the join (the wgmma)
+        lines = ["@P0 BRA 0x" + f"{16 * (1 + len(writes) + 1):x}", *writes,
+                 "BRA 0x" + f"{16 * (2 + len(writes) + len(other_path)):x}", *other_path,
+                 mma, "EXIT"]
+        return _sass(*lines)
+
+    assert sass_hazards.undefined_descriptors(listing(())) == [f"{16 * 5:#x}: {mma}"]
+    assert sass_hazards.undefined_descriptors(listing(writes)) == []
+    predicated = ("@P1 R2UR UR48, R17", *writes[1:])
+    assert len(sass_hazards.undefined_descriptors(listing(predicated))) == 1
+    # B alone from a descriptor (A in registers): URn, URn+1 suffice.
+    b_only = _sass("R2UR UR8, R1", "R2UR UR9, R2",
+                   "HGMMA.64x256x16.F32.BF16 R24, R200, gdesc[UR8], R24", "EXIT")
+    assert sass_hazards.undefined_descriptors(b_only) == []

@@ -317,6 +317,7 @@ def check_reduce(max_expsum: bool, blocks: tuple[int, int] | None, counts: list[
             torch.testing.assert_close(o, want, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(lg, want_lse, rtol=1e-5, atol=1e-5)
 
+
 # -- capability rules ---------------------------------------------------------------
 H200 = DeviceInfo("sm_90", "NVIDIA H200", "nvidia", 132, 141 << 30, 0)
 MI355 = DeviceInfo("gfx950", "AMD Instinct MI355X", "amd", 256, 288 << 30, 0)
