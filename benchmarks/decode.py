@@ -103,19 +103,39 @@ def time_calls(prepared: list, reps: int) -> tuple[float, float, float]:
 class Selection:
     """Which (route, parameter set) pairs a run times: the first ``max_params`` sets of each
     route (all when None), plus every set with one of the ``also`` parameters true (the
-    new paths, e.g. ``fold``); ``routes``: these route ids only (all when empty)."""
+    new paths, e.g. ``fold``); ``routes``: these route ids only (all when empty);
+    ``forms``: route id -> kernel options laid over each of its sets in turn (an A/B of a
+    kernel's forms in one run; ``{}`` keeps the set as it is)."""
 
     max_params: int | None = None
     also: tuple[str, ...] = ()
     routes: tuple[str, ...] = ()
+    forms: tuple[tuple[str, tuple[tuple[tuple[str, object], ...], ...]], ...] = ()
 
     def wants_route(self, route_id: str) -> bool:
         return route_id.endswith(BENCHED_BACKENDS) and (not self.routes
                                                         or route_id in self.routes)
 
-    def params(self, space: list[dict]) -> list[dict]:
+    def params(self, space: list[dict], route_id: str = "") -> list[dict]:
         first = space[:self.max_params]
-        return first + [p for p in space[len(first):] if any(p.get(k) for k in self.also)]
+        chosen = first + [p for p in space[len(first):] if any(p.get(k) for k in self.also)]
+        forms = dict(self.forms).get(route_id)
+        if forms is None:
+            return chosen
+        return [{**p, **dict(form)} for p in chosen for form in forms]
+
+
+def parse_forms(text: str) -> tuple:
+    """``--forms``' JSON (route id -> list of option objects) as ``Selection.forms``."""
+    if not text:
+        return ()
+    given = json.loads(text)
+    if not isinstance(given, dict) or not all(
+            isinstance(v, list) and all(isinstance(f, dict) for f in v) for v in given.values()):
+        raise SystemExit('--forms: a JSON object of route id -> list of option objects, '
+                         'e.g. {"seesaw/gluon": [{}, {"half_partials": false}]}')
+    return tuple((route, tuple(tuple(sorted(f.items())) for f in forms))
+                 for route, forms in given.items())
 
 
 def bench_point(point, kv_name: str, device, reps: int, pick: Selection,
@@ -133,7 +153,7 @@ def bench_point(point, kv_name: str, device, reps: int, pick: Selection,
     for route in routes.viable(problem, device):
         if not pick.wants_route(route.id):
             continue
-        for params in pick.params(route.param_space(problem, device)):
+        for params in pick.params(route.param_space(problem, device), route.id):
             res = Result(point, kv_name, route.id, params, "ok")
             prepared = []
             try:
@@ -265,11 +285,14 @@ def main(argv: list[str] | None = None) -> int:
                              "(comma separated, e.g. fold,kv_twice)")
     parser.add_argument("--routes", default="",
                         help="only these route ids (comma separated; default every route)")
+    parser.add_argument("--forms", default="",
+                        help='kernel options laid over each set of a route in turn (JSON: '
+                             '{"seesaw/gluon": [{}, {"half_partials": false}]})')
     parser.add_argument("--dcp", type=int, default=1,
                         help="DCP size of every point (rank 0's step is timed)")
     args = parser.parse_args(argv)
     pick = Selection(args.max_params, tuple(filter(None, args.also.split(","))),
-                     tuple(filter(None, args.routes.split(","))))
+                     tuple(filter(None, args.routes.split(","))), parse_forms(args.forms))
     if not torch.cuda.is_available():
         print("benchmarks/decode.py needs a GPU", file=sys.stderr)
         return 2

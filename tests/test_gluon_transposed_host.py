@@ -134,6 +134,24 @@ def test_decode_benchmark_judges_issue_19_targets_on_own_routes_against_flashmla
     assert d.fp8_target_note(runs).endswith("MISSED")
 
 
+
+def test_decode_benchmark_lays_each_form_over_each_set_of_its_route_only():
+    """benchmarks/decode.py --forms: every selected set of the named route runs once per
+    form (``{}`` as it is), other routes' sets untouched; a malformed value is refused."""
+    from benchmarks import decode as d
+
+    forms = d.parse_forms('{"seesaw/gluon": [{}, {"half_partials": false, "lazy": true}]}')
+    pick = d.Selection(max_params=2, forms=forms)
+    space = [{"num_splits": 1, "half_partials": True}, {"num_splits": 2, "half_partials": True},
+             {"num_splits": 4, "half_partials": True}]
+    got = pick.params(space, "seesaw/gluon")
+    assert got == [space[0], {"num_splits": 1, "half_partials": False, "lazy": True},
+                   space[1], {"num_splits": 2, "half_partials": False, "lazy": True}]
+    assert pick.params(space, "transposed/gluon") == space[:2]
+    for bad in ('["seesaw/gluon"]', '{"seesaw/gluon": {"pdl": true}}', '{"r": [1]}'):
+        with pytest.raises(SystemExit):
+            d.parse_forms(bad)
+
 def test_gluon_check_leaves_out_a_variant_that_loses_the_cuda_context(monkeypatch):
     """benchmarks/gluon_check.py: the smoke child names a variant whose error loses its CUDA
     context; the parent leaves that variant out and runs the smoke again, so one faulting
