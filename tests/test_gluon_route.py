@@ -208,7 +208,7 @@ def test_both_gluon_routes_serve_the_same_problems_with_the_same_splits():
                     _p(batch=8, dcp_size=2)):
         assert [p["num_splits"] for p in seesaw.param_space(problem, H200)] == \
             [p["num_splits"] for p in wgmma.param_space(problem, H200)]
-        assert all(p["chunked"] and p["pdl"] and p["slim"]
+        assert all(p["chunked"] and p["pdl"] and p["slim"] and p["lone_bars"]
                    for p in seesaw.param_space(problem, H200))
     assert seesaw.sized_params == wgmma.sized_params
 
@@ -290,6 +290,8 @@ def test_a_stored_param_set_without_an_option_runs_what_it_ran(monkeypatch):
     assert [call["chunked"] for call in fake.calls] == [True, False, True]
     # pdl likewise: the route's sets launch the reduce as a dependent, stored sets do not.
     assert [call["pdl"] for call in fake.calls] == [True, False, False]
+    # lone_bars likewise: the route's sets only.
+    assert [call["lone_bars"] for call in fake.calls] == [True, False, False]
     assert "chunked" not in inspect.signature(gluon_transposed.decode_launcher).parameters
 
 
@@ -344,8 +346,8 @@ def test_a_stored_seesaw_row_keeps_its_form_and_rescales_its_split_at_a_neighbou
     measured, asked = _p(batch=1), _p(batch=64)
     stored = {"num_splits": wgmma.param_space(measured, H200)[0]["num_splits"]}
     moved = routes.params_at(seesaw, stored, measured, asked, H200)
-    assert moved == {**routes.params_at(wgmma, stored, measured, asked, H200), "chunked": False,
-                     "pdl": False, "slim": False}
+    old_form = {"chunked": False, "pdl": False, "slim": False, "lone_bars": False}
+    assert moved == {**routes.params_at(wgmma, stored, measured, asked, H200), **old_form}
     assert moved["num_splits"] != stored["num_splits"]
     new = routes.params_at(seesaw, seesaw.param_space(measured, H200)[0], measured, asked, H200)
     assert new == seesaw.param_space(asked, H200)[0] and new["chunked"] is True
@@ -353,8 +355,7 @@ def test_a_stored_seesaw_row_keeps_its_form_and_rescales_its_split_at_a_neighbou
     first = space[0]
     assert routes.with_defaults(seesaw, {}, space) == first
     assert routes.with_defaults(seesaw, None, space) == first
-    assert routes.with_defaults(seesaw, stored, space) == {**stored, "chunked": False,
-                                                           "pdl": False, "slim": False}
+    assert routes.with_defaults(seesaw, stored, space) == {**stored, **old_form}
     wgmma_space = wgmma.param_space(asked, H200)
     assert routes.with_defaults(wgmma, stored, wgmma_space) == {**wgmma_space[0], **stored}
 
@@ -366,7 +367,8 @@ def test_the_report_times_a_stored_seesaw_choice_as_it_ran():
     splits = routes.get("seesaw/gluon").param_space(problem, H200)[0]["num_splits"]
     timed = {(problem.key, "seesaw/gluon"): [({"num_splits": splits, "chunked": False}, 10.0),
                                              ({"num_splits": splits, "chunked": True,
-                                               "pdl": True, "slim": True}, 9.0)]}
+                                               "pdl": True, "slim": True, "lone_bars": True},
+                                              9.0)]}
     assert time_with(timed, problem, "seesaw/gluon", {"num_splits": splits}, H200) == 10.0
     assert time_with(timed, problem, "seesaw/gluon", {}, H200) == 9.0
     # A journal written before the option: its runs' params lack it too.

@@ -69,16 +69,25 @@ of shared memory, 24 bytes of spills (72 above), no wgmma serialization. The SLI
 instructions (``gluon_common.slim_softmax``: the bounds only on tiles that reach them, the
 scale folded into the exponent's FMA), for the softmax on the critical path between the
 two warpgroups: 0.97-1.00x the chunked form's time at 7 of issue 19's 8 points, 1.03x at
-batch 1 (H200, 2026-12-01, session 14 calls 3 and 5); the route's param sets run it. The LONE form
-(``lone_bars=True``, of the slim one; EXPERIMENTAL, compiled only) gives each mbarrier its
-own allocation (``_lone_bars``): triton 3.6's barrier analysis takes a wait as a write of its
-barrier and the rows of one allocation as the same memory, so it puts a warpgroup bar.sync
-before every wait; with lone barriers a warpgroup's pair passes about 8 instead of 24.
+batch 1 (H200, 2026-12-01, session 14 calls 3 and 5). The LONE form (``lone_bars=True``,
+of the slim one) gives each mbarrier its own allocation (``_lone_bars``): triton 3.6's
+barrier analysis takes a wait as a write of its barrier and the rows of one allocation as
+the same memory, so it puts a warpgroup bar.sync before every wait; with lone barriers a
+warpgroup's pair passes about 8 instead of 24: 0.96-1.01x the slim form's time at issue
+19's points, faster mostly unsplit (0.96x at (128, 16, 4096, 2), 0.98x at 128 heads; H200,
+2026-12-01, session 16 call 2); the route's param sets run it.
 
 Tried and dropped (H200, 2026-12-01): the warpgroups handing each tile's row max over on
 barriers of their own before the exponentials, P_a after WG1's max (FlashMLA's deep dive's
 order), so that the two softmaxes overlap (session 13, commit 636020d): right, and
 1.01-1.05x this form's time at every point (1.05x at 128 heads), 8 more bytes of spills.
+16-bit split partials (session 16, branch ``next/seesaw-lone-half``): the partial outputs in
+out's dtype, half the bytes written and read back; right, and 1.04-1.21x the lone form's time
+wherever split (1.19x at (64, 64, 4096, 1), 1.21x at (128, 128, 4096, 1) in 2 splits), with
+rel_l2 0.0023 against 0.0017. A lazy rescale (session 16, branch ``next/seesaw-lazy``): each
+row's base kept until its max passes it by 2^8, O's rescale skipped while no row's base moved;
+right (fp64 model to 3e-14), and 1.00-1.03x the lone form's time, rel_l2 0.0020 against
+0.0017: the rescale is not what holds the pair back.
 A lead form (session 14, commit 90cc006): slot 1 copied and read columns 0-255 first and
 WG0's half of slot 0 released before it awaits P_b, so that each S's first chunks land
 earlier: right, and 1.00-1.03x the chunked form's time (1.02x at (128, 128, 4096, 1),
@@ -648,9 +657,8 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     ``pdl``: with more than one split, the reduce kernel is a programmatic dependent launch,
     started as this kernel's blocks begin (``gluon_common.program_keys``). ``slim`` (chunked
     only): the softmax in fewer instructions (``gluon_common.slim_softmax``). ``lone_bars``
-    (slim only; EXPERIMENTAL: compiled, not yet run on a GPU): each mbarrier its own
-    allocation (``_lone_bars``), which drops most of the warpgroup barriers triton 3.6 puts
-    before the waits.
+    (slim only): each mbarrier its own allocation (``_lone_bars``), which drops most of the
+    warpgroup barriers triton 3.6 puts before the waits.
     """
     _check_form(chunked, slim, lone_bars)
     if slim and not sm_scale > 0:  # slim_softmax takes the max of the unscaled scores

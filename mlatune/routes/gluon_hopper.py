@@ -136,17 +136,19 @@ class SeesawGluonRoute(WgmmaGluonRoute):
     the two alternating (Q read once a tile); same rules, tensors and splits. Its param sets
     run the kernel's chunked form (tiles copied in 64-column chunks that S starts on; 0-3.5%
     faster at every point timed on the H200, 2026-12-01) with the split reduce as a
-    programmatic dependent launch (``pdl``: 0-3% faster, session 13) and the softmax in
-    fewer instructions (``slim``, session 14); a stored param set without an option ran the
-    form without it and still does."""
+    programmatic dependent launch (``pdl``: 0-3% faster, session 13), the softmax in
+    fewer instructions (``slim``, session 14) and each mbarrier its own allocation
+    (``lone_bars``: 0.96-1.01x the slim form's time, sessions 15 and 16); a stored param set
+    without an option ran the form without it and still does."""
 
     id = "seesaw/gluon"
     kernel = "gluon_seesaw"
-    kernel_options = MappingProxyType({"chunked": False, "pdl": False, "slim": False})
+    kernel_options = MappingProxyType({"chunked": False, "pdl": False, "slim": False,
+                                       "lone_bars": False})
+    FORM = MappingProxyType({"chunked": True, "pdl": True, "slim": True, "lone_bars": True})
 
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
-        return [{**params, "chunked": True, "pdl": True, "slim": True}
-                for params in super().param_space(problem, device)]
+        return [{**params, **self.FORM} for params in super().param_space(problem, device)]
 
 
 FP8_MMA_MAX_ROWS = 16  # query rows a program up to which transposed/gluon offers fp8 MMAs
