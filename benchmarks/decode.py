@@ -133,7 +133,7 @@ def parse_forms(text: str) -> tuple:
     if not isinstance(given, dict) or not all(
             isinstance(v, list) and all(isinstance(f, dict) for f in v) for v in given.values()):
         raise SystemExit('--forms: a JSON object of route id -> list of option objects, '
-                         'e.g. {"seesaw/gluon": [{}, {"half_partials": false}]}')
+                         'e.g. {"seesaw/gluon": [{}, {"lone_bars": false}]}')
     return tuple((route, tuple(tuple(sorted(f.items())) for f in forms))
                  for route, forms in given.items())
 
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="only these route ids (comma separated; default every route)")
     parser.add_argument("--forms", default="",
                         help='kernel options laid over each set of a route in turn (JSON: '
-                             '{"seesaw/gluon": [{}, {"half_partials": false}]})')
+                             '{"seesaw/gluon": [{}, {"lone_bars": false}]})')
     parser.add_argument("--dcp", type=int, default=1,
                         help="DCP size of every point (rank 0's step is timed)")
     args = parser.parse_args(argv)

@@ -40,8 +40,8 @@
 #   points19       benchmarks/decode.py at all of issue 19's points (fp8 caches too where it
 #                  has an fp8 target), both Gluon routes beside FlashMLA, in one run
 #   seesawcheck    gluon_check.py over bf16 caches: the seesaw kernel's chunked forms (plain,
-#                  chunked + pdl, the route's slim form and the experimental lone-barrier
-#                  form) beside FlashMLA
+#                  chunked + pdl, slim, and the lone-barrier form the route's sets run)
+#                  beside FlashMLA
 #   gluontests     pytest -m gpu tests/test_gluon_gpu.py
 #   walks          the seesaw kernel's split partials each against its own keys, and the split
 #                  reduce alone, on the GPU (which of the two a wrong split result comes from)

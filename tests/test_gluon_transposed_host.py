@@ -134,7 +134,6 @@ def test_decode_benchmark_judges_issue_19_targets_on_own_routes_against_flashmla
     assert d.fp8_target_note(runs).endswith("MISSED")
 
 
-
 def test_decode_benchmark_lays_each_form_over_each_set_of_its_route_only():
     """benchmarks/decode.py --forms: every selected set of the named route runs once per
     form (``{}`` as it is), other routes' sets untouched; a malformed value is refused."""
@@ -151,6 +150,7 @@ def test_decode_benchmark_lays_each_form_over_each_set_of_its_route_only():
     for bad in ('["seesaw/gluon"]', '{"seesaw/gluon": {"pdl": true}}', '{"r": [1]}'):
         with pytest.raises(SystemExit):
             d.parse_forms(bad)
+
 
 def test_gluon_check_leaves_out_a_variant_that_loses_the_cuda_context(monkeypatch):
     """benchmarks/gluon_check.py: the smoke child names a variant whose error loses its CUDA
