@@ -43,6 +43,8 @@
 #                  chunked + pdl, slim, and the lone-barrier form the route's sets run)
 #                  beside FlashMLA
 #   gluontests     pytest -m gpu tests/test_gluon_gpu.py
+#   seesawab       benchmarks/decode.py at issue 19's seesaw points, the route's sets and their
+#                  EXPERIMENTAL afresh_q form alternating twice (decode.py --forms)
 #   walks          the seesaw kernel's split partials each against its own keys, and the split
 #                  reduce alone, on the GPU (which of the two a wrong split result comes from)
 #   gprefill       the Gluon fp8 prefill (fp8-ps/triton's Gluon sets): its GPU tests first (a
@@ -171,6 +173,11 @@ transposed/gluon fp8mma deferred" > "$OUT/seesaw-check.log" 2>&1
              > "$OUT/walks.log" 2>&1
            log "walks: rc=$?; $(tail -1 "$OUT/walks.log")"; grep "^FAILED" "$OUT/walks.log" \
              | tee -a "$OUT/session.log" ;;
+    seesawab) timeout 200 python3 benchmarks/decode.py --points 4,6,7,8,2 --kv bf16 \
+                --routes seesaw/gluon,dense/flashmla --out "$OUT/seesawab" --forms \
+                '{"seesaw/gluon": [{}, {"afresh_q": true}, {}, {"afresh_q": true}]}' \
+                > "$OUT/seesawab.log" 2>&1
+              log "seesawab: rc=$?"; grep -i "target" "$OUT/seesawab.log" | tee -a "$OUT/session.log" ;;
     gluontests) s=$(date +%s)
                 timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gluon_gpu.py \
                   > "$OUT/gluon-tests.log" 2>&1

@@ -184,6 +184,26 @@ def undefined_descriptors(listing: str) -> list[str]:
     return found
 
 
+def mma_loop_spills(listing: str) -> list[tuple[int, int, int]]:
+    """Each innermost loop that issues wgmmas (a backward branch's range holding a GMMA, no
+    EXIT and no other such loop), as (first address, local loads, local stores) in it: spills
+    there are paid every trip, between the MMAs."""
+    code = parse(listing)
+    loops = []
+    for i, ins in enumerate(code):
+        target = ins.operands[-1] if ins.op.startswith("BRA") and ins.operands else ""
+        if target.startswith("0x") and int(target, 16) < ins.address:
+            body = [c for c in code[:i + 1] if c.address >= int(target, 16)]
+            # (A wait's retry stub after the code jumps back across an EXIT: not a loop.)
+            exits = any(c.op == "EXIT" and not c.predicate for c in body)
+            if any(_MMA.match(c.op) for c in body) and not exits:
+                loops.append((body[0].address, ins.address, body))
+    inner = [(lo, hi, body) for lo, hi, body in loops
+             if not any(lo <= lo2 and hi2 <= hi and (lo2, hi2) != (lo, hi)
+                        for lo2, hi2, _ in loops)]
+    return [(lo, sum(c.op.startswith("LDL") for c in body),
+             sum(c.op.startswith("STL") for c in body)) for lo, _, body in inner]
+
 def listing(compiled) -> str:
     """A triton CompiledKernel's SASS (cuobjdump of triton's wheel)."""
     import triton

@@ -140,7 +140,9 @@ def test_stale_cache_slots_hold_nan(item):
 SPLIT_WALKS = [(16, 1, 4096, 1, 64), (16, 6, 700, 1, 3), (128, 4, 1000, 1, 2),
                (16, 4, 900, 4, 5)]
 SEESAW_FORMS = {"slim": dict(chunked=True, pdl=True, slim=True),
-                "lone": dict(chunked=True, pdl=True, slim=True, lone_bars=True)}
+                "lone": dict(chunked=True, pdl=True, slim=True, lone_bars=True),
+                "afresh": dict(chunked=True, pdl=True, slim=True, lone_bars=True,
+                               afresh_q=True)}
 
 
 @pytest.mark.parametrize("form", list(SEESAW_FORMS))

@@ -151,6 +151,48 @@ def test_lone_bars_drop_the_warpgroup_barriers_before_the_waits():
     assert lone.metadata.shared <= HOPPER_SMEM
 
 
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_afresh_q_keeps_every_descriptor_out_of_registers(direct):
+    """``afresh_q`` (EXPERIMENTAL, of the lone form): Q addressed each pair through the zero
+    the compiler cannot prove, as the slots are, so ptxas neither hoists Q's chunk
+    descriptors into general registers (moved back to uniform ones before each wgmma) nor
+    spills them: the same waits, copies and MMAs as the lone form, no local memory at all
+    (the lone form: 32 bytes), far fewer register-to-uniform moves, no hazard."""
+    from mlatune.kernels import gluon_seesaw as s
+    from tests import sass_hazards
+    with pytest.raises(ValueError, match="lone"):
+        s.decode_launcher(*[None] * 4, qlen=1, sm_scale=0.1, chunked=True, slim=True,
+                          afresh_q=True)
+    _needs_gluon_triton()
+    fresh, lone = (s.aot_compile(direct=direct, chunked=True, slim=True, lone_bars=True,
+                                 afresh_q=flag) for flag in (True, False))
+    for op in ("mbarrier.try_wait", "cp.async.bulk.tensor.2d", "wgmma.mma_async"):
+        assert fresh.asm["ptx"].count(op) == lone.asm["ptx"].count(op), op
+    assert resources(fresh)["stack"] == 0 < resources(lone)["stack"]
+    sass = {k: sass_hazards.listing(k) for k in (fresh, lone)}
+    assert sass[fresh].count("LDL") == 0
+    assert sass[fresh].count("R2UR") <= sass[lone].count("R2UR") // 2  # 133 against 308
+    assert sass_hazards.undefined_descriptors(sass[fresh]) == []
+    assert sass_hazards.hazards(sass[fresh])[2] == []
+    loops = sass_hazards.mma_loop_spills(sass[fresh])
+    assert len(loops) == 2 and all(ldl == stl == 0 for _, ldl, stl in loops)  # both pair loops
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_lone_form_spills_in_its_pair_loops_without_afresh_q(causal):
+    """Why ``afresh_q``: the lone form's pair loops reload spilled values every pair (the
+    non-causal build, what single-token decode runs: 19 and 6 LDL); the afresh form's none."""
+    from mlatune.kernels import gluon_seesaw as s
+    from tests import sass_hazards
+    _needs_gluon_triton()
+    spills = {flag: sass_hazards.mma_loop_spills(sass_hazards.listing(
+        s.aot_compile(direct=True, causal=causal, chunked=True, slim=True, lone_bars=True,
+                      afresh_q=flag))) for flag in (False, True)}
+    assert len(spills[False]) == len(spills[True]) == 2
+    assert sum(ldl for _, ldl, _ in spills[False]) > 0
+    assert sum(ldl + stl for _, ldl, stl in spills[True]) == 0
+
 def test_refuses_what_gluon_hopper_refuses():
     from tests.test_gluon_compile import _tensors
     q, kv, bt, sl = _tensors(page=32)

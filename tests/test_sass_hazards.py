@@ -87,3 +87,21 @@ def test_descriptors_unwritten_on_some_path_are_found():
     b_only = _sass("R2UR UR8, R1", "R2UR UR9, R2",
                    "HGMMA.64x256x16.F32.BF16 R24, R200, gdesc[UR8], R24", "EXIT")
     assert sass_hazards.undefined_descriptors(b_only) == []
+
+
+def test_spills_in_mma_loops_are_counted_per_innermost_loop():
+    """A synthetic listing: an outer loop around an inner one that issues wgmmas with a local
+    load and store in it (counted), a local load outside every loop (not), and a wait's retry
+    stub after the EXIT that jumps back into the inner loop (not a loop of its own)."""
+    listing = _sass(
+        "LDL R9, [R1]",  # 0x00: outside the loops
+        "MOV R2, RZ",  # 0x10: the outer loop's head
+        "LDL R3, [R1+0x8]",  # 0x20: the inner loop's head
+        "HGMMA.64x256x16.F32.BF16 R24, gdesc[UR8], R24",
+        "STL [R1+0x8], R3",
+        "@P0 BRA 0x20",  # 0x50: the inner back edge
+        "@P1 BRA 0x10",  # 0x60: the outer back edge
+        "EXIT",  # 0x70
+        "BRA 0x30")  # 0x80: a retry stub, back into the inner loop
+    assert sass_hazards.mma_loop_spills(listing) == [(0x20, 1, 1)]
+    assert sass_hazards.mma_loop_spills(_sass("LDL R3, [R1]", "EXIT")) == []

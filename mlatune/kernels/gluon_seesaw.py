@@ -75,7 +75,11 @@ barrier analysis takes a wait as a write of its barrier and the rows of one allo
 the same memory, so it puts a warpgroup bar.sync before every wait; with lone barriers a
 warpgroup's pair passes about 8 instead of 24: 0.96-1.01x the slim form's time at issue
 19's points, faster mostly unsplit (0.96x at (128, 16, 4096, 2), 0.98x at 128 heads; H200,
-2026-12-01, session 16 call 2); the route's param sets run it.
+2026-12-01, session 16 call 2); the route's param sets run it. The AFRESH form
+(``afresh_q=True``, of the lone one; EXPERIMENTAL, compiled only) addresses Q each pair
+through the zero the compiler cannot prove, as the slots already are: ptxas otherwise hoists
+Q's 9 chunk descriptors into general registers, moves them to uniform ones before each
+wgmma (66 R2UR in WG0's pair loop) and spills some; with it the build has no local memory.
 
 Tried and dropped (H200, 2026-12-01): the warpgroups handing each tile's row max over on
 barriers of their own before the exponentials, P_a after WG1's max (FlashMLA's deep dive's
@@ -416,10 +420,19 @@ def _pair_wg1(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run
 
 
 @gluon.jit
+def _afresh(buf, zero):
+    """``buf`` (2-D) through a leading index ``zero`` (0, unprovable to the compiler), so that
+    the wgmma descriptors over it stay loop variant (not hoisted into spilled registers)."""
+    return buf._reinterpret(buf.dtype, [1, buf.shape[0], buf.shape[1]], buf.layout).index(zero)
+
+
+@gluon.jit
 def _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, WG: gl.constexpr,
              CAUSAL: gl.constexpr, DIRECT: gl.constexpr, CHUNKED: gl.constexpr,
-             SLIM: gl.constexpr = False, LONE: gl.constexpr = False):
-    """One compute warpgroup: its walk over the pairs of tiles, then its half of the output."""
+             SLIM: gl.constexpr = False, LONE: gl.constexpr = False,
+             AFRESH: gl.constexpr = False):
+    """One compute warpgroup: its walk over the pairs of tiles, then its half of the output.
+    AFRESH (of the lone form): Q too addressed through the unprovable zero each pair."""
     q_nope, k_nope, k_rope, l_buf = bufs[0], bufs[2], bufs[3], bufs[5]
     q_bar, l_bar = bars[0], bars[4]
     BM: gl.constexpr = q_nope.shape[0]
@@ -445,14 +458,18 @@ def _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, WG: gl.constexpr,
               k_rope.index(1 + (j >> 30)))
         n0 = start + 2 * j * BN
         has_b = 2 * j + 1 < n_tiles
+        # AFRESH: Q's 9 chunk descriptors likewise (else hoisted into registers, juggled
+        # to uniform ones before each wgmma and partly spilled).
+        pair_bufs = (_afresh(q_nope, j >> 30), _afresh(bufs[1], j >> 30), bufs[2], bufs[3],
+                     bufs[4], bufs[5]) if AFRESH else bufs
         if WG == 0:
-            acc, m_run, l_run = _pair_wg0(bufs, kv, bars, j & 1, n0, end, has_b, bounds, qk_scale,
-                                          m_run, l_run, acc, s_layout, o_layout, CHUNKED, SLIM,
-                                          LONE)
+            acc, m_run, l_run = _pair_wg0(pair_bufs, kv, bars, j & 1, n0, end, has_b, bounds,
+                                          qk_scale, m_run, l_run, acc, s_layout, o_layout,
+                                          CHUNKED, SLIM, LONE)
         else:
-            acc, m_run, l_run = _pair_wg1(bufs, kv, bars, j & 1, n0, end, has_b, bounds, qk_scale,
-                                          m_run, l_run, acc, s_layout, o_layout, CHUNKED, SLIM,
-                                          LONE)
+            acc, m_run, l_run = _pair_wg1(pair_bufs, kv, bars, j & 1, n0, end, has_b, bounds,
+                                          qk_scale, m_run, l_run, acc, s_layout, o_layout,
+                                          CHUNKED, SLIM, LONE)
     # The row sum is the two warpgroups' sums, both in the base of the final max.
     _row_slot(l_buf, WG).store(l_run)
     gl.thread_barrier()
@@ -554,6 +571,20 @@ def _wg1_lone(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr
     _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 1, CAUSAL, DIRECT, True, True, True)
 
 
+@gluon.jit
+def _wg0_afresh(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
+                DIRECT: gl.constexpr):
+    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 0, CAUSAL, DIRECT, True, True, True,
+             True)
+
+
+@gluon.jit
+def _wg1_afresh(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
+                DIRECT: gl.constexpr):
+    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 1, CAUSAL, DIRECT, True, True, True,
+             True)
+
+
 @gluon.jit(do_not_specialize=["num_splits", "qlen", "heads"])
 def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache's two parts
                   # (CHUNKED: kr_desc is the cache's whole rows in [64, 64] blocks instead)
@@ -562,7 +593,7 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache'
                   stride_po_slot, stride_po_row, stride_pl_slot,  # fp32 partials
                   CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PAGE: gl.constexpr,
                   CHUNKED: gl.constexpr, PDL: gl.constexpr, SLIM: gl.constexpr,
-                  LONE: gl.constexpr, num_warps: gl.constexpr):
+                  LONE: gl.constexpr, num_warps: gl.constexpr, AFRESH: gl.constexpr = False):
     BM: gl.constexpr = qn_desc.block_type.shape[0]
     BN: gl.constexpr = kn_desc.block_type.shape[0]
     dtype: gl.constexpr = qn_desc.dtype
@@ -618,10 +649,10 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache'
     gl.warp_specialize([
         (_loader, ((qn_desc, qr_desc, kn_desc, kr_desc), bufs, bars, bt_row, q_row, start,
                    n_tiles, PAGE, CHUNKED, LONE)),
-        (_wg0_lone if LONE else _wg0_slim if SLIM else _wg0_chunked if CHUNKED else _wg0,
-         compute_args),
-        (_wg1_lone if LONE else _wg1_slim if SLIM else _wg1_chunked if CHUNKED else _wg1,
-         compute_args),
+        (_wg0_afresh if AFRESH else _wg0_lone if LONE else _wg0_slim if SLIM else
+         _wg0_chunked if CHUNKED else _wg0, compute_args),
+        (_wg1_afresh if AFRESH else _wg1_lone if LONE else _wg1_slim if SLIM else
+         _wg1_chunked if CHUNKED else _wg1, compute_args),
     ], [4, 4], [COMPUTE_REGS, COMPUTE_REGS])
 
 
@@ -635,12 +666,16 @@ def _chunk_descriptor(kv_cache: torch.Tensor) -> TensorDescriptor:
                             [kv_cache.stride(1), 1], block, nvmma_layout(block, kv_cache.dtype))
 
 
-def _check_form(chunked: bool, slim: bool, lone_bars: bool = False) -> None:
-    # The workers of each form are functions of their own: slim is chunked, lone_bars slim.
+def _check_form(chunked: bool, slim: bool, lone_bars: bool = False,
+                afresh_q: bool = False) -> None:
+    # The workers of each form are functions of their own: slim is chunked, lone_bars slim,
+    # afresh_q lone.
     if slim and not chunked:
         raise ValueError("slim is a form of the chunked kernel: pass chunked=True too")
     if lone_bars and not slim:
         raise ValueError("lone_bars is a form of the slim kernel: pass chunked=slim=True too")
+    if afresh_q and not lone_bars:
+        raise ValueError("afresh_q is a form of the lone-barrier kernel: pass lone_bars=True too")
 
 
 def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -648,7 +683,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                     out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                     num_splits: int | None = None, max_seq_len: int | None = None,
                     chunked: bool = False, pdl: bool = False, slim: bool = False,
-                    lone_bars: bool = False
+                    lone_bars: bool = False, afresh_q: bool = False
                     ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
     """A zero-argument launch of the seesaw decode, with the out and LSE it writes.
 
@@ -659,9 +694,11 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     started as this kernel's blocks begin (``gluon_common.program_keys``). ``slim`` (chunked
     only): the softmax in fewer instructions (``gluon_common.slim_softmax``). ``lone_bars``
     (slim only): each mbarrier its own allocation (``_lone_bars``), which drops most of the
-    warpgroup barriers triton 3.6 puts before the waits.
+    warpgroup barriers triton 3.6 puts before the waits. ``afresh_q`` (lone only;
+    EXPERIMENTAL): Q addressed each pair through a zero the compiler cannot prove, so that
+    ptxas does not hoist Q's wgmma descriptors into registers (``_afresh``).
     """
-    _check_form(chunked, slim, lone_bars)
+    _check_form(chunked, slim, lone_bars, afresh_q)
     if slim and not sm_scale > 0:  # slim_softmax takes the max of the unscaled scores
         raise ValueError(f"the slim form needs a positive sm_scale, got {sm_scale}")
     why = check_supported(q, kv_cache, block_table, seq_lens)
@@ -681,7 +718,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     head = (*descs, block_table, seq_lens)
     sizes = (num_splits, qlen, heads, sm_scale * LOG2E, block_table.stride(0))
     meta = dict(CAUSAL=causal and qlen > 1, PAGE=PAGE_SIZE, CHUNKED=chunked, SLIM=slim,
-                LONE=lone_bars, **compile_options(NUM_WARPS, MAXNREG))
+                LONE=lone_bars, AFRESH=afresh_q, **compile_options(NUM_WARPS, MAXNREG))
     if num_splits == 1:
         args = (*head, out, lse, *sizes, out.stride(0), out.stride(1), lse.stride(0), 0, 0, 0)
         return (lambda: seesaw_kernel[grid](*args, DIRECT=True, PDL=False, **meta)), out, lse
@@ -712,12 +749,13 @@ def seesaw_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
 
 def aot_compile(dtype: str = "bf16", *, direct: bool = True, causal: bool = True,
                 arch: int = 90, chunked: bool = False, pdl: bool = False, slim: bool = False,
-                lone_bars: bool = False):
+                lone_bars: bool = False, afresh_q: bool = False):
     """Compile ``seesaw_kernel`` for ``sm_<arch>`` without a GPU (triton's bundled ptxas);
     returns triton's CompiledKernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata``)."""
-    _check_form(chunked, slim, lone_bars)
+    _check_form(chunked, slim, lone_bars, afresh_q)
     constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=PAGE_SIZE, CHUNKED=chunked,
-                     PDL=pdl and not direct, SLIM=slim, LONE=lone_bars, num_warps=NUM_WARPS)
+                     PDL=pdl and not direct, SLIM=slim, LONE=lone_bars, AFRESH=afresh_q,
+                     num_warps=NUM_WARPS)
     blocks = dict(qn_desc=(dtype, BLOCK_M, D_NOPE), qr_desc=(dtype, BLOCK_M, D_ROPE),
                   kn_desc=(dtype, BLOCK_N, D_NOPE), kr_desc=(dtype, BLOCK_N, D_ROPE))
     pointers = dict(bt_ptr="i32", seq_lens_ptr="i32", out_ptr=dtype if direct else "fp32",

@@ -144,8 +144,9 @@ class SeesawGluonRoute(WgmmaGluonRoute):
     id = "seesaw/gluon"
     kernel = "gluon_seesaw"
     kernel_options = MappingProxyType({"chunked": False, "pdl": False, "slim": False,
-                                       "lone_bars": False})
-    FORM = MappingProxyType({"chunked": True, "pdl": True, "slim": True, "lone_bars": True})
+                                       "lone_bars": False, "afresh_q": False})
+    FORM = MappingProxyType({"chunked": True, "pdl": True, "slim": True, "lone_bars": True,
+                             "afresh_q": False})  # afresh_q: EXPERIMENTAL, not yet run
 
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
         return [{**params, **self.FORM} for params in super().param_space(problem, device)]
