@@ -45,6 +45,8 @@
 #   gluontests     pytest -m gpu tests/test_gluon_gpu.py
 #   walks          the seesaw kernel's split partials each against its own keys, and the split
 #                  reduce alone, on the GPU (which of the two a wrong split result comes from)
+#   reduceblocks   benchmarks/reduce_blocks.py: the split reduce alone at the split decodes'
+#                  shapes, its rule's block as it was and with uniform slots, and two others
 #   gprefill       the Gluon fp8 prefill (fp8-ps/triton's Gluon sets): its GPU tests first (a
 #                  hang ends at their timeout, and the benchmark then leaves out the newest
 #                  form's sets: those with the flag GLUON_SUSPECT, default pingpong),
@@ -171,6 +173,9 @@ transposed/gluon fp8mma deferred" > "$OUT/seesaw-check.log" 2>&1
              > "$OUT/walks.log" 2>&1
            log "walks: rc=$?; $(tail -1 "$OUT/walks.log")"; grep "^FAILED" "$OUT/walks.log" \
              | tee -a "$OUT/session.log" ;;
+    reduceblocks) timeout 150 python3 benchmarks/reduce_blocks.py --blocks 1x512,2x64 \
+                    --out "$OUT/reduce-blocks" > "$OUT/reduce-blocks.log" 2>&1
+                  log "reduceblocks: rc=$?"; tee -a "$OUT/session.log" < "$OUT/reduce-blocks.log" ;;
     gluontests) s=$(date +%s)
                 timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gluon_gpu.py \
                   > "$OUT/gluon-tests.log" 2>&1
