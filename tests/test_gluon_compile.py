@@ -81,3 +81,34 @@ def test_other_triton_is_named():
     assert (reason is None) == triton.__version__.startswith(g.GLUON_TRITON)
     if reason is not None:
         assert triton.__version__ in reason
+
+
+def test_launches_and_aot_builds_share_the_ptxas_options(monkeypatch):
+    """Every Gluon kernel is launched with ``compile_options`` (so ptxas gets
+    ``PTXAS_OPTIONS``: no debug info, whose line numbers changed the seesaw's SASS), and the
+    AOT builds the compile tests check pass the same options."""
+    import inspect
+    import re
+
+    from mlatune.kernels import (
+        gluon_prefill_fp8,
+        gluon_seesaw,
+        gluon_transposed,
+        gluon_transposed_fp8,
+        gluon_transposed_ws,
+    )
+
+    assert gluon_common.compile_options(4, 168) == {
+        "num_warps": 4, "maxnreg": 168, "ptx_options": gluon_common.PTXAS_OPTIONS}
+    assert "maxnreg" not in gluon_common.compile_options(4)
+    for module in (g, gluon_prefill_fp8, gluon_seesaw, gluon_transposed, gluon_transposed_fp8,
+                   gluon_transposed_ws):
+        launch_side = inspect.getsource(module).split("\ndef aot_compile")[0]
+        assert "**compile_options(" in launch_side, module.__name__
+        assert not re.search(r"\bnum_warps=\w", launch_side.split("# Host side")[-1]), \
+            module.__name__  # no launch option set apart from compile_options
+    seen = {}
+    monkeypatch.setattr(gluon_common.triton, "compile",
+                        lambda src, target=None, options=None: seen.update(options))
+    g.aot_compile()
+    assert seen == gluon_common.compile_options(g.NUM_WARPS)

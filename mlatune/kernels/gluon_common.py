@@ -105,6 +105,19 @@ def partials_and_merge(out: torch.Tensor, lse: torch.Tensor, batch: int, num_spl
     return part_out, part_lse, merge
 
 
+# ptxas given no debug info (the PTX keeps its lines): with it, triton 3.6's ptxas 12.8
+# compiled the seesaw kernel's same PTX differently when only source line numbers had
+# moved (a compute warpgroup's pair loop 3 LDL -> 19, session 16); without it, the SASS of
+# every Gluon build the compile tests make was what it was with it (15 checked).
+PTXAS_OPTIONS = "-suppress-debug-info"
+
+
+def compile_options(num_warps: int, maxnreg: int | None = None) -> dict:
+    """The compile options of a Gluon kernel's launch and of its AOT build (the same)."""
+    return {"num_warps": num_warps, "ptx_options": PTXAS_OPTIONS,
+            **({"maxnreg": maxnreg} if maxnreg else {})}
+
+
 def aot_compile_kernel(fn, constants: dict, blocks: dict[str, tuple[str, int, int]],
                        pointers: dict[str, str], *, arch: int, num_warps: int,
                        maxnreg: int | None = None):
@@ -132,8 +145,8 @@ def aot_compile_kernel(fn, constants: dict, blocks: dict[str, tuple[str, int, in
     aligned = (*pointers, *(n for n in strides if n in fn.arg_names))
     attrs = {(fn.arg_names.index(n), ): [["tt.divisibility", 16]] for n in aligned}
     src = GluonASTSource(fn, {n: arg_type(n) for n in fn.arg_names}, constants, attrs)
-    options = {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})}
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options=compile_options(num_warps, maxnreg))
 
 
 # Device ----------------------------------------------------------------------------------

@@ -78,6 +78,7 @@ from mlatune.kernels.gluon_common import (
     GL_DTYPES,
     LOG2E,
     aot_compile_kernel,
+    compile_options,
     gluon_available,
     issue_kv,
     online_softmax,
@@ -307,7 +308,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     grid = (row_blocks, num_splits, batch)
     scale = sm_scale * LOG2E
     meta = dict(CAUSAL=causal and qlen > 1, PAGE=PAGE_SIZE, NUM_STAGES=NUM_STAGES,
-                num_warps=NUM_WARPS)
+                **compile_options(NUM_WARPS))
     common = (*descs, block_table, seq_lens)
     sizes = (num_splits, qlen, heads, scale, block_table.stride(0))
     if num_splits == 1:

@@ -48,6 +48,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from mlatune.kernels.gluon_common import (
     LN2,
     aot_compile_kernel,
+    compile_options,
     gluon_available,
     no_shift,
     nvmma_layout,
@@ -576,7 +577,7 @@ class GluonPrefill:
         self._meta = dict(CAUSAL=causal, HAS_SCALES=scales is not None, TILE_Q=tile_q,
                           STAGES=stages, INFO_COLUMNS=WORK_INFO_COLUMNS,
                           P_SHIFT=fp8_p_shift(v.dtype), PAIRED=paired, PERMUTED_V=permuted_v,
-                          PINGPONG=pingpong, num_warps=NUM_WARPS, maxnreg=MAXNREG)
+                          PINGPONG=pingpong, **compile_options(NUM_WARPS, MAXNREG))
         self._merge = tables.merge_launch(self.plan, out, lse, tile_q)
         # Keep every buffer the launches read alive as long as this object.
         self._buffers = (vt, tables, ones)

@@ -119,6 +119,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from mlatune.kernels.gluon_common import (
     LOG2E,
     aot_compile_kernel,
+    compile_options,
     first_masked_key,
     issue_kv,
     last_keys,
@@ -680,7 +681,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     head = (*descs, block_table, seq_lens)
     sizes = (num_splits, qlen, heads, sm_scale * LOG2E, block_table.stride(0))
     meta = dict(CAUSAL=causal and qlen > 1, PAGE=PAGE_SIZE, CHUNKED=chunked, SLIM=slim,
-                LONE=lone_bars, num_warps=NUM_WARPS, maxnreg=MAXNREG)
+                LONE=lone_bars, **compile_options(NUM_WARPS, MAXNREG))
     if num_splits == 1:
         args = (*head, out, lse, *sizes, out.stride(0), out.stride(1), lse.stride(0), 0, 0, 0)
         return (lambda: seesaw_kernel[grid](*args, DIRECT=True, PDL=False, **meta)), out, lse

@@ -63,6 +63,7 @@ from mlatune.kernels.gluon_common import (
     LN2,
     LOG2E,
     aot_compile_kernel,
+    compile_options,
     gluon_available,
     issue_kv,
     last_keys,
@@ -473,7 +474,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
         raise ValueError(f"gluon transposed MLA decode: {why}")
     fp8 = kv_cache.dtype in FP8_CACHES
     meta = dict(CAUSAL=causal and qlen > 1, FP8=fp8, PAGE=PAGE_SIZE, STAGES=stages_for(fp8),
-                WIDEN_COLS=widen_cols, num_warps=NUM_WARPS)
+                WIDEN_COLS=widen_cols, **compile_options(NUM_WARPS))
     descs = tma_descriptors(q, kv_cache, plan.transposed_rows(qlen * heads))
     return launch(transposed_kernel, descs, q, block_table, seq_lens, kv_scale, out, lse,
                   qlen=qlen, sm_scale=sm_scale, num_splits=num_splits,

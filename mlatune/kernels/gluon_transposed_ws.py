@@ -37,6 +37,7 @@ from mlatune.kernels import gluon_hopper_plan as plan
 from mlatune.kernels import gluon_transposed as base
 from mlatune.kernels.gluon_common import (
     aot_compile_kernel,
+    compile_options,
     last_keys,
     program_keys,
     tma_descriptors,
@@ -209,7 +210,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     if why is not None:
         raise ValueError(f"gluon transposed MLA decode (warp-specialized): {why}")
     meta = dict(CAUSAL=causal and qlen > 1, PAGE=PAGE_SIZE, WIDEN_COLS=widen_cols,
-                num_warps=4, maxnreg=MAXNREG)
+                **compile_options(4, MAXNREG))
     descs = tma_descriptors(q, kv_cache, plan.transposed_rows(qlen * heads), HALF)
     return base.launch(transposed_ws_kernel, descs, q, block_table, seq_lens, kv_scale, out,
                        lse, qlen=qlen, sm_scale=sm_scale, num_splits=num_splits,
