@@ -43,10 +43,12 @@
 #                  chunked + pdl, slim, and the lone-barrier form the route's sets run)
 #                  beside FlashMLA
 #   gluontests     pytest -m gpu tests/test_gluon_gpu.py
-#   seesawab       benchmarks/decode.py at issue 19's seesaw points, the route's sets and their
-#                  EXPERIMENTAL afresh_q form alternating twice (decode.py --forms)
+#   seesawab       benchmarks/decode.py at issue 19's seesaw points, the route's sets and the
+#                  same without afresh_q alternating twice (decode.py --forms)
 #   walks          the seesaw kernel's split partials each against its own keys, and the split
 #                  reduce alone, on the GPU (which of the two a wrong split result comes from)
+#   reduceblocks   benchmarks/reduce_blocks.py: the split reduce alone at the split decodes'
+#                  shapes, its rule's block as it was and with uniform slots, and two others
 #   gprefill       the Gluon fp8 prefill (fp8-ps/triton's Gluon sets): its GPU tests first (a
 #                  hang ends at their timeout, and the benchmark then leaves out the newest
 #                  form's sets: those with the flag GLUON_SUSPECT, default pingpong),
@@ -173,13 +175,16 @@ transposed/gluon fp8mma deferred" > "$OUT/seesaw-check.log" 2>&1
              > "$OUT/walks.log" 2>&1
            log "walks: rc=$?; $(tail -1 "$OUT/walks.log")"; grep "^FAILED" "$OUT/walks.log" \
              | tee -a "$OUT/session.log" ;;
+    reduceblocks) timeout 150 python3 benchmarks/reduce_blocks.py --blocks 1x512,2x64 \
+                    --out "$OUT/reduce-blocks" > "$OUT/reduce-blocks.log" 2>&1
+                  log "reduceblocks: rc=$?"; tee -a "$OUT/session.log" < "$OUT/reduce-blocks.log" ;;
     seesawab) timeout 200 python3 benchmarks/decode.py --points 4,6,7,8,2 --kv bf16 \
                 --routes seesaw/gluon,dense/flashmla --out "$OUT/seesawab" --forms \
-                '{"seesaw/gluon": [{}, {"afresh_q": true}, {}, {"afresh_q": true}]}' \
+                '{"seesaw/gluon": [{}, {"afresh_q": false}, {}, {"afresh_q": false}]}' \
                 > "$OUT/seesawab.log" 2>&1
               log "seesawab: rc=$?"; grep -i "target" "$OUT/seesawab.log" | tee -a "$OUT/session.log" ;;
     gluontests) s=$(date +%s)
-                timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gluon_gpu.py \
+                timeout 330 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gluon_gpu.py \
                   > "$OUT/gluon-tests.log" 2>&1
                 log "gluontests: rc=$? wall=$(( $(date +%s) - s ))s; $(tail -1 "$OUT/gluon-tests.log")" ;;
     gprefill) { timeout 180 python3 -m pytest -q -p no:cacheprovider -m gpu \

@@ -6,8 +6,9 @@ For each shape (groups, tokens a group, heads, slots a group; the split-KV decod
 issue 19's points and around them) the reduce runs with each (rows, value dims) block a
 program, checked against a torch merge of the same partials (fresh random outputs and LSEs,
 some slots empty), and timed by the sweep's timer (CUDA-graph replay, L2 flushed). One line
-per (shape, block); the launcher's own choice is marked. What ``reduce_launcher``'s size rule
-should pick is read from these lines. Needs a CUDA GPU.
+per (shape, block); the launcher's own choice is marked, and timed again as ``uniform`` (every
+group's slot count known: no indptr read, up to 16 slots in one pass). What
+``reduce_launcher``'s size rule should pick is read from these lines. Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -67,13 +68,13 @@ def main() -> int:
         indptr = torch.arange(0, groups * slots + 1, slots, dtype=torch.int32, device="cuda")
         want_out, want_lse = merged(part_out, part_lse, groups, slots)
         line = []
-        for block in [None, *blocks]:
+        for block, uniform in [(None, False), (None, True), *((b, False) for b in blocks)]:
             out = torch.full((groups * tokens, heads, D_V), float("nan"), device="cuda",
                              dtype=torch.bfloat16)
             lse = torch.full((groups * tokens, heads), float("nan"), device="cuda")
             run = reduce_launcher(part_out, part_lse, None, indptr, out, lse,
                                   tokens_per_group=tokens, q_heads=heads, row_heads=heads,
-                                  head_rep=1, max_slots=slots, blocks=block)
+                                  head_rep=1, max_slots=slots, blocks=block, uniform=uniform)
             run()
             torch.cuda.synchronize()
             err = ((out.float().view(groups, rows, D_V) - want_out).norm()
@@ -81,7 +82,8 @@ def main() -> int:
             lse_err = (lse.view(groups, rows) - want_lse).abs().max().item()
             ok = err < 1e-2 and lse_err < 1e-3
             us = measure(run, "cuda", budget).median_us
-            name = "default" if block is None else f"{block[0]}x{block[1]}"
+            name = ("default" if block is None else f"{block[0]}x{block[1]}") \
+                + (" uniform" if uniform else "")
             results.append(dict(shape=[groups, tokens, heads, slots], block=name, us=us,
                                 rel_err=err, lse_err=lse_err, ok=ok))
             line.append(f"{name} {us:.1f}{'' if ok else ' WRONG'}")

@@ -171,12 +171,14 @@ def test_pdl_builds_let_the_reduce_kernel_launch_early():
     sig = {n: "i32" for n in reduce_kernel.arg_names}
     sig.update(dict.fromkeys(("part_out_ptr", "part_a_ptr", "part_b_ptr", "out_ptr", "lse_ptr"),
                              "*fp32"), split_indptr_ptr="*i32")
-    consts = dict(BLOCK_R=2, BLOCK_D=64, SLOT_BLOCK=16, MAX_EXPSUM=False, WRITE_LSE=True,
-                  WAIT_PRIMARY=True)
-    sig.update(dict.fromkeys(consts, "constexpr"))
-    reduce = triton.compile(ASTSource(reduce_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": 4, "launch_pdl": True})
-    assert "griddepcontrol.wait" in reduce.asm["ptx"] and reduce.metadata.launch_pdl
+    for slots in (0, 8):  # slot counts read from the indptr; 8 a group, in one pass
+        consts = dict(BLOCK_R=2, BLOCK_D=64, SLOT_BLOCK=16, MAX_EXPSUM=False, WRITE_LSE=True,
+                      WAIT_PRIMARY=True, SLOTS=slots)
+        sig.update(dict.fromkeys(consts, "constexpr"))
+        reduce = triton.compile(ASTSource(reduce_kernel, sig, consts),
+                                target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": 4, "launch_pdl": True})
+        assert "griddepcontrol.wait" in reduce.asm["ptx"] and reduce.metadata.launch_pdl
 
 
 @pytest.mark.parametrize(("rows", "direct", "q_terms"), [(16, True, 2), (32, False, 2),

@@ -276,11 +276,23 @@ def test_reduce_kernel_matches_torch(max_expsum, blocks, counts, hint):
     check_reduce(max_expsum, blocks, counts, hint, next(_SEEDS), "cpu")
 
 
+@pytest.mark.parametrize(("max_expsum", "blocks", "slots"), [
+    (False, (2, 16), 1), (True, (16, 64), 3), (False, (1, 64), 8),  # one pass: a slot block
+    (True, (2, 16), 16), (False, (16, 64), 20),  # 20 slots: two passes over 16-slot blocks
+])
+def test_reduce_kernel_over_uniform_slots_matches_torch(max_expsum, blocks, slots):
+    """``uniform``: every group has ``slots`` slots, the indptr not read (a stand-in full of
+    wrong offsets is passed), up to a slot block in one pass of the LSEs and outputs."""
+    check_reduce(max_expsum, blocks, [slots] * 3, None, next(_SEEDS), "cpu", uniform=True)
+
+
 def check_reduce(max_expsum: bool, blocks: tuple[int, int] | None, counts: list[int],
                  hint: int | None, seed: int, device: str, *, tokens: int = 2, q_heads: int = 3,
-                 rep: int = 2, d_v: int = 64, pdl: bool = False) -> None:
+                 rep: int = 2, d_v: int = 64, pdl: bool = False, uniform: bool = False
+                 ) -> None:
     """``reduce_launcher`` over groups of ``counts`` slots against a torch merge (also the
-    GPU tests' body, on ``device``)."""
+    GPU tests' body, on ``device``). ``uniform``: the launcher told every group has
+    ``max(counts)`` slots, and handed an indptr of wrong offsets it must not read."""
     from mlatune.kernels.reduce import reduce_launcher
 
     gen = torch.Generator().manual_seed(seed)
@@ -296,11 +308,12 @@ def check_reduce(max_expsum: bool, blocks: tuple[int, int] | None, counts: list[
     out = torch.empty(len(counts) * tokens, q_heads, d_v, device=device)
     lse = torch.empty(len(counts) * tokens, q_heads, device=device)
     poison_(out, lse)
+    given = torch.full_like(indptr, slots + 7) if uniform else indptr
     on = (part_out.to(device), stat.to(device), None if expsum is None else expsum.to(device),
-          indptr.to(device))
+          given.to(device))
     reduce_launcher(*on, out, lse, tokens_per_group=tokens, q_heads=q_heads,
                     row_heads=row_heads, head_rep=rep, max_slots=hint or max(counts),
-                    blocks=blocks, pdl=pdl)()
+                    blocks=blocks, pdl=pdl, uniform=uniform)()
     out, lse = out.cpu(), lse.cpu()
     for g, n in enumerate(counts):
         first = int(indptr[g])

@@ -169,18 +169,25 @@ def test_merge_kernel_at_real_size():
 
 
 # -- the split reduce alone, on the GPU (the CPU tests run it in the interpreter) ---------
-@pytest.mark.parametrize(("max_expsum", "blocks", "counts", "rows", "pdl"), [
-    (False, None, [64], (1, 16, 1), True),  # one request's 16 heads over 64 splits
-    (False, None, [2] * 64, (1, 16, 1), True),  # 64 requests of 2 splits: 1,024 rows
-    (False, None, [2, 1, 0, 3] * 40, (1, 128, 1), False),  # (1, 512) blocks, empty groups
-    (True, None, [5, 0, 8, 1], (3, 8, 2), False),  # segmented partials, padded heads
-    (False, (2, 64), [33, 2, 0, 16], (2, 3, 2), True),
+@pytest.mark.parametrize(("max_expsum", "blocks", "counts", "rows", "pdl", "uniform"), [
+    (False, None, [64], (1, 16, 1), True, False),  # one request's 16 heads over 64 splits
+    (False, None, [2] * 64, (1, 16, 1), True, False),  # 64 requests of 2 splits: 1,024 rows
+    (False, None, [2, 1, 0, 3] * 40, (1, 128, 1), False, False),  # (1, 512), empty groups
+    (True, None, [5, 0, 8, 1], (3, 8, 2), False, False),  # segmented partials, padded heads
+    (False, (2, 64), [33, 2, 0, 16], (2, 3, 2), True, False),
+    # uniform slots (the split decodes' reduce): one pass up to 16, two beyond
+    (False, None, [8] * 8, (1, 128, 1), True, True),
+    (False, None, [2] * 64, (1, 64, 1), True, True),
+    (True, None, [4] * 5, (3, 8, 2), False, True),
+    (False, None, [64], (1, 16, 1), True, True),
 ])
-def test_reduce_kernel_matches_torch_on_the_gpu(max_expsum, blocks, counts, rows, pdl):
+def test_reduce_kernel_matches_torch_on_the_gpu(max_expsum, blocks, counts, rows, pdl,
+                                                uniform):
     """The reduce at the block shapes its GPU rule picks (and one forced), as a
-    programmatic dependent launch too: each group against a torch merge."""
+    programmatic dependent launch too, over uniform slot counts too: each group against a
+    torch merge."""
     from tests.test_triton_decode import check_reduce
 
     tokens, q_heads, rep = rows
     check_reduce(max_expsum, blocks, counts, None, len(counts) * 31 + tokens, "cuda",
-                 tokens=tokens, q_heads=q_heads, rep=rep, d_v=512, pdl=pdl)
+                 tokens=tokens, q_heads=q_heads, rep=rep, d_v=512, pdl=pdl, uniform=uniform)

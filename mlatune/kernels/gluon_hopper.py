@@ -329,7 +329,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
             part_lse.stride(0))
     reduce = reduce_launcher(part_out, part_lse, None, split_indptr, out, lse,
                              tokens_per_group=qlen, q_heads=heads, row_heads=heads, head_rep=1,
-                             max_slots=num_splits)
+                             max_slots=num_splits, uniform=True)
 
     def launch_split() -> None:
         mla_decode_kernel[grid](*args, DIRECT=False, WRITE_LSE=True, **meta)

@@ -21,6 +21,16 @@ from triton.language.extra.cuda import gdc_wait
 from mlatune.kernels.attend import LN2
 
 
+@triton.jit
+def _slot_stats(part_a_ptr, part_b_ptr, off, smask, MAX_EXPSUM: tl.constexpr):
+    """The slots' base-2 LSEs at ``off`` (from max and expsum when ``MAX_EXPSUM``)."""
+    x = tl.load(part_a_ptr + off, mask=smask, other=float("-inf"))
+    if MAX_EXPSUM:
+        es = tl.load(part_b_ptr + off, mask=smask, other=0.0)
+        x = tl.where(es > 0.0, x + tl.log2(tl.where(es > 0.0, es, 1.0)), float("-inf"))
+    return x
+
+
 @triton.jit(do_not_specialize=["tokens_per_group", "q_heads", "row_heads", "head_rep"])
 def reduce_kernel(part_out_ptr, part_a_ptr, part_b_ptr, split_indptr_ptr, out_ptr, lse_ptr,
                   tokens_per_group, q_heads, row_heads, head_rep,
@@ -28,9 +38,12 @@ def reduce_kernel(part_out_ptr, part_a_ptr, part_b_ptr, split_indptr_ptr, out_pt
                   stride_o_tok, stride_o_head, stride_lse_tok,
                   BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, SLOT_BLOCK: tl.constexpr,
                   MAX_EXPSUM: tl.constexpr, WRITE_LSE: tl.constexpr,
-                  WAIT_PRIMARY: tl.constexpr = False):
+                  WAIT_PRIMARY: tl.constexpr = False, SLOTS: tl.constexpr = 0):
     # Grid (row blocks, value-dim blocks, groups): enough programs that a batch
     # of one request is not a handful of programs walking all slots serially.
+    # SLOTS > 0: every group has that many (uniform splits): no indptr read, and when they
+    # fit one slot block the LSEs and outputs are loaded together (one round trip, not
+    # three: indptr, then the LSEs, then the outputs).
     if WAIT_PRIMARY:  # launched early (programmatic dependent launch): wait for the partials
         gdc_wait()
     offs = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -40,42 +53,54 @@ def reduce_kernel(part_out_ptr, part_a_ptr, part_b_ptr, split_indptr_ptr, out_pt
     tok = offs // q_heads
     head = offs % q_heads
     row = tok * row_heads + head * head_rep
-    first = tl.load(split_indptr_ptr + group).to(tl.int64)
-    count = tl.load(split_indptr_ptr + group + 1) - first
-
-    # Pass 1: the max and the denominator over the slots, SLOT_BLOCK at a time (online,
-    # so any slot count works: a device-planned schedule knows only a bound).
+    if SLOTS > 0:
+        first = group.to(tl.int64) * SLOTS
+        count = SLOTS
+    else:
+        first = tl.load(split_indptr_ptr + group).to(tl.int64)
+        count = tl.load(split_indptr_ptr + group + 1) - first
     block = tl.arange(0, SLOT_BLOCK)
-    m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-    den = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for s0 in range(0, count, SLOT_BLOCK):
-        off = (first + s0 + block)[:, None] * stride_pa_slot + row[None, :]
-        smask = ((s0 + block) < count)[:, None] & ok[None, :]
-        x = tl.load(part_a_ptr + off, mask=smask, other=float("-inf"))
-        if MAX_EXPSUM:
-            es = tl.load(part_b_ptr + off, mask=smask, other=0.0)
-            x = tl.where(es > 0.0, x + tl.log2(tl.where(es > 0.0, es, 1.0)), float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(x, 0))
-        shift_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        den = den * tl.exp2(m_i - shift_new) + tl.sum(tl.exp2(x - shift_new[None, :]), 0)
-        m_i = m_new
-    shift = tl.where(m_i == float("-inf"), 0.0, m_i)
 
-    # Pass 2: weighted sum of the outputs, SLOT_BLOCK slots per step in one load.
-    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-    for s0 in range(0, count, SLOT_BLOCK):
-        slot = first + s0 + block
-        smask = ((s0 + block) < count)[:, None] & ok[None, :]
-        off = slot[:, None] * stride_pa_slot + row[None, :]
-        xs = tl.load(part_a_ptr + off, mask=smask, other=float("-inf"))
-        if MAX_EXPSUM:
-            es = tl.load(part_b_ptr + off, mask=smask, other=0.0)
-            xs = tl.where(es > 0.0, xs + tl.log2(tl.where(es > 0.0, es, 1.0)), float("-inf"))
-        w = tl.exp2(xs - shift[None, :])
-        o_off = (slot[:, None, None] * stride_po_slot + row[None, :, None] * stride_po_row
-                 + d[None, None, :])
-        o = tl.load(part_out_ptr + o_off, mask=smask[:, :, None], other=0.0)
-        acc += tl.sum(w[:, :, None] * o, 0)
+    if SLOTS > 0 and SLOTS <= SLOT_BLOCK:
+        slot = first + block
+        smask = (block < SLOTS)[:, None] & ok[None, :]
+        x = _slot_stats(part_a_ptr, part_b_ptr, slot[:, None] * stride_pa_slot + row[None, :],
+                        smask, MAX_EXPSUM)
+        o = tl.load(part_out_ptr + (slot[:, None, None] * stride_po_slot
+                                    + row[None, :, None] * stride_po_row + d[None, None, :]),
+                    mask=smask[:, :, None], other=0.0)
+        m_i = tl.max(x, 0)
+        shift = tl.where(m_i == float("-inf"), 0.0, m_i)
+        w = tl.exp2(x - shift[None, :])
+        den = tl.sum(w, 0)
+        acc = tl.sum(w[:, :, None] * o, 0)
+    else:
+        # Pass 1: the max and the denominator over the slots, SLOT_BLOCK at a time (online,
+        # so any slot count works: a device-planned schedule knows only a bound).
+        m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+        den = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for s0 in range(0, count, SLOT_BLOCK):
+            off = (first + s0 + block)[:, None] * stride_pa_slot + row[None, :]
+            smask = ((s0 + block) < count)[:, None] & ok[None, :]
+            x = _slot_stats(part_a_ptr, part_b_ptr, off, smask, MAX_EXPSUM)
+            m_new = tl.maximum(m_i, tl.max(x, 0))
+            shift_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+            den = den * tl.exp2(m_i - shift_new) + tl.sum(tl.exp2(x - shift_new[None, :]), 0)
+            m_i = m_new
+        shift = tl.where(m_i == float("-inf"), 0.0, m_i)
+
+        # Pass 2: weighted sum of the outputs, SLOT_BLOCK slots per step in one load.
+        acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+        for s0 in range(0, count, SLOT_BLOCK):
+            slot = first + s0 + block
+            smask = ((s0 + block) < count)[:, None] & ok[None, :]
+            xs = _slot_stats(part_a_ptr, part_b_ptr, slot[:, None] * stride_pa_slot
+                             + row[None, :], smask, MAX_EXPSUM)
+            w = tl.exp2(xs - shift[None, :])
+            o_off = (slot[:, None, None] * stride_po_slot + row[None, :, None] * stride_po_row
+                     + d[None, None, :])
+            o = tl.load(part_out_ptr + o_off, mask=smask[:, :, None], other=0.0)
+            acc += tl.sum(w[:, :, None] * o, 0)
     has_keys = den > 0.0
     safe_den = tl.where(has_keys, den, 1.0)
     res = tl.where(has_keys[:, None], acc / safe_den[:, None], 0.0)
@@ -93,8 +118,8 @@ def reduce_launcher(part_out: torch.Tensor, part_lse: torch.Tensor,
                     part_expsum: torch.Tensor | None, split_indptr: torch.Tensor,
                     out: torch.Tensor, lse: torch.Tensor | None, *, tokens_per_group: int,
                     q_heads: int, row_heads: int, head_rep: int, max_slots: int,
-                    blocks: tuple[int, int] | None = None, pdl: bool = False
-                    ) -> Callable[[], None]:
+                    blocks: tuple[int, int] | None = None, pdl: bool = False,
+                    uniform: bool = False) -> Callable[[], None]:
     """A zero-argument launch of ``reduce_kernel``.
 
     ``pdl``: launched as a programmatic dependent of the kernel launched just before it on
@@ -105,6 +130,8 @@ def reduce_launcher(part_out: torch.Tensor, part_lse: torch.Tensor,
     ``out`` is (groups * tokens_per_group, q_heads, d_v); ``max_slots``, the
     slots a group usually has (any count is right), sizes the slot block;
     ``blocks`` (rows, value dims per program) overrides the size-based choice.
+    ``uniform``: every group has exactly ``max_slots`` slots (``split_indptr`` is then not
+    read; the kernel is compiled for that count).
     """
     groups = split_indptr.shape[0] - 1
     d_v = out.shape[-1]
@@ -129,7 +156,9 @@ def reduce_launcher(part_out: torch.Tensor, part_lse: torch.Tensor,
             out, out if lse is None else lse, tokens_per_group, q_heads, row_heads, head_rep,
             part_out.stride(0), part_out.stride(1), part_lse.stride(0),
             out.stride(0), out.stride(1), 0 if lse is None else lse.stride(0))
-    meta = dict(BLOCK_R=block_r, BLOCK_D=block_d,
+    if uniform and int(max_slots) < 1:
+        raise ValueError(f"uniform slots need max_slots >= 1, got {max_slots}")
+    meta = dict(BLOCK_R=block_r, BLOCK_D=block_d, SLOTS=int(max_slots) if uniform else 0,
                 SLOT_BLOCK=min(triton.next_power_of_2(max(max_slots, 1)), 16),
                 MAX_EXPSUM=part_expsum is not None, WRITE_LSE=lse is not None, num_warps=4,
                 **({"WAIT_PRIMARY": True, "launch_pdl": True} if pdl and out.is_cuda else {}))

@@ -221,7 +221,7 @@ class _TritonDecodeRoute:
             split_kv_launcher(*tensors, **common, num_splits=splits, part_out=part_out,
                               part_lse=part_lse),
             reduce_launcher(part_out, part_lse, None, split_indptr, out, lse, **reduce_args,
-                            max_slots=splits),
+                            max_slots=splits, uniform=True),
         ])
 
 
@@ -422,7 +422,7 @@ class SegmentedTritonRoute(_TritonDecodeRoute):
                                seg_sum=seg_sum, fold=fold),
             reduce_launcher(seg_out, seg_max, seg_sum, split_indptr, out, lse,
                             tokens_per_group=tokens, q_heads=heads, row_heads=heads, head_rep=1,
-                            max_slots=segments),
+                            max_slots=segments, uniform=True),
         ], plan, (table, lens))
 
 
