@@ -75,11 +75,12 @@ barrier analysis takes a wait as a write of its barrier and the rows of one allo
 the same memory, so it puts a warpgroup bar.sync before every wait; with lone barriers a
 warpgroup's pair passes about 8 instead of 24: 0.96-1.01x the slim form's time at issue
 19's points, faster mostly unsplit (0.96x at (128, 16, 4096, 2), 0.98x at 128 heads; H200,
-2026-12-01, session 16 call 2); the route's param sets run it. The AFRESH form
-(``afresh_q=True``, of the lone one; EXPERIMENTAL, compiled only) addresses Q each pair
-through the zero the compiler cannot prove, as the slots already are: ptxas otherwise hoists
-Q's 9 chunk descriptors into general registers, moves them to uniform ones before each
-wgmma (66 R2UR in WG0's pair loop) and spills some; with it the build has no local memory.
+2026-12-01, session 16 call 2). The AFRESH form (``afresh_q=True``, of the lone one)
+addresses Q each pair through the zero the compiler cannot prove, as the slots already are:
+ptxas otherwise hoists Q's 9 chunk descriptors into general registers, moves them to uniform
+ones before each wgmma (66 R2UR in WG0's pair loop) and spills some; with it the build has
+no local memory: 0.97-0.99x the lone form's time at issue 19's seesaw points (H200,
+2026-12-02, session 17 call 1); the route's param sets run it.
 
 Tried and dropped (H200, 2026-12-01): the warpgroups handing each tile's row max over on
 barriers of their own before the exponentials, P_a after WG1's max (FlashMLA's deep dive's
@@ -100,7 +101,12 @@ self-copy form (session 14, commit 0510a3b; the profile of call 4 has WG1 waitin
 quarter of its time for slot 1's first chunk): the loader copied Q and the first two tiles
 only, each compute warpgroup the next tiles' groups it read last, with no loader wake-up
 between: right, and 1.03-1.11x the slim form's time (1.11x at 128 heads; 80 bytes of spills
-against 32), so the wake-up is not what that wait is made of (call 5).
+against 32), so the wake-up is not what that wait is made of (call 5). A fine form
+(session 17, branch ``next/seesaw-fine``): O's half as 4 accumulators of 64 columns, each
+tile's V chunks released one piece at a time as its wgmma completes (18 release barriers),
+Q afresh, no local memory in its pair loops: right, and 1.04-1.13x the afresh form's time at
+issue 19's seesaw points (1.12x at 128 heads, 1.13x at (8, 128, 32768, 1); H200, 2026-12-02,
+call 3): four 64-wide wgmma groups a P V cost more than the earlier release gains.
 """
 
 from __future__ import annotations
@@ -694,8 +700,8 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     started as this kernel's blocks begin (``gluon_common.program_keys``). ``slim`` (chunked
     only): the softmax in fewer instructions (``gluon_common.slim_softmax``). ``lone_bars``
     (slim only): each mbarrier its own allocation (``_lone_bars``), which drops most of the
-    warpgroup barriers triton 3.6 puts before the waits. ``afresh_q`` (lone only;
-    EXPERIMENTAL): Q addressed each pair through a zero the compiler cannot prove, so that
+    warpgroup barriers triton 3.6 puts before the waits. ``afresh_q`` (lone only):
+    Q addressed each pair through a zero the compiler cannot prove, so that
     ptxas does not hoist Q's wgmma descriptors into registers (``_afresh``).
     """
     _check_form(chunked, slim, lone_bars, afresh_q)

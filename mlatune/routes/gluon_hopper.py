@@ -138,15 +138,17 @@ class SeesawGluonRoute(WgmmaGluonRoute):
     faster at every point timed on the H200, 2026-12-01) with the split reduce as a
     programmatic dependent launch (``pdl``: 0-3% faster, session 13), the softmax in
     fewer instructions (``slim``, session 14) and each mbarrier its own allocation
-    (``lone_bars``: 0.96-1.01x the slim form's time, sessions 15 and 16); a stored param set
-    without an option ran the form without it and still does."""
+    (``lone_bars``: 0.96-1.01x the slim form's time, sessions 15 and 16) and Q addressed
+    afresh each pair (``afresh_q``: 0.97-0.99x the lone form's time at issue 19's seesaw
+    points, H200, 2026-12-02, session 17); a stored param set without an option ran the form
+    without it and still does."""
 
     id = "seesaw/gluon"
     kernel = "gluon_seesaw"
     kernel_options = MappingProxyType({"chunked": False, "pdl": False, "slim": False,
                                        "lone_bars": False, "afresh_q": False})
     FORM = MappingProxyType({"chunked": True, "pdl": True, "slim": True, "lone_bars": True,
-                             "afresh_q": False})  # afresh_q: EXPERIMENTAL, not yet run
+                             "afresh_q": True})
 
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
         return [{**params, **self.FORM} for params in super().param_space(problem, device)]
