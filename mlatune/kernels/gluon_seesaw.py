@@ -104,9 +104,10 @@ between: right, and 1.03-1.11x the slim form's time (1.11x at 128 heads; 80 byte
 against 32), so the wake-up is not what that wait is made of (call 5). A fine form
 (session 17, branch ``next/seesaw-fine``): O's half as 4 accumulators of 64 columns, each
 tile's V chunks released one piece at a time as its wgmma completes (18 release barriers),
-Q afresh, no local memory in its pair loops: right, and 1.04-1.13x the afresh form's time at
-issue 19's seesaw points (1.12x at 128 heads, 1.13x at (8, 128, 32768, 1); H200, 2026-12-02,
-call 3): four 64-wide wgmma groups a P V cost more than the earlier release gains.
+Q afresh, no local memory in its pair loops: right, and 1.04-1.15x the afresh form's time at
+every split of issue 19's seesaw points (1.12x at the best split at 128 heads and at (8, 128,
+32768, 1); H200, 2026-12-02, call 3): four 64-wide wgmma groups a P V cost more than the
+earlier release gains.
 """
 
 from __future__ import annotations
