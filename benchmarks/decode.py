@@ -71,6 +71,8 @@ class Result:
     tb_s: float = math.nan
     tflops: float = math.nan
     rel_l2: float = math.nan
+    base: dict | None = None  # with --forms: the set a form was laid over, and the form
+    form: dict | None = None
 
 
 def time_calls(prepared: list, reps: int) -> tuple[float, float, float]:
@@ -117,12 +119,16 @@ class Selection:
                                                         or route_id in self.routes)
 
     def params(self, space: list[dict], route_id: str = "") -> list[dict]:
+        return [{**base, **(form or {})} for base, form in self.sets(space, route_id)]
+
+    def sets(self, space: list[dict], route_id: str = "") -> list[tuple[dict, dict | None]]:
+        """(set, form laid over it) pairs to run; the form None without ``--forms``."""
         first = space[:self.max_params]
         chosen = first + [p for p in space[len(first):] if any(p.get(k) for k in self.also)]
         forms = dict(self.forms).get(route_id)
         if forms is None:
-            return chosen
-        return [{**p, **dict(form)} for p in chosen for form in forms]
+            return [(p, None) for p in chosen]
+        return [(p, dict(form)) for p in chosen for form in forms]
 
 
 def parse_forms(text: str) -> tuple:
@@ -153,8 +159,9 @@ def bench_point(point, kv_name: str, device, reps: int, pick: Selection,
     for route in routes.viable(problem, device):
         if not pick.wants_route(route.id):
             continue
-        for params in pick.params(route.param_space(problem, device), route.id):
-            res = Result(point, kv_name, route.id, params, "ok")
+        for base, form in pick.sets(route.param_space(problem, device), route.id):
+            params = {**base, **(form or {})}
+            res = Result(point, kv_name, route.id, params, "ok", base=base, form=form)
             prepared = []
             try:
                 prepared = [route.prepare(problem, x, params=params) for x in inputs]
@@ -184,6 +191,31 @@ def _fmt(r: Result) -> str:
         return r.status
     return (f"{r.time_us:9.1f} us  {r.tb_s:5.2f} TB/s  {r.tflops:6.1f} TFLOP/s  "
             f"(p20 {r.p20_us:.1f}, p80 {r.p80_us:.1f}, rel_l2 {r.rel_l2:.2g})")
+
+
+def form_lines(results: list[Result]) -> list[str]:
+    """The --forms A/B: per point, dtype, route and set, each distinct form's times in run
+    order and its median over the first form's (the set as it is, when ``{}`` comes first)."""
+    lines = []
+    groups: dict[tuple, dict[str, list[float]]] = {}
+    for r in results:
+        if r.form is None:
+            continue
+        key = (r.point, r.kv, r.route, json.dumps(r.base))
+        times = groups.setdefault(key, {}).setdefault(json.dumps(r.form), [])
+        times.append(r.time_us if r.status == "ok" else math.nan)
+    for (point, kv, route, base), by_form in groups.items():
+        first = _median_ok(next(iter(by_form.values())))
+        parts = [f"{form} {', '.join(f'{t:.1f}' if t == t else 'failed' for t in times)} "
+                 f"({_median_ok(times) / first:.3f}x)" for form, times in by_form.items()]
+        lines.append(f"{point} {kv} {route} {base}: " + "; ".join(parts))
+    return lines
+
+
+def _median_ok(times: list[float]) -> float:
+    """The median of the times that ran (NaN: a failed run), NaN if none did."""
+    ran = [t for t in times if t == t]
+    return statistics.median(ran) if ran else math.nan
 
 
 def best_per_route(results: list[Result]) -> dict[str, Result]:
@@ -265,6 +297,10 @@ def write_outputs(out_dir: Path, results: list[Result], header: dict) -> None:
     fp8_note = fp8_target_note(results)
     notes += [f"- {fp8_note}"] if fp8_note else []
     lines += ["", "## Issue 19's targets and failures", "", *notes, ""]
+    forms = form_lines(results)
+    if forms:
+        lines += ["## Forms (--forms): us in run order, median over the first form's", "",
+                  *(f"- {line}" for line in forms), ""]
     md_path = out_dir / f"decode-{stamp}.md"
     md_path.write_text("\n".join(lines))
     print(f"wrote {csv_path} and {md_path}")
@@ -321,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  [{time.time() - started:.0f} s elapsed]", flush=True)
     if fp8_target_note(results):
         print(fp8_target_note(results))
+    for line in form_lines(results):
+        print(f"form {line}")
     if args.out is not None:
         write_outputs(args.out, results, header)
     return 0

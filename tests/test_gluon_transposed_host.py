@@ -3,6 +3,8 @@ what its launcher refuses, with a ValueError that says why, before any GPU work.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -150,6 +152,27 @@ def test_decode_benchmark_lays_each_form_over_each_set_of_its_route_only():
     for bad in ('["seesaw/gluon"]', '{"seesaw/gluon": {"pdl": true}}', '{"r": [1]}'):
         with pytest.raises(SystemExit):
             d.parse_forms(bad)
+
+
+def test_decode_benchmark_sums_up_each_form_against_the_first():
+    """benchmarks/decode.py --forms: per point, dtype, route and set, each form's times in
+    run order and its median over the first form's; a failed run shown, not counted; runs
+    without forms left out."""
+    from benchmarks import decode as d
+
+    point, base = (128, 128, 4096, 1), {"num_splits": 1}
+
+    def run(form, us, status="ok"):
+        return d.Result(point, "bf16", "seesaw/gluon", {**base, **form}, status, time_us=us,
+                        base=base, form=form)
+
+    results = [run({}, 270.0), run({"afresh_q": True}, 266.0), run({}, 272.0),
+               run({"afresh_q": True}, math.nan, "rejected_accuracy: x"),
+               d.Result(point, "bf16", "dense/flashmla", {}, "ok", time_us=240.0)]
+    (line,) = d.form_lines(results)
+    assert line.startswith(f'{point} bf16 seesaw/gluon {{"num_splits": 1}}: ')
+    assert '{} 270.0, 272.0 (1.000x)' in line
+    assert '{"afresh_q": true} 266.0, failed (0.982x)' in line
 
 
 def test_gluon_check_leaves_out_a_variant_that_loses_the_cuda_context(monkeypatch):
