@@ -79,7 +79,7 @@ warpgroup's pair passes about 8 instead of 24: 0.96-1.01x the slim form's time a
 addresses Q each pair through the zero the compiler cannot prove, as the slots already are:
 ptxas otherwise hoists Q's 9 chunk descriptors into general registers, moves them to uniform
 ones before each wgmma (66 R2UR in WG0's pair loop) and spills some; with it the build has
-no local memory: 0.97-0.99x the lone form's time at issue 19's seesaw points (H200,
+no local memory: 0.97-1.00x the lone form's time at issue 19's seesaw points (H200,
 2026-12-02, session 17 call 1); the route's param sets run it.
 
 Tried and dropped (H200, 2026-12-01): the warpgroups handing each tile's row max over on

@@ -139,7 +139,7 @@ class SeesawGluonRoute(WgmmaGluonRoute):
     programmatic dependent launch (``pdl``: 0-3% faster, session 13), the softmax in
     fewer instructions (``slim``, session 14) and each mbarrier its own allocation
     (``lone_bars``: 0.96-1.01x the slim form's time, sessions 15 and 16) and Q addressed
-    afresh each pair (``afresh_q``: 0.97-0.99x the lone form's time at issue 19's seesaw
+    afresh each pair (``afresh_q``: 0.97-1.00x the lone form's time at issue 19's seesaw
     points, H200, 2026-12-02, session 17); a stored param set without an option ran the form
     without it and still does."""
 
