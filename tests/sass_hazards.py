@@ -204,6 +204,7 @@ def mma_loop_spills(listing: str) -> list[tuple[int, int, int]]:
     return [(lo, sum(c.op.startswith("LDL") for c in body),
              sum(c.op.startswith("STL") for c in body)) for lo, _, body in inner]
 
+
 def listing(compiled) -> str:
     """A triton CompiledKernel's SASS (cuobjdump of triton's wheel)."""
     import triton

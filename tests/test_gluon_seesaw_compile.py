@@ -151,12 +151,11 @@ def test_lone_bars_drop_the_warpgroup_barriers_before_the_waits():
     assert lone.metadata.shared <= HOPPER_SMEM
 
 
-
 @pytest.mark.parametrize("direct", [True, False])
 def test_afresh_q_keeps_every_descriptor_out_of_registers(direct):
-    """``afresh_q`` (EXPERIMENTAL, of the lone form): Q addressed each pair through the zero
-    the compiler cannot prove, as the slots are, so ptxas neither hoists Q's chunk
-    descriptors into general registers (moved back to uniform ones before each wgmma) nor
+    """``afresh_q`` (of the lone form; the route's sets run it): Q addressed each pair
+    through the zero the compiler cannot prove, as the slots are, so ptxas neither hoists Q's
+    chunk descriptors into general registers (moved back to uniform ones before each wgmma) nor
     spills them: the same waits, copies and MMAs as the lone form, no local memory at all
     (the lone form: 32 bytes), far fewer register-to-uniform moves, no hazard."""
     from mlatune.kernels import gluon_seesaw as s
@@ -192,6 +191,7 @@ def test_the_lone_form_spills_in_its_pair_loops_without_afresh_q(causal):
     assert len(spills[False]) == len(spills[True]) == 2
     assert sum(ldl for _, ldl, _ in spills[False]) > 0
     assert sum(ldl + stl for _, ldl, stl in spills[True]) == 0
+
 
 def test_refuses_what_gluon_hopper_refuses():
     from tests.test_gluon_compile import _tensors
