@@ -10,7 +10,8 @@ every number for readers.
 Importing this package needs neither matplotlib nor jinja2's template files: the CLI and
 ``benchmarks/`` import the numbers from here. ``summary.json`` beside the page holds the
 same numbers for programs (``metrics.summary_document``), the vendor policies
-(``policies``: always FlashMLA, always FlashInfer fa3, vLLM's Hopper order) included.
+(``policies``: always FlashMLA, always FlashInfer fa3, vLLM's Hopper order) included; the
+terms both use (a problem's label, the batch bands, the geometric mean) are ``terms``'.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from pathlib import Path
 
 from mlatune import table
 from mlatune.report.metrics import (
-    BATCH_BANDS,
     CEILINGS,
     DCP_COLUMNS,
     POLICY_COLUMNS,
@@ -34,13 +34,11 @@ from mlatune.report.metrics import (
     SpeedupStats,
     Summary,
     Timed,
-    batch_band,
     candidate_times,
     chosen_times,
     dcp_measured,
     dcp_rows,
     fixed_route_speedups,
-    geomean,
     headline_rows,
     measured_problems,
     measured_with,
@@ -51,7 +49,6 @@ from mlatune.report.metrics import (
     pick_speedups,
     policy_rows,
     prefill_rows,
-    problem_label,
     roofline,
     rule_routes,
     rule_speedup,
@@ -62,6 +59,7 @@ from mlatune.report.metrics import (
     timing_spread,
     winner_cells,
 )
+from mlatune.report.terms import BATCH_BANDS, batch_band, geomean, problem_label
 
 HTML_NAME = "report.html"
 JSON_NAME = "summary.json"

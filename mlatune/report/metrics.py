@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,8 @@ import pandas as pd
 from mlatune import routes, table
 from mlatune.dispatch import Dispatcher, device_for_arch
 from mlatune.problem import FP8_DTYPES, MLAProblem
+from mlatune.report import policies
+from mlatune.report.terms import batch_band, geomean, problem_label
 from mlatune.sweep import journal
 from mlatune.table.schema import (
     DCP_MEASURED,
@@ -57,10 +59,6 @@ CEILINGS: dict[str, Ceilings] = {
                "4.3 TB/s device copy and 769-798 TFLOP/s, 2026-10-28 and 2026-11-04); "
                "not re-measured by mlatune's own runs yet"),
 }
-
-# Decode batch bands of the winner map: (lowest, highest or None, label).
-BATCH_BANDS: tuple[tuple[int, int | None, str], ...] = (
-    (1, 4, "batch 1-4"), (5, 64, "batch 5-64"), (65, None, "batch >= 65"))
 
 RULE_POLICY = "rule fallback"
 
@@ -134,11 +132,6 @@ class Summary:
 
 
 # Reading a table ----------------------------------------------------------------------
-
-def geomean(values: Sequence[float] | pd.Series) -> float:
-    array = np.asarray(values, dtype="float64")
-    return float(np.exp(np.log(array).mean())) if len(array) else math.nan
-
 
 def one_device(frame: pd.DataFrame, path: str | os.PathLike) -> tuple[str, str, int]:
     devices = frame[list(DEVICE_COLUMNS)].drop_duplicates()
@@ -376,13 +369,6 @@ WINNER_CELL_COLUMNS = ["kv_dtype", "band", "num_heads", "qlen", "route", "won", 
                        "label"]
 
 
-def batch_band(batch: int) -> str:
-    for low, high, label in BATCH_BANDS:
-        if batch >= low and (high is None or batch <= high):
-            return label
-    raise AssertionError(batch)  # the bands cover every positive batch
-
-
 def _winner_cell(rows: pd.DataFrame) -> tuple[str, int, float, str]:
     """A cell's colour route, its wins there, the runner-up/winner geomean, and its label."""
     counts = rows["winner"].astype(str).value_counts()
@@ -448,8 +434,6 @@ def _table_summary(table_path: str | os.PathLike, frame: pd.DataFrame
         fixed=fixed_route_speedups(problems, times), rule=rule, rule_unmeasured=rule_unmeasured,
         roofline=roofline(problems, ceilings) if ceilings else None,
         spread=timing_spread(frame), notes=_table_notes(arch, rule_unmeasured, dcp), dcp=dcp)
-    from mlatune.report import policies  # it imports this module
-
     picks = problems.set_index("key")
     summary.vendor = policies.vendor_policies(problems, times, picks["winner_us"],
                                               picks["winner"].astype(str), arch)
@@ -467,8 +451,6 @@ def _add_heldout(summary: Summary, heldout_path: str | os.PathLike | None,
     summary.heldout_path = str(heldout_path)
     summary.regret, per_problem, skipped = nearest_regret(
         summary.table_path, heldout, device_for_arch(arch, name, cus), timed)
-    from mlatune.report import policies  # it imports this module
-
     h_times = ok_times(heldout)
     chosen = per_problem.set_index("key")["chosen"]
     summary.vendor_heldout = policies.vendor_policies(
@@ -570,8 +552,6 @@ def _regret_rows(regret: RegretStats) -> list[tuple[str, str]]:
 def headline_rows(summary: Summary) -> list[tuple[str, str]]:
     """The summary numbers, as (label, value) lines: the table, the vendor policies (on
     the table, then held out), nearest's regret."""
-    from mlatune.report import policies  # it imports this module
-
     rows = _table_rows(summary)
     if summary.vendor:
         rows += policies.headline_rows(summary.vendor, summary.vendor_heldout)
@@ -591,8 +571,6 @@ def _speedup_json(stats: SpeedupStats) -> dict[str, Any]:
 def summary_document(summary: Summary) -> dict[str, Any]:
     """The report's numbers as one JSON-ready document (``summary.json``): the headline
     lines as printed, and every policy's numbers (NaN as null)."""
-    from mlatune.report import policies  # it imports this module
-
     regret = summary.regret
     return {
         "table": summary.table_path, "heldout": summary.heldout_path or None,
@@ -618,16 +596,6 @@ def summary_document(summary: Summary) -> dict[str, Any]:
             "median": _number(regret.median), "max": _number(regret.max)},
         "notes": list(summary.notes),
     }
-
-
-def problem_label(key: str) -> str:
-    """A problem key in a few words: "decode h8 q2 bf16/fp8_e4m3fn dcp1 b64 kv4096"."""
-    if not key:
-        return "-"
-    f = dict(part.split("=", 1) for part in key.split("|"))
-    causal = "" if f["causal"] == "1" else " non-causal"
-    return (f"{f['phase']} h{f['num_heads']} q{f['qlen']} {f['q_dtype']}/{f['kv_dtype']}"
-            f"{causal} dcp{f['dcp_size']} p{f['page_size']} b{f['batch']} kv{f['kv_len']}")
 
 
 DCP_COLUMNS = ("problem", "route", "scheme", "timed", "simulated (us)", "measured (us)",

@@ -16,7 +16,6 @@ import pandas as pd
 
 from mlatune.report import policies
 from mlatune.report.metrics import (
-    BATCH_BANDS,
     CEILINGS,
     DCP_COLUMNS,
     POLICY_COLUMNS,
@@ -27,9 +26,9 @@ from mlatune.report.metrics import (
     headline_rows,
     policy_rows,
     prefill_rows,
-    problem_label,
     speedup_text,
 )
+from mlatune.report.terms import BATCH_BANDS, problem_label
 
 TEMPLATES = Path(__file__).parent / "templates"
 TEMPLATE = "report.html.j2"

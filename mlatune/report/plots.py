@@ -24,13 +24,13 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from mlatune.report.metrics import (
-    BATCH_BANDS,
     Ceilings,
     SpeedupStats,
     Summary,
     pick_speedups,
     winner_cells,
 )
+from mlatune.report.terms import BATCH_BANDS
 
 Colour = Any  # whatever matplotlib accepts as a colour
 NOT_A_ROUTE = "0.45"  # the rule fallback: it answers different routes per problem

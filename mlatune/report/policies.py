@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mlatune.report.metrics import batch_band, geomean, problem_label
+from mlatune.report.terms import batch_band, geomean, problem_label
 
 FLASHMLA = "dense/flashmla"
 FLASHINFER_FA3 = "fa3/flashinfer"
