@@ -144,11 +144,13 @@ def gluon_prepare(problem, inputs, num_splits=None, variant=FIRST):
         return fp8_launcher(*args, **kwargs, kv_scale=inputs.kv_scale, pdl=True,
                             **FP8MMA[variant])
     if variant in (TRANSPOSED, TRANSPOSED_PLAIN, TRANSPOSED_REDUCE, TRANSPOSED_MERGE):
-        from mlatune.kernels.gluon_transposed import decode_launcher as transposed_launcher
+        from mlatune.kernels import gluon_transposed, gluon_transposed_ws
         merge = {TRANSPOSED_REDUCE: "reduce", TRANSPOSED_MERGE: "kernel"}.get(variant, "auto")
         new = variant == TRANSPOSED
-        return transposed_launcher(*args, **kwargs, kv_scale=inputs.kv_scale, merge=merge,
-                                   pdl=new, ws=new and problem.kv_dtype != problem.q_dtype)
+        ws = new and problem.kv_dtype != problem.q_dtype  # the route's widening fp8 sets
+        kernel = gluon_transposed_ws if ws else gluon_transposed
+        return kernel.decode_launcher(*args, **kwargs, kv_scale=inputs.kv_scale, merge=merge,
+                                      pdl=new)
     from mlatune.kernels.gluon_seesaw import decode_launcher as seesaw_launcher
     return seesaw_launcher(*args, **kwargs,
                            chunked=variant in (SEESAW_CHUNKED, SEESAW_PDL, SEESAW_SLIM,

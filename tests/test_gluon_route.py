@@ -5,6 +5,7 @@ where triton is not 3.6.x, its parameters, and what ``prepare`` hands the kernel
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
 import math
 import subprocess
@@ -171,9 +172,12 @@ class _Recorder:
         self.calls: list[dict] = []
         self.launches = 0
 
+    calls_made = 0  # over every recorder: the order of calls across kernels
+
     def __call__(self, q, kv_cache, block_table, seq_lens, **kw):
+        _Recorder.calls_made += 1
         self.calls.append(dict(q=q, kv_cache=kv_cache, block_table=block_table,
-                               seq_lens=seq_lens, **kw))
+                               seq_lens=seq_lens, order=_Recorder.calls_made, **kw))
         out = kw["out"] if kw["out"] is not None else torch.empty(
             q.shape[0], q.shape[1], 512, dtype=q.dtype)
         lse = kw["lse"] if kw["lse"] is not None else torch.empty(q.shape[0], q.shape[1])
@@ -232,13 +236,28 @@ def test_the_transposed_route_serves_fp8_caches_and_its_own_row_blocks():
         routes.get(ROUTE).param_space(wide, H200)[0]["num_splits"]
 
 
+def _transposed_recorders(monkeypatch) -> dict[str, _Recorder]:
+    """transposed/gluon's three kernels (``TRANSPOSED_KERNELS``), each launcher recorded."""
+    fakes = {}
+    for name in route_module.TRANSPOSED_KERNELS:
+        fakes[name] = _Recorder()
+        monkeypatch.setattr(importlib.import_module(f"mlatune.kernels.{name}"),
+                            "decode_launcher", fakes[name])
+    return fakes
+
+
+def _ran(fakes: dict[str, _Recorder]) -> list[tuple[str, dict]]:
+    """(kernel, its call's options) of each recorded call, in order (one prepare each)."""
+    calls = [(name, call) for name, fake in fakes.items() for call in fake.calls]
+    return sorted(calls, key=lambda item: item[1]["order"])
+
+
 def test_prepare_hands_an_fp8_cache_and_its_scale_to_the_transposed_kernel(monkeypatch):
-    fake = _Recorder()
-    monkeypatch.setattr(gluon_transposed, "decode_launcher", fake)
+    fakes = _transposed_recorders(monkeypatch)
     problem = _p(batch=2, kv_len=300, kv_dtype="fp8_e4m3fn")
     inputs = make_decode_inputs(problem, seed=8, ragged=True)
     routes.get("transposed/gluon").prepare(problem, inputs)
-    (call,) = fake.calls
+    (call, ) = fakes["gluon_transposed_fp8"].calls  # the route's first fp8 set: fp8 MMAs
     assert call["kv_cache"].dtype == torch.float8_e4m3fn
     assert call["kv_scale"] is inputs.kv_scale and call["q"].dtype == torch.bfloat16
 
@@ -296,46 +315,49 @@ def test_a_stored_param_set_without_an_option_runs_what_it_ran(monkeypatch):
 
 
 def test_transposed_param_sets_ask_for_pdl_and_the_ws_widening_over_fp8_only(monkeypatch):
-    """New sets launch the reduce as a dependent (pdl) and read an fp8 cache with the
-    warp-specialized widening (ws); a stored set without them runs the forms it was timed
-    with; a 16-bit cache never gets ws."""
-    fake = _Recorder()
-    monkeypatch.setattr(gluon_transposed, "decode_launcher", fake)
+    """New sets launch the reduce as a dependent (pdl) and read an fp8 cache with fp8 MMAs
+    or the warp-specialized widening (ws); a stored set without them runs the forms it was
+    timed with; a 16-bit cache never gets ws. Each set's kernel is handed only the options
+    it takes (``TRANSPOSED_KERNELS``)."""
+    fakes = _transposed_recorders(monkeypatch)
     route = routes.get("transposed/gluon")
     fp8, bf16 = _p(batch=2, kv_len=300, kv_dtype="fp8_e4m3fn"), _p(batch=2, kv_len=300)
     assert all(p["pdl"] and p["ws"] for p in route.param_space(fp8, H200))
     assert all(p["pdl"] and "ws" not in p for p in route.param_space(bf16, H200))
-    for problem in (fp8, bf16):
-        inputs = make_decode_inputs(problem, seed=10)
-        route.prepare(problem, inputs)
-        route.prepare(problem, inputs, params={"num_splits": 2})
-    assert [(c["ws"], c["pdl"]) for c in fake.calls] == \
-        [(True, True), (False, False), (False, True), (False, False)]
+    widen = route.param_space(fp8, H200)[1]
+    assert widen["ws"] and not widen.get("fp8_mma")
+    for problem, params in ((fp8, None), (fp8, widen), (fp8, {"num_splits": 2}), (bf16, None),
+                            (bf16, {"num_splits": 2})):
+        route.prepare(problem, make_decode_inputs(problem, seed=10), params=params)
+    ran = [(name, {k: v for k, v in call.items() if k in ("pdl", "defer_sums", "ws")})
+           for name, call in _ran(fakes)]
+    assert ran == [("gluon_transposed_fp8", {"pdl": True, "defer_sums": True}),
+                   ("gluon_transposed_ws", {"pdl": True}), ("gluon_transposed", {"pdl": False}),
+                   ("gluon_transposed", {"pdl": True}), ("gluon_transposed", {"pdl": False})]
 
 
-def test_the_transposed_launcher_hands_ws_to_its_warp_specialized_form(monkeypatch):
-    from mlatune.kernels import gluon_transposed_ws
-
-    fake = _Recorder()
-    monkeypatch.setattr(gluon_transposed_ws, "decode_launcher", fake)
+def test_a_ws_set_runs_the_warp_specialized_kernel_over_fp8_only(monkeypatch):
+    """``ws``: the route hands an fp8 cache, its scale and the call's buffers to
+    ``gluon_transposed_ws``; a 16-bit cache is refused by that kernel, not widened."""
+    fakes = _transposed_recorders(monkeypatch)
+    route = routes.get("transposed/gluon")
     problem = _p(batch=2, kv_len=300, kv_dtype="fp8_e4m3fn")
     inputs = make_decode_inputs(problem, seed=11)
     shard = inputs.shards[0]
     out = torch.empty(2, 16, 512, dtype=torch.bfloat16)
     lse = torch.empty(2, 16)
-    kwargs = dict(qlen=1, sm_scale=0.1, causal=False, kv_scale=inputs.kv_scale, out=out, lse=lse,
-                  num_splits=4, max_seq_len=300, widen_cols=128, merge="reduce", pdl=True)
-    gluon_transposed.decode_launcher(inputs.q, shard.kv_cache, shard.block_table,
-                                     shard.seq_lens, ws=True, **kwargs)
-    (call,) = fake.calls
+    route.prepare(problem, inputs, params={"num_splits": 4, "ws": True, "pdl": True}, out=out,
+                  lse=lse)
+    (call, ) = fakes["gluon_transposed_ws"].calls
+    call.pop("order")
     assert call == dict(q=inputs.q, kv_cache=shard.kv_cache, block_table=shard.block_table,
-                        seq_lens=shard.seq_lens, **kwargs)
-    # The warp-specialized form reads fp8 caches only: a 16-bit one is refused, not widened.
+                        seq_lens=shard.seq_lens, qlen=1, sm_scale=inputs.softmax_scale,
+                        causal=problem.causal, out=out, lse=lse, num_splits=4,
+                        max_seq_len=300, pdl=True, kv_scale=inputs.kv_scale)
     monkeypatch.undo()
-    bf16 = make_decode_inputs(_p(batch=2, kv_len=300), seed=12).shards[0]
+    bf16 = _p(batch=2, kv_len=300)
     with pytest.raises(ValueError, match="fp8 cache only"):
-        gluon_transposed.decode_launcher(inputs.q, bf16.kv_cache, bf16.block_table,
-                                         bf16.seq_lens, qlen=1, sm_scale=0.1, ws=True)
+        route.prepare(bf16, make_decode_inputs(bf16, seed=12), params={"ws": True})
 
 
 def test_a_stored_seesaw_row_keeps_its_form_and_rescales_its_split_at_a_neighbour():
@@ -485,29 +507,21 @@ def test_transposed_fp8_sets_alternate_fp8_mmas_and_the_widening_up_to_16_rows(m
         assert not any(routes.rounding(route, wide).values())
 
 
-def test_the_transposed_launcher_hands_fp8_mma_to_its_kernel_over_fp8_only(monkeypatch):
-    """``fp8_mma``: an fp8 cache goes to gluon_transposed_fp8 with the call's arguments; a
-    16-bit cache runs the transposed kernel as without it."""
-    from mlatune.kernels import gluon_transposed_fp8
+def test_an_fp8_mma_set_runs_the_fp8_kernel_over_fp8_only(monkeypatch):
+    """``fp8_mma``: an fp8 cache goes to gluon_transposed_fp8 with its options (``ws`` does
+    not apply there); a 16-bit cache runs the transposed kernel as without it."""
+    fakes = _transposed_recorders(monkeypatch)
+    route = routes.get("transposed/gluon")
+    params = {"num_splits": 4, "ws": True, "pdl": True, "fp8_mma": True, "defer_sums": True}
+    fp8_problem, bf16_problem = _p(batch=2, kv_len=300, kv_dtype="fp8_e4m3fn"), _p(batch=2)
+    route.prepare(fp8_problem, make_decode_inputs(fp8_problem, seed=13), params=params)
+    route.prepare(bf16_problem, make_decode_inputs(bf16_problem, seed=14),
+                  params={**params, "ws": False})
+    (fp8, ) = fakes["gluon_transposed_fp8"].calls
+    (bf16, ) = fakes["gluon_transposed"].calls
+    assert fp8["pdl"] and fp8["defer_sums"] and fp8["num_splits"] == 4 and "ws" not in fp8
+    assert fp8["kv_cache"].dtype == torch.float8_e4m3fn
+    assert bf16["pdl"] and "defer_sums" not in bf16 and "fp8_mma" not in bf16
+    assert not fakes["gluon_transposed_ws"].calls
 
-    fake = _Recorder()
-    monkeypatch.setattr(gluon_transposed_fp8, "decode_launcher", fake)
-    inputs = make_decode_inputs(_p(batch=2, kv_len=300, kv_dtype="fp8_e4m3fn"), seed=13)
-    shard = inputs.shards[0]
-    kwargs = dict(qlen=1, sm_scale=0.1, causal=False, kv_scale=inputs.kv_scale, out=None,
-                  lse=None, num_splits=4, max_seq_len=300, merge="reduce", pdl=True,
-                  defer_sums=True)
-    gluon_transposed.decode_launcher(inputs.q, shard.kv_cache, shard.block_table,
-                                     shard.seq_lens, ws=True, fp8_mma=True, **kwargs)
-    (call,) = fake.calls
-    assert call == dict(q=inputs.q, kv_cache=shard.kv_cache, block_table=shard.block_table,
-                        seq_lens=shard.seq_lens, **kwargs)
-    launched = []
-    monkeypatch.setattr(gluon_transposed, "check_supported", lambda *args: None)
-    monkeypatch.setattr(gluon_transposed, "tma_descriptors", lambda *args: ("descs", ))
-    monkeypatch.setattr(gluon_transposed, "launch",
-                        lambda kernel, *args, **kw: launched.append(kernel) or (None, None, None))
-    bf16 = make_decode_inputs(_p(batch=2, kv_len=300), seed=14).shards[0]
-    gluon_transposed.decode_launcher(inputs.q, bf16.kv_cache, bf16.block_table, bf16.seq_lens,
-                                     qlen=1, sm_scale=0.1, fp8_mma=True)
-    assert launched == [gluon_transposed.transposed_kernel] and len(fake.calls) == 1
+

@@ -23,9 +23,9 @@ next tile in flight while this one is computed.
   in shared memory (exact: e4m3 values are bf16 and fp16 values) before the 16-bit MMAs,
   stale rows zeroed in the same pass; the cache's per-tensor scale multiplies S (folded
   into the softmax scale) and O (in the epilogue). q stays 16-bit: nothing is quantized
-  beyond the cache the engine holds. ``decode_launcher(ws=True)`` hands an fp8 cache to
-  ``gluon_transposed_ws`` instead (the widening in a partition of its own), which is what
-  the route's widening fp8 param sets run (its fp8_mma sets run ``gluon_transposed_fp8``).
+  beyond the cache the engine holds. The route's widening fp8 param sets run
+  ``gluon_transposed_ws`` instead (the widening in a partition of its own), its fp8_mma
+  sets ``gluon_transposed_fp8`` (``routes.gluon_hopper.TRANSPOSED_KERNELS``).
 - Stale slots past the split's end in the last page (NaN in a real cache): their V rows
   are zeroed before P V; their S is masked, never multiplied.
 - Split-KV, out and LSE as ``gluon_hopper``: one split writes out and the natural-log LSE
@@ -431,8 +431,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                     kv_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
                     lse: torch.Tensor | None = None, num_splits: int | None = None,
                     max_seq_len: int | None = None, widen_cols: int = WIDEN_COLS,
-                    merge: str = MERGE, pdl: bool = False, ws: bool = False,
-                    fp8_mma: bool = False, defer_sums: bool = False
+                    merge: str = MERGE, pdl: bool = False
                     ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
     """A zero-argument launch of the transposed decode, with the out and LSE it writes.
 
@@ -446,27 +445,10 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     second kernel, ``reduce.reduce_launcher``) or "auto" (the first up to
     ``MERGE_IN_KERNEL_MAX_SPLITS`` splits, else the second). ``pdl``: the reduce kernel is a
     programmatic dependent launch, started as this kernel's blocks begin (0.5 us less at
-    batch 1-8 on the H200, 2026-12-01). ``ws``: an fp8 cache is read by the
-    warp-specialized form (``gluon_transposed_ws``: the widening in its own partition;
-    0.77x this kernel's time at (128, 16, 8192, 1), same run). ``fp8_mma``: an fp8 cache is
-    read by ``gluon_transposed_fp8`` instead (fp8 MMAs, q as two e4m3 terms; ``ws`` and
-    ``widen_cols`` do not apply there); a 16-bit cache ignores it. ``defer_sums``: that
-    kernel's DEFER_SUMS (P's row sums reduced across warps once, after the last tile).
+    batch 1-8 on the H200, 2026-12-01). The same arguments (their own options beside) run
+    an fp8 cache through the warp-specialized widening (``gluon_transposed_ws``) or fp8 MMAs
+    (``gluon_transposed_fp8``); which one a param set runs is the route's choice.
     """
-    if fp8_mma and kv_cache.dtype in FP8_CACHES:
-        from mlatune.kernels import gluon_transposed_fp8
-
-        return gluon_transposed_fp8.decode_launcher(
-            q, kv_cache, block_table, seq_lens, qlen=qlen, sm_scale=sm_scale, causal=causal,
-            kv_scale=kv_scale, out=out, lse=lse, num_splits=num_splits,
-            max_seq_len=max_seq_len, merge=merge, pdl=pdl, defer_sums=defer_sums)
-    if ws:
-        from mlatune.kernels import gluon_transposed_ws
-
-        return gluon_transposed_ws.decode_launcher(
-            q, kv_cache, block_table, seq_lens, qlen=qlen, sm_scale=sm_scale, causal=causal,
-            kv_scale=kv_scale, out=out, lse=lse, num_splits=num_splits,
-            max_seq_len=max_seq_len, widen_cols=widen_cols, merge=merge, pdl=pdl)
     batch, heads = seq_lens.shape[0], q.shape[1]
     _check_call(q, out, lse, batch * qlen, num_splits, widen_cols, merge)
     why = check_supported(q, kv_cache, block_table, seq_lens, kv_scale)

@@ -1,5 +1,5 @@
 """The transposed Gluon decode over an fp8 cache with fp8 MMAs: what ``transposed/gluon``'s
-``fp8_mma`` param sets run (``gluon_transposed.decode_launcher(fp8_mma=True)``).
+``fp8_mma`` param sets run (``routes.gluon_hopper.TRANSPOSED_KERNELS``).
 
 Why: ``gluon_transposed`` and ``gluon_transposed_ws`` widen each fp8 tile to 16 bits in
 shared memory and run 16-bit MMAs, about 321 KB a 64-key tile through shared memory, more

@@ -1,9 +1,10 @@
 """The transposed Gluon decode over an fp8 cache, warp-specialized so the widening of one
-tile overlaps the MMAs of the one before: what ``transposed/gluon``'s fp8 param sets run
-(``decode_launcher(ws=True)`` there). On the H200 (2026-12-01, session 10 call 1,
-``benchmarks/gluon_check.py --experimental``): 330.2 us at (128, 16, 8192, 1) against the
-one-warpgroup widening's 426.8 (0.77x) and FlashMLA's 251.7 (q quantized), 96.7 at (64, 16,
-4096, 1) against 115.0; still 1.15x the bf16 time (286.4): see ``benchmarks/results``.
+tile overlaps the MMAs of the one before: what ``transposed/gluon``'s widening fp8 param
+sets run (``ws``: ``routes.gluon_hopper.TRANSPOSED_KERNELS``). On the H200 (2026-12-01,
+session 10 call 1, ``benchmarks/gluon_check.py --experimental``): 330.2 us at (128, 16,
+8192, 1) against the one-warpgroup widening's 426.8 (0.77x) and FlashMLA's 251.7 (q
+quantized), 96.7 at (64, 16, 4096, 1) against 115.0; still 1.15x the bf16 time (286.4):
+see ``benchmarks/results``.
 
 Why: ``gluon_transposed`` widens each fp8 tile to 16 bits in the same warpgroup that runs
 the MMAs, between the tile's landing and its first MMA; on the H200 that path took 1.52x

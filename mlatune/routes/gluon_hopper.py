@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import cache
 from importlib import metadata
 from types import MappingProxyType
@@ -52,6 +52,11 @@ from mlatune.routes.base import (
     no,
     with_defaults,
 )
+
+
+def _kernel(name: str):
+    """A module of ``mlatune.kernels`` (imported when a route first prepares: triton's)."""
+    return importlib.import_module(f"mlatune.kernels.{name}")
 
 
 @cache
@@ -110,6 +115,12 @@ class WgmmaGluonRoute:
     def step_kind(self, params: Params) -> StepKind:
         return LAUNCH_ONLY
 
+    def launcher(self, problem: MLAProblem, chosen: Params) -> tuple[Callable, dict]:
+        """The ``decode_launcher`` that runs a param set, with the options it passes: the
+        route's kernel's, with all of ``kernel_options``."""
+        return (_kernel(self.kernel).decode_launcher,
+                {name: chosen[name] for name in self.kernel_options})
+
     def prepare(self, problem: MLAProblem, inputs: DecodeInputs | PrefillInputs, *,
                 rank: int = 0, params: Params | None = None, want_lse: bool = True,
                 out: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> Prepared:
@@ -118,13 +129,12 @@ class WgmmaGluonRoute:
         if problem.dcp_size > 1 and problem.causal and problem.qlen > 1:
             raise ValueError(f"{self.id}: causal verify over a DCP shard is not served (the "
                              f"kernel masks on the shard's local positions)")
-        kernel = importlib.import_module(f"mlatune.kernels.{self.kernel}")
         chosen = with_defaults(self, params, self.param_space(problem, device_of(inputs.q)))
         shard = inputs.shards[rank]
-        extra = {name: chosen[name] for name in self.kernel_options}
+        decode_launcher, extra = self.launcher(problem, chosen)
         if self.reads_fp8:
             extra["kv_scale"] = inputs.kv_scale
-        launch, out, lse = kernel.decode_launcher(
+        launch, out, lse = decode_launcher(
             inputs.q, shard.kv_cache, shard.block_table, shard.seq_lens, qlen=problem.qlen,
             sm_scale=inputs.softmax_scale, causal=problem.causal, out=out, lse=lse,
             num_splits=chosen["num_splits"], max_seq_len=problem.shard_len, **extra)
@@ -155,6 +165,11 @@ class SeesawGluonRoute(WgmmaGluonRoute):
 
 
 FP8_MMA_MAX_ROWS = 16  # query rows a program up to which transposed/gluon offers fp8 MMAs
+# transposed/gluon's kernels (modules of mlatune.kernels), each with the kernel options its
+# decode_launcher takes (``ws`` and ``fp8_mma`` choose the kernel).
+TRANSPOSED_KERNELS: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    "gluon_transposed": ("pdl", ), "gluon_transposed_ws": ("pdl", ),
+    "gluon_transposed_fp8": ("pdl", "defer_sums")})
 
 
 class TransposedGluonRoute(WgmmaGluonRoute):
@@ -194,6 +209,20 @@ class TransposedGluonRoute(WgmmaGluonRoute):
             return widen
         fp8_mma = {"fp8_mma": True, "defer_sums": True}
         return [form for params in widen for form in ({**params, **fp8_mma}, params)]
+
+    def launcher(self, problem: MLAProblem, chosen: Params) -> tuple[Callable, dict]:
+        """The kernel a param set names, with the options it takes (``TRANSPOSED_KERNELS``):
+        fp8 MMAs over an fp8 cache (``fp8_mma``; a 16-bit cache runs the transposed kernel
+        as without it), the warp-specialized widening (``ws``: it reads fp8 caches only and
+        refuses a 16-bit one), else the transposed kernel (its own widening over fp8)."""
+        if chosen["fp8_mma"] and problem.kv_dtype in FP8_DTYPES:
+            name = "gluon_transposed_fp8"
+        elif chosen["ws"]:
+            name = "gluon_transposed_ws"
+        else:
+            name = self.kernel
+        return (_kernel(name).decode_launcher,
+                {option: chosen[option] for option in TRANSPOSED_KERNELS[name]})
 
     def offers_fp8_mma(self, problem: MLAProblem) -> bool:
         """Whether the param sets include fp8-MMA ones (then first): an fp8 cache, at up to
