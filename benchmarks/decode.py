@@ -140,6 +140,17 @@ def parse_forms(text: str) -> tuple:
             isinstance(v, list) and all(isinstance(f, dict) for f in v) for v in given.values()):
         raise SystemExit('--forms: a JSON object of route id -> list of option objects, '
                          'e.g. {"seesaw/gluon": [{}, {"lone_bars": false}]}')
+    for route_id, forms in given.items():
+        # An option the route does not pass to its kernel would be dropped in silence and
+        # its "form" would time the set as it is.
+        try:
+            options = getattr(routes.get(route_id), "kernel_options", {})
+        except KeyError as exc:
+            raise SystemExit(f"--forms: {exc.args[0]}") from None
+        unknown = sorted({k for form in forms for k in form} - set(options))
+        if unknown:
+            raise SystemExit(f"--forms: {route_id} has no kernel option {', '.join(unknown)} "
+                             f"(it has: {', '.join(options) or 'none'})")
     return tuple((route, tuple(tuple(sorted(f.items())) for f in forms))
                  for route, forms in given.items())
 
