@@ -31,10 +31,9 @@ from mlatune import routes
 from mlatune.check import reference
 from mlatune.check.accuracy import check
 from mlatune.check.inputs import make_decode_inputs
-from mlatune.dcp import SCHEMES, local_heads, prepare_dcp_step, time_slowest
+from mlatune.dcp import SCHEMES, local_heads, merge_ranks_into, prepare_dcp_step, time_slowest
 from mlatune.problem import MLAProblem
 from mlatune.sweep import dcp_graph
-from mlatune.sweep.merge import merge_ranks_into
 
 POINTS = [(8, 16, 4096, 1), (128, 16, 8192, 1), (64, 16, 16384, 1), (32, 64, 8192, 1)]
 CPU_POINTS = [(2, 2, 64, 1)]

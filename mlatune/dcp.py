@@ -29,13 +29,31 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from mlatune.check import reference
 from mlatune.check.inputs import DecodeInputs, KVShard
 from mlatune.problem import MLAProblem
 from mlatune.routes import Prepared, Route
-from mlatune.sweep.merge import merge_ranks_into
 
 SCHEMES = ("ag_rs", "a2a")
 _L2_FLUSH_BYTES = 256 << 20  # as the sweep's timing (bench): every repetition on a cold L2
+
+
+def merge_ranks_into(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor,
+                     lse: torch.Tensor | None = None) -> None:
+    """Merge DCP ranks' partial attention by their LSEs (the step's ``a2a`` combine, and the
+    sweep's one-GPU simulation of it): out = sum_r exp(lse_r - lse) * outs[r], lse =
+    logsumexp_r lses[r]; -inf ranks add 0. ``outs`` (R, T, H, D) and ``lses`` (R, T, H)
+    stack the ranks' partials. On a GPU the Triton merge kernel (one launch, no allocation,
+    graph safe); elsewhere the reference's merge."""
+    if outs.is_cuda:
+        from mlatune.kernels.merge import merge_partials_into
+
+        merge_partials_into(outs, lses, out, lse)
+        return
+    merged, total = reference.merge_partials(list(outs.float()), list(lses.float()))
+    out.copy_(merged)
+    if lse is not None:
+        lse.copy_(total)
 
 
 @dataclass

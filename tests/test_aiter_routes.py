@@ -19,9 +19,9 @@ from mlatune.arch import DeviceInfo
 from mlatune.check import reference
 from mlatune.check.accuracy import check
 from mlatune.check.inputs import make_inputs, poison_
+from mlatune.dcp import merge_ranks_into
 from mlatune.problem import MLAProblem
 from mlatune.routes.aiter_probe import probe
-from mlatune.sweep.merge import merge_ranks_into
 from tests.fake_aiter import MANIFEST_ROWS, FakeAiter
 
 FP8 = "fp8_e4m3fn"

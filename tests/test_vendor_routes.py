@@ -12,9 +12,9 @@ from mlatune.arch import DeviceInfo
 from mlatune.check import reference
 from mlatune.check.accuracy import check, tolerance_for
 from mlatune.check.inputs import make_inputs, poison_, shard_lengths
+from mlatune.dcp import merge_ranks_into
 from mlatune.problem import MLAProblem
 from mlatune.routes import flashinfer, flashmla
-from mlatune.sweep.merge import merge_ranks_into
 from tests.fake_vendors import FakeFlashInfer, FakeFlashMLA
 
 H200 = DeviceInfo("sm_90", "fake H200", "nvidia", 132)

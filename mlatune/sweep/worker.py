@@ -25,10 +25,10 @@ from mlatune import routes
 from mlatune.check import reference
 from mlatune.check.accuracy import check
 from mlatune.check.inputs import DecodeInputs, PrefillInputs, make_inputs, poison_
+from mlatune.dcp import merge_ranks_into
 from mlatune.problem import MLAProblem
 from mlatune.routes import Prepared, Route
 from mlatune.sweep import bench
-from mlatune.sweep.merge import merge_ranks_into
 from mlatune.sweep.records import Result, Status, Task
 
 _RAGGED_SEED_OFFSET = 7919
