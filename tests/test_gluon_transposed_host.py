@@ -141,13 +141,13 @@ def test_decode_benchmark_lays_each_form_over_each_set_of_its_route_only():
     form (``{}`` as it is), other routes' sets untouched; a malformed value is refused."""
     from benchmarks import decode as d
 
-    forms = d.parse_forms('{"seesaw/gluon": [{}, {"half_partials": false, "lazy": true}]}')
+    forms = d.parse_forms('{"seesaw/gluon": [{}, {"lone_bars": false, "afresh_q": false}]}')
     pick = d.Selection(max_params=2, forms=forms)
-    space = [{"num_splits": 1, "half_partials": True}, {"num_splits": 2, "half_partials": True},
-             {"num_splits": 4, "half_partials": True}]
+    space = [{"num_splits": 1, "lone_bars": True}, {"num_splits": 2, "lone_bars": True},
+             {"num_splits": 4, "lone_bars": True}]
     got = pick.params(space, "seesaw/gluon")
-    assert got == [space[0], {"num_splits": 1, "half_partials": False, "lazy": True},
-                   space[1], {"num_splits": 2, "half_partials": False, "lazy": True}]
+    assert got == [space[0], {"num_splits": 1, "lone_bars": False, "afresh_q": False},
+                   space[1], {"num_splits": 2, "lone_bars": False, "afresh_q": False}]
     assert pick.params(space, "transposed/gluon") == space[:2]
     for bad in ('["seesaw/gluon"]', '{"seesaw/gluon": {"pdl": true}}', '{"r": [1]}'):
         with pytest.raises(SystemExit):
