@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from functools import cache
 
 from mlatune import capability
 from mlatune.arch import DeviceInfo
@@ -21,7 +22,10 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@cache
 def triton_present() -> bool:
+    """Whether triton can be imported here (asked once: an install does not change under a
+    running process)."""
     return importlib.util.find_spec("triton") is not None
 
 
