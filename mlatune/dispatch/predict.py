@@ -47,8 +47,9 @@ The choice is the least predicted time among the routes ``usable`` allows. Dista
 is measured as the dispatcher's ``point_distance`` does (total KV tokens first, then
 batch) but with batch weighted 1. ``choose`` evaluates a split recipe's law at the
 asked shape only while a lower bound (its law without the waves) could still win, and
-asks ``usable`` of the fastest candidate's route only (about 19 us a first select on
-the 2-core CI machine, benchmarks/select_cost.py).
+asks ``usable`` of the fastest candidate's route only (a first select of an unmeasured
+shape: a median 57-90 us on the 2-core CI machine with the H200 table of 2026-12-02, two runs
+of benchmarks/select_cost.py on the traffic spec).
 
 Leave-one-out on the H200 table as shipped on 2026-11-30 (benchmarks/heldout_regret.py
 loo: each of its 2,496 problems with a neighbour answered without its own rows): the
