@@ -743,13 +743,13 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
 
 def seesaw_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                   seq_lens: torch.Tensor, *, qlen: int, sm_scale: float, causal: bool = True,
-                  num_splits: int | None = None, chunked: bool = False, pdl: bool = False,
-                  slim: bool = False, lone_bars: bool = False
+                  num_splits: int | None = None, **forms: bool
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One eager call: (out, lse). See ``decode_launcher``."""
+    """One eager call: (out, lse). ``forms``: ``decode_launcher``'s form options (chunked,
+    pdl, slim, lone_bars, afresh_q)."""
     launch, out, lse = decode_launcher(q, kv_cache, block_table, seq_lens, qlen=qlen,
                                        sm_scale=sm_scale, causal=causal, num_splits=num_splits,
-                                       chunked=chunked, pdl=pdl, slim=slim, lone_bars=lone_bars)
+                                       **forms)
     launch()
     return out, lse
 
