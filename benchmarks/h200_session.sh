@@ -73,6 +73,15 @@ T0=$(date +%s)
 NGPU=$(nvidia-smi -L | wc -l)
 log() { echo "[$(date -u +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/session.log"; }
 log "$(nvidia-smi -L | head -1) x$NGPU; $(python3 -c 'import torch,triton;print("torch",torch.__version__,"triton",triton.__version__)')"
+ncu_fp8() {  # kernel-regex route params: Nsight Compute's sections at (128, 16, 8192, 1) fp8
+  timeout 150 "$(command -v ncu || ls /usr/local/cuda*/bin/ncu | head -1)" --clock-control none \
+    --kernel-name "regex:$1" --launch-skip 2 --launch-count 1 --section SpeedOfLight \
+    --section ComputeWorkloadAnalysis --section WarpStateStats --section MemoryWorkloadAnalysis \
+    --section LaunchStats --section Occupancy --section SchedulerStats \
+    python3 benchmarks/profile_decode.py --route "$2" --batch 128 --heads 16 --kv-len 8192 \
+    --kv-dtype fp8_e4m3fn --params "$3" > "$OUT/ncu-fp8-${2%%/*}.txt" 2>&1
+  log "ncu $2: rc=$? $(grep -m1 Duration "$OUT/ncu-fp8-${2%%/*}.txt")"
+}
 sweep() {  # name spec gpus [more sweep options]
   local left=$(( BUDGET_S - ($(date +%s) - T0) ))
   [ "$left" -gt 20 ] || { log "$1: no time left"; return; }
@@ -205,19 +214,8 @@ transposed/gluon fp8mma deferred" > "$OUT/seesaw-check.log" 2>&1
                   log "prefilltests: rc=$?; $(tail -1 "$OUT/prefill-tests.log")" ;;
     profilefp8) bash benchmarks/profile_sass.sh fp8-stacked transposed_fp8_kernel \
                   transposed/gluon 128 16 8192 fp8_e4m3fn "$FP8_SET" | tee -a "$OUT/session.log"
-                for k in "transposed_fp8_kernel transposed/gluon $FP8_SET" \
-                         "fwd dense/flashmla {}"; do
-                  set -- $k
-                  timeout 150 "$(command -v ncu || ls /usr/local/cuda*/bin/ncu | head -1)" \
-                    --clock-control none --kernel-name "regex:$1" --launch-skip 2 \
-                    --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
-                    --section WarpStateStats --section MemoryWorkloadAnalysis \
-                    --section LaunchStats --section Occupancy --section SchedulerStats \
-                    python3 benchmarks/profile_decode.py --route "$2" --batch 128 --heads 16 \
-                    --kv-len 8192 --kv-dtype fp8_e4m3fn --params "$3" \
-                    > "$OUT/ncu-fp8-${2%%/*}.txt" 2>&1
-                  log "ncu $2: rc=$? $(grep -m1 Duration "$OUT/ncu-fp8-${2%%/*}.txt")"
-                done ;;
+                ncu_fp8 transposed_fp8_kernel transposed/gluon "$FP8_SET"
+                ncu_fp8 fwd dense/flashmla '{}' ;;
     *) log "unknown step $step" ;;
   esac
 done
