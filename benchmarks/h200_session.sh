@@ -55,6 +55,9 @@
 #                  then benchmarks/prefill.py at 1 x 4096 tokens, 128 and 16 heads, every
 #                  prefill route (fp8-ps without its comparison configs)
 #   prefilltests   pytest -m gpu tests/test_prefill_gpu.py but the Gluon kernel's tests
+#   profilefp8     Nsight Compute at (128, 16, 8192, 1) fp8: the fp8-MMA kernel's per-SASS stall
+#                  samples (profile_sass.sh), then its and FlashMLA's fp8 kernel's sections
+#                  (speed of light, pipes, warp states, memory, scheduler) into $OUT/ncu-fp8-*.txt
 #   fp8mma         gluon_check.py over fp8 caches: the fp8-MMA kernel (gluon_transposed_fp8,
 #                  q as two e4m3 terms and as one) beside the widening and FlashMLA; with
 #                  EXPERIMENTAL=1 also its experimental forms (gluon_check.EXPERIMENTAL)
@@ -65,10 +68,20 @@ set -u -o pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # keeps carried wheels
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" runs
 BUDGET_S=${BUDGET_S:-540}
+FP8_SET='{"num_splits": 1, "pdl": true, "ws": true, "fp8_mma": true, "defer_sums": true, "stacked": true}'
 T0=$(date +%s)
 NGPU=$(nvidia-smi -L | wc -l)
 log() { echo "[$(date -u +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/session.log"; }
 log "$(nvidia-smi -L | head -1) x$NGPU; $(python3 -c 'import torch,triton;print("torch",torch.__version__,"triton",triton.__version__)')"
+ncu_fp8() {  # kernel-regex route params: Nsight Compute's sections at (128, 16, 8192, 1) fp8
+  timeout 150 "$(command -v ncu || ls /usr/local/cuda*/bin/ncu | head -1)" --clock-control none \
+    --kernel-name "regex:$1" --launch-skip 2 --launch-count 1 --section SpeedOfLight \
+    --section ComputeWorkloadAnalysis --section WarpStateStats --section MemoryWorkloadAnalysis \
+    --section LaunchStats --section Occupancy --section SchedulerStats \
+    python3 benchmarks/profile_decode.py --route "$2" --batch 128 --heads 16 --kv-len 8192 \
+    --kv-dtype fp8_e4m3fn --params "$3" > "$OUT/ncu-fp8-${2%%/*}.txt" 2>&1
+  log "ncu $2: rc=$? $(grep -m1 Duration "$OUT/ncu-fp8-${2%%/*}.txt")"
+}
 sweep() {  # name spec gpus [more sweep options]
   local left=$(( BUDGET_S - ($(date +%s) - T0) ))
   [ "$left" -gt 20 ] || { log "$1: no time left"; return; }
@@ -199,6 +212,10 @@ transposed/gluon fp8mma deferred" > "$OUT/seesaw-check.log" 2>&1
     prefilltests) timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu \
                     tests/test_prefill_gpu.py -k "not gluon" > "$OUT/prefill-tests.log" 2>&1
                   log "prefilltests: rc=$?; $(tail -1 "$OUT/prefill-tests.log")" ;;
+    profilefp8) bash benchmarks/profile_sass.sh fp8-stacked transposed_fp8_kernel \
+                  transposed/gluon 128 16 8192 fp8_e4m3fn "$FP8_SET" | tee -a "$OUT/session.log"
+                ncu_fp8 transposed_fp8_kernel transposed/gluon "$FP8_SET"
+                ncu_fp8 fwd dense/flashmla '{}' ;;
     *) log "unknown step $step" ;;
   esac
 done

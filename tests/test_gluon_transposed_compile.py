@@ -215,3 +215,27 @@ def test_deferred_sums_leave_the_mmas_and_local_memory_as_they_were():
     assert plain.asm["ptx"] != deferred.asm["ptx"]
     assert deferred.asm["ptx"].count("wgmma.mma_async") == plain.asm["ptx"].count("wgmma.mma_async")
     assert resources(deferred)["stack"] == 0
+
+
+def test_stacked_terms_halve_the_score_wgmmas_and_add_their_halves_in_registers():
+    """``stacked`` (two terms): q's terms one above the other in one operand,
+    S^T a wgmma of N 32 a k-step (the K tile read once) where the route's form issues two of
+    N 16; the folding of the two column halves adds no shuffle and no shared-memory store;
+    the same shared memory, no local memory, no hazard. Refused with one term."""
+    _needs_gluon_triton()
+    from mlatune.kernels import gluon_transposed_fp8 as f
+    from tests import sass_hazards
+
+    plain, stacked = (f.aot_compile("bf16", rows=16, direct=False, defer_sums=True,
+                                    stacked=flag) for flag in (False, True))
+    steps = 2 * (512 + 64) // 32  # S^T's k-steps a tile, issued at two places
+    ptx = {k: k.asm["ptx"] for k in (plain, stacked)}
+    assert ptx[plain].count("m64n16k32") == 2 * steps + 16  # two terms, and O^T's 16
+    assert ptx[stacked].count("m64n32k32") == steps and ptx[stacked].count("m64n16k32") == 16
+    assert stacked.metadata.shared == plain.metadata.shared
+    assert resources(stacked)["stack"] == 0
+    sass = {k: sass_hazards.listing(k) for k in (plain, stacked)}
+    for op in ("SHFL", "STS"):
+        assert sass[stacked].count(op) == sass[plain].count(op), op
+    assert sass_hazards.undefined_descriptors(sass[stacked]) == []
+    assert sass_hazards.hazards(sass[stacked])[2] == []

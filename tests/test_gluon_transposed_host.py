@@ -197,3 +197,51 @@ def test_gluon_check_leaves_out_a_variant_that_loses_the_cuda_context(monkeypatc
     monkeypatch.setattr(gc, "run_smoke_child", lambda timeout_s: (False, "smoke: timed out"))
     assert not gc.smoke_until_clean(10, {})
     assert gc.fatal_variant("smoke: 3/3 cases passed") is None
+
+
+class _RecordedKernel:
+    """Stands for a Gluon kernel on the CPU: ``kernel[grid](*args, **meta)`` records the call."""
+
+    def __init__(self, kernel):
+        self.fn, self.calls = kernel.fn, []
+
+    def __getitem__(self, grid):
+        return lambda *args, **meta: self.calls.append((args, meta))
+
+
+LAUNCH_OPTIONS = {"num_warps", "num_stages", "maxnreg", "ptx_options", "num_ctas"}
+
+
+@pytest.mark.parametrize("module", ["gluon_transposed", "gluon_transposed_ws",
+                                    "gluon_transposed_fp8"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("stacked", [False, True])
+def test_each_transposed_launch_binds_exactly_its_kernels_arguments(monkeypatch, module,
+                                                                    num_splits, stacked):
+    """A launcher passes its kernel every argument the kernel takes and none it does not
+    (a launch missing arguments an experimental form had added failed only on the GPU)."""
+    import importlib
+    import inspect
+
+    mod = importlib.import_module(f"mlatune.kernels.{module}")
+    kernel_name = {"gluon_transposed": "transposed_kernel", "gluon_transposed_ws":
+                   "transposed_ws_kernel", "gluon_transposed_fp8": "transposed_fp8_kernel"}
+    recorded = _RecordedKernel(getattr(mod, kernel_name[module]))
+    monkeypatch.setattr(mod, kernel_name[module], recorded)
+    monkeypatch.setattr(t, "check_supported", lambda *a: None)
+    monkeypatch.setattr(mod, "tma_descriptors", lambda *a, **k: ("d",) * 4)
+    if stacked and module != "gluon_transposed_fp8":
+        pytest.skip("stacked is the fp8-MMA kernel's form")
+    options = {"stacked": True} if stacked else {}
+    q, cache, table, lens = _tensors(kv=torch.float8_e4m3fn)
+    launch, _, _ = mod.decode_launcher(q, cache, table, lens, qlen=1, sm_scale=0.1,
+                                       kv_scale=torch.ones(1), num_splits=num_splits,
+                                       merge="kernel", **options)
+    launch()
+    (args, meta), = recorded.calls
+    params = inspect.signature(recorded.fn).parameters
+    bound = inspect.signature(recorded.fn).bind(
+        *args, **{k: v for k, v in meta.items() if k in params or k not in LAUNCH_OPTIONS})
+    missing = [n for n, p in params.items()
+               if n not in bound.arguments and p.default is inspect.Parameter.empty]
+    assert not missing, missing

@@ -21,7 +21,13 @@ quantization, S^T, the softmax, O^T, the epilogue); a ring slot is released by b
   (ptxas spills the MMA warpgroup). The two terms joined as adjacent rows of one operand
   (one wgmma of twice the N a k-step) were tried and removed: on the H200 (2026-12-01,
   session 13) that form, alone and with ``defer_sums``, left NaN or unwritten outputs in
-  every smoke case (24,624 elements at (3, 16, 300, 1) fp8).
+  every smoke case (24,624 elements at (3, 16, 300, 1) fp8). ``stacked`` puts them one above
+  the other instead (rows [0, 16) and [16, 32) of one buffer written through row slices, no
+  interleaving layout of our own): one wgmma of N 32 a k-step, the column halves added in
+  registers (``_fold``). Right on the H200 (2026-12-02, session 19: the GPU tests, three runs
+  a case) and faster: 228.5 us against 249.1 at (128, 16, 8192, 1) fp8 (FlashMLA's fp8
+  250.5 in the same run), 68.9 against 72.9 at (64, 16, 4096, 1), 11.9 alike at batch 1;
+  the route's form.
 - P's row sums (``defer_sums``, ``_ws_mma``'s DEFER_SUMS) summed over the keys once at the
   end: correct on the H200 (2026-12-01, session 13; rel_l2 0.0167 at (3, 16, 300, 1) fp8,
   as without) and faster (fp8: 246.2 us against 266.1 at (128, 16, 8192, 1), FlashMLA
@@ -77,19 +83,34 @@ __all__ = ["aot_compile", "decode_launcher", "ring_stages", "transposed_fp8_kern
 
 
 @gluon.jit
-def _q_buffers(qn_desc, qr_desc, fp8: gl.constexpr, Q_TERMS: gl.constexpr):
+def _q_buffers(qn_desc, qr_desc, fp8: gl.constexpr, Q_TERMS: gl.constexpr,
+               STACKED: gl.constexpr):
     """Shared memory for Q's two parts as they land (16-bit) and quantized: ((nope, rope),
-    (nope, rope) as [terms, rows, dims]: a buffer per e4m3 term)."""
+    (nope, rope) as [terms, rows, dims]: a buffer per e4m3 term, or (STACKED) one buffer of
+    twice the rows, the terms one above the other (``_term``)."""
     BR: gl.constexpr = qn_desc.block_type.shape[0]
     DN: gl.constexpr = qn_desc.block_type.shape[1]
     DR: gl.constexpr = qr_desc.block_type.shape[1]
     q_nope = gl.allocate_shared_memory(qn_desc.dtype, [BR, DN], qn_desc.layout)
     q_rope = gl.allocate_shared_memory(qr_desc.dtype, [BR, DR], qr_desc.layout)
-    q8_nope = gl.allocate_shared_memory(fp8, [Q_TERMS, BR, DN],
-                                        gl.NVMMASharedLayout.get_default_for([BR, DN], fp8))
-    q8_rope = gl.allocate_shared_memory(fp8, [Q_TERMS, BR, DR],
-                                        gl.NVMMASharedLayout.get_default_for([BR, DR], fp8))
+    T: gl.constexpr = 1 if STACKED else Q_TERMS
+    R: gl.constexpr = Q_TERMS * BR if STACKED else BR
+    q8_nope = gl.allocate_shared_memory(fp8, [T, R, DN],
+                                        gl.NVMMASharedLayout.get_default_for([R, DN], fp8))
+    q8_rope = gl.allocate_shared_memory(fp8, [T, R, DR],
+                                        gl.NVMMASharedLayout.get_default_for([R, DR], fp8))
     return (q_nope, q_rope), (q8_nope, q8_rope)
+
+
+@gluon.jit
+def _term(terms, k: gl.constexpr, BR: gl.constexpr):
+    """Term k's [BR, dims] of a quantized Q buffer: a buffer of its own, or rows
+    [k BR, (k + 1) BR) of the stacked one."""
+    if terms.shape[1] == BR:  # noqa: SIM108 (JIT: only the taken branch is built)
+        view = terms.index(k)
+    else:
+        view = terms.index(0).slice(k * BR, BR, dim=0)
+    return view
 
 
 @gluon.jit
@@ -98,11 +119,13 @@ def _quantize_cols(x_buf, terms, inv, layout: gl.constexpr, C0: gl.constexpr,
     """Columns [C0, C0 + WIDTH) of Q (16-bit, ``x_buf``) times their rows' ``inv`` scale as
     e4m3 terms (``terms``: [terms, rows, columns]): the rounded values, then what rounding
     left out."""
+    BR: gl.constexpr = x_buf.shape[0]
     x = x_buf.slice(C0, WIDTH, dim=1).load(layout).to(gl.float32) * inv
     hi = x.to(terms.dtype)
-    terms.index(0).slice(C0, WIDTH, dim=1).store(hi)
-    if terms.shape[0] == 2:
-        terms.index(1).slice(C0, WIDTH, dim=1).store((x - hi.to(gl.float32)).to(terms.dtype))
+    _term(terms, 0, BR).slice(C0, WIDTH, dim=1).store(hi)
+    if terms.shape[0] * terms.shape[1] == 2 * BR:
+        lo = (x - hi.to(gl.float32)).to(terms.dtype)
+        _term(terms, 1, BR).slice(C0, WIDTH, dim=1).store(lo)
 
 
 @gluon.jit
@@ -219,10 +242,11 @@ def _ws_transposer(ring, vts, bars, start, end, n_tiles):
 @gluon.jit
 def _issue_s(k_nope, k_rope, q8_nope, q8_rope, s_layout: gl.constexpr):
     """S^T = K Q8^T over the tile in one ring slot, summed over q's e4m3 terms (a group of
-    wgmmas for each part of each term: 2 groups a term), issued, not waited on."""
+    wgmmas for each part of each term: 2 groups a term), issued, not waited on; stacked
+    terms: one group a part, of twice the N, each term in its own columns (``_fold``)."""
     BN: gl.constexpr = k_nope.shape[0]
-    BR: gl.constexpr = q8_nope.shape[1]
-    s = gl.zeros([BN, BR], gl.float32, layout=s_layout)
+    SN: gl.constexpr = q8_nope.shape[1]
+    s = gl.zeros([BN, SN], gl.float32, layout=s_layout)
     s = warpgroup_mma(k_nope, q8_nope.index(0).permute((1, 0)), s, use_acc=False,
                       is_async=True)
     s = warpgroup_mma(k_rope, q8_rope.index(0).permute((1, 0)), s, is_async=True)
@@ -230,6 +254,20 @@ def _issue_s(k_nope, k_rope, q8_nope, q8_rope, s_layout: gl.constexpr):
         s = warpgroup_mma(k_nope, q8_nope.index(1).permute((1, 0)), s, is_async=True)
         s = warpgroup_mma(k_rope, q8_rope.index(1).permute((1, 0)), s, is_async=True)
     return s
+
+
+@gluon.jit
+def _fold(s, BR: gl.constexpr, layout: gl.constexpr):
+    """S^T [keys, BR] from the accumulator: itself, or with stacked terms ([keys, 2 BR])
+    its two column halves added. A thread holds columns c and c + BR alike (the wgmma
+    accumulator's columns 8i + 2 (lane % 4) + {0, 1}, i a register's bits), so the sum
+    stays in registers."""
+    if s.shape[1] == BR:
+        folded = s
+    else:
+        hi, lo = gl.split(gl.permute(gl.reshape(s, [s.shape[0], 2, BR]), (0, 2, 1)))
+        folded = gl.convert_layout(hi + lo, layout)
+    return folded
 
 
 @constexpr_function
@@ -260,6 +298,8 @@ def _ws_mma(q_bufs, q8_bufs, ring, vts, p_buf, bars, ptrs, counter_ptr, ints, se
     BR: gl.constexpr = q_bufs[0].shape[0]
     o_layout: gl.constexpr = _mma_layout(BR)
     s_layout: gl.constexpr = o_layout  # S^T's (and the softmax's): the same for N = BR
+    SN: gl.constexpr = q8_bufs[0].shape[1]  # S^T's accumulator columns (2 BR: stacked terms)
+    acc_s_layout: gl.constexpr = _mma_layout(SN)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     last_pos = last_keys(rb, seq_len, qlen, heads, BR, col_s, CAUSAL)
     keys = gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout))
@@ -269,10 +309,10 @@ def _ws_mma(q_bufs, q8_bufs, ring, vts, p_buf, bars, ptrs, counter_ptr, ints, se
     acc = gl.zeros([DN, BR], gl.float32, layout=o_layout)
     mbarrier.wait(q_bar, 0)
     qk_cols = gl.expand_dims(_quantize_q(q_bufs, q8_bufs, col_s, 4) * qk, 0)
-    s = gl.zeros([BN, BR], gl.float32, layout=s_layout)
+    s = gl.zeros([BN, SN], gl.float32, layout=acc_s_layout)
     if n_tiles > 0:  # (a split past its request's length has no tiles)
         mbarrier.wait(ready.index(0), 0)
-        s = _issue_s(k_nope.index(0), k_rope.index(0), *q8_bufs, s_layout)
+        s = _issue_s(k_nope.index(0), k_rope.index(0), *q8_bufs, acc_s_layout)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         gl.thread_barrier()  # every warp is past the wait (one thread arrives)
         mbarrier.arrive(k_empty.index(0))
@@ -284,14 +324,14 @@ def _ws_mma(q_bufs, q8_bufs, ring, vts, p_buf, bars, ptrs, counter_ptr, ints, se
             mbarrier.wait(ready.index(nxt), ((t + 1) // S) & 1)
         # The next tile's S^T runs beside this tile's softmax (after the last tile: a
         # product of the slot's old bytes, never read, so the issue count stays fixed).
-        s_next = _issue_s(k_nope.index(nxt), k_rope.index(nxt), *q8_bufs, s_layout)
+        s_next = _issue_s(k_nope.index(nxt), k_rope.index(nxt), *q8_bufs, acc_s_layout)
+        scores = _fold(s, BR, s_layout) * qk_cols
         if DEFER_SUMS:
-            p, m_i, alpha = softmax_step(s * qk_cols, start + t * BN, end, last_pos, keys,
-                                         m_i, 0)
+            p, m_i, alpha = softmax_step(scores, start + t * BN, end, last_pos, keys, m_i, 0)
             l_acc = l_acc * gl.expand_dims(alpha, 0) + p
         else:
-            p, m_i, l_i, alpha = online_softmax(s * qk_cols, start + t * BN, end, last_pos,
-                                                keys, m_i, l_i, 0)
+            p, m_i, l_i, alpha = online_softmax(scores, start + t * BN, end, last_pos, keys,
+                                                m_i, l_i, 0)
         p_buf.store(gl.permute((p * (2.0 ** P_SHIFT)).to(p_buf.dtype), (1, 0)))
         fence_async_shared()
         gl.thread_barrier()  # every warp's P^T is in
@@ -320,7 +360,8 @@ def transposed_fp8_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and th
                           CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PAGE: gl.constexpr,
                           STAGES: gl.constexpr, Q_TERMS: gl.constexpr,
                           DEFER_SUMS: gl.constexpr, MERGE: gl.constexpr,
-                          PDL: gl.constexpr, num_warps: gl.constexpr):
+                          PDL: gl.constexpr, num_warps: gl.constexpr,
+                          STACKED: gl.constexpr = False):
     BN: gl.constexpr = kn_desc.block_type.shape[0]
     DN: gl.constexpr = kn_desc.block_type.shape[1]
     DR: gl.constexpr = kr_desc.block_type.shape[1]
@@ -328,7 +369,7 @@ def transposed_fp8_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and th
     fp8: gl.constexpr = kn_desc.dtype
     rb, split, b, seq_len, start, end, n_tiles = program_keys(
         seq_lens_ptr, num_splits, qlen, heads, BR, BN, CAUSAL, PDL)
-    q_bufs, q8_bufs = _q_buffers(qn_desc, qr_desc, fp8, Q_TERMS)
+    q_bufs, q8_bufs = _q_buffers(qn_desc, qr_desc, fp8, Q_TERMS, STACKED)
     k_nope = gl.allocate_shared_memory(fp8, [STAGES, BN, DN], kn_desc.layout)
     k_rope = gl.allocate_shared_memory(fp8, [STAGES, BN, DR], kr_desc.layout)
     vts = gl.allocate_shared_memory(fp8, [2, DN, BN],
@@ -381,17 +422,21 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                     kv_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
                     lse: torch.Tensor | None = None, num_splits: int | None = None,
                     max_seq_len: int | None = None, merge: str = base.MERGE, pdl: bool = False,
-                    q_terms: int = Q_TERMS, defer_sums: bool = False
+                    q_terms: int = Q_TERMS, defer_sums: bool = False, stacked: bool = False
                     ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
     """``gluon_transposed.decode_launcher`` for this kernel: an fp8 e4m3 cache only, q as
     ``q_terms`` e4m3 terms per row (1: a quantized q's accuracy, ``QUANTIZED_Q``).
     ``defer_sums``: ``_ws_mma``'s DEFER_SUMS (ran correct on the H200, 2026-12-01, and
-    faster than without: the module's notes)."""
+    faster than without: the module's notes). ``stacked`` (two terms only): q's terms one
+    above the other in one operand, S^T one wgmma group a part of twice the N (the K tile
+    read once, not once a term), the halves added in registers (``_fold``)."""
     if kv_cache.dtype not in base.FP8_CACHES:
         raise ValueError(f"the fp8-MMA transposed decode reads an fp8 cache only, got "
                          f"{kv_cache.dtype}")
     if q_terms not in (1, 2):
         raise ValueError(f"q_terms must be 1 or 2, got {q_terms!r}")
+    if stacked and q_terms != 2:
+        raise ValueError("stacked puts q's two e4m3 terms in one operand: q_terms=2 only")
     batch, heads = seq_lens.shape[0], q.shape[1]
     base._check_call(q, out, lse, batch * qlen, num_splits, base.WIDEN_COLS, merge)
     why = base.check_supported(q, kv_cache, block_table, seq_lens, kv_scale)
@@ -399,7 +444,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
         raise ValueError(f"gluon transposed MLA decode (fp8 MMAs): {why}")
     rows = plan.transposed_rows(qlen * heads)
     meta = dict(CAUSAL=causal and qlen > 1, PAGE=PAGE_SIZE, STAGES=ring_stages(rows),
-                Q_TERMS=q_terms, DEFER_SUMS=defer_sums,
+                Q_TERMS=q_terms, DEFER_SUMS=defer_sums, STACKED=stacked,
                 **compile_options(base.NUM_WARPS, MAXNREG))
     descs = tma_descriptors(q, kv_cache, rows)
     return base.launch(transposed_fp8_kernel, descs, q, block_table, seq_lens, kv_scale, out,
@@ -409,14 +454,15 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
 
 def aot_compile(dtype: str = "bf16", *, rows: int = 16, direct: bool = True,
                 causal: bool = True, merge: str = base.MERGE, arch: int = 90,
-                q_terms: int = Q_TERMS, defer_sums: bool = False):
+                q_terms: int = Q_TERMS, defer_sums: bool = False, stacked: bool = False):
     """Compile ``transposed_fp8_kernel`` (a ``dtype`` q over an fp8 cache) for ``sm_<arch>``
     without a GPU; returns triton's CompiledKernel."""
     br = plan.transposed_rows(rows)
     constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=PAGE_SIZE,
                      MERGE=not direct and merge != "reduce", PDL=False,
                      STAGES=ring_stages(br), Q_TERMS=q_terms, DEFER_SUMS=defer_sums,
-                     num_warps=base.NUM_WARPS)
+                     STACKED=stacked, num_warps=base.NUM_WARPS)
     return aot_compile_kernel(transposed_fp8_kernel, constants,
-                              base._blocks(dtype, "fp8", br, BLOCK_N), base._pointers(dtype),
+                              base._blocks(dtype, "fp8", br, BLOCK_N),
+                              base._pointers(dtype),
                               arch=arch, num_warps=base.NUM_WARPS, maxnreg=MAXNREG)

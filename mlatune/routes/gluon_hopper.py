@@ -169,7 +169,7 @@ FP8_MMA_MAX_ROWS = 16  # query rows a program up to which transposed/gluon offer
 # decode_launcher takes (``ws`` and ``fp8_mma`` choose the kernel).
 TRANSPOSED_KERNELS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "gluon_transposed": ("pdl", ), "gluon_transposed_ws": ("pdl", ),
-    "gluon_transposed_fp8": ("pdl", "defer_sums")})
+    "gluon_transposed_fp8": ("pdl", "defer_sums", "stacked")})
 
 
 class TransposedGluonRoute(WgmmaGluonRoute):
@@ -179,8 +179,8 @@ class TransposedGluonRoute(WgmmaGluonRoute):
     memory, its scale read on the device). Its param sets launch the split reduce as a
     programmatic dependent (``pdl``) and read an fp8 cache widened in a partition of its own
     (``ws``) or, at up to 16 query rows a program, with fp8 MMAs, q as two e4m3 terms
-    (``fp8_mma``, with ``defer_sums``); a stored param set without them ran the earlier forms
-    and still does."""
+    (``fp8_mma``, with ``defer_sums`` and ``stacked``); a stored param set without them ran
+    the earlier forms and still does."""
 
     id = "transposed/gluon"
     kernel = "gluon_transposed"
@@ -190,9 +190,11 @@ class TransposedGluonRoute(WgmmaGluonRoute):
     # 1-8). H200, 2026-12-01 (benchmarks/results/README.md, session 10).
     # fp8_mma: an fp8 cache read with fp8 MMAs (gluon_transposed_fp8); defer_sums: its row
     # sums reduced once after the last tile (0.92x the time at (128, 16, 8192, 1) and
-    # (64, 16, 4096, 1) fp8, same at batch 1; H200, 2026-12-01, session 13).
+    # (64, 16, 4096, 1) fp8, same at batch 1; H200, 2026-12-01, session 13); stacked: q's two
+    # e4m3 terms in one wgmma operand (0.92x the time at (128, 16, 8192, 1) fp8, 0.95x at
+    # (64, 16, 4096, 1); H200, 2026-12-02, session 19).
     kernel_options = MappingProxyType({"ws": False, "pdl": False, "fp8_mma": False,
-                                       "defer_sums": False})
+                                       "defer_sums": False, "stacked": False})
 
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
         """The split counts with PDL. Over an fp8 cache, widened; at up to 16 query rows a
@@ -207,7 +209,7 @@ class TransposedGluonRoute(WgmmaGluonRoute):
         widen = [{**params, "ws": True} for params in sets]
         if not self.offers_fp8_mma(problem):
             return widen
-        fp8_mma = {"fp8_mma": True, "defer_sums": True}
+        fp8_mma = {"fp8_mma": True, "defer_sums": True, "stacked": True}
         return [form for params in widen for form in ({**params, **fp8_mma}, params)]
 
     def launcher(self, problem: MLAProblem, chosen: Params) -> tuple[Callable, dict]:
