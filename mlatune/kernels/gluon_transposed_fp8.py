@@ -154,9 +154,12 @@ def _quantize_q(q_bufs, q8_bufs, col_layout: gl.constexpr, num_warps: gl.constex
 # both layouts (2 lanes along keys, 3 along dims; 4 warps along dims); only the register
 # order differs: dims first to load (16 contiguous bytes of a key's row), keys first to store
 # (16 contiguous bytes of a dim's row in V^T), so the conversion between them stays in each
-# thread's registers (byte permutes, no shuffles). 16-byte accesses of these lanes meet the
-# two buffers' swizzles with no bank conflict on the loads and 2-way on the stores (4 keys x
-# 4 dims blocks: 2-way and 4-way, twice the shared-memory wavefronts). [64 keys, 512 dims] ...
+# thread's registers (byte permutes, no shuffles). Measured (Nsight Compute, H200, 2026-12-02,
+# session 19): the loads 4-way bank-conflicted (the K tile's 128-byte swizzle turns on key % 8,
+# which the key lanes do not change) and the stores 2-way (V^T's 64-byte swizzle turns on the
+# low dims, held in registers); moving lanes between keys and dims trades one for the other,
+# the ways multiplying to 8, so 24 wavefronts a load-store pair is the least for these blocks
+# (4 keys x 4 dims blocks were twice the wavefronts). [64 keys, 512 dims] ...
 _V_LOAD = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [1, 0], [2, 0], [4, 0], [8, 0]],
     lane_bases=[[16, 0], [32, 0], [0, 16], [0, 32], [0, 64]],
