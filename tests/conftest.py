@@ -10,3 +10,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Under pytest-xdist (README's `-n 2`) each worker process gets one core's share of torch's
+# threads, so two workers do not oversubscribe the CI machine's two cores (timings that tests
+# compare, such as first sight's, stay apart).
+if os.environ.get("PYTEST_XDIST_WORKER") and not torch.cuda.is_available():
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(
+        os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))

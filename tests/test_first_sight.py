@@ -30,7 +30,7 @@ class SlowRoute(FakeRoute):
         inner = prepared.run
 
         def run() -> None:
-            time.sleep(0.05)  # far beyond the noise of timing the reference on a busy CPU
+            time.sleep(0.2)  # far beyond the noise of timing the reference on a busy CPU
             inner()
 
         prepared.run = run
