@@ -466,6 +466,5 @@ def aot_compile(dtype: str = "bf16", *, rows: int = 16, direct: bool = True,
                      STAGES=ring_stages(br), Q_TERMS=q_terms, DEFER_SUMS=defer_sums,
                      STACKED=stacked, num_warps=base.NUM_WARPS)
     return aot_compile_kernel(transposed_fp8_kernel, constants,
-                              base._blocks(dtype, "fp8", br, BLOCK_N),
-                              base._pointers(dtype),
+                              base._blocks(dtype, "fp8", br, BLOCK_N), base._pointers(dtype),
                               arch=arch, num_warps=base.NUM_WARPS, maxnreg=MAXNREG)
