@@ -58,6 +58,9 @@
 #   profilefp8     Nsight Compute at (128, 16, 8192, 1) fp8: the fp8-MMA kernel's per-SASS stall
 #                  samples (profile_sass.sh), then its and FlashMLA's fp8 kernel's sections
 #                  (speed of light, pipes, warp states, memory, scheduler) into $OUT/ncu-fp8-*.txt
+#   wideab         the fp8-MMA kernel's wide_vt form (V^T transposed without bank conflicts):
+#                  the fp8 GPU tests of tests/test_gluon_gpu.py, then decode.py at the fp8
+#                  points with and without it, alternating twice, then its per-SASS profile
 #   fp8mma         gluon_check.py over fp8 caches: the fp8-MMA kernel (gluon_transposed_fp8,
 #                  q as two e4m3 terms and as one) beside the widening and FlashMLA; with
 #                  EXPERIMENTAL=1 also its experimental forms (gluon_check.EXPERIMENTAL)
@@ -216,6 +219,18 @@ transposed/gluon fp8mma deferred" > "$OUT/seesaw-check.log" 2>&1
                   transposed/gluon 128 16 8192 fp8_e4m3fn "$FP8_SET" | tee -a "$OUT/session.log"
                 ncu_fp8 transposed_fp8_kernel transposed/gluon "$FP8_SET"
                 ncu_fp8 fwd dense/flashmla '{}' ;;
+    wideab) timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gluon_gpu.py \
+              -k fp8 > "$OUT/wide-tests.log" 2>&1
+            log "wideab tests: rc=$?; $(tail -1 "$OUT/wide-tests.log")"
+            grep "^FAILED" "$OUT/wide-tests.log" | tee -a "$OUT/session.log"
+            timeout 200 python3 benchmarks/decode.py --points 3,2,0 --kv fp8 \
+              --max-params 1 --routes transposed/gluon,dense/flashmla --out "$OUT/wideab" \
+              --forms '{"transposed/gluon": [{}, {"wide_vt": false}, {}, {"wide_vt": false}]}' \
+              > "$OUT/wideab.log" 2>&1
+            log "wideab: rc=$?"; cat "$OUT"/wideab/decode-*.md | grep -A30 "## Forms" \
+              | tee -a "$OUT/session.log"
+            bash benchmarks/profile_sass.sh fp8-wide transposed_fp8_kernel transposed/gluon \
+              128 16 8192 fp8_e4m3fn "${FP8_SET%\}}, \"wide_vt\": true}" | tee -a "$OUT/session.log" ;;
     *) log "unknown step $step" ;;
   esac
 done

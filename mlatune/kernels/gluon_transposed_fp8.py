@@ -171,23 +171,82 @@ _VT_STORE = gl.constexpr(gl.DistributedLinearLayout(
     warp_bases=[[128, 0], [256, 0]], block_bases=[], shape=[512, 64]))
 
 
+# ``wide_vt``: V^T is one [512 dims, 128 key slots] buffer (128-byte rows, 128-byte swizzle),
+# tile t's keys in slots [64 (t % 2), +64), each key k at slot KEY_SLOT(k) = 16 (k % 4) +
+# k // 4 (P^T's rows alike, so the product is the same). A thread loads 4 dims of a key (4
+# bytes) and stores 16 slots of a dim (16 bytes); the lanes that change a load's bank (keys
+# 1-2 through the K tile's swizzle, dims 4, 8, 64) also change a store's (keys 1-2 are slot
+# bits 4-5; dim 4 flips V^T's swizzle), so neither side conflicts by the bank model, 16
+# shared wavefronts a warp's KB against 48 for the blocks above. [64 keys, 512 dims] ...
+_V_LOAD_WIDE = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [4, 0], [8, 0], [16, 0], [32, 0], [0, 16], [0, 32]],
+    lane_bases=[[1, 0], [2, 0], [0, 4], [0, 8], [0, 64]],
+    warp_bases=[[0, 128], [0, 256]], block_bases=[], shape=[64, 512]))
+# ... and [512 dims, 64 slots]: the same threads' elements, the slots first in registers.
+_VT_STORE_WIDE = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [1, 0], [2, 0], [16, 0], [32, 0]],
+    lane_bases=[[0, 16], [0, 32], [4, 0], [8, 0], [64, 0]],
+    warp_bases=[[128, 0], [256, 0]], block_bases=[], shape=[512, 64]))
+VT_WIDE_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8,
+                                                   rank=2))
+
+
 @gluon.jit
-def _transpose_v(kn, vt):
+def _transpose_v(kn, vt, valid, MASKED: gl.constexpr, load_layout: gl.constexpr,
+                 store_layout: gl.constexpr, SLOTTED: gl.constexpr):
     """The tile's V (keys x 512 dims, fp8) into ``vt`` as dims x keys, keys contiguous (4
-    warps). Each thread moves a 16 x 16 byte block: sixteen 16-byte loads, a byte transpose
-    in registers, sixteen 16-byte stores."""
-    v = kn.load(_V_LOAD).to(gl.int8, bitcast=True)
-    vt.store(gl.convert_layout(gl.permute(v, (1, 0)), _VT_STORE).to(vt.dtype, bitcast=True))
+    warps); ``MASKED``: rows >= valid as zeros (a split's last tile: the cache holds NaN past
+    a request's length; this reader must not write the ring slot). The two layouts share
+    lanes and warps, so the conversion is byte permutes in each thread's registers."""
+    v = kn.load(load_layout).to(gl.int8, bitcast=True)
+    if MASKED:
+        keys = gl.arange(0, kn.shape[0], layout=gl.SliceLayout(1, load_layout))
+        v = gl.where(gl.expand_dims(keys < valid, 1), v, gl.zeros_like(v))
+    if SLOTTED:
+        v = _key_slots(v)
+    vt.store(gl.convert_layout(gl.permute(v, (1, 0)), store_layout).to(vt.dtype, bitcast=True))
 
 
 @gluon.jit
-def _transpose_v_masked(kn, vt, valid):
-    """``_transpose_v`` with rows >= valid as zeros (a split's last tile: the cache holds NaN
-    past a request's length), for a reader that must not write the ring slot."""
-    v = kn.load(_V_LOAD).to(gl.int8, bitcast=True)
-    keys = gl.arange(0, kn.shape[0], layout=gl.SliceLayout(1, _V_LOAD))
-    v = gl.where(gl.expand_dims(keys < valid, 1), v, gl.zeros_like(v))
-    vt.store(gl.convert_layout(gl.permute(v, (1, 0)), _VT_STORE).to(vt.dtype, bitcast=True))
+def _key_slots(x):
+    """[keys, n] -> [slots, n]: key k to slot 16 (k % 4) + k // 4 (``wide_vt``), a relabeling
+    of which element each thread holds (no data moves)."""
+    BN: gl.constexpr = x.shape[0]
+    x = gl.reshape(x, [BN // 4, 4, x.shape[1]])
+    return gl.reshape(gl.permute(x, (1, 0, 2)), [BN, x.shape[2]])
+
+
+@gluon.jit
+def _transpose_into(kn, vts, j, valid, MASKED: gl.constexpr):
+    """Tile j % 2's V^T: into buffer j of [2, dims, keys], or (``wide_vt``: [dims, 2 keys])
+    into its half of the keys."""
+    BN: gl.constexpr = kn.shape[0]
+    if len(vts.shape) == 3:
+        _transpose_v(kn, vts.index(j), valid, MASKED, _V_LOAD, _VT_STORE, False)
+    elif j == 0:
+        _transpose_v(kn, vts.slice(0, BN, dim=1), valid, MASKED, _V_LOAD_WIDE, _VT_STORE_WIDE,
+                     True)
+    else:
+        _transpose_v(kn, vts.slice(BN, BN, dim=1), valid, MASKED, _V_LOAD_WIDE,
+                     _VT_STORE_WIDE, True)
+
+
+@gluon.jit
+def _o_step(vts, j, p_t, acc, s_next):
+    """O^T += V^T P^T with tile j % 2's V^T (see ``_transpose_into``), then the wait for it
+    and the next tile's S^T: (S^T, O^T). (Inside the branch on j: an async product's
+    accumulator cannot leave one.)"""
+    BN: gl.constexpr = p_t.shape[0]
+    if len(vts.shape) == 3:
+        acc = warpgroup_mma(vts.index(j), p_t, acc, is_async=True)
+        s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, acc))
+    elif j == 0:
+        acc = warpgroup_mma(vts.slice(0, BN, dim=1), p_t, acc, is_async=True)
+        s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, acc))
+    else:
+        acc = warpgroup_mma(vts.slice(BN, BN, dim=1), p_t, acc, is_async=True)
+        s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, acc))
+    return s, acc
 
 
 # The partitions ---------------------------------------------------------------------------
@@ -233,9 +292,9 @@ def _ws_transposer(ring, vts, bars, start, end, n_tiles):
         mbarrier.wait(vt_empty.index(j), ((t // 2) & 1) ^ 1)
         valid = end - (start + t * BN)
         if valid < BN:
-            _transpose_v_masked(k_nope.index(slot), vts.index(j), valid)
+            _transpose_into(k_nope.index(slot), vts, j, valid, True)
         else:
-            _transpose_v(k_nope.index(slot), vts.index(j))
+            _transpose_into(k_nope.index(slot), vts, j, valid, False)
         fence_async_shared()  # V^T (generic-proxy writes) is read by wgmma
         gl.thread_barrier()  # the partition's four warps are done with V^T and the slot
         mbarrier.arrive(vt_ready.index(j))
@@ -335,13 +394,15 @@ def _ws_mma(q_bufs, q8_bufs, ring, vts, p_buf, bars, ptrs, counter_ptr, ints, se
         else:
             p, m_i, l_i, alpha = online_softmax(scores, start + t * BN, end, last_pos, keys,
                                                 m_i, l_i, 0)
-        p_buf.store(gl.permute((p * (2.0 ** P_SHIFT)).to(p_buf.dtype), (1, 0)))
+        p8 = (p * (2.0 ** P_SHIFT)).to(p_buf.dtype)
+        if len(vts.shape) == 2:  # wide_vt: P^T's rows in V^T's key slots
+            p8 = _key_slots(p8)
+        p_buf.store(gl.permute(p8, (1, 0)))
         fence_async_shared()
         gl.thread_barrier()  # every warp's P^T is in
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, o_layout)), 0)
         mbarrier.wait(vt_ready.index(j), (t // 2) & 1)
-        acc = warpgroup_mma(vts.index(j), p_buf.permute((1, 0)), acc, is_async=True)
-        s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, acc))
+        s, acc = _o_step(vts, j, p_buf.permute((1, 0)), acc, s_next)
         gl.thread_barrier()  # every warp is past both: P^T and V^T free
         mbarrier.arrive(vt_empty.index(j))
         if more:
@@ -364,7 +425,7 @@ def transposed_fp8_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and th
                           STAGES: gl.constexpr, Q_TERMS: gl.constexpr,
                           DEFER_SUMS: gl.constexpr, MERGE: gl.constexpr,
                           PDL: gl.constexpr, num_warps: gl.constexpr,
-                          STACKED: gl.constexpr = False):
+                          STACKED: gl.constexpr = False, WIDE_VT: gl.constexpr = False):
     BN: gl.constexpr = kn_desc.block_type.shape[0]
     DN: gl.constexpr = kn_desc.block_type.shape[1]
     DR: gl.constexpr = kr_desc.block_type.shape[1]
@@ -375,8 +436,11 @@ def transposed_fp8_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and th
     q_bufs, q8_bufs = _q_buffers(qn_desc, qr_desc, fp8, Q_TERMS, STACKED)
     k_nope = gl.allocate_shared_memory(fp8, [STAGES, BN, DN], kn_desc.layout)
     k_rope = gl.allocate_shared_memory(fp8, [STAGES, BN, DR], kr_desc.layout)
-    vts = gl.allocate_shared_memory(fp8, [2, DN, BN],
-                                    gl.NVMMASharedLayout.get_default_for([DN, BN], fp8))
+    if WIDE_VT:
+        vts = gl.allocate_shared_memory(fp8, [DN, 2 * BN], VT_WIDE_LAYOUT)
+    else:
+        vts = gl.allocate_shared_memory(fp8, [2, DN, BN],
+                                        gl.NVMMASharedLayout.get_default_for([DN, BN], fp8))
     p_buf = gl.allocate_shared_memory(fp8, [BR, BN],
                                       gl.NVMMASharedLayout.get_default_for([BR, BN], fp8))
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
@@ -425,14 +489,16 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                     kv_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
                     lse: torch.Tensor | None = None, num_splits: int | None = None,
                     max_seq_len: int | None = None, merge: str = base.MERGE, pdl: bool = False,
-                    q_terms: int = Q_TERMS, defer_sums: bool = False, stacked: bool = False
+                    q_terms: int = Q_TERMS, defer_sums: bool = False, stacked: bool = False,
+                    wide_vt: bool = False
                     ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
     """``gluon_transposed.decode_launcher`` for this kernel: an fp8 e4m3 cache only, q as
     ``q_terms`` e4m3 terms per row (1: a quantized q's accuracy, ``QUANTIZED_Q``).
     ``defer_sums``: ``_ws_mma``'s DEFER_SUMS (ran correct on the H200, 2026-12-01, and
     faster than without: the module's notes). ``stacked`` (two terms only): q's terms one
     above the other in one operand, S^T one wgmma group a part of twice the N (the K tile
-    read once, not once a term), the halves added in registers (``_fold``)."""
+    read once, not once a term), the halves added in registers (``_fold``). ``wide_vt``: V^T
+    transposed in 4 x 4 byte blocks into one buffer of 128-byte rows (``_V_LOAD_WIDE``)."""
     if kv_cache.dtype not in base.FP8_CACHES:
         raise ValueError(f"the fp8-MMA transposed decode reads an fp8 cache only, got "
                          f"{kv_cache.dtype}")
@@ -447,7 +513,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
         raise ValueError(f"gluon transposed MLA decode (fp8 MMAs): {why}")
     rows = plan.transposed_rows(qlen * heads)
     meta = dict(CAUSAL=causal and qlen > 1, PAGE=PAGE_SIZE, STAGES=ring_stages(rows),
-                Q_TERMS=q_terms, DEFER_SUMS=defer_sums, STACKED=stacked,
+                Q_TERMS=q_terms, DEFER_SUMS=defer_sums, STACKED=stacked, WIDE_VT=wide_vt,
                 **compile_options(base.NUM_WARPS, MAXNREG))
     descs = tma_descriptors(q, kv_cache, rows)
     return base.launch(transposed_fp8_kernel, descs, q, block_table, seq_lens, kv_scale, out,
@@ -457,14 +523,15 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
 
 def aot_compile(dtype: str = "bf16", *, rows: int = 16, direct: bool = True,
                 causal: bool = True, merge: str = base.MERGE, arch: int = 90,
-                q_terms: int = Q_TERMS, defer_sums: bool = False, stacked: bool = False):
+                q_terms: int = Q_TERMS, defer_sums: bool = False, stacked: bool = False,
+                wide_vt: bool = False):
     """Compile ``transposed_fp8_kernel`` (a ``dtype`` q over an fp8 cache) for ``sm_<arch>``
     without a GPU; returns triton's CompiledKernel."""
     br = plan.transposed_rows(rows)
     constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=PAGE_SIZE,
                      MERGE=not direct and merge != "reduce", PDL=False,
                      STAGES=ring_stages(br), Q_TERMS=q_terms, DEFER_SUMS=defer_sums,
-                     STACKED=stacked, num_warps=base.NUM_WARPS)
+                     STACKED=stacked, WIDE_VT=wide_vt, num_warps=base.NUM_WARPS)
     return aot_compile_kernel(transposed_fp8_kernel, constants,
                               base._blocks(dtype, "fp8", br, BLOCK_N), base._pointers(dtype),
                               arch=arch, num_warps=base.NUM_WARPS, maxnreg=MAXNREG)

@@ -169,7 +169,7 @@ FP8_MMA_MAX_ROWS = 16  # query rows a program up to which transposed/gluon offer
 # decode_launcher takes (``ws`` and ``fp8_mma`` choose the kernel).
 TRANSPOSED_KERNELS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "gluon_transposed": ("pdl", ), "gluon_transposed_ws": ("pdl", ),
-    "gluon_transposed_fp8": ("pdl", "defer_sums", "stacked")})
+    "gluon_transposed_fp8": ("pdl", "defer_sums", "stacked", "wide_vt")})
 
 
 class TransposedGluonRoute(WgmmaGluonRoute):
@@ -194,7 +194,8 @@ class TransposedGluonRoute(WgmmaGluonRoute):
     # e4m3 terms in one wgmma operand (0.92x the time at (128, 16, 8192, 1) fp8, 0.95x at
     # (64, 16, 4096, 1); H200, 2026-12-02, session 19).
     kernel_options = MappingProxyType({"ws": False, "pdl": False, "fp8_mma": False,
-                                       "defer_sums": False, "stacked": False})
+                                       "defer_sums": False, "stacked": False,
+                                       "wide_vt": False})
 
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
         """The split counts with PDL. Over an fp8 cache, widened; at up to 16 query rows a
@@ -209,7 +210,7 @@ class TransposedGluonRoute(WgmmaGluonRoute):
         widen = [{**params, "ws": True} for params in sets]
         if not self.offers_fp8_mma(problem):
             return widen
-        fp8_mma = {"fp8_mma": True, "defer_sums": True, "stacked": True}
+        fp8_mma = {"fp8_mma": True, "defer_sums": True, "stacked": True, "wide_vt": True}
         return [form for params in widen for form in ({**params, **fp8_mma}, params)]
 
     def launcher(self, problem: MLAProblem, chosen: Params) -> tuple[Callable, dict]:
