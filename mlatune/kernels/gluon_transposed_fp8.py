@@ -342,7 +342,7 @@ def _mma_layout(cols):
 @gluon.jit
 def _ws_mma(q_bufs, q8_bufs, ring, vts, p_buf, bars, ptrs, counter_ptr, ints, seq_len, start,
             end, n_tiles, qk, kv_scale, CAUSAL: gl.constexpr, DIRECT: gl.constexpr,
-            MERGE: gl.constexpr, DEFER_SUMS: gl.constexpr):
+            MERGE: gl.constexpr, DEFER_SUMS: gl.constexpr, SKIP_RESCALE: gl.constexpr):
     """q quantized, then per tile S^T (fp8), the softmax, O^T += V^T P^T (fp8); the epilogue.
     ``DEFER_SUMS``: P's row sums kept per element ([keys, rows], rescaled like O^T) and
     summed over the keys once at the end, so a tile's softmax crosses the warps once (for
@@ -400,7 +400,12 @@ def _ws_mma(q_bufs, q8_bufs, ring, vts, p_buf, bars, ptrs, counter_ptr, ints, se
         p_buf.store(gl.permute(p8, (1, 0)))
         fence_async_shared()
         gl.thread_barrier()  # every warp's P^T is in
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, o_layout)), 0)
+        alpha_o = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, o_layout)), 0)
+        if SKIP_RESCALE:  # most tiles leave every row's max as it was: alpha all 1
+            if gl.min(alpha, axis=0) < 1.0:
+                acc = acc * alpha_o
+        else:
+            acc = acc * alpha_o
         mbarrier.wait(vt_ready.index(j), (t // 2) & 1)
         s, acc = _o_step(vts, j, p_buf.permute((1, 0)), acc, s_next)
         gl.thread_barrier()  # every warp is past both: P^T and V^T free
@@ -425,7 +430,8 @@ def transposed_fp8_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and th
                           STAGES: gl.constexpr, Q_TERMS: gl.constexpr,
                           DEFER_SUMS: gl.constexpr, MERGE: gl.constexpr,
                           PDL: gl.constexpr, num_warps: gl.constexpr,
-                          STACKED: gl.constexpr = False, WIDE_VT: gl.constexpr = False):
+                          STACKED: gl.constexpr = False, WIDE_VT: gl.constexpr = False,
+                          SKIP_RESCALE: gl.constexpr = False):
     BN: gl.constexpr = kn_desc.block_type.shape[0]
     DN: gl.constexpr = kn_desc.block_type.shape[1]
     DR: gl.constexpr = kr_desc.block_type.shape[1]
@@ -470,7 +476,8 @@ def transposed_fp8_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and th
                       n_tiles, PAGE)),
         (_ws_mma, (q_bufs, q8_bufs, ring, vts, p_buf, (q_bar, ready, k_empty, vt_ready, vt_empty),
                    ptrs, counter_ptr, ints, seq_len, start, end, n_tiles,
-                   qk_scale * kv_scale, kv_scale, CAUSAL, DIRECT, MERGE, DEFER_SUMS)),
+                   qk_scale * kv_scale, kv_scale, CAUSAL, DIRECT, MERGE, DEFER_SUMS,
+                   SKIP_RESCALE)),
         (_ws_transposer, (ring, vts, (ready, k_empty, vt_ready, vt_empty), start, end,
                           n_tiles)),
     ], [4, 4], [WS_MMA_REGS, WS_TRANSPOSE_REGS])
@@ -490,7 +497,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                     lse: torch.Tensor | None = None, num_splits: int | None = None,
                     max_seq_len: int | None = None, merge: str = base.MERGE, pdl: bool = False,
                     q_terms: int = Q_TERMS, defer_sums: bool = False, stacked: bool = False,
-                    wide_vt: bool = False
+                    wide_vt: bool = False, skip_rescale: bool = False
                     ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
     """``gluon_transposed.decode_launcher`` for this kernel: an fp8 e4m3 cache only, q as
     ``q_terms`` e4m3 terms per row (1: a quantized q's accuracy, ``QUANTIZED_Q``).
@@ -514,7 +521,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     rows = plan.transposed_rows(qlen * heads)
     meta = dict(CAUSAL=causal and qlen > 1, PAGE=PAGE_SIZE, STAGES=ring_stages(rows),
                 Q_TERMS=q_terms, DEFER_SUMS=defer_sums, STACKED=stacked, WIDE_VT=wide_vt,
-                **compile_options(base.NUM_WARPS, MAXNREG))
+                SKIP_RESCALE=skip_rescale, **compile_options(base.NUM_WARPS, MAXNREG))
     descs = tma_descriptors(q, kv_cache, rows)
     return base.launch(transposed_fp8_kernel, descs, q, block_table, seq_lens, kv_scale, out,
                        lse, qlen=qlen, sm_scale=sm_scale, num_splits=num_splits,
@@ -524,14 +531,15 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
 def aot_compile(dtype: str = "bf16", *, rows: int = 16, direct: bool = True,
                 causal: bool = True, merge: str = base.MERGE, arch: int = 90,
                 q_terms: int = Q_TERMS, defer_sums: bool = False, stacked: bool = False,
-                wide_vt: bool = False):
+                wide_vt: bool = False, skip_rescale: bool = False):
     """Compile ``transposed_fp8_kernel`` (a ``dtype`` q over an fp8 cache) for ``sm_<arch>``
     without a GPU; returns triton's CompiledKernel."""
     br = plan.transposed_rows(rows)
     constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=PAGE_SIZE,
                      MERGE=not direct and merge != "reduce", PDL=False,
                      STAGES=ring_stages(br), Q_TERMS=q_terms, DEFER_SUMS=defer_sums,
-                     STACKED=stacked, WIDE_VT=wide_vt, num_warps=base.NUM_WARPS)
+                     STACKED=stacked, WIDE_VT=wide_vt, SKIP_RESCALE=skip_rescale,
+                     num_warps=base.NUM_WARPS)
     return aot_compile_kernel(transposed_fp8_kernel, constants,
                               base._blocks(dtype, "fp8", br, BLOCK_N), base._pointers(dtype),
                               arch=arch, num_warps=base.NUM_WARPS, maxnreg=MAXNREG)
