@@ -61,8 +61,9 @@
 #   wideab         the fp8-MMA kernel's wide_vt form (V^T transposed without bank conflicts):
 #                  the fp8 GPU tests of tests/test_gluon_gpu.py, then decode.py at the fp8
 #                  points with and without it, alternating twice, then its per-SASS profile
-#   skipab         decode.py at the fp8 points, the route's fp8-MMA sets with and without
-#                  skip_rescale (O^T rescaled only when a row's max grew), alternating twice
+#   maxab          the fp8 GPU tests (the route's fp8-MMA sets with warp_max: a tile's max
+#                  over keys across the warps in one barrier), then decode.py at the fp8
+#                  points with and without it, alternating twice
 #   fp8mma         gluon_check.py over fp8 caches: the fp8-MMA kernel (gluon_transposed_fp8,
 #                  q as two e4m3 terms and as one) beside the widening and FlashMLA; with
 #                  EXPERIMENTAL=1 also its experimental forms (gluon_check.EXPERIMENTAL)
@@ -233,12 +234,16 @@ transposed/gluon fp8mma deferred" > "$OUT/seesaw-check.log" 2>&1
               | tee -a "$OUT/session.log"
             bash benchmarks/profile_sass.sh fp8-wide transposed_fp8_kernel transposed/gluon \
               128 16 8192 fp8_e4m3fn "${FP8_SET%\}}, \"wide_vt\": true}" | tee -a "$OUT/session.log" ;;
-    skipab) timeout 200 python3 benchmarks/decode.py --points 3,2,0 --kv fp8 \
-              --max-params 1 --routes transposed/gluon,dense/flashmla --out "$OUT/skipab" \
-              --forms '{"transposed/gluon": [{}, {"skip_rescale": true}, {}, {"skip_rescale": true}]}' \
-              > "$OUT/skipab.log" 2>&1
-            log "skipab: rc=$?"; cat "$OUT"/skipab/decode-*.md | grep -A30 "## Forms" \
-              | tee -a "$OUT/session.log" ;;
+    maxab) timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gluon_gpu.py \
+             -k fp8 > "$OUT/max-tests.log" 2>&1
+           log "maxab tests: rc=$?; $(tail -1 "$OUT/max-tests.log")"
+           grep "^FAILED" "$OUT/max-tests.log" | tee -a "$OUT/session.log"
+           timeout 200 python3 benchmarks/decode.py --points 3,2,0 --kv fp8 \
+             --max-params 1 --routes transposed/gluon,dense/flashmla --out "$OUT/maxab" \
+             --forms '{"transposed/gluon": [{}, {"warp_max": false}, {}, {"warp_max": false}]}' \
+             > "$OUT/maxab.log" 2>&1
+           log "maxab: rc=$?"; cat "$OUT"/maxab/decode-*.md | grep -A30 "## Forms" \
+             | tee -a "$OUT/session.log" ;;
     *) log "unknown step $step" ;;
   esac
 done

@@ -68,6 +68,8 @@ from mlatune.kernels.gluon_common import (
     compile_options,
     issue_kv,
     last_keys,
+    mask_scores,
+    no_shift,
     online_softmax,
     program_keys,
     softmax_step,
@@ -249,6 +251,42 @@ def _o_step(vts, j, p_t, acc, s_next):
     return s, acc
 
 
+@constexpr_function
+def _warps_by_columns(cols):
+    """[4 warps, cols]: every warp's value of a thread's columns in its registers, the
+    columns where the wgmma accumulator has them (2 (lane % 4) + {0, 1} + 8 i), the other
+    lanes and the warps holding copies."""
+    col_regs = [[0, 8 << i] for i in range((cols // 8).bit_length() - 1)]
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], *col_regs, [1, 0], [2, 0]],
+        lane_bases=[[0, 2], [0, 4], [0, 0], [0, 0], [0, 0]],
+        warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[4, cols])
+
+
+@gluon.jit
+def _key_max(s, warp_maxes):
+    """Each column's max over S^T's rows (the tile's keys, 16 a warp): each warp's by
+    shuffles, then the four through ``warp_maxes`` after one barrier, every thread reading
+    its columns' four. (``gl.max`` over the rows crosses the warps in two barriers and a
+    second round of shuffles.) The next write of ``warp_maxes`` comes after the barrier
+    that follows P^T's store, so no warp still reads it."""
+    W: gl.constexpr = warp_maxes.shape[0]
+    per_warp = gl.max(gl.reshape(s, [W, s.shape[0] // W, s.shape[1]]), axis=1)
+    warp_maxes.store(per_warp)
+    gl.thread_barrier()
+    every = warp_maxes.load(_warps_by_columns(s.shape[1]))
+    return gl.convert_layout(gl.max(every, axis=0), gl.SliceLayout(0, s.type.layout))
+
+
+@gluon.jit
+def _softmax_step(s, n0, end, last_pos, keys, m_i, warp_maxes):
+    """``softmax_step`` over S^T (keys on axis 0) with the max over keys by ``_key_max``."""
+    s = mask_scores(s, n0, end, last_pos, keys, 0)
+    m_new = gl.maximum(m_i, _key_max(s, warp_maxes))
+    m_shift = no_shift(m_new)
+    return gl.exp2(s - gl.expand_dims(m_shift, 0)), m_new, gl.exp2(m_i - m_shift)
+
+
 # The partitions ---------------------------------------------------------------------------
 
 MAXNREG = 168  # 12 warps: the two worker partitions rise to theirs, the loader gets the rest
@@ -342,7 +380,7 @@ def _mma_layout(cols):
 @gluon.jit
 def _ws_mma(q_bufs, q8_bufs, ring, vts, p_buf, bars, ptrs, counter_ptr, ints, seq_len, start,
             end, n_tiles, qk, kv_scale, CAUSAL: gl.constexpr, DIRECT: gl.constexpr,
-            MERGE: gl.constexpr, DEFER_SUMS: gl.constexpr, SKIP_RESCALE: gl.constexpr):
+            MERGE: gl.constexpr, DEFER_SUMS: gl.constexpr, WARP_MAX: gl.constexpr):
     """q quantized, then per tile S^T (fp8), the softmax, O^T += V^T P^T (fp8); the epilogue.
     ``DEFER_SUMS``: P's row sums kept per element ([keys, rows], rescaled like O^T) and
     summed over the keys once at the end, so a tile's softmax crosses the warps once (for
@@ -369,6 +407,9 @@ def _ws_mma(q_bufs, q8_bufs, ring, vts, p_buf, bars, ptrs, counter_ptr, ints, se
     l_i = gl.full([BR], 0.0, gl.float32, layout=col_s)
     l_acc = gl.zeros([BN, BR], gl.float32, layout=s_layout)  # DEFER_SUMS: per key slot
     acc = gl.zeros([DN, BR], gl.float32, layout=o_layout)
+    if WARP_MAX:  # each warp's max over its keys, a row per warp
+        warp_maxes = gl.allocate_shared_memory(gl.float32, [4, BR], gl.SwizzledSharedLayout(
+            1, 1, 1, [1, 0]))
     mbarrier.wait(q_bar, 0)
     qk_cols = gl.expand_dims(_quantize_q(q_bufs, q8_bufs, col_s, 4) * qk, 0)
     s = gl.zeros([BN, SN], gl.float32, layout=acc_s_layout)
@@ -388,7 +429,11 @@ def _ws_mma(q_bufs, q8_bufs, ring, vts, p_buf, bars, ptrs, counter_ptr, ints, se
         # product of the slot's old bytes, never read, so the issue count stays fixed).
         s_next = _issue_s(k_nope.index(nxt), k_rope.index(nxt), *q8_bufs, acc_s_layout)
         scores = _fold(s, BR, s_layout) * qk_cols
-        if DEFER_SUMS:
+        if WARP_MAX:
+            p, m_i, alpha = _softmax_step(scores, start + t * BN, end, last_pos, keys, m_i,
+                                          warp_maxes)
+            l_acc = l_acc * gl.expand_dims(alpha, 0) + p
+        elif DEFER_SUMS:
             p, m_i, alpha = softmax_step(scores, start + t * BN, end, last_pos, keys, m_i, 0)
             l_acc = l_acc * gl.expand_dims(alpha, 0) + p
         else:
@@ -400,12 +445,7 @@ def _ws_mma(q_bufs, q8_bufs, ring, vts, p_buf, bars, ptrs, counter_ptr, ints, se
         p_buf.store(gl.permute(p8, (1, 0)))
         fence_async_shared()
         gl.thread_barrier()  # every warp's P^T is in
-        alpha_o = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, o_layout)), 0)
-        if SKIP_RESCALE:  # most tiles leave every row's max as it was: alpha all 1
-            if gl.min(alpha, axis=0) < 1.0:
-                acc = acc * alpha_o
-        else:
-            acc = acc * alpha_o
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, o_layout)), 0)
         mbarrier.wait(vt_ready.index(j), (t // 2) & 1)
         s, acc = _o_step(vts, j, p_buf.permute((1, 0)), acc, s_next)
         gl.thread_barrier()  # every warp is past both: P^T and V^T free
@@ -431,7 +471,7 @@ def transposed_fp8_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and th
                           DEFER_SUMS: gl.constexpr, MERGE: gl.constexpr,
                           PDL: gl.constexpr, num_warps: gl.constexpr,
                           STACKED: gl.constexpr = False, WIDE_VT: gl.constexpr = False,
-                          SKIP_RESCALE: gl.constexpr = False):
+                          WARP_MAX: gl.constexpr = False):
     BN: gl.constexpr = kn_desc.block_type.shape[0]
     DN: gl.constexpr = kn_desc.block_type.shape[1]
     DR: gl.constexpr = kr_desc.block_type.shape[1]
@@ -477,7 +517,7 @@ def transposed_fp8_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and th
         (_ws_mma, (q_bufs, q8_bufs, ring, vts, p_buf, (q_bar, ready, k_empty, vt_ready, vt_empty),
                    ptrs, counter_ptr, ints, seq_len, start, end, n_tiles,
                    qk_scale * kv_scale, kv_scale, CAUSAL, DIRECT, MERGE, DEFER_SUMS,
-                   SKIP_RESCALE)),
+                   WARP_MAX)),
         (_ws_transposer, (ring, vts, (ready, k_empty, vt_ready, vt_empty), start, end,
                           n_tiles)),
     ], [4, 4], [WS_MMA_REGS, WS_TRANSPOSE_REGS])
@@ -497,7 +537,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                     lse: torch.Tensor | None = None, num_splits: int | None = None,
                     max_seq_len: int | None = None, merge: str = base.MERGE, pdl: bool = False,
                     q_terms: int = Q_TERMS, defer_sums: bool = False, stacked: bool = False,
-                    wide_vt: bool = False, skip_rescale: bool = False
+                    wide_vt: bool = False, warp_max: bool = False
                     ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
     """``gluon_transposed.decode_launcher`` for this kernel: an fp8 e4m3 cache only, q as
     ``q_terms`` e4m3 terms per row (1: a quantized q's accuracy, ``QUANTIZED_Q``).
@@ -521,7 +561,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     rows = plan.transposed_rows(qlen * heads)
     meta = dict(CAUSAL=causal and qlen > 1, PAGE=PAGE_SIZE, STAGES=ring_stages(rows),
                 Q_TERMS=q_terms, DEFER_SUMS=defer_sums, STACKED=stacked, WIDE_VT=wide_vt,
-                SKIP_RESCALE=skip_rescale, **compile_options(base.NUM_WARPS, MAXNREG))
+                WARP_MAX=warp_max, **compile_options(base.NUM_WARPS, MAXNREG))
     descs = tma_descriptors(q, kv_cache, rows)
     return base.launch(transposed_fp8_kernel, descs, q, block_table, seq_lens, kv_scale, out,
                        lse, qlen=qlen, sm_scale=sm_scale, num_splits=num_splits,
@@ -531,14 +571,14 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
 def aot_compile(dtype: str = "bf16", *, rows: int = 16, direct: bool = True,
                 causal: bool = True, merge: str = base.MERGE, arch: int = 90,
                 q_terms: int = Q_TERMS, defer_sums: bool = False, stacked: bool = False,
-                wide_vt: bool = False, skip_rescale: bool = False):
+                wide_vt: bool = False, warp_max: bool = False):
     """Compile ``transposed_fp8_kernel`` (a ``dtype`` q over an fp8 cache) for ``sm_<arch>``
     without a GPU; returns triton's CompiledKernel."""
     br = plan.transposed_rows(rows)
     constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=PAGE_SIZE,
                      MERGE=not direct and merge != "reduce", PDL=False,
                      STAGES=ring_stages(br), Q_TERMS=q_terms, DEFER_SUMS=defer_sums,
-                     STACKED=stacked, WIDE_VT=wide_vt, SKIP_RESCALE=skip_rescale,
+                     STACKED=stacked, WIDE_VT=wide_vt, WARP_MAX=warp_max,
                      num_warps=base.NUM_WARPS)
     return aot_compile_kernel(transposed_fp8_kernel, constants,
                               base._blocks(dtype, "fp8", br, BLOCK_N), base._pointers(dtype),

@@ -169,7 +169,7 @@ FP8_MMA_MAX_ROWS = 16  # query rows a program up to which transposed/gluon offer
 # decode_launcher takes (``ws`` and ``fp8_mma`` choose the kernel).
 TRANSPOSED_KERNELS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "gluon_transposed": ("pdl", ), "gluon_transposed_ws": ("pdl", ),
-    "gluon_transposed_fp8": ("pdl", "defer_sums", "stacked", "wide_vt", "skip_rescale")})
+    "gluon_transposed_fp8": ("pdl", "defer_sums", "stacked", "wide_vt", "warp_max")})
 
 
 class TransposedGluonRoute(WgmmaGluonRoute):
@@ -195,7 +195,7 @@ class TransposedGluonRoute(WgmmaGluonRoute):
     # (64, 16, 4096, 1); H200, 2026-12-02, session 19).
     kernel_options = MappingProxyType({"ws": False, "pdl": False, "fp8_mma": False,
                                        "defer_sums": False, "stacked": False,
-                                       "wide_vt": False, "skip_rescale": False})
+                                       "wide_vt": False, "warp_max": False})
 
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
         """The split counts with PDL. Over an fp8 cache, widened; at up to 16 query rows a
@@ -210,7 +210,8 @@ class TransposedGluonRoute(WgmmaGluonRoute):
         widen = [{**params, "ws": True} for params in sets]
         if not self.offers_fp8_mma(problem):
             return widen
-        fp8_mma = {"fp8_mma": True, "defer_sums": True, "stacked": True, "wide_vt": True}
+        fp8_mma = {"fp8_mma": True, "defer_sums": True, "stacked": True, "wide_vt": True,
+                   "warp_max": True}
         return [form for params in widen for form in ({**params, **fp8_mma}, params)]
 
     def launcher(self, problem: MLAProblem, chosen: Params) -> tuple[Callable, dict]:
