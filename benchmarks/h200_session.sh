@@ -74,7 +74,7 @@ set -u -o pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # keeps carried wheels
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" runs
 BUDGET_S=${BUDGET_S:-540}
-FP8_SET='{"num_splits": 1, "pdl": true, "ws": true, "fp8_mma": true, "defer_sums": true, "stacked": true}'
+FP8_SET='{"num_splits": 1, "pdl": true, "ws": true, "fp8_mma": true, "defer_sums": true, "stacked": true, "wide_vt": true, "warp_max": true}'
 T0=$(date +%s)
 NGPU=$(nvidia-smi -L | wc -l)
 log() { echo "[$(date -u +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/session.log"; }

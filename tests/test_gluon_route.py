@@ -525,17 +525,22 @@ def test_an_fp8_mma_set_runs_the_fp8_kernel_over_fp8_only(monkeypatch):
     assert not fakes["gluon_transposed_ws"].calls
 
 
-def test_the_fp8_mma_sets_stack_q_terms_and_a_stored_set_keeps_its_unstacked_form(monkeypatch):
-    """The route's fp8-MMA sets run q's two terms stacked in one operand (``stacked``); a
-    set stored before it (no ``stacked``) still runs the two-operand form it was timed as."""
+@pytest.mark.parametrize("option", ["stacked", "wide_vt", "warp_max"])
+def test_the_fp8_mma_sets_run_their_forms_and_a_stored_set_keeps_the_form_it_ran(monkeypatch,
+                                                                                option):
+    """The route's fp8-MMA sets run q's two terms stacked in one operand (``stacked``), V^T
+    moved without bank conflicts (``wide_vt``) and the tile's max across the warps in one
+    barrier (``warp_max``); a set stored before an option (without it) still runs the form
+    it was timed as."""
     fakes = _transposed_recorders(monkeypatch)
     route = routes.get("transposed/gluon")
     problem = _p(batch=2, kv_len=300, kv_dtype="fp8_e4m3fn")
     fp8_sets = [p for p in route.param_space(problem, H200) if p.get("fp8_mma")]
-    assert fp8_sets and all(p["stacked"] for p in fp8_sets)
+    assert fp8_sets and all(p[option] for p in fp8_sets)
     inputs = make_decode_inputs(problem, seed=15)
     route.prepare(problem, inputs, params=fp8_sets[0])
-    stored = {k: v for k, v in fp8_sets[0].items() if k != "stacked"}
+    stored = {k: v for k, v in fp8_sets[0].items() if k != option}
     route.prepare(problem, inputs, params=stored)
     new, old = fakes["gluon_transposed_fp8"].calls
-    assert new["stacked"] is True and old["stacked"] is False
+    assert new[option] is True and old[option] is False
+    assert all(new[k] == old[k] for k in ("stacked", "wide_vt", "warp_max") if k != option)

@@ -239,3 +239,49 @@ def test_stacked_terms_halve_the_score_wgmmas_and_add_their_halves_in_registers(
         assert sass[stacked].count(op) == sass[plain].count(op), op
     assert sass_hazards.undefined_descriptors(sass[stacked]) == []
     assert sass_hazards.hazards(sass[stacked])[2] == []
+
+
+def _sass_ops(listing: str, op: str) -> int:
+    """Instructions of exactly opcode ``op`` (``LDS`` is not ``LDS.128``)."""
+    return len(re.findall(rf"\b{re.escape(op)}\s", listing))
+
+
+def test_the_wide_transpose_loads_4_bytes_stores_16_and_keeps_one_o_product():
+    """``wide_vt``: V^T one buffer of two tiles' key slots, the transposer's sixteen 16-byte
+    loads a tile become 4-byte ones (64), its stores stay 16-byte; O^T is still one product
+    of 16 wgmmas a tile (the tile's half of the buffer chosen by address, not a product for
+    each half); the same shared memory, no local memory, no hazard."""
+    _needs_gluon_triton()
+    from mlatune.kernels import gluon_transposed_fp8 as f
+    from tests import sass_hazards
+
+    plain, wide = (f.aot_compile("bf16", rows=16, direct=False, defer_sums=True, stacked=True,
+                                 wide_vt=flag) for flag in (False, True))
+    assert wide.asm["ptx"].count("m64n16k32") == plain.asm["ptx"].count("m64n16k32") == 16
+    assert wide.metadata.shared == plain.metadata.shared
+    assert resources(wide)["stack"] == 0
+    sass = {k: sass_hazards.listing(k) for k in (plain, wide)}
+    paths = 2  # the transposer's full and masked tiles
+    assert _sass_ops(sass[wide], "LDS") - _sass_ops(sass[plain], "LDS") == 64 * paths
+    assert _sass_ops(sass[plain], "LDS.128") - _sass_ops(sass[wide], "LDS.128") > 15 * paths
+    assert _sass_ops(sass[wide], "STS.128") == _sass_ops(sass[plain], "STS.128")
+    assert sass_hazards.undefined_descriptors(sass[wide]) == []
+    assert sass_hazards.hazards(sass[wide])[2] == []
+
+
+def test_warp_max_takes_the_tiles_max_over_keys_in_one_barrier_not_two():
+    """``warp_max``: each warp's max over its 16 keys by shuffles, the four warps' through
+    shared memory after one barrier; ``gl.max`` over S^T's rows took a second barrier and a
+    second round of two shuffles. No local memory, no hazard."""
+    _needs_gluon_triton()
+    from mlatune.kernels import gluon_transposed_fp8 as f
+    from tests import sass_hazards
+
+    plain, warp = (f.aot_compile("bf16", rows=16, direct=False, defer_sums=True, stacked=True,
+                                 wide_vt=True, warp_max=flag) for flag in (False, True))
+    sass = {k: sass_hazards.listing(k) for k in (plain, warp)}
+    assert _sass_ops(sass[plain], "BAR.SYNC.DEFER_BLOCKING") \
+        - _sass_ops(sass[warp], "BAR.SYNC.DEFER_BLOCKING") == 1
+    assert _sass_ops(sass[plain], "SHFL.BFLY") - _sass_ops(sass[warp], "SHFL.BFLY") == 2
+    assert resources(warp)["stack"] == 0
+    assert sass_hazards.hazards(sass[warp])[2] == []

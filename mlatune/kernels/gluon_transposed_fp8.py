@@ -38,8 +38,21 @@ quantization, S^T, the softmax, O^T, the epilogue); a ring slot is released by b
   route declares these sets ``rounds_p`` (``check.accuracy.P_ROUNDED``; a quantized q,
   one term, is held to ``QUANTIZED_Q``).
 - Hopper's fp8 wgmma takes both operands K-major; O^T = V^T P^T needs V^T with the tile's
-  keys contiguous: the transposer moves 16 x 16 byte blocks through registers (byte
-  permutes), stale rows of a split's last tile as zeros (a real cache holds NaN there).
+  keys contiguous: the transposer moves V through registers (byte permutes), stale rows of
+  a split's last tile as zeros (a real cache holds NaN there). In 16 x 16 byte blocks its
+  loads ran 4-way and its stores 2-way bank-conflicted (Nsight Compute, session 19), the
+  shared-memory pipe 81% busy. ``wide_vt`` keeps both tiles' V^T in one buffer of 128-byte
+  rows and renames each key to a slot (P^T's rows alike), so 4-byte loads and 16-byte
+  stores are conflict-free (tests/bank_model.py; Nsight: 128 wavefronts a warp-tile, the
+  least, against 384): 173.8 us against 230.6 at (128, 16, 8192, 1), 54.9 against 67.9
+  at (64, 16, 4096, 1), 11.1 against 11.9 at batch 1 (H200, 2026-12-02, session 20 call
+  1; the GPU tests right). The route's form.
+- The softmax's max over a tile's keys runs across the four warps (S^T's rows). ``gl.max``
+  does it in two barriers and two rounds of shuffles; ``warp_max`` in one barrier, every
+  thread reading the four warps' maxima of its columns: 171.0 us against 179.1 at (128,
+  16, 8192, 1), 0.96x at (64, 16, 4096, 1) and batch 1 (H200, 2026-12-02, session 20 call
+  3). The route's form. (Rescaling O^T only on tiles where a row's max grew was 1.02x
+  slower: the check costs more than the multiplies it skips; session 20 call 2.)
 Everything else (splits, the merge, the epilogue, LSE) is ``gluon_transposed``'s. Shared
 memory: Q (16-bit, then each term), the fp8 ring (3 stages at 16 rows, 2 at 32), two V^T
 buffers, P^T.
@@ -152,16 +165,16 @@ def _quantize_q(q_bufs, q8_bufs, col_layout: gl.constexpr, num_warps: gl.constex
     return gl.convert_layout(scale, col_layout)
 
 
-# V's transpose: a thread holds a 16 keys x 16 dims block. The lanes and warps are the same in
-# both layouts (2 lanes along keys, 3 along dims; 4 warps along dims); only the register
-# order differs: dims first to load (16 contiguous bytes of a key's row), keys first to store
-# (16 contiguous bytes of a dim's row in V^T), so the conversion between them stays in each
-# thread's registers (byte permutes, no shuffles). Measured (Nsight Compute, H200, 2026-12-02,
-# session 19): the loads 4-way bank-conflicted (the K tile's 128-byte swizzle turns on key % 8,
-# which the key lanes do not change) and the stores 2-way (V^T's 64-byte swizzle turns on the
-# low dims, held in registers); moving lanes between keys and dims trades one for the other,
-# the ways multiplying to 8, so 24 wavefronts a load-store pair is the least for these blocks
-# (4 keys x 4 dims blocks were twice the wavefronts). [64 keys, 512 dims] ...
+# V's transpose (a stored set without ``wide_vt``): a thread holds a 16 keys x 16 dims
+# block. The lanes and warps are the same in both layouts (2 lanes along keys, 3 along dims;
+# 4 warps along dims); only the register order differs: dims first to load (16 contiguous
+# bytes of a key's row), keys first to store (16 contiguous bytes of a dim's row in V^T), so
+# the conversion between them stays in each thread's registers (byte permutes, no
+# shuffles). Measured (Nsight Compute, H200, 2026-12-02, session 19): the loads 4-way
+# bank-conflicted (the K tile's 128-byte swizzle turns on key % 8, which the key lanes do
+# not change) and the stores 2-way (V^T's 64-byte swizzle turns on the low dims, held in
+# registers): for these blocks and 64-byte V^T rows the ways multiply to 8 whatever the
+# lanes, hence the wide form below. [64 keys, 512 dims] ...
 _V_LOAD = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [1, 0], [2, 0], [4, 0], [8, 0]],
     lane_bases=[[16, 0], [32, 0], [0, 16], [0, 32], [0, 64]],
@@ -174,12 +187,13 @@ _VT_STORE = gl.constexpr(gl.DistributedLinearLayout(
 
 
 # ``wide_vt``: V^T is one [512 dims, 128 key slots] buffer (128-byte rows, 128-byte swizzle),
-# tile t's keys in slots [64 (t % 2), +64), each key k at slot KEY_SLOT(k) = 16 (k % 4) +
-# k // 4 (P^T's rows alike, so the product is the same). A thread loads 4 dims of a key (4
+# tile t's keys in slots [64 (t % 2), +64), key k at slot 16 (k % 4) + k // 4 of its half
+# (``_key_slots``; P^T's rows alike, so the product is the same). A thread loads 4 dims of a key (4
 # bytes) and stores 16 slots of a dim (16 bytes); the lanes that change a load's bank (keys
 # 1-2 through the K tile's swizzle, dims 4, 8, 64) also change a store's (keys 1-2 are slot
-# bits 4-5; dim 4 flips V^T's swizzle), so neither side conflicts by the bank model, 16
-# shared wavefronts a warp's KB against 48 for the blocks above. [64 keys, 512 dims] ...
+# bits 4-5; dim 4 flips V^T's swizzle), so neither side conflicts by the bank model
+# (tests/bank_model.py), 16 shared wavefronts a warp's KB against 48 for the blocks above.
+# [64 keys, 512 dims] ...
 _V_LOAD_WIDE = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 2], [4, 0], [8, 0], [16, 0], [32, 0], [0, 16], [0, 32]],
     lane_bases=[[1, 0], [2, 0], [0, 4], [0, 8], [0, 64]],

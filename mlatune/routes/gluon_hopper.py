@@ -179,8 +179,8 @@ class TransposedGluonRoute(WgmmaGluonRoute):
     memory, its scale read on the device). Its param sets launch the split reduce as a
     programmatic dependent (``pdl``) and read an fp8 cache widened in a partition of its own
     (``ws``) or, at up to 16 query rows a program, with fp8 MMAs, q as two e4m3 terms
-    (``fp8_mma``, with ``defer_sums`` and ``stacked``); a stored param set without them ran
-    the earlier forms and still does."""
+    (``fp8_mma``, with ``defer_sums``, ``stacked``, ``wide_vt`` and ``warp_max``); a stored
+    param set without them ran the earlier forms and still does."""
 
     id = "transposed/gluon"
     kernel = "gluon_transposed"
@@ -192,7 +192,10 @@ class TransposedGluonRoute(WgmmaGluonRoute):
     # sums reduced once after the last tile (0.92x the time at (128, 16, 8192, 1) and
     # (64, 16, 4096, 1) fp8, same at batch 1; H200, 2026-12-01, session 13); stacked: q's two
     # e4m3 terms in one wgmma operand (0.92x the time at (128, 16, 8192, 1) fp8, 0.95x at
-    # (64, 16, 4096, 1); H200, 2026-12-02, session 19).
+    # (64, 16, 4096, 1); H200, 2026-12-02, session 19); wide_vt: V^T moved without shared-
+    # memory bank conflicts (0.77x at (128, 16, 8192, 1) fp8, 0.81x at (64, 16, 4096, 1));
+    # warp_max: a tile's max over keys across the warps in one barrier (0.955x after
+    # wide_vt; H200, 2026-12-02, session 20).
     kernel_options = MappingProxyType({"ws": False, "pdl": False, "fp8_mma": False,
                                        "defer_sums": False, "stacked": False,
                                        "wide_vt": False, "warp_max": False})
