@@ -64,6 +64,8 @@
 #   maxab          the fp8 GPU tests (the route's fp8-MMA sets with warp_max: a tile's max
 #                  over keys across the warps in one barrier), then decode.py at the fp8
 #                  points with and without it, alternating twice
+#   fp8splits      gluon_splits.py: the route's fp8-MMA form at forced split counts at small-
+#                  batch points (what the kernel's own split rule is fitted to)
 #   fp8mma         gluon_check.py over fp8 caches: the fp8-MMA kernel (gluon_transposed_fp8,
 #                  q as two e4m3 terms and as one) beside the widening and FlashMLA; with
 #                  EXPERIMENTAL=1 also its experimental forms (gluon_check.EXPERIMENTAL)
@@ -244,6 +246,15 @@ transposed/gluon fp8mma deferred" > "$OUT/seesaw-check.log" 2>&1
              > "$OUT/maxab.log" 2>&1
            log "maxab: rc=$?"; cat "$OUT"/maxab/decode-*.md | grep -A30 "## Forms" \
              | tee -a "$OUT/session.log" ;;
+    fp8splits) pts=""
+               for p in 1,16,4096 2,16,8192 3,16,11000 4,16,4096 4,8,16384 8,16,8192 \
+                        12,8,1500 16,16,1024 16,16,4096 24,16,2048 32,16,4096 64,8,1024; do
+                 pts="$pts --point $p,1,fp8"; done
+               timeout 200 python3 benchmarks/gluon_splits.py --kernel gluon_transposed_fp8 \
+                 --options '{"pdl": true, "defer_sums": true, "stacked": true, "wide_vt": true,
+                   "warp_max": true}' \
+                 --splits 1,2,3,4,6,8,12,16,24,32,48,64 $pts > "$OUT/fp8-splits.log" 2>&1
+               log "fp8splits: rc=$?"; grep -c " ok" "$OUT/fp8-splits.log" | tee -a "$OUT/session.log" ;;
     *) log "unknown step $step" ;;
   esac
 done
