@@ -482,18 +482,24 @@ def test_each_route_reaches_its_launch_at_every_param_set_and_rank(route_id, kw)
 
 
 def test_transposed_fp8_sets_alternate_fp8_mmas_and_the_widening_up_to_16_rows(monkeypatch):
-    """Over an fp8 cache at up to 16 query rows a program each split count comes twice,
-    fp8 MMAs first, alternating split by split from the kernel's pick (so a sweep keeping
-    three times both forms at the pick); past 16 rows only the widening. Only the fp8-MMA
-    sets (and no params where the first set is one) declare P rounded, none a quantized q
-    (q's two e4m3 terms keep it near 16 bits)."""
+    """Over an fp8 cache at up to 16 query rows a program the fp8-MMA sets and the
+    widening's alternate, fp8 MMAs first, each from its kernel's own split pick (the fp8-MMA
+    kernel's with ``FP8_MMA_PROGRAM_COST``: 22 splits at batch 2 of 4096 keys, where the
+    widening's is 64), then half and twice it (at most 64); past 16 rows only the widening. Only the
+    fp8-MMA sets (and no params where the first set is one) declare P rounded, none a
+    quantized q (q's two e4m3 terms keep it near 16 bits)."""
+    from mlatune.kernels import gluon_hopper_plan as plan
+
     route = routes.get("transposed/gluon")
     fp8 = _p(batch=2, kv_len=4096, kv_dtype="fp8_e4m3fn")  # 16 heads x 1 token: 16 rows
     space = route.param_space(fp8, H200)
-    assert len(space) >= 4 and all(p["ws"] and p["pdl"] for p in space)
-    assert [bool(p.get("fp8_mma")) for p in space] == [True, False] * (len(space) // 2)
+    assert all(p["ws"] and p["pdl"] for p in space)
+    assert [bool(p.get("fp8_mma")) for p in space] == [True, False, True, False, True]
     assert all(bool(p.get("defer_sums")) == bool(p.get("fp8_mma")) for p in space)
-    assert [p["num_splits"] for p in space[::2]] == [p["num_splits"] for p in space[1::2]]
+    fp8_pick = plan.pick_splits(2, 1, 4096, per_program=plan.FP8_MMA_PROGRAM_COST)
+    assert (fp8_pick, plan.pick_splits(2, 1, 4096)) == (22, 64)
+    assert [p["num_splits"] for p in space[::2]] == [22, 11, 44]
+    assert [p["num_splits"] for p in space[1::2]] == [64, 32]
     rounded = {"q_quantized": False, "p_rounded": True}
     assert [routes.rounding(route, fp8, p) for p in space[:2]] == \
         [rounded, {"q_quantized": False, "p_rounded": False}]

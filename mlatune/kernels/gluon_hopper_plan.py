@@ -44,19 +44,35 @@ def transposed_row_blocks(heads: int, qlen: int) -> int:
     return -(-rows // transposed_rows(rows))
 
 
-def pick_splits(batch: int, row_blocks: int, max_seq_len: int, sms: int = H200_SMS) -> int:
+def pick_splits(batch: int, row_blocks: int, max_seq_len: int, sms: int = H200_SMS,
+                per_program: float = 0.0) -> int:
     """Splits per request: least estimated time over waves of one program per SM.
 
     A program's time ~ its tiles plus a fixed cost (Q load, epilogue: ~2 tiles);
     more than one split adds the merge (~1 tile). One program fits an SM (its
-    shared memory), so programs run in waves of ``sms``.
+    shared memory), so programs run in waves of ``sms``. ``per_program``: tiles of
+    time each program adds to the whole launch, spread over the SMs (a kernel whose
+    tiles are cheap beside what a program costs to start and to merge:
+    ``FP8_MMA_PROGRAM_COST``).
     """
     tiles = max(1, math.ceil(max_seq_len / BLOCK_N))
     programs = batch * row_blocks
     best, best_cost = 1, math.inf
     for s in range(1, min(tiles, MAX_SPLITS) + 1):
         waves = math.ceil(programs * s / sms)
-        cost = waves * (math.ceil(tiles / s) + 2) + (1 if s > 1 else 0)
+        cost = waves * (math.ceil(tiles / s) + 2) + (1 if s > 1 else 0) \
+            + per_program * programs * s / sms
         if cost < best_cost - 1e-9:
             best, best_cost = s, cost
     return best
+
+
+# ``pick_splits``'s per_program for the fp8-MMA transposed kernel (``gluon_transposed_fp8``,
+# its route form: wide_vt and warp_max). Fitted to its times at forced split counts at 12
+# points of batch 1-64 (H200, 2026-12-02, session 20 call 5, ``benchmarks/gluon_splits.py``;
+# every value from 6 to 10 picks alike): its picks are 1.014x the fastest count's time in
+# geomean, 1.106x at worst, where the rule without it picked 1.145x and 1.67x (64 splits of
+# 2 tiles at (2, 16, 8192, 1): 29.1 us against 17.5 with 32). Its tiles take about 0.6x the
+# bf16 kernel's, so what a program costs besides them (q quantized, the ring filled, the
+# partials written and merged) weighs more.
+FP8_MMA_PROGRAM_COST = 8.0

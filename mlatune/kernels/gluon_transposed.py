@@ -466,14 +466,16 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
 def launch(kernel, descs: tuple, q: torch.Tensor, block_table: torch.Tensor,
            seq_lens: torch.Tensor, kv_scale: torch.Tensor | None, out: torch.Tensor | None,
            lse: torch.Tensor | None, *, qlen: int, sm_scale: float, num_splits: int | None,
-           max_seq_len: int | None, merge: str, meta: dict, pdl: bool = False
+           max_seq_len: int | None, merge: str, meta: dict, pdl: bool = False,
+           per_program: float = 0.0
            ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
     """A transposed kernel's launch (this module's or ``gluon_transposed_ws``'s: they take
-    the same arguments), its split partials merged as ``merge`` says, with out and LSE."""
+    the same arguments), its split partials merged as ``merge`` says, with out and LSE;
+    without ``num_splits``, ``pick_splits`` with the kernel's ``per_program``."""
     batch, heads = seq_lens.shape[0], q.shape[1]
     row_blocks = plan.transposed_row_blocks(heads, qlen)
     out, lse, num_splits = outputs_and_splits(q, seq_lens, out, lse, row_blocks, num_splits,
-                                              max_seq_len)
+                                              max_seq_len, per_program)
     if kv_scale is None:
         kv_scale = torch.ones(1, dtype=torch.float32, device=q.device)
     grid = (row_blocks, num_splits, batch)

@@ -579,7 +579,8 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     descs = tma_descriptors(q, kv_cache, rows)
     return base.launch(transposed_fp8_kernel, descs, q, block_table, seq_lens, kv_scale, out,
                        lse, qlen=qlen, sm_scale=sm_scale, num_splits=num_splits,
-                       max_seq_len=max_seq_len, merge=merge, meta=meta, pdl=pdl)
+                       max_seq_len=max_seq_len, merge=merge, meta=meta, pdl=pdl,
+                       per_program=plan.FP8_MMA_PROGRAM_COST)
 
 
 def aot_compile(dtype: str = "bf16", *, rows: int = 16, direct: bool = True,

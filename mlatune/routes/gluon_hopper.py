@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import itertools
 from collections.abc import Callable, Mapping
 from functools import cache
 from importlib import metadata
@@ -97,9 +98,16 @@ class WgmmaGluonRoute:
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
         """The kernel's split pick for the busiest rank's length bound, then half and twice it
         (where the keys allow)."""
+        return self.split_sets(problem, device)
+
+    def split_sets(self, problem: MLAProblem, device: DeviceInfo,
+                   per_program: float = 0.0) -> list[Params]:
+        """``{"num_splits": s}`` for ``pick_splits``'s pick (with the kernel's
+        ``per_program``), half and twice it, where the keys allow."""
         sms = device.cu_count if device.is_gpu and device.cu_count else plan.H200_SMS
         length = problem.shard_len
-        pick = plan.pick_splits(problem.batch, self.row_blocks(problem), length, sms)
+        pick = plan.pick_splits(problem.batch, self.row_blocks(problem), length, sms,
+                                per_program)
         top = min(plan.MAX_SPLITS, max(1, -(-length // plan.BLOCK_N)))
         splits = dict.fromkeys(s for s in (pick, pick // 2, pick * 2) if 1 <= s <= top)
         return [{"num_splits": s} for s in splits]
@@ -202,8 +210,9 @@ class TransposedGluonRoute(WgmmaGluonRoute):
 
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
         """The split counts with PDL. Over an fp8 cache, widened; at up to 16 query rows a
-        program also with fp8 MMAs, the two forms alternating split by split from the
-        kernel's own pick, fp8 MMAs first (a sweep keeping three times both at the pick).
+        program also with fp8 MMAs, the two forms alternating split by split from each
+        kernel's own pick (the fp8-MMA kernel's with its ``FP8_MMA_PROGRAM_COST``), fp8
+        MMAs first (a sweep keeping three times both at the picks).
         Past 16 rows the fp8-MMA kernel (q's two terms) took 1.13-1.22x the widening's time
         in geomean at the same split on the H200 (2026-12-01, session 11 call 6): not
         offered."""
@@ -213,9 +222,12 @@ class TransposedGluonRoute(WgmmaGluonRoute):
         widen = [{**params, "ws": True} for params in sets]
         if not self.offers_fp8_mma(problem):
             return widen
-        fp8_mma = {"fp8_mma": True, "defer_sums": True, "stacked": True, "wide_vt": True,
-                   "warp_max": True}
-        return [form for params in widen for form in ({**params, **fp8_mma}, params)]
+        fp8_mma = {"pdl": True, "ws": True, "fp8_mma": True, "defer_sums": True,
+                   "stacked": True, "wide_vt": True, "warp_max": True}
+        fp8 = [{**params, **fp8_mma} for params in
+               self.split_sets(problem, device, plan.FP8_MMA_PROGRAM_COST)]
+        pairs = itertools.zip_longest(fp8, widen)
+        return [form for pair in pairs for form in pair if form is not None]
 
     def launcher(self, problem: MLAProblem, chosen: Params) -> tuple[Callable, dict]:
         """The kernel a param set names, with the options it takes (``TRANSPOSED_KERNELS``):
