@@ -70,7 +70,7 @@ def pick_splits(batch: int, row_blocks: int, max_seq_len: int, sms: int = H200_S
 # ``pick_splits``'s per_program for the fp8-MMA transposed kernel (``gluon_transposed_fp8``,
 # its route form: wide_vt and warp_max). Fitted to its times at forced split counts at 12
 # points of batch 1-64 (H200, 2026-12-02, session 20 call 5, ``benchmarks/gluon_splits.py``;
-# every value from 6 to 10 picks alike): its picks are 1.014x the fastest count's time in
+# every value from 6 to 10.5 scores alike): its picks are 1.014x the fastest count's time in
 # geomean, 1.106x at worst, where the rule without it picked 1.145x and 1.67x (64 splits of
 # 2 tiles at (2, 16, 8192, 1): 29.1 us against 17.5 with 32). Its tiles take about 0.6x the
 # bf16 kernel's, so what a program costs besides them (q quantized, the ring filled, the
