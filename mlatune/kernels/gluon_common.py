@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 import triton
+from triton import constexpr_function
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
@@ -258,6 +259,43 @@ def softmax_step(s, n0, end, last_pos, cols, m_i, KEY_AXIS: gl.constexpr):
     alpha = gl.exp2(m_i - m_shift)
     p = gl.exp2(s - gl.expand_dims(m_shift, KEY_AXIS))
     return p, m_new, alpha
+
+
+@constexpr_function
+def warps_by_columns(cols):
+    """[4 warps, cols]: every warp's value of a thread's columns in its registers, the
+    columns where the wgmma accumulator has them (2 (lane % 4) + {0, 1} + 8 i), the other
+    lanes and the warps holding copies."""
+    col_regs = [[0, 8 << i] for i in range((cols // 8).bit_length() - 1)]
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], *col_regs, [1, 0], [2, 0]],
+        lane_bases=[[0, 2], [0, 4], [0, 0], [0, 0], [0, 0]],
+        warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[4, cols])
+
+
+@gluon.jit
+def key_max(s, warp_maxes):
+    """Each column's max over S^T's rows (the tile's keys, 16 a warp): each warp's by
+    shuffles, then the four through ``warp_maxes`` after one barrier, every thread reading
+    its columns' four. (``gl.max`` over the rows crosses the warps in two barriers and a
+    second round of shuffles.) The next write of ``warp_maxes`` comes after the barrier
+    that follows P^T's store, so no warp still reads it."""
+    W: gl.constexpr = warp_maxes.shape[0]
+    per_warp = gl.max(gl.reshape(s, [W, s.shape[0] // W, s.shape[1]]), axis=1)
+    warp_maxes.store(per_warp)
+    gl.thread_barrier()
+    every = warp_maxes.load(warps_by_columns(s.shape[1]))
+    return gl.convert_layout(gl.max(every, axis=0), gl.SliceLayout(0, s.type.layout))
+
+
+@gluon.jit
+def softmax_step_across_warps(s, n0, end, last_pos, keys, m_i, warp_maxes):
+    """``softmax_step`` over S^T (keys on axis 0, 16 a warp) with the max over keys by
+    ``key_max`` (one barrier, not two)."""
+    s = mask_scores(s, n0, end, last_pos, keys, 0)
+    m_new = gl.maximum(m_i, key_max(s, warp_maxes))
+    m_shift = no_shift(m_new)
+    return gl.exp2(s - gl.expand_dims(m_shift, 0)), m_new, gl.exp2(m_i - m_shift)
 
 
 @gluon.jit

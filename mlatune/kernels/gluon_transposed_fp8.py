@@ -81,11 +81,10 @@ from mlatune.kernels.gluon_common import (
     compile_options,
     issue_kv,
     last_keys,
-    mask_scores,
-    no_shift,
     online_softmax,
     program_keys,
     softmax_step,
+    softmax_step_across_warps,
     tma_descriptors,
 )
 from mlatune.kernels.gluon_hopper_plan import BLOCK_N, PAGE_SIZE
@@ -265,42 +264,6 @@ def _o_step(vts, j, p_t, acc, s_next):
     return s, acc
 
 
-@constexpr_function
-def _warps_by_columns(cols):
-    """[4 warps, cols]: every warp's value of a thread's columns in its registers, the
-    columns where the wgmma accumulator has them (2 (lane % 4) + {0, 1} + 8 i), the other
-    lanes and the warps holding copies."""
-    col_regs = [[0, 8 << i] for i in range((cols // 8).bit_length() - 1)]
-    return gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], *col_regs, [1, 0], [2, 0]],
-        lane_bases=[[0, 2], [0, 4], [0, 0], [0, 0], [0, 0]],
-        warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[4, cols])
-
-
-@gluon.jit
-def _key_max(s, warp_maxes):
-    """Each column's max over S^T's rows (the tile's keys, 16 a warp): each warp's by
-    shuffles, then the four through ``warp_maxes`` after one barrier, every thread reading
-    its columns' four. (``gl.max`` over the rows crosses the warps in two barriers and a
-    second round of shuffles.) The next write of ``warp_maxes`` comes after the barrier
-    that follows P^T's store, so no warp still reads it."""
-    W: gl.constexpr = warp_maxes.shape[0]
-    per_warp = gl.max(gl.reshape(s, [W, s.shape[0] // W, s.shape[1]]), axis=1)
-    warp_maxes.store(per_warp)
-    gl.thread_barrier()
-    every = warp_maxes.load(_warps_by_columns(s.shape[1]))
-    return gl.convert_layout(gl.max(every, axis=0), gl.SliceLayout(0, s.type.layout))
-
-
-@gluon.jit
-def _softmax_step(s, n0, end, last_pos, keys, m_i, warp_maxes):
-    """``softmax_step`` over S^T (keys on axis 0) with the max over keys by ``_key_max``."""
-    s = mask_scores(s, n0, end, last_pos, keys, 0)
-    m_new = gl.maximum(m_i, _key_max(s, warp_maxes))
-    m_shift = no_shift(m_new)
-    return gl.exp2(s - gl.expand_dims(m_shift, 0)), m_new, gl.exp2(m_i - m_shift)
-
-
 # The partitions ---------------------------------------------------------------------------
 
 MAXNREG = 168  # 12 warps: the two worker partitions rise to theirs, the loader gets the rest
@@ -444,8 +407,8 @@ def _ws_mma(q_bufs, q8_bufs, ring, vts, p_buf, bars, ptrs, counter_ptr, ints, se
         s_next = _issue_s(k_nope.index(nxt), k_rope.index(nxt), *q8_bufs, acc_s_layout)
         scores = _fold(s, BR, s_layout) * qk_cols
         if WARP_MAX:
-            p, m_i, alpha = _softmax_step(scores, start + t * BN, end, last_pos, keys, m_i,
-                                          warp_maxes)
+            p, m_i, alpha = softmax_step_across_warps(scores, start + t * BN, end, last_pos,
+                                                      keys, m_i, warp_maxes)
             l_acc = l_acc * gl.expand_dims(alpha, 0) + p
         elif DEFER_SUMS:
             p, m_i, alpha = softmax_step(scores, start + t * BN, end, last_pos, keys, m_i, 0)
