@@ -82,6 +82,9 @@ def test_the_fp8_mma_form_reads_fp8_caches_only():
     q, cache, table, lens = _tensors(kv=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="q_terms must be 1 or 2"):
         f.decode_launcher(q, cache, table, lens, qlen=1, sm_scale=0.1, q_terms=3)
+    # warp_max keeps P's sums per key slot: without defer_sums no row sum would be taken
+    with pytest.raises(ValueError, match="defer_sums=True only"):
+        f.decode_launcher(q, cache, table, lens, qlen=1, sm_scale=0.1, warp_max=True)
 
 
 def test_gluon_check_keeps_unrun_kernels_behind_experimental_and_its_roundings_honest():

@@ -54,8 +54,8 @@ quantization, S^T, the softmax, O^T, the epilogue); a ring slot is released by b
   3). The route's form. (Rescaling O^T only on tiles where a row's max grew was 1.02x
   slower: the check costs more than the multiplies it skips; session 20 call 2.)
 Everything else (splits, the merge, the epilogue, LSE) is ``gluon_transposed``'s. Shared
-memory: Q (16-bit, then each term), the fp8 ring (3 stages at 16 rows, 2 at 32), two V^T
-buffers, P^T.
+memory: Q (16-bit, then each term), the fp8 ring (3 stages at 16 rows, 2 at 32), two tiles'
+V^T, P^T.
 """
 
 from __future__ import annotations
@@ -187,10 +187,10 @@ _VT_STORE = gl.constexpr(gl.DistributedLinearLayout(
 
 # ``wide_vt``: V^T is one [512 dims, 128 key slots] buffer (128-byte rows, 128-byte swizzle),
 # tile t's keys in slots [64 (t % 2), +64), key k at slot 16 (k % 4) + k // 4 of its half
-# (``_key_slots``; P^T's rows alike, so the product is the same). A thread loads 4 dims of a key (4
-# bytes) and stores 16 slots of a dim (16 bytes); the lanes that change a load's bank (keys
-# 1-2 through the K tile's swizzle, dims 4, 8, 64) also change a store's (keys 1-2 are slot
-# bits 4-5; dim 4 flips V^T's swizzle), so neither side conflicts by the bank model
+# (``_key_slots``; P^T's rows alike, so the product is the same). A thread loads 4 dims of a
+# key (4 bytes) and stores 16 slots of a dim (16 bytes); the lanes that change a load's bank
+# (keys 1-2 through the K tile's swizzle, dims 4, 8, 64) also change a store's (keys 1-2 are
+# slot bits 4-5; dim 4 flips V^T's swizzle), so neither side conflicts by the bank model
 # (tests/bank_model.py), 16 shared wavefronts a warp's KB against 48 for the blocks above.
 # [64 keys, 512 dims] ...
 _V_LOAD_WIDE = gl.constexpr(gl.DistributedLinearLayout(
@@ -522,7 +522,9 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     faster than without: the module's notes). ``stacked`` (two terms only): q's terms one
     above the other in one operand, S^T one wgmma group a part of twice the N (the K tile
     read once, not once a term), the halves added in registers (``_fold``). ``wide_vt``: V^T
-    transposed in 4 x 4 byte blocks into one buffer of 128-byte rows (``_V_LOAD_WIDE``)."""
+    moved without bank conflicts into one buffer of 128-byte rows (``_V_LOAD_WIDE``).
+    ``warp_max`` (with ``defer_sums``): a tile's max over keys across the warps in one
+    barrier (``gluon_common.key_max``)."""
     if kv_cache.dtype not in base.FP8_CACHES:
         raise ValueError(f"the fp8-MMA transposed decode reads an fp8 cache only, got "
                          f"{kv_cache.dtype}")
@@ -530,6 +532,9 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
         raise ValueError(f"q_terms must be 1 or 2, got {q_terms!r}")
     if stacked and q_terms != 2:
         raise ValueError("stacked puts q's two e4m3 terms in one operand: q_terms=2 only")
+    if warp_max and not defer_sums:
+        raise ValueError("warp_max keeps P's sums per key slot, summed after the last tile: "
+                         "defer_sums=True only")
     batch, heads = seq_lens.shape[0], q.shape[1]
     base._check_call(q, out, lse, batch * qlen, num_splits, base.WIDEN_COLS, merge)
     why = base.check_supported(q, kv_cache, block_table, seq_lens, kv_scale)
