@@ -218,7 +218,8 @@ LAUNCH_OPTIONS = {"num_warps", "num_stages", "maxnreg", "ptx_options", "num_ctas
 @pytest.mark.parametrize(("module", "options"), [
     ("gluon_transposed", {}), ("gluon_transposed_ws", {}), ("gluon_transposed_fp8", {}),
     ("gluon_transposed_fp8", {"stacked": True}),
-    ("gluon_transposed_fp8", {"stacked": True, "wide_vt": True, "warp_max": True})])
+    ("gluon_transposed_fp8", {"stacked": True, "defer_sums": True, "wide_vt": True,
+                              "warp_max": True})])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_each_transposed_launch_binds_exactly_its_kernels_arguments(monkeypatch, module,
                                                                     options, num_splits):
