@@ -1,4 +1,5 @@
 import time
+import types
 
 from mlatune.sweep import bench
 
@@ -8,12 +9,16 @@ def test_summary_quantiles():
     assert (t.median_us, t.p20_us, t.p80_us, t.reps) == (3.0, 1.8, 4.2, 5)
 
 
-def test_repetitions_stop_once_the_median_settles():
+def test_repetitions_stop_once_the_median_settles(monkeypatch):
+    # A clock that only the run moves: 500 us a call, whatever else loads the machine (a
+    # slept call ran 3x long once under two test workers on two cores).
+    clock = [0.0]
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     calls = []
 
     def steady():
         calls.append(1)
-        time.sleep(0.0005)
+        clock[0] += 0.0005
 
     t = bench.measure(steady, "cpu", bench.Budget(warmup=1, min_reps=10, max_reps=500,
                                                   max_seconds=5, settle=0.5))
