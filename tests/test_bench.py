@@ -1,5 +1,6 @@
-import time
 import types
+
+import pytest
 
 from mlatune.sweep import bench
 
@@ -9,16 +10,26 @@ def test_summary_quantiles():
     assert (t.median_us, t.p20_us, t.p80_us, t.reps) == (3.0, 1.8, 4.2, 5)
 
 
-def test_repetitions_stop_once_the_median_settles(monkeypatch):
-    # A clock that only the run moves: 500 us a call, whatever else loads the machine (a
-    # slept call ran 3x long once under two test workers on two cores).
-    clock = [0.0]
-    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+@pytest.fixture
+def clock(monkeypatch):
+    """bench's clock, moved only by the timed calls (``clock.spend(us)``): a test of the
+    stopping rules does not hang on how loaded the machine is (a slept 500 us call ran 3x
+    long once under two test workers on two cores)."""
+    now = [0.0]
+
+    def spend(us: float) -> None:
+        now[0] += us * 1e-6
+
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    return types.SimpleNamespace(spend=spend)
+
+
+def test_repetitions_stop_once_the_median_settles(clock):
     calls = []
 
     def steady():
         calls.append(1)
-        clock[0] += 0.0005
+        clock.spend(500)
 
     t = bench.measure(steady, "cpu", bench.Budget(warmup=1, min_reps=10, max_reps=500,
                                                   max_seconds=5, settle=0.5))
@@ -27,25 +38,29 @@ def test_repetitions_stop_once_the_median_settles(monkeypatch):
     assert len(calls) == t.reps + 1
 
 
-def test_time_budget_caps_repetitions():
-    t = bench.measure(lambda: time.sleep(0.02), "cpu",
+def test_time_budget_caps_repetitions(clock):
+    t = bench.measure(lambda: clock.spend(20_000), "cpu",
                       bench.Budget(warmup=0, min_reps=3, max_reps=1000, max_seconds=0.1,
                                    settle=0))
     assert 3 <= t.reps < 20
 
 
-def test_a_plain_loser_stops_after_race_reps():
+def test_a_plain_loser_stops_after_race_reps(clock):
     slow = bench.Budget(warmup=0, min_reps=10, max_reps=50, max_seconds=5, settle=0,
                         race_reps=4, race_ratio=1.5)
-    # ~2 ms per call against a best of 500 us: 4x slower, so it stops at race_reps.
-    raced = bench.measure(lambda: time.sleep(0.002), "cpu", slow, best_us=500.0)
+
+    def call() -> None:
+        clock.spend(2_000)
+
+    # 2 ms per call against a best of 500 us: 4x slower, so it stops at race_reps.
+    raced = bench.measure(call, "cpu", slow, best_us=500.0)
     assert raced.reps == 4 and raced.median_us > 1500 and raced.raced
     # Within the ratio of the best (or with no best yet, or racing off) it runs on.
-    close = bench.measure(lambda: time.sleep(0.002), "cpu", slow, best_us=1900.0)
+    close = bench.measure(call, "cpu", slow, best_us=1900.0)
     assert close.reps > 4 and not close.raced
-    assert bench.measure(lambda: time.sleep(0.002), "cpu", slow).reps > 4
+    assert bench.measure(call, "cpu", slow).reps > 4
     off = bench.Budget(**{**slow.__dict__, "race_ratio": 0.0})
-    assert bench.measure(lambda: time.sleep(0.002), "cpu", off, best_us=500.0).reps > 4
+    assert bench.measure(call, "cpu", off, best_us=500.0).reps > 4
 
 
 def test_host_time_queues_little_device_work_when_told_its_length():
