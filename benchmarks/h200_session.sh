@@ -81,6 +81,18 @@ T0=$(date +%s)
 NGPU=$(nvidia-smi -L | wc -l)
 log() { echo "[$(date -u +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/session.log"; }
 log "$(nvidia-smi -L | head -1) x$NGPU; $(python3 -c 'import torch,triton;print("torch",torch.__version__,"triton",triton.__version__)')"
+fp8_form_ab() {  # NAME OPTION: the fp8 GPU tests (the form in the route's fp8-MMA sets), then
+  # decode.py at the fp8 points, the route's sets as they are and with OPTION false, twice
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gluon_gpu.py \
+    -k fp8 > "$OUT/$1-tests.log" 2>&1
+  log "$1 tests: rc=$?; $(tail -1 "$OUT/$1-tests.log")"
+  grep "^FAILED" "$OUT/$1-tests.log" | tee -a "$OUT/session.log"
+  timeout 200 python3 benchmarks/decode.py --points 3,2,0 --kv fp8 \
+    --max-params 1 --routes transposed/gluon,dense/flashmla --out "$OUT/$1" \
+    --forms "{\"transposed/gluon\": [{}, {\"$2\": false}, {}, {\"$2\": false}]}" \
+    > "$OUT/$1.log" 2>&1
+  log "$1: rc=$?"; cat "$OUT/$1"/decode-*.md | grep -A30 "## Forms" | tee -a "$OUT/session.log"
+}
 ncu_fp8() {  # kernel-regex route params: Nsight Compute's sections at (128, 16, 8192, 1) fp8
   timeout 150 "$(command -v ncu || ls /usr/local/cuda*/bin/ncu | head -1)" --clock-control none \
     --kernel-name "regex:$1" --launch-skip 2 --launch-count 1 --section SpeedOfLight \
@@ -224,28 +236,10 @@ transposed/gluon fp8mma deferred" > "$OUT/seesaw-check.log" 2>&1
                   transposed/gluon 128 16 8192 fp8_e4m3fn "$FP8_SET" | tee -a "$OUT/session.log"
                 ncu_fp8 transposed_fp8_kernel transposed/gluon "$FP8_SET"
                 ncu_fp8 fwd dense/flashmla '{}' ;;
-    wideab) timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gluon_gpu.py \
-              -k fp8 > "$OUT/wide-tests.log" 2>&1
-            log "wideab tests: rc=$?; $(tail -1 "$OUT/wide-tests.log")"
-            grep "^FAILED" "$OUT/wide-tests.log" | tee -a "$OUT/session.log"
-            timeout 200 python3 benchmarks/decode.py --points 3,2,0 --kv fp8 \
-              --max-params 1 --routes transposed/gluon,dense/flashmla --out "$OUT/wideab" \
-              --forms '{"transposed/gluon": [{}, {"wide_vt": false}, {}, {"wide_vt": false}]}' \
-              > "$OUT/wideab.log" 2>&1
-            log "wideab: rc=$?"; cat "$OUT"/wideab/decode-*.md | grep -A30 "## Forms" \
-              | tee -a "$OUT/session.log"
+    wideab) fp8_form_ab wideab wide_vt
             bash benchmarks/profile_sass.sh fp8-wide transposed_fp8_kernel transposed/gluon \
-              128 16 8192 fp8_e4m3fn "${FP8_SET%\}}, \"wide_vt\": true}" | tee -a "$OUT/session.log" ;;
-    maxab) timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gluon_gpu.py \
-             -k fp8 > "$OUT/max-tests.log" 2>&1
-           log "maxab tests: rc=$?; $(tail -1 "$OUT/max-tests.log")"
-           grep "^FAILED" "$OUT/max-tests.log" | tee -a "$OUT/session.log"
-           timeout 200 python3 benchmarks/decode.py --points 3,2,0 --kv fp8 \
-             --max-params 1 --routes transposed/gluon,dense/flashmla --out "$OUT/maxab" \
-             --forms '{"transposed/gluon": [{}, {"warp_max": false}, {}, {"warp_max": false}]}' \
-             > "$OUT/maxab.log" 2>&1
-           log "maxab: rc=$?"; cat "$OUT"/maxab/decode-*.md | grep -A30 "## Forms" \
-             | tee -a "$OUT/session.log" ;;
+              128 16 8192 fp8_e4m3fn "$FP8_SET" | tee -a "$OUT/session.log" ;;
+    maxab) fp8_form_ab maxab warp_max ;;
     fp8splits) pts=""
                for p in 1,16,4096 2,16,8192 3,16,11000 4,16,4096 4,8,16384 8,16,8192 \
                         12,8,1500 16,16,1024 16,16,4096 24,16,2048 32,16,4096 64,8,1024; do
