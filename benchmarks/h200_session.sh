@@ -58,12 +58,15 @@
 #   profilefp8     Nsight Compute at (128, 16, 8192, 1) fp8: the fp8-MMA kernel's per-SASS stall
 #                  samples (profile_sass.sh), then its and FlashMLA's fp8 kernel's sections
 #                  (speed of light, pipes, warp states, memory, scheduler) into $OUT/ncu-fp8-*.txt
+#   ncufp8         profilefp8's Nsight Compute sections for the fp8-MMA kernel alone
 #   wideab         the fp8-MMA kernel's wide_vt form (V^T transposed without bank conflicts):
 #                  the fp8 GPU tests of tests/test_gluon_gpu.py, then decode.py at the fp8
 #                  points with and without it, alternating twice, then its per-SASS profile
 #   maxab          the fp8 GPU tests (the route's fp8-MMA sets with warp_max: a tile's max
 #                  over keys across the warps in one barrier), then decode.py at the fp8
 #                  points with and without it, alternating twice
+#   slimab         the same for slim (the softmax masked only on a tile that reaches a bound,
+#                  the scales in the exponent's FMA)
 #   fp8splits      gluon_splits.py: the route's fp8-MMA form at forced split counts at small-
 #                  batch points (what the kernel's own split rule is fitted to)
 #   fp8mma         gluon_check.py over fp8 caches: the fp8-MMA kernel (gluon_transposed_fp8,
@@ -76,7 +79,7 @@ set -u -o pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # keeps carried wheels
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" runs
 BUDGET_S=${BUDGET_S:-540}
-FP8_SET='{"num_splits": 1, "pdl": true, "ws": true, "fp8_mma": true, "defer_sums": true, "stacked": true, "wide_vt": true, "warp_max": true}'
+FP8_SET='{"num_splits": 1, "pdl": true, "ws": true, "fp8_mma": true, "defer_sums": true, "stacked": true, "wide_vt": true, "warp_max": true, "slim": true}'
 T0=$(date +%s)
 NGPU=$(nvidia-smi -L | wc -l)
 log() { echo "[$(date -u +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/session.log"; }
@@ -232,6 +235,7 @@ transposed/gluon fp8mma deferred" > "$OUT/seesaw-check.log" 2>&1
     prefilltests) timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu \
                     tests/test_prefill_gpu.py -k "not gluon" > "$OUT/prefill-tests.log" 2>&1
                   log "prefilltests: rc=$?; $(tail -1 "$OUT/prefill-tests.log")" ;;
+    ncufp8) ncu_fp8 transposed_fp8_kernel transposed/gluon "$FP8_SET" ;;
     profilefp8) bash benchmarks/profile_sass.sh fp8-stacked transposed_fp8_kernel \
                   transposed/gluon 128 16 8192 fp8_e4m3fn "$FP8_SET" | tee -a "$OUT/session.log"
                 ncu_fp8 transposed_fp8_kernel transposed/gluon "$FP8_SET"
@@ -240,13 +244,14 @@ transposed/gluon fp8mma deferred" > "$OUT/seesaw-check.log" 2>&1
             bash benchmarks/profile_sass.sh fp8-wide transposed_fp8_kernel transposed/gluon \
               128 16 8192 fp8_e4m3fn "$FP8_SET" | tee -a "$OUT/session.log" ;;
     maxab) fp8_form_ab maxab warp_max ;;
+    slimab) fp8_form_ab slimab slim ;;
     fp8splits) pts=""
                for p in 1,16,4096 2,16,8192 3,16,11000 4,16,4096 4,8,16384 8,16,8192 \
                         12,8,1500 16,16,1024 16,16,4096 24,16,2048 32,16,4096 64,8,1024; do
                  pts="$pts --point $p,1,fp8"; done
                timeout 200 python3 benchmarks/gluon_splits.py --kernel gluon_transposed_fp8 \
                  --options '{"pdl": true, "defer_sums": true, "stacked": true, "wide_vt": true,
-                   "warp_max": true}' \
+                   "warp_max": true, "slim": true}' \
                  --splits 1,2,3,4,6,8,12,16,24,32,48,64 $pts > "$OUT/fp8-splits.log" 2>&1
                log "fp8splits: rc=$?"; grep -c " ok" "$OUT/fp8-splits.log" | tee -a "$OUT/session.log" ;;
     *) log "unknown step $step" ;;

@@ -184,10 +184,9 @@ def undefined_descriptors(listing: str) -> list[str]:
     return found
 
 
-def mma_loop_spills(listing: str) -> list[tuple[int, int, int]]:
+def mma_loops(listing: str) -> list[list[Instruction]]:
     """Each innermost loop that issues wgmmas (a backward branch's range holding a GMMA, no
-    EXIT and no other such loop), as (first address, local loads, local stores) in it: spills
-    there are paid every trip, between the MMAs."""
+    EXIT and no other such loop), its instructions in address order."""
     code = parse(listing)
     loops = []
     for i, ins in enumerate(code):
@@ -198,11 +197,16 @@ def mma_loop_spills(listing: str) -> list[tuple[int, int, int]]:
             exits = any(c.op == "EXIT" and not c.predicate for c in body)
             if any(_MMA.match(c.op) for c in body) and not exits:
                 loops.append((body[0].address, ins.address, body))
-    inner = [(lo, hi, body) for lo, hi, body in loops
-             if not any(lo <= lo2 and hi2 <= hi and (lo2, hi2) != (lo, hi)
-                        for lo2, hi2, _ in loops)]
-    return [(lo, sum(c.op.startswith("LDL") for c in body),
-             sum(c.op.startswith("STL") for c in body)) for lo, _, body in inner]
+    return [body for lo, hi, body in loops
+            if not any(lo <= lo2 and hi2 <= hi and (lo2, hi2) != (lo, hi)
+                       for lo2, hi2, _ in loops)]
+
+
+def mma_loop_spills(listing: str) -> list[tuple[int, int, int]]:
+    """Each innermost wgmma loop (``mma_loops``) as (first address, local loads, local
+    stores) in it: spills there are paid every trip, between the MMAs."""
+    return [(body[0].address, sum(c.op.startswith("LDL") for c in body),
+             sum(c.op.startswith("STL") for c in body)) for body in mma_loops(listing)]
 
 
 def listing(compiled) -> str:

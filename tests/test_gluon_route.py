@@ -531,13 +531,13 @@ def test_an_fp8_mma_set_runs_the_fp8_kernel_over_fp8_only(monkeypatch):
     assert not fakes["gluon_transposed_ws"].calls
 
 
-@pytest.mark.parametrize("option", ["stacked", "wide_vt", "warp_max"])
+@pytest.mark.parametrize("option", ["stacked", "wide_vt", "warp_max", "slim"])
 def test_the_fp8_mma_sets_run_their_forms_and_a_stored_set_keeps_the_form_it_ran(monkeypatch,
                                                                                 option):
     """The route's fp8-MMA sets run q's two terms stacked in one operand (``stacked``), V^T
     moved without bank conflicts (``wide_vt``) and the tile's max across the warps in one
-    barrier (``warp_max``); a set stored before an option (without it) still runs the form
-    it was timed as."""
+    barrier (``warp_max``), its softmax in fewer instructions (``slim``); a set stored
+    before an option (without it) still runs the form it was timed as."""
     fakes = _transposed_recorders(monkeypatch)
     route = routes.get("transposed/gluon")
     problem = _p(batch=2, kv_len=300, kv_dtype="fp8_e4m3fn")
@@ -549,4 +549,5 @@ def test_the_fp8_mma_sets_run_their_forms_and_a_stored_set_keeps_the_form_it_ran
     route.prepare(problem, inputs, params=stored)
     new, old = fakes["gluon_transposed_fp8"].calls
     assert new[option] is True and old[option] is False
-    assert all(new[k] == old[k] for k in ("stacked", "wide_vt", "warp_max") if k != option)
+    assert all(new[k] == old[k] for k in ("stacked", "wide_vt", "warp_max", "slim")
+               if k != option)

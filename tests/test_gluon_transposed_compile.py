@@ -285,3 +285,32 @@ def test_warp_max_takes_the_tiles_max_over_keys_in_one_barrier_not_two():
     assert _sass_ops(sass[plain], "SHFL.BFLY") - _sass_ops(sass[warp], "SHFL.BFLY") == 2
     assert resources(warp)["stack"] == 0
     assert sass_hazards.hazards(sass[warp])[2] == []
+
+
+def test_slim_scales_in_the_exponent_and_masks_behind_a_branch_with_the_mmas_as_they_were():
+    """``slim`` (non-causal decode): the column scales folded into the exponent's FMA (fewer
+    FMULs, more FFMAs in the MMA loop), the bounds behind a branch taken only on a tile
+    that reaches them; still one wgmma wait a tile (the S^T product in flight across the
+    branch is not serialized), no spills in the loop, no hazard."""
+    _needs_gluon_triton()
+    from mlatune.kernels import gluon_transposed_fp8 as f
+    from tests import sass_hazards
+
+    plain, slim = (f.aot_compile("bf16", rows=16, direct=True, causal=False, defer_sums=True,
+                                 stacked=True, wide_vt=True, warp_max=True, slim=flag)
+                   for flag in (False, True))
+    sass = {k: sass_hazards.listing(k) for k in (plain, slim)}
+    (loop, ), (plain_loop, ) = (sass_hazards.mma_loops(sass[k]) for k in (slim, plain))
+
+    def count(body, op):
+        return sum(c.op == op for c in body)
+
+    assert count(loop, "FMUL") < count(plain_loop, "FMUL")
+    assert count(loop, "FFMA") > count(plain_loop, "FFMA")
+    assert count(loop, "BRA") == count(plain_loop, "BRA") + 1
+    assert count(loop, "WARPGROUP.DEPBAR.LE") == 1
+    assert sum(op.startswith("QGMMA") for op in (c.op for c in loop)) == \
+        sum(op.startswith("QGMMA") for op in (c.op for c in plain_loop))
+    assert sass_hazards.mma_loop_spills(sass[slim])[0][1:] == (0, 0)
+    assert sass_hazards.undefined_descriptors(sass[slim]) == []
+    assert sass_hazards.hazards(sass[slim])[2] == []

@@ -85,6 +85,12 @@ def test_the_fp8_mma_form_reads_fp8_caches_only():
     # warp_max keeps P's sums per key slot: without defer_sums no row sum would be taken
     with pytest.raises(ValueError, match="defer_sums=True only"):
         f.decode_launcher(q, cache, table, lens, qlen=1, sm_scale=0.1, warp_max=True)
+    # slim is warp_max's softmax with the scale in the exponent: a positive scale only
+    with pytest.raises(ValueError, match="warp_max=True only"):
+        f.decode_launcher(q, cache, table, lens, qlen=1, sm_scale=0.1, slim=True)
+    with pytest.raises(ValueError, match="sm_scale > 0 only"):
+        f.decode_launcher(q, cache, table, lens, qlen=1, sm_scale=-0.1, defer_sums=True,
+                          warp_max=True, slim=True)
 
 
 def test_gluon_check_keeps_unrun_kernels_behind_experimental_and_its_roundings_honest():
@@ -219,7 +225,9 @@ LAUNCH_OPTIONS = {"num_warps", "num_stages", "maxnreg", "ptx_options", "num_ctas
     ("gluon_transposed", {}), ("gluon_transposed_ws", {}), ("gluon_transposed_fp8", {}),
     ("gluon_transposed_fp8", {"stacked": True}),
     ("gluon_transposed_fp8", {"stacked": True, "defer_sums": True, "wide_vt": True,
-                              "warp_max": True})])
+                              "warp_max": True}),
+    ("gluon_transposed_fp8", {"stacked": True, "defer_sums": True, "wide_vt": True,
+                              "warp_max": True, "slim": True})])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_each_transposed_launch_binds_exactly_its_kernels_arguments(monkeypatch, module,
                                                                     options, num_splits):

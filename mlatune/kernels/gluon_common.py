@@ -299,6 +299,20 @@ def softmax_step_across_warps(s, n0, end, last_pos, keys, m_i, warp_maxes):
 
 
 @gluon.jit
+def slim_step_across_warps(s, qk, n0, end, last_pos, keys, m_i, warp_maxes, mask_from):
+    """``softmax_step_across_warps`` of raw scores S^T in fewer instructions a score: the
+    bounds applied only where the tile reaches ``mask_from`` (``first_masked_key``; a
+    decode's last tile), the column scales ``qk`` ([cols], positive) folded into the
+    exponent (one FMA; the max taken of the raw scores)."""
+    if n0 + s.shape[0] > mask_from:
+        s = mask_scores(s, n0, end, last_pos, keys, 0)
+    m_new = gl.maximum(m_i, key_max(s, warp_maxes) * qk)
+    m_shift = no_shift(m_new)
+    p = gl.exp2(s * gl.expand_dims(qk, 0) - gl.expand_dims(m_shift, 0))
+    return p, m_new, gl.exp2(m_i - m_shift)
+
+
+@gluon.jit
 def no_shift(m):
     """The max to subtract: 0 where a row has no key yet (m = -inf), so exp2 gives 0, not NaN."""
     return gl.where(m == float("-inf"), gl.zeros_like(m), m)

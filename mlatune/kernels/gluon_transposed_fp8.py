@@ -79,10 +79,12 @@ from mlatune.kernels import gluon_transposed as base
 from mlatune.kernels.gluon_common import (
     aot_compile_kernel,
     compile_options,
+    first_masked_key,
     issue_kv,
     last_keys,
     online_softmax,
     program_keys,
+    slim_step_across_warps,
     softmax_step,
     softmax_step_across_warps,
     tma_descriptors,
@@ -357,7 +359,8 @@ def _mma_layout(cols):
 @gluon.jit
 def _ws_mma(q_bufs, q8_bufs, ring, vts, p_buf, bars, ptrs, counter_ptr, ints, seq_len, start,
             end, n_tiles, qk, kv_scale, CAUSAL: gl.constexpr, DIRECT: gl.constexpr,
-            MERGE: gl.constexpr, DEFER_SUMS: gl.constexpr, WARP_MAX: gl.constexpr):
+            MERGE: gl.constexpr, DEFER_SUMS: gl.constexpr, WARP_MAX: gl.constexpr,
+            SLIM: gl.constexpr):
     """q quantized, then per tile S^T (fp8), the softmax, O^T += V^T P^T (fp8); the epilogue.
     ``DEFER_SUMS``: P's row sums kept per element ([keys, rows], rescaled like O^T) and
     summed over the keys once at the end, so a tile's softmax crosses the warps once (for
@@ -365,7 +368,10 @@ def _ws_mma(q_bufs, q8_bufs, ring, vts, p_buf, bars, ptrs, counter_ptr, ints, se
     Tile t+1's S^T is issued before tile t's softmax and runs beside it and beside tile t's
     O^T product; the warpgroup waits for both at the tile's end. (Leaving O^T in flight into
     the next tile was slower, 1.26x at (128, 16, 8192, 1) on the H200, 2026-12-01: the
-    accumulator then crosses the loop's back edge and ptxas serializes the wgmmas.)"""
+    accumulator then crosses the loop's back edge and ptxas serializes the wgmmas.)
+    ``SLIM`` (with ``WARP_MAX``): the softmax of raw scores, masked only on a tile that
+    reaches a bound, the column scales in the exponent's FMA
+    (``gluon_common.slim_step_across_warps``)."""
     k_nope, k_rope = ring
     q_bar, ready, k_empty, vt_ready, vt_empty = bars
     rb, qlen, heads = ints[0], ints[4], ints[5]
@@ -388,7 +394,9 @@ def _ws_mma(q_bufs, q8_bufs, ring, vts, p_buf, bars, ptrs, counter_ptr, ints, se
         warp_maxes = gl.allocate_shared_memory(gl.float32, [4, BR], gl.SwizzledSharedLayout(
             1, 1, 1, [1, 0]))
     mbarrier.wait(q_bar, 0)
-    qk_cols = gl.expand_dims(_quantize_q(q_bufs, q8_bufs, col_s, 4) * qk, 0)
+    qk_vec = _quantize_q(q_bufs, q8_bufs, col_s, 4) * qk
+    qk_cols = gl.expand_dims(qk_vec, 0)
+    mask_from = first_masked_key(end, last_pos)
     s = gl.zeros([BN, SN], gl.float32, layout=acc_s_layout)
     if n_tiles > 0:  # (a split past its request's length has no tiles)
         mbarrier.wait(ready.index(0), 0)
@@ -405,15 +413,22 @@ def _ws_mma(q_bufs, q8_bufs, ring, vts, p_buf, bars, ptrs, counter_ptr, ints, se
         # The next tile's S^T runs beside this tile's softmax (after the last tile: a
         # product of the slot's old bytes, never read, so the issue count stays fixed).
         s_next = _issue_s(k_nope.index(nxt), k_rope.index(nxt), *q8_bufs, acc_s_layout)
-        scores = _fold(s, BR, s_layout) * qk_cols
-        if WARP_MAX:
+        if SLIM:
+            p, m_i, alpha = slim_step_across_warps(_fold(s, BR, s_layout), qk_vec,
+                                                   start + t * BN, end, last_pos, keys, m_i,
+                                                   warp_maxes, mask_from)
+            l_acc = l_acc * gl.expand_dims(alpha, 0) + p
+        elif WARP_MAX:
+            scores = _fold(s, BR, s_layout) * qk_cols
             p, m_i, alpha = softmax_step_across_warps(scores, start + t * BN, end, last_pos,
                                                       keys, m_i, warp_maxes)
             l_acc = l_acc * gl.expand_dims(alpha, 0) + p
         elif DEFER_SUMS:
+            scores = _fold(s, BR, s_layout) * qk_cols
             p, m_i, alpha = softmax_step(scores, start + t * BN, end, last_pos, keys, m_i, 0)
             l_acc = l_acc * gl.expand_dims(alpha, 0) + p
         else:
+            scores = _fold(s, BR, s_layout) * qk_cols
             p, m_i, l_i, alpha = online_softmax(scores, start + t * BN, end, last_pos, keys,
                                                 m_i, l_i, 0)
         p8 = (p * (2.0 ** P_SHIFT)).to(p_buf.dtype)
@@ -448,7 +463,7 @@ def transposed_fp8_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and th
                           DEFER_SUMS: gl.constexpr, MERGE: gl.constexpr,
                           PDL: gl.constexpr, num_warps: gl.constexpr,
                           STACKED: gl.constexpr = False, WIDE_VT: gl.constexpr = False,
-                          WARP_MAX: gl.constexpr = False):
+                          WARP_MAX: gl.constexpr = False, SLIM: gl.constexpr = False):
     BN: gl.constexpr = kn_desc.block_type.shape[0]
     DN: gl.constexpr = kn_desc.block_type.shape[1]
     DR: gl.constexpr = kr_desc.block_type.shape[1]
@@ -494,7 +509,7 @@ def transposed_fp8_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and th
         (_ws_mma, (q_bufs, q8_bufs, ring, vts, p_buf, (q_bar, ready, k_empty, vt_ready, vt_empty),
                    ptrs, counter_ptr, ints, seq_len, start, end, n_tiles,
                    qk_scale * kv_scale, kv_scale, CAUSAL, DIRECT, MERGE, DEFER_SUMS,
-                   WARP_MAX)),
+                   WARP_MAX, SLIM)),
         (_ws_transposer, (ring, vts, (ready, k_empty, vt_ready, vt_empty), start, end,
                           n_tiles)),
     ], [4, 4], [WS_MMA_REGS, WS_TRANSPOSE_REGS])
@@ -514,7 +529,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                     lse: torch.Tensor | None = None, num_splits: int | None = None,
                     max_seq_len: int | None = None, merge: str = base.MERGE, pdl: bool = False,
                     q_terms: int = Q_TERMS, defer_sums: bool = False, stacked: bool = False,
-                    wide_vt: bool = False, warp_max: bool = False
+                    wide_vt: bool = False, warp_max: bool = False, slim: bool = False
                     ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
     """``gluon_transposed.decode_launcher`` for this kernel: an fp8 e4m3 cache only, q as
     ``q_terms`` e4m3 terms per row (1: a quantized q's accuracy, ``QUANTIZED_Q``).
@@ -524,7 +539,8 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     read once, not once a term), the halves added in registers (``_fold``). ``wide_vt``: V^T
     moved without bank conflicts into one buffer of 128-byte rows (``_V_LOAD_WIDE``).
     ``warp_max`` (with ``defer_sums``): a tile's max over keys across the warps in one
-    barrier (``gluon_common.key_max``)."""
+    barrier (``gluon_common.key_max``). ``slim`` (with ``warp_max``): its softmax in fewer
+    instructions (``gluon_common.slim_step_across_warps``)."""
     if kv_cache.dtype not in base.FP8_CACHES:
         raise ValueError(f"the fp8-MMA transposed decode reads an fp8 cache only, got "
                          f"{kv_cache.dtype}")
@@ -535,6 +551,11 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     if warp_max and not defer_sums:
         raise ValueError("warp_max keeps P's sums per key slot, summed after the last tile: "
                          "defer_sums=True only")
+    if slim and not warp_max:
+        raise ValueError("slim is warp_max's softmax in fewer instructions: warp_max=True only")
+    if slim and not sm_scale > 0:  # the max is taken of the unscaled scores
+        raise ValueError(f"slim folds the softmax scale into the exponent: sm_scale > 0 only, "
+                         f"got {sm_scale}")
     batch, heads = seq_lens.shape[0], q.shape[1]
     base._check_call(q, out, lse, batch * qlen, num_splits, base.WIDEN_COLS, merge)
     why = base.check_supported(q, kv_cache, block_table, seq_lens, kv_scale)
@@ -543,7 +564,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     rows = plan.transposed_rows(qlen * heads)
     meta = dict(CAUSAL=causal and qlen > 1, PAGE=PAGE_SIZE, STAGES=ring_stages(rows),
                 Q_TERMS=q_terms, DEFER_SUMS=defer_sums, STACKED=stacked, WIDE_VT=wide_vt,
-                WARP_MAX=warp_max, **compile_options(base.NUM_WARPS, MAXNREG))
+                WARP_MAX=warp_max, SLIM=slim, **compile_options(base.NUM_WARPS, MAXNREG))
     descs = tma_descriptors(q, kv_cache, rows)
     return base.launch(transposed_fp8_kernel, descs, q, block_table, seq_lens, kv_scale, out,
                        lse, qlen=qlen, sm_scale=sm_scale, num_splits=num_splits,
@@ -554,14 +575,14 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
 def aot_compile(dtype: str = "bf16", *, rows: int = 16, direct: bool = True,
                 causal: bool = True, merge: str = base.MERGE, arch: int = 90,
                 q_terms: int = Q_TERMS, defer_sums: bool = False, stacked: bool = False,
-                wide_vt: bool = False, warp_max: bool = False):
+                wide_vt: bool = False, warp_max: bool = False, slim: bool = False):
     """Compile ``transposed_fp8_kernel`` (a ``dtype`` q over an fp8 cache) for ``sm_<arch>``
     without a GPU; returns triton's CompiledKernel."""
     br = plan.transposed_rows(rows)
     constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=PAGE_SIZE,
                      MERGE=not direct and merge != "reduce", PDL=False,
                      STAGES=ring_stages(br), Q_TERMS=q_terms, DEFER_SUMS=defer_sums,
-                     STACKED=stacked, WIDE_VT=wide_vt, WARP_MAX=warp_max,
+                     STACKED=stacked, WIDE_VT=wide_vt, WARP_MAX=warp_max, SLIM=slim,
                      num_warps=base.NUM_WARPS)
     return aot_compile_kernel(transposed_fp8_kernel, constants,
                               base._blocks(dtype, "fp8", br, BLOCK_N), base._pointers(dtype),

@@ -177,7 +177,7 @@ FP8_MMA_MAX_ROWS = 16  # query rows a program up to which transposed/gluon offer
 # decode_launcher takes (``ws`` and ``fp8_mma`` choose the kernel).
 TRANSPOSED_KERNELS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "gluon_transposed": ("pdl", ), "gluon_transposed_ws": ("pdl", ),
-    "gluon_transposed_fp8": ("pdl", "defer_sums", "stacked", "wide_vt", "warp_max")})
+    "gluon_transposed_fp8": ("pdl", "defer_sums", "stacked", "wide_vt", "warp_max", "slim")})
 
 
 class TransposedGluonRoute(WgmmaGluonRoute):
@@ -187,7 +187,8 @@ class TransposedGluonRoute(WgmmaGluonRoute):
     memory, its scale read on the device). Its param sets launch the split reduce as a
     programmatic dependent (``pdl``) and read an fp8 cache widened in a partition of its own
     (``ws``) or, at up to 16 query rows a program, with fp8 MMAs, q as two e4m3 terms
-    (``fp8_mma``, with ``defer_sums``, ``stacked``, ``wide_vt`` and ``warp_max``); a stored
+    (``fp8_mma``, with ``defer_sums``, ``stacked``, ``wide_vt``, ``warp_max`` and ``slim``); a
+    stored
     param set without them ran the earlier forms and still does."""
 
     id = "transposed/gluon"
@@ -203,10 +204,12 @@ class TransposedGluonRoute(WgmmaGluonRoute):
     # (64, 16, 4096, 1); H200, 2026-12-02, session 19); wide_vt: V^T moved without shared-
     # memory bank conflicts (0.77x at (128, 16, 8192, 1) fp8, 0.81x at (64, 16, 4096, 1));
     # warp_max: a tile's max over keys across the warps in one barrier (0.955x after
-    # wide_vt; H200, 2026-12-02, session 20).
+    # wide_vt; H200, 2026-12-02, session 20); slim: its softmax masked only on a tile that
+    # reaches a bound, the scales in the exponent's FMA (benchmarks/results/README.md,
+    # session 21).
     kernel_options = MappingProxyType({"ws": False, "pdl": False, "fp8_mma": False,
                                        "defer_sums": False, "stacked": False,
-                                       "wide_vt": False, "warp_max": False})
+                                       "wide_vt": False, "warp_max": False, "slim": False})
 
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
         """The split counts with PDL. Over an fp8 cache, widened; at up to 16 query rows a
@@ -223,7 +226,7 @@ class TransposedGluonRoute(WgmmaGluonRoute):
         if not self.offers_fp8_mma(problem):
             return widen
         fp8_mma = {"pdl": True, "ws": True, "fp8_mma": True, "defer_sums": True,
-                   "stacked": True, "wide_vt": True, "warp_max": True}
+                   "stacked": True, "wide_vt": True, "warp_max": True, "slim": True}
         fp8 = [{**params, **fp8_mma} for params in
                self.split_sets(problem, device, plan.FP8_MMA_PROGRAM_COST)]
         pairs = itertools.zip_longest(fp8, widen)
