@@ -53,6 +53,16 @@ quantization, S^T, the softmax, O^T, the epilogue); a ring slot is released by b
   16, 8192, 1), 0.96x at (64, 16, 4096, 1) and batch 1 (H200, 2026-12-02, session 20 call
   3). The route's form. (Rescaling O^T only on tiles where a row's max grew was 1.02x
   slower: the check costs more than the multiplies it skips; session 20 call 2.)
+- ``slim``: the softmax of the raw scores, the bounds applied only on a tile that reaches
+  one (a decode's last), the column scales folded into the exponent's FMA: 14-18 fewer
+  instructions a tile in the MMA warpgroup's loop; 0.99x at (128, 16, 8192, 1), (64, 16,
+  4096, 1) and batch 1 (H200, 2026-12-02, session 21 call 2; the GPU tests right). The
+  route's form. (Tried and kept off: ``overlap_o``, tile t's O^T product beside tile t + 1's
+  softmax, S^T two tiles ahead, its K over both V^T halves with P^T zero in the other so no
+  branch picks the half: right, 1.12x slower, 32 wgmmas a product instead of 16 (session 21
+  call 1); with a branch per half ptxas built a wgmma on a descriptor only the other branch
+  wrote. The MMA warpgroup's instruction stream is the path: Nsight Compute at (128, 16, 8192,
+  1), session 21 call 2, issue slots 33% busy, L1/shared 80%, L2 86%, DRAM 75%.)
 Everything else (splits, the merge, the epilogue, LSE) is ``gluon_transposed``'s. Shared
 memory: Q (16-bit, then each term), the fp8 ring (3 stages at 16 rows, 2 at 32), two tiles'
 V^T, P^T.
