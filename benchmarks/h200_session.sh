@@ -73,7 +73,14 @@
 #                  q as two e4m3 terms and as one) beside the widening and FlashMLA; with
 #                  EXPERIMENTAL=1 also its experimental forms (gluon_check.EXPERIMENTAL)
 # Vendor libraries (FlashMLA, FlashInfer) come as wheels installed before this script runs,
-# with PYTHONPATH pointing at them (the script keeps it).
+# with PYTHONPATH pointing at them (the script keeps it). The installed tree travels as
+# .whl/site.tar.xz (18 MB): here, pip download sgl-flash-mla==1.0.0,
+# flashinfer-python==0.6.18.post1 and apache-tvm-ffi==0.1.15.post2 (--no-deps, CPython 3.12,
+# manylinux), pip install --no-deps --target DIR --python-version 3.12 --only-binary=:all:
+# them, tar cJf that DIR; the call carries it and untars it into /tmp/site first. The
+# tracked tree and the carry together must stay under the device's 64 MiB a call: since
+# session 21 they do not with benchmarks/results in place (43 MB), which no step reads, so
+# it is moved aside for the call and back after.
 # Everything it makes goes under $OUT (logs, tables and the journals, gzipped).
 set -u -o pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # keeps carried wheels
