@@ -188,8 +188,7 @@ class TransposedGluonRoute(WgmmaGluonRoute):
     programmatic dependent (``pdl``) and read an fp8 cache widened in a partition of its own
     (``ws``) or, at up to 16 query rows a program, with fp8 MMAs, q as two e4m3 terms
     (``fp8_mma``, with ``defer_sums``, ``stacked``, ``wide_vt``, ``warp_max`` and ``slim``); a
-    stored
-    param set without them ran the earlier forms and still does."""
+    stored param set without them ran the earlier forms and still does."""
 
     id = "transposed/gluon"
     kernel = "gluon_transposed"
