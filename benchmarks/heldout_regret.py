@@ -51,9 +51,17 @@ from mlatune.table.winners_map import problem_of
 ROOT = Path(__file__).resolve().parent.parent
 TABLE = ROOT / "mlatune/tables/sm_90-h200.parquet"
 # The shipped table's sweep, then FlashMLA re-timed after its DCP fix (merged into the table
-# on 2026-11-30 21:44: its rows there replace the sweep's)
-SWEEP = ROOT / "benchmarks/results/h200-sweep20-20261130"
-JOURNALS = [SWEEP / "sm_90-h200.journal.jsonl.gz", SWEEP / "sm_90-flashmla-retime.journal.jsonl.gz"]
+# on 2026-11-30 21:44: its rows there replace the sweep's), then the sweeps whose rows
+# replaced a route's since, in the order they did (a later journal's runs of a problem and
+# route replace an earlier one's): wgmma/gluon (2026-12-01), both later Gluon routes
+# (session 17), transposed/gluon over fp8 caches (session 21; its rows at up to 16 query
+# rows a program are the table's, the rest ran the same sets as session 17's).
+RESULTS = ROOT / "benchmarks/results"
+SWEEP = RESULTS / "h200-sweep20-20261130"
+JOURNALS = [SWEEP / "sm_90-h200.journal.jsonl.gz", SWEEP / "sm_90-flashmla-retime.journal.jsonl.gz",
+            RESULTS / "h200-gluon-sweep-20261201/sm_90-gluon.journal.jsonl.gz",
+            RESULTS / "h200-s17-call7-20261202/sm_90-g-h200.journal.jsonl.gz",
+            RESULTS / "h200-s21-call2-20261202/sm_90-f-h200.journal.jsonl.gz"]
 HELDOUT = ROOT / "benchmarks/results/h200-vendors-20261130/sm_90-traffic.parquet"
 HELDOUT_JOURNAL = ROOT / "benchmarks/results/h200-vendors-20261130/sm_90-traffic.journal.jsonl.gz"
 CURRENCIES = ("cost", "launch")
