@@ -254,7 +254,8 @@ def main() -> None:
     parser.add_argument("--table", type=Path, default=TABLE)
     parser.add_argument("--journal", type=Path, action="append",
                         help="a sweep journal that times the answers (loo: the table's, "
-                        "default its sweep's and FlashMLA's re-time; heldout: the held-out "
+                        "default JOURNALS: its sweep's, FlashMLA's re-time and the Gluon sweeps "
+                        "whose rows replaced theirs; heldout: the held-out "
                         "sweep's); repeated, a later one's runs of a problem's route replace "
                         "an earlier one's")
     parser.add_argument("--heldout", type=Path, default=HELDOUT)
