@@ -45,6 +45,9 @@
 #   gluontests     pytest -m gpu tests/test_gluon_gpu.py
 #   seesawab       benchmarks/decode.py at issue 19's seesaw points, the route's sets and the
 #                  same without afresh_q alternating twice (decode.py --forms)
+#   namedab        the seesaw's named_bars form (P handed over on hardware barriers): its split
+#                  walks on the GPU, then decode.py at issue 19's seesaw points, the route's
+#                  sets as they are and with named_bars, alternating twice
 #   walks          the seesaw kernel's split partials each against its own keys, and the split
 #                  reduce alone, on the GPU (which of the two a wrong split result comes from)
 #   reduceblocks   benchmarks/reduce_blocks.py: the split reduce alone at the split decodes'
@@ -226,6 +229,15 @@ transposed/gluon fp8mma deferred" > "$OUT/seesaw-check.log" 2>&1
                 '{"seesaw/gluon": [{}, {"afresh_q": false}, {}, {"afresh_q": false}]}' \
                 > "$OUT/seesawab.log" 2>&1
               log "seesawab: rc=$?"; grep -i "target" "$OUT/seesawab.log" | tee -a "$OUT/session.log" ;;
+    namedab) timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gluon_gpu.py \
+               -k "seesaw and named" > "$OUT/namedab-tests.log" 2>&1
+             log "namedab tests: rc=$?; $(tail -1 "$OUT/namedab-tests.log")"
+             timeout 240 python3 benchmarks/decode.py --points 7,8,6,4,9 --kv bf16 \
+               --routes seesaw/gluon,dense/flashmla --out "$OUT/namedab" --forms \
+               '{"seesaw/gluon": [{}, {"named_bars": true}, {}, {"named_bars": true}]}' \
+               > "$OUT/namedab.log" 2>&1
+             log "namedab: rc=$?"; cat "$OUT/namedab"/decode-*.md | grep -A30 "## Forms" \
+               | tee -a "$OUT/session.log" ;;
     gluontests) s=$(date +%s)
                 timeout 330 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gluon_gpu.py \
                   > "$OUT/gluon-tests.log" 2>&1

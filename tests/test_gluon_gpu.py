@@ -142,7 +142,9 @@ SPLIT_WALKS = [(16, 1, 4096, 1, 64), (16, 6, 700, 1, 3), (128, 4, 1000, 1, 2),
 SEESAW_FORMS = {"slim": dict(chunked=True, pdl=True, slim=True),
                 "lone": dict(chunked=True, pdl=True, slim=True, lone_bars=True),
                 "afresh": dict(chunked=True, pdl=True, slim=True, lone_bars=True,
-                               afresh_q=True)}
+                               afresh_q=True),
+                "named": dict(chunked=True, pdl=True, slim=True, lone_bars=True,
+                              afresh_q=True, named_bars=True)}
 
 
 @pytest.mark.parametrize("form", list(SEESAW_FORMS))

@@ -178,6 +178,40 @@ def test_afresh_q_keeps_every_descriptor_out_of_registers(direct):
     assert len(loops) == 2 and all(ldl == stl == 0 for _, ldl, stl in loops)  # both pair loops
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_named_bars_hand_p_over_on_hardware_barriers(direct):
+    """``named_bars`` (of the afresh form): each warpgroup hands its tile's P over with one
+    ``bar.arrive`` on a barrier the other ``bar.sync``s (12: P_a, 13: P_b; triton's own are
+    0-3), in place of an mbarrier wait and the warpgroup barrier before its one-thread
+    arrival; the same copies and MMAs, no local memory, no hazard."""
+    from mlatune.kernels import gluon_seesaw as s
+    from tests import sass_hazards
+    with pytest.raises(ValueError, match="afresh"):
+        s.decode_launcher(*[None] * 4, qlen=1, sm_scale=0.1, chunked=True, slim=True,
+                          lone_bars=True, named_bars=True)
+    _needs_gluon_triton()
+    named, fresh = (s.aot_compile(direct=direct, causal=False, chunked=True, slim=True,
+                                  lone_bars=True, afresh_q=True, named_bars=flag)
+                    for flag in (True, False))
+    ptx = {k: k.asm["ptx"] for k in (named, fresh)}
+    for op in ("cp.async.bulk.tensor.2d", "wgmma.mma_async"):
+        assert ptx[named].count(op) == ptx[fresh].count(op), op
+    assert ptx[named].count("mbarrier.try_wait") == ptx[fresh].count("mbarrier.try_wait") - 2
+    for bar in (12, 13):
+        assert ptx[named].count(f"bar.arrive {bar}, 256;") == 1
+        assert ptx[named].count(f"bar.sync {bar}, 256;") == 1
+    assert not re.search(r"bar\.(sync|arrive)\s+(1[0-5]|[4-9]), ", ptx[fresh])
+
+    def warpgroup_bars(kernel) -> int:
+        return len(re.findall(r"bar\.sync\s+\d+, 128;", kernel.asm["ptx"]))
+
+    assert warpgroup_bars(named) < warpgroup_bars(fresh)
+    assert resources(named)["stack"] == 0
+    sass = sass_hazards.listing(named)
+    assert sass_hazards.undefined_descriptors(sass) == []
+    assert sass_hazards.hazards(sass)[2] == []
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_the_lone_form_spills_in_its_pair_loops_without_afresh_q(causal):
     """Why ``afresh_q``: the lone form's pair loops reload spilled values every pair (the

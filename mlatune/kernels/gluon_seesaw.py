@@ -307,13 +307,58 @@ def _row_slot(buf, i: gl.constexpr):
 
 
 @gluon.jit
-def _publish(p, kr_buf, m_slot, m, bar):
-    """Hand a tile's P (over its dead rope part) and its running max to the other warpgroup."""
+def _m_slot(m_buf, i: gl.constexpr, NAMED: gl.constexpr):
+    """The pair's running max number ``i`` (m0, m1). NAMED: two allocations, so that triton's
+    barrier analysis does not take a warpgroup's load of one for a read of its store to the
+    other (it puts a warpgroup barrier between them)."""
+    if NAMED:
+        return m_buf[i]
+    else:
+        return _row_slot(m_buf, i)
+
+
+@gluon.jit
+def _publish(p, kr_buf, m_slot, m, p_bars, i: gl.constexpr, LONE: gl.constexpr,
+             NAMED: gl.constexpr, alpha):
+    """Hand a tile's P (over its dead rope part) and its running max to the other warpgroup:
+    on mbarrier ``i`` of ``p_bars``, or (NAMED) on hardware barrier 12 + i. Returns ``alpha``
+    (the rows' rescale of O), NAMED through the arrival so that O's rescale follows it."""
     kr_buf.store(p)
     m_slot.store(m)
     fence_async_shared()  # P is read by the other warpgroup's wgmma (async proxy)
-    gl.thread_barrier()  # every thread's stores precede the one arrival
-    mbarrier.arrive(bar)
+    if NAMED:  # every thread arrives: no warpgroup barrier first
+        if i == 0:
+            alpha = _named_barrier("bar.arrive 12, 256;", alpha)
+        else:
+            alpha = _named_barrier("bar.arrive 13, 256;", alpha)
+    else:
+        gl.thread_barrier()  # every thread's stores precede the one arrival
+        mbarrier.arrive(_bar(p_bars, i, LONE))
+    return alpha
+
+
+@gluon.jit
+def _await_p(p_bars, i: gl.constexpr, ph, LONE: gl.constexpr, NAMED: gl.constexpr):
+    """Wait for the other warpgroup's ``_publish`` number ``i`` of this pair."""
+    if NAMED:
+        if i == 0:
+            _named_barrier("bar.sync 12, 256;", gl.zeros([2], gl.float32, gl.BlockedLayout(
+                [2], [32], [4], [0])))
+        else:
+            _named_barrier("bar.sync 13, 256;", gl.zeros([2], gl.float32, gl.BlockedLayout(
+                [2], [32], [4], [0])))
+    else:
+        mbarrier.wait(_bar(p_bars, i, LONE), ph)
+
+
+@gluon.jit
+def _named_barrier(ASM: gl.constexpr, rows):
+    """One PTX ``bar.arrive``/``bar.sync`` on a hardware barrier shared by the two compute
+    warpgroups (256 threads; triton 3.6's partitions use barriers 0-3 of 16): its Gluon has
+    no op for one. ``rows`` (fp32, 2 values a thread, once each: pack 2) passes through, so
+    that what uses them follows the barrier; not pure, so it stays in place."""
+    return gl.inline_asm_elementwise(ASM + " mov.b32 $0, $2; mov.b32 $1, $3;", "=r,=r,r,r",
+                                     [rows], dtype=gl.float32, is_pure=False, pack=2)
 
 
 @gluon.jit
@@ -348,7 +393,7 @@ def _halves(kn_a, kn_b, half: gl.constexpr, s_layout: gl.constexpr, o_layout: gl
 @gluon.jit
 def _pair_wg0(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run, acc,
               s_layout: gl.constexpr, o_layout: gl.constexpr, CHUNKED: gl.constexpr,
-              SLIM: gl.constexpr, LONE: gl.constexpr):
+              SLIM: gl.constexpr, LONE: gl.constexpr, NAMED: gl.constexpr = False):
     """WG0's half of a pair: its own tile a (slot 0), then WG1's tile b (slot 1)."""
     q_nope, q_rope, m_buf = bufs[0], bufs[1], bufs[4]
     kn_a, kr_a, kn_b, kr_b = kv
@@ -366,12 +411,12 @@ def _pair_wg0(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
     p, m0, l_run, alpha = _softmax(s, qk_scale, n0, end, bounds, cols, m_run, l_run, SLIM)
     p = p.to(kr_a.dtype)
-    _publish(p, kr_a, _row_slot(m_buf, 0), m0, _bar(p_bars, 0, LONE))
+    alpha = _publish(p, kr_a, _m_slot(m_buf, 0, NAMED), m0, p_bars, 0, LONE, NAMED, alpha)
     acc = _scale_rows(acc, alpha, o_layout)
     p_op = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
     acc = warpgroup_mma(p_op, v_a, acc, is_async=True)
-    mbarrier.wait(_bar(p_bars, 1, LONE), ph)
-    m1 = _row_slot(m_buf, 1).load(gl.SliceLayout(1, s_layout))
+    _await_p(p_bars, 1, ph, LONE, NAMED)
+    m1 = _m_slot(m_buf, 1, NAMED).load(gl.SliceLayout(1, s_layout))
     acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
     _release(empty, 0, 0, CHUNKED, LONE)
     alpha = gl.exp2(m0 - no_shift(m1))
@@ -388,7 +433,7 @@ def _pair_wg0(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run
 @gluon.jit
 def _pair_wg1(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run, acc,
               s_layout: gl.constexpr, o_layout: gl.constexpr, CHUNKED: gl.constexpr,
-              SLIM: gl.constexpr, LONE: gl.constexpr):
+              SLIM: gl.constexpr, LONE: gl.constexpr, NAMED: gl.constexpr = False):
     """WG1's half of a pair: S of its own tile b first, WG0's P_a V_a while S_b finishes."""
     kn_a, kr_a, kn_b, kr_b = kv
     q_nope, q_rope, m_buf = bufs[0], bufs[1], bufs[4]
@@ -402,8 +447,8 @@ def _pair_wg1(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run
         mbarrier.wait(ready.index(1), ph, pred=has_b)
         s = _issue_scores(q_nope, q_rope, kn_b, kr_b, s_layout)
     _wait_half(ready, 0, 1, ph, True, CHUNKED, LONE)
-    mbarrier.wait(_bar(p_bars, 0, LONE), ph)
-    m0 = _row_slot(m_buf, 0).load(gl.SliceLayout(1, s_layout))
+    _await_p(p_bars, 0, ph, LONE, NAMED)
+    m0 = _m_slot(m_buf, 0, NAMED).load(gl.SliceLayout(1, s_layout))
     alpha = gl.exp2(m_run - no_shift(m0))
     acc = _scale_rows(acc, alpha, o_layout)
     _zero_if_last(v_a, n0, end)
@@ -412,7 +457,7 @@ def _pair_wg1(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
     p, m1, l_run, alpha = _softmax(s, qk_scale, n1, end, bounds, cols, m0, l_run * alpha, SLIM)
     p = p.to(kr_a.dtype)
-    _publish(p, kr_b, _row_slot(m_buf, 1), m1, _bar(p_bars, 1, LONE))
+    alpha = _publish(p, kr_b, _m_slot(m_buf, 1, NAMED), m1, p_bars, 1, LONE, NAMED, alpha)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     _release(empty, 0, 1, CHUNKED, LONE)
     acc = _scale_rows(acc, alpha, o_layout)
@@ -437,9 +482,10 @@ def _afresh(buf, zero):
 def _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, WG: gl.constexpr,
              CAUSAL: gl.constexpr, DIRECT: gl.constexpr, CHUNKED: gl.constexpr,
              SLIM: gl.constexpr = False, LONE: gl.constexpr = False,
-             AFRESH: gl.constexpr = False):
+             AFRESH: gl.constexpr = False, NAMED: gl.constexpr = False):
     """One compute warpgroup: its walk over the pairs of tiles, then its half of the output.
-    AFRESH (of the lone form): Q too addressed through the unprovable zero each pair."""
+    AFRESH (of the lone form): Q too addressed through the unprovable zero each pair. NAMED
+    (of the afresh form): P handed over on hardware barriers (``_publish``)."""
     q_nope, k_nope, k_rope, l_buf = bufs[0], bufs[2], bufs[3], bufs[5]
     q_bar, l_bar = bars[0], bars[4]
     BM: gl.constexpr = q_nope.shape[0]
@@ -472,11 +518,11 @@ def _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, WG: gl.constexpr,
         if WG == 0:
             acc, m_run, l_run = _pair_wg0(pair_bufs, kv, bars, j & 1, n0, end, has_b, bounds,
                                           qk_scale, m_run, l_run, acc, s_layout, o_layout,
-                                          CHUNKED, SLIM, LONE)
+                                          CHUNKED, SLIM, LONE, NAMED)
         else:
             acc, m_run, l_run = _pair_wg1(pair_bufs, kv, bars, j & 1, n0, end, has_b, bounds,
                                           qk_scale, m_run, l_run, acc, s_layout, o_layout,
-                                          CHUNKED, SLIM, LONE)
+                                          CHUNKED, SLIM, LONE, NAMED)
     # The row sum is the two warpgroups' sums, both in the base of the final max.
     _row_slot(l_buf, WG).store(l_run)
     gl.thread_barrier()
@@ -592,6 +638,20 @@ def _wg1_afresh(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constex
              True)
 
 
+@gluon.jit
+def _wg0_named(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
+               DIRECT: gl.constexpr):
+    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 0, CAUSAL, DIRECT, True, True, True,
+             True, True)
+
+
+@gluon.jit
+def _wg1_named(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
+               DIRECT: gl.constexpr):
+    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 1, CAUSAL, DIRECT, True, True, True,
+             True, True)
+
+
 @gluon.jit(do_not_specialize=["num_splits", "qlen", "heads"])
 def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache's two parts
                   # (CHUNKED: kr_desc is the cache's whole rows in [64, 64] blocks instead)
@@ -600,7 +660,8 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache'
                   stride_po_slot, stride_po_row, stride_pl_slot,  # fp32 partials
                   CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PAGE: gl.constexpr,
                   CHUNKED: gl.constexpr, PDL: gl.constexpr, SLIM: gl.constexpr,
-                  LONE: gl.constexpr, num_warps: gl.constexpr, AFRESH: gl.constexpr = False):
+                  LONE: gl.constexpr, num_warps: gl.constexpr, AFRESH: gl.constexpr = False,
+                  NAMED: gl.constexpr = False):
     BM: gl.constexpr = qn_desc.block_type.shape[0]
     BN: gl.constexpr = kn_desc.block_type.shape[0]
     dtype: gl.constexpr = qn_desc.dtype
@@ -612,7 +673,11 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache'
     k_nope = gl.allocate_shared_memory(dtype, [2, BN, kn_desc.block_type.shape[1]], kn_desc.layout)
     k_rope = gl.allocate_shared_memory(dtype, [2, BN, kr_desc.block_type.shape[1]], kr_desc.layout)
     rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-    m_buf = gl.allocate_shared_memory(gl.float32, [2 * BM], rows_layout)  # m0, m1 of a pair
+    if NAMED:  # m0, m1 of a pair (NAMED: apart, see ``_m_slot``)
+        m_buf = (gl.allocate_shared_memory(gl.float32, [BM], rows_layout),
+                 gl.allocate_shared_memory(gl.float32, [BM], rows_layout))
+    else:
+        m_buf = gl.allocate_shared_memory(gl.float32, [2 * BM], rows_layout)
     l_buf = gl.allocate_shared_memory(gl.float32, [2 * BM], rows_layout)  # each WG's row sum
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     q_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
@@ -656,10 +721,10 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache'
     gl.warp_specialize([
         (_loader, ((qn_desc, qr_desc, kn_desc, kr_desc), bufs, bars, bt_row, q_row, start,
                    n_tiles, PAGE, CHUNKED, LONE)),
-        (_wg0_afresh if AFRESH else _wg0_lone if LONE else _wg0_slim if SLIM else
-         _wg0_chunked if CHUNKED else _wg0, compute_args),
-        (_wg1_afresh if AFRESH else _wg1_lone if LONE else _wg1_slim if SLIM else
-         _wg1_chunked if CHUNKED else _wg1, compute_args),
+        (_wg0_named if NAMED else _wg0_afresh if AFRESH else _wg0_lone if LONE else
+         _wg0_slim if SLIM else _wg0_chunked if CHUNKED else _wg0, compute_args),
+        (_wg1_named if NAMED else _wg1_afresh if AFRESH else _wg1_lone if LONE else
+         _wg1_slim if SLIM else _wg1_chunked if CHUNKED else _wg1, compute_args),
     ], [4, 4], [COMPUTE_REGS, COMPUTE_REGS])
 
 
@@ -674,15 +739,17 @@ def _chunk_descriptor(kv_cache: torch.Tensor) -> TensorDescriptor:
 
 
 def _check_form(chunked: bool, slim: bool, lone_bars: bool = False,
-                afresh_q: bool = False) -> None:
+                afresh_q: bool = False, named_bars: bool = False) -> None:
     # The workers of each form are functions of their own: slim is chunked, lone_bars slim,
-    # afresh_q lone.
+    # afresh_q lone, named_bars afresh.
     if slim and not chunked:
         raise ValueError("slim is a form of the chunked kernel: pass chunked=True too")
     if lone_bars and not slim:
         raise ValueError("lone_bars is a form of the slim kernel: pass chunked=slim=True too")
     if afresh_q and not lone_bars:
         raise ValueError("afresh_q is a form of the lone-barrier kernel: pass lone_bars=True too")
+    if named_bars and not afresh_q:
+        raise ValueError("named_bars is a form of the afresh kernel: pass afresh_q=True too")
 
 
 def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -690,7 +757,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                     out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                     num_splits: int | None = None, max_seq_len: int | None = None,
                     chunked: bool = False, pdl: bool = False, slim: bool = False,
-                    lone_bars: bool = False, afresh_q: bool = False
+                    lone_bars: bool = False, afresh_q: bool = False, named_bars: bool = False
                     ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
     """A zero-argument launch of the seesaw decode, with the out and LSE it writes.
 
@@ -703,9 +770,11 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     (slim only): each mbarrier its own allocation (``_lone_bars``), which drops most of the
     warpgroup barriers triton 3.6 puts before the waits. ``afresh_q`` (lone only):
     Q addressed each pair through a zero the compiler cannot prove, so that
-    ptxas does not hoist Q's wgmma descriptors into registers (``_afresh``).
+    ptxas does not hoist Q's wgmma descriptors into registers (``_afresh``). ``named_bars``
+    (afresh only): each tile's P handed to the other warpgroup on a hardware barrier
+    instead of an mbarrier (``_publish``).
     """
-    _check_form(chunked, slim, lone_bars, afresh_q)
+    _check_form(chunked, slim, lone_bars, afresh_q, named_bars)
     if slim and not sm_scale > 0:  # slim_softmax takes the max of the unscaled scores
         raise ValueError(f"the slim form needs a positive sm_scale, got {sm_scale}")
     why = check_supported(q, kv_cache, block_table, seq_lens)
@@ -725,7 +794,8 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     head = (*descs, block_table, seq_lens)
     sizes = (num_splits, qlen, heads, sm_scale * LOG2E, block_table.stride(0))
     meta = dict(CAUSAL=causal and qlen > 1, PAGE=PAGE_SIZE, CHUNKED=chunked, SLIM=slim,
-                LONE=lone_bars, AFRESH=afresh_q, **compile_options(NUM_WARPS, MAXNREG))
+                LONE=lone_bars, AFRESH=afresh_q, NAMED=named_bars,
+                **compile_options(NUM_WARPS, MAXNREG))
     if num_splits == 1:
         args = (*head, out, lse, *sizes, out.stride(0), out.stride(1), lse.stride(0), 0, 0, 0)
         return (lambda: seesaw_kernel[grid](*args, DIRECT=True, PDL=False, **meta)), out, lse
@@ -746,7 +816,7 @@ def seesaw_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
                   num_splits: int | None = None, **forms: bool
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """One eager call: (out, lse). ``forms``: ``decode_launcher``'s form options (chunked,
-    pdl, slim, lone_bars, afresh_q)."""
+    pdl, slim, lone_bars, afresh_q, named_bars)."""
     launch, out, lse = decode_launcher(q, kv_cache, block_table, seq_lens, qlen=qlen,
                                        sm_scale=sm_scale, causal=causal, num_splits=num_splits,
                                        **forms)
@@ -756,13 +826,13 @@ def seesaw_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
 
 def aot_compile(dtype: str = "bf16", *, direct: bool = True, causal: bool = True,
                 arch: int = 90, chunked: bool = False, pdl: bool = False, slim: bool = False,
-                lone_bars: bool = False, afresh_q: bool = False):
+                lone_bars: bool = False, afresh_q: bool = False, named_bars: bool = False):
     """Compile ``seesaw_kernel`` for ``sm_<arch>`` without a GPU (triton's bundled ptxas);
     returns triton's CompiledKernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata``)."""
-    _check_form(chunked, slim, lone_bars, afresh_q)
+    _check_form(chunked, slim, lone_bars, afresh_q, named_bars)
     constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=PAGE_SIZE, CHUNKED=chunked,
                      PDL=pdl and not direct, SLIM=slim, LONE=lone_bars, AFRESH=afresh_q,
-                     num_warps=NUM_WARPS)
+                     NAMED=named_bars, num_warps=NUM_WARPS)
     blocks = dict(qn_desc=(dtype, BLOCK_M, D_NOPE), qr_desc=(dtype, BLOCK_M, D_ROPE),
                   kn_desc=(dtype, BLOCK_N, D_NOPE), kr_desc=(dtype, BLOCK_N, D_ROPE))
     pointers = dict(bt_ptr="i32", seq_lens_ptr="i32", out_ptr=dtype if direct else "fp32",

@@ -164,7 +164,8 @@ class SeesawGluonRoute(WgmmaGluonRoute):
     id = "seesaw/gluon"
     kernel = "gluon_seesaw"
     kernel_options = MappingProxyType({"chunked": False, "pdl": False, "slim": False,
-                                       "lone_bars": False, "afresh_q": False})
+                                       "lone_bars": False, "afresh_q": False,
+                                       "named_bars": False})
     FORM = MappingProxyType({"chunked": True, "pdl": True, "slim": True, "lone_bars": True,
                              "afresh_q": True})
 
