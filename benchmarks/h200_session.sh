@@ -48,6 +48,7 @@
 #   namedab        the seesaw's named_bars form (P handed over on hardware barriers): its split
 #                  walks on the GPU, then decode.py at issue 19's seesaw points, the route's
 #                  sets as they are and with named_bars, alternating twice
+#   earlyab        the same for the early form (of named_bars: the pair in FlashMLA's order)
 #   walks          the seesaw kernel's split partials each against its own keys, and the split
 #                  reduce alone, on the GPU (which of the two a wrong split result comes from)
 #   reduceblocks   benchmarks/reduce_blocks.py: the split reduce alone at the split decodes'
@@ -104,6 +105,17 @@ fp8_form_ab() {  # NAME OPTION: the fp8 GPU tests (the form in the route's fp8-M
     --max-params 1 --routes transposed/gluon,dense/flashmla --out "$OUT/$1" \
     --forms "{\"transposed/gluon\": [{}, {\"$2\": false}, {}, {\"$2\": false}]}" \
     > "$OUT/$1.log" 2>&1
+  log "$1: rc=$?"; cat "$OUT/$1"/decode-*.md | grep -A30 "## Forms" | tee -a "$OUT/session.log"
+}
+seesaw_form_ab() {  # NAME TEST-FORM OPTIONS: the seesaw's split walks in SEESAW_FORMS' form,
+  # then decode.py at its points, the route's sets as they are and with OPTIONS, twice
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gluon_gpu.py \
+    -k "seesaw and $2" > "$OUT/$1-tests.log" 2>&1
+  log "$1 tests: rc=$?; $(tail -1 "$OUT/$1-tests.log")"
+  grep "^FAILED" "$OUT/$1-tests.log" | tee -a "$OUT/session.log"
+  timeout 240 python3 benchmarks/decode.py --points 7,8,6,4,9 --kv bf16 \
+    --routes seesaw/gluon,dense/flashmla --out "$OUT/$1" \
+    --forms "{\"seesaw/gluon\": [{}, $3, {}, $3]}" > "$OUT/$1.log" 2>&1
   log "$1: rc=$?"; cat "$OUT/$1"/decode-*.md | grep -A30 "## Forms" | tee -a "$OUT/session.log"
 }
 ncu_fp8() {  # kernel-regex route params: Nsight Compute's sections at (128, 16, 8192, 1) fp8
@@ -229,15 +241,8 @@ transposed/gluon fp8mma deferred" > "$OUT/seesaw-check.log" 2>&1
                 '{"seesaw/gluon": [{}, {"afresh_q": false}, {}, {"afresh_q": false}]}' \
                 > "$OUT/seesawab.log" 2>&1
               log "seesawab: rc=$?"; grep -i "target" "$OUT/seesawab.log" | tee -a "$OUT/session.log" ;;
-    namedab) timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gluon_gpu.py \
-               -k "seesaw and named" > "$OUT/namedab-tests.log" 2>&1
-             log "namedab tests: rc=$?; $(tail -1 "$OUT/namedab-tests.log")"
-             timeout 240 python3 benchmarks/decode.py --points 7,8,6,4,9 --kv bf16 \
-               --routes seesaw/gluon,dense/flashmla --out "$OUT/namedab" --forms \
-               '{"seesaw/gluon": [{}, {"named_bars": true}, {}, {"named_bars": true}]}' \
-               > "$OUT/namedab.log" 2>&1
-             log "namedab: rc=$?"; cat "$OUT/namedab"/decode-*.md | grep -A30 "## Forms" \
-               | tee -a "$OUT/session.log" ;;
+    namedab) seesaw_form_ab namedab named '{"named_bars": true}' ;;
+    earlyab) seesaw_form_ab earlyab early '{"named_bars": true, "early": true}' ;;
     gluontests) s=$(date +%s)
                 timeout 330 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gluon_gpu.py \
                   > "$OUT/gluon-tests.log" 2>&1

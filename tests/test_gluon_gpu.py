@@ -144,7 +144,9 @@ SEESAW_FORMS = {"slim": dict(chunked=True, pdl=True, slim=True),
                 "afresh": dict(chunked=True, pdl=True, slim=True, lone_bars=True,
                                afresh_q=True),
                 "named": dict(chunked=True, pdl=True, slim=True, lone_bars=True,
-                              afresh_q=True, named_bars=True)}
+                              afresh_q=True, named_bars=True),
+                "early": dict(chunked=True, pdl=True, slim=True, lone_bars=True,
+                              afresh_q=True, named_bars=True, early=True)}
 
 
 @pytest.mark.parametrize("form", list(SEESAW_FORMS))

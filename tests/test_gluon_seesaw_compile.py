@@ -212,6 +212,32 @@ def test_named_bars_hand_p_over_on_hardware_barriers(direct):
     assert sass_hazards.hazards(sass)[2] == []
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_the_early_form_builds_clean(direct):
+    """``early`` (of the named form): the pair in FlashMLA's order, three hardware barriers
+    a pair (12: m0, 13: m1 and P_b, 14: P_a in m1's base), no P mbarrier; the same copies and
+    MMAs as the named form, no local memory, no hazard."""
+    from mlatune.kernels import gluon_seesaw as s
+    from tests import sass_hazards
+    with pytest.raises(ValueError, match="named"):
+        s.decode_launcher(*[None] * 4, qlen=1, sm_scale=0.1, chunked=True, slim=True,
+                          lone_bars=True, afresh_q=True, early=True)
+    _needs_gluon_triton()
+    early, named = (s.aot_compile(direct=direct, causal=True, chunked=True, slim=True,
+                                  lone_bars=True, afresh_q=True, named_bars=True, early=flag)
+                    for flag in (True, False))
+    ptx = {k: k.asm["ptx"] for k in (early, named)}
+    for op in ("cp.async.bulk.tensor.2d", "wgmma.mma_async", "mbarrier.try_wait"):
+        assert ptx[early].count(op) == ptx[named].count(op), op
+    for bar in (12, 13, 14):
+        assert ptx[early].count(f"bar.arrive {bar}, 256;") == 1
+        assert ptx[early].count(f"bar.sync {bar}, 256;") == 1
+    assert resources(early)["stack"] == 0
+    sass = sass_hazards.listing(early)
+    assert sass_hazards.undefined_descriptors(sass) == []
+    assert sass_hazards.hazards(sass)[2] == []
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_the_lone_form_spills_in_its_pair_loops_without_afresh_q(causal):
     """Why ``afresh_q``: the lone form's pair loops reload spilled values every pair (the

@@ -164,14 +164,16 @@ __all__ = ["aot_compile", "decode_launcher", "seesaw_decode", "seesaw_kernel"]
 
 @gluon.jit
 def _loader(descs, bufs, bars, bt_row, q_row, start, n_tiles, PAGE: gl.constexpr,
-            CHUNKED: gl.constexpr, LONE: gl.constexpr):
+            CHUNKED: gl.constexpr, LONE: gl.constexpr, EARLY: gl.constexpr):
     """Q once, then tile t into slot t % 2 as soon as both warpgroups have released it."""
     qn_desc, qr_desc = descs[:2]
     q_bar = bars[0]
     mbarrier.expect(q_bar, qn_desc.block_type.nbytes + qr_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(qn_desc, [q_row, 0], q_bar, bufs[0])
     tma.async_copy_global_to_shared(qr_desc, [q_row, 0], q_bar, bufs[1])
-    if CHUNKED:
+    if EARLY:
+        _load_tiles_early(descs[3], bufs, bars, bt_row, start, n_tiles, PAGE)
+    elif CHUNKED:
         _load_tiles_chunked(descs[3], bufs, bars, bt_row, start, n_tiles, PAGE, LONE)
     else:
         _load_tiles(descs, bufs, bars, bt_row, start, n_tiles, PAGE)
@@ -210,6 +212,54 @@ def _load_tiles_chunked(kc_desc, bufs, bars, bt_row, start, n_tiles, PAGE: gl.co
         if 2 * j + 1 < n_tiles:
             _load_tile_chunked(kc_desc, k_nope.index(1), k_rope.index(1), ready, empty, 1, ph,
                                bt_row, key + BN, PAGE, LONE)
+
+
+@gluon.jit
+def _load_tiles_early(kc_desc, bufs, bars, bt_row, start, n_tiles, PAGE: gl.constexpr):
+    """``_load_tiles_chunked`` in the order the EARLY form releases a pair's groups: each
+    slot's owner half first (slot 0's by WG0 after P_a V_a, slot 1's by WG1 after P_b V_b,
+    both mid-pair), then the other halves with the rope parts (P_a's and P_b's)."""
+    k_nope, k_rope = bufs[2:4]
+    ready, empty = bars[1:3]
+    BN: gl.constexpr = kc_desc.block_type.shape[0]
+    for j in range((n_tiles + 1) // 2):
+        ph = (j & 1) ^ 1  # a fresh barrier counts as phase 1 complete: the first waits pass
+        key = start + 2 * j * BN
+        has_b = 2 * j + 1 < n_tiles
+        row_a = _cache_row(bt_row, key, PAGE)
+        row_b = _cache_row(bt_row, key + BN, PAGE)
+        _load_group(kc_desc, k_nope.index(0), k_rope.index(0), ready, empty, 0, 0, ph, row_a)
+        if has_b:
+            _load_group(kc_desc, k_nope.index(1), k_rope.index(1), ready, empty, 1, 0, ph,
+                        row_b)
+        _load_group(kc_desc, k_nope.index(0), k_rope.index(0), ready, empty, 0, 1, ph, row_a)
+        if has_b:
+            _load_group(kc_desc, k_nope.index(1), k_rope.index(1), ready, empty, 1, 1, ph,
+                        row_b)
+
+
+@gluon.jit
+def _cache_row(bt_row, key, PAGE: gl.constexpr):
+    """The cache row (page * PAGE + slot) of key ``key`` through the block table."""
+    return gl.load(bt_row + key // PAGE) * PAGE + key % PAGE
+
+
+@gluon.jit
+def _load_group(kc_desc, kn, kr, ready, empty, SLOT: gl.constexpr, G: gl.constexpr, ph, row):
+    """Release group G of slot SLOT (lone barriers): 4 nope chunks (G 0: the slot owner's V
+    half), and with G 1 the rope part, each on its chunk's barrier once the group is free."""
+    W: gl.constexpr = kc_desc.block_type.shape[1]
+    mbarrier.wait(empty[2 * SLOT + G], ph)
+    fence_async_shared()  # the warpgroups wrote the slot (P, zeroed rows) as generic proxy
+    for c in gl.static_range(4 * (SLOT + G), 4 * (SLOT + G) + 4):
+        bar = ready[9 * SLOT + c % 8]
+        mbarrier.expect(bar, kc_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(kc_desc, [row, c % 8 * W], bar, kn.slice(c % 8 * W, W,
+                                                                                 dim=1))
+    if G == 1:
+        bar = ready[9 * SLOT + 8]
+        mbarrier.expect(bar, kc_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(kc_desc, [row, kn.shape[1]], bar, kr)
 
 
 @gluon.jit
@@ -342,11 +392,9 @@ def _await_p(p_bars, i: gl.constexpr, ph, LONE: gl.constexpr, NAMED: gl.constexp
     """Wait for the other warpgroup's ``_publish`` number ``i`` of this pair."""
     if NAMED:
         if i == 0:
-            _named_barrier("bar.sync 12, 256;", gl.zeros([2], gl.float32, gl.BlockedLayout(
-                [2], [32], [4], [0])))
+            _named_sync("bar.sync 12, 256;")
         else:
-            _named_barrier("bar.sync 13, 256;", gl.zeros([2], gl.float32, gl.BlockedLayout(
-                [2], [32], [4], [0])))
+            _named_sync("bar.sync 13, 256;")
     else:
         mbarrier.wait(_bar(p_bars, i, LONE), ph)
 
@@ -359,6 +407,12 @@ def _named_barrier(ASM: gl.constexpr, rows):
     that what uses them follows the barrier; not pure, so it stays in place."""
     return gl.inline_asm_elementwise(ASM + " mov.b32 $0, $2; mov.b32 $1, $3;", "=r,=r,r,r",
                                      [rows], dtype=gl.float32, is_pure=False, pack=2)
+
+
+@gluon.jit
+def _named_sync(ASM: gl.constexpr):
+    """A ``bar.sync`` of ``_named_barrier`` (its values a dummy)."""
+    _named_barrier(ASM, gl.zeros([2], gl.float32, gl.BlockedLayout([2], [32], [4], [0])))
 
 
 @gluon.jit
@@ -472,6 +526,85 @@ def _pair_wg1(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run
 
 
 @gluon.jit
+def _pair_wg0_early(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run, acc,
+                    s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """WG0's half of a pair in the EARLY form (FlashMLA's deep dive's order): S_a and its
+    softmax; m0 to WG1 (hardware barrier 12) before P_a V_a; with WG1's m1 and P_b (13),
+    P_a in m1's base over K_a's rope part for WG1 (14); then P_b V_b."""
+    q_nope, q_rope, m_buf = bufs[0], bufs[1], bufs[4]
+    kn_a, kr_a, kn_b, kr_b = kv
+    ready, empty = bars[1:3]
+    v_a, v_b, cols = _halves(kn_a, kn_b, 0, s_layout, o_layout)
+    BN: gl.constexpr = kn_a.shape[0]
+    s = _scores_chunked(q_nope, q_rope, kn_a, kr_a, ready, 0, ph, True, s_layout, True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    _zero_if_last(v_a, n0, end)  # after S, which has waited for every chunk
+    p, m0, l_run, alpha = _softmax(s, qk_scale, n0, end, bounds, cols, m_run, l_run, True)
+    m_buf[0].store(m0)
+    alpha = _named_barrier("bar.arrive 12, 256;", alpha)  # O's rescale after the arrival
+    acc = _scale_rows(acc, alpha, o_layout)
+    p_op = gl.convert_layout(p.to(kr_a.dtype),
+                             gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+    acc = warpgroup_mma(p_op, v_a, acc, is_async=True)
+    _named_sync("bar.sync 13, 256;")
+    m1 = m_buf[1].load(gl.SliceLayout(1, s_layout))
+    to_m1 = gl.exp2(m0 - no_shift(m1))
+    # K_a's rope part is dead (S_a waited); WG1 reads P_a only after barrier 14.
+    kr_a.store((p * gl.expand_dims(to_m1, 1)).to(kr_a.dtype))
+    fence_async_shared()  # read by WG1's wgmma (async proxy)
+    to_m1 = _named_barrier("bar.arrive 14, 256;", to_m1)
+    acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+    _release(empty, 0, 0, True, True)
+    acc = _scale_rows(acc, to_m1, o_layout)
+    if has_b:
+        _wait_half(ready, 1, 0, ph, True, True, True)
+        _zero_if_last(v_b, n0 + BN, end)
+        acc = warpgroup_mma(kr_b, v_b, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    _release(empty, 1, 0, True, True)
+    return acc, m1, l_run * to_m1
+
+
+@gluon.jit
+def _pair_wg1_early(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run, acc,
+                    s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """WG1's half of a pair in the EARLY form: S_b; with WG0's m0 (12) its softmax, P_b and
+    m1 to WG0 (13); its own P_b V_b first, so that slot 1's V half it owns is released
+    mid-pair (the next tile b's copy starts half a pair earlier), then P_a V_a with WG0's
+    rescaled P_a (14)."""
+    kn_a, kr_a, kn_b, kr_b = kv
+    q_nope, q_rope, m_buf = bufs[0], bufs[1], bufs[4]
+    ready, empty = bars[1:3]
+    v_a, v_b, cols = _halves(kn_a, kn_b, 1, s_layout, o_layout)
+    n1 = n0 + kn_a.shape[0]
+    # Without a tile b (odd count), S_b reads whatever slot 1 holds: all masked (n1 >= end).
+    s = _scores_chunked(q_nope, q_rope, kn_b, kr_b, ready, 1, ph, has_b, s_layout, True)
+    _named_sync("bar.sync 12, 256;")
+    m0 = m_buf[0].load(gl.SliceLayout(1, s_layout))
+    alpha0 = gl.exp2(m_run - no_shift(m0))
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    p, m1, l_run, alpha1 = _softmax(s, qk_scale, n1, end, bounds, cols, m0, l_run * alpha0,
+                                    True)
+    p = p.to(kr_b.dtype)
+    alpha = _publish(p, kr_b, m_buf[1], m1, (), 1, True, True, alpha0 * alpha1)
+    acc = _scale_rows(acc, alpha, o_layout)
+    p_op = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=o_layout,
+                                                    k_width=2))
+    if has_b:
+        _zero_if_last(v_b, n1, end)
+        acc = warpgroup_mma(p_op, v_b, acc, is_async=True)
+        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+    _release(empty, 1, 1, True, True)
+    _wait_half(ready, 0, 1, ph, True, True, True)
+    _zero_if_last(v_a, n0, end)
+    _named_sync("bar.sync 14, 256;")
+    acc = warpgroup_mma(kr_a, v_a, acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    _release(empty, 0, 1, True, True)
+    return acc, m1, l_run
+
+
+@gluon.jit
 def _afresh(buf, zero):
     """``buf`` (2-D) through a leading index ``zero`` (0, unprovable to the compiler), so that
     the wgmma descriptors over it stay loop variant (not hoisted into spilled registers)."""
@@ -482,10 +615,12 @@ def _afresh(buf, zero):
 def _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, WG: gl.constexpr,
              CAUSAL: gl.constexpr, DIRECT: gl.constexpr, CHUNKED: gl.constexpr,
              SLIM: gl.constexpr = False, LONE: gl.constexpr = False,
-             AFRESH: gl.constexpr = False, NAMED: gl.constexpr = False):
+             AFRESH: gl.constexpr = False, NAMED: gl.constexpr = False,
+             EARLY: gl.constexpr = False):
     """One compute warpgroup: its walk over the pairs of tiles, then its half of the output.
     AFRESH (of the lone form): Q too addressed through the unprovable zero each pair. NAMED
-    (of the afresh form): P handed over on hardware barriers (``_publish``)."""
+    (of the afresh form): P handed over on hardware barriers (``_publish``). EARLY (of the
+    named form): the pair in FlashMLA's order (``_pair_wg0_early``)."""
     q_nope, k_nope, k_rope, l_buf = bufs[0], bufs[2], bufs[3], bufs[5]
     q_bar, l_bar = bars[0], bars[4]
     BM: gl.constexpr = q_nope.shape[0]
@@ -515,7 +650,16 @@ def _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, WG: gl.constexpr,
         # to uniform ones before each wgmma and partly spilled).
         pair_bufs = (_afresh(q_nope, j >> 30), _afresh(bufs[1], j >> 30), bufs[2], bufs[3],
                      bufs[4], bufs[5]) if AFRESH else bufs
-        if WG == 0:
+        if EARLY:
+            if WG == 0:
+                acc, m_run, l_run = _pair_wg0_early(pair_bufs, kv, bars, j & 1, n0, end, has_b,
+                                                    bounds, qk_scale, m_run, l_run, acc,
+                                                    s_layout, o_layout)
+            else:
+                acc, m_run, l_run = _pair_wg1_early(pair_bufs, kv, bars, j & 1, n0, end, has_b,
+                                                    bounds, qk_scale, m_run, l_run, acc,
+                                                    s_layout, o_layout)
+        elif WG == 0:
             acc, m_run, l_run = _pair_wg0(pair_bufs, kv, bars, j & 1, n0, end, has_b, bounds,
                                           qk_scale, m_run, l_run, acc, s_layout, o_layout,
                                           CHUNKED, SLIM, LONE, NAMED)
@@ -652,6 +796,20 @@ def _wg1_named(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexp
              True, True)
 
 
+@gluon.jit
+def _wg0_early(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
+               DIRECT: gl.constexpr):
+    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 0, CAUSAL, DIRECT, True, True, True,
+             True, True, True)
+
+
+@gluon.jit
+def _wg1_early(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
+               DIRECT: gl.constexpr):
+    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 1, CAUSAL, DIRECT, True, True, True,
+             True, True, True)
+
+
 @gluon.jit(do_not_specialize=["num_splits", "qlen", "heads"])
 def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache's two parts
                   # (CHUNKED: kr_desc is the cache's whole rows in [64, 64] blocks instead)
@@ -661,7 +819,7 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache'
                   CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PAGE: gl.constexpr,
                   CHUNKED: gl.constexpr, PDL: gl.constexpr, SLIM: gl.constexpr,
                   LONE: gl.constexpr, num_warps: gl.constexpr, AFRESH: gl.constexpr = False,
-                  NAMED: gl.constexpr = False):
+                  NAMED: gl.constexpr = False, EARLY: gl.constexpr = False):
     BM: gl.constexpr = qn_desc.block_type.shape[0]
     BN: gl.constexpr = kn_desc.block_type.shape[0]
     dtype: gl.constexpr = qn_desc.dtype
@@ -720,11 +878,13 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache'
     # same register budget and take their scalars from shared memory alike.
     gl.warp_specialize([
         (_loader, ((qn_desc, qr_desc, kn_desc, kr_desc), bufs, bars, bt_row, q_row, start,
-                   n_tiles, PAGE, CHUNKED, LONE)),
-        (_wg0_named if NAMED else _wg0_afresh if AFRESH else _wg0_lone if LONE else
-         _wg0_slim if SLIM else _wg0_chunked if CHUNKED else _wg0, compute_args),
-        (_wg1_named if NAMED else _wg1_afresh if AFRESH else _wg1_lone if LONE else
-         _wg1_slim if SLIM else _wg1_chunked if CHUNKED else _wg1, compute_args),
+                   n_tiles, PAGE, CHUNKED, LONE, EARLY)),
+        (_wg0_early if EARLY else _wg0_named if NAMED else _wg0_afresh if AFRESH else
+         _wg0_lone if LONE else _wg0_slim if SLIM else _wg0_chunked if CHUNKED else _wg0,
+         compute_args),
+        (_wg1_early if EARLY else _wg1_named if NAMED else _wg1_afresh if AFRESH else
+         _wg1_lone if LONE else _wg1_slim if SLIM else _wg1_chunked if CHUNKED else _wg1,
+         compute_args),
     ], [4, 4], [COMPUTE_REGS, COMPUTE_REGS])
 
 
@@ -739,7 +899,7 @@ def _chunk_descriptor(kv_cache: torch.Tensor) -> TensorDescriptor:
 
 
 def _check_form(chunked: bool, slim: bool, lone_bars: bool = False,
-                afresh_q: bool = False, named_bars: bool = False) -> None:
+                afresh_q: bool = False, named_bars: bool = False, early: bool = False) -> None:
     # The workers of each form are functions of their own: slim is chunked, lone_bars slim,
     # afresh_q lone, named_bars afresh.
     if slim and not chunked:
@@ -750,6 +910,8 @@ def _check_form(chunked: bool, slim: bool, lone_bars: bool = False,
         raise ValueError("afresh_q is a form of the lone-barrier kernel: pass lone_bars=True too")
     if named_bars and not afresh_q:
         raise ValueError("named_bars is a form of the afresh kernel: pass afresh_q=True too")
+    if early and not named_bars:
+        raise ValueError("early is a form of the named-barrier kernel: pass named_bars=True too")
 
 
 def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -757,8 +919,8 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                     out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                     num_splits: int | None = None, max_seq_len: int | None = None,
                     chunked: bool = False, pdl: bool = False, slim: bool = False,
-                    lone_bars: bool = False, afresh_q: bool = False, named_bars: bool = False
-                    ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
+                    lone_bars: bool = False, afresh_q: bool = False, named_bars: bool = False,
+                    early: bool = False) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
     """A zero-argument launch of the seesaw decode, with the out and LSE it writes.
 
     Tensors and arguments as ``gluon_hopper.decode_launcher`` (page 64, bf16/fp16,
@@ -772,9 +934,10 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     Q addressed each pair through a zero the compiler cannot prove, so that
     ptxas does not hoist Q's wgmma descriptors into registers (``_afresh``). ``named_bars``
     (afresh only): each tile's P handed to the other warpgroup on a hardware barrier
-    instead of an mbarrier (``_publish``).
+    instead of an mbarrier (``_publish``). ``early`` (named only): the pair in FlashMLA's
+    order, each warpgroup's own tile's P V first (``_pair_wg0_early``).
     """
-    _check_form(chunked, slim, lone_bars, afresh_q, named_bars)
+    _check_form(chunked, slim, lone_bars, afresh_q, named_bars, early)
     if slim and not sm_scale > 0:  # slim_softmax takes the max of the unscaled scores
         raise ValueError(f"the slim form needs a positive sm_scale, got {sm_scale}")
     why = check_supported(q, kv_cache, block_table, seq_lens)
@@ -794,7 +957,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     head = (*descs, block_table, seq_lens)
     sizes = (num_splits, qlen, heads, sm_scale * LOG2E, block_table.stride(0))
     meta = dict(CAUSAL=causal and qlen > 1, PAGE=PAGE_SIZE, CHUNKED=chunked, SLIM=slim,
-                LONE=lone_bars, AFRESH=afresh_q, NAMED=named_bars,
+                LONE=lone_bars, AFRESH=afresh_q, NAMED=named_bars, EARLY=early,
                 **compile_options(NUM_WARPS, MAXNREG))
     if num_splits == 1:
         args = (*head, out, lse, *sizes, out.stride(0), out.stride(1), lse.stride(0), 0, 0, 0)
@@ -816,7 +979,7 @@ def seesaw_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
                   num_splits: int | None = None, **forms: bool
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """One eager call: (out, lse). ``forms``: ``decode_launcher``'s form options (chunked,
-    pdl, slim, lone_bars, afresh_q, named_bars)."""
+    pdl, slim, lone_bars, afresh_q, named_bars, early)."""
     launch, out, lse = decode_launcher(q, kv_cache, block_table, seq_lens, qlen=qlen,
                                        sm_scale=sm_scale, causal=causal, num_splits=num_splits,
                                        **forms)
@@ -826,13 +989,14 @@ def seesaw_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
 
 def aot_compile(dtype: str = "bf16", *, direct: bool = True, causal: bool = True,
                 arch: int = 90, chunked: bool = False, pdl: bool = False, slim: bool = False,
-                lone_bars: bool = False, afresh_q: bool = False, named_bars: bool = False):
+                lone_bars: bool = False, afresh_q: bool = False, named_bars: bool = False,
+                early: bool = False):
     """Compile ``seesaw_kernel`` for ``sm_<arch>`` without a GPU (triton's bundled ptxas);
     returns triton's CompiledKernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata``)."""
-    _check_form(chunked, slim, lone_bars, afresh_q, named_bars)
+    _check_form(chunked, slim, lone_bars, afresh_q, named_bars, early)
     constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=PAGE_SIZE, CHUNKED=chunked,
                      PDL=pdl and not direct, SLIM=slim, LONE=lone_bars, AFRESH=afresh_q,
-                     NAMED=named_bars, num_warps=NUM_WARPS)
+                     NAMED=named_bars, EARLY=early, num_warps=NUM_WARPS)
     blocks = dict(qn_desc=(dtype, BLOCK_M, D_NOPE), qr_desc=(dtype, BLOCK_M, D_ROPE),
                   kn_desc=(dtype, BLOCK_N, D_NOPE), kr_desc=(dtype, BLOCK_N, D_ROPE))
     pointers = dict(bt_ptr="i32", seq_lens_ptr="i32", out_ptr=dtype if direct else "fp32",
