@@ -49,6 +49,7 @@
 #                  walks on the GPU, then decode.py at issue 19's seesaw points, the route's
 #                  sets as they are and with named_bars, alternating twice
 #   earlyab        the same for the early form (of named_bars: the pair in FlashMLA's order)
+#   twoab          the same for two_requests (of afresh: a program walks two requests)
 #   walks          the seesaw kernel's split partials each against its own keys, and the split
 #                  reduce alone, on the GPU (which of the two a wrong split result comes from)
 #   reduceblocks   benchmarks/reduce_blocks.py: the split reduce alone at the split decodes'
@@ -243,6 +244,7 @@ transposed/gluon fp8mma deferred" > "$OUT/seesaw-check.log" 2>&1
               log "seesawab: rc=$?"; grep -i "target" "$OUT/seesawab.log" | tee -a "$OUT/session.log" ;;
     namedab) seesaw_form_ab namedab named '{"named_bars": true}' ;;
     earlyab) seesaw_form_ab earlyab early '{"named_bars": true, "early": true}' ;;
+    twoab) seesaw_form_ab twoab two '{"two_requests": true}' ;;
     gluontests) s=$(date +%s)
                 timeout 330 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gluon_gpu.py \
                   > "$OUT/gluon-tests.log" 2>&1

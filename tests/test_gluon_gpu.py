@@ -146,7 +146,9 @@ SEESAW_FORMS = {"slim": dict(chunked=True, pdl=True, slim=True),
                 "named": dict(chunked=True, pdl=True, slim=True, lone_bars=True,
                               afresh_q=True, named_bars=True),
                 "early": dict(chunked=True, pdl=True, slim=True, lone_bars=True,
-                              afresh_q=True, named_bars=True, early=True)}
+                              afresh_q=True, named_bars=True, early=True),
+                "two": dict(chunked=True, pdl=True, slim=True, lone_bars=True,
+                            afresh_q=True, two_requests=True)}
 
 
 @pytest.mark.parametrize("form", list(SEESAW_FORMS))

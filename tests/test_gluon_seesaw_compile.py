@@ -238,6 +238,33 @@ def test_the_early_form_builds_clean(direct):
     assert sass_hazards.hazards(sass)[2] == []
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_two_requests_walks_both_without_local_memory(direct):
+    """``two_requests`` (of the afresh form): a program walks two requests, so each
+    warpgroup's pair loop is there twice (unrolled), with twice the afresh form's MMAs and
+    its copies with slot 1's in a pair without a tile b (9 chunks a request: the ring's
+    phases stay one a pair across requests); no local memory, no hazard."""
+    from mlatune.kernels import gluon_seesaw as s
+    from tests import sass_hazards
+    with pytest.raises(ValueError, match="afresh"):
+        s.decode_launcher(*[None] * 4, qlen=1, sm_scale=0.1, chunked=True, slim=True,
+                          lone_bars=True, two_requests=True)
+    _needs_gluon_triton()
+    two, one = (s.aot_compile(direct=direct, causal=True, chunked=True, slim=True,
+                              lone_bars=True, afresh_q=True, two_requests=flag)
+                for flag in (True, False))
+    ptx = {k: k.asm["ptx"] for k in (two, one)}
+    assert ptx[two].count("wgmma.mma_async") == 2 * ptx[one].count("wgmma.mma_async")
+    copies = "cp.async.bulk.tensor.2d"
+    assert ptx[two].count(copies) == 2 * (ptx[one].count(copies) + 9)
+    assert resources(two)["stack"] == 0
+    sass = sass_hazards.listing(two)
+    assert sass_hazards.undefined_descriptors(sass) == []
+    assert sass_hazards.hazards(sass)[2] == []
+    loops = sass_hazards.mma_loop_spills(sass)
+    assert len(loops) == 4 and all(ldl == stl == 0 for _, ldl, stl in loops)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_the_lone_form_spills_in_its_pair_loops_without_afresh_q(causal):
     """Why ``afresh_q``: the lone form's pair loops reload spilled values every pair (the

@@ -133,6 +133,7 @@ from mlatune.kernels.gluon_common import (
     compile_options,
     first_masked_key,
     issue_kv,
+    key_range,
     last_keys,
     no_shift,
     nvmma_layout,
@@ -157,6 +158,7 @@ from mlatune.kernels.gluon_hopper_plan import (
 NUM_WARPS = 4  # the default partition: the loader (one thread issues); WG0, WG1: workers
 COMPUTE_REGS = gl.constexpr(240)  # a compute warpgroup's registers a thread (O's half alone is 128)
 LOADER_REGS = gl.constexpr(24)
+UNITS_A_PROGRAM = gl.constexpr(2)  # the units form's requests a program (MULTI)
 MAXNREG = 168  # 12 warps (3 warpgroups) x 168 = the SM's 64K registers, rounded down
 
 __all__ = ["aot_compile", "decode_launcher", "seesaw_decode", "seesaw_kernel"]
@@ -180,6 +182,37 @@ def _loader(descs, bufs, bars, bt_row, q_row, start, n_tiles, PAGE: gl.constexpr
 
 
 @gluon.jit
+def _loader_units(descs, bufs, bars, bt_ptr, stride_bt, ints, walk, PAGE: gl.constexpr,
+                  CAUSAL: gl.constexpr):
+    """The loader of the units form: for each of the program's requests (``_compute_units``)
+    its Q once both warpgroups are done with the last one's (``q_free``), then its tiles
+    through the one ring, pairs counted across requests, slot 1 filled in a pair without a
+    tile b too (so that its barriers' phases stay one a pair)."""
+    qn_desc, qr_desc, kc_desc = descs[0], descs[1], descs[3]
+    seq_lens_ptr, batch, q_free = walk
+    rb, split, num_splits, qlen, heads = ints[4], ints[6], ints[7], ints[8], ints[9]
+    q_bar = bars[0]
+    BM: gl.constexpr = qn_desc.block_type.shape[0]
+    BN: gl.constexpr = kc_desc.block_type.shape[0]
+    j0 = 0
+    for k in gl.static_range(UNITS_A_PROGRAM):
+        b = gl.program_id(2) + k * gl.num_programs(2)
+        if b < batch:
+            seq_len = gl.load(seq_lens_ptr + b)
+            start, _, n_tiles = key_range(seq_len, rb, split, num_splits, qlen, heads, BM, BN,
+                                          CAUSAL)
+            if k > 0:
+                mbarrier.wait(q_free, (k - 1) & 1)
+            q_row = b * qlen * heads + rb * BM
+            mbarrier.expect(q_bar, qn_desc.block_type.nbytes + qr_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(qn_desc, [q_row, 0], q_bar, bufs[0])
+            tma.async_copy_global_to_shared(qr_desc, [q_row, 0], q_bar, bufs[1])
+            _load_tiles_chunked(kc_desc, bufs, bars, bt_ptr + b.to(gl.int64) * stride_bt,
+                                start, n_tiles, PAGE, True, j0, True)
+            j0 += (n_tiles + 1) // 2
+
+
+@gluon.jit
 def _load_tiles(descs, bufs, bars, bt_row, start, n_tiles, PAGE: gl.constexpr):
     kn_desc, kr_desc = descs[2:]
     k_nope, k_rope = bufs[2:4]
@@ -197,21 +230,26 @@ def _load_tiles(descs, bufs, bars, bt_row, start, n_tiles, PAGE: gl.constexpr):
 
 @gluon.jit
 def _load_tiles_chunked(kc_desc, bufs, bars, bt_row, start, n_tiles, PAGE: gl.constexpr,
-                        LONE: gl.constexpr):
+                        LONE: gl.constexpr, j0=0, PAD: gl.constexpr = False):
     """``_load_tiles`` with each tile copied in 9 chunks of 64 columns, each on its own
     barrier (``ready[9 * slot + c]``: nope columns [64c, 64c + 64), c = 8 the rope part),
-    in two groups released apart (see ``_release``): the owner's V half first, then the rest."""
+    in two groups released apart (see ``_release``): the owner's V half first, then the rest.
+    ``j0``: pairs copied before (the units form); PAD: slot 1 filled (with tile a's page) in
+    a pair without a tile b."""
     k_nope, k_rope = bufs[2:4]
     ready, empty = bars[1:3]
     BN: gl.constexpr = kc_desc.block_type.shape[0]
     for j in range((n_tiles + 1) // 2):
-        ph = (j & 1) ^ 1  # a fresh barrier counts as phase 1 complete: the first waits pass
+        ph = ((j0 + j) & 1) ^ 1  # a fresh barrier counts as phase 1 complete: first waits pass
         key = start + 2 * j * BN
         _load_tile_chunked(kc_desc, k_nope.index(0), k_rope.index(0), ready, empty, 0, ph,
                            bt_row, key, PAGE, LONE)
         if 2 * j + 1 < n_tiles:
             _load_tile_chunked(kc_desc, k_nope.index(1), k_rope.index(1), ready, empty, 1, ph,
                                bt_row, key + BN, PAGE, LONE)
+        elif PAD:
+            _load_tile_chunked(kc_desc, k_nope.index(1), k_rope.index(1), ready, empty, 1, ph,
+                               bt_row, key, PAGE, LONE)
 
 
 @gluon.jit
@@ -487,8 +525,10 @@ def _pair_wg0(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run
 @gluon.jit
 def _pair_wg1(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run, acc,
               s_layout: gl.constexpr, o_layout: gl.constexpr, CHUNKED: gl.constexpr,
-              SLIM: gl.constexpr, LONE: gl.constexpr, NAMED: gl.constexpr = False):
-    """WG1's half of a pair: S of its own tile b first, WG0's P_a V_a while S_b finishes."""
+              SLIM: gl.constexpr, LONE: gl.constexpr, NAMED: gl.constexpr = False,
+              PAD: gl.constexpr = False):
+    """WG1's half of a pair: S of its own tile b first, WG0's P_a V_a while S_b finishes.
+    PAD: slot 1 is filled in a pair without a tile b too, and waited for."""
     kn_a, kr_a, kn_b, kr_b = kv
     q_nope, q_rope, m_buf = bufs[0], bufs[1], bufs[4]
     ready, empty, p_bars = bars[1:4]
@@ -496,7 +536,8 @@ def _pair_wg1(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run
     n1 = n0 + kn_a.shape[0]
     # Without a tile b (odd count), S_b reads whatever slot 1 holds: all masked (n1 >= end).
     if CHUNKED:
-        s = _scores_chunked(q_nope, q_rope, kn_b, kr_b, ready, 1, ph, has_b, s_layout, LONE)
+        s = _scores_chunked(q_nope, q_rope, kn_b, kr_b, ready, 1, ph, has_b | PAD, s_layout,
+                            LONE)
     else:
         mbarrier.wait(ready.index(1), ph, pred=has_b)
         s = _issue_scores(q_nope, q_rope, kn_b, kr_b, s_layout)
@@ -621,8 +662,48 @@ def _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, WG: gl.constexpr,
     AFRESH (of the lone form): Q too addressed through the unprovable zero each pair. NAMED
     (of the afresh form): P handed over on hardware barriers (``_publish``). EARLY (of the
     named form): the pair in FlashMLA's order (``_pair_wg0_early``)."""
-    q_nope, k_nope, k_rope, l_buf = bufs[0], bufs[2], bufs[3], bufs[5]
-    q_bar, l_bar = bars[0], bars[4]
+    acc, m_run, l_run = _walk_pairs(bufs, bars, ints, qk_scale, 0, 0, WG, CAUSAL, CHUNKED,
+                                    SLIM, LONE, AFRESH, NAMED, EARLY, False)
+    _finish(acc, m_run, l_run, bufs[5], bars[4], 0, 0, out_ptr, lse_ptr, ints, WG, DIRECT)
+
+
+@gluon.jit
+def _compute_units(bufs, bars, out_ptr, lse_ptr, ints, walk, qk_scale, WG: gl.constexpr,
+                   CAUSAL: gl.constexpr, DIRECT: gl.constexpr):
+    """The UNITS form (of the afresh one): this program's requests b0, b0 + n, ... (n the
+    grid's third size), UNITS at most, one after another; Q of the next is copied while this
+    warpgroup finishes the last one's output (``q_free``, ``_loader_units``)."""
+    seq_lens_ptr, batch, q_free = walk
+    rb, split, num_splits, qlen, heads = ints[4], ints[6], ints[7], ints[8], ints[9]
+    BM: gl.constexpr = bufs[0].shape[0]
+    BN: gl.constexpr = bufs[2].shape[1]
+    j0 = 0
+    for k in gl.static_range(UNITS_A_PROGRAM):
+        b = gl.program_id(2) + k * gl.num_programs(2)
+        if b < batch:
+            seq_len = gl.load(seq_lens_ptr + b)
+            start, end, n_tiles = key_range(seq_len, rb, split, num_splits, qlen, heads, BM,
+                                            BN, CAUSAL)
+            unit = (start, end, n_tiles, seq_len, rb, b) + ints[6:]  # noqa: RUF005 (JIT)
+            acc, m_run, l_run = _walk_pairs(bufs, bars, unit, qk_scale, j0, k & 1, WG, CAUSAL,
+                                            True, True, True, True, False, False, True)
+            gl.thread_barrier()  # the warpgroup's last S (read Q) precedes the one arrival
+            mbarrier.arrive(q_free)
+            _finish(acc, m_run, l_run, bufs[5], bars[4], k & 1, (k & 1) * 2, out_ptr, lse_ptr,
+                    unit, WG, DIRECT)
+            j0 += (n_tiles + 1) // 2
+
+
+@gluon.jit
+def _walk_pairs(bufs, bars, ints, qk_scale, j0, q_phase, WG: gl.constexpr,
+                CAUSAL: gl.constexpr, CHUNKED: gl.constexpr, SLIM: gl.constexpr,
+                LONE: gl.constexpr, AFRESH: gl.constexpr, NAMED: gl.constexpr,
+                EARLY: gl.constexpr, PAD: gl.constexpr):
+    """A warpgroup's walk over the pairs of one (request, split)'s tiles: (O's half, the rows'
+    max, this warpgroup's row sums). ``j0``: pairs this program walked before (the ring's
+    phases); the forms as ``_compute``'s; PAD (the units form): slot 1 waited for in a pair
+    without a tile b, which the loader then fills too."""
+    q_nope, k_nope, k_rope = bufs[0], bufs[2], bufs[3]
     BM: gl.constexpr = q_nope.shape[0]
     BN: gl.constexpr = k_nope.shape[1]
     DH: gl.constexpr = q_nope.shape[1] // 2
@@ -638,7 +719,7 @@ def _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, WG: gl.constexpr,
     m_run = gl.full([BM], float("-inf"), gl.float32, layout=row_s)
     l_run = gl.full([BM], 0.0, gl.float32, layout=row_s)
     acc = gl.zeros([BM, DH], gl.float32, layout=o_layout)
-    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(bars[0], q_phase)
     for j in range((n_tiles + 1) // 2):
         # j >> 30 is 0, which the compiler cannot prove: slot addresses stay loop
         # variant, so their 36 wgmma descriptors are not hoisted into (spilled) registers.
@@ -646,33 +727,44 @@ def _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, WG: gl.constexpr,
               k_rope.index(1 + (j >> 30)))
         n0 = start + 2 * j * BN
         has_b = 2 * j + 1 < n_tiles
+        ph = (j0 + j) & 1
         # AFRESH: Q's 9 chunk descriptors likewise (else hoisted into registers, juggled
         # to uniform ones before each wgmma and partly spilled).
         pair_bufs = (_afresh(q_nope, j >> 30), _afresh(bufs[1], j >> 30), bufs[2], bufs[3],
                      bufs[4], bufs[5]) if AFRESH else bufs
         if EARLY:
             if WG == 0:
-                acc, m_run, l_run = _pair_wg0_early(pair_bufs, kv, bars, j & 1, n0, end, has_b,
+                acc, m_run, l_run = _pair_wg0_early(pair_bufs, kv, bars, ph, n0, end, has_b,
                                                     bounds, qk_scale, m_run, l_run, acc,
                                                     s_layout, o_layout)
             else:
-                acc, m_run, l_run = _pair_wg1_early(pair_bufs, kv, bars, j & 1, n0, end, has_b,
+                acc, m_run, l_run = _pair_wg1_early(pair_bufs, kv, bars, ph, n0, end, has_b,
                                                     bounds, qk_scale, m_run, l_run, acc,
                                                     s_layout, o_layout)
         elif WG == 0:
-            acc, m_run, l_run = _pair_wg0(pair_bufs, kv, bars, j & 1, n0, end, has_b, bounds,
+            acc, m_run, l_run = _pair_wg0(pair_bufs, kv, bars, ph, n0, end, has_b, bounds,
                                           qk_scale, m_run, l_run, acc, s_layout, o_layout,
                                           CHUNKED, SLIM, LONE, NAMED)
         else:
-            acc, m_run, l_run = _pair_wg1(pair_bufs, kv, bars, j & 1, n0, end, has_b, bounds,
+            acc, m_run, l_run = _pair_wg1(pair_bufs, kv, bars, ph, n0, end, has_b, bounds,
                                           qk_scale, m_run, l_run, acc, s_layout, o_layout,
-                                          CHUNKED, SLIM, LONE, NAMED)
-    # The row sum is the two warpgroups' sums, both in the base of the final max.
-    _row_slot(l_buf, WG).store(l_run)
+                                          CHUNKED, SLIM, LONE, NAMED, PAD)
+    return acc, m_run, l_run
+
+
+@gluon.jit
+def _finish(acc, m_run, l_run, l_buf, l_bar, l_phase, SLOT0: gl.constexpr, out_ptr, lse_ptr,
+            ints, WG: gl.constexpr, DIRECT: gl.constexpr):
+    """The row sums added across the warpgroups (on ``l_bar``, through the two row slots of
+    ``l_buf`` from SLOT0), both in the final max's base, then this warpgroup's output."""
+    BM: gl.constexpr = m_run.shape[0]
+    row_s: gl.constexpr = m_run.type.layout
+    o_layout: gl.constexpr = acc.type.layout
+    l_buf.slice((SLOT0 + WG) * BM, BM).store(l_run)
     gl.thread_barrier()
     mbarrier.arrive(l_bar)
-    mbarrier.wait(l_bar, 0)
-    l_run = l_run + _row_slot(l_buf, 1 - WG).load(row_s)
+    mbarrier.wait(l_bar, l_phase)
+    l_run = l_run + l_buf.slice((SLOT0 + 1 - WG) * BM, BM).load(row_s)
     _epilogue(acc, m_run, l_run, out_ptr, lse_ptr, ints, WG, DIRECT, o_layout)
 
 
@@ -810,7 +902,19 @@ def _wg1_early(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexp
              True, True, True)
 
 
-@gluon.jit(do_not_specialize=["num_splits", "qlen", "heads"])
+@gluon.jit
+def _wg0_units(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
+               DIRECT: gl.constexpr, walk):
+    _compute_units(bufs, bars, out_ptr, lse_ptr, ints, walk, qk_scale, 0, CAUSAL, DIRECT)
+
+
+@gluon.jit
+def _wg1_units(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
+               DIRECT: gl.constexpr, walk):
+    _compute_units(bufs, bars, out_ptr, lse_ptr, ints, walk, qk_scale, 1, CAUSAL, DIRECT)
+
+
+@gluon.jit(do_not_specialize=["num_splits", "qlen", "heads", "batch"])
 def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache's two parts
                   # (CHUNKED: kr_desc is the cache's whole rows in [64, 64] blocks instead)
                   bt_ptr, seq_lens_ptr, out_ptr, lse_ptr, num_splits, qlen, heads, qk_scale,
@@ -819,7 +923,8 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache'
                   CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PAGE: gl.constexpr,
                   CHUNKED: gl.constexpr, PDL: gl.constexpr, SLIM: gl.constexpr,
                   LONE: gl.constexpr, num_warps: gl.constexpr, AFRESH: gl.constexpr = False,
-                  NAMED: gl.constexpr = False, EARLY: gl.constexpr = False):
+                  NAMED: gl.constexpr = False, EARLY: gl.constexpr = False,
+                  MULTI: gl.constexpr = False, batch=1):
     BM: gl.constexpr = qn_desc.block_type.shape[0]
     BN: gl.constexpr = kn_desc.block_type.shape[0]
     dtype: gl.constexpr = qn_desc.dtype
@@ -836,7 +941,8 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache'
                  gl.allocate_shared_memory(gl.float32, [BM], rows_layout))
     else:
         m_buf = gl.allocate_shared_memory(gl.float32, [2 * BM], rows_layout)
-    l_buf = gl.allocate_shared_memory(gl.float32, [2 * BM], rows_layout)  # each WG's row sum
+    # Each warpgroup's row sum (MULTI: a pair of slots a request's parity).
+    l_buf = gl.allocate_shared_memory(gl.float32, [(4 if MULTI else 2) * BM], rows_layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     q_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     l_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
@@ -850,8 +956,10 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache'
         ready = gl.allocate_shared_memory(gl.int64, [18 if CHUNKED else 2, 1], bar_layout)
         empty = gl.allocate_shared_memory(gl.int64, [4 if CHUNKED else 2, 1], bar_layout)
         p_bars = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    q_free = gl.allocate_shared_memory(gl.int64, [1], bar_layout)  # MULTI: Q read by both
     mbarrier.init(q_bar, count=1)
     mbarrier.init(l_bar, count=2)
+    mbarrier.init(q_free, count=2)
     if CHUNKED:
         for i in gl.static_range(18):
             mbarrier.init(_bar(ready, i, LONE), count=1)
@@ -876,16 +984,26 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache'
     compute_args = (bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL, DIRECT)
     # The loader is the default partition: as workers, both compute warpgroups get the
     # same register budget and take their scalars from shared memory alike.
-    gl.warp_specialize([
-        (_loader, ((qn_desc, qr_desc, kn_desc, kr_desc), bufs, bars, bt_row, q_row, start,
-                   n_tiles, PAGE, CHUNKED, LONE, EARLY)),
-        (_wg0_early if EARLY else _wg0_named if NAMED else _wg0_afresh if AFRESH else
-         _wg0_lone if LONE else _wg0_slim if SLIM else _wg0_chunked if CHUNKED else _wg0,
-         compute_args),
-        (_wg1_early if EARLY else _wg1_named if NAMED else _wg1_afresh if AFRESH else
-         _wg1_lone if LONE else _wg1_slim if SLIM else _wg1_chunked if CHUNKED else _wg1,
-         compute_args),
-    ], [4, 4], [COMPUTE_REGS, COMPUTE_REGS])
+    if MULTI:
+        walk = (seq_lens_ptr, batch, q_free)
+        units_args = (bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL, DIRECT, walk)
+        gl.warp_specialize([
+            (_loader_units, ((qn_desc, qr_desc, kn_desc, kr_desc), bufs, bars, bt_ptr,
+                             stride_bt, ints, walk, PAGE, CAUSAL)),
+            (_wg0_units, units_args),
+            (_wg1_units, units_args),
+        ], [4, 4], [COMPUTE_REGS, COMPUTE_REGS])
+    else:
+        gl.warp_specialize([
+            (_loader, ((qn_desc, qr_desc, kn_desc, kr_desc), bufs, bars, bt_row, q_row, start,
+                       n_tiles, PAGE, CHUNKED, LONE, EARLY)),
+            (_wg0_early if EARLY else _wg0_named if NAMED else _wg0_afresh if AFRESH else
+             _wg0_lone if LONE else _wg0_slim if SLIM else _wg0_chunked if CHUNKED else _wg0,
+             compute_args),
+            (_wg1_early if EARLY else _wg1_named if NAMED else _wg1_afresh if AFRESH else
+             _wg1_lone if LONE else _wg1_slim if SLIM else _wg1_chunked if CHUNKED else _wg1,
+             compute_args),
+        ], [4, 4], [COMPUTE_REGS, COMPUTE_REGS])
 
 
 # Host side -------------------------------------------------------------------------------
@@ -899,9 +1017,10 @@ def _chunk_descriptor(kv_cache: torch.Tensor) -> TensorDescriptor:
 
 
 def _check_form(chunked: bool, slim: bool, lone_bars: bool = False,
-                afresh_q: bool = False, named_bars: bool = False, early: bool = False) -> None:
+                afresh_q: bool = False, named_bars: bool = False, early: bool = False,
+                two_requests: bool = False) -> None:
     # The workers of each form are functions of their own: slim is chunked, lone_bars slim,
-    # afresh_q lone, named_bars afresh.
+    # afresh_q lone, named_bars and two_requests afresh.
     if slim and not chunked:
         raise ValueError("slim is a form of the chunked kernel: pass chunked=True too")
     if lone_bars and not slim:
@@ -912,6 +1031,9 @@ def _check_form(chunked: bool, slim: bool, lone_bars: bool = False,
         raise ValueError("named_bars is a form of the afresh kernel: pass afresh_q=True too")
     if early and not named_bars:
         raise ValueError("early is a form of the named-barrier kernel: pass named_bars=True too")
+    if two_requests and not (afresh_q and not named_bars):
+        raise ValueError("two_requests is a form of the afresh kernel (not of named_bars): "
+                         "pass afresh_q=True and named_bars=False")
 
 
 def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -920,7 +1042,8 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                     num_splits: int | None = None, max_seq_len: int | None = None,
                     chunked: bool = False, pdl: bool = False, slim: bool = False,
                     lone_bars: bool = False, afresh_q: bool = False, named_bars: bool = False,
-                    early: bool = False) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
+                    early: bool = False, two_requests: bool = False
+                    ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
     """A zero-argument launch of the seesaw decode, with the out and LSE it writes.
 
     Tensors and arguments as ``gluon_hopper.decode_launcher`` (page 64, bf16/fp16,
@@ -935,9 +1058,11 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     ptxas does not hoist Q's wgmma descriptors into registers (``_afresh``). ``named_bars``
     (afresh only): each tile's P handed to the other warpgroup on a hardware barrier
     instead of an mbarrier (``_publish``). ``early`` (named only): the pair in FlashMLA's
-    order, each warpgroup's own tile's P V first (``_pair_wg0_early``).
+    order, each warpgroup's own tile's P V first (``_pair_wg0_early``). ``two_requests``
+    (afresh only): each program walks requests b and b + cdiv(batch, 2), the second's Q and
+    first tiles copied while the first's output is written (``_compute_units``).
     """
-    _check_form(chunked, slim, lone_bars, afresh_q, named_bars, early)
+    _check_form(chunked, slim, lone_bars, afresh_q, named_bars, early, two_requests)
     if slim and not sm_scale > 0:  # slim_softmax takes the max of the unscaled scores
         raise ValueError(f"the slim form needs a positive sm_scale, got {sm_scale}")
     why = check_supported(q, kv_cache, block_table, seq_lens)
@@ -950,7 +1075,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     row_blocks = triton.cdiv(rows, BLOCK_M)
     out, lse, num_splits = outputs_and_splits(q, seq_lens, out, lse, row_blocks, num_splits,
                                               max_seq_len)
-    grid = (row_blocks, num_splits, batch)
+    grid = (row_blocks, num_splits, triton.cdiv(batch, 2) if two_requests else batch)
     descs = tma_descriptors(q, kv_cache, BLOCK_M)
     if chunked:
         descs = (*descs[:3], _chunk_descriptor(kv_cache))
@@ -958,7 +1083,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     sizes = (num_splits, qlen, heads, sm_scale * LOG2E, block_table.stride(0))
     meta = dict(CAUSAL=causal and qlen > 1, PAGE=PAGE_SIZE, CHUNKED=chunked, SLIM=slim,
                 LONE=lone_bars, AFRESH=afresh_q, NAMED=named_bars, EARLY=early,
-                **compile_options(NUM_WARPS, MAXNREG))
+                MULTI=two_requests, batch=batch, **compile_options(NUM_WARPS, MAXNREG))
     if num_splits == 1:
         args = (*head, out, lse, *sizes, out.stride(0), out.stride(1), lse.stride(0), 0, 0, 0)
         return (lambda: seesaw_kernel[grid](*args, DIRECT=True, PDL=False, **meta)), out, lse
@@ -979,7 +1104,7 @@ def seesaw_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
                   num_splits: int | None = None, **forms: bool
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """One eager call: (out, lse). ``forms``: ``decode_launcher``'s form options (chunked,
-    pdl, slim, lone_bars, afresh_q, named_bars, early)."""
+    pdl, slim, lone_bars, afresh_q, named_bars, early, two_requests)."""
     launch, out, lse = decode_launcher(q, kv_cache, block_table, seq_lens, qlen=qlen,
                                        sm_scale=sm_scale, causal=causal, num_splits=num_splits,
                                        **forms)
@@ -990,13 +1115,14 @@ def seesaw_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
 def aot_compile(dtype: str = "bf16", *, direct: bool = True, causal: bool = True,
                 arch: int = 90, chunked: bool = False, pdl: bool = False, slim: bool = False,
                 lone_bars: bool = False, afresh_q: bool = False, named_bars: bool = False,
-                early: bool = False):
+                early: bool = False, two_requests: bool = False):
     """Compile ``seesaw_kernel`` for ``sm_<arch>`` without a GPU (triton's bundled ptxas);
     returns triton's CompiledKernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata``)."""
-    _check_form(chunked, slim, lone_bars, afresh_q, named_bars, early)
+    _check_form(chunked, slim, lone_bars, afresh_q, named_bars, early, two_requests)
     constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=PAGE_SIZE, CHUNKED=chunked,
                      PDL=pdl and not direct, SLIM=slim, LONE=lone_bars, AFRESH=afresh_q,
-                     NAMED=named_bars, EARLY=early, num_warps=NUM_WARPS)
+                     NAMED=named_bars, EARLY=early, MULTI=two_requests,
+                     num_warps=NUM_WARPS)
     blocks = dict(qn_desc=(dtype, BLOCK_M, D_NOPE), qr_desc=(dtype, BLOCK_M, D_ROPE),
                   kn_desc=(dtype, BLOCK_N, D_NOPE), kr_desc=(dtype, BLOCK_N, D_ROPE))
     pointers = dict(bt_ptr="i32", seq_lens_ptr="i32", out_ptr=dtype if direct else "fp32",

@@ -165,9 +165,11 @@ class SeesawGluonRoute(WgmmaGluonRoute):
     kernel = "gluon_seesaw"
     kernel_options = MappingProxyType({"chunked": False, "pdl": False, "slim": False,
                                        "lone_bars": False, "afresh_q": False,
-                                       "named_bars": False, "early": False})
+                                       "named_bars": False, "early": False,
+                                       "two_requests": False})
     FORM = MappingProxyType({"chunked": True, "pdl": True, "slim": True, "lone_bars": True,
-                             "afresh_q": True, "named_bars": False, "early": False})
+                             "afresh_q": True, "named_bars": False, "early": False,
+                             "two_requests": False})
 
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
         return [{**params, **self.FORM} for params in super().param_space(problem, device)]
