@@ -64,6 +64,7 @@ PROBLEMS = [
     (GLUON, _p(64, 16, 8192, dcp=4, kv="fp16")),
     (GLUON, _p(8, 16, 4096, qlen=2, dcp=2, causal=False)),
     (GLUON, _p(128, 128, 4096)),  # 256 programs: one split
+    (GLUON, _p(16, 160, 3000)),  # 160 programs: the seesaw's two_requests set too
 ]
 TRANSPOSED = "transposed/gluon"  # keys as the MMA's M: every case, and fp8 caches
 FP8 = [  # transposed/gluon over fp8 (e4m3) caches: one split and several, verify, DCP
@@ -116,7 +117,7 @@ def test_transposed_fp8_captured_step_replays_with_new_lengths(problem, tmp_path
 
 
 @pytest.mark.parametrize("item", [CASES[k * len(PROBLEMS) + i] for k in range(3)
-                                  for i in (1, 5, 7)] + FP8[1:4] + FP8[5:], ids=_label)
+                                  for i in (1, 5, 7, 14)] + FP8[1:4] + FP8[5:], ids=_label)
 def test_stale_cache_slots_hold_nan(item):
     route_id, problem = item
     route = routes.get(route_id)

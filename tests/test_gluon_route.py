@@ -210,11 +210,27 @@ def test_both_gluon_routes_serve_the_same_problems_with_the_same_splits():
     wgmma, seesaw = routes.get(ROUTE), routes.get("seesaw/gluon")
     for problem in (_p(batch=1), _p(batch=64, num_heads=128, qlen=2, kv_len=8192),
                     _p(batch=8, dcp_size=2)):
-        assert [p["num_splits"] for p in seesaw.param_space(problem, H200)] == \
+        assert [p["num_splits"] for p in seesaw.param_space(problem, H200)
+                if not p["two_requests"]] == \
             [p["num_splits"] for p in wgmma.param_space(problem, H200)]
         assert all(p["chunked"] and p["pdl"] and p["slim"] and p["lone_bars"]
                    for p in seesaw.param_space(problem, H200))
     assert seesaw.sized_params == wgmma.sized_params
+
+
+def test_the_seesaw_offers_two_requests_a_program_only_past_one_wave():
+    """(128, 128, 4096, 1): 2 row blocks x 128 requests at one split, 256 programs on 132
+    SMs, so the first set again with two requests a program; (64, 64, 4096, 1) and (128,
+    16, 4096, 4) fit one wave (64 and 128 programs at one split): no such set."""
+    seesaw = routes.get("seesaw/gluon")
+    big = seesaw.param_space(_p(batch=128, num_heads=128, kv_len=4096), H200)
+    assert big[0]["num_splits"] == 1 and not big[0]["two_requests"]
+    assert [p for p in big if p["two_requests"]] == [{**big[0], "two_requests": True}]
+    for problem in (_p(batch=64, num_heads=64, kv_len=4096),
+                    _p(batch=128, num_heads=16, kv_len=4096, qlen=4)):
+        space = seesaw.param_space(problem, H200)
+        programs = seesaw.row_blocks(problem) * space[0]["num_splits"] * problem.batch
+        assert programs <= 132 and not any(p["two_requests"] for p in space)
 
 
 def test_the_transposed_route_serves_fp8_caches_and_its_own_row_blocks():
