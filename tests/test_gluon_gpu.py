@@ -149,7 +149,11 @@ SEESAW_FORMS = {"slim": dict(chunked=True, pdl=True, slim=True),
                 "early": dict(chunked=True, pdl=True, slim=True, lone_bars=True,
                               afresh_q=True, named_bars=True, early=True),
                 "two": dict(chunked=True, pdl=True, slim=True, lone_bars=True,
-                            afresh_q=True, two_requests=True)}
+                            afresh_q=True, two_requests=True),
+                "rope": dict(chunked=True, pdl=True, slim=True, lone_bars=True,
+                             afresh_q=True, rope_regs=True),
+                "tworope": dict(chunked=True, pdl=True, slim=True, lone_bars=True,
+                                afresh_q=True, two_requests=True, rope_regs=True)}
 
 
 @pytest.mark.parametrize("form", list(SEESAW_FORMS))

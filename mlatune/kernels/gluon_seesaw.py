@@ -657,19 +657,20 @@ def _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, WG: gl.constexpr,
              CAUSAL: gl.constexpr, DIRECT: gl.constexpr, CHUNKED: gl.constexpr,
              SLIM: gl.constexpr = False, LONE: gl.constexpr = False,
              AFRESH: gl.constexpr = False, NAMED: gl.constexpr = False,
-             EARLY: gl.constexpr = False):
+             EARLY: gl.constexpr = False, ROPE: gl.constexpr = False):
     """One compute warpgroup: its walk over the pairs of tiles, then its half of the output.
     AFRESH (of the lone form): Q too addressed through the unprovable zero each pair. NAMED
     (of the afresh form): P handed over on hardware barriers (``_publish``). EARLY (of the
-    named form): the pair in FlashMLA's order (``_pair_wg0_early``)."""
+    named form): the pair in FlashMLA's order (``_pair_wg0_early``). ROPE (of the afresh
+    form): Q's rope part in registers (``_walk_pairs``)."""
     acc, m_run, l_run = _walk_pairs(bufs, bars, ints, qk_scale, 0, 0, WG, CAUSAL, CHUNKED,
-                                    SLIM, LONE, AFRESH, NAMED, EARLY, False)
+                                    SLIM, LONE, AFRESH, NAMED, EARLY, False, ROPE)
     _finish(acc, m_run, l_run, bufs[5], bars[4], 0, 0, out_ptr, lse_ptr, ints, WG, DIRECT)
 
 
 @gluon.jit
 def _compute_units(bufs, bars, out_ptr, lse_ptr, ints, walk, qk_scale, WG: gl.constexpr,
-                   CAUSAL: gl.constexpr, DIRECT: gl.constexpr):
+                   CAUSAL: gl.constexpr, DIRECT: gl.constexpr, ROPE: gl.constexpr):
     """The UNITS form (of the afresh one): this program's requests b0, b0 + n, ... (n the
     grid's third size), UNITS at most, one after another; Q of the next is copied while this
     warpgroup finishes the last one's output (``q_free``, ``_loader_units``)."""
@@ -686,7 +687,7 @@ def _compute_units(bufs, bars, out_ptr, lse_ptr, ints, walk, qk_scale, WG: gl.co
                                             BN, CAUSAL)
             unit = (start, end, n_tiles, seq_len, rb, b) + ints[6:]  # noqa: RUF005 (JIT)
             acc, m_run, l_run = _walk_pairs(bufs, bars, unit, qk_scale, j0, k & 1, WG, CAUSAL,
-                                            True, True, True, True, False, False, True)
+                                            True, True, True, True, False, False, True, ROPE)
             gl.thread_barrier()  # the warpgroup's last S (read Q) precedes the one arrival
             mbarrier.arrive(q_free)
             _finish(acc, m_run, l_run, bufs[5], bars[4], k & 1, (k & 1) * 2, out_ptr, lse_ptr,
@@ -698,11 +699,14 @@ def _compute_units(bufs, bars, out_ptr, lse_ptr, ints, walk, qk_scale, WG: gl.co
 def _walk_pairs(bufs, bars, ints, qk_scale, j0, q_phase, WG: gl.constexpr,
                 CAUSAL: gl.constexpr, CHUNKED: gl.constexpr, SLIM: gl.constexpr,
                 LONE: gl.constexpr, AFRESH: gl.constexpr, NAMED: gl.constexpr,
-                EARLY: gl.constexpr, PAD: gl.constexpr):
+                EARLY: gl.constexpr, PAD: gl.constexpr, ROPE: gl.constexpr = False):
     """A warpgroup's walk over the pairs of one (request, split)'s tiles: (O's half, the rows'
     max, this warpgroup's row sums). ``j0``: pairs this program walked before (the ring's
     phases); the forms as ``_compute``'s; PAD (the units form): slot 1 waited for in a pair
-    without a tile b, which the loader then fills too."""
+    without a tile b, which the loader then fills too. ROPE: Q's rope part (64 x 64) held in
+    registers as S's last k-steps' A operand, read from shared memory once instead of each
+    tile: S = Q K^T of 64 keys reads its two operands at the shared memory's whole rate
+    (FlashMLA keeps the same part of Q in registers)."""
     q_nope, k_nope, k_rope = bufs[0], bufs[2], bufs[3]
     BM: gl.constexpr = q_nope.shape[0]
     BN: gl.constexpr = k_nope.shape[1]
@@ -720,6 +724,9 @@ def _walk_pairs(bufs, bars, ints, qk_scale, j0, q_phase, WG: gl.constexpr,
     l_run = gl.full([BM], 0.0, gl.float32, layout=row_s)
     acc = gl.zeros([BM, DH], gl.float32, layout=o_layout)
     mbarrier.wait(bars[0], q_phase)
+    if ROPE:
+        q_rope_op = bufs[1].load(gl.DotOperandLayout(operand_index=0, parent=s_layout,
+                                                     k_width=2))
     for j in range((n_tiles + 1) // 2):
         # j >> 30 is 0, which the compiler cannot prove: slot addresses stay loop
         # variant, so their 36 wgmma descriptors are not hoisted into (spilled) registers.
@@ -730,8 +737,8 @@ def _walk_pairs(bufs, bars, ints, qk_scale, j0, q_phase, WG: gl.constexpr,
         ph = (j0 + j) & 1
         # AFRESH: Q's 9 chunk descriptors likewise (else hoisted into registers, juggled
         # to uniform ones before each wgmma and partly spilled).
-        pair_bufs = (_afresh(q_nope, j >> 30), _afresh(bufs[1], j >> 30), bufs[2], bufs[3],
-                     bufs[4], bufs[5]) if AFRESH else bufs
+        pair_bufs = (_afresh(q_nope, j >> 30), q_rope_op if ROPE else _afresh(bufs[1], j >> 30),
+                     bufs[2], bufs[3], bufs[4], bufs[5]) if AFRESH else bufs
         if EARLY:
             if WG == 0:
                 acc, m_run, l_run = _pair_wg0_early(pair_bufs, kv, bars, ph, n0, end, has_b,
@@ -905,13 +912,39 @@ def _wg1_early(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexp
 @gluon.jit
 def _wg0_units(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
                DIRECT: gl.constexpr, walk):
-    _compute_units(bufs, bars, out_ptr, lse_ptr, ints, walk, qk_scale, 0, CAUSAL, DIRECT)
+    _compute_units(bufs, bars, out_ptr, lse_ptr, ints, walk, qk_scale, 0, CAUSAL, DIRECT, False)
 
 
 @gluon.jit
 def _wg1_units(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
                DIRECT: gl.constexpr, walk):
-    _compute_units(bufs, bars, out_ptr, lse_ptr, ints, walk, qk_scale, 1, CAUSAL, DIRECT)
+    _compute_units(bufs, bars, out_ptr, lse_ptr, ints, walk, qk_scale, 1, CAUSAL, DIRECT, False)
+
+
+@gluon.jit
+def _wg0_units_rope(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
+                    DIRECT: gl.constexpr, walk):
+    _compute_units(bufs, bars, out_ptr, lse_ptr, ints, walk, qk_scale, 0, CAUSAL, DIRECT, True)
+
+
+@gluon.jit
+def _wg1_units_rope(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
+                    DIRECT: gl.constexpr, walk):
+    _compute_units(bufs, bars, out_ptr, lse_ptr, ints, walk, qk_scale, 1, CAUSAL, DIRECT, True)
+
+
+@gluon.jit
+def _wg0_rope(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
+              DIRECT: gl.constexpr):
+    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 0, CAUSAL, DIRECT, True, True, True,
+             True, False, False, True)
+
+
+@gluon.jit
+def _wg1_rope(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
+              DIRECT: gl.constexpr):
+    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 1, CAUSAL, DIRECT, True, True, True,
+             True, False, False, True)
 
 
 @gluon.jit(do_not_specialize=["num_splits", "qlen", "heads", "batch"])
@@ -924,7 +957,7 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache'
                   CHUNKED: gl.constexpr, PDL: gl.constexpr, SLIM: gl.constexpr,
                   LONE: gl.constexpr, num_warps: gl.constexpr, AFRESH: gl.constexpr = False,
                   NAMED: gl.constexpr = False, EARLY: gl.constexpr = False,
-                  MULTI: gl.constexpr = False, batch=1):
+                  MULTI: gl.constexpr = False, ROPE: gl.constexpr = False, batch=1):
     BM: gl.constexpr = qn_desc.block_type.shape[0]
     BN: gl.constexpr = kn_desc.block_type.shape[0]
     dtype: gl.constexpr = qn_desc.dtype
@@ -990,17 +1023,19 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache'
         gl.warp_specialize([
             (_loader_units, ((qn_desc, qr_desc, kn_desc, kr_desc), bufs, bars, bt_ptr,
                              stride_bt, ints, walk, PAGE, CAUSAL)),
-            (_wg0_units, units_args),
-            (_wg1_units, units_args),
+            (_wg0_units_rope if ROPE else _wg0_units, units_args),
+            (_wg1_units_rope if ROPE else _wg1_units, units_args),
         ], [4, 4], [COMPUTE_REGS, COMPUTE_REGS])
     else:
         gl.warp_specialize([
             (_loader, ((qn_desc, qr_desc, kn_desc, kr_desc), bufs, bars, bt_row, q_row, start,
                        n_tiles, PAGE, CHUNKED, LONE, EARLY)),
-            (_wg0_early if EARLY else _wg0_named if NAMED else _wg0_afresh if AFRESH else
+            (_wg0_rope if ROPE else _wg0_early if EARLY else _wg0_named if NAMED else
+             _wg0_afresh if AFRESH else
              _wg0_lone if LONE else _wg0_slim if SLIM else _wg0_chunked if CHUNKED else _wg0,
              compute_args),
-            (_wg1_early if EARLY else _wg1_named if NAMED else _wg1_afresh if AFRESH else
+            (_wg1_rope if ROPE else _wg1_early if EARLY else _wg1_named if NAMED else
+             _wg1_afresh if AFRESH else
              _wg1_lone if LONE else _wg1_slim if SLIM else _wg1_chunked if CHUNKED else _wg1,
              compute_args),
         ], [4, 4], [COMPUTE_REGS, COMPUTE_REGS])
@@ -1018,9 +1053,9 @@ def _chunk_descriptor(kv_cache: torch.Tensor) -> TensorDescriptor:
 
 def _check_form(chunked: bool, slim: bool, lone_bars: bool = False,
                 afresh_q: bool = False, named_bars: bool = False, early: bool = False,
-                two_requests: bool = False) -> None:
+                two_requests: bool = False, rope_regs: bool = False) -> None:
     # The workers of each form are functions of their own: slim is chunked, lone_bars slim,
-    # afresh_q lone, named_bars and two_requests afresh.
+    # afresh_q lone, named_bars, two_requests and rope_regs afresh.
     if slim and not chunked:
         raise ValueError("slim is a form of the chunked kernel: pass chunked=True too")
     if lone_bars and not slim:
@@ -1034,6 +1069,9 @@ def _check_form(chunked: bool, slim: bool, lone_bars: bool = False,
     if two_requests and not (afresh_q and not named_bars):
         raise ValueError("two_requests is a form of the afresh kernel (not of named_bars): "
                          "pass afresh_q=True and named_bars=False")
+    if rope_regs and not (afresh_q and not named_bars):
+        raise ValueError("rope_regs is a form of the afresh kernel (not of named_bars): "
+                         "pass afresh_q=True and named_bars=False")
 
 
 def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -1042,7 +1080,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                     num_splits: int | None = None, max_seq_len: int | None = None,
                     chunked: bool = False, pdl: bool = False, slim: bool = False,
                     lone_bars: bool = False, afresh_q: bool = False, named_bars: bool = False,
-                    early: bool = False, two_requests: bool = False
+                    early: bool = False, two_requests: bool = False, rope_regs: bool = False
                     ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
     """A zero-argument launch of the seesaw decode, with the out and LSE it writes.
 
@@ -1061,8 +1099,10 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     order, each warpgroup's own tile's P V first (``_pair_wg0_early``). ``two_requests``
     (afresh only): each program walks requests b and b + cdiv(batch, 2), the second's Q and
     first tiles copied while the first's output is written (``_compute_units``).
+    ``rope_regs`` (afresh only, with two_requests or without): Q's rope part in registers
+    (``_walk_pairs``).
     """
-    _check_form(chunked, slim, lone_bars, afresh_q, named_bars, early, two_requests)
+    _check_form(chunked, slim, lone_bars, afresh_q, named_bars, early, two_requests, rope_regs)
     if slim and not sm_scale > 0:  # slim_softmax takes the max of the unscaled scores
         raise ValueError(f"the slim form needs a positive sm_scale, got {sm_scale}")
     why = check_supported(q, kv_cache, block_table, seq_lens)
@@ -1083,7 +1123,8 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     sizes = (num_splits, qlen, heads, sm_scale * LOG2E, block_table.stride(0))
     meta = dict(CAUSAL=causal and qlen > 1, PAGE=PAGE_SIZE, CHUNKED=chunked, SLIM=slim,
                 LONE=lone_bars, AFRESH=afresh_q, NAMED=named_bars, EARLY=early,
-                MULTI=two_requests, batch=batch, **compile_options(NUM_WARPS, MAXNREG))
+                MULTI=two_requests, ROPE=rope_regs, batch=batch,
+                **compile_options(NUM_WARPS, MAXNREG))
     if num_splits == 1:
         args = (*head, out, lse, *sizes, out.stride(0), out.stride(1), lse.stride(0), 0, 0, 0)
         return (lambda: seesaw_kernel[grid](*args, DIRECT=True, PDL=False, **meta)), out, lse
@@ -1104,7 +1145,7 @@ def seesaw_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
                   num_splits: int | None = None, **forms: bool
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """One eager call: (out, lse). ``forms``: ``decode_launcher``'s form options (chunked,
-    pdl, slim, lone_bars, afresh_q, named_bars, early, two_requests)."""
+    pdl, slim, lone_bars, afresh_q, named_bars, early, two_requests, rope_regs)."""
     launch, out, lse = decode_launcher(q, kv_cache, block_table, seq_lens, qlen=qlen,
                                        sm_scale=sm_scale, causal=causal, num_splits=num_splits,
                                        **forms)
@@ -1115,13 +1156,13 @@ def seesaw_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
 def aot_compile(dtype: str = "bf16", *, direct: bool = True, causal: bool = True,
                 arch: int = 90, chunked: bool = False, pdl: bool = False, slim: bool = False,
                 lone_bars: bool = False, afresh_q: bool = False, named_bars: bool = False,
-                early: bool = False, two_requests: bool = False):
+                early: bool = False, two_requests: bool = False, rope_regs: bool = False):
     """Compile ``seesaw_kernel`` for ``sm_<arch>`` without a GPU (triton's bundled ptxas);
     returns triton's CompiledKernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata``)."""
-    _check_form(chunked, slim, lone_bars, afresh_q, named_bars, early, two_requests)
+    _check_form(chunked, slim, lone_bars, afresh_q, named_bars, early, two_requests, rope_regs)
     constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=PAGE_SIZE, CHUNKED=chunked,
                      PDL=pdl and not direct, SLIM=slim, LONE=lone_bars, AFRESH=afresh_q,
-                     NAMED=named_bars, EARLY=early, MULTI=two_requests,
+                     NAMED=named_bars, EARLY=early, MULTI=two_requests, ROPE=rope_regs,
                      num_warps=NUM_WARPS)
     blocks = dict(qn_desc=(dtype, BLOCK_M, D_NOPE), qr_desc=(dtype, BLOCK_M, D_ROPE),
                   kn_desc=(dtype, BLOCK_N, D_NOPE), kr_desc=(dtype, BLOCK_N, D_ROPE))

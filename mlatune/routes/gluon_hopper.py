@@ -166,10 +166,10 @@ class SeesawGluonRoute(WgmmaGluonRoute):
     kernel_options = MappingProxyType({"chunked": False, "pdl": False, "slim": False,
                                        "lone_bars": False, "afresh_q": False,
                                        "named_bars": False, "early": False,
-                                       "two_requests": False})
+                                       "two_requests": False, "rope_regs": False})
     FORM = MappingProxyType({"chunked": True, "pdl": True, "slim": True, "lone_bars": True,
                              "afresh_q": True, "named_bars": False, "early": False,
-                             "two_requests": False})
+                             "two_requests": False, "rope_regs": False})
 
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
         """The split sets in FORM, and the first with ``two_requests`` where its programs
