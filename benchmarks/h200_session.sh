@@ -50,7 +50,8 @@
 #                  sets as they are and with named_bars, alternating twice
 #   earlyab        the same for the early form (of named_bars: the pair in FlashMLA's order)
 #   twoab          the same for two_requests (of afresh: a program walks two requests)
-#   ropeab         the same for rope_regs (of afresh: Q's rope part in registers)
+#   ropeab         the same for rope_regs (of afresh: Q's rope part in registers), the
+#                  route's sets (with it) against them without it
 #   walks          the seesaw kernel's split partials each against its own keys, and the split
 #                  reduce alone, on the GPU (which of the two a wrong split result comes from)
 #   reduceblocks   benchmarks/reduce_blocks.py: the split reduce alone at the split decodes'
@@ -246,7 +247,7 @@ transposed/gluon fp8mma deferred" > "$OUT/seesaw-check.log" 2>&1
     namedab) seesaw_form_ab namedab named '{"named_bars": true}' ;;
     earlyab) seesaw_form_ab earlyab early '{"named_bars": true, "early": true}' ;;
     twoab) seesaw_form_ab twoab two '{"two_requests": true}' ;;
-    ropeab) seesaw_form_ab ropeab rope '{"rope_regs": true}' ;;
+    ropeab) seesaw_form_ab ropeab rope '{"rope_regs": false}' ;;
     gluontests) s=$(date +%s)
                 timeout 330 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gluon_gpu.py \
                   > "$OUT/gluon-tests.log" 2>&1

@@ -169,7 +169,7 @@ class SeesawGluonRoute(WgmmaGluonRoute):
                                        "two_requests": False, "rope_regs": False})
     FORM = MappingProxyType({"chunked": True, "pdl": True, "slim": True, "lone_bars": True,
                              "afresh_q": True, "named_bars": False, "early": False,
-                             "two_requests": False, "rope_regs": False})
+                             "two_requests": False, "rope_regs": True})
 
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
         """The split sets in FORM, and the first with ``two_requests`` where its programs
