@@ -405,10 +405,9 @@ def test_the_report_times_a_stored_seesaw_choice_as_it_ran():
 
     problem = _p(batch=2)
     splits = routes.get("seesaw/gluon").param_space(problem, H200)[0]["num_splits"]
+    form = routes.get("seesaw/gluon").FORM  # what the route's sets run now
     timed = {(problem.key, "seesaw/gluon"): [({"num_splits": splits, "chunked": False}, 10.0),
-                                             ({"num_splits": splits, "chunked": True,
-                                               "pdl": True, "slim": True, "lone_bars": True,
-                                               "afresh_q": True}, 9.0)]}
+                                             ({"num_splits": splits, **form}, 9.0)]}
     assert time_with(timed, problem, "seesaw/gluon", {"num_splits": splits}, H200) == 10.0
     assert time_with(timed, problem, "seesaw/gluon", {}, H200) == 9.0
     # A journal written before the option: its runs' params lack it too.
