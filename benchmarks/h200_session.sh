@@ -43,7 +43,7 @@
 #                  chunked + pdl, slim, and the lone-barrier form the route's sets run)
 #                  beside FlashMLA
 #   gluontests     pytest -m gpu tests/test_gluon_gpu.py
-#   seesawtests    the same, its seesaw tests only
+#   seesawtests    the same, its seesaw tests only (not the split walks of the named forms)
 #   seesawab       benchmarks/decode.py at issue 19's seesaw points, the route's sets and the
 #                  same without afresh_q alternating twice (decode.py --forms)
 #   namedab        the seesaw's named_bars form (P handed over on hardware barriers): its split
@@ -251,7 +251,8 @@ transposed/gluon fp8mma deferred" > "$OUT/seesaw-check.log" 2>&1
     ropeab) seesaw_form_ab ropeab rope '{"rope_regs": false}' ;;
     seesawtests) s=$(date +%s)
                  timeout 220 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gluon_gpu.py \
-                   -k seesaw > "$OUT/seesaw-tests.log" 2>&1
+                   -k "seesaw and not (named or early or slim or lone or two or rope)" \
+                   > "$OUT/seesaw-tests.log" 2>&1
                  log "seesawtests: rc=$? wall=$(( $(date +%s) - s ))s; $(tail -1 "$OUT/seesaw-tests.log")"
                  grep "^FAILED" "$OUT/seesaw-tests.log" | tee -a "$OUT/session.log" ;;
     gluontests) s=$(date +%s)
