@@ -43,14 +43,12 @@
 #                  chunked + pdl, slim, and the lone-barrier form the route's sets run)
 #                  beside FlashMLA
 #   gluontests     pytest -m gpu tests/test_gluon_gpu.py
-#   seesawtests    the same, its seesaw tests only (not the split walks of the named forms)
+#   seesawtests    the same, its seesaw tests only (of the split walks, the afresh form's)
 #   seesawab       benchmarks/decode.py at issue 19's seesaw points, the route's sets and the
 #                  same without afresh_q alternating twice (decode.py --forms)
-#   namedab        the seesaw's named_bars form (P handed over on hardware barriers): its split
-#                  walks on the GPU, then decode.py at issue 19's seesaw points, the route's
-#                  sets as they are and with named_bars, alternating twice
-#   earlyab        the same for the early form (of named_bars: the pair in FlashMLA's order)
-#   twoab          the same for two_requests (of afresh: a program walks two requests)
+#   twoab          the seesaw's two_requests form (of afresh: a program walks two requests):
+#                  its split walks on the GPU, then decode.py at issue 19's seesaw points, the
+#                  route's sets as they are and with it, alternating twice
 #   ropeab         the same for rope_regs (of afresh: Q's rope part in registers), the
 #                  route's sets (with it) against them without it
 #   walks          the seesaw kernel's split partials each against its own keys, and the split
@@ -245,13 +243,11 @@ transposed/gluon fp8mma deferred" > "$OUT/seesaw-check.log" 2>&1
                 '{"seesaw/gluon": [{}, {"afresh_q": false}, {}, {"afresh_q": false}]}' \
                 > "$OUT/seesawab.log" 2>&1
               log "seesawab: rc=$?"; grep -i "target" "$OUT/seesawab.log" | tee -a "$OUT/session.log" ;;
-    namedab) seesaw_form_ab namedab named '{"named_bars": true}' ;;
-    earlyab) seesaw_form_ab earlyab early '{"named_bars": true, "early": true}' ;;
     twoab) seesaw_form_ab twoab two '{"two_requests": true}' ;;
     ropeab) seesaw_form_ab ropeab rope '{"rope_regs": false}' ;;
     seesawtests) s=$(date +%s)
                  timeout 220 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gluon_gpu.py \
-                   -k "seesaw and not (named or early or slim or lone or two or rope)" \
+                   -k "seesaw and not (slim or lone or two or rope)" \
                    > "$OUT/seesaw-tests.log" 2>&1
                  log "seesawtests: rc=$? wall=$(( $(date +%s) - s ))s; $(tail -1 "$OUT/seesaw-tests.log")"
                  grep "^FAILED" "$OUT/seesaw-tests.log" | tee -a "$OUT/session.log" ;;

@@ -385,8 +385,7 @@ def test_a_stored_seesaw_row_keeps_its_form_and_rescales_its_split_at_a_neighbou
     stored = {"num_splits": wgmma.param_space(measured, H200)[0]["num_splits"]}
     moved = routes.params_at(seesaw, stored, measured, asked, H200)
     old_form = {"chunked": False, "pdl": False, "slim": False, "lone_bars": False,
-                "afresh_q": False, "named_bars": False, "early": False,
-                "two_requests": False, "rope_regs": False}
+                "afresh_q": False, "two_requests": False, "rope_regs": False}
     assert moved == {**routes.params_at(wgmma, stored, measured, asked, H200), **old_form}
     assert moved["num_splits"] != stored["num_splits"]
     new = routes.params_at(seesaw, seesaw.param_space(measured, H200)[0], measured, asked, H200)

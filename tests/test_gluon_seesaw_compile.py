@@ -178,64 +178,32 @@ def test_afresh_q_keeps_every_descriptor_out_of_registers(direct):
     assert len(loops) == 2 and all(ldl == stl == 0 for _, ldl, stl in loops)  # both pair loops
 
 
-@pytest.mark.parametrize("direct", [True, False])
-def test_named_bars_hand_p_over_on_hardware_barriers(direct):
-    """``named_bars`` (of the afresh form): each warpgroup hands its tile's P over with one
-    ``bar.arrive`` on a barrier the other ``bar.sync``s (12: P_a, 13: P_b; triton's own are
-    0-3), in place of an mbarrier wait and the warpgroup barrier before its one-thread
-    arrival; the same copies and MMAs, no local memory, no hazard."""
+@pytest.mark.parametrize("two", [False, True])
+def test_rope_regs_reads_q_rope_from_registers(two):
+    """``rope_regs`` (of the afresh form, with two_requests or without): S's rope k-steps
+    take Q's rope part from registers (4 wgmma a warpgroup with a register A operand, none
+    in the afresh form), loaded once a request; the same copies and MMAs otherwise, no local
+    memory, no hazard."""
     from mlatune.kernels import gluon_seesaw as s
     from tests import sass_hazards
     with pytest.raises(ValueError, match="afresh"):
         s.decode_launcher(*[None] * 4, qlen=1, sm_scale=0.1, chunked=True, slim=True,
-                          lone_bars=True, named_bars=True)
+                          lone_bars=True, rope_regs=True)
     _needs_gluon_triton()
-    named, fresh = (s.aot_compile(direct=direct, causal=False, chunked=True, slim=True,
-                                  lone_bars=True, afresh_q=True, named_bars=flag)
-                    for flag in (True, False))
-    ptx = {k: k.asm["ptx"] for k in (named, fresh)}
-    for op in ("cp.async.bulk.tensor.2d", "wgmma.mma_async"):
-        assert ptx[named].count(op) == ptx[fresh].count(op), op
-    assert ptx[named].count("mbarrier.try_wait") == ptx[fresh].count("mbarrier.try_wait") - 2
-    for bar in (12, 13):
-        assert ptx[named].count(f"bar.arrive {bar}, 256;") == 1
-        assert ptx[named].count(f"bar.sync {bar}, 256;") == 1
-    assert not re.search(r"bar\.(sync|arrive)\s+(1[0-5]|[4-9]), ", ptx[fresh])
-
-    def warpgroup_bars(kernel) -> int:
-        return len(re.findall(r"bar\.sync\s+\d+, 128;", kernel.asm["ptx"]))
-
-    assert warpgroup_bars(named) < warpgroup_bars(fresh)
-    assert resources(named)["stack"] == 0
-    sass = sass_hazards.listing(named)
-    assert sass_hazards.undefined_descriptors(sass) == []
-    assert sass_hazards.hazards(sass)[2] == []
-
-
-@pytest.mark.parametrize("direct", [True, False])
-def test_the_early_form_builds_clean(direct):
-    """``early`` (of the named form): the pair in FlashMLA's order, three hardware barriers
-    a pair (12: m0, 13: m1 and P_b, 14: P_a in m1's base), no P mbarrier; the same copies and
-    MMAs as the named form, no local memory, no hazard."""
-    from mlatune.kernels import gluon_seesaw as s
-    from tests import sass_hazards
-    with pytest.raises(ValueError, match="named"):
-        s.decode_launcher(*[None] * 4, qlen=1, sm_scale=0.1, chunked=True, slim=True,
-                          lone_bars=True, afresh_q=True, early=True)
-    _needs_gluon_triton()
-    early, named = (s.aot_compile(direct=direct, causal=True, chunked=True, slim=True,
-                                  lone_bars=True, afresh_q=True, named_bars=True, early=flag)
-                    for flag in (True, False))
-    ptx = {k: k.asm["ptx"] for k in (early, named)}
+    rope, fresh = (s.aot_compile(direct=True, causal=True, chunked=True, slim=True,
+                                 lone_bars=True, afresh_q=True, two_requests=two,
+                                 rope_regs=flag) for flag in (True, False))
     for op in ("cp.async.bulk.tensor.2d", "wgmma.mma_async", "mbarrier.try_wait"):
-        assert ptx[early].count(op) == ptx[named].count(op), op
-    for bar in (12, 13, 14):
-        assert ptx[early].count(f"bar.arrive {bar}, 256;") == 1
-        assert ptx[early].count(f"bar.sync {bar}, 256;") == 1
-    assert resources(early)["stack"] == 0
-    sass = sass_hazards.listing(early)
-    assert sass_hazards.undefined_descriptors(sass) == []
-    assert sass_hazards.hazards(sass)[2] == []
+        assert rope.asm["ptx"].count(op) == fresh.asm["ptx"].count(op), op
+    sass = {k: sass_hazards.listing(k) for k in (rope, fresh)}
+
+    def register_a(listing: str) -> int:  # HGMMA of S (N 64) with A in registers
+        return len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16 R\d+, R\d+,", listing))
+
+    assert register_a(sass[rope]) == 8 * (2 if two else 1) and register_a(sass[fresh]) == 0
+    assert resources(rope)["stack"] == 0
+    assert sass_hazards.undefined_descriptors(sass[rope]) == []
+    assert sass_hazards.hazards(sass[rope])[2] == []
 
 
 @pytest.mark.parametrize("direct", [True, False])

@@ -107,7 +107,26 @@ tile's V chunks released one piece at a time as its wgmma completes (18 release 
 Q afresh, no local memory in its pair loops: right, and 1.04-1.15x the afresh form's time at
 every split of issue 19's seesaw points (1.12x at the best split at 128 heads and at (8, 128,
 32768, 1); H200, 2026-12-02, call 3): four 64-wide wgmma groups a P V cost more than the
-earlier release gains.
+earlier release gains. Session 22 (H200, 2026-12-02; code in
+``benchmarks/results/h200-s22-call2-20261202/named-early.patch``): the hand-over of P on
+hardware barriers (``bar.arrive``/``bar.sync`` by inline PTX, no warpgroup barrier before a
+one-thread arrival): 0.99-1.02x, so its latency is not the limit; FlashMLA's pair order again
+on those barriers (WG1's own P_b V_b first, so slot 1's owner half is freed mid-pair; P_a
+rescaled to m1 by WG0): 1.06x at (128, 128, 4096, 1), 1.00-1.08x elsewhere.
+
+The TWO_REQUESTS form (``two_requests=True``, of the afresh one; kernel flag MULTI): a
+program walks requests b and b + cdiv(batch, 2) (``_compute_units``, ``_loader_units``)
+through the one ring, pairs counted across requests and slot 1 filled in a pair without a
+tile b (its barriers' phases stay one a pair); the second's Q is copied once both
+warpgroups are done with the first's (``q_free``), while they write its output. Where the
+programs pass one wave it removes the second wave's start (every SM asking for Q and two
+tiles at once): 0.988x at (128, 128, 4096, 1); where one wave holds them it halves the busy
+SMs (1.45-1.89x), so the route offers it only past one wave (session 22, call 3). The ROPE
+form (``rope_regs=True``, of the afresh one, with two_requests or without): Q's rope part
+(64 x 64) in registers as the A operand of S's rope k-steps, loaded once a request, as
+FlashMLA keeps it: S of 64 keys reads its two operands at the shared memory's whole rate, so
+half that traffic on 4 of its 36 k-steps: 0.98-1.00x at the 128-head points,
+0.99-1.005x elsewhere (call 5); the route's sets run it.
 """
 
 from __future__ import annotations
@@ -166,16 +185,14 @@ __all__ = ["aot_compile", "decode_launcher", "seesaw_decode", "seesaw_kernel"]
 
 @gluon.jit
 def _loader(descs, bufs, bars, bt_row, q_row, start, n_tiles, PAGE: gl.constexpr,
-            CHUNKED: gl.constexpr, LONE: gl.constexpr, EARLY: gl.constexpr):
+            CHUNKED: gl.constexpr, LONE: gl.constexpr):
     """Q once, then tile t into slot t % 2 as soon as both warpgroups have released it."""
     qn_desc, qr_desc = descs[:2]
     q_bar = bars[0]
     mbarrier.expect(q_bar, qn_desc.block_type.nbytes + qr_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(qn_desc, [q_row, 0], q_bar, bufs[0])
     tma.async_copy_global_to_shared(qr_desc, [q_row, 0], q_bar, bufs[1])
-    if EARLY:
-        _load_tiles_early(descs[3], bufs, bars, bt_row, start, n_tiles, PAGE)
-    elif CHUNKED:
+    if CHUNKED:
         _load_tiles_chunked(descs[3], bufs, bars, bt_row, start, n_tiles, PAGE, LONE)
     else:
         _load_tiles(descs, bufs, bars, bt_row, start, n_tiles, PAGE)
@@ -250,54 +267,6 @@ def _load_tiles_chunked(kc_desc, bufs, bars, bt_row, start, n_tiles, PAGE: gl.co
         elif PAD:
             _load_tile_chunked(kc_desc, k_nope.index(1), k_rope.index(1), ready, empty, 1, ph,
                                bt_row, key, PAGE, LONE)
-
-
-@gluon.jit
-def _load_tiles_early(kc_desc, bufs, bars, bt_row, start, n_tiles, PAGE: gl.constexpr):
-    """``_load_tiles_chunked`` in the order the EARLY form releases a pair's groups: each
-    slot's owner half first (slot 0's by WG0 after P_a V_a, slot 1's by WG1 after P_b V_b,
-    both mid-pair), then the other halves with the rope parts (P_a's and P_b's)."""
-    k_nope, k_rope = bufs[2:4]
-    ready, empty = bars[1:3]
-    BN: gl.constexpr = kc_desc.block_type.shape[0]
-    for j in range((n_tiles + 1) // 2):
-        ph = (j & 1) ^ 1  # a fresh barrier counts as phase 1 complete: the first waits pass
-        key = start + 2 * j * BN
-        has_b = 2 * j + 1 < n_tiles
-        row_a = _cache_row(bt_row, key, PAGE)
-        row_b = _cache_row(bt_row, key + BN, PAGE)
-        _load_group(kc_desc, k_nope.index(0), k_rope.index(0), ready, empty, 0, 0, ph, row_a)
-        if has_b:
-            _load_group(kc_desc, k_nope.index(1), k_rope.index(1), ready, empty, 1, 0, ph,
-                        row_b)
-        _load_group(kc_desc, k_nope.index(0), k_rope.index(0), ready, empty, 0, 1, ph, row_a)
-        if has_b:
-            _load_group(kc_desc, k_nope.index(1), k_rope.index(1), ready, empty, 1, 1, ph,
-                        row_b)
-
-
-@gluon.jit
-def _cache_row(bt_row, key, PAGE: gl.constexpr):
-    """The cache row (page * PAGE + slot) of key ``key`` through the block table."""
-    return gl.load(bt_row + key // PAGE) * PAGE + key % PAGE
-
-
-@gluon.jit
-def _load_group(kc_desc, kn, kr, ready, empty, SLOT: gl.constexpr, G: gl.constexpr, ph, row):
-    """Release group G of slot SLOT (lone barriers): 4 nope chunks (G 0: the slot owner's V
-    half), and with G 1 the rope part, each on its chunk's barrier once the group is free."""
-    W: gl.constexpr = kc_desc.block_type.shape[1]
-    mbarrier.wait(empty[2 * SLOT + G], ph)
-    fence_async_shared()  # the warpgroups wrote the slot (P, zeroed rows) as generic proxy
-    for c in gl.static_range(4 * (SLOT + G), 4 * (SLOT + G) + 4):
-        bar = ready[9 * SLOT + c % 8]
-        mbarrier.expect(bar, kc_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(kc_desc, [row, c % 8 * W], bar, kn.slice(c % 8 * W, W,
-                                                                                 dim=1))
-    if G == 1:
-        bar = ready[9 * SLOT + 8]
-        mbarrier.expect(bar, kc_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(kc_desc, [row, kn.shape[1]], bar, kr)
 
 
 @gluon.jit
@@ -395,62 +364,13 @@ def _row_slot(buf, i: gl.constexpr):
 
 
 @gluon.jit
-def _m_slot(m_buf, i: gl.constexpr, NAMED: gl.constexpr):
-    """The pair's running max number ``i`` (m0, m1). NAMED: two allocations, so that triton's
-    barrier analysis does not take a warpgroup's load of one for a read of its store to the
-    other (it puts a warpgroup barrier between them)."""
-    if NAMED:
-        return m_buf[i]
-    else:
-        return _row_slot(m_buf, i)
-
-
-@gluon.jit
-def _publish(p, kr_buf, m_slot, m, p_bars, i: gl.constexpr, LONE: gl.constexpr,
-             NAMED: gl.constexpr, alpha):
-    """Hand a tile's P (over its dead rope part) and its running max to the other warpgroup:
-    on mbarrier ``i`` of ``p_bars``, or (NAMED) on hardware barrier 12 + i. Returns ``alpha``
-    (the rows' rescale of O), NAMED through the arrival so that O's rescale follows it."""
+def _publish(p, kr_buf, m_slot, m, bar):
+    """Hand a tile's P (over its dead rope part) and its running max to the other warpgroup."""
     kr_buf.store(p)
     m_slot.store(m)
     fence_async_shared()  # P is read by the other warpgroup's wgmma (async proxy)
-    if NAMED:  # every thread arrives: no warpgroup barrier first
-        if i == 0:
-            alpha = _named_barrier("bar.arrive 12, 256;", alpha)
-        else:
-            alpha = _named_barrier("bar.arrive 13, 256;", alpha)
-    else:
-        gl.thread_barrier()  # every thread's stores precede the one arrival
-        mbarrier.arrive(_bar(p_bars, i, LONE))
-    return alpha
-
-
-@gluon.jit
-def _await_p(p_bars, i: gl.constexpr, ph, LONE: gl.constexpr, NAMED: gl.constexpr):
-    """Wait for the other warpgroup's ``_publish`` number ``i`` of this pair."""
-    if NAMED:
-        if i == 0:
-            _named_sync("bar.sync 12, 256;")
-        else:
-            _named_sync("bar.sync 13, 256;")
-    else:
-        mbarrier.wait(_bar(p_bars, i, LONE), ph)
-
-
-@gluon.jit
-def _named_barrier(ASM: gl.constexpr, rows):
-    """One PTX ``bar.arrive``/``bar.sync`` on a hardware barrier shared by the two compute
-    warpgroups (256 threads; triton 3.6's partitions use barriers 0-3 of 16): its Gluon has
-    no op for one. ``rows`` (fp32, 2 values a thread, once each: pack 2) passes through, so
-    that what uses them follows the barrier; not pure, so it stays in place."""
-    return gl.inline_asm_elementwise(ASM + " mov.b32 $0, $2; mov.b32 $1, $3;", "=r,=r,r,r",
-                                     [rows], dtype=gl.float32, is_pure=False, pack=2)
-
-
-@gluon.jit
-def _named_sync(ASM: gl.constexpr):
-    """A ``bar.sync`` of ``_named_barrier`` (its values a dummy)."""
-    _named_barrier(ASM, gl.zeros([2], gl.float32, gl.BlockedLayout([2], [32], [4], [0])))
+    gl.thread_barrier()  # every thread's stores precede the one arrival
+    mbarrier.arrive(bar)
 
 
 @gluon.jit
@@ -485,7 +405,7 @@ def _halves(kn_a, kn_b, half: gl.constexpr, s_layout: gl.constexpr, o_layout: gl
 @gluon.jit
 def _pair_wg0(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run, acc,
               s_layout: gl.constexpr, o_layout: gl.constexpr, CHUNKED: gl.constexpr,
-              SLIM: gl.constexpr, LONE: gl.constexpr, NAMED: gl.constexpr = False):
+              SLIM: gl.constexpr, LONE: gl.constexpr):
     """WG0's half of a pair: its own tile a (slot 0), then WG1's tile b (slot 1)."""
     q_nope, q_rope, m_buf = bufs[0], bufs[1], bufs[4]
     kn_a, kr_a, kn_b, kr_b = kv
@@ -503,12 +423,12 @@ def _pair_wg0(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
     p, m0, l_run, alpha = _softmax(s, qk_scale, n0, end, bounds, cols, m_run, l_run, SLIM)
     p = p.to(kr_a.dtype)
-    alpha = _publish(p, kr_a, _m_slot(m_buf, 0, NAMED), m0, p_bars, 0, LONE, NAMED, alpha)
+    _publish(p, kr_a, _row_slot(m_buf, 0), m0, _bar(p_bars, 0, LONE))
     acc = _scale_rows(acc, alpha, o_layout)
     p_op = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
     acc = warpgroup_mma(p_op, v_a, acc, is_async=True)
-    _await_p(p_bars, 1, ph, LONE, NAMED)
-    m1 = _m_slot(m_buf, 1, NAMED).load(gl.SliceLayout(1, s_layout))
+    mbarrier.wait(_bar(p_bars, 1, LONE), ph)
+    m1 = _row_slot(m_buf, 1).load(gl.SliceLayout(1, s_layout))
     acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
     _release(empty, 0, 0, CHUNKED, LONE)
     alpha = gl.exp2(m0 - no_shift(m1))
@@ -525,8 +445,7 @@ def _pair_wg0(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run
 @gluon.jit
 def _pair_wg1(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run, acc,
               s_layout: gl.constexpr, o_layout: gl.constexpr, CHUNKED: gl.constexpr,
-              SLIM: gl.constexpr, LONE: gl.constexpr, NAMED: gl.constexpr = False,
-              PAD: gl.constexpr = False):
+              SLIM: gl.constexpr, LONE: gl.constexpr, PAD: gl.constexpr = False):
     """WG1's half of a pair: S of its own tile b first, WG0's P_a V_a while S_b finishes.
     PAD: slot 1 is filled in a pair without a tile b too, and waited for."""
     kn_a, kr_a, kn_b, kr_b = kv
@@ -542,8 +461,8 @@ def _pair_wg1(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run
         mbarrier.wait(ready.index(1), ph, pred=has_b)
         s = _issue_scores(q_nope, q_rope, kn_b, kr_b, s_layout)
     _wait_half(ready, 0, 1, ph, True, CHUNKED, LONE)
-    _await_p(p_bars, 0, ph, LONE, NAMED)
-    m0 = _m_slot(m_buf, 0, NAMED).load(gl.SliceLayout(1, s_layout))
+    mbarrier.wait(_bar(p_bars, 0, LONE), ph)
+    m0 = _row_slot(m_buf, 0).load(gl.SliceLayout(1, s_layout))
     alpha = gl.exp2(m_run - no_shift(m0))
     acc = _scale_rows(acc, alpha, o_layout)
     _zero_if_last(v_a, n0, end)
@@ -552,7 +471,7 @@ def _pair_wg1(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
     p, m1, l_run, alpha = _softmax(s, qk_scale, n1, end, bounds, cols, m0, l_run * alpha, SLIM)
     p = p.to(kr_a.dtype)
-    alpha = _publish(p, kr_b, _m_slot(m_buf, 1, NAMED), m1, p_bars, 1, LONE, NAMED, alpha)
+    _publish(p, kr_b, _row_slot(m_buf, 1), m1, _bar(p_bars, 1, LONE))
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     _release(empty, 0, 1, CHUNKED, LONE)
     acc = _scale_rows(acc, alpha, o_layout)
@@ -567,85 +486,6 @@ def _pair_wg1(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run
 
 
 @gluon.jit
-def _pair_wg0_early(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run, acc,
-                    s_layout: gl.constexpr, o_layout: gl.constexpr):
-    """WG0's half of a pair in the EARLY form (FlashMLA's deep dive's order): S_a and its
-    softmax; m0 to WG1 (hardware barrier 12) before P_a V_a; with WG1's m1 and P_b (13),
-    P_a in m1's base over K_a's rope part for WG1 (14); then P_b V_b."""
-    q_nope, q_rope, m_buf = bufs[0], bufs[1], bufs[4]
-    kn_a, kr_a, kn_b, kr_b = kv
-    ready, empty = bars[1:3]
-    v_a, v_b, cols = _halves(kn_a, kn_b, 0, s_layout, o_layout)
-    BN: gl.constexpr = kn_a.shape[0]
-    s = _scores_chunked(q_nope, q_rope, kn_a, kr_a, ready, 0, ph, True, s_layout, True)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-    _zero_if_last(v_a, n0, end)  # after S, which has waited for every chunk
-    p, m0, l_run, alpha = _softmax(s, qk_scale, n0, end, bounds, cols, m_run, l_run, True)
-    m_buf[0].store(m0)
-    alpha = _named_barrier("bar.arrive 12, 256;", alpha)  # O's rescale after the arrival
-    acc = _scale_rows(acc, alpha, o_layout)
-    p_op = gl.convert_layout(p.to(kr_a.dtype),
-                             gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
-    acc = warpgroup_mma(p_op, v_a, acc, is_async=True)
-    _named_sync("bar.sync 13, 256;")
-    m1 = m_buf[1].load(gl.SliceLayout(1, s_layout))
-    to_m1 = gl.exp2(m0 - no_shift(m1))
-    # K_a's rope part is dead (S_a waited); WG1 reads P_a only after barrier 14.
-    kr_a.store((p * gl.expand_dims(to_m1, 1)).to(kr_a.dtype))
-    fence_async_shared()  # read by WG1's wgmma (async proxy)
-    to_m1 = _named_barrier("bar.arrive 14, 256;", to_m1)
-    acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-    _release(empty, 0, 0, True, True)
-    acc = _scale_rows(acc, to_m1, o_layout)
-    if has_b:
-        _wait_half(ready, 1, 0, ph, True, True, True)
-        _zero_if_last(v_b, n0 + BN, end)
-        acc = warpgroup_mma(kr_b, v_b, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    _release(empty, 1, 0, True, True)
-    return acc, m1, l_run * to_m1
-
-
-@gluon.jit
-def _pair_wg1_early(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run, acc,
-                    s_layout: gl.constexpr, o_layout: gl.constexpr):
-    """WG1's half of a pair in the EARLY form: S_b; with WG0's m0 (12) its softmax, P_b and
-    m1 to WG0 (13); its own P_b V_b first, so that slot 1's V half it owns is released
-    mid-pair (the next tile b's copy starts half a pair earlier), then P_a V_a with WG0's
-    rescaled P_a (14)."""
-    kn_a, kr_a, kn_b, kr_b = kv
-    q_nope, q_rope, m_buf = bufs[0], bufs[1], bufs[4]
-    ready, empty = bars[1:3]
-    v_a, v_b, cols = _halves(kn_a, kn_b, 1, s_layout, o_layout)
-    n1 = n0 + kn_a.shape[0]
-    # Without a tile b (odd count), S_b reads whatever slot 1 holds: all masked (n1 >= end).
-    s = _scores_chunked(q_nope, q_rope, kn_b, kr_b, ready, 1, ph, has_b, s_layout, True)
-    _named_sync("bar.sync 12, 256;")
-    m0 = m_buf[0].load(gl.SliceLayout(1, s_layout))
-    alpha0 = gl.exp2(m_run - no_shift(m0))
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-    p, m1, l_run, alpha1 = _softmax(s, qk_scale, n1, end, bounds, cols, m0, l_run * alpha0,
-                                    True)
-    p = p.to(kr_b.dtype)
-    alpha = _publish(p, kr_b, m_buf[1], m1, (), 1, True, True, alpha0 * alpha1)
-    acc = _scale_rows(acc, alpha, o_layout)
-    p_op = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=o_layout,
-                                                    k_width=2))
-    if has_b:
-        _zero_if_last(v_b, n1, end)
-        acc = warpgroup_mma(p_op, v_b, acc, is_async=True)
-        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-    _release(empty, 1, 1, True, True)
-    _wait_half(ready, 0, 1, ph, True, True, True)
-    _zero_if_last(v_a, n0, end)
-    _named_sync("bar.sync 14, 256;")
-    acc = warpgroup_mma(kr_a, v_a, acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    _release(empty, 0, 1, True, True)
-    return acc, m1, l_run
-
-
-@gluon.jit
 def _afresh(buf, zero):
     """``buf`` (2-D) through a leading index ``zero`` (0, unprovable to the compiler), so that
     the wgmma descriptors over it stay loop variant (not hoisted into spilled registers)."""
@@ -656,15 +496,12 @@ def _afresh(buf, zero):
 def _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, WG: gl.constexpr,
              CAUSAL: gl.constexpr, DIRECT: gl.constexpr, CHUNKED: gl.constexpr,
              SLIM: gl.constexpr = False, LONE: gl.constexpr = False,
-             AFRESH: gl.constexpr = False, NAMED: gl.constexpr = False,
-             EARLY: gl.constexpr = False, ROPE: gl.constexpr = False):
+             AFRESH: gl.constexpr = False, ROPE: gl.constexpr = False):
     """One compute warpgroup: its walk over the pairs of tiles, then its half of the output.
-    AFRESH (of the lone form): Q too addressed through the unprovable zero each pair. NAMED
-    (of the afresh form): P handed over on hardware barriers (``_publish``). EARLY (of the
-    named form): the pair in FlashMLA's order (``_pair_wg0_early``). ROPE (of the afresh
-    form): Q's rope part in registers (``_walk_pairs``)."""
+    AFRESH (of the lone form): Q too addressed through the unprovable zero each pair. ROPE
+    (of the afresh form): Q's rope part in registers (``_walk_pairs``)."""
     acc, m_run, l_run = _walk_pairs(bufs, bars, ints, qk_scale, 0, 0, WG, CAUSAL, CHUNKED,
-                                    SLIM, LONE, AFRESH, NAMED, EARLY, False, ROPE)
+                                    SLIM, LONE, AFRESH, False, ROPE)
     _finish(acc, m_run, l_run, bufs[5], bars[4], 0, 0, out_ptr, lse_ptr, ints, WG, DIRECT)
 
 
@@ -687,7 +524,7 @@ def _compute_units(bufs, bars, out_ptr, lse_ptr, ints, walk, qk_scale, WG: gl.co
                                             BN, CAUSAL)
             unit = (start, end, n_tiles, seq_len, rb, b) + ints[6:]  # noqa: RUF005 (JIT)
             acc, m_run, l_run = _walk_pairs(bufs, bars, unit, qk_scale, j0, k & 1, WG, CAUSAL,
-                                            True, True, True, True, False, False, True, ROPE)
+                                            True, True, True, True, True, ROPE)
             gl.thread_barrier()  # the warpgroup's last S (read Q) precedes the one arrival
             mbarrier.arrive(q_free)
             _finish(acc, m_run, l_run, bufs[5], bars[4], k & 1, (k & 1) * 2, out_ptr, lse_ptr,
@@ -698,8 +535,8 @@ def _compute_units(bufs, bars, out_ptr, lse_ptr, ints, walk, qk_scale, WG: gl.co
 @gluon.jit
 def _walk_pairs(bufs, bars, ints, qk_scale, j0, q_phase, WG: gl.constexpr,
                 CAUSAL: gl.constexpr, CHUNKED: gl.constexpr, SLIM: gl.constexpr,
-                LONE: gl.constexpr, AFRESH: gl.constexpr, NAMED: gl.constexpr,
-                EARLY: gl.constexpr, PAD: gl.constexpr, ROPE: gl.constexpr = False):
+                LONE: gl.constexpr, AFRESH: gl.constexpr, PAD: gl.constexpr,
+                ROPE: gl.constexpr = False):
     """A warpgroup's walk over the pairs of one (request, split)'s tiles: (O's half, the rows'
     max, this warpgroup's row sums). ``j0``: pairs this program walked before (the ring's
     phases); the forms as ``_compute``'s; PAD (the units form): slot 1 waited for in a pair
@@ -739,23 +576,14 @@ def _walk_pairs(bufs, bars, ints, qk_scale, j0, q_phase, WG: gl.constexpr,
         # to uniform ones before each wgmma and partly spilled).
         pair_bufs = (_afresh(q_nope, j >> 30), q_rope_op if ROPE else _afresh(bufs[1], j >> 30),
                      bufs[2], bufs[3], bufs[4], bufs[5]) if AFRESH else bufs
-        if EARLY:
-            if WG == 0:
-                acc, m_run, l_run = _pair_wg0_early(pair_bufs, kv, bars, ph, n0, end, has_b,
-                                                    bounds, qk_scale, m_run, l_run, acc,
-                                                    s_layout, o_layout)
-            else:
-                acc, m_run, l_run = _pair_wg1_early(pair_bufs, kv, bars, ph, n0, end, has_b,
-                                                    bounds, qk_scale, m_run, l_run, acc,
-                                                    s_layout, o_layout)
-        elif WG == 0:
+        if WG == 0:
             acc, m_run, l_run = _pair_wg0(pair_bufs, kv, bars, ph, n0, end, has_b, bounds,
                                           qk_scale, m_run, l_run, acc, s_layout, o_layout,
-                                          CHUNKED, SLIM, LONE, NAMED)
+                                          CHUNKED, SLIM, LONE)
         else:
             acc, m_run, l_run = _pair_wg1(pair_bufs, kv, bars, ph, n0, end, has_b, bounds,
                                           qk_scale, m_run, l_run, acc, s_layout, o_layout,
-                                          CHUNKED, SLIM, LONE, NAMED, PAD)
+                                          CHUNKED, SLIM, LONE, PAD)
     return acc, m_run, l_run
 
 
@@ -882,34 +710,6 @@ def _wg1_afresh(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constex
 
 
 @gluon.jit
-def _wg0_named(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
-               DIRECT: gl.constexpr):
-    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 0, CAUSAL, DIRECT, True, True, True,
-             True, True)
-
-
-@gluon.jit
-def _wg1_named(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
-               DIRECT: gl.constexpr):
-    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 1, CAUSAL, DIRECT, True, True, True,
-             True, True)
-
-
-@gluon.jit
-def _wg0_early(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
-               DIRECT: gl.constexpr):
-    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 0, CAUSAL, DIRECT, True, True, True,
-             True, True, True)
-
-
-@gluon.jit
-def _wg1_early(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
-               DIRECT: gl.constexpr):
-    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 1, CAUSAL, DIRECT, True, True, True,
-             True, True, True)
-
-
-@gluon.jit
 def _wg0_units(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
                DIRECT: gl.constexpr, walk):
     _compute_units(bufs, bars, out_ptr, lse_ptr, ints, walk, qk_scale, 0, CAUSAL, DIRECT, False)
@@ -937,14 +737,14 @@ def _wg1_units_rope(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.con
 def _wg0_rope(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
               DIRECT: gl.constexpr):
     _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 0, CAUSAL, DIRECT, True, True, True,
-             True, False, False, True)
+             True, True)
 
 
 @gluon.jit
 def _wg1_rope(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
               DIRECT: gl.constexpr):
     _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 1, CAUSAL, DIRECT, True, True, True,
-             True, False, False, True)
+             True, True)
 
 
 @gluon.jit(do_not_specialize=["num_splits", "qlen", "heads", "batch"])
@@ -956,7 +756,6 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache'
                   CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PAGE: gl.constexpr,
                   CHUNKED: gl.constexpr, PDL: gl.constexpr, SLIM: gl.constexpr,
                   LONE: gl.constexpr, num_warps: gl.constexpr, AFRESH: gl.constexpr = False,
-                  NAMED: gl.constexpr = False, EARLY: gl.constexpr = False,
                   MULTI: gl.constexpr = False, ROPE: gl.constexpr = False, batch=1):
     BM: gl.constexpr = qn_desc.block_type.shape[0]
     BN: gl.constexpr = kn_desc.block_type.shape[0]
@@ -969,11 +768,7 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache'
     k_nope = gl.allocate_shared_memory(dtype, [2, BN, kn_desc.block_type.shape[1]], kn_desc.layout)
     k_rope = gl.allocate_shared_memory(dtype, [2, BN, kr_desc.block_type.shape[1]], kr_desc.layout)
     rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-    if NAMED:  # m0, m1 of a pair (NAMED: apart, see ``_m_slot``)
-        m_buf = (gl.allocate_shared_memory(gl.float32, [BM], rows_layout),
-                 gl.allocate_shared_memory(gl.float32, [BM], rows_layout))
-    else:
-        m_buf = gl.allocate_shared_memory(gl.float32, [2 * BM], rows_layout)
+    m_buf = gl.allocate_shared_memory(gl.float32, [2 * BM], rows_layout)  # m0, m1 of a pair
     # Each warpgroup's row sum (MULTI: a pair of slots a request's parity).
     l_buf = gl.allocate_shared_memory(gl.float32, [(4 if MULTI else 2) * BM], rows_layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
@@ -989,10 +784,11 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache'
         ready = gl.allocate_shared_memory(gl.int64, [18 if CHUNKED else 2, 1], bar_layout)
         empty = gl.allocate_shared_memory(gl.int64, [4 if CHUNKED else 2, 1], bar_layout)
         p_bars = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-    q_free = gl.allocate_shared_memory(gl.int64, [1], bar_layout)  # MULTI: Q read by both
     mbarrier.init(q_bar, count=1)
     mbarrier.init(l_bar, count=2)
-    mbarrier.init(q_free, count=2)
+    if MULTI:  # both warpgroups are done with a request's Q
+        q_free = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+        mbarrier.init(q_free, count=2)
     if CHUNKED:
         for i in gl.static_range(18):
             mbarrier.init(_bar(ready, i, LONE), count=1)
@@ -1029,13 +825,11 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the cache'
     else:
         gl.warp_specialize([
             (_loader, ((qn_desc, qr_desc, kn_desc, kr_desc), bufs, bars, bt_row, q_row, start,
-                       n_tiles, PAGE, CHUNKED, LONE, EARLY)),
-            (_wg0_rope if ROPE else _wg0_early if EARLY else _wg0_named if NAMED else
-             _wg0_afresh if AFRESH else
+                       n_tiles, PAGE, CHUNKED, LONE)),
+            (_wg0_rope if ROPE else _wg0_afresh if AFRESH else
              _wg0_lone if LONE else _wg0_slim if SLIM else _wg0_chunked if CHUNKED else _wg0,
              compute_args),
-            (_wg1_rope if ROPE else _wg1_early if EARLY else _wg1_named if NAMED else
-             _wg1_afresh if AFRESH else
+            (_wg1_rope if ROPE else _wg1_afresh if AFRESH else
              _wg1_lone if LONE else _wg1_slim if SLIM else _wg1_chunked if CHUNKED else _wg1,
              compute_args),
         ], [4, 4], [COMPUTE_REGS, COMPUTE_REGS])
@@ -1052,26 +846,19 @@ def _chunk_descriptor(kv_cache: torch.Tensor) -> TensorDescriptor:
 
 
 def _check_form(chunked: bool, slim: bool, lone_bars: bool = False,
-                afresh_q: bool = False, named_bars: bool = False, early: bool = False,
-                two_requests: bool = False, rope_regs: bool = False) -> None:
+                afresh_q: bool = False, two_requests: bool = False,
+                rope_regs: bool = False) -> None:
     # The workers of each form are functions of their own: slim is chunked, lone_bars slim,
-    # afresh_q lone, named_bars, two_requests and rope_regs afresh.
+    # afresh_q lone, two_requests and rope_regs afresh.
     if slim and not chunked:
         raise ValueError("slim is a form of the chunked kernel: pass chunked=True too")
     if lone_bars and not slim:
         raise ValueError("lone_bars is a form of the slim kernel: pass chunked=slim=True too")
     if afresh_q and not lone_bars:
         raise ValueError("afresh_q is a form of the lone-barrier kernel: pass lone_bars=True too")
-    if named_bars and not afresh_q:
-        raise ValueError("named_bars is a form of the afresh kernel: pass afresh_q=True too")
-    if early and not named_bars:
-        raise ValueError("early is a form of the named-barrier kernel: pass named_bars=True too")
-    if two_requests and not (afresh_q and not named_bars):
-        raise ValueError("two_requests is a form of the afresh kernel (not of named_bars): "
-                         "pass afresh_q=True and named_bars=False")
-    if rope_regs and not (afresh_q and not named_bars):
-        raise ValueError("rope_regs is a form of the afresh kernel (not of named_bars): "
-                         "pass afresh_q=True and named_bars=False")
+    for name, on in (("two_requests", two_requests), ("rope_regs", rope_regs)):
+        if on and not afresh_q:
+            raise ValueError(f"{name} is a form of the afresh kernel: pass afresh_q=True too")
 
 
 def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -1079,8 +866,8 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                     out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                     num_splits: int | None = None, max_seq_len: int | None = None,
                     chunked: bool = False, pdl: bool = False, slim: bool = False,
-                    lone_bars: bool = False, afresh_q: bool = False, named_bars: bool = False,
-                    early: bool = False, two_requests: bool = False, rope_regs: bool = False
+                    lone_bars: bool = False, afresh_q: bool = False,
+                    two_requests: bool = False, rope_regs: bool = False
                     ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
     """A zero-argument launch of the seesaw decode, with the out and LSE it writes.
 
@@ -1093,16 +880,13 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     (slim only): each mbarrier its own allocation (``_lone_bars``), which drops most of the
     warpgroup barriers triton 3.6 puts before the waits. ``afresh_q`` (lone only):
     Q addressed each pair through a zero the compiler cannot prove, so that
-    ptxas does not hoist Q's wgmma descriptors into registers (``_afresh``). ``named_bars``
-    (afresh only): each tile's P handed to the other warpgroup on a hardware barrier
-    instead of an mbarrier (``_publish``). ``early`` (named only): the pair in FlashMLA's
-    order, each warpgroup's own tile's P V first (``_pair_wg0_early``). ``two_requests``
+    ptxas does not hoist Q's wgmma descriptors into registers (``_afresh``). ``two_requests``
     (afresh only): each program walks requests b and b + cdiv(batch, 2), the second's Q and
     first tiles copied while the first's output is written (``_compute_units``).
     ``rope_regs`` (afresh only, with two_requests or without): Q's rope part in registers
     (``_walk_pairs``).
     """
-    _check_form(chunked, slim, lone_bars, afresh_q, named_bars, early, two_requests, rope_regs)
+    _check_form(chunked, slim, lone_bars, afresh_q, two_requests, rope_regs)
     if slim and not sm_scale > 0:  # slim_softmax takes the max of the unscaled scores
         raise ValueError(f"the slim form needs a positive sm_scale, got {sm_scale}")
     why = check_supported(q, kv_cache, block_table, seq_lens)
@@ -1122,8 +906,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     head = (*descs, block_table, seq_lens)
     sizes = (num_splits, qlen, heads, sm_scale * LOG2E, block_table.stride(0))
     meta = dict(CAUSAL=causal and qlen > 1, PAGE=PAGE_SIZE, CHUNKED=chunked, SLIM=slim,
-                LONE=lone_bars, AFRESH=afresh_q, NAMED=named_bars, EARLY=early,
-                MULTI=two_requests, ROPE=rope_regs, batch=batch,
+                LONE=lone_bars, AFRESH=afresh_q, MULTI=two_requests, ROPE=rope_regs, batch=batch,
                 **compile_options(NUM_WARPS, MAXNREG))
     if num_splits == 1:
         args = (*head, out, lse, *sizes, out.stride(0), out.stride(1), lse.stride(0), 0, 0, 0)
@@ -1145,7 +928,7 @@ def seesaw_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
                   num_splits: int | None = None, **forms: bool
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """One eager call: (out, lse). ``forms``: ``decode_launcher``'s form options (chunked,
-    pdl, slim, lone_bars, afresh_q, named_bars, early, two_requests, rope_regs)."""
+    pdl, slim, lone_bars, afresh_q, two_requests, rope_regs)."""
     launch, out, lse = decode_launcher(q, kv_cache, block_table, seq_lens, qlen=qlen,
                                        sm_scale=sm_scale, causal=causal, num_splits=num_splits,
                                        **forms)
@@ -1155,15 +938,14 @@ def seesaw_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
 
 def aot_compile(dtype: str = "bf16", *, direct: bool = True, causal: bool = True,
                 arch: int = 90, chunked: bool = False, pdl: bool = False, slim: bool = False,
-                lone_bars: bool = False, afresh_q: bool = False, named_bars: bool = False,
-                early: bool = False, two_requests: bool = False, rope_regs: bool = False):
+                lone_bars: bool = False, afresh_q: bool = False, two_requests: bool = False,
+                rope_regs: bool = False):
     """Compile ``seesaw_kernel`` for ``sm_<arch>`` without a GPU (triton's bundled ptxas);
     returns triton's CompiledKernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata``)."""
-    _check_form(chunked, slim, lone_bars, afresh_q, named_bars, early, two_requests, rope_regs)
+    _check_form(chunked, slim, lone_bars, afresh_q, two_requests, rope_regs)
     constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=PAGE_SIZE, CHUNKED=chunked,
                      PDL=pdl and not direct, SLIM=slim, LONE=lone_bars, AFRESH=afresh_q,
-                     NAMED=named_bars, EARLY=early, MULTI=two_requests, ROPE=rope_regs,
-                     num_warps=NUM_WARPS)
+                     MULTI=two_requests, ROPE=rope_regs, num_warps=NUM_WARPS)
     blocks = dict(qn_desc=(dtype, BLOCK_M, D_NOPE), qr_desc=(dtype, BLOCK_M, D_ROPE),
                   kn_desc=(dtype, BLOCK_N, D_NOPE), kr_desc=(dtype, BLOCK_N, D_ROPE))
     pointers = dict(bt_ptr="i32", seq_lens_ptr="i32", out_ptr=dtype if direct else "fp32",

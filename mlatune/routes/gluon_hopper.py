@@ -158,18 +158,18 @@ class SeesawGluonRoute(WgmmaGluonRoute):
     fewer instructions (``slim``, session 14) and each mbarrier its own allocation
     (``lone_bars``: 0.96-1.01x the slim form's time, sessions 15 and 16) and Q addressed
     afresh each pair (``afresh_q``: 0.97-1.00x the lone form's time at issue 19's seesaw
-    points, H200, 2026-12-02, session 17); a stored param set without an option ran the form
-    without it and still does."""
+    points, H200, 2026-12-02, session 17) and Q's rope part in registers (``rope_regs``:
+    0.98-1.00x at 128 heads, session 22); past one wave of programs the first set also
+    walking two requests a program (``two_requests``, ``param_space``). A stored param set
+    without an option ran the form without it and still does."""
 
     id = "seesaw/gluon"
     kernel = "gluon_seesaw"
     kernel_options = MappingProxyType({"chunked": False, "pdl": False, "slim": False,
                                        "lone_bars": False, "afresh_q": False,
-                                       "named_bars": False, "early": False,
                                        "two_requests": False, "rope_regs": False})
     FORM = MappingProxyType({"chunked": True, "pdl": True, "slim": True, "lone_bars": True,
-                             "afresh_q": True, "named_bars": False, "early": False,
-                             "two_requests": False, "rope_regs": True})
+                             "afresh_q": True, "two_requests": False, "rope_regs": True})
 
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
         """The split sets in FORM, and the first with ``two_requests`` where its programs
