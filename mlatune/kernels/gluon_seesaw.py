@@ -177,7 +177,7 @@ from mlatune.kernels.gluon_hopper_plan import (
 NUM_WARPS = 4  # the default partition: the loader (one thread issues); WG0, WG1: workers
 COMPUTE_REGS = gl.constexpr(240)  # a compute warpgroup's registers a thread (O's half alone is 128)
 LOADER_REGS = gl.constexpr(24)
-UNITS_A_PROGRAM = gl.constexpr(2)  # the units form's requests a program (MULTI)
+UNITS_A_PROGRAM = gl.constexpr(2)  # the two_requests form's requests a program (MULTI)
 MAXNREG = 168  # 12 warps (3 warpgroups) x 168 = the SM's 64K registers, rounded down
 
 __all__ = ["aot_compile", "decode_launcher", "seesaw_decode", "seesaw_kernel"]
@@ -201,10 +201,10 @@ def _loader(descs, bufs, bars, bt_row, q_row, start, n_tiles, PAGE: gl.constexpr
 @gluon.jit
 def _loader_units(descs, bufs, bars, bt_ptr, stride_bt, ints, walk, PAGE: gl.constexpr,
                   CAUSAL: gl.constexpr):
-    """The loader of the units form: for each of the program's requests (``_compute_units``)
-    its Q once both warpgroups are done with the last one's (``q_free``), then its tiles
-    through the one ring, pairs counted across requests, slot 1 filled in a pair without a
-    tile b too (so that its barriers' phases stay one a pair)."""
+    """The loader of the two_requests form: for each of the program's requests
+    (``_compute_units``) its Q once both warpgroups are done with the last one's
+    (``q_free``), then its tiles through the one ring, pairs counted across requests, slot 1
+    filled in a pair without a tile b too (so that its barriers' phases stay one a pair)."""
     qn_desc, qr_desc, kc_desc = descs[0], descs[1], descs[3]
     seq_lens_ptr, batch, q_free = walk
     rb, split, num_splits, qlen, heads = ints[4], ints[6], ints[7], ints[8], ints[9]
@@ -508,9 +508,10 @@ def _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, WG: gl.constexpr,
 @gluon.jit
 def _compute_units(bufs, bars, out_ptr, lse_ptr, ints, walk, qk_scale, WG: gl.constexpr,
                    CAUSAL: gl.constexpr, DIRECT: gl.constexpr, ROPE: gl.constexpr):
-    """The UNITS form (of the afresh one): this program's requests b0, b0 + n, ... (n the
-    grid's third size), UNITS at most, one after another; Q of the next is copied while this
-    warpgroup finishes the last one's output (``q_free``, ``_loader_units``)."""
+    """The two_requests form (MULTI, of the afresh one): this program's requests b0, b0 + n
+    (n the grid's third size; UNITS_A_PROGRAM of them), one after another; Q of the next is
+    copied while this warpgroup finishes the last one's output (``q_free``,
+    ``_loader_units``)."""
     seq_lens_ptr, batch, q_free = walk
     rb, split, num_splits, qlen, heads = ints[4], ints[6], ints[7], ints[8], ints[9]
     BM: gl.constexpr = bufs[0].shape[0]
@@ -539,7 +540,7 @@ def _walk_pairs(bufs, bars, ints, qk_scale, j0, q_phase, WG: gl.constexpr,
                 ROPE: gl.constexpr = False):
     """A warpgroup's walk over the pairs of one (request, split)'s tiles: (O's half, the rows'
     max, this warpgroup's row sums). ``j0``: pairs this program walked before (the ring's
-    phases); the forms as ``_compute``'s; PAD (the units form): slot 1 waited for in a pair
+    phases); the forms as ``_compute``'s; PAD (two_requests): slot 1 waited for in a pair
     without a tile b, which the loader then fills too. ROPE: Q's rope part (64 x 64) held in
     registers as S's last k-steps' A operand, read from shared memory once instead of each
     tile: S = Q K^T of 64 keys reads its two operands at the shared memory's whole rate
