@@ -175,7 +175,7 @@ class SeesawGluonRoute(WgmmaGluonRoute):
         """The split sets in FORM, and the first with ``two_requests`` where its programs
         are more than one wave (a program per SM): then half as many walk two requests each
         (0.988x at (128, 128, 4096, 1); where one wave holds them all, it only lengthens
-        each: 1.5-1.9x; H200, 2026-12-02, session 22 call 3)."""
+        each: 1.45-1.89x; H200, 2026-12-02, session 22 call 3)."""
         sets = [{**params, **self.FORM} for params in super().param_space(problem, device)]
         sms = device.cu_count if device.is_gpu and device.cu_count else plan.H200_SMS
         programs = self.row_blocks(problem) * sets[0]["num_splits"] * problem.batch
