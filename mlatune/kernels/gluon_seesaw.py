@@ -900,7 +900,8 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     row_blocks = triton.cdiv(rows, BLOCK_M)
     out, lse, num_splits = outputs_and_splits(q, seq_lens, out, lse, row_blocks, num_splits,
                                               max_seq_len)
-    grid = (row_blocks, num_splits, triton.cdiv(batch, 2) if two_requests else batch)
+    grid = (row_blocks, num_splits,
+            triton.cdiv(batch, UNITS_A_PROGRAM.value) if two_requests else batch)
     descs = tma_descriptors(q, kv_cache, BLOCK_M)
     if chunked:
         descs = (*descs[:3], _chunk_descriptor(kv_cache))

@@ -73,6 +73,11 @@ def triton_version() -> str | None:
         return str(getattr(triton, "__version__", "unknown"))
 
 
+def _sms(device: DeviceInfo) -> int:
+    """The device's SM count (the H200's where the device is not a GPU that reports one)."""
+    return device.cu_count if device.is_gpu and device.cu_count else plan.H200_SMS
+
+
 class WgmmaGluonRoute:
     """The Hopper Gluon decode: heads x qlen folded into 64-row wgmma tiles, split-KV."""
 
@@ -104,7 +109,7 @@ class WgmmaGluonRoute:
                    per_program: float = 0.0) -> list[Params]:
         """``{"num_splits": s}`` for ``pick_splits``'s pick (with the kernel's
         ``per_program``), half and twice it, where the keys allow."""
-        sms = device.cu_count if device.is_gpu and device.cu_count else plan.H200_SMS
+        sms = _sms(device)
         length = problem.shard_len
         pick = plan.pick_splits(problem.batch, self.row_blocks(problem), length, sms,
                                 per_program)
@@ -177,7 +182,7 @@ class SeesawGluonRoute(WgmmaGluonRoute):
         (0.988x at (128, 128, 4096, 1); where one wave holds them all, it only lengthens
         each: 1.45-1.89x; H200, 2026-12-02, session 22 call 3)."""
         sets = [{**params, **self.FORM} for params in super().param_space(problem, device)]
-        sms = device.cu_count if device.is_gpu and device.cu_count else plan.H200_SMS
+        sms = _sms(device)
         programs = self.row_blocks(problem) * sets[0]["num_splits"] * problem.batch
         if programs > sms:
             sets.append({**sets[0], "two_requests": True})
