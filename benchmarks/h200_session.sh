@@ -28,7 +28,8 @@
 #                  PDL (benchmarks/gluon_splits.py), pytest -m gpu tests/test_gluon_gpu.py
 #   seesaw         sweeps/h200.toml for seesaw/gluon alone (its chunked param sets) on GPU 0
 #   resweep        sweeps/h200{,-traffic,-heldout}.toml for the seesaw and transposed Gluon
-#                  routes (their current param sets) on all GPUs, into runs/g-<spec>
+#                  routes (their current param sets; RESWEEP_ROUTES: some of the two) on all
+#                  GPUs, into runs/g-<spec>
 #   fp8sweep       sweeps/h200{,-traffic,-heldout}.toml's fp8-cache problems for transposed/gluon
 #                  (its fp8-MMA and widening param sets) on all GPUs, into runs/f-<spec>;
 #                  a grid of bf16 caches only (h200-traffic's verify grid) is swept as it is
@@ -197,7 +198,8 @@ for step in "$@"; do
            grep "): best gluon\|smoke:\|passed\|failed" "$OUT/gluon.log" | tee -a "$OUT/session.log" ;;
     seesaw) ( export CUDA_VISIBLE_DEVICES=0; sweep seesaw sweeps/h200.toml 1 --routes seesaw/gluon ) ;;
     resweep) for spec in h200 h200-traffic h200-heldout; do
-               sweep "g-$spec" "sweeps/$spec.toml" "$NGPU" --routes seesaw/gluon,transposed/gluon
+               sweep "g-$spec" "sweeps/$spec.toml" "$NGPU" \
+                 --routes "${RESWEEP_ROUTES:-seesaw/gluon,transposed/gluon}"
              done ;;
     fp8mma) timeout 200 python3 benchmarks/gluon_check.py --out "$OUT/gluon-fp8mma" --kv fp8 \
               ${EXPERIMENTAL:+--experimental} --budget 170 --smoke-timeout 90 \
