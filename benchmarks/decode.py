@@ -317,6 +317,15 @@ def write_outputs(out_dir: Path, results: list[Result], header: dict) -> None:
     print(f"wrote {csv_path} and {md_path}")
 
 
+def parse_point(text: str) -> tuple[int, int, int, int]:
+    """``--point``'s "batch,heads,kv_len,qlen"."""
+    fields = text.split(",")
+    if len(fields) != 4 or not all(f.strip().isdigit() and int(f) > 0 for f in fields):
+        raise argparse.ArgumentTypeError(f"expected batch,heads,kv_len,qlen, got {text!r}")
+    batch, heads, kv_len, qlen = map(int, fields)
+    return batch, heads, kv_len, qlen
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=os.environ.get("OUT") or None,
@@ -324,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv", default="bf16,fp8", help="KV dtypes: bf16,fp8")
     parser.add_argument("--points", default="all",
                         help="indices into POINTS, comma separated (default all)")
+    parser.add_argument("--point", action="append", default=[], type=parse_point,
+                        help="a point of your own, batch,heads,kv_len,qlen (repeatable; with "
+                             "it, POINTS only those --points names)")
     parser.add_argument("--reps", type=int, default=30, help="timed graph replays per config")
     parser.add_argument("--max-params", type=int, default=None,
                         help="only the first N parameter sets of each route")
@@ -344,7 +356,11 @@ def main(argv: list[str] | None = None) -> int:
         print("benchmarks/decode.py needs a GPU", file=sys.stderr)
         return 2
     device = current_device()
-    points = POINTS if args.points == "all" else [POINTS[int(i)] for i in args.points.split(",")]
+    if args.points == "all":
+        points = [] if args.point else list(POINTS)
+    else:
+        points = [POINTS[int(i)] for i in args.points.split(",")]
+    points += args.point
     versions = library_versions()
     header = {"device": f"{device.name} ({device.arch}, {device.cu_count} SMs)",
               "dcp": args.dcp,

@@ -47,6 +47,9 @@
 #   seesawtests    the same, its seesaw tests only (of the split walks, the afresh form's)
 #   seesawab       benchmarks/decode.py at issue 19's seesaw points, the route's sets and the
 #                  same without afresh_q alternating twice (decode.py --forms)
+#   smallab        decode.py at batch-1 points where the re-swept seesaw rows of session 23 took
+#                  up to 1.29x the time of session 17's: the route's sets with and without
+#                  rope_regs, alternating twice, beside transposed/gluon and FlashMLA
 #   twoab          the seesaw's two_requests form (of afresh: a program walks two requests):
 #                  its split walks on the GPU, then decode.py at issue 19's seesaw points, the
 #                  route's sets as they are and with it, alternating twice
@@ -245,6 +248,14 @@ transposed/gluon fp8mma deferred" > "$OUT/seesaw-check.log" 2>&1
                 '{"seesaw/gluon": [{}, {"afresh_q": false}, {}, {"afresh_q": false}]}' \
                 > "$OUT/seesawab.log" 2>&1
               log "seesawab: rc=$?"; grep -i "target" "$OUT/seesawab.log" | tee -a "$OUT/session.log" ;;
+    smallab) pts=""
+             for p in 1,32,1024,1 1,32,1024,4 1,32,4096,4 1,64,1024,4 1,64,4096,4 1,128,4096,3 \
+                      1,16,16384,4; do pts="$pts --point $p"; done
+             timeout 300 python3 benchmarks/decode.py $pts --kv bf16 --max-params 2 \
+               --routes seesaw/gluon,transposed/gluon,dense/flashmla --out "$OUT/smallab" \
+               --forms '{"seesaw/gluon": [{}, {"rope_regs": false}, {}, {"rope_regs": false}]}' \
+               > "$OUT/smallab.log" 2>&1
+             log "smallab: rc=$?"; grep "^form\|  best" "$OUT/smallab.log" | tee -a "$OUT/session.log" ;;
     twoab) seesaw_form_ab twoab two '{"two_requests": true}' ;;
     ropeab) seesaw_form_ab ropeab rope '{"rope_regs": false}' ;;
     seesawtests) s=$(date +%s)

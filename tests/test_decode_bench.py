@@ -4,12 +4,13 @@ every --forms of benchmarks/h200_session.sh names options its routes pass to the
 
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 
 import pytest
 
-from benchmarks.decode import parse_forms
+from benchmarks.decode import parse_forms, parse_point
 from mlatune import routes
 
 SESSION_SCRIPT = Path(__file__).parents[1] / "benchmarks" / "h200_session.sh"
@@ -32,3 +33,10 @@ def test_every_forms_of_the_session_script_names_kernel_options():
         for route_id, forms in parse_forms(text):
             options = routes.get(route_id).kernel_options
             assert all(name in options for form in forms for name, _ in form), text
+
+
+def test_a_point_of_ones_own_is_four_positive_integers():
+    assert parse_point("1,32,1024,4") == (1, 32, 1024, 4)
+    for text in ("1,32,1024", "1,0,1024,1", "1,32,x,1", "1,32,1024,1,1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="batch,heads,kv_len,qlen"):
+            parse_point(text)
