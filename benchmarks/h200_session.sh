@@ -50,6 +50,8 @@
 #   smallab        decode.py at batch-1 points where the re-swept seesaw rows of session 23 took
 #                  up to 1.29x the time of session 17's: the route's sets with and without
 #                  rope_regs, alternating twice, beside transposed/gluon and FlashMLA
+#   smallsweep     benchmarks/small_check.toml (batch-1 points) swept for seesaw/gluon alone,
+#                  then beside transposed/gluon and FlashMLA, then decode.py at the same points
 #   twoab          the seesaw's two_requests form (of afresh: a program walks two requests):
 #                  its split walks on the GPU, then decode.py at issue 19's seesaw points, the
 #                  route's sets as they are and with it, alternating twice
@@ -256,6 +258,18 @@ transposed/gluon fp8mma deferred" > "$OUT/seesaw-check.log" 2>&1
                --forms '{"seesaw/gluon": [{}, {"rope_regs": false}, {}, {"rope_regs": false}]}' \
                > "$OUT/smallab.log" 2>&1
              log "smallab: rc=$?"; grep "^form\|  best" "$OUT/smallab.log" | tee -a "$OUT/session.log" ;;
+    smallsweep) ( export CUDA_VISIBLE_DEVICES=0
+                  sweep small-alone benchmarks/small_check.toml 1 --routes seesaw/gluon
+                  sweep small-three benchmarks/small_check.toml 1 \
+                    --routes seesaw/gluon,transposed/gluon,dense/flashmla
+                  pts=""
+                  for p in 1,32,1024,1 1,32,1024,4 1,32,4096,1 1,32,4096,4 1,64,1024,1 \
+                           1,64,1024,4 1,64,4096,1 1,64,4096,4; do pts="$pts --point $p"; done
+                  timeout 200 python3 benchmarks/decode.py $pts --kv bf16 --max-params 3 \
+                    --routes seesaw/gluon,transposed/gluon,dense/flashmla \
+                    --out "$OUT/smallsweep" > "$OUT/smallsweep.log" 2>&1
+                  log "smallsweep decode: rc=$?"; grep "  best" "$OUT/smallsweep.log" \
+                    | tee -a "$OUT/session.log" ) ;;
     twoab) seesaw_form_ab twoab two '{"two_requests": true}' ;;
     ropeab) seesaw_form_ab ropeab rope '{"rope_regs": false}' ;;
     seesawtests) s=$(date +%s)
