@@ -334,8 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--points", default="all",
                         help="indices into POINTS, comma separated (default all)")
     parser.add_argument("--point", action="append", default=[], type=parse_point,
-                        help="a point of your own, batch,heads,kv_len,qlen (repeatable; with "
-                             "it, POINTS only those --points names)")
+                        help="a point of your own, batch,heads,kv_len,qlen (repeatable); "
+                             "with it, POINTS joins only where --points names some")
     parser.add_argument("--reps", type=int, default=30, help="timed graph replays per config")
     parser.add_argument("--max-params", type=int, default=None,
                         help="only the first N parameter sets of each route")
