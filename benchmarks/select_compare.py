@@ -8,8 +8,8 @@ measured buckets at batches and KV lengths it never measured, a third off its gr
 query lengths, pages and DCP sizes it never combined), asks
 four dispatchers over the bundled H200 table (eager, CUDA-graph capturable, one plan a
 call, nearest point for unmeasured shapes) for each, and writes one JSON line per answer.
-``compare`` prints how many answers differ and the first ten, and exits 1 when any does: a restructure that claims to keep
-behaviour runs ``record`` before and after and ``compare`` on the two.
+``compare`` prints how many answers differ and the first ten, and exits 1 when any does: a
+restructure that claims to keep behaviour runs ``record`` before and after, then ``compare``.
 """
 
 from __future__ import annotations
