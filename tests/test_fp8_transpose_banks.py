@@ -10,6 +10,8 @@ import pytest
 
 from tests import bank_model as bm
 
+pytestmark = pytest.mark.kernels
+
 gluon = pytest.importorskip("triton.experimental.gluon")
 
 

@@ -25,6 +25,8 @@ from mlatune.kernels import gluon_common
 from mlatune.kernels import gluon_hopper as g
 from tests.prefill_aot import resources
 
+pytestmark = pytest.mark.kernels
+
 HOPPER_SMEM = 232448  # bytes of shared memory one block may use on sm_90
 
 

@@ -16,6 +16,8 @@ from tests import sass_hazards
 from tests.prefill_aot import resources
 from tests.test_gluon_compile import HOPPER_SMEM, _needs_gluon_triton
 
+pytestmark = pytest.mark.kernels
+
 
 @pytest.fixture(scope="module",
                 params=[("bf16", True, True, ""), ("fp16", False, False, ""),

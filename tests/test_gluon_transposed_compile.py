@@ -20,6 +20,8 @@ from mlatune.kernels import gluon_transposed as t
 from tests.prefill_aot import resources
 from tests.test_gluon_compile import _needs_gluon_triton
 
+pytestmark = pytest.mark.kernels
+
 
 def _run_widen_asm(asm: str, word: int, ty: torch.dtype) -> list[float]:
     """The four values the asm writes to $0 and $1 (two packed 16-bit halves each)."""

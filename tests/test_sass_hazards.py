@@ -8,6 +8,8 @@ import pytest
 from tests import sass_hazards
 from tests.test_gluon_compile import _needs_gluon_triton
 
+pytestmark = pytest.mark.kernels
+
 BUILDS = {  # name: (module under mlatune.kernels, aot_compile keywords, wgmmas, A from registers)
     "hopper": ("gluon_hopper", {}, 40, 0),
     "seesaw": ("gluon_seesaw", {}, 88, 8),

@@ -6,7 +6,11 @@ import csv
 import gzip
 import io
 
+import pytest
+
 from benchmarks import sass_stalls as s
+
+pytestmark = pytest.mark.kernels
 
 LISTING = [  # (address, source, samples, executed, wavefronts, ideal)
     (0x00, "S2R R0, SR_TID.X", 1, 8, 0, 0),

@@ -28,6 +28,8 @@ from mlatune.routes.triton_decode import SegmentedTritonRoute
 from tests.test_gluon_compile import HOPPER_SMEM
 from tests.test_triton_decode import H200
 
+pytestmark = pytest.mark.kernels
+
 D_V, D_QK = 512, 576
 _TRITON_TYPES = {"bf16": "bf16", "fp16": "fp16", "fp8_e4m3fn": "fp8e4nv"}
 
