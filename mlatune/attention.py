@@ -54,9 +54,9 @@ import torch
 from mlatune import runtime_checks
 from mlatune.check.inputs import DecodeInputs, KVShard
 from mlatune.dispatch import Choice, Dispatcher, by_handle, first_sight
+from mlatune.measure import timers
 from mlatune.problem import DTYPES, MLAProblem, next_power_of_two, output_dtype
 from mlatune.routes import Prepared, Route, step_kind_of
-from mlatune.sweep import bench
 
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 # Steps kept per dispatcher; a step holds the caller's tensors alive, so the set is bounded.
@@ -112,7 +112,7 @@ class DecodeStep:
                 self.graph.replay()
                 return
         elif self.replayable and not self.fresh and not torch.cuda.is_current_stream_capturing():
-            self.graph = bench.capture_graph(self.step, self.out.device)  # runs this call
+            self.graph = timers.capture_graph(self.step, self.out.device)  # runs this call
             self.replayable = self.graph is not None
             if self.graph is not None:
                 return

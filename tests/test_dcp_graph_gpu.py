@@ -21,11 +21,11 @@ from mlatune.check import reference
 from mlatune.check.accuracy import check
 from mlatune.check.inputs import make_decode_inputs
 from mlatune.dcp import SCHEMES, prepare_dcp_step
+from mlatune.measure.records import Record
+from mlatune.measure.timers import Budget
 from mlatune.problem import MLAProblem
 from mlatune.sweep import dcp_graph, dcp_group
-from mlatune.sweep.bench import Budget
 from mlatune.sweep.dcp_stage import DcpTask, Settings
-from mlatune.sweep.records import Record
 from mlatune.sweep.runner import Candidate
 
 pytestmark = pytest.mark.gpu

@@ -16,10 +16,10 @@ import pytest
 from mlatune import table
 from mlatune.arch import cpu_device
 from mlatune.dcp import SCHEMES
+from mlatune.measure.records import Record
 from mlatune.problem import MLAProblem
 from mlatune.sweep import dcp_stage, spec
 from mlatune.sweep.journal import Journal, read
-from mlatune.sweep.records import Record
 from mlatune.sweep.runner import Candidate
 
 ROOT = Path(__file__).resolve().parent.parent

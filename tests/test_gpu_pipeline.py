@@ -5,8 +5,8 @@ import torch
 
 from mlatune import routes
 from mlatune.arch import current_device
+from mlatune.measure import timers
 from mlatune.problem import MLAProblem
-from mlatune.sweep import bench
 from mlatune.sweep.worker import _ProblemCache, evaluate
 
 pytestmark = pytest.mark.gpu
@@ -27,7 +27,7 @@ def test_device_is_described(cuda):
 def test_graph_timing_of_a_matmul(cuda):
     a = torch.randn(4096, 4096, device=cuda, dtype=torch.bfloat16)
     c = torch.empty_like(a)
-    t = bench.measure(lambda: torch.matmul(a, a, out=c), cuda)
+    t = timers.measure(lambda: torch.matmul(a, a, out=c), cuda)
     assert t.timer == "cuda_graph" and 0 < t.p20_us <= t.median_us <= t.p80_us
     tflops = 2 * 4096**3 / (t.median_us * 1e-6) / 1e12
     print(f"bf16 4096^3 matmul: {t.median_us:.1f} us, {tflops:.0f} TFLOP/s")
@@ -47,8 +47,8 @@ def test_untimed_runs(cuda, graph_safe, warmup, calls, runs):
         calls_seen.append(1)
         counter.add_(1)
 
-    budget = bench.Budget(warmup=warmup, min_reps=10, max_reps=10, settle=0)
-    t = bench.measure(run, cuda, budget, graph_safe=graph_safe)
+    budget = timers.Budget(warmup=warmup, min_reps=10, max_reps=10, settle=0)
+    t = timers.measure(run, cuda, budget, graph_safe=graph_safe)
     assert t.reps == 10 and t.timer == ("cuda_graph" if graph_safe else "cuda_event")
     assert len(calls_seen) == calls and counter.item() == runs
 

@@ -11,9 +11,9 @@ from typer.testing import CliRunner
 from mlatune import table
 from mlatune.cli import app
 from mlatune.dispatch import Dispatcher
+from mlatune.measure.records import Record, Status
 from mlatune.problem import MLAProblem
 from mlatune.sweep import refine
-from mlatune.sweep.records import Record, Status
 from tests.test_predict import DEVICE, _crossing_table, at, crossing_routes  # noqa: F401
 from tests.test_shards import tiny_spec
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from mlatune.arch import cpu_device
+from mlatune.measure.records import Record, Status, Task
 from mlatune.sweep import compile_ahead, pool, runner, spec
 from mlatune.sweep.journal import Journal, JournalError, read, read_records
-from mlatune.sweep.records import Record, Status, Task
 
 ROOT = Path(__file__).resolve().parent.parent
 FAULTS = ["fault-abort/test", "fault-hang/test", "fault-wrong/test", "fault-raise/test"]

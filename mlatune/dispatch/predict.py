@@ -91,7 +91,7 @@ from mlatune.problem import BUCKET_FIELDS, MLAProblem
 from mlatune.routes import Route, params_at
 
 if TYPE_CHECKING:
-    from mlatune.sweep.records import Record
+    from mlatune.measure.records import Record
 
 __all__ = ["Prediction", "Predictor", "Row", "rows_from_journal", "rows_from_table"]
 

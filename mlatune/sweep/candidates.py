@@ -16,9 +16,9 @@ from typing import Any
 
 from mlatune import routes
 from mlatune.arch import DeviceInfo
+from mlatune.measure.records import Record, Status
 from mlatune.problem import MLAProblem
 from mlatune.routes.torch_ref import REFERENCE_ID as REFERENCE
-from mlatune.sweep.records import Record, Status
 from mlatune.sweep.spec import SweepSpec
 
 

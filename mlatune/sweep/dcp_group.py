@@ -36,12 +36,13 @@ from mlatune import routes
 from mlatune.check.accuracy import check
 from mlatune.check.inputs import poison_
 from mlatune.dcp import DcpStep, local_heads, prepare_dcp_step, time_slowest
-from mlatune.sweep import bench, dcp_graph, dcp_stage, worker
+from mlatune.measure import timers
+from mlatune.measure.records import Record
+from mlatune.sweep import dcp_graph, dcp_stage, worker
 from mlatune.sweep import journal as journals
 from mlatune.sweep.candidates import problem_seed
 from mlatune.sweep.dcp_stage import DcpTask, Settings
 from mlatune.sweep.journal import Journal
-from mlatune.sweep.records import Record
 from mlatune.sweep.spec import DEFAULT_DCP_TOP_K
 
 Emit = Callable[[dict[str, Any]], None]
@@ -113,7 +114,7 @@ def _timed(step: DcpStep, task: DcpTask, case: worker._Case, settings: Settings,
     step's, ``comm_us`` what the collectives and the correction add to the attention. From
     CUDA graphs with ``settings.graph`` where the route's launch is graph-safe (the
     replay checked first: a wrong one rejects the task), else eagerly."""
-    budget = bench.Budget(**settings.budget)
+    budget = timers.Budget(**settings.budget)
     reps = max(1, min(max(budget.min_reps, 20), budget.max_reps))
     if settings.graph and dcp_graph.capturable(step):
         graphs, error = _captured(step)
@@ -132,7 +133,7 @@ def _timed(step: DcpStep, task: DcpTask, case: worker._Case, settings: Settings,
         step_us = time_slowest(lambda: step(plan=False), device, reps, budget.warmup)
         attention_us = time_slowest(step.prepared.run, device, reps, budget.warmup)
         timer = dcp_graph.EAGER_TIMERS[device.type]
-    timing = bench.Timing(step_us, float("nan"), float("nan"), reps, timer)
+    timing = timers.Timing(step_us, float("nan"), float("nan"), reps, timer)
     return {**worker._timing_fields(task.problem, timing),
             "comm_us": max(0.0, step_us - attention_us)}
 

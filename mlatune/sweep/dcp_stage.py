@@ -34,13 +34,13 @@ from pathlib import Path
 from typing import Any
 
 from mlatune.dcp import SCHEMES
+from mlatune.measure.records import Record, Status, as_record
 from mlatune.problem import MLAProblem
 from mlatune.sweep.candidates import Candidate
 from mlatune.sweep.dcp_graph import REFUSAL
 from mlatune.sweep.journal import Journal
 from mlatune.sweep.pool import SETUP_TIMEOUT_S, WORKER_START_TIMEOUT_S
 from mlatune.sweep.progress import Observer
-from mlatune.sweep.records import Record, Status, as_record
 from mlatune.sweep.spec import DEFAULT_DCP_TOP_K, SweepSpec
 from mlatune.table.schema import DCP_MEASURED
 

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import Any
 
+from mlatune.measure.records import COST_PARTS, Record, Result, Status, Task
 from mlatune.sweep import worker
 from mlatune.sweep.candidates import Candidate
-from mlatune.sweep.records import COST_PARTS, Record, Result, Status, Task
 
 WORKER_START_TIMEOUT_S = 300.0  # importing torch and creating a CUDA context
 SETUP_TIMEOUT_S = 900.0  # a problem's inputs and fp32 references, before the route's timeout

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from mlatune.sweep.records import Record
+from mlatune.measure.records import Record
 
 __all__ = ["Observer"]
 

@@ -18,8 +18,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from mlatune.measure.records import Record
 from mlatune.problem import MLAProblem
-from mlatune.sweep.records import Record
 
 # The uncertainty given an answer the predictor could not make (nearest or rule): above
 # any prediction's, so such points come first.

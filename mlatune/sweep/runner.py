@@ -12,6 +12,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
 from mlatune.arch import DeviceInfo
+from mlatune.measure.records import (  # noqa: F401  (COST_PARTS, table_rows: callers' imports)
+    COST_PARTS,
+    Record,
+    Status,
+    Task,
+    problem_key,
+    table_rows,
+)
 from mlatune.problem import MLAProblem
 from mlatune.sweep import compile_ahead
 from mlatune.sweep.candidates import (  # noqa: F401  (Shard: callers import it from here)
@@ -24,14 +32,6 @@ from mlatune.sweep.candidates import (  # noqa: F401  (Shard: callers import it 
 from mlatune.sweep.journal import Journal
 from mlatune.sweep.pool import WorkerPool
 from mlatune.sweep.progress import Observer
-from mlatune.sweep.records import (  # noqa: F401  (COST_PARTS, table_rows: callers' imports)
-    COST_PARTS,
-    Record,
-    Status,
-    Task,
-    problem_key,
-    table_rows,
-)
 from mlatune.sweep.spec import SweepSpec
 
 log = logging.getLogger(__name__)

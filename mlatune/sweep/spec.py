@@ -10,7 +10,7 @@
     dcp_top_k = 3                  # DCP problems measured across GPUs (--gpus N): each
                                    # problem's K fastest routes in the one-GPU pass (0: none)
 
-    [budget]                       # per candidate (see bench.Budget)
+    [budget]                       # per candidate (see timers.Budget)
     warmup = 1                     # counts: whole numbers up to 1,000,000
     min_reps = 10
     max_reps = 200                 # >= 1 and >= min_reps
@@ -56,8 +56,8 @@ from importlib import resources
 from pathlib import Path
 
 from mlatune.errors import SpecError
+from mlatune.measure.timers import Budget
 from mlatune.problem import MLAProblem, problem_field_names
-from mlatune.sweep.bench import Budget
 
 if sys.version_info >= (3, 11):
     import tomllib

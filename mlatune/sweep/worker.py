@@ -26,10 +26,10 @@ from mlatune.check import reference
 from mlatune.check.accuracy import check
 from mlatune.check.inputs import DecodeInputs, PrefillInputs, make_inputs, poison_
 from mlatune.dcp import merge_ranks_into
+from mlatune.measure import timers
+from mlatune.measure.records import Result, Status, Task
 from mlatune.problem import MLAProblem
 from mlatune.routes import Prepared, Route
-from mlatune.sweep import bench
-from mlatune.sweep.records import Result, Status, Task
 
 _RAGGED_SEED_OFFSET = 7919
 
@@ -148,8 +148,8 @@ def evaluate(data: dict[str, Any], device: torch.device, cache: _ProblemCache,
                               reason=f"{case.name} lengths: {acc.reason}", **worst, **spent)
             if check_only:  # compiling ahead: the kernels exist now
                 return Result(status=Status.CHECKED, **worst, **spent)
-        budget = bench.Budget(**task.budget)
-        timing = bench.measure(_timed_step(checked), device, budget,
+        budget = timers.Budget(**task.budget)
+        timing = timers.measure(_timed_step(checked), device, budget,
                                graph_safe=all(p.graph_safe for p in checked.prepared),
                                best_us=cache.best_us)
         step_costs = _step_costs(problem, route, params, cases[-1], checked.prepared[0], timing,
@@ -193,8 +193,8 @@ def _timed_step(checked: _Checked) -> Callable[[], None]:
 
 
 def _step_costs(problem: MLAProblem, route: Route, params: dict, case: _Case,
-                first: Prepared, timing: bench.Timing, device: torch.device,
-                budget: bench.Budget) -> dict[str, Any]:
+                first: Prepared, timing: timers.Timing, device: torch.device,
+                budget: timers.Budget) -> dict[str, Any]:
     """What an engine's step costs beyond the launch's device time (schema v2's columns).
 
     A device plan is timed like the launch (graph replay when capturable); its host
@@ -204,9 +204,9 @@ def _step_costs(problem: MLAProblem, route: Route, params: dict, case: _Case,
     kind = first.step_kind
     plan_us = plan_host_us = 0.0
     if kind.plan_on == "device":
-        plan_us = bench.measure(first.plan, device, replace(budget, race_ratio=0.0),
+        plan_us = timers.measure(first.plan, device, replace(budget, race_ratio=0.0),
                                 graph_safe=kind.capturable).median_us
-        plan_host_us = bench.host_us(first.plan, device, device_us=plan_us, warm=True)
+        plan_host_us = timers.host_us(first.plan, device, device_us=plan_us, warm=True)
     elif kind.plan_on == "host":
         want_lse = first.lse is not None
 
@@ -214,17 +214,17 @@ def _step_costs(problem: MLAProblem, route: Route, params: dict, case: _Case,
             route.prepare(problem, case.inputs, rank=0, params=params, want_lse=want_lse)
             _sync(device)
 
-        plan_host_us = bench.host_us(prepare_again, device, reps=3)
+        plan_host_us = timers.host_us(prepare_again, device, reps=3)
     # A launch that failed to capture is timed eagerly: not capturable after all.
     capturable = kind.capturable and timing.timer != "cuda_event"
     # Without a GPU the launch's wall time is its host time: no need to run it again.
     launch_host_us = (timing.median_us if timing.timer == "wall" else
-                      bench.host_us(first.run, device, device_us=timing.median_us, warm=True))
+                      timers.host_us(first.run, device, device_us=timing.median_us, warm=True))
     return {"plan_on": kind.plan_on, "capturable": capturable, "plan_us": plan_us,
             "plan_host_us": plan_host_us, "launch_host_us": launch_host_us}
 
 
-def _timing_fields(problem: MLAProblem, t: bench.Timing) -> dict[str, Any]:
+def _timing_fields(problem: MLAProblem, t: timers.Timing) -> dict[str, Any]:
     seconds = t.median_us * 1e-6
     return {
         "time_us": t.median_us,
