@@ -380,10 +380,8 @@ def _prepare(route: Route, problem: MLAProblem, inputs: DecodeInputs, rank: int,
              plan_from: Prepared | None = None) -> Prepared:
     """The route prepared for this rank, writing into the caller's buffers if it can, and
     reading ``plan_from``'s device plan if it has one the route can read."""
-    into = {k: v for k, v in buffers.items() if v is not None} \
-        if getattr(route, "writes_into", False) else {}
-    if plan_from is not None and plan_from.plan_state is not None \
-            and getattr(route, "shares_plan", False):
+    into = {k: v for k, v in buffers.items() if v is not None} if route.writes_into else {}
+    if plan_from is not None and plan_from.plan_state is not None and route.shares_plan:
         into["plan_from"] = plan_from
     return route.prepare(problem, inputs, rank=rank, params=dict(choice.params),
                          want_lse=want_lse, **into)

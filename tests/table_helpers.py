@@ -11,7 +11,7 @@ import pandas as pd
 from mlatune import routes, table
 from mlatune.arch import DeviceInfo
 from mlatune.problem import MLAProblem
-from mlatune.routes import YES, no
+from mlatune.routes import YES, Route, no
 from mlatune.table.schema import SCHEMA_VERSION, Provenance, device_key
 
 H200 = DeviceInfo("sm_90", "NVIDIA H200", "nvidia", 132, 141 * 2**30, 0)
@@ -69,7 +69,7 @@ def reference_slow(p: MLAProblem) -> float:
     return 500.0 + p.batch * p.kv_len / 10.0
 
 
-class FakeRoute:
+class FakeRoute(Route):
     """A test-only route: supports what ``accepts`` says, computes with the reference route,
     and records every prepare call."""
 

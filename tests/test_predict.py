@@ -1,14 +1,11 @@
-"""mlatune.dispatch.predict on synthetic tables whose times follow known laws, and the
-leave-one-out harness of benchmarks/predict_loo.py."""
+"""mlatune.dispatch.predict on synthetic tables whose times follow known laws."""
 
 from __future__ import annotations
 
 import gzip
 import heapq
-import importlib.util
 import json
 import math
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,7 +20,8 @@ from mlatune.dispatch.predict import (
     rows_from_journal,
 )
 from mlatune.problem import MLAProblem
-from mlatune.routes import YES, params_at
+from mlatune.routes import params_at
+from mlatune.routes.flashinfer import FlashInferRoute
 from mlatune.routes.gluon_hopper import WgmmaGluonRoute
 from mlatune.routes.triton_decode import PaddedTritonRoute
 
@@ -393,18 +391,11 @@ def greedy_plan(tiles: int, kv: int, clusters: int) -> int:
 
 @pytest.mark.parametrize("clusters", [132, 66])
 def test_the_plan_s_rounds_are_counted_as_flashinfer_hands_chunks_out(clusters):
-    from mlatune.dispatch.predict import _plan_makespan
+    from mlatune.routes.geometry import _plan_makespan
 
     for tiles in (1, 5, 40, 61, 100, 131, 133, 160, 200, 264, 300, 517):
         for kv in (100, 1500, 4096, 9000, 47000, 65536):
             assert _plan_makespan(tiles, kv, clusters)[0] == greedy_plan(tiles, kv, clusters)
-
-
-class _Named:
-    """A route object that only has an id."""
-
-    def __init__(self, route_id: str):
-        self.id = route_id
 
 
 def flashinfer_time(b: int, k: int) -> float:
@@ -428,7 +419,7 @@ def test_a_batch_past_one_request_per_sm_costs_flashinfer_a_round(shape):
                  for b in BATCHES for k in KV_LENS]
     assert all(flashinfer_time(256, k) < balanced_time(256, k) for k in KV_LENS)
     assert balanced_time(160, 11000) < flashinfer_time(160, 11000) / 1.3
-    predictor = Predictor(measured, {"fa3/flashinfer": _Named("fa3/flashinfer")}, DEVICE)
+    predictor = Predictor(measured, {"fa3/flashinfer": FlashInferRoute("fa3")}, DEVICE)
     chosen, _ = predictor.choose(at(*shape))
     laws = {"fa3/flashinfer": flashinfer_time, "dense/fake": balanced_time}
     assert chosen.route_id == min(laws, key=lambda r: laws[r](*shape))
@@ -489,48 +480,6 @@ def test_rows_from_journal_keeps_only_replayable_steps_for_a_capturing_caller(tm
     assert [(route_id, cost) for _, route_id, _, cost in graphed] == [("device/fake", 12.0)]
     shared = {route_id: cost for _, route_id, _, cost in rows_from_journal(path, plan_calls=4)}
     assert shared == {"host/fake": 40.5, "device/fake": 10.5}  # device plans are shared
-
-
-def _load_benchmark():
-    bench = Path(__file__).parent.parent / "benchmarks"
-    sys.path.insert(0, str(bench))  # predict_loo imports nearest_loo, as run from there
-    try:
-        spec = importlib.util.spec_from_file_location("predict_loo", bench / "predict_loo.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(bench))
-
-
-class _Fake:
-    """A route that serves every problem (the harness asks as the dispatcher does)."""
-
-    def supports(self, problem, device):
-        return YES
-
-
-def test_leave_one_out_judges_each_problem_without_its_own_data():
-    bench = _load_benchmark()
-
-    def planted(b: int, k: int) -> float:
-        return 0.5 * power(b, k) if (b, k) == (16, 4096) else 1.2 * power(b, k)
-
-    data = rows({"a": power, "b": planted})
-    timed: dict = {}
-    for problem, route_id, params, time_us in data:
-        timed.setdefault((problem.key, route_id), []).append((dict(params), time_us))
-    best = bench.best_times(timed)
-    entries = [(p.key, p.bucket, p.batch, p.kv_len) for p in {row[0] for row in data}]
-    measured = bench.Measured(DEVICE, {"a/fake": _Fake(), "b/fake": _Fake()}, entries, timed,
-                              best)
-    regrets = bench.predictor_loo(Predictor(data, {}, DEVICE), measured)
-    assert len(regrets) == len(BATCHES) * len(KV_LENS)
-    # Had the planted point been left in, "b" would be chosen there at no regret
-    assert regrets[at(16, 4096).key] == (pytest.approx(1.0), pytest.approx(1.0))
-    # Far from it, "a" wins and is chosen
-    assert regrets[at(1, 1024).key] == regrets[at(256, 65536).key] == (0.0, 0.0)
-    assert all(math.isfinite(r) and math.isfinite(p) for r, p in regrets.values())
 
 
 # The dispatcher's answer at unmeasured shapes (``unmeasured="predict"``, the default) ---

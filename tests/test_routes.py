@@ -12,7 +12,7 @@ from mlatune.problem import MLAProblem
 from mlatune.routes import YES, Route, no
 
 
-class _Picky:
+class _Picky(Route):
     id = "test-picky/torch"
 
     def supports(self, problem, device):

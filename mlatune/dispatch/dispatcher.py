@@ -399,7 +399,7 @@ class Dispatcher:
         parameters (KV splits) redone for ``problem`` (routes.params_at); one object per
         point where nothing changes."""
         route, params = self.routes[winner.route_id], dict(winner.params)
-        if getattr(route, "sized_params", ()):  # else nothing to redo: skip the key parse
+        if route.sized_params:  # else nothing to redo: skip the key parse
             try:
                 params = params_at(route, params, winners_map.problem_of(winner.key), problem,
                                    self.device)
@@ -674,7 +674,7 @@ class Dispatcher:
         differences = [] if running is None else \
             environment.differences(provenance, chosen, running)
         routes = registered_routes()
-        sharing = {r for r, route in routes.items() if getattr(route, "shares_plan", False)}
+        sharing = {r for r, route in routes.items() if route.shares_plan}
         entries, skipped, failed = source.entries(chosen, set(routes), capturable, plan_calls,
                                                   sharing)
         where = str(path) if overlay is None else f"{path} + {overlay}"

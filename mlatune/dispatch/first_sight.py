@@ -94,7 +94,7 @@ def _record(dispatcher: Dispatcher, problem: MLAProblem,
 
     from mlatune import table
     from mlatune.dispatch.dispatcher import _overlaid
-    from mlatune.sweep.runner import table_rows
+    from mlatune.measure.records import table_rows
     from mlatune.table.schema import Provenance
 
     records = [{"key": problem.key_dict(), "route": c.route_id,

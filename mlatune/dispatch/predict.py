@@ -15,26 +15,9 @@ Each recipe's time is a fitted cost law times a local correction:
   is the fixed cost, ``c`` the streaming rate, ``d`` and ``e`` what each request and
   each program add (the partials a split writes and the reduce reads). ``W`` and
   ``C`` follow the launch where it is known, so that a batch that leaves the last
-  round of work nearly empty costs the whole round:
-
-  - split-KV routes (``mlatune.routes.triton_decode``: a route with ``_groups``,
-    ``_rows_per_group`` and ``_split_choices``): batch x row blocks x KV splits
-    programs run in waves over the SMs (``device.cu_count``), each wave as long as
-    one program's KV share in whole ``block_n`` tiles, the splits as the route's rule
-    sizes them for the shape; a persistent variant (``persistent: true``) spreads the
-    same work evenly;
-  - ``wgmma/gluon`` (``_ListedSplits``): launched the same way (batch x its 64-row blocks
-    x splits programs, 64-key tiles), but its parameter list offers its rule's split, half
-    and twice it, all swept: the law chooses among them at the asked shape (the split
-    passed is that one, not a neighbour's winner carried over by ``params_at``);
-  - FlashInfer's MLA (``*/flashinfer``): its host plan keeps a request's KV whole when
-    it fits under the mean per SM, and hands requests out in rounds
-    (``_FlashInferLayout``: batch 160 of 16 heads on 132 SMs takes two rounds);
-  - FlashMLA (``dense/flashmla``, ``_FlashMLALayout``): its metadata's even share of 64-key
-    blocks per SM part, each request charged 5 blocks of overhead (``W``), and the pieces
-    a request is cut into, which its combine walks in turn (``C``: at batch 1 one request is
-    cut over every part, slower than batch 4 at short KV);
-  - any other route is taken as balanced: ``W = B x shard KV / SMs``, ``C = B / SMs``.
+  round of work nearly empty costs the whole round. Each route declares how its launch makes them (``Route.launch_geometry``, the shapes in
+  ``mlatune.routes.geometry``); a route that declares none is taken as balanced:
+  ``W = B x shard KV / SMs``, ``C = B / SMs``.
 
 - the *correction*: the log ratio of measured to law time at the measured points,
   averaged over the nearest ones (a Gaussian kernel in log2 (batch, kv_len) whose
@@ -47,15 +30,7 @@ The choice is the least predicted time among the routes ``usable`` allows. Dista
 is measured as the dispatcher's ``point_distance`` does (total KV tokens first, then
 batch) but with batch weighted 1. ``choose`` evaluates a split recipe's law at the
 asked shape only while a lower bound (its law without the waves) could still win, and
-asks ``usable`` of the fastest candidate's route only (a first select of an unmeasured
-shape: a median 57-90 us on the 2-core CI machine with the H200 table of 2026-12-02, two runs
-of benchmarks/select_cost.py on the traffic spec).
-
-Leave-one-out on the H200 table as shipped on 2026-11-30 (benchmarks/heldout_regret.py
-loo: each of its 2,496 problems with a neighbour answered without its own rows): the
-picks, with the parameters they pass, cost 0.83% more than the best in geomean (step
-costs; 0.26% at interior points, none of those over 10%), against 2.13% for the
-previous model (a kernel average of each recipe's slowness over a fitted envelope).
+asks ``usable`` of the fastest candidate's route only.
 
 Each prediction says how far it is from the data (``distance``: log2 units to the
 recipe's nearest measured point) and how much the law misses nearby (``spread``: the
@@ -89,6 +64,7 @@ import numpy as np
 from mlatune.arch import DeviceInfo
 from mlatune.problem import BUCKET_FIELDS, MLAProblem
 from mlatune.routes import Route, params_at
+from mlatune.routes.geometry import LaunchGeometry
 
 if TYPE_CHECKING:
     from mlatune.measure.records import Record
@@ -114,7 +90,6 @@ FAILED_SHARE = 0.5  # a route's kernel weight on its failures from which it is n
 # time errors are 2.7% in median, 79% of them within the uncertainty (93% of the interior
 # points'), the spread alone 68%.
 DISTANCE_ERROR = 0.01
-MAX_SPLIT = 128  # the split-KV routes' largest split (routes.triton_decode.SPLIT_CHOICES)
 _FEATURES = 4  # the law's terms: 1, W, B, C
 _SUBSETS = [s for k in range(1, _FEATURES + 1)
             for s in itertools.combinations(range(_FEATURES), k)]
@@ -142,220 +117,16 @@ class Prediction(NamedTuple):
         return math.hypot(self.spread, DISTANCE_ERROR * self.distance ** 2)
 
 
-class _Geometry:
-    """How a split-KV recipe launches: programs per batch row and the route's split rule
-    (read from the route: ``_groups``, ``_rows_per_group``, ``_split_choices``)."""
-
-    __slots__ = ("balanced", "block_n", "key", "own_rule", "per_batch", "route", "sized",
-                 "tile")
-    chooses = False  # whether its law chooses the split among ``splits`` (else the rule's)
-
-    def __init__(self, route: Any, tile: dict, sized: str, persistent: bool, per_batch: float):
-        self.route, self.tile, self.sized, self.per_batch = route, tile, sized, per_batch
-        self.key = None if persistent else sized  # the split it runs with (None: none)
-        self.balanced = persistent  # its law at a shape needs no launch evaluated there
-        self.block_n = int(tile["block_n"])
-        # Whether ``fill`` gives what the route's rule gives (checked at every point the
-        # bucket measured); the route's own rule is asked where it does not.
-        self.own_rule = True
-
-    def route_split(self, problem: MLAProblem, device: DeviceInfo) -> int:
-        """The split the route's rule gives this tile at ``problem`` (the device-filling)."""
-        return int(self.route._split_choices(problem, device, self.tile)[0])
-
-    def fill(self, problem: MLAProblem, cus: int) -> int:
-        """The split-KV family's rule, in a few operations: the least power of two up to
-        MAX_SPLIT whose programs fill the SMs, no more than the KV has tiles."""
-        programs = self.per_batch * problem.batch
-        most = min(MAX_SPLIT, max(1, -(-problem.shard_len // self.block_n)))
-        split = 1
-        while programs * split < cus and split * 2 <= most:
-            split *= 2
-        return split
-
-    def split(self, problem: MLAProblem, device: DeviceInfo) -> int:
-        if self.own_rule:
-            return self.fill(problem, device.cu_count)
-        return self.route_split(problem, device)
-
-    def splits(self, problem: MLAProblem, device: DeviceInfo) -> tuple[int, ...]:
-        """The splits its law chooses among at ``problem``: the rule's alone."""
-        return (self.split(problem, device),)
-
-    def features(self, problem: MLAProblem, split: int | None, cus: int) -> tuple[float, float]:
-        """(W, C): KV tokens an SM walks in turn, programs per SM (the module doc)."""
-        programs = self.per_batch * problem.batch
-        if split is None:  # persistent: the same work, spread evenly
-            return programs * problem.shard_len / cus, programs / cus
-        ctas = programs * split
-        per_program = -(-problem.shard_len // (split * self.block_n)) * self.block_n
-        return math.ceil(ctas / cus) * per_program, ctas / cus
-
-
-class _ListedSplits(_Geometry):
-    """A split-KV route whose parameter list offers several splits (``wgmma/gluon``: its
-    rule's pick, half and twice it, ``gluon_hopper_plan.pick_splits``), each swept: its law
-    chooses among them at an asked shape (the waves and per-split cost each makes),
-    rather than carrying a neighbour's winner over relative to the rule's pick, which
-    lands on a poor split where the batch changes the wave count."""
-
-    __slots__ = ()
-    chooses = True
-
-    def route_split(self, problem: MLAProblem, device: DeviceInfo) -> int:
-        return int(self.route.param_space(problem, device)[0][self.sized])
-
-    def fill(self, problem: MLAProblem, cus: int) -> int:
-        return self.route_split(problem, _device_with(cus))
-
-    def split(self, problem: MLAProblem, device: DeviceInfo) -> int:
-        return self.route_split(problem, device)
-
-    def splits(self, problem: MLAProblem, device: DeviceInfo) -> tuple[int, ...]:
-        return tuple(int(p[self.sized]) for p in self.route.param_space(problem, device))
-
-
-def _device_with(cus: int) -> DeviceInfo:
-    return DeviceInfo("sm_90", "", "nvidia", cus, 0, 0)
-
-
-def _gluon_layout(route: Any, problem: MLAProblem) -> tuple[dict, float]:
-    """The Gluon decodes' tile and programs per request (row blocks of heads x qlen)."""
-    from mlatune.kernels import gluon_hopper_plan as plan
-
-    return ({"block_m": route.block_rows(problem), "block_n": plan.BLOCK_N},
-            float(route.row_blocks(problem)))
-
-
-# Split-KV routes whose launch the predictor knows without the triton routes' hooks: route
-# id -> (tile, programs per request) at a problem of the bucket.
-_LISTED_LAYOUTS: dict[str, Callable[[Any, MLAProblem], tuple[dict, float]]] = {
-    "wgmma/gluon": _gluon_layout,
-    "seesaw/gluon": _gluon_layout,
-    "transposed/gluon": _gluon_layout,
-}
-
-
-class _FlashInferLayout:
-    """How FlashInfer's MLA decode (``fa3/flashinfer``, ``fa2/flashinfer``) spreads the work:
-    its host plan (``MLAPlan`` in FlashInfer's ``attention/scheduler.cuh``) packs each
-    request's qlen x heads rows into 64-row tiles (128-row two-CTA clusters, half as many,
-    past 64 rows), cuts each tile's KV into chunks of at most ``kv_len_limit`` (the mean
-    KV per cluster, rounded up to 256) and hands the chunks out, in order, each to the
-    least loaded cluster. A request whose KV fits under the cap stays whole: past one per
-    cluster, a batch that leaves the last round nearly empty costs a whole round (batch
-    160 on 132 SMs: two)."""
-
-    __slots__ = ("clusters", "per_batch")
-    key = sized = None  # nothing sized
-    balanced = chooses = False
-
-    def __init__(self, problem: MLAProblem, cus: int):
-        rows = problem.qlen * problem.kernel_heads
-        cluster = 2 if rows > 64 else 1
-        self.clusters = max(1, cus // cluster)
-        self.per_batch = float(-(-rows // (64 * cluster)))  # tiles per request
-
-    def split(self, problem: MLAProblem, device: DeviceInfo) -> None:
-        return None
-
-    def features(self, problem: MLAProblem, split: None, cus: int) -> tuple[float, float]:
-        """(the most KV a cluster walks, in SM units; chunks per SM)."""
-        tiles = int(self.per_batch) * problem.batch
-        longest, chunks = _plan_makespan(tiles, problem.shard_len, self.clusters)
-        return longest * self.clusters / cus, chunks / cus
-
-
-class _FlashMLALayout:
-    """How FlashMLA's decode (``dense/flashmla``) spreads the work: its metadata
-    (``get_mla_metadata``) gives each of ``SMs / ceil(qlen x heads / 64)`` SM parts an even
-    share of the requests' 64-key blocks, each request charged 5 blocks more (its fixed
-    overhead), plus 5; a request cut over several parts is merged by the combine kernel,
-    which walks its pieces in turn. So (W, C) here are the keys one part walks (its share,
-    overhead included) and the pieces a request is cut into: at batch 1 a request's KV is cut
-    over every part, and the combine's walk makes batch 1 slower than batch 4 at 4,096 keys
-    on the H200 (28.5 against 25.6 us, 16 heads), which a balanced law cannot follow."""
-
-    __slots__ = ("parts",)
-    key = sized = None  # nothing sized
-    balanced = chooses = False
-    per_batch = 0.0  # the lower bound's terms: W >= B x S / parts and C >= 1 (c_fixed)
-    c_fixed = 1.0
-    OVERHEAD = 5  # blocks a request costs a part (FlashMLA's fixed_overhead_num_blocks)
-
-    def __init__(self, problem: MLAProblem, cus: int):
-        self.parts = max(1, cus // -(-problem.qlen * problem.kernel_heads // 64))
-
-    def split(self, problem: MLAProblem, device: DeviceInfo) -> None:
-        return None
-
-    def bound_w(self, cus: int) -> float:
-        """W's least per B x S token (W >= B S / parts)."""
-        return 1.0 / self.parts
-
-    def features(self, problem: MLAProblem, split: None, cus: int) -> tuple[float, float]:
-        blocks = -(-problem.shard_len // 64)
-        share = -(-problem.batch * (blocks + self.OVERHEAD) // self.parts)  # blocks a part
-        return 64.0 * (share + self.OVERHEAD), float(-(-blocks // share))
-
-
-def _plan_makespan(tiles: int, kv: int, clusters: int) -> tuple[int, int]:
-    """(the largest KV a cluster gets, the chunks) when ``tiles`` tiles of ``kv`` tokens
-    each are cut and handed out as FlashInfer's MLAPlan does, without playing it chunk by
-    chunk: each round gives the next chunks in order to all the clusters at the least
-    load (a tile's chunks are full ones, then its remainder)."""
-    mean = -(-tiles * kv // clusters)
-    limit = 32 if mean <= 8 else 64 if mean <= 16 else 128 if mean <= 32 else \
-        192 if mean <= 64 else -(-mean // 256) * 256
-    if kv <= limit:  # whole tiles, in rounds over the clusters
-        return -(-tiles // clusters) * kv, tiles
-    per_tile = -(-kv // limit)
-    rest = kv - (per_tile - 1) * limit
-    total = tiles * per_tile
-    loads = {0: clusters}  # load -> clusters at it
-    given = 0
-    while given < total:
-        least = min(loads)
-        count = loads.pop(least)
-        take = min(count, total - given)
-        rests = (given + take) // per_tile - given // per_tile  # a tile's last chunk
-        if count > take:
-            loads[least] = count - take
-        if take > rests:
-            loads[least + limit] = loads.get(least + limit, 0) + take - rests
-        if rests:
-            loads[least + rest] = loads.get(least + rest, 0) + rests
-        given += take
-    return max(loads), total
-
-
-def _geometry(route: Any, recipe: Mapping[str, Any], problem: MLAProblem,
-              cus: int) -> _Geometry | _FlashInferLayout | None:
-    """A recipe's launch geometry where it is known (split-KV, FlashInfer's plan), None for
-    any other recipe (taken as balanced)."""
-    if str(getattr(route, "id", "")).endswith("/flashinfer") and problem.phase == "decode":
-        return _FlashInferLayout(problem, cus)
-    if getattr(route, "id", "") == "dense/flashmla" and problem.phase == "decode":
-        return _FlashMLALayout(problem, cus)
-    sized = getattr(route, "sized_params", ())
-    listed = _LISTED_LAYOUTS.get(str(getattr(route, "id", "")))
-    if listed is not None and len(sized) == 1 and problem.phase == "decode":
-        try:
-            tile, per_batch = listed(route, problem)
-        except Exception:  # a layout this does not know: taken as balanced
-            return None
-        return _ListedSplits(route, tile, sized[0], False, per_batch)
-    if len(sized) != 1 or "block_m" not in recipe or "block_n" not in recipe \
-            or not all(callable(getattr(route, m, None))
-                       for m in ("_groups", "_rows_per_group", "_split_choices")):
+def _geometry(route: Route | None, recipe: Mapping[str, Any], problem: MLAProblem,
+              cus: int) -> LaunchGeometry | None:
+    """A recipe's launch geometry as its route declares it; None (balanced) for a route not
+    registered here or whose geometry cannot be worked out at ``problem``."""
+    if route is None:
         return None
     try:
-        blocks = -(-int(route._rows_per_group(problem)) // int(recipe["block_m"]))
-        per_batch = route._groups(problem) * blocks / problem.batch
-    except Exception:  # a route whose layout this does not know: taken as balanced
+        return route.launch_geometry(problem, recipe, cus)
+    except Exception:  # a layout the route cannot work out here: taken as balanced
         return None
-    tile = {k: v for k, v in recipe.items() if k != "persistent"}
-    return _Geometry(route, tile, sized[0], bool(recipe.get("persistent")), per_batch)
 
 
 def _nnls(a: np.ndarray, b: np.ndarray, yy: np.ndarray, usable: np.ndarray) -> np.ndarray:
@@ -449,7 +220,7 @@ class _Bucket:
         share it). ``ask``: from the route, checking ``fill`` against it; else from
         ``fill`` where it has agreed so far."""
         geometry = self.geometry[i]
-        key = (id(geometry.route), geometry.tile["block_m"], geometry.block_n, j)
+        key = (id(geometry.owner), geometry.tile["block_m"], geometry.block_n, j)
         split = self._splits.get(key)
         if split is None:
             problem = self.problems[j]
@@ -532,9 +303,9 @@ class _Bucket:
         # W0 = per_batch B S / SMs and C0 = per_batch B / SMs; against (1, B, B x S).
         per_batch = np.array([1.0 if g is None else g.per_batch for g in self.geometry])
         # W's least per B x S token and C's least constant, where a layout says otherwise
-        w_floor = np.array([g.bound_w(self.cus) if hasattr(g, "bound_w") else pb / self.cus
-                            for g, pb in zip(self.geometry, per_batch.tolist(), strict=True)])
-        c_fixed = np.array([getattr(g, "c_fixed", 0.0) for g in self.geometry])
+        w_floor = np.array([1.0 / self.cus if g is None else g.bound_w(self.cus)
+                            for g in self.geometry])
+        c_fixed = np.array([0.0 if g is None else g.c_fixed for g in self.geometry])
         a0, c0, d0, e0 = self.coef.T
         self.exact = [g is None or g.balanced for g in self.geometry]
         # Squared distance to (x, y) = log2 (batch, kv_len): |c|² - 2 c.q + |q|² over the
@@ -759,7 +530,8 @@ class Predictor:
             except TypeError:  # a value that is no dict key: spelled out each time
                 seen_as, recipe = None, None
             if recipe is None:
-                sized = getattr(routes.get(route_id), "sized_params", ())
+                route = routes.get(route_id)
+                sized = () if route is None else route.sized_params
                 recipe = json.dumps({k: v for k, v in params.items() if k not in sized},
                                     sort_keys=True)
                 if seen_as is not None:
@@ -817,7 +589,7 @@ class Predictor:
         (``routes.params_at``: the rule's split where the recipe ran at the rule's)."""
         route = self.routes.get(prediction.route_id)
         params = dict(prediction.params)
-        if route is None or not getattr(route, "sized_params", ()):
+        if route is None or not route.sized_params:
             return params
         if prediction.sizing is not None and prediction.nearest != problem:
             geometry, split, at_rule = prediction.sizing

@@ -28,7 +28,7 @@ from mlatune.capability import HeadPlan, tables
 from mlatune.check.inputs import DecodeInputs, PrefillInputs, shard_lengths
 from mlatune.problem import DTYPES, FP8_DTYPES, MLAProblem
 from mlatune.routes.aiter_probe import load, probe
-from mlatune.routes.base import HOST_PLANNED, Params, Prepared, StepKind, Verdict, no
+from mlatune.routes.base import HOST_PLANNED, Params, Prepared, Route, StepKind, Verdict, no
 from mlatune.routes.paged import PagedView, paged_view, uniform_indptr
 
 
@@ -43,7 +43,7 @@ def _device_facts() -> tuple[str, int]:
     return get_gfx(), get_cu_num()
 
 
-class _AiterRoute:
+class _AiterRoute(Route):
     id: str
     family: str
 

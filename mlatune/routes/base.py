@@ -22,15 +22,20 @@ Stored ids never change meaning; a new variant gets a new id.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 
 from mlatune.arch import DeviceInfo
 from mlatune.check.inputs import DecodeInputs, PrefillInputs
 from mlatune.problem import MLAProblem
+
+if TYPE_CHECKING:
+    from mlatune.routes.geometry import LaunchGeometry
 
 Params = dict[str, Any]
 PlanOn = Literal["none", "device", "host"]
@@ -150,82 +155,94 @@ def shared_buffers(plan_from: Prepared | None, key: tuple) -> SharedPlan | None:
     return shared
 
 
-@runtime_checkable
-class Route(Protocol):
-    id: str  # "<family>/<backend>"
+class Route(ABC):
+    """One way of computing MLA, declaring everything about itself.
 
+    Subclasses set ``id`` and implement the three abstract methods; every other hook has a
+    default that says "nothing special", so a route declares only what sets it apart.
+    Nothing outside a route asks what it is by its id or probes it for attributes.
+    """
+
+    id: ClassVar[str]  # "<family>/<backend>"; a stored id never changes meaning
+    # Parameters derived from the problem's sizes (KV splits): redone for a neighbour's
+    # shape by ``params_at`` rather than carried over as they ran there.
+    sized_params: ClassVar[tuple[str, ...]] = ()
+    # Kernel options added after rows were stored, at the value a stored set without them ran.
+    kernel_options: ClassVar[Mapping[str, object]] = MappingProxyType({})
+    writes_into: ClassVar[bool] = False  # ``prepare`` takes the caller's ``out=`` and ``lse=``
+    # ``prepare`` takes ``plan_from=`` (a Prepared of the same route, problem, parameters
+    # and rank) and reads its device plan: the layers of one step plan once.
+    shares_plan: ClassVar[bool] = False
+
+    @abstractmethod
     def supports(self, problem: MLAProblem, device: DeviceInfo) -> Verdict:
         """Whether this route can serve the problem on the device, and if not why."""
-        ...
 
+    @abstractmethod
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
         """Candidate parameter sets to tune over (``[{}]`` when there is nothing to tune)."""
-        ...
 
-    def prepare(
-        self,
-        problem: MLAProblem,
-        inputs: DecodeInputs | PrefillInputs,
-        *,
-        rank: int = 0,
-        params: Params | None = None,
-        want_lse: bool = True,
-    ) -> Prepared:
-        """Plan and allocate for ``inputs`` (decode: DCP rank ``rank``'s shard).
+    @abstractmethod
+    def prepare(self, problem: MLAProblem, inputs: DecodeInputs | PrefillInputs, *,
+                rank: int = 0, params: Params | None = None, want_lse: bool = True,
+                **buffers: Any) -> Prepared:
+        """Plan and allocate for ``inputs`` (decode: DCP rank ``rank``'s shard); ``buffers``
+        are ``out=``/``lse=`` (``writes_into``) and ``plan_from=`` (``shares_plan``)."""
 
-        A route that can write into the caller's buffers says so with
-        ``writes_into = True`` and then takes ``out=`` and ``lse=`` keywords too. One
-        whose launches can read another prepare's device plan says ``shares_plan =
-        True`` and takes ``plan_from=`` (a Prepared of the same route, problem,
-        parameters and rank): it plans nothing itself and reads that one's buffers.
-        """
-        ...
+    def step_kind(self, params: Params) -> StepKind:
+        """What ``prepare(params=params)``'s ``Prepared.step_kind`` will be, known without a GPU."""
+        return LAUNCH_ONLY
 
-    # Optional: ``step_kind(params) -> StepKind``, what ``prepare(params=params)``'s
-    # ``Prepared.step_kind`` will be, known without a GPU (``step_kind_of``).
-    # Optional: ``quantizes_q(problem, params) -> bool``, True where the route run with
-    # ``params`` quantizes a 16-bit q to fp8 (the fp8 tolerance then applies; ``quantizes_q``).
-    # Optional: ``rounds_p(problem, params) -> bool``, True where it rounds P to fp8 while
-    # q keeps about 16-bit precision (``check.accuracy.P_ROUNDED``; ``rounding``).
+    def quantizes_q(self, problem: MLAProblem, params: Params) -> bool:
+        """Whether it quantizes a 16-bit q to fp8 (the fp8 tolerance then applies)."""
+        return False
+
+    def rounds_p(self, problem: MLAProblem, params: Params) -> bool:
+        """Whether it rounds P to fp8 while q keeps about 16-bit precision."""
+        return False
+
+    def fill_defaults(self, params: Params, space: list[Params]) -> Params:
+        """``params`` as the route runs them, ``space`` being its sets at the problem: the first
+        set where none are given; else the given ones over that set, each of
+        ``kernel_options`` at the value a set stored without it ran."""
+        options = dict(self.kernel_options)
+        if not params:
+            return {**options, **space[0]}
+        return {**space[0], **options, **params}
+
+    def launch_geometry(self, problem: MLAProblem, recipe: Mapping[str, Any], cus: int
+                        ) -> LaunchGeometry | None:
+        """How a recipe (parameters less the sized ones) spreads its work over ``cus`` SMs, for
+        the predictor's cost law (``routes.geometry``); None: taken as balanced."""
+        return None
+
+    def upgrade_params(self, params: Params) -> Params | None:
+        """A stored parameter set in this route's current spelling; None when it names a kernel
+        form that no longer exists (its rows are then stale: re-measure, never served)."""
+        return params
 
 
 def step_kind_of(route: Route, params: Params) -> StepKind:
-    """The step kind ``route`` declares for ``params`` (LAUNCH_ONLY when it declares none)."""
-    declare = getattr(route, "step_kind", None)
-    return LAUNCH_ONLY if declare is None else declare(params)
+    """The step kind ``route`` declares for ``params``."""
+    return route.step_kind(params)
 
 
 def quantizes_q(route: Route, problem: MLAProblem, params: Params | None = None) -> bool:
-    """Whether ``route`` run with ``params`` (None: its defaults) quantizes the problem's
-    16-bit q to fp8 (False when it declares not)."""
-    declare = getattr(route, "quantizes_q", None)
-    return bool(declare and declare(problem, params or {}))
+    """Whether ``route`` run with ``params`` (None: its defaults) quantizes a 16-bit q."""
+    return route.quantizes_q(problem, params or {})
 
 
 def rounding(route: Route, problem: MLAProblem, params: Params | None = None
              ) -> dict[str, bool]:
     """What ``route`` run with ``params`` (None: its defaults) rounds past the problem's
-    dtypes, as ``check.accuracy.check``'s keywords: ``q_quantized`` (``quantizes_q``) and
-    ``p_rounded`` (its ``rounds_p``)."""
-    declare = getattr(route, "rounds_p", None)
-    return {"q_quantized": quantizes_q(route, problem, params),
-            "p_rounded": bool(declare and declare(problem, params or {}))}
+    dtypes, as ``check.accuracy.check``'s keywords."""
+    return {"q_quantized": route.quantizes_q(problem, params or {}),
+            "p_rounded": route.rounds_p(problem, params or {})}
 
 
 def with_defaults(route: Route, params: Params | None, space: list[Params]) -> Params:
-    """``params`` as ``route`` runs them, ``space`` being its param sets at the problem: its
-    first set where none are given; else the given ones over that set, with each kernel
-    option the route added since (``kernel_options``: option -> value) at the value a set
-    stored without it ran, so a stored row keeps meaning what was timed (an option the first
-    set leaves out is at that value too). A route whose sets run different kernels, each
-    with defaults of its own, fills them itself (``fill_defaults(params, space)``)."""
-    own = getattr(route, "fill_defaults", None)
-    if own is not None:
-        return own(params or {}, space)
-    options = getattr(route, "kernel_options", {})
-    if not params:
-        return {**options, **space[0]}
-    return {**space[0], **options, **params}
+    """``params`` as ``route`` runs them (``Route.fill_defaults``)."""
+    return route.fill_defaults(params or {}, space)
 
 
 def params_at(route: Route, params: Params, measured_at: MLAProblem, problem: MLAProblem,
@@ -243,11 +260,11 @@ def params_at(route: Route, params: Params, measured_at: MLAProblem, problem: ML
     does not keep the neighbour's unused split). ``params`` itself when the route
     names no sized parameters or the recipe is not in the neighbour's list.
     """
-    sized = getattr(route, "sized_params", ())
+    sized = route.sized_params
     if not sized or measured_at == problem:
         return params
     # Kernel options are matched apart from the recipe and kept as ``params`` ran them.
-    options = {k: params.get(k, v) for k, v in getattr(route, "kernel_options", {}).items()}
+    options = {k: params.get(k, v) for k, v in route.kernel_options.items()}
 
     def recipe(p: Params) -> Params:
         return {k: v for k, v in p.items() if k not in sized and k not in options}

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Mapping
 from functools import cache
+from typing import Any
 
 import torch
 
@@ -33,6 +35,7 @@ from mlatune.routes.base import (
     HOST_PLANNED,
     Params,
     Prepared,
+    Route,
     SharedPlan,
     StepKind,
     Verdict,
@@ -40,6 +43,7 @@ from mlatune.routes.base import (
     plan_key,
     shared_buffers,
 )
+from mlatune.routes.geometry import RequestRounds
 from mlatune.routes.paged import paged_view, uniform_indptr
 
 INSTALL = ("pip install flashinfer-python apache-tvm-ffi (it compiles its MLA kernels with "
@@ -77,7 +81,7 @@ def _planned_on_the_host() -> None:
     """A shared FlashInfer plan has no device part: the planning layer's prepare made it."""
 
 
-class FlashInferRoute:
+class FlashInferRoute(Route):
     """One FlashInfer MLA backend (``fa3``: Hopper; ``fa2``: portable)."""
 
     writes_into = True  # prepare takes the caller's out= and lse= buffers
@@ -101,6 +105,11 @@ class FlashInferRoute:
 
     def step_kind(self, params: Params) -> StepKind:
         return HOST_PLANNED
+
+    def launch_geometry(self, problem: MLAProblem, recipe: Mapping[str, Any], cus: int
+                        ) -> RequestRounds | None:
+        """Requests' tiles handed out in rounds over clusters, as its host plan does."""
+        return RequestRounds(problem, cus) if problem.phase == "decode" else None
 
     def prepare(self, problem: MLAProblem, inputs: DecodeInputs | PrefillInputs, *,
                 rank: int = 0, params: Params | None = None, want_lse: bool = True,

@@ -25,9 +25,10 @@ copies into the caller's ``out=``.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cache
+from typing import Any
 
 import torch
 
@@ -39,6 +40,7 @@ from mlatune.routes.base import (
     DEVICE_PLANNED,
     Params,
     Prepared,
+    Route,
     SharedPlan,
     StepKind,
     Verdict,
@@ -46,6 +48,7 @@ from mlatune.routes.base import (
     plan_key,
     shared_buffers,
 )
+from mlatune.routes.geometry import EvenBlocks
 
 INSTALL = ("pip install sgl-flash-mla --no-deps (its metadata asks for a newer torch than "
            "its stable-ABI build needs)")
@@ -140,7 +143,7 @@ def _empty_rows(lens: torch.Tensor, qlen: int, empty: torch.Tensor) -> None:
     empty.copy_(torch.eq(lens, 0)[:, None].expand(-1, qlen).reshape(-1, 1))
 
 
-class FlashMLARoute:
+class FlashMLARoute(Route):
     """FlashMLA's dense Hopper decode; bf16, or an fp8 cache through its fp8 path."""
 
     id = "dense/flashmla"
@@ -160,6 +163,11 @@ class FlashMLARoute:
 
     def step_kind(self, params: Params) -> StepKind:
         return DEVICE_PLANNED
+
+    def launch_geometry(self, problem: MLAProblem, recipe: Mapping[str, Any], cus: int
+                        ) -> EvenBlocks | None:
+        """An even share of 64-key blocks per SM part, as its metadata gives."""
+        return EvenBlocks(problem, cus) if problem.phase == "decode" else None
 
     def quantizes_q(self, problem: MLAProblem, params: Params) -> bool:
         """Whether a 16-bit q is quantized to fp8 (the fp8 tolerance applies)."""

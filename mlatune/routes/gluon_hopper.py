@@ -36,6 +36,7 @@ from collections.abc import Callable, Mapping
 from functools import cache
 from importlib import metadata
 from types import MappingProxyType
+from typing import Any
 
 import torch
 
@@ -48,11 +49,13 @@ from mlatune.routes.base import (
     LAUNCH_ONLY,
     Params,
     Prepared,
+    Route,
     StepKind,
     Verdict,
     no,
     with_defaults,
 )
+from mlatune.routes.geometry import ListedSplits
 
 
 def _kernel(name: str):
@@ -78,7 +81,7 @@ def _sms(device: DeviceInfo) -> int:
     return device.cu_count if device.is_gpu and device.cu_count else plan.H200_SMS
 
 
-class WgmmaGluonRoute:
+class WgmmaGluonRoute(Route):
     """The Hopper Gluon decode: heads x qlen folded into 64-row wgmma tiles, split-KV."""
 
     id = "wgmma/gluon"
@@ -127,6 +130,16 @@ class WgmmaGluonRoute:
 
     def step_kind(self, params: Params) -> StepKind:
         return LAUNCH_ONLY
+
+    def launch_geometry(self, problem: MLAProblem, recipe: Mapping[str, Any], cus: int
+                        ) -> ListedSplits | None:
+        """batch x row blocks x splits programs; the law chooses among the listed splits."""
+        if len(self.sized_params) != 1 or problem.phase != "decode":
+            return None
+        sized = self.sized_params[0]
+        tile = {"block_m": self.block_rows(problem), "block_n": plan.BLOCK_N}
+        return ListedSplits(self, lambda p, d: [s[sized] for s in self.param_space(p, d)], tile,
+                            sized, float(self.row_blocks(problem)))
 
     def launcher(self, problem: MLAProblem, chosen: Params) -> tuple[Callable, dict]:
         """The ``decode_launcher`` that runs a param set, with the options it passes: the

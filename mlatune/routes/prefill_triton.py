@@ -25,7 +25,7 @@ import torch
 from mlatune.arch import DeviceInfo, device_of
 from mlatune.check.inputs import DecodeInputs, PrefillInputs
 from mlatune.problem import DTYPES, FP8_DTYPES, MLAProblem
-from mlatune.routes.base import HOST_PLANNED, Params, Prepared, StepKind, Verdict
+from mlatune.routes.base import HOST_PLANNED, Params, Prepared, Route, StepKind, Verdict
 from mlatune.routes.triton_support import triton_verdict
 
 TILE_Q = 256  # query rows per work tile, as in AITER's FP8 prefill
@@ -124,7 +124,7 @@ def _shared_bytes(config: tuple, problem: MLAProblem) -> int:
     return item * (block_m * problem.d_qk + stages * block_n * (problem.d_qk + problem.d_v))
 
 
-class _PersistentPrefillRoute:
+class _PersistentPrefillRoute(Route):
     """Which problems it serves (phase, dtypes, head dims, the arch's dots) is the
     capability model's: capability.rules, the ``fp8-ps/triton`` / ``bf16-ps/triton`` entries."""
 

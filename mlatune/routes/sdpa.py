@@ -32,7 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from mlatune.arch import DeviceInfo
 from mlatune.check.inputs import DecodeInputs, PrefillInputs
 from mlatune.problem import MLAProblem
-from mlatune.routes.base import HOST_PLANNED, Params, Prepared, StepKind, Verdict
+from mlatune.routes.base import HOST_PLANNED, Params, Prepared, Route, StepKind, Verdict
 from mlatune.routes.triton_support import ruled
 
 # Fastest first where several serve (cuDNN and flash are Hopper-tuned); math is the fallback.
@@ -83,7 +83,7 @@ def _first_serving_backend(calls: list[Callable[[], None]], wanted: str | None) 
     raise RuntimeError("no SDPA backend serves this problem: " + "; ".join(errors))
 
 
-class SdpaPrefillRoute:
+class SdpaPrefillRoute(Route):
     id = "sdpa/torch"
 
     def supports(self, problem: MLAProblem, device: DeviceInfo) -> Verdict:

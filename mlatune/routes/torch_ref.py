@@ -12,12 +12,12 @@ from mlatune.arch import DeviceInfo
 from mlatune.check import reference
 from mlatune.check.inputs import DecodeInputs, PrefillInputs
 from mlatune.problem import DTYPES, MLAProblem
-from mlatune.routes.base import YES, Params, Prepared, StepKind, Verdict
+from mlatune.routes.base import YES, Params, Prepared, Route, StepKind, Verdict
 
 REFERENCE_ID = "reference/torch"
 
 
-class TorchReferenceRoute:
+class TorchReferenceRoute(Route):
     id = REFERENCE_ID
 
     def supports(self, problem: MLAProblem, device: DeviceInfo) -> Verdict:

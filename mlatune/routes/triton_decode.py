@@ -34,8 +34,9 @@ exactly the seed's padded rows, without the copy kernels around them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -48,12 +49,14 @@ from mlatune.routes.base import (
     LAUNCH_ONLY,
     Params,
     Prepared,
+    Route,
     SharedPlan,
     StepKind,
     Verdict,
     plan_key,
     shared_buffers,
 )
+from mlatune.routes.geometry import SplitKV
 from mlatune.routes.triton_support import triton_verdict
 
 # Which problems each family serves is the capability model's (capability.rules, the
@@ -82,7 +85,7 @@ def row_padding(q_heads: int, target: int) -> tuple[int, int]:
     return target, 1
 
 
-class _TritonDecodeRoute:
+class _TritonDecodeRoute(Route):
     """The shared shape of the split-KV families; subclasses say which heads and problems."""
 
     id = ""
@@ -143,6 +146,17 @@ class _TritonDecodeRoute:
         other_splits = [{**t, "num_splits": s} for t in tiles
                         for s in self._split_choices(problem, device, t)[1:]]
         return [*tiles[:2], *variants, *tiles[2:], *other_splits]
+
+    def launch_geometry(self, problem: MLAProblem, recipe: Mapping[str, Any], cus: int
+                        ) -> SplitKV | None:
+        """batch x row blocks x splits programs, split by ``_split_choices``'s first pick."""
+        if len(self.sized_params) != 1 or "block_m" not in recipe or "block_n" not in recipe:
+            return None
+        blocks = -(-int(self._rows_per_group(problem)) // int(recipe["block_m"]))
+        per_batch = self._groups(problem) * blocks / problem.batch
+        tile = {k: v for k, v in recipe.items() if k != "persistent"}
+        return SplitKV(self, lambda p, d: self._split_choices(p, d, tile)[0], tile,
+                       self.sized_params[0], bool(recipe.get("persistent")), per_batch)
 
     def _resolve(self, problem: MLAProblem, params: Params | None, device: DeviceInfo) -> Params:
         chosen = dict(self.param_space(problem, device)[0])
