@@ -60,3 +60,17 @@ def unsharded(inputs: DecodeInputs, page_size: int = 16, seed: int = 99) -> Deco
     flat = p.with_(num_heads=p.kernel_heads, dcp_size=1, page_size=page_size)
     shard = paged(dense_kv(inputs), page_size, seed)
     return DecodeInputs(flat, inputs.q, inputs.q_scale, inputs.kv_scale, inputs.seq_lens, (shard,))
+
+
+def poison_stale_slots(inputs: DecodeInputs) -> int:
+    """Set rank 0's cache slots past each request's length in its last page to NaN (a
+    kernel must not let them through); returns how many."""
+    shard = inputs.shards[0]
+    page = shard.kv_cache.shape[1]
+    count = 0
+    for b, n in enumerate(shard.seq_lens.tolist()):
+        if n % page:
+            pid = int(shard.block_table[b, (n - 1) // page])
+            shard.kv_cache[pid, n % page:] = float("nan")
+            count += page - n % page
+    return count

@@ -56,7 +56,8 @@ def test_a_rank_started_by_hand_refuses_graph_on_the_cpu(tmp_path):
 
 
 def test_the_benchmark_refuses_graph_on_the_cpu():
-    done = subprocess.run([sys.executable, "benchmarks/dcp_step.py", "--cpu", "--graph"],
+    done = subprocess.run([sys.executable, "benchmarks/bench.py", "--routine", "dcp-step",
+                           "--cpu", "--graph"],
                           env={**ENV, "WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "127.0.0.1",
                                "MASTER_PORT": "0"},
                           cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -21,12 +21,12 @@ import pytest
 import torch
 import triton
 
-from benchmarks.gluon_check import poison_stale_slots
 from mlatune import routes
 from mlatune.arch import current_device
 from mlatune.check import reference
 from mlatune.check.accuracy import check
 from mlatune.check.inputs import make_decode_inputs, poison_
+from tests.helpers import poison_stale_slots
 from tests.test_engine_gpu import _p as _engine_p
 from tests.test_engine_gpu import test_a_captured_step_replays_with_new_lengths as _captured
 from tests.test_triton_decode_gpu import (

@@ -304,17 +304,3 @@ def test_a_stored_set_is_read_as_its_kernel_runs_it(monkeypatch):
     assert time_with(timed, problem, route.id, {}, H200) == 5.0
     assert time_with(timed, problem, route.id, stored_triton, H200) == 9.0
 
-
-def test_the_benchmark_leaves_out_the_forms_it_is_told_to():
-    """benchmarks/prefill.py: --no-gluon drops every Gluon set, --gluon-without FLAG those
-    that set FLAG (a form whose GPU tests failed); the Triton sets always stay."""
-    import benchmarks.prefill as bp
-
-    triton_set = {"block_m": 128, "block_n": 128}
-    sets = [triton_set, *GLUON_PARAM_SETS]
-    assert [p for p in sets if bp.gluon_filter(False, [])(p)] == [triton_set]
-    kept = [p for p in sets if bp.gluon_filter(True, ["pingpong"])(p)]
-    assert triton_set in kept and any(p.get("kernel") == "gluon" for p in kept)
-    assert not any(p.get("pingpong") for p in kept)
-    assert len(kept) == len(sets) - sum(bool(p.get("pingpong")) for p in sets) > 1
-    assert [p for p in sets if bp.gluon_filter(True, [])(p)] == sets

@@ -3,8 +3,6 @@ what its launcher refuses, with a ValueError that says why, before any GPU work.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -63,7 +61,6 @@ def test_bad_tensors_are_refused_with_the_reason():
     assert why is None or "triton" in why
 
 
-
 def test_the_warp_specialized_form_refuses_what_it_cannot_widen():
     from mlatune.kernels import gluon_transposed_ws as ws
 
@@ -91,121 +88,6 @@ def test_the_fp8_mma_form_reads_fp8_caches_only():
     with pytest.raises(ValueError, match="sm_scale > 0 only"):
         f.decode_launcher(q, cache, table, lens, qlen=1, sm_scale=-0.1, defer_sums=True,
                           warp_max=True, slim=True)
-
-
-def test_gluon_check_keeps_unrun_kernels_behind_experimental_and_its_roundings_honest():
-    """benchmarks/gluon_check.py: fp8-only variants never run over 16-bit caches, those held
-    to a looser tolerance (their roundings) are fp8-only, and the experimental ones leave
-    the variant lists unless asked for (a hang in the smoke child would stop every Gluon
-    timing)."""
-    import benchmarks.gluon_check as gc
-
-    assert set(gc.ROUNDING) <= set(gc.FP8_ONLY) and set(gc.EXPERIMENTAL) <= set(gc.VARIANTS)
-    # one term quantizes q; two keep it near 16 bits and round P: never both, never neither
-    assert all(r["q_quantized"] != r["p_rounded"] for r in gc.ROUNDING.values())
-    assert gc.ROUNDING[gc.TRANSPOSED_FP8MMA_1TERM]["q_quantized"]
-    assert not set(gc.variants_for("bf16")) & set(gc.FP8_ONLY)
-    assert set(gc.FP8_ONLY) <= set(gc.variants_for("fp8")) | gc.SKIPPED
-    saved = set(gc.SKIPPED)
-    # None may be experimental now (every form has run on a GPU): hide a stand-in then.
-    experimental = set(gc.EXPERIMENTAL or (gc.SEESAW_SLIM, ))  # none: a stand-in
-    try:
-        assert experimental & set(gc.variants_for("bf16") + gc.variants_for("fp8"))
-        gc.SKIPPED.update(experimental)  # what main() does without --experimental
-        for dtype in ("bf16", "fp8"):
-            assert not set(gc.variants_for(dtype)) & experimental
-        assert gc.TRANSPOSED in gc.variants_for("fp8")
-    finally:
-        gc.SKIPPED.clear()
-        gc.SKIPPED.update(saved)
-
-
-def test_decode_benchmark_judges_issue_19_targets_on_own_routes_against_flashmla():
-    """benchmarks/decode.py: a target is met or missed by mlatune's fastest own route, a
-    vendor route (FlashMLA, FlashInfer) never counts as mlatune's, and the fp8 target needs
-    both 0.6x the own bf16 time and FlashMLA's fp8 time."""
-    from benchmarks import decode as d
-
-    def result(point, kv, route, us):
-        return d.Result(point, kv, route, {}, "ok", time_us=us, tb_s=1.0)
-
-    p = (128, 128, 4096, 1)
-    best = {"seesaw/gluon": result(p, "bf16", "seesaw/gluon", 110.0),
-            "fa3/flashinfer": result(p, "bf16", "fa3/flashinfer", 90.0),
-            "dense/flashmla": result(p, "bf16", "dense/flashmla", 100.0)}
-    assert "seesaw/gluon 1.10 met" in d.target_note(p, best)
-    best["seesaw/gluon"] = result(p, "bf16", "seesaw/gluon", 111.0)
-    assert "MISSED" in d.target_note(p, best)
-    assert "not measured" in d.target_note(p, {"fa3/flashinfer": best["fa3/flashinfer"]})
-    f = d.FP8_TARGET_POINT
-    runs = [result(f, "bf16", "transposed/gluon", 280.0),
-            result(f, "fp8", "transposed/gluon", 160.0), result(f, "fp8", "dense/flashmla", 250.0)]
-    assert d.fp8_target_note(runs).endswith("met")
-    runs[1] = result(f, "fp8", "transposed/gluon", 200.0)  # beats FlashMLA, not 0.6x bf16
-    assert d.fp8_target_note(runs).endswith("MISSED")
-
-
-def test_decode_benchmark_lays_each_form_over_each_set_of_its_route_only():
-    """benchmarks/decode.py --forms: every selected set of the named route runs once per
-    form (``{}`` as it is), other routes' sets untouched; a malformed value is refused."""
-    from benchmarks import decode as d
-
-    forms = d.parse_forms('{"seesaw/gluon": [{}, {"lone_bars": false, "afresh_q": false}]}')
-    pick = d.Selection(max_params=2, forms=forms)
-    space = [{"num_splits": 1, "lone_bars": True}, {"num_splits": 2, "lone_bars": True},
-             {"num_splits": 4, "lone_bars": True}]
-    got = pick.params(space, "seesaw/gluon")
-    assert got == [space[0], {"num_splits": 1, "lone_bars": False, "afresh_q": False},
-                   space[1], {"num_splits": 2, "lone_bars": False, "afresh_q": False}]
-    assert pick.params(space, "transposed/gluon") == space[:2]
-    for bad in ('["seesaw/gluon"]', '{"seesaw/gluon": {"pdl": true}}', '{"r": [1]}'):
-        with pytest.raises(SystemExit):
-            d.parse_forms(bad)
-
-
-def test_decode_benchmark_sums_up_each_form_against_the_first():
-    """benchmarks/decode.py --forms: per point, dtype, route and set, each form's times in
-    run order and its median over the first form's; a failed run shown, not counted; runs
-    without forms left out."""
-    from benchmarks import decode as d
-
-    point, base = (128, 128, 4096, 1), {"num_splits": 1}
-
-    def run(form, us, status="ok"):
-        return d.Result(point, "bf16", "seesaw/gluon", {**base, **form}, status, time_us=us,
-                        base=base, form=form)
-
-    results = [run({}, 270.0), run({"afresh_q": True}, 266.0), run({}, 272.0),
-               run({"afresh_q": True}, math.nan, "rejected_accuracy: x"),
-               d.Result(point, "bf16", "dense/flashmla", {}, "ok", time_us=240.0)]
-    (line,) = d.form_lines(results)
-    assert line.startswith(f'{point} bf16 seesaw/gluon {{"num_splits": 1}}: ')
-    assert '{} 270.0, 272.0 (1.000x)' in line
-    assert '{"afresh_q": true} 266.0, failed (0.982x)' in line
-
-
-def test_gluon_check_leaves_out_a_variant_that_loses_the_cuda_context(monkeypatch):
-    """benchmarks/gluon_check.py: the smoke child names a variant whose error loses its CUDA
-    context; the parent leaves that variant out and runs the smoke again, so one faulting
-    experimental form does not stop every Gluon timing of the call."""
-    import benchmarks.gluon_check as gc
-
-    bad = gc.TRANSPOSED_FP8MMA_DEFERRED
-    runs = iter([(False, f"smoke x: error CUDA error: an illegal memory access\n"
-                         f"{gc.FATAL_LINE}{bad}\n"),
-                 (True, "smoke: 9/9 cases passed\n")])
-    monkeypatch.setattr(gc, "run_smoke_child", lambda timeout_s: next(runs))
-    monkeypatch.setattr(gc, "SKIPPED", set())
-    monkeypatch.setenv("GLUON_CHECK_SKIP", "")
-    meta: dict = {}
-    assert gc.smoke_until_clean(10, meta)
-    left_out = gc.SKIPPED
-    assert left_out == {bad} and meta["left_out"] == [bad] and meta["smoke_finished"]
-    assert gc.os.environ["GLUON_CHECK_SKIP"] == bad
-    # A hang (or a failure that names no variant) is not retried: the kernels stay out.
-    monkeypatch.setattr(gc, "run_smoke_child", lambda timeout_s: (False, "smoke: timed out"))
-    assert not gc.smoke_until_clean(10, {})
-    assert gc.fatal_variant("smoke: 3/3 cases passed") is None
 
 
 class _RecordedKernel:
