@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from mlatune import cli, table
-from mlatune.cli import app
+from mlatune import table
+from mlatune.cli import app, doctor, frames
 from mlatune.errors import JournalError, OutputError, TableError
 from mlatune.problem import MLAProblem
 from mlatune.sweep import runner, stages
@@ -123,7 +123,7 @@ def test_export_upgrade_plan_and_report_refuse_a_bad_out_first(tmp_path, good, r
     if kind == "a read-only file system":
         read_only_fs()
     read = []
-    monkeypatch.setattr(cli, "_read_table", lambda p: read.append(p))  # never reached
+    monkeypatch.setattr(frames, "read_table", lambda p: read.append(p))  # never reached
     commands = {
         "export": ["export", good, "--format", "csv", "--out", path.with_suffix(".csv")],
         "upgrade": ["upgrade", good, "--out", path.with_suffix(".parquet")],
@@ -213,8 +213,7 @@ def test_a_damaged_table_is_one_line_to_every_command(tmp_path, command):
                        "--arch", "sm_90"],
             "validate": ["validate", damaged],
             "diff": ["diff", damaged, damaged],
-            "coverage": ["coverage", coverage_spec(tmp_path), "--table", damaged,
-                         "--arch", "sm_90"],
+            "coverage": ["coverage", damaged, coverage_spec(tmp_path), "--arch", "sm_90"],
             "export": ["export", damaged, "--format", "csv", "--out", tmp_path / "o.csv"],
             "upgrade": ["upgrade", damaged, "--out", tmp_path / "o.parquet"],
             "report": ["report", damaged, "--out", tmp_path / "r"]}[command]
@@ -267,7 +266,7 @@ def test_any_library_error_a_command_lets_through_is_still_one_line(monkeypatch,
     def damaged():
         raise error("some/file: damaged in a way no command foresaw")
 
-    monkeypatch.setattr(cli, "_bundled_tables", damaged)
+    monkeypatch.setattr(doctor, "bundled_tables", damaged)
     result = invoke("doctor")
     assert result.exit_code == 1
     assert_one_line_error(result, "some/file: damaged")

@@ -73,7 +73,6 @@ def damaged_files(tmp_path) -> dict[str, str]:
     future["schema_version"] = SCHEMA_VERSION + 1
     write_raw(future, tmp_path / "future.parquet")
     made["future schema"] = tmp_path / "future.parquet"
-    made["missing file"] = tmp_path / "absent.parquet"
     (tmp_path / "table.txt").write_text("arch,route\n")
     made["wrong format"] = tmp_path / "table.txt"
     (tmp_path / "csv-inside.parquet").write_text("arch,route\nsm_90,a/b\n")
@@ -102,7 +101,7 @@ COMMANDS = {
     "export": lambda path, tmp: ["export", path, "--format", "json", "--out",
                                  str(tmp / "out.json")],
     "diff": lambda path, tmp: ["diff", path, path],
-    "coverage": lambda path, tmp: ["coverage", str(coverage_spec(tmp)), "--table", path,
+    "coverage": lambda path, tmp: ["coverage", path, str(coverage_spec(tmp)),
                                    "--arch", "sm_90"],
 }
 
@@ -143,7 +142,7 @@ def test_damage_messages_say_what_is_wrong(tmp_path):
     expected = {"truncated parquet": "not a readable Parquet table",
                 "truncated csv": "truncated", "missing column": "missing columns: route",
                 "wrong dtype": "column kv_len has dtype", "duplicate key": "repeat a (device",
-                "future schema": "newer than this mlatune reads", "missing file": "no such file",
+                "future schema": "newer than this mlatune reads",
                 "wrong format": "unknown table format", "csv named parquet": "Parquet",
                 "bad json": "devices is missing or empty"}
     for kind, needle in expected.items():
@@ -235,7 +234,8 @@ def test_export_writes_a_usable_table(good, tmp_path, fmt, winners_only, fakes):
 def test_export_refuses_a_suffix_that_does_not_match(good, tmp_path):
     result = runner.invoke(app, ["export", str(good), "--format", "csv", "--out",
                                  str(tmp_path / "x.parquet")])
-    assert_one_line_error(result, "must end in .csv")
+    assert result.exit_code == 2 and "must end in .csv" in result.output
+    assert not (tmp_path / "x.parquet").exists()
 
 
 def test_export_writes_gzipped_csv(good, tmp_path):
@@ -248,7 +248,7 @@ def test_export_writes_gzipped_csv(good, tmp_path):
 
 def test_coverage_counts_how_each_problem_of_a_spec_is_answered(good, tmp_path, fakes):
     spec = str(coverage_spec(tmp_path))
-    result = wide.invoke(app, ["coverage", spec, "--table", str(good), "--arch", "sm_90"])
+    result = wide.invoke(app, ["coverage", str(good), spec, "--arch", "sm_90"])
     assert result.exit_code == 0, result.output
     dispatcher = Dispatcher.load(good, device=H200)
     expected = {"table": 1, "nearest": 3, "rule": 1}  # batch 8 x kv 1024 measured; 32 heads not
@@ -260,9 +260,9 @@ def test_coverage_counts_how_each_problem_of_a_spec_is_answered(good, tmp_path, 
             for line in result.output.splitlines() if line.count("│") >= 4}
     assert {k: int(rows[k]) for k in expected} == expected
     # --require gates a deployment: the 32-head problem is answered only by rule.
-    assert wide.invoke(app, ["coverage", spec, "--table", str(good), "--arch", "sm_90",
+    assert wide.invoke(app, ["coverage", str(good), spec, "--arch", "sm_90",
                              "--require", "rule"]).exit_code == 0
-    strict = wide.invoke(app, ["coverage", spec, "--table", str(good), "--arch", "sm_90",
+    strict = wide.invoke(app, ["coverage", str(good), spec, "--arch", "sm_90",
                                "--require", "nearest"])
     assert strict.exit_code == 1 and "1 problem(s)" in strict.output
     assert "rule: phase=decode|num_heads=32|" in strict.output
@@ -271,13 +271,13 @@ def test_coverage_counts_how_each_problem_of_a_spec_is_answered(good, tmp_path, 
 def test_coverage_refuses_a_bad_require_and_a_bad_spec(good, tmp_path):
     spec = str(coverage_spec(tmp_path))
     # A value outside the set is typer's usage error (exit 2), naming the values.
-    bad = runner.invoke(app, ["coverage", spec, "--table", str(good), "--arch", "sm_90",
+    bad = runner.invoke(app, ["coverage", str(good), spec, "--arch", "sm_90",
                               "--require", "exact"])
     assert bad.exit_code == 2 and "Traceback" not in bad.output
     assert "--require" in bad.output and "'table', 'predicted', 'nearest', 'rule'" in bad.output
     bad = tmp_path / "bad.toml"
     bad.write_text("name = 3\n[[grid]]\nbogus = 1\n")
-    assert_one_line_error(runner.invoke(app, ["coverage", str(bad), "--table", str(good),
+    assert_one_line_error(runner.invoke(app, ["coverage", str(good), str(bad),
                                               "--arch", "sm_90"]), str(bad))
 
 

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from mlatune import cli, routes, table
-from mlatune.cli import app
+from mlatune import routes, table
+from mlatune.cli import app, inputs
+from mlatune.cli.sweep import rate_eta_column
 from mlatune.dispatch import Dispatcher
 from mlatune.sweep.journal import read
 from tests.table_helpers import H200, MI355, FakeRoute, grid_rows, make_table
@@ -130,7 +131,7 @@ def test_rate_and_eta_are_this_runs_mean_rate_and_the_time_left_at_it():
     from rich.progress import Progress
 
     now = [0.0]
-    column = cli._rate_eta_column()
+    column = rate_eta_column()
     progress = Progress(column, get_time=lambda: now[0])
     task = progress.add_task("sweep", total=10, completed=4, ran=0)  # 4 from the journal
     assert column.render(progress.tasks[0]).plain == "- cand/s, ETA -"
@@ -192,7 +193,7 @@ def test_lookup_json(good, fakes):  # noqa: F811
 
 
 def test_coverage_json_and_its_exit_status(good, tmp_path, fakes):  # noqa: F811
-    args = ["coverage", str(coverage_spec(tmp_path)), "--table", str(good), "--arch", "sm_90",
+    args = ["coverage", str(good), str(coverage_spec(tmp_path)), "--arch", "sm_90",
             "--json"]
     document = parse(ok := runner.invoke(app, args), "coverage")
     assert ok.exit_code == 0 and document["ok"] and document["problems"] == 5
@@ -268,30 +269,31 @@ def test_the_value_sets_are_their_owners():
     def values(choice):
         return tuple(c.value for c in choice)
 
-    assert values(cli.Arch) == tuple(ARCHS)
-    assert values(cli.DeviceArch) == (*ARCHS, CPU_ARCH)
-    assert values(cli.Dtype) == tuple(problem.DTYPES)
-    assert values(cli.Phase) == typing.get_args(problem.Phase)
-    assert values(cli.Format) == (*table.FORMATS, "json")
+    assert values(inputs.Arch) == tuple(ARCHS)
+    assert values(inputs.DeviceArch) == (*ARCHS, CPU_ARCH)
+    assert values(inputs.Dtype) == tuple(problem.DTYPES)
+    assert values(inputs.Phase) == typing.get_args(problem.Phase)
+    assert values(inputs.Format) == (*table.FORMATS, "json")
 
 
 # 6. Bundled specs by name -------------------------------------------------------------
 
-def test_a_bare_name_is_a_bundled_spec():
+def test_a_bare_name_is_a_bundled_spec(tmp_path):
     result = runner.invoke(app, ["plan", "deepseek-v3-tp8", "--arch", "sm_90"])
     assert result.exit_code == 0, result.output
     assert "sweeps/deepseek-v3-tp8.toml" in result.output
     assert runner.invoke(app, ["coverage", "smoke", "--arch", "sm_90"]).exit_code in (0, 1)
-    # sweep resolves it too: it stops at the bad --out, after loading the spec.
-    stopped = runner.invoke(app, ["sweep", "smoke.toml", "--out", "x.txt"])
-    assert stopped.exit_code == 1 and ".parquet or .csv" in stopped.output
+    # sweep resolves it too: it stops at an --out in the way, after loading the spec.
+    (tmp_path / "x.parquet").mkdir()
+    stopped = runner.invoke(app, ["sweep", "smoke.toml", "--out", str(tmp_path / "x.parquet")])
+    assert stopped.exit_code == 1 and "is a directory" in stopped.output
 
 
 @pytest.mark.parametrize("command", [["plan", "no-such-spec", "--arch", "sm_90"],
                                      ["sweep", "no-such-spec"], ["coverage", "no-such-spec"]])
 def test_an_unknown_name_lists_the_bundled_specs(command):
-    result = runner.invoke(app, command)
-    assert result.exit_code == 1
+    result = CliRunner(env={"COLUMNS": "400"}).invoke(app, command)
+    assert result.exit_code == 2
     assert "no-such-spec: no such spec file, nor a bundled spec of that name" in result.output
     bundled = sorted(f.stem for f in (Path(__file__).parent.parent / "sweeps").glob("*.toml"))
     assert "smoke" in bundled and ", ".join(bundled) in result.output

@@ -107,7 +107,7 @@ def test_plan_rejects_bad_specs(tmp_path, text, words):
     result = invoke("plan", str(spec), "--arch", "gfx950")
     assert result.exit_code == 1 and words in " ".join(result.output.split())
     assert "Traceback" not in result.output
-    assert invoke("plan", str(tmp_path / "missing.toml"), "--arch", "gfx950").exit_code == 1
+    assert invoke("plan", str(tmp_path / "missing.toml"), "--arch", "gfx950").exit_code == 2
 
 
 def test_sweep_for_an_arch_that_is_not_here_points_to_plan():

@@ -1,0 +1,100 @@
+"""Tables as the commands print them: devices, problem labels, grouped rows, cells."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rich.table import Table
+
+from mlatune.cli.app import note, plain
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    import pandas as pd
+
+Device = tuple[str, str, int]  # (arch, device_name, cu_count), as tables key them
+
+
+def read_table(path: Path) -> pd.DataFrame:
+    from mlatune import table
+
+    return table.read(path)
+
+
+def unregistered(frame: pd.DataFrame) -> list[str]:
+    """Routes a table names that are not registered here (the dispatcher skips their rows)."""
+    from mlatune.routes import all_routes
+
+    return sorted(set(frame["route"].tolist()) - {r.id for r in all_routes()})
+
+
+def warn_unregistered(frame: pd.DataFrame) -> None:
+    missing = unregistered(frame)
+    if missing:
+        note(f"routes not registered here (the dispatcher skips their rows): "
+             f"{', '.join(missing)}")
+
+
+def devices(frame: pd.DataFrame) -> list[Device]:
+    from mlatune.table.schema import DEVICE_COLUMNS
+
+    found = frame[list(DEVICE_COLUMNS)].drop_duplicates()
+    return sorted((str(a), str(n), int(c)) for a, n, c in found.itertuples(index=False))
+
+
+def devices_title(frame: pd.DataFrame) -> tuple[str, bool]:
+    """The device of a table's title, or how many; True where there are several."""
+    names = {(a, n) for a, n, _ in devices(frame)}
+    if len(names) == 1:
+        return " ".join(next(iter(names))), False
+    return f"{len(names)} devices", True
+
+
+def device_text(device: Device) -> str:
+    return f"{device[0]} {device[1]} ({device[2]} SMs/CUs)"
+
+
+def problem_count(frame: pd.DataFrame) -> int:
+    from mlatune.table.schema import KEY_COLUMNS
+
+    return len(frame[list(KEY_COLUMNS)].drop_duplicates())
+
+
+def row_problem(row: pd.Series) -> dict[str, Any]:
+    from mlatune.problem import KEY_FIELDS
+
+    return {name: plain(row[name]) for name in KEY_FIELDS}
+
+
+def problem_text(row: pd.Series) -> str:
+    """A problem in a few characters: "h16 q1 bf16/fp8_e4m3fn causal dcp1 p64"."""
+    causal = "causal" if row["causal"] else "non-causal"
+    phase = "" if row["phase"] == "decode" else f"{row['phase']} "
+    return (f"{phase}h{row['num_heads']} q{row['qlen']} {row['q_dtype']}/{row['kv_dtype']} "
+            f"{causal} dcp{row['dcp_size']} p{row['page_size']}")
+
+
+def grouped(rows: pd.DataFrame, several_devices: bool
+            ) -> Iterator[tuple[str, pd.Series, bool]]:
+    """Rows with their problem label, given on the first row of each bucket only
+    (batch and kv_len have their own columns); True where a new bucket starts."""
+    previous = None
+    for _, row in rows.iterrows():
+        label = problem_text(row)
+        if several_devices:
+            label = f"{row['arch']} {row['device_name']} {label}"
+        yield ("" if label == previous else label), row, label != previous
+        previous = label
+
+
+def columns(out: Table, names: tuple[str, ...], numeric: tuple[str, ...]) -> None:
+    # Fold rather than elide: a narrow terminal wraps a cell, it never hides a value.
+    for name in names:
+        out.add_column(name, justify="right" if name in numeric else "left", overflow="fold",
+                       min_width=12 if name == "problem" else None)
+
+
+def us(value: float) -> str:
+    return "-" if value != value else f"{value:.4g}"  # NaN -> "-"

@@ -1,0 +1,129 @@
+"""What commands read: fixed value sets, shared options, specs by name, and the default
+table (the one the dispatcher loads for this GPU, or for --arch)."""
+
+from __future__ import annotations
+
+import os
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from mlatune.cli.app import fail, usage_error
+
+if TYPE_CHECKING:
+    from mlatune.dispatch import Dispatcher
+    from mlatune.sweep.spec import SweepSpec
+
+
+# Fixed value sets: --help lists them and typer refuses others (exit 2). Spelled out here
+# because --help must stay fast and their owners import torch (1.4 s);
+# tests/test_cli_usability.py pins each to its owner (capability.ARCHS and arch.CPU_ARCH,
+# problem.DTYPES, problem.Phase, table.FORMATS).
+def _choices(name: str, values: tuple[str, ...]) -> Any:
+    return Enum(name, [(v, v) for v in values], type=str)
+
+
+ARCH_NAMES = ("gfx942", "gfx950", "gfx1250", "sm_90", "sm_100")
+Arch = _choices("Arch", ARCH_NAMES)
+DeviceArch = _choices("DeviceArch", (*ARCH_NAMES, "cpu"))  # a sweep's, so a table's too
+Dtype = _choices("Dtype", ("bf16", "fp16", "fp8_e4m3fn", "fp8_e4m3fnuz"))
+Phase = _choices("Phase", ("decode", "prefill"))
+SOURCES = ("table", "predicted", "nearest", "rule")  # how the dispatcher answers, best first
+Source = _choices("Source", SOURCES)
+Format = _choices("Format", ("parquet", "csv", "json"))
+
+
+def value(choice: Enum | None) -> str | None:
+    return None if choice is None else choice.value
+
+
+LimitOption = Annotated[int, typer.Option(
+    metavar="ROWS", help="Rows to print (0: all); --json holds every one.")]
+ArchOption = Annotated[DeviceArch | None, typer.Option(
+    help="Answer for this arch (the table's) instead of this machine's.")]
+TABLE_DEFAULT_HELP = ("Default: the table the dispatcher loads for this GPU, or for --arch "
+                      "(MLATUNE_TABLE, else the one mlatune ships for the arch).")
+
+
+def table_argument(what: str, optional: bool = False) -> Any:
+    """The TABLE argument of a command that reads one table: its first positional."""
+    return typer.Argument(metavar="TABLE", exists=True, help=what + (
+        " " + TABLE_DEFAULT_HELP if optional else ""))
+
+
+# Specs: a file, or a bundled spec by name ---------------------------------------------
+
+def bundled_specs() -> list[str]:
+    from mlatune.sweep import spec as specs
+
+    folder = specs.bundled_spec_path().parent
+    return sorted(p.stem for p in folder.glob("*.toml"))
+
+
+def spec_path(name: str | None) -> Path:
+    """SPEC as given: a file; a bare name (no folder, no suffix but .toml) not found as a
+    file is a bundled spec, `sweeps/<name>.toml` in the package. Neither: exit 2."""
+    from mlatune.sweep import spec as specs
+
+    if name is None:
+        return specs.bundled_spec_path()
+    path = Path(name)
+    if path.exists():
+        return path
+    bundled = bundled_specs()
+    if path.parent == Path(".") and path.suffix in ("", ".toml") and path.stem in bundled:
+        return specs.bundled_spec_path(f"{path.stem}.toml")
+    usage_error(f"{name}: no such spec file, nor a bundled spec of that name "
+                f"(bundled: {', '.join(bundled)})", "SPEC")
+
+
+def load_spec(path: Path, gpu: bool) -> SweepSpec:
+    """The spec at ``path`` (``spec_path``'s answer); a bad one is one line, exit 1."""
+    from mlatune.sweep import spec as specs
+
+    try:
+        return specs.load(path, gpu=gpu)
+    except specs.SpecError as exc:
+        fail(str(exc))
+
+
+# The default table --------------------------------------------------------------------
+
+def default_table(arch: str | None) -> Path | None:
+    """The table the dispatcher loads for ``arch`` (this machine's device when None):
+    MLATUNE_TABLE, else the table mlatune ships for the arch (``find_table`` over the
+    bundled tables, as ``Dispatcher.from_bundled`` chooses it); None where none ships."""
+    from mlatune.arch import current_device
+    from mlatune.dispatch.dispatcher import (
+        TABLE_ENV,
+        bundled_tables_dir,
+        device_for_arch,
+        find_table,
+    )
+
+    override = os.environ.get(TABLE_ENV)
+    if override:
+        return Path(override)
+    here = current_device()
+    device = here if arch is None or arch == here.arch else device_for_arch(arch)
+    found = find_table(bundled_tables_dir(), device.arch, device.name)
+    return None if found is None else Path(str(found))
+
+
+def load_dispatcher(table_path: Path | None, arch: str | None) -> Dispatcher:
+    """The dispatcher a command answers with: TABLE, else ``default_table`` (with the
+    user's MLATUNE_USER_TABLE overlaid, as an engine loads it); where no table ships for
+    the arch, rules only. ``arch``: plan for it (its GPU need not be here)."""
+    from mlatune.dispatch import Dispatcher, device_for_arch
+    from mlatune.dispatch.dispatcher import USER_TABLE_ENV
+
+    if table_path is not None:
+        return Dispatcher.load(table_path, allow_arch=arch)
+    found = default_table(arch)
+    if found is None:
+        return Dispatcher.rules_only(device_for_arch(arch) if arch else None)
+    user = os.environ.get(USER_TABLE_ENV) or None
+    return Dispatcher.load(found, allow_arch=arch,
+                           overlay=user if user and Path(user).is_file() else None)
