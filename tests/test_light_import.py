@@ -44,3 +44,13 @@ def test_the_command_without_its_extra_says_what_to_install():
     assert done.returncode == 1
     assert done.stderr.strip() == ("mlatune: the command line needs typer, pandas: "
                                    "pip install 'mlatune[cli]'")
+
+
+def test_the_command_line_starts_light():
+    """`mlatune --help` imports the CLI's modules and typer/rich only: each command imports
+    torch, pandas and the rest when it runs."""
+    loaded = _modules_after("from mlatune.entry import main\nimport mlatune.cli")
+    assert not [m for m in ("torch", "triton", "numpy", "pandas", "pyarrow", "matplotlib")
+                if m in loaded]
+    assert not [m for m in loaded if m.startswith(("mlatune.sweep", "mlatune.dispatch",
+                                                   "mlatune.table", "mlatune.routes"))]

@@ -106,9 +106,9 @@ def _checked_out(out: Path | None, tables: list[Path]) -> Path:
     error that says the new one."""
     if out is None:
         old_form = len(tables) > 1 and not tables[0].exists()
-        usage_error("name the joined table with --out: mlatune merge TABLE... --out OUT"
-                    + (f" (the output is no longer the first argument: {tables[0]})"
-                       if old_form else ""), "--out")
+        usage_error("missing. Name the joined table with --out: mlatune merge TABLE... "
+                    "--out OUT" + (f" (the output is no longer the first argument: "
+                                   f"{tables[0]})" if old_form else ""), "--out")
     if out.suffix.lower() not in (".parquet", ".csv"):
         usage_error(f"{out}: name the joined table .parquet or .csv (`mlatune export` then "
                     f"writes a JSON winners map)", "--out")

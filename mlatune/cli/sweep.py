@@ -140,7 +140,7 @@ def _share(shard: str | None, resume: bool, fresh: bool, refine: float | None
     if resume and fresh:
         usage_error("--resume and --fresh exclude each other", "--fresh")
     if refine is not None and (fresh or shard is not None):
-        usage_error("--refine adds points to a measured grid: not with --fresh or --shard",
+        usage_error("it adds points to a measured grid: not with --fresh or --shard",
                     "--refine")
     if shard is None:
         return None
