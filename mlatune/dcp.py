@@ -33,8 +33,9 @@ from mlatune.check import reference
 from mlatune.check.inputs import DecodeInputs, KVShard
 from mlatune.problem import MLAProblem
 from mlatune.routes import Prepared, Route
+from mlatune.table.schema import DCP_SCHEMES
 
-SCHEMES = ("ag_rs", "a2a")
+SCHEMES = DCP_SCHEMES
 _L2_FLUSH_BYTES = 256 << 20  # as the sweep's timing (bench): every repetition on a cold L2
 
 

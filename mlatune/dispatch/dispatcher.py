@@ -72,7 +72,7 @@ from mlatune.dispatch import environment
 from mlatune.dispatch.predict import Predictor
 from mlatune.errors import TableError
 from mlatune.problem import BUCKET_FIELDS, MLAProblem
-from mlatune.routes import Route, all_routes, params_at, step_kind_of
+from mlatune.routes import Route, all_routes, declared_step_kind, params_at, step_kind_of
 from mlatune.routes.torch_ref import REFERENCE_ID as REFERENCE_ROUTE
 from mlatune.table import winners_map
 from mlatune.table.schema import DCP_MEASURED, competing, is_measured
@@ -827,9 +827,10 @@ class _FrameSource:
         from mlatune import table  # pandas only when a Parquet/CSV table is loaded
 
         self._table = table
-        self.frame = table.read(path)  # validates; raises TableError
+        self.frame = table.read(path, step_kinds=declared_step_kind)  # validates, or raises
         if overlay is not None:
-            self.frame = _overlaid(table, self.frame, table.read(overlay))
+            self.frame = _overlaid(table, self.frame,
+                                   table.read(overlay, step_kinds=declared_step_kind))
         distinct = self.frame[["arch", "device_name", "cu_count"]].drop_duplicates()
         self.devices: list[Device] = list(distinct.itertuples(index=False, name=None))
 
@@ -940,7 +941,7 @@ class _JsonSource:
     a map written before they were recorded has none."""
 
     def __init__(self, path: Path):
-        loaded = winners_map.read(path)  # validates; raises TableError
+        loaded = winners_map.read(path, declared_step_kind)  # validates; raises TableError
         self._by_device = {(d["arch"], d["device_name"], d["cu_count"]): (d, problems)
                            for d, problems in zip(loaded.document["devices"], loaded.problems,
                                                   strict=True)}

@@ -27,7 +27,7 @@ import torch
 from mlatune.check.accuracy import check
 from mlatune.measure import timers
 from mlatune.problem import MLAProblem
-from mlatune.routes import rounding
+from mlatune.routes import declared_step_kind, rounding
 
 if TYPE_CHECKING:
     from mlatune.check.inputs import DecodeInputs
@@ -101,8 +101,10 @@ def _record(dispatcher: Dispatcher, problem: MLAProblem,
                 "route_params": json.dumps({**dict(c.params), **dict(p or {})},
                                            sort_keys=True, default=str),
                 "status": "ok", "time_us": t} for t, c, p in timed]
-    new = table.build(table_rows(records, dispatcher.device), Provenance.here(FIRST_SIGHT_SPEC))
-    frame = _overlaid(table, table.read(path), new) if path.exists() else new
+    new = table.build(table_rows(records, dispatcher.device), Provenance.here(FIRST_SIGHT_SPEC),
+                      step_kinds=declared_step_kind)
+    frame = _overlaid(table, table.read(path, step_kinds=declared_step_kind), new) \
+        if path.exists() else new
     table.write(frame, path)
 
 

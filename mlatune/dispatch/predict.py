@@ -637,8 +637,8 @@ def rows_from_journal(path: str | Path, capturable: bool = False,
     across processes, only those (``_learnable``). A record without its step kind gets
     the one its route declares, as a table's row does."""
     from mlatune.dispatch import step_cost  # lazily: the dispatcher may import this module
-    from mlatune.sweep import journal
-    from mlatune.table.schema import declared_step_kind
+    from mlatune.routes import declared_step_kind
+    from mlatune.measure import journal
 
     stepped = []  # (record, params, plan_on): the ok steps the caller can take
     for r in journal.read_records(Path(path))[1]:

@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlatune import table
+from mlatune import routes, table
 from mlatune.report.metrics import (
     CEILINGS,
     DCP_COLUMNS,
@@ -105,8 +105,9 @@ def build_report(table_path: str | os.PathLike, out_dir: str | os.PathLike,
         raise ReportError("a held-out journal needs its held-out table (--heldout)")
     from mlatune.report import page, plots
 
-    frame = table.read(table_path)
-    heldout = table.read(heldout_path) if heldout_path is not None else None
+    frame = table.read(table_path, step_kinds=routes.declared_step_kind)
+    heldout = table.read(heldout_path, step_kinds=routes.declared_step_kind) \
+        if heldout_path is not None else None
     timed = candidate_times(heldout_journal) if heldout_journal is not None else None
     summary, data = summarize(table_path, frame, heldout_path, heldout, timed)
     out = Path(out_dir)

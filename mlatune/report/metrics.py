@@ -24,7 +24,7 @@ from mlatune.dispatch import Dispatcher, device_for_arch
 from mlatune.problem import FP8_DTYPES, MLAProblem
 from mlatune.report import policies
 from mlatune.report.terms import batch_band, geomean, problem_label
-from mlatune.sweep import journal
+from mlatune.measure import journal
 from mlatune.table.schema import (
     DCP_MEASURED,
     DEVICE_COLUMNS,

@@ -29,6 +29,7 @@ from mlatune.routes.prefill_triton import BF16PersistentPrefillRoute, FP8Persist
 from mlatune.routes.registry import (
     all_routes,
     backend_status,
+    declared_step_kind,
     get,
     register,
     unregister,
@@ -81,6 +82,7 @@ __all__ = [
     "Verdict",
     "all_routes",
     "backend_status",
+    "declared_step_kind",
     "get",
     "no",
     "params_at",

@@ -26,43 +26,26 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from mlatune.arch import DeviceInfo
 from mlatune.check.inputs import DecodeInputs, PrefillInputs
 from mlatune.problem import MLAProblem
+from mlatune.steps import (  # noqa: F401  (re-exported: routes declare step kinds)
+    DEVICE_PLANNED,
+    HOST_PLANNED,
+    LAUNCH_ONLY,
+    PLAN_PLACES,
+    PlanOn,
+    StepKind,
+)
 
 if TYPE_CHECKING:
     from mlatune.routes.geometry import LaunchGeometry
 
 Params = dict[str, Any]
-PlanOn = Literal["none", "device", "host"]
-PLAN_PLACES: tuple[PlanOn, ...] = ("none", "device", "host")
-
-
-@dataclass(frozen=True)
-class StepKind:
-    """How an engine calls a route's step (see the module docstring).
-
-    ``capturable``: plan and launch can be captured in one CUDA graph and replayed
-    with new lengths (and block-table entries) written in place.
-    """
-
-    plan_on: PlanOn
-    capturable: bool
-
-    def __post_init__(self) -> None:
-        if self.plan_on not in PLAN_PLACES:
-            raise ValueError(f"plan_on must be one of {PLAN_PLACES}, got {self.plan_on!r}")
-        if self.plan_on == "host" and self.capturable:
-            raise ValueError("a step planned on the host cannot be captured")
-
-
-LAUNCH_ONLY = StepKind("none", True)  # a capturable launch that reads the lengths itself
-HOST_PLANNED = StepKind("host", False)  # prepared again from the lengths every step
-DEVICE_PLANNED = StepKind("device", True)  # a device plan, captured with the launch
 
 
 @dataclass(frozen=True)

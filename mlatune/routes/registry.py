@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import importlib
+import json
 import re
+from collections.abc import Mapping
+from typing import Any
 
 from mlatune.arch import DeviceInfo
 from mlatune.problem import MLAProblem
 from mlatune.routes.base import Route, Verdict
+from mlatune.steps import UNKNOWN_STEP_KIND
 
 _ROUTE_ID = re.compile(r"^[a-z0-9][a-z0-9-]*/[a-z0-9][a-z0-9-]*$")
 _ROUTES: dict[str, Route] = {}
@@ -47,6 +51,21 @@ def verdicts(problem: MLAProblem, device: DeviceInfo,
 
 def viable(problem: MLAProblem, device: DeviceInfo, only: list[str] | None = None) -> list[Route]:
     return [r for r, v in verdicts(problem, device, only) if v.ok]
+
+
+def declared_step_kind(route_id: str, params: Mapping[str, Any] | str) -> tuple[str, bool]:
+    """(plan_on, capturable) that ``route_id`` declares for ``params`` (a dict or its JSON);
+    UNKNOWN_STEP_KIND for a route not registered here or params that are not an object.
+    A ``steps.StepKinds``: what the table is handed to fill rows stored without a kind."""
+    try:
+        route = get(route_id)
+        params = json.loads(params) if isinstance(params, str) else params
+    except (KeyError, ValueError):
+        return UNKNOWN_STEP_KIND
+    if not isinstance(params, Mapping):
+        return UNKNOWN_STEP_KIND
+    kind = route.step_kind(dict(params))
+    return kind.plan_on, kind.capturable
 
 
 def backend_status(name: str) -> tuple[bool, str]:

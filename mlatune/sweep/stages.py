@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from mlatune import routes
 from mlatune.arch import DeviceInfo
 from mlatune.errors import JournalError, TableError
 from mlatune.sweep import dcp_stage, runner
@@ -209,7 +210,7 @@ def write_table(result: SweepResult, spec: SweepSpec, settings: SweepSettings) -
 
     try:
         frame = table.build(runner.table_rows(result.records, settings.device),
-                            Provenance.here(spec.sha256))
+                            Provenance.here(spec.sha256), step_kinds=routes.declared_step_kind)
         table.write(frame, settings.table_path)
         table.write(frame, settings.csv_path)
     except (OSError, TableError) as exc:  # OutputError: the disk; TableError: a bad row
@@ -217,12 +218,12 @@ def write_table(result: SweepResult, spec: SweepSpec, settings: SweepSettings) -
                          f"write the table") from None
 
 
-def refined(spec: SweepSpec, table_path: Path, device: DeviceInfo, budget_s: float
-            ) -> tuple[SweepSpec, list[Any]]:
+def refined(spec: SweepSpec, table_path: Path, dispatcher_for: Callable[[Path], Any],
+            budget_s: float) -> tuple[SweepSpec, list[Any]]:
     """--refine: the spec whose problems are the points between the measured grid's that
     ``mlatune.sweep.refine`` proposes within ``budget_s`` worker seconds, and those
-    proposals (``refine.Refinement``, the least certain first)."""
-    from mlatune.dispatch import Dispatcher
+    proposals (``refine.Refinement``, the least certain first). ``dispatcher_for`` loads the
+    table into the dispatcher whose predictions the proposals rest on."""
     from mlatune.sweep import refine as refinement
 
     path = journal_path(table_path)
@@ -231,7 +232,7 @@ def refined(spec: SweepSpec, table_path: Path, device: DeviceInfo, budget_s: flo
                          f"journal do not exist yet (run the sweep without --refine first)")
     try:
         records = journals.read_records(path)[1]
-        dispatcher = Dispatcher.load(table_path, device=device)
+        dispatcher = dispatcher_for(table_path)
     except (JournalError, TableError, OSError) as exc:
         raise SweepError(str(exc)) from None
     measured = {r.problem_key: r.problem for r in records if r.ok}

@@ -51,6 +51,7 @@ import pyarrow.parquet as pq
 
 from mlatune.errors import TableError
 from mlatune.problem import BUCKET_FIELDS, KEY_FIELDS, MLAProblem
+from mlatune.steps import PLAN_PLACES, StepKinds
 from mlatune.table import winners_map
 from mlatune.table.outputs import FORMULA_STARTS, atomic_write
 from mlatune.table.schema import (
@@ -58,6 +59,7 @@ from mlatune.table.schema import (
     COLUMNS,
     DCP_COLUMNS,
     DCP_MEASURED,
+    DCP_SCHEMES,
     DCP_TIMINGS,
     DEVICE_COLUMNS,
     KEY_COLUMNS,
@@ -70,7 +72,6 @@ from mlatune.table.schema import (
     UNKNOWN_STEP_KIND,
     Provenance,
     competing,
-    declared_step_kind,
     default_dcp_timing,
     upgraded_provenance,
 )
@@ -113,7 +114,8 @@ def format_of(path: str | os.PathLike) -> str:
 _STEP_COLUMNS = (*STEP_KIND_COLUMNS, *STEP_COST_COLUMNS)
 
 
-def build(rows: Iterable[Mapping[str, Any]], provenance: Provenance) -> pd.DataFrame:
+def build(rows: Iterable[Mapping[str, Any]], provenance: Provenance,
+          step_kinds: StepKinds | None = None) -> pd.DataFrame:
     """A table from result rows (KEY_COLUMNS + RESULT_COLUMNS but ``rank``), ranked.
 
     The step and DCP columns are optional: a row without plan_on or capturable gets
@@ -130,7 +132,7 @@ def build(rows: Iterable[Mapping[str, Any]], provenance: Provenance) -> pd.DataF
             raise ValueError(f"result row {i} lacks {', '.join(missing)}")
         records.append({c: row[c] for c in (*required, *optional) if c in row})
     frame = pd.DataFrame.from_records(records, columns=[*required, *optional])
-    frame = _fill_dcp_columns(_fill_step_kinds(frame))
+    frame = _fill_dcp_columns(_fill_step_kinds(frame, step_kinds))
     for name, value in provenance.as_dict().items():
         frame[name] = value
     frame["rank"] = 0
@@ -138,7 +140,8 @@ def build(rows: Iterable[Mapping[str, Any]], provenance: Provenance) -> pd.DataF
     return assign_ranks(frame)
 
 
-def _declared_step_kinds(frame: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
+def _declared_step_kinds(frame: pd.DataFrame, step_kinds: StepKinds | None
+                         ) -> tuple[pd.Series, pd.Series]:
     """(plan_on, capturable) the routes declare for each row's params, asked once per
     distinct (route, params); UNKNOWN_STEP_KIND where either column is missing."""
     if "route" not in frame or "route_params" not in frame or frame.empty:
@@ -147,7 +150,8 @@ def _declared_step_kinds(frame: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
     pair_id = frame.groupby(["route", "route_params"], sort=False,
                             dropna=False).ngroup().to_numpy()
     firsts = np.unique(pair_id, return_index=True)[1]
-    kinds = [declared_step_kind(str(route), str(params)) for route, params in
+    declared = step_kinds or (lambda route, params: UNKNOWN_STEP_KIND)
+    kinds = [declared(str(route), str(params)) for route, params in
              zip(frame["route"].iloc[firsts], frame["route_params"].iloc[firsts], strict=True)]
     plan_on = np.array([k[0] for k in kinds], dtype=object)
     capturable = np.array([k[1] for k in kinds], dtype=object)
@@ -155,12 +159,12 @@ def _declared_step_kinds(frame: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
             pd.Series(capturable[pair_id], index=frame.index))
 
 
-def _fill_step_kinds(frame: pd.DataFrame) -> pd.DataFrame:
+def _fill_step_kinds(frame: pd.DataFrame, step_kinds: StepKinds | None) -> pd.DataFrame:
     """plan_on and capturable from the routes' declarations where a row has none."""
     out = frame.copy()
     unset = out["plan_on"].isna() | out["capturable"].isna()
     if unset.any():
-        plan_on, capturable = _declared_step_kinds(out[unset])
+        plan_on, capturable = _declared_step_kinds(out[unset], step_kinds)
         out["plan_on"] = out["plan_on"].astype(object)
         out["capturable"] = out["capturable"].astype(object)
         out.loc[unset & out["plan_on"].isna(), "plan_on"] = plan_on
@@ -180,14 +184,15 @@ def _fill_dcp_columns(frame: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def upgrade(frame: pd.DataFrame, version: int = 1) -> pd.DataFrame:
+def upgrade(frame: pd.DataFrame, version: int = 1, step_kinds: StepKinds | None = None
+            ) -> pd.DataFrame:
     """A schema v1 or v2 table as v3 (see mlatune.table.schema): v1's step kinds declared by
     the routes and costs NaN; DCP rows simulated; provenance ``schema_version`` 3 and
     ``converted_from`` "v1" or "v2"."""
     out = frame.copy()
     changed = list(DCP_COLUMNS)
     if version == 1:
-        out["plan_on"], out["capturable"] = _declared_step_kinds(out)
+        out["plan_on"], out["capturable"] = _declared_step_kinds(out, step_kinds)
         for name in STEP_COST_COLUMNS:
             out[name] = np.nan
         changed += _STEP_COLUMNS
@@ -432,20 +437,23 @@ def _unparsable(text: pd.Series, kind: str) -> pd.Series:
     return numbers.isna() & (text != "") & (text.str.lower() != "nan")
 
 
-def read(path: str | os.PathLike, check: bool = True) -> pd.DataFrame:
-    """Read a Parquet or CSV table, a v1 one upgraded to v2; with ``check``, refuse
-    (TableError) any invalid one."""
-    return read_versioned(path, check)[0]
+def read(path: str | os.PathLike, check: bool = True, step_kinds: StepKinds | None = None
+         ) -> pd.DataFrame:
+    """Read a Parquet or CSV table, an older one upgraded to the current schema (a v1 one's
+    step kinds from ``step_kinds``, else unknown); with ``check``, refuse (TableError) any
+    invalid one."""
+    return read_versioned(path, check, step_kinds)[0]
 
 
-def read_versioned(path: str | os.PathLike, check: bool = True) -> tuple[pd.DataFrame, int]:
+def read_versioned(path: str | os.PathLike, check: bool = True,
+                   step_kinds: StepKinds | None = None) -> tuple[pd.DataFrame, int]:
     """``read``, and the schema version the file holds (1: upgraded as it was read;
     0 when the file does not say one version, which ``check`` refuses).
 
     Whatever a damaged file makes the readers or checks raise (Arrow errors,
     OverflowError, RecursionError, ...) is a TableError naming the file, one line."""
     try:
-        return _read_versioned(Path(path), check)
+        return _read_versioned(Path(path), check, step_kinds)
     except TableError as exc:
         if "\n" in str(exc):  # a value quoted from the file: the message stays one line
             raise TableError(str(exc).replace("\n", " ")) from None
@@ -454,7 +462,8 @@ def read_versioned(path: str | os.PathLike, check: bool = True) -> tuple[pd.Data
         raise TableError(f"{path}: unreadable table ({_one_line(exc)})") from exc
 
 
-def _read_versioned(path: Path, check: bool) -> tuple[pd.DataFrame, int]:
+def _read_versioned(path: Path, check: bool, step_kinds: StepKinds | None
+                    ) -> tuple[pd.DataFrame, int]:
     fmt = format_of(path)
     if not path.is_file():
         raise TableError(f"{path}: no such file")
@@ -466,7 +475,7 @@ def _read_versioned(path: Path, check: bool) -> tuple[pd.DataFrame, int]:
         frame, problems, unparsed = _read_csv(path)
     stored = _stored_version(frame, unparsed)
     if 1 <= stored < SCHEMA_VERSION:
-        frame = upgrade(frame, stored)
+        frame = upgrade(frame, stored, step_kinds)
         if isinstance(recorded, list):
             recorded = [upgraded_provenance(p, stored) if isinstance(p, dict) else p
                         for p in recorded]
@@ -592,8 +601,6 @@ def _validate(frame: pd.DataFrame, unparsed: set[str]) -> list[str]:
 
 def _step_problems(frame: pd.DataFrame, have: Callable[..., bool]) -> list[str]:
     """The step kind is one StepKind allows; costs are durations, or NaN (not measured)."""
-    from mlatune.routes.base import PLAN_PLACES
-
     problems = []
     if have("plan_on"):
         unknown = ~frame["plan_on"].isin(PLAN_PLACES)
@@ -625,7 +632,6 @@ def _step_problems(frame: pd.DataFrame, have: Callable[..., bool]) -> list[str]:
 def _dcp_problems(frame: pd.DataFrame, have: Callable[..., bool]) -> list[str]:
     """dcp_timing says how a DCP row was timed, and only a DCP row has one; only a
     measured row has a scheme."""
-    from mlatune.dcp import SCHEMES
 
     problems = []
     if have("dcp_timing"):
@@ -640,11 +646,11 @@ def _dcp_problems(frame: pd.DataFrame, have: Callable[..., bool]) -> list[str]:
                                 f"their dcp_size ('' exactly where dcp_size is 1)")
     if have("dcp_timing", "dcp_scheme"):
         measured = frame["dcp_timing"] == DCP_MEASURED
-        bad = measured & ~frame["dcp_scheme"].isin(SCHEMES) \
+        bad = measured & ~frame["dcp_scheme"].isin(DCP_SCHEMES) \
             | ~measured & (frame["dcp_scheme"] != "")
         if bad.any():
             problems.append(f"{int(bad.sum())} rows have a dcp_scheme that does not fit their "
-                            f"dcp_timing (one of {', '.join(SCHEMES)} exactly where measured), "
+                            f"dcp_timing (one of {', '.join(DCP_SCHEMES)} exactly where measured), "
                             f"e.g. {_examples(frame['dcp_scheme'][bad])}")
     return problems
 

@@ -37,6 +37,7 @@ from enum import StrEnum
 
 from mlatune.arch import DeviceInfo, driver_version, library_versions
 from mlatune.problem import KEY_FIELDS
+from mlatune.steps import UNKNOWN_STEP_KIND  # noqa: F401  (rows no route declared)
 
 SCHEMA_VERSION = 3
 
@@ -87,16 +88,15 @@ RESULT_COLUMNS: dict[str, str] = {
     "launch_host_us": "float64",  # host wall time of one eager launch: an eager engine's CPU cost
     # v3: how a DCP row was timed (see the module docstring).
     "dcp_timing": "string",  # "" without DCP, else DCP_SIMULATED or DCP_MEASURED
-    "dcp_scheme": "string",  # measured: "ag_rs" or "a2a" (mlatune.dcp.SCHEMES); else ""
+    "dcp_scheme": "string",  # measured: one of DCP_SCHEMES; else ""
     "comm_us": "float64",  # measured: time_us minus the attention alone; else NaN
     "simulated_us": "float64",  # measured: the one-GPU simulation's time_us; else NaN
 }
 STEP_KIND_COLUMNS = ("plan_on", "capturable")
 STEP_COST_COLUMNS = ("plan_us", "plan_host_us", "launch_host_us")
-# A route not registered here (a plugin not loaded) is taken as the least usable
-# kind, so it is never picked where a capturable step is required.
-UNKNOWN_STEP_KIND = ("host", False)
 CONVERTED_FROM_V1 = "v1"
+# How a measured DCP step merged its ranks' partials (all-gather + reduce-scatter, all-to-all).
+DCP_SCHEMES = ("ag_rs", "a2a")
 DCP_COLUMNS = ("dcp_timing", "dcp_scheme", "comm_us", "simulated_us")
 DCP_SIMULATED = "simulated"
 DCP_MEASURED = "measured"
@@ -172,22 +172,6 @@ COLUMNS = tuple(COLUMN_TYPES)
 
 def device_key(device: DeviceInfo) -> dict:
     return {"arch": device.arch, "device_name": device.name, "cu_count": device.cu_count}
-
-
-def declared_step_kind(route_id: str, params: Mapping | str) -> tuple[str, bool]:
-    """(plan_on, capturable) that ``route_id`` declares for ``params`` (a dict or its JSON);
-    UNKNOWN_STEP_KIND for a route not registered here or params that are not an object."""
-    from mlatune.routes import get, step_kind_of  # the registry only when a kind is derived
-
-    try:
-        route = get(route_id)
-        params = json.loads(params) if isinstance(params, str) else params
-    except (KeyError, ValueError):
-        return UNKNOWN_STEP_KIND
-    if not isinstance(params, Mapping):
-        return UNKNOWN_STEP_KIND
-    kind = step_kind_of(route, dict(params))
-    return kind.plan_on, kind.capturable
 
 
 def is_measured(dcp_timing: object) -> bool:

@@ -51,11 +51,12 @@ from typing import Any
 
 from mlatune.errors import TableError
 from mlatune.problem import KEY_FIELDS, MLAProblem
+from mlatune.steps import PLAN_PLACES, StepKinds
 from mlatune.table.schema import (
     SCHEMA_VERSION,
     STATUSES,
     STEP_COST_COLUMNS,
-    declared_step_kind,
+    UNKNOWN_STEP_KIND,
     upgraded_provenance,
 )
 
@@ -86,13 +87,13 @@ class WinnersMap:
     problems: list[dict[str, MLAProblem]]
 
 
-def read(path: Path) -> WinnersMap:
+def read(path: Path, step_kinds: StepKinds | None = None) -> WinnersMap:
     """A winners map from a file, refused (TableError, one line) unless valid.
 
     Whatever a damaged file makes parsing or the checks raise (RecursionError from
     deep nesting, OverflowError from huge numbers, ...) is a TableError too."""
     try:
-        return _read(path)
+        return _read(path, step_kinds)
     except TableError:
         raise
     except RecursionError:
@@ -107,7 +108,7 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
-def _read(path: Path) -> WinnersMap:
+def _read(path: Path, step_kinds: StepKinds | None) -> WinnersMap:
     try:
         document = json.loads(path.read_bytes())
     except OSError as exc:
@@ -120,12 +121,14 @@ def _read(path: Path) -> WinnersMap:
         raise TableError(f"{path}: invalid winners map ({len(found)} problem"
                          f"{'s' if len(found) > 1 else ''}): " + "; ".join(found))
     if document["schema_version"] == 1:
-        upgrade(document)
+        upgrade(document, step_kinds)
     return WinnersMap(document, parsed)
 
 
-def upgrade(document: dict[str, Any]) -> None:
-    """A valid schema v1 map, upgraded in place to v2 (see the module docstring)."""
+def upgrade(document: dict[str, Any], step_kinds: StepKinds | None = None) -> None:
+    """A valid schema v1 map, upgraded in place to v2 (see the module docstring): step kinds
+    from ``step_kinds``, else unknown."""
+    declared = step_kinds or (lambda route, params: UNKNOWN_STEP_KIND)
     kinds: dict[tuple[str, str], tuple[str, bool]] = {}  # asked once per (route, params)
     for device in document["devices"]:
         device["provenance"] = [upgraded_provenance(p) if isinstance(p, dict) else p
@@ -134,7 +137,7 @@ def upgrade(document: dict[str, Any]) -> None:
             for option in (winner, *winner.get("alternatives", ())):
                 pair = (option["route"], json.dumps(option["params"], sort_keys=True))
                 if pair not in kinds:
-                    kinds[pair] = declared_step_kind(option["route"], option["params"])
+                    kinds[pair] = declared(option["route"], option["params"])
                 option["plan_on"], option["capturable"] = kinds[pair]
                 option.update(dict.fromkeys(STEP_COST_COLUMNS))
     document["schema_version"] = SCHEMA_VERSION
@@ -276,8 +279,6 @@ def _valid_option(option: Any) -> bool:
 
 def _valid_step(option: dict[str, Any]) -> bool:
     """The step fields as a table's validate allows them for an ok row."""
-    from mlatune.routes.base import PLAN_PLACES
-
     plan_on, capturable = option.get("plan_on"), option.get("capturable")
     costs = [option.get(name, "absent") for name in STEP_COST_COLUMNS]  # null: not measured
     return (plan_on in PLAN_PLACES and isinstance(capturable, bool)
