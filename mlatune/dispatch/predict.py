@@ -15,9 +15,10 @@ Each recipe's time is a fitted cost law times a local correction:
   is the fixed cost, ``c`` the streaming rate, ``d`` and ``e`` what each request and
   each program add (the partials a split writes and the reduce reads). ``W`` and
   ``C`` follow the launch where it is known, so that a batch that leaves the last
-  round of work nearly empty costs the whole round. Each route declares how its launch makes them (``Route.launch_geometry``, the shapes in
-  ``mlatune.routes.geometry``); a route that declares none is taken as balanced:
-  ``W = B x shard KV / SMs``, ``C = B / SMs``.
+  round of work nearly empty costs the whole round. Each route declares how its launch
+  makes them (``Route.launch_geometry``, the shapes in ``mlatune.routes.geometry``); a
+  route that declares none is taken as balanced: ``W = B x shard KV / SMs``,
+  ``C = B / SMs``.
 
 - the *correction*: the log ratio of measured to law time at the measured points,
   averaged over the nearest ones (a Gaussian kernel in log2 (batch, kv_len) whose
@@ -637,8 +638,8 @@ def rows_from_journal(path: str | Path, capturable: bool = False,
     across processes, only those (``_learnable``). A record without its step kind gets
     the one its route declares, as a table's row does."""
     from mlatune.dispatch import step_cost  # lazily: the dispatcher may import this module
-    from mlatune.routes import declared_step_kind
     from mlatune.measure import journal
+    from mlatune.routes import declared_step_kind
 
     stepped = []  # (record, params, plan_on): the ok steps the caller can take
     for r in journal.read_records(Path(path))[1]:

@@ -21,10 +21,10 @@ import pandas as pd
 
 from mlatune import routes, table
 from mlatune.dispatch import Dispatcher, device_for_arch
+from mlatune.measure import journal
 from mlatune.problem import FP8_DTYPES, MLAProblem
 from mlatune.report import policies
 from mlatune.report.terms import batch_band, geomean, problem_label
-from mlatune.measure import journal
 from mlatune.table.schema import (
     DCP_MEASURED,
     DEVICE_COLUMNS,
