@@ -84,7 +84,7 @@ class Printer:
     def __init__(self, routine: str, out: Path | None, launcher: list[str] | None = None):
         self.routine = routine
         self.out = out
-        self.launcher = launcher or ["python"]
+        self.launcher = launcher or [Path(sys.executable).name]
 
     def command(self, argv: list[str]) -> str:
         return shlex.join([*self.launcher, SCRIPT, "--routine", self.routine, *argv])
@@ -113,8 +113,9 @@ class Printer:
 
 
 def _commit() -> str:
+    """The checkout's commit, ``-dirty`` when its files differ from it."""
     try:
-        done = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+        done = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
                               capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return "unknown"
