@@ -55,12 +55,17 @@ ReplaceRoutesOption = Annotated[str | None, typer.Option(
          "whose parameter sets changed is judged by what it runs now). Implies "
          "--allow-different-specs: a sweep of some routes often runs a cut of the table's "
          "spec.")]
+WhereOption = Annotated[str | None, typer.Option(
+    metavar="QUERY",
+    help="With --replace-routes: only the newer tables' rows that match QUERY replace and "
+         "join (a pandas query over the table's columns, e.g. \"num_heads * qlen <= 16\").")]
 
 
 @app.command()
 def merge(tables: TablesArgument, out: OutOption = None,
           allow_different_specs: AllowSpecsFlag = False,
-          replace_routes: ReplaceRoutesOption = None, json_out: JsonFlag = False) -> None:
+          replace_routes: ReplaceRoutesOption = None, where: WhereOption = None,
+          json_out: JsonFlag = False) -> None:
     """Join tables into one: per (device, problem, route) the best row (an ok row before
     any other, then the fastest), re-ranked.
 
@@ -73,14 +78,14 @@ def merge(tables: TablesArgument, out: OutOption = None,
     from mlatune import table
 
     out = _checked_out(out, tables)
-    replaced = _replaced_routes(replace_routes, tables)
+    replaced = _replaced_routes(replace_routes, where, tables)
     inputs = [_MergeInput(path) for path in tables]
     _refuse_mixed_environments(inputs)
     specs = _joined_specs(inputs, allow_different_specs or bool(replaced))
     missing = _missing_shards(inputs)
     parts, dropped = [i.frame for i in inputs], 0
     if replaced:
-        parts, dropped = _replace(parts, replaced)
+        parts, dropped = _replace(parts, replaced, where)
     with one_line_errors("merge"):
         merged = table.merge(parts)
     with one_line_errors(str(out)):
@@ -119,37 +124,51 @@ def _checked_out(out: Path | None, tables: list[Path]) -> Path:
     return out
 
 
-def _replaced_routes(replace_routes: str | None, tables: list[Path]) -> list[str]:
+def _replaced_routes(replace_routes: str | None, where: str | None, tables: list[Path]
+                    ) -> list[str]:
     routes = sorted({r.strip() for r in (replace_routes or "").split(",") if r.strip()})
     if replace_routes is not None and not routes:
         usage_error("name at least one route id", "--replace-routes")
     if routes and len(tables) < 2:
         usage_error("replacing rows takes the table to change and at least one newer table",
                     "--replace-routes")
+    if where is not None and not routes:
+        usage_error("it picks the rows that replace: only with --replace-routes", "--where")
     return routes
 
 
-def _replace(parts: list[pd.DataFrame], routes: list[str]) -> tuple[list[pd.DataFrame], int]:
+def _replace(parts: list[pd.DataFrame], routes: list[str], where: str | None
+             ) -> tuple[list[pd.DataFrame], int]:
     """The first table without its rows of ``routes`` for the problems (per device) the
-    others hold, re-ranked, then the others; and how many rows were dropped. A route no
-    newer table holds is a usage error: its rows would go with nothing in their place."""
-    import pandas as pd
-
+    newer ones hold, then the newer ones (their rows matching ``where``), each re-ranked
+    where rows left it; and how many rows of the first were dropped. A route no newer
+    row holds is a usage error: its rows would go with nothing in their place."""
     from mlatune import table
     from mlatune.table.schema import KEY_COLUMNS
 
-    base, newer = parts[0], pd.concat(parts[1:], ignore_index=True)
-    absent = sorted(set(routes) - set(newer["route"]))
+    base, newer = parts[0], [_matching(p, where) for p in parts[1:]]
+    newer = [table.assign_ranks(p) for p in newer if not p.empty]
+    held_routes = {r for p in newer for r in p["route"]}
+    absent = sorted(set(routes) - held_routes)
     if absent:
-        usage_error(f"{', '.join(absent)}: no rows in the newer tables to replace with",
-                    "--replace-routes")
-    held = set(newer[list(KEY_COLUMNS)].itertuples(index=False, name=None))
+        usage_error(f"{', '.join(absent)}: no rows in the newer tables to replace with"
+                    + (" (that match --where)" if where else ""), "--replace-routes")
+    held = {key for p in newer
+            for key in p[list(KEY_COLUMNS)].itertuples(index=False, name=None)}
     problems = base[list(KEY_COLUMNS)].itertuples(index=False, name=None)
     dropped = [route in routes and key in held
                for route, key in zip(base["route"], problems, strict=True)]
     kept = base[[not d for d in dropped]]
-    rest = parts[1:] if kept.empty else [table.assign_ranks(kept), *parts[1:]]
-    return rest, sum(dropped)
+    return ([] if kept.empty else [table.assign_ranks(kept)]) + newer, sum(dropped)
+
+
+def _matching(frame: pd.DataFrame, where: str | None) -> pd.DataFrame:
+    if where is None:
+        return frame
+    try:
+        return frame.query(where)
+    except Exception as exc:  # pandas raises many kinds for a bad query
+        usage_error(f"{where!r}: {type(exc).__name__}: {exc}", "--where")
 
 
 def _print_merged(out: Path, merged: pd.DataFrame, inputs: list[_MergeInput],
