@@ -2,13 +2,11 @@
 
 A warp's shared load or store of W bytes a lane is served in phases of 128 / W lanes
 (32 lanes up to 4 bytes, 16 for 8, 8 for 16); in a phase each of the 32 four-byte banks
-serves one word a wavefront. The count this gives matched Nsight Compute's on the H200 for
-the 16 x 16 byte blocks (16 wavefronts a 16-byte load, 8 a store; session 19) and for the
-wide layouts (8 KB a warp in 128 wavefronts; session 20).
+serves one word a wavefront. The counts this gives matched Nsight Compute's on the H200
+(docs/kernels/gluon_transposed.md).
 
 Addresses: the K tile is TMA's 128-byte swizzle over [64 keys, 128-dim] sub-tiles
-(``k_tile_address``); V^T is [512 dims, 64 keys] rows under a 64-byte swizzle, or
-(``wide_vt``) [512 dims, 128 slots] rows under a 128-byte swizzle
+(``k_tile_address``); V^T is [512 dims, 128 key slots] rows under a 128-byte swizzle
 (``vt_address``).
 """
 
@@ -21,10 +19,8 @@ def k_tile_address(key: int, dim: int) -> int:
     return (dim >> 7) * 8192 + key * 128 + ((((dim >> 4) & 7) ^ (key & 7)) << 4) + (dim & 15)
 
 
-def vt_address(dim: int, slot: int, wide: bool) -> int:
-    if wide:
-        return dim * 128 + ((((slot >> 4) & 7) ^ (dim & 7)) << 4) + (slot & 15)
-    return dim * 64 + ((((slot >> 4) & 3) ^ ((dim >> 1) & 3)) << 4) + (slot & 15)
+def vt_address(dim: int, slot: int) -> int:
+    return dim * 128 + ((((slot >> 4) & 7) ^ (dim & 7)) << 4) + (slot & 15)
 
 
 def wavefronts(addresses: Sequence[int], width: int) -> int:

@@ -1,8 +1,8 @@
 """The fp8-MMA kernel's V transpose layouts (``gluon_transposed_fp8``) under the shared-memory
-bank model (tests/bank_model.py): the wide form moves each warp's 8 KB of a tile in a third
-of the wavefronts of the 16 x 16 byte blocks, and its key slots are one permutation of the
-tile's keys, the same in V^T and P^T. Pure Python over the layouts' bases: no triton build
-needed beyond importing the module."""
+bank model (tests/bank_model.py): each warp's 8 KB of a tile moves at the least wavefronts its
+bytes need, and the key slots are one permutation of the tile's keys, the same in V^T and
+P^T. Pure Python over the layouts' bases: no triton build needed beyond importing the
+module."""
 
 from __future__ import annotations
 
@@ -28,23 +28,14 @@ def _kernel():
     return f
 
 
-def test_the_16x16_blocks_cost_what_nsight_counted():
-    """Loads 4-way (16 wavefronts each of the 16 a warp-tile), stores 2-way: 384 a
-    warp-tile, Nsight Compute's count on the H200 (session 19)."""
-    f = _kernel()
-    load = bm.warp_wavefronts(_bases(f._V_LOAD), bm.k_tile_address, 1)
-    store = bm.warp_wavefronts(_bases(f._VT_STORE), lambda d, k: bm.vt_address(d, k, False), 1)
-    assert (load, store) == (256, 128)
-
-
 def test_the_wide_layouts_move_a_warps_8_kb_without_bank_conflicts():
     """4-byte loads and 16-byte stores, each at the least wavefronts its bytes need: 64 +
-    64 a warp-tile (8 KB), a third of the 16 x 16 blocks' 384."""
+    64 a warp-tile (8 KB)."""
     f = _kernel()
     load_bases, store_bases = _bases(f._V_LOAD_WIDE), _bases(f._VT_STORE_WIDE)
     assert bm.vector_width(load_bases, 1) == 4 and bm.vector_width(store_bases, 1) == 16
     load = bm.warp_wavefronts(load_bases, bm.k_tile_address, 1)
-    store = bm.warp_wavefronts(store_bases, lambda d, s: bm.vt_address(d, s, True), 1)
+    store = bm.warp_wavefronts(store_bases, bm.vt_address, 1)
     assert (load, store) == (64, 64)
 
 
