@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mlatune.check import reference
 from mlatune.check.inputs import DecodeInputs, KVShard
+from mlatune.lse import combine
 from mlatune.problem import MLAProblem
 from mlatune.routes import Prepared, Route
 from mlatune.table.schema import DCP_SCHEMES
@@ -51,7 +51,7 @@ def merge_ranks_into(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor,
 
         merge_partials_into(outs, lses, out, lse)
         return
-    merged, total = reference.merge_partials(list(outs.float()), list(lses.float()))
+    merged, total = combine(list(outs.float()), list(lses.float()))
     out.copy_(merged)
     if lse is not None:
         lse.copy_(total)

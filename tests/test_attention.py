@@ -7,6 +7,7 @@ from mlatune.check import reference
 from mlatune.check.accuracy import check
 from mlatune.check.inputs import DecodeInputs, KVShard, make_decode_inputs, poison_, shard_lengths
 from mlatune.dispatch import Dispatcher
+from mlatune.lse import combine
 from mlatune.problem import MLAProblem
 from tests.helpers import expected_now
 from tests.table_helpers import FakeRoute, make_table, result_row
@@ -33,7 +34,7 @@ def run_ranks(inputs: DecodeInputs, dispatcher, **overrides):
             kv_lora_rank=p.kv_lora_rank, return_lse=True, dispatcher=dispatcher, **overrides)
         outs.append(out.float().clone())
         lses.append(lse.clone())
-    return reference.merge_partials(outs, lses) if len(outs) > 1 else (outs[0], lses[0])
+    return combine(outs, lses) if len(outs) > 1 else (outs[0], lses[0])
 
 
 @pytest.mark.parametrize("problem", PROBLEMS, ids=["decode-fp16", "verify-fp8kv-dcp4",
@@ -361,7 +362,7 @@ def test_a_prepared_step_follows_the_tensors_it_was_made_for(tmp_path):
     for lens in ([9, 40], [40, 23], [2, 3]):
         inputs.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         outs, lses = zip(*(step() for step in steps), strict=True)
-        out, lse = reference.merge_partials([o.float() for o in outs], list(lses))
+        out, lse = combine([o.float() for o in outs], list(lses))
         want_out, want_lse = expected_now(inputs)
         assert check(problem, out, want_out, lse, want_lse).ok, lens
     assert not attention.plans_of(dispatcher)  # nothing cached: the caller holds the steps

@@ -15,10 +15,10 @@ import torch
 
 from mlatune import attention, routes, table
 from mlatune.arch import current_device
-from mlatune.check import reference
 from mlatune.check.accuracy import check
 from mlatune.check.inputs import DecodeInputs, make_decode_inputs, poison_
 from mlatune.dispatch import Dispatcher
+from mlatune.lse import combine
 from mlatune.problem import MLAProblem
 from tests.helpers import expected_now
 from tests.table_helpers import make_table, result_row
@@ -122,7 +122,7 @@ def test_a_captured_step_replays_with_new_lengths(route_id, persistent, problem,
         graph.replay()
         torch.cuda.synchronize()
         if problem.dcp_size > 1:
-            out, lse = reference.merge_partials([o.float() for o in outs], list(lses))
+            out, lse = combine([o.float() for o in outs], list(lses))
         else:
             out, lse = outs[0], lses[0]
         scaled = DecodeInputs(problem, inputs.q, inputs.q_scale, inputs.kv_scale,
@@ -152,7 +152,7 @@ def test_eager_calls_replay_a_private_graph_with_new_lengths(route_id, persisten
                                         return_lse=True, dispatcher=dispatcher)
             outs.append(out.float().clone())
             lses.append(lse.clone())
-        out, lse = reference.merge_partials(outs, lses) if len(outs) > 1 else (outs[0], lses[0])
+        out, lse = combine(outs, lses) if len(outs) > 1 else (outs[0], lses[0])
         want_out, want_lse = expected_now(inputs)
         accuracy = check(problem, out, want_out, lse, want_lse)
         assert accuracy.ok, f"call {n}: {accuracy.reason}"

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from mlatune.check import reference
 from mlatune.check.inputs import DecodeInputs, KVShard, make_decode_inputs, make_prefill_inputs
+from mlatune.lse import combine
 from mlatune.problem import MLAProblem
 from tests.helpers import dense_kv, paged, unsharded
 
@@ -186,7 +187,7 @@ def test_merge_partials_of_a_split_equals_the_whole():
     whole = reference.attend(q, k, k, pos, last, 0.3)
     idx = torch.randperm(11, generator=gen)
     parts = [reference.attend(q, k[i], k[i], pos[i], last, 0.3) for i in (idx[:4], idx[4:])]
-    merged = reference.merge_partials([o for o, _ in parts], [s for _, s in parts])
+    merged = combine([o for o, _ in parts], [s for _, s in parts])
     close(merged[0], whole[0])
     close(merged[1], whole[1])
 

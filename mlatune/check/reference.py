@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from mlatune.check.inputs import DecodeInputs, KVShard, PrefillInputs
+from mlatune.lse import combine
 
 
 def attend(
@@ -83,21 +84,6 @@ def _weigh_values(probs: torch.Tensor, v: torch.Tensor, bad: torch.Tensor | None
         reached = torch.einsum("...tn,...nhd->...thd", allowed.to(v.dtype), bad.to(v.dtype))
         out.masked_fill_(reached > 0, float("nan"))
     return out
-
-
-def merge_partials(
-    outs: list[torch.Tensor], lses: list[torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Combine attention over disjoint key sets by their LSEs (DCP's merge)."""
-    lse_stack = torch.stack(lses)  # (R, T, H)
-    lse = torch.logsumexp(lse_stack, dim=0)
-    # A part with no keys (LSE -inf) weighs 0, also where every part is empty (NaN from
-    # -inf - -inf), and its output is not read (a kernel may leave anything there); a NaN
-    # LSE is kept, so a NaN from the inputs reaches the merged output.
-    empty = torch.isneginf(lse_stack)
-    weights = torch.exp(lse_stack - lse[None]).masked_fill_(empty, 0.0)
-    parts = (weights[..., None] * torch.stack(outs)).masked_fill_(empty[..., None], 0.0)
-    return parts.sum(dim=0), lse
 
 
 def dequantize(x: torch.Tensor, scale: torch.Tensor | float | None, dtype: torch.dtype):
@@ -179,7 +165,7 @@ def decode(
     parts = [decode_shard(inputs, shard, dtype) for shard in inputs.shards]
     if len(parts) == 1:
         return parts[0]
-    return merge_partials([o for o, _ in parts], [lse for _, lse in parts])
+    return combine([o for o, _ in parts], [lse for _, lse in parts])
 
 
 def prefill(

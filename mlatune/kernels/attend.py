@@ -22,9 +22,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+from mlatune import lse
+
+LOG2E = lse.LOG2E
 # A constexpr so that jit functions may read it as a global.
-LN2 = tl.constexpr(0.6931471805599453)
+LN2 = tl.constexpr(lse.LN2)
 
 
 @triton.jit

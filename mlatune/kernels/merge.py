@@ -4,7 +4,7 @@ Each rank attends a disjoint (round-robin) share of the keys; the full output
 is the LSE-weighted mean of the ranks' outputs and the full LSE their
 logsumexp. A rank that saw no key of a row has LSE -inf and weight 0 (its output
 there is not read); a row no rank saw gets output 0 and LSE -inf, as in
-``reference.merge_partials``.
+``mlatune.lse.combine``.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
+from mlatune import lse
 from mlatune.kernels.attend import LN2
 
-_LOG2E = tl.constexpr(1.4426950408889634)
+_LOG2E = tl.constexpr(lse.LOG2E)
 
 
 @triton.jit(do_not_specialize=["ranks", "n_rows", "heads"])

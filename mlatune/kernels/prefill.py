@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mlatune.kernels.attend import LN2
 from mlatune.kernels.prefill_plan import (
     MERGE_INFO_COLUMNS,
     WORK_INFO_COLUMNS,
@@ -352,7 +353,7 @@ def _prefill_persistent_kernel(
             o = acc * (out_scale / l_safe)[:, None]
             # Scores are in log2 units: times ln 2 for a natural-log LSE; l is the sum
             # of the probabilities scaled by 2**P_SHIFT.
-            lse = tl.where(has_keys, (m_i + tl.log2(l_safe) - P_SHIFT) * 0.6931471805599453,
+            lse = tl.where(has_keys, (m_i + tl.log2(l_safe) - P_SHIFT) * LN2,
                            float("-inf"))
             if slot < 0:
                 o_ptrs = (out_ptr + rows[:, None] * stride_o_row + head * stride_o_head
