@@ -15,10 +15,11 @@ from mlatune.sweep.journal import Journal, JournalError, JournalHeader, read, re
 from mlatune.sweep.records import Record, Result, Status, Task, table_rows
 from mlatune.table.schema import STATUSES
 
-RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
-# The oldest line format (no step kinds, worker seconds, device or racing) and today's.
-OLD = RESULTS / "h200-table-20261129" / "sm_90-h200.journal.jsonl.gz"
-NEW = RESULTS / "h200-gluon-sweep-20261201" / "sm_90-heldout-gluon.journal.jsonl.gz"
+DATA = Path(__file__).resolve().parent / "data"
+# The oldest line format (no step kinds, worker seconds, device or racing; every 40th problem
+# of the first H200 sweep, 2026-11-29) and today's (a held-out sweep of 2026-12-01).
+OLD = DATA / "journal-2026-11-29.jsonl.gz"
+NEW = DATA / "journal-2026-12-01.jsonl.gz"
 
 
 @pytest.mark.parametrize("path", [OLD, NEW], ids=["2026-11-29", "2026-12-01"])

@@ -28,7 +28,7 @@ from tests.table_helpers import H200, MI355, FakeRoute, make_table, result_row
 from tests.test_cli_tables import assert_one_line_error
 
 REPO = Path(__file__).resolve().parents[1]
-SMOKE = REPO / "benchmarks" / "results" / "smoke-h200-20261129"
+SMOKE = REPO / "tests" / "data" / "smoke-h200"  # two smoke sweeps on the H200, 2026-11-29
 wide = CliRunner(env={"COLUMNS": "250"})
 
 FAST, SLOW, RULE = "x-fast/fake", "y-slow/fake", "aa-rule/fake"  # RULE sorts first
@@ -264,7 +264,8 @@ def test_report_on_the_committed_smoke_tables(tmp_path):
     made = report.build_report(SMOKE / "run1.parquet", tmp_path, SMOKE / "run2.parquet")
     summary = made.summary
     assert (summary.problems, summary.decode, summary.prefill) == (31, 28, 3)
-    # benchmarks/results/README.md: 30 of 31 problems picked the same winner in both runs.
+    # Their record (benchmarks/results/README.md, in git history): 30 of 31 problems picked the
+    # same winner in both runs.
     assert (summary.regret.picked_winner, summary.regret.judged) == (30, 31)
     assert summary.regret.sources == {"table": 31}
     assert sorted(made.images) == ["regret", "roofline", "speedup", "winner_map"]
