@@ -244,7 +244,7 @@ def _decode(args, printer: Printer) -> None:
     from mlatune.measure import timers
     from mlatune.problem import MLAProblem
 
-    _one_route_for_params(args)
+    _check_routes(args)
     device = _gpu("decode")
     printer.header(_device_text(device))
     budget = timers.Budget(warmup=3, min_reps=10, max_reps=200, max_seconds=args.seconds)
@@ -258,7 +258,11 @@ def _decode(args, printer: Printer) -> None:
             want = reference.decode_shard(inputs, inputs.shards[0])
             label = f"({text_of(at, ', ')}) {kv}" + (f" dcp {args.dcp}" if args.dcp > 1 else "")
             results = []
-            for route in routes.viable(problem, device):
+            viable = routes.viable(problem, device)
+            for route_id in sorted(set(args.routes) - {r.id for r in viable}):
+                verdict = routes.get(route_id).supports(problem, device)
+                print(f"# {label}: {route_id} refuses: {verdict.reason}", flush=True)
+            for route in viable:
                 if not (route.id in args.routes if args.routes
                         else route.id.endswith(DECODE_BACKENDS)):
                     continue
@@ -277,7 +281,13 @@ def _decode(args, printer: Printer) -> None:
             torch.cuda.empty_cache()
 
 
-def _one_route_for_params(args) -> None:
+def _check_routes(args) -> None:
+    """Refuses route ids no route has, and --params without exactly one route."""
+    from mlatune import routes
+
+    unknown = sorted(set(args.routes) - {r.id for r in routes.all_routes()})
+    if unknown:
+        refuse(f"--routes: no route {', '.join(unknown)}")
     if args.params is not None and len(args.routes) != 1:
         refuse("--params needs exactly one route in --routes")
 
@@ -305,7 +315,7 @@ def _prefill(args, printer: Printer) -> None:
     from mlatune.measure import timers
     from mlatune.problem import MLAProblem
 
-    _one_route_for_params(args)
+    _check_routes(args)
     device = _gpu("prefill")
     printer.header(_device_text(device))
     budget = timers.Budget(warmup=3, min_reps=10, max_reps=200, max_seconds=args.seconds)
