@@ -49,21 +49,15 @@ from mlatune.report.metrics import candidate_times, nearest_regret, one_device, 
 from mlatune.table.winners_map import problem_of
 
 ROOT = Path(__file__).resolve().parent.parent
-TABLE = ROOT / "mlatune/tables/sm_90-h200.parquet"
-# The shipped table's sweep, then FlashMLA re-timed after its DCP fix (merged into the table
-# on 2026-11-30 21:44: its rows there replace the sweep's), then the sweeps whose rows
-# replaced a route's since, in the order they did (a later journal's runs of a problem and
-# route replace an earlier one's): wgmma/gluon (2026-12-01), both later Gluon routes
-# (session 17), transposed/gluon over fp8 caches (session 21; its rows at up to 16 query
-# rows a program are the table's, the rest ran the same sets as session 17's).
-RESULTS = ROOT / "benchmarks/results"
-SWEEP = RESULTS / "h200-sweep20-20261130"
-JOURNALS = [SWEEP / "sm_90-h200.journal.jsonl.gz", SWEEP / "sm_90-flashmla-retime.journal.jsonl.gz",
-            RESULTS / "h200-gluon-sweep-20261201/sm_90-gluon.journal.jsonl.gz",
-            RESULTS / "h200-s17-call7-20261202/sm_90-g-h200.journal.jsonl.gz",
-            RESULTS / "h200-s21-call2-20261202/sm_90-f-h200.journal.jsonl.gz"]
-HELDOUT = ROOT / "benchmarks/results/h200-vendors-20261130/sm_90-traffic.parquet"
-HELDOUT_JOURNAL = ROOT / "benchmarks/results/h200-vendors-20261130/sm_90-traffic.journal.jsonl.gz"
+TABLE = ROOT / "tables/sm_90-h200.parquet"
+# The journals of every sweep whose rows the shipped table holds, in the order they were
+# applied (tables/journals/sm_90-h200/REBUILD.md): a later journal's runs of a problem and
+# route replace an earlier one's. The held-out table is the one `mlatune report --heldout`
+# judges the shipped table by.
+JOURNAL_DIR = ROOT / "tables/journals/sm_90-h200"
+JOURNALS = sorted(JOURNAL_DIR.glob("[0-9]-*.journal.jsonl.gz"))
+HELDOUT = JOURNAL_DIR / "heldout/sm_90-traffic-s23.parquet"
+HELDOUT_JOURNAL = JOURNAL_DIR / "heldout/sm_90-traffic-s23.journal.jsonl.gz"
 CURRENCIES = ("cost", "launch")
 
 # (problem key, route) -> [(params as run, us)]
@@ -254,8 +248,8 @@ def main() -> None:
     parser.add_argument("--table", type=Path, default=TABLE)
     parser.add_argument("--journal", type=Path, action="append",
                         help="a sweep journal that times the answers (loo: the table's, "
-                        "default JOURNALS: its sweep's, FlashMLA's re-time and the Gluon sweeps "
-                        "whose rows replaced theirs; heldout: the held-out "
+                        "default: the journals of every sweep whose rows the shipped table "
+                        "holds; heldout: the held-out "
                         "sweep's); repeated, a later one's runs of a problem's route replace "
                         "an earlier one's")
     parser.add_argument("--heldout", type=Path, default=HELDOUT)
