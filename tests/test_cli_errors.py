@@ -4,13 +4,13 @@ TableError, OutputError) ends as one line on stderr and exit 1, never a tracebac
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from filelock import FileLock, Timeout
 from typer.testing import CliRunner
 
 from mlatune import table
@@ -180,7 +180,7 @@ def test_a_damaged_journal_line_is_one_line(tmp_path):
         f.write("[1, 2]\n" + json.dumps({"kind": "result", "id": "b", "status": "ok"}) + "\n")
     result = invoke("sweep", spec, "--out", out)
     assert_error_line(result, str(journal), "line 3", "--fresh starts over")
-    assert result.exit_code == 1 and not lock_path(journal).exists()
+    assert result.exit_code == 1 and lock_is_free(journal)
 
 
 @pytest.mark.parametrize("command", [
@@ -258,7 +258,7 @@ def test_a_worker_that_will_not_start_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(runner, "run", broken)
     result = invoke("sweep", tiny_spec(tmp_path), "--out", tmp_path / "t.parquet")
     assert_error_line(result, "failed to start")
-    assert not lock_path(tmp_path / "t.journal.jsonl").exists()  # the journal was closed
+    assert lock_is_free(tmp_path / "t.journal.jsonl")  # the journal was closed
 
 
 @pytest.mark.parametrize("error", [JournalError, TableError, OutputError])
@@ -310,6 +310,17 @@ def test_doctor_says_a_damaged_bundled_table_in_one_line(tmp_path, monkeypatch):
 
 # 5. --fresh holds the journal's lock while it moves the earlier run aside ------------
 
+def lock_is_free(journal: Path) -> bool:
+    """Whether a second sweep could take the journal's lock now."""
+    lock = FileLock(lock_path(journal))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        return False
+    lock.release()
+    return True
+
+
 def test_fresh_moves_aside_under_the_journal_lock(tmp_path, monkeypatch):
     spec, out = tiny_spec(tmp_path), tmp_path / "t.parquet"
     journal = out.with_suffix(".journal.jsonl")
@@ -318,22 +329,14 @@ def test_fresh_moves_aside_under_the_journal_lock(tmp_path, monkeypatch):
     real = stages.move_aside
 
     def move_aside(table_path, journal_path):
-        if not lock_path(journal_path).exists():
-            seen.append("absent")
-            return real(table_path, journal_path)
-        with lock_path(journal_path).open("rb") as handle:  # a second sweep's try
-            try:
-                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                seen.append("free")
-            except BlockingIOError:
-                seen.append("held")
+        seen.append("free" if lock_is_free(journal_path) else "held")  # a second sweep's try
         return real(table_path, journal_path)
 
     monkeypatch.setattr(stages, "move_aside", move_aside)
     result = invoke("sweep", spec, "--out", out, "--fresh")
     assert result.exit_code == 0, result.output
     assert seen == ["held"] and "the earlier run moved to" in result.output
-    assert not lock_path(journal).exists()  # given back, and the new sweep's closed too
+    assert lock_is_free(journal)  # given back, and the new sweep's closed too
 
 
 # 6. report's speedup table: the renamed column, numbers right-aligned ------------------

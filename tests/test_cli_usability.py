@@ -82,7 +82,8 @@ def test_fresh_leaves_a_journal_another_sweep_holds_alone(tmp_path):
     finally:
         held.close()
     assert result.exit_code == 1 and "in use by another sweep" in result.output
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.journal.jsonl", "tiny.toml"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "t.journal.jsonl", "t.journal.jsonl.lock", "tiny.toml"]  # nothing moved aside
 
 
 # 2. Progress counts the candidates that run -----------------------------------------

@@ -14,23 +14,24 @@ numbers, ...); a resumed journal's results must also have an ``id`` and a
 damaged line in the middle is not what a kill leaves, so it is not skipped
 silently (its candidate would vanish from the table).
 
-One sweep at a time: a sweep holds an exclusive ``flock`` on ``<journal>.lock``
-while it appends (the lock file holds its pid, and is removed when it closes);
-a second sweep on the same journal is refused, naming that pid. The kernel drops
-the lock of a killed sweep, so a stale lock file never blocks a resume. The
-journal itself is created with O_EXCL under that lock.
+One sweep at a time: a sweep holds ``<journal>.lock`` (a ``filelock.FileLock``: an
+``flock`` on Unix) while it appends; a second sweep on the same journal is refused at
+once, not kept waiting. The lock file stays beside the journal: the kernel drops the
+lock of a finished or killed sweep, so it never blocks a resume. The journal itself is
+created with O_EXCL under that lock.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
+
+from filelock import FileLock, Timeout
 
 from mlatune.errors import JournalError, OutputError
 from mlatune.measure.journal import (
@@ -65,7 +66,7 @@ class Journal:
         try:
             self._file = self._open(self.header, resume)
         except BaseException:
-            _unlock(self._lock, self.path)
+            self._lock.release()
             raise
 
     def _open(self, header: JournalHeader, resume: bool) -> IO[str]:
@@ -163,7 +164,7 @@ class Journal:
         finally:
             with contextlib.suppress(OSError):  # a failed flush: the torn tail stays
                 self._file.close()
-            _unlock(self._lock, self.path)
+            self._lock.release()
 
 
 def lock_path(journal: Path) -> Path:
@@ -176,59 +177,30 @@ def lock_path(journal: Path) -> Path:
 def locked(journal: Path) -> Iterator[None]:
     """Hold the journal's lock as a sweep does, without opening it (``--fresh`` moves an
     earlier run aside under it); JournalError while another sweep holds it."""
-    handle = _lock(Path(journal))
+    lock = _lock(Path(journal))
     try:
         yield
     finally:
-        _unlock(handle, Path(journal))
+        lock.release()
 
 
-def _lock(journal: Path) -> IO[bytes]:
-    """An exclusive, non-blocking flock on the journal's lock file, with our pid in it."""
-    path = lock_path(journal)
+def _lock(journal: Path) -> FileLock:
+    """The journal's lock, held: taken at once or refused (JournalError), never waited
+    for. It belongs to the journal, not to a thread."""
     try:
         journal.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise OutputError(f"cannot write journal {journal}: {_why(exc)}") from None
-    while True:
-        try:
-            handle = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o666), "r+b")
-        except OSError as exc:
-            raise OutputError(f"cannot lock journal {journal}: {_why(exc)}") from None
-        try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = handle.read(32).decode("ascii", "replace").strip()
-            handle.close()
-            pid = holder if holder.isdigit() else "unknown"
-            raise JournalError(f"journal {journal} is in use by another sweep (pid {pid})"
-                               ) from None
-        except OSError as exc:  # a file system without flock
-            handle.close()
-            raise JournalError(f"cannot lock journal {journal}: {_why(exc)}") from None
-        if _still_at(handle, path):
-            break
-        handle.close()  # its holder removed it after we opened it: lock the new one
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"{os.getpid()}\n".encode())
-    handle.flush()
-    return handle
-
-
-def _still_at(handle: IO[bytes], path: Path) -> bool:
+    lock = FileLock(lock_path(journal), thread_local=False)
     try:
-        here, there = os.fstat(handle.fileno()), os.stat(path)
-    except OSError:
-        return False
-    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
-
-
-def _unlock(handle: IO[bytes], journal: Path) -> None:
-    # Removed while still held: a sweep that opened it meanwhile sees it gone and retries.
-    with contextlib.suppress(OSError):
-        os.unlink(lock_path(journal))
-    handle.close()
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise JournalError(f"journal {journal} is in use by another sweep") from None
+    except NotImplementedError as exc:  # a file system without flock (filelock 3)
+        raise JournalError(f"cannot lock journal {journal}: {exc}") from None
+    except OSError as exc:  # a read-only folder
+        raise OutputError(f"cannot lock journal {journal}: {_why(exc)}") from None
+    return lock
 
 
 def _drop_torn_tail(path: Path) -> None:
