@@ -7,9 +7,10 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
-import math
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -211,9 +212,9 @@ def test_both_gluon_routes_serve_the_same_problems_with_the_same_splits():
     for problem in (_p(batch=1), _p(batch=64, num_heads=128, qlen=2, kv_len=8192),
                     _p(batch=8, dcp_size=2)):
         assert [p["num_splits"] for p in seesaw.param_space(problem, H200)
-                if not p["two_requests"]] == \
+                if p["form"] == "pairs"] == \
             [p["num_splits"] for p in wgmma.param_space(problem, H200)]
-        assert all(p["chunked"] and p["pdl"] and p["slim"] and p["lone_bars"]
+        assert all(set(p) == {"num_splits", "form"} and p["form"] in seesaw.forms
                    for p in seesaw.param_space(problem, H200))
     assert seesaw.sized_params == wgmma.sized_params
 
@@ -224,13 +225,13 @@ def test_the_seesaw_offers_two_requests_a_program_only_past_one_wave():
     16, 4096, 4) fit one wave (64 and 128 programs at one split): no such set."""
     seesaw = routes.get("seesaw/gluon")
     big = seesaw.param_space(_p(batch=128, num_heads=128, kv_len=4096), H200)
-    assert big[0]["num_splits"] == 1 and not big[0]["two_requests"]
-    assert [p for p in big if p["two_requests"]] == [{**big[0], "two_requests": True}]
+    assert big[0] == {"num_splits": 1, "form": "pairs"}
+    assert [p for p in big if p["form"] == "two-requests"] == [{**big[0], "form": "two-requests"}]
     for problem in (_p(batch=64, num_heads=64, kv_len=4096),
                     _p(batch=128, num_heads=16, kv_len=4096, qlen=4)):
         space = seesaw.param_space(problem, H200)
         programs = seesaw.row_blocks(problem) * space[0]["num_splits"] * problem.batch
-        assert programs <= 132 and not any(p["two_requests"] for p in space)
+        assert programs <= 132 and all(p["form"] == "pairs" for p in space)
 
 
 def test_the_transposed_route_serves_fp8_caches_and_its_own_row_blocks():
@@ -252,10 +253,13 @@ def test_the_transposed_route_serves_fp8_caches_and_its_own_row_blocks():
         routes.get(ROUTE).param_space(wide, H200)[0]["num_splits"]
 
 
+TRANSPOSED_KERNELS = ("gluon_transposed", "gluon_transposed_ws", "gluon_transposed_fp8")
+
+
 def _transposed_recorders(monkeypatch) -> dict[str, _Recorder]:
-    """transposed/gluon's three kernels (``TRANSPOSED_KERNELS``), each launcher recorded."""
+    """transposed/gluon's three kernels, each launcher recorded."""
     fakes = {}
-    for name in route_module.TRANSPOSED_KERNELS:
+    for name in TRANSPOSED_KERNELS:
         fakes[name] = _Recorder()
         monkeypatch.setattr(importlib.import_module(f"mlatune.kernels.{name}"),
                             "decode_launcher", fakes[name])
@@ -310,51 +314,54 @@ def test_prepare_hands_the_launcher_the_inputs(problem, recorder):
     assert recorder.launches == 2
 
 
-def test_a_stored_param_set_without_an_option_runs_what_it_ran(monkeypatch):
-    """seesaw/gluon's param sets run the chunked form; a set stored before the option
-    (``{"num_splits": k}``) still runs the unchunked form it was timed with."""
+def test_a_seesaw_set_hands_its_form_to_the_launcher(monkeypatch):
+    """seesaw/gluon's sets name their form; a set without one runs the first form, "pairs";
+    a form the kernel no longer has is refused by the launcher."""
     fake = _Recorder()
     monkeypatch.setattr(gluon_seesaw, "decode_launcher", fake)
     route = routes.get("seesaw/gluon")
     problem = _p(batch=2, kv_len=300)
     inputs = make_decode_inputs(problem, seed=9)
-    assert route.prepare(problem, inputs).params["chunked"] is True
-    assert route.prepare(problem, inputs, params={"num_splits": 2}).params["chunked"] is False
-    assert route.prepare(problem, inputs, params={"num_splits": 2, "chunked": True}) \
-        .params["chunked"] is True
-    assert [call["chunked"] for call in fake.calls] == [True, False, True]
-    # pdl likewise: the route's sets launch the reduce as a dependent, stored sets do not.
-    assert [call["pdl"] for call in fake.calls] == [True, False, False]
-    # lone_bars likewise: the route's sets only.
-    assert [call["lone_bars"] for call in fake.calls] == [True, False, False]
-    assert "chunked" not in inspect.signature(gluon_transposed.decode_launcher).parameters
+    assert route.prepare(problem, inputs).params["form"] == "pairs"
+    assert route.prepare(problem, inputs, params={"num_splits": 2}).params["form"] == "pairs"
+    two = route.prepare(problem, inputs, params={"num_splits": 2, "form": "two-requests"})
+    assert two.params == {"num_splits": 2, "form": "two-requests"}
+    assert [call["form"] for call in fake.calls] == ["pairs", "pairs", "two-requests"]
+    monkeypatch.undo()
+    assert tuple(inspect.signature(gluon_seesaw.decode_launcher).parameters)[-1] == "form"
+    assert route.forms == gluon_seesaw.FORMS
+    with pytest.raises(ValueError, match="forms are"):
+        gluon_seesaw.decode_launcher(*[None] * 4, qlen=1, sm_scale=0.1, form="lone")
 
 
-def test_transposed_param_sets_ask_for_pdl_and_the_ws_widening_over_fp8_only(monkeypatch):
-    """New sets launch the reduce as a dependent (pdl) and read an fp8 cache with fp8 MMAs
-    or the warp-specialized widening (ws); a stored set without them runs the forms it was
-    timed with; a 16-bit cache never gets ws. Each set's kernel is handed only the options
-    it takes (``TRANSPOSED_KERNELS``)."""
+def test_transposed_sets_name_their_form_and_each_form_its_kernel(monkeypatch):
+    """New sets name "mma16" (and, over an fp8 cache at up to 16 rows, "mma8"); mma8 runs the
+    fp8-MMA kernel, mma16 the transposed kernel or over an fp8 cache the warp-specialized
+    widening; a set without a form runs mma16. No kernel is handed options beyond the call's
+    tensors and sizes."""
     fakes = _transposed_recorders(monkeypatch)
     route = routes.get("transposed/gluon")
     fp8, bf16 = _p(batch=2, kv_len=300, kv_dtype="fp8_e4m3fn"), _p(batch=2, kv_len=300)
-    assert all(p["pdl"] and p["ws"] for p in route.param_space(fp8, H200))
-    assert all(p["pdl"] and "ws" not in p for p in route.param_space(bf16, H200))
+    assert [p["form"] for p in route.param_space(fp8, H200)][:2] == ["mma8", "mma16"]
+    assert all(p["form"] == "mma16" for p in route.param_space(bf16, H200))
     widen = route.param_space(fp8, H200)[1]
-    assert widen["ws"] and not widen.get("fp8_mma")
     for problem, params in ((fp8, None), (fp8, widen), (fp8, {"num_splits": 2}), (bf16, None),
                             (bf16, {"num_splits": 2})):
         route.prepare(problem, make_decode_inputs(problem, seed=10), params=params)
-    ran = [(name, {k: v for k, v in call.items() if k in ("pdl", "defer_sums", "ws")})
-           for name, call in _ran(fakes)]
-    assert ran == [("gluon_transposed_fp8", {"pdl": True, "defer_sums": True}),
-                   ("gluon_transposed_ws", {"pdl": True}), ("gluon_transposed", {"pdl": False}),
-                   ("gluon_transposed", {"pdl": True}), ("gluon_transposed", {"pdl": False})]
+    ran = [name for name, _ in _ran(fakes)]
+    assert ran == ["gluon_transposed_fp8", "gluon_transposed_ws", "gluon_transposed_ws",
+                   "gluon_transposed", "gluon_transposed"]
+    standard = {"q", "kv_cache", "block_table", "seq_lens", "qlen", "sm_scale", "causal", "out",
+                "lse", "num_splits", "max_seq_len", "kv_scale", "order"}
+    assert all(set(call) == standard for _, call in _ran(fakes))
+    with pytest.raises(ValueError, match="not one of"):
+        route.prepare(bf16, make_decode_inputs(bf16, seed=10), params={"form": "ws"})
 
 
-def test_a_ws_set_runs_the_warp_specialized_kernel_over_fp8_only(monkeypatch):
-    """``ws``: the route hands an fp8 cache, its scale and the call's buffers to
-    ``gluon_transposed_ws``; a 16-bit cache is refused by that kernel, not widened."""
+def test_an_mma16_set_over_fp8_runs_the_warp_specialized_widening(monkeypatch):
+    """mma16 over an fp8 cache: the route hands the cache, its scale and the call's buffers
+    to ``gluon_transposed_ws``; mma8 over a 16-bit cache goes to the fp8-MMA kernel, which
+    refuses it."""
     fakes = _transposed_recorders(monkeypatch)
     route = routes.get("transposed/gluon")
     problem = _p(batch=2, kv_len=300, kv_dtype="fp8_e4m3fn")
@@ -362,41 +369,42 @@ def test_a_ws_set_runs_the_warp_specialized_kernel_over_fp8_only(monkeypatch):
     shard = inputs.shards[0]
     out = torch.empty(2, 16, 512, dtype=torch.bfloat16)
     lse = torch.empty(2, 16)
-    route.prepare(problem, inputs, params={"num_splits": 4, "ws": True, "pdl": True}, out=out,
-                  lse=lse)
+    route.prepare(problem, inputs, params={"num_splits": 4, "form": "mma16"}, out=out, lse=lse)
     (call, ) = fakes["gluon_transposed_ws"].calls
     call.pop("order")
     assert call == dict(q=inputs.q, kv_cache=shard.kv_cache, block_table=shard.block_table,
                         seq_lens=shard.seq_lens, qlen=1, sm_scale=inputs.softmax_scale,
                         causal=problem.causal, out=out, lse=lse, num_splits=4,
-                        max_seq_len=300, pdl=True, kv_scale=inputs.kv_scale)
+                        max_seq_len=300, kv_scale=inputs.kv_scale)
     monkeypatch.undo()
     bf16 = _p(batch=2, kv_len=300)
     with pytest.raises(ValueError, match="fp8 cache only"):
-        route.prepare(bf16, make_decode_inputs(bf16, seed=12), params={"ws": True})
+        route.prepare(bf16, make_decode_inputs(bf16, seed=12), params={"form": "mma8"})
 
 
 def test_a_stored_seesaw_row_keeps_its_form_and_rescales_its_split_at_a_neighbour():
-    """A shipped seesaw row (no ``chunked``: the unchunked form was timed) carried from batch
-    1 to batch 64: its split is redone as wgmma/gluon's is, its form kept; an empty set
-    (a rule's fallback) is the route's first set, chunked (and with pdl)."""
+    """A stored seesaw set carried from batch 1 to batch 64: its split is redone as
+    wgmma/gluon's is, its form kept (the form is matched apart from the split); an empty set
+    (a rule's fallback) is the route's first set."""
     seesaw, wgmma = routes.get("seesaw/gluon"), routes.get(ROUTE)
     measured, asked = _p(batch=1), _p(batch=64)
-    stored = {"num_splits": wgmma.param_space(measured, H200)[0]["num_splits"]}
+    stored = {"num_splits": wgmma.param_space(measured, H200)[0]["num_splits"],
+              "form": "two-requests"}
     moved = routes.params_at(seesaw, stored, measured, asked, H200)
-    old_form = {"chunked": False, "pdl": False, "slim": False, "lone_bars": False,
-                "afresh_q": False, "two_requests": False, "rope_regs": False}
-    assert moved == {**routes.params_at(wgmma, stored, measured, asked, H200), **old_form}
+    split = {"num_splits": stored["num_splits"]}
+    assert moved == {**routes.params_at(wgmma, split, measured, asked, H200),
+                     "form": "two-requests"}
     assert moved["num_splits"] != stored["num_splits"]
     new = routes.params_at(seesaw, seesaw.param_space(measured, H200)[0], measured, asked, H200)
-    assert new == seesaw.param_space(asked, H200)[0] and new["chunked"] is True
+    assert new == seesaw.param_space(asked, H200)[0] == {"num_splits": new["num_splits"],
+                                                          "form": "pairs"}
     space = seesaw.param_space(asked, H200)
     first = space[0]
     assert routes.with_defaults(seesaw, {}, space) == first
     assert routes.with_defaults(seesaw, None, space) == first
-    assert routes.with_defaults(seesaw, stored, space) == {**stored, **old_form}
+    assert routes.with_defaults(seesaw, stored, space) == stored
     wgmma_space = wgmma.param_space(asked, H200)
-    assert routes.with_defaults(wgmma, stored, wgmma_space) == {**wgmma_space[0], **stored}
+    assert routes.with_defaults(wgmma, split, wgmma_space) == {**wgmma_space[0], **split}
 
 
 def test_the_report_times_a_stored_seesaw_choice_as_it_ran():
@@ -404,15 +412,99 @@ def test_the_report_times_a_stored_seesaw_choice_as_it_ran():
 
     problem = _p(batch=2)
     splits = routes.get("seesaw/gluon").param_space(problem, H200)[0]["num_splits"]
-    form = routes.get("seesaw/gluon").FORM  # what the route's sets run now
-    timed = {(problem.key, "seesaw/gluon"): [({"num_splits": splits, "chunked": False}, 10.0),
-                                             ({"num_splits": splits, **form}, 9.0)]}
-    assert time_with(timed, problem, "seesaw/gluon", {"num_splits": splits}, H200) == 10.0
+    timed = {(problem.key, "seesaw/gluon"): [
+        ({"num_splits": splits, "form": "two-requests"}, 10.0),
+        ({"num_splits": splits, "form": "pairs"}, 9.0)]}
+    assert time_with(timed, problem, "seesaw/gluon",
+                     {"num_splits": splits, "form": "two-requests"}, H200) == 10.0
     assert time_with(timed, problem, "seesaw/gluon", {}, H200) == 9.0
-    # A journal written before the option: its runs' params lack it too.
-    old = {(problem.key, "seesaw/gluon"): [({"num_splits": splits}, 11.0)]}
-    assert time_with(old, problem, "seesaw/gluon", {"num_splits": splits}, H200) == 11.0
-    assert math.isnan(time_with(old, problem, "seesaw/gluon", {}, H200))
+    assert time_with(timed, problem, "seesaw/gluon", {"num_splits": splits}, H200) == 9.0
+
+
+SHIPPED = Path(__file__).resolve().parents[1] / "tables" / "sm_90-h200.parquet"
+GLUON_ROUTES = ("wgmma/gluon", "seesaw/gluon", "transposed/gluon")
+
+
+def _shipped_params() -> dict[str, list[dict]]:
+    """Each Gluon route's distinct stored param sets in the shipped H200 table."""
+    import pandas as pd
+
+    rows = pd.read_parquet(SHIPPED, columns=["route", "route_params"])
+    return {route_id: [json.loads(text) for text in sorted(set(
+        rows.loc[rows["route"] == route_id, "route_params"]))] for route_id in GLUON_ROUTES}
+
+
+def test_every_shipped_gluon_param_set_upgrades_to_a_live_form():
+    """Every distinct param set the shipped table stores for the Gluon routes (the boolean
+    spelling) reads as a live form with its split kept: no shipped row is stale."""
+    seen = set()
+    for route_id, stored in _shipped_params().items():
+        route = routes.get(route_id)
+        for params in stored:
+            new = route.upgrade_params(params)
+            assert new is not None, (route_id, params)
+            assert new.get("num_splits") == params.get("num_splits")
+            assert set(new) <= {"num_splits", "form"}
+            # {}: a refusal row's (the route's first set); else the form, where it has forms
+            assert new == {} or new.get("form") in (route.forms or (None, ))
+            assert route.upgrade_params(new) == new  # the current spelling reads as itself
+            seen.add((route_id, new.get("form")))
+    assert seen == {("wgmma/gluon", None), ("seesaw/gluon", None), ("seesaw/gluon", "pairs"),
+                    ("seesaw/gluon", "two-requests"), ("transposed/gluon", None),
+                    ("transposed/gluon", "mma16"), ("transposed/gluon", "mma8")}
+
+
+def test_the_shipped_boolean_forms_map_to_these_ids():
+    seesaw, transposed = routes.get("seesaw/gluon"), routes.get("transposed/gluon")
+    on = dict.fromkeys(("chunked", "pdl", "slim", "lone_bars", "afresh_q", "rope_regs"), True)
+    assert seesaw.upgrade_params({"num_splits": 2, **on, "two_requests": False}) == \
+        {"num_splits": 2, "form": "pairs"}
+    assert seesaw.upgrade_params({"num_splits": 1, **on, "two_requests": True}) == \
+        {"num_splits": 1, "form": "two-requests"}
+    mma8 = dict.fromkeys(("pdl", "ws", "fp8_mma", "defer_sums", "stacked", "wide_vt",
+                          "warp_max", "slim"), True)
+    assert transposed.upgrade_params({"num_splits": 8, **mma8}) == \
+        {"num_splits": 8, "form": "mma8"}
+    for widen in (True, False):
+        assert transposed.upgrade_params({"num_splits": 8, "pdl": True, "ws": widen,
+                                          "fp8_mma": False, "defer_sums": False}) == \
+            {"num_splits": 8, "form": "mma16"}
+    assert routes.get(ROUTE).upgrade_params({"num_splits": 16}) == {"num_splits": 16}
+
+
+SEESAW_ON = dict.fromkeys(("chunked", "pdl", "slim", "lone_bars", "afresh_q", "rope_regs"), True)
+
+
+@pytest.mark.parametrize(("route_id", "params"), [
+    ("seesaw/gluon", {"num_splits": 4}),  # stored before any option: the unchunked kernel
+    ("seesaw/gluon", {"num_splits": 4, "chunked": True}),
+    ("seesaw/gluon", {"num_splits": 4, "chunked": True, "pdl": True, "slim": True}),
+    ("seesaw/gluon", {**SEESAW_ON, "rope_regs": False, "num_splits": 2}),  # afresh, no rope
+    ("seesaw/gluon", {**SEESAW_ON, "lone_bars": False, "two_requests": True}),
+    ("seesaw/gluon", {"num_splits": 2, "form": "lone"}),
+    ("transposed/gluon", {"num_splits": 4}),  # no pdl: the first sets
+    ("transposed/gluon", {"num_splits": 4, "ws": True}),
+    ("transposed/gluon", {"num_splits": 4, "pdl": True, "fp8_mma": True, "defer_sums": True}),
+    ("transposed/gluon", {"num_splits": 4, "pdl": True, "ws": True, "fp8_mma": True,
+                          "defer_sums": True, "stacked": True, "wide_vt": True,
+                          "warp_max": True}),  # all but slim
+    ("transposed/gluon", {"num_splits": 4, "form": "fp8-mma"}),
+])
+def test_a_deleted_form_upgrades_to_none(route_id, params):
+    assert routes.get(route_id).upgrade_params(params) is None
+
+
+@pytest.mark.parametrize("route_id", GLUON_ROUTES)
+def test_every_offered_set_is_in_the_current_spelling(route_id):
+    route = routes.get(route_id)
+    for problem in (_p(batch=1), _p(batch=128, num_heads=128), _p(batch=2, kv_dtype=FP8),
+                    _p(batch=64, num_heads=32, kv_dtype=FP8, qlen=2)):
+        if not capability.check(route_id, problem, "sm_90"):
+            continue
+        for params in route.param_space(problem, H200):
+            assert route.upgrade_params(params) == params
+            assert params.get("form") in (route.forms or (None, ))
+    assert route.upgrade_params({}) == {}
 
 
 def test_prepare_defaults_to_the_first_params_and_takes_the_callers_buffers(recorder):
@@ -508,9 +600,7 @@ def test_transposed_fp8_sets_alternate_fp8_mmas_and_the_widening_up_to_16_rows(m
     route = routes.get("transposed/gluon")
     fp8 = _p(batch=2, kv_len=4096, kv_dtype="fp8_e4m3fn")  # 16 heads x 1 token: 16 rows
     space = route.param_space(fp8, H200)
-    assert all(p["ws"] and p["pdl"] for p in space)
-    assert [bool(p.get("fp8_mma")) for p in space] == [True, False, True, False, True]
-    assert all(bool(p.get("defer_sums")) == bool(p.get("fp8_mma")) for p in space)
+    assert [p["form"] for p in space] == ["mma8", "mma16", "mma8", "mma16", "mma8"]
     fp8_pick = plan.pick_splits(2, 1, 4096, per_program=plan.FP8_MMA_PROGRAM_COST)
     assert (fp8_pick, plan.pick_splits(2, 1, 4096)) == (22, 64)
     assert [p["num_splits"] for p in space[::2]] == [22, 11, 44]
@@ -520,49 +610,9 @@ def test_transposed_fp8_sets_alternate_fp8_mmas_and_the_widening_up_to_16_rows(m
         [rounded, {"q_quantized": False, "p_rounded": False}]
     assert routes.rounding(route, fp8) == rounded
     assert not routes.rounding(route, fp8, {"num_splits": 2})["p_rounded"]
-    assert not any(routes.rounding(route, _p(batch=2, kv_len=4096), {"fp8_mma": True}).values())
+    assert not any(routes.rounding(route, _p(batch=2, kv_len=4096), {"form": "mma8"}).values())
     for wide in (_p(num_heads=32, batch=2, kv_dtype="fp8_e4m3fn"),  # 32 rows a program
                  _p(batch=2, qlen=2, kv_dtype="fp8_e4m3fn")):
         assert route.block_rows(wide) == 32
-        assert all(p["ws"] and "fp8_mma" not in p for p in route.param_space(wide, H200))
+        assert all(p["form"] == "mma16" for p in route.param_space(wide, H200))
         assert not any(routes.rounding(route, wide).values())
-
-
-def test_an_fp8_mma_set_runs_the_fp8_kernel_over_fp8_only(monkeypatch):
-    """``fp8_mma``: an fp8 cache goes to gluon_transposed_fp8 with its options (``ws`` does
-    not apply there); a 16-bit cache runs the transposed kernel as without it."""
-    fakes = _transposed_recorders(monkeypatch)
-    route = routes.get("transposed/gluon")
-    params = {"num_splits": 4, "ws": True, "pdl": True, "fp8_mma": True, "defer_sums": True}
-    fp8_problem, bf16_problem = _p(batch=2, kv_len=300, kv_dtype="fp8_e4m3fn"), _p(batch=2)
-    route.prepare(fp8_problem, make_decode_inputs(fp8_problem, seed=13), params=params)
-    route.prepare(bf16_problem, make_decode_inputs(bf16_problem, seed=14),
-                  params={**params, "ws": False})
-    (fp8, ) = fakes["gluon_transposed_fp8"].calls
-    (bf16, ) = fakes["gluon_transposed"].calls
-    assert fp8["pdl"] and fp8["defer_sums"] and fp8["num_splits"] == 4 and "ws" not in fp8
-    assert fp8["kv_cache"].dtype == torch.float8_e4m3fn
-    assert bf16["pdl"] and "defer_sums" not in bf16 and "fp8_mma" not in bf16
-    assert not fakes["gluon_transposed_ws"].calls
-
-
-@pytest.mark.parametrize("option", ["stacked", "wide_vt", "warp_max", "slim"])
-def test_the_fp8_mma_sets_run_their_forms_and_a_stored_set_keeps_the_form_it_ran(monkeypatch,
-                                                                                option):
-    """The route's fp8-MMA sets run q's two terms stacked in one operand (``stacked``), V^T
-    moved without bank conflicts (``wide_vt``) and the tile's max across the warps in one
-    barrier (``warp_max``), its softmax in fewer instructions (``slim``); a set stored
-    before an option (without it) still runs the form it was timed as."""
-    fakes = _transposed_recorders(monkeypatch)
-    route = routes.get("transposed/gluon")
-    problem = _p(batch=2, kv_len=300, kv_dtype="fp8_e4m3fn")
-    fp8_sets = [p for p in route.param_space(problem, H200) if p.get("fp8_mma")]
-    assert fp8_sets and all(p[option] for p in fp8_sets)
-    inputs = make_decode_inputs(problem, seed=15)
-    route.prepare(problem, inputs, params=fp8_sets[0])
-    stored = {k: v for k, v in fp8_sets[0].items() if k != option}
-    route.prepare(problem, inputs, params=stored)
-    new, old = fakes["gluon_transposed_fp8"].calls
-    assert new[option] is True and old[option] is False
-    assert all(new[k] == old[k] for k in ("stacked", "wide_vt", "warp_max", "slim")
-               if k != option)

@@ -22,9 +22,6 @@ def _launch(q, cache, table, lens, **kw):
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    (dict(merge="fused"), "merge must be"),
-    (dict(widen_cols=1024), "widen_cols must be one of"),
-    (dict(widen_cols=0), "widen_cols must be one of"),
     (dict(num_splits=0), "num_splits must be at least 1"),
     (dict(qlen=3), "expected 6 .batch x qlen."),
     (dict(out=torch.empty(2, 16, 256, dtype=torch.bfloat16)), "out must be"),
@@ -61,33 +58,23 @@ def test_bad_tensors_are_refused_with_the_reason():
     assert why is None or "triton" in why
 
 
-def test_the_warp_specialized_form_refuses_what_it_cannot_widen():
+def test_each_kernel_refuses_the_caches_of_the_others():
+    """The transposed kernel reads a cache of q's dtype; the warp-specialized widening and the
+    fp8-MMA kernel an fp8 cache only (the latter with a positive sm_scale: it is folded into
+    the exponent)."""
+    from mlatune.kernels import gluon_transposed_fp8 as f
     from mlatune.kernels import gluon_transposed_ws as ws
 
+    q, fp8, table, lens = _tensors(kv=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="an fp8 cache runs gluon_transposed_ws"):
+        t.decode_launcher(q, fp8, table, lens, qlen=1, sm_scale=0.1, kv_scale=torch.ones(1))
     q, cache, table, lens = _tensors(kv=torch.bfloat16)
-    with pytest.raises(ValueError, match="reads an fp8 cache only"):
-        ws.decode_launcher(q, cache, table, lens, qlen=1, sm_scale=0.1,
-                           kv_scale=torch.ones(1))
-
-
-def test_the_fp8_mma_form_reads_fp8_caches_only():
-    from mlatune.kernels import gluon_transposed_fp8 as f
-
-    q, cache, table, lens = _tensors()
-    with pytest.raises(ValueError, match="reads an fp8 cache only"):
-        f.decode_launcher(q, cache, table, lens, qlen=1, sm_scale=0.1)
-    q, cache, table, lens = _tensors(kv=torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match="q_terms must be 1 or 2"):
-        f.decode_launcher(q, cache, table, lens, qlen=1, sm_scale=0.1, q_terms=3)
-    # warp_max keeps P's sums per key slot: without defer_sums no row sum would be taken
-    with pytest.raises(ValueError, match="defer_sums=True only"):
-        f.decode_launcher(q, cache, table, lens, qlen=1, sm_scale=0.1, warp_max=True)
-    # slim is warp_max's softmax with the scale in the exponent: a positive scale only
-    with pytest.raises(ValueError, match="warp_max=True only"):
-        f.decode_launcher(q, cache, table, lens, qlen=1, sm_scale=0.1, slim=True)
+    for module in (ws, f):
+        with pytest.raises(ValueError, match="reads an fp8 cache only"):
+            module.decode_launcher(q, cache, table, lens, qlen=1, sm_scale=0.1,
+                                   kv_scale=torch.ones(1))
     with pytest.raises(ValueError, match="sm_scale > 0 only"):
-        f.decode_launcher(q, cache, table, lens, qlen=1, sm_scale=-0.1, defer_sums=True,
-                          warp_max=True, slim=True)
+        f.decode_launcher(q, fp8, table, lens, qlen=1, sm_scale=-0.1)
 
 
 class _RecordedKernel:
@@ -103,18 +90,13 @@ class _RecordedKernel:
 LAUNCH_OPTIONS = {"num_warps", "num_stages", "maxnreg", "ptx_options", "num_ctas"}
 
 
-@pytest.mark.parametrize(("module", "options"), [
-    ("gluon_transposed", {}), ("gluon_transposed_ws", {}), ("gluon_transposed_fp8", {}),
-    ("gluon_transposed_fp8", {"stacked": True}),
-    ("gluon_transposed_fp8", {"stacked": True, "defer_sums": True, "wide_vt": True,
-                              "warp_max": True}),
-    ("gluon_transposed_fp8", {"stacked": True, "defer_sums": True, "wide_vt": True,
-                              "warp_max": True, "slim": True})])
-@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("module", ["gluon_transposed", "gluon_transposed_ws",
+                                    "gluon_transposed_fp8"])
+@pytest.mark.parametrize("num_splits", [1, 2, 3])  # direct, merged in the kernel, reduced
 def test_each_transposed_launch_binds_exactly_its_kernels_arguments(monkeypatch, module,
-                                                                    options, num_splits):
+                                                                    num_splits):
     """A launcher passes its kernel every argument the kernel takes and none it does not
-    (a launch missing arguments an experimental form had added failed only on the GPU)."""
+    (a launch missing arguments fails only on the GPU)."""
     import importlib
     import inspect
 
@@ -125,10 +107,10 @@ def test_each_transposed_launch_binds_exactly_its_kernels_arguments(monkeypatch,
     monkeypatch.setattr(mod, kernel_name[module], recorded)
     monkeypatch.setattr(t, "check_supported", lambda *a: None)
     monkeypatch.setattr(mod, "tma_descriptors", lambda *a, **k: ("d",) * 4)
-    q, cache, table, lens = _tensors(kv=torch.float8_e4m3fn)
+    q, cache, table, lens = _tensors(
+        kv=torch.bfloat16 if module == "gluon_transposed" else torch.float8_e4m3fn)
     launch, _, _ = mod.decode_launcher(q, cache, table, lens, qlen=1, sm_scale=0.1,
-                                       kv_scale=torch.ones(1), num_splits=num_splits,
-                                       merge="kernel", **options)
+                                       kv_scale=torch.ones(1), num_splits=num_splits)
     launch()
     (args, meta), = recorded.calls
     params = inspect.signature(recorded.fn).parameters

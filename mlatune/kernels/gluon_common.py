@@ -5,10 +5,9 @@ triton 3.6.0's Gluon API.
 Host: whether this triton can run them, the shared-memory layouts and TMA descriptors of q
 and the paged cache, their out, LSE and split count, the fp32 split partials with the reduce
 launch that merges them, and the ahead-of-time compile (no GPU). Device: a tile's TMA copy
-from the block table, the zeroing of stale cache rows (16-bit or fp8), a program's request
-and its split's key range, each row's last key, a tile's online softmax, the rows' LSE store
-and the signal that lets a dependent launch start. The first kernel (``gluon_hopper``)
-computes its key range, partials and LSE store inline; the others call these.
+from the block table, the zeroing of stale cache rows, a program's request and its split's
+key range, each row's last key, a tile's online softmax, the rows' LSE store, the combine of
+split partials by their LSEs, and the signal that lets a dependent launch start.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from mlatune import lse
 from mlatune.kernels.gluon_hopper_plan import (
     BLOCK_N,
     D_NOPE,
@@ -31,8 +31,7 @@ from mlatune.kernels.gluon_hopper_plan import (
     triton_refusal,
 )
 
-LOG2E = 1.4426950408889634
-LN2 = gl.constexpr(0.6931471805599453)  # a base-2 LSE times this: the natural-log LSE
+LN2 = gl.constexpr(lse.LN2)  # a base-2 LSE times this: the natural-log LSE (a constexpr: JIT)
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}  # q's (and MMAs')
 GL_CACHE_DTYPES = {**GL_DTYPES, torch.float8_e4m3fn: gl.float8e4nv}
 TORCH_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
@@ -109,9 +108,7 @@ def partials_and_merge(out: torch.Tensor, lse: torch.Tensor, batch: int, num_spl
 
 
 # ptxas given no debug info (the PTX keeps its lines): with it, triton 3.6's ptxas 12.8
-# compiled the seesaw kernel's same PTX differently when only source line numbers had
-# moved (a compute warpgroup's pair loop 3 LDL -> 19, session 16); without it, the SASS of
-# every Gluon build the compile tests make was what it was with it (15 checked).
+# compiled the same PTX differently when only source line numbers had moved.
 PTXAS_OPTIONS = "-suppress-debug-info"
 
 
@@ -289,21 +286,12 @@ def key_max(s, warp_maxes):
 
 
 @gluon.jit
-def softmax_step_across_warps(s, n0, end, last_pos, keys, m_i, warp_maxes):
-    """``softmax_step`` over S^T (keys on axis 0, 16 a warp) with the max over keys by
-    ``key_max`` (one barrier, not two)."""
-    s = mask_scores(s, n0, end, last_pos, keys, 0)
-    m_new = gl.maximum(m_i, key_max(s, warp_maxes))
-    m_shift = no_shift(m_new)
-    return gl.exp2(s - gl.expand_dims(m_shift, 0)), m_new, gl.exp2(m_i - m_shift)
-
-
-@gluon.jit
 def slim_step_across_warps(s, qk, n0, end, last_pos, keys, m_i, warp_maxes, mask_from):
-    """``softmax_step_across_warps`` of raw scores S^T in fewer instructions a score: the
-    bounds applied only where the tile reaches ``mask_from`` (``first_masked_key``; a
-    decode's last tile), the column scales ``qk`` ([cols], positive) folded into the
-    exponent (one FMA; the max taken of the raw scores)."""
+    """``softmax_step`` over raw scores S^T (keys on axis 0, 16 a warp) in fewer instructions
+    a score: the max over keys by ``key_max`` (one barrier), the bounds applied only where the
+    tile reaches ``mask_from`` (``first_masked_key``; a decode's last tile), the column scales
+    ``qk`` ([cols], positive) folded into the exponent (one FMA; the max taken of the raw
+    scores)."""
     if n0 + s.shape[0] > mask_from:
         s = mask_scores(s, n0, end, last_pos, keys, 0)
     m_new = gl.maximum(m_i, key_max(s, warp_maxes) * qk)
@@ -372,3 +360,50 @@ def store_row_lse(m_i, l_i, lse_ptr, where, stride_lse_tok, stride_pl_slot, BM: 
         dst = lse_ptr + (b * num_splits + split).to(gl.int64) * stride_pl_slot + r
         val = lse2
     gl.store(dst, val, mask=r < qlen * heads)
+
+
+@gluon.jit
+def combine_partials(part_out, part_lse, part_strides, out_ptr, lse_ptr, out_strides, first,
+                     num_splits, tok0, heads, r, r_ok, DN: gl.constexpr, layout: gl.constexpr):
+    """Rows ``r`` (token tok0 + r // heads, head r % heads) of a request's ``num_splits`` fp32
+    partials (slots ``first`` on: normalized output, base-2 LSE) combined by their LSEs into
+    out and the natural-log LSE: each split weighted by exp2(its LSE - the rows' max); a row
+    no split saw gets 0 and -inf. ``part_strides``: (slot, row) of the outputs, slot of the
+    LSEs; ``out_strides``: (token, head) of out, token of lse. ``layout``: a 2-D layout of
+    [rows, 256] (columns are combined 256 at a time). The partials were written by other
+    programs: read past L1 (.cg)."""
+    stride_po_slot, stride_po_row, stride_pl_slot = part_strides
+    stride_o_tok, stride_o_head, stride_lse_tok = out_strides
+    rows: gl.constexpr = gl.SliceLayout(1, layout)
+    BR: gl.constexpr = r.shape[0]
+    m = gl.full([BR], float("-inf"), gl.float32, layout=rows)
+    for s in range(num_splits):
+        lse_s = gl.load(part_lse + (first + s) * stride_pl_slot + r, mask=r_ok,
+                        other=float("-inf"), cache_modifier=".cg")
+        m = gl.maximum(m, lse_s)
+    m_shift = no_shift(m)
+    row_off = (tok0 + r // heads).to(gl.int64) * stride_o_tok + (r % heads) * stride_o_head
+    CW: gl.constexpr = 256  # columns combined at a time (registers: 32 rows x 256 fp32)
+    for c in gl.static_range(DN // CW):
+        d = c * CW + gl.arange(0, CW, layout=gl.SliceLayout(0, layout))
+        acc = gl.zeros([BR, CW], gl.float32, layout=layout)
+        w_sum = gl.zeros([BR], gl.float32, layout=rows)
+        for s in range(num_splits):
+            lse_s = gl.load(part_lse + (first + s) * stride_pl_slot + r, mask=r_ok,
+                            other=float("-inf"), cache_modifier=".cg")
+            w = gl.exp2(lse_s - m_shift)
+            o = gl.load(part_out + (first + s) * stride_po_slot
+                        + gl.expand_dims(r * stride_po_row, 1) + gl.expand_dims(d, 0),
+                        mask=gl.expand_dims(r_ok, 1), other=0.0, cache_modifier=".cg")
+            acc += o * gl.expand_dims(w, 1)
+            w_sum += w
+        has = w_sum > 0.0
+        inv = gl.where(has, 1.0 / gl.where(has, w_sum, gl.full_like(w_sum, 1.0)),
+                       gl.zeros_like(w_sum))
+        gl.store(out_ptr + gl.expand_dims(row_off, 1) + gl.expand_dims(d, 0),
+                 (acc * gl.expand_dims(inv, 1)).to(out_ptr.dtype.element_ty),
+                 mask=gl.expand_dims(r_ok, 1))
+    lse = gl.where(has, (m + gl.log2(gl.where(has, w_sum, gl.full_like(w_sum, 1.0)))) * LN2,
+                   gl.full_like(w_sum, float("-inf")))
+    gl.store(lse_ptr + (tok0 + r // heads).to(gl.int64) * stride_lse_tok + r % heads, lse,
+             mask=r_ok)

@@ -1,61 +1,21 @@
-"""A Hopper (sm_90) MLA decode kernel in Triton's Gluon dialect (issue 19, item 1).
+"""A Hopper (sm_90) MLA decode kernel in Triton's Gluon dialect (triton 3.6.0's API), run by
+the ``wgmma/gluon`` route; its history: docs/kernels/gluon_hopper.md.
 
-The ``wgmma/gluon`` route runs this kernel; ``seesaw/gluon`` runs the warp-specialized
-kernel of ``gluon_seesaw`` (0.78-0.94x this one's time at every point timed on the H200,
-2026-12-01), which takes its S and softmax steps from here; the helpers all the Gluon
-decodes share (TMA descriptors and tile copies, stale rows, key ranges, LSE, split
-partials, the ahead-of-time compile) live in ``gluon_common``.
+Problem (absorbed MLA): q (tokens, heads, 576) = 512 latent ("nope") + 64 rope dims; a paged
+cache (pages, 64, 576) holding one latent head shared by every query head: K is the 576-wide
+row, V its first 512 dims; out (tokens, heads, 512) and the natural-log LSE. Token t of a
+request's qlen query tokens sees keys ``< seq_len - qlen + t + 1`` when causal.
 
-Written against triton 3.6.0's ``triton.experimental.gluon`` (the H200's
-triton); other triton versions change the Gluon API and are refused by
-``gluon_common.gluon_available``. ``decode_launcher`` takes the tensors the Triton routes
-take and returns a zero-argument launch, which the ``wgmma/gluon`` route
-(``mlatune/routes/gluon_hopper.py``) wraps; the sizes and the split rule live in
-``gluon_hopper_plan`` (no Triton import) for the route and the capability rules.
-
-Problem (absorbed MLA): q (tokens, heads, 576) = 512 latent ("nope") + 64 rope
-dims; a paged cache (pages, 64, 576) holding one latent head shared by every
-query head: K is the 576-wide row, V its first 512 dims; out (tokens, heads,
-512) and the natural-log LSE. Token t of a request's qlen query tokens sees
-keys ``< seq_len - qlen + t + 1`` when causal.
-
-Design of this first version (correct and simple before fast):
-- Rows: one program holds 64 query rows of one request, rows ``r = t * heads +
-  h`` (heads and the qlen verify tokens folded into the MMA's M). The rows of a
-  request are contiguous in ``q.view(-1, 576)``, so Q comes in with one TMA
-  copy per part (512 and 64 wide); rows past the request's (fewer than 64 when
-  heads * qlen < 64) read the next request's rows or TMA's zero fill and are
-  never stored.
-- Keys: the program walks its split's key range in tiles of 64 keys = one page
-  (page_size 64 only), the page id read from the block table; each tile is
-  TMA-copied once into shared memory (nope [64, 512] and rope [64, 64], 128B
-  swizzle) and serves both S = Q K^T (K-major B operand) and O += P V (the
-  same nope buffer as an MN-major B operand). NUM_STAGES buffers (2) form a
-  ring: the copy of tile i + NUM_STAGES starts when tile i is consumed.
-- 8 warps = 2 warpgroups with the wgmma layout's warps_per_cta [4, 2]: for
-  S (64 x 64) each warpgroup computes 32 key columns over the 576-deep
-  product; for O (64 x 512, fp32: 128 registers a thread) each owns 256
-  columns, so the accumulator fits. Softmax is base 2 (log2(e) folded into
-  the scale) with an online max/sum; its row reductions cross the two
-  warpgroups through shared memory. P goes through shared memory (bf16/fp16)
-  as the A operand of P V.
-- Stale slots: the last tile of a request may hold slots past seq_len (NaN in
-  a real cache); their V rows are zeroed in shared memory before use, so a
-  masked key's weight 0 never meets NaN.
-- Split-KV: grid (row blocks, splits, batch); split s covers a 64-aligned
-  1/num_splits of the request's keys. One split writes out and LSE directly;
-  more write fp32 partials (normalized output, base-2 LSE) that
-  ``reduce.reduce_launcher`` merges.
-Two variants of the walk were built and timed on the H200 (2026-12-01,
-``benchmarks/results/README.md``, session 8, call 2) and removed, being slower at
-every point: a pipelined walk (tile i+1's S issued before tile i's P V, so its
-softmax overlaps P V) by 3-26%, and 32-key tiles with a 4-deep ring by 10-46%. Both
-warpgroups read all of Q from shared memory for their half of S's columns; the
-32-key tiles read Q twice as often per key, and their extra time followed that traffic.
-Known gaps (speed): S split across warpgroups by columns (Q read twice per tile;
-FlashMLA computes a whole tile's S in one warpgroup and ping-pongs), no warp
-specialization (a producer warp for the TMA copies), no persistent schedule;
-fp8 caches are refused.
+Per program: 64 query rows of one request (rows ``r = t * heads + h``: heads and the verify
+tokens folded into the MMA's M; rows past the request's are never stored) and one split of
+its keys, walked in 64-key tiles (one page each) TMA-copied once into a ring of two buffers
+that serve both S = Q K^T and O += P V. Eight warps form two warpgroups: for S each computes
+32 key columns over the 576-deep product; for O each owns 256 of the 512 columns. The
+softmax is base 2, online; P goes through shared memory as P V's A operand. Stale slots of a
+request's last page have their V rows zeroed. One split writes out and LSE; more write fp32
+partials (normalized output, base-2 LSE) that ``reduce.reduce_launcher`` merges. Sizes and
+the split rule: ``gluon_hopper_plan``; helpers shared with the other Gluon decodes:
+``gluon_common``.
 """
 
 from __future__ import annotations
@@ -76,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from mlatune.kernels.gluon_common import (
     GL_DTYPES,
-    LOG2E,
+    LN2,
     aot_compile_kernel,
     compile_options,
     gluon_available,
@@ -97,6 +57,7 @@ from mlatune.kernels.gluon_hopper_plan import (  # noqa: F401  (GLUON_TRITON, H2
     pick_splits,
     triton_refusal,
 )
+from mlatune.lse import LOG2E
 
 NUM_WARPS = 8
 NUM_STAGES = 2  # the ring of 64-key tiles: with Q (72 KB), what one block's shared memory holds
@@ -148,7 +109,7 @@ def mla_decode_kernel(qn_desc, qr_desc, kn_desc, kr_desc, bt_ptr, seq_lens_ptr, 
                       num_splits, qlen, heads, qk_scale,
                       stride_bt, stride_o_tok, stride_o_head, stride_lse_tok,
                       stride_po_slot, stride_po_row, stride_pl_slot,
-                      CAUSAL: gl.constexpr, DIRECT: gl.constexpr, WRITE_LSE: gl.constexpr,
+                      CAUSAL: gl.constexpr, DIRECT: gl.constexpr,
                       PAGE: gl.constexpr, NUM_STAGES: gl.constexpr,
                       num_warps: gl.constexpr):
     BM: gl.constexpr = qn_desc.block_type.shape[0]
@@ -245,9 +206,8 @@ def mla_decode_kernel(qn_desc, qr_desc, kn_desc, kr_desc, bt_ptr, seq_lens_ptr, 
         gl.store(out_ptr + gl.expand_dims(row_off, 1) + gl.expand_dims(d, 0), part, mask=r_ok)
     r_ok_s = offs_m < rows
     if DIRECT:
-        if WRITE_LSE:
-            dst = (b * qlen + offs_m // heads).to(gl.int64) * stride_lse_tok + offs_m % heads
-            gl.store(lse_ptr + dst, lse2 * 0.6931471805599453, mask=r_ok_s)
+        dst = (b * qlen + offs_m // heads).to(gl.int64) * stride_lse_tok + offs_m % heads
+        gl.store(lse_ptr + dst, lse2 * LN2, mask=r_ok_s)
     else:
         slot_s = b * num_splits + split
         gl.store(lse_ptr + slot_s.to(gl.int64) * stride_pl_slot + offs_m, lse2, mask=r_ok_s)
@@ -259,7 +219,7 @@ def check_supported(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                     seq_lens: torch.Tensor) -> str | None:
     """Why the kernel cannot take these tensors (or this triton), or None when it can."""
     if q.dtype not in GL_DTYPES:
-        return f"q dtype {q.dtype} (bf16 and fp16 only; fp8 caches are not done yet)"
+        return f"q dtype {q.dtype} (bf16 and fp16 only)"
     if kv_cache.dtype != q.dtype:
         return f"cache dtype {kv_cache.dtype} differs from q's {q.dtype}"
     if q.shape[-1] != D_NOPE + D_ROPE or kv_cache.shape[-1] != D_NOPE + D_ROPE:
@@ -315,7 +275,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
         args = (*common, out, lse, *sizes, out.stride(0), out.stride(1), lse.stride(0), 0, 0, 0)
 
         def launch() -> None:
-            mla_decode_kernel[grid](*args, DIRECT=True, WRITE_LSE=True, **meta)
+            mla_decode_kernel[grid](*args, DIRECT=True, **meta)
 
         return launch, out, lse
 
@@ -332,7 +292,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                              max_slots=num_splits, uniform=True)
 
     def launch_split() -> None:
-        mla_decode_kernel[grid](*args, DIRECT=False, WRITE_LSE=True, **meta)
+        mla_decode_kernel[grid](*args, DIRECT=False, **meta)
         reduce()
 
     return launch_split, out, lse
@@ -358,7 +318,7 @@ def aot_compile(dtype: str = "bf16", *, direct: bool = True, causal: bool = True
                   kn_desc=(dtype, BLOCK_N, D_NOPE), kr_desc=(dtype, BLOCK_N, D_ROPE))
     pointers = {"bt_ptr": "i32", "seq_lens_ptr": "i32", "out_ptr": dtype if direct else "fp32",
                 "lse_ptr": "fp32"}
-    constants = dict(CAUSAL=causal, DIRECT=direct, WRITE_LSE=True, PAGE=PAGE_SIZE,
+    constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=PAGE_SIZE,
                      NUM_STAGES=NUM_STAGES, num_warps=NUM_WARPS)
     return aot_compile_kernel(mla_decode_kernel, constants, blocks, pointers, arch=arch,
                               num_warps=NUM_WARPS)

@@ -1,5 +1,5 @@
 """What the Hopper Gluon decodes (``gluon_hopper``, ``gluon_seesaw``, ``gluon_transposed``)
-are built for, and their split rule, on the host.
+are built for, their kernel forms and their split rule, on the host.
 
 Plain Python, no Triton: the capability rules, the Gluon routes'
 ``supports`` and ``param_space`` (which the dispatcher may ask) read these
@@ -20,6 +20,14 @@ DTYPES = ("bf16", "fp16")  # q and cache alike (wgmma/gluon, seesaw/gluon)
 FP8_CACHE = "fp8_e4m3fn"  # transposed/gluon also reads this cache under a 16-bit q
 H200_SMS = 132
 MAX_SPLITS = 64
+
+# Kernel forms, named in a param set's ``form``. The seesaw kernel: "pairs" (a program walks
+# one request), "two-requests" (a program walks requests b and b + cdiv(batch, 2)).
+SEESAW_FORMS = ("pairs", "two-requests")
+# The transposed kernels: "mma16" (MMAs in q's 16-bit dtype; an fp8 cache widened to it in a
+# partition of its own, ``gluon_transposed_ws``), "mma8" (an fp8 cache under fp8 MMAs, q as
+# two e4m3 terms, ``gluon_transposed_fp8``).
+TRANSPOSED_FORMS = ("mma16", "mma8")
 
 
 def triton_refusal(version: str | None) -> str | None:
@@ -67,12 +75,8 @@ def pick_splits(batch: int, row_blocks: int, max_seq_len: int, sms: int = H200_S
     return best
 
 
-# ``pick_splits``'s per_program for the fp8-MMA transposed kernel (``gluon_transposed_fp8``,
-# its route form: wide_vt and warp_max). Fitted to its times at forced split counts at 12
-# points of batch 1-64 (H200, 2026-12-02, session 20 call 5, ``benchmarks/gluon_splits.py``;
-# every value from 6 to 10.5 scores alike): its picks are 1.014x the fastest count's time in
-# geomean, 1.106x at worst, where the rule without it picked 1.145x and 1.67x (64 splits of
-# 2 tiles at (2, 16, 8192, 1): 29.1 us against 17.5 with 32). Its tiles take about 0.6x the
-# bf16 kernel's, so what a program costs besides them (q quantized, the ring filled, the
-# partials written and merged) weighs more.
+# ``pick_splits``'s per_program for the fp8-MMA transposed kernel (``gluon_transposed_fp8``):
+# its tiles take about 0.6x the bf16 kernel's, so what a program costs besides them (q
+# quantized, the ring filled, the partials written and merged) weighs more. Fitted to its
+# times at forced split counts (docs/kernels/gluon_transposed.md).
 FP8_MMA_PROGRAM_COST = 8.0

@@ -1,71 +1,28 @@
-"""The transposed Gluon decode over an fp8 cache with fp8 MMAs: what ``transposed/gluon``'s
-``fp8_mma`` param sets run (``routes.gluon_hopper.TRANSPOSED_KERNELS``).
+"""The transposed Gluon decode over an fp8 cache with fp8 MMAs: the "mma8" form of
+``transposed/gluon``. Its history: docs/kernels/gluon_transposed.md.
 
-Why: ``gluon_transposed`` and ``gluon_transposed_ws`` widen each fp8 tile to 16 bits in
-shared memory and run 16-bit MMAs, about 321 KB a 64-key tile through shared memory, more
-than 0.6x the bf16 time allows (``benchmarks/results/README.md``, session 10). Here nothing is
-widened: both products are fp8 wgmmas (k32).
-
-Three partitions (``gl.warp_specialize``): a loader (TMA: q once, the cache tiles into a
-ring), a transposer (each tile's V^T into one of two buffers) and the MMA warpgroup (q's
-quantization, S^T, the softmax, O^T, the epilogue); a ring slot is released by both readers
-(an mbarrier of two arrivals).
-- q: each query row under one scale (amax over its 576 dims / 448) as ``Q_TERMS`` e4m3
-  terms, the rounded row and what the rounding left out, both multiplied by the same K tile
-  into one accumulator: S^T = K (Q8 + Q8lo)^T carries one factor a column (the row's scale,
-  the cache's, the softmax scale), applied before the softmax. With two terms q keeps about
-  a 16-bit q's precision; with one it is a quantized q (FlashMLA's fp8 path quantizes q per
-  tensor). On the H200 (2026-12-01, session 11): rel_l2 0.009-0.018 with two terms, 0.028-
-  0.082 with one (the per-row quantization alone: 0.034-0.081); the 16-bit widening 0.002.
-  Two terms cost 1.11x one at (128, 16, 8192, 1) (twice the S^T wgmmas) and 1.8x at 32 rows
-  (ptxas spills the MMA warpgroup). The two terms joined as adjacent rows of one operand
-  (one wgmma of twice the N a k-step) were tried and removed: on the H200 (2026-12-01,
-  session 13) that form, alone and with ``defer_sums``, left NaN or unwritten outputs in
-  every smoke case (24,624 elements at (3, 16, 300, 1) fp8). ``stacked`` puts them one above
-  the other instead (rows [0, 16) and [16, 32) of one buffer written through row slices, no
-  interleaving layout of our own): one wgmma of N 32 a k-step, the column halves added in
-  registers (``_fold``). Right on the H200 (2026-12-02, session 19: the GPU tests, three runs
-  a case) and faster: 228.5 us against 249.1 at (128, 16, 8192, 1) fp8 (FlashMLA's fp8
-  250.5 in the same run), 68.9 against 72.9 at (64, 16, 4096, 1), 11.9 alike at batch 1;
-  the route's form.
-- P's row sums (``defer_sums``, ``_ws_mma``'s DEFER_SUMS) summed over the keys once at the
-  end: correct on the H200 (2026-12-01, session 13; rel_l2 0.0167 at (3, 16, 300, 1) fp8,
-  as without) and faster (fp8: 246.2 us against 266.1 at (128, 16, 8192, 1), FlashMLA
-  250.8; 73.9 against 80.4 at (64, 16, 4096, 1)), so it is the route's form.
-- P (in [0, 1]) is scaled by 2^P_SHIFT before its cast to e4m3 (max 448), so values down
-  to 2^-17 survive; the sum of the unscaled P normalizes O, and the epilogue divides the
-  shift out with the cache's V scale. P in e4m3 keeps the output error near 1e-2, so the
-  route declares these sets ``rounds_p`` (``check.accuracy.P_ROUNDED``; a quantized q,
-  one term, is held to ``QUANTIZED_Q``).
-- Hopper's fp8 wgmma takes both operands K-major; O^T = V^T P^T needs V^T with the tile's
-  keys contiguous: the transposer moves V through registers (byte permutes), stale rows of
-  a split's last tile as zeros (a real cache holds NaN there). In 16 x 16 byte blocks its
-  loads ran 4-way and its stores 2-way bank-conflicted (Nsight Compute, session 19), the
-  shared-memory pipe 81% busy. ``wide_vt`` keeps both tiles' V^T in one buffer of 128-byte
-  rows and renames each key to a slot (P^T's rows alike), so 4-byte loads and 16-byte
-  stores are conflict-free (tests/bank_model.py; Nsight: 128 wavefronts a warp-tile, the
-  least, against 384): 173.8 us against 230.6 at (128, 16, 8192, 1), 54.9 against 67.9
-  at (64, 16, 4096, 1), 11.1 against 11.9 at batch 1 (H200, 2026-12-02, session 20 call
-  1; the GPU tests right). The route's form.
-- The softmax's max over a tile's keys runs across the four warps (S^T's rows). ``gl.max``
-  does it in two barriers and two rounds of shuffles; ``warp_max`` in one barrier, every
-  thread reading the four warps' maxima of its columns: 171.0 us against 179.1 at (128,
-  16, 8192, 1), 0.96x at (64, 16, 4096, 1) and batch 1 (H200, 2026-12-02, session 20 call
-  3). The route's form. (Rescaling O^T only on tiles where a row's max grew was 1.02x
-  slower: the check costs more than the multiplies it skips; session 20 call 2.)
-- ``slim``: the softmax of the raw scores, the bounds applied only on a tile that reaches
-  one (a decode's last), the column scales folded into the exponent's FMA: 14-18 fewer
-  instructions a tile in the MMA warpgroup's loop; 0.99x at (128, 16, 8192, 1), (64, 16,
-  4096, 1) and batch 1 (H200, 2026-12-02, session 21 call 2; the GPU tests right). The
-  route's form. (Tried and kept off: ``overlap_o``, tile t's O^T product beside tile t + 1's
-  softmax, S^T two tiles ahead, its K over both V^T halves with P^T zero in the other so no
-  branch picks the half: right, 1.12x slower, 32 wgmmas a product instead of 16 (session 21
-  call 1); with a branch per half ptxas built a wgmma on a descriptor only the other branch
-  wrote. The MMA warpgroup's instruction stream is the path: Nsight Compute at (128, 16, 8192,
-  1), session 21 call 2, issue slots 33% busy, L1/shared 80%, L2 86%, DRAM 75%.)
-Everything else (splits, the merge, the epilogue, LSE) is ``gluon_transposed``'s. Shared
-memory: Q (16-bit, then each term), the fp8 ring (3 stages at 16 rows, 2 at 32), two tiles'
-V^T, P^T.
+Nothing is widened: both products are fp8 wgmmas (k32). Three partitions
+(``gl.warp_specialize``): a loader (TMA: q once, the cache tiles into a ring), a transposer
+(each tile's V^T into its half of one buffer) and the MMA warpgroup (q's quantization, S^T,
+the softmax, O^T, the epilogue); a ring slot is released by both readers (an mbarrier of two
+arrivals).
+- q: each query row under one scale (amax over its 576 dims / 448) as two e4m3 terms, the
+  rounded row and what the rounding left out, stacked one above the other in one operand, so
+  S^T = K (Q8 + Q8lo)^T is one wgmma of N 2 BR a k-step whose column halves are added in
+  registers (``_fold``); q keeps about a 16-bit q's precision. One factor a column (the
+  row's scale, the cache's, the softmax scale) is applied in the softmax.
+- The softmax of raw scores: the tile's max over keys across the four warps in one barrier
+  (``gluon_common.key_max``), the bounds applied only on a tile that reaches one, the column
+  scales folded into the exponent's FMA; P's row sums kept per element and summed once after
+  the last tile.
+- P (in [0, 1]) is scaled by 2^P_SHIFT before its cast to e4m3, so values down to 2^-17
+  survive; the epilogue divides the shift out with the cache's V scale. P in e4m3 keeps the
+  output error near 1e-2: the route declares these sets ``rounds_p``.
+- Hopper's fp8 wgmma takes both operands K-major, so V^T (keys contiguous) is built by the
+  transposer through registers (byte permutes), stale rows of a split's last tile as zeros;
+  both tiles' V^T share one buffer of 128-byte rows, each key renamed to a slot (P^T's rows
+  alike), so its loads and stores are free of bank conflicts (tests/bank_model.py).
+Everything else (splits, the merge, the epilogue, LSE) is ``gluon_transposed``'s.
 """
 
 from __future__ import annotations
@@ -92,16 +49,12 @@ from mlatune.kernels.gluon_common import (
     first_masked_key,
     issue_kv,
     last_keys,
-    online_softmax,
     program_keys,
     slim_step_across_warps,
-    softmax_step,
-    softmax_step_across_warps,
     tma_descriptors,
 )
 from mlatune.kernels.gluon_hopper_plan import BLOCK_N, PAGE_SIZE
 
-Q_TERMS = 2  # q as two e4m3 terms: about a 16-bit q's accuracy (one: a quantized q's)
 P_SHIFT = gl.constexpr(8)  # P times 2^8 before e4m3 (largest 448): the largest power that fits
 E4M3_MAX = gl.constexpr(448.0)
 
@@ -109,57 +62,47 @@ __all__ = ["aot_compile", "decode_launcher", "ring_stages", "transposed_fp8_kern
 
 
 @gluon.jit
-def _q_buffers(qn_desc, qr_desc, fp8: gl.constexpr, Q_TERMS: gl.constexpr,
-               STACKED: gl.constexpr):
+def _q_buffers(qn_desc, qr_desc, fp8: gl.constexpr):
     """Shared memory for Q's two parts as they land (16-bit) and quantized: ((nope, rope),
-    (nope, rope) as [terms, rows, dims]: a buffer per e4m3 term, or (STACKED) one buffer of
-    twice the rows, the terms one above the other (``_term``)."""
+    (nope, rope) as [1, 2 rows, dims]: the two e4m3 terms one above the other, ``_term``)."""
     BR: gl.constexpr = qn_desc.block_type.shape[0]
     DN: gl.constexpr = qn_desc.block_type.shape[1]
     DR: gl.constexpr = qr_desc.block_type.shape[1]
     q_nope = gl.allocate_shared_memory(qn_desc.dtype, [BR, DN], qn_desc.layout)
     q_rope = gl.allocate_shared_memory(qr_desc.dtype, [BR, DR], qr_desc.layout)
-    T: gl.constexpr = 1 if STACKED else Q_TERMS
-    R: gl.constexpr = Q_TERMS * BR if STACKED else BR
-    q8_nope = gl.allocate_shared_memory(fp8, [T, R, DN],
+    R: gl.constexpr = 2 * BR
+    q8_nope = gl.allocate_shared_memory(fp8, [1, R, DN],
                                         gl.NVMMASharedLayout.get_default_for([R, DN], fp8))
-    q8_rope = gl.allocate_shared_memory(fp8, [T, R, DR],
+    q8_rope = gl.allocate_shared_memory(fp8, [1, R, DR],
                                         gl.NVMMASharedLayout.get_default_for([R, DR], fp8))
     return (q_nope, q_rope), (q8_nope, q8_rope)
 
 
 @gluon.jit
 def _term(terms, k: gl.constexpr, BR: gl.constexpr):
-    """Term k's [BR, dims] of a quantized Q buffer: a buffer of its own, or rows
-    [k BR, (k + 1) BR) of the stacked one."""
-    if terms.shape[1] == BR:  # noqa: SIM108 (JIT: only the taken branch is built)
-        view = terms.index(k)
-    else:
-        view = terms.index(0).slice(k * BR, BR, dim=0)
-    return view
+    """Term k's [BR, dims] of a quantized Q buffer: rows [k BR, (k + 1) BR)."""
+    return terms.index(0).slice(k * BR, BR, dim=0)
 
 
 @gluon.jit
 def _quantize_cols(x_buf, terms, inv, layout: gl.constexpr, C0: gl.constexpr,
                    WIDTH: gl.constexpr):
     """Columns [C0, C0 + WIDTH) of Q (16-bit, ``x_buf``) times their rows' ``inv`` scale as
-    e4m3 terms (``terms``: [terms, rows, columns]): the rounded values, then what rounding
-    left out."""
+    the two e4m3 terms: the rounded values, then what rounding left out."""
     BR: gl.constexpr = x_buf.shape[0]
     x = x_buf.slice(C0, WIDTH, dim=1).load(layout).to(gl.float32) * inv
     hi = x.to(terms.dtype)
     _term(terms, 0, BR).slice(C0, WIDTH, dim=1).store(hi)
-    if terms.shape[0] * terms.shape[1] == 2 * BR:
-        lo = (x - hi.to(gl.float32)).to(terms.dtype)
-        _term(terms, 1, BR).slice(C0, WIDTH, dim=1).store(lo)
+    lo = (x - hi.to(gl.float32)).to(terms.dtype)
+    _term(terms, 1, BR).slice(C0, WIDTH, dim=1).store(lo)
 
 
 @gluon.jit
 def _quantize_q(q_bufs, q8_bufs, col_layout: gl.constexpr, num_warps: gl.constexpr):
-    """Q (16-bit, in shared memory) as e4m3 terms per query row, under one scale a row (amax
-    over its 576 dims / 448, 1 for a zero row): the rounded row, then (two terms) what the
-    rounding left out, itself rounded, so their sum holds about a 16-bit q's precision and
-    both products go into one accumulator. Returns the row scales."""
+    """Q (16-bit, in shared memory) as two e4m3 terms per query row, under one scale a row
+    (amax over its 576 dims / 448, 1 for a zero row): the rounded row, then what the rounding
+    left out, itself rounded, so their sum holds about a 16-bit q's precision. Returns the
+    row scales."""
     q_nope, q_rope = q_bufs
     q8_nope, q8_rope = q8_bufs
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
@@ -176,34 +119,12 @@ def _quantize_q(q_bufs, q8_bufs, col_layout: gl.constexpr, num_warps: gl.constex
     return gl.convert_layout(scale, col_layout)
 
 
-# V's transpose (a stored set without ``wide_vt``): a thread holds a 16 keys x 16 dims
-# block. The lanes and warps are the same in both layouts (2 lanes along keys, 3 along dims;
-# 4 warps along dims); only the register order differs: dims first to load (16 contiguous
-# bytes of a key's row), keys first to store (16 contiguous bytes of a dim's row in V^T), so
-# the conversion between them stays in each thread's registers (byte permutes, no
-# shuffles). Measured (Nsight Compute, H200, 2026-12-02, session 19): the loads 4-way
-# bank-conflicted (the K tile's 128-byte swizzle turns on key % 8, which the key lanes do
-# not change) and the stores 2-way (V^T's 64-byte swizzle turns on the low dims, held in
-# registers): for these blocks and 64-byte V^T rows the ways multiply to 8 whatever the
-# lanes, hence the wide form below. [64 keys, 512 dims] ...
-_V_LOAD = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [1, 0], [2, 0], [4, 0], [8, 0]],
-    lane_bases=[[16, 0], [32, 0], [0, 16], [0, 32], [0, 64]],
-    warp_bases=[[0, 128], [0, 256]], block_bases=[], shape=[64, 512]))
-# ... and [512 dims, 64 keys].
-_VT_STORE = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [1, 0], [2, 0], [4, 0], [8, 0]],
-    lane_bases=[[0, 16], [0, 32], [16, 0], [32, 0], [64, 0]],
-    warp_bases=[[128, 0], [256, 0]], block_bases=[], shape=[512, 64]))
-
-
-# ``wide_vt``: V^T is one [512 dims, 128 key slots] buffer (128-byte rows, 128-byte swizzle),
-# tile t's keys in slots [64 (t % 2), +64), key k at slot 16 (k % 4) + k // 4 of its half
-# (``_key_slots``; P^T's rows alike, so the product is the same). A thread loads 4 dims of a
-# key (4 bytes) and stores 16 slots of a dim (16 bytes); the lanes that change a load's bank
-# (keys 1-2 through the K tile's swizzle, dims 4, 8, 64) also change a store's (keys 1-2 are
-# slot bits 4-5; dim 4 flips V^T's swizzle), so neither side conflicts by the bank model
-# (tests/bank_model.py), 16 shared wavefronts a warp's KB against 48 for the blocks above.
+# V^T is one [512 dims, 128 key slots] buffer (128-byte rows, 128-byte swizzle), tile t's keys
+# in slots [64 (t % 2), +64), key k at slot 16 (k % 4) + k // 4 of its half (``_key_slots``;
+# P^T's rows alike, so the product is the same). A thread loads 4 dims of a key (4 bytes) and
+# stores 16 slots of a dim (16 bytes); the lanes that change a load's bank (keys 1-2 through
+# the K tile's swizzle, dims 4, 8, 64) also change a store's (keys 1-2 are slot bits 4-5; dim
+# 4 flips V^T's swizzle), so neither side conflicts by the bank model (tests/bank_model.py).
 # [64 keys, 512 dims] ...
 _V_LOAD_WIDE = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 2], [4, 0], [8, 0], [16, 0], [32, 0], [0, 16], [0, 32]],
@@ -219,25 +140,24 @@ VT_WIDE_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, eleme
 
 
 @gluon.jit
-def _transpose_v(kn, vt, valid, MASKED: gl.constexpr, load_layout: gl.constexpr,
-                 store_layout: gl.constexpr, SLOTTED: gl.constexpr):
-    """The tile's V (keys x 512 dims, fp8) into ``vt`` as dims x keys, keys contiguous (4
-    warps); ``MASKED``: rows >= valid as zeros (a split's last tile: the cache holds NaN past
-    a request's length; this reader must not write the ring slot). The two layouts share
+def _transpose_v(kn, vt, valid, MASKED: gl.constexpr):
+    """The tile's V (keys x 512 dims, fp8) into ``vt`` as dims x key slots, slots contiguous
+    (4 warps); ``MASKED``: rows >= valid as zeros (a split's last tile: the cache holds NaN
+    past a request's length; this reader must not write the ring slot). The two layouts share
     lanes and warps, so the conversion is byte permutes in each thread's registers."""
-    v = kn.load(load_layout).to(gl.int8, bitcast=True)
+    v = kn.load(_V_LOAD_WIDE).to(gl.int8, bitcast=True)
     if MASKED:
-        keys = gl.arange(0, kn.shape[0], layout=gl.SliceLayout(1, load_layout))
+        keys = gl.arange(0, kn.shape[0], layout=gl.SliceLayout(1, _V_LOAD_WIDE))
         v = gl.where(gl.expand_dims(keys < valid, 1), v, gl.zeros_like(v))
-    if SLOTTED:
-        v = _key_slots(v)
-    vt.store(gl.convert_layout(gl.permute(v, (1, 0)), store_layout).to(vt.dtype, bitcast=True))
+    v = _key_slots(v)
+    vt.store(gl.convert_layout(gl.permute(v, (1, 0)), _VT_STORE_WIDE).to(vt.dtype,
+                                                                         bitcast=True))
 
 
 @gluon.jit
 def _key_slots(x):
-    """[keys, n] -> [slots, n]: key k to slot 16 (k % 4) + k // 4 (``wide_vt``), a relabeling
-    of which element each thread holds (no data moves)."""
+    """[keys, n] -> [slots, n]: key k to slot 16 (k % 4) + k // 4, a relabeling of which
+    element each thread holds (no data moves)."""
     BN: gl.constexpr = x.shape[0]
     x = gl.reshape(x, [BN // 4, 4, x.shape[1]])
     return gl.reshape(gl.permute(x, (1, 0, 2)), [BN, x.shape[2]])
@@ -245,29 +165,21 @@ def _key_slots(x):
 
 @gluon.jit
 def _transpose_into(kn, vts, j, valid, MASKED: gl.constexpr):
-    """Tile j % 2's V^T: into buffer j of [2, dims, keys], or (``wide_vt``: [dims, 2 keys])
-    into its half of the keys."""
+    """Tile j % 2's V^T into its half of the key slots of ``vts`` ([dims, 2 tiles' keys])."""
     BN: gl.constexpr = kn.shape[0]
-    if len(vts.shape) == 3:
-        _transpose_v(kn, vts.index(j), valid, MASKED, _V_LOAD, _VT_STORE, False)
-    elif j == 0:
-        _transpose_v(kn, vts.slice(0, BN, dim=1), valid, MASKED, _V_LOAD_WIDE, _VT_STORE_WIDE,
-                     True)
+    if j == 0:
+        _transpose_v(kn, vts.slice(0, BN, dim=1), valid, MASKED)
     else:
-        _transpose_v(kn, vts.slice(BN, BN, dim=1), valid, MASKED, _V_LOAD_WIDE,
-                     _VT_STORE_WIDE, True)
+        _transpose_v(kn, vts.slice(BN, BN, dim=1), valid, MASKED)
 
 
 @gluon.jit
 def _o_step(vts, j, p_t, acc, s_next):
-    """O^T += V^T P^T with tile j % 2's V^T (see ``_transpose_into``), then the wait for it
-    and the next tile's S^T: (S^T, O^T). (Inside the branch on j: an async product's
-    accumulator cannot leave one.)"""
+    """O^T += V^T P^T with tile j % 2's half of V^T, then the wait for it and the next tile's
+    S^T: (S^T, O^T). (Inside the branch on j: an async product's accumulator cannot leave
+    one.)"""
     BN: gl.constexpr = p_t.shape[0]
-    if len(vts.shape) == 3:
-        acc = warpgroup_mma(vts.index(j), p_t, acc, is_async=True)
-        s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, acc))
-    elif j == 0:
+    if j == 0:
         acc = warpgroup_mma(vts.slice(0, BN, dim=1), p_t, acc, is_async=True)
         s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, acc))
     else:
@@ -306,8 +218,8 @@ def _ws_loader(descs, q_bufs, ring, bars, bt_row, q_row, start, n_tiles, PAGE: g
 
 @gluon.jit
 def _ws_transposer(ring, vts, bars, start, end, n_tiles):
-    """Each tile's V^T into one of two buffers (stale rows as zeros in a split's last tile),
-    handed to the MMA warpgroup; the ring slot released for this reader."""
+    """Each tile's V^T into its half of the V^T buffer (stale rows as zeros in a split's last
+    tile), handed to the MMA warpgroup; the ring slot released for this reader."""
     k_nope = ring[0]
     ready, k_empty, vt_ready, vt_empty = bars
     S: gl.constexpr = k_nope.shape[0]
@@ -330,33 +242,24 @@ def _ws_transposer(ring, vts, bars, start, end, n_tiles):
 
 @gluon.jit
 def _issue_s(k_nope, k_rope, q8_nope, q8_rope, s_layout: gl.constexpr):
-    """S^T = K Q8^T over the tile in one ring slot, summed over q's e4m3 terms (a group of
-    wgmmas for each part of each term: 2 groups a term), issued, not waited on; stacked
-    terms: one group a part, of twice the N, each term in its own columns (``_fold``)."""
+    """S^T = K Q8^T over the tile in one ring slot, both e4m3 terms of q at once (one group
+    of wgmmas a part, of N 2 BR, each term in its own columns: ``_fold``), issued, not waited
+    on."""
     BN: gl.constexpr = k_nope.shape[0]
     SN: gl.constexpr = q8_nope.shape[1]
     s = gl.zeros([BN, SN], gl.float32, layout=s_layout)
     s = warpgroup_mma(k_nope, q8_nope.index(0).permute((1, 0)), s, use_acc=False,
                       is_async=True)
-    s = warpgroup_mma(k_rope, q8_rope.index(0).permute((1, 0)), s, is_async=True)
-    if q8_nope.shape[0] == 2:
-        s = warpgroup_mma(k_nope, q8_nope.index(1).permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma(k_rope, q8_rope.index(1).permute((1, 0)), s, is_async=True)
-    return s
+    return warpgroup_mma(k_rope, q8_rope.index(0).permute((1, 0)), s, is_async=True)
 
 
 @gluon.jit
 def _fold(s, BR: gl.constexpr, layout: gl.constexpr):
-    """S^T [keys, BR] from the accumulator: itself, or with stacked terms ([keys, 2 BR])
-    its two column halves added. A thread holds columns c and c + BR alike (the wgmma
-    accumulator's columns 8i + 2 (lane % 4) + {0, 1}, i a register's bits), so the sum
-    stays in registers."""
-    if s.shape[1] == BR:
-        folded = s
-    else:
-        hi, lo = gl.split(gl.permute(gl.reshape(s, [s.shape[0], 2, BR]), (0, 2, 1)))
-        folded = gl.convert_layout(hi + lo, layout)
-    return folded
+    """S^T [keys, BR] from the accumulator [keys, 2 BR]: its two column halves (q's two terms)
+    added. A thread holds columns c and c + BR alike (the wgmma accumulator's columns 8i + 2
+    (lane % 4) + {0, 1}, i a register's bits), so the sum stays in registers."""
+    hi, lo = gl.split(gl.permute(gl.reshape(s, [s.shape[0], 2, BR]), (0, 2, 1)))
+    return gl.convert_layout(hi + lo, layout)
 
 
 @constexpr_function
@@ -369,19 +272,13 @@ def _mma_layout(cols):
 @gluon.jit
 def _ws_mma(q_bufs, q8_bufs, ring, vts, p_buf, bars, ptrs, counter_ptr, ints, seq_len, start,
             end, n_tiles, qk, kv_scale, CAUSAL: gl.constexpr, DIRECT: gl.constexpr,
-            MERGE: gl.constexpr, DEFER_SUMS: gl.constexpr, WARP_MAX: gl.constexpr,
-            SLIM: gl.constexpr):
+            MERGE: gl.constexpr):
     """q quantized, then per tile S^T (fp8), the softmax, O^T += V^T P^T (fp8); the epilogue.
-    ``DEFER_SUMS``: P's row sums kept per element ([keys, rows], rescaled like O^T) and
-    summed over the keys once at the end, so a tile's softmax crosses the warps once (for
-    its max), not twice (correct and faster on the H200, 2026-12-01: the module's notes).
-    Tile t+1's S^T is issued before tile t's softmax and runs beside it and beside tile t's
-    O^T product; the warpgroup waits for both at the tile's end. (Leaving O^T in flight into
-    the next tile was slower, 1.26x at (128, 16, 8192, 1) on the H200, 2026-12-01: the
-    accumulator then crosses the loop's back edge and ptxas serializes the wgmmas.)
-    ``SLIM`` (with ``WARP_MAX``): the softmax of raw scores, masked only on a tile that
-    reaches a bound, the column scales in the exponent's FMA
-    (``gluon_common.slim_step_across_warps``)."""
+    P's row sums are kept per element ([keys, rows], rescaled like O^T) and summed over the
+    keys once at the end, so a tile's softmax crosses the warps once (for its max). Tile t+1's
+    S^T is issued before tile t's softmax and runs beside it and beside tile t's O^T product;
+    the warpgroup waits for both at the tile's end (an accumulator in flight across the
+    loop's back edge would make ptxas serialize the wgmmas)."""
     k_nope, k_rope = ring
     q_bar, ready, k_empty, vt_ready, vt_empty = bars
     rb, qlen, heads = ints[0], ints[4], ints[5]
@@ -391,21 +288,19 @@ def _ws_mma(q_bufs, q8_bufs, ring, vts, p_buf, bars, ptrs, counter_ptr, ints, se
     BR: gl.constexpr = q_bufs[0].shape[0]
     o_layout: gl.constexpr = _mma_layout(BR)
     s_layout: gl.constexpr = o_layout  # S^T's (and the softmax's): the same for N = BR
-    SN: gl.constexpr = q8_bufs[0].shape[1]  # S^T's accumulator columns (2 BR: stacked terms)
+    SN: gl.constexpr = q8_bufs[0].shape[1]  # S^T's accumulator columns: 2 BR (two terms)
     acc_s_layout: gl.constexpr = _mma_layout(SN)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     last_pos = last_keys(rb, seq_len, qlen, heads, BR, col_s, CAUSAL)
     keys = gl.arange(0, BN, layout=gl.SliceLayout(1, s_layout))
     m_i = gl.full([BR], float("-inf"), gl.float32, layout=col_s)
-    l_i = gl.full([BR], 0.0, gl.float32, layout=col_s)
-    l_acc = gl.zeros([BN, BR], gl.float32, layout=s_layout)  # DEFER_SUMS: per key slot
+    l_acc = gl.zeros([BN, BR], gl.float32, layout=s_layout)  # P's sums, per key slot
     acc = gl.zeros([DN, BR], gl.float32, layout=o_layout)
-    if WARP_MAX:  # each warp's max over its keys, a row per warp
-        warp_maxes = gl.allocate_shared_memory(gl.float32, [4, BR], gl.SwizzledSharedLayout(
-            1, 1, 1, [1, 0]))
+    # each warp's max over its keys, a row per warp
+    warp_maxes = gl.allocate_shared_memory(gl.float32, [4, BR], gl.SwizzledSharedLayout(
+        1, 1, 1, [1, 0]))
     mbarrier.wait(q_bar, 0)
     qk_vec = _quantize_q(q_bufs, q8_bufs, col_s, 4) * qk
-    qk_cols = gl.expand_dims(qk_vec, 0)
     mask_from = first_masked_key(end, last_pos)
     s = gl.zeros([BN, SN], gl.float32, layout=acc_s_layout)
     if n_tiles > 0:  # (a split past its request's length has no tiles)
@@ -423,27 +318,10 @@ def _ws_mma(q_bufs, q8_bufs, ring, vts, p_buf, bars, ptrs, counter_ptr, ints, se
         # The next tile's S^T runs beside this tile's softmax (after the last tile: a
         # product of the slot's old bytes, never read, so the issue count stays fixed).
         s_next = _issue_s(k_nope.index(nxt), k_rope.index(nxt), *q8_bufs, acc_s_layout)
-        if SLIM:
-            p, m_i, alpha = slim_step_across_warps(_fold(s, BR, s_layout), qk_vec,
-                                                   start + t * BN, end, last_pos, keys, m_i,
-                                                   warp_maxes, mask_from)
-            l_acc = l_acc * gl.expand_dims(alpha, 0) + p
-        elif WARP_MAX:
-            scores = _fold(s, BR, s_layout) * qk_cols
-            p, m_i, alpha = softmax_step_across_warps(scores, start + t * BN, end, last_pos,
-                                                      keys, m_i, warp_maxes)
-            l_acc = l_acc * gl.expand_dims(alpha, 0) + p
-        elif DEFER_SUMS:
-            scores = _fold(s, BR, s_layout) * qk_cols
-            p, m_i, alpha = softmax_step(scores, start + t * BN, end, last_pos, keys, m_i, 0)
-            l_acc = l_acc * gl.expand_dims(alpha, 0) + p
-        else:
-            scores = _fold(s, BR, s_layout) * qk_cols
-            p, m_i, l_i, alpha = online_softmax(scores, start + t * BN, end, last_pos, keys,
-                                                m_i, l_i, 0)
-        p8 = (p * (2.0 ** P_SHIFT)).to(p_buf.dtype)
-        if len(vts.shape) == 2:  # wide_vt: P^T's rows in V^T's key slots
-            p8 = _key_slots(p8)
+        p, m_i, alpha = slim_step_across_warps(_fold(s, BR, s_layout), qk_vec, start + t * BN,
+                                               end, last_pos, keys, m_i, warp_maxes, mask_from)
+        l_acc = l_acc * gl.expand_dims(alpha, 0) + p
+        p8 = _key_slots((p * (2.0 ** P_SHIFT)).to(p_buf.dtype))  # P^T's rows in V^T's slots
         p_buf.store(gl.permute(p8, (1, 0)))
         fence_async_shared()
         gl.thread_barrier()  # every warp's P^T is in
@@ -454,8 +332,7 @@ def _ws_mma(q_bufs, q8_bufs, ring, vts, p_buf, bars, ptrs, counter_ptr, ints, se
         mbarrier.arrive(vt_empty.index(j))
         if more:
             mbarrier.arrive(k_empty.index(nxt))
-    if DEFER_SUMS:
-        l_i = gl.sum(l_acc, axis=0)
+    l_i = gl.sum(l_acc, axis=0)
     base._epilogue(acc, m_i, l_i, kv_scale * (2.0 ** -P_SHIFT), ptrs, ints, o_layout, DIRECT, 4)
     if MERGE:
         base._merge_if_last(ptrs, counter_ptr, ints, BR, DN, 4)
@@ -469,11 +346,8 @@ def transposed_fp8_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and th
                           stride_bt, stride_o_tok, stride_o_head, stride_lse_tok,
                           stride_po_slot, stride_po_row, stride_pl_slot,
                           CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PAGE: gl.constexpr,
-                          STAGES: gl.constexpr, Q_TERMS: gl.constexpr,
-                          DEFER_SUMS: gl.constexpr, MERGE: gl.constexpr,
-                          PDL: gl.constexpr, num_warps: gl.constexpr,
-                          STACKED: gl.constexpr = False, WIDE_VT: gl.constexpr = False,
-                          WARP_MAX: gl.constexpr = False, SLIM: gl.constexpr = False):
+                          STAGES: gl.constexpr, MERGE: gl.constexpr, PDL: gl.constexpr,
+                          num_warps: gl.constexpr):
     BN: gl.constexpr = kn_desc.block_type.shape[0]
     DN: gl.constexpr = kn_desc.block_type.shape[1]
     DR: gl.constexpr = kr_desc.block_type.shape[1]
@@ -481,14 +355,10 @@ def transposed_fp8_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and th
     fp8: gl.constexpr = kn_desc.dtype
     rb, split, b, seq_len, start, end, n_tiles = program_keys(
         seq_lens_ptr, num_splits, qlen, heads, BR, BN, CAUSAL, PDL)
-    q_bufs, q8_bufs = _q_buffers(qn_desc, qr_desc, fp8, Q_TERMS, STACKED)
+    q_bufs, q8_bufs = _q_buffers(qn_desc, qr_desc, fp8)
     k_nope = gl.allocate_shared_memory(fp8, [STAGES, BN, DN], kn_desc.layout)
     k_rope = gl.allocate_shared_memory(fp8, [STAGES, BN, DR], kr_desc.layout)
-    if WIDE_VT:
-        vts = gl.allocate_shared_memory(fp8, [DN, 2 * BN], VT_WIDE_LAYOUT)
-    else:
-        vts = gl.allocate_shared_memory(fp8, [2, DN, BN],
-                                        gl.NVMMASharedLayout.get_default_for([DN, BN], fp8))
+    vts = gl.allocate_shared_memory(fp8, [DN, 2 * BN], VT_WIDE_LAYOUT)
     p_buf = gl.allocate_shared_memory(fp8, [BR, BN],
                                       gl.NVMMASharedLayout.get_default_for([BR, BN], fp8))
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
@@ -518,16 +388,15 @@ def transposed_fp8_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and th
                       n_tiles, PAGE)),
         (_ws_mma, (q_bufs, q8_bufs, ring, vts, p_buf, (q_bar, ready, k_empty, vt_ready, vt_empty),
                    ptrs, counter_ptr, ints, seq_len, start, end, n_tiles,
-                   qk_scale * kv_scale, kv_scale, CAUSAL, DIRECT, MERGE, DEFER_SUMS,
-                   WARP_MAX, SLIM)),
+                   qk_scale * kv_scale, kv_scale, CAUSAL, DIRECT, MERGE)),
         (_ws_transposer, (ring, vts, (ready, k_empty, vt_ready, vt_empty), start, end,
                           n_tiles)),
     ], [4, 4], [WS_MMA_REGS, WS_TRANSPOSE_REGS])
 
 
 def ring_stages(rows: int) -> int:
-    """Ring depth beside Q (16-bit, and each e4m3 term), two V^T buffers and P^T: 3 at 16
-    rows, 2 at 32 (shared memory at two terms: 214 and 216 KB)."""
+    """Ring depth beside Q (16-bit, and its two e4m3 terms), V^T and P^T: 3 at 16 rows, 2 at
+    32 (214 and 216 KB of shared memory)."""
     return 3 if rows <= 16 else 2
 
 
@@ -537,63 +406,40 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                     seq_lens: torch.Tensor, *, qlen: int, sm_scale: float, causal: bool = True,
                     kv_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
                     lse: torch.Tensor | None = None, num_splits: int | None = None,
-                    max_seq_len: int | None = None, merge: str = base.MERGE, pdl: bool = False,
-                    q_terms: int = Q_TERMS, defer_sums: bool = False, stacked: bool = False,
-                    wide_vt: bool = False, warp_max: bool = False, slim: bool = False
+                    max_seq_len: int | None = None
                     ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
-    """``gluon_transposed.decode_launcher`` for this kernel: an fp8 e4m3 cache only, q as
-    ``q_terms`` e4m3 terms per row (1: a quantized q's accuracy, ``QUANTIZED_Q``).
-    ``defer_sums``: ``_ws_mma``'s DEFER_SUMS (ran correct on the H200, 2026-12-01, and
-    faster than without: the module's notes). ``stacked`` (two terms only): q's terms one
-    above the other in one operand, S^T one wgmma group a part of twice the N (the K tile
-    read once, not once a term), the halves added in registers (``_fold``). ``wide_vt``: V^T
-    moved without bank conflicts into one buffer of 128-byte rows (``_V_LOAD_WIDE``).
-    ``warp_max`` (with ``defer_sums``): a tile's max over keys across the warps in one
-    barrier (``gluon_common.key_max``). ``slim`` (with ``warp_max``): its softmax in fewer
-    instructions (``gluon_common.slim_step_across_warps``)."""
+    """``gluon_transposed.decode_launcher`` for this kernel: an fp8 e4m3 cache only, a
+    positive ``sm_scale`` (folded into the exponent); ``num_splits`` None: ``pick_splits``
+    with ``FP8_MMA_PROGRAM_COST``."""
     if kv_cache.dtype not in base.FP8_CACHES:
         raise ValueError(f"the fp8-MMA transposed decode reads an fp8 cache only, got "
                          f"{kv_cache.dtype}")
-    if q_terms not in (1, 2):
-        raise ValueError(f"q_terms must be 1 or 2, got {q_terms!r}")
-    if stacked and q_terms != 2:
-        raise ValueError("stacked puts q's two e4m3 terms in one operand: q_terms=2 only")
-    if warp_max and not defer_sums:
-        raise ValueError("warp_max keeps P's sums per key slot, summed after the last tile: "
-                         "defer_sums=True only")
-    if slim and not warp_max:
-        raise ValueError("slim is warp_max's softmax in fewer instructions: warp_max=True only")
-    if slim and not sm_scale > 0:  # the max is taken of the unscaled scores
-        raise ValueError(f"slim folds the softmax scale into the exponent: sm_scale > 0 only, "
-                         f"got {sm_scale}")
+    if not sm_scale > 0:  # the max is taken of the unscaled scores
+        raise ValueError(f"the fp8-MMA decode folds the softmax scale into the exponent: "
+                         f"sm_scale > 0 only, got {sm_scale}")
     batch, heads = seq_lens.shape[0], q.shape[1]
-    base._check_call(q, out, lse, batch * qlen, num_splits, base.WIDEN_COLS, merge)
+    base._check_call(q, out, lse, batch * qlen, num_splits)
     why = base.check_supported(q, kv_cache, block_table, seq_lens, kv_scale)
     if why is not None:
         raise ValueError(f"gluon transposed MLA decode (fp8 MMAs): {why}")
     rows = plan.transposed_rows(qlen * heads)
     meta = dict(CAUSAL=causal and qlen > 1, PAGE=PAGE_SIZE, STAGES=ring_stages(rows),
-                Q_TERMS=q_terms, DEFER_SUMS=defer_sums, STACKED=stacked, WIDE_VT=wide_vt,
-                WARP_MAX=warp_max, SLIM=slim, **compile_options(base.NUM_WARPS, MAXNREG))
+                **compile_options(base.NUM_WARPS, MAXNREG))
     descs = tma_descriptors(q, kv_cache, rows)
     return base.launch(transposed_fp8_kernel, descs, q, block_table, seq_lens, kv_scale, out,
                        lse, qlen=qlen, sm_scale=sm_scale, num_splits=num_splits,
-                       max_seq_len=max_seq_len, merge=merge, meta=meta, pdl=pdl,
+                       max_seq_len=max_seq_len, meta=meta,
                        per_program=plan.FP8_MMA_PROGRAM_COST)
 
 
 def aot_compile(dtype: str = "bf16", *, rows: int = 16, direct: bool = True,
-                causal: bool = True, merge: str = base.MERGE, arch: int = 90,
-                q_terms: int = Q_TERMS, defer_sums: bool = False, stacked: bool = False,
-                wide_vt: bool = False, warp_max: bool = False, slim: bool = False):
+                causal: bool = True, merge: bool = True, arch: int = 90):
     """Compile ``transposed_fp8_kernel`` (a ``dtype`` q over an fp8 cache) for ``sm_<arch>``
-    without a GPU; returns triton's CompiledKernel."""
+    without a GPU (split builds as ``gluon_transposed.aot_compile``); returns triton's
+    CompiledKernel."""
     br = plan.transposed_rows(rows)
-    constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=PAGE_SIZE,
-                     MERGE=not direct and merge != "reduce", PDL=False,
-                     STAGES=ring_stages(br), Q_TERMS=q_terms, DEFER_SUMS=defer_sums,
-                     STACKED=stacked, WIDE_VT=wide_vt, WARP_MAX=warp_max, SLIM=slim,
-                     num_warps=base.NUM_WARPS)
+    constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=PAGE_SIZE, STAGES=ring_stages(br),
+                     **base.split_constants(direct, merge), num_warps=base.NUM_WARPS)
     return aot_compile_kernel(transposed_fp8_kernel, constants,
                               base._blocks(dtype, "fp8", br, BLOCK_N), base._pointers(dtype),
                               arch=arch, num_warps=base.NUM_WARPS, maxnreg=MAXNREG)

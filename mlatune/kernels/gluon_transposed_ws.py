@@ -1,17 +1,11 @@
-"""The transposed Gluon decode over an fp8 cache, warp-specialized so the widening of one
-tile overlaps the MMAs of the one before: what ``transposed/gluon``'s widening fp8 param
-sets run (``ws``: ``routes.gluon_hopper.TRANSPOSED_KERNELS``). On the H200 (2026-12-01,
-session 10 call 1, ``benchmarks/gluon_check.py --experimental``): 330.2 us at (128, 16,
-8192, 1) against the one-warpgroup widening's 426.8 (0.77x) and FlashMLA's 251.7 (q
-quantized), 96.7 at (64, 16, 4096, 1) against 115.0; still 1.15x the bf16 time (286.4):
-see ``benchmarks/results``.
+"""The transposed Gluon decode over an fp8 cache, its MMAs in q's 16-bit dtype: the "mma16"
+form of ``transposed/gluon`` over an fp8 e4m3 cache. Its history: docs/kernels/gluon_transposed.md.
 
-Why: ``gluon_transposed`` widens each fp8 tile to 16 bits in the same warpgroup that runs
-the MMAs, between the tile's landing and its first MMA; on the H200 that path took 1.52x
-its own bf16 time at (128, 16, 8192, 1) (426 against 280 us, ``benchmarks/results/README.md``
-session 9), though it reads half the bytes. Here three partitions share the work:
-- loader (the default partition, 4 warps, one thread issues): Q once, then each 64-key
-  tile as two halves of 32 keys, each half into its own fp8 slot (``f_ready[h]``) once the
+Each tile lands as fp8 (half the bytes of a 16-bit cache) and is widened to q's dtype in
+shared memory, exactly (every e4m3 value is a bf16 and an fp16 value), in a partition of its
+own, so the widening of one tile overlaps the MMAs of the one before. Three partitions:
+- loader (the default partition, 4 warps, one thread issues): Q once, then each 64-key tile
+  as two halves of 32 keys, each half into its own fp8 slot (``f_ready[h]``) once the
   converter has released it (``f_empty[h]``);
 - converter (4 warps): widens half h of tile t into rows 32h..32h+31 of the 16-bit ring
   slot t % 2 (``_widen_tile``, stale V rows zeroed), releases the fp8 half at once, and
@@ -19,10 +13,9 @@ session 9), though it reads half the bytes. Here three partitions share the work
   waiting for it to be free (``w_empty[t % 2]``);
 - MMA warpgroup (4 warps): ``gluon_transposed``'s tile (S^T, softmax over keys, O^T) on the
   16-bit slot, which it releases when its MMAs are done; then its epilogue and merge.
-Shared memory: Q (BR x 576, 16-bit), two fp8 halves (2 x 32 x 576 = 36 KiB), two 16-bit
-slots (2 x 72 KiB) and P^T: about 201 KiB at BR 16, 220 KiB at 32. Every barrier has one
-arrival a phase (one thread of the arriving partition). Same tensors, out and LSE as
-``gluon_transposed.decode_launcher``, fp8 e4m3 caches only.
+The cache's per-tensor scale multiplies S (folded into the softmax scale) and O. Every
+barrier has one arrival a phase. Same tensors, out and LSE as
+``gluon_transposed.decode_launcher``.
 """
 
 from __future__ import annotations
@@ -49,8 +42,68 @@ HALF = 32  # keys per fp8 half tile
 MAXNREG = 168  # 12 warps: the two worker partitions rise to theirs, the loader gets the rest
 MMA_REGS = gl.constexpr(240)
 CONVERT_REGS = gl.constexpr(232)
+WIDEN_COLS = 256  # fp8 columns widened a step (whole 64-column atoms)
 
-__all__ = ["decode_launcher", "transposed_ws_kernel"]
+__all__ = ["aot_compile", "decode_launcher", "transposed_ws_kernel"]
+
+
+# e4m3 -> 16-bit by bit moves (integer pipes, not the few conversion units that
+# cvt uses): the byte's 7 magnitude bits placed under the 16-bit format's exponent field
+# give value * 2^-120 (bf16) or value * 2^-8 (fp16) exactly, subnormals included; one
+# multiply by the power of two (exact) restores it. NaN (0x7f) becomes 480: only stale
+# slots hold it, and those are masked or zeroed. prmt spreads bytes b0, b1 into the
+# high bytes of two 16-bit halves ([b1 00 b0 00]; b2, b3 likewise).
+_WIDEN_ASM = """{{
+.reg .b32 y, m, c;
+mov.b32 c, {one};
+prmt.b32 y, $2, 0, 0x1404;
+shr.b32 m, y, {shift};
+and.b32 m, m, {mask};
+and.b32 y, y, 0x80008000;
+or.b32 y, y, m;
+mul.rn.{ty}x2 $0, y, c;
+prmt.b32 y, $2, 0, 0x3424;
+shr.b32 m, y, {shift};
+and.b32 m, m, {mask};
+and.b32 y, y, 0x80008000;
+or.b32 y, y, m;
+mul.rn.{ty}x2 $1, y, c;
+}}"""
+_WIDEN_BF16 = gl.constexpr(_WIDEN_ASM.format(ty="bf16", shift=4, mask="0x07f007f0",
+                                             one="0x7b807b80"))  # 2^120 in bf16
+_WIDEN_F16 = gl.constexpr(_WIDEN_ASM.format(ty="f16", shift=1, mask="0x3f803f80",
+                                            one="0x5c005c00"))  # 2^8 in fp16
+
+
+@gluon.jit
+def _widen(x, dtype: gl.constexpr):
+    """e4m3 values (any layout) as ``dtype`` (bf16 or fp16), exactly."""
+    bits = x.to(gl.int8, bitcast=True)
+    if dtype == gl.bfloat16:
+        y = gl.inline_asm_elementwise(_WIDEN_BF16, "=r,=r,r", [bits], dtype=gl.bfloat16,
+                                      is_pure=True, pack=4)
+    else:
+        y = gl.inline_asm_elementwise(_WIDEN_F16, "=r,=r,r", [bits], dtype=gl.float16,
+                                      is_pure=True, pack=4)
+    return y
+
+
+@gluon.jit
+def _widen_tile(kn8, kr8, kn16, kr16, valid, COLS: gl.constexpr, num_warps: gl.constexpr):
+    """Copy a tile's fp8 K (nope and rope) into the 16-bit buffers, rows >= valid of the
+    nope part (V) as zeros (a real cache holds NaN there), COLS columns at a time: every
+    load of a chunk is issued before its stores, which the compiler cannot move past."""
+    N: gl.constexpr = kn8.shape[0]
+    layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
+    rows = gl.arange(0, N, layout=gl.SliceLayout(1, layout))
+    keep = gl.expand_dims(rows < valid, 1)
+    r = _widen(kr8.load(layout), kr16.dtype)
+    for c in gl.static_range(kn8.shape[1] // COLS):
+        x = _widen(kn8.slice(c * COLS, COLS, dim=1).load(layout), kn16.dtype)
+        kn16.slice(c * COLS, COLS, dim=1).store(gl.where(keep, x, gl.zeros_like(x)))
+    kr16.store(r)
+    fence_async_shared()  # generic-proxy writes read by wgmma (async proxy)
+    gl.thread_barrier()
 
 
 @gluon.jit
@@ -91,7 +144,7 @@ def _converter(f_bufs, w_bufs, bars, start, end, n_tiles, WIDEN_COLS: gl.constex
         valid = end - (start + t * 2 * H)
         for h in gl.static_range(2):
             mbarrier.wait(f_ready.index(h), t & 1)
-            base._widen_tile(f_nope.index(h), f_rope.index(h),
+            _widen_tile(f_nope.index(h), f_rope.index(h),
                              w_nope.index(slot).slice(h * H, H, dim=0),
                              w_rope.index(slot).slice(h * H, H, dim=0), valid - h * H,
                              WIDEN_COLS, 4)
@@ -198,32 +251,32 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                     seq_lens: torch.Tensor, *, qlen: int, sm_scale: float, causal: bool = True,
                     kv_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
                     lse: torch.Tensor | None = None, num_splits: int | None = None,
-                    max_seq_len: int | None = None, widen_cols: int = base.WIDEN_COLS,
-                    merge: str = base.MERGE, pdl: bool = False
+                    max_seq_len: int | None = None
                     ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
     """``gluon_transposed.decode_launcher`` for this kernel (an fp8 e4m3 cache only)."""
     if kv_cache.dtype not in base.FP8_CACHES:
         raise ValueError(f"the warp-specialized transposed decode reads an fp8 cache only, "
                          f"got {kv_cache.dtype}")
     batch, heads = seq_lens.shape[0], q.shape[1]
-    base._check_call(q, out, lse, batch * qlen, num_splits, widen_cols, merge)
+    base._check_call(q, out, lse, batch * qlen, num_splits)
     why = base.check_supported(q, kv_cache, block_table, seq_lens, kv_scale)
     if why is not None:
         raise ValueError(f"gluon transposed MLA decode (warp-specialized): {why}")
-    meta = dict(CAUSAL=causal and qlen > 1, PAGE=PAGE_SIZE, WIDEN_COLS=widen_cols,
+    meta = dict(CAUSAL=causal and qlen > 1, PAGE=PAGE_SIZE, WIDEN_COLS=WIDEN_COLS,
                 **compile_options(4, MAXNREG))
     descs = tma_descriptors(q, kv_cache, plan.transposed_rows(qlen * heads), HALF)
     return base.launch(transposed_ws_kernel, descs, q, block_table, seq_lens, kv_scale, out,
                        lse, qlen=qlen, sm_scale=sm_scale, num_splits=num_splits,
-                       max_seq_len=max_seq_len, merge=merge, meta=meta, pdl=pdl)
+                       max_seq_len=max_seq_len, meta=meta)
 
 
 def aot_compile(dtype: str = "bf16", *, rows: int = 16, direct: bool = True,
-                causal: bool = True, merge: str = base.MERGE, arch: int = 90):
+                causal: bool = True, merge: bool = True, arch: int = 90):
     """Compile ``transposed_ws_kernel`` (an fp8 cache under MMAs of ``dtype``) for
-    ``sm_<arch>`` without a GPU; returns triton's CompiledKernel."""
-    constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=PAGE_SIZE, WIDEN_COLS=base.WIDEN_COLS,
-                     MERGE=not direct and merge != "reduce", PDL=False, num_warps=4)
+    ``sm_<arch>`` without a GPU (split builds as ``gluon_transposed.aot_compile``); returns
+    triton's CompiledKernel."""
+    constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=PAGE_SIZE, WIDEN_COLS=WIDEN_COLS,
+                     **base.split_constants(direct, merge), num_warps=4)
     return aot_compile_kernel(transposed_ws_kernel, constants,
                               base._blocks(dtype, "fp8", plan.transposed_rows(rows), HALF),
                               base._pointers(dtype), arch=arch, num_warps=4, maxnreg=MAXNREG)

@@ -1,13 +1,13 @@
 """mlatune's Hopper Gluon MLA decodes as routes: ``wgmma/gluon`` (the first kernel,
 ``mlatune/kernels/gluon_hopper.py``: two warpgroups split each tile's S by key columns),
 ``seesaw/gluon`` (the warp-specialized kernel, ``mlatune/kernels/gluon_seesaw.py``: a
-loader partition and two compute warpgroups alternating whole tiles; 0.78-0.94x the
-first kernel's time at every point timed on the H200, 2026-12-01) and ``transposed/gluon``
+loader partition and two compute warpgroups alternating whole tiles) and ``transposed/gluon``
 (``mlatune/kernels/gluon_transposed.py``: keys as the MMA's M and 16 or 32 query rows as
 its N, for few heads; it also reads fp8 caches). The kernels take the same tensors (the
 transposed one also an fp8 cache's scale) and share the host helpers and the split rule
 (each over its own programs per request); a stored route id keeps its kernel, so a faster
-one comes in under a new id.
+one comes in under a new id. A kernel's forms are named in a param set's ``form`` (the
+route's ``forms``); a stored set in an older spelling is read through ``upgrade_params``.
 
 Which problems they serve is the capability model's (``capability.rules``, the
 ``wgmma.*`` rules: sm_90, decode, 576/512 dims, page 64, bf16 or fp16 q and
@@ -88,8 +88,9 @@ class WgmmaGluonRoute(Route):
     kernel = "gluon_hopper"  # the module under mlatune.kernels whose decode_launcher runs
     reads_fp8 = False  # whether decode_launcher takes an fp8 cache (and its kv_scale)
     # Kernel options a param set may carry (decode_launcher keywords), each with the value a
-    # param set without it means: what rows stored before the option existed ran.
+    # param set without it means.
     kernel_options: Mapping[str, object] = MappingProxyType({})
+    forms: tuple[str, ...] = ()  # the kernel's forms a param set names in "form": one, unnamed
     sized_params = ("num_splits",)  # derived from batch and KV length (base.params_at)
     writes_into = True  # prepare takes the caller's out= and lse= buffers
 
@@ -131,6 +132,10 @@ class WgmmaGluonRoute(Route):
     def step_kind(self, params: Params) -> StepKind:
         return LAUNCH_ONLY
 
+    def upgrade_params(self, params: Params) -> Params | None:
+        """A stored param set in the current spelling: as stored (one kernel form)."""
+        return dict(params)
+
     def launch_geometry(self, problem: MLAProblem, recipe: Mapping[str, Any], cus: int
                         ) -> ListedSplits | None:
         """batch x row blocks x splits programs; the law chooses among the listed splits."""
@@ -169,111 +174,121 @@ class WgmmaGluonRoute(Route):
 
 class SeesawGluonRoute(WgmmaGluonRoute):
     """The warp-specialized Hopper Gluon decode: each warpgroup computes S of a whole tile,
-    the two alternating (Q read once a tile); same rules, tensors and splits. Its param sets
-    run the kernel's chunked form (tiles copied in 64-column chunks that S starts on; 0-3.5%
-    faster at every point timed on the H200, 2026-12-01) with the split reduce as a
-    programmatic dependent launch (``pdl``: 0-3% faster, session 13), the softmax in
-    fewer instructions (``slim``, session 14) and each mbarrier its own allocation
-    (``lone_bars``: 0.96-1.01x the slim form's time, sessions 15 and 16) and Q addressed
-    afresh each pair (``afresh_q``: 0.97-1.00x the lone form's time at issue 19's seesaw
-    points, H200, 2026-12-02, session 17) and Q's rope part in registers (``rope_regs``:
-    0.98-1.00x at 128 heads, session 22); past one wave of programs the first set also
-    walking two requests a program (``two_requests``, ``param_space``). A stored param set
-    without an option ran the form without it and still does."""
+    the two alternating (Q read once a tile); same rules, tensors and splits. Its forms
+    (``plan.SEESAW_FORMS``): "pairs", and "two-requests" (a program walks two requests),
+    offered past one wave of programs."""
 
     id = "seesaw/gluon"
     kernel = "gluon_seesaw"
-    kernel_options = MappingProxyType({"chunked": False, "pdl": False, "slim": False,
-                                       "lone_bars": False, "afresh_q": False,
-                                       "two_requests": False, "rope_regs": False})
-    FORM = MappingProxyType({"chunked": True, "pdl": True, "slim": True, "lone_bars": True,
-                             "afresh_q": True, "two_requests": False, "rope_regs": True})
+    forms = plan.SEESAW_FORMS
+    kernel_options = MappingProxyType({"form": forms[0]})  # a set without a form: pairs
+    # The options a stored set named its form with before form ids (absent: off).
+    LEGACY_OPTIONS = ("chunked", "pdl", "slim", "lone_bars", "afresh_q", "two_requests",
+                      "rope_regs")
 
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
-        """The split sets in FORM, and the first with ``two_requests`` where its programs
-        are more than one wave (a program per SM): then half as many walk two requests each
-        (0.988x at (128, 128, 4096, 1); where one wave holds them all, it only lengthens
-        each: 1.45-1.89x; H200, 2026-12-02, session 22 call 3)."""
-        sets = [{**params, **self.FORM} for params in super().param_space(problem, device)]
+        """The split sets in the pairs form, and the first in the two-requests form where its
+        programs are more than one wave (a program per SM): then half as many walk two
+        requests each; where one wave holds them all, it only lengthens each."""
+        sets = [{**params, "form": "pairs"} for params in super().param_space(problem, device)]
         sms = _sms(device)
         programs = self.row_blocks(problem) * sets[0]["num_splits"] * problem.batch
         if programs > sms:
-            sets.append({**sets[0], "two_requests": True})
+            sets.append({**sets[0], "form": "two-requests"})
         return sets
+
+    def upgrade_params(self, params: Params) -> Params | None:
+        """A stored param set with a form id as stored (None: a form not in ``forms``); in
+        the boolean spelling (``LEGACY_OPTIONS``), chunked, pdl, slim, lone_bars, afresh_q and
+        rope_regs all on is "pairs" (with two_requests: "two-requests"), any other combination
+        a deleted form: None. ``{}`` (the route's first set) stays ``{}``."""
+        def form(on: Mapping[str, bool]) -> str | None:
+            if not all(on[k] for k in self.LEGACY_OPTIONS if k != "two_requests"):
+                return None
+            return "two-requests" if on["two_requests"] else "pairs"
+
+        return _upgraded(params, self.forms, self.LEGACY_OPTIONS, form)
+
+
+def _upgraded(params: Params, forms: tuple[str, ...], legacy: tuple[str, ...],
+              form: Callable[[Mapping[str, bool]], str | None]) -> Params | None:
+    """``params`` with a form id: as given where ``forms`` holds it, else None. In the boolean
+    spelling: its options (``legacy``; absent: off) replaced by ``form(options)``'s id, None
+    where that names none. An empty set (the route's first) stays empty."""
+    if "form" in params:
+        return dict(params) if params["form"] in forms else None
+    if not params:
+        return {}
+    named = form({k: bool(params.get(k, False)) for k in legacy})
+    if named is None:
+        return None
+    return {**{k: v for k, v in params.items() if k not in legacy}, "form": named}
 
 
 FP8_MMA_MAX_ROWS = 16  # query rows a program up to which transposed/gluon offers fp8 MMAs
-# transposed/gluon's kernels (modules of mlatune.kernels), each with the kernel options its
-# decode_launcher takes (``ws`` and ``fp8_mma`` choose the kernel).
-TRANSPOSED_KERNELS: Mapping[str, tuple[str, ...]] = MappingProxyType({
-    "gluon_transposed": ("pdl", ), "gluon_transposed_ws": ("pdl", ),
-    "gluon_transposed_fp8": ("pdl", "defer_sums", "stacked", "wide_vt", "warp_max", "slim")})
 
 
 class TransposedGluonRoute(WgmmaGluonRoute):
     """The transposed Hopper Gluon decode: S^T = K Q^T with the tile's 64 keys as the MMA's
-    M and 16 or 32 query rows as its N (no padding of few rows to 64), one warpgroup; bf16
-    or fp16 q over a cache of q's dtype or fp8 (e4m3, widened to q's dtype in shared
-    memory, its scale read on the device). Its param sets launch the split reduce as a
-    programmatic dependent (``pdl``) and read an fp8 cache widened in a partition of its own
-    (``ws``) or, at up to 16 query rows a program, with fp8 MMAs, q as two e4m3 terms
-    (``fp8_mma``, with ``defer_sums``, ``stacked``, ``wide_vt``, ``warp_max`` and ``slim``); a
-    stored param set without them ran the earlier forms and still does."""
+    M and 16 or 32 query rows as its N (no padding of few rows to 64), bf16 or fp16 q over a
+    cache of q's dtype or fp8 (e4m3, its scale read on the device). Its forms
+    (``plan.TRANSPOSED_FORMS``): "mma16", MMAs in q's dtype (``gluon_transposed``; over an
+    fp8 cache ``gluon_transposed_ws``, which widens it in a partition of its own), and, over
+    an fp8 cache at up to 16 query rows a program, "mma8": fp8 MMAs with q as two e4m3 terms
+    (``gluon_transposed_fp8``)."""
 
     id = "transposed/gluon"
     kernel = "gluon_transposed"
     reads_fp8 = True
-    # ws: an fp8 cache widened by a partition of its own (0.77x the time at (128, 16, 8192,
-    # 1)); pdl: the split reduce launched as a programmatic dependent (0.5 us less at batch
-    # 1-8). H200, 2026-12-01 (benchmarks/results/README.md, session 10).
-    # fp8_mma: an fp8 cache read with fp8 MMAs (gluon_transposed_fp8); defer_sums: its row
-    # sums reduced once after the last tile (0.92x the time at (128, 16, 8192, 1) and
-    # (64, 16, 4096, 1) fp8, same at batch 1; H200, 2026-12-01, session 13); stacked: q's two
-    # e4m3 terms in one wgmma operand (0.92x the time at (128, 16, 8192, 1) fp8, 0.95x at
-    # (64, 16, 4096, 1); H200, 2026-12-02, session 19); wide_vt: V^T moved without shared-
-    # memory bank conflicts (0.77x at (128, 16, 8192, 1) fp8, 0.81x at (64, 16, 4096, 1));
-    # warp_max: a tile's max over keys across the warps in one barrier (0.955x after
-    # wide_vt; H200, 2026-12-02, session 20); slim: its softmax masked only on a tile that
-    # reaches a bound, the scales in the exponent's FMA (benchmarks/results/README.md,
-    # session 21).
-    kernel_options = MappingProxyType({"ws": False, "pdl": False, "fp8_mma": False,
-                                       "defer_sums": False, "stacked": False,
-                                       "wide_vt": False, "warp_max": False, "slim": False})
+    forms = plan.TRANSPOSED_FORMS
+    kernel_options = MappingProxyType({"form": forms[0]})  # a set without a form: mma16
+    # The options a stored set named its form with before form ids (absent: off).
+    LEGACY_OPTIONS = ("ws", "pdl", "fp8_mma", "defer_sums", "stacked", "wide_vt", "warp_max",
+                      "slim")
+    MMA8_OPTIONS = ("defer_sums", "stacked", "wide_vt", "warp_max", "slim")  # all on in mma8
 
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
-        """The split counts with PDL. Over an fp8 cache, widened; at up to 16 query rows a
-        program also with fp8 MMAs, the two forms alternating split by split from each
-        kernel's own pick (the fp8-MMA kernel's with its ``FP8_MMA_PROGRAM_COST``), fp8
-        MMAs first (a sweep keeping three times both at the picks).
-        Past 16 rows the fp8-MMA kernel (q's two terms) took 1.13-1.22x the widening's time
-        in geomean at the same split on the H200 (2026-12-01, session 11 call 6): not
-        offered."""
-        sets = [{**params, "pdl": True} for params in super().param_space(problem, device)]
-        if problem.kv_dtype not in FP8_DTYPES:
-            return sets
-        widen = [{**params, "ws": True} for params in sets]
+        """The split counts in the mma16 form; over an fp8 cache at up to 16 query rows a
+        program the mma8 sets too, the two forms alternating split by split from each
+        kernel's own pick (the fp8-MMA kernel's with its ``FP8_MMA_PROGRAM_COST``), mma8
+        first. Past 16 rows the fp8-MMA kernel is not offered (q's two terms make it slower
+        than the widening)."""
+        sets = [{**params, "form": "mma16"} for params in super().param_space(problem, device)]
         if not self.offers_fp8_mma(problem):
-            return widen
-        fp8_mma = {"pdl": True, "ws": True, "fp8_mma": True, "defer_sums": True,
-                   "stacked": True, "wide_vt": True, "warp_max": True, "slim": True}
-        fp8 = [{**params, **fp8_mma} for params in
-               self.split_sets(problem, device, plan.FP8_MMA_PROGRAM_COST)]
-        pairs = itertools.zip_longest(fp8, widen)
+            return sets
+        mma8 = [{**params, "form": "mma8"} for params in
+                self.split_sets(problem, device, plan.FP8_MMA_PROGRAM_COST)]
+        pairs = itertools.zip_longest(mma8, sets)
         return [form for pair in pairs for form in pair if form is not None]
 
+    def upgrade_params(self, params: Params) -> Params | None:
+        """A stored param set with a form id as stored (None: a form not in ``forms``); in
+        the boolean spelling (``LEGACY_OPTIONS``), pdl with fp8_mma and all of
+        ``MMA8_OPTIONS`` is "mma8", pdl without fp8_mma "mma16" (ws or not: over a 16-bit
+        cache the same kernel, over fp8 the widening the route's sets ran since pdl), any
+        other combination a deleted form: None. ``{}`` (the route's first set) stays ``{}``."""
+        def form(on: Mapping[str, bool]) -> str | None:
+            if not on["pdl"]:
+                return None
+            if not on["fp8_mma"]:
+                return "mma16"
+            return "mma8" if all(on[k] for k in self.MMA8_OPTIONS) else None
+
+        return _upgraded(params, self.forms, self.LEGACY_OPTIONS, form)
+
     def launcher(self, problem: MLAProblem, chosen: Params) -> tuple[Callable, dict]:
-        """The kernel a param set names, with the options it takes (``TRANSPOSED_KERNELS``):
-        fp8 MMAs over an fp8 cache (``fp8_mma``; a 16-bit cache runs the transposed kernel
-        as without it), the warp-specialized widening (``ws``: it reads fp8 caches only and
-        refuses a 16-bit one), else the transposed kernel (its own widening over fp8)."""
-        if chosen["fp8_mma"] and problem.kv_dtype in FP8_DTYPES:
+        """The kernel a param set's form names: mma8, the fp8-MMA kernel (an fp8 cache only);
+        mma16, the transposed kernel, or over an fp8 cache the warp-specialized widening."""
+        form = chosen["form"]
+        if form not in self.forms:
+            raise ValueError(f"{self.id}: form {form!r} is not one of {self.forms}")
+        if form == "mma8":
             name = "gluon_transposed_fp8"
-        elif chosen["ws"]:
+        elif problem.kv_dtype in FP8_DTYPES:
             name = "gluon_transposed_ws"
         else:
             name = self.kernel
-        return (_kernel(name).decode_launcher,
-                {option: chosen[option] for option in TRANSPOSED_KERNELS[name]})
+        return _kernel(name).decode_launcher, {}
 
     def offers_fp8_mma(self, problem: MLAProblem) -> bool:
         """Whether the param sets include fp8-MMA ones (then first): an fp8 cache, at up to
@@ -282,11 +297,11 @@ class TransposedGluonRoute(WgmmaGluonRoute):
 
     def rounds_p(self, problem: MLAProblem, params: Params) -> bool:
         """Whether P is rounded to fp8 (q kept near 16 bits by its two e4m3 terms; the
-        ``P_ROUNDED`` tolerance applies): the fp8-MMA sets, and no params at all where the
+        ``P_ROUNDED`` tolerance applies): the mma8 sets, and no params at all where the
         route's first set is one."""
         if problem.kv_dtype not in FP8_DTYPES:
             return False
-        return bool(params.get("fp8_mma")) if params else self.offers_fp8_mma(problem)
+        return params.get("form") == "mma8" if params else self.offers_fp8_mma(problem)
 
     def block_rows(self, problem: MLAProblem) -> int:
         return plan.transposed_rows(problem.kernel_heads * problem.qlen)
