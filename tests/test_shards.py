@@ -275,10 +275,10 @@ def test_merge_refuses_bad_outputs_and_inputs(tmp_path):
     assert merge(tmp_path / "out.parquet").exit_code == 2  # no table at all
 
 
-# The README's Slurm example parses ----------------------------------------------------
+# The Slurm example of docs/scaling.md parses ------------------------------------------
 
 def test_the_readme_slurm_example_parses(tmp_path, monkeypatch):
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "scaling.md").read_text()
     srun = re.search(r"^srun (mlatune sweep .*)$", readme, re.MULTILINE)
     joined = re.search(r"^(mlatune merge .*)$", readme, re.MULTILINE)
     assert srun and joined
