@@ -63,9 +63,9 @@ def test_pick_splits_fills_the_gpu():
 
 def test_a_per_program_cost_splits_less_where_programs_would_be_short():
     """The fp8-MMA kernel's rule (``FP8_MMA_PROGRAM_COST`` a program): at batch 2-16 where
-    the bf16 rule's programs walk 2 tiles it takes fewer, longer ones (its times at forced
-    splits, H200 session 20: (2, 16, 8192) 17.5 us at 32 splits against 29.1 at the bf16
-    rule's 64); where programs are long or the SMs full it picks as the bf16 rule."""
+    the bf16 rule's programs walk 2 tiles it takes fewer, longer ones (why: its times at
+    forced splits, docs/kernels/gluon_transposed.md); where programs are long or the SMs
+    full it picks as the bf16 rule."""
     from mlatune.kernels.gluon_hopper_plan import FP8_MMA_PROGRAM_COST as cost
 
     for batch, kv, bf16, fp8 in [(2, 8192, 64, 32), (4, 4096, 32, 16), (16, 1024, 8, 4),
