@@ -18,9 +18,12 @@ Device = tuple[str, str, int]  # (arch, device_name, cu_count), as tables key th
 
 
 def read_table(path: Path) -> pd.DataFrame:
+    """A table as the dispatcher reads it: checked, older schemas upgraded (rows stored
+    without a step kind take the one their route declares here)."""
     from mlatune import table
+    from mlatune.routes import declared_step_kind
 
-    return table.read(path)
+    return table.read(path, step_kinds=declared_step_kind)
 
 
 def unregistered(frame: pd.DataFrame) -> list[str]:
