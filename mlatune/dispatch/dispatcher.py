@@ -75,6 +75,7 @@ from mlatune.problem import BUCKET_FIELDS, MLAProblem
 from mlatune.routes import Route, all_routes, declared_step_kind, params_at, step_kind_of
 from mlatune.routes.torch_ref import REFERENCE_ID as REFERENCE_ROUTE
 from mlatune.table import winners_map
+from mlatune.table.cost import DEFAULT_PLAN_CALLS, step_cost
 from mlatune.table.schema import DCP_MEASURED, competing, is_measured
 
 __all__ = ["Choice", "Dispatcher", "TableError", "device_for_arch", "find_table"]
@@ -93,10 +94,6 @@ FIRST_SIGHT_ENV = "MLATUNE_FIRST_SIGHT"
 MEMO_LIMIT = 1 << 16
 EMPTY_PARAMS: Mapping[str, Any] = MappingProxyType({})
 BATCH_WEIGHT = 0.5  # of the batch difference in point_distance, below 1: see there
-# Calls that share one device plan unless a caller says otherwise: an engine plans once per
-# step for all its attention layers (``attention.decode(reuse_plan=True)`` after the
-# first), and DeepSeek-V3/R1 have 61 MLA layers. A caller that plans every call passes 1.
-DEFAULT_PLAN_CALLS = 61
 PREDICTIONS_SHOWN = 3  # by explain (`mlatune lookup`): the fastest predicted recipes
 # How an unmeasured shape of a measured bucket is answered: "predict" (each recipe's time
 # predicted from the bucket's points, mlatune.dispatch.predict) or "nearest" (the nearest
@@ -242,28 +239,6 @@ _BY_HANDLE: weakref.WeakValueDictionary[int, Dispatcher] = weakref.WeakValueDict
 def by_handle(handle: int) -> Dispatcher | None:
     """The live dispatcher with this ``Dispatcher.handle`` (None: gone, or 0)."""
     return _BY_HANDLE.get(handle)
-
-
-def step_cost(time_us, plan_on, plan_us, plan_host_us, capturable: bool,
-              plan_calls: int = DEFAULT_PLAN_CALLS, shares_host_plan=False):
-    """What one call costs a caller, in microseconds (numbers or numpy arrays alike).
-
-    A caller that replays CUDA graphs pays the launch and the device plan; an eager
-    caller pays a host plan too (a whole prepare with its device sync, which stalls the
-    GPU), while eager launches overlap the GPU's work. ``plan_calls``: the calls that
-    share one device plan (an engine's attention layers of one step, planned once:
-    ``attention.decode(reuse_plan=True)``), so each pays its share; a host plan is
-    shared so only by routes that can (``shares_host_plan``, per row: FlashInfer's, not
-    AITER's). Costs a table did not measure (a converted v1 table) count as 0.
-    """
-    import numpy as np
-
-    calls = max(1, plan_calls)
-    cost = time_us + np.nan_to_num(plan_us) / calls
-    if not capturable:
-        host = np.nan_to_num(plan_host_us) / np.where(shares_host_plan, calls, 1)
-        cost = cost + np.where(plan_on == "host", host, 0.0)
-    return cost
 
 
 class Dispatcher:

@@ -637,9 +637,9 @@ def rows_from_journal(path: str | Path, capturable: bool = False,
     ``capturable`` only steps a CUDA graph replays; in a bucket with DCP steps timed
     across processes, only those (``_learnable``). A record without its step kind gets
     the one its route declares, as a table's row does."""
-    from mlatune.dispatch import step_cost  # lazily: the dispatcher may import this module
     from mlatune.measure import journal
     from mlatune.routes import declared_step_kind
+    from mlatune.table.cost import step_cost
 
     stepped = []  # (record, params, plan_on): the ok steps the caller can take
     for r in journal.read_records(Path(path))[1]:
@@ -682,7 +682,7 @@ def rows_from_table(frame: Any, capturable: bool = False,
     with ``capturable`` only steps a CUDA graph replays; in a bucket with DCP rows timed
     across processes, only those (as ``rows_from_journal``)."""
     from mlatune import table
-    from mlatune.dispatch import step_cost
+    from mlatune.table.cost import step_cost
     from mlatune.table.schema import DEVICE_COLUMNS
 
     ok = frame[frame["status"] == "ok"]

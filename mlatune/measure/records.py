@@ -21,10 +21,13 @@ from typing import Any
 
 from mlatune.arch import DeviceInfo
 from mlatune.problem import MLAProblem
+from mlatune.routes import plan_sharing
+from mlatune.table.cost import DEFAULT_CALLER, Caller, caller_cost
 from mlatune.table.schema import Status, device_key, is_measured
 
 __all__ = ["COST_PARTS", "Measured", "Record", "Result", "Status", "Task", "as_record",
-           "present", "problem_key", "problem_of", "split_line", "step_us", "table_rows"]
+           "present", "problem_key", "problem_of", "split_line", "step_cost_of", "step_us",
+           "table_rows"]
 
 # Where a worker's time went (Record fields the worker reports); the rest of elapsed_s,
 # from handing a candidate over to its result, is "other" (transfer, a crash or timeout).
@@ -179,10 +182,9 @@ class Record(Measured):
 
     @property
     def step_us(self) -> float:
-        """Launch plus device plan: what a route's row is ranked by."""
-        plan = self.plan_us
-        return (self.time_us if self.time_us is not None else math.nan) + \
-            (0.0 if plan is None or math.isnan(plan) else plan)
+        """What its step costs the default caller (``table.cost``): what a route's row, the
+        table's rank and the dispatcher rank by."""
+        return step_cost_of(self, self.route)
 
 
 _FIELDS = tuple(f.name for f in fields(Record) if f.name != "extra")
@@ -257,8 +259,19 @@ def _row(r: Record, device: DeviceInfo) -> dict[str, Any]:
     return row
 
 
+def step_cost_of(measured: Measured, route_id: str, caller: Caller = DEFAULT_CALLER) -> float:
+    """``table.cost.step_cost`` of a measurement for ``caller`` (NaN without a launch time;
+    costs not measured count as 0)."""
+    def number(value: float | None) -> float:
+        return math.nan if value is None else value
+
+    return float(caller_cost(caller, number(measured.time_us), measured.plan_on or "none",
+                             number(measured.plan_us), number(measured.plan_host_us),
+                             route_id in plan_sharing()))
+
+
 def _better(new: Record, held: Record) -> bool:
-    """A route's row keeps its parameters of the cheapest step: launch plus device plan."""
+    """A route's row keeps its parameters of the cheapest step for the default caller."""
     if new.ok:
         return not held.ok or new.step_us < held.step_us
     return False

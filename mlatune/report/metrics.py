@@ -456,7 +456,8 @@ def _add_heldout(summary: Summary, heldout_path: str | os.PathLike | None,
     summary.vendor_heldout = policies.vendor_policies(
         measured_problems(heldout), h_times, chosen_times(h_times, chosen), chosen, arch,
         pick="nearest")
-    from mlatune.dispatch.dispatcher import DEFAULT_PLAN_CALLS, DEFAULT_UNMEASURED
+    from mlatune.dispatch.dispatcher import DEFAULT_UNMEASURED
+    from mlatune.table.cost import DEFAULT_PLAN_CALLS
 
     summary.notes.append(
         f"held out: the dispatcher answers unmeasured shapes by {DEFAULT_UNMEASURED!r} and "

@@ -53,6 +53,12 @@ def viable(problem: MLAProblem, device: DeviceInfo, only: list[str] | None = Non
     return [r for r, v in verdicts(problem, device, only) if v.ok]
 
 
+def plan_sharing() -> frozenset[str]:
+    """The registered routes whose plan the calls of one engine step share (``shares_plan``):
+    what ``table.cost.step_cost`` calls ``shares_host_plan``."""
+    return frozenset(r.id for r in _ROUTES.values() if r.shares_plan)
+
+
 def declared_step_kind(route_id: str, params: Mapping[str, Any] | str) -> tuple[str, bool]:
     """(plan_on, capturable) that ``route_id`` declares for ``params`` (a dict or its JSON);
     UNKNOWN_STEP_KIND for a route not registered here or params that are not an object.

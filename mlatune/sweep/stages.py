@@ -210,7 +210,8 @@ def write_table(result: SweepResult, spec: SweepSpec, settings: SweepSettings) -
 
     try:
         frame = table.build(runner.table_rows(result.records, settings.device),
-                            Provenance.here(spec.sha256), step_kinds=routes.declared_step_kind)
+                            Provenance.here(spec.sha256), step_kinds=routes.declared_step_kind,
+                            sharing=routes.plan_sharing())
         table.write(frame, settings.table_path)
         table.write(frame, settings.csv_path)
     except (OSError, TableError) as exc:  # OutputError: the disk; TableError: a bad row

@@ -39,7 +39,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,7 @@ from mlatune.errors import TableError
 from mlatune.problem import BUCKET_FIELDS, KEY_FIELDS, MLAProblem
 from mlatune.steps import PLAN_PLACES, StepKinds
 from mlatune.table import winners_map
+from mlatune.table.cost import DEFAULT_CALLER, Caller, caller_cost
 from mlatune.table.outputs import FORMULA_STARTS, atomic_write
 from mlatune.table.schema import (
     COLUMN_TYPES,
@@ -115,8 +116,9 @@ _STEP_COLUMNS = (*STEP_KIND_COLUMNS, *STEP_COST_COLUMNS)
 
 
 def build(rows: Iterable[Mapping[str, Any]], provenance: Provenance,
-          step_kinds: StepKinds | None = None) -> pd.DataFrame:
-    """A table from result rows (KEY_COLUMNS + RESULT_COLUMNS but ``rank``), ranked.
+          step_kinds: StepKinds | None = None, sharing: Collection[str] = ()) -> pd.DataFrame:
+    """A table from result rows (KEY_COLUMNS + RESULT_COLUMNS but ``rank``), ranked for the
+    default caller (``sharing``: the routes whose host plan one step's calls share).
 
     The step and DCP columns are optional: a row without plan_on or capturable gets
     the route's declaration, one without a cost NaN (not measured), one without DCP
@@ -137,7 +139,7 @@ def build(rows: Iterable[Mapping[str, Any]], provenance: Provenance,
         frame[name] = value
     frame["rank"] = 0
     frame = coerce(frame[list(COLUMNS)])
-    return assign_ranks(frame)
+    return assign_ranks(frame, DEFAULT_CALLER, sharing)
 
 
 def _declared_step_kinds(frame: pd.DataFrame, step_kinds: StepKinds | None
@@ -186,10 +188,13 @@ def _fill_dcp_columns(frame: pd.DataFrame) -> pd.DataFrame:
 
 def upgrade(frame: pd.DataFrame, version: int = 1, step_kinds: StepKinds | None = None
             ) -> pd.DataFrame:
-    """A schema v1 or v2 table as v3 (see mlatune.table.schema): v1's step kinds declared by
-    the routes and costs NaN; DCP rows simulated; provenance ``schema_version`` 3 and
-    ``converted_from`` "v1" or "v2"."""
-    out = frame.copy()
+    """An older table as the current schema (see mlatune.table.schema): v1's step kinds from
+    ``step_kinds`` and costs NaN; v1 and v2's DCP rows simulated; every one ranked again by
+    step cost; provenance ``schema_version`` current and ``converted_from`` the version a
+    row was measured as."""
+    out = frame.copy() if version < 3 else _ranked_again(frame)
+    if version == 3:
+        return out
     changed = list(DCP_COLUMNS)
     if version == 1:
         out["plan_on"], out["capturable"] = _declared_step_kinds(out, step_kinds)
@@ -208,7 +213,21 @@ def upgrade(frame: pd.DataFrame, version: int = 1, step_kinds: StepKinds | None 
     for name in (*changed, *provenance):
         out[name] = out[name].astype(_dtype(COLUMN_TYPES[name]))
     ordered = [c for c in COLUMNS if c in out] + [c for c in out if c not in COLUMN_TYPES]
-    return out[ordered]
+    return _ranked_again(out[ordered])
+
+
+def _ranked_again(frame: pd.DataFrame) -> pd.DataFrame:
+    """A v3 table's rows ranked by step cost, its provenance v4 (``converted_from`` kept where
+    a row was converted before, else "v3"); a damaged one as found, for validate."""
+    try:
+        out = frame.copy()
+        converted = out["converted_from"].astype(str)
+        out["converted_from"] = converted.where(converted != "", "v3")
+        out["schema_version"] = np.int64(SCHEMA_VERSION)
+        ranked = assign_ranks(out)
+    except Exception:
+        return frame
+    return ranked.astype({c: frame[c].dtype for c in ("converted_from", "schema_version")})
 
 
 def coerce(frame: pd.DataFrame) -> pd.DataFrame:
@@ -239,12 +258,26 @@ def competing_rows(frame: pd.DataFrame, by: Sequence[str] = KEY_COLUMNS) -> pd.S
     return pd.Series(competing(groups.tolist(), measured.tolist()), index=frame.index)
 
 
-def assign_ranks(frame: pd.DataFrame) -> pd.DataFrame:
-    """rank 1, 2, ... among ``ok`` rows of each key: measured DCP rows first, then by time
-    (ties by route id); 0 otherwise."""
+def step_costs(frame: pd.DataFrame, caller: Caller = DEFAULT_CALLER,
+               sharing: Collection[str] = ()) -> np.ndarray:
+    """Each row's ``cost.step_cost`` for ``caller``; ``sharing``: the routes whose host plan
+    the calls of one step share."""
+    return caller_cost(caller, frame["time_us"].to_numpy(dtype=float),
+                       frame["plan_on"].to_numpy(dtype=object),
+                       frame["plan_us"].to_numpy(dtype=float),
+                       frame["plan_host_us"].to_numpy(dtype=float),
+                       frame["route"].isin(list(sharing)).to_numpy())
+
+
+def assign_ranks(frame: pd.DataFrame, caller: Caller = DEFAULT_CALLER,
+                 sharing: Collection[str] = ()) -> pd.DataFrame:
+    """rank 1, 2, ... among the ``ok`` rows of each key that ``caller`` can call (a capturable
+    caller: steps a graph replays): measured DCP rows first, then by what a step costs
+    ``caller`` (``cost.step_cost``; ties by route id); 0 otherwise."""
     out = frame.reset_index(drop=True)
-    ok = out[out["status"] == "ok"].assign(_tier=_simulated_tier)
-    ok = ok.sort_values(["_tier", "time_us", "route"], kind="stable")
+    ok = out[(out["status"] == "ok") & (out["capturable"].astype(bool) | (not caller.capturable))]
+    ok = ok.assign(_tier=_simulated_tier(ok), _cost=step_costs(ok, caller, sharing))
+    ok = ok.sort_values(["_tier", "_cost", "route"], kind="stable")
     ranks = ok.groupby(list(KEY_COLUMNS), sort=False, dropna=False).cumcount() + 1
     out["rank"] = np.zeros(len(out), dtype="int64")
     out.loc[ranks.index, "rank"] = ranks.astype("int64")
@@ -681,12 +714,18 @@ def _rank_problems(frame: pd.DataFrame, key_id: np.ndarray) -> list[str]:
                         f"than 0")
     if (ok & (rank < 1)).any():
         problems.append(f"{int((ok & (rank < 1)).sum())} ok rows have no rank (rank < 1)")
-    # Among the ok rows of a key, ranks are 1..n: measured DCP rows first, then by time_us.
+    # Among the ok rows of a key, ranks are 1..n, measured DCP rows first, then by the default
+    # caller's step cost. Which routes share a host plan is the routes' to say, so a rank is
+    # refused only where no sharing could explain it: its least cost (host plan shared) above
+    # the next row's most (not shared).
     keys, ranks = key_id[ok], rank[ok]
-    times = frame["time_us"].to_numpy()[ok]
+    rows = frame[ok]
+    costed = all(c in frame for c in ("plan_on", "plan_us", "plan_host_us"))
+    least = step_costs(rows, DEFAULT_CALLER, set(rows["route"])) if costed else None
+    most = step_costs(rows, DEFAULT_CALLER, ()) if costed else None
     tiers = _simulated_tier(frame).to_numpy()[ok]
     order = np.lexsort((ranks, keys))
-    keys, ranks, times, tiers = keys[order], ranks[order], times[order], tiers[order]
+    keys, ranks, tiers = keys[order], ranks[order], tiers[order]
     starts = np.r_[True, keys[1:] != keys[:-1]]
     position = np.arange(len(keys))
     expected = position - np.maximum.accumulate(np.where(starts, position, 0)) + 1
@@ -694,10 +733,11 @@ def _rank_problems(frame: pd.DataFrame, key_id: np.ndarray) -> list[str]:
         problems.append("ranks of the ok rows of some keys are not 1, 2, ... n")
     else:
         same_tier = tiers[1:] == tiers[:-1]
-        slower = ~starts[1:] & same_tier & (times[1:] < times[:-1])
-        if slower.any():
-            problems.append(f"{int(slower.sum())} ranks contradict time_us (a higher rank is "
-                            f"faster)")
+        dearer = ~starts[1:] & same_tier & (most[order][1:] < least[order][:-1]) \
+            if costed else np.zeros(len(same_tier), dtype=bool)
+        if dearer.any():
+            problems.append(f"{int(dearer.sum())} ranks contradict the step costs (a higher "
+                            f"rank is cheaper)")
         measured_later = ~starts[1:] & (tiers[1:] < tiers[:-1])
         if measured_later.any():
             problems.append(f"{int(measured_later.sum())} measured DCP rows rank after "
@@ -756,11 +796,12 @@ def _problem_problems(frame: pd.DataFrame, key_id: np.ndarray) -> list[str]:
 
 # Combining and summarising ---------------------------------------------------
 
-def merge(tables: Sequence[pd.DataFrame]) -> pd.DataFrame:
+def merge(tables: Sequence[pd.DataFrame], sharing: Collection[str] = ()) -> pd.DataFrame:
     """One table from several (runs, GPUs): per (device, problem, route) the best row
     (a DCP row measured across processes before a simulated one, whatever its status: it
-    says what the real step does; then an ok row before any other, then the fastest;
-    otherwise the newest), re-ranked."""
+    says what the real step does; then an ok row before any other, then the cheapest step
+    for the default caller (``cost``); otherwise the newest), re-ranked. ``sharing``: the
+    routes whose host plan the calls of one step share."""
     if not tables:
         raise TableError("merge needs at least one table")
     for i, table in enumerate(tables):
@@ -770,19 +811,23 @@ def merge(tables: Sequence[pd.DataFrame]) -> pd.DataFrame:
     both = pd.concat([t[list(COLUMNS)] for t in tables], ignore_index=True)
     both["_not_ok"] = both["status"] != "ok"
     both["_tier"] = _simulated_tier(both)
-    both = both.sort_values(["_tier", "_not_ok", "time_us", "created_utc"],
+    both["_cost"] = step_costs(both, DEFAULT_CALLER, sharing)
+    both = both.sort_values(["_tier", "_not_ok", "_cost", "created_utc"],
                             ascending=[True, True, True, False], kind="stable",
                             na_position="last")
-    best = both.drop_duplicates(list(ROW_KEY), keep="first").drop(columns=["_not_ok", "_tier"])
-    merged = assign_ranks(best[list(COLUMNS)])
+    best = both.drop_duplicates(list(ROW_KEY), keep="first")
+    merged = assign_ranks(best[list(COLUMNS)], DEFAULT_CALLER, sharing)
     problems = validate(merged)
     if problems:
         raise TableError("the merged table would be invalid: " + "; ".join(problems))
     return merged
 
 
-def winners(frame: pd.DataFrame) -> pd.DataFrame:
-    return frame[frame["rank"] == 1].reset_index(drop=True)
+def winners(frame: pd.DataFrame, caller: Caller = DEFAULT_CALLER,
+            sharing: Collection[str] = ()) -> pd.DataFrame:
+    """Each key's cheapest ok row for ``caller`` (``assign_ranks``)."""
+    ranked = assign_ranks(frame, caller, sharing)
+    return ranked[ranked["rank"] == 1].reset_index(drop=True)
 
 
 def summary(frame: pd.DataFrame) -> pd.DataFrame:

@@ -1,4 +1,4 @@
-"""Dispatch table schema v3: the columns every table has, and what each holds.
+"""Dispatch table schema v4: the columns every table has, and what each holds.
 
 One row per (device, problem, route). The key is the whole problem spelled
 out, plus the device it was measured on. Provenance travels twice: as Parquet
@@ -20,11 +20,16 @@ measured one (``competing``, the one rule the table, the dispatcher, the predict
 the report apply): where a problem has measured rows only they compete, and its
 simulated rows rank after them; the JSON winners map carries only the rows that compete.
 
+v4 ranks a problem's ok rows by what a step costs the default caller
+(``mlatune.table.cost``: the launch, its share of the plan and an eager caller's host plan)
+where v1-v3 ranked them by the launch's time alone.
+
 Older tables are upgraded as they are read (``mlatune.table.read``): a v1 table's step
-kinds come from the routes' declarations (``declared_step_kind``) and its costs are NaN
-(never measured); a v1 or v2 table's DCP rows are "simulated", the other DCP columns
-empty; ``schema_version`` becomes 3 and the provenance field ``converted_from`` says
-"v1" or "v2" ("" for a table measured as v3).
+kinds come from the routes' declarations where the reader hands them over (``StepKinds``)
+and its costs are NaN (never measured); a v1 or v2 table's DCP rows are "simulated", the
+other DCP columns empty; every older table is ranked again; ``schema_version`` becomes 4
+and the provenance field ``converted_from`` names the version a row was measured as ("" for
+a table measured as v4).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from mlatune.arch import DeviceInfo, driver_version, library_versions
 from mlatune.problem import KEY_FIELDS
 from mlatune.steps import UNKNOWN_STEP_KIND  # noqa: F401  (rows no route declared)
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 DEVICE_COLUMNS = ("arch", "device_name", "cu_count")
 KEY_COLUMNS = DEVICE_COLUMNS + KEY_FIELDS
@@ -198,4 +203,5 @@ def default_dcp_timing(dcp_size: int) -> str:
 
 def upgraded_provenance(provenance: Mapping, version: int = 1) -> dict:
     """A schema ``version`` provenance record as the upgraded table carries it."""
-    return {**provenance, "schema_version": SCHEMA_VERSION, "converted_from": f"v{version}"}
+    return {**provenance, "schema_version": SCHEMA_VERSION,
+            "converted_from": provenance.get("converted_from") or f"v{version}"}

@@ -1,0 +1,49 @@
+"""One cost decides which route wins: the table's ranking and the dispatcher agree."""
+
+import json
+
+import pytest
+
+from mlatune import routes, table
+from mlatune.dispatch import Dispatcher, device_for_arch
+from mlatune.dispatch.dispatcher import bundled_tables_dir
+from mlatune.table import winners_map
+from mlatune.table.cost import DEFAULT_CALLER, Caller, step_cost
+
+CALLERS = [DEFAULT_CALLER, Caller(capturable=True), Caller(plan_calls=1)]
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    path = bundled_tables_dir() / "sm_90-h200.parquet"
+    return path, table.read(path, step_kinds=routes.declared_step_kind)
+
+
+@pytest.mark.parametrize("caller", CALLERS, ids=["eager", "capturable", "per-call"])
+def test_the_tables_first_row_is_what_select_serves_for_every_measured_problem(shipped, caller):
+    path, frame = shipped
+    device = device_for_arch("sm_90", "NVIDIA H200", 132)
+    dispatcher = Dispatcher.load(path, device=device, allow_arch="sm_90",
+                                 capturable=caller.capturable, plan_calls=caller.plan_calls)
+    firsts = table.winners(frame, caller, routes.plan_sharing())
+    assert len(firsts) > 2000
+    served = [dispatcher.select(winners_map.problem_of(key)) for key in table.key_strings(firsts)]
+    pairs = zip(served, firsts["route"], firsts["route_params"], strict=True)
+    differ = [(c.route_id, dict(c.params), route, params) for c, route, params in pairs
+              if (c.route_id, dict(c.params)) != (route, json.loads(params))]
+    assert differ == []
+    assert {c.source for c in served} == {"table"}
+
+
+def test_a_host_plan_costs_an_eager_caller_unless_shared():
+    assert step_cost(10.0, "host", 0.0, 61.0, capturable=False) == 71.0
+    assert step_cost(10.0, "host", 0.0, 61.0, capturable=False, shares_host_plan=True) == 11.0
+    assert step_cost(10.0, "host", 0.0, 61.0, capturable=True) == 10.0
+    assert step_cost(10.0, "device", 122.0, 5.0, capturable=False) == 12.0
+    assert step_cost(10.0, "device", 122.0, 5.0, capturable=False, plan_calls=1) == 132.0
+
+
+def test_the_stored_rank_is_the_default_callers(shipped):
+    _, frame = shipped
+    again = table.assign_ranks(frame, DEFAULT_CALLER, routes.plan_sharing())
+    assert (again["rank"].to_numpy() == frame["rank"].to_numpy()).all()
