@@ -612,8 +612,8 @@ def test_predicted_answers_carry_their_uncertainty_and_coverage_lists_the_large_
     spec.write_text('name = "far"\n[[grid]]\nphase = "decode"\nnum_heads = 16\nqlen = 1\n'
                     'kv_dtype = "bf16"\npage_size = 64\nbatch = [5, 4096]\n'
                     'kv_len = [5000, 2097152]\n')
-    result = CliRunner().invoke(app, ["coverage", str(spec), "--table", str(path), "--arch",
-                                      "sm_90", "--json"])
+    result = CliRunner().invoke(app, ["coverage", str(path), str(spec), "--arch", "sm_90",
+                                      "--json"])
     assert result.exit_code == 0, result.output
     document = json_.loads(result.output)
     assert document["answered"]["predicted"]["problems"] == 4

@@ -78,4 +78,4 @@ def test_refining_refuses_fresh_and_shard(tmp_path: Path):
     spec = str(tiny_spec(tmp_path))
     for flags in (["--fresh"], ["--shard", "0/2"]):
         result = runner.invoke(app, ["sweep", spec, "--refine", "10", *flags])
-        assert result.exit_code == 1 and "not with --fresh or --shard" in result.output
+        assert result.exit_code == 2 and "not with --fresh or --shard" in result.output

@@ -420,12 +420,13 @@ def test_worker_time_is_split_into_setup_checks_and_timing(tmp_path):
     assert sum(result.seconds.values()) == pytest.approx(sum(r["elapsed_s"] for r in records))
 
 
-@pytest.mark.parametrize(("spec_text", "extra", "message"), [
-    ('routes = ["nope/none"]\n[[grid]]\nkv_len = 8\n', [], "nope/none"),
-    ("[[grid]]\nkv_len = 8\n", ["--routes", "nope/none"], "nope/none"),
-    ("[[grid]]\nkv_len = 8\n", ["--out", "{tmp}/table.txt"], ".parquet or .csv"),
+@pytest.mark.parametrize(("spec_text", "extra", "message", "code"), [
+    ('routes = ["nope/none"]\n[[grid]]\nkv_len = 8\n', [], "nope/none", 1),  # a bad spec
+    ("[[grid]]\nkv_len = 8\n", ["--routes", "nope/none"], "nope/none", 2),  # bad usage
+    ("[[grid]]\nkv_len = 8\n", ["--out", "{tmp}/table.txt"], ".parquet or .csv", 2),
 ])
-def test_sweep_refuses_bad_routes_and_outputs_before_writing(tmp_path, spec_text, extra, message):
+def test_sweep_refuses_bad_routes_and_outputs_before_writing(tmp_path, spec_text, extra, message,
+                                                            code):
     from typer.testing import CliRunner
 
     from mlatune.cli import app
@@ -436,7 +437,7 @@ def test_sweep_refuses_bad_routes_and_outputs_before_writing(tmp_path, spec_text
     if "--out" not in args:
         args += ["--out", str(tmp_path / "t.parquet")]
     result = CliRunner().invoke(app, args)
-    assert result.exit_code == 1 and message in result.output
+    assert result.exit_code == code and message in result.output
     assert "Traceback" not in result.output
     assert not list(tmp_path.glob("*.journal.jsonl"))  # nothing started
 

@@ -164,7 +164,7 @@ def test_two_shards_merged_give_the_unsharded_rows_and_another_shard_is_refused(
     assert sweep(spec, "--shard", "0/2", "--out", str(parts[0])).exit_code == 0  # same share
 
     merged = tmp_path / "merged.csv"
-    joined = runner.invoke(app, ["merge", str(merged), *map(str, parts)])
+    joined = runner.invoke(app, ["merge", *map(str, parts), "--out", str(merged)])
     assert joined.exit_code == 0, joined.output
     assert f"joined 2 tables into {merged}: 8 rows, 8 problems" in joined.output
     assert "shard 0/2" in joined.output and "shard 1/2" in joined.output
@@ -172,8 +172,8 @@ def test_two_shards_merged_give_the_unsharded_rows_and_another_shard_is_refused(
     assert _rows(table.read(merged)) == _rows(table.read(tmp_path / "whole.parquet"))
 
     # One share alone: joined, with a warning naming the missing one.
-    alone = runner.invoke(app, ["merge", "--json", str(tmp_path / "half.parquet"),
-                                str(parts[1])])
+    alone = runner.invoke(app, ["merge", "--json", str(parts[1]), "--out",
+                                str(tmp_path / "half.parquet")])
     assert alone.exit_code == 0, alone.output
     assert "shard 0/2 not given" in " ".join(alone.stderr.split())
     document = json.loads(alone.stdout)
@@ -216,8 +216,8 @@ def _write(path: Path, problems, device=H200, shard: str | None = None, **proven
     return path
 
 
-def merge(*args):
-    return runner.invoke(app, ["merge", *map(str, args)])
+def merge(out, *tables):
+    return runner.invoke(app, ["merge", *map(str, tables), "--out", str(out)])
 
 
 def test_merge_refuses_different_environments_on_one_device(tmp_path):
@@ -251,7 +251,7 @@ def test_merge_refuses_different_specs_unless_allowed(tmp_path):
     assert result.exit_code == 1
     assert "different specs" in result.output and "--allow-different-specs" in result.output
     assert not out.exists()
-    allowed = merge("--allow-different-specs", out, a, b)
+    allowed = merge(out, "--allow-different-specs", a, b)
     assert allowed.exit_code == 0, allowed.output
     assert len(table.read(out)) == len(PROBLEMS)
 
@@ -267,11 +267,11 @@ def test_merge_warns_about_missing_shares_and_keeps_the_best_row(tmp_path):
 
 def test_merge_refuses_bad_outputs_and_inputs(tmp_path):
     a = _write(tmp_path / "a.parquet", PROBLEMS)
-    assert merge(tmp_path / "out.json", a).exit_code == 1
+    assert merge(tmp_path / "out.json", a).exit_code == 2  # not a table's suffix
     (tmp_path / "dir.parquet").mkdir()
     assert merge(tmp_path / "dir.parquet", a).exit_code == 1
     missing = merge(tmp_path / "out.parquet", a, tmp_path / "nope.parquet")
-    assert missing.exit_code == 1 and "nope.parquet" in missing.output
+    assert missing.exit_code == 2 and "nope.parquet" in missing.output
     assert merge(tmp_path / "out.parquet").exit_code == 2  # no table at all
 
 
@@ -292,9 +292,10 @@ def test_the_readme_slurm_example_parses(tmp_path, monkeypatch):
     Path("runs").mkdir()
     for i in range(4):
         _write(Path(f"runs/h200.shard{i}.parquet"), PROBLEMS[i:i + 1], shard=f"{i}/4")
-    argv = joined[1].split()[1:]
-    out, pattern = argv[1], argv[2]
-    result = runner.invoke(app, [*argv[:2], *sorted(map(str, Path().glob(pattern)))])
+    argv = joined[1].split()[1:]  # merge PATTERN --out OUT, the shell expanding PATTERN
+    pattern, out = argv[1], argv[argv.index("--out") + 1]
+    result = runner.invoke(app, [argv[0], *sorted(map(str, Path().glob(pattern))),
+                                 "--out", out])
     assert result.exit_code == 0, result.output
     assert len(table.read(out)) == len(PROBLEMS)
     listed = [line.strip() for line in result.output.splitlines() if line.startswith("  ")]
