@@ -46,7 +46,6 @@ from mlatune.dispatch import Dispatcher, device_for_arch
 from mlatune.dispatch.predict import Predictor, rows_from_journal
 from mlatune.problem import MLAProblem
 from mlatune.report.metrics import candidate_times, nearest_regret, one_device, params_as_run
-from mlatune.table.winners_map import problem_of
 
 ROOT = Path(__file__).resolve().parent.parent
 TABLE = ROOT / "tables/sm_90-h200.parquet"
@@ -90,7 +89,7 @@ class Timings:
         self.device = dispatcher.device
 
     def problems(self) -> list[MLAProblem]:
-        return sorted({problem_of(k) for k in self.best["cost"]}, key=lambda p: p.key)
+        return sorted({MLAProblem.from_key(k) for k in self.best["cost"]}, key=lambda p: p.key)
 
     def of(self, currency: str, problem: MLAProblem, route_id: str, params) -> tuple[float, float]:
         """(the route at its best parameters there, called with ``params``); NaN: not run."""
@@ -157,11 +156,6 @@ def calibration(label: str, judged: list[Judged]) -> None:
           f"{100 * np.median(data[:, 0]):.0f}%)")
 
 
-def _label(problem: MLAProblem) -> str:
-    return (f"h{problem.num_heads} q{problem.qlen} {problem.kv_dtype[:4]} dcp{problem.dcp_size} "
-            f"p{problem.page_size} ({problem.batch}, {problem.kv_len})")
-
-
 def show(judged: list[Judged], count: int, currency: str = "cost") -> None:
     if not count:
         return
@@ -170,7 +164,7 @@ def show(judged: list[Judged], count: int, currency: str = "cost") -> None:
           "best / with params) | best | regret (route / params) | uncertainty")
     for j in ordered if count < 0 else ordered[:count]:
         (route_us, params_us), (best_us, best_route) = j.picked[currency], j.best[currency]
-        print(f"  {_label(j.problem)} | {j.route_id} | {j.predicted_us:.1f} | {route_us:.1f}"
+        print(f"  {j.problem.label} | {j.route_id} | {j.predicted_us:.1f} | {route_us:.1f}"
               f" / {params_us:.1f} | {best_route} {best_us:.1f} | "
               f"+{100 * j.regret(currency, False):.1f}% / +{100 * j.regret(currency, True):.1f}%"
               f" | {100 * j.uncertainty:.0f}%")
@@ -207,7 +201,7 @@ def leave_one_out(dispatcher: Dispatcher, timings: Timings, errors: bool = False
     predictor: Predictor = dispatcher._ensure_predictor()
     out, route_errors = [], defaultdict(list)
     for key in dispatcher._winner:
-        problem = problem_of(key)
+        problem = MLAProblem.from_key(key)
         if key not in timings.best["cost"]:
             continue
         rest = predictor.without(problem)
@@ -298,7 +292,7 @@ def _interior(dispatcher: Dispatcher, problem: MLAProblem) -> bool:
     if sizes is None:
         found: dict[tuple, tuple[set, set]] = {}
         for key in dispatcher._winner:
-            p = problem_of(key)
+            p = MLAProblem.from_key(key)
             b, k = found.setdefault(p.bucket, (set(), set()))
             b.add(p.batch)
             k.add(p.kv_len)

@@ -9,6 +9,7 @@ the softmax scale ``qk_head_dim ** -0.5``, as DeepSeek's models do.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from functools import cached_property
 from typing import Any, Literal
@@ -194,13 +195,37 @@ class MLAProblem:
         """Canonical, stable text key: ``field=value`` pairs in KEY_FIELDS order."""
         return "|".join(f"{k}={_fmt(v)}" for k, v in self.key_dict().items())
 
+    @classmethod
+    def from_key(cls, key: str) -> MLAProblem:
+        """The problem whose ``key`` this is; ValueError for text that is no problem key."""
+        try:
+            values = dict(part.split("=", 1) for part in key.split("|"))
+        except ValueError:
+            values = {}
+        if tuple(values) != KEY_FIELDS:
+            raise ValueError(f"not a problem key: {key[:80]!r}")
+        return cls.from_key_dict(values)
+
+    @property
+    def label(self) -> str:
+        """The problem in a few words: "decode h8 q2 bf16/fp8_e4m3fn dcp1 p64 b64 kv4096"."""
+        return f"{self.bucket_label} b{self.batch} kv{self.kv_len}"
+
+    @property
+    def bucket_label(self) -> str:
+        """Its bucket (the problem less batch and kv_len) in a few words."""
+        causal = "" if self.causal else " non-causal"
+        return (f"{self.phase} h{self.num_heads} q{self.qlen} {self.q_dtype}/{self.kv_dtype}"
+                f"{causal} dcp{self.dcp_size} p{self.page_size}")
+
     @property
     def bucket(self) -> tuple:
         return tuple(getattr(self, name) for name in BUCKET_FIELDS)
 
     @classmethod
-    def from_key_dict(cls, row: dict[str, Any]) -> MLAProblem:
-        """Rebuild a problem from a table row (or any mapping with KEY_FIELDS)."""
+    def from_key_dict(cls, row: Mapping[str, Any]) -> MLAProblem:
+        """The problem of a table row, a journal's key object or any mapping with KEY_FIELDS
+        (values as numbers or as text)."""
         values = {name: row[name] for name in KEY_FIELDS}
         phase = values.pop("phase")
         d_qk, d_v = int(values.pop("d_qk")), int(values.pop("d_v"))

@@ -7,7 +7,7 @@ import pytest
 from mlatune import routes, table
 from mlatune.dispatch import Dispatcher, device_for_arch
 from mlatune.dispatch.dispatcher import bundled_tables_dir
-from mlatune.table import winners_map
+from mlatune.problem import MLAProblem
 from mlatune.table.cost import DEFAULT_CALLER, Caller, step_cost
 
 CALLERS = [DEFAULT_CALLER, Caller(capturable=True), Caller(plan_calls=1)]
@@ -27,7 +27,7 @@ def test_the_tables_first_row_is_what_select_serves_for_every_measured_problem(s
                                  capturable=caller.capturable, plan_calls=caller.plan_calls)
     firsts = table.winners(frame, caller, routes.plan_sharing())
     assert len(firsts) > 2000
-    served = [dispatcher.select(winners_map.problem_of(key)) for key in table.key_strings(firsts)]
+    served = [dispatcher.select(MLAProblem.from_key(key)) for key in table.key_strings(firsts)]
     pairs = zip(served, firsts["route"], firsts["route_params"], strict=True)
     differ = [(c.route_id, dict(c.params), route, params) for c, route, params in pairs
               if (c.route_id, dict(c.params)) != (route, json.loads(params))]

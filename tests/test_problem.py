@@ -108,3 +108,14 @@ def test_schema_key_types_cover_the_key():
 
     assert tuple(KEY_TYPES) == KEY_COLUMNS
     assert set(ROW_KEY) <= set(COLUMNS) and len(set(COLUMNS)) == len(COLUMNS)
+
+
+def test_a_key_is_the_problem_and_reads_back():
+    p = MLAProblem(num_heads=8, qlen=2, kv_dtype="fp8_e4m3fn", batch=64, kv_len=4096,
+                   causal=False, page_size=16)
+    assert MLAProblem.from_key(p.key) == p
+    assert p.label == "decode h8 q2 bf16/fp8_e4m3fn non-causal dcp1 p16 b64 kv4096"
+    assert p.label.startswith(p.bucket_label)
+    for text in ("", "phase=decode", p.key.replace("qlen", "q_len"), p.key + "|extra=1"):
+        with pytest.raises(ValueError, match="not a problem key"):
+            MLAProblem.from_key(text)

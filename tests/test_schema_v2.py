@@ -162,7 +162,7 @@ def test_the_shipped_table_has_measured_plan_costs_and_simulated_dcp_rows(monkey
     assert bundled.source.endswith("sm_90-h200.parquet")
     won = table.winners(frame)
     won = won[won["route"] == "padded/triton"].iloc[[0]]
-    choice = bundled.select(winners_map.problem_of(table.key_strings(won)[0]))
+    choice = bundled.select(MLAProblem.from_key(table.key_strings(won)[0]))
     assert choice.source == "table"
 
 

@@ -72,11 +72,10 @@ def row_problem(row: pd.Series) -> dict[str, Any]:
 
 
 def problem_text(row: pd.Series) -> str:
-    """A problem in a few characters: "h16 q1 bf16/fp8_e4m3fn causal dcp1 p64"."""
-    causal = "causal" if row["causal"] else "non-causal"
-    phase = "" if row["phase"] == "decode" else f"{row['phase']} "
-    return (f"{phase}h{row['num_heads']} q{row['qlen']} {row['q_dtype']}/{row['kv_dtype']} "
-            f"{causal} dcp{row['dcp_size']} p{row['page_size']}")
+    """A row's bucket in a few words (``MLAProblem.bucket_label``)."""
+    from mlatune.problem import MLAProblem  # torch: only once a table is shown
+
+    return MLAProblem.from_key_dict(row).bucket_label
 
 
 def grouped(rows: pd.DataFrame, several_devices: bool

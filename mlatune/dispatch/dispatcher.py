@@ -376,7 +376,7 @@ class Dispatcher:
         route, params = self.routes[winner.route_id], dict(winner.params)
         if route.sized_params:  # else nothing to redo: skip the key parse
             try:
-                params = params_at(route, params, winners_map.problem_of(winner.key), problem,
+                params = params_at(route, params, MLAProblem.from_key(winner.key), problem,
                                    self.device)
             except Exception:  # a broken param_space: the neighbour's own parameters
                 params = dict(winner.params)
@@ -440,7 +440,7 @@ class Dispatcher:
         """Every usable ok route of every measured key with its step cost: the predictor's
         data (the table's best parameter set per route and problem)."""
         for points in self._points.values():
-            first = winners_map.problem_of(points[0][2].key)  # parsed once per bucket
+            first = MLAProblem.from_key(points[0][2].key)  # parsed once per bucket
             for batch, kv_len, winner in points:
                 problem = first if (batch, kv_len) == (first.batch, first.kv_len) else \
                     first.with_(batch=batch, kv_len=kv_len)
@@ -456,7 +456,7 @@ class Dispatcher:
         for key, failures in self._failed.items():
             routes = [r for r, status in failures if status != "unsupported"]
             if routes:
-                problem = winners_map.problem_of(key)
+                problem = MLAProblem.from_key(key)
                 yield from ((problem, r) for r in routes)
 
     def _ranked(self, key: str) -> tuple[Choice, ...]:
@@ -527,7 +527,7 @@ class Dispatcher:
                         and self._supports(winner.route_id, problem, notes):
                     choice = self._as_nearest(winner, problem)
                     if notes is not None:
-                        near = winners_map.problem_of(winner.key)
+                        near = MLAProblem.from_key(winner.key)
                         notes.append(f"nearest measured point: batch={near.batch} "
                                      f"kv_len={near.kv_len}, won by {winner.route_id} "
                                      f"({winner.time_us:.4g} us there)")

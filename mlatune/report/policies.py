@@ -304,10 +304,6 @@ def _x(value: float) -> str:
     return "-" if math.isnan(value) else f"{value:.2f}x"
 
 
-def _label(key: str) -> str:
-    return problem_label(key)
-
-
 def carrying_groups(stats: PolicyStats, limit: int = 3) -> list[GroupGain]:
     """The groups that carry most of the gain: per field with two values or more, the
     value with the largest share where no other value of the field has as much; the
@@ -331,8 +327,8 @@ def comparison_text(stats: PolicyStats) -> str:
         return stats.note or "not measured"
     losses = len(stats.losses)
     text = (f"geomean {_x(stats.geomean)}, worst {_x(stats.worst)} "
-            f"({_label(stats.worst_key)}), over the {stats.served} of {stats.total} problems "
-            f"it serves; pick more than {LOSS_TOLERANCE:.0%} slower on {losses}")
+            f"({problem_label(stats.worst_key)}), over the {stats.served} of {stats.total} "
+            f"problems it serves; pick more than {LOSS_TOLERANCE:.0%} slower on {losses}")
     return text + (" (a defect: see the list)" if losses else "")
 
 
@@ -397,7 +393,7 @@ POLICY_TABLE_COLUMNS = ("policy", "runs", "pick", "served", "geomean speedup",
 def table_rows(stats: Sequence[PolicyStats]) -> list[tuple[str, ...]]:
     """One line per policy, for the page."""
     return [(s.policy, s.routes, s.pick, f"{s.served}/{s.total}", _x(s.geomean), _x(s.worst),
-             _label(s.worst_key) if s.measured else (s.note or "not measured"),
+             problem_label(s.worst_key) if s.measured else (s.note or "not measured"),
              str(len(s.losses)) if s.measured else "-")
             for s in stats]
 

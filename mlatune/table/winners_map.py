@@ -64,21 +64,6 @@ FORMAT = "mlatune-winners"
 FAILED_STATUSES = tuple(s for s in STATUSES if s != "ok")
 
 
-def parse_key(key: str) -> dict[str, str]:
-    """``MLAProblem.key`` text back into its field values (as text)."""
-    try:
-        fields = dict(part.split("=", 1) for part in key.split("|"))
-    except ValueError:
-        fields = {}
-    if tuple(fields) != KEY_FIELDS:
-        raise ValueError(f"not a problem key: {key[:80]!r}")
-    return fields
-
-
-def problem_of(key: str) -> MLAProblem:
-    return MLAProblem.from_key_dict(parse_key(key))
-
-
 @dataclass(frozen=True)
 class WinnersMap:
     """A valid winners map and, per device (in document order), each key's problem."""
@@ -210,7 +195,7 @@ def _all_failed_problems(entry: dict[str, Any], entries: dict[str, Any]) -> list
 
 def _is_key(key: str) -> bool:
     try:
-        problem_of(key)
+        MLAProblem.from_key(key)
     except (ValueError, TypeError, KeyError, ArithmeticError):  # huge numbers: Overflow
         return False
     return True
@@ -219,7 +204,7 @@ def _is_key(key: str) -> bool:
 def _entry_problem(key: str, winner: Any, version: Any) -> MLAProblem | None:
     """The key's problem if the entry is valid, else None."""
     try:
-        problem = problem_of(key)
+        problem = MLAProblem.from_key(key)
     except (ValueError, TypeError, KeyError, ArithmeticError):  # huge numbers: Overflow
         return None
     if not isinstance(winner, dict):
