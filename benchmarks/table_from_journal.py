@@ -19,8 +19,8 @@ from pathlib import Path
 
 from mlatune import table
 from mlatune.arch import DeviceInfo
-from mlatune.sweep import runner
-from mlatune.sweep.journal import read
+from mlatune.measure.journal import read
+from mlatune.measure.records import table_rows
 from mlatune.table.schema import SCHEMA_VERSION, Provenance
 
 
@@ -41,7 +41,7 @@ def main() -> None:
     provenance = replace(Provenance(**env), schema_version=SCHEMA_VERSION, converted_from="",
                          created_utc=datetime.fromtimestamp(last, timezone.utc)
                          .strftime("%Y-%m-%dT%H:%M:%SZ"))
-    frame = table.build(runner.table_rows(records, device), provenance)
+    frame = table.build(table_rows(records, device), provenance)
     table.write(frame, args.out)
     print(f"wrote {args.out}: {len(frame)} rows from {len(records)} records")
 

@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 
 from mlatune import table
 from mlatune.cli import app
+from mlatune.measure.records import table_rows
 from mlatune.problem import MLAProblem
-from mlatune.sweep import runner
 from mlatune.sweep.runner import Candidate
 from mlatune.table.schema import DCP_COLUMNS, SCHEMA_VERSION
 from tests.table_helpers import H200, PROVENANCE, make_table, result_row
@@ -106,15 +106,15 @@ def test_the_sweep_row_is_the_measured_run_even_when_it_failed():
                  "simulated_us": 30.0}
                 for i, (scheme, status, t) in enumerate([("ag_rs", "ok", 50.0),
                                                          ("a2a", "ok", 45.0)])]
-    rows = runner.table_rows([simulated, *measured], H200)
+    rows = table_rows([simulated, *measured], H200)
     assert len(rows) == 1
     assert (rows[0]["dcp_timing"], rows[0]["dcp_scheme"], rows[0]["time_us"]) == (
         "measured", "a2a", 45.0)
     crashed = {**simulated.to_json(), "id": "c", "dcp_timing": "measured", "dcp_scheme": "ag_rs",
                "status": "crashed", "reason": "a DCP rank died with SIGSEGV"}
-    row = runner.table_rows([simulated, crashed], H200)[0]
+    row = table_rows([simulated, crashed], H200)[0]
     assert (row["status"], row["dcp_timing"]) == ("crashed", "measured")
-    plain = runner.table_rows([simulated], H200)[0]
+    plain = table_rows([simulated], H200)[0]
     assert "dcp_timing" not in plain and math.isnan(plain["simulated_us"])
     built = make_table([plain])
     assert built.loc[0, "dcp_timing"] == "simulated"

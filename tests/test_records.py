@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from mlatune.arch import DeviceInfo
+from mlatune.measure.records import Record, Result, Status, Task, table_rows
 from mlatune.problem import MLAProblem
 from mlatune.sweep.candidates import Candidate
 from mlatune.sweep.journal import Journal, JournalError, JournalHeader, read, read_records
-from mlatune.sweep.records import Record, Result, Status, Task, table_rows
 from mlatune.table.schema import STATUSES
 
 DATA = Path(__file__).resolve().parent / "data"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mlatune.arch import cpu_device
-from mlatune.measure.records import Record, Status, Task
+from mlatune.measure.records import Record, Status, Task, table_rows
 from mlatune.sweep import compile_ahead, pool, runner, spec
 from mlatune.sweep.journal import Journal, JournalError, read, read_records
 
@@ -111,7 +111,7 @@ def test_table_rows_keep_the_fastest_ok_parameters():
         c.record(status="ok", time_us=3.0, route_params='{"s": 2}'),
         c.record(status="rejected_accuracy", reason="bad", route_params='{"s": 4}'),
     ]
-    (row,) = runner.table_rows(records, device)
+    (row,) = table_rows(records, device)
     assert row["route_params"] == '{"s": 2}' and row["time_us"] == 3.0
     assert row["arch"] == "cpu" and row["kv_len"] == 64
 

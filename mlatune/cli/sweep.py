@@ -36,8 +36,8 @@ if TYPE_CHECKING:
     from rich.progress import ProgressColumn
 
     from mlatune.arch import DeviceInfo
+    from mlatune.measure.records import Record
     from mlatune.sweep.candidates import Shard
-    from mlatune.sweep.records import Record
     from mlatune.sweep.spec import SweepSpec
     from mlatune.sweep.stages import SweepSettings, SweepSummary
 

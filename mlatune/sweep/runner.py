@@ -12,14 +12,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
 from mlatune.arch import DeviceInfo
-from mlatune.measure.records import (  # noqa: F401  (COST_PARTS, table_rows: callers' imports)
-    COST_PARTS,
-    Record,
-    Status,
-    Task,
-    problem_key,
-    table_rows,
-)
+from mlatune.measure.records import Record, Status, Task
 from mlatune.problem import MLAProblem
 from mlatune.sweep import compile_ahead
 from mlatune.sweep.candidates import (  # noqa: F401  (Shard: callers import it from here)

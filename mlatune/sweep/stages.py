@@ -17,6 +17,7 @@ from typing import Any
 from mlatune import routes
 from mlatune.arch import DeviceInfo
 from mlatune.errors import JournalError, TableError
+from mlatune.measure.records import table_rows
 from mlatune.sweep import dcp_stage, runner
 from mlatune.sweep import journal as journals
 from mlatune.sweep.candidates import Shard
@@ -209,7 +210,7 @@ def write_table(result: SweepResult, spec: SweepSpec, settings: SweepSettings) -
     from mlatune.table.schema import Provenance
 
     try:
-        frame = table.build(runner.table_rows(result.records, settings.device),
+        frame = table.build(table_rows(result.records, settings.device),
                             Provenance.here(spec.sha256), step_kinds=routes.declared_step_kind,
                             sharing=routes.plan_sharing())
         table.write(frame, settings.table_path)
