@@ -12,7 +12,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from mlatune import routes, table
-from mlatune.dispatch import Choice, Dispatcher, TableError, find_table
+from mlatune.dispatch import Choice, Dispatcher, TableError, find_table, sources
 from mlatune.dispatch import dispatcher as dispatch_module
 from mlatune.problem import MLAProblem
 from mlatune.table.schema import KEY_COLUMNS, STATUSES
@@ -418,7 +418,7 @@ def test_directories_and_bundled_tables_are_found_by_arch(tmp_path, monkeypatch,
     assert Dispatcher.load(tmp_path, device=MI355).table_device[0] == "gfx950"
 
     monkeypatch.delenv(dispatch_module.TABLE_ENV, raising=False)
-    monkeypatch.setattr(dispatch_module, "bundled_tables_dir", lambda: tmp_path)
+    monkeypatch.setattr(sources, "bundled_tables_dir", lambda: tmp_path)
     bundled = Dispatcher.from_bundled(H200)
     assert bundled.source.endswith("sm_90-h200.parquet")
     assert Dispatcher.from_bundled(MI355).source.endswith("gfx950.csv")
@@ -428,7 +428,7 @@ def test_directories_and_bundled_tables_are_found_by_arch(tmp_path, monkeypatch,
 
 def test_the_environment_variable_overrides_and_must_be_usable(tmp_path, monkeypatch, fakes):
     path = table.write(grid_frame(), tmp_path / "mine.parquet")
-    monkeypatch.setattr(dispatch_module, "bundled_tables_dir", lambda: None)
+    monkeypatch.setattr(sources, "bundled_tables_dir", lambda: None)
     monkeypatch.setenv(dispatch_module.TABLE_ENV, str(path))
     assert Dispatcher.from_bundled(H200).source == str(path)
     path.write_bytes(path.read_bytes()[:100])
@@ -439,7 +439,7 @@ def test_the_environment_variable_overrides_and_must_be_usable(tmp_path, monkeyp
 def test_a_damaged_bundled_table_falls_back_to_rules(tmp_path, monkeypatch, caplog, fakes):
     (tmp_path / "sm_90.parquet").write_bytes(b"PAR1 damaged")
     monkeypatch.delenv(dispatch_module.TABLE_ENV, raising=False)
-    monkeypatch.setattr(dispatch_module, "bundled_tables_dir", lambda: tmp_path)
+    monkeypatch.setattr(sources, "bundled_tables_dir", lambda: tmp_path)
     with caplog.at_level(logging.WARNING, logger="mlatune"):
         dispatcher = Dispatcher.from_bundled(H200)
     assert dispatcher.source == "" and "bundled table unusable" in caplog.text
@@ -675,7 +675,7 @@ def test_a_user_table_overlays_the_bundled_one_problem_by_problem(tmp_path, monk
     user = table.write(make_table([result_row(shared, fast_large, 11.0),
                                    result_row(only_user, fast_large, 30.0)]),
                        tmp_path / "mine.parquet")
-    monkeypatch.setattr(dispatch_module, "bundled_tables_dir", lambda: bundled_dir)
+    monkeypatch.setattr(sources, "bundled_tables_dir", lambda: bundled_dir)
     monkeypatch.delenv(dispatch_module.TABLE_ENV, raising=False)
     monkeypatch.setenv(dispatch_module.USER_TABLE_ENV, str(user))
     overlaid = Dispatcher.from_bundled(H200)

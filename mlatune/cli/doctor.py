@@ -79,16 +79,16 @@ def bundled_tables() -> list[dict[str, Any]]:
     GPU of that arch loads (find_table's choice; MLATUNE_TABLE overrides it) and the
     devices it holds."""
     from mlatune.capability import ARCHS
-    from mlatune.dispatch.dispatcher import bundled_tables_dir, find_table  # patched there in tests
+    from mlatune.dispatch import sources  # its bundled_tables_dir is patched in tests
     from mlatune.errors import TableError
 
-    folder = bundled_tables_dir()
+    folder = sources.bundled_tables_dir()
     # find_table's naming: <arch>.<ext> or <arch>-<anything>.<ext>
     named = {Path(f.name).stem.split("-")[0] for f in folder.iterdir()
              if Path(f.name).suffix.lower() in (".parquet", ".json", ".csv")}
     found = []
     for arch in sorted({*ARCHS, *named}):
-        chosen = find_table(folder, arch)
+        chosen = sources.find_table(folder, arch)
         entry = {"arch": arch, "table": chosen.name if chosen else None, "devices": [],
                  "error": None}
         if chosen is not None:

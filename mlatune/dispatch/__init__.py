@@ -17,8 +17,8 @@ from mlatune.dispatch.dispatcher import (
     device_for_arch,
     find_table,
     point_distance,
-    step_cost,
 )
+from mlatune.table.cost import step_cost
 
 __all__ = ["Choice", "Dispatcher", "TableError", "bundled_tables_dir", "by_handle",
            "device_for_arch", "find_table", "point_distance", "step_cost"]

@@ -34,8 +34,7 @@ allocation. The first ``select`` of a key pays for the ``supports()`` checks
 (a few microseconds; measured keys have their memo slot from load, unmeasured
 ones are remembered up to MEMO_LIMIT and resolved afresh beyond it) and, for a
 predicted or nearest answer, for the prediction and redoing its route's
-size-derived parameters (a median 19 us for a predicted one, 7 us for a nearest
-one, on the 2-core CI machine, 2026-11-30: benchmarks/select_cost.py).
+size-derived parameters (``benchmarks/bench.py --routine select-cost`` times both).
 
 Routes the table names but this process has not registered (a backend that
 does not import here, a route from a newer mlatune) are skipped, never
@@ -56,9 +55,7 @@ import logging
 import math
 import operator
 import os
-import re
 import weakref
-from bisect import bisect_left
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -68,15 +65,19 @@ from typing import Any
 
 from mlatune import capability
 from mlatune.arch import CPU_ARCH, DeviceInfo, current_device
-from mlatune.dispatch import environment
+from mlatune.dispatch import environment, sources
+from mlatune.dispatch.nearest import Bucket, learnable, point_distance  # noqa: F401
 from mlatune.dispatch.predict import Predictor
+from mlatune.dispatch.sources import (  # noqa: F401  (the dispatcher's public names)
+    EMPTY_PARAMS,
+    bundled_tables_dir,
+    find_table,
+)
 from mlatune.errors import TableError
 from mlatune.problem import BUCKET_FIELDS, MLAProblem
-from mlatune.routes import Route, all_routes, declared_step_kind, params_at, step_kind_of
+from mlatune.routes import Route, all_routes, params_at, step_kind_of
 from mlatune.routes.torch_ref import REFERENCE_ID as REFERENCE_ROUTE
-from mlatune.table import winners_map
-from mlatune.table.cost import DEFAULT_PLAN_CALLS, step_cost
-from mlatune.table.schema import DCP_MEASURED, competing, is_measured
+from mlatune.table.cost import DEFAULT_PLAN_CALLS
 
 __all__ = ["Choice", "Dispatcher", "TableError", "device_for_arch", "find_table"]
 
@@ -92,17 +93,16 @@ FIRST_SIGHT_ENV = "MLATUNE_FIRST_SIGHT"
 # Memo entries for problems the table never measured (nearest and rule answers);
 # measured keys are always remembered. Bounds memory when kv_len varies freely.
 MEMO_LIMIT = 1 << 16
-EMPTY_PARAMS: Mapping[str, Any] = MappingProxyType({})
-BATCH_WEIGHT = 0.5  # of the batch difference in point_distance, below 1: see there
 PREDICTIONS_SHOWN = 3  # by explain (`mlatune lookup`): the fastest predicted recipes
 # How an unmeasured shape of a measured bucket is answered: "predict" (each recipe's time
 # predicted from the bucket's points, mlatune.dispatch.predict) or "nearest" (the nearest
-# point's winner). On the 214 held-out traffic problems, the picks with the parameters they
-# pass (benchmarks/heldout_regret.py heldout, launch times as `mlatune report --heldout`
-# judges them, the table as shipped on 2026-11-30): 0.3% slower than the best in geomean,
-# 8.6% at worst with "predict"; 1.9% / 36% with "nearest".
+# point's winner); benchmarks/RESULTS.md has how the two compare on held-out problems.
 UNMEASURED = ("predict", "nearest")
 DEFAULT_UNMEASURED = "predict"
+NO_ROUTES: frozenset[str] = frozenset()
+# ``problem.bucket`` in one C call (the property builds it field by field): a first select
+# of an unmeasured shape looks its bucket up twice.
+_bucket_of = operator.attrgetter(*BUCKET_FIELDS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,110 +119,6 @@ class Choice:
     # A predicted answer's expected relative error (0.1: about 10%; Prediction.uncertainty):
     # far from measured points or where the neighbours disagree. NaN for other answers.
     uncertainty: float = math.nan
-
-
-Option = tuple[str, Mapping[str, Any], float]  # (route_id, params, step cost in us)
-# The routes that failed at one measured problem, as (route_id, status) pairs: one
-# shared tuple per distinct pattern (most keys that fail repeat a few patterns).
-Failures = tuple[tuple[str, str], ...]
-NO_ROUTES: frozenset[str] = frozenset()
-# ``problem.bucket`` in one C call (the property builds it field by field): a first select
-# of an unmeasured shape looks its bucket up twice.
-_bucket_of = operator.attrgetter(*BUCKET_FIELDS)
-_PROBLEM_COLUMNS = [*BUCKET_FIELDS, "batch", "kv_len"]  # a problem's columns, on one device
-
-
-@dataclass(frozen=True)
-class _Columns:
-    """A table's usable ok rows as parallel columns, each key's rows together in rank
-    order. Rows stay here, not as Python objects, until a winner refuses (rare)."""
-
-    route_codes: Sequence[int]
-    routes: Sequence[str]
-    params_codes: Sequence[int]
-    params: Sequence[Mapping[str, Any]]
-    times: Sequence[float]
-
-    def option(self, i: int) -> Option:
-        return (self.routes[self.route_codes[i]], self.params[self.params_codes[i]],
-                float(self.times[i]))
-
-
-# One measured problem: key, bucket, batch, kv_len, its winner, and where its ok
-# rows lie in the columns (rows start..end-1, the winner first). Plain tuples:
-# a table holds tens of thousands and load time matters.
-Entry = tuple[str, tuple, int, int, Option, _Columns, int, int]
-
-
-def point_distance(d_batch: float, d_kv_len: float) -> float:
-    """Squared distance between two points of a bucket, from the differences of their
-    log2 batch and log2 kv_len.
-
-    Total KV tokens (batch x kv_len) set the memory traffic, batch how many programs
-    there are to fill the device; a point of the same size at the next batch comes
-    before one of the same batch at the next KV length. Chosen by leave-one-out on
-    the H200 table (python benchmarks/nearest_loo.py, 2026-11-30): geomean regret with
-    the dispatcher's parameters 3.9% for plain (log2 batch, log2 kv_len) distance,
-    2.9% with batch weighted 1, 2.3% with 0.5 (the same answers from 0.1 to 0.5); on
-    the held-out problems 2.5%, 1.0%, 1.0%.
-    """
-    return (d_batch + d_kv_len) ** 2 + BATCH_WEIGHT * d_batch ** 2
-
-
-class _Bucket:
-    """Measured points of one bucket, by log2 batch then log2 kv_len, with their winners."""
-
-    __slots__ = ("log_batches", "rows")
-
-    def __init__(self, points: Sequence[tuple[int, int, Choice]]):
-        by_batch: dict[float, list[tuple[float, Choice]]] = {}
-        for batch, kv_len, choice in points:
-            by_batch.setdefault(math.log2(batch), []).append((math.log2(kv_len), choice))
-        self.log_batches = sorted(by_batch)
-        self.rows = []
-        for lb in self.log_batches:
-            row = sorted(by_batch[lb], key=lambda p: p[0])
-            self.rows.append(([p[0] for p in row], [p[1] for p in row]))
-
-    def closest(self, x: float, y: float) -> Choice:
-        """The point nearest (x, y) by point_distance; ties go to the smaller batch,
-        then kv_len.
-
-        Rows are visited outward from x in order of |dx|; the distance is at least
-        BATCH_WEIGHT * dx^2, so once that alone exceeds the best distance, no later
-        row can win. Within a row the nearest kv_len is the one closest to y - dx
-        (the same total tokens).
-        """
-        lbs, n = self.log_batches, len(self.log_batches)
-        right = bisect_left(lbs, x)
-        left = right - 1
-        best: tuple[float, float, float] | None = None
-        best_choice = None
-        while left >= 0 or right < n:
-            if right >= n or (left >= 0 and x - lbs[left] <= lbs[right] - x):
-                j, left = left, left - 1
-            else:
-                j, right = right, right + 1
-            dx = lbs[j] - x
-            if best is not None and BATCH_WEIGHT * dx * dx > best[0]:
-                break
-            kvs, choices = self.rows[j]
-            k = bisect_left(kvs, y - dx)
-            for m in (k - 1, k):
-                if 0 <= m < len(kvs):
-                    candidate = (point_distance(dx, kvs[m] - y), lbs[j], kvs[m])
-                    if best is None or candidate < best:
-                        best, best_choice = candidate, choices[m]
-        assert best_choice is not None  # a bucket holds at least one point
-        return best_choice
-
-    def by_distance(self, x: float, y: float) -> list[Choice]:
-        """Every point's winner, nearest first (the same order ``closest`` implies)."""
-        scored = [(point_distance(lb - x, lk - y), lb, lk, i, choices[i])
-                  for lb, (kvs, choices) in zip(self.log_batches, self.rows, strict=True)
-                  for i, lk in enumerate(kvs)]
-        scored.sort(key=lambda s: s[:4])
-        return [s[4] for s in scored]
 
 
 def device_for_arch(arch: str, name: str = "", cu_count: int = 0) -> DeviceInfo:
@@ -249,12 +145,13 @@ class Dispatcher:
     plan; otherwise every step, ranked by what an eager call costs (``step_cost``).
     """
 
-    def __init__(self, device: DeviceInfo, entries: Sequence[Entry] = (), *,
+    def __init__(self, device: DeviceInfo, entries: Sequence[sources.Entry] = (), *,
                  routes: Mapping[str, Route] | None = None, source: str = "",
                  table_device: tuple[str, str, int] | None = None,
                  provenance: Sequence[Mapping[str, Any]] = (),
                  skipped_routes: Mapping[str, int] | None = None,
-                 failed: Mapping[str, Failures] | None = None, capturable: bool = False,
+                 failed: Mapping[str, sources.Failures] | None = None,
+                 capturable: bool = False,
                  environment_differences: Sequence[str] = (), planning: bool = False,
                  plan_calls: int = DEFAULT_PLAN_CALLS, unmeasured: str | None = None,
                  first_sight: str | os.PathLike | None = None,
@@ -290,12 +187,32 @@ class Dispatcher:
         # table was measured here, or nothing could be compared (no GPU, planning).
         self.environment_differences = list(environment_differences)
 
-        # Per measured key its winner's Choice, built now; the other ok routes stay in
-        # the columns until a winner refuses (rare, and load time matters).
-        self._winner: dict[str, Choice] = {}
-        self._others: dict[str, tuple[_Columns, int, int]] = {}
         self._nearest: dict[str, Choice] = {}  # a winner answering for a neighbour
         self._predictor: Predictor | None = None  # fitted at the end of __init__
+        points, wins = self._index(entries)
+        points = learnable(points, measured_keys)
+        self._buckets = {b: Bucket(p) for b, p in points.items()}
+        self._points = points  # per bucket (batch, kv_len, winner): the predictor's points
+        self._rule_order = self._make_rule_order(wins)
+        self._rule_choices = {r.id: Choice(r.id, EMPTY_PARAMS, "rule") for r in self._rule_order}
+        # Read only when a key has no usable ok route (nearest and rule skip these).
+        self._failed: Mapping[str, sources.Failures] = failed or {}
+        # Measured keys get their slot now, so remembering them later allocates nothing.
+        self._memo: dict[str, Choice | None] = dict.fromkeys(self._winner)
+        self._memo.update(dict.fromkeys(self._failed))
+        self._memo_limit = len(self._memo) + MEMO_LIMIT
+        # Fitted now, at model load, not in the first unmeasured select: loading the H200
+        # table took 0.18 s with it and 0.07-0.09 s without (warm, 2-core CPU, 2026-11-30).
+        if self.unmeasured == "predict" and self._winner:
+            self._ensure_predictor()
+
+    def _index(self, entries: Sequence[sources.Entry]
+               ) -> tuple[dict[tuple, list[tuple[int, int, Choice]]], dict[str, int]]:
+        """Each measured key's winner Choice, built now (the other ok routes stay in the
+        columns until a winner refuses: rare, and load time matters); per bucket its points
+        (batch, kv_len, winner), and how many keys each route wins."""
+        self._winner: dict[str, Choice] = {}
+        self._others: dict[str, tuple[sources.Columns, int, int]] = {}
         points: dict[tuple, list[tuple[int, int, Choice]]] = {}
         wins: dict[str, int] = {}
         for key, bucket, batch, kv_len, (route_id, params, time_us), columns, start, end \
@@ -305,21 +222,7 @@ class Dispatcher:
                 self._others[key] = (columns, start + 1, end)
             points.setdefault(bucket, []).append((batch, kv_len, winner))
             wins[route_id] = wins.get(route_id, 0) + 1
-        points = _learnable(points, measured_keys)
-        self._buckets = {b: _Bucket(p) for b, p in points.items()}
-        self._points = points  # per bucket (batch, kv_len, winner): the predictor's points
-        self._rule_order = self._make_rule_order(wins)
-        self._rule_choices = {r.id: Choice(r.id, EMPTY_PARAMS, "rule") for r in self._rule_order}
-        # Read only when a key has no usable ok route (nearest and rule skip these).
-        self._failed: Mapping[str, Failures] = failed or {}
-        # Measured keys get their slot now, so remembering them later allocates nothing.
-        self._memo: dict[str, Choice | None] = dict.fromkeys(self._winner)
-        self._memo.update(dict.fromkeys(self._failed))
-        self._memo_limit = len(self._memo) + MEMO_LIMIT
-        # Fitted now, at model load, not in the first unmeasured select: loading the H200
-        # table took 0.18 s with it and 0.07-0.09 s without (warm, 2-core CPU, 2026-11-30).
-        if self.unmeasured == "predict" and self._winner:
-            self._ensure_predictor()
+        return points, wins
 
     def _make_rule_order(self, wins: Mapping[str, int]) -> tuple[Route, ...]:
         """Routes by how many problems they win in this table, then the other registered
@@ -486,28 +389,15 @@ class Dispatcher:
 
     def _resolve(self, problem: MLAProblem, notes: list[str] | None,
                  shown_count: int | None = PREDICTIONS_SHOWN) -> Choice:
+        """The answer of ``select`` (the module docstring's order), with ``notes`` of why."""
         winner = self._winner.get(problem.key)
         if winner is not None:
-            if notes is None and self._supports(winner.route_id, problem, None):
-                return winner  # the common case: build no runner-up Choices
-            ranked = self._ranked(problem.key)
-            for choice in ranked:
-                if self._supports(choice.route_id, problem, notes):
-                    if notes is not None:
-                        notes.append(_measured_note(choice, ranked))
-                    return choice
+            measured = self._measured_choice(problem, winner, notes)
+            if measured is not None:
+                return measured
         # No usable ok route here. Routes that failed at this exact problem are not
         # taken from a neighbour or the rule either.
-        failures = self._failed.get(problem.key, ())
-        failed = frozenset(r for r, _ in failures) if failures else NO_ROUTES
-        if notes is not None:
-            if failures:
-                notes.append("measured here: " + ", ".join(f"{r} {s}" for r, s in
-                                                           sorted(failures))
-                             + "; nearest and rule skip these routes")
-            elif winner is None:
-                notes.append("this exact problem was not measured (or only by routes not "
-                             "installed here)")
+        failed = self._failed_here(problem, winner is None, notes)
         bucket_key = _bucket_of(problem)
         bucket = self._buckets.get(bucket_key)
         if bucket is not None:
@@ -515,33 +405,67 @@ class Dispatcher:
                 if self.unmeasured == "predict" else None
             if predicted is not None:
                 return predicted
-            x, y = math.log2(problem.batch), math.log2(problem.kv_len)
-            # The nearest point first (cheap); only if its winner refuses, all by distance.
-            closest = bucket.closest(x, y)
-            if notes is None and closest.key != problem.key \
-                    and closest.route_id not in failed \
-                    and self._supports(closest.route_id, problem, None):
-                return self._as_nearest(closest, problem)
-            for winner in bucket.by_distance(x, y):
-                if winner.key != problem.key and winner.route_id not in failed \
-                        and self._supports(winner.route_id, problem, notes):
-                    choice = self._as_nearest(winner, problem)
-                    if notes is not None:
-                        near = MLAProblem.from_key(winner.key)
-                        notes.append(f"nearest measured point: batch={near.batch} "
-                                     f"kv_len={near.kv_len}, won by {winner.route_id} "
-                                     f"({winner.time_us:.4g} us there)")
-                        if choice.params != winner.params:
-                            notes.append(f"its parameters redone for these sizes: "
-                                         f"{json.dumps(dict(winner.params), sort_keys=True)}"
-                                         f" there")
-                    return choice
-            if notes is not None:
-                notes.append("no measured point in this bucket has a winner that supports "
-                             "this problem" + (" and did not fail here" if failed else ""))
+            nearest = self._nearest_choice(bucket, problem, failed, notes)
+            if nearest is not None:
+                return nearest
         elif notes is not None:
             notes.append("nothing was measured in this bucket (every key field but batch "
                          "and kv_len)")
+        return self._rule_choice(problem, failed, notes)
+
+    def _measured_choice(self, problem: MLAProblem, winner: Choice, notes: list[str] | None
+                         ) -> Choice | None:
+        """The problem's cheapest measured route that supports it here; None: none does."""
+        if notes is None and self._supports(winner.route_id, problem, None):
+            return winner  # the common case: build no runner-up Choices
+        ranked = self._ranked(problem.key)
+        for choice in ranked:
+            if self._supports(choice.route_id, problem, notes):
+                if notes is not None:
+                    notes.append(_measured_note(choice, ranked))
+                return choice
+        return None
+
+    def _failed_here(self, problem: MLAProblem, unmeasured: bool, notes: list[str] | None
+                     ) -> frozenset[str]:
+        """The routes whose row at this exact problem is not ok (nearest and rule skip them)."""
+        failures = self._failed.get(problem.key, ())
+        if notes is not None:
+            if failures:
+                notes.append("measured here: " + ", ".join(f"{r} {s}" for r, s in
+                                                           sorted(failures))
+                             + "; nearest and rule skip these routes")
+            elif unmeasured:
+                notes.append("this exact problem was not measured (or only by routes not "
+                             "installed here)")
+        return frozenset(r for r, _ in failures) if failures else NO_ROUTES
+
+    def _nearest_choice(self, bucket: Bucket, problem: MLAProblem, failed: frozenset[str],
+                        notes: list[str] | None) -> Choice | None:
+        """The nearest measured point's winner that supports the problem and did not fail
+        here, its sized parameters redone; None: no point's winner does."""
+        x, y = math.log2(problem.batch), math.log2(problem.kv_len)
+        # The nearest point first (cheap); only if its winner refuses, all by distance.
+        closest = bucket.closest(x, y)
+        if notes is None and closest.key != problem.key and closest.route_id not in failed \
+                and self._supports(closest.route_id, problem, None):
+            return self._as_nearest(closest, problem)
+        for winner in bucket.by_distance(x, y):
+            if winner.key != problem.key and winner.route_id not in failed \
+                    and self._supports(winner.route_id, problem, notes):
+                choice = self._as_nearest(winner, problem)
+                if notes is not None:
+                    notes += _nearest_notes(winner, choice)
+                return choice
+        if notes is not None:
+            notes.append("no measured point in this bucket has a winner that supports "
+                         "this problem" + (" and did not fail here" if failed else ""))
+        return None
+
+    def _rule_choice(self, problem: MLAProblem, failed: frozenset[str],
+                     notes: list[str] | None) -> Choice:
+        """The first route of the rule order that supports the problem and did not fail
+        here; ``reference/torch`` as the last resort, so select never raises."""
         for route in self._rule_order:
             if route.id not in failed and self._supports(route.id, problem, notes):
                 if notes is not None:
@@ -551,7 +475,7 @@ class Dispatcher:
                                  f"order {order}")
                 return self._rule_choices[route.id]
         # Every route failed here or refuses (reachable only when reference/torch failed
-        # here too): the last resort still answers, so select never raises.
+        # here too).
         if notes is not None:
             notes.append(f"rule: every route failed here or refuses it; {REFERENCE_ROUTE} "
                          f"answers as the last resort")
@@ -620,26 +544,7 @@ class Dispatcher:
     def _load(cls, path: Path, device: DeviceInfo, allow_arch: str | None,
               capturable: bool, plan_calls: int, unmeasured: str | None,
               overlay: Path | None = None) -> Dispatcher:
-        arch = allow_arch or device.arch
-        if path.is_dir():
-            found = find_table(path, arch, device.name)
-            if found is None:
-                raise TableError(f"{path}: no table for arch {arch} in this directory")
-            path = found
-        if overlay is not None and path.suffix.lower() == ".json":
-            raise TableError(f"{path}: a JSON winners map takes no overlay (load the Parquet "
-                             f"or CSV table to overlay {overlay} on it)")
-        source = _JsonSource(path) if path.suffix.lower() == ".json" else \
-            _FrameSource(path, overlay)
-        arches = sorted({d[0] for d in source.devices})
-        if arch not in arches:
-            what = allow_arch or f"{device.arch} ({device.name})"
-            hint = "" if allow_arch else \
-                f"; pass allow_arch={arches[0]!r} (CLI: --arch {arches[0]}) to plan for it"
-            raise TableError(f"{path}: table is for arch {', '.join(arches)}, but "
-                             f"{'allow_arch is' if allow_arch else 'this device is'} "
-                             f"{what}{hint}")
-        chosen = _pick_device([d for d in source.devices if d[0] == arch], device)
+        path, source, chosen = sources.open_source(path, overlay, device, allow_arch)
         provenance = source.provenance(chosen)
         if allow_arch and device.arch != allow_arch:
             device = device_for_arch(*chosen)
@@ -685,7 +590,7 @@ class Dispatcher:
             return cls.load(override, device, capturable=capturable, plan_calls=plan_calls,
                             overlay=user, first_sight=sight)
         try:
-            found = find_table(bundled_tables_dir(), device.arch, device.name)
+            found = sources.find_table(sources.bundled_tables_dir(), device.arch, device.name)
             if found is None:  # the user's own table alone, if any
                 return cls.load(user, device, capturable=capturable, plan_calls=plan_calls,
                                 first_sight=sight) \
@@ -698,18 +603,25 @@ class Dispatcher:
             return cls.rules_only(device, capturable)
 
 
-def _learnable(points: dict[tuple, list[tuple[int, int, Choice]]], measured: Collection[str]
-               ) -> dict[tuple, list[tuple[int, int, Choice]]]:
-    """Per bucket the points that answer its unmeasured shapes (nearest, predicted): in a
-    bucket with points timed across processes only those (``schema.competing``)."""
-    if not measured:
-        return points
-    learnable = {}
-    for bucket, bucket_points in points.items():
-        keep = competing([bucket] * len(bucket_points),
-                         [winner.key in measured for _, _, winner in bucket_points])
-        learnable[bucket] = [p for p, kept in zip(bucket_points, keep, strict=True) if kept]
-    return learnable
+def registered_routes(routes: Mapping[str, Route] | None = None) -> dict[str, Route]:
+    """A snapshot of the registry (or of ``routes``), with the last resort always present."""
+    routes = dict(routes) if routes is not None else {r.id: r for r in all_routes()}
+    if REFERENCE_ROUTE not in routes:
+        from mlatune.routes.torch_ref import TorchReferenceRoute
+
+        routes[REFERENCE_ROUTE] = TorchReferenceRoute()
+    return routes
+
+
+def _nearest_notes(winner: Choice, choice: Choice) -> list[str]:
+    """``explain``'s sentences for a nearest answer: the point, and its parameters redone."""
+    near = MLAProblem.from_key(winner.key)
+    notes = [f"nearest measured point: batch={near.batch} kv_len={near.kv_len}, won by "
+             f"{winner.route_id} ({winner.time_us:.4g} us there)"]
+    if choice.params != winner.params:
+        notes.append(f"its parameters redone for these sizes: "
+                     f"{json.dumps(dict(winner.params), sort_keys=True)} there")
+    return notes
 
 
 def _measured_note(choice: Choice, ranked: Sequence[Choice]) -> str:
@@ -722,297 +634,3 @@ def _measured_note(choice: Choice, ranked: Sequence[Choice]) -> str:
         text += (f"; next {runner.route_id} {runner.time_us:.4g} us "
                  f"(+{(runner.time_us / choice.time_us - 1) * 100:.1f}%)")
     return text
-
-
-def _pick_device(candidates: list[tuple[str, str, int]], device: DeviceInfo):
-    """The table device to use among those of the right arch: same name and CU count,
-    else same name, else the nearest CU count (then by name, for a stable answer)."""
-    for match in (lambda d: d[1] == device.name and d[2] == device.cu_count,
-                  lambda d: d[1] == device.name):
-        exact = [d for d in candidates if match(d)]
-        if exact:
-            return exact[0]
-    return min(candidates, key=lambda d: (abs(d[2] - device.cu_count), d[1], d[2]))
-
-
-_SLUG = re.compile(r"[^a-z0-9]+")
-
-
-def find_table(directory: Path | Any, arch: str, device_name: str = "") -> Any:
-    """The table for ``arch`` in a directory: files named ``<arch>.<ext>`` or
-    ``<arch>-<anything>.<ext>`` (.parquet preferred, then .json, then .csv); among
-    several, the one whose name holds the device name's slug, else the first by name."""
-    if directory is None or not directory.is_dir():
-        return None
-    rank = {".parquet": 0, ".json": 1, ".csv": 2}
-    found = [f for f in directory.iterdir() if f.is_file()
-             and Path(f.name).suffix.lower() in rank
-             and (Path(f.name).stem == arch or f.name.startswith(arch + "-"))]
-    if not found:
-        return None
-    slug = _SLUG.sub("-", device_name.lower()).strip("-")
-    return sorted(found, key=lambda f: (not (slug and slug in f.name.lower()),
-                                        rank[Path(f.name).suffix.lower()], f.name))[0]
-
-
-def _overlaid(table, frame, user):
-    """``frame`` with the problems ``user`` holds (per device) replaced by its rows."""
-    import pandas as pd
-
-    device = ["arch", "device_name", "cu_count"]
-
-    def keys(f):
-        return pd.Series(table.key_strings(f), index=f.index) + "|" + \
-            f[device].astype(str).agg("|".join, axis=1)
-
-    mine = set(keys(user))
-    kept = frame[~keys(frame).isin(mine)]
-    return pd.concat([kept, user[kept.columns]], ignore_index=True)
-
-
-def bundled_tables_dir() -> Any:
-    """The tables shipped in the package (mlatune/tables links to the repository's tables/)."""
-    return resources.files("mlatune").joinpath("tables")
-
-
-# Reading tables into entries ---------------------------------------------------
-
-Device = tuple[str, str, int]
-
-
-def registered_routes(routes: Mapping[str, Route] | None = None) -> dict[str, Route]:
-    """A snapshot of the registry (or of ``routes``), with the last resort always present."""
-    routes = dict(routes) if routes is not None else {r.id: r for r in all_routes()}
-    if REFERENCE_ROUTE not in routes:
-        from mlatune.routes.torch_ref import TorchReferenceRoute
-
-        routes[REFERENCE_ROUTE] = TorchReferenceRoute()
-    return routes
-
-
-def _frozen_params(text: str) -> Mapping[str, Any]:
-    parsed = json.loads(text)
-    return EMPTY_PARAMS if not parsed else MappingProxyType(parsed)
-
-
-class _FrameSource:
-    """A Parquet or CSV table, read and validated with mlatune.table (pandas)."""
-
-    def __init__(self, path: Path, overlay: Path | None = None):
-        from mlatune import table  # pandas only when a Parquet/CSV table is loaded
-
-        self._table = table
-        self.frame = table.read(path, step_kinds=declared_step_kind)  # validates, or raises
-        if overlay is not None:
-            self.frame = _overlaid(table, self.frame,
-                                   table.read(overlay, step_kinds=declared_step_kind))
-        distinct = self.frame[["arch", "device_name", "cu_count"]].drop_duplicates()
-        self.devices: list[Device] = list(distinct.itertuples(index=False, name=None))
-
-    def _rows(self, device: Device):
-        frame = self.frame
-        if len(self.devices) == 1:
-            return frame
-        return frame[(frame["arch"] == device[0]) & (frame["device_name"] == device[1])
-                     & (frame["cu_count"] == device[2])]
-
-    def provenance(self, device: Device) -> list[dict[str, Any]]:
-        return self._table.provenances(self._rows(device))
-
-    def entries(self, device: Device, route_ids: set[str], capturable: bool = False,
-                plan_calls: int = DEFAULT_PLAN_CALLS, sharing: set[str] = frozenset()):
-        """Per key, its usable ok routes cheapest step first (``step_cost``; with
-        ``capturable`` only steps a graph replays); column-wise, as load time matters.
-        Also the skipped row counts, and per key the known routes that failed there."""
-        import numpy as np
-        import pandas as pd
-
-        rows = self._rows(device)
-        ok = (rows["status"] == "ok").to_numpy()
-        known = rows["route"].isin(route_ids).to_numpy()
-        skipped = {str(r): int(n) for r, n in
-                   rows.loc[ok & ~known, "route"].value_counts().items()}
-        failed = self._failures(rows.loc[~ok & known, [*_PROBLEM_COLUMNS, "route", "status"]])
-        rows = rows.loc[self._usable(rows, route_ids, capturable),
-                        [*_PROBLEM_COLUMNS, "route", "route_params", "time_us", "rank",
-                         "plan_on", "plan_us", "plan_host_us", "dcp_timing"]]
-        rows = rows[self._table.competing_rows(rows, by=_PROBLEM_COLUMNS)]
-        if rows.empty:
-            return [], skipped, failed
-        key_id = rows.groupby(_PROBLEM_COLUMNS, sort=False).ngroup()
-        cost = step_cost(rows["time_us"].to_numpy(), rows["plan_on"].to_numpy(dtype=object),
-                         rows["plan_us"].to_numpy(), rows["plan_host_us"].to_numpy(),
-                         capturable, plan_calls, rows["route"].isin(sharing).to_numpy())
-        order = np.lexsort((rows["rank"].to_numpy(), cost, key_id.to_numpy()))
-        sorted_ids = key_id.to_numpy()[order]
-        starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
-        route_codes, route_names = pd.factorize(rows["route"])
-        params_codes, params_texts = pd.factorize(rows["route_params"])
-        columns = _Columns(route_codes[order], list(route_names),
-                           params_codes[order], [_frozen_params(t) for t in params_texts],
-                           cost[order])
-        firsts = rows.iloc[order[starts]]  # each key's winner row
-        keys = self._table.key_strings(firsts)
-        buckets: dict[tuple, tuple] = {}  # one tuple object per bucket, shared
-        bucket_of = [buckets.setdefault(b, b) for b in
-                     zip(*(firsts[c].tolist() for c in BUCKET_FIELDS), strict=True)]
-        winners = zip([columns.routes[c] for c in columns.route_codes[starts].tolist()],
-                      [columns.params[c] for c in columns.params_codes[starts].tolist()],
-                      columns.times[starts].tolist(), strict=True)
-        ends = [*starts[1:].tolist(), len(order)]
-        entries = list(zip(keys, bucket_of, firsts["batch"].tolist(), firsts["kv_len"].tolist(),
-                           winners, [columns] * len(keys), starts.tolist(), ends, strict=True))
-        return entries, skipped, failed
-
-    @staticmethod
-    def _usable(rows, route_ids: set[str], capturable: bool):
-        """The ok rows of known routes; with ``capturable`` only the steps a graph replays
-        (the other ok steps are left out, not failed: they are eager callers')."""
-        usable = (rows["status"] == "ok").to_numpy() & rows["route"].isin(route_ids).to_numpy()
-        return usable & rows["capturable"].to_numpy(dtype=bool) if capturable else usable
-
-    def measured_keys(self, device: Device, route_ids: set[str], capturable: bool = False
-                      ) -> set[str]:
-        """The keys with a usable row timed across processes (``schema.is_measured``)."""
-        rows = self._rows(device)
-        rows = rows[self._usable(rows, route_ids, capturable)
-                    & (rows["dcp_timing"] == DCP_MEASURED).to_numpy()]
-        return set(self._table.key_strings(rows)) if len(rows) else set()
-
-    def _failures(self, rows) -> dict[str, Failures]:
-        """Per key, its rows that are not ok as (route, status) pairs; keys that fail the
-        same way share one tuple. Column-wise but for one short step per failing key."""
-        import numpy as np
-        import pandas as pd
-
-        if rows.empty:
-            return {}
-        key_id = rows.groupby(_PROBLEM_COLUMNS, sort=False).ngroup()
-        route_codes, route_names = pd.factorize(rows["route"])
-        status_codes, status_names = pd.factorize(rows["status"])
-        n = len(status_names)
-        pair = route_codes * n + status_codes
-        order = np.lexsort((pair, key_id.to_numpy()))
-        sorted_ids = key_id.to_numpy()[order]
-        starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
-        keys = self._table.key_strings(rows.iloc[order[starts]])
-        pairs = pair[order].tolist()
-        ends = [*starts[1:].tolist(), len(order)]
-        shared: dict[tuple[int, ...], Failures] = {}
-        failed = {}
-        for key, start, end in zip(keys, starts.tolist(), ends, strict=True):
-            codes = tuple(pairs[start:end])
-            failures = shared.get(codes)
-            if failures is None:
-                failures = shared[codes] = tuple((str(route_names[c // n]),
-                                                  str(status_names[c % n])) for c in codes)
-            failed[key] = failures
-        return failed
-
-
-class _JsonSource:
-    """A winners map (``mlatune export --format json``): no pandas needed. Its failures
-    (``failed``, ``all_failed``) give the same skips as the table's rows that are not ok;
-    a map written before they were recorded has none."""
-
-    def __init__(self, path: Path):
-        loaded = winners_map.read(path, declared_step_kind)  # validates; raises TableError
-        self._by_device = {(d["arch"], d["device_name"], d["cu_count"]): (d, problems)
-                           for d, problems in zip(loaded.document["devices"], loaded.problems,
-                                                  strict=True)}
-        self.devices: list[Device] = list(self._by_device)
-
-    def provenance(self, device: Device) -> list[dict[str, Any]]:
-        return self._by_device[device][0]["provenance"]
-
-    def entries(self, device: Device, route_ids: set[str], capturable: bool = False,
-                plan_calls: int = DEFAULT_PLAN_CALLS, sharing: set[str] = frozenset()):
-        """As ``_FrameSource.entries``, from each key's winner and alternatives."""
-        routes: dict[str, int] = {}  # route id -> code
-        params: dict[str, int] = {}  # canonical params JSON -> code
-        route_codes: list[int] = []
-        params_codes: list[int] = []
-        times: list[float] = []
-        spans, skipped = [], {}
-        entry, problems = self._by_device[device]
-        for key, winner in entry["winners"].items():
-            start = len(times)
-            options = [winner, *winner.get("alternatives", ())]
-            for option in options:
-                if option["route"] not in route_ids:
-                    skipped[option["route"]] = skipped.get(option["route"], 0) + 1
-            for cost, option in _by_step_cost(_competing(options, route_ids, capturable),
-                                              capturable, plan_calls, sharing):
-                text = json.dumps(option["params"], sort_keys=True) if option["params"] \
-                    else "{}"
-                route_codes.append(routes.setdefault(option["route"], len(routes)))
-                params_codes.append(params.setdefault(text, len(params)))
-                times.append(cost)
-            if len(times) > start:
-                spans.append((problems[key], start, len(times)))
-        columns = _Columns(route_codes, list(routes), params_codes,
-                           [_frozen_params(text) for text in params], times)
-        buckets: dict[tuple, tuple] = {}
-        entries = [(p.key, buckets.setdefault(p.bucket, p.bucket), p.batch, p.kv_len,
-                    columns.option(start), columns, start, end) for p, start, end in spans]
-        return entries, skipped, self._failures(entry, route_ids)
-
-    def measured_keys(self, device: Device, route_ids: set[str], capturable: bool = False
-                      ) -> set[str]:
-        """As ``_FrameSource.measured_keys``, from the options' ``dcp_timing``."""
-        return {key for key, winner in self._by_device[device][0]["winners"].items()
-                if any(is_measured(o.get("dcp_timing")) for o in _competing(
-                    [winner, *winner.get("alternatives", ())], route_ids, capturable))}
-
-    @staticmethod
-    def _failures(entry: Mapping[str, Any], route_ids: set[str]) -> dict[str, Failures]:
-        """Per key, its known routes that failed there, as ``_FrameSource._failures``
-        gives them (pairs sorted; one shared tuple per pattern)."""
-        # Keys fail in a few patterns (the same backends unsupported everywhere): each
-        # pattern is sorted and filtered once, its tuple shared.
-        shared: dict[tuple, Failures] = {}
-        failed: dict[str, Failures] = {}
-        keyed = itertools.chain(((k, w.get("failed")) for k, w in entry["winners"].items()),
-                                entry.get("all_failed", {}).items())
-        for key, by_status in keyed:
-            if not by_status:
-                continue
-            pattern = tuple((s, tuple(routes)) for s, routes in by_status.items())
-            pairs = shared.get(pattern)
-            if pairs is None:
-                pairs = shared[pattern] = tuple(
-                    p for p in winners_map.failures(by_status) if p[0] in route_ids)
-            if pairs:
-                failed[key] = pairs
-        return failed
-
-
-def _competing(options: Sequence[Mapping[str, Any]], route_ids: set[str], capturable: bool
-               ) -> list[Mapping[str, Any]]:
-    """A winners-map key's usable options (known routes; with ``capturable`` steps a graph
-    replays) that compete (``schema.competing``), as ``_FrameSource.entries`` keeps rows."""
-    usable = [o for o in options if o["route"] in route_ids
-              and (o.get("capturable", False) or not capturable)]
-    measured = [is_measured(o.get("dcp_timing")) for o in usable]
-    return [o for o, kept in zip(usable, competing([0] * len(usable), measured), strict=True)
-            if kept]
-
-
-def _by_step_cost(options, capturable: bool, plan_calls: int = DEFAULT_PLAN_CALLS,
-                  sharing: set[str] = frozenset()) -> list[tuple[float, dict]]:
-    """A winners map's options of one key as (step cost, option), cheapest first (stable:
-    the map's order breaks ties); only capturable steps with ``capturable``."""
-    costed = []
-    for option in options:
-        if capturable and not option.get("capturable", False):
-            continue
-        cost = step_cost(float(option["time_us"]), option.get("plan_on", "none"),
-                         _number(option.get("plan_us")), _number(option.get("plan_host_us")),
-                         capturable, plan_calls, option["route"] in sharing)
-        costed.append((float(cost), option))
-    return sorted(costed, key=lambda pair: pair[0])
-
-
-def _number(value) -> float:
-    """A winners map's cost: null where not measured (an upgraded v1 map)."""
-    return math.nan if value is None else float(value)

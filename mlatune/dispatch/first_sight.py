@@ -93,7 +93,7 @@ def _record(dispatcher: Dispatcher, problem: MLAProblem,
     import json
 
     from mlatune import table
-    from mlatune.dispatch.dispatcher import _overlaid
+    from mlatune.dispatch.sources import overlaid
     from mlatune.measure.records import table_rows
     from mlatune.table.schema import Provenance
 
@@ -103,7 +103,7 @@ def _record(dispatcher: Dispatcher, problem: MLAProblem,
                 "status": "ok", "time_us": t} for t, c, p in timed]
     new = table.build(table_rows(records, dispatcher.device), Provenance.here(FIRST_SIGHT_SPEC),
                       step_kinds=declared_step_kind, sharing=plan_sharing())
-    frame = _overlaid(table, table.read(path, step_kinds=declared_step_kind), new) \
+    frame = overlaid(table, table.read(path, step_kinds=declared_step_kind), new) \
         if path.exists() else new
     table.write(frame, path)
 

@@ -1,0 +1,368 @@
+"""Where the dispatcher's rows come from: a Parquet/CSV table (``FrameSource``, with a
+user table overlaid problem by problem) or a JSON winners map (``JsonSource``), each giving,
+per device, every measured problem's usable routes cheapest first (``table.cost``), the
+routes that failed there, and the table's provenance; and which bundled table serves a
+device (``find_table``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from mlatune.arch import DeviceInfo
+from mlatune.errors import TableError
+from mlatune.problem import BUCKET_FIELDS
+from mlatune.routes import declared_step_kind
+from mlatune.table import winners_map
+from mlatune.table.cost import DEFAULT_PLAN_CALLS, step_cost
+from mlatune.table.schema import DCP_MEASURED, competing, is_measured
+
+_PROBLEM_COLUMNS = [*BUCKET_FIELDS, "batch", "kv_len"]  # a problem's columns, on one device
+EMPTY_PARAMS: Mapping[str, Any] = MappingProxyType({})
+
+
+Option = tuple[str, Mapping[str, Any], float]  # (route_id, params, step cost in us)
+# The routes that failed at one measured problem, as (route_id, status) pairs: one
+# shared tuple per distinct pattern (most keys that fail repeat a few patterns).
+Failures = tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class Columns:
+    """A table's usable ok rows as parallel columns, each key's rows together in rank
+    order. Rows stay here, not as Python objects, until a winner refuses (rare)."""
+
+    route_codes: Sequence[int]
+    routes: Sequence[str]
+    params_codes: Sequence[int]
+    params: Sequence[Mapping[str, Any]]
+    times: Sequence[float]
+
+    def option(self, i: int) -> Option:
+        return (self.routes[self.route_codes[i]], self.params[self.params_codes[i]],
+                float(self.times[i]))
+
+
+# One measured problem: key, bucket, batch, kv_len, its winner, and where its ok
+# rows lie in the columns (rows start..end-1, the winner first). Plain tuples:
+# a table holds tens of thousands and load time matters.
+Entry = tuple[str, tuple, int, int, Option, Columns, int, int]
+
+
+def open_source(path: Path, overlay: Path | None, device: DeviceInfo, allow_arch: str | None
+                ) -> tuple[Path, FrameSource | JsonSource, tuple[str, str, int]]:
+    """The table file (a directory's for the arch), its source and the device of it that
+    answers for ``device``; TableError for a table of another arch unless ``allow_arch``
+    names it, or a JSON map asked to take an overlay."""
+    arch = allow_arch or device.arch
+    if path.is_dir():
+        found = find_table(path, arch, device.name)
+        if found is None:
+            raise TableError(f"{path}: no table for arch {arch} in this directory")
+        path = found
+    if overlay is not None and path.suffix.lower() == ".json":
+        raise TableError(f"{path}: a JSON winners map takes no overlay (load the Parquet "
+                         f"or CSV table to overlay {overlay} on it)")
+    source = JsonSource(path) if path.suffix.lower() == ".json" else FrameSource(path, overlay)
+    arches = sorted({d[0] for d in source.devices})
+    if arch not in arches:
+        what = allow_arch or f"{device.arch} ({device.name})"
+        hint = "" if allow_arch else \
+            f"; pass allow_arch={arches[0]!r} (CLI: --arch {arches[0]}) to plan for it"
+        raise TableError(f"{path}: table is for arch {', '.join(arches)}, but "
+                         f"{'allow_arch is' if allow_arch else 'this device is'} "
+                         f"{what}{hint}")
+    return path, source, pick_device([d for d in source.devices if d[0] == arch], device)
+
+
+def pick_device(candidates: list[tuple[str, str, int]], device: DeviceInfo):
+    """The table device to use among those of the right arch: same name and CU count,
+    else same name, else the nearest CU count (then by name, for a stable answer)."""
+    for match in (lambda d: d[1] == device.name and d[2] == device.cu_count,
+                  lambda d: d[1] == device.name):
+        exact = [d for d in candidates if match(d)]
+        if exact:
+            return exact[0]
+    return min(candidates, key=lambda d: (abs(d[2] - device.cu_count), d[1], d[2]))
+
+
+_SLUG = re.compile(r"[^a-z0-9]+")
+
+
+def find_table(directory: Path | Any, arch: str, device_name: str = "") -> Any:
+    """The table for ``arch`` in a directory: files named ``<arch>.<ext>`` or
+    ``<arch>-<anything>.<ext>`` (.parquet preferred, then .json, then .csv); among
+    several, the one whose name holds the device name's slug, else the first by name."""
+    if directory is None or not directory.is_dir():
+        return None
+    rank = {".parquet": 0, ".json": 1, ".csv": 2}
+    found = [f for f in directory.iterdir() if f.is_file()
+             and Path(f.name).suffix.lower() in rank
+             and (Path(f.name).stem == arch or f.name.startswith(arch + "-"))]
+    if not found:
+        return None
+    slug = _SLUG.sub("-", device_name.lower()).strip("-")
+    return sorted(found, key=lambda f: (not (slug and slug in f.name.lower()),
+                                        rank[Path(f.name).suffix.lower()], f.name))[0]
+
+
+def overlaid(table, frame, user):
+    """``frame`` with the problems ``user`` holds (per device) replaced by its rows."""
+    import pandas as pd
+
+    device = ["arch", "device_name", "cu_count"]
+
+    def keys(f):
+        return pd.Series(table.key_strings(f), index=f.index) + "|" + \
+            f[device].astype(str).agg("|".join, axis=1)
+
+    mine = set(keys(user))
+    kept = frame[~keys(frame).isin(mine)]
+    return pd.concat([kept, user[kept.columns]], ignore_index=True)
+
+
+def bundled_tables_dir() -> Any:
+    """The tables shipped in the package (mlatune/tables links to the repository's tables/)."""
+    return resources.files("mlatune").joinpath("tables")
+
+
+# Reading tables into entries ---------------------------------------------------
+
+Device = tuple[str, str, int]
+
+
+def _frozen_params(text: str) -> Mapping[str, Any]:
+    parsed = json.loads(text)
+    return EMPTY_PARAMS if not parsed else MappingProxyType(parsed)
+
+
+class FrameSource:
+    """A Parquet or CSV table, read and validated with mlatune.table (pandas)."""
+
+    def __init__(self, path: Path, overlay: Path | None = None):
+        from mlatune import table  # pandas only when a Parquet/CSV table is loaded
+
+        self._table = table
+        self.frame = table.read(path, step_kinds=declared_step_kind)  # validates, or raises
+        if overlay is not None:
+            self.frame = overlaid(table, self.frame,
+                                   table.read(overlay, step_kinds=declared_step_kind))
+        distinct = self.frame[["arch", "device_name", "cu_count"]].drop_duplicates()
+        self.devices: list[Device] = list(distinct.itertuples(index=False, name=None))
+
+    def _rows(self, device: Device):
+        frame = self.frame
+        if len(self.devices) == 1:
+            return frame
+        return frame[(frame["arch"] == device[0]) & (frame["device_name"] == device[1])
+                     & (frame["cu_count"] == device[2])]
+
+    def provenance(self, device: Device) -> list[dict[str, Any]]:
+        return self._table.provenances(self._rows(device))
+
+    def entries(self, device: Device, route_ids: set[str], capturable: bool = False,
+                plan_calls: int = DEFAULT_PLAN_CALLS, sharing: set[str] = frozenset()):
+        """Per key, its usable ok routes cheapest step first (``step_cost``; with
+        ``capturable`` only steps a graph replays); column-wise, as load time matters.
+        Also the skipped row counts, and per key the known routes that failed there."""
+        import numpy as np
+        import pandas as pd
+
+        rows = self._rows(device)
+        ok = (rows["status"] == "ok").to_numpy()
+        known = rows["route"].isin(route_ids).to_numpy()
+        skipped = {str(r): int(n) for r, n in
+                   rows.loc[ok & ~known, "route"].value_counts().items()}
+        failed = self._failures(rows.loc[~ok & known, [*_PROBLEM_COLUMNS, "route", "status"]])
+        rows = rows.loc[self._usable(rows, route_ids, capturable),
+                        [*_PROBLEM_COLUMNS, "route", "route_params", "time_us", "rank",
+                         "plan_on", "plan_us", "plan_host_us", "dcp_timing"]]
+        rows = rows[self._table.competing_rows(rows, by=_PROBLEM_COLUMNS)]
+        if rows.empty:
+            return [], skipped, failed
+        key_id = rows.groupby(_PROBLEM_COLUMNS, sort=False).ngroup()
+        cost = step_cost(rows["time_us"].to_numpy(), rows["plan_on"].to_numpy(dtype=object),
+                         rows["plan_us"].to_numpy(), rows["plan_host_us"].to_numpy(),
+                         capturable, plan_calls, rows["route"].isin(sharing).to_numpy())
+        order = np.lexsort((rows["rank"].to_numpy(), cost, key_id.to_numpy()))
+        sorted_ids = key_id.to_numpy()[order]
+        starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
+        route_codes, route_names = pd.factorize(rows["route"])
+        params_codes, params_texts = pd.factorize(rows["route_params"])
+        columns = Columns(route_codes[order], list(route_names),
+                           params_codes[order], [_frozen_params(t) for t in params_texts],
+                           cost[order])
+        firsts = rows.iloc[order[starts]]  # each key's winner row
+        keys = self._table.key_strings(firsts)
+        buckets: dict[tuple, tuple] = {}  # one tuple object per bucket, shared
+        bucket_of = [buckets.setdefault(b, b) for b in
+                     zip(*(firsts[c].tolist() for c in BUCKET_FIELDS), strict=True)]
+        winners = zip([columns.routes[c] for c in columns.route_codes[starts].tolist()],
+                      [columns.params[c] for c in columns.params_codes[starts].tolist()],
+                      columns.times[starts].tolist(), strict=True)
+        ends = [*starts[1:].tolist(), len(order)]
+        entries = list(zip(keys, bucket_of, firsts["batch"].tolist(), firsts["kv_len"].tolist(),
+                           winners, [columns] * len(keys), starts.tolist(), ends, strict=True))
+        return entries, skipped, failed
+
+    @staticmethod
+    def _usable(rows, route_ids: set[str], capturable: bool):
+        """The ok rows of known routes; with ``capturable`` only the steps a graph replays
+        (the other ok steps are left out, not failed: they are eager callers')."""
+        usable = (rows["status"] == "ok").to_numpy() & rows["route"].isin(route_ids).to_numpy()
+        return usable & rows["capturable"].to_numpy(dtype=bool) if capturable else usable
+
+    def measured_keys(self, device: Device, route_ids: set[str], capturable: bool = False
+                      ) -> set[str]:
+        """The keys with a usable row timed across processes (``schema.is_measured``)."""
+        rows = self._rows(device)
+        rows = rows[self._usable(rows, route_ids, capturable)
+                    & (rows["dcp_timing"] == DCP_MEASURED).to_numpy()]
+        return set(self._table.key_strings(rows)) if len(rows) else set()
+
+    def _failures(self, rows) -> dict[str, Failures]:
+        """Per key, its rows that are not ok as (route, status) pairs; keys that fail the
+        same way share one tuple. Column-wise but for one short step per failing key."""
+        import numpy as np
+        import pandas as pd
+
+        if rows.empty:
+            return {}
+        key_id = rows.groupby(_PROBLEM_COLUMNS, sort=False).ngroup()
+        route_codes, route_names = pd.factorize(rows["route"])
+        status_codes, status_names = pd.factorize(rows["status"])
+        n = len(status_names)
+        pair = route_codes * n + status_codes
+        order = np.lexsort((pair, key_id.to_numpy()))
+        sorted_ids = key_id.to_numpy()[order]
+        starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
+        keys = self._table.key_strings(rows.iloc[order[starts]])
+        pairs = pair[order].tolist()
+        ends = [*starts[1:].tolist(), len(order)]
+        shared: dict[tuple[int, ...], Failures] = {}
+        failed = {}
+        for key, start, end in zip(keys, starts.tolist(), ends, strict=True):
+            codes = tuple(pairs[start:end])
+            failures = shared.get(codes)
+            if failures is None:
+                failures = shared[codes] = tuple((str(route_names[c // n]),
+                                                  str(status_names[c % n])) for c in codes)
+            failed[key] = failures
+        return failed
+
+
+class JsonSource:
+    """A winners map (``mlatune export --format json``): no pandas needed. Its failures
+    (``failed``, ``all_failed``) give the same skips as the table's rows that are not ok;
+    a map written before they were recorded has none."""
+
+    def __init__(self, path: Path):
+        loaded = winners_map.read(path, declared_step_kind)  # validates; raises TableError
+        self._by_device = {(d["arch"], d["device_name"], d["cu_count"]): (d, problems)
+                           for d, problems in zip(loaded.document["devices"], loaded.problems,
+                                                  strict=True)}
+        self.devices: list[Device] = list(self._by_device)
+
+    def provenance(self, device: Device) -> list[dict[str, Any]]:
+        return self._by_device[device][0]["provenance"]
+
+    def entries(self, device: Device, route_ids: set[str], capturable: bool = False,
+                plan_calls: int = DEFAULT_PLAN_CALLS, sharing: set[str] = frozenset()):
+        """As ``_FrameSource.entries``, from each key's winner and alternatives."""
+        routes: dict[str, int] = {}  # route id -> code
+        params: dict[str, int] = {}  # canonical params JSON -> code
+        route_codes: list[int] = []
+        params_codes: list[int] = []
+        times: list[float] = []
+        spans, skipped = [], {}
+        entry, problems = self._by_device[device]
+        for key, winner in entry["winners"].items():
+            start = len(times)
+            options = [winner, *winner.get("alternatives", ())]
+            for option in options:
+                if option["route"] not in route_ids:
+                    skipped[option["route"]] = skipped.get(option["route"], 0) + 1
+            for cost, option in _by_step_cost(_competing(options, route_ids, capturable),
+                                              capturable, plan_calls, sharing):
+                text = json.dumps(option["params"], sort_keys=True) if option["params"] \
+                    else "{}"
+                route_codes.append(routes.setdefault(option["route"], len(routes)))
+                params_codes.append(params.setdefault(text, len(params)))
+                times.append(cost)
+            if len(times) > start:
+                spans.append((problems[key], start, len(times)))
+        columns = Columns(route_codes, list(routes), params_codes,
+                           [_frozen_params(text) for text in params], times)
+        buckets: dict[tuple, tuple] = {}
+        entries = [(p.key, buckets.setdefault(p.bucket, p.bucket), p.batch, p.kv_len,
+                    columns.option(start), columns, start, end) for p, start, end in spans]
+        return entries, skipped, self._failures(entry, route_ids)
+
+    def measured_keys(self, device: Device, route_ids: set[str], capturable: bool = False
+                      ) -> set[str]:
+        """As ``_FrameSource.measured_keys``, from the options' ``dcp_timing``."""
+        return {key for key, winner in self._by_device[device][0]["winners"].items()
+                if any(is_measured(o.get("dcp_timing")) for o in _competing(
+                    [winner, *winner.get("alternatives", ())], route_ids, capturable))}
+
+    @staticmethod
+    def _failures(entry: Mapping[str, Any], route_ids: set[str]) -> dict[str, Failures]:
+        """Per key, its known routes that failed there, as ``FrameSource._failures``
+        gives them (pairs sorted; one shared tuple per pattern)."""
+        # Keys fail in a few patterns (the same backends unsupported everywhere): each
+        # pattern is sorted and filtered once, its tuple shared.
+        shared: dict[tuple, Failures] = {}
+        failed: dict[str, Failures] = {}
+        keyed = itertools.chain(((k, w.get("failed")) for k, w in entry["winners"].items()),
+                                entry.get("all_failed", {}).items())
+        for key, by_status in keyed:
+            if not by_status:
+                continue
+            pattern = tuple((s, tuple(routes)) for s, routes in by_status.items())
+            pairs = shared.get(pattern)
+            if pairs is None:
+                pairs = shared[pattern] = tuple(
+                    p for p in winners_map.failures(by_status) if p[0] in route_ids)
+            if pairs:
+                failed[key] = pairs
+        return failed
+
+
+def _competing(options: Sequence[Mapping[str, Any]], route_ids: set[str], capturable: bool
+               ) -> list[Mapping[str, Any]]:
+    """A winners-map key's usable options (known routes; with ``capturable`` steps a graph
+    replays) that compete (``schema.competing``), as ``_FrameSource.entries`` keeps rows."""
+    usable = [o for o in options if o["route"] in route_ids
+              and (o.get("capturable", False) or not capturable)]
+    measured = [is_measured(o.get("dcp_timing")) for o in usable]
+    return [o for o, kept in zip(usable, competing([0] * len(usable), measured), strict=True)
+            if kept]
+
+
+def _by_step_cost(options, capturable: bool, plan_calls: int = DEFAULT_PLAN_CALLS,
+                  sharing: set[str] = frozenset()) -> list[tuple[float, dict]]:
+    """A winners map's options of one key as (step cost, option), cheapest first (stable:
+    the map's order breaks ties); only capturable steps with ``capturable``."""
+    costed = []
+    for option in options:
+        if capturable and not option.get("capturable", False):
+            continue
+        cost = step_cost(float(option["time_us"]), option.get("plan_on", "none"),
+                         _number(option.get("plan_us")), _number(option.get("plan_host_us")),
+                         capturable, plan_calls, option["route"] in sharing)
+        costed.append((float(cost), option))
+    return sorted(costed, key=lambda pair: pair[0])
+
+
+def _number(value) -> float:
+    """A winners map's cost: null where not measured (an upgraded v1 map)."""
+    return math.nan if value is None else float(value)
