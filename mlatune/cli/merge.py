@@ -194,7 +194,7 @@ class _MergeInput:
     lies beside it, the share of the spec it ran."""
 
     def __init__(self, path: Path):
-        from mlatune.table.frame import ENVIRONMENT_FIELDS
+        from mlatune.table.checks import ENVIRONMENT_FIELDS
         from mlatune.table.schema import DEVICE_COLUMNS
 
         with one_line_errors(str(path)):
