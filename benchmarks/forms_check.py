@@ -251,7 +251,7 @@ def main() -> None:
     saved = args.out / "checks.json"
     checks: dict[str, dict] = json.loads(saved.read_text()) if saved.exists() else {}
     old = load_old(args.old)
-    budget = Budget(warmup=2, min_reps=20, max_reps=60, max_seconds=1.0, race_ratio=0.0)
+    budget = Budget(warmup=2, min_reps=20, max_reps=40, max_seconds=0.5, race_ratio=0.0)
     command = " ".join([Path(sys.executable).name, *sys.argv])
     header = (f"{command}\n{device.name}, torch {torch.__version__}, "
               f"{datetime.date.today().isoformat()}, commit {commit()} (+ working tree), "
