@@ -232,8 +232,7 @@ SOURCES: dict[str, Source] = {
                                   "the q.k dot is split in two power-of-two parts >= 16 "
                                   "(192 = 128 + 64); d_v is one power of two >= 16"),
     # --- wgmma/gluon, seesaw/gluon, transposed/gluon: mlatune's Hopper Gluon decodes ----
-    "wgmma.arch": Source(WGMMA_GLUON + " (checked on the H200 2026-11-30: "
-                         "benchmarks/gluon_check.py)",
+    "wgmma.arch": Source(WGMMA_GLUON + " (its GPU tests: tests/test_gluon_gpu.py)",
                          "warpgroup MMAs (wgmma), TMA copies and mbarriers: sm_90 (Hopper) only"),
     "wgmma.shape": Source(WGMMA_GLUON, "decode (the absorbed form): q rows of 512 latent + 64 "
                                        "rope dims, V the 512 latent dims; one 64-key KV tile is "

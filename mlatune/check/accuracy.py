@@ -53,10 +53,10 @@ _TOLERANCES = {
 QUANTIZED_Q = Tolerance(rel_l2=8e-2, lse_abs=0.6)
 
 # P rounded to e4m3 for P.V while q keeps about 16-bit precision (transposed/gluon's fp8-MMA
-# sets: q as two e4m3 terms). Measured on the H200 (2026-12-01, session 11): rel_l2
-# 0.004-0.025 over 1,200 sweep runs (median 0.012), 0.009-0.018 in the GPU tests and
-# gluon_check; LSE within 0.05 on the GPU tests' cases (the sweep records no LSE error). Half
-# QUANTIZED_Q's output bound: one term (a quantized q) measured 0.028-0.082, mostly above.
+# sets: q as two e4m3 terms). Measured on the H200 (2026-12-01): rel_l2 0.004-0.025 over
+# 1,200 sweep runs (median 0.012), 0.009-0.018 in the GPU tests; LSE within 0.05 on the GPU
+# tests' cases (the sweep records no LSE error). Half QUANTIZED_Q's output bound: one term
+# (a quantized q) measured 0.028-0.082, mostly above.
 P_ROUNDED = Tolerance(rel_l2=4e-2, lse_abs=1e-1)
 
 

@@ -25,11 +25,8 @@ def point_distance(d_batch: float, d_kv_len: float) -> float:
 
     Total KV tokens (batch x kv_len) set the memory traffic, batch how many programs
     there are to fill the device; a point of the same size at the next batch comes
-    before one of the same batch at the next KV length. Chosen by leave-one-out on
-    the H200 table (python benchmarks/nearest_loo.py, 2026-11-30): geomean regret with
-    the dispatcher's parameters 3.9% for plain (log2 batch, log2 kv_len) distance,
-    2.9% with batch weighted 1, 2.3% with 0.5 (the same answers from 0.1 to 0.5); on
-    the held-out problems 2.5%, 1.0%, 1.0%.
+    before one of the same batch at the next KV length (the weight was chosen by
+    leave-one-out on the H200 table: benchmarks/RESULTS.md).
     """
     return (d_batch + d_kv_len) ** 2 + BATCH_WEIGHT * d_batch ** 2
 

@@ -1,10 +1,8 @@
 """An fp8 prefill for Hopper in Gluon: both products fp8 wgmmas, warp-specialized.
 
-Why: ``prefill.PersistentPrefill`` (the Triton kernel behind ``fp8-ps/triton``) reached 465
-TFLOP/s at 128 heads x 4096 causal tokens on the H200, 0.88x cuDNN's bf16 SDPA (session 8,
-``benchmarks/results/README.md``): Triton waits for each dot before the softmax, so the
-tensor cores idle while it runs. This kernel's pingpong form took 851 us there, 808 TFLOP/s,
-1.42x SDPA in the same run (H200, 2026-12-01, session 13). As in FlashAttention-3:
+Why: the Triton kernel behind ``fp8-ps/triton`` (``prefill.PersistentPrefill``) waits for
+each dot before the softmax, so the tensor cores idle while it runs; here they do not
+(docs/kernels/gluon_prefill_fp8.md has the figures). As in FlashAttention-3:
 - a loader partition (TMA): each 128-row query block's q (double-buffered, so the next
   block's lands during this one's keys), then 128-key tiles of k (its 128 + 64 dims as two
   boxes) and of v transposed (keys contiguous: Hopper's fp8 wgmma takes B only K-major) into

@@ -543,8 +543,8 @@ class PersistentPrefill:
         if config.qk_ahead and not config.v_transposed:
             raise ValueError("qk_ahead needs v_transposed")
         if config.qk_ahead and q.is_cuda:
-            # Right under the interpreter, wrong on the H200 (rel_l2 0.20-0.26, 2026-12-01,
-            # benchmarks/results/README.md session 8 call 6): not launched on a GPU.
+            # Right under the interpreter, wrong on the H200 (docs/kernels/prefill.md): not
+            # launched on a GPU.
             raise ValueError("qk_ahead gives wrong results on the GPU (not yet found why)")
         v_align = V_ALIGN if config.v_transposed else 1
         self.plan: WorkPlan = plan_work(seq_lens_q, seq_lens_k, heads, num_programs,

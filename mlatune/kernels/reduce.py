@@ -137,11 +137,9 @@ def reduce_launcher(part_out: torch.Tensor, part_lse: torch.Tensor,
     d_v = out.shape[-1]
     rows = groups * tokens_per_group * q_heads
     # Few rows (one request's heads, many slots): small blocks, many programs; from 256 rows
-    # a program a row, all its value dims (16-byte loads, every slot's in flight at once):
-    # 0.56-0.80x the time of the earlier (2, 64) / (8, 256) rule at 256-4,096 rows, while at
-    # 16-128 rows it took 1.13-1.36x (2, 64)'s (benchmarks/reduce_blocks.py, H200,
-    # 2026-12-01, results README session 14 call 9). The CPU interpreter runs programs one
-    # by one: there, the fewest.
+    # a program a row, all its value dims (16-byte loads, every slot's in flight at once;
+    # docs/kernels/reduce_merge.md has the comparison). The CPU interpreter runs programs
+    # one by one: there, the fewest.
     if blocks is not None:
         block_r, block_d = blocks
     elif not out.is_cuda:

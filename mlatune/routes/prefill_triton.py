@@ -47,21 +47,17 @@ _DEFAULT_SHARED_MEMORY = 99 << 10
 _GPU_CONFIGS_16BIT = ((128, 64, 8, 2), (128, 32, 8, 3), (128, 32, 8, 2))
 # fp8: v transposed over 128-key blocks, P.V in flight into the next block (Triton 3.6
 # SASS, tests/prefill_aot.py, ~550 instructions a warp per block off the diagonal). On
-# the H200 (call 6, 2026-12-01, 128 heads x 4096) deeper pipelines paid: 1,836 us at 2
-# stages, 1,477 at 3; 4 and 5 stages fit in shared memory (184 and 224 KB) and spill
-# only outside the key loop.
+# the H200 deeper pipelines paid (docs/kernels/prefill.md); 4 and 5 stages fit in shared
+# memory (184 and 224 KB) and spill only outside the key loop.
 # The last flag plans head-grouped (prefill_plan._grouped_plan): at 128 heads x 4096
 # the contiguous plan streams ~132 heads' keys at once (~170 MB, past the 50 MB L2),
 # about 2.7 GB from HBM in all; grouped, a few heads at a time share them in L2.
 _GPU_CONFIGS_FP8 = ((128, 128, 8, 3, True, False, True), (128, 128, 8, 4, True, False, True),
                     (128, 128, 8, 5, True, False, True))
-# Timed beside the space by benchmarks/prefill.py, not swept: the kernel as it was
-# (v as given: 2,843 us in call 6) and the call-6 winner (3 stages, 1,477 us) with
-# the contiguous plan.
+# Configs outside the space that the tests still cover: v as given, and the contiguous plan.
 FP8_COMPARISON_CONFIGS = ((128, 128, 8, 2, False, False), (128, 128, 8, 3, True, False))
 # q.k one block ahead (kept in flight through the softmax): right under the
-# interpreter, wrong on the H200 (call 6: rel_l2 0.20-0.26), so never run on a GPU;
-# tests/prefill_aot.py still compiles it for sm_90.
+# interpreter, wrong on the H200, so never run on a GPU; tests/prefill_aot.py compiles it.
 FP8_QK_AHEAD_CONFIG = (128, 64, 8, 2, True, True)
 _SMALLEST_CONFIG = (64, 32, 4, 1)  # fits every device's shared memory
 # The interpreter runs block ops in numpy: fewer, larger blocks run faster. fp8 reads
@@ -76,16 +72,11 @@ _CPU_CONFIG_FP8 = (32, 32, 4, 1, True, False, True)
 # ``permuted_v``: v's keys stored in the order the accumulator holds P's, so P becomes the A
 # operand without shuffles; ``paired``: two key tiles a loop step (the S registers swap
 # instead of being copied); ring depth 3 (168 KB of shared memory with the two query blocks)
-# or 4 (209 KB). H200, 2026-12-01 (benchmarks/results/README.md, session 13), us at 1 x 4096
-# causal tokens, 128 / 16 heads: pingpong + permuted_v 851 / 151.5 (cuDNN's bf16 SDPA 1,207
-# / 196), the same with 4 stages 866 / 151.6, paired + permuted_v 932 / 166.8, the plain
-# form 980 / 167.4, pingpong alone 893 / 156.5, 2 stages 1,349 (earlier run); the Triton
-# kernel 1,395 / 243.
+# or 4 (209 KB); docs/kernels/gluon_prefill_fp8.md compares the forms.
 GLUON_PARAMS: Params = {"kernel": "gluon", "num_stages": 3, "grouped": True, "pingpong": True,
                         "permuted_v": True}
-# The Gluon sets ahead of the Triton ones (a sweep keeping 3 sets a route runs both ring
-# depths of the pingpong form: the 4-stage one was faster at 8 x 2048 and 32 x 512 tokens,
-# 1,978 against 2,017 us and 1,013 against 1,051 at 128 heads, same run) and one Triton set.
+# The Gluon sets ahead of the Triton ones: a sweep keeping 3 sets a route runs both ring
+# depths of the pingpong form and one Triton set.
 GLUON_LEADING = 2
 # What a stored Gluon set leaves out: the kernel's first form (a set runs what it ran).
 GLUON_FORM_DEFAULTS: Params = {"num_stages": 3, "grouped": False, "pingpong": False,

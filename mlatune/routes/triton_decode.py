@@ -22,10 +22,8 @@ own (``mlatune.kernels``) that run wherever Triton does:
   own window), as the other families always do.
 
 Over an fp8 cache the kernels upcast each tile to q's 16-bit type (fp16 for an
-fp8 q, exactly) and quantize nothing, so no set declares ``quantizes_q``. An
-fp8-MMA variant (``fp8_dot``: the tile fed to fp8 wgmma as stored, q quantized
-per row) was built and measured 4.5-4.9x slower than this path on the H200
-(2026-12-01, benchmarks/results/h200-call5-20261201/), and removed.
+fp8 q, exactly) and quantize nothing, so no set declares ``quantizes_q``
+(docs/kernels/triton_decode.md has the fp8-MMA form that lost to this path).
 
 The padding is applied as an index map when q rows are loaded and when results
 are stored (``kernels.attend``) instead of through copies: the kernels compute

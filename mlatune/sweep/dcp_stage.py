@@ -240,7 +240,7 @@ def _run_group(tasks: list[DcpTask], size: int, settings: Settings, *, gpu: bool
                             f"{time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
             group_log.flush()
             group = _Group(size, rank_command(tasks_path, results_path, gpu), group_log)
-            # Where and when each ran, as the one-GPU pass records (benchmarks/sweep_cost.py).
+            # Where and when each ran, as the one-GPU pass records (bench.py sweep-cost).
             where = ",".join(f"cuda:{rank}" for rank in range(size)) if gpu else "cpu"
             try:
                 return _follow(group, tasks, results_path, timeout_s,

@@ -279,7 +279,7 @@ class WorkerPool:
         for part, spent in zip(COST_PARTS, parts, strict=True):
             self.seconds[part] += spent
         self.seconds["other_s"] += max(0.0, elapsed - sum(parts))
-        # Where and when it ran: how busy each GPU was (benchmarks/sweep_cost.py).
+        # Where and when it ran: how busy each GPU was (bench.py --routine sweep-cost).
         self.on_result(slot.candidate.record(**result.fields(), elapsed_s=elapsed,
                                              device=slot.process.device,
                                              finished_at=round(time.time(), 3)))
