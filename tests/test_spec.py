@@ -74,3 +74,15 @@ def test_missing_file(tmp_path):
 def test_a_bad_max_params_table_is_refused(bad):
     with pytest.raises(spec.SpecError, match="max_params"):
         spec.parse({**bad, "grid": [{"batch": 1, "kv_len": 8}]}, "t.toml")
+
+
+def test_the_cpu_table_replaces_settings_only_without_a_gpu():
+    data = {"max_params_per_route": 4, "budget": {"min_reps": 10, "max_reps": 100},
+            "cpu": {"max_params_per_route": 1, "budget": {"min_reps": 2, "max_reps": 2}},
+            "grid": [{"num_heads": 16}]}
+    gpu, cpu = spec.parse(dict(data), "t.toml", gpu=True), spec.parse(dict(data), "t.toml",
+                                                                       gpu=False)
+    assert (gpu.max_params_per_route, gpu.budget.min_reps, gpu.budget.max_reps) == (4, 10, 100)
+    assert (cpu.max_params_per_route, cpu.budget.min_reps, cpu.budget.max_reps) == (1, 2, 2)
+    with pytest.raises(spec.SpecError, match=r"cpu\.grid"):
+        spec.parse({**data, "cpu": {"grid": []}}, "t.toml", gpu=False)

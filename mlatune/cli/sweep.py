@@ -10,6 +10,7 @@ null). With --refine and nothing to measure: ``spec``, ``table`` and ``refine`` 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -110,6 +111,10 @@ def sweep(spec_name: SpecArgument = None, arch: ArchOption = None, out: OutOptio
     _check_route_ids(only)
     path = spec_path(spec_name)
     device = _device(arch, gpus, dcp_graph)
+    if not device.is_gpu:
+        # The Triton routes run on the CPU in the interpreter, switched on before any
+        # kernel module is imported (sweep workers inherit it).
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     spec = load_spec(path, gpu=device.is_gpu)
     _check_route_ids((*spec.routes, *spec.max_params), named_in=path)
     table_path = (out or stages.default_table_path(spec, device, share)).with_suffix(".parquet")

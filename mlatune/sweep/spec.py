@@ -19,6 +19,11 @@
     race_reps = 5                  # a candidate this many times slower than the
     race_ratio = 1.25              # problem's best after race_reps stops (0: never)
 
+    [cpu]                          # optional: without a GPU, over the settings above
+    max_params_per_route = 1       # (the Triton kernels run in the interpreter there)
+    [cpu.budget]
+    min_reps = 2
+
     [tolerance]                    # optional: rel_l2 bounds replacing accuracy.py's
     bf16 = 1e-2                    # keys: fp16, bf16, fp8
 
@@ -28,7 +33,7 @@
     qlen = [1, 2]
     ...
     [grid.cpu]                     # axes that replace this grid's without a GPU
-    batch = [1, 2]                 # (only the eager reference runs there)
+    batch = [1, 2]                 # (tiny sizes: the interpreter is slow)
 
 Every axis of ``MLAProblem`` may appear in a grid (a scalar means one value);
 omitted axes take the problem's defaults. Combinations that are not valid
@@ -66,7 +71,8 @@ else:  # pragma: no cover
 
 DEFAULT_SPEC = "smoke.toml"
 _TOP_KEYS = {"name", "description", "seed", "routes", "max_params_per_route", "max_params",
-             "max_problems", "budget", "grid", "tolerance", "dcp_top_k"}
+             "max_problems", "budget", "grid", "tolerance", "dcp_top_k", "cpu"}
+_CPU_KEYS = {"max_params_per_route", "budget"}
 _AXES = set(problem_field_names())
 DEFAULT_DCP_TOP_K = 3  # routes per DCP problem measured across GPUs: the one-GPU pass's fastest
 MAX_PROBLEMS = 200_000  # combinations a spec may have unless it or the environment says more
@@ -125,6 +131,7 @@ def parse(data: dict, where: str, sha256: str = "", gpu: bool = True) -> SweepSp
     unknown = set(data) - _TOP_KEYS
     if unknown:
         raise fail(sorted(unknown)[0], f"unknown key (allowed: {', '.join(sorted(_TOP_KEYS))})")
+    data = _without_gpu(data, fail) if not gpu else data
     name = data.get("name", Path(where).stem)
     seed = data.get("seed", 0)
     if not isinstance(seed, int) or isinstance(seed, bool):
@@ -175,6 +182,24 @@ def parse(data: dict, where: str, sha256: str = "", gpu: bool = True) -> SweepSp
     return SweepSpec(str(name), where, sha256, seed, tuple(routes), max_params, budget,
                      dict(tolerances), tuple(problems.values()), tuple(skipped),
                      dict(per_route), dcp_top_k)
+
+
+def _without_gpu(data: dict, fail) -> dict:
+    """The spec's settings with its ``[cpu]`` table over them (the budget key by key)."""
+    cpu = data.get("cpu", {})
+    if not isinstance(cpu, dict):
+        raise fail("cpu", "must be a table")
+    unknown = set(cpu) - _CPU_KEYS
+    if unknown:
+        raise fail(f"cpu.{sorted(unknown)[0]}",
+                   f"unknown key (allowed: {', '.join(sorted(_CPU_KEYS))})")
+    budget = cpu.get("budget", {})
+    if not isinstance(budget, dict):
+        raise fail("cpu.budget", "must be a table")
+    merged = {**data, **{k: v for k, v in cpu.items() if k != "budget"}}
+    if budget:
+        merged["budget"] = {**data.get("budget", {}), **budget}
+    return merged
 
 
 def _grid_axes(grid, i: int, gpu: bool, fail) -> dict:
