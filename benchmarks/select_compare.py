@@ -6,10 +6,13 @@
 ``record`` draws ``--count`` problems (a third on the table's measured keys, a third in its
 measured buckets at batches and KV lengths it never measured, a third off its grid: heads,
 query lengths, pages and DCP sizes it never combined), asks
-four dispatchers over the bundled H200 table (eager, CUDA-graph capturable, one plan a
-call, nearest point for unmeasured shapes) for each, and writes one JSON line per answer.
+five dispatchers over the bundled H200 table (eager, CUDA-graph capturable, one plan a
+call, nearest point for unmeasured shapes, planning for the H200 from this machine) for
+each, and writes one JSON line per answer.
 ``compare`` prints how many answers differ and the first ten, and exits 1 when any does: a
 restructure that claims to keep behaviour runs ``record`` before and after, then ``compare``.
+Parameters are compared in the routes' current spelling (``Route.upgrade_params``), so a
+kernel form renamed without a change of kernel compares equal.
 """
 
 from __future__ import annotations
@@ -23,7 +26,10 @@ import sys
 from pathlib import Path
 
 PROFILES = {"eager": {}, "capturable": {"capturable": True}, "per-call": {"plan_calls": 1},
-            "nearest": {"unmeasured": "nearest"}}
+            "nearest": {"unmeasured": "nearest"},
+            # Support as the capability rules say it, whatever this machine's libraries: the
+            # Gluon and vendor routes answer too.
+            "planning": {"allow_arch": "sm_90"}}
 HEADS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 PAGES = (1, 16, 32, 64, 128)
 KV_DTYPES = ("bf16", "fp8_e4m3fn")
@@ -96,10 +102,20 @@ def record(out: Path, count: int, seed: int) -> None:
           f"sha256 {digest.hexdigest()}")
 
 
+def _current(line: str) -> list:
+    """An answer with its parameters in the route's current spelling."""
+    from mlatune.routes import FACTS
+
+    answer = json.loads(line)
+    params = FACTS.upgrade_params(answer[2], answer[3])
+    answer[3] = answer[3] if params is None else dict(sorted(params.items()))
+    return answer
+
+
 def compare(before: Path, after: Path) -> int:
     with gzip.open(before, "rt") as a, gzip.open(after, "rt") as b:
         pairs = list(zip(a, b, strict=True))
-    differ = [(x, y) for x, y in pairs if x != y]
+    differ = [(x, y) for x, y in pairs if x != y and _current(x) != _current(y)]
     print(f"{len(pairs)} answers, {len(differ)} differ")
     for x, y in differ[:10]:
         print(f"- {x.strip()}\n+ {y.strip()}")

@@ -4,9 +4,9 @@ launch replay from one CUDA graph. Routes declare it; tables store it; the cost 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 PlanOn = Literal["none", "device", "host"]
 PLAN_PLACES: tuple[PlanOn, ...] = ("none", "device", "host")
@@ -34,7 +34,20 @@ LAUNCH_ONLY = StepKind("none", True)  # a capturable launch that reads the lengt
 HOST_PLANNED = StepKind("host", False)  # prepared again from the lengths every step
 DEVICE_PLANNED = StepKind("device", True)  # a device plan, captured with the launch
 
-# (route id, params) -> (plan_on, capturable) as the route declares it: handed to the table
-# where it fills rows stored without a step kind (``mlatune.routes.declared_step_kind``).
-StepKinds = Callable[[str, Mapping[str, Any] | str], tuple[str, bool]]
 UNKNOWN_STEP_KIND = ("host", False)  # a step kind nobody declared: never captured
+
+
+class RouteFacts(Protocol):
+    """What a table is told of the routes, which it does not import (``mlatune.routes.FACTS``
+    answers for the registered ones)."""
+
+    def step_kind(self, route_id: str, params: Mapping[str, Any] | str) -> tuple[str, bool]:
+        """(plan_on, capturable) the route declares for ``params`` (a dict or its JSON);
+        UNKNOWN_STEP_KIND for a route not known."""
+        ...
+
+    def upgrade_params(self, route_id: str, params: Mapping[str, Any]
+                       ) -> Mapping[str, Any] | None:
+        """A stored parameter set in the route's current spelling; None where it names a
+        deleted kernel form (the row is stale); as stored for a route not known."""
+        ...

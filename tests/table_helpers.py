@@ -53,7 +53,7 @@ def grid_rows(buckets: Iterable[MLAProblem], batches: Iterable[int], kv_lens: It
 
 
 def make_table(rows: list[dict], provenance: Provenance = PROVENANCE) -> pd.DataFrame:
-    return table.build(rows, provenance, step_kinds=routes.declared_step_kind)
+    return table.build(rows, provenance, facts=routes.FACTS)
 
 
 # Timings whose winner changes with the shape, so lookups can be told apart.

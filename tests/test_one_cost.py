@@ -16,7 +16,7 @@ CALLERS = [DEFAULT_CALLER, Caller(capturable=True), Caller(plan_calls=1)]
 @pytest.fixture(scope="module")
 def shipped():
     path = bundled_tables_dir() / "sm_90-h200.parquet"
-    return path, table.read(path, step_kinds=routes.declared_step_kind)
+    return path, table.read(path, facts=routes.FACTS)
 
 
 @pytest.mark.parametrize("caller", CALLERS, ids=["eager", "capturable", "per-call"])

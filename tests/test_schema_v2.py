@@ -14,7 +14,7 @@ from mlatune import table
 from mlatune.cli import app
 from mlatune.dispatch import Dispatcher, dispatcher
 from mlatune.problem import MLAProblem
-from mlatune.routes import declared_step_kind as KINDS
+from mlatune.routes import FACTS as KINDS
 from mlatune.table import winners_map
 from mlatune.table.schema import (
     COLUMNS,
@@ -76,7 +76,7 @@ EXPECTED = {(route, params): kind for (_, route, params, _), kind in DECLARED.it
 def test_a_v1_table_reads_as_v2_with_the_declared_step_kinds(tmp_path, suffix):
     native = v2_table()
     frame, stored = table.read_versioned(write_v1(native, tmp_path / f"t.{suffix}"),
-                                         step_kinds=KINDS)
+                                         facts=KINDS)
     assert stored == 1 and list(frame.columns) == list(COLUMNS)
     assert table.validate(frame) == []
     assert declared(frame) == EXPECTED
@@ -91,7 +91,7 @@ def test_a_v1_table_reads_as_v2_with_the_declared_step_kinds(tmp_path, suffix):
 
 def test_a_native_v2_table_says_so(tmp_path):
     frame, stored = table.read_versioned(table.write(v2_table(), tmp_path / "t.parquet"),
-                                         step_kinds=KINDS)
+                                         facts=KINDS)
     assert stored == SCHEMA_VERSION and (frame["converted_from"] == "").all()
 
 
@@ -124,7 +124,7 @@ def test_the_table_shipped_before_v2_loads_as_before():
     # The v1 table shipped before 2026-11-30 (the rows of every 40th problem, and of every
     # 40th with a persistent padded/triton row).
     old = REPO / "tests" / "data" / "sm_90-h200-v1.parquet"
-    frame, stored = table.read_versioned(old, step_kinds=KINDS)
+    frame, stored = table.read_versioned(old, facts=KINDS)
     assert stored == 1 and (frame["converted_from"] == "v1").all()
     persistent = frame["route_params"].str.contains('"persistent": true')
     padded = frame["route"] == "padded/triton"
@@ -139,12 +139,12 @@ def test_the_shipped_table_has_measured_plan_costs_and_simulated_dcp_rows(monkey
     # Measured as v2, joined by `mlatune merge` with a re-time of FlashMLA measured as v3,
     # then ranked by step cost as v4: each row's provenance says what it was measured as.
     frame, stored = table.read_versioned(REPO / "tables" / "sm_90-h200.parquet",
-                                         step_kinds=KINDS)
+                                         facts=KINDS)
     assert stored == SCHEMA_VERSION and set(frame["converted_from"]) == {"v2", "v3"}
     dcp = frame["dcp_size"] > 1
     assert dcp.any() and (frame.loc[dcp, "dcp_timing"] == "simulated").all()
     assert (frame.loc[~dcp, "dcp_timing"] == "").all() and frame["simulated_us"].isna().all()
-    from_csv = table.read(table.write(frame, tmp_path / "t.csv.gz"), step_kinds=KINDS)
+    from_csv = table.read(table.write(frame, tmp_path / "t.csv.gz"), facts=KINDS)
     pd.testing.assert_frame_equal(from_csv, frame, check_exact=True)
     ok = frame["status"] == "ok"
     persistent = frame["route_params"].str.contains('"persistent": true')
@@ -196,7 +196,7 @@ def test_step_columns_round_trip(tmp_path, suffix):
     frame = v2_table(plan_us=0.0, plan_host_us=3.25, launch_host_us=0.1 + 0.2)
     frame.loc[frame["plan_on"] == "device", "plan_us"] = 2.5
     frame.loc[frame["status"] != "ok", list(STEP_COST_COLUMNS)] = np.nan
-    back = table.read(table.write(frame, tmp_path / f"t.{suffix}"), step_kinds=KINDS)
+    back = table.read(table.write(frame, tmp_path / f"t.{suffix}"), facts=KINDS)
     pd.testing.assert_frame_equal(back, frame, check_exact=True)
 
 
@@ -236,13 +236,13 @@ runner = CliRunner()
 
 def test_upgrade_writes_current_parquet_and_csv_that_read_as_the_converter_reads(tmp_path):
     source = write_v1(v2_table(), tmp_path / "old.parquet")
-    expected = table.read(source, step_kinds=KINDS)
+    expected = table.read(source, facts=KINDS)
     result = runner.invoke(app, ["upgrade", str(source), "--out", str(tmp_path / "new.csv")])
     assert result.exit_code == 0, result.output
     assert f"from schema v1 to v{SCHEMA_VERSION}" in result.output
     assert "new.parquet" in result.output
     for suffix in ("parquet", "csv"):
-        back, stored = table.read_versioned(tmp_path / f"new.{suffix}", step_kinds=KINDS)
+        back, stored = table.read_versioned(tmp_path / f"new.{suffix}", facts=KINDS)
         assert stored == SCHEMA_VERSION
         pd.testing.assert_frame_equal(back, expected, check_exact=True)
     before = (tmp_path / "new.parquet").read_bytes()
@@ -255,8 +255,8 @@ def test_upgrade_in_place_and_refusals(tmp_path):
     source = write_v1(v2_table(), tmp_path / "t.csv")
     result = runner.invoke(app, ["upgrade", str(source)])
     assert result.exit_code == 0, result.output
-    assert table.read_versioned(source, step_kinds=KINDS)[1] == SCHEMA_VERSION
-    assert table.read_versioned(tmp_path / "t.parquet", step_kinds=KINDS)[1] == SCHEMA_VERSION
+    assert table.read_versioned(source, facts=KINDS)[1] == SCHEMA_VERSION
+    assert table.read_versioned(tmp_path / "t.parquet", facts=KINDS)[1] == SCHEMA_VERSION
     bad = runner.invoke(app, ["upgrade", str(source), "--out", str(tmp_path / "t.json")])
     assert bad.exit_code != 0 and "name the table .parquet or .csv" in bad.output
     newer = tmp_path / "newer.parquet"
@@ -278,7 +278,7 @@ def test_the_json_map_carries_the_step_fields_per_option(tmp_path):
         ("padded/triton", "device", True), ("sdpa/torch", "host", False)}
     unmeasured = table.winners_json(v2_table())  # NaN costs are null, never NaN
     path = table.write_json(unmeasured, tmp_path / "sm_90.json")
-    winners = winners_map.read(path, step_kinds=KINDS).document["devices"][0]["winners"]
+    winners = winners_map.read(path, facts=KINDS).document["devices"][0]["winners"]
     first = next(iter(winners.values()))
     assert all(first[c] is None for c in STEP_COST_COLUMNS)
 
@@ -293,7 +293,7 @@ def test_a_v1_json_map_is_upgraded_as_it_is_read(tmp_path):
                 for name in STEP_COLUMNS:
                     del option[name]
     path = table.write_json(document, tmp_path / "sm_90.json")
-    read = winners_map.read(path, step_kinds=KINDS).document
+    read = winners_map.read(path, facts=KINDS).document
     assert read["schema_version"] == SCHEMA_VERSION
     assert read["devices"][0]["provenance"][0]["converted_from"] == "v1"
     options = {(o["route"], json.dumps(o["params"], sort_keys=True)): o
@@ -319,7 +319,7 @@ def test_a_v2_json_map_with_a_bad_step_is_refused(tmp_path):
 
 
 def test_a_converted_table_merges_with_a_measured_one_of_the_same_environment(tmp_path):
-    converted = table.read(write_v1(v2_table(), tmp_path / "old.parquet"), step_kinds=KINDS)
+    converted = table.read(write_v1(v2_table(), tmp_path / "old.parquet"), facts=KINDS)
     measured = make_table([result_row(DECODE.with_(batch=64), "padded/triton", 30.0,
                                       params=PERSISTENT) | {"plan_us": 2.0}])
     merged = table.merge([converted, measured])
@@ -359,7 +359,7 @@ def test_the_json_map_keeps_every_failure(tmp_path, winners_only):
     assert h200["all_failed"] == {DECODE.with_(batch=8).key: {
         "rejected_accuracy": ["padded/triton"], "unsupported": ["reference/torch"]}}
     path = table.write_json(document, tmp_path / "sm_90.json")
-    assert winners_map.read(path, step_kinds=KINDS).document == document
+    assert winners_map.read(path, facts=KINDS).document == document
     loaded = Dispatcher.load(path, device=H200)
     assert loaded._failed[DECODE.key] == (("gluon/triton", "timeout"), ("sdpa/torch", "crashed"),
                                           ("segmented/triton", "timeout"))

@@ -82,7 +82,7 @@ def upgrade(
     as the routes declare them and per-step costs not measured (empty); DCP rows timed
     "simulated"; provenance converted_from "v1" or "v2"."""
     from mlatune import table
-    from mlatune.routes import declared_step_kind
+    from mlatune.routes import FACTS
     from mlatune.table.schema import SCHEMA_VERSION
 
     target = out or table_path
@@ -92,7 +92,7 @@ def upgrade(
     if out is not None:  # a named destination is checked before anything is read
         check_outputs(*targets)
     with one_line_errors(str(table_path)):
-        frame, stored = table.read_versioned(table_path, step_kinds=declared_step_kind)
+        frame, stored = table.read_versioned(table_path, facts=FACTS)
     written = []
     if stored != SCHEMA_VERSION:
         if out is None:  # over TABLE, a current table needs no writable folder

@@ -108,15 +108,15 @@ def _devices_in(chosen: Traversable) -> list[dict[str, Any]]:
     from importlib import resources
 
     from mlatune import table
-    from mlatune.routes import declared_step_kind
+    from mlatune.routes import FACTS
     from mlatune.table import winners_map
 
     with resources.as_file(chosen) as path:
         if path.suffix.lower() == ".json":
             return [device_json(d["arch"], d["device_name"], d["cu_count"])
-                    for d in winners_map.read(path, declared_step_kind).document["devices"]]
+                    for d in winners_map.read(path, FACTS).document["devices"]]
         return [device_json(*d) for d in table_devices(table.read(
-            path, step_kinds=declared_step_kind))]
+            path, facts=FACTS))]
 
 
 def _print_bundled(entries: list[dict[str, Any]]) -> None:

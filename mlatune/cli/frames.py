@@ -21,9 +21,9 @@ def read_table(path: Path) -> pd.DataFrame:
     """A table as the dispatcher reads it: checked, older schemas upgraded (rows stored
     without a step kind take the one their route declares here)."""
     from mlatune import table
-    from mlatune.routes import declared_step_kind
+    from mlatune.routes import FACTS
 
-    return table.read(path, step_kinds=declared_step_kind)
+    return table.read(path, facts=FACTS)
 
 
 def unregistered(frame: pd.DataFrame) -> list[str]:

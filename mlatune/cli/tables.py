@@ -208,10 +208,10 @@ def validate(
 def _validated(table_path: Path) -> dict[str, Any]:
     """What a valid table holds; an invalid one raises (TableError: every problem)."""
     if table_path.suffix.lower() == ".json":
-        from mlatune.routes import declared_step_kind
+        from mlatune.routes import FACTS
         from mlatune.table import winners_map
 
-        document = winners_map.read(table_path, declared_step_kind).document
+        document = winners_map.read(table_path, FACTS).document
         return {"format": "winners map", "schema_version": document.get("version"),
                 "converted_from": [], "rows": None,
                 "problems": sum(len(d["winners"]) for d in document["devices"]),

@@ -27,7 +27,7 @@ import torch
 from mlatune.check.accuracy import check
 from mlatune.measure import timers
 from mlatune.problem import MLAProblem
-from mlatune.routes import declared_step_kind, plan_sharing, rounding
+from mlatune.routes import FACTS, plan_sharing, rounding
 
 if TYPE_CHECKING:
     from mlatune.check.inputs import DecodeInputs
@@ -102,8 +102,8 @@ def _record(dispatcher: Dispatcher, problem: MLAProblem,
                                            sort_keys=True, default=str),
                 "status": "ok", "time_us": t} for t, c, p in timed]
     new = table.build(table_rows(records, dispatcher.device), Provenance.here(FIRST_SIGHT_SPEC),
-                      step_kinds=declared_step_kind, sharing=plan_sharing())
-    frame = overlaid(table, table.read(path, step_kinds=declared_step_kind), new) \
+                      facts=FACTS, sharing=plan_sharing())
+    frame = overlaid(table, table.read(path, facts=FACTS), new) \
         if path.exists() else new
     table.write(frame, path)
 

@@ -21,7 +21,7 @@ from typing import Any
 from mlatune.arch import DeviceInfo
 from mlatune.errors import TableError
 from mlatune.problem import BUCKET_FIELDS
-from mlatune.routes import declared_step_kind
+from mlatune.routes import FACTS
 from mlatune.table import winners_map
 from mlatune.table.cost import DEFAULT_PLAN_CALLS, step_cost
 from mlatune.table.schema import DCP_MEASURED, competing, is_measured
@@ -152,10 +152,10 @@ class FrameSource:
         from mlatune import table  # pandas only when a Parquet/CSV table is loaded
 
         self._table = table
-        self.frame = table.read(path, step_kinds=declared_step_kind)  # validates, or raises
+        self.frame = table.read(path, facts=FACTS)  # validates, or raises
         if overlay is not None:
             self.frame = overlaid(table, self.frame,
-                                   table.read(overlay, step_kinds=declared_step_kind))
+                                   table.read(overlay, facts=FACTS))
         distinct = self.frame[["arch", "device_name", "cu_count"]].drop_duplicates()
         self.devices: list[Device] = list(distinct.itertuples(index=False, name=None))
 
@@ -182,7 +182,9 @@ class FrameSource:
         known = rows["route"].isin(route_ids).to_numpy()
         skipped = {str(r): int(n) for r, n in
                    rows.loc[ok & ~known, "route"].value_counts().items()}
-        failed = self._failures(rows.loc[~ok & known, [*_PROBLEM_COLUMNS, "route", "status"]])
+        # A stale row (a deleted kernel form) neither answers nor failed.
+        failing = ~ok & known & (rows["status"] != "stale").to_numpy()
+        failed = self._failures(rows.loc[failing, [*_PROBLEM_COLUMNS, "route", "status"]])
         rows = rows.loc[self._usable(rows, route_ids, capturable),
                         [*_PROBLEM_COLUMNS, "route", "route_params", "time_us", "rank",
                          "plan_on", "plan_us", "plan_host_us", "dcp_timing"]]
@@ -266,7 +268,7 @@ class JsonSource:
     a map written before they were recorded has none."""
 
     def __init__(self, path: Path):
-        loaded = winners_map.read(path, declared_step_kind)  # validates; raises TableError
+        loaded = winners_map.read(path, FACTS)  # validates; raises TableError
         self._by_device = {(d["arch"], d["device_name"], d["cu_count"]): (d, problems)
                            for d, problems in zip(loaded.document["devices"], loaded.problems,
                                                   strict=True)}

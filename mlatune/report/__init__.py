@@ -105,8 +105,8 @@ def build_report(table_path: str | os.PathLike, out_dir: str | os.PathLike,
         raise ReportError("a held-out journal needs its held-out table (--heldout)")
     from mlatune.report import page, plots
 
-    frame = table.read(table_path, step_kinds=routes.declared_step_kind)
-    heldout = table.read(heldout_path, step_kinds=routes.declared_step_kind) \
+    frame = table.read(table_path, facts=routes.FACTS)
+    heldout = table.read(heldout_path, facts=routes.FACTS) \
         if heldout_path is not None else None
     timed = candidate_times(heldout_journal) if heldout_journal is not None else None
     summary, data = summarize(table_path, frame, heldout_path, heldout, timed)

@@ -27,6 +27,7 @@ from mlatune.routes.flashmla import FlashMLARoute
 from mlatune.routes.gluon_hopper import SeesawGluonRoute, TransposedGluonRoute, WgmmaGluonRoute
 from mlatune.routes.prefill_triton import BF16PersistentPrefillRoute, FP8PersistentPrefillRoute
 from mlatune.routes.registry import (
+    FACTS,
     all_routes,
     backend_status,
     declared_step_kind,
@@ -72,6 +73,7 @@ _load_plugins()
 
 __all__ = [
     "DEVICE_PLANNED",
+    "FACTS",
     "HOST_PLANNED",
     "LAUNCH_ONLY",
     "YES",

@@ -59,10 +59,25 @@ def plan_sharing() -> frozenset[str]:
     return frozenset(r.id for r in _ROUTES.values() if r.shares_plan)
 
 
+class RegistryFacts:
+    """The registered routes' facts a table needs (``steps.RouteFacts``)."""
+
+    def step_kind(self, route_id: str, params: Mapping[str, Any] | str) -> tuple[str, bool]:
+        return declared_step_kind(route_id, params)
+
+    def upgrade_params(self, route_id: str, params: Mapping[str, Any]
+                       ) -> Mapping[str, Any] | None:
+        route = _ROUTES.get(route_id)
+        return params if route is None else route.upgrade_params(dict(params))
+
+
+FACTS = RegistryFacts()
+
+
 def declared_step_kind(route_id: str, params: Mapping[str, Any] | str) -> tuple[str, bool]:
     """(plan_on, capturable) that ``route_id`` declares for ``params`` (a dict or its JSON);
     UNKNOWN_STEP_KIND for a route not registered here or params that are not an object.
-    A ``steps.StepKinds``: what the table is handed to fill rows stored without a kind."""
+    A ``steps.RouteFacts``: what the table is handed to fill rows stored without a kind."""
     try:
         route = get(route_id)
         params = json.loads(params) if isinstance(params, str) else params

@@ -211,7 +211,7 @@ def write_table(result: SweepResult, spec: SweepSpec, settings: SweepSettings) -
 
     try:
         frame = table.build(table_rows(result.records, settings.device),
-                            Provenance.here(spec.sha256), step_kinds=routes.declared_step_kind,
+                            Provenance.here(spec.sha256), facts=routes.FACTS,
                             sharing=routes.plan_sharing())
         table.write(frame, settings.table_path)
         table.write(frame, settings.csv_path)

@@ -157,7 +157,7 @@ def _device_winners(rows: pd.DataFrame, winners_only: bool
         else:
             entries[key]["alternatives"].append(option)
     failed: dict[str, list[tuple[str, str]]] = {}
-    bad = rows[~ok]
+    bad = rows[~ok & (rows["status"] != "stale")]  # a stale row neither answers nor failed
     for key, route, status in zip(key_strings(bad), bad["route"].tolist(),
                                   bad["status"].tolist(), strict=True):
         failed.setdefault(key, []).append((str(route), str(status)))

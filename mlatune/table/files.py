@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mlatune.errors import TableError
-from mlatune.steps import StepKinds
+from mlatune.steps import RouteFacts
 from mlatune.table.checks import _examples, _validate, validate
 from mlatune.table.frame import (
     _STEP_COLUMNS,
@@ -48,6 +48,7 @@ from mlatune.table.schema import (
     DCP_COLUMNS,
     SCHEMA_VERSION,
     STEP_COST_COLUMNS,
+    Status,
     default_dcp_timing,
     upgraded_provenance,
 )
@@ -220,24 +221,24 @@ def _unparsable(text: pd.Series, kind: str) -> pd.Series:
 
 
 
-def read(path: str | os.PathLike, check: bool = True, step_kinds: StepKinds | None = None
+def read(path: str | os.PathLike, check: bool = True, facts: RouteFacts | None = None
          ) -> pd.DataFrame:
     """Read a Parquet or CSV table, an older one upgraded to the current schema (a v1 one's
-    step kinds from ``step_kinds``, else unknown); with ``check``, refuse (TableError) any
+    step kinds from ``facts``, else unknown); with ``check``, refuse (TableError) any
     invalid one."""
-    return read_versioned(path, check, step_kinds)[0]
+    return read_versioned(path, check, facts)[0]
 
 
 
 def read_versioned(path: str | os.PathLike, check: bool = True,
-                   step_kinds: StepKinds | None = None) -> tuple[pd.DataFrame, int]:
+                   facts: RouteFacts | None = None) -> tuple[pd.DataFrame, int]:
     """``read``, and the schema version the file holds (1: upgraded as it was read;
     0 when the file does not say one version, which ``check`` refuses).
 
     Whatever a damaged file makes the readers or checks raise (Arrow errors,
     OverflowError, RecursionError, ...) is a TableError naming the file, one line."""
     try:
-        return _read_versioned(Path(path), check, step_kinds)
+        return _read_versioned(Path(path), check, facts)
     except TableError as exc:
         if "\n" in str(exc):  # a value quoted from the file: the message stays one line
             raise TableError(str(exc).replace("\n", " ")) from None
@@ -247,7 +248,7 @@ def read_versioned(path: str | os.PathLike, check: bool = True,
 
 
 
-def _read_versioned(path: Path, check: bool, step_kinds: StepKinds | None
+def _read_versioned(path: Path, check: bool, facts: RouteFacts | None
                     ) -> tuple[pd.DataFrame, int]:
     fmt = format_of(path)
     if not path.is_file():
@@ -260,10 +261,12 @@ def _read_versioned(path: Path, check: bool, step_kinds: StepKinds | None
         frame, problems, unparsed = _read_csv(path)
     stored = _stored_version(frame, unparsed)
     if 1 <= stored < SCHEMA_VERSION:
-        frame = upgrade(frame, stored, step_kinds)
+        frame = upgrade(frame, stored, facts)
         if isinstance(recorded, list):
             recorded = [upgraded_provenance(p, stored) if isinstance(p, dict) else p
                         for p in recorded]
+    if facts is not None:
+        frame = current_params(frame, facts)
     if recorded is not None:
         problems += _metadata_problems(recorded, frame)
     if check:
@@ -273,6 +276,48 @@ def _read_versioned(path: Path, check: bool, step_kinds: StepKinds | None
                              f"{'s' if len(problems) > 1 else ''}): " + "; ".join(problems))
     return frame, stored
 
+
+
+def current_params(frame: pd.DataFrame, facts: RouteFacts) -> pd.DataFrame:
+    """Each row's parameters in its route's current spelling (``RouteFacts.upgrade_params``,
+    asked once per distinct pair); a row whose set names a deleted kernel form is stale
+    (rank 0, the rest ranked again); a damaged table as found, for validate."""
+    if frame.empty or not {"route", "route_params", "status", "rank"} <= set(frame.columns):
+        return frame
+    pair_id = frame.groupby(["route", "route_params"], sort=False).ngroup().to_numpy()
+    firsts = np.unique(pair_id, return_index=True)[1]
+    texts, stale = [], []
+    for route, text in zip(frame["route"].iloc[firsts], frame["route_params"].iloc[firsts],
+                           strict=True):
+        current = _current(facts, str(route), text)
+        texts.append(text if current is None or current == text else current)
+        stale.append(current is None)
+    if not any(stale) and all(t == o for t, o in zip(texts, frame["route_params"].iloc[firsts],
+                                                     strict=True)):
+        return frame
+    out = frame.copy()
+    out["route_params"] = pd.Series(np.array(texts, dtype=object)[pair_id], index=out.index,
+                                    dtype=frame["route_params"].dtype)
+    gone = np.array(stale)[pair_id]
+    if gone.any():
+        out.loc[gone, "status"] = Status.STALE.value
+        out.loc[gone, "rank"] = 0
+        out = assign_ranks(out)
+    return out
+
+
+def _current(facts: RouteFacts, route: str, text: str) -> str | None:
+    """A stored params text in the route's current spelling; None: a deleted form."""
+    try:
+        params = json.loads(text)
+    except (TypeError, ValueError):  # not JSON: validate names it
+        return text
+    if not isinstance(params, dict):
+        return text
+    current = facts.upgrade_params(route, params)
+    if current is None:
+        return None
+    return text if dict(current) == params else json.dumps(dict(current), sort_keys=True)
 
 
 def _stored_version(frame: pd.DataFrame, unparsed: set[str]) -> int:
@@ -287,10 +332,10 @@ def _stored_version(frame: pd.DataFrame, unparsed: set[str]) -> int:
 
 
 
-def upgrade(frame: pd.DataFrame, version: int = 1, step_kinds: StepKinds | None = None
+def upgrade(frame: pd.DataFrame, version: int = 1, facts: RouteFacts | None = None
             ) -> pd.DataFrame:
     """An older table as the current schema (see mlatune.table.schema): v1's step kinds from
-    ``step_kinds`` and costs NaN; v1 and v2's DCP rows simulated; every one ranked again by
+    ``facts`` and costs NaN; v1 and v2's DCP rows simulated; every one ranked again by
     step cost; provenance ``schema_version`` current and ``converted_from`` the version a
     row was measured as."""
     out = frame.copy() if version < 3 else _ranked_again(frame)
@@ -298,7 +343,7 @@ def upgrade(frame: pd.DataFrame, version: int = 1, step_kinds: StepKinds | None 
         return out
     changed = list(DCP_COLUMNS)
     if version == 1:
-        out["plan_on"], out["capturable"] = _declared_step_kinds(out, step_kinds)
+        out["plan_on"], out["capturable"] = _declared_step_kinds(out, facts)
         for name in STEP_COST_COLUMNS:
             out[name] = np.nan
         changed += _STEP_COLUMNS

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from mlatune.problem import KEY_FIELDS
-from mlatune.steps import StepKinds
+from mlatune.steps import RouteFacts
 from mlatune.table.cost import DEFAULT_CALLER, Caller, caller_cost
 from mlatune.table.schema import (
     COLUMN_TYPES,
@@ -50,7 +50,7 @@ _STEP_COLUMNS = (*STEP_KIND_COLUMNS, *STEP_COST_COLUMNS)
 
 
 def build(rows: Iterable[Mapping[str, Any]], provenance: Provenance,
-          step_kinds: StepKinds | None = None, sharing: Collection[str] = ()) -> pd.DataFrame:
+          facts: RouteFacts | None = None, sharing: Collection[str] = ()) -> pd.DataFrame:
     """A table from result rows (KEY_COLUMNS + RESULT_COLUMNS but ``rank``), ranked for the
     default caller (``sharing``: the routes whose host plan one step's calls share).
 
@@ -68,7 +68,7 @@ def build(rows: Iterable[Mapping[str, Any]], provenance: Provenance,
             raise ValueError(f"result row {i} lacks {', '.join(missing)}")
         records.append({c: row[c] for c in (*required, *optional) if c in row})
     frame = pd.DataFrame.from_records(records, columns=[*required, *optional])
-    frame = _fill_dcp_columns(_fill_step_kinds(frame, step_kinds))
+    frame = _fill_dcp_columns(_fill_step_kinds(frame, facts))
     for name, value in provenance.as_dict().items():
         frame[name] = value
     frame["rank"] = 0
@@ -76,7 +76,7 @@ def build(rows: Iterable[Mapping[str, Any]], provenance: Provenance,
     return assign_ranks(frame, DEFAULT_CALLER, sharing)
 
 
-def _declared_step_kinds(frame: pd.DataFrame, step_kinds: StepKinds | None
+def _declared_step_kinds(frame: pd.DataFrame, facts: RouteFacts | None
                          ) -> tuple[pd.Series, pd.Series]:
     """(plan_on, capturable) the routes declare for each row's params, asked once per
     distinct (route, params); UNKNOWN_STEP_KIND where either column is missing."""
@@ -86,7 +86,7 @@ def _declared_step_kinds(frame: pd.DataFrame, step_kinds: StepKinds | None
     pair_id = frame.groupby(["route", "route_params"], sort=False,
                             dropna=False).ngroup().to_numpy()
     firsts = np.unique(pair_id, return_index=True)[1]
-    declared = step_kinds or (lambda route, params: UNKNOWN_STEP_KIND)
+    declared = facts.step_kind if facts else (lambda route, params: UNKNOWN_STEP_KIND)
     kinds = [declared(str(route), str(params)) for route, params in
              zip(frame["route"].iloc[firsts], frame["route_params"].iloc[firsts], strict=True)]
     plan_on = np.array([k[0] for k in kinds], dtype=object)
@@ -95,12 +95,12 @@ def _declared_step_kinds(frame: pd.DataFrame, step_kinds: StepKinds | None
             pd.Series(capturable[pair_id], index=frame.index))
 
 
-def _fill_step_kinds(frame: pd.DataFrame, step_kinds: StepKinds | None) -> pd.DataFrame:
+def _fill_step_kinds(frame: pd.DataFrame, facts: RouteFacts | None) -> pd.DataFrame:
     """plan_on and capturable from the routes' declarations where a row has none."""
     out = frame.copy()
     unset = out["plan_on"].isna() | out["capturable"].isna()
     if unset.any():
-        plan_on, capturable = _declared_step_kinds(out[unset], step_kinds)
+        plan_on, capturable = _declared_step_kinds(out[unset], facts)
         out["plan_on"] = out["plan_on"].astype(object)
         out["capturable"] = out["capturable"].astype(object)
         out.loc[unset & out["plan_on"].isna(), "plan_on"] = plan_on

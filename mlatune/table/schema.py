@@ -25,7 +25,7 @@ v4 ranks a problem's ok rows by what a step costs the default caller
 where v1-v3 ranked them by the launch's time alone.
 
 Older tables are upgraded as they are read (``mlatune.table.read``): a v1 table's step
-kinds come from the routes' declarations where the reader hands them over (``StepKinds``)
+kinds come from the routes' declarations where the reader hands them over (``RouteFacts``)
 and its costs are NaN (never measured); a v1 or v2 table's DCP rows are "simulated", the
 other DCP columns empty; every older table is ranked again; ``schema_version`` becomes 4
 and the provenance field ``converted_from`` names the version a row was measured as ("" for
@@ -61,6 +61,9 @@ class Status(StrEnum):
     CRASHED = "crashed"
     TIMEOUT = "timeout"
     UNSUPPORTED = "unsupported"  # a rule refuses the (problem, route): nothing ran
+    # Its parameters name a kernel form that no longer exists: set as a table is read,
+    # never served, neither ok nor failed (sweep the route again).
+    STALE = "stale"
     CHECKED = "checked"  # compiling ahead: checked once, never journaled nor in a table
 
 

@@ -51,7 +51,7 @@ from typing import Any
 
 from mlatune.errors import TableError
 from mlatune.problem import KEY_FIELDS, MLAProblem
-from mlatune.steps import PLAN_PLACES, StepKinds
+from mlatune.steps import PLAN_PLACES, RouteFacts
 from mlatune.table.schema import (
     SCHEMA_VERSION,
     STATUSES,
@@ -61,7 +61,7 @@ from mlatune.table.schema import (
 )
 
 FORMAT = "mlatune-winners"
-FAILED_STATUSES = tuple(s for s in STATUSES if s != "ok")
+FAILED_STATUSES = tuple(s for s in STATUSES if s not in ("ok", "stale"))  # stale: neither
 
 
 @dataclass(frozen=True)
@@ -72,13 +72,13 @@ class WinnersMap:
     problems: list[dict[str, MLAProblem]]
 
 
-def read(path: Path, step_kinds: StepKinds | None = None) -> WinnersMap:
+def read(path: Path, facts: RouteFacts | None = None) -> WinnersMap:
     """A winners map from a file, refused (TableError, one line) unless valid.
 
     Whatever a damaged file makes parsing or the checks raise (RecursionError from
     deep nesting, OverflowError from huge numbers, ...) is a TableError too."""
     try:
-        return _read(path, step_kinds)
+        return _read(path, facts)
     except TableError:
         raise
     except RecursionError:
@@ -93,7 +93,7 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
-def _read(path: Path, step_kinds: StepKinds | None) -> WinnersMap:
+def _read(path: Path, facts: RouteFacts | None) -> WinnersMap:
     try:
         document = json.loads(path.read_bytes())
     except OSError as exc:
@@ -106,14 +106,46 @@ def _read(path: Path, step_kinds: StepKinds | None) -> WinnersMap:
         raise TableError(f"{path}: invalid winners map ({len(found)} problem"
                          f"{'s' if len(found) > 1 else ''}): " + "; ".join(found))
     if document["schema_version"] == 1:
-        upgrade(document, step_kinds)
+        upgrade(document, facts)
+    if facts is not None:
+        current_options(document, parsed, facts)
     return WinnersMap(document, parsed)
 
 
-def upgrade(document: dict[str, Any], step_kinds: StepKinds | None = None) -> None:
+def current_options(document: dict[str, Any], parsed: list[dict[str, MLAProblem]],
+                    facts: RouteFacts) -> None:
+    """Each option's params in its route's current spelling, in place; an option naming a
+    deleted kernel form (stale) is dropped, and a key left with none is no longer measured."""
+    for device, problems in zip(document["devices"], parsed, strict=True):
+        for key, entry in list(device["winners"].items()):
+            options = [{k: v for k, v in o.items() if k not in ("alternatives", "failed")}
+                       for o in (entry, *entry.get("alternatives", ()))]
+            kept = []
+            for option in options:
+                params = facts.upgrade_params(option["route"], option["params"])
+                if params is not None:
+                    kept.append({**option, "params": dict(params)})
+            if not kept:
+                del device["winners"][key]
+                problems.pop(key, None)
+                if "failed" in entry:
+                    device["all_failed"][key] = entry["failed"]
+                continue
+            if len(kept) == len(options) and all(a == b for a, b in zip(kept, options,
+                                                                         strict=True)):
+                continue
+            current = dict(kept[0])
+            if "alternatives" in entry:
+                current["alternatives"] = kept[1:]
+            if "failed" in entry:
+                current["failed"] = entry["failed"]
+            device["winners"][key] = current
+
+
+def upgrade(document: dict[str, Any], facts: RouteFacts | None = None) -> None:
     """A valid schema v1 map, upgraded in place to v2 (see the module docstring): step kinds
-    from ``step_kinds``, else unknown."""
-    declared = step_kinds or (lambda route, params: UNKNOWN_STEP_KIND)
+    from ``facts``, else unknown."""
+    declared = facts.step_kind if facts else (lambda route, params: UNKNOWN_STEP_KIND)
     kinds: dict[tuple[str, str], tuple[str, bool]] = {}  # asked once per (route, params)
     for device in document["devices"]:
         device["provenance"] = [upgraded_provenance(p) if isinstance(p, dict) else p
