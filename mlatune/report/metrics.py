@@ -288,8 +288,9 @@ def candidate_times(journal_path: str | os.PathLike) -> Timed:
 
 
 def params_as_run(route_id: str, problem: MLAProblem, device) -> Callable[[Any], dict]:
-    """How ``route_id`` reads a parameter set on ``problem`` (``routes.with_defaults``: its
-    defaults filled in, a kernel option missing from a stored set at the value it ran),
+    """How ``route_id`` reads a parameter set on ``problem`` (in its current spelling, then
+    ``routes.with_defaults``: its defaults filled in, a kernel option missing from a stored
+    set at the value it ran),
     so that a chosen set and a journal's run compare; as given for a route not registered
     here."""
     try:
@@ -299,7 +300,8 @@ def params_as_run(route_id: str, problem: MLAProblem, device) -> Callable[[Any],
         return dict
 
     def as_run(params: Any) -> dict:
-        return routes.with_defaults(route, dict(params), space)
+        current = route.upgrade_params(dict(params))  # a journal keeps the spelling it ran
+        return routes.with_defaults(route, dict(params) if current is None else current, space)
 
     return as_run
 
