@@ -43,7 +43,8 @@ import numpy as np
 
 from mlatune import table
 from mlatune.dispatch import Dispatcher, device_for_arch
-from mlatune.dispatch.predict import Predictor, rows_from_journal
+from mlatune.dispatch.observations import rows_from_journal
+from mlatune.dispatch.predict import Predictor
 from mlatune.problem import MLAProblem
 from mlatune.report.metrics import candidate_times, nearest_regret, one_device, params_as_run
 

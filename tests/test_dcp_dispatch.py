@@ -11,7 +11,7 @@ import pytest
 
 from mlatune import routes, table
 from mlatune.dispatch import Dispatcher
-from mlatune.dispatch.predict import rows_from_journal, rows_from_table
+from mlatune.dispatch.observations import rows_from_journal, rows_from_table
 from mlatune.problem import MLAProblem
 from mlatune.report.metrics import candidate_times, ok_times
 from mlatune.table.schema import competing

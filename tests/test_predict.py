@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from mlatune.dispatch import device_for_arch
+from mlatune.dispatch.observations import rows_from_journal
 from mlatune.dispatch.predict import (
     LOST_PENALTY,
     Prediction,
     Predictor,
     Row,
-    rows_from_journal,
 )
 from mlatune.problem import MLAProblem
 from mlatune.routes import params_at
@@ -515,7 +515,7 @@ def test_the_dispatcher_answers_an_unmeasured_shape_from_the_predictions(
         shape, tmp_path, crossing_routes):
     from mlatune import table
     from mlatune.dispatch import Dispatcher
-    from mlatune.dispatch.predict import rows_from_table
+    from mlatune.dispatch.observations import rows_from_table
 
     path = _crossing_table(tmp_path, crossing_routes)
     dispatcher = Dispatcher.load(path, device=DEVICE)
