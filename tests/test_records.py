@@ -137,5 +137,5 @@ def test_a_worker_result_travels_as_json_and_becomes_the_record_it_measured():
 
 
 def test_statuses_have_one_owner():
-    assert STATUSES == ("ok", "rejected_accuracy", "crashed", "timeout", "unsupported")
+    assert STATUSES == ("ok", "rejected_accuracy", "crashed", "timeout", "unsupported", "stale")
     assert Status.OK == "ok" and json.dumps(Status.CRASHED) == '"crashed"'

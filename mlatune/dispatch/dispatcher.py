@@ -57,7 +57,6 @@ import operator
 import os
 import weakref
 from collections.abc import Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from types import MappingProxyType
@@ -66,6 +65,7 @@ from typing import Any
 from mlatune import capability
 from mlatune.arch import CPU_ARCH, DeviceInfo, current_device
 from mlatune.dispatch import environment, sources
+from mlatune.dispatch.choice import Choice
 from mlatune.dispatch.nearest import Bucket, learnable, point_distance  # noqa: F401
 from mlatune.dispatch.predict import Predictor
 from mlatune.dispatch.sources import (  # noqa: F401  (the dispatcher's public names)
@@ -103,22 +103,6 @@ NO_ROUTES: frozenset[str] = frozenset()
 # ``problem.bucket`` in one C call (the property builds it field by field): a first select
 # of an unmeasured shape looks its bucket up twice.
 _bucket_of = operator.attrgetter(*BUCKET_FIELDS)
-
-
-@dataclass(frozen=True, slots=True)
-class Choice:
-    """The answer to select(): which route, how to call it, and where that came from."""
-
-    route_id: str
-    params: Mapping[str, Any]  # read-only; pass as route.prepare(..., params=dict(params))
-    source: str  # "table", "predicted", "nearest" or "rule"
-    key: str = ""  # the measured problem the choice comes from; "" for a rule
-    # Its measured step cost (``step_cost``): the launch plus the plan the caller pays;
-    # for a predicted answer the prediction.
-    time_us: float = math.nan
-    # A predicted answer's expected relative error (0.1: about 10%; Prediction.uncertainty):
-    # far from measured points or where the neighbours disagree. NaN for other answers.
-    uncertainty: float = math.nan
 
 
 def device_for_arch(arch: str, name: str = "", cu_count: int = 0) -> DeviceInfo:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from mlatune.table.schema import competing
 
 if TYPE_CHECKING:
-    from mlatune.dispatch.dispatcher import Choice
+    from mlatune.dispatch.choice import Choice
 
 BATCH_WEIGHT = 0.5  # of the batch difference in point_distance, below 1: see there
 
