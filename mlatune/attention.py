@@ -159,29 +159,15 @@ def _fill_local_lens(local_lens: torch.Tensor, seq_lens: torch.Tensor, rank: int
     local_lens.div_(world, rounding_mode="floor").clamp_(min=0)
 
 
-def decode(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    *,
-    num_heads: int,
-    qlen: int = 1,
-    causal: bool = True,
-    kv_scale: torch.Tensor | None = None,
-    q_scale: torch.Tensor | None = None,
-    softmax_scale: float | None = None,
-    out: torch.Tensor | None = None,
-    lse_out: torch.Tensor | None = None,
-    dcp_rank: int = 0,
-    dcp_size: int = 1,
-    max_kv_len: int | None = None,
-    kv_lora_rank: int = 512,
-    return_lse: bool = False,
-    capturable: bool | None = None,
-    reuse_plan: bool = False,
-    dispatcher: Dispatcher | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+           seq_lens: torch.Tensor, *, num_heads: int, qlen: int = 1, causal: bool = True,
+           kv_scale: torch.Tensor | None = None, q_scale: torch.Tensor | None = None,
+           softmax_scale: float | None = None, out: torch.Tensor | None = None,
+           lse_out: torch.Tensor | None = None, dcp_rank: int = 0, dcp_size: int = 1,
+           max_kv_len: int | None = None, kv_lora_rank: int = 512, return_lse: bool = False,
+           capturable: bool | None = None, reuse_plan: bool = False,
+           dispatcher: Dispatcher | None = None
+           ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """MLA decode (qlen 1) or speculative verify (qlen > 1) for one DCP rank.
 
     q: (batch * qlen, num_heads * dcp_size, kv_lora_rank + rope_dim), request-major;
@@ -215,10 +201,30 @@ def decode(
     if capturable is None:
         capturable = q.is_cuda and torch.cuda.is_current_stream_capturing()
     dispatcher = dispatcher or default_dispatcher(capturable)
-    lengths = (num_heads, qlen, causal, dcp_rank, dcp_size, kv_lora_rank, want_lse,
-               capturable, _ptr(block_table), _ptr(seq_lens))  # what a plan is made from
-    key = (*lengths, reuse_plan, softmax_scale, _ptr(q), _ptr(kv_cache), _ptr(kv_scale),
-           _ptr(q_scale), _ptr(out), _ptr(lse_out))
+    if max_kv_len is None:  # (no batch: 0, and the argument checks say why)
+        max_kv_len = int(seq_lens.max()) if seq_lens.numel() else 0
+    made = dict(num_heads=num_heads, qlen=qlen, causal=causal, kv_scale=kv_scale,
+                q_scale=q_scale, softmax_scale=softmax_scale, out=out, lse_out=lse_out,
+                dcp_rank=dcp_rank, dcp_size=dcp_size, kv_lora_rank=kv_lora_rank,
+                want_lse=want_lse, capturable=capturable)
+    step = _held_step(q, kv_cache, block_table, seq_lens, max_kv_len, reuse_plan, dispatcher,
+                      made)
+    step.call()
+    return (step.out, step.lse) if want_lse else step.out
+
+
+def _held_step(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+               seq_lens: torch.Tensor, max_kv_len: int, reuse_plan: bool,
+               dispatcher: Dispatcher, made: dict) -> DecodeStep:
+    """The step ``decode`` holds for these arguments, made (and remembered) where none serves
+    ``max_kv_len``; with ``reuse_plan`` it reads the plan of the last call that planned for
+    these length tensors."""
+    lengths = (made["num_heads"], made["qlen"], made["causal"], made["dcp_rank"],
+               made["dcp_size"], made["kv_lora_rank"], made["want_lse"], made["capturable"],
+               _ptr(block_table), _ptr(seq_lens))  # what a plan is made from
+    key = (*lengths, reuse_plan, made["softmax_scale"], _ptr(q), _ptr(kv_cache),
+           _ptr(made["kv_scale"]), _ptr(made["q_scale"]), _ptr(made["out"]),
+           _ptr(made["lse_out"]))
     steps = _plans.get(dispatcher)
     if steps is None:
         steps = _plans.setdefault(dispatcher, {})
@@ -229,27 +235,20 @@ def decode(
                            "block_table tensors has planned yet; pass reuse_plan=False in "
                            "the step's first call")
     step = steps.get(key)
-    if max_kv_len is None:  # (no batch: 0, and the argument checks say why)
-        max_kv_len = int(seq_lens.max()) if seq_lens.numel() else 0
     # A step serves max_kv_len in (kv_len / 2, kv_len], kv_len its power of two.
     if step is None or step.planner is not planner \
             or not step.problem.kv_len >= max_kv_len > step.problem.kv_len // 2:
-        step = _make_plan(q, kv_cache, block_table, seq_lens, num_heads=num_heads, qlen=qlen,
-                          causal=causal, kv_scale=kv_scale, q_scale=q_scale,
-                          softmax_scale=softmax_scale, out=out, lse_out=lse_out,
-                          dcp_rank=dcp_rank, dcp_size=dcp_size, max_kv_len=max_kv_len,
-                          kv_lora_rank=kv_lora_rank, want_lse=want_lse, capturable=capturable,
-                          dispatcher=dispatcher, plan_from=planner)
+        step = _make_plan(q, kv_cache, block_table, seq_lens, max_kv_len=max_kv_len,
+                          dispatcher=dispatcher, plan_from=planner, **made)
         if len(steps) >= PLAN_LIMIT and key not in steps:
             steps.clear()
             planners.clear()
         steps[key] = step
     elif runtime_checks.checking_enabled() or runtime_checks.values_free_to_check(seq_lens):
-        _check_values(step.problem, kv_cache, block_table, seq_lens, dcp_rank)
+        _check_values(step.problem, kv_cache, block_table, seq_lens, made["dcp_rank"])
     if not reuse_plan:
         planners[lengths] = step
-    step.call()
-    return (step.out, step.lse) if want_lse else step.out
+    return step
 
 
 def prepare_decode(

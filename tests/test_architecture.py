@@ -15,3 +15,18 @@ def test_the_import_contracts_hold():
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert "0 broken" in done.stdout
+
+
+def test_functions_outside_the_kernels_read_at_once():
+    """No function outside mlatune/kernels/ runs past 60 lines, its docstring included."""
+    import ast
+
+    long = []
+    for path in sorted((ROOT / "mlatune").rglob("*.py")):
+        if "kernels" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) \
+                    and node.end_lineno - node.lineno + 1 > 60:
+                long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+    assert long == []

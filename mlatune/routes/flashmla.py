@@ -213,9 +213,9 @@ class FlashMLARoute(Route):
             if q8 is not None:
                 quantize_q_(q4, q8, descale_q)
                 q_in = q8
-            out, lse = lib.decode(q_in, kv4, shard.block_table, shard.seq_lens, problem.d_v, scale,
-                                  causal,
-                                  state["meta"], descale_q, inputs.kv_scale if fp8 else None)
+            out, lse = lib.decode(q_in, kv4, shard.block_table, shard.seq_lens, problem.d_v,
+                                  scale, causal, state["meta"], descale_q,
+                                  inputs.kv_scale if fp8 else None)
             out, lse = out.view(b * s, h, out.shape[-1]), lse.transpose(1, 2).reshape(b * s, h)
             if problem.dcp_size > 1:  # a DCP shard can hold no keys of a request
                 lse.masked_fill_(state["empty_rows"], float("-inf"))
@@ -229,9 +229,7 @@ class FlashMLARoute(Route):
         out = torch.empty(b * s, h, problem.d_v, dtype=torch.bfloat16, device=q4.device)
         lse = (torch.empty(b * s, h, dtype=torch.float32, device=q4.device)
                if want_lse else None)
-        prepared = Prepared(run, out, lse, graph_safe=True,
-                            params={"interface": lib.flavour,
-                                    **({"q": "fp8 per-tensor"} if q8 is not None else {})},
-                            plan_reads_lengths=True, plan=plan,
-                            plan_state=SharedPlan(key, state, plan))
+        ran = {"interface": lib.flavour, **({"q": "fp8 per-tensor"} if q8 is not None else {})}
+        prepared = Prepared(run, out, lse, graph_safe=True, params=ran, plan_reads_lengths=True,
+                            plan=plan, plan_state=SharedPlan(key, state, plan))
         return prepared

@@ -114,10 +114,8 @@ def evaluate(data: dict[str, Any], device: torch.device, cache: _ProblemCache,
     """
     task = Task.from_json(data)
     problem, route, params = task.problem, routes.get(task.route), task.params
-    # Where the worker's time goes (journaled; the sweep sums them): inputs and
-    # references (0 when a previous candidate of the problem made them); the first
-    # check, which also pays for compiling (or loading) kernels new to this worker;
-    # the second check; timing.
+    # Where the worker's time goes (journaled): inputs and references, the first check (and
+    # the kernels it compiles), the second check, timing.
     spent = {"setup_s": 0.0, "first_check_s": 0.0, "check_s": 0.0, "bench_s": 0.0}
     clock = time.perf_counter()
 
