@@ -10,6 +10,7 @@ for an arch that is not on this machine.
 from mlatune.capability import rules, tables
 from mlatune.capability.archs import AMD_ARCHS, ARCHS, ArchSpec, arch_spec, device_for_arch
 from mlatune.capability.heads import HeadPlan, asm_decode_heads, cprr_heads, fp8_prefill_heads
+from mlatune.capability.portable import PORTABLE_RULES
 from mlatune.capability.rules import (
     AsmPlan,
     Rule,
@@ -24,8 +25,10 @@ from mlatune.capability.rules import (
 from mlatune.capability.tables import Source
 from mlatune.capability.vendors import VENDOR_RULES, VENDOR_SOURCES
 
-# The vendor routes' rules live beside the AITER ones and answer through the same check().
+# The portable and vendor routes' rules live beside the AITER ones and answer through the
+# same check().
 tables.SOURCES.update(VENDOR_SOURCES)
+rules.ROUTE_RULES.update(PORTABLE_RULES)
 rules.ROUTE_RULES.update(VENDOR_RULES)
 
 __all__ = [
