@@ -24,9 +24,6 @@ from pathlib import Path
 from mlatune import routes, table
 from mlatune.report.metrics import (
     CEILINGS,
-    DCP_COLUMNS,
-    POLICY_COLUMNS,
-    PREFILL_COLUMNS,
     RULE_POLICY,
     Ceilings,
     RegretStats,
@@ -37,29 +34,34 @@ from mlatune.report.metrics import (
     candidate_times,
     chosen_times,
     dcp_measured,
-    dcp_rows,
     fixed_route_speedups,
-    headline_rows,
     measured_problems,
     measured_with,
     nearest_regret,
     ok_times,
     one_device,
-    percent_text,
     pick_speedups,
-    policy_rows,
-    prefill_rows,
     roofline,
     rule_routes,
     rule_speedup,
-    speedup_text,
     summarize,
-    summary_document,
     time_with,
     timing_spread,
     winner_cells,
 )
 from mlatune.report.terms import BATCH_BANDS, batch_band, geomean, problem_label
+from mlatune.report.text import (
+    DCP_COLUMNS,
+    POLICY_COLUMNS,
+    PREFILL_COLUMNS,
+    dcp_rows,
+    headline_rows,
+    percent_text,
+    policy_rows,
+    prefill_rows,
+    speedup_text,
+    summary_document,
+)
 
 HTML_NAME = "report.html"
 JSON_NAME = "summary.json"

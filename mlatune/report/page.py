@@ -17,18 +17,20 @@ import pandas as pd
 from mlatune.report import policies
 from mlatune.report.metrics import (
     CEILINGS,
+    RULE_POLICY,
+    Summary,
+)
+from mlatune.report.terms import BATCH_BANDS, problem_label
+from mlatune.report.text import (
     DCP_COLUMNS,
     POLICY_COLUMNS,
     PREFILL_COLUMNS,
-    RULE_POLICY,
-    Summary,
     dcp_rows,
     headline_rows,
     policy_rows,
     prefill_rows,
     speedup_text,
 )
-from mlatune.report.terms import BATCH_BANDS, problem_label
 
 TEMPLATES = Path(__file__).parent / "templates"
 TEMPLATE = "report.html.j2"
