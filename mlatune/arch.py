@@ -97,7 +97,7 @@ def driver_version() -> str:
 
 def library_versions() -> dict[str, str | None]:
     """Versions that change what a route computes or how fast."""
-    import mlatune
+    import mlatune  # the package, which imports this module
 
     return {
         "mlatune": mlatune.__version__,

@@ -47,7 +47,7 @@ def merge_ranks_into(outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor,
     stack the ranks' partials. On a GPU the Triton merge kernel (one launch, no allocation,
     graph safe); elsewhere the reference's merge."""
     if outs.is_cuda:
-        from mlatune.kernels.merge import merge_partials_into
+        from mlatune.kernels.merge import merge_partials_into  # triton: on the GPU path only
 
         merge_partials_into(outs, lses, out, lse)
         return

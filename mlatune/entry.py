@@ -16,7 +16,7 @@ def main() -> None:
     if missing:
         sys.exit(f"mlatune: the command line needs {', '.join(missing)}: "
                  f"pip install 'mlatune[cli]'")
-    from mlatune.cli import app
+    from mlatune.cli import app  # typer, rich: once a command runs
 
     app(prog_name="mlatune")
 

@@ -1,5 +1,8 @@
 """The `mlatune` command line: one module per group of commands, all on ``app.app``.
 
+Commands import what they run inside their bodies, so that `mlatune --help` and a usage
+error start without torch, pandas or the tuner (tests/test_light_import.py holds this).
+
 One convention across commands (tests/test_cli_conventions.py holds every command to it):
 
 - A command that reads one table takes it as its first positional argument, TABLE.

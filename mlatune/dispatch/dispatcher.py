@@ -77,6 +77,7 @@ from mlatune.errors import TableError
 from mlatune.problem import BUCKET_FIELDS, MLAProblem
 from mlatune.routes import Route, all_routes, params_at, step_kind_of
 from mlatune.routes.torch_ref import REFERENCE_ID as REFERENCE_ROUTE
+from mlatune.routes.torch_ref import TorchReferenceRoute
 from mlatune.table.cost import DEFAULT_PLAN_CALLS
 
 __all__ = ["Choice", "Dispatcher", "TableError", "device_for_arch", "find_table"]
@@ -591,8 +592,7 @@ def registered_routes(routes: Mapping[str, Route] | None = None) -> dict[str, Ro
     """A snapshot of the registry (or of ``routes``), with the last resort always present."""
     routes = dict(routes) if routes is not None else {r.id: r for r in all_routes()}
     if REFERENCE_ROUTE not in routes:
-        from mlatune.routes.torch_ref import TorchReferenceRoute
-
+    
         routes[REFERENCE_ROUTE] = TorchReferenceRoute()
     return routes
 

@@ -24,10 +24,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mlatune import table
 from mlatune.check.accuracy import check
+from mlatune.dispatch.sources import overlaid
 from mlatune.measure import timers
+from mlatune.measure.records import table_rows
 from mlatune.problem import MLAProblem
 from mlatune.routes import FACTS, plan_sharing, rounding
+from mlatune.table.schema import Provenance
 
 if TYPE_CHECKING:
     from mlatune.check.inputs import DecodeInputs
@@ -92,10 +96,6 @@ def _record(dispatcher: Dispatcher, problem: MLAProblem,
     """Add the problem's timed candidates to the user table, replacing its earlier rows."""
     import json
 
-    from mlatune import table
-    from mlatune.dispatch.sources import overlaid
-    from mlatune.measure.records import table_rows
-    from mlatune.table.schema import Provenance
 
     records = [{"key": problem.key_dict(), "route": c.route_id,
                 "route_params": json.dumps({**dict(c.params), **dict(p or {})},

@@ -9,8 +9,13 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mlatune import table
 from mlatune.dispatch.predict import Row
+from mlatune.measure import journal
 from mlatune.problem import BUCKET_FIELDS, MLAProblem
+from mlatune.routes import declared_step_kind
+from mlatune.table.cost import step_cost
+from mlatune.table.schema import DEVICE_COLUMNS, competing
 
 if TYPE_CHECKING:
     from mlatune.measure.records import Record
@@ -26,9 +31,6 @@ def rows_from_journal(path: str | Path, capturable: bool = False,
     ``capturable`` only steps a CUDA graph replays; in a bucket with DCP steps timed
     across processes, only those (``_learnable``). A record without its step kind gets
     the one its route declares, as a table's row does."""
-    from mlatune.measure import journal
-    from mlatune.routes import declared_step_kind
-    from mlatune.table.cost import step_cost
 
     stepped = []  # (record, params, plan_on): the ok steps the caller can take
     for r in journal.read_records(Path(path))[1]:
@@ -51,7 +53,6 @@ def _learnable(stepped: list[tuple[Record, Any, Any]]) -> list[tuple[Record, Any
     """Of (record, ...) tuples, those a predictor learns from: in a bucket with DCP steps
     timed across processes only those (``schema.competing``: a simulated time leaves the
     collectives out, so a law is never fitted over both kinds)."""
-    from mlatune.table.schema import competing
 
     buckets = [r.problem.bucket for r, *_ in stepped]
     keep = competing(buckets, [r.measured_dcp for r, *_ in stepped])
@@ -70,9 +71,6 @@ def rows_from_table(frame: Any, capturable: bool = False,
     dispatcher ranks them (``sharing``: the routes whose host plan a step's calls share);
     with ``capturable`` only steps a CUDA graph replays; in a bucket with DCP rows timed
     across processes, only those (as ``rows_from_journal``)."""
-    from mlatune import table
-    from mlatune.table.cost import step_cost
-    from mlatune.table.schema import DEVICE_COLUMNS
 
     ok = frame[frame["status"] == "ok"]
     if capturable:

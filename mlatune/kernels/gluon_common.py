@@ -94,6 +94,7 @@ def partials_and_merge(out: torch.Tensor, lse: torch.Tensor, batch: int, num_spl
     """fp32 partials (a slot per request and split: normalized output, base-2 LSE) and
     the launch of ``reduce_launcher`` that merges them into out and lse (``pdl``: as a
     programmatic dependent launch of the kernel that writes them)."""
+    # Triton kernels: when a split merge is launched
     from mlatune.kernels.reduce import reduce_launcher
 
     heads = out.shape[1]

@@ -279,6 +279,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
 
         return launch, out, lse
 
+    # Triton kernels: when a split merge is launched
     from mlatune.kernels.reduce import reduce_launcher
 
     part_out = torch.empty(batch * num_splits, rows, D_NOPE, dtype=torch.float32,

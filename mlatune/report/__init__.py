@@ -105,7 +105,7 @@ def build_report(table_path: str | os.PathLike, out_dir: str | os.PathLike,
     require_matplotlib()
     if heldout_journal is not None and heldout_path is None:
         raise ReportError("a held-out journal needs its held-out table (--heldout)")
-    from mlatune.report import page, plots
+    from mlatune.report import page, plots  # matplotlib, jinja2: for a page only
 
     frame = table.read(table_path, facts=routes.FACTS)
     heldout = table.read(heldout_path, facts=routes.FACTS) \

@@ -21,10 +21,12 @@ import pandas as pd
 
 from mlatune import routes, table
 from mlatune.dispatch import Dispatcher, device_for_arch
+from mlatune.dispatch.dispatcher import DEFAULT_UNMEASURED
 from mlatune.measure import journal
 from mlatune.problem import FP8_DTYPES, MLAProblem
 from mlatune.report import policies
 from mlatune.report.terms import batch_band, geomean
+from mlatune.table.cost import DEFAULT_PLAN_CALLS
 from mlatune.table.schema import (
     DCP_MEASURED,
     DEVICE_COLUMNS,
@@ -458,8 +460,6 @@ def _add_heldout(summary: Summary, heldout_path: str | os.PathLike | None,
     summary.vendor_heldout = policies.vendor_policies(
         measured_problems(heldout), h_times, chosen_times(h_times, chosen), chosen, arch,
         pick="nearest")
-    from mlatune.dispatch.dispatcher import DEFAULT_UNMEASURED
-    from mlatune.table.cost import DEFAULT_PLAN_CALLS
 
     summary.notes.append(
         f"held out: the dispatcher answers unmeasured shapes by {DEFAULT_UNMEASURED!r} and "

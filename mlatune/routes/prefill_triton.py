@@ -96,8 +96,8 @@ def config_params(config: tuple) -> Params:
 def _gluon_serves(problem: MLAProblem, device: DeviceInfo) -> bool:
     """Whether the Gluon fp8 kernel takes this problem here: sm_90, triton 3.6, e4m3fn q, k
     and v, 192 / 128 dims."""
-    from mlatune.kernels.gluon_hopper_plan import triton_refusal
-    from mlatune.routes.gluon_hopper import triton_version
+    from mlatune.kernels.gluon_hopper_plan import triton_refusal  # triton: when asked
+    from mlatune.routes.gluon_hopper import triton_version  # triton: when asked
 
     return (device.arch == "sm_90" and problem.q_dtype == problem.kv_dtype == "fp8_e4m3fn"
             and (problem.d_qk, problem.d_v) == (192, 128)
@@ -148,7 +148,7 @@ class _PersistentPrefillRoute(Route):
             raise TypeError(f"{self.id} takes PrefillInputs, got {type(inputs).__name__}")
         # Imported here, not at module import: it needs Triton, and tests must be able
         # to switch on TRITON_INTERPRET before its kernels are decorated.
-        from mlatune.kernels.prefill import KernelConfig, PersistentPrefill
+        from mlatune.kernels.prefill import KernelConfig, PersistentPrefill  # triton: when asked
 
         device = device_of(inputs.q)
         params = self.fill_defaults(params or {}, self.param_space(problem, device))
@@ -176,7 +176,7 @@ class _PersistentPrefillRoute(Route):
                       inputs.k_scale, inputs.v_scale)
         lengths = (inputs.cu_seqlens_q.diff().tolist(), inputs.cu_seqlens_k.diff().tolist())
         if gluon:
-            from mlatune.kernels.gluon_prefill_fp8 import GluonPrefill
+            from mlatune.kernels.gluon_prefill_fp8 import GluonPrefill  # triton: when asked
 
             chosen = params
             launch = GluonPrefill(

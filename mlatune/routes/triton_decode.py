@@ -207,7 +207,9 @@ class _TritonDecodeRoute(Route):
     def _plan(self, problem: MLAProblem, inputs: DecodeInputs, rank: int, params: Params,
               out: torch.Tensor, lse: torch.Tensor | None, device: DeviceInfo,
               shared: SharedPlan | None = None) -> _Step:
-        from mlatune.kernels.reduce import reduce_launcher
+        from mlatune.kernels.reduce import reduce_launcher  # triton: when a step is made
+
+        # triton: when a step is made
         from mlatune.kernels.split_kv import RowLayout, split_kv_launcher
 
         row_heads, head_rep = row_padding(problem.kernel_heads, self._padded_heads(problem))
@@ -238,7 +240,7 @@ class _TritonDecodeRoute(Route):
 
 
 def _tile_config(params: Params, block_n: int | None = None):
-    from mlatune.kernels.split_kv import TileConfig
+    from mlatune.kernels.split_kv import TileConfig  # triton: when a step is made
 
     return TileConfig(params["block_m"], block_n or params["block_n"], params["num_warps"],
                       params["num_stages"], bool(params.get("kv_twice")))
@@ -261,14 +263,14 @@ def _persistent_step(problem: MLAProblem, inputs: DecodeInputs, rank: int, param
     """The persistent schedule: a device-planned work list over ``num_workers`` programs,
     sized for any lengths up to the problem's (so a captured graph replays with new ones);
     ``shared``: another layer's, read instead of planning here."""
-    from mlatune.kernels.plan import (
+    from mlatune.kernels.plan import (  # triton: when a step is made
         allocate_plan_buffers,
         max_slots_bound,
         persistent_plan_launcher,
         work_capacity,
     )
-    from mlatune.kernels.reduce import reduce_launcher
-    from mlatune.kernels.split_kv import persistent_launcher
+    from mlatune.kernels.reduce import reduce_launcher  # triton: when a step is made
+    from mlatune.kernels.split_kv import persistent_launcher  # triton: when a step is made
 
     layout, tiles = common["layout"], common["tiles"]
     row_blocks = -(-layout.rows // tiles.block_m)
@@ -390,8 +392,8 @@ class SegmentedTritonRoute(_TritonDecodeRoute):
     def _plan(self, problem: MLAProblem, inputs: DecodeInputs, rank: int, params: Params,
               out: torch.Tensor, lse: torch.Tensor | None, device: DeviceInfo,
               shared: SharedPlan | None = None) -> _Step:
-        from mlatune.kernels.reduce import reduce_launcher
-        from mlatune.kernels.segmented import (
+        from mlatune.kernels.reduce import reduce_launcher  # triton: when a step is made
+        from mlatune.kernels.segmented import (  # triton: when a step is made
             segment_tile,
             segmented_launcher,
             segmented_plan_launcher,

@@ -202,7 +202,7 @@ def _appender(path: Path) -> Emit:
 def _journal_tasks(args: argparse.Namespace, header: journals.JournalHeader,
                    records: list[Record], world: int) -> tuple[Settings, list[DcpTask]]:
     """By hand: the tasks of a sweep's journal not yet done there, for a group of ``world``."""
-    from mlatune.sweep import spec as specs
+    from mlatune.sweep import spec as specs  # tomllib: in the group worker only
 
     spec = specs.load(args.spec or header.spec, gpu=header.vendor != "cpu")
     if not args.spec and spec.sha256 != header.spec_sha256:

@@ -14,17 +14,19 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from mlatune import routes
+from mlatune import routes, table
 from mlatune.arch import DeviceInfo
 from mlatune.errors import JournalError, TableError
 from mlatune.measure.records import table_rows
 from mlatune.sweep import dcp_stage, runner
 from mlatune.sweep import journal as journals
+from mlatune.sweep import refine as refinement
 from mlatune.sweep.candidates import Shard
 from mlatune.sweep.journal import Journal, JournalHeader
 from mlatune.sweep.progress import Observer
 from mlatune.sweep.runner import SweepResult
 from mlatune.sweep.spec import SweepSpec
+from mlatune.table.schema import Provenance
 
 Say = Callable[[str], None]
 
@@ -206,8 +208,6 @@ def move_aside(table_path: Path, journal_path: Path) -> list[Path]:
 
 def write_table(result: SweepResult, spec: SweepSpec, settings: SweepSettings) -> None:
     """The journal's records folded into the table, written as Parquet and CSV."""
-    from mlatune import table
-    from mlatune.table.schema import Provenance
 
     try:
         frame = table.build(table_rows(result.records, settings.device),
@@ -226,7 +226,6 @@ def refined(spec: SweepSpec, table_path: Path, dispatcher_for: Callable[[Path], 
     ``mlatune.sweep.refine`` proposes within ``budget_s`` worker seconds, and those
     proposals (``refine.Refinement``, the least certain first). ``dispatcher_for`` loads the
     table into the dispatcher whose predictions the proposals rest on."""
-    from mlatune.sweep import refine as refinement
 
     path = journal_path(table_path)
     if not (table_path.exists() and path.exists()):
