@@ -207,9 +207,8 @@ class _TritonDecodeRoute(Route):
     def _plan(self, problem: MLAProblem, inputs: DecodeInputs, rank: int, params: Params,
               out: torch.Tensor, lse: torch.Tensor | None, device: DeviceInfo,
               shared: SharedPlan | None = None) -> _Step:
-        from mlatune.kernels.reduce import reduce_launcher  # triton: when a step is made
-
         # triton: when a step is made
+        from mlatune.kernels.reduce import reduce_launcher
         from mlatune.kernels.split_kv import RowLayout, split_kv_launcher
 
         row_heads, head_rep = row_padding(problem.kernel_heads, self._padded_heads(problem))
