@@ -47,3 +47,37 @@ def test_the_stored_rank_is_the_default_callers(shipped):
     _, frame = shipped
     again = table.assign_ranks(frame, DEFAULT_CALLER, routes.plan_sharing())
     assert (again["rank"].to_numpy() == frame["rank"].to_numpy()).all()
+
+
+def test_show_lookup_and_select_name_the_same_route_for_every_measured_problem(shipped):
+    """`mlatune show`'s winner at every measured problem of the shipped table is what select
+    serves (the default caller), and `mlatune lookup` says so too (a sample)."""
+    from typer.testing import CliRunner
+
+    from mlatune.cli import app
+
+    path, _ = shipped
+    runner = CliRunner()
+    shown = runner.invoke(app, ["show", str(path), "--json"])
+    assert shown.exit_code == 0, shown.output
+    problems = json.loads(shown.stdout)["problems"]
+    assert len(problems) > 2000
+    device = device_for_arch("sm_90", "NVIDIA H200", 132)
+    dispatcher = Dispatcher.load(path, device=device, allow_arch="sm_90")
+    differ = []
+    for row in problems:
+        choice = dispatcher.select(MLAProblem.from_key_dict(row["problem"]))
+        if (choice.route_id, dict(choice.params)) != (row["winner"], row["winner_params"]):
+            differ.append((row["problem"], row["winner"], choice.route_id))
+    assert differ == []
+    for row in problems[::300]:
+        p = row["problem"]
+        asked = runner.invoke(app, [
+            "lookup", str(path), "--heads", str(p["num_heads"]), "--batch", str(p["batch"]),
+            "--kv-len", str(p["kv_len"]), "--qlen", str(p["qlen"]), "--q-dtype", p["q_dtype"],
+            "--kv-dtype", p["kv_dtype"], "--dcp", str(p["dcp_size"]), "--page-size",
+            str(p["page_size"]), "--phase", p["phase"],
+            "--causal" if p["causal"] else "--no-causal", "--arch", "sm_90", "--json"])
+        assert asked.exit_code == 0, asked.output
+        answer = json.loads(asked.stdout)
+        assert (answer["route"], answer["params"]) == (row["winner"], row["winner_params"])
