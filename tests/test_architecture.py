@@ -30,3 +30,9 @@ def test_functions_outside_the_kernels_read_at_once():
                     and node.end_lineno - node.lineno + 1 > 60:
                 long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
     assert long == []
+
+
+def test_modules_outside_the_kernels_stay_under_600_lines():
+    long = [f"{p.relative_to(ROOT)}: {n}" for p in sorted((ROOT / "mlatune").rglob("*.py"))
+            if "kernels" not in p.parts and (n := len(p.read_text().splitlines())) > 600]
+    assert long == []

@@ -1,11 +1,15 @@
-"""What ``Dispatcher.select`` answers: a route, how to call it, and where that came from."""
+"""What ``Dispatcher.select`` answers (a route, how to call it, where that came from), and the
+sentences ``explain`` says of a measured or nearest answer."""
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from mlatune.problem import MLAProblem
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,3 +26,26 @@ class Choice:
     # A predicted answer's expected relative error (0.1: about 10%; Prediction.uncertainty):
     # far from measured points or where the neighbours disagree. NaN for other answers.
     uncertainty: float = math.nan
+
+
+def nearest_notes(winner: Choice, choice: Choice) -> list[str]:
+    """``explain``'s sentences for a nearest answer: the point, and its parameters redone."""
+    near = MLAProblem.from_key(winner.key)
+    notes = [f"nearest measured point: batch={near.batch} kv_len={near.kv_len}, won by "
+             f"{winner.route_id} ({winner.time_us:.4g} us there)"]
+    if choice.params != winner.params:
+        notes.append(f"its parameters redone for these sizes: "
+                     f"{json.dumps(dict(winner.params), sort_keys=True)} there")
+    return notes
+
+
+def measured_note(choice: Choice, ranked: Sequence[Choice]) -> str:
+    i = ranked.index(choice)
+    text = f"measured: {choice.route_id} {choice.time_us:.4g} us"
+    if i:
+        text += f" (usable rank {i + 1}: the faster routes refuse this problem)"
+    if i + 1 < len(ranked):
+        runner = ranked[i + 1]
+        text += (f"; next {runner.route_id} {runner.time_us:.4g} us "
+                 f"(+{(runner.time_us / choice.time_us - 1) * 100:.1f}%)")
+    return text

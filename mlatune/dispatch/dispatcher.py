@@ -65,7 +65,7 @@ from typing import Any
 from mlatune import capability
 from mlatune.arch import CPU_ARCH, DeviceInfo, current_device
 from mlatune.dispatch import environment, sources
-from mlatune.dispatch.choice import Choice
+from mlatune.dispatch.choice import Choice, measured_note, nearest_notes
 from mlatune.dispatch.nearest import Bucket, learnable, point_distance  # noqa: F401
 from mlatune.dispatch.predict import Predictor
 from mlatune.dispatch.sources import (  # noqa: F401  (the dispatcher's public names)
@@ -407,7 +407,7 @@ class Dispatcher:
         for choice in ranked:
             if self._supports(choice.route_id, problem, notes):
                 if notes is not None:
-                    notes.append(_measured_note(choice, ranked))
+                    notes.append(measured_note(choice, ranked))
                 return choice
         return None
 
@@ -440,7 +440,7 @@ class Dispatcher:
                     and self._supports(winner.route_id, problem, notes):
                 choice = self._as_nearest(winner, problem)
                 if notes is not None:
-                    notes += _nearest_notes(winner, choice)
+                    notes += nearest_notes(winner, choice)
                 return choice
         if notes is not None:
             notes.append("no measured point in this bucket has a winner that supports "
@@ -595,26 +595,3 @@ def registered_routes(routes: Mapping[str, Route] | None = None) -> dict[str, Ro
     
         routes[REFERENCE_ROUTE] = TorchReferenceRoute()
     return routes
-
-
-def _nearest_notes(winner: Choice, choice: Choice) -> list[str]:
-    """``explain``'s sentences for a nearest answer: the point, and its parameters redone."""
-    near = MLAProblem.from_key(winner.key)
-    notes = [f"nearest measured point: batch={near.batch} kv_len={near.kv_len}, won by "
-             f"{winner.route_id} ({winner.time_us:.4g} us there)"]
-    if choice.params != winner.params:
-        notes.append(f"its parameters redone for these sizes: "
-                     f"{json.dumps(dict(winner.params), sort_keys=True)} there")
-    return notes
-
-
-def _measured_note(choice: Choice, ranked: Sequence[Choice]) -> str:
-    i = ranked.index(choice)
-    text = f"measured: {choice.route_id} {choice.time_us:.4g} us"
-    if i:
-        text += f" (usable rank {i + 1}: the faster routes refuse this problem)"
-    if i + 1 < len(ranked):
-        runner = ranked[i + 1]
-        text += (f"; next {runner.route_id} {runner.time_us:.4g} us "
-                 f"(+{(runner.time_us / choice.time_us - 1) * 100:.1f}%)")
-    return text

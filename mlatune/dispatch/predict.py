@@ -52,7 +52,6 @@ points.
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping
@@ -62,6 +61,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from mlatune.arch import DeviceInfo
+from mlatune.dispatch.fit import FEATURES, impute_lost, nnls
 from mlatune.problem import MLAProblem
 from mlatune.routes import Route, params_at
 from mlatune.routes.geometry import LaunchGeometry
@@ -90,9 +90,6 @@ FAILED_SHARE = 0.5  # a route's kernel weight on its failures from which it is n
 # time errors are 2.7% in median, 79% of them within the uncertainty (93% of the interior
 # points'), the spread alone 68%.
 DISTANCE_ERROR = 0.01
-_FEATURES = 4  # the law's terms: 1, W, B, C
-_SUBSETS = [s for k in range(1, _FEATURES + 1)
-            for s in itertools.combinations(range(_FEATURES), k)]
 
 
 class Prediction(NamedTuple):
@@ -129,30 +126,6 @@ def _geometry(route: Route | None, recipe: Mapping[str, Any], problem: MLAProble
         return None
 
 
-def _nnls(a: np.ndarray, b: np.ndarray, yy: np.ndarray, usable: np.ndarray) -> np.ndarray:
-    """Per row r, the coefficients c >= 0 minimising |X_r c - y_r|² from the normal
-    equations ``a`` (rows x F x F), ``b`` (rows x F) and ``yy`` = |y_r|²: the best of the
-    feature subsets whose unconstrained solution is >= 0 (F is small). ``usable``: how
-    many terms each row's points can fix."""
-    rows = a.shape[0]
-    best = np.full(rows, np.inf)
-    coef = np.zeros((rows, _FEATURES))
-    scale = np.sqrt(np.einsum("rii->ri", a)) + 1e-300  # conditions the solves
-    a = a / scale[:, :, None] / scale[:, None, :]
-    b = b / scale
-    for subset in _SUBSETS:
-        idx = list(subset)
-        sub = a[:, idx][:, :, idx] + 1e-12 * np.eye(len(idx))
-        c = np.linalg.solve(sub, b[:, idx][:, :, None])[:, :, 0]
-        residual = yy - 2 * np.einsum("ri,ri->r", c, b[:, idx]) \
-            + np.einsum("ri,rij,rj->r", c, sub, c)
-        ok = (c >= 0).all(axis=1) & (len(idx) <= usable) & (residual < best - 1e-12)
-        best = np.where(ok, residual, best)
-        coef[ok] = 0.0
-        coef[np.ix_(ok, idx)] = c[ok]
-    return coef / scale
-
-
 class _Bucket:
     """One bucket's measured points and, per recipe, its fitted law and corrections."""
 
@@ -185,7 +158,7 @@ class _Bucket:
         weight = self.ran.astype(float)
         self._measured = logs  # NaN where not measured
         if not complete:
-            imputed = _impute_lost(self.recipes, logs)
+            imputed = impute_lost(self.recipes, logs, LOST_PENALTY)
             weight[np.isnan(logs) & ~np.isnan(imputed)] = LOST_WEIGHT
             logs = imputed
         self.weight = weight
@@ -194,10 +167,10 @@ class _Bucket:
         self._splits: dict[tuple, int] = {}  # (route, block_m, block_n, point): its rule's
         self._prepare(logs)
         if fit:
-            coef = _nnls(*self.normal)
+            coef = nnls(*self.normal)
             if not complete:
                 self.reimpute(coef)
-                coef = _nnls(*self.normal)
+                coef = nnls(*self.normal)
             self.finish(coef)
 
     # Fitting ----------------------------------------------------------------
@@ -239,7 +212,7 @@ class _Bucket:
             if geometry is not None and geometry.key is not None:
                 for j in self.ran_at[i].tolist():
                     self._rule_split(i, j)
-        x = np.zeros((m, n, _FEATURES))
+        x = np.zeros((m, n, FEATURES))
         batch = np.array([p.batch for p in self.problems], dtype=float)
         size = batch * np.array([p.shard_len for p in self.problems], dtype=float)
         balanced = np.stack([np.ones(n), size / self.cus, batch, batch / self.cus], axis=1)
@@ -489,22 +462,6 @@ class _Bucket:
             if rest else None
 
 
-def _impute_lost(recipes: list[tuple[str, str]], logs: np.ndarray) -> np.ndarray:
-    """A table keeps each route's best recipe per point: where a route ran (its best
-    known) and a recipe of it is missing, that recipe lost there."""
-    out = logs.copy()
-    for route_id in {r for r, _ in recipes}:
-        rows = [i for i, (r, _) in enumerate(recipes) if r == route_id]
-        block = logs[rows]
-        ran = ~np.isnan(block).all(axis=0)  # columns where the route ran (nanmin warns else)
-        route_best = np.full(block.shape[1], np.nan)
-        route_best[ran] = np.nanmin(block[:, ran], axis=0)
-        for i in rows:
-            lost = np.isnan(logs[i]) & ~np.isnan(route_best)
-            out[i, lost] = route_best[lost] + math.log(LOST_PENALTY)
-    return out
-
-
 class Predictor:
     """Predicted step costs per recipe for unmeasured shapes of measured buckets."""
 
@@ -555,7 +512,7 @@ class Predictor:
             spans = list(zip(buckets, [0, *ends[:-1]], ends, strict=True))
 
             def solve() -> np.ndarray:
-                return _nnls(*(np.concatenate([b.normal[k] for b in buckets])
+                return nnls(*(np.concatenate([b.normal[k] for b in buckets])
                                for k in range(4)))
 
             coef = solve()
