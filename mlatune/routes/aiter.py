@@ -26,6 +26,7 @@ from mlatune import capability
 from mlatune.arch import DeviceInfo
 from mlatune.capability import HeadPlan, tables
 from mlatune.check.inputs import DecodeInputs, PrefillInputs, shard_lengths
+from mlatune.lse import LN2, combine
 from mlatune.problem import DTYPES, FP8_DTYPES, MLAProblem
 from mlatune.routes.aiter_probe import load, probe
 from mlatune.routes.base import HOST_PLANNED, Params, Prepared, Route, StepKind, Verdict, no
@@ -232,18 +233,15 @@ def merge_segments_into(out: torch.Tensor, lse: torch.Tensor | None, segm_out: t
     span = (lens + n_segments * tile - 1) // (n_segments * tile) * tile  # tokens per segment
     active = torch.where(span > 0, (lens + span - 1) // span.clamp(min=1), 0)
     written = (torch.arange(n_segments, device=lens.device) < active)[:, None, :]  # (R, 1, S)
-    seg_max = segm_max.masked_fill(~written, -math.inf)
-    top = seg_max.amax(dim=-1, keepdim=True)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    weight = torch.exp2(seg_max - top)  # 0 for unwritten segments
-    denom = (segm_expsum.masked_fill(~written, 0.0) * weight).sum(-1)
-    acc = segm_out[..., :out.shape[-1]].masked_fill(~written[..., None], 0.0)
-    num = (acc * weight[..., None]).sum(-2)
-    has_keys = denom > 0
-    out.copy_(torch.where(has_keys[..., None], num / denom.clamp(min=1e-30)[..., None], 0.0))
+    has_keys = written & (segm_expsum > 0)
+    expsum = torch.where(has_keys, segm_expsum, 1.0)
+    # Each segment normalized, with its natural-log LSE (-inf where it saw no key).
+    seg_lse = torch.where(has_keys, segm_max * LN2 + torch.log(expsum), -math.inf)
+    seg_out = segm_out[..., :out.shape[-1]] / expsum[..., None]
+    merged, merged_lse = combine(list(seg_out.unbind(-2)), list(seg_lse.unbind(-1)))
+    out.copy_(merged)
     if lse is not None:
-        lse_2 = top[..., 0] + torch.log2(denom.clamp(min=1e-30))
-        lse.copy_(torch.where(has_keys, lse_2 * math.log(2.0), -math.inf))
+        lse.copy_(merged_lse)
 
 
 class SegmentedRoute(_AiterRoute):
