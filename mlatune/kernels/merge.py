@@ -13,10 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mlatune import lse
-from mlatune.kernels.attend import LN2
-
-_LOG2E = tl.constexpr(lse.LOG2E)
+from mlatune.kernels.lse import LOG2E, combine_finish, combine_step
 
 
 @triton.jit(do_not_specialize=["ranks", "n_rows", "heads"])
@@ -37,26 +34,16 @@ def merge_kernel(outs_ptr, lses_ptr, out_ptr, lse_ptr, ranks, n_rows, heads,
     lse_ptrs = lses_ptr + tok * stride_lt + head * stride_lh
     out_ptrs = outs_ptr + (tok * stride_ot + head * stride_oh)[:, None] + d[None, :]
     for _ in range(0, ranks):
-        x = tl.load(lse_ptrs, mask=ok, other=float("-inf")).to(tl.float32) * _LOG2E
+        x = tl.load(lse_ptrs, mask=ok, other=float("-inf")).to(tl.float32) * LOG2E
         o = tl.load(out_ptrs, mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         # Pointers advance a rank per step: 64-bit offsets without a 64-bit loop index.
         lse_ptrs += stride_lr
         out_ptrs += stride_or
-        m_new = tl.maximum(m_i, x)
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - shift)
-        w = tl.exp2(x - shift)
-        den = den * alpha + w
-        # An empty partial (LSE -inf) adds nothing, whatever its output holds.
-        acc = acc * alpha[:, None] + tl.where((x == float("-inf"))[:, None], 0.0, w[:, None] * o)
-        m_i = m_new
-    has_keys = den > 0.0
-    safe_den = tl.where(has_keys, den, 1.0)
-    res = tl.where(has_keys[:, None], acc / safe_den[:, None], 0.0)
+        m_i, den, acc = combine_step(m_i, den, acc, x, o)
+    res, lse = combine_finish(m_i, den, acc)
     tl.store(out_ptr + (tok * stride_dt + head * stride_dh)[:, None] + d[None, :],
              res.to(out_ptr.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
     if WRITE_LSE:
-        lse = tl.where(has_keys, (m_i + tl.log2(safe_den)) * LN2, float("-inf"))
         tl.store(lse_ptr + tok * stride_et + head * stride_eh, lse, mask=ok)
 
 

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from mlatune.kernels.attend import LN2
+from mlatune.kernels.lse import combine_finish
 
 
 @triton.jit
@@ -101,15 +101,12 @@ def reduce_kernel(part_out_ptr, part_a_ptr, part_b_ptr, split_indptr_ptr, out_pt
                      + d[None, None, :])
             o = tl.load(part_out_ptr + o_off, mask=smask[:, :, None], other=0.0)
             acc += tl.sum(w[:, :, None] * o, 0)
-    has_keys = den > 0.0
-    safe_den = tl.where(has_keys, den, 1.0)
-    res = tl.where(has_keys[:, None], acc / safe_den[:, None], 0.0)
+    res, lse = combine_finish(m_i, den, acc)
     out_tok = (group * tokens_per_group + tok).to(tl.int64)
     tl.store(out_ptr + (out_tok * stride_o_tok + head * stride_o_head)[:, None] + d[None, :],
              res.to(out_ptr.dtype.element_ty), mask=ok[:, None])
     if WRITE_LSE:
         # One value-dim block writes the LSE.
-        lse = tl.where(has_keys, (m_i + tl.log2(safe_den)) * LN2, float("-inf"))
         tl.store(lse_ptr + out_tok * stride_lse_tok + head, lse,
                  mask=ok & ((offs * 0 + tl.program_id(1)) == 0))
 
