@@ -12,16 +12,12 @@ pytestmark = pytest.mark.kernels
 
 BUILDS = {  # name: (module under mlatune.kernels, aot_compile keywords, wgmmas, A from registers)
     "hopper": ("gluon_hopper", {}, 40, 0),
-    "seesaw": ("gluon_seesaw", {}, 88, 8),
-    "seesaw-chunked-split": ("gluon_seesaw", {"chunked": True, "direct": False, "pdl": True},
-                             88, 8),
-    "seesaw-slim": ("gluon_seesaw", {"chunked": True, "slim": True, "direct": False}, 88, 8),
-    "seesaw-lone-bars": ("gluon_seesaw", {"chunked": True, "slim": True, "lone_bars": True},
-                         88, 8),
+    "seesaw": ("gluon_seesaw", {}, 88, 16),
+    "seesaw-split": ("gluon_seesaw", {"direct": False}, 88, 16),
+    "seesaw-two-requests": ("gluon_seesaw", {"form": "two-requests", "direct": False}, 176, 32),
     "transposed": ("gluon_transposed", {"dtype": "bf16"}, 68, 0),
-    "transposed-fp8mma-deferred": ("gluon_transposed_fp8",
-                                   {"dtype": "bf16", "rows": 16, "direct": False,
-                                    "defer_sums": True}, 88, 0),
+    "transposed-fp8mma": ("gluon_transposed_fp8", {"dtype": "bf16", "rows": 16,
+                                                   "direct": False}, 52, 0),
 }
 
 

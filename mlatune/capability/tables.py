@@ -239,7 +239,7 @@ SOURCES: dict[str, Source] = {
                                        "one 64-token page, read by TMA from the block table"),
     "wgmma.dtypes": Source(WGMMA_GLUON, "bf16 or fp16 q over a cache of the same dtype "
                                         "(check_supported); fp8 caches are not written yet"),
-    "transposed.dtypes": Source("mlatune/kernels/gluon_transposed.py",
+    "transposed.dtypes": Source("mlatune/kernels/gluon_transposed_ws.py",
                                 "bf16 or fp16 q over a cache of q's dtype or fp8 e4m3fn "
                                 "(check_supported): an fp8 tile is widened to q's dtype in "
                                 "shared memory, exactly, before the 16-bit MMAs"),

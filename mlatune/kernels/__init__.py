@@ -14,7 +14,7 @@ One module per concern. Decode (the absorbed form: 576-wide q·k, 512-wide v):
   every step (one program; capturable), and its plain-Python reference.
 Prefill: ``prefill`` (persistent varlen kernel) and ``prefill_plan`` (its host plan).
 Hopper decode in Gluon (sm_90, triton 3.6): ``gluon_hopper`` (the first, 64-row tiles),
-``gluon_seesaw`` (warp-specialized), ``gluon_transposed`` (keys as the MMA's M; fp8
+``gluon_seesaw`` (warp-specialized), ``gluon_transposed`` (keys as the MMA's M; 16-bit
 caches), ``gluon_transposed_ws`` (its fp8 form with the widening in a partition of its
 own) and ``gluon_transposed_fp8`` (fp8 MMAs, q as two e4m3 terms): the route's two kinds of
 fp8 param sets; ``gluon_common`` holds what they share, ``gluon_hopper_plan`` their sizes and
