@@ -74,3 +74,18 @@ def poison_stale_slots(inputs: DecodeInputs) -> int:
             shard.kv_cache[pid, n % page:] = float("nan")
             count += page - n % page
     return count
+
+
+def lock_is_free(journal) -> bool:
+    """Whether another sweep could take the journal's lock now (its file may stay)."""
+    from filelock import FileLock, Timeout
+
+    from mlatune.sweep.journal import lock_path
+
+    lock = FileLock(lock_path(journal), thread_local=False)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        return False
+    lock.release()
+    return True

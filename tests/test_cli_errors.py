@@ -10,7 +10,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from filelock import FileLock, Timeout
 from typer.testing import CliRunner
 
 from mlatune import table
@@ -18,9 +17,10 @@ from mlatune.cli import app, doctor, frames
 from mlatune.errors import JournalError, OutputError, TableError
 from mlatune.problem import MLAProblem
 from mlatune.sweep import runner, stages
-from mlatune.sweep.journal import Journal, lock_path
+from mlatune.sweep.journal import Journal
 from mlatune.sweep.spec import bundled_spec_path
 from mlatune.table import outputs
+from tests.helpers import lock_is_free
 from tests.table_helpers import MI355, make_table, result_row
 from tests.test_cli_tables import assert_one_line_error, coverage_spec, fakes, frame  # noqa: F401
 
@@ -310,15 +310,6 @@ def test_doctor_says_a_damaged_bundled_table_in_one_line(tmp_path, monkeypatch):
 
 # 5. --fresh holds the journal's lock while it moves the earlier run aside ------------
 
-def lock_is_free(journal: Path) -> bool:
-    """Whether a second sweep could take the journal's lock now."""
-    lock = FileLock(lock_path(journal))
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        return False
-    lock.release()
-    return True
 
 
 def test_fresh_moves_aside_under_the_journal_lock(tmp_path, monkeypatch):

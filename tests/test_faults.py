@@ -27,6 +27,7 @@ from mlatune.problem import MLAProblem
 from mlatune.sweep import spec
 from mlatune.sweep.journal import Journal, lock_path, read
 from mlatune.table import outputs
+from tests.helpers import lock_is_free
 from tests.table_helpers import H200, make_table, reference_slow, result_row, small_batch_fast
 
 # Specs: size and budget -------------------------------------------------------------
@@ -181,17 +182,6 @@ def test_a_cut_gzip_journal_is_one_error(tmp_path):
         read(path)
 
 
-def lock_is_free(path: Path) -> bool:
-    """Whether another sweep could take the journal's lock now (its file may stay)."""
-    from filelock import FileLock, Timeout
-
-    lock = FileLock(lock_path(path), thread_local=False)
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        return False
-    lock.release()
-    return True
 
 
 def test_a_second_sweep_on_the_journal_is_refused_at_once(tmp_path):
