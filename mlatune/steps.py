@@ -51,3 +51,8 @@ class RouteFacts(Protocol):
         """A stored parameter set in the route's current spelling; None where it names a
         deleted kernel form (the row is stale); as stored for a route not known."""
         ...
+
+    def plan_sharing(self) -> frozenset[str]:
+        """The routes whose host plan the calls of one engine step share (the cost's
+        ``shares_host_plan``)."""
+        ...

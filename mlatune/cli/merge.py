@@ -75,7 +75,7 @@ def merge(tables: TablesArgument, out: OutOption = None,
     (read from the sweep's journal beside its table) missing from a sharded sweep is
     warned about: the joined table lacks its problems.
     """
-    from mlatune import table
+    from mlatune import routes, table
 
     out = _checked_out(out, tables)
     replaced = _replaced_routes(replace_routes, where, tables)
@@ -87,7 +87,7 @@ def merge(tables: TablesArgument, out: OutOption = None,
     if replaced:
         parts, dropped = _replace(parts, replaced, where)
     with one_line_errors("merge"):
-        merged = table.merge(parts)
+        merged = table.merge(parts, routes.plan_sharing())
     with one_line_errors(str(out)):
         table.write(merged, out)
     for m in missing:

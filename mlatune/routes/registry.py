@@ -70,6 +70,9 @@ class RegistryFacts:
         route = _ROUTES.get(route_id)
         return params if route is None else route.upgrade_params(dict(params))
 
+    def plan_sharing(self) -> frozenset[str]:
+        return plan_sharing()
+
 
 FACTS = RegistryFacts()
 

@@ -302,7 +302,7 @@ def current_params(frame: pd.DataFrame, facts: RouteFacts) -> pd.DataFrame:
     if gone.any():
         out.loc[gone, "status"] = Status.STALE.value
         out.loc[gone, "rank"] = 0
-        out = assign_ranks(out)
+        out = assign_ranks(out, sharing=facts.plan_sharing())
     return out
 
 
@@ -338,7 +338,7 @@ def upgrade(frame: pd.DataFrame, version: int = 1, facts: RouteFacts | None = No
     ``facts`` and costs NaN; v1 and v2's DCP rows simulated; every one ranked again by
     step cost; provenance ``schema_version`` current and ``converted_from`` the version a
     row was measured as."""
-    out = frame.copy() if version < 3 else _ranked_again(frame)
+    out = frame.copy() if version < 3 else _ranked_again(frame, facts)
     if version == 3:
         return out
     changed = list(DCP_COLUMNS)
@@ -359,11 +359,11 @@ def upgrade(frame: pd.DataFrame, version: int = 1, facts: RouteFacts | None = No
     for name in (*changed, *provenance):
         out[name] = out[name].astype(_dtype(COLUMN_TYPES[name]))
     ordered = [c for c in COLUMNS if c in out] + [c for c in out if c not in COLUMN_TYPES]
-    return _ranked_again(out[ordered])
+    return _ranked_again(out[ordered], facts)
 
 
 
-def _ranked_again(frame: pd.DataFrame) -> pd.DataFrame:
+def _ranked_again(frame: pd.DataFrame, facts: RouteFacts | None) -> pd.DataFrame:
     """A v3 table's rows ranked by step cost, its provenance v4 (``converted_from`` kept where
     a row was converted before, else "v3"); a damaged one as found, for validate."""
     try:
@@ -371,7 +371,7 @@ def _ranked_again(frame: pd.DataFrame) -> pd.DataFrame:
         converted = out["converted_from"].astype(str)
         out["converted_from"] = converted.where(converted != "", "v3")
         out["schema_version"] = np.int64(SCHEMA_VERSION)
-        ranked = assign_ranks(out)
+        ranked = assign_ranks(out, sharing=facts.plan_sharing() if facts else ())
     except Exception:
         return frame
     return ranked.astype({c: frame[c].dtype for c in ("converted_from", "schema_version")})
