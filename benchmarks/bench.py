@@ -178,7 +178,7 @@ def _timed(route, problem, inputs, want, params: dict, device, budget) -> Timed:
         torch.cuda.synchronize()
         acc = check(problem, prepared.out, want[0], prepared.lse,
                     want[1] if prepared.lse is not None else None,
-                    **routes.rounding(route, problem, result.params))
+                    rounding=routes.rounding(route, problem, result.params))
         result.rel_l2 = acc.rel_l2
         if not acc.ok:
             result.status = f"rejected_accuracy: {acc.reason}"

@@ -2,7 +2,7 @@ import math
 
 import torch
 
-from mlatune.check.accuracy import compare, tolerance_for
+from mlatune.check.accuracy import Rounding, compare, looser, tolerance_for
 from mlatune.problem import DTYPES
 
 
@@ -15,18 +15,19 @@ def test_tolerances_are_ordered_by_precision():
 
 def test_p_rounded_sits_between_a_16_bit_q_and_a_quantized_one():
     """P rounded to fp8 with a 16-bit-precision q: looser than bf16, half a quantized q's
-    output bound; a quantized q wins when both are declared; an fp8 q keeps its own; an
+    output bound; of two classes the looser one's; an fp8 q keeps its own; an
     override of the fp8 class reaches it."""
     bf16 = tolerance_for("bf16", "fp8_e4m3fn")
-    rounded = tolerance_for("bf16", "fp8_e4m3fn", p_rounded=True)
-    quantized = tolerance_for("bf16", "fp8_e4m3fn", q_quantized=True)
+    rounded = tolerance_for("bf16", "fp8_e4m3fn", rounding=Rounding.P_FP8)
+    quantized = tolerance_for("bf16", "fp8_e4m3fn", rounding=Rounding.Q_FP8)
     assert bf16.rel_l2 < rounded.rel_l2 < quantized.rel_l2
     assert bf16.lse_abs < rounded.lse_abs < quantized.lse_abs
-    assert tolerance_for("fp16", "fp8_e4m3fn", p_rounded=True) == rounded
-    assert tolerance_for("bf16", "fp8_e4m3fn", q_quantized=True, p_rounded=True) == quantized
+    assert tolerance_for("fp16", "fp8_e4m3fn", rounding=Rounding.P_FP8) == rounded
+    assert looser(Rounding.P_FP8, Rounding.Q_FP8) == looser(Rounding.Q_FP8, Rounding.NONE) \
+        == Rounding.Q_FP8
     fp8 = tolerance_for("fp8_e4m3fn", "fp8_e4m3fn")
-    assert tolerance_for("fp8_e4m3fn", "fp8_e4m3fn", p_rounded=True) == fp8
-    assert tolerance_for("bf16", "fp8_e4m3fn", {"fp8": 0.05}, p_rounded=True).rel_l2 == 0.05
+    assert tolerance_for("fp8_e4m3fn", "fp8_e4m3fn", rounding=Rounding.P_FP8) == fp8
+    assert tolerance_for("bf16", "fp8_e4m3fn", {"fp8": 0.05}, Rounding.P_FP8).rel_l2 == 0.05
 
 
 def test_rounding_passes_and_bugs_fail():

@@ -129,7 +129,7 @@ def test_a_captured_step_replays_with_new_lengths(route_id, persistent, problem,
                               inputs.seq_lens, inputs.shards, sm_scale=scale)
         want_out, want_lse = expected_now(scaled)
         accuracy = check(problem, out, want_out, lse, want_lse,
-                         **routes.rounding(route, problem))
+                         rounding=routes.rounding(route, problem))
         assert accuracy.ok, f"replay {n}: {accuracy.reason}"
 
 

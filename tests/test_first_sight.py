@@ -11,7 +11,7 @@ import torch
 from mlatune import attention, routes, table
 from mlatune.arch import cpu_device
 from mlatune.check import reference
-from mlatune.check.accuracy import check
+from mlatune.check.accuracy import Rounding, check
 from mlatune.check.inputs import make_decode_inputs
 from mlatune.dispatch import Dispatcher, first_sight
 from mlatune.problem import MLAProblem
@@ -60,8 +60,8 @@ class RoundingRoute(ScaledRoute):
 
     factor = 1.02
 
-    def rounds_p(self, problem, params) -> bool:
-        return True
+    def rounding(self, problem, params) -> Rounding:
+        return Rounding.P_FP8
 
 
 @pytest.fixture

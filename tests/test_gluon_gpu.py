@@ -131,7 +131,7 @@ def test_stale_cache_slots_hold_nan(item):
         prepared.run()
         torch.cuda.synchronize()
         acc = check(problem, prepared.out, want_out, prepared.lse, want_lse,
-                    **routes.rounding(route, problem, params))
+                    rounding=routes.rounding(route, problem, params))
         assert acc.ok, f"{params}: {acc.reason} ({acc.summary})"
 
 

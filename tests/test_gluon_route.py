@@ -17,6 +17,7 @@ import torch
 
 from mlatune import capability, routes
 from mlatune.arch import cpu_device
+from mlatune.check.accuracy import Rounding
 from mlatune.check.inputs import make_decode_inputs
 from mlatune.kernels import (
     gluon_common,
@@ -605,14 +606,13 @@ def test_transposed_fp8_sets_alternate_fp8_mmas_and_the_widening_up_to_16_rows(m
     assert (fp8_pick, plan.pick_splits(2, 1, 4096)) == (22, 64)
     assert [p["num_splits"] for p in space[::2]] == [22, 11, 44]
     assert [p["num_splits"] for p in space[1::2]] == [64, 32]
-    rounded = {"q_quantized": False, "p_rounded": True}
-    assert [routes.rounding(route, fp8, p) for p in space[:2]] == \
-        [rounded, {"q_quantized": False, "p_rounded": False}]
+    rounded, none = Rounding.P_FP8, Rounding.NONE
+    assert [routes.rounding(route, fp8, p) for p in space[:2]] == [rounded, none]
     assert routes.rounding(route, fp8) == rounded
-    assert not routes.rounding(route, fp8, {"num_splits": 2})["p_rounded"]
-    assert not any(routes.rounding(route, _p(batch=2, kv_len=4096), {"form": "mma8"}).values())
+    assert routes.rounding(route, fp8, {"num_splits": 2}) == none
+    assert routes.rounding(route, _p(batch=2, kv_len=4096), {"form": "mma8"}) == none
     for wide in (_p(num_heads=32, batch=2, kv_dtype="fp8_e4m3fn"),  # 32 rows a program
                  _p(batch=2, qlen=2, kv_dtype="fp8_e4m3fn")):
         assert route.block_rows(wide) == 32
         assert all(p["form"] == "mma16" for p in route.param_space(wide, H200))
-        assert not any(routes.rounding(route, wide).values())
+        assert routes.rounding(route, wide) == Rounding.NONE

@@ -6,7 +6,7 @@ import torch
 from mlatune import routes
 from mlatune.arch import cpu_device
 from mlatune.check import reference
-from mlatune.check.accuracy import check
+from mlatune.check.accuracy import Rounding, check
 from mlatune.check.inputs import make_inputs, poison_
 from mlatune.lse import combine
 from mlatune.problem import MLAProblem
@@ -131,19 +131,19 @@ def test_params_at_keeps_the_recipe_and_redoes_sized_params():
     assert params_at(sdpa, {"x": 1}, there, here, H200) == {"x": 1}
 
 
-def test_quantizes_q_per_route_and_params():
-    """The looser quantized-q tolerance only where q is quantized: FlashMLA over an fp8
-    cache, whatever its params; no Triton or Gluon set (transposed/gluon's fp8-MMA sets
-    keep q near 16 bits and declare P rounded instead: tests/test_gluon_route.py)."""
+NONE, Q_FP8 = Rounding.NONE, Rounding.Q_FP8
+
+
+def test_quantized_q_per_route_and_params():
+    """The quantized-q class only where q is quantized: FlashMLA over an fp8 cache,
+    whatever its params; no Triton or Gluon set (transposed/gluon's fp8-MMA sets keep q near
+    16 bits and declare P rounded instead: tests/test_gluon_route.py); none over an fp8 q."""
     fp8 = MLAProblem(num_heads=16, batch=2, kv_len=256, q_dtype="bf16", kv_dtype="fp8_e4m3fn")
     for route_id in ("padded/triton", "segmented/triton", "wgmma/gluon"):
-        assert not routes.quantizes_q(routes.get(route_id), fp8, {"num_splits": 2}), route_id
-        assert not routes.quantizes_q(routes.get(route_id), fp8), route_id
+        assert routes.rounding(routes.get(route_id), fp8, {"num_splits": 2}) == NONE, route_id
+        assert routes.rounding(routes.get(route_id), fp8) == NONE, route_id
     flashmla = routes.get("dense/flashmla")
-    assert routes.quantizes_q(flashmla, fp8) and routes.quantizes_q(flashmla, fp8, {"x": 1})
+    assert routes.rounding(flashmla, fp8) == routes.rounding(flashmla, fp8, {"x": 1}) == Q_FP8
     both_fp8 = dataclasses.replace(fp8, q_dtype="fp8_e4m3fn")
-    assert not routes.quantizes_q(flashmla, both_fp8)  # q is fp8 already
-    # routes.rounding: check's keywords; FlashMLA rounds P only as part of a quantized q
-    assert routes.rounding(flashmla, fp8) == {"q_quantized": True, "p_rounded": False}
-    assert routes.rounding(routes.get("padded/triton"), fp8) == \
-        {"q_quantized": False, "p_rounded": False}
+    assert routes.rounding(flashmla, both_fp8) == NONE  # q is fp8 already
+    assert routes.rounding(flashmla, dataclasses.replace(fp8, kv_dtype="bf16")) == NONE

@@ -99,7 +99,7 @@ def test_route_at_real_size(item):
             prepared.run()
             torch.cuda.synchronize()
             acc = check(problem, prepared.out, wants[rank][0], prepared.lse, wants[rank][1],
-                        **routes.rounding(route, problem, params))
+                        rounding=routes.rounding(route, problem, params))
             if not acc.ok:
                 failures.append(f"rank {rank} {params}: {acc.reason} ({acc.summary})")
             outs.append(prepared.out)
@@ -112,7 +112,7 @@ def test_route_at_real_size(item):
             merge_partials_into(torch.stack(outs), torch.stack(lses), out, lse)
             want = reference.decode(inputs)
             acc = check(problem, out, want[0], lse, want[1],
-                        **routes.rounding(route, problem, params))
+                        rounding=routes.rounding(route, problem, params))
             if not acc.ok:
                 failures.append(f"merged {params}: {acc.reason} ({acc.summary})")
     assert not failures, "\n".join(failures)
@@ -144,7 +144,7 @@ def test_cuda_graph_replay(item):
             graph.replay()
             torch.cuda.synchronize()
             acc = check(problem, prepared.out, want_out, prepared.lse, want_lse,
-                        **routes.rounding(route, problem, params))
+                        rounding=routes.rounding(route, problem, params))
             assert acc.ok, f"{params}: {acc.reason} ({acc.summary})"
 
 

@@ -88,7 +88,7 @@ def test_vendor_route_matches_reference(item):
         outs.append(prepared.out)
         lses.append(prepared.lse)
         want_out, want_lse = reference.decode_shard(inputs, shard)
-        acc = check(problem, prepared.out, want_out, prepared.lse, want_lse, **rounds)
+        acc = check(problem, prepared.out, want_out, prepared.lse, want_lse, rounding=rounds)
         if route_id.endswith("/flashinfer") and problem.kv_dtype == FP8:
             # FlashInfer dequantizes an fp8 cache to bf16 with the scale applied
             # (mla_hopper.cuh repack_fp8_kv_to_bf16); its LSE was seen 0.046-0.051 off at
@@ -102,7 +102,7 @@ def test_vendor_route_matches_reference(item):
         poison_(out, lse)
         merge_partials_into(torch.stack(outs), torch.stack(lses), out, lse)
         want_out, want_lse = reference.decode(inputs)
-        acc = check(problem, out, want_out, lse, want_lse, **rounds)
+        acc = check(problem, out, want_out, lse, want_lse, rounding=rounds)
         assert acc.ok, f"merged: {acc.reason} ({acc.summary})"
 
 

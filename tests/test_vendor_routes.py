@@ -10,7 +10,7 @@ import torch
 from mlatune import routes
 from mlatune.arch import DeviceInfo
 from mlatune.check import reference
-from mlatune.check.accuracy import check, tolerance_for
+from mlatune.check.accuracy import Rounding, check, tolerance_for
 from mlatune.check.inputs import make_inputs, poison_, shard_lengths
 from mlatune.dcp import merge_ranks_into
 from mlatune.problem import MLAProblem
@@ -53,7 +53,7 @@ def run_route(route_id: str, problem: MLAProblem, seed: int = 3):
         merge_ranks_into(torch.stack([p.out for p in prepared]),
                          torch.stack([p.lse for p in prepared]), out, lse)
     want_out, want_lse = reference.run(inputs)
-    acc = check(problem, out, want_out, lse, want_lse, **routes.rounding(route, problem))
+    acc = check(problem, out, want_out, lse, want_lse, rounding=routes.rounding(route, problem))
     return inputs, prepared, acc
 
 
@@ -80,7 +80,7 @@ def test_flashmla_fp8_cache_quantizes_a_bf16_q_and_says_so(monkeypatch):
     _, prepared, acc = run_route("dense/flashmla", problem)
     assert acc.ok, acc.reason
     assert prepared[0].params["q"] == "fp8 per-tensor"
-    assert routes.quantizes_q(routes.get("dense/flashmla"), problem)
+    assert routes.rounding(routes.get("dense/flashmla"), problem) == Rounding.Q_FP8
     # Held to the bf16 tolerance it would fail: the quantized q is what costs accuracy.
     assert acc.rel_l2 > tolerance_for("bf16", FP8).rel_l2
 
@@ -91,7 +91,7 @@ def test_flashmla_fp8_q_passes_its_own_scale(monkeypatch):
     _, prepared, acc = run_route("dense/flashmla", problem)
     assert acc.ok, acc.reason
     assert "q" not in prepared[0].params
-    assert not routes.quantizes_q(routes.get("dense/flashmla"), problem)
+    assert routes.rounding(routes.get("dense/flashmla"), problem) == Rounding.NONE
 
 
 def test_flashmla_plans_again_from_lengths_rewritten_in_place(monkeypatch):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import StrEnum
 
 import torch
 
@@ -31,8 +32,8 @@ class Tolerance:
 # - bf16 (8-bit significand, roundoff 2^-8 = 3.9e-3): the same two roundings add
 #   about 2.5e-3 relative; 1e-2 leaves margin and stays 100x below a bug.
 # - 16-bit q with an fp8 cache: fp8 -> 16-bit is exact (e4m3 fits in both), so
-#   the error is the 16-bit one. A route that quantizes a 16-bit q to fp8 (FlashMLA
-#   over an fp8 cache) declares it and is held to the fp8 bound below.
+#   the error is the 16-bit one. A route that rounds past the problem's dtypes declares
+#   its ``Rounding`` and is held to that class's bound below.
 # - fp8 q and fp8 cache: kernels in this regime (AITER's, FlashMLA's) also round
 #   P to e4m3 (roundoff 2^-4) for the PV product, which alone gives about 4e-2
 #   relative; 8e-2 admits that and still refuses any indexing bug.
@@ -45,40 +46,48 @@ _TOLERANCES = {
 }
 
 
-# A 16-bit q quantized to fp8 per tensor by the route (FlashMLA's fp8 path takes an fp8 q
-# with one descale): the fp8 output bound, and an LSE bound for what the quantized scores
-# cost. Measured on the H200 (2026-11-30, benchmarks/vendor_smoke.toml and decode.py): LSE
-# errors of 0.21-0.49 at 16-128 heads and 4k-32k keys, output rel_l2 within 8e-2. An
-# indexing bug moves the output's rel_l2 toward 1, which the output bound still refuses.
+class Rounding(StrEnum):
+    """What a route rounds beyond the problem's own dtypes: its numeric class, declared per
+    parameter set (``Route.rounding``). Over an fp8 q every class is the fp8 one."""
+
+    NONE = "none"  # only the problem's dtypes (an fp8 cache widens to 16 bits exactly)
+    P_FP8 = "p-fp8"  # P rounded to e4m3 for P.V; q kept near 16 bits (two e4m3 terms)
+    Q_FP8 = "q-fp8"  # a 16-bit q quantized to fp8 per tensor (and P rounded to fp8)
+
+
+# Q_FP8 (FlashMLA's fp8 path takes an fp8 q with one descale): the fp8 output bound, and an
+# LSE bound for what the quantized scores cost. Measured on the H200 (2026-11-30,
+# benchmarks/vendor_smoke.toml and decode.py): LSE errors of 0.21-0.49 at 16-128 heads and
+# 4k-32k keys, output rel_l2 within 8e-2. An indexing bug moves the output's rel_l2 toward
+# 1, which the output bound still refuses.
 QUANTIZED_Q = Tolerance(rel_l2=8e-2, lse_abs=0.6)
 
-# P rounded to e4m3 for P.V while q keeps about 16-bit precision (transposed/gluon's fp8-MMA
-# sets: q as two e4m3 terms). Measured on the H200 (2026-12-01): rel_l2 0.004-0.025 over
-# 1,200 sweep runs (median 0.012), 0.009-0.018 in the GPU tests; LSE within 0.05 on the GPU
-# tests' cases (the sweep records no LSE error). Half QUANTIZED_Q's output bound: one term
-# (a quantized q) measured 0.028-0.082, mostly above.
+# P_FP8 (transposed/gluon's fp8-MMA sets). Measured on the H200 (2026-12-01): rel_l2
+# 0.004-0.025 over 1,200 sweep runs (median 0.012), 0.009-0.018 in the GPU tests; LSE within
+# 0.05 on the GPU tests' cases. Half QUANTIZED_Q's output bound: one term (a quantized q)
+# measured 0.028-0.082, mostly above.
 P_ROUNDED = Tolerance(rel_l2=4e-2, lse_abs=1e-1)
+
+_ROUNDED = {Rounding.P_FP8: P_ROUNDED, Rounding.Q_FP8: QUANTIZED_Q}
+
+
+def looser(a: Rounding, b: Rounding) -> Rounding:
+    """The class with the looser bound (classes are declared from tightest to loosest)."""
+    order = list(Rounding)
+    return max(Rounding(a), Rounding(b), key=order.index)
 
 
 def tolerance_for(q_dtype: str, kv_dtype: str,
                   rel_l2_overrides: dict[str, float] | None = None,
-                  q_quantized: bool = False, p_rounded: bool = False) -> Tolerance:
-    """Tolerance for a (q dtype, kv dtype) pair; a spec may override rel_l2 per class.
-
-    ``q_quantized``: the route quantizes a 16-bit q to fp8 (FlashMLA over an fp8
-    cache), so the fp8 tolerance applies and the table says so in its params.
-    ``p_rounded``: the route rounds P to fp8 and keeps a 16-bit q near its precision
-    (``P_ROUNDED``). A spec's override of the fp8 class replaces the rel_l2 of both (one
-    that loosens fp8 q's bound loosens P_ROUNDED's as much).
-    """
+                  rounding: Rounding = Rounding.NONE) -> Tolerance:
+    """Tolerance for a (q dtype, kv dtype) pair and what the route rounds beyond them; a spec
+    may override rel_l2 per class ("fp16", "bf16", "fp8": an override of "fp8" also
+    replaces the rel_l2 of a 16-bit q's rounded classes)."""
     # fp8 -> 16-bit is exact, so a 16-bit q keeps its own tolerance over an fp8 cache.
     sixteen = q_dtype not in FP8_DTYPES
-    cls = "fp8" if not sixteen or q_quantized or p_rounded else q_dtype
-    tol = _TOLERANCES[cls]
-    if sixteen and q_quantized:
-        tol = QUANTIZED_Q
-    elif sixteen and p_rounded:
-        tol = P_ROUNDED
+    rounded = sixteen and rounding != Rounding.NONE
+    cls = q_dtype if sixteen and not rounded else "fp8"
+    tol = _ROUNDED[rounding] if rounded else _TOLERANCES[cls]
     if rel_l2_overrides and cls in rel_l2_overrides:
         tol = Tolerance(rel_l2_overrides[cls], tol.lse_abs)
     return tol
@@ -144,10 +153,9 @@ def compare(
 
 
 def check(problem: MLAProblem, out, ref_out, lse=None, ref_lse=None,
-          rel_l2_overrides: dict[str, float] | None = None, q_quantized: bool = False,
-          p_rounded: bool = False) -> Accuracy:
-    """Compare with the problem's dtype tolerance (a looser one where the route quantized q
-    or rounded P: ``routes.rounding`` says which)."""
-    tol = tolerance_for(problem.q_dtype, problem.kv_dtype, rel_l2_overrides, q_quantized,
-                        p_rounded)
+          rel_l2_overrides: dict[str, float] | None = None,
+          rounding: Rounding = Rounding.NONE) -> Accuracy:
+    """Compare with the tolerance of the problem's dtypes and the route's ``rounding``
+    (``routes.rounding`` says what a route rounds)."""
+    tol = tolerance_for(problem.q_dtype, problem.kv_dtype, rel_l2_overrides, rounding)
     return compare(out, ref_out, tol, lse, ref_lse)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mlatune import table
-from mlatune.check.accuracy import check
+from mlatune.check.accuracy import check, looser
 from mlatune.dispatch.sources import overlaid
 from mlatune.measure import timers
 from mlatune.measure.records import table_rows
@@ -76,8 +76,7 @@ def measure(dispatcher: Dispatcher, problem: MLAProblem, prepared_for: MLAProble
             continue
         if anchor is None:
             anchor, anchor_rounding = out, rounds
-        elif not check(problem, out, anchor,
-                       **{k: v or anchor_rounding[k] for k, v in rounds.items()}).ok:
+        elif not check(problem, out, anchor, rounding=looser(rounds, anchor_rounding)).ok:
             continue  # disagrees with the dispatcher's answer: not trusted
         timed.append((timing.median_us, choice, prepared.params))
     if not timed:

@@ -17,7 +17,7 @@ arrivals).
   the last tile.
 - P (in [0, 1]) is scaled by 2^P_SHIFT before its cast to e4m3, so values down to 2^-17
   survive; the epilogue divides the shift out with the cache's V scale. P in e4m3 keeps the
-  output error near 1e-2: the route declares these sets ``rounds_p``.
+  output error near 1e-2: the route declares these sets ``Rounding.P_FP8``.
 - Hopper's fp8 wgmma takes both operands K-major, so V^T (keys contiguous) is built by the
   transposer through registers (byte permutes), stale rows of a split's last tile as zeros;
   both tiles' V^T share one buffer of 128-byte rows, each key renamed to a slot (P^T's rows

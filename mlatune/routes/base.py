@@ -31,8 +31,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from mlatune.arch import DeviceInfo
+from mlatune.check.accuracy import Rounding
 from mlatune.check.inputs import DecodeInputs, PrefillInputs
-from mlatune.problem import MLAProblem
+from mlatune.problem import FP8_DTYPES, MLAProblem
 from mlatune.steps import (  # noqa: F401  (re-exported: routes declare step kinds)
     DEVICE_PLANNED,
     HOST_PLANNED,
@@ -176,13 +177,11 @@ class Route(ABC):
         """What ``prepare(params=params)``'s ``Prepared.step_kind`` will be, known without a GPU."""
         return LAUNCH_ONLY
 
-    def quantizes_q(self, problem: MLAProblem, params: Params) -> bool:
-        """Whether it quantizes a 16-bit q to fp8 (the fp8 tolerance then applies)."""
-        return False
-
-    def rounds_p(self, problem: MLAProblem, params: Params) -> bool:
-        """Whether it rounds P to fp8 while q keeps about 16-bit precision."""
-        return False
+    def rounding(self, problem: MLAProblem, params: Params) -> Rounding:
+        """What it rounds beyond the problem's dtypes when run with ``params`` (empty: its
+        first set at the problem): its numeric class, which the accuracy bound and the
+        caller's accuracy policy read."""
+        return Rounding.NONE
 
     def fill_defaults(self, params: Params, space: list[Params]) -> Params:
         """``params`` as the route runs them, ``space`` being its sets at the problem: the first
@@ -210,17 +209,12 @@ def step_kind_of(route: Route, params: Params) -> StepKind:
     return route.step_kind(params)
 
 
-def quantizes_q(route: Route, problem: MLAProblem, params: Params | None = None) -> bool:
-    """Whether ``route`` run with ``params`` (None: its defaults) quantizes a 16-bit q."""
-    return route.quantizes_q(problem, params or {})
-
-
-def rounding(route: Route, problem: MLAProblem, params: Params | None = None
-             ) -> dict[str, bool]:
+def rounding(route: Route, problem: MLAProblem, params: Params | None = None) -> Rounding:
     """What ``route`` run with ``params`` (None: its defaults) rounds past the problem's
-    dtypes, as ``check.accuracy.check``'s keywords."""
-    return {"q_quantized": route.quantizes_q(problem, params or {}),
-            "p_rounded": route.rounds_p(problem, params or {})}
+    dtypes (``Route.rounding``); NONE over an fp8 q, whose own bound is the fp8 one."""
+    if problem.q_dtype in FP8_DTYPES:
+        return Rounding.NONE
+    return Rounding(route.rounding(problem, params or {}))
 
 
 def with_defaults(route: Route, params: Params | None, space: list[Params]) -> Params:

@@ -16,7 +16,7 @@ The step: the plan is FlashMLA's scheduler (a device kernel over this step's
 lengths: tile metadata and split counts), the launch its decode, so the route is
 captured whole in a CUDA graph. Over an fp8 cache the kernel reads an fp8 q: a
 bf16 q is quantized per tensor (amax / 448) on the device in the launch, which
-costs accuracy (``quantizes_q``: the fp8 tolerance applies). The library
+costs accuracy (its ``rounding`` is ``Q_FP8``). The library
 allocates its outputs: ``run`` points ``Prepared.out``/``lse`` at them (so the
 poisoned buffers of a check are not what it writes), and ``attention.decode``
 copies into the caller's ``out=``.
@@ -34,6 +34,7 @@ import torch
 
 from mlatune import capability
 from mlatune.arch import DeviceInfo
+from mlatune.check.accuracy import Rounding
 from mlatune.check.inputs import DecodeInputs, PrefillInputs
 from mlatune.problem import FP8_DTYPES, MLAProblem
 from mlatune.routes.base import (
@@ -169,9 +170,10 @@ class FlashMLARoute(Route):
         """An even share of 64-key blocks per SM part, as its metadata gives."""
         return EvenBlocks(problem, cus) if problem.phase == "decode" else None
 
-    def quantizes_q(self, problem: MLAProblem, params: Params) -> bool:
-        """Whether a 16-bit q is quantized to fp8 (the fp8 tolerance applies)."""
-        return problem.kv_dtype in FP8_DTYPES and problem.q_dtype not in FP8_DTYPES
+    def rounding(self, problem: MLAProblem, params: Params) -> Rounding:
+        """Over an fp8 cache a 16-bit q is quantized to fp8 per tensor."""
+        quantized = problem.kv_dtype in FP8_DTYPES and problem.q_dtype not in FP8_DTYPES
+        return Rounding.Q_FP8 if quantized else Rounding.NONE
 
     def prepare(self, problem: MLAProblem, inputs: DecodeInputs | PrefillInputs, *,
                 rank: int = 0, params: Params | None = None, want_lse: bool = True,
@@ -188,7 +190,7 @@ class FlashMLARoute(Route):
                                   shard.kv_cache.shape[-1])
         fp8 = problem.kv_dtype in FP8_DTYPES
         q8 = descale_q = None
-        if self.quantizes_q(problem, params or {}):
+        if self.rounding(problem, params or {}) == Rounding.Q_FP8:
             q8 = torch.empty(q4.shape, dtype=shard.kv_cache.dtype, device=q4.device)
             descale_q = torch.empty(1, dtype=torch.float32, device=q4.device)
         elif fp8:

@@ -42,6 +42,7 @@ import torch
 
 from mlatune import capability
 from mlatune.arch import DeviceInfo, device_of
+from mlatune.check.accuracy import Rounding
 from mlatune.check.inputs import DecodeInputs, PrefillInputs
 from mlatune.kernels import gluon_hopper_plan as plan
 from mlatune.problem import FP8_DTYPES, MLAProblem
@@ -295,13 +296,13 @@ class TransposedGluonRoute(WgmmaGluonRoute):
         ``FP8_MMA_MAX_ROWS`` query rows a program."""
         return problem.kv_dtype in FP8_DTYPES and self.block_rows(problem) <= FP8_MMA_MAX_ROWS
 
-    def rounds_p(self, problem: MLAProblem, params: Params) -> bool:
-        """Whether P is rounded to fp8 (q kept near 16 bits by its two e4m3 terms; the
-        ``P_ROUNDED`` tolerance applies): the mma8 sets, and no params at all where the
-        route's first set is one."""
+    def rounding(self, problem: MLAProblem, params: Params) -> Rounding:
+        """P rounded to fp8, q kept near 16 bits by its two e4m3 terms: the mma8 sets, and no
+        params at all where the route's first set is one."""
         if problem.kv_dtype not in FP8_DTYPES:
-            return False
-        return params.get("form") == "mma8" if params else self.offers_fp8_mma(problem)
+            return Rounding.NONE
+        mma8 = params.get("form") == "mma8" if params else self.offers_fp8_mma(problem)
+        return Rounding.P_FP8 if mma8 else Rounding.NONE
 
     def block_rows(self, problem: MLAProblem) -> int:
         return plan.transposed_rows(problem.kernel_heads * problem.qlen)

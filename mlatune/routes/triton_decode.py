@@ -22,7 +22,7 @@ own (``mlatune.kernels``) that run wherever Triton does:
   own window), as the other families always do.
 
 Over an fp8 cache the kernels upcast each tile to q's 16-bit type (fp16 for an
-fp8 q, exactly) and quantize nothing, so no set declares ``quantizes_q``
+fp8 q, exactly) and quantize nothing, so every set's ``rounding`` is NONE
 (docs/kernels/triton_decode.md has the fp8-MMA form that lost to this path).
 
 The padding is applied as an index map when q rows are loaded and when results

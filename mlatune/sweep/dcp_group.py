@@ -81,8 +81,8 @@ def _checked(run: Callable[[], object], step: DcpStep, task: DcpTask, case: work
     mine = local_heads(dist.get_rank(), problem.num_heads)
     acc = check(problem, step.out, case.ref[0][:, mine], step.lse, case.ref[1][:, mine],
                 settings.tolerances,
-                **routes.rounding(routes.get(task.candidate.route_id), problem,
-                                  task.candidate.params))
+                rounding=routes.rounding(routes.get(task.candidate.route_id), problem,
+                                         task.candidate.params))
     verdicts = _gathered((acc.ok, acc.reason, acc.rel_l2, acc.max_abs))
     errors = {"rel_err": max(v[2] for v in verdicts), "max_abs_err": max(v[3] for v in verdicts)}
     bad = [(rank, v[1]) for rank, v in enumerate(verdicts) if not v[0]]

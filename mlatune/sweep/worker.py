@@ -137,7 +137,7 @@ def evaluate(data: dict[str, Any], device: torch.device, cache: _ProblemCache,
             ref_out, ref_lse = case.ref
             acc = check(problem, checked.out, ref_out, checked.lse,
                         ref_lse if checked.lse is not None else None, task.tolerances,
-                        **routes.rounding(route, problem, params))
+                        rounding=routes.rounding(route, problem, params))
             worst = {"rel_err": max(worst["rel_err"], acc.rel_l2),
                      "max_abs_err": max(worst["max_abs_err"], acc.max_abs)}
             lap("first_check_s" if case is cases[0] else "check_s")
