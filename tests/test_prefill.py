@@ -249,6 +249,41 @@ def test_split_tiles_are_merged_by_lse(dtype, causal, variant):
     assert acc.ok, acc.reason
 
 
+@interpreted
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
+def test_partial_merge_is_the_lse_combine(out_dtype):
+    """The merge kernel combines split tiles' partial slots (random outputs and LSEs; some
+    rows without keys in a slot, one row in none) as ``mlatune.lse.combine`` does."""
+    from mlatune.kernels.prefill import PlanTables, _merge_partials_kernel, run_launch
+    from mlatune.lse import combine
+
+    q_lens, heads, tile_q = [70, 100, 45], 3, 32
+    plan = plan_work(q_lens, q_lens, heads, 24, tile_q=tile_q, block_m=16, split_align=16,
+                     min_split=16)
+    assert len(plan.merges) >= 5
+    tables = PlanTables.of(plan, tile_q, 128, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(seed_of("merge", out_dtype))
+    tables.part_out.copy_(torch.randn(tables.part_out.shape, generator=gen))
+    lses = torch.randn(tables.part_lse.shape, generator=gen) * 4
+    lses[torch.rand(lses.shape, generator=gen) < 0.2] = float("-inf")
+    first = plan.merges[0]
+    lses[first.slot0 * tile_q + torch.arange(first.n_slots) * tile_q] = float("-inf")
+    tables.part_lse.copy_(lses)
+    out = torch.empty(sum(q_lens), heads, 128, dtype=out_dtype)
+    lse = torch.empty(sum(q_lens), heads)
+    poison_(out, lse)
+    run_launch(_merge_partials_kernel, tables.merge_launch(plan, out, lse, tile_q))
+    for m in plan.merges:
+        slots = [(m.slot0 + j) * tile_q + torch.arange(m.q_rows) for j in range(m.n_slots)]
+        want_out, want_lse = combine([tables.part_out[s] for s in slots],
+                                     [tables.part_lse[s] for s in slots])
+        rows = slice(m.q_row0, m.q_row0 + m.q_rows)
+        torch.testing.assert_close(out[rows, m.head], want_out.to(out_dtype))
+        torch.testing.assert_close(lse[rows, m.head], want_lse)
+    assert lse[first.q_row0, first.head] == float("-inf")
+    assert not out[first.q_row0, first.head].any()
+
+
 # The host plan -------------------------------------------------------------------
 @pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize("causal", [True, False])

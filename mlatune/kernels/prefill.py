@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from mlatune.kernels.attend import LN2
+from mlatune.kernels.lse import LOG2E, combine_finish, combine_step
 from mlatune.kernels.prefill_plan import (
     MERGE_INFO_COLUMNS,
     WORK_INFO_COLUMNS,
@@ -405,7 +406,8 @@ def _merge_partials_kernel(
     D_V: tl.constexpr, TILE_Q: tl.constexpr, BLOCK_R: tl.constexpr,
     INFO_COLUMNS: tl.constexpr,
 ):
-    """Combine the partial slots of one split tile (rows in BLOCK_R chunks) by their LSEs."""
+    """Combine the partial slots of one split tile (rows in BLOCK_R chunks) by their
+    natural-log LSEs (``lse.combine_step`` in base 2)."""
     # Columns as in prefill_plan.MergeItem.
     info = merge_info_ptr + tl.program_id(0) * INFO_COLUMNS
     q_row0 = tl.load(info + 0)
@@ -416,26 +418,19 @@ def _merge_partials_kernel(
     offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_v = tl.arange(0, D_V)
     row_ok = offs_r < q_rows
-    m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-    s = tl.zeros([BLOCK_R], dtype=tl.float32)
+    m2 = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    den = tl.zeros([BLOCK_R], dtype=tl.float32)
     acc = tl.zeros([BLOCK_R, D_V], dtype=tl.float32)
     for j in range(0, n_slots):
         part_rows = (slot0 + j).to(tl.int64) * TILE_Q + offs_r
         lse_j = tl.load(part_lse_ptr + part_rows, mask=row_ok, other=float("-inf"))
         o_j = tl.load(part_out_ptr + part_rows[:, None] * D_V + offs_v[None, :],
                       mask=row_ok[:, None], other=0.0)
-        m_new = tl.maximum(m, lse_j)
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_ref)
-        w = tl.exp(lse_j - m_ref)
-        s = s * alpha + w
-        acc = acc * alpha[:, None] + w[:, None] * o_j
-        m = m_new
-    s_safe = tl.where(s > 0.0, s, 1.0)
+        m2, den, acc = combine_step(m2, den, acc, lse_j * LOG2E, o_j)
+    res, lse = combine_finish(m2, den, acc)
     rows = (q_row0 + offs_r).to(tl.int64)
     o_ptrs = out_ptr + rows[:, None] * stride_o_row + head * stride_o_head + offs_v[None, :]
-    tl.store(o_ptrs, (acc / s_safe[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-    lse = tl.where(s > 0.0, m + tl.log(s_safe), float("-inf"))
+    tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     tl.store(lse_ptr + rows * stride_lse_row + head, lse, mask=row_ok)
 
 
