@@ -26,13 +26,7 @@ from triton.compiler.compiler import ASTSource
 
 from mlatune.kernels import prefill as kernels
 from mlatune.kernels.prefill_plan import MERGE_INFO_COLUMNS, WORK_INFO_COLUMNS
-from mlatune.routes.prefill_triton import (
-    _GPU_CONFIGS_16BIT,
-    _GPU_CONFIGS_FP8,
-    FP8_COMPARISON_CONFIGS,
-    FP8_QK_AHEAD_CONFIG,
-    TILE_Q,
-)
+from mlatune.routes.prefill_triton import _GPU_CONFIGS_16BIT, _GPU_CONFIGS_FP8, TILE_Q
 
 _FP32_POINTERS = ("lse_ptr", "part_out_ptr", "part_lse_ptr", "q_scale_ptr", "k_scale_ptr",
                   "v_scale_ptr")
@@ -59,9 +53,9 @@ def _aligned(fn, names) -> dict:
 
 
 def compile_main(dtype: str, config: tuple, arch: int = 90, kv_dtype: str | None = None):
-    """config: (block_m, block_n, num_warps, num_stages[, v_transposed, qk_ahead])."""
+    """config: (block_m, block_n, num_warps, num_stages[, v_transposed, grouped])."""
     block_m, block_n, warps, stages, *variant = config
-    v_transposed, qk_ahead = variant[:2] or (False, False)  # a plan flag may follow
+    v_transposed = bool(variant and variant[0])  # the plan flag (grouped) changes no kernel
     kv_dtype = kv_dtype or dtype
     pointers = {"q_ptr": dtype, "k_ptr": kv_dtype, "v_ptr": kv_dtype, "out_ptr": "bf16",
                 **dict.fromkeys(_FP32_POINTERS, "fp32"),
@@ -69,7 +63,7 @@ def compile_main(dtype: str, config: tuple, arch: int = 90, kv_dtype: str | None
     constants = dict(HAS_SCALES=kv_dtype.startswith("fp8"), CAUSAL=True, D_A=128, D_B=64,
                      D_V=128, BLOCK_M=block_m, BLOCK_N=block_n, TILE_Q=TILE_Q,
                      ROUND_P_FIRST=False, INFO_COLUMNS=WORK_INFO_COLUMNS,
-                     KV_UPCAST=kv_dtype != dtype, QK_AHEAD=qk_ahead,
+                     KV_UPCAST=kv_dtype != dtype,
                      P_SHIFT=8 if dtype == kv_dtype == "fp8e4nv" else 0,
                      V_ALIGN=kernels.V_ALIGN if v_transposed else 1)
     # The stride of v's contiguous dimension is 1, which Triton's launcher specializes.
@@ -176,8 +170,7 @@ def main() -> None:
         sys.exit("unset TRITON_INTERPRET: the interpreter compiles nothing")
     only = sys.argv[1:]  # substrings of job names, to compile a few
     jobs = [(f"bf16 {c}", lambda c=c: compile_main("bf16", c)) for c in _GPU_CONFIGS_16BIT]
-    jobs += [(f"fp8 {c}", lambda c=c: compile_main("fp8e4nv", c))
-             for c in (*_GPU_CONFIGS_FP8, *FP8_COMPARISON_CONFIGS, FP8_QK_AHEAD_CONFIG)]
+    jobs += [(f"fp8 {c}", lambda c=c: compile_main("fp8e4nv", c)) for c in _GPU_CONFIGS_FP8]
     jobs += [(f"bf16 over fp8 {c}", lambda c=c: compile_main("bf16", c, kv_dtype="fp8e4nv"))
              for c in _GPU_CONFIGS_16BIT]
     jobs += [("merge", compile_merge), ("transpose v", compile_transpose)]

@@ -28,12 +28,7 @@ from mlatune.kernels.prefill_plan import (
     v_transpose_tiles,
 )
 from mlatune.problem import DTYPES, MLAProblem
-from mlatune.routes.prefill_triton import (
-    _GPU_CONFIGS_FP8,
-    FP8_COMPARISON_CONFIGS,
-    FP8_QK_AHEAD_CONFIG,
-    TILE_Q,
-)
+from mlatune.routes.prefill_triton import _GPU_CONFIGS_FP8, TILE_Q
 from mlatune.routes.triton_support import interpreter_enabled
 
 H200 = DeviceInfo("sm_90", "NVIDIA H200", "nvidia", 132)
@@ -81,9 +76,10 @@ def run_route(route_id, problem, seed, params=None, want_lse=True):
 # kv_len > qlen gives every request a prefix of kv_len - qlen keys.
 SHAPES = [(12, 3, 20, 30), (16, 2, 40, 40), (24, 3, 24, 56), (128, 2, 8, 8)]
 
-# The kernel's variants: v as given; v transposed; v transposed with q.k one block ahead.
-VARIANTS = [(False, False), (True, False), (True, True)]
-variant_ids = ["v-rows", "v-transposed", "qk-ahead"]
+
+def v_transposed(dtype: str) -> bool:
+    """The v layout the route's sets read: transposed for fp8's P.V, as given for 16 bits."""
+    return dtype.startswith("fp8")
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"h{s[0]}-b{s[1]}-q{s[2]}-k{s[3]}")
@@ -142,24 +138,23 @@ def test_fp8_fnuz(heads):
     run_route("fp8-ps/triton", problem, seed_of("fnuz", heads))
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=variant_ids)
 @pytest.mark.parametrize(("dtype", "causal", "shape"), [
     ("fp8_e4m3fn", True, (12, 3, 20, 30)),
     ("fp8_e4m3fnuz", True, (16, 3, 37, 37)),
     ("fp8_e4m3fn", False, (4, 3, 40, 70)),
     ("fp16", True, (12, 3, 24, 56)),
 ])
-def test_every_kernel_variant(variant, dtype, causal, shape):
-    """Each variant through the route, ragged with prefixes, at two key blocks: 16
-    (several blocks a row, the diagonal inside the loop) and 64 (one partial block)."""
+def test_two_key_blocks(dtype, causal, shape):
+    """Through the route, ragged with prefixes, at two key blocks: 16 (several blocks a row,
+    the diagonal inside the loop) and 64 (one partial block)."""
     heads, batch, qlen, kv_len = shape
     route_id = "fp8-ps/triton" if dtype.startswith("fp8") else "bf16-ps/triton"
     for block_n in (16, 64):
         params = {"block_m": 32, "block_n": block_n, "num_warps": 4, "num_stages": 1,
-                  "v_transposed": variant[0], "qk_ahead": variant[1]}
+                  "v_transposed": v_transposed(dtype)}
         prepared, _ = run_route(route_id, prefill(heads, qlen, kv_len, batch, dtype, causal),
-                                seed_of("variant", variant, dtype, causal, block_n), params)
-        assert prepared.params["v_transposed"] == variant[0]
+                                seed_of("key-blocks", dtype, causal, block_n), params)
+        assert prepared.params["v_transposed"] == v_transposed(dtype)
 
 
 @interpreted
@@ -172,7 +167,7 @@ def test_transposed_v_has_aligned_requests_and_zero_padding():
     launch = PersistentPrefill(
         q, q, v, torch.empty(sum(k_lens), 2, 32, dtype=torch.bfloat16),
         torch.empty(sum(k_lens), 2), k_lens, k_lens, causal=True, sm_scale=1.0,
-        scales=(torch.ones(1),) * 3, config=KernelConfig(16, 16, 4, 1, True, False),
+        scales=(torch.ones(1),) * 3, config=KernelConfig(16, 16, 4, 1, True),
         num_programs=2)
     vt = launch._main_args[2]
     v.copy_(torch.randn(v.shape).to(v.dtype))  # each call copies the v of that call
@@ -225,10 +220,9 @@ def test_lse_is_optional_and_runs_repeat():
 
 # The kernel's split-KV path, which the routes reach only at GPU sizes -------
 @interpreted
-@pytest.mark.parametrize("variant", VARIANTS, ids=variant_ids)
 @pytest.mark.parametrize("dtype", ["fp16", "fp8_e4m3fn"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_split_tiles_are_merged_by_lse(dtype, causal, variant):
+def test_split_tiles_are_merged_by_lse(dtype, causal):
     from mlatune.kernels.prefill import KernelConfig, PersistentPrefill
 
     problem = prefill(3, 70, 100, 3, dtype, causal=causal)
@@ -240,7 +234,8 @@ def test_split_tiles_are_merged_by_lse(dtype, causal, variant):
     launch = PersistentPrefill(
         inputs.q, inputs.k, inputs.v, out, lse, inputs.cu_seqlens_q.diff().tolist(),
         inputs.cu_seqlens_k.diff().tolist(), causal=causal, sm_scale=problem.softmax_scale,
-        scales=scales, config=KernelConfig(16, 16, 4, 1, *variant), num_programs=24, tile_q=32,
+        scales=scales, config=KernelConfig(16, 16, 4, 1, v_transposed(dtype)), num_programs=24,
+        tile_q=32,
         min_split=16)
     assert len(launch.plan.merges) >= 5  # more programs than tiles: many tiles are cut
     poison_(out, lse)
@@ -370,7 +365,7 @@ def test_grouped_plan_through_the_kernel(causal):
         inputs.q, inputs.k, inputs.v, out, lse, inputs.cu_seqlens_q.diff().tolist(),
         inputs.cu_seqlens_k.diff().tolist(), causal=causal, sm_scale=problem.softmax_scale,
         scales=(inputs.q_scale, inputs.k_scale, inputs.v_scale),
-        config=KernelConfig(16, 16, 4, 1, True, False, True), num_programs=2, tile_q=32)
+        config=KernelConfig(16, 16, 4, 1, True, True), num_programs=2, tile_q=32)
     assert not launch.plan.merges and sum(map(len, launch.plan.programs)) >= 12
     poison_(out, lse)
     launch()
@@ -454,14 +449,24 @@ def test_param_space_is_small_and_valid(device, dtype):
     for params in space:
         assert TILE_Q % params["block_m"] == 0
         assert {"block_m", "block_n", "num_warps", "num_stages"} <= set(params) <= {
-            "block_m", "block_n", "num_warps", "num_stages", "v_transposed", "qk_ahead",
-            "grouped"}
-        assert params.get("v_transposed") or not params.get("qk_ahead")
+            "block_m", "block_n", "num_warps", "num_stages", "v_transposed", "grouped"}
     if dtype != "bf16" and device in (H200, cpu_device()):
-        # Hopper's fp8 P.V reads v transposed; q.k ahead is wrong on the H200 (call 6).
-        assert all(p["v_transposed"] and not p["qk_ahead"] for p in space)
+        assert all(p["v_transposed"] for p in space)  # Hopper's fp8 P.V reads v transposed
     if device is MI300 and dtype == "bf16":  # 64 KB of LDS: only the smallest config fits
         assert space == [{"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 1}]
+
+
+@pytest.mark.parametrize("route_id", ["fp8-ps/triton", "bf16-ps/triton"])
+def test_a_stored_triton_set_reads_without_the_deleted_qk_ahead(route_id):
+    """A set stored with ``qk_ahead`` off reads as the same set without it (the same kernel);
+    on, it named a deleted form: stale (None)."""
+    route = routes.get(route_id)
+    stored = {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3,
+              "v_transposed": True, "grouped": True, "kernel_heads": 16, "split_tiles": 3}
+    assert route.upgrade_params({**stored, "qk_ahead": False}) == stored
+    assert route.upgrade_params(stored) == stored
+    assert route.upgrade_params({**stored, "qk_ahead": True}) is None
+    assert route.upgrade_params({}) == {}
 
 
 # The GPU kernels, compiled here -------------------------------------------------------
@@ -475,10 +480,10 @@ def test_kernels_compile_for_hopper():
                           timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     reports = {r["kernel"]: r for r in map(json.loads, done.stdout.splitlines())}
-    # 16-bit, fp8 with its comparison and q.k-ahead configs, 16-bit over fp8; merge; transpose
-    assert len(reports) == 3 + 3 + 2 + 1 + 3 + 1 + 1
+    # 16-bit, fp8, 16-bit over fp8; merge; transpose
+    assert len(reports) == 3 + 3 + 3 + 1 + 1
     assert all(r["wgmma"] for name, r in reports.items() if name.startswith(("bf16", "fp8")))
-    # No key loop spills; outside it, deep fp8 pipelines and q.k ahead spill some.
+    # No key loop spills; outside it, deep fp8 pipelines spill some.
     assert all(r["loop_spill_accesses"] == 0 for r in reports.values()), reports
     assert all(r["stack"] <= 512 for r in reports.values()), reports
     for config in _GPU_CONFIGS_FP8:
@@ -488,13 +493,3 @@ def test_kernels_compile_for_hopper():
         assert r["wgmma_shapes"] == ["m64n128k32"], r
         assert (r["loop_wgmma_waits"], r["dots_in_flight"], r["sync_tile_loads"]) == (
             2, 2, 2), r
-    # q.k ahead: one key loop whose q.k halves stay in flight through the softmax; one
-    # wgmma wait per step, after P.V (P from registers). Its q.k prologue and last two
-    # P.V are outside the loop (4 register-staged tiles besides q's two).
-    r = reports[f"fp8 {FP8_QK_AHEAD_CONFIG}"]
-    assert (r["key_loops"], r["loop_wgmma_waits"], r["dots_in_flight"],
-            r["sync_tile_loads"]) == (1, 1, 2, 6), r
-    # As it was: each v tile loaded through registers, every dot waited for at once.
-    old = reports[f"fp8 {FP8_COMPARISON_CONFIGS[0]}"]
-    assert (old["loop_wgmma_waits"], old["dots_in_flight"], old["sync_tile_loads"]) == (
-        3, 0, 4), old

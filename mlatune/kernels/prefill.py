@@ -25,9 +25,7 @@ Hopper's fp8 wgmma takes its B operand only K-major, which for P.V means v with
 its keys contiguous: from v as given, Triton stages every v tile through
 registers, a synchronous load each key step. ``KernelConfig.v_transposed`` copies
 v once per call into a (heads, d_v, keys) buffer (``_transpose_v_kernel``) that
-the loop then streams with async copies. ``qk_ahead`` (``_attend_keys_ahead``)
-also issues the next block's q.k before this block's softmax, so the tensor
-cores compute it while the softmax runs.
+the loop then streams with async copies.
 The output is written in ``out``'s dtype, the LSE in fp32 as a natural log.
 All sizes are runtime arguments, so one compiled kernel serves every batch,
 length and head count of a (dtype, block config) pair.
@@ -70,14 +68,12 @@ class KernelConfig:
     # its B operand only K-major, and without this Triton loads each v tile
     # synchronously through registers (not pipelined).
     v_transposed: bool = False
-    qk_ahead: bool = False  # the hot loop keeps the next block's q.k in flight (fp8)
     grouped: bool = False  # plan the tiles head-grouped where they are many (L2 reuse)
 
     def as_params(self) -> dict[str, int | bool]:
         return {"block_m": self.block_m, "block_n": self.block_n,
                 "num_warps": self.num_warps, "num_stages": self.num_stages,
-                "v_transposed": self.v_transposed, "qk_ahead": self.qk_ahead,
-                "grouped": self.grouped}
+                "v_transposed": self.v_transposed, "grouped": self.grouped}
 
 
 def _interpreting() -> bool:
@@ -191,85 +187,6 @@ def _attend_keys(acc, l_i, m_i, q_a, q_b, k_base, v_base, q_pos, prefix, kv_star
 
 
 @triton.jit
-def _attend_keys_ahead(acc, l_i, m_i, q_a, q_b, k_base, v_base, q_pos, prefix, kv_lo,
-                       full_stop, kv_stop, stride_k_row, stride_v_key, stride_v_dim, qk_scale,
-                       CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, D_A: tl.constexpr,
-                       D_B: tl.constexpr, D_V: tl.constexpr, ROUND_P_FIRST: tl.constexpr,
-                       P_SHIFT: tl.constexpr):
-    """All keys [kv_lo, kv_stop) (at least one) in one loop that keeps the q.k of
-    block j+1 in flight on the tensor cores while block j's softmax runs.
-
-    A step runs P.V of block j-1, issues q.k of block j+1, then the softmax of block
-    j (masked from ``full_stop`` on: the causal diagonal). Triton waits for every
-    dot in flight after a dot whose result the loop reads at once (the P.V here); a
-    loop-carried dot result read only after such a wait may stay in flight (its
-    Hopper wgmma pipelining rules), which the two q.k halves are: they are carried
-    separately and summed in the next step, since a dot that feeds another dot's
-    accumulator is waited for at once. The first step's P.V multiplies zeros (there
-    is no block before), one wasted P.V per call; the last block's softmax and P.V
-    follow the loop. v is transposed here (key stride 1), so its loads in the loop
-    need no mask: every block but the last is whole.
-    """
-    offs_n = tl.arange(0, BLOCK_N)
-    kt_a_offs = offs_n[None, :] * stride_k_row + tl.arange(0, D_A)[:, None]
-    kt_b_offs = offs_n[None, :] * stride_k_row + (D_A + tl.arange(0, D_B))[:, None]
-    v_offs = offs_n[:, None] * stride_v_key + tl.arange(0, D_V)[None, :] * stride_v_dim
-    last = kv_lo + (kv_stop - 1 - kv_lo) // BLOCK_N * BLOCK_N
-    k_block = k_base + tl.cast(kv_lo, tl.int64) * stride_k_row
-    in_range = (kv_lo + offs_n < kv_stop)[None, :]
-    s_a = tl.dot(q_a, tl.load(k_block + kt_a_offs, mask=in_range, other=0.0))
-    s_b = tl.dot(q_b, tl.load(k_block + kt_b_offs, mask=in_range, other=0.0))
-    p_dtype: tl.constexpr = v_base.dtype.element_ty
-    # P is carried to the next step as bytes: Triton puts a dot operand that is a
-    # loop-carried value as such in shared memory (a store, a fence and a CTA barrier
-    # each step); one computed in the step, as the bitcast back is, stays in registers.
-    bits_dtype: tl.constexpr = tl.uint8 if p_dtype.primitive_bitwidth == 8 else tl.uint16
-    p_bits = tl.zeros([q_a.shape[0], BLOCK_N], dtype=bits_dtype)
-    alpha = tl.full([q_a.shape[0]], 1.0, dtype=tl.float32)
-    for start_n in range(kv_lo, last, BLOCK_N):
-        prev = tl.maximum(start_n - BLOCK_N, kv_lo)
-        # acc is rescaled here, next to its dot, not in the softmax: that keeps it in
-        # the P.V dot's layout (the scores' differs when BLOCK_N != D_V), not in both.
-        acc = tl.dot(p_bits.to(p_dtype, bitcast=True),
-                     tl.load(v_base + tl.cast(prev, tl.int64) * stride_v_key + v_offs),
-                     acc * alpha[:, None])
-        raw = s_a + s_b
-        zeros = raw * 0.0  # before masking: -inf * 0 is NaN
-        nxt = start_n + BLOCK_N
-        k_block = k_base + tl.cast(nxt, tl.int64) * stride_k_row
-        in_range = (nxt + offs_n < kv_stop)[None, :]
-        # The next q.k accumulates onto zeros made from this block's scores: that orders
-        # the sum above before the dots and lets each dot reuse its halves' registers.
-        # Otherwise the compiler sums after issuing them, the old and new halves live
-        # at once, and the loop's register copies read the accumulators of dots in
-        # flight, which makes ptxas wait for every wgmma at once (its warning C7514).
-        s_a = tl.dot(q_a, tl.load(k_block + kt_a_offs, mask=in_range, other=0.0), zeros)
-        s_b = tl.dot(q_b, tl.load(k_block + kt_b_offs, mask=in_range, other=0.0), zeros)
-        # The softmax in both branches, not the mask alone: a mask-only branch is
-        # turned into selects that every step pays (~130 instructions of ~740).
-        if start_n + BLOCK_N > full_stop:
-            raw = _mask_scores(raw, start_n + offs_n, q_pos, prefix, kv_stop, CAUSAL)
-            l_i, m_i, p_low, alpha = _online_softmax(raw, qk_scale, l_i, m_i, p_dtype, True,
-                                                     ROUND_P_FIRST, P_SHIFT)
-        else:
-            l_i, m_i, p_low, alpha = _online_softmax(raw, qk_scale, l_i, m_i, p_dtype, True,
-                                                     ROUND_P_FIRST, P_SHIFT)
-        p_bits = p_low.to(bits_dtype, bitcast=True)
-    # The last block: the P.V of the one before it, its softmax, its own P.V.
-    prev = tl.maximum(last - BLOCK_N, kv_lo)
-    acc = tl.dot(p_bits.to(p_dtype, bitcast=True),
-                 tl.load(v_base + tl.cast(prev, tl.int64) * stride_v_key + v_offs),
-                 acc * alpha[:, None])
-    raw = _mask_scores(s_a + s_b, last + offs_n, q_pos, prefix, kv_stop, CAUSAL)
-    l_i, m_i, p_low, alpha = _online_softmax(raw, qk_scale, l_i, m_i, p_dtype, True,
-                                             ROUND_P_FIRST, P_SHIFT)
-    v_last = tl.load(v_base + tl.cast(last, tl.int64) * stride_v_key + v_offs,
-                     mask=(last + offs_n < kv_stop)[:, None], other=0.0)
-    acc = tl.dot(p_low, v_last, acc * alpha[:, None])
-    return acc, l_i, m_i
-
-
-@triton.jit
 def _prefill_persistent_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
     q_scale_ptr, k_scale_ptr, v_scale_ptr, work_indptr_ptr, work_info_ptr,
@@ -281,7 +198,7 @@ def _prefill_persistent_kernel(
     D_A: tl.constexpr, D_B: tl.constexpr, D_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_Q: tl.constexpr,
     ROUND_P_FIRST: tl.constexpr, INFO_COLUMNS: tl.constexpr, KV_UPCAST: tl.constexpr,
-    QK_AHEAD: tl.constexpr, P_SHIFT: tl.constexpr, V_ALIGN: tl.constexpr,
+    P_SHIFT: tl.constexpr, V_ALIGN: tl.constexpr,
 ):
     if HAS_SCALES:
         qk_scale = sm_scale_log2 * tl.load(q_scale_ptr) * tl.load(k_scale_ptr)
@@ -332,21 +249,14 @@ def _prefill_persistent_kernel(
             acc = tl.zeros([BLOCK_M, D_V], dtype=tl.float32)
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
             m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-            if QK_AHEAD:
-                if kv_stop > kv_lo:
-                    acc, l_i, m_i = _attend_keys_ahead(
-                        acc, l_i, m_i, q_a, q_b, k_base, v_base, q_pos, prefix, kv_lo,
-                        full_stop, kv_stop, stride_k_row, stride_v_key, stride_v_dim, qk_scale,
-                        CAUSAL, BLOCK_N, D_A, D_B, D_V, ROUND_P_FIRST, P_SHIFT)
-            else:
-                acc, l_i, m_i = _attend_keys(
-                    acc, l_i, m_i, q_a, q_b, k_base, v_base, q_pos, prefix, kv_lo, full_stop,
-                    stride_k_row, stride_v_key, stride_v_dim, qk_scale, False, CAUSAL,
-                    BLOCK_N, D_A, D_B, D_V, ROUND_P_FIRST, KV_UPCAST, P_SHIFT, V_ALIGN)
-                acc, l_i, m_i = _attend_keys(
-                    acc, l_i, m_i, q_a, q_b, k_base, v_base, q_pos, prefix, full_stop, kv_stop,
-                    stride_k_row, stride_v_key, stride_v_dim, qk_scale, True, CAUSAL,
-                    BLOCK_N, D_A, D_B, D_V, ROUND_P_FIRST, KV_UPCAST, P_SHIFT, V_ALIGN)
+            acc, l_i, m_i = _attend_keys(
+                acc, l_i, m_i, q_a, q_b, k_base, v_base, q_pos, prefix, kv_lo, full_stop,
+                stride_k_row, stride_v_key, stride_v_dim, qk_scale, False, CAUSAL,
+                BLOCK_N, D_A, D_B, D_V, ROUND_P_FIRST, KV_UPCAST, P_SHIFT, V_ALIGN)
+            acc, l_i, m_i = _attend_keys(
+                acc, l_i, m_i, q_a, q_b, k_base, v_base, q_pos, prefix, full_stop, kv_stop,
+                stride_k_row, stride_v_key, stride_v_dim, qk_scale, True, CAUSAL,
+                BLOCK_N, D_A, D_B, D_V, ROUND_P_FIRST, KV_UPCAST, P_SHIFT, V_ALIGN)
             # Rows with no key in this item's range (only in a split tile's piece)
             # get output 0 and LSE -inf, which the merge weighs as nothing.
             has_keys = l_i > 0.0
@@ -535,12 +445,6 @@ class PersistentPrefill:
             raise ValueError(f"d_qk {d_qk} is not a sum of two powers of two >= 16")
         if any(t.stride(-1) != 1 for t in (q, k, v, out, lse)):
             raise ValueError("q, k, v, out and lse need a contiguous last dimension")
-        if config.qk_ahead and not config.v_transposed:
-            raise ValueError("qk_ahead needs v_transposed")
-        if config.qk_ahead and q.is_cuda:
-            # Right under the interpreter, wrong on the H200 (docs/kernels/prefill.md): not
-            # launched on a GPU.
-            raise ValueError("qk_ahead gives wrong results on the GPU (not yet found why)")
         v_align = V_ALIGN if config.v_transposed else 1
         self.plan: WorkPlan = plan_work(seq_lens_q, seq_lens_k, heads, num_programs,
                                         tile_q=tile_q, block_m=config.block_m, causal=causal,
@@ -571,8 +475,8 @@ class PersistentPrefill:
             HAS_SCALES=scales is not None, CAUSAL=causal, D_A=parts[0], D_B=parts[1], D_V=d_v,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, TILE_Q=tile_q,
             ROUND_P_FIRST=fp8_p and _interpreting(), INFO_COLUMNS=WORK_INFO_COLUMNS,
-            KV_UPCAST=upcast, QK_AHEAD=config.qk_ahead, P_SHIFT=fp8_p_shift(v.dtype) if fp8_p
-            else 0, V_ALIGN=v_align, num_warps=config.num_warps, num_stages=config.num_stages,
+            KV_UPCAST=upcast, P_SHIFT=fp8_p_shift(v.dtype) if fp8_p else 0, V_ALIGN=v_align,
+            num_warps=config.num_warps, num_stages=config.num_stages,
         )
         self._merge = tables.merge_launch(self.plan, out, lse, tile_q)
         # Keep every buffer the launches read alive as long as this object.

@@ -37,7 +37,7 @@ _SHARED_MEMORY = {"sm_80": 163 << 10, "sm_86": 99 << 10, "sm_89": 99 << 10,
                   "gfx950": 160 << 10}
 _DEFAULT_SHARED_MEMORY = 99 << 10
 
-# (block_m, block_n, num_warps, num_stages[, v_transposed, qk_ahead]), the default
+# (block_m, block_n, num_warps, num_stages[, v_transposed, grouped]), the default
 # first. Compiled for sm_90 by Triton 3.9 (tests/prefill_aot.py, no GPU needed) all
 # use wgmma; the 16-bit ones sit at the register limit (q, 128 x 192, stays in
 # registers), so wide key blocks and deep pipelines spill: (128, 64, 8, 2) spills 40
@@ -52,18 +52,13 @@ _GPU_CONFIGS_16BIT = ((128, 64, 8, 2), (128, 32, 8, 3), (128, 32, 8, 2))
 # The last flag plans head-grouped (prefill_plan._grouped_plan): at 128 heads x 4096
 # the contiguous plan streams ~132 heads' keys at once (~170 MB, past the 50 MB L2),
 # about 2.7 GB from HBM in all; grouped, a few heads at a time share them in L2.
-_GPU_CONFIGS_FP8 = ((128, 128, 8, 3, True, False, True), (128, 128, 8, 4, True, False, True),
-                    (128, 128, 8, 5, True, False, True))
-# Configs outside the space that the tests still cover: v as given, and the contiguous plan.
-FP8_COMPARISON_CONFIGS = ((128, 128, 8, 2, False, False), (128, 128, 8, 3, True, False))
-# q.k one block ahead (kept in flight through the softmax): right under the
-# interpreter, wrong on the H200, so never run on a GPU; tests/prefill_aot.py compiles it.
-FP8_QK_AHEAD_CONFIG = (128, 64, 8, 2, True, True)
+_GPU_CONFIGS_FP8 = ((128, 128, 8, 3, True, True), (128, 128, 8, 4, True, True),
+                    (128, 128, 8, 5, True, True))
 _SMALLEST_CONFIG = (64, 32, 4, 1)  # fits every device's shared memory
 # The interpreter runs block ops in numpy: fewer, larger blocks run faster. fp8 reads
 # v transposed there too, as on GPUs.
 _CPU_CONFIG = (32, 32, 4, 1)
-_CPU_CONFIG_FP8 = (32, 32, 4, 1, True, False, True)
+_CPU_CONFIG_FP8 = (32, 32, 4, 1, True, True)
 # fp8 on sm_90 with triton 3.6's Gluon: kernels/gluon_prefill_fp8 (warp-specialized, both
 # products fp8 wgmmas, P kept in registers; DeepSeek's 192/128 dims, e4m3fn). Its first
 # ``GLUON_LEADING`` sets lead the route's space where it runs, the last follows the Triton
@@ -88,8 +83,7 @@ GLUON_PARAM_SETS: tuple[Params, ...] = (
 
 def config_params(config: tuple) -> Params:
     """A config tuple as route params (fp8's variant flags only where the tuple has them)."""
-    keys = ("block_m", "block_n", "num_warps", "num_stages", "v_transposed", "qk_ahead",
-            "grouped")
+    keys = ("block_m", "block_n", "num_warps", "num_stages", "v_transposed", "grouped")
     return dict(zip(keys, config, strict=False))
 
 
@@ -156,7 +150,7 @@ class _PersistentPrefillRoute(Route):
         if not gluon:
             config = KernelConfig(params["block_m"], params["block_n"], params["num_warps"],
                                   params["num_stages"], bool(params.get("v_transposed")),
-                                  bool(params.get("qk_ahead")), bool(params.get("grouped")))
+                                  bool(params.get("grouped")))
         heads, kernel_heads = problem.num_heads, padded_heads(problem.num_heads)
         q, k, v = inputs.q, inputs.k, inputs.v
         dev = q.device
@@ -212,6 +206,13 @@ class _PersistentPrefillRoute(Route):
         if params.get("kernel") == "gluon":
             return {**GLUON_FORM_DEFAULTS, **params}
         return {**next(p for p in space if p.get("kernel") != "gluon"), **params}
+
+    def upgrade_params(self, params: Params) -> Params | None:
+        """A stored set in the current spelling: a Triton set without ``qk_ahead`` (off: the
+        same kernel; on: a deleted form, None)."""
+        if params.get("qk_ahead"):
+            return None
+        return {k: v for k, v in params.items() if k != "qk_ahead"}
 
     @staticmethod
     def _padded(src: torch.Tensor, head_index: torch.Tensor,
