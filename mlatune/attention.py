@@ -203,6 +203,7 @@ def decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     dispatcher = dispatcher or default_dispatcher(capturable)
     if max_kv_len is None:  # (no batch: 0, and the argument checks say why)
         max_kv_len = int(seq_lens.max()) if seq_lens.numel() else 0
+    runtime_checks.check_max_kv_len(max_kv_len)
     made = dict(num_heads=num_heads, qlen=qlen, causal=causal, kv_scale=kv_scale,
                 q_scale=q_scale, softmax_scale=softmax_scale, out=out, lse_out=lse_out,
                 dcp_rank=dcp_rank, dcp_size=dcp_size, kv_lora_rank=kv_lora_rank,
@@ -235,9 +236,8 @@ def _held_step(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                            "block_table tensors has planned yet; pass reuse_plan=False in "
                            "the step's first call")
     step = steps.get(key)
-    # A step serves max_kv_len in (kv_len / 2, kv_len], kv_len its power of two.
     if step is None or step.planner is not planner \
-            or not step.problem.kv_len >= max_kv_len > step.problem.kv_len // 2:
+            or _served_len(max_kv_len, step.problem.qlen) != step.problem.kv_len:
         step = _make_plan(q, kv_cache, block_table, seq_lens, max_kv_len=max_kv_len,
                           dispatcher=dispatcher, plan_from=planner, **made)
         if len(steps) >= PLAN_LIMIT and key not in steps:
@@ -287,6 +287,13 @@ def prepare_decode(
                       dispatcher=dispatcher, plan_from=plan_from)
 
 
+def _served_len(max_kv_len: int, qlen: int) -> int:
+    """The kv_len of the step that serves ``max_kv_len``: the power of two at or above it,
+    and at least qlen's (a batch of empty or short requests is served as a problem of qlen
+    keys, the fewest a problem holds)."""
+    return next_power_of_two(max(max_kv_len, qlen))
+
+
 def _check_values(problem: MLAProblem, kv_cache: torch.Tensor, block_table: torch.Tensor,
                   seq_lens: torch.Tensor, dcp_rank: int) -> None:
     runtime_checks.check_length_values(seq_lens, block_table, num_pages=kv_cache.shape[0],
@@ -308,16 +315,18 @@ def _make_plan(q, kv_cache, block_table, seq_lens, *, num_heads, qlen, causal, k
         q, kv_cache, block_table, seq_lens, num_heads=num_heads, qlen=qlen, dcp_rank=dcp_rank,
         dcp_size=dcp_size, kv_lora_rank=kv_lora_rank, kv_scale=kv_scale, q_scale=q_scale,
         softmax_scale=softmax_scale, out=out, lse_out=lse_out)
+    runtime_checks.check_max_kv_len(max_kv_len)
     if kv_cache.dim() == 4:
         kv_cache = kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], kv_cache.shape[3])
     problem = MLAProblem(
         phase="decode", num_heads=num_heads, qlen=qlen, q_dtype=_DTYPE_NAMES[q.dtype],
-        kv_dtype=_DTYPE_NAMES[kv_cache.dtype], batch=block_table.shape[0], kv_len=max_kv_len,
+        kv_dtype=_DTYPE_NAMES[kv_cache.dtype], batch=block_table.shape[0],
+        kv_len=max(max_kv_len, qlen),
         dcp_size=dcp_size, causal=causal, page_size=kv_cache.shape[1],
         kv_lora_rank=kv_lora_rank, rope_dim=kv_cache.shape[-1] - kv_lora_rank)
     if runtime_checks.checking_enabled() or runtime_checks.values_free_to_check(seq_lens):
         _check_values(problem, kv_cache, block_table, seq_lens, dcp_rank)
-    capped = problem.with_(kv_len=next_power_of_two(max_kv_len))
+    capped = problem.with_(kv_len=_served_len(max_kv_len, qlen))
     if plan_from is not None:
         return _sharing_step(plan_from, capped, q, kv_cache, q_scale, kv_scale, softmax_scale,
                              want_lse, {"out": out, "lse": lse_out})
@@ -338,6 +347,9 @@ def _make_plan(q, kv_cache, block_table, seq_lens, *, num_heads, qlen, causal, k
     for choice in dispatcher.alternatives(capped, first=dispatcher.select(problem)):
         route = dispatcher.route(choice.route_id)
         if capturable and not step_kind_of(route, dict(choice.params)).capturable:
+            continue
+        # A held step meets whatever lengths are written in place later, 0 among them.
+        if not route.serves_empty(capped, dict(choice.params)):
             continue
         prepared = _prepare(route, capped, inputs, dcp_rank, choice, want_lse, buffers)
         if want_lse and prepared.lse is None:

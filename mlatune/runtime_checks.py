@@ -14,7 +14,7 @@ The checks come in two tiers, split by what they cost:
   arguments, never a tensor's values, so it costs a few microseconds of Python and no
   device sync.
 - ``check_length_values`` reads the contents of ``seq_lens`` and ``block_table`` (every
-  length covers qlen and fits the table, every page id a request uses is in the cache).
+  length is >= 0 and fits the table, every page id a request uses is in the cache).
   On a GPU that read is a device sync: the host waits for the queue to drain before it
   can launch the next kernel, a stall on every decode step (and illegal while capturing
   a CUDA graph). So a call site runs it only when the values are free to read
@@ -50,6 +50,7 @@ __all__ = [
     "DecodeArgumentError",
     "check_decode_args",
     "check_length_values",
+    "check_max_kv_len",
     "checking_enabled",
     "values_free_to_check",
 ]
@@ -120,6 +121,14 @@ def check_decode_args(
     _check_softmax_scale(softmax_scale)
     _check_out(out, (rows, heads, kv_lora_rank), DTYPES[problem.out_dtype], problem.q_dtype)
     _check_lse_out(lse_out, (rows, heads))
+
+
+def check_max_kv_len(max_kv_len: int) -> None:
+    """``max_kv_len`` is an int >= 0 (0: every request of the batch is empty)."""
+    if not isinstance(max_kv_len, int) or isinstance(max_kv_len, bool):
+        _fail("max_kv_len", f"must be an int or None, got {max_kv_len!r}")
+    if max_kv_len < 0:
+        _fail("max_kv_len", f"must be >= 0 (the longest request's length), got {max_kv_len}")
 
 
 def _check_ints(**values: int) -> None:
@@ -284,28 +293,32 @@ def check_length_values(
     dcp_rank: int,
     dcp_size: int,
 ) -> None:
-    """Raise ``DecodeArgumentError`` unless every global length covers its qlen new tokens,
-    this rank's share of it fits the block table, and every page id it uses is one of the
-    cache's ``num_pages``. Reads the values (a device sync on a GPU: module docstring), once
-    on success. Table entries past a request's used pages are not looked at (engines pad
-    them with -1 or 0)."""
+    """Raise ``DecodeArgumentError`` unless every global length is >= 0, this rank's share of
+    it fits the block table, and every page id it uses is one of the cache's ``num_pages``.
+    Reads the values (a device sync on a GPU: module docstring), once on success. Table
+    entries past a request's used pages are not looked at (engines pad them with -1 or 0).
+
+    A length of 0 is an empty request (an engine's padding of a graph bucket): its rows get
+    output 0 and LSE -inf. A length below ``qlen`` is served with the causal window over
+    the keys that exist (token t sees keys ``[0, length - qlen + t]``; none: 0 and -inf),
+    FlashMLA's and FlashInfer's convention."""
     if tuple(seq_lens.shape) != (block_table.shape[0],):
         _fail("seq_lens", f"must be ({block_table.shape[0]},), one length per block_table "
                           f"row, got shape {tuple(seq_lens.shape)}")
     lens = seq_lens.to(torch.int64)  # int64: L + world - 1 must not wrap for L near 2**31
     local = shard_lengths(lens, dcp_rank, dcp_size).to(torch.int64)
     capacity = block_table.shape[1] * page_size
-    short, over = lens < max(qlen, 1), local > capacity
+    negative, over = lens < 0, local > capacity
     used = (local.clamp(max=capacity) + page_size - 1) // page_size
     columns = torch.arange(block_table.shape[1], device=block_table.device)
     outside = (block_table < 0) | (block_table >= num_pages)
     bad_page = outside & (columns[None, :] < used[:, None])
     # One host read on success, whatever the batch: three flags at once.
-    flags = torch.stack([short.any(), over.any(), bad_page.any()]).tolist()
+    flags = torch.stack([negative.any(), over.any(), bad_page.any()]).tolist()
     if flags[0]:
-        b = _first(short)[0]
-        _fail("seq_lens", f"request {b} has length {int(lens[b])}, less than qlen {qlen} "
-                          f"(a request attends at least its own new tokens)")
+        b = _first(negative)[0]
+        _fail("seq_lens", f"request {b} has length {int(lens[b])}; lengths are >= 0 (0: an "
+                          f"empty request)")
     if flags[1]:
         _fail_capacity(_first(over)[0], lens, local, block_table.shape[1], page_size,
                        dcp_rank, dcp_size)

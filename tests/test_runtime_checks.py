@@ -297,11 +297,19 @@ def test_a_length_beyond_the_block_table(world, rank, length, caught):
         values(**call)
 
 
-@pytest.mark.parametrize(("qlen", "length"), [(1, 0), (1, -3), (3, 2), (8, 7)])
-def test_a_length_shorter_than_qlen(qlen, length):
-    with pytest.raises(DecodeArgumentError, match=rf"^seq_lens: request 1 has length {length}, "
-                                                  rf"less than qlen {qlen}"):
-        values([8, length], [[0, 1, 2, 3], [4, 5, 6, 7]], qlen=qlen)
+@pytest.mark.parametrize(("qlen", "length"), [(1, 0), (3, 0), (3, 2), (8, 7)])
+def test_empty_and_short_requests_pass(qlen, length):
+    """Length 0 (a graph bucket's padding) and lengths below qlen are served (0 and -inf
+    where a token sees no key)."""
+    values([8, length], [[0, 1, 2, 3], [4, 5, 6, 7]], qlen=qlen)
+    values([0, 0], [[0, 1, 2, 3], [-1, -1, -1, -1]], qlen=qlen)
+
+
+@pytest.mark.parametrize("length", [-1, -3, -(2**31)])
+def test_a_negative_length(length):
+    with pytest.raises(DecodeArgumentError, match=rf"^seq_lens: request 1 has length {length}; "
+                                                  r"lengths are >= 0"):
+        values([8, length], [[0, 1, 2, 3], [4, 5, 6, 7]])
 
 
 def test_made_inputs_pass_the_value_checks_on_every_rank():

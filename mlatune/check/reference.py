@@ -12,7 +12,10 @@ at a time.
 Conventions shared with the routes:
 - a query block of ``qlen`` tokens sits at the end of its request: token t
   attends global key positions ``[0, kv_len - qlen + t]`` when causal, all
-  ``kv_len`` otherwise;
+  ``kv_len`` otherwise; a request of length 0 (an engine's padding of a graph
+  bucket) attends no key, and neither does a token of a request shorter than
+  qlen whose causal window ends before key 0 (FlashMLA's and FlashInfer's
+  convention);
 - LSE is the natural log of the softmax denominator (scores already scaled);
   a row that attends no key has output 0 and LSE -inf; a NaN in the inputs gives NaN
   in every output row (and LSE) it reaches, never a quiet 0;

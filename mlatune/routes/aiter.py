@@ -102,6 +102,8 @@ def _asm_decode(problem: MLAProblem, inputs: DecodeInputs, rank: int, heads: Hea
                 want_lse: bool, rr: _RoundRobin | None = None) -> Prepared:
     """mla_decode_fwd over one rank's shard: persistent, non-persistent or gfx1250 stage 1."""
     decode = load("decode")
+    from mlatune.kernels.empty_rows import clear_empty_rows  # triton: when a step is made
+
     q = inputs.q
     device = q.device
     view = paged_view(inputs.shards[rank],
@@ -128,6 +130,10 @@ def _asm_decode(problem: MLAProblem, inputs: DecodeInputs, rank: int, heads: Hea
         kwargs.update(g_kv_indptr=rr.g_kv_indptr, cp_world_size=rr.world, cp_rank=rr.rank,
                       num_kv_splits=rr.splits, intra_batch_mode=False)
     zero_first = mode != "persistent" and problem.qlen > 1  # seed: unscheduled verify lanes
+    # Rows without keys as the reference has them (0, -inf), whatever the kernel leaves:
+    # cprr's window is on global positions, the others' on the shard's own.
+    lens, first_key = (inputs.seq_lens, rank) if rr is not None \
+        else (inputs.shards[rank].seq_lens, 0)
 
     def run() -> None:
         if q_kernel is not q:
@@ -138,6 +144,8 @@ def _asm_decode(problem: MLAProblem, inputs: DecodeInputs, rank: int, heads: Hea
                                view.last_page_lens, problem.qlen, **kwargs)
         if lse is not None:
             lse.copy_(heads.real_heads(kernel_lse))
+        clear_empty_rows(lens, heads.real_heads(o), lse, qlen=problem.qlen,
+                         causal=problem.causal, rank=first_key)
 
     params = {"kernel_heads": heads.kernel, "padding": heads.method, "mode": mode}
     if rr is not None:
@@ -206,11 +214,15 @@ class GluonRoute(_AiterRoute):
         min_kv = max(1, int(shard.seq_lens.min()))
         kv_c = shard.kv_cache.view(-1, shard.kv_cache.shape[-1])
 
+        from mlatune.kernels.empty_rows import clear_empty_rows  # triton: when a step is made
+
         def run() -> None:
             gluon(q_nope=q_nope, q_pe=q_pe, kv_c=kv_c, o=o, page_table=view.indices,
                   seq_info=view.indptr, sm_scale=inputs.softmax_scale, k_pe=None,
                   kv_pe_offset=problem.kv_lora_rank, use_2d_view=False, kv_scale=1.0,
                   min_kv_seq_len=min_kv)
+            clear_empty_rows(shard.seq_lens, out, None, qlen=problem.qlen,
+                             causal=problem.causal)  # rows without keys: 0
 
         # Gluon returns no LSE: the capability rules keep it off DCP, the only caller of one.
         return Prepared(run, out, None, graph_safe=True, params={"min_kv_seq_len": min_kv},

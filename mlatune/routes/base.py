@@ -203,6 +203,12 @@ class Route(ABC):
         form that no longer exists (its rows are then stale: re-measure, never served)."""
         return params
 
+    def serves_empty(self, problem: MLAProblem, params: Params) -> bool:
+        """Whether rows that attend no key (a request of length 0, a short request's tokens
+        before its first key) get output 0 and LSE -inf; False: never served where the lengths
+        may hold them (a held step, a CUDA graph's bucket)."""
+        return True
+
 
 def step_kind_of(route: Route, params: Params) -> StepKind:
     """The step kind ``route`` declares for ``params``."""

@@ -19,7 +19,8 @@ bf16 q is quantized per tensor (amax / 448) on the device in the launch, which
 costs accuracy (its ``rounding`` is ``Q_FP8``). The library
 allocates its outputs: ``run`` points ``Prepared.out``/``lse`` at them (so the
 poisoned buffers of a check are not what it writes), and ``attention.decode``
-copies into the caller's ``out=``.
+copies into the caller's ``out=``. Rows that attend no key (empty requests) are rewritten
+as 0 and -inf after the launch (``kernels.empty_rows``): FlashMLA leaves NaN or +inf there.
 """
 
 from __future__ import annotations
@@ -136,14 +137,6 @@ def quantize_q_(q: torch.Tensor, q8: torch.Tensor, descale: torch.Tensor) -> Non
     q8.copy_((q.float() / descale).clamp(-FP8_MAX, FP8_MAX))
 
 
-def _empty_rows(lens: torch.Tensor, qlen: int, empty: torch.Tensor) -> None:
-    """Which rows belong to requests with no keys on this shard (a DCP shard shorter than
-    the group): FlashMLA leaves NaN or +inf there (H200, 2026-11-30 sweep), so their LSE
-    is set to -inf, which the DCP merges read as an empty partial (its output unread).
-    Lengths are the step's, so this runs with the plan, once per step for every layer."""
-    empty.copy_(torch.eq(lens, 0)[:, None].expand(-1, qlen).reshape(-1, 1))
-
-
 class FlashMLARoute(Route):
     """FlashMLA's dense Hopper decode; bf16, or an fp8 cache through its fp8 path."""
 
@@ -183,6 +176,8 @@ class FlashMLARoute(Route):
         lib = library()
         if lib.missing:
             raise RuntimeError(lib.missing)
+        from mlatune.kernels.empty_rows import clear_empty_rows  # triton: when a step is made
+
         shard = inputs.shards[rank]
         b, s, h = problem.batch, problem.qlen, problem.kernel_heads
         q4 = inputs.q.view(b, s, h, inputs.q.shape[-1])
@@ -203,12 +198,6 @@ class FlashMLARoute(Route):
 
         def schedule() -> None:  # FlashMLA's scheduler over this step's lengths, on the device
             state["meta"] = lib.metadata(shard.seq_lens, s * h, h, fp8)
-            if problem.dcp_size > 1:
-                empty = state.get("empty_rows")
-                if empty is None:  # made once: a graph replays the plan into the same buffer
-                    empty = state["empty_rows"] = torch.empty(b * s, 1, dtype=torch.bool,
-                                                              device=q4.device)
-                _empty_rows(shard.seq_lens, s, empty)
 
         def run() -> None:
             q_in = q4
@@ -219,8 +208,10 @@ class FlashMLARoute(Route):
                                   scale, causal, state["meta"], descale_q,
                                   inputs.kv_scale if fp8 else None)
             out, lse = out.view(b * s, h, out.shape[-1]), lse.transpose(1, 2).reshape(b * s, h)
-            if problem.dcp_size > 1:  # a DCP shard can hold no keys of a request
-                lse.masked_fill_(state["empty_rows"], float("-inf"))
+            # Rows without keys (a request of length 0, a DCP shard that holds none of it, a
+            # verify token before its request's first key): FlashMLA leaves NaN or +inf
+            # there (H200, 2026-11-30 sweep); rewritten as 0 and -inf.
+            clear_empty_rows(shard.seq_lens, out, lse, qlen=s, causal=causal)
             prepared.out = out
             if prepared.lse is not None:
                 prepared.lse = lse
