@@ -34,3 +34,10 @@ class DecodeArgumentError(ValueError):
     log says which tensor to fix. A ValueError, so callers that caught ValueError from
     decode's older checks still catch it.
     """
+
+
+class RankMismatchError(ValueError):
+    """The ranks of one torch.distributed process group would not serve the same answers:
+    at load their tables, GPU models, routes, libraries or load arguments differ; on first
+    sight they timed different candidates. The message is one line and names each rank
+    with what it has."""

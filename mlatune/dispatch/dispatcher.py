@@ -64,7 +64,7 @@ from typing import Any
 
 from mlatune import capability
 from mlatune.arch import CPU_ARCH, DeviceInfo, current_device
-from mlatune.dispatch import environment, sources
+from mlatune.dispatch import environment, ranks, sources
 from mlatune.dispatch.choice import Choice, measured_note, nearest_notes
 from mlatune.dispatch.nearest import Bucket, learnable, point_distance  # noqa: F401
 from mlatune.dispatch.predict import Predictor
@@ -73,7 +73,7 @@ from mlatune.dispatch.sources import (  # noqa: F401  (the dispatcher's public n
     bundled_tables_dir,
     find_table,
 )
-from mlatune.errors import TableError
+from mlatune.errors import RankMismatchError, TableError
 from mlatune.problem import BUCKET_FIELDS, MLAProblem
 from mlatune.routes import Route, all_routes, params_at, step_kind_of
 from mlatune.routes.torch_ref import REFERENCE_ID as REFERENCE_ROUTE
@@ -140,7 +140,7 @@ class Dispatcher:
                  environment_differences: Sequence[str] = (), planning: bool = False,
                  plan_calls: int = DEFAULT_PLAN_CALLS, unmeasured: str | None = None,
                  first_sight: str | os.PathLike | None = None,
-                 measured_keys: Collection[str] = ()):
+                 measured_keys: Collection[str] = (), group: Any = None):
         """Built by ``load``: ``entries`` name only routes in ``routes`` (the registry
         snapshot they were filtered with), each key's rows those that compete there
         (``schema.competing``); ``skipped_routes`` counts the rows dropped;
@@ -156,8 +156,8 @@ class Dispatcher:
         self.planning = planning
         self.plan_calls = plan_calls  # calls sharing one device plan (``step_cost``)
         self.unmeasured = unmeasured or DEFAULT_UNMEASURED  # see UNMEASURED
-        # The user table unsure answers are timed into at run time (first_sight); None: off.
-        self.first_sight = first_sight
+        # The user table unsure answers are timed into (None: off), agreed across group's ranks.
+        self.first_sight, self.group = first_sight, group
         if self.unmeasured not in UNMEASURED:
             raise ValueError(f"unmeasured must be one of {UNMEASURED}, got {unmeasured!r}")
         # A number that names this dispatcher where only numbers pass (the custom op).
@@ -478,7 +478,7 @@ class Dispatcher:
              allow_arch: str | None = None, capturable: bool = False,
              plan_calls: int = DEFAULT_PLAN_CALLS, unmeasured: str | None = None,
              overlay: str | os.PathLike | None = None,
-             first_sight: str | os.PathLike | None = None) -> Dispatcher:
+             first_sight: str | os.PathLike | None = None, group: Any = None) -> Dispatcher:
         """Load a table (.parquet, .csv, .json winners map, or a directory holding one).
 
         Refuses (TableError) a damaged or invalid table, and one whose arch is
@@ -493,7 +493,8 @@ class Dispatcher:
         CSV table whose rows replace the table's for the problems it holds (per device),
         and add the others (``USER_TABLE_ENV``). ``first_sight``: a user table that
         ``attention.decode`` times unsure answers into at run time
-        (``mlatune.dispatch.first_sight``; ``FIRST_SIGHT_ENV``).
+        (``mlatune.dispatch.first_sight``; ``FIRST_SIGHT_ENV``). ``group``: a torch.distributed
+        process group whose ranks serve one answer per problem (``mlatune.dispatch.ranks``).
         Whatever else a damaged file makes loading raise (OverflowError,
         RecursionError, Arrow errors, ...) is a TableError naming the file, one line:
         an engine catches one type.
@@ -506,6 +507,8 @@ class Dispatcher:
         and when nothing is).
         """
         device = device or current_device()
+        ranks.agree_at_load(group, path, overlay, device, allow_arch, capturable, plan_calls,
+                            unmeasured, first_sight)  # before parsing: see there
         # Loading creates ~10^5 small acyclic objects; cyclic GC passes over them
         # would double the load time and find nothing to free.
         was_enabled = gc.isenabled()
@@ -513,7 +516,7 @@ class Dispatcher:
         try:
             dispatcher = cls._load(Path(path), device, allow_arch, capturable, plan_calls,
                                    unmeasured, None if overlay is None else Path(overlay))
-            dispatcher.first_sight = first_sight
+            dispatcher.first_sight, dispatcher.group = first_sight, group
             return dispatcher
         except TableError:
             raise
@@ -554,10 +557,10 @@ class Dispatcher:
 
     @classmethod
     def from_bundled(cls, device: DeviceInfo | None = None, capturable: bool = False,
-                     plan_calls: int = DEFAULT_PLAN_CALLS) -> Dispatcher:
+                     plan_calls: int = DEFAULT_PLAN_CALLS, group: Any = None) -> Dispatcher:
         """The table shipped with mlatune for this device's arch; ``MLATUNE_TABLE`` overrides.
         ``MLATUNE_USER_TABLE`` (a Parquet or CSV table of the user's own sweeps) overlays
-        either, problem by problem (``load(overlay=)``).
+        either, problem by problem (``load(overlay=)``). ``group``: as ``load``'s.
 
         An explicit ``MLATUNE_TABLE`` that cannot be used raises (the operator
         asked for that file); a bundled table that cannot be used is logged and
@@ -571,21 +574,21 @@ class Dispatcher:
             log.warning("mlatune: %s=%s is not a file; no user table overlaid", USER_TABLE_ENV,
                         user)
             user = None
+        given = dict(capturable=capturable, plan_calls=plan_calls, first_sight=sight, group=group)
         if override:
-            return cls.load(override, device, capturable=capturable, plan_calls=plan_calls,
-                            overlay=user, first_sight=sight)
+            return cls.load(override, device, overlay=user, **given)
         try:
             found = sources.find_table(sources.bundled_tables_dir(), device.arch, device.name)
             if found is None:  # the user's own table alone, if any
-                return cls.load(user, device, capturable=capturable, plan_calls=plan_calls,
-                                first_sight=sight) \
-                    if user else cls.rules_only(device, capturable)
+                return cls.load(user, device, **given) if user else \
+                    ranks.joined(cls.rules_only(device, capturable), group)
             with resources.as_file(found) as path:
-                return cls.load(path, device, capturable=capturable, plan_calls=plan_calls,
-                                overlay=user, first_sight=sight)
+                return cls.load(path, device, overlay=user, **given)
         except Exception as exc:  # load raises TableError; an unreadable directory OSError
+            if isinstance(exc, RankMismatchError):  # never hidden behind the rules
+                raise
             log.warning("mlatune: bundled table unusable, dispatching by rule: %s", exc)
-            return cls.rules_only(device, capturable)
+            return ranks.joined(cls.rules_only(device, capturable), group)
 
 
 def registered_routes(routes: Mapping[str, Route] | None = None) -> dict[str, Route]:

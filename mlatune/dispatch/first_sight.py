@@ -13,6 +13,10 @@ answer by more than the problem's tolerance is dropped (the looser tolerance of 
 one's declared rounding, ``routes.rounding``: a quantized q, P in fp8). The fastest one
 that agrees is remembered for the problem at once and written to the user table
 (atomically, its earlier rows for the problem replaced).
+
+Under a process group (``Dispatcher.load(group=)``) every rank times the candidates on its
+own tensors and ``mlatune.dispatch.ranks.agree_on_timings`` makes the timings one (each
+candidate at its slowest rank's time): every rank remembers and records the same pick.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 
 from mlatune import table
 from mlatune.check.accuracy import check, looser
+from mlatune.dispatch import ranks
 from mlatune.dispatch.sources import overlaid
 from mlatune.measure import timers
 from mlatune.measure.records import table_rows
@@ -79,6 +84,9 @@ def measure(dispatcher: Dispatcher, problem: MLAProblem, prepared_for: MLAProble
         elif not check(problem, out, anchor, rounding=looser(rounds, anchor_rounding)).ok:
             continue  # disagrees with the dispatcher's answer: not trusted
         timed.append((timing.median_us, choice, prepared.params))
+    provenance = Provenance.here(FIRST_SIGHT_SPEC)
+    timed, provenance = ranks.agree_on_timings(dispatcher.group, problem,
+                                               candidates[:CANDIDATES], timed, provenance)
     if not timed:
         return None
     time_us, choice, _ = min(timed, key=lambda t: t[0])
@@ -86,12 +94,12 @@ def measure(dispatcher: Dispatcher, problem: MLAProblem, prepared_for: MLAProble
                   uncertainty=math.nan)
     dispatcher.remember(problem, won)
     if dispatcher.first_sight is not None:
-        _record(dispatcher, problem, timed, Path(dispatcher.first_sight))
+        _record(dispatcher, problem, timed, Path(dispatcher.first_sight), provenance)
     return won
 
 
 def _record(dispatcher: Dispatcher, problem: MLAProblem,
-            timed: list[tuple[float, Choice, Any]], path: Path) -> None:
+            timed: list[tuple[float, Choice, Any]], path: Path, provenance: Provenance) -> None:
     """Add the problem's timed candidates to the user table, replacing its earlier rows."""
     import json
 
@@ -100,8 +108,8 @@ def _record(dispatcher: Dispatcher, problem: MLAProblem,
                 "route_params": json.dumps({**dict(c.params), **dict(p or {})},
                                            sort_keys=True, default=str),
                 "status": "ok", "time_us": t} for t, c, p in timed]
-    new = table.build(table_rows(records, dispatcher.device), Provenance.here(FIRST_SIGHT_SPEC),
-                      facts=FACTS, sharing=plan_sharing())
+    new = table.build(table_rows(records, dispatcher.device), provenance, facts=FACTS,
+                      sharing=plan_sharing())
     frame = overlaid(table, table.read(path, facts=FACTS), new) \
         if path.exists() else new
     table.write(frame, path)
