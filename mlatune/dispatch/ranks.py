@@ -68,10 +68,12 @@ _ASK = {
 def agree_at_load(group: dist.ProcessGroup | None, table: str | os.PathLike | None,
                   overlay: str | os.PathLike | None, device: DeviceInfo,
                   allow_arch: str | None, capturable: bool, plan_calls: int,
-                  unmeasured: str | None, first_sight: str | os.PathLike | None) -> None:
+                  unmeasured: str | None, first_sight: str | os.PathLike | None,
+                  **more: Any) -> None:
     """Return when every rank of ``group`` would load the same table the same way (table
-    and user table bytes, GPU model, routes, libraries, arguments); else raise
-    RankMismatchError on every rank. Nothing to do without a group."""
+    and user table bytes, GPU model, routes, libraries, arguments, and ``more`` arguments
+    that decide answers); else raise RankMismatchError on every rank. Nothing to do
+    without a group."""
     if group is None:
         return
     arch = allow_arch or device.arch
@@ -79,14 +81,14 @@ def agree_at_load(group: dist.ProcessGroup | None, table: str | os.PathLike | No
     overlay_digest = _digest(overlay, arch, device.name)
     versions = {k: v for k, v in library_versions().items() if k != "python"}
     arguments = dict(allow_arch=allow_arch, capturable=capturable, plan_calls=plan_calls,
-                     unmeasured=unmeasured, first_sight=first_sight is not None)
+                     unmeasured=unmeasured, first_sight=first_sight is not None, **more)
     mine = {  # per field: (what is compared, what the message shows)
         "tables": (table_digest, _where(table_digest, table)),
         "user tables": (overlay_digest, _where(overlay_digest, overlay)),
         "GPU models": (f"{device.arch} {device.name}, {device.cu_count} CUs",) * 2,
         "routes": (",".join(sorted(r.id for r in all_routes())),) * 2,
         "library versions": (json.dumps(versions, sort_keys=True),) * 2,
-        "load arguments": (json.dumps(arguments, sort_keys=True),) * 2,
+        "load arguments": (json.dumps(arguments, sort_keys=True, default=str),) * 2,
     }
     everyone = _gather(group, mine)
     for field in mine:
