@@ -16,12 +16,7 @@ from mlatune.arch import DeviceInfo
 from mlatune.kernels import gluon_common
 from mlatune.kernels import gluon_prefill_fp8 as g
 from mlatune.problem import MLAProblem
-from mlatune.routes.prefill_triton import (
-    GLUON_FORM_DEFAULTS,
-    GLUON_LEADING,
-    GLUON_PARAM_SETS,
-    GLUON_PARAMS,
-)
+from mlatune.routes.prefill_triton import GLUON_FORM, GLUON_PARAM_SETS, GLUON_PARAMS
 from tests import sass_hazards
 from tests.prefill_aot import resources
 from tests.test_gluon_compile import _needs_gluon_triton
@@ -69,14 +64,6 @@ def test_ring_depths_that_deadlock_or_do_not_fit_are_refused(monkeypatch, stages
                        scales=None, num_programs=4, stages=stages)
 
 
-def test_paired_and_pingpong_together_are_refused(monkeypatch):
-    monkeypatch.setattr(g, "gluon_available", lambda: (True, "ok"))
-    q, k, v, out, lse = _tensors([100], [100])
-    with pytest.raises(ValueError, match="paired and pingpong"):
-        g.GluonPrefill(q, k, v, out, lse, [100], [100], causal=True, sm_scale=0.1,
-                       scales=None, num_programs=4, paired=True, pingpong=True)
-
-
 def test_the_launcher_names_the_triton_it_needs():
     if gluon_common.gluon_available()[0]:
         pytest.skip("this machine's triton is the one the kernel is written for")
@@ -86,11 +73,18 @@ def test_the_launcher_names_the_triton_it_needs():
                        scales=None, num_programs=4)
 
 
+def key_at(j: int) -> int:
+    """The key the transposed v holds at column ``j``: (j4, j1, j3, j2, j0), bits of j."""
+    bit = [(j >> b) & 1 for b in range(5)]
+    return (j & ~31) | bit[4] << 4 | bit[1] << 3 | bit[3] << 2 | bit[2] << 1 | bit[0]
+
+
 def test_plan_and_transposed_v(monkeypatch):
     """Each request's keys start at a multiple of 128 in the transposed v (no key tile
     crosses into another request's), the padding stays zeros, and the plan splits tiles.
     The host side is built with any triton (the check for 3.6 is set aside here); the
-    interpreter runs the transpose kernel."""
+    interpreter runs the transpose kernel. (Columns put back in key order here:
+    test_permuted_v_holds_each_key_where_the_accumulator_holds_it checks their order.)"""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs the transpose kernel on CPU tensors: needs TRITON_INTERPRET=1")
     from mlatune.kernels.prefill import _transpose_v_kernel
@@ -107,8 +101,10 @@ def test_plan_and_transposed_v(monkeypatch):
     grid, args, meta = launch._transpose
     _transpose_v_kernel[grid](*args, **meta)
     assert args[1] is launch._buffers[0]  # the buffer the kernel's descriptor reads
-    vt = args[1].view(torch.uint8)
-    assert vt.shape == (4, 128, 896)
+    permuted = args[1].view(torch.uint8)
+    assert permuted.shape == (4, 128, 896)
+    vt = torch.empty_like(permuted)
+    vt[:, :, [key_at(j) for j in range(896)]] = permuted
     k_row0 = 0
     for col0, k_len in zip((0, 512, 640), lens_k, strict=True):
         expect = v[k_row0:k_row0 + k_len].view(torch.uint8).permute(1, 2, 0)
@@ -119,10 +115,10 @@ def test_plan_and_transposed_v(monkeypatch):
 
 
 def test_permuted_v_holds_each_key_where_the_accumulator_holds_it(monkeypatch):
-    """With ``permuted_v`` the transposed v's column j (within 32) holds key (j4, j1, j3, j2,
-    j0): for quad q of a warp, the wgmma accumulator's keys {8i + 2q, 8i + 2q + 1} and the
-    fp8 A operand's columns {4q..4q+3, 16+4q..16+4q+3} then name the same keys, and
-    ``_keys_as_operand`` reorders P's columns the same way."""
+    """The transposed v's column j (within 32) holds key (j4, j1, j3, j2, j0): for quad q of
+    a warp, the wgmma accumulator's keys {8i + 2q, 8i + 2q + 1} and the fp8 A operand's
+    columns {4q..4q+3, 16+4q..16+4q+3} then name the same keys, and ``_keys_as_operand``
+    reorders P's columns the same way."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs the transpose kernel on CPU tensors: needs TRITON_INTERPRET=1")
     from mlatune.kernels.prefill import _transpose_v_kernel
@@ -131,15 +127,11 @@ def test_permuted_v_holds_each_key_where_the_accumulator_holds_it(monkeypatch):
     lens = [200, 70]
     q, k, v, out, lse = _tensors(lens, lens)
     launch = g.GluonPrefill(q, k, v, out, lse, lens, lens, causal=True, sm_scale=0.1,
-                            scales=None, num_programs=4, permuted_v=True)
+                            scales=None, num_programs=4)
     grid, args, meta = launch._transpose
     _transpose_v_kernel[grid](*args, **meta)
     vt = args[1].view(torch.uint8)
-
-    def key(j: int) -> int:  # the key at column j
-        bit = [(j >> b) & 1 for b in range(5)]
-        return (j & ~31) | bit[4] << 4 | bit[1] << 3 | bit[3] << 2 | bit[2] << 1 | bit[0]
-
+    key = key_at
     for col0, k_row0, k_len in ((0, 0, 200), (256, 200, 70)):
         for j in range(-(-k_len // 32) * 32):
             col = vt[:, :, col0 + j]
@@ -154,50 +146,36 @@ def test_permuted_v_holds_each_key_where_the_accumulator_holds_it(monkeypatch):
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("form", [
-    dict(stages=2), dict(stages=3), dict(paired=True), dict(paired=True, permuted_v=True),
-    dict(pingpong=True), dict(pingpong=True, permuted_v=True, stages=4)],
-    ids=["2stages", "3stages", "paired", "paired-permuted", "pingpong", "pingpong-permuted-4"])
-def test_compiles_for_sm90_with_fp8_wgmmas(causal, form):
+@pytest.mark.parametrize("stages", [3, 4])
+def test_compiles_for_sm90_with_fp8_wgmmas(causal, stages):
     _needs_gluon_triton()
-    compiled = g.aot_compile(causal=causal, **form)
+    compiled = g.aot_compile(causal=causal, stages=stages)
     ptx = compiled.asm["ptx"]
     assert ".target sm_90a" in ptx
-    # Each MMA warpgroup: S (4 + 2 k-steps) before the loop, then S and P.V (4) a tile: 16
-    # each, 36 paired (a loop step of two tiles and the odd one after it), pingpong 20 (the
-    # last tile's P.V after the loop).
-    per_warpgroup = 36 if form.get("paired") else 20 if form.get("pingpong") else 16
+    # Each MMA warpgroup: S (4 + 2 k-steps) before the loop, then S and P.V (4) a tile, and
+    # the last tile's P.V after the loop: 20.
     assert re.findall(r"wgmma\.mma_async\.[\w.]+", ptx) == [
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"] * (2 * per_warpgroup)
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"] * (2 * 20)
     assert ptx.count("setmaxnreg.inc.sync.aligned.u32 \t240") == 2
     assert compiled.metadata.shared <= 227 * 1024
-    # A few registers spilled, outside the key loops (read in the SASS, 2026-12-01): at most
-    # 8 bytes (the plain and pingpong forms), paired 24 and 32 (the loader's 24 registers
-    # and the epilogues).
-    assert resources(compiled)["stack"] <= (32 if form.get("paired") else 8)
+    # At most 8 bytes of registers spilled, outside the key loops (read in the SASS).
+    assert resources(compiled)["stack"] <= 8
 
 
-@pytest.mark.parametrize(("form", "counts"), [
-    (dict(), (32, 8)), (dict(causal=False), (32, 8)), (dict(paired=True), (64, 24)),
-    (dict(paired=True, permuted_v=True), (64, 24)), (dict(pingpong=True), (40, 16)),
-    (dict(pingpong=True, permuted_v=True), (40, 16)),
-    (dict(pingpong=True, permuted_v=True, stages=4, causal=False), (40, 16))],
-    ids=["plain", "plain-full", "paired", "paired-permuted", "pingpong", "pingpong-permuted",
-         "pingpong-permuted-4-full"])
-def test_no_register_of_an_inflight_wgmma_is_touched(form, counts):
+@pytest.mark.parametrize("build", [dict(), dict(causal=False), dict(stages=4, causal=False)],
+                         ids=["causal", "full", "4-stages-full"])
+def test_no_register_of_an_inflight_wgmma_is_touched(build):
     """P.V takes P from registers asynchronously, and triton 3.6 cannot list 8-bit registers
     among warpgroup_mma_wait's deps: on no path of the SASS may an instruction write them, or
-    read or write any wgmma's accumulator, before the wait that retires it (counts: wgmmas,
-    and those with P from registers, in the SASS: paired, ptxas drops 8 of the PTX's 72, the
-    S issued after a block's last tile and never read; the pingpong form waits for S with
-    P.V in flight)."""
+    read or write any wgmma's accumulator, before the wait that retires it (40 wgmmas in the
+    SASS, 16 with P from registers; S is waited for with P.V in flight)."""
     _needs_gluon_triton()
-    assert sass_hazards.hazards(sass_hazards.listing(g.aot_compile(**form))) == (*counts, [])
+    assert sass_hazards.hazards(sass_hazards.listing(g.aot_compile(**build))) == (40, 16, [])
 
 
 def test_the_hazard_check_sees_a_write_to_p_and_a_read_of_an_accumulator():
     _needs_gluon_triton()
-    listing = sass_hazards.listing(g.aot_compile(pingpong=True, permuted_v=True))
+    listing = sass_hazards.listing(g.aot_compile())
     lines = listing.splitlines()
     first = next(i for i, x in enumerate(lines) if re.search(r"QGMMA\S* R\d+, R\d+", x))
     acc, a_reg = re.findall(r"\bR(\d+)\b", lines[first])[:2]
@@ -219,9 +197,9 @@ def _prefill(dtype="fp8_e4m3fn", **kw) -> MLAProblem:
 
 def test_the_route_leads_with_it_where_it_runs(monkeypatch):
     """Where the kernel runs (sm_90, triton 3.6, e4m3fn, 192/128 dims; the triton check set
-    aside here), its fastest forms lead the route's space (the first is the route's default)
-    and the rest follow the Triton sets, so a sweep keeping 3 sets a route runs two Gluon
-    sets and a Triton one; elsewhere none is offered."""
+    aside here), its two ring depths lead the route's space (the first is the route's
+    default), then the Triton sets, so a sweep keeping 3 sets a route runs both and a Triton
+    one; elsewhere none is offered."""
     from mlatune.kernels import gluon_hopper_plan
 
     space = routes.get("fp8-ps/triton").param_space(_prefill(), H200)
@@ -229,37 +207,21 @@ def test_the_route_leads_with_it_where_it_runs(monkeypatch):
     monkeypatch.setattr(gluon_hopper_plan, "triton_refusal", lambda version: None)
     space = routes.get("fp8-ps/triton").param_space(_prefill(), H200)
     assert space[0] == GLUON_PARAMS
-    assert space[:GLUON_LEADING] == list(GLUON_PARAM_SETS[:GLUON_LEADING])
-    assert space[GLUON_LEADING].get("kernel") != "gluon"
-    assert space[len(space) - len(GLUON_PARAM_SETS) + GLUON_LEADING:] == \
-        list(GLUON_PARAM_SETS[GLUON_LEADING:])
+    assert space[:2] == list(GLUON_PARAM_SETS)
+    assert [p["num_stages"] for p in GLUON_PARAM_SETS] == [3, 4]
+    assert all(p.get("kernel") != "gluon" for p in space[2:]) and len(space) > 2
     for problem, device in [(_prefill(), A100), (_prefill("fp8_e4m3fnuz"), H200),
                             (_prefill(qk_head_dim=128), H200)]:
         assert GLUON_PARAMS not in routes.get("fp8-ps/triton").param_space(problem, device)
 
 
-_STORED_BEFORE_PINGPONG = {"kernel": "gluon", "num_stages": 3, "grouped": True}
-
-
-@pytest.mark.parametrize(("params", "runs"), [
-    *((p, p) for p in GLUON_PARAM_SETS),
-    (_STORED_BEFORE_PINGPONG, _STORED_BEFORE_PINGPONG),  # a set keeps running what it ran
-    (None, GLUON_PARAMS),  # no params: the route's first set
-], ids=lambda p: "none" if p is None else "-".join(
-    f"{k}={v}" for k, v in p.items() if k != "kernel"))
-def test_the_route_prepares_the_kernel_with_its_params(monkeypatch, params, runs):
-    """fp8-ps/triton's prepare builds the Gluon launcher from a Gluon param set (padded heads,
-    the inputs' scales, its ring depth and forms; a form a set leaves out is off) and reports
-    what it runs; on the CPU only the host side is built (the check for triton 3.6 and the
-    arch are set aside, nothing is launched)."""
-    from mlatune.check.inputs import make_prefill_inputs
+def _gluon_route_on_cpu(monkeypatch):
+    """fp8-ps/triton with the Gluon launcher's host side buildable here (the check for
+    triton 3.6 and the arch set aside; nothing is launched), and a spy on its arguments."""
     from mlatune.routes import prefill_triton
 
     monkeypatch.setattr(g, "gluon_available", lambda: (True, "ok"))
     monkeypatch.setattr(prefill_triton, "_gluon_serves", lambda problem, device: True)
-    problem = MLAProblem(phase="prefill", num_heads=12, batch=2, qlen=150, kv_len=300,
-                         q_dtype="fp8_e4m3fn", kv_dtype="fp8_e4m3fn")
-    inputs = make_prefill_inputs(problem, 0, "cpu", ragged=True)
     built = []
     real = g.GluonPrefill.__init__
 
@@ -268,39 +230,96 @@ def test_the_route_prepares_the_kernel_with_its_params(monkeypatch, params, runs
         real(self, q, k, v, *args, **kwargs)
 
     monkeypatch.setattr(g.GluonPrefill, "__init__", spy)
-    prepared = routes.get("fp8-ps/triton").prepare(problem, inputs, params=params)
+    return routes.get("fp8-ps/triton"), built
+
+
+_PROBLEM = MLAProblem(phase="prefill", num_heads=12, batch=2, qlen=150, kv_len=300,
+                      q_dtype="fp8_e4m3fn", kv_dtype="fp8_e4m3fn")
+
+
+@pytest.mark.parametrize(("params", "runs"), [
+    *((p, p) for p in GLUON_PARAM_SETS),
+    (None, GLUON_PARAMS),  # no params: the route's first set
+    ({"kernel": "gluon", "num_stages": 4}, {**GLUON_PARAMS, "num_stages": 4}),
+], ids=["stages3", "stages4", "none", "filled"])
+def test_the_route_prepares_the_kernel_with_its_params(monkeypatch, params, runs):
+    """fp8-ps/triton's prepare builds the Gluon launcher from a Gluon param set (padded heads,
+    the inputs' scales, its ring depth and plan; what a set leaves out, from the first Gluon
+    set) and reports what it runs."""
+    from mlatune.check.inputs import make_prefill_inputs
+
+    route, built = _gluon_route_on_cpu(monkeypatch)
+    inputs = make_prefill_inputs(_PROBLEM, 0, "cpu", ragged=True)
+    prepared = route.prepare(_PROBLEM, inputs, params=params)
     (q_shape, kwargs), = built
     assert q_shape[1] == 16  # 12 heads padded to 16, as the route's other kernels run
-    assert kwargs["stages"] == runs["num_stages"]
-    for form in ("grouped", "paired", "permuted_v", "pingpong"):
-        assert kwargs[form] == bool(runs.get(form)), form
+    assert (kwargs["stages"], kwargs["grouped"]) == (runs["num_stages"], runs["grouped"])
     assert all(a is b for a, b in zip(kwargs["scales"], (inputs.q_scale, inputs.k_scale,
                                                          inputs.v_scale), strict=True))
     assert {**runs, "kernel_heads": 16}.items() <= prepared.params.items()
     assert prepared.out.shape == (inputs.q.shape[0], 12, 128) and prepared.graph_safe
 
 
+def test_the_route_refuses_a_gluon_form_it_does_not_have(monkeypatch):
+    from mlatune.check.inputs import make_prefill_inputs
+
+    route, built = _gluon_route_on_cpu(monkeypatch)
+    inputs = make_prefill_inputs(_PROBLEM, 0, "cpu", ragged=True)
+    with pytest.raises(ValueError, match="form 'paired'"):
+        route.prepare(_PROBLEM, inputs, params={**GLUON_PARAMS, "form": "paired"})
+    assert not built
+
+
+# Stored Gluon sets as the route stored them before the form id (extra keys: what prepare
+# reported besides the set).
+_RAN = {"kernel_heads": 128, "programs": 132, "split_tiles": 0}
+_PINGPONG_PERMUTED = {"kernel": "gluon", "num_stages": 4, "grouped": True, "pingpong": True,
+                      "permuted_v": True, "paired": False, **_RAN}
+
+
+@pytest.mark.parametrize(("stored", "current"), [
+    (_PINGPONG_PERMUTED, {"kernel": "gluon", "form": GLUON_FORM, "num_stages": 4,
+                          "grouped": True, **_RAN}),
+    ({"kernel": "gluon", "pingpong": True, "permuted_v": True},  # its defaults then
+     {"kernel": "gluon", "form": GLUON_FORM, "num_stages": 3, "grouped": False}),
+    ({**_PINGPONG_PERMUTED, "permuted_v": False}, None),  # pingpong alone
+    ({**_PINGPONG_PERMUTED, "pingpong": False, "paired": True}, None),  # paired + permuted_v
+    ({"kernel": "gluon", "num_stages": 3, "grouped": True}, None),  # the plain walk
+    ({"kernel": "gluon", "num_stages": 2, "grouped": True}, None),
+    ({**GLUON_PARAMS, **_RAN}, {**GLUON_PARAMS, **_RAN}),  # the current spelling
+    ({**GLUON_PARAMS, "form": "paired"}, None),
+], ids=["pingpong-permuted", "defaults", "pingpong", "paired-permuted", "plain", "plain-2",
+        "current", "unknown-form"])
+def test_a_stored_gluon_set_reads_in_the_current_spelling(stored, current):
+    """A set of the kept form (pingpong and permuted_v on, paired off) reads with the form id
+    in place of the booleans; a set of any other form (a deleted one) is stale (None)."""
+    route = routes.get("fp8-ps/triton")
+    assert route.upgrade_params(stored) == current
+    if current is not None:
+        assert route.upgrade_params(current) == current
+
+
 def test_a_stored_set_is_read_as_its_kernel_runs_it(monkeypatch):
     """The report reads a stored set as prepare runs it (``routes.with_defaults``, the
-    route's ``fill_defaults``): a Gluon set of the kernel's first form keeps its forms off
-    (not the first set's pingpong), a Triton set is filled from the first Triton set (no
-    Gluon option), none is the first set; so ``time_with`` finds the run that was timed."""
+    route's ``fill_defaults``): a Gluon set over the first Gluon set, a Triton set over the
+    first Triton set (no Gluon option), none is the first set; so ``time_with`` finds the
+    run that was timed, a journal's set in the boolean spelling too."""
     from mlatune.kernels import gluon_hopper_plan
     from mlatune.report.metrics import time_with
 
     monkeypatch.setattr(gluon_hopper_plan, "triton_refusal", lambda version: None)
     route, problem = routes.get("fp8-ps/triton"), _prefill()
     space = route.param_space(problem, H200)
-    first_triton = space[GLUON_LEADING]
-    assert routes.with_defaults(route, None, space) == {**GLUON_FORM_DEFAULTS, **GLUON_PARAMS}
-    old = routes.with_defaults(route, _STORED_BEFORE_PINGPONG, space)
-    assert old["num_stages"] == 3 and not (old["pingpong"] or old["permuted_v"] or old["paired"])
+    first_triton = space[len(GLUON_PARAM_SETS)]
+    assert routes.with_defaults(route, None, space) == GLUON_PARAMS
+    assert routes.with_defaults(route, {"kernel": "gluon", "num_stages": 4}, space) == \
+        GLUON_PARAM_SETS[1]
     stored_triton = {"block_m": first_triton["block_m"], "num_stages": 1}
     triton = routes.with_defaults(route, stored_triton, space)
     assert triton == {**first_triton, "num_stages": 1} and "kernel" not in triton
-    timed = {(problem.key, route.id): [(_STORED_BEFORE_PINGPONG, 7.0), (GLUON_PARAMS, 5.0),
+    legacy = {k: v for k, v in _PINGPONG_PERMUTED.items() if k not in _RAN}
+    timed = {(problem.key, route.id): [(legacy, 7.0), (GLUON_PARAMS, 5.0),
                                        ({**first_triton, "num_stages": 1}, 9.0)]}
-    assert time_with(timed, problem, route.id, _STORED_BEFORE_PINGPONG, H200) == 7.0
+    assert time_with(timed, problem, route.id, GLUON_PARAM_SETS[1], H200) == 7.0
     assert time_with(timed, problem, route.id, {}, H200) == 5.0
     assert time_with(timed, problem, route.id, stored_triton, H200) == 9.0
-

@@ -159,14 +159,7 @@ GLUON_CASES = [  # (heads, batch, qlen, kv_len, causal, ragged)
 ]
 
 
-# The route's Gluon sets, and the plain form a set stored without the newer flags runs.
-GLUON_RUNS = [*GLUON_PARAM_SETS, {"kernel": "gluon", "num_stages": 3, "grouped": True}]
-
-
-@pytest.mark.parametrize("params", GLUON_RUNS, ids=lambda p: f"stages{p['num_stages']}"
-                         + ("-paired" if p.get("paired") else "")
-                         + ("-permuted" if p.get("permuted_v") else "")
-                         + ("-pingpong" if p.get("pingpong") else ""))
+@pytest.mark.parametrize("params", GLUON_PARAM_SETS, ids=lambda p: f"stages{p['num_stages']}")
 @pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: "x".join(map(str, c[:4]))
                          + ("-causal" if c[4] else "-full") + ("-ragged" if c[5] else ""))
 def test_gluon_fp8_kernel(device, case, params):

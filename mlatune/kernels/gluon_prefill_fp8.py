@@ -1,30 +1,24 @@
 """An fp8 prefill for Hopper in Gluon: both products fp8 wgmmas, warp-specialized.
 
-Why: the Triton kernel behind ``fp8-ps/triton`` (``prefill.PersistentPrefill``) waits for
-each dot before the softmax, so the tensor cores idle while it runs; here they do not
+The Triton kernel behind ``fp8-ps/triton`` (``prefill.PersistentPrefill``) waits for each
+dot before the softmax, so the tensor cores idle while it runs; here they do not
 (docs/kernels/gluon_prefill_fp8.md has the figures). As in FlashAttention-3:
 - a loader partition (TMA): each 128-row query block's q (double-buffered, so the next
   block's lands during this one's keys), then 128-key tiles of k (its 128 + 64 dims as two
   boxes) and of v transposed (keys contiguous: Hopper's fp8 wgmma takes B only K-major) into
   a ring of ``STAGES`` slots;
-- two MMA warpgroups, 64 query rows each, over the same tiles: S = Q K^T (fp8, issued for
-  tile t+1 before tile t's softmax, so it runs beside it), the online softmax (base 2, the
-  scales folded into one multiply-add), P times 2^P_SHIFT rounded to e4m3 and kept in
-  registers as the A operand of O += P V (fp8); a slot is released by both warpgroups.
+- two MMA warpgroups, 64 query rows each, over the same tiles, taking turns at the tensor
+  cores (``_pingpong_tiles``): at its turn a warpgroup issues S = Q K^T of tile t and
+  O += P V of tile t-1 (both fp8), then runs tile t's online softmax (base 2, the scales
+  folded into one multiply-add) while the other's products run; P, times 2^P_SHIFT and
+  rounded to e4m3, stays in registers as the A operand of P V. The transposed v holds each
+  32 keys in the order the wgmma accumulator holds a row's keys (``_keys_as_operand``), so
+  P becomes that operand without shuffles.
 The work (which query tile of which head, which key range, where split tiles' partials go)
 is ``prefill_plan.plan_work``'s, as for the Triton kernel, and the same merge kernel
 combines split tiles. v is transposed once per call (``prefill._transpose_v_kernel``) into
 this launcher's buffer, each request at a multiple of 128 keys, so no key tile crosses into
 another request's keys (the padding is zeros, and P is 0 there).
-
-Three forms, each a kernel option (in the route's param sets): ``PINGPONG`` walks the keys
-in FlashAttention-3's order (``_pingpong_tiles``: the warpgroups take turns at the tensor
-cores, each one's softmax running during the other's products; 0.91x the plain walk's time
-above); ``PAIRED`` runs the plain walk two key tiles a loop step, so that the S in flight and
-the S being read swap registers instead of being copied (64 moves a tile); ``PERMUTED_V``
-stores each 32 keys of the transposed v in the order the wgmma accumulator holds a row's keys
-and reorders P's columns to match (``_keys_as_operand``), so P becomes the A operand without
-shuffles.
 """
 
 from __future__ import annotations
@@ -235,80 +229,6 @@ def _keys_as_operand(p):
 
 
 @gluon.jit
-def _key_tile(t, g, n_tiles, s, state, block, P_SHIFT: gl.constexpr,
-              PERMUTED_V: gl.constexpr):
-    """Key tile ``t`` of a query block (the ``g``-th through the ring) for one warpgroup:
-    the next tile's S issued, this tile's softmax from its S (``s``, done), O += P V, both
-    products waited for, the slot released. ``state``: (O, max, sum); ``block``: the query
-    block's (q half, ring, (ready, empty) barriers, key bounds, scale). Returns (the next
-    tile's S, O, max, sum)."""
-    acc, m_i, l_i = state
-    q_half, ring, bars, bounds, qk_scale = block
-    k_a, k_b, vt = ring
-    kv_ready, kv_empty = bars
-    S: gl.constexpr = k_a.shape[0]
-    BN: gl.constexpr = k_a.shape[1]
-    s_layout: gl.constexpr = s.type.layout
-    o_layout: gl.constexpr = acc.type.layout
-    cur = g % S
-    nxt = cur
-    if t + 1 < n_tiles:
-        nxt = (g + 1) % S
-        mbarrier.wait(kv_ready.index(nxt), ((g + 1) // S) & 1)
-    # The next tile's S runs beside this tile's softmax (after the last tile: this tile's
-    # again, never read, so that the issue count stays fixed).
-    s_next = _issue_scores(q_half[0], q_half[1], k_a.index(nxt), k_b.index(nxt), s_layout)
-    p, m_i, l_i, alpha = _tile_softmax(s, qk_scale, m_i, l_i, bounds[0] + t * BN, bounds,
-                                       P_SHIFT)
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-    p8 = _pv_operand(p, vt, o_layout, PERMUTED_V)
-    acc = warpgroup_mma(p8, vt.index(cur).permute((1, 0)), acc, is_async=True)
-    # P's registers (the A operand) are not among the deps: triton 3.6 cannot lower an 8-bit
-    # one, and nothing between the issue and this wait writes them (checked in the SASS by
-    # tests/test_gluon_prefill.py).
-    s_next, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, acc))
-    gl.thread_barrier()  # every warp is past both products (so is arrive's own bar.sync)
-    mbarrier.arrive(kv_empty.index(cur))
-    return s_next, acc, m_i, l_i
-
-
-@gluon.jit
-def _lookahead_tiles(g0, n_tiles, state, block, P_SHIFT: gl.constexpr, PAIRED: gl.constexpr,
-                     PERMUTED_V: gl.constexpr):
-    """A query block's key tiles, each tile's softmax beside the next tile's S
-    (``_key_tile``); ``g0``: the block's first tile through the ring. ``PAIRED``: two tiles a
-    loop step, so that the S in flight and the S being read swap registers instead of being
-    copied at the loop's end (64 moves a tile)."""
-    acc, m_i, l_i = state
-    q_half, ring, bars = block[0], block[1], block[2]
-    k_a, k_b = ring[0], ring[1]
-    kv_ready = bars[0]
-    S: gl.constexpr = k_a.shape[0]
-    BN: gl.constexpr = k_a.shape[1]
-    s_layout: gl.constexpr = S_LAYOUT
-    s = gl.zeros([acc.shape[0], BN], gl.float32, layout=s_layout)
-    if n_tiles > 0:
-        mbarrier.wait(kv_ready.index(g0 % S), (g0 // S) & 1)
-        s = _issue_scores(q_half[0], q_half[1], k_a.index(g0 % S), k_b.index(g0 % S),
-                          s_layout)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-    if PAIRED:
-        for t in range(0, n_tiles - 1, 2):
-            s2, acc, m_i, l_i = _key_tile(t, g0 + t, n_tiles, s, (acc, m_i, l_i), block,
-                                          P_SHIFT, PERMUTED_V)
-            s, acc, m_i, l_i = _key_tile(t + 1, g0 + t + 1, n_tiles, s2, (acc, m_i, l_i), block,
-                                         P_SHIFT, PERMUTED_V)
-        if n_tiles % 2 == 1:
-            s, acc, m_i, l_i = _key_tile(n_tiles - 1, g0 + n_tiles - 1, n_tiles, s,
-                                         (acc, m_i, l_i), block, P_SHIFT, PERMUTED_V)
-    else:
-        for t in range(n_tiles):
-            s, acc, m_i, l_i = _key_tile(t, g0 + t, n_tiles, s, (acc, m_i, l_i), block, P_SHIFT,
-                                         PERMUTED_V)
-    return acc, m_i, l_i
-
-
-@gluon.jit
 def _take_turn(turns, W: gl.constexpr, k):
     """Wait for warpgroup ``W``'s ``k``-th turn at the tensor cores (warpgroup 0 goes first:
     a fresh barrier passes a wait on phase 1)."""
@@ -316,19 +236,16 @@ def _take_turn(turns, W: gl.constexpr, k):
 
 
 @gluon.jit
-def _pv_operand(p, vt, o_layout: gl.constexpr, PERMUTED_V: gl.constexpr):
-    """P (fp32, times 2^P_SHIFT) as the fp8 A operand of O += P V (permuted: the layout change
-    stays in registers)."""
+def _pv_operand(p, vt, o_layout: gl.constexpr):
+    """P (fp32, times 2^P_SHIFT) as the fp8 A operand of O += P V, its keys in v^T's order
+    (the layout change stays in registers)."""
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
-    p8 = p.to(vt.dtype)
-    if PERMUTED_V:
-        p8 = _keys_as_operand(p8)
-    return gl.convert_layout(p8, p_layout, assert_trivial=PERMUTED_V)
+    return gl.convert_layout(_keys_as_operand(p.to(vt.dtype)), p_layout, assert_trivial=True)
 
 
 @gluon.jit
 def _pingpong_tiles(W: gl.constexpr, g0, n_tiles, k0, state, block, turns,
-                    P_SHIFT: gl.constexpr, PERMUTED_V: gl.constexpr):
+                    P_SHIFT: gl.constexpr):
     """A query block's key tiles for warpgroup ``W`` in FlashAttention-3's order: at its turn
     it issues tile t's S and tile t-1's P V back to back and hands the turn over, so the other
     warpgroup's products run while this one does tile t's softmax (``n_tiles`` + 1 turns from
@@ -355,7 +272,7 @@ def _pingpong_tiles(W: gl.constexpr, g0, n_tiles, k0, state, block, turns,
         mbarrier.wait(kv_ready.index(g % S), (g // S) & 1)
         _take_turn(turns, W, k0 + t)
         s = _issue_scores(q_half[0], q_half[1], k_a.index(g % S), k_b.index(g % S), s_layout)
-        p8 = _pv_operand(p, vt, o_layout, PERMUTED_V)
+        p8 = _pv_operand(p, vt, o_layout)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         acc = warpgroup_mma(p8, vt.index((g - 1) % S).permute((1, 0)), acc, is_async=True)
         mbarrier.arrive(turns.index(1 - W))
@@ -367,7 +284,7 @@ def _pingpong_tiles(W: gl.constexpr, g0, n_tiles, k0, state, block, turns,
         # warpgroup before the one thread's arrive: every warp is past P V)
     g = g0 + n_tiles - 1
     _take_turn(turns, W, k0 + n_tiles)
-    p8 = _pv_operand(p, vt, o_layout, PERMUTED_V)
+    p8 = _pv_operand(p, vt, o_layout)
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
     acc = warpgroup_mma(p8, vt.index(g % S).permute((1, 0)), acc, is_async=True)
     mbarrier.arrive(turns.index(1 - W))
@@ -393,10 +310,9 @@ def _row_bounds(W: gl.constexpr, R: gl.constexpr, m0, q_pos0, prefix, kv_lo, kv_
 @gluon.jit
 def _mma_warpgroup(W: gl.constexpr, q_bufs, ring, bars, work_indptr_ptr, work_info_ptr,
                    scale_ptrs, qk_scale, dst, CAUSAL: gl.constexpr, HAS_SCALES: gl.constexpr,
-                   INFO_COLUMNS: gl.constexpr, P_SHIFT: gl.constexpr, PAIRED: gl.constexpr,
-                   PERMUTED_V: gl.constexpr, PINGPONG: gl.constexpr):
-    """Warpgroup ``W``'s 64 rows of every query block: its key tiles (``_lookahead_tiles``, or
-    with ``PINGPONG`` ``_pingpong_tiles``), then the epilogue."""
+                   INFO_COLUMNS: gl.constexpr, P_SHIFT: gl.constexpr):
+    """Warpgroup ``W``'s 64 rows of every query block: its key tiles (``_pingpong_tiles``),
+    then the epilogue."""
     q_a, q_b = q_bufs
     k_a, vt = ring[0], ring[2]
     q_ready, q_empty, kv_ready, kv_empty, turns = bars
@@ -416,7 +332,7 @@ def _mma_warpgroup(W: gl.constexpr, q_bufs, ring, bars, work_indptr_ptr, work_in
     pid = gl.program_id(0)
     it = 0
     qb = 0
-    turn = 0  # PINGPONG: this warpgroup's turns at the tensor cores so far
+    turn = 0  # this warpgroup's turns at the tensor cores so far
     for item in range(gl.load(work_indptr_ptr + pid), gl.load(work_indptr_ptr + pid + 1)):
         q_row0, q_pos0, q_rows, _, prefix, kv_lo, kv_hi, head, slot, _ = \
             _work_item(work_info_ptr, item, INFO_COLUMNS)
@@ -433,14 +349,10 @@ def _mma_warpgroup(W: gl.constexpr, q_bufs, ring, bars, work_indptr_ptr, work_in
             l_i = gl.full([R], 0.0, gl.float32, layout=row_s)
             acc = gl.zeros([R, DV], gl.float32, layout=o_layout)
             block = (q_half, ring, (kv_ready, kv_empty), bounds, qk_scale)
-            if PINGPONG:
-                if n_tiles > 0:
-                    acc, m_i, l_i = _pingpong_tiles(W, it, n_tiles, turn, (acc, m_i, l_i),
-                                                    block, turns, P_SHIFT, PERMUTED_V)
-                    turn += n_tiles + 1
-            else:
-                acc, m_i, l_i = _lookahead_tiles(it, n_tiles, (acc, m_i, l_i), block, P_SHIFT,
-                                                 PAIRED, PERMUTED_V)
+            if n_tiles > 0:
+                acc, m_i, l_i = _pingpong_tiles(W, it, n_tiles, turn, (acc, m_i, l_i), block,
+                                                turns, P_SHIFT)
+                turn += n_tiles + 1
             gl.thread_barrier()
             mbarrier.arrive(q_empty.index(qs))  # this half of the block's q is read
             _epilogue(acc, m_i, l_i, out_scale, rows, rows < q_rows, dst, (q_row0, head, slot),
@@ -457,8 +369,7 @@ def prefill_fp8_kernel(qa_desc, qb_desc, ka_desc, kb_desc, vt_desc,  # TMA: q's,
                        stride_o_row, stride_o_head, stride_lse_row,
                        CAUSAL: gl.constexpr, HAS_SCALES: gl.constexpr, TILE_Q: gl.constexpr,
                        STAGES: gl.constexpr, INFO_COLUMNS: gl.constexpr,
-                       P_SHIFT: gl.constexpr, PAIRED: gl.constexpr, PERMUTED_V: gl.constexpr,
-                       PINGPONG: gl.constexpr, num_warps: gl.constexpr):
+                       P_SHIFT: gl.constexpr, num_warps: gl.constexpr):
     R: gl.constexpr = qa_desc.block_type.shape[0]
     BN: gl.constexpr = ka_desc.block_type.shape[0]
     fp8: gl.constexpr = ka_desc.dtype
@@ -476,7 +387,7 @@ def prefill_fp8_kernel(qa_desc, qb_desc, ka_desc, kb_desc, vt_desc,  # TMA: q's,
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    turns = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)  # PINGPONG: whose turn
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)  # whose turn
     for i in gl.static_range(2):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=2)  # both MMA warpgroups
@@ -496,11 +407,9 @@ def prefill_fp8_kernel(qa_desc, qb_desc, ka_desc, kb_desc, vt_desc,  # TMA: q's,
         (_loader, ((qa_desc, qb_desc, ka_desc, kb_desc, vt_desc), q_bufs, ring, bars,
                    work_indptr_ptr, work_info_ptr, CAUSAL, INFO_COLUMNS)),
         (_mma_warpgroup, (0, q_bufs, ring, bars, work_indptr_ptr, work_info_ptr, scales,
-                          qk_scale, dst, CAUSAL, HAS_SCALES, INFO_COLUMNS, P_SHIFT, PAIRED,
-                          PERMUTED_V, PINGPONG)),
+                          qk_scale, dst, CAUSAL, HAS_SCALES, INFO_COLUMNS, P_SHIFT)),
         (_mma_warpgroup, (1, q_bufs, ring, bars, work_indptr_ptr, work_info_ptr, scales,
-                          qk_scale, dst, CAUSAL, HAS_SCALES, INFO_COLUMNS, P_SHIFT, PAIRED,
-                          PERMUTED_V, PINGPONG)),
+                          qk_scale, dst, CAUSAL, HAS_SCALES, INFO_COLUMNS, P_SHIFT)),
     ], [4, 4], [MMA_REGS, MMA_REGS])
 
 
@@ -537,8 +446,7 @@ class GluonPrefill:
                  lse: torch.Tensor, seq_lens_q: list[int], seq_lens_k: list[int], *,
                  causal: bool, sm_scale: float, scales: tuple[torch.Tensor, ...] | None,
                  num_programs: int, tile_q: int = 256, min_split: int = 256,
-                 grouped: bool = False, stages: int = STAGES, paired: bool = False,
-                 permuted_v: bool = False, pingpong: bool = False):
+                 grouped: bool = False, stages: int = STAGES):
         ok, why = gluon_available()
         if not ok:
             raise ValueError(f"gluon fp8 prefill: {why}")
@@ -549,15 +457,13 @@ class GluonPrefill:
             raise ValueError("out and lse need a contiguous last dimension")
         if not 2 <= stages <= 4:  # 1 deadlocks (tile t+1 is awaited before t is released)
             raise ValueError(f"stages must be 2, 3 or 4 (shared memory), got {stages}")
-        if paired and pingpong:
-            raise ValueError("paired and pingpong are two orders of the key walk: pick one")
         heads = q.shape[1]
         self.plan: WorkPlan = plan_work(seq_lens_q, seq_lens_k, heads, num_programs,
                                         tile_q=tile_q, block_m=BLOCK_M, causal=causal,
                                         split_align=BLOCK_N, min_split=min_split,
                                         v_align=V_ALIGN, grouped=grouped)
         vt, self._transpose = transposed_v(v, seq_lens_k, V_ALIGN, min_cols=BLOCK_N,
-                                           permute_keys=permuted_v)
+                                           permute_keys=True)
         descs = (
             _descriptor(q, [q.shape[0], heads * q.shape[2]], q.stride(0), [WG_ROWS, D_A]),
             _descriptor(q, [q.shape[0], heads * q.shape[2]], q.stride(0), [WG_ROWS, D_B]),
@@ -574,8 +480,7 @@ class GluonPrefill:
                       out.stride(0), out.stride(1), lse.stride(0))
         self._meta = dict(CAUSAL=causal, HAS_SCALES=scales is not None, TILE_Q=tile_q,
                           STAGES=stages, INFO_COLUMNS=WORK_INFO_COLUMNS,
-                          P_SHIFT=fp8_p_shift(v.dtype), PAIRED=paired, PERMUTED_V=permuted_v,
-                          PINGPONG=pingpong, **compile_options(NUM_WARPS, MAXNREG))
+                          P_SHIFT=fp8_p_shift(v.dtype), **compile_options(NUM_WARPS, MAXNREG))
         self._merge = tables.merge_launch(self.plan, out, lse, tile_q)
         # Keep every buffer the launches read alive as long as this object.
         self._buffers = (vt, tables, ones)
@@ -587,15 +492,11 @@ class GluonPrefill:
 
 
 def aot_compile(*, causal: bool = True, has_scales: bool = True, tile_q: int = 256,
-                stages: int = STAGES, paired: bool = False, permuted_v: bool = False,
-                pingpong: bool = False, out_dtype: str = "bf16", arch: int = 90):
+                stages: int = STAGES, out_dtype: str = "bf16", arch: int = 90):
     """Compile ``prefill_fp8_kernel`` for ``sm_<arch>`` without a GPU; returns triton's
     CompiledKernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata``)."""
-    if paired and pingpong:
-        raise ValueError("paired and pingpong are two orders of the key walk: pick one")
     constants = dict(CAUSAL=causal, HAS_SCALES=has_scales, TILE_Q=tile_q, STAGES=stages,
                      INFO_COLUMNS=WORK_INFO_COLUMNS, P_SHIFT=fp8_p_shift(torch.float8_e4m3fn),
-                     PAIRED=paired, PERMUTED_V=permuted_v, PINGPONG=pingpong,
                      num_warps=NUM_WARPS)
     blocks = dict(qa_desc=("fp8", WG_ROWS, D_A), qb_desc=("fp8", WG_ROWS, D_B),
                   ka_desc=("fp8", BLOCK_N, D_A), kb_desc=("fp8", BLOCK_N, D_B),

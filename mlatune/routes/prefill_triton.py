@@ -7,7 +7,7 @@ mla_reduce_v1) that vLLM's ROCm backend uses: fp8 q/k/v with per-tensor scales,
 bf16 output. ``bf16-ps`` is the same kernel with a 16-bit q, over a k/v in q's
 type or in fp8 (whose tiles the kernel converts to q's type as it loads them).
 On sm_90 with triton 3.6, ``fp8-ps``'s first two param sets (the first its default there)
-and its last one run the same plan through a Gluon kernel instead
+run the same plan through a Gluon kernel instead
 (``mlatune.kernels.gluon_prefill_fp8``: warp-specialized, fp8 wgmmas; 1.42x cuDNN's bf16
 SDPA at 128 heads x 4096 causal tokens on the H200, 2026-12-01).
 
@@ -19,6 +19,9 @@ the route the seed takes.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -60,25 +63,17 @@ _SMALLEST_CONFIG = (64, 32, 4, 1)  # fits every device's shared memory
 _CPU_CONFIG = (32, 32, 4, 1)
 _CPU_CONFIG_FP8 = (32, 32, 4, 1, True, True)
 # fp8 on sm_90 with triton 3.6's Gluon: kernels/gluon_prefill_fp8 (warp-specialized, both
-# products fp8 wgmmas, P kept in registers; DeepSeek's 192/128 dims, e4m3fn). Its first
-# ``GLUON_LEADING`` sets lead the route's space where it runs, the last follows the Triton
-# sets. ``pingpong``:
-# FlashAttention-3's order, the two warpgroups taking turns at the tensor cores;
-# ``permuted_v``: v's keys stored in the order the accumulator holds P's, so P becomes the A
-# operand without shuffles; ``paired``: two key tiles a loop step (the S registers swap
-# instead of being copied); ring depth 3 (168 KB of shared memory with the two query blocks)
-# or 4 (209 KB); docs/kernels/gluon_prefill_fp8.md compares the forms.
-GLUON_PARAMS: Params = {"kernel": "gluon", "num_stages": 3, "grouped": True, "pingpong": True,
-                        "permuted_v": True}
-# The Gluon sets ahead of the Triton ones: a sweep keeping 3 sets a route runs both ring
-# depths of the pingpong form and one Triton set.
-GLUON_LEADING = 2
-# What a stored Gluon set leaves out: the kernel's first form (a set runs what it ran).
-GLUON_FORM_DEFAULTS: Params = {"num_stages": 3, "grouped": False, "pingpong": False,
-                               "permuted_v": False, "paired": False}
-GLUON_PARAM_SETS: tuple[Params, ...] = (
-    GLUON_PARAMS, {**GLUON_PARAMS, "num_stages": 4},
-    {"kernel": "gluon", "num_stages": 3, "grouped": True, "paired": True, "permuted_v": True})
+# products fp8 wgmmas, P kept in registers; DeepSeek's 192/128 dims, e4m3fn), its one form
+# named in "form", head-grouped, at ring depth 3 (168 KB of shared memory with the two query
+# blocks) or 4 (209 KB). Both lead the route's space where it runs (the first its default),
+# so a sweep keeping 3 sets a route runs both and one Triton set.
+GLUON_FORM = "pingpong"
+GLUON_PARAMS: Params = {"kernel": "gluon", "form": GLUON_FORM, "num_stages": 3, "grouped": True}
+GLUON_PARAM_SETS: tuple[Params, ...] = (GLUON_PARAMS, {**GLUON_PARAMS, "num_stages": 4})
+# A stored Gluon set named its form with these booleans before "form" (absent: off), and ran
+# these values where it left them out.
+GLUON_LEGACY_FORMS = ("pingpong", "permuted_v", "paired")
+GLUON_LEGACY_DEFAULTS: Params = {"num_stages": 3, "grouped": False}
 
 
 def config_params(config: tuple) -> Params:
@@ -132,25 +127,15 @@ class _PersistentPrefillRoute(Route):
         triton_sets = [config_params(c) for c in configs]
         if not _gluon_serves(problem, device):
             return triton_sets
-        gluon = [dict(p) for p in GLUON_PARAM_SETS]
-        return [*gluon[:GLUON_LEADING], *triton_sets, *gluon[GLUON_LEADING:]]
+        return [*(dict(p) for p in GLUON_PARAM_SETS), *triton_sets]
 
     def prepare(self, problem: MLAProblem, inputs: DecodeInputs | PrefillInputs, *,
                 rank: int = 0, params: Params | None = None,
                 want_lse: bool = True) -> Prepared:
         if not isinstance(inputs, PrefillInputs):
             raise TypeError(f"{self.id} takes PrefillInputs, got {type(inputs).__name__}")
-        # Imported here, not at module import: it needs Triton, and tests must be able
-        # to switch on TRITON_INTERPRET before its kernels are decorated.
-        from mlatune.kernels.prefill import KernelConfig, PersistentPrefill  # triton: when asked
-
         device = device_of(inputs.q)
         params = self.fill_defaults(params or {}, self.param_space(problem, device))
-        gluon = params.get("kernel") == "gluon"
-        if not gluon:
-            config = KernelConfig(params["block_m"], params["block_n"], params["num_warps"],
-                                  params["num_stages"], bool(params.get("v_transposed")),
-                                  bool(params.get("grouped")))
         heads, kernel_heads = problem.num_heads, padded_heads(problem.num_heads)
         q, k, v = inputs.q, inputs.k, inputs.v
         dev = q.device
@@ -169,22 +154,10 @@ class _PersistentPrefillRoute(Route):
             scales = (inputs.q_scale if inputs.q_scale is not None else one,
                       inputs.k_scale, inputs.v_scale)
         lengths = (inputs.cu_seqlens_q.diff().tolist(), inputs.cu_seqlens_k.diff().tolist())
-        if gluon:
-            from mlatune.kernels.gluon_prefill_fp8 import GluonPrefill  # triton: when asked
-
-            chosen = params
-            launch = GluonPrefill(
-                q, k, v, out_full, lse_full, *lengths, causal=problem.causal,
-                sm_scale=inputs.softmax_scale, scales=scales, num_programs=device.cu_count,
-                tile_q=TILE_Q, grouped=bool(chosen["grouped"]), stages=chosen["num_stages"],
-                paired=bool(chosen["paired"]), permuted_v=bool(chosen["permuted_v"]),
-                pingpong=bool(chosen["pingpong"]))
-        else:
-            chosen = config.as_params()
-            launch = PersistentPrefill(
-                q, k, v, out_full, lse_full, *lengths, causal=problem.causal,
-                sm_scale=inputs.softmax_scale, scales=scales, config=config,
-                num_programs=device.cu_count, tile_q=TILE_Q)
+        chosen, launch = self._launcher(params, (q, k, v, out_full, lse_full), lengths,
+                                        dict(causal=problem.causal, sm_scale=inputs.softmax_scale,
+                                             scales=scales, num_programs=device.cu_count,
+                                             tile_q=TILE_Q))
 
         def run() -> None:
             for src, index, dst in stage:
@@ -196,20 +169,53 @@ class _PersistentPrefillRoute(Route):
         return Prepared(run, out_full[:, :heads], lse_full[:, :heads] if want_lse else None,
                         graph_safe=True, params=used, plan_reads_lengths=True)
 
+    def _launcher(self, params: Params, tensors: tuple[torch.Tensor, ...],
+                  lengths: tuple[list[int], list[int]], common: dict[str, Any]
+                  ) -> tuple[Params, Callable[[], None]]:
+        """The set as it runs and the launcher that runs it over ``tensors`` (q, k, v, out,
+        lse): for a Gluon set the Gluon fp8 kernel (its one form), else the Triton kernel;
+        ``common``, the launchers' shared keywords."""
+        # Imported here, not at module import: they need Triton, and tests must be able to
+        # switch on TRITON_INTERPRET before the kernels are decorated.
+        if params.get("kernel") == "gluon":
+            from mlatune.kernels.gluon_prefill_fp8 import GluonPrefill  # triton: when asked
+
+            if params["form"] != GLUON_FORM:
+                raise ValueError(f"{self.id}: Gluon form {params['form']!r} is not "
+                                 f"{GLUON_FORM!r}")
+            return params, GluonPrefill(*tensors, *lengths, grouped=bool(params["grouped"]),
+                                        stages=params["num_stages"], **common)
+        from mlatune.kernels.prefill import KernelConfig, PersistentPrefill  # triton: when asked
+
+        config = KernelConfig(params["block_m"], params["block_n"], params["num_warps"],
+                              params["num_stages"], bool(params.get("v_transposed")),
+                              bool(params.get("grouped")))
+        return config.as_params(), PersistentPrefill(*tensors, *lengths, config=config, **common)
+
     @staticmethod
     def fill_defaults(params: Params, space: list[Params]) -> Params:
         """A set as this route runs it (``routes.with_defaults``), ``space`` being its sets at
-        the problem: none given, the first; a Gluon set over the kernel's first form
-        (``GLUON_FORM_DEFAULTS``: what a stored set leaves out, it ran without); a Triton set
+        the problem: none given, the first; a Gluon set over the first Gluon set; a Triton set
         over the first Triton set (the Gluon sets' options mean nothing to that kernel)."""
         params = params or space[0]
         if params.get("kernel") == "gluon":
-            return {**GLUON_FORM_DEFAULTS, **params}
+            return {**GLUON_PARAMS, **params}
         return {**next(p for p in space if p.get("kernel") != "gluon"), **params}
 
     def upgrade_params(self, params: Params) -> Params | None:
-        """A stored set in the current spelling: a Triton set without ``qk_ahead`` (off: the
-        same kernel; on: a deleted form, None)."""
+        """A stored set in the current spelling; None where it names a deleted kernel form. A
+        Gluon set names ``GLUON_FORM`` in "form"; in the booleans before it
+        (``GLUON_LEGACY_FORMS``, absent: off), pingpong and permuted_v on and paired off are
+        that form, any other combination a deleted one. A Triton set reads without
+        ``qk_ahead`` (off: the same kernel; on: a deleted form)."""
+        if params.get("kernel") == "gluon":
+            if "form" in params:
+                return dict(params) if params["form"] == GLUON_FORM else None
+            on = {k: bool(params.get(k)) for k in GLUON_LEGACY_FORMS}
+            if not (on["pingpong"] and on["permuted_v"]) or on["paired"]:
+                return None
+            kept = {k: v for k, v in params.items() if k not in GLUON_LEGACY_FORMS}
+            return {**GLUON_LEGACY_DEFAULTS, **kept, "form": GLUON_FORM}
         if params.get("qk_ahead"):
             return None
         return {k: v for k, v in params.items() if k != "qk_ahead"}
