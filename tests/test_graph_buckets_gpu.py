@@ -1,0 +1,218 @@
+"""A CUDA-graph batch bucket padded with empty requests, on a real GPU (``pytest -m gpu``).
+
+An engine captures one graph per batch bucket and pads the slots it does not use with
+requests of length 0. Here: a bucket of 8 with 3 live requests (one of them shorter than
+qlen when qlen is 2) and 5 empty ones (their block-table rows zero, as an engine's
+zero-filled buffers leave them), captured through ``attention.decode`` with the caller's
+buffers, then replayed with the lengths rewritten in place: the live ones' lengths changed
+and one of them emptied, another live request emptied and an empty one filled, and every
+request empty. Every replay: outputs poisoned first, NaN in each cache slot past a
+request's length; live rows match the reference, rows that attend no key are exactly 0
+with LSE -inf.
+
+Routes: every one the dispatcher may serve a capturable step from at the bucket's shapes
+(heads 16 and 8, qlen 1 and 2, bf16 and fp8 caches), in each of its kernel forms, forced
+through a one-problem table (``test_every_capturable_route_is_covered`` fails if a route
+that serves one of the shapes here is missing); FlashMLA where its library imports (else
+skipped, naming what to install). FlashInfer, host-planned and so never captured, eagerly
+through ``decode`` as the lengths change. Then ``decode`` with the bundled dispatcher (no
+``dispatcher=``), captured the same way.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mlatune import attention, routes
+from mlatune.arch import current_device
+from mlatune.check.accuracy import check
+from mlatune.check.inputs import DecodeInputs, make_decode_inputs, poison_
+from mlatune.problem import MLAProblem
+from tests.helpers import expected_now
+from tests.test_empty_requests import rows_without_keys
+from tests.test_engine_gpu import _forced
+
+pytestmark = pytest.mark.gpu
+FP8 = "fp8_e4m3fn"
+BUCKET, CAP = 8, 1024  # batch bucket, and the bucket's max_kv_len (each request's pages)
+LIVE = (0, 3, 5)
+# Capture; the live ones' lengths changed and request 3 emptied; request 0 emptied and
+# request 6 (padding until now) filled; every request empty.
+STEPS = [
+    [1000, 0, 0, 65, 0, 1, 0, 0],
+    [513, 0, 0, 0, 0, 64, 0, 0],
+    [0, 0, 0, 2, 0, 1024, 3, 0],
+    [0] * BUCKET,
+]
+
+
+@pytest.fixture(autouse=True)
+def _needs_a_gpu():
+    if not torch.cuda.is_available():  # fail, not skip: -m gpu without a GPU is no pass
+        pytest.fail("GPU tests need a GPU: run them on the device machine")
+
+
+def _p(heads: int, qlen: int, kv: str) -> MLAProblem:
+    return MLAProblem(num_heads=heads, qlen=qlen, q_dtype="bf16", kv_dtype=kv, batch=BUCKET,
+                      kv_len=CAP, page_size=64)
+
+
+SHAPES = [_p(16, 1, "bf16"), _p(16, 2, "bf16"), _p(16, 1, FP8), _p(16, 2, FP8),
+          _p(8, 1, "bf16"), _p(8, 2, FP8)]
+# Every decode route that can serve a capturable step at one of the shapes on sm_90.
+CAPTURABLE = ("padded/triton", "gluon/triton", "wgmma/gluon", "seesaw/gluon",
+              "transposed/gluon", "dense/flashmla")
+CASES = [(r, p) for p in SHAPES for r in CAPTURABLE]
+
+
+def _label(case) -> str:
+    route_id, p = case
+    return f"{route_id}-h{p.num_heads}-q{p.qlen}-{p.kv_dtype}"
+
+
+def _forms(route, problem: MLAProblem) -> list[dict]:
+    """The first capturable set of each kernel form in the route's space (persistent or
+    split, seesaw's and transposed's forms, segmented's folding), and of a split form its
+    single-split (direct-write) set too."""
+    firsts: dict[tuple, dict] = {}
+    for params in route.param_space(problem, current_device()):
+        if route.step_kind(params).capturable:
+            form = (bool(params.get("persistent")), params.get("form"), params.get("fold"))
+            firsts.setdefault(form, params)
+    forms = list(firsts.values())
+    split = next((p for p in forms if p.get("num_splits", 1) > 1), None)
+    return forms if split is None else [*forms, {**split, "num_splits": 1}]
+
+
+class Bucket:
+    """The bucket's tensors: pages for CAP keys per live request, zero block-table rows for
+    the padding, lengths written in place with NaN past each in the cache."""
+
+    def __init__(self, problem: MLAProblem, seed: int):
+        self.inputs = make_decode_inputs(problem, seed=seed, device="cuda")
+        self.shard = self.inputs.shards[0]
+        self.clean = self.shard.kv_cache.clone()
+        padding = [b for b in range(BUCKET) if b not in LIVE and b != 6]
+        self.shard.block_table[padding] = 0
+
+    def write(self, lens: list[int]) -> None:
+        shard, page = self.shard, self.shard.kv_cache.shape[1]
+        self.inputs.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        shard.seq_lens.copy_(self.inputs.seq_lens)
+        shard.kv_cache.copy_(self.clean)
+        fp8 = shard.kv_cache.dtype.itemsize == 1
+        slots = shard.kv_cache.view(torch.uint8) if fp8 else shard.kv_cache
+        nan = 0x7F if fp8 else float("nan")  # e4m3fn's NaN bit pattern
+        for b, n in enumerate(lens):
+            if b in LIVE or b == 6:  # the padding's page 0 is another request's page
+                for j, page_id in enumerate(shard.block_table[b].tolist()):
+                    if n < (j + 1) * page:
+                        slots[page_id, max(0, n - j * page):] = nan
+
+
+def _served(problem: MLAProblem, route, params: dict, out, lse, inputs: DecodeInputs,
+            lens: list[int], what: str) -> None:
+    want_out, want_lse = expected_now(inputs)
+    empty = rows_without_keys(lens, problem.qlen, problem.causal, 0).to(out.device)
+    live = ~empty
+    acc = check(problem, out[live], want_out[live], lse[live], want_lse[live],
+                rounding=routes.rounding(route, problem, params))
+    assert acc.ok, f"{what}: live rows: {acc.reason} ({acc.summary})"
+    assert (out[empty] == 0).all(), f"{what}: rows without keys: output not 0"
+    assert torch.isneginf(lse[empty]).all(), f"{what}: rows without keys: LSE not -inf"
+
+
+def _captured_bucket(problem: MLAProblem, dispatcher, seed: int):
+    """decode() once eagerly and once under capture; yields (lens, out, lse) after each
+    replay of STEPS (the capture's own lengths first)."""
+    bucket = Bucket(problem, seed)
+    inputs, shard = bucket.inputs, bucket.shard
+    rows, heads = inputs.q.shape[0], problem.kernel_heads
+    out = torch.empty(rows, heads, problem.d_v, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(rows, heads, dtype=torch.float32, device="cuda")
+
+    def step() -> None:
+        attention.decode(inputs.q, shard.kv_cache, shard.block_table, inputs.seq_lens,
+                         num_heads=problem.num_heads, qlen=problem.qlen,
+                         kv_scale=inputs.kv_scale, out=out, lse_out=lse, max_kv_len=CAP,
+                         capturable=True, dispatcher=dispatcher)
+
+    bucket.write(STEPS[0])
+    step()  # eager: makes the step (compiles, allocates) outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for lens in STEPS:
+        bucket.write(lens)
+        poison_(out, lse)
+        graph.replay()
+        torch.cuda.synchronize()
+        yield lens, out, lse, inputs
+
+
+@pytest.mark.parametrize("case", CASES, ids=_label)
+def test_a_captured_bucket_with_empty_requests(case, tmp_path):
+    route_id, problem = case
+    route = routes.get(route_id)
+    verdict = route.supports(problem, current_device())
+    if not verdict:
+        pytest.skip(f"{route_id} does not serve {problem.key}: {verdict.reason}")
+    assert route.serves_empty(problem, {})
+    for n, params in enumerate(_forms(route, problem)):
+        dispatcher = _forced(problem, route_id, params, tmp_path / str(n))
+        for lens, out, lse, inputs in _captured_bucket(problem, dispatcher, seed=31 + n):
+            _served(problem, route, params, out, lse, inputs, lens, f"{params}, lengths {lens}")
+        steps = list(attention.plans_of(dispatcher).values())
+        assert {(s.choice.route_id, s.prepared.step_kind.capturable) for s in steps} == \
+            {(route_id, True)}
+
+
+def test_every_capturable_route_is_covered():
+    """Each registered route that serves a shape here with a capturable set is in CASES."""
+    device = current_device()
+    for problem in SHAPES:
+        for route in routes.all_routes():
+            if not route.supports(problem, device) or route.id == "reference/torch":
+                continue
+            space = route.param_space(problem, device)
+            if any(route.step_kind(p).capturable for p in space):
+                assert (route.id, problem) in CASES, (route.id, problem.key)
+
+
+@pytest.mark.parametrize("backend", ["fa3", "fa2"])
+@pytest.mark.parametrize("problem", [_p(16, 1, "bf16"), _p(16, 2, "bf16"), _p(16, 1, FP8)],
+                         ids=["q1-bf16", "q2-bf16", "q1-fp8"])
+def test_flashinfer_serves_the_bucket_eagerly(backend, problem, tmp_path):
+    """Host-planned (never captured): decode() prepares it again from each step's lengths."""
+    route = routes.get(f"{backend}/flashinfer")
+    verdict = route.supports(problem, current_device())
+    if not verdict:
+        pytest.skip(verdict.reason)
+    dispatcher = _forced(problem, route.id, {}, tmp_path)
+    bucket = Bucket(problem, seed=41)
+    inputs, shard = bucket.inputs, bucket.shard
+    for lens in STEPS:
+        bucket.write(lens)
+        out, lse = attention.decode(inputs.q, shard.kv_cache, shard.block_table,
+                                    inputs.seq_lens, num_heads=problem.num_heads,
+                                    qlen=problem.qlen, kv_scale=inputs.kv_scale,
+                                    max_kv_len=CAP, return_lse=True, dispatcher=dispatcher)
+        torch.cuda.synchronize()
+        _served(problem, route, {}, out, lse, inputs, lens, f"lengths {lens}")
+    assert {s.choice.route_id for s in attention.plans_of(dispatcher).values()} == {route.id}
+
+
+@pytest.mark.parametrize("problem", SHAPES[:4], ids=["q1-bf16", "q2-bf16", "q1-fp8", "q2-fp8"])
+def test_decode_with_the_bundled_dispatcher_captures_the_bucket(problem):
+    """decode() as an engine calls it, no dispatcher given: the bundled table's capturable
+    pick for the bucket, captured and replayed as the lengths change and empty."""
+    dispatcher = attention.default_dispatcher(capturable=True)
+    before = set(attention.plans_of(dispatcher))
+    for lens, out, lse, inputs in _captured_bucket(problem, None, seed=51):
+        made = [s for k, s in attention.plans_of(dispatcher).items() if k not in before]
+        assert len(made) == 1, "one step for the bucket"
+        choice = made[0].choice
+        route = routes.get(choice.route_id)
+        _served(problem, route, dict(choice.params), out, lse, inputs, lens,
+                f"{choice.route_id} {dict(choice.params)}, lengths {lens}")
