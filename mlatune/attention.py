@@ -174,7 +174,9 @@ def decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     kv_cache: (pages, page_size, d_qk) or (pages, page_size, 1, d_qk), this rank's
     shard; block_table: (batch, max_pages) int32 page ids of this rank's shard;
     seq_lens: (batch,) int32 *global* KV lengths (the new tokens included; with
-    dcp_size > 1 each rank's share is derived from them). ``max_kv_len`` is
+    dcp_size > 1 each rank's share is derived from them); 0 is an empty request (a graph
+    bucket's padding) and a length below qlen gets the causal window over the keys that
+    exist: rows that attend no key return output 0 and LSE -inf. ``max_kv_len`` is
     max(seq_lens): pass it when the engine knows it, since reading it from a GPU
     tensor synchronises. fp8 tensors take their per-tensor fp32 scales (required).
     ``softmax_scale``: the model's (DeepSeek's YaRN scaling multiplies the default
