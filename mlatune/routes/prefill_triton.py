@@ -20,7 +20,6 @@ the route the seed takes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -154,7 +153,7 @@ class _PersistentPrefillRoute(Route):
             scales = (inputs.q_scale if inputs.q_scale is not None else one,
                       inputs.k_scale, inputs.v_scale)
         lengths = (inputs.cu_seqlens_q.diff().tolist(), inputs.cu_seqlens_k.diff().tolist())
-        chosen, launch = self._launcher(params, (q, k, v, out_full, lse_full), lengths,
+        chosen, launch = self.launcher(params, (q, k, v, out_full, lse_full), lengths,
                                         dict(causal=problem.causal, sm_scale=inputs.softmax_scale,
                                              scales=scales, num_programs=device.cu_count,
                                              tile_q=TILE_Q))
@@ -169,12 +168,13 @@ class _PersistentPrefillRoute(Route):
         return Prepared(run, out_full[:, :heads], lse_full[:, :heads] if want_lse else None,
                         graph_safe=True, params=used, plan_reads_lengths=True)
 
-    def _launcher(self, params: Params, tensors: tuple[torch.Tensor, ...],
-                  lengths: tuple[list[int], list[int]], common: dict[str, Any]
-                  ) -> tuple[Params, Callable[[], None]]:
-        """The set as it runs and the launcher that runs it over ``tensors`` (q, k, v, out,
-        lse): for a Gluon set the Gluon fp8 kernel (its one form), else the Triton kernel;
-        ``common``, the launchers' shared keywords."""
+    def launcher(self, params: Params, tensors: tuple[torch.Tensor, ...],
+                 lengths: tuple[list[int], list[int]], common: dict[str, Any]
+                 ) -> tuple[Params, Any]:
+        """The set as it runs and its launcher over ``tensors`` (q, k, v, out, lse; the
+        kernels' planned batch, called to launch): for a Gluon set ``GluonPrefill`` (the Gluon
+        fp8 kernel's one form), else ``PersistentPrefill``; ``common``, their shared
+        keywords."""
         # Imported here, not at module import: they need Triton, and tests must be able to
         # switch on TRITON_INTERPRET before the kernels are decorated.
         if params.get("kernel") == "gluon":
