@@ -53,7 +53,9 @@ import torch
 
 from mlatune import runtime_checks
 from mlatune.check.inputs import DecodeInputs, KVShard
+from mlatune.check.policy import Policy, policy_named
 from mlatune.dispatch import Choice, Dispatcher, by_handle, first_sight
+from mlatune.errors import DecodeArgumentError
 from mlatune.measure import timers
 from mlatune.problem import DTYPES, MLAProblem, next_power_of_two, output_dtype
 from mlatune.routes import Prepared, Route, step_kind_of
@@ -67,7 +69,7 @@ _plans: weakref.WeakKeyDictionary[Dispatcher, dict[tuple, DecodeStep]] = \
 # Per dispatcher, by the length tensors (and call options), the step that last planned.
 _planners: weakref.WeakKeyDictionary[Dispatcher, dict[tuple, DecodeStep]] = \
     weakref.WeakKeyDictionary()
-_default: dict[bool, Dispatcher] = {}  # by capturable
+_default: dict[tuple[bool, str], Dispatcher] = {}  # by capturable and accuracy policy
 
 
 @dataclass
@@ -140,11 +142,33 @@ class DecodeStep:
                 self.lse.copy_(self.prepared.lse)
 
 
-def default_dispatcher(capturable: bool = False) -> Dispatcher:
-    """``Dispatcher.from_bundled(capturable=...)``, made once per process on first use."""
-    if capturable not in _default:
-        _default[capturable] = Dispatcher.from_bundled(capturable=capturable)
-    return _default[capturable]
+def default_dispatcher(capturable: bool = False, accuracy: str | None = None) -> Dispatcher:
+    """``Dispatcher.from_bundled(capturable=..., accuracy=...)``, made once per process and
+    policy on first use (``accuracy`` None: ``MLATUNE_ACCURACY``'s, else strict)."""
+    key = (capturable, _policy(accuracy).name)
+    if key not in _default:
+        _default[key] = Dispatcher.from_bundled(capturable=capturable, accuracy=key[1])
+    return _default[key]
+
+
+def _policy(accuracy: str | None) -> Policy:
+    try:
+        return policy_named(accuracy)
+    except ValueError as exc:
+        raise DecodeArgumentError(str(exc)) from None
+
+
+def _dispatcher_for(dispatcher: Dispatcher | None, capturable: bool, accuracy: str | None
+                    ) -> Dispatcher:
+    """The dispatcher given (which must serve ``accuracy`` where one is named), else the
+    default one for ``capturable`` and ``accuracy``."""
+    if dispatcher is None:
+        return default_dispatcher(capturable, accuracy)
+    if accuracy is not None and _policy(accuracy) != dispatcher.accuracy:
+        raise DecodeArgumentError(
+            f"accuracy: {accuracy!r} asked, but the dispatcher given serves "
+            f"{dispatcher.accuracy.name!r} (load it with accuracy={accuracy!r})")
+    return dispatcher
 
 
 def _ptr(t: torch.Tensor | None) -> tuple | None:
@@ -166,7 +190,7 @@ def decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
            lse_out: torch.Tensor | None = None, dcp_rank: int = 0, dcp_size: int = 1,
            max_kv_len: int | None = None, kv_lora_rank: int = 512, return_lse: bool = False,
            capturable: bool | None = None, reuse_plan: bool = False,
-           dispatcher: Dispatcher | None = None
+           dispatcher: Dispatcher | None = None, accuracy: str | None = None
            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """MLA decode (qlen 1) or speculative verify (qlen > 1) for one DCP rank.
 
@@ -189,7 +213,10 @@ def decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     ``block_table`` tensors made (the same arguments otherwise) instead of planning
     again: an engine plans in its first attention layer of a step and passes True in the
     others, which then pay the launch alone (a dispatcher made with ``plan_calls`` = the
-    layer count ranks routes so).
+    layer count ranks routes so). ``accuracy``: the accuracy policy the route must meet
+    (``mlatune.check.policy``: "strict", the default, serves no rounding beyond the
+    problem's dtypes; None: ``MLATUNE_ACCURACY``'s, else strict); a ``dispatcher`` given
+    serves its own, and naming another is a DecodeArgumentError.
 
     Returns out and, with ``return_lse`` (or ``lse_out``), lse fp32 (natural log);
     with dcp_size > 1 both are this rank's partials, merged by the caller.
@@ -199,10 +226,10 @@ def decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
         return _decode_compiled(q, kv_cache, block_table, seq_lens, num_heads, qlen, causal,
                                 kv_scale, q_scale, softmax_scale, out, lse_out, dcp_rank,
                                 dcp_size, max_kv_len, kv_lora_rank, want_lse, bool(capturable),
-                                reuse_plan, dispatcher)
+                                reuse_plan, dispatcher, accuracy)
     if capturable is None:
         capturable = q.is_cuda and torch.cuda.is_current_stream_capturing()
-    dispatcher = dispatcher or default_dispatcher(capturable)
+    dispatcher = _dispatcher_for(dispatcher, capturable, accuracy)
     if max_kv_len is None:  # (no batch: 0, and the argument checks say why)
         max_kv_len = int(seq_lens.max()) if seq_lens.numel() else 0
     runtime_checks.check_max_kv_len(max_kv_len)
@@ -275,12 +302,13 @@ def prepare_decode(
     capturable: bool = False,
     plan_from: DecodeStep | None = None,
     dispatcher: Dispatcher | None = None,
+    accuracy: str | None = None,
 ) -> DecodeStep:
     """``decode``'s step for these tensors, chosen and prepared now, for an engine that
     keeps it: ``step()`` then costs no lookup (the plan/run split of FlashInfer's
     wrappers). Arguments as ``decode``'s; the step serves lengths up to the block
     table's capacity, chosen for ``max_kv_len``."""
-    dispatcher = dispatcher or default_dispatcher(capturable)
+    dispatcher = _dispatcher_for(dispatcher, capturable, accuracy)
     return _make_plan(q, kv_cache, block_table, seq_lens, num_heads=num_heads, qlen=qlen,
                       causal=causal, kv_scale=kv_scale, q_scale=q_scale,
                       softmax_scale=softmax_scale, out=out, lse_out=lse_out, dcp_rank=dcp_rank,
@@ -412,24 +440,25 @@ def _decode_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                q_scale: torch.Tensor | None, out: torch.Tensor, lse_out: torch.Tensor | None,
                num_heads: int, qlen: int, causal: bool, softmax_scale: float | None,
                dcp_rank: int, dcp_size: int, max_kv_len: int | None, kv_lora_rank: int,
-               capturable: bool, reuse_plan: bool, dispatcher_handle: int) -> None:
+               capturable: bool, reuse_plan: bool, dispatcher_handle: int,
+               accuracy: str) -> None:
     decode(q, kv_cache, block_table, seq_lens, num_heads=num_heads, qlen=qlen, causal=causal,
            kv_scale=kv_scale, q_scale=q_scale, softmax_scale=softmax_scale, out=out,
            lse_out=lse_out, dcp_rank=dcp_rank, dcp_size=dcp_size, max_kv_len=max_kv_len,
            kv_lora_rank=kv_lora_rank, capturable=capturable, reuse_plan=reuse_plan,
-           dispatcher=by_handle(dispatcher_handle))
+           dispatcher=by_handle(dispatcher_handle), accuracy=accuracy or None)
 
 
 @_decode_op.register_fake
 def _(q, kv_cache, block_table, seq_lens, kv_scale, q_scale, out, lse_out, num_heads, qlen,
       causal, softmax_scale, dcp_rank, dcp_size, max_kv_len, kv_lora_rank, capturable,
-      reuse_plan, dispatcher_handle) -> None:
+      reuse_plan, dispatcher_handle, accuracy) -> None:
     return None
 
 
 def _decode_compiled(q, kv_cache, block_table, seq_lens, num_heads, qlen, causal, kv_scale,
                      q_scale, softmax_scale, out, lse_out, dcp_rank, dcp_size, max_kv_len,
-                     kv_lora_rank, want_lse, capturable, reuse_plan, dispatcher):
+                     kv_lora_rank, want_lse, capturable, reuse_plan, dispatcher, accuracy):
     """decode() as torch.compile traces it: buffers allocated here, the work in the op."""
     rows, heads = q.shape[0], q.shape[1]
     if out is None:
@@ -439,5 +468,6 @@ def _decode_compiled(q, kv_cache, block_table, seq_lens, num_heads, qlen, causal
         lse_out = q.new_empty(rows, heads, dtype=torch.float32)
     _decode_op(q, kv_cache, block_table, seq_lens, kv_scale, q_scale, out, lse_out, num_heads,
                qlen, causal, softmax_scale, dcp_rank, dcp_size, max_kv_len, kv_lora_rank,
-               capturable, reuse_plan, 0 if dispatcher is None else dispatcher.handle)
+               capturable, reuse_plan, 0 if dispatcher is None else dispatcher.handle,
+               accuracy or "")
     return (out, lse_out) if want_lse else out

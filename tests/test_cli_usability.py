@@ -266,6 +266,7 @@ def test_the_value_sets_are_their_owners():
     from mlatune import problem
     from mlatune.arch import CPU_ARCH
     from mlatune.capability import ARCHS
+    from mlatune.check.policy import POLICIES
 
     def values(choice):
         return tuple(c.value for c in choice)
@@ -275,6 +276,7 @@ def test_the_value_sets_are_their_owners():
     assert values(inputs.Dtype) == tuple(problem.DTYPES)
     assert values(inputs.Phase) == typing.get_args(problem.Phase)
     assert values(inputs.Format) == (*table.FORMATS, "json")
+    assert values(inputs.Accuracy) == tuple(POLICIES)
 
 
 # 6. Bundled specs by name -------------------------------------------------------------

@@ -127,12 +127,14 @@ def test_a_candidate_that_disagrees_with_the_answer_is_dropped(tmp_path, made):
 
 def test_a_candidate_off_by_its_declared_rounding_is_kept(tmp_path, made):
     """Beside a 16-bit answer, a route that declares P rounded to fp8 is held to that
-    rounding's tolerance (2% off passes it, not fp16's), so it can win."""
-    user = tmp_path / "mine.parquet"
-    dispatcher = Dispatcher.load(_table(tmp_path, with_wrong=True, third="rounding/fake"),
-                                 device=cpu_device(), first_sight=user)
-    _decode(dispatcher)
-    assert "rounding/fake" in set(table.read(user)["route"])
+    rounding's tolerance (2% off passes it, not fp16's), so it can win where the accuracy
+    policy admits its class; the strict policy never times it."""
+    for accuracy, timed in (("fp8-mma", True), ("strict", False)):
+        user = tmp_path / f"mine-{accuracy}.parquet"
+        dispatcher = Dispatcher.load(_table(tmp_path, with_wrong=True, third="rounding/fake"),
+                                     device=cpu_device(), first_sight=user, accuracy=accuracy)
+        _decode(dispatcher)
+        assert ("rounding/fake" in set(table.read(user)["route"])) is timed, accuracy
 
 
 def test_without_first_sight_nothing_is_timed(tmp_path, made):

@@ -5,8 +5,10 @@ import json
 import pytest
 
 from mlatune import routes, table
+from mlatune.check.policy import policy_named
 from mlatune.dispatch import Dispatcher, device_for_arch
-from mlatune.dispatch.dispatcher import bundled_tables_dir
+from mlatune.dispatch.admission import admitted_table
+from mlatune.dispatch.dispatcher import bundled_tables_dir, registered_routes
 from mlatune.problem import MLAProblem
 from mlatune.table.cost import DEFAULT_CALLER, Caller, step_cost
 
@@ -19,13 +21,19 @@ def shipped():
     return path, table.read(path, facts=routes.FACTS)
 
 
+@pytest.mark.parametrize("accuracy", ["fast", "strict"])
 @pytest.mark.parametrize("caller", CALLERS, ids=["eager", "capturable", "per-call"])
-def test_the_tables_first_row_is_what_select_serves_for_every_measured_problem(shipped, caller):
+def test_the_tables_first_row_is_what_select_serves_for_every_measured_problem(shipped, caller,
+                                                                              accuracy):
+    """The first row per problem among the rows an accuracy policy serves (every ok row:
+    ``fast``; the stored ranks are its) is what select serves under that policy."""
     path, frame = shipped
     device = device_for_arch("sm_90", "NVIDIA H200", 132)
     dispatcher = Dispatcher.load(path, device=device, allow_arch="sm_90",
-                                 capturable=caller.capturable, plan_calls=caller.plan_calls)
-    firsts = table.winners(frame, caller, routes.plan_sharing())
+                                 capturable=caller.capturable, plan_calls=caller.plan_calls,
+                                 accuracy=accuracy)
+    served = admitted_table(frame, policy_named(accuracy), registered_routes())
+    firsts = table.winners(served, caller, routes.plan_sharing())
     assert len(firsts) > 2000
     served = [dispatcher.select(MLAProblem.from_key(key)) for key in table.key_strings(firsts)]
     pairs = zip(served, firsts["route"], firsts["route_params"], strict=True)

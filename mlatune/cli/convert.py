@@ -1,8 +1,9 @@
 """`mlatune export` and `mlatune upgrade`: one table written anew, for deployment or the
 current schema.
 
-``export --json``: ``table``, ``out``, ``format``, ``winners_only``, ``rows`` (written; null
-for a JSON winners map), ``winners``.
+``export --json``: ``table``, ``out``, ``format``, ``winners_only``, ``accuracy`` (the
+policy the rows were filtered by; null: none), ``held_back`` (ok rows it left out),
+``rows`` (written; null for a JSON winners map), ``winners``.
 
 ``upgrade --json``: ``table``, ``from_version``, ``to_version``, ``rows``, ``written``: the
 files written (none when the table is current already).
@@ -25,7 +26,7 @@ from mlatune.cli.app import (
     one_line_errors,
     usage_error,
 )
-from mlatune.cli.inputs import Format, table_argument
+from mlatune.cli.inputs import Accuracy, Format, table_argument, value
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -39,6 +40,9 @@ def export(
         help="Where to write (suffix must match; .csv.gz for gzipped CSV).")],
     winners_only: Annotated[bool, typer.Option(
         "--winners-only", help="Only each problem's winner (json: no alternatives).")] = False,
+    accuracy: Annotated[Accuracy | None, typer.Option(
+        help="Keep only the ok rows this accuracy policy serves (the rest ranked again); "
+             "a JSON map records the policy. Default: every row.")] = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Write a table for deployment: Parquet, CSV, or a JSON winners map for engines."""
@@ -52,8 +56,14 @@ def export(
     check_outputs(out)
     with one_line_errors(str(table_path)):
         frame = frames.read_table(table_path)
+        before = len(frame)
+        if accuracy is not None:
+            frame = frames.for_policy(frame, value(accuracy))
+        held_back = before - len(frame)
         if fmt == "json":
             document = table.winners_json(frame, winners_only)
+            if accuracy is not None:
+                document["accuracy"] = value(accuracy)
             table.write_json(document, out)
             rows, winners = None, sum(len(d["winners"]) for d in document["devices"])
         else:
@@ -64,10 +74,14 @@ def export(
             rows = len(frame)
     if json_out:
         emit_json("export", {"table": str(table_path), "out": str(out), "format": fmt,
-                             "winners_only": winners_only, "rows": rows, "winners": winners})
+                             "winners_only": winners_only, "accuracy": value(accuracy),
+                             "held_back": held_back, "rows": rows, "winners": winners})
         return
     count = f"{winners} winners" if rows is None else f"{rows} rows"
+    if accuracy is not None:
+        count += f"; accuracy {value(accuracy)} held back {held_back} ok rows"
     console().print(f"[green]wrote[/] {out} ({count})", soft_wrap=True)
+
 
 
 @app.command()

@@ -26,6 +26,16 @@ def read_table(path: Path) -> pd.DataFrame:
     return table.read(path, facts=FACTS)
 
 
+def for_policy(frame: pd.DataFrame, name: str | None) -> pd.DataFrame:
+    """A table's rows that accuracy policy ``name`` serves (None: ``MLATUNE_ACCURACY``'s,
+    else strict), ranked again, and every row that is not ok (``admission.admitted_table``)."""
+    from mlatune.check.policy import policy_named
+    from mlatune.dispatch.admission import admitted_table
+    from mlatune.dispatch.dispatcher import registered_routes
+
+    return admitted_table(frame, policy_named(name), registered_routes())
+
+
 def unregistered(frame: pd.DataFrame) -> list[str]:
     """Routes a table names that are not registered here (the dispatcher skips their rows)."""
     from mlatune.routes import all_routes

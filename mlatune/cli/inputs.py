@@ -33,6 +33,7 @@ Phase = _choices("Phase", ("decode", "prefill"))
 SOURCES = ("table", "predicted", "nearest", "rule")  # how the dispatcher answers, best first
 Source = _choices("Source", SOURCES)
 Format = _choices("Format", ("parquet", "csv", "json"))
+Accuracy = _choices("Accuracy", ("strict", "fp8-mma", "fast"))  # check.policy.POLICIES
 
 
 def value(choice: Enum | None) -> str | None:
@@ -43,6 +44,10 @@ LimitOption = Annotated[int, typer.Option(
     metavar="ROWS", help="Rows to print (0: all); --json holds every one.")]
 ArchOption = Annotated[DeviceArch | None, typer.Option(
     help="Answer for this arch (the table's) instead of this machine's.")]
+AccuracyOption = Annotated[Accuracy | None, typer.Option(
+    help="Accuracy policy: what rounding beyond the problem's dtypes may be served (strict: "
+         "none; fp8-mma: P in fp8; fast: also a q quantized to fp8). Default: "
+         "MLATUNE_ACCURACY, else strict.")]
 TABLE_DEFAULT_HELP = ("Default: the table the dispatcher loads for this GPU, or for --arch "
                       "(MLATUNE_TABLE, else the one mlatune ships for the arch).")
 
@@ -108,18 +113,21 @@ def default_table(arch: str | None) -> Path | None:
     return None if found is None else Path(str(found))
 
 
-def load_dispatcher(table_path: Path | None, arch: str | None) -> Dispatcher:
+def load_dispatcher(table_path: Path | None, arch: str | None, accuracy: str | None = None
+                    ) -> Dispatcher:
     """The dispatcher a command answers with: TABLE, else ``default_table`` (with the
     user's MLATUNE_USER_TABLE overlaid, as an engine loads it); where no table ships for
-    the arch, rules only. ``arch``: plan for it (its GPU need not be here)."""
+    the arch, rules only. ``arch``: plan for it (its GPU need not be here); ``accuracy``:
+    the policy (None: MLATUNE_ACCURACY's, else strict)."""
     from mlatune.dispatch import Dispatcher, device_for_arch
     from mlatune.dispatch.dispatcher import USER_TABLE_ENV
 
     if table_path is not None:
-        return Dispatcher.load(table_path, allow_arch=arch)
+        return Dispatcher.load(table_path, allow_arch=arch, accuracy=accuracy)
     found = default_table(arch)
     if found is None:
-        return Dispatcher.rules_only(device_for_arch(arch) if arch else None)
+        return Dispatcher.rules_only(device_for_arch(arch) if arch else None,
+                                     accuracy=accuracy)
     user = os.environ.get(USER_TABLE_ENV) or None
-    return Dispatcher.load(found, allow_arch=arch,
+    return Dispatcher.load(found, allow_arch=arch, accuracy=accuracy,
                            overlay=user if user and Path(user).is_file() else None)

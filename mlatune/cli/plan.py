@@ -34,6 +34,7 @@ from mlatune.cli.app import (
 from mlatune.cli.inputs import (
     SOURCES,
     TABLE_DEFAULT_HELP,
+    AccuracyOption,
     Arch,
     ArchOption,
     Source,
@@ -136,6 +137,7 @@ def coverage(
              "the sweep spec whose problems to answer, a TOML file or a bundled spec's name.",
         show_default=False)],
     arch: ArchOption = None,
+    accuracy: AccuracyOption = None,
     require: Annotated[Source, typer.Option(
         help="Exit 1 unless every problem is answered this well: table (measured), "
              "predicted, nearest or rule.")] = Source.rule,
@@ -155,7 +157,7 @@ def coverage(
     table_path, path = _coverage_inputs(inputs, old_table)
     spec = load_spec(path, gpu=True)
     with one_line_errors(str(table_path or path)):
-        dispatcher = load_dispatcher(table_path, value(arch))
+        dispatcher = load_dispatcher(table_path, value(arch), value(accuracy))
         choices = [(p, dispatcher.select(p)) for p in spec.problems]
     by_route = Counter((c.source, c.route_id) for _, c in choices)
     answered = {s: dict(sorted((r, n) for (s2, r), n in by_route.items() if s2 == s))

@@ -43,6 +43,7 @@ from mlatune.cli.app import (
     one_line_errors,
 )
 from mlatune.cli.inputs import (
+    AccuracyOption,
     ArchOption,
     Dtype,
     LimitOption,
@@ -63,23 +64,30 @@ if TYPE_CHECKING:
 def show(
     table_path: Annotated[Path, table_argument("Parquet or CSV table.")],
     limit: LimitOption = 50,
+    accuracy: AccuracyOption = None,
     json_out: JsonFlag = False,
 ) -> None:
-    """Per problem: the winning route, the runner-up and the margin between them."""
+    """Per problem: the winning route, the runner-up and the margin between them, among the
+    rows the accuracy policy serves (as `lookup` and the dispatcher answer)."""
     from mlatune import table
+    from mlatune.check.policy import policy_named
 
     with one_line_errors(str(table_path)):
         frame = frames.read_table(table_path)
-        rows = table.summary(frame)
+        policy = policy_named(value(accuracy))
+        served = frames.for_policy(frame, policy.name)
+        rows = table.summary(served)
+    held = len(frame) - len(served)
     if json_out:
-        emit_json("show", {"table": str(table_path),
+        emit_json("show", {"table": str(table_path), "accuracy": policy.name, "held_back": held,
                            "devices": [device_json(*d) for d in frames.devices(frame)],
                            "rows": len(frame),
                            "problems": [_show_entry(r) for _, r in rows.iterrows()]})
         frames.warn_unregistered(frame)
         return
     devices, several = frames.devices_title(frame)
-    out = Table(title=f"{table_path}: {devices}, {len(rows)} problems, {len(frame)} rows")
+    out = Table(title=f"{table_path}: {devices}, {len(rows)} problems, {len(frame)} rows; "
+                      f"accuracy {policy.name} held back {held}")
     frames.columns(out, ("problem", "batch", "kv_len", "winner", "us", "runner-up", "us",
                          "margin"), ("batch", "kv_len", "us", "margin"))
     shown = rows if limit <= 0 else rows.head(limit)
@@ -126,6 +134,7 @@ def lookup(
     causal: Annotated[bool, typer.Option("--causal/--no-causal")] = True,
     phase: Annotated[Phase, typer.Option(help="The attention phase.")] = Phase.decode,
     arch: ArchOption = None,
+    accuracy: AccuracyOption = None,
     explain: Annotated[bool, typer.Option(
         "--explain", help="List every route's prediction behind a predicted answer (by "
                           "default the three fastest).")] = False,
@@ -140,7 +149,7 @@ def lookup(
         problem = MLAProblem(phase=phase.value, num_heads=heads, qlen=qlen, q_dtype=q,
                              kv_dtype=kv, batch=batch, kv_len=kv_len, dcp_size=dcp,
                              page_size=page_size, causal=causal)
-        dispatcher = load_dispatcher(table_path, value(arch))
+        dispatcher = load_dispatcher(table_path, value(arch), value(accuracy))
         choice, notes = dispatcher.explain(problem, predictions=None if explain else 3)
     if dispatcher.skipped_routes:
         note("skipped rows of routes not registered here: " + ", ".join(
@@ -159,6 +168,7 @@ def lookup(
     out.add_row("route", f"[bold]{choice.route_id}[/]")
     out.add_row("params", json.dumps(dict(choice.params), sort_keys=True))
     out.add_row("source", choice.source)
+    out.add_row("accuracy", dispatcher.accuracy.name)
     out.add_row("why", "\n".join(notes))
     console().print(out)
 
@@ -170,6 +180,7 @@ def _lookup_json(dispatcher: Dispatcher, problem: MLAProblem, choice: Choice,
             else None,
             "problem": problem.key_dict(), "key": problem.key,
             "route": choice.route_id, "params": dict(choice.params), "source": choice.source,
+            "accuracy": dispatcher.accuracy.name,
             "measured_key": choice.key or None, "time_us": num(choice.time_us),
             "why": list(notes), "skipped_routes": dict(dispatcher.skipped_routes)}
 

@@ -49,3 +49,20 @@ def measured_note(choice: Choice, ranked: Sequence[Choice]) -> str:
         text += (f"; next {runner.route_id} {runner.time_us:.4g} us "
                  f"(+{(runner.time_us / choice.time_us - 1) * 100:.1f}%)")
     return text
+
+
+def held_notes(policy: str, held: Sequence[tuple[str, str, float, float]] | None,
+               choice: Choice) -> list[str]:
+    """``explain``'s sentences for the measured rows an accuracy policy held back at this
+    problem ((route, class, recorded error, step cost), cheapest first): what each would
+    have saved against the answer."""
+    notes = []
+    for route_id, cls, error, cost in held or ():
+        if not choice.time_us > 0:  # NaN: the answer was not measured here
+            gain = "the answer has no measured cost to set it against"
+        else:
+            saved = (1 - cost / choice.time_us) * 100
+            gain = f"{saved:.1f}% less time than the answer" if saved > 0 else "no faster"
+        notes.append(f"accuracy policy {policy} held back {route_id} ({cls}, recorded error "
+                     f"{error:.2g}): {cost:.4g} us, {gain}")
+    return notes

@@ -48,7 +48,6 @@ runs is used all the same, with one warning (``environment_differences``,
 
 from __future__ import annotations
 
-import gc
 import itertools
 import json
 import logging
@@ -57,15 +56,21 @@ import operator
 import os
 import weakref
 from collections.abc import Collection, Iterator, Mapping, Sequence
-from importlib import resources
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 from mlatune import capability
-from mlatune.arch import CPU_ARCH, DeviceInfo, current_device
-from mlatune.dispatch import environment, ranks, sources
-from mlatune.dispatch.choice import Choice, measured_note, nearest_notes
+from mlatune.arch import DeviceInfo
+from mlatune.check.policy import Policy, policy_named
+from mlatune.dispatch import loading, sources
+from mlatune.dispatch.choice import Choice, held_notes, measured_note, nearest_notes
+from mlatune.dispatch.loading import (  # noqa: F401  (the dispatcher's public names)
+    FIRST_SIGHT_ENV,
+    TABLE_ENV,
+    USER_TABLE_ENV,
+    device_for_arch,
+    registered_routes,
+)
 from mlatune.dispatch.nearest import Bucket, learnable, point_distance  # noqa: F401
 from mlatune.dispatch.predict import Predictor
 from mlatune.dispatch.sources import (  # noqa: F401  (the dispatcher's public names)
@@ -73,24 +78,16 @@ from mlatune.dispatch.sources import (  # noqa: F401  (the dispatcher's public n
     bundled_tables_dir,
     find_table,
 )
-from mlatune.errors import RankMismatchError, TableError
+from mlatune.errors import TableError
 from mlatune.problem import BUCKET_FIELDS, MLAProblem
-from mlatune.routes import Route, all_routes, params_at, step_kind_of
+from mlatune.routes import Route, params_at, rounding, step_kind_of
 from mlatune.routes.torch_ref import REFERENCE_ID as REFERENCE_ROUTE
-from mlatune.routes.torch_ref import TorchReferenceRoute
 from mlatune.table.cost import DEFAULT_PLAN_CALLS
 
 __all__ = ["Choice", "Dispatcher", "TableError", "device_for_arch", "find_table"]
 
 log = logging.getLogger("mlatune")
 
-TABLE_ENV = "MLATUNE_TABLE"
-# A table of the user's own measurements that overlays the bundled one problem by problem
-# (MIOpen's user find-db over its system db): its rows replace the bundled rows of the
-# problems it holds and add the problems the bundled table lacks.
-USER_TABLE_ENV = "MLATUNE_USER_TABLE"
-# Where on-first-sight timings are written (mlatune.dispatch.first_sight); unset: off.
-FIRST_SIGHT_ENV = "MLATUNE_FIRST_SIGHT"
 # Memo entries for problems the table never measured (nearest and rule answers);
 # measured keys are always remembered. Bounds memory when kv_len varies freely.
 MEMO_LIMIT = 1 << 16
@@ -104,13 +101,6 @@ NO_ROUTES: frozenset[str] = frozenset()
 # ``problem.bucket`` in one C call (the property builds it field by field): a first select
 # of an unmeasured shape looks its bucket up twice.
 _bucket_of = operator.attrgetter(*BUCKET_FIELDS)
-
-
-def device_for_arch(arch: str, name: str = "", cu_count: int = 0) -> DeviceInfo:
-    """A stand-in device for planning on an arch this machine does not have."""
-    vendor = "nvidia" if arch.startswith("sm_") else "amd" if arch.startswith("gfx") else \
-        "cpu" if arch == CPU_ARCH else "unknown"
-    return DeviceInfo(arch, name or arch, vendor, cu_count, 0, -1 if vendor == "cpu" else 0)
 
 
 _HANDLES = itertools.count(1)
@@ -140,7 +130,9 @@ class Dispatcher:
                  environment_differences: Sequence[str] = (), planning: bool = False,
                  plan_calls: int = DEFAULT_PLAN_CALLS, unmeasured: str | None = None,
                  first_sight: str | os.PathLike | None = None,
-                 measured_keys: Collection[str] = (), group: Any = None):
+                 measured_keys: Collection[str] = (), group: Any = None,
+                 accuracy: Policy | str | None = None,
+                 held_back: Mapping[str, tuple[sources.Held, ...]] | None = None):
         """Built by ``load``: ``entries`` name only routes in ``routes`` (the registry
         snapshot they were filtered with), each key's rows those that compete there
         (``schema.competing``); ``skipped_routes`` counts the rows dropped;
@@ -148,7 +140,8 @@ class Dispatcher:
         ``environment_differences`` what differs between where the table was measured and
         here (``mlatune.dispatch.environment``); ``measured_keys`` the keys whose rows were
         timed across processes (DCP): a bucket that has some answers unmeasured shapes
-        from those alone."""
+        from those alone; ``accuracy`` the policy ``entries`` were filtered by and what any
+        other answer must meet (``check.policy``), ``held_back`` the rows it filtered out."""
         self.device = device
         self.capturable = capturable
         # Answering for another machine (allow_arch): support is the capability rules', as
@@ -156,6 +149,8 @@ class Dispatcher:
         self.planning = planning
         self.plan_calls = plan_calls  # calls sharing one device plan (``step_cost``)
         self.unmeasured = unmeasured or DEFAULT_UNMEASURED  # see UNMEASURED
+        self.accuracy = policy_named(accuracy)
+        self._held_back = dict(held_back or {})
         # The user table unsure answers are timed into (None: off), agreed across group's ranks.
         self.first_sight, self.group = first_sight, group
         if self.unmeasured not in UNMEASURED:
@@ -171,7 +166,11 @@ class Dispatcher:
         # One phrase per difference ("torch: table 2.11.0, running 2.13.0"); [] when the
         # table was measured here, or nothing could be compared (no GPU, planning).
         self.environment_differences = list(environment_differences)
+        self._build(entries, measured_keys, failed or {})
 
+    def _build(self, entries: Sequence[sources.Entry], measured_keys: Collection[str],
+               failed: Mapping[str, sources.Failures]) -> None:
+        """What ``select`` answers from: winners, buckets, rule order, memo, predictor."""
         self._nearest: dict[str, Choice] = {}  # a winner answering for a neighbour
         self._predictor: Predictor | None = None  # fitted at the end of __init__
         points, wins = self._index(entries)
@@ -181,7 +180,7 @@ class Dispatcher:
         self._rule_order = self._make_rule_order(wins)
         self._rule_choices = {r.id: Choice(r.id, EMPTY_PARAMS, "rule") for r in self._rule_order}
         # Read only when a key has no usable ok route (nearest and rule skip these).
-        self._failed: Mapping[str, sources.Failures] = failed or {}
+        self._failed: Mapping[str, sources.Failures] = failed
         # Measured keys get their slot now, so remembering them later allocates nothing.
         self._memo: dict[str, Choice | None] = dict.fromkeys(self._winner)
         self._memo.update(dict.fromkeys(self._failed))
@@ -236,7 +235,9 @@ class Dispatcher:
         for a predicted answer the ``predictions`` fastest recipes' predictions (None:
         all of them)."""
         notes: list[str] = []
-        return self._resolve(problem, notes, predictions), notes
+        choice = self._resolve(problem, notes, predictions)
+        return choice, notes + held_notes(self.accuracy.name, self._held_back.get(problem.key),
+                                          choice)
 
     def route(self, route_id: str) -> Route:
         return self.routes[route_id]
@@ -254,7 +255,9 @@ class Dispatcher:
             if choice is None or choice.route_id in seen:
                 continue
             seen.add(choice.route_id)
-            if self._supports(choice.route_id, problem, None):
+            if (choice.source != "rule" or self._admits(self.routes[choice.route_id], problem,
+                                                        None)) \
+                    and self._supports(choice.route_id, problem, None):
                 yield choice
 
     def _as_nearest(self, winner: Choice, problem: MLAProblem) -> Choice:
@@ -356,6 +359,19 @@ class Dispatcher:
         others = (columns.option(i) for i in range(start, end)) if columns else ()
         return (winner, *(Choice(r, p, "table", key, t) for r, p, t in others))
 
+    def _admits(self, route: Route, problem: MLAProblem, notes: list[str] | None) -> bool:
+        """Whether the accuracy policy admits ``route`` run with its defaults (a rule answer;
+        a measured answer's rows were admitted at load)."""
+        try:
+            cls = rounding(route, problem)
+        except Exception:  # a broken hook: as a broken supports(), a refusal
+            return False
+        ok = self.accuracy.admits_class(problem.q_dtype, cls)
+        if not ok and notes is not None:
+            notes.append(f"{route.id} rounds beyond the problem's dtypes ({cls}): accuracy "
+                         f"policy {self.accuracy.name} holds it back")
+        return ok
+
     def _supports(self, route_id: str, problem: MLAProblem, notes: list[str] | None) -> bool:
         try:
             if self.planning and capability.known(route_id):
@@ -364,8 +380,12 @@ class Dispatcher:
                     return ruling.ok
                 ok, reason = False, f"rule {ruling.rule}: {ruling.reason}"
             else:
-                verdict = self.routes[route_id].supports(problem, self.device)
+                route = self.routes[route_id]
+                verdict = route.supports(problem, self.device)
                 ok, reason = bool(verdict.ok), verdict.reason
+                if ok and self.capturable and not route.serves_empty(problem, {}):
+                    ok, reason = False, "it does not serve empty requests (graph buckets pad " \
+                        "with them)"
         except Exception as exc:  # a broken route is a refusal: select must not raise
             ok, reason = False, f"supports() raised {type(exc).__name__}: {exc}"
         if not ok and notes is not None:
@@ -452,7 +472,8 @@ class Dispatcher:
         """The first route of the rule order that supports the problem and did not fail
         here; ``reference/torch`` as the last resort, so select never raises."""
         for route in self._rule_order:
-            if route.id not in failed and self._supports(route.id, problem, notes):
+            if route.id not in failed and self._admits(route, problem, notes) \
+                    and self._supports(route.id, problem, notes):
                 if notes is not None:
                     order = ", ".join(r.id for r in self._rule_order)
                     notes.append(f"rule: first route that supports it"
@@ -466,135 +487,7 @@ class Dispatcher:
                          f"answers as the last resort")
         return self._rule_choices[REFERENCE_ROUTE]
 
-    # Loading ---------------------------------------------------------------
-    @classmethod
-    def rules_only(cls, device: DeviceInfo | None = None, capturable: bool = False
-                   ) -> Dispatcher:
-        """A dispatcher without a table: every answer comes from the rule order."""
-        return cls(device or current_device(), capturable=capturable)
-
-    @classmethod
-    def load(cls, path: str | os.PathLike, device: DeviceInfo | None = None,
-             allow_arch: str | None = None, capturable: bool = False,
-             plan_calls: int = DEFAULT_PLAN_CALLS, unmeasured: str | None = None,
-             overlay: str | os.PathLike | None = None,
-             first_sight: str | os.PathLike | None = None, group: Any = None) -> Dispatcher:
-        """Load a table (.parquet, .csv, .json winners map, or a directory holding one).
-
-        Refuses (TableError) a damaged or invalid table, and one whose arch is
-        not the device's unless ``allow_arch`` names the table's arch (planning
-        for another machine: ``supports()`` then sees a stand-in device).
-        ``capturable``: for a caller that replays CUDA graphs (the class docstring).
-        ``plan_calls``: how many calls share one device plan (``DEFAULT_PLAN_CALLS``: an
-        engine that plans once per step for DeepSeek-V3's 61 layers; one that plans every
-        call passes 1): routes are ranked by the launch plus that share of the plan
-        (``step_cost``). ``unmeasured``: how shapes the table did not measure are
-        answered (``UNMEASURED``; None: ``DEFAULT_UNMEASURED``). ``overlay``: a Parquet or
-        CSV table whose rows replace the table's for the problems it holds (per device),
-        and add the others (``USER_TABLE_ENV``). ``first_sight``: a user table that
-        ``attention.decode`` times unsure answers into at run time
-        (``mlatune.dispatch.first_sight``; ``FIRST_SIGHT_ENV``). ``group``: a torch.distributed
-        process group whose ranks serve one answer per problem (``mlatune.dispatch.ranks``).
-        Whatever else a damaged file makes loading raise (OverflowError,
-        RecursionError, Arrow errors, ...) is a TableError naming the file, one line:
-        an engine catches one type.
-
-        A table measured under another GPU, driver, torch, Triton or backend version
-        than this process runs is loaded all the same, with one warning on the
-        ``mlatune`` logger per table file and set of differences in a process (a
-        repeated load or ``from_bundled()`` does not warn again); the differences are
-        in ``environment_differences`` (``mlatune.dispatch.environment``: what is compared,
-        and when nothing is).
-        """
-        device = device or current_device()
-        ranks.agree_at_load(group, path, overlay, device, allow_arch, capturable, plan_calls,
-                            unmeasured, first_sight)  # before parsing: see there
-        # Loading creates ~10^5 small acyclic objects; cyclic GC passes over them
-        # would double the load time and find nothing to free.
-        was_enabled = gc.isenabled()
-        gc.disable()
-        try:
-            dispatcher = cls._load(Path(path), device, allow_arch, capturable, plan_calls,
-                                   unmeasured, None if overlay is None else Path(overlay))
-            dispatcher.first_sight, dispatcher.group = first_sight, group
-            return dispatcher
-        except TableError:
-            raise
-        except Exception as exc:  # a damage no check foresaw: still the table's fault
-            text = str(exc).strip().splitlines()
-            raise TableError(f"{path}: unusable table ({type(exc).__name__}"
-                             f"{': ' + text[0] if text else ''})") from exc
-        finally:
-            if was_enabled:
-                gc.enable()
-
-    @classmethod
-    def _load(cls, path: Path, device: DeviceInfo, allow_arch: str | None,
-              capturable: bool, plan_calls: int, unmeasured: str | None,
-              overlay: Path | None = None) -> Dispatcher:
-        path, source, chosen = sources.open_source(path, overlay, device, allow_arch)
-        provenance = source.provenance(chosen)
-        if allow_arch and device.arch != allow_arch:
-            device = device_for_arch(*chosen)
-            running = None  # planning for another machine: this one's versions do not matter
-        else:
-            running = environment.here(device)
-        differences = [] if running is None else \
-            environment.differences(provenance, chosen, running)
-        routes = registered_routes()
-        sharing = {r for r, route in routes.items() if route.shares_plan}
-        entries, skipped, failed = source.entries(chosen, set(routes), capturable, plan_calls,
-                                                  sharing)
-        where = str(path) if overlay is None else f"{path} + {overlay}"
-        dispatcher = cls(device, entries, routes=routes, source=where, table_device=chosen,
-                         planning=allow_arch is not None, plan_calls=plan_calls,
-                         unmeasured=unmeasured,
-                         measured_keys=source.measured_keys(chosen, set(routes), capturable),
-                         provenance=provenance, skipped_routes=skipped, failed=failed,
-                         capturable=capturable, environment_differences=differences)
-        environment.warn_once(str(path), differences)
-        return dispatcher
-
-    @classmethod
-    def from_bundled(cls, device: DeviceInfo | None = None, capturable: bool = False,
-                     plan_calls: int = DEFAULT_PLAN_CALLS, group: Any = None) -> Dispatcher:
-        """The table shipped with mlatune for this device's arch; ``MLATUNE_TABLE`` overrides.
-        ``MLATUNE_USER_TABLE`` (a Parquet or CSV table of the user's own sweeps) overlays
-        either, problem by problem (``load(overlay=)``). ``group``: as ``load``'s.
-
-        An explicit ``MLATUNE_TABLE`` that cannot be used raises (the operator
-        asked for that file); a bundled table that cannot be used is logged and
-        the dispatcher answers by rule, so a model load never fails on it.
-        """
-        device = device or current_device()
-        override = os.environ.get(TABLE_ENV)
-        user = os.environ.get(USER_TABLE_ENV) or None
-        sight = os.environ.get(FIRST_SIGHT_ENV) or None
-        if user and not Path(user).is_file():
-            log.warning("mlatune: %s=%s is not a file; no user table overlaid", USER_TABLE_ENV,
-                        user)
-            user = None
-        given = dict(capturable=capturable, plan_calls=plan_calls, first_sight=sight, group=group)
-        if override:
-            return cls.load(override, device, overlay=user, **given)
-        try:
-            found = sources.find_table(sources.bundled_tables_dir(), device.arch, device.name)
-            if found is None:  # the user's own table alone, if any
-                return cls.load(user, device, **given) if user else \
-                    ranks.joined(cls.rules_only(device, capturable), group)
-            with resources.as_file(found) as path:
-                return cls.load(path, device, overlay=user, **given)
-        except Exception as exc:  # load raises TableError; an unreadable directory OSError
-            if isinstance(exc, RankMismatchError):  # never hidden behind the rules
-                raise
-            log.warning("mlatune: bundled table unusable, dispatching by rule: %s", exc)
-            return ranks.joined(cls.rules_only(device, capturable), group)
-
-
-def registered_routes(routes: Mapping[str, Route] | None = None) -> dict[str, Route]:
-    """A snapshot of the registry (or of ``routes``), with the last resort always present."""
-    routes = dict(routes) if routes is not None else {r.id: r for r in all_routes()}
-    if REFERENCE_ROUTE not in routes:
-    
-        routes[REFERENCE_ROUTE] = TorchReferenceRoute()
-    return routes
+    # Loading (mlatune.dispatch.loading) -------------------------------------
+    rules_only = classmethod(loading.rules_only)
+    load = classmethod(loading.load)
+    from_bundled = classmethod(loading.from_bundled)

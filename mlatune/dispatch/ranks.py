@@ -99,7 +99,8 @@ def joined(dispatcher: Dispatcher, group: dist.ProcessGroup | None) -> Dispatche
     """A dispatcher made without a table (rules only), agreed across ``group`` as a load
     agrees, so that a rank without a table refuses the group rather than hanging it."""
     agree_at_load(group, None, None, dispatcher.device, None, dispatcher.capturable,
-                  dispatcher.plan_calls, dispatcher.unmeasured, dispatcher.first_sight)
+                  dispatcher.plan_calls, dispatcher.unmeasured, dispatcher.first_sight,
+                  accuracy=dispatcher.accuracy.name)
     dispatcher.group = group
     return dispatcher
 

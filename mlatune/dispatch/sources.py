@@ -19,9 +19,11 @@ from types import MappingProxyType
 from typing import Any
 
 from mlatune.arch import DeviceInfo
+from mlatune.check.policy import FAST, Policy
+from mlatune.dispatch import admission
 from mlatune.errors import TableError
 from mlatune.problem import BUCKET_FIELDS
-from mlatune.routes import FACTS
+from mlatune.routes import FACTS, Route
 from mlatune.table import winners_map
 from mlatune.table.cost import DEFAULT_PLAN_CALLS, step_cost
 from mlatune.table.schema import DCP_MEASURED, competing, is_measured
@@ -31,6 +33,9 @@ EMPTY_PARAMS: Mapping[str, Any] = MappingProxyType({})
 
 
 Option = tuple[str, Mapping[str, Any], float]  # (route_id, params, step cost in us)
+# An ok row the accuracy policy holds back at its key: (route_id, its numeric class, its
+# recorded output error, its step cost in us), cheapest first; ``explain`` names them.
+Held = tuple[str, str, float, float]
 # The routes that failed at one measured problem, as (route_id, status) pairs: one
 # shared tuple per distinct pattern (most keys that fail repeat a few patterns).
 Failures = tuple[tuple[str, str], ...]
@@ -169,14 +174,17 @@ class FrameSource:
     def provenance(self, device: Device) -> list[dict[str, Any]]:
         return self._table.provenances(self._rows(device))
 
-    def entries(self, device: Device, route_ids: set[str], capturable: bool = False,
-                plan_calls: int = DEFAULT_PLAN_CALLS, sharing: set[str] = frozenset()):
+    def entries(self, device: Device, routes: Mapping[str, Route], capturable: bool = False,
+                plan_calls: int = DEFAULT_PLAN_CALLS, sharing: set[str] = frozenset(),
+                policy: Policy = FAST):
         """Per key, its usable ok routes cheapest step first (``step_cost``; with
-        ``capturable`` only steps a graph replays); column-wise, as load time matters.
-        Also the skipped row counts, and per key the known routes that failed there."""
+        ``capturable`` only steps a graph replays; only rows ``policy`` admits);
+        column-wise, as load time matters. Also the skipped row counts, per key the known
+        routes that failed there, and per key the ok rows the policy held back."""
         import numpy as np
         import pandas as pd
 
+        route_ids = set(routes)
         rows = self._rows(device)
         ok = (rows["status"] == "ok").to_numpy()
         known = rows["route"].isin(route_ids).to_numpy()
@@ -187,14 +195,15 @@ class FrameSource:
         failed = self._failures(rows.loc[failing, [*_PROBLEM_COLUMNS, "route", "status"]])
         rows = rows.loc[self._usable(rows, route_ids, capturable),
                         [*_PROBLEM_COLUMNS, "route", "route_params", "time_us", "rank",
-                         "plan_on", "plan_us", "plan_host_us", "dcp_timing"]]
+                         "plan_on", "plan_us", "plan_host_us", "dcp_timing", "rel_err"]]
+        fits, classes = admission.admitted(rows, policy, routes)
+        held = self._held(rows[~fits], classes[~fits], capturable, plan_calls, sharing)
+        rows = rows[fits]
         rows = rows[self._table.competing_rows(rows, by=_PROBLEM_COLUMNS)]
         if rows.empty:
-            return [], skipped, failed
+            return [], skipped, failed, held
         key_id = rows.groupby(_PROBLEM_COLUMNS, sort=False).ngroup()
-        cost = step_cost(rows["time_us"].to_numpy(), rows["plan_on"].to_numpy(dtype=object),
-                         rows["plan_us"].to_numpy(), rows["plan_host_us"].to_numpy(),
-                         capturable, plan_calls, rows["route"].isin(sharing).to_numpy())
+        cost = self._costs(rows, capturable, plan_calls, sharing)
         order = np.lexsort((rows["rank"].to_numpy(), cost, key_id.to_numpy()))
         sorted_ids = key_id.to_numpy()[order]
         starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
@@ -214,7 +223,25 @@ class FrameSource:
         ends = [*starts[1:].tolist(), len(order)]
         entries = list(zip(keys, bucket_of, firsts["batch"].tolist(), firsts["kv_len"].tolist(),
                            winners, [columns] * len(keys), starts.tolist(), ends, strict=True))
-        return entries, skipped, failed
+        return entries, skipped, failed, held
+
+    @staticmethod
+    def _costs(rows, capturable: bool, plan_calls: int, sharing: set[str]):
+        return step_cost(rows["time_us"].to_numpy(), rows["plan_on"].to_numpy(dtype=object),
+                         rows["plan_us"].to_numpy(), rows["plan_host_us"].to_numpy(),
+                         capturable, plan_calls, rows["route"].isin(sharing).to_numpy())
+
+    def _held(self, rows, classes, capturable: bool, plan_calls: int, sharing: set[str]
+              ) -> dict[str, tuple[Held, ...]]:
+        """Per key, the rows an accuracy policy held back, cheapest first."""
+        if rows.empty:
+            return {}
+        costs = self._costs(rows, capturable, plan_calls, sharing)
+        held: dict[str, list[Held]] = {}
+        for key, route, cls, err, cost in zip(self._table.key_strings(rows), rows["route"],
+                                              classes, rows["rel_err"], costs, strict=True):
+            held.setdefault(key, []).append((str(route), str(cls), float(err), float(cost)))
+        return {k: tuple(sorted(v, key=lambda h: h[3])) for k, v in held.items()}
 
     @staticmethod
     def _usable(rows, route_ids: set[str], capturable: bool):
@@ -223,12 +250,13 @@ class FrameSource:
         usable = (rows["status"] == "ok").to_numpy() & rows["route"].isin(route_ids).to_numpy()
         return usable & rows["capturable"].to_numpy(dtype=bool) if capturable else usable
 
-    def measured_keys(self, device: Device, route_ids: set[str], capturable: bool = False
-                      ) -> set[str]:
+    def measured_keys(self, device: Device, routes: Mapping[str, Route],
+                      capturable: bool = False, policy: Policy = FAST) -> set[str]:
         """The keys with a usable row timed across processes (``schema.is_measured``)."""
         rows = self._rows(device)
-        rows = rows[self._usable(rows, route_ids, capturable)
+        rows = rows[self._usable(rows, set(routes), capturable)
                     & (rows["dcp_timing"] == DCP_MEASURED).to_numpy()]
+        rows = rows[admission.admitted(rows, policy, routes)[0]]
         return set(self._table.key_strings(rows)) if len(rows) else set()
 
     def _failures(self, rows) -> dict[str, Failures]:
@@ -277,15 +305,17 @@ class JsonSource:
     def provenance(self, device: Device) -> list[dict[str, Any]]:
         return self._by_device[device][0]["provenance"]
 
-    def entries(self, device: Device, route_ids: set[str], capturable: bool = False,
-                plan_calls: int = DEFAULT_PLAN_CALLS, sharing: set[str] = frozenset()):
-        """As ``_FrameSource.entries``, from each key's winner and alternatives."""
-        routes: dict[str, int] = {}  # route id -> code
+    def entries(self, device: Device, routes: Mapping[str, Route], capturable: bool = False,
+                plan_calls: int = DEFAULT_PLAN_CALLS, sharing: set[str] = frozenset(),
+                policy: Policy = FAST):
+        """As ``FrameSource.entries``, from each key's winner and alternatives."""
+        route_ids = set(routes)
+        codes: dict[str, int] = {}  # route id -> code
         params: dict[str, int] = {}  # canonical params JSON -> code
         route_codes: list[int] = []
         params_codes: list[int] = []
         times: list[float] = []
-        spans, skipped = [], {}
+        spans, skipped, held = [], {}, {}
         entry, problems = self._by_device[device]
         for key, winner in entry["winners"].items():
             start = len(times)
@@ -293,28 +323,36 @@ class JsonSource:
             for option in options:
                 if option["route"] not in route_ids:
                     skipped[option["route"]] = skipped.get(option["route"], 0) + 1
+            options, held_here = _admitted(options, problems[key], routes, policy)
+            if held_here:
+                held[key] = tuple(sorted(
+                    ((o["route"], c, admission.option_error(o), cost) for c, o in held_here
+                     for cost, _ in _by_step_cost([o], capturable, plan_calls, sharing)),
+                    key=lambda h: h[3]))
             for cost, option in _by_step_cost(_competing(options, route_ids, capturable),
                                               capturable, plan_calls, sharing):
                 text = json.dumps(option["params"], sort_keys=True) if option["params"] \
                     else "{}"
-                route_codes.append(routes.setdefault(option["route"], len(routes)))
+                route_codes.append(codes.setdefault(option["route"], len(codes)))
                 params_codes.append(params.setdefault(text, len(params)))
                 times.append(cost)
             if len(times) > start:
                 spans.append((problems[key], start, len(times)))
-        columns = Columns(route_codes, list(routes), params_codes,
+        columns = Columns(route_codes, list(codes), params_codes,
                            [_frozen_params(text) for text in params], times)
         buckets: dict[tuple, tuple] = {}
         entries = [(p.key, buckets.setdefault(p.bucket, p.bucket), p.batch, p.kv_len,
                     columns.option(start), columns, start, end) for p, start, end in spans]
-        return entries, skipped, self._failures(entry, route_ids)
+        return entries, skipped, self._failures(entry, route_ids), held
 
-    def measured_keys(self, device: Device, route_ids: set[str], capturable: bool = False
-                      ) -> set[str]:
-        """As ``_FrameSource.measured_keys``, from the options' ``dcp_timing``."""
-        return {key for key, winner in self._by_device[device][0]["winners"].items()
+    def measured_keys(self, device: Device, routes: Mapping[str, Route],
+                      capturable: bool = False, policy: Policy = FAST) -> set[str]:
+        """As ``FrameSource.measured_keys``, from the options' ``dcp_timing``."""
+        entry, problems = self._by_device[device]
+        return {key for key, winner in entry["winners"].items()
                 if any(is_measured(o.get("dcp_timing")) for o in _competing(
-                    [winner, *winner.get("alternatives", ())], route_ids, capturable))}
+                    _admitted([winner, *winner.get("alternatives", ())], problems[key],
+                              routes, policy)[0], set(routes), capturable))}
 
     @staticmethod
     def _failures(entry: Mapping[str, Any], route_ids: set[str]) -> dict[str, Failures]:
@@ -337,6 +375,21 @@ class JsonSource:
             if pairs:
                 failed[key] = pairs
         return failed
+
+
+def _admitted(options: Sequence[Mapping[str, Any]], problem, routes: Mapping[str, Route],
+              policy: Policy) -> tuple[list[Mapping[str, Any]], list[tuple[str, Mapping]]]:
+    """A winners-map key's options ``policy`` admits, and the known ones it holds back with
+    their classes."""
+    kept, held = [], []
+    for option in options:
+        cls = admission.option_class(option, problem, routes)
+        if policy.admits_row(problem.q_dtype, problem.kv_dtype, cls,
+                             admission.option_error(option)):
+            kept.append(option)
+        elif option["route"] in routes:
+            held.append((str(cls), option))
+    return kept, held
 
 
 def _competing(options: Sequence[Mapping[str, Any]], route_ids: set[str], capturable: bool

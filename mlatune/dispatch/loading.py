@@ -1,0 +1,186 @@
+"""How a ``Dispatcher`` is made: from a table file (``load``), from the table mlatune ships
+for the device (``from_bundled``, with the environment's overrides) or from the rules alone
+(``rules_only``); the dispatcher's classmethods of those names are these functions."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+from collections.abc import Mapping
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mlatune.arch import CPU_ARCH, DeviceInfo, current_device
+from mlatune.check.policy import Policy, policy_named
+from mlatune.dispatch import environment, ranks, sources
+from mlatune.errors import RankMismatchError, TableError
+from mlatune.routes import Route, all_routes
+from mlatune.routes.torch_ref import REFERENCE_ID as REFERENCE_ROUTE
+from mlatune.routes.torch_ref import TorchReferenceRoute
+from mlatune.table.cost import DEFAULT_PLAN_CALLS
+
+if TYPE_CHECKING:
+    from mlatune.dispatch.dispatcher import Dispatcher
+
+log = logging.getLogger("mlatune")
+
+TABLE_ENV = "MLATUNE_TABLE"
+# A table of the user's own measurements that overlays the bundled one problem by problem
+# (MIOpen's user find-db over its system db): its rows replace the bundled rows of the
+# problems it holds and add the problems the bundled table lacks.
+USER_TABLE_ENV = "MLATUNE_USER_TABLE"
+# Where on-first-sight timings are written (mlatune.dispatch.first_sight); unset: off.
+FIRST_SIGHT_ENV = "MLATUNE_FIRST_SIGHT"
+
+
+def device_for_arch(arch: str, name: str = "", cu_count: int = 0) -> DeviceInfo:
+    """A stand-in device for planning on an arch this machine does not have."""
+    vendor = "nvidia" if arch.startswith("sm_") else "amd" if arch.startswith("gfx") else \
+        "cpu" if arch == CPU_ARCH else "unknown"
+    return DeviceInfo(arch, name or arch, vendor, cu_count, 0, -1 if vendor == "cpu" else 0)
+
+
+
+
+def registered_routes(routes: Mapping[str, Route] | None = None) -> dict[str, Route]:
+    """A snapshot of the registry (or of ``routes``), with the last resort always present."""
+    routes = dict(routes) if routes is not None else {r.id: r for r in all_routes()}
+    if REFERENCE_ROUTE not in routes:
+    
+        routes[REFERENCE_ROUTE] = TorchReferenceRoute()
+    return routes
+
+
+def rules_only(cls, device: DeviceInfo | None = None, capturable: bool = False,
+               accuracy: Policy | str | None = None) -> Dispatcher:
+    """A dispatcher without a table: every answer comes from the rule order."""
+    return cls(device or current_device(), capturable=capturable, accuracy=accuracy)
+
+def load(cls, path: str | os.PathLike, device: DeviceInfo | None = None,
+         allow_arch: str | None = None, capturable: bool = False,
+         plan_calls: int = DEFAULT_PLAN_CALLS, unmeasured: str | None = None,
+         overlay: str | os.PathLike | None = None,
+         first_sight: str | os.PathLike | None = None, group: Any = None,
+         accuracy: Policy | str | None = None) -> Dispatcher:
+    """Load a table (.parquet, .csv, .json winners map, or a directory holding one).
+
+    Refuses (TableError) a damaged or invalid table, and one whose arch is
+    not the device's unless ``allow_arch`` names the table's arch (planning
+    for another machine: ``supports()`` then sees a stand-in device).
+    ``capturable``: for a caller that replays CUDA graphs (the class docstring).
+    ``plan_calls``: how many calls share one device plan (``DEFAULT_PLAN_CALLS``: an
+    engine that plans once per step for DeepSeek-V3's 61 layers; one that plans every
+    call passes 1): routes are ranked by the launch plus that share of the plan
+    (``step_cost``). ``unmeasured``: how shapes the table did not measure are
+    answered (``UNMEASURED``; None: ``DEFAULT_UNMEASURED``). ``overlay``: a Parquet or
+    CSV table whose rows replace the table's for the problems it holds (per device),
+    and add the others (``USER_TABLE_ENV``). ``first_sight``: a user table that
+    ``attention.decode`` times unsure answers into at run time
+    (``mlatune.dispatch.first_sight``; ``FIRST_SIGHT_ENV``). ``group``: a torch.distributed
+    process group whose ranks serve one answer per problem (``mlatune.dispatch.ranks``).
+    ``accuracy``: which rounding beyond the problem's dtypes may be served (a
+    ``check.policy`` name; None: ``MLATUNE_ACCURACY``'s, else "strict"); a bad name is a
+    ValueError.
+    Whatever else a damaged file makes loading raise (OverflowError,
+    RecursionError, Arrow errors, ...) is a TableError naming the file, one line:
+    an engine catches one type.
+
+    A table measured under another GPU, driver, torch, Triton or backend version
+    than this process runs is loaded all the same, with one warning on the
+    ``mlatune`` logger per table file and set of differences in a process (a
+    repeated load or ``from_bundled()`` does not warn again); the differences are
+    in ``environment_differences`` (``mlatune.dispatch.environment``: what is compared,
+    and when nothing is).
+    """
+    device = device or current_device()
+    policy = policy_named(accuracy)
+    ranks.agree_at_load(group, path, overlay, device, allow_arch, capturable, plan_calls,
+                        unmeasured, first_sight,
+                        accuracy=policy.name)  # before parsing: see there
+    # Loading creates ~10^5 small acyclic objects; cyclic GC passes over them
+    # would double the load time and find nothing to free.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        dispatcher = _load(cls, Path(path), device, allow_arch, capturable, plan_calls,
+                               unmeasured, None if overlay is None else Path(overlay),
+                               policy)
+        dispatcher.first_sight, dispatcher.group = first_sight, group
+        return dispatcher
+    except TableError:
+        raise
+    except Exception as exc:  # a damage no check foresaw: still the table's fault
+        text = str(exc).strip().splitlines()
+        raise TableError(f"{path}: unusable table ({type(exc).__name__}"
+                         f"{': ' + text[0] if text else ''})") from exc
+    finally:
+        if was_enabled:
+            gc.enable()
+
+def _load(cls, path: Path, device: DeviceInfo, allow_arch: str | None,
+          capturable: bool, plan_calls: int, unmeasured: str | None,
+          overlay: Path | None = None, policy: Policy | None = None) -> Dispatcher:
+    policy = policy_named(policy)
+    path, source, chosen = sources.open_source(path, overlay, device, allow_arch)
+    provenance = source.provenance(chosen)
+    if allow_arch and device.arch != allow_arch:
+        device = device_for_arch(*chosen)
+        running = None  # planning for another machine: this one's versions do not matter
+    else:
+        running = environment.here(device)
+    differences = [] if running is None else \
+        environment.differences(provenance, chosen, running)
+    routes = registered_routes()
+    sharing = {r for r, route in routes.items() if route.shares_plan}
+    entries, skipped, failed, held = source.entries(chosen, routes, capturable, plan_calls,
+                                                    sharing, policy)
+    where = str(path) if overlay is None else f"{path} + {overlay}"
+    dispatcher = cls(device, entries, routes=routes, source=where, table_device=chosen,
+                     planning=allow_arch is not None, plan_calls=plan_calls,
+                     unmeasured=unmeasured,
+                     measured_keys=source.measured_keys(chosen, routes, capturable, policy),
+                     provenance=provenance, skipped_routes=skipped, failed=failed,
+                     capturable=capturable, environment_differences=differences,
+                     accuracy=policy, held_back=held)
+    environment.warn_once(str(path), differences)
+    return dispatcher
+
+def from_bundled(cls, device: DeviceInfo | None = None, capturable: bool = False,
+                 plan_calls: int = DEFAULT_PLAN_CALLS, group: Any = None,
+                 accuracy: Policy | str | None = None) -> Dispatcher:
+    """The table shipped with mlatune for this device's arch; ``MLATUNE_TABLE`` overrides.
+    ``MLATUNE_USER_TABLE`` (a Parquet or CSV table of the user's own sweeps) overlays
+    either, problem by problem (``load(overlay=)``). ``group``, ``accuracy``: as
+    ``load``'s (a bad policy name raises, never falls back to the rules).
+
+    An explicit ``MLATUNE_TABLE`` that cannot be used raises (the operator
+    asked for that file); a bundled table that cannot be used is logged and
+    the dispatcher answers by rule, so a model load never fails on it.
+    """
+    device = device or current_device()
+    policy = policy_named(accuracy)
+    override = os.environ.get(TABLE_ENV)
+    user = os.environ.get(USER_TABLE_ENV) or None
+    sight = os.environ.get(FIRST_SIGHT_ENV) or None
+    if user and not Path(user).is_file():
+        log.warning("mlatune: %s=%s is not a file; no user table overlaid", USER_TABLE_ENV,
+                    user)
+        user = None
+    given = dict(capturable=capturable, plan_calls=plan_calls, first_sight=sight,
+                 group=group, accuracy=policy)
+    if override:
+        return cls.load(override, device, overlay=user, **given)
+    try:
+        found = sources.find_table(sources.bundled_tables_dir(), device.arch, device.name)
+        if found is None:  # the user's own table alone, if any
+            return cls.load(user, device, **given) if user else \
+                ranks.joined(cls.rules_only(device, capturable, policy), group)
+        with resources.as_file(found) as path:
+            return cls.load(path, device, overlay=user, **given)
+    except Exception as exc:  # load raises TableError; an unreadable directory OSError
+        if isinstance(exc, RankMismatchError):  # never hidden behind the rules
+            raise
+        log.warning("mlatune: bundled table unusable, dispatching by rule: %s", exc)
+        return ranks.joined(cls.rules_only(device, capturable, policy), group)
