@@ -26,7 +26,7 @@ __all__ = ["JournalHeader", "read", "read_records"]
 _TEXT_FIELDS = ("kind", "id", "status", "route", "route_params", "reason", "timer", "plan_on",
                 "dcp_timing", "dcp_scheme")
 _NUMBER_FIELDS = ("time_us", "time_us_p20", "time_us_p80", "rel_err", "max_abs_err",
-                  "tb_per_s", "tflops", "plan_us", "plan_host_us", "launch_host_us",
+                  "lse_err", "tb_per_s", "tflops", "plan_us", "plan_host_us", "launch_host_us",
                   "comm_us", "simulated_us")
 _RESUME_FIELDS = ("id", "status")  # what the journal itself needs to resume
 

@@ -71,6 +71,7 @@ class Measured:
     # accuracy against the reference
     rel_err: float | None = None
     max_abs_err: float | None = None
+    lse_err: float | None = None  # None also where the route returned no LSE
     # timing of the launch (worker.evaluate's _timing_fields)
     time_us: float | None = None
     time_us_p20: float | None = None
@@ -242,8 +243,9 @@ def _best(runs: list[Record]) -> Record:
     return best
 
 
-_ROW_NUMBERS = ("time_us", "time_us_p20", "time_us_p80", "rel_err", "max_abs_err", "tb_per_s",
-                "tflops", "plan_us", "plan_host_us", "launch_host_us", "comm_us", "simulated_us")
+_ROW_NUMBERS = ("time_us", "time_us_p20", "time_us_p80", "rel_err", "max_abs_err", "lse_err",
+                "tb_per_s", "tflops", "plan_us", "plan_host_us", "launch_host_us", "comm_us",
+                "simulated_us")
 # Absent from a record: the table derives them (the route's step kind; simulated).
 _ROW_DERIVED = ("plan_on", "capturable", "dcp_timing", "dcp_scheme")
 

@@ -335,12 +335,23 @@ def _stored_version(frame: pd.DataFrame, unparsed: set[str]) -> int:
 def upgrade(frame: pd.DataFrame, version: int = 1, facts: RouteFacts | None = None
             ) -> pd.DataFrame:
     """An older table as the current schema (see mlatune.table.schema): v1's step kinds from
-    ``facts`` and costs NaN; v1 and v2's DCP rows simulated; every one ranked again by
-    step cost; provenance ``schema_version`` current and ``converted_from`` the version a
-    row was measured as."""
-    out = frame.copy() if version < 3 else _ranked_again(frame, facts)
-    if version == 3:
-        return out
+    ``facts`` and costs NaN; v1 and v2's DCP rows simulated; v1-v4's ``lse_err`` NaN; v1-v3
+    ranked again by step cost (v4 already is); provenance ``schema_version`` current and
+    ``converted_from`` the version a row was measured as."""
+    out = _stepped_and_timed(frame, version, facts) if version < 3 else frame.copy()
+    if "lse_err" not in out:  # never measured before v5
+        out["lse_err"] = pd.Series(np.nan, index=out.index, dtype=_dtype("float64"))
+    out = _marked_current(out[[c for c in COLUMNS if c in out]
+                              + [c for c in out if c not in COLUMN_TYPES]], version)
+    return out if version >= 4 else _ranked_again(out, facts)
+
+
+
+def _stepped_and_timed(frame: pd.DataFrame, version: int, facts: RouteFacts | None
+                       ) -> pd.DataFrame:
+    """A v1 or v2 table with v2's step columns (v1: declared by ``facts``, costs NaN) and
+    v3's DCP columns (simulated where dcp_size > 1), its provenance upgraded."""
+    out = frame.copy()
     changed = list(DCP_COLUMNS)
     if version == 1:
         out["plan_on"], out["capturable"] = _declared_step_kinds(out, facts)
@@ -358,23 +369,31 @@ def upgrade(frame: pd.DataFrame, version: int = 1, facts: RouteFacts | None = No
     # Only the columns set here are cast: a damaged old column stays as found, for validate.
     for name in (*changed, *provenance):
         out[name] = out[name].astype(_dtype(COLUMN_TYPES[name]))
-    ordered = [c for c in COLUMNS if c in out] + [c for c in out if c not in COLUMN_TYPES]
-    return _ranked_again(out[ordered], facts)
+    return out
+
+
+
+def _marked_current(frame: pd.DataFrame, version: int) -> pd.DataFrame:
+    """The table's provenance current: ``schema_version`` this schema's, ``converted_from``
+    kept where a row was converted before, else ``version``'s; a damaged one as found, for
+    validate."""
+    try:
+        out = frame.copy()
+        converted = out["converted_from"].astype(str)
+        out["converted_from"] = converted.where(converted != "", f"v{version}")
+        out["schema_version"] = np.int64(SCHEMA_VERSION)
+        return out.astype({c: frame[c].dtype for c in ("converted_from", "schema_version")})
+    except Exception:
+        return frame
 
 
 
 def _ranked_again(frame: pd.DataFrame, facts: RouteFacts | None) -> pd.DataFrame:
-    """A v3 table's rows ranked by step cost, its provenance v4 (``converted_from`` kept where
-    a row was converted before, else "v3"); a damaged one as found, for validate."""
+    """A v1-v3 table's rows ranked by step cost; a damaged one as found, for validate."""
     try:
-        out = frame.copy()
-        converted = out["converted_from"].astype(str)
-        out["converted_from"] = converted.where(converted != "", "v3")
-        out["schema_version"] = np.int64(SCHEMA_VERSION)
-        ranked = assign_ranks(out, sharing=facts.plan_sharing() if facts else ())
+        return assign_ranks(frame, sharing=facts.plan_sharing() if facts else ())
     except Exception:
         return frame
-    return ranked.astype({c: frame[c].dtype for c in ("converted_from", "schema_version")})
 
 
 

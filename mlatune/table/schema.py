@@ -1,4 +1,4 @@
-"""Dispatch table schema v4: the columns every table has, and what each holds.
+"""Dispatch table schema v5: the columns every table has, and what each holds.
 
 One row per (device, problem, route). The key is the whole problem spelled
 out, plus the device it was measured on. Provenance travels twice: as Parquet
@@ -24,12 +24,14 @@ v4 ranks a problem's ok rows by what a step costs the default caller
 (``mlatune.table.cost``: the launch, its share of the plan and an eager caller's host plan)
 where v1-v3 ranked them by the launch's time alone.
 
+v5 adds ``lse_err``: the largest absolute error of the route's LSE against the reference.
+
 Older tables are upgraded as they are read (``mlatune.table.read``): a v1 table's step
 kinds come from the routes' declarations where the reader hands them over (``RouteFacts``)
 and its costs are NaN (never measured); a v1 or v2 table's DCP rows are "simulated", the
-other DCP columns empty; every older table is ranked again; ``schema_version`` becomes 4
-and the provenance field ``converted_from`` names the version a row was measured as ("" for
-a table measured as v4).
+other DCP columns empty; a v1-v4 table's ``lse_err`` is NaN (never measured); a v1-v3 table
+is ranked again; ``schema_version`` becomes 5 and the provenance field ``converted_from``
+names the version a row was measured as ("" for a table measured as v5).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from mlatune.arch import DeviceInfo, driver_version, library_versions
 from mlatune.problem import KEY_FIELDS
 from mlatune.steps import UNKNOWN_STEP_KIND  # noqa: F401  (rows no route declared)
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 DEVICE_COLUMNS = ("arch", "device_name", "cu_count")
 KEY_COLUMNS = DEVICE_COLUMNS + KEY_FIELDS
@@ -83,6 +85,9 @@ RESULT_COLUMNS: dict[str, str] = {
     "timer": "string",
     "rel_err": "float64",  # relative L2 error of the output against the reference
     "max_abs_err": "float64",
+    # v5: the largest absolute error of the route's LSE over the checked cases; NaN where the
+    # route returned no LSE or nothing was measured
+    "lse_err": "float64",
     "tb_per_s": "float64",  # problem.min_bytes() / time
     "tflops": "float64",  # problem.flops() / time
     # 1 = winner among ok rows of the key (measured DCP rows first, then by time_us);

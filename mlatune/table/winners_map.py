@@ -4,7 +4,7 @@ there, for engines without pandas.
 Written by ``mlatune export --format json`` (``table.winners_json``), read by
 ``Dispatcher.load`` and by any engine with a JSON parser::
 
-    {"format": "mlatune-winners", "schema_version": 3, "key_fields": [...],
+    {"format": "mlatune-winners", "schema_version": 5, "key_fields": [...],
      "devices": [{"arch": "sm_90", "device_name": "NVIDIA H200", "cu_count": 132,
                   "provenance": [{...}],
                   "winners": {"<MLAProblem.key>": {"route": "...", "params": {...},
@@ -26,7 +26,9 @@ routes, costs null, ``converted_from`` "v1" in each provenance record. Schema v3
 how a DCP row was timed: an option measured across processes carries ``"dcp_timing":
 "measured"`` (absent otherwise, so a v2 map reads as it is), and a problem with measured
 options lists only those (``schema.competing``: a simulated time leaves the collectives
-out); the options in the order of the ranks.
+out); the options in the order of the ranks. Schema v5 options carry the errors measured
+against the reference (``ERROR_FIELDS``: ``rel_err``, ``max_abs_err``, ``lse_err``), null
+where not measured; an option without them (an older map's) reads as not measured.
 
 Failures: the table's rows that are not ok (``FAILED_STATUSES``), so a dispatcher
 never takes a route from a neighbour or the rule where it failed, as with the
@@ -62,6 +64,7 @@ from mlatune.table.schema import (
 
 FORMAT = "mlatune-winners"
 FAILED_STATUSES = tuple(s for s in STATUSES if s not in ("ok", "stale"))  # stale: neither
+ERROR_FIELDS = ("rel_err", "max_abs_err", "lse_err")  # v5: the table's columns, null: NaN
 
 
 @dataclass(frozen=True)
@@ -291,7 +294,9 @@ def _valid_option(option: Any) -> bool:
     time_us = option.get("time_us") if isinstance(option, dict) else None
     return (isinstance(option, dict) and isinstance(option.get("route"), str)
             and isinstance(option.get("params"), dict)
-            and _is_number(time_us) and time_us > 0)
+            and _is_number(time_us) and time_us > 0
+            and all(e is None or (_is_number(e) and e >= 0)
+                    for e in (option.get(name) for name in ERROR_FIELDS)))
 
 
 def _valid_step(option: dict[str, Any]) -> bool:
