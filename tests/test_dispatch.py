@@ -690,6 +690,30 @@ def test_a_user_table_overlays_the_bundled_one_problem_by_problem(tmp_path, monk
     assert Dispatcher.from_bundled(H200).select(shared).route_id == fast_small
 
 
+def test_a_damaged_user_table_leaves_the_bundled_one_serving(tmp_path, monkeypatch, fakes,
+                                                              caplog):
+    """A user table that cannot be used is left out, the warning naming it; the bundled
+    table still answers (not the rules)."""
+    problem = MLAProblem(batch=4, kv_len=1024)
+    bundled_dir = tmp_path / "bundled"
+    bundled_dir.mkdir()
+    table.write(make_table([result_row(problem, "fast-large/fake", 10.0)]),
+                bundled_dir / "sm_90-h200.parquet")
+    damaged = tmp_path / "mine.parquet"
+    damaged.write_bytes(b"PAR1 not a table")
+    monkeypatch.setattr(sources, "bundled_tables_dir", lambda: bundled_dir)
+    monkeypatch.delenv(dispatch_module.TABLE_ENV, raising=False)
+    monkeypatch.setenv(dispatch_module.USER_TABLE_ENV, str(damaged))
+    with caplog.at_level("WARNING", logger="mlatune"):
+        served = Dispatcher.from_bundled(H200)
+    assert (served.select(problem).route_id, served.select(problem).source) == \
+        ("fast-large/fake", "table")
+    assert served.source.endswith("sm_90-h200.parquet")
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert f"MLATUNE_USER_TABLE={damaged} not overlaid" in warned
+    assert "bundled table unusable" not in warned
+
+
 def test_a_json_map_takes_no_overlay(tmp_path, fakes):
     problem = MLAProblem(batch=4)
     frame = make_table([result_row(problem, "fast-small/fake", 10.0)])

@@ -157,7 +157,8 @@ def from_bundled(cls, device: DeviceInfo | None = None, capturable: bool = False
 
     An explicit ``MLATUNE_TABLE`` that cannot be used raises (the operator
     asked for that file); a bundled table that cannot be used is logged and
-    the dispatcher answers by rule, so a model load never fails on it.
+    the dispatcher answers by rule, so a model load never fails on it; a user table that
+    cannot be used is logged, naming it, and the table under it serves alone.
     """
     device = device or current_device()
     policy = policy_named(accuracy)
@@ -171,16 +172,30 @@ def from_bundled(cls, device: DeviceInfo | None = None, capturable: bool = False
     given = dict(capturable=capturable, plan_calls=plan_calls, first_sight=sight,
                  group=group, accuracy=policy)
     if override:
-        return cls.load(override, device, overlay=user, **given)
+        return _overlaid(cls, override, device, user, given)
     try:
         found = sources.find_table(sources.bundled_tables_dir(), device.arch, device.name)
         if found is None:  # the user's own table alone, if any
             return cls.load(user, device, **given) if user else \
                 ranks.joined(cls.rules_only(device, capturable, policy), group)
         with resources.as_file(found) as path:
-            return cls.load(path, device, overlay=user, **given)
+            return _overlaid(cls, path, device, user, given)
     except Exception as exc:  # load raises TableError; an unreadable directory OSError
         if isinstance(exc, RankMismatchError):  # never hidden behind the rules
             raise
         log.warning("mlatune: bundled table unusable, dispatching by rule: %s", exc)
         return ranks.joined(cls.rules_only(device, capturable, policy), group)
+
+
+def _overlaid(cls, path: str | os.PathLike, device: DeviceInfo, user: str | None,
+              given: Mapping[str, Any]) -> Dispatcher:
+    """``path`` loaded with the user table overlaid; where the user table is what fails
+    (damaged, or a base that takes no overlay), ``path`` alone, with a warning naming it."""
+    try:
+        return cls.load(path, device, overlay=user, **given)
+    except TableError as exc:
+        if user is None or str(user) not in str(exc):
+            raise
+        log.warning("mlatune: %s=%s not overlaid, the table under it serves alone: %s",
+                    USER_TABLE_ENV, user, exc)
+        return cls.load(path, device, **given)
