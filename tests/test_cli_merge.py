@@ -140,3 +140,23 @@ def test_where_picks_the_newer_rows_that_replace(tmp_path):
     alone = merge(old, new, "--out", out, "--where", "batch == 4")
     assert alone.exit_code == 2 and "only with --replace-routes" in alone.output
     assert not out.exists()
+
+
+def test_a_table_joined_from_several_specs_merges_again(tmp_path):
+    """A table that already holds two specs (as the shipped one does) joins alone and with
+    tables of the same specs; beside a table of other specs it is refused in one line."""
+    old, _ = old_and_new(tmp_path)
+    other = write(tmp_path / "other.parquet", [result_row(BASE.with_(batch=2), "a/fake", 5.0)],
+                  LATER)
+    joined = tmp_path / "joined.parquet"
+    assert merge(old, other, "--out", joined, "--allow-different-specs").exit_code == 0
+    for inputs in ([joined], [joined, joined]):
+        out = tmp_path / "out.parquet"
+        result = merge(*inputs, "--out", out, "--json")
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["spec_sha256"] == sorted(["ab" * 32, "cd" * 32])
+        assert len(table.read(out)) == len(table.read(joined))
+        out.unlink()
+    refused = merge(joined, old, "--out", tmp_path / "out.parquet")
+    assert refused.exit_code == 1
+    assert refused.output.count("\n") == 1 and "different specs" in refused.output

@@ -222,11 +222,13 @@ def _specs_text(specs: frozenset[str]) -> str:
 
 
 def _joined_specs(inputs: list[_MergeInput], allow_different: bool) -> list[str]:
-    """The specs the inputs ran, sorted; several only when allowed (exit 1 otherwise)."""
+    """The specs the inputs ran, sorted. Inputs that ran different specs are joined only
+    when allowed (exit 1 otherwise); a table already joined from several specs joins
+    tables of the same specs."""
     specs = sorted({sha for i in inputs for sha in i.specs})
-    if len(specs) > 1 and not allow_different:
-        a = inputs[0]
-        b = next(i for i in inputs if i.specs != a.specs)
+    a = inputs[0]
+    b = next((i for i in inputs if i.specs != a.specs), None)
+    if b is not None and not allow_different:
         fail(f"{a.path} and {b.path} come from different specs (spec_sha256 "
              f"{_specs_text(a.specs)} and {_specs_text(b.specs)}); "
              f"--allow-different-specs joins them anyway")
