@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from mlatune import table
+from mlatune import routes, table
 from mlatune.problem import MLAProblem
 from tests.table_helpers import make_table, result_row
 
@@ -54,3 +54,42 @@ def test_the_command_line_starts_light():
                 if m in loaded]
     assert not [m for m in loaded if m.startswith(("mlatune.sweep", "mlatune.dispatch",
                                                    "mlatune.table", "mlatune.routes"))]
+
+
+def test_the_light_install_serves_the_shipped_table_from_its_winners_map():
+    """Without pandas and pyarrow (the runtime install), the bundled table is read from
+    its winners map: measured answers, not rules, and no heavy module imported."""
+    loaded = _modules_after(
+        "import sys\n"
+        "for m in ('pandas', 'pyarrow'): sys.modules[m] = None\n"
+        "from mlatune.dispatch import Dispatcher, device_for_arch\n"
+        "d = Dispatcher.from_bundled(device_for_arch('sm_90', 'NVIDIA H200', 132))\n"
+        "assert d.source.endswith('sm_90-h200.json.gz'), d.source\n"
+        "from mlatune.problem import MLAProblem\n"
+        "assert d.select(MLAProblem(num_heads=16, batch=64, kv_len=4096)).source == 'table'\n"
+        "for m in ('pandas', 'pyarrow'): del sys.modules[m]  # blocked: never imported")
+    assert not [m for m in HEAVY if m in loaded]
+
+
+def test_the_shipped_winners_map_is_the_shipped_tables_export():
+    """tables/<arch>-<gpu>.json.gz is `mlatune export --format json` of the Parquet table
+    beside it (rebuilt with it), and both answer alike."""
+    import gzip
+    from pathlib import Path
+
+    from mlatune.dispatch import Dispatcher, device_for_arch
+
+    tables = Path(__file__).resolve().parents[1] / "tables"
+    for parquet in sorted(tables.glob("*.parquet")):
+        shipped = json.loads(gzip.decompress(parquet.with_suffix(".json.gz").read_bytes()))
+        exported = table.winners_json(table.read(parquet, facts=routes.FACTS))
+        assert shipped == json.loads(json.dumps(exported)), \
+            f"{parquet.name}: run mlatune export {parquet} --format json --out " \
+            f"{parquet.with_suffix('.json.gz')}"
+    device = device_for_arch("sm_90", "NVIDIA H200", 132)
+    frame, mapped = (Dispatcher.load(tables / f"sm_90-h200{s}", device=device,
+                                     allow_arch="sm_90") for s in (".parquet", ".json.gz"))
+    problems = [MLAProblem(num_heads=h, batch=b, kv_len=k, kv_dtype=d)
+                for h in (16, 128) for b in (3, 64, 200) for k in (700, 4096, 30000)
+                for d in ("bf16", "fp8_e4m3fn")]
+    assert [frame.select(p) for p in problems] == [mapped.select(p) for p in problems]

@@ -37,7 +37,7 @@ def export(
     table_path: Annotated[Path, table_argument("Parquet or CSV table.")],
     fmt: Annotated[Format, typer.Option("--format", help="A table, or a JSON winners map.")],
     out: Annotated[Path, typer.Option(
-        help="Where to write (suffix must match; .csv.gz for gzipped CSV).")],
+        help="Where to write (suffix must match; .csv.gz / .json.gz gzip-compressed).")],
     winners_only: Annotated[bool, typer.Option(
         "--winners-only", help="Only each problem's winner (json: no alternatives).")] = False,
     accuracy: Annotated[Accuracy | None, typer.Option(
@@ -49,10 +49,10 @@ def export(
     from mlatune import table
 
     fmt = fmt.value
-    gzipped_csv = fmt == "csv" and out.name.lower().endswith(".csv.gz")
-    if out.suffix.lower() != f".{fmt}" and not gzipped_csv:
-        usage_error(f"{out} must end in .{fmt}{' or .csv.gz' if fmt == 'csv' else ''} "
-                    f"for --format {fmt}", "--out")
+    gzipped = fmt in ("csv", "json") and out.name.lower().endswith(f".{fmt}.gz")
+    if out.suffix.lower() != f".{fmt}" and not gzipped:
+        usage_error(f"{out} must end in .{fmt}{' or .' + fmt + '.gz' if fmt != 'parquet' else ''}"
+                    f" for --format {fmt}", "--out")
     check_outputs(out)
     with one_line_errors(str(table_path)):
         frame = frames.read_table(table_path)

@@ -7,6 +7,7 @@ device (``find_table``).
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import math
@@ -74,10 +75,11 @@ def open_source(path: Path, overlay: Path | None, device: DeviceInfo, allow_arch
         if found is None:
             raise TableError(f"{path}: no table for arch {arch} in this directory")
         path = found
-    if overlay is not None and path.suffix.lower() == ".json":
+    if overlay is not None and winners_map.is_winners_map(path):
         raise TableError(f"{path}: a JSON winners map takes no overlay (load the Parquet "
                          f"or CSV table to overlay {overlay} on it)")
-    source = JsonSource(path) if path.suffix.lower() == ".json" else FrameSource(path, overlay)
+    source = JsonSource(path) if winners_map.is_winners_map(path) else \
+        FrameSource(path, overlay)
     arches = sorted({d[0] for d in source.devices})
     if arch not in arches:
         what = allow_arch or f"{device.arch} ({device.name})"
@@ -105,19 +107,37 @@ _SLUG = re.compile(r"[^a-z0-9]+")
 
 def find_table(directory: Path | Any, arch: str, device_name: str = "") -> Any:
     """The table for ``arch`` in a directory: files named ``<arch>.<ext>`` or
-    ``<arch>-<anything>.<ext>`` (.parquet preferred, then .json, then .csv); among
-    several, the one whose name holds the device name's slug, else the first by name."""
+    ``<arch>-<anything>.<ext>``; among several, the one whose name holds the device name's
+    slug, else by format (.parquet, then the winners map's .json and .json.gz, then .csv:
+    without pandas and pyarrow, as the runtime install has them, the winners map first),
+    then by name."""
     if directory is None or not directory.is_dir():
         return None
-    rank = {".parquet": 0, ".json": 1, ".csv": 2}
-    found = [f for f in directory.iterdir() if f.is_file()
-             and Path(f.name).suffix.lower() in rank
-             and (Path(f.name).stem == arch or f.name.startswith(arch + "-"))]
+    formats = (".parquet", ".json", ".json.gz", ".csv") if _reads_frames() else \
+        (".json", ".json.gz", ".parquet", ".csv")
+    found = [(f, _format_rank(f.name, formats)) for f in directory.iterdir() if f.is_file()]
+    found = [(f, r) for f, r in found if r is not None
+             and (f.name.lower().startswith((arch + ".", arch + "-")))]
     if not found:
         return None
     slug = _SLUG.sub("-", device_name.lower()).strip("-")
-    return sorted(found, key=lambda f: (not (slug and slug in f.name.lower()),
-                                        rank[Path(f.name).suffix.lower()], f.name))[0]
+    return min(found, key=lambda fr: (not (slug and slug in fr[0].name.lower()), fr[1],
+                                      fr[0].name))[0]
+
+
+def _format_rank(name: str, formats: tuple[str, ...]) -> int | None:
+    """Where a file name's format stands in ``formats`` (None: not a table's)."""
+    name = name.lower()
+    return next((i for i, ext in sorted(enumerate(formats), key=lambda ie: -len(ie[1]))
+                 if name.endswith(ext)), None)
+
+
+def _reads_frames() -> bool:
+    """Whether Parquet and CSV tables can be read here (pandas and pyarrow installed)."""
+    try:
+        return all(importlib.util.find_spec(m) is not None for m in ("pandas", "pyarrow"))
+    except (ImportError, ValueError):  # a module set to None in sys.modules: not usable
+        return False
 
 
 def overlaid(table, frame, user):

@@ -4,6 +4,7 @@ the JSON winners map an engine loads without pandas (format in ``table.winners_m
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -19,7 +20,6 @@ from mlatune.table import winners_map
 from mlatune.table.checks import validate
 from mlatune.table.cost import DEFAULT_CALLER, Caller
 from mlatune.table.frame import (
-    _STEP_COLUMNS,
     _dtype,
     _simulated_tier,
     assign_ranks,
@@ -37,7 +37,12 @@ from mlatune.table.schema import (
     ROW_KEY,
     SCHEMA_VERSION,
     STEP_COST_COLUMNS,
+    STEP_KIND_COLUMNS,
 )
+
+# A row's measured errors, which an option carries (null: not measured): an accuracy
+# policy admits an option by its recorded error too (mlatune.check.policy).
+_ERROR_COLUMNS = ("rel_err", "max_abs_err", "lse_err")
 
 
 def merge(tables: Sequence[pd.DataFrame], sharing: Collection[str] = ()) -> pd.DataFrame:
@@ -174,19 +179,25 @@ def _device_winners(rows: pd.DataFrame, winners_only: bool
 
 def _options(rows: pd.DataFrame) -> Iterable[dict[str, Any]]:
     """Each row as a winners-map option; a cost not measured (NaN) as null."""
-    columns = ["route", "route_params", "time_us", "dcp_timing", *_STEP_COLUMNS]
-    for route, params, time_us, timing, plan_on, capturable, *costs in rows[columns].itertuples(
+    numbers = [*STEP_COST_COLUMNS, *_ERROR_COLUMNS]
+    columns = ["route", "route_params", "time_us", "dcp_timing", *STEP_KIND_COLUMNS, *numbers]
+    for route, params, time_us, timing, plan_on, capturable, *values in rows[columns].itertuples(
             index=False, name=None):
         yield {"route": str(route), "params": json.loads(params), "time_us": float(time_us),
                "plan_on": str(plan_on), "capturable": bool(capturable),
-               **{name: None if math.isnan(c) else float(c)
-                  for name, c in zip(STEP_COST_COLUMNS, costs, strict=True)},
+               **{name: None if math.isnan(v) else float(v)
+                  for name, v in zip(numbers, values, strict=True)},
                **({"dcp_timing": DCP_MEASURED} if timing == DCP_MEASURED else {})}
 
 
 
 def write_json(document: Mapping[str, Any], path: str | os.PathLike) -> Path:
+    """A winners map written atomically; gzip-compressed where the name ends in .gz (with
+    no timestamp in the gzip header, so one map is one file, byte for byte)."""
     path = Path(path)
     text = json.dumps(document, separators=(",", ":"), sort_keys=False, allow_nan=False)
-    atomic_write(path, lambda h: h.write(text.encode() + b"\n"))
+    data = text.encode() + b"\n"
+    if path.name.lower().endswith(".gz"):
+        data = gzip.compress(data, mtime=0)
+    atomic_write(path, lambda h: h.write(data))
     return path

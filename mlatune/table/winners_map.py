@@ -44,8 +44,10 @@ would make it refuse every map exported from now on and dispatch by rule.
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
+import os
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,12 +98,20 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
+def is_winners_map(path: str | os.PathLike) -> bool:
+    """Whether a file name is a winners map's: ``.json``, or ``.json.gz`` (gzip-compressed,
+    how the bundled maps ship)."""
+    return Path(path).name.lower().endswith((".json", ".json.gz"))
+
+
 def _read(path: Path, facts: RouteFacts | None) -> WinnersMap:
     try:
-        document = json.loads(path.read_bytes())
+        raw = path.read_bytes()
+        document = json.loads(gzip.decompress(raw) if path.name.lower().endswith(".gz")
+                              else raw)
     except OSError as exc:
         raise TableError(f"{path}: cannot read ({_one_line(exc)})") from None
-    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+    except (ValueError, EOFError, gzip.BadGzipFile) as exc:  # JSON, text or gzip damage
         raise TableError(f"{path}: not a readable JSON winners map ({_one_line(exc)})"
                          ) from None
     found, parsed = _check(document)
