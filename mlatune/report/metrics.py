@@ -24,7 +24,8 @@ from mlatune.dispatch import Dispatcher, device_for_arch
 from mlatune.dispatch.dispatcher import DEFAULT_UNMEASURED
 from mlatune.measure import journal
 from mlatune.problem import FP8_DTYPES, MLAProblem
-from mlatune.report import policies
+from mlatune.report import accuracy, policies
+from mlatune.report.accuracy import AccuracySection
 from mlatune.report.terms import batch_band, geomean
 from mlatune.table.cost import DEFAULT_PLAN_CALLS
 from mlatune.table.schema import (
@@ -123,6 +124,9 @@ class Summary:
     vendor_heldout: list[Any] = field(default_factory=list)
     # DCP rows measured across processes beside their one-GPU simulation (dcp_measured).
     dcp: pd.DataFrame = field(default_factory=pd.DataFrame)
+    # What each accuracy policy's picks buy and cost over the decode problems; None
+    # without a decode problem.
+    accuracy: AccuracySection | None = None
 
     @property
     def best_fixed(self) -> SpeedupStats:
@@ -441,6 +445,7 @@ def _table_summary(table_path: str | os.PathLike, frame: pd.DataFrame
     picks = problems.set_index("key")
     summary.vendor = policies.vendor_policies(problems, times, picks["winner_us"],
                                               picks["winner"].astype(str), arch)
+    summary.accuracy = accuracy.section(frame, times, name)
     return summary, {"problems": problems, "times": times}
 
 

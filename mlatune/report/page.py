@@ -14,7 +14,8 @@ from typing import Any
 import jinja2
 import pandas as pd
 
-from mlatune.report import policies
+from mlatune.check.policy import POLICIES
+from mlatune.report import accuracy, policies
 from mlatune.report.metrics import (
     CEILINGS,
     RULE_POLICY,
@@ -72,6 +73,19 @@ def context(summary: Summary, problems: pd.DataFrame, images: dict[str, Path | N
         "best": summary.best_fixed,
         "regret": summary.regret,
         **vendor_context(summary),
+        **accuracy_context(summary),
+    }
+
+
+def accuracy_context(summary: Summary) -> dict[str, Any]:
+    """What the accuracy-policy section reads (``accuracy``)."""
+    section = summary.accuracy
+    return {
+        "accuracy": section,
+        "accuracy_columns": () if section is None else accuracy.columns(section),
+        "accuracy_rows": [] if section is None else accuracy.table_rows(section),
+        "accuracy_policies": [(p.name, ", ".join(sorted(p.admits)), p.description)
+                              for p in POLICIES.values()],
     }
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pandas as pd
 
-from mlatune.report import policies
+from mlatune.report import accuracy, policies
 from mlatune.report.metrics import RULE_POLICY, RegretStats, SpeedupStats, Summary
 from mlatune.report.terms import problem_label
 
@@ -75,10 +75,12 @@ def _regret_rows(regret: RegretStats) -> list[tuple[str, str]]:
 
 def headline_rows(summary: Summary) -> list[tuple[str, str]]:
     """The summary numbers, as (label, value) lines: the table, the vendor policies (on
-    the table, then held out), nearest's regret."""
+    the table, then held out), the accuracy policies, nearest's regret."""
     rows = _table_rows(summary)
     if summary.vendor:
         rows += policies.headline_rows(summary.vendor, summary.vendor_heldout)
+    if summary.accuracy is not None:
+        rows += accuracy.headline_rows(summary.accuracy)
     return rows + (_regret_rows(summary.regret) if summary.regret is not None else [])
 
 
@@ -109,6 +111,7 @@ def summary_document(summary: Summary) -> dict[str, Any]:
         "rule_fallback": _speedup_json(summary.rule),
         "vendor_policies": [policies.as_json(s) for s in summary.vendor],
         "vendor_policies_heldout": [policies.as_json(s) for s in summary.vendor_heldout],
+        "accuracy_policies": accuracy.as_json(summary.accuracy),
         "dcp_measured": [{k: _number(v) if isinstance(v, float) else v for k, v in r.items()}
                          for r in summary.dcp.to_dict("records")],
         "goal_over_always_flashmla": policies.GOAL_OVER_FLASHMLA,
