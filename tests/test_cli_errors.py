@@ -203,6 +203,33 @@ def test_a_spec_that_is_a_directory_is_one_line(tmp_path):
     assert_one_line_error(result, "folder.toml")
 
 
+@pytest.mark.parametrize("command", [
+    lambda spec, tmp: ["sweep", spec, "--out", tmp / "t.parquet"],
+    lambda spec, tmp: ["plan", spec, "--arch", "gfx950"],
+    lambda spec, tmp: ["coverage", spec, "--arch", "sm_90"],
+], ids=["sweep", "plan", "coverage"])
+def test_a_spec_that_is_a_device_or_a_pipe_is_refused_unread(tmp_path, command):
+    pipe = tmp_path / "pipe.toml"
+    os.mkfifo(pipe)  # reading it would wait for a writer forever
+    for spec, words in (("/dev/zero", "not a regular file (a character device)"),
+                        (pipe, "not a regular file (a pipe)")):
+        result = invoke(*command(spec, tmp_path))
+        assert result.exit_code == 1
+        assert_one_line_error(result, str(spec), words)
+
+
+def test_a_spec_over_the_size_limit_is_refused_unparsed(tmp_path):
+    from mlatune.sweep.spec import MAX_SPEC_BYTES
+
+    spec = tmp_path / "huge.toml"
+    spec.write_text("# " + "x" * MAX_SPEC_BYTES + "\n" + tiny_spec(tmp_path).read_text())
+    result = invoke("plan", spec, "--arch", "gfx950")
+    assert result.exit_code == 1
+    assert_one_line_error(result, str(spec), f"limit of {MAX_SPEC_BYTES:,} bytes")
+    spec.write_text(tiny_spec(tmp_path).read_text())  # the same spec, small: served
+    assert invoke("plan", spec, "--arch", "gfx950").exit_code == 0
+
+
 @pytest.mark.parametrize("command", ["show", "lookup", "validate", "diff", "coverage",
                                      "export", "upgrade", "report"])
 def test_a_damaged_table_is_one_line_to_every_command(tmp_path, command):

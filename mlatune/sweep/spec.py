@@ -45,7 +45,8 @@ with more than ``max_problems`` of them (default ``MAX_PROBLEMS``, 200,000; the
 environment variable ``MLATUNE_MAX_PROBLEMS`` overrides the spec and the default)
 is refused, naming the grid and its size: a typo such as a list of a thousand KV
 lengths would otherwise fill memory before the first candidate runs. The largest
-bundled spec has about 2,500.
+bundled spec has about 2,500. The file itself must be a regular file of at most
+``MAX_SPEC_BYTES`` (4 MiB): a device or a pipe is refused before it is read.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ import itertools
 import math
 import os
 import re
+import stat
 import sys
 from dataclasses import dataclass, field, fields
 from importlib import resources
@@ -77,6 +79,7 @@ _AXES = set(problem_field_names())
 DEFAULT_DCP_TOP_K = 3  # routes per DCP problem measured across GPUs: the one-GPU pass's fastest
 MAX_PROBLEMS = 200_000  # combinations a spec may have unless it or the environment says more
 MAX_PROBLEMS_ENV = "MLATUNE_MAX_PROBLEMS"
+MAX_SPEC_BYTES = 4 << 20  # the bundled specs are under 2 KB; beyond this a path is a mistake
 # Bounds of the budget: beyond them a value is a typo, and a NaN or inf time limit or a
 # count of 10**18 warm-ups would never end a candidate.
 _MAX_COUNT = 1_000_000
@@ -113,15 +116,37 @@ def bundled_spec_path(name: str = DEFAULT_SPEC) -> Path:
 
 def load(path: str | Path, gpu: bool = True) -> SweepSpec:
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise SpecError(f"{path}: cannot read spec ({exc.strerror or exc})") from None
+    raw = _read_spec_bytes(path)
     try:
         data = tomllib.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError) as exc:  # bad TOML or UTF-8; a 5,000-digit number
         raise SpecError(f"{path}: not valid TOML: {str(exc).splitlines()[0][:200]}") from None
     return parse(data, str(path), hashlib.sha256(raw).hexdigest(), gpu)
+
+
+def _read_spec_bytes(path: Path) -> bytes:
+    """The file's bytes, refused unless it is a regular file of at most ``MAX_SPEC_BYTES``:
+    a device (/dev/zero) or a pipe would be read until memory runs out, or forever."""
+    try:
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode):
+            raise SpecError(f"{path}: not a regular file ({_file_kind(info.st_mode)}); a spec "
+                            f"is a TOML file")
+        with path.open("rb") as f:
+            raw = f.read(MAX_SPEC_BYTES + 1)  # bounded: a file may grow, or /proc lie
+    except OSError as exc:
+        raise SpecError(f"{path}: cannot read spec ({exc.strerror or exc})") from None
+    if len(raw) > MAX_SPEC_BYTES:
+        raise SpecError(f"{path}: larger than a spec's limit of {MAX_SPEC_BYTES:,} bytes "
+                        f"(a spec is a few KB of TOML: grids are products of their axes)")
+    return raw
+
+
+def _file_kind(mode: int) -> str:
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a pipe"),
+             (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "not a plain file")
 
 
 def parse(data: dict, where: str, sha256: str = "", gpu: bool = True) -> SweepSpec:
