@@ -52,6 +52,11 @@ class RouteFacts(Protocol):
         deleted kernel form (the row is stale); as stored for a route not known."""
         ...
 
+    def param_problem(self, route_id: str, params: Mapping[str, Any]) -> str | None:
+        """Why the route cannot run a stored parameter set (None: it can, or the route is not
+        known)."""
+        ...
+
     def plan_sharing(self) -> frozenset[str]:
         """The routes whose host plan the calls of one engine step share (the cost's
         ``shares_host_plan``)."""

@@ -48,6 +48,13 @@ if TYPE_CHECKING:
 
 Params = dict[str, Any]
 
+# Bounds routes declare in ``param_limits``: KV splits a request (past this the partials
+# alone outgrow a GPU at a large batch: 200 x 128 heads x 256 splits x 2 KB is 13 GB), and a
+# Triton tile's sizes, warps and pipeline depth.
+SPLIT_LIMIT = (1, 256)
+TILE_LIMITS = MappingProxyType({"block_m": (1, 256), "block_n": (1, 256), "num_warps": (1, 16),
+                                "num_stages": (1, 8)})
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -157,6 +164,9 @@ class Route(ABC):
     # ``prepare`` takes ``plan_from=`` (a Prepared of the same route, problem, parameters
     # and rank) and reads its device plan: the layers of one step plan once.
     shares_plan: ClassVar[bool] = False
+    # The integer parameters a stored set may name and their bounds, inclusive: what a
+    # kernel allocates or launches by (a table naming a set outside them is refused on load).
+    param_limits: ClassVar[Mapping[str, tuple[int, int]]] = MappingProxyType({})
 
     @abstractmethod
     def supports(self, problem: MLAProblem, device: DeviceInfo) -> Verdict:
@@ -196,6 +206,15 @@ class Route(ABC):
                         ) -> LaunchGeometry | None:
         """How a recipe (parameters less the sized ones) spreads its work over ``cus`` SMs, for
         the predictor's cost law (``routes.geometry``); None: taken as balanced."""
+        return None
+
+    def check_params(self, params: Params) -> str | None:
+        """Why a stored set cannot be run as it says (None: it can): by default a parameter
+        of ``param_limits`` that is not an integer within its bounds."""
+        for name, (low, high) in self.param_limits.items():
+            value = params.get(name, low)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                return f"{name} {value!r} is not an integer in [{low}, {high}]"
         return None
 
     def upgrade_params(self, params: Params) -> Params | None:

@@ -48,6 +48,7 @@ from mlatune.kernels import gluon_hopper_plan as plan
 from mlatune.problem import FP8_DTYPES, MLAProblem
 from mlatune.routes.base import (
     LAUNCH_ONLY,
+    SPLIT_LIMIT,
     Params,
     Prepared,
     Route,
@@ -93,6 +94,7 @@ class WgmmaGluonRoute(Route):
     kernel_options: Mapping[str, object] = MappingProxyType({})
     forms: tuple[str, ...] = ()  # the kernel's forms a param set names in "form": one, unnamed
     sized_params = ("num_splits",)  # derived from batch and KV length (base.params_at)
+    param_limits = MappingProxyType({"num_splits": SPLIT_LIMIT})
     writes_into = True  # prepare takes the caller's out= and lse= buffers
 
     def supports(self, problem: MLAProblem, device: DeviceInfo) -> Verdict:

@@ -27,7 +27,15 @@ import torch
 from mlatune.arch import DeviceInfo, device_of
 from mlatune.check.inputs import DecodeInputs, PrefillInputs
 from mlatune.problem import DTYPES, FP8_DTYPES, MLAProblem
-from mlatune.routes.base import HOST_PLANNED, Params, Prepared, Route, StepKind, Verdict
+from mlatune.routes.base import (
+    HOST_PLANNED,
+    TILE_LIMITS,
+    Params,
+    Prepared,
+    Route,
+    StepKind,
+    Verdict,
+)
 from mlatune.routes.triton_support import triton_verdict
 
 TILE_Q = 256  # query rows per work tile, as in AITER's FP8 prefill
@@ -108,6 +116,7 @@ class _PersistentPrefillRoute(Route):
     capability model's: capability.rules, the ``fp8-ps/triton`` / ``bf16-ps/triton`` entries."""
 
     id: str
+    param_limits = TILE_LIMITS
 
     def supports(self, problem: MLAProblem, device: DeviceInfo) -> Verdict:
         return triton_verdict(self.id, problem, device)

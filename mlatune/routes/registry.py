@@ -70,6 +70,10 @@ class RegistryFacts:
         route = _ROUTES.get(route_id)
         return params if route is None else route.upgrade_params(dict(params))
 
+    def param_problem(self, route_id: str, params: Mapping[str, Any]) -> str | None:
+        route = _ROUTES.get(route_id)
+        return None if route is None else route.check_params(dict(params))
+
     def plan_sharing(self) -> frozenset[str]:
         return plan_sharing()
 

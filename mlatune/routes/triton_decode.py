@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -45,6 +46,8 @@ from mlatune.problem import DTYPES, MLAProblem, next_power_of_two
 from mlatune.routes.base import (
     DEVICE_PLANNED,
     LAUNCH_ONLY,
+    SPLIT_LIMIT,
+    TILE_LIMITS,
     Params,
     Prepared,
     Route,
@@ -88,6 +91,7 @@ class _TritonDecodeRoute(Route):
 
     id = ""
     sized_params = ("num_splits",)  # derived from batch and KV length (base.params_at)
+    param_limits = MappingProxyType({"num_splits": SPLIT_LIMIT, **TILE_LIMITS})
 
     # -- family rules: capability.rules ----------------------------------------------
     def _padded_heads(self, problem: MLAProblem) -> int:
@@ -353,6 +357,7 @@ class SegmentedTritonRoute(_TritonDecodeRoute):
 
     id = "segmented/triton"
     sized_params = ("num_segments",)
+    param_limits = MappingProxyType({"num_segments": SPLIT_LIMIT, **TILE_LIMITS})
 
     def _padded_heads(self, problem: MLAProblem) -> int:
         return problem.kernel_heads

@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from mlatune.problem import BUCKET_FIELDS, KEY_FIELDS, MLAProblem
-from mlatune.steps import PLAN_PLACES
+from mlatune.steps import PLAN_PLACES, RouteFacts
 from mlatune.table.cost import DEFAULT_CALLER
 from mlatune.table.frame import _has_type, _simulated_tier, step_costs
 from mlatune.table.schema import (
@@ -82,6 +82,29 @@ def _validate(frame: pd.DataFrame, unparsed: set[str]) -> list[str]:
     if key_id is not None:
         problems += _problem_problems(frame, key_id)
     return problems
+
+
+def param_problems(frame: pd.DataFrame, facts: RouteFacts) -> list[str]:
+    """The ok rows' parameter sets their route cannot run (``RouteFacts.param_problem``),
+    one line per distinct (route, set), a few shown; a row there would fail or allocate past
+    the device at its first call, so the table is refused."""
+    if frame.empty or not {"route", "route_params", "status"} <= set(frame.columns):
+        return []
+    ok = frame[frame["status"] == "ok"]
+    found = []
+    for route, text in ok[["route", "route_params"]].drop_duplicates().itertuples(
+            index=False, name=None):
+        try:
+            params = json.loads(text)
+        except (TypeError, ValueError):  # not JSON: _value_problems names it
+            continue
+        why = facts.param_problem(str(route), params) if isinstance(params, dict) else None
+        if why:
+            found.append(f"{route} {text}: {why}")
+    if not found:
+        return []
+    more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
+    return [f"route_params its route cannot run: {'; '.join(found[:3])}{more}"]
 
 
 def _column_problems(frame: pd.DataFrame) -> list[str]:

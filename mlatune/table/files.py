@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 
 from mlatune.errors import TableError
 from mlatune.steps import RouteFacts
-from mlatune.table.checks import _examples, _validate, validate
+from mlatune.table.checks import _examples, _validate, param_problems, validate
 from mlatune.table.frame import (
     _STEP_COLUMNS,
     _declared_step_kinds,
@@ -271,6 +271,8 @@ def _read_versioned(path: Path, check: bool, facts: RouteFacts | None
         problems += _metadata_problems(recorded, frame)
     if check:
         problems += _validate(frame, unparsed)
+        if facts is not None:
+            problems += param_problems(frame, facts)
         if problems:
             raise TableError(f"{path}: invalid table ({len(problems)} problem"
                              f"{'s' if len(problems) > 1 else ''}): " + "; ".join(problems))

@@ -122,7 +122,26 @@ def _read(path: Path, facts: RouteFacts | None) -> WinnersMap:
         upgrade(document, facts)
     if facts is not None:
         current_options(document, parsed, facts)
+        refused = _param_problems(document, facts)
+        if refused:
+            raise TableError(f"{path}: invalid winners map: route params its route cannot "
+                             f"run: {refused}")
     return WinnersMap(document, parsed)
+
+
+def _param_problems(document: Mapping[str, Any], facts: RouteFacts) -> str:
+    """The options' parameter sets their route cannot run (``RouteFacts.param_problem``),
+    a few named; "" where every one can."""
+    found: dict[str, str] = {}
+    for device in document["devices"]:
+        for entry in device["winners"].values():
+            for option in (entry, *entry.get("alternatives", ())):
+                text = json.dumps(option["params"], sort_keys=True)
+                label = f"{option['route']} {text}"
+                if label not in found:
+                    found[label] = facts.param_problem(option["route"], option["params"]) or ""
+    bad = [f"{label}: {why}" for label, why in found.items() if why]
+    return "; ".join(bad[:3]) + (f" (and {len(bad) - 3} more)" if len(bad) > 3 else "")
 
 
 def current_options(document: dict[str, Any], parsed: list[dict[str, MLAProblem]],
