@@ -138,3 +138,36 @@ def test_plan_is_the_rules_without_this_machines_probe():
         ok, reason = planning.verdict(routes.get(route_id), problem, device)
         assert not ok and reason.startswith("rule triton."), (route_id, reason)
         assert not routes.get(route_id).supports(problem, device)
+
+
+def test_a_long_plan_says_how_far_it_has_come_on_stderr_only(monkeypatch):
+    """Off a terminal, a plan that takes long writes progress lines to stderr; --json's
+    stdout stays one JSON document, the same as without progress."""
+    import json
+
+    from mlatune.cli import plan
+
+    spec = str(bundled_spec_path("h200.toml"))
+    quiet = invoke("plan", spec, "--arch", "sm_90", "--json")
+    monkeypatch.setattr(plan, "PROGRESS_AFTER_S", 0.0)
+    monkeypatch.setattr(plan, "PROGRESS_EVERY_S", 0.0)
+    shown = invoke("plan", spec, "--arch", "sm_90", "--json")
+    assert quiet.exit_code == shown.exit_code == 0
+    assert "planning:" not in quiet.stderr
+    problems = json.loads(quiet.stdout)["problems"]
+    assert json.loads(shown.stdout) == json.loads(quiet.stdout)
+    lines = shown.stderr.splitlines()
+    assert lines and all(line.startswith("planning: ") for line in lines)
+    assert lines[-1].startswith(f"planning: {problems:,} of {problems:,} problems")
+
+
+def test_progress_reports_count_the_problems_planned():
+    from mlatune.sweep import planning
+    from mlatune.sweep.spec import load
+
+    spec = load(bundled_spec_path("h200.toml"))
+    seen: list[int] = []
+    rows = planning.plan_rows(spec, current_device(), seen.append)
+    n = len(spec.problems)
+    assert seen == [*range(planning.PROGRESS_STEP, n, planning.PROGRESS_STEP), n]
+    assert len(rows) == n * len(routes.all_routes())

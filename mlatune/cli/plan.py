@@ -15,6 +15,9 @@ nearest and rule; ``below_require``: [{"key", "source", "route"}]; ``uncertain``
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -27,8 +30,10 @@ from mlatune.cli.app import (
     check_outputs,
     console,
     emit_json,
+    err_console,
     fail,
     one_line_errors,
+    say,
     usage_error,
 )
 from mlatune.cli.inputs import (
@@ -52,6 +57,9 @@ if TYPE_CHECKING:
     from mlatune.sweep.spec import SweepSpec
 
 UNCERTAIN = 0.10  # a predicted answer's expected error past which coverage lists it
+# Off a terminal, a plan this slow says how far it has come, then again every so often.
+PROGRESS_AFTER_S = 5.0
+PROGRESS_EVERY_S = 15.0
 
 
 @app.command()
@@ -78,7 +86,8 @@ def plan(
         check_outputs(out, make_parents=False)
     spec = load_spec(path, gpu=True)
     try:
-        rows = planning.plan_rows(spec, device)
+        with _progress(len(spec.problems)) as progress:
+            rows = planning.plan_rows(spec, device, progress)
     except KeyError as exc:  # a route id in the spec that is not registered
         fail(f"{path}: {exc.args[0]}")
     if out:
@@ -92,6 +101,33 @@ def plan(
     _print_plan(arch.value, device, path, spec, rows, detail)
     if out:
         console().print(f"plan table: {out} ({len(rows)} rows)", highlight=False)
+
+
+@contextmanager
+def _progress(total: int) -> Iterator[Callable[[int], None]]:
+    """A progress callback for ``plan_rows`` that writes to stderr only (stdout, --json's
+    too, stays the plan): a transient bar on a terminal; elsewhere, once planning has
+    taken ``PROGRESS_AFTER_S``, a line every ``PROGRESS_EVERY_S``."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    shown = err_console()
+    if shown.is_terminal:
+        with Progress("planning", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=shown, transient=True) as bar:
+            task = bar.add_task("planning", total=total)
+            yield lambda done: bar.update(task, completed=done)
+        return
+    start = last = time.monotonic()
+
+    def report(done: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        due = now - last >= PROGRESS_EVERY_S or last == start or done == total
+        if now - start >= PROGRESS_AFTER_S and due:  # (the last count once any was said)
+            last = now
+            say(f"planning: {done:,} of {total:,} problems ({now - start:.0f} s)", stderr=True)
+
+    yield report
 
 
 def _print_plan(arch: str, device: DeviceInfo, path: Path, spec: SweepSpec,

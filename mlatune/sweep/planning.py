@@ -11,6 +11,7 @@ answer through their own ``supports``.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,8 @@ from mlatune.routes.aiter import gluon_forced
 from mlatune.sweep.spec import SweepSpec
 from mlatune.table import outputs
 
+PROGRESS_STEP = 500  # problems between progress reports (about 0.1 s of planning)
+
 
 @dataclass(frozen=True)
 class PlanRow:
@@ -30,11 +33,14 @@ class PlanRow:
     reason: str
 
 
-def verdict(route: routes.Route, problem: MLAProblem, device: DeviceInfo) -> tuple[bool, str]:
+def verdict(route: routes.Route, problem: MLAProblem, device: DeviceInfo,
+            force_gluon: bool | None = None) -> tuple[bool, str]:
     """The capability rules' answer, worded as ``route.supports`` words a refusal; a route the
-    rules do not know answers itself."""
+    rules do not know answers itself. ``force_gluon``: MLATUNE_AITER_GLUON's word, read now
+    when None."""
     if capability.known(route.id):
-        ruling = capability.check(route.id, problem, device.arch, force_gluon=gluon_forced())
+        forced = gluon_forced() if force_gluon is None else force_gluon
+        ruling = capability.check(route.id, problem, device.arch, force_gluon=forced)
         if not ruling.ok:
             return False, f"rule {ruling.rule}: {ruling.reason}"
         return True, ruling.reason
@@ -42,10 +48,19 @@ def verdict(route: routes.Route, problem: MLAProblem, device: DeviceInfo) -> tup
     return answer.ok, answer.reason
 
 
-def plan_rows(spec: SweepSpec, device: DeviceInfo) -> list[PlanRow]:
-    """One row per (problem, route) of the spec; raises KeyError for an unknown route id."""
+def plan_rows(spec: SweepSpec, device: DeviceInfo,
+              progress: Callable[[int], None] | None = None) -> list[PlanRow]:
+    """One row per (problem, route) of the spec; raises KeyError for an unknown route id.
+    ``progress`` is told how many problems are planned, every ``PROGRESS_STEP`` and at the
+    end."""
     selected = [routes.get(r) for r in spec.routes] if spec.routes else routes.all_routes()
-    return [PlanRow(p, r.id, *verdict(r, p, device)) for p in spec.problems for r in selected]
+    forced = gluon_forced()  # once: a lookup per verdict costs a quarter of a plan's time
+    rows: list[PlanRow] = []
+    for i, p in enumerate(spec.problems, 1):
+        rows.extend(PlanRow(p, r.id, *verdict(r, p, device, forced)) for r in selected)
+        if progress is not None and (i % PROGRESS_STEP == 0 or i == len(spec.problems)):
+            progress(i)
+    return rows
 
 
 @dataclass
