@@ -84,7 +84,7 @@ def test_plan_and_transposed_v(monkeypatch):
     crosses into another request's), the padding stays zeros, and the plan splits tiles.
     The host side is built with any triton (the check for 3.6 is set aside here); the
     interpreter runs the transpose kernel. (Columns put back in key order here:
-    test_permuted_v_holds_each_key_where_the_accumulator_holds_it checks their order.)"""
+    test_transposed_v_holds_each_key_where_the_accumulator_holds_it checks their order.)"""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs the transpose kernel on CPU tensors: needs TRITON_INTERPRET=1")
     from mlatune.kernels.prefill import _transpose_v_kernel
@@ -114,7 +114,7 @@ def test_plan_and_transposed_v(monkeypatch):
         assert int(vt[:, :, pad].sum()) == 0
 
 
-def test_permuted_v_holds_each_key_where_the_accumulator_holds_it(monkeypatch):
+def test_transposed_v_holds_each_key_where_the_accumulator_holds_it(monkeypatch):
     """The transposed v's column j (within 32) holds key (j4, j1, j3, j2, j0): for quad q of
     a warp, the wgmma accumulator's keys {8i + 2q, 8i + 2q + 1} and the fp8 A operand's
     columns {4q..4q+3, 16+4q..16+4q+3} then name the same keys, and ``_keys_as_operand``
