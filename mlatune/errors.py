@@ -41,3 +41,9 @@ class RankMismatchError(ValueError):
     at load their tables, GPU models, routes, libraries or load arguments differ; on first
     sight they timed different candidates. The message is one line and names each rank
     with what it has."""
+
+
+class SettingError(ValueError):
+    """An environment variable of mlatune's whose value cannot be used (a flag that is
+    neither on nor off, a plugin module that does not import). The message starts with
+    the variable's name."""

@@ -3,6 +3,7 @@
 import importlib
 import os
 
+from mlatune.errors import SettingError
 from mlatune.routes.aiter import AITER_ROUTES
 from mlatune.routes.base import (
     DEVICE_PLANNED,
@@ -57,15 +58,26 @@ for _route in AITER_ROUTES:  # refuse off AMD; import aiter only when asked on a
     register(_route)
 
 
+PLUGINS_ENV = "MLATUNE_PLUGINS"
+
+
 def _load_plugins() -> None:
     """Import the modules named in MLATUNE_PLUGINS (comma-separated); they register routes.
 
     Sweep workers are fresh processes: an environment variable reaches them where
-    a registration made in the parent would not.
+    a registration made in the parent would not. A module that fails to import is a
+    ``SettingError`` naming the variable and the module (the cause chained), not an
+    error of whatever was being loaded when the routes were first imported.
     """
-    for name in os.environ.get("MLATUNE_PLUGINS", "").split(","):
-        if name.strip():
+    for name in os.environ.get(PLUGINS_ENV, "").split(","):
+        if not name.strip():
+            continue
+        try:
             importlib.import_module(name.strip())
+        except Exception as exc:  # whatever a plugin raises on import
+            cause = (str(exc).splitlines() or [""])[0]
+            raise SettingError(f"{PLUGINS_ENV}: plugin module {name.strip()!r} does not "
+                               f"import ({type(exc).__name__}: {cause})") from exc
 
 
 _load_plugins()
