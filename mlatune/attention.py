@@ -35,10 +35,12 @@ buffers: the next call with the same tensors overwrites them, as a CUDA-graph
 engine expects (except where a step is prepared again: new ones). Clone them to
 keep a result across calls.
 
-Checks: shapes, dtypes, devices and fp8 scales are checked when a step is made
-(no device work); the length values (page ids in the cache, lengths within the
-block table) only where reading them costs no device sync (CPU tensors) or when
-``MLATUNE_CHECK=1``, which syncs every call (``mlatune.runtime_checks``).
+Checks (``mlatune.runtime_checks``; docs/faults.md has what each costs): types, shapes,
+dtypes, devices, fp8 scales and outputs that overlap an input, when a step is made (no
+device work). The length values (lengths >= 0 and within the block table, page ids in
+the cache): on CPU tensors at every call, held steps' too (free); on a GPU when a step
+is made outside a graph capture (one sync then, none per call), and at every call only
+with ``MLATUNE_CHECK`` on (a sync per call).
 
 Under ``torch.compile`` the call goes through the custom op ``mlatune::decode``
 (it writes ``out`` and ``lse_out``), so ``fullgraph=True`` compiles.
@@ -47,6 +49,8 @@ Under ``torch.compile`` the call goes through the custom op ``mlatune::decode``
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -99,11 +103,12 @@ class DecodeStep:
         self.graph: torch.cuda.CUDAGraph | None = None
 
     def __call__(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Run the step (``call``); returns out, and the LSE when the step has one."""
-        if runtime_checks.checking_enabled():
-            _check_values(self.problem, self.inputs.shards[self.rank].kv_cache,
-                          self.inputs.shards[self.rank].block_table, self.inputs.seq_lens,
-                          self.rank)
+        """Run the step (``call``); returns out, and the LSE when the step has one. The
+        length values are checked first where that is free (CPU tensors) or asked for."""
+        shard = self.inputs.shards[self.rank]
+        if _checks_values(self.inputs.seq_lens, shard.block_table, made=False):
+            _check_values(self.problem, shard.kv_cache, shard.block_table,
+                          self.inputs.seq_lens, self.rank)
         self.call()
         return self.out if self.lse is None else (self.out, self.lse)
 
@@ -164,6 +169,9 @@ def _dispatcher_for(dispatcher: Dispatcher | None, capturable: bool, accuracy: s
     default one for ``capturable`` and ``accuracy``."""
     if dispatcher is None:
         return default_dispatcher(capturable, accuracy)
+    if not isinstance(dispatcher, Dispatcher):
+        raise DecodeArgumentError(f"dispatcher: must be a mlatune.dispatch.Dispatcher or "
+                                  f"None, got {type(dispatcher).__name__}")
     if accuracy is not None and _policy(accuracy) != dispatcher.accuracy:
         raise DecodeArgumentError(
             f"accuracy: {accuracy!r} asked, but the dispatcher given serves "
@@ -227,20 +235,34 @@ def decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                                 kv_scale, q_scale, softmax_scale, out, lse_out, dcp_rank,
                                 dcp_size, max_kv_len, kv_lora_rank, want_lse, bool(capturable),
                                 reuse_plan, dispatcher, accuracy)
-    if capturable is None:
-        capturable = q.is_cuda and torch.cuda.is_current_stream_capturing()
-    dispatcher = _dispatcher_for(dispatcher, capturable, accuracy)
-    if max_kv_len is None:  # (no batch: 0, and the argument checks say why)
-        max_kv_len = int(seq_lens.max()) if seq_lens.numel() else 0
-    runtime_checks.check_max_kv_len(max_kv_len)
+    tensors = (q, kv_cache, block_table, seq_lens)
     made = dict(num_heads=num_heads, qlen=qlen, causal=causal, kv_scale=kv_scale,
                 q_scale=q_scale, softmax_scale=softmax_scale, out=out, lse_out=lse_out,
                 dcp_rank=dcp_rank, dcp_size=dcp_size, kv_lora_rank=kv_lora_rank,
                 want_lse=want_lse, capturable=capturable)
-    step = _held_step(q, kv_cache, block_table, seq_lens, max_kv_len, reuse_plan, dispatcher,
-                      made)
+    with _naming_foreign_arguments(tensors, made):
+        if capturable is None:
+            made["capturable"] = q.is_cuda and torch.cuda.is_current_stream_capturing()
+        dispatcher = _dispatcher_for(dispatcher, made["capturable"], accuracy)
+        if max_kv_len is None:  # (no batch: 0, and the argument checks say why)
+            max_kv_len = int(seq_lens.max()) if seq_lens.numel() else 0
+        runtime_checks.check_max_kv_len(max_kv_len)
+        step = _held_step(*tensors, max_kv_len, reuse_plan, dispatcher, made)
     step.call()
     return (step.out, step.lse) if want_lse else step.out
+
+
+@contextmanager
+def _naming_foreign_arguments(tensors: tuple, made: dict) -> Iterator[None]:
+    """Where an argument of a foreign type (a list as q, a list as num_heads) fails before
+    the argument checks have run, run them: their DecodeArgumentError names it."""
+    try:
+        yield
+    except (AttributeError, TypeError):
+        checked = ("num_heads", "qlen", "dcp_rank", "dcp_size", "kv_lora_rank", "kv_scale",
+                   "q_scale", "softmax_scale", "out", "lse_out")
+        runtime_checks.check_decode_args(*tensors, **{k: made[k] for k in checked})
+        raise
 
 
 def _held_step(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -273,7 +295,7 @@ def _held_step(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
             steps.clear()
             planners.clear()
         steps[key] = step
-    elif runtime_checks.checking_enabled() or runtime_checks.values_free_to_check(seq_lens):
+    elif _checks_values(seq_lens, block_table, made=False):
         _check_values(step.problem, kv_cache, block_table, seq_lens, made["dcp_rank"])
     if not reuse_plan:
         planners[lengths] = step
@@ -324,6 +346,17 @@ def _served_len(max_kv_len: int, qlen: int) -> int:
     return next_power_of_two(max(max_kv_len, qlen))
 
 
+def _checks_values(seq_lens: torch.Tensor, block_table: torch.Tensor, *, made: bool) -> bool:
+    """Whether the length values are checked now: always where they are free to read (CPU
+    tensors); on a GPU (a host sync) never inside a graph capture, else when a step is
+    ``made`` and, at the calls of a step made before, only with MLATUNE_CHECK on. (It is
+    read either way, so a bad value is refused on every device.)"""
+    asked = runtime_checks.checking_enabled()
+    if runtime_checks.values_free_to_check(seq_lens, block_table):
+        return True
+    return (made or asked) and runtime_checks.values_readable(seq_lens)
+
+
 def _check_values(problem: MLAProblem, kv_cache: torch.Tensor, block_table: torch.Tensor,
                   seq_lens: torch.Tensor, dcp_rank: int) -> None:
     runtime_checks.check_length_values(seq_lens, block_table, num_pages=kv_cache.shape[0],
@@ -354,7 +387,7 @@ def _make_plan(q, kv_cache, block_table, seq_lens, *, num_heads, qlen, causal, k
         kv_len=max(max_kv_len, qlen),
         dcp_size=dcp_size, causal=causal, page_size=kv_cache.shape[1],
         kv_lora_rank=kv_lora_rank, rope_dim=kv_cache.shape[-1] - kv_lora_rank)
-    if runtime_checks.checking_enabled() or runtime_checks.values_free_to_check(seq_lens):
+    if _checks_values(seq_lens, block_table, made=True):
         _check_values(problem, kv_cache, block_table, seq_lens, dcp_rank)
     capped = problem.with_(kv_len=_served_len(max_kv_len, qlen))
     if plan_from is not None:

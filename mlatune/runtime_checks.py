@@ -1,30 +1,25 @@
 """Argument checks for ``mlatune.attention.decode``: a clear error instead of wrong numbers.
 
-Bad arguments used to pass silently or fail deep inside a route: an fp8 cache without
-its scale gave numbers off by 100x, a page id outside the cache read memory the call
-does not own (garbage or NaN; the Triton interpreter crashed on 2**31-1), int64 lengths
-or batch 0 failed with messages that named no argument. Every error here is a
-``DecodeArgumentError`` (``mlatune.errors``, a ValueError) whose message starts with the
-argument's name.
+Every error here is a ``DecodeArgumentError`` (``mlatune.errors``, a ValueError) whose
+message starts with the argument's name. The checks come in two tiers, split by what they
+cost (docs/faults.md has the table of costs, defaults and what each bad call gives):
 
-The checks come in two tiers, split by what they cost:
-
-- ``check_decode_args`` runs on every call. It reads only what the host already knows
-  about the tensors (type, dtype, shape, strides, device) and the integer and float
-  arguments, never a tensor's values, so it costs a few microseconds of Python and no
-  device sync.
+- ``check_decode_args`` reads only what the host already knows about the tensors (type,
+  dtype, shape, strides, device, address range) and the integer and float arguments,
+  never a tensor's values: a few microseconds of Python and no device work. ``decode``
+  runs it whenever it makes a step (once per tensor set), not per call.
 - ``check_length_values`` reads the contents of ``seq_lens`` and ``block_table`` (every
-  length is >= 0 and fits the table, every page id a request uses is in the cache).
-  On a GPU that read is a device sync: the host waits for the queue to drain before it
-  can launch the next kernel, a stall on every decode step (and illegal while capturing
-  a CUDA graph). So a call site runs it only when the values are free to read
-  (``values_free_to_check``: every tensor on the CPU, nothing to wait for) or when the
-  user opts in with ``MLATUNE_CHECK=1`` (``checking_enabled``), e.g. while bringing up an
-  engine integration::
+  length is >= 0 and fits the table, every page id a request uses is in the cache). On
+  a GPU that read is a device sync: the host waits for the queue to drain, a stall on
+  every decode step, and illegal while a CUDA graph is being captured. So ``decode``
+  runs it on every call only where the values are free to read
+  (``values_free_to_check``: CPU tensors); on a GPU once when a step is made, where
+  reading is legal (``values_readable``: not capturing), and on every call only with
+  ``MLATUNE_CHECK`` on (``checking_enabled``), e.g. while bringing up an engine::
 
       check_decode_args(q, kv_cache, block_table, seq_lens, num_heads=..., qlen=...,
                         dcp_rank=..., dcp_size=..., kv_lora_rank=..., kv_scale=...)
-      if checking_enabled() or values_free_to_check(seq_lens, block_table):
+      if values_readable(seq_lens, block_table):  # when a step is made
           check_length_values(seq_lens, block_table, num_pages=kv_cache.shape[0],
                               page_size=kv_cache.shape[1], qlen=qlen, dcp_rank=dcp_rank,
                               dcp_size=dcp_size)
@@ -43,18 +38,23 @@ from typing import NoReturn
 import torch
 
 from mlatune.check.inputs import shard_lengths
-from mlatune.errors import DecodeArgumentError
+from mlatune.errors import DecodeArgumentError, SettingError
 from mlatune.problem import DTYPES, FP8_DTYPES, MLAProblem, is_power_of_two
 
 __all__ = [
+    "CHECK_ENV",
     "DecodeArgumentError",
     "check_decode_args",
     "check_length_values",
     "check_max_kv_len",
     "checking_enabled",
     "values_free_to_check",
+    "values_readable",
 ]
 
+CHECK_ENV = "MLATUNE_CHECK"
+_ON = frozenset({"1", "true", "yes", "on"})
+_OFF = frozenset({"", "0", "false", "no", "off"})
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 # The MLAProblem field a validation message starts with -> the decode argument it came from.
 _FIELD_ARGS = {"q_dtype": "q", "kv_dtype": "kv_cache", "page_size": "kv_cache",
@@ -71,15 +71,33 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def checking_enabled() -> bool:
-    """True when ``MLATUNE_CHECK=1``: run the value checks even where they cost a device
-    sync. Read on every call (one dict lookup), so tests and users can flip it live."""
-    return os.environ.get("MLATUNE_CHECK") == "1"
+    """True when ``MLATUNE_CHECK`` is on (1, true, yes, on; off: unset, empty, 0, false,
+    no, off; any case): run the value checks on every call, even where they cost a device
+    sync. Any other value is a ``SettingError`` naming the variable, never silently off.
+    Read on every call (one dict lookup), so tests and users can flip it live."""
+    text = os.environ.get(CHECK_ENV, "").strip().lower()
+    if text in _ON:
+        return True
+    if text in _OFF:
+        return False
+    raise SettingError(f"{CHECK_ENV}: {_shown(os.environ[CHECK_ENV])} is neither on (1, true, "
+                       f"yes, on) nor off (0, false, no, off, or unset)")
 
 
 def values_free_to_check(*tensors: torch.Tensor | None) -> bool:
     """True when every tensor given (None skipped) is on the CPU: reading its values then
     waits for no device, so the value checks should always run."""
     return all(t.device.type == "cpu" for t in tensors if t is not None)
+
+
+def values_readable(*tensors: torch.Tensor | None) -> bool:
+    """True unless reading the tensors' values is illegal now: a CUDA tensor while the
+    current stream captures a graph (a host read there fails the capture)."""
+    return values_free_to_check(*tensors) or not torch.cuda.is_current_stream_capturing()
+
+
+def _shown(text: str) -> str:
+    return repr(text) if len(text) <= 40 else repr(text[:37] + "...")
 
 
 # Checks that need no values ------------------------------------------------------------
@@ -121,6 +139,9 @@ def check_decode_args(
     _check_softmax_scale(softmax_scale)
     _check_out(out, (rows, heads, kv_lora_rank), DTYPES[problem.out_dtype], problem.q_dtype)
     _check_lse_out(lse_out, (rows, heads))
+    _check_apart(dict(out=out, lse_out=lse_out),
+                 dict(q=q, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens,
+                      kv_scale=kv_scale, q_scale=q_scale))
 
 
 def check_max_kv_len(max_kv_len: int) -> None:
@@ -279,6 +300,38 @@ def _check_lse_out(lse_out: torch.Tensor | None, want: tuple[int, int]) -> None:
         _fail("lse_out", f"must be float32, got {_name(lse_out.dtype)}")
     if lse_out.stride(-1) != 1:  # kernels write a row's heads at base + token stride + head
         _fail("lse_out", f"needs a contiguous last dimension, got strides {lse_out.stride()}")
+
+
+def _check_apart(outputs: dict[str, torch.Tensor | None],
+                 inputs: dict[str, torch.Tensor | None]) -> None:
+    """An output whose bytes overlap an input's (or the other output's) would be written
+    while the kernels read it: wrong numbers, silently. Compares address ranges only (the
+    tensors' metadata, no device work), so an output interleaved with an input inside
+    one buffer is refused too."""
+    given = {arg: t for arg, t in {**outputs, **inputs}.items() if t is not None}
+    for arg, t in outputs.items():
+        for other, u in given.items():
+            if t is not None and other != arg and _overlap(t, u):
+                _fail(arg, f"shares memory with {other} (their byte ranges overlap), so the "
+                           f"kernels would overwrite what they read; pass a buffer of its own")
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    ranges = [_byte_range(a), _byte_range(b)]
+    if None in ranges:
+        return False
+    (a0, a1), (b0, b1) = ranges
+    return a0 < b1 and b0 < a1
+
+
+def _byte_range(t: torch.Tensor) -> tuple[int, int] | None:
+    """[first, last + 1) byte addresses of the elements; None for no elements or no
+    memory (meta tensors report address 0). Strides are never negative in torch."""
+    start = t.data_ptr()
+    if t.numel() == 0 or start == 0:
+        return None
+    last = sum((n - 1) * stride for n, stride in zip(t.shape, t.stride(), strict=True))
+    return start, start + (last + 1) * t.element_size()
 
 
 # Checks that read values ---------------------------------------------------------------

@@ -332,7 +332,46 @@ def test_checking_enabled_reads_the_environment_each_call(monkeypatch):
     assert not checking_enabled()
 
 
+@pytest.mark.parametrize(("value", "on"), [
+    ("1", True), ("true", True), ("TRUE", True), ("yes", True), ("On", True), (" on ", True),
+    ("0", False), ("false", False), ("no", False), ("OFF", False), ("", False)])
+def test_checking_enabled_reads_the_usual_words(monkeypatch, value, on):
+    monkeypatch.setenv("MLATUNE_CHECK", value)
+    assert checking_enabled() is on
+
+
+@pytest.mark.parametrize("value", ["2", "enabled", "y", "ture", "1 0", "x" * 100])
+def test_any_other_mlatune_check_is_an_error_naming_it(monkeypatch, value):
+    monkeypatch.setenv("MLATUNE_CHECK", value)
+    with pytest.raises(errors.SettingError, match=r"^MLATUNE_CHECK: '.{1,40}' is neither on"):
+        checking_enabled()
+
+
 def test_values_are_free_to_check_on_the_cpu_only():
     cpu = torch.zeros(2, dtype=torch.int32)
     assert values_free_to_check(cpu, cpu, None)
     assert not values_free_to_check(cpu, cpu.to(META))
+
+
+# Outputs apart from inputs ------------------------------------------------------------
+
+def test_outputs_over_inputs_are_refused_by_name():
+    a = args()
+    rows, heads = a["q"].shape[:2]
+    n_out = rows * heads * LORA
+    out_over_q = a["q"].view(-1)[:n_out].view(rows, heads, LORA)
+    refused("out", a | dict(out=out_over_q), "shares memory with q ")
+    cache_bytes = a["kv_cache"].view(-1).view(torch.uint8)
+    lse_over_cache = cache_bytes[8:8 + rows * heads * 4].view(torch.float32).view(rows, heads)
+    refused("lse_out", a | dict(lse_out=lse_over_cache), "shares memory with kv_cache ")
+
+
+def test_outputs_beside_inputs_in_one_buffer_pass_and_one_shared_element_does_not():
+    a = args()
+    rows, heads, d_qk = a["q"].shape
+    n_q, n_out = rows * heads * d_qk, rows * heads * LORA
+    pool = torch.randn(n_q + n_out).to(a["q"].dtype)
+    q = pool[:n_q].view(rows, heads, d_qk)
+    check_decode_args(**a | dict(q=q, out=pool[n_q:].view(rows, heads, LORA)))
+    last = pool[n_q - 1:n_q - 1 + n_out].view(rows, heads, LORA)  # q's last element
+    refused("out", a | dict(q=q, out=last), "shares memory with q ")
