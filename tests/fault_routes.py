@@ -7,7 +7,9 @@ delegates to the reference for its buffers, then breaks in its own way.
 from __future__ import annotations
 
 import os
+import signal
 import time
+from pathlib import Path
 
 import torch
 
@@ -29,6 +31,8 @@ class _Fault(TorchReferenceRoute):
         def run() -> None:
             if self.fault == "abort":
                 os.abort()
+            if self.fault == "killed" and _first_kill():
+                os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer or an operator would
             if self.fault == "hang":
                 time.sleep(3600)
             good_run()
@@ -44,7 +48,22 @@ class _Fault(TorchReferenceRoute):
         return YES
 
 
-FAULT_ROUTES = [_Fault(f"fault-{f}/test", f) for f in ("abort", "hang", "wrong", "raise", "slow")]
+FAULT_ROUTES = [_Fault(f"fault-{f}/test", f)
+                for f in ("abort", "hang", "wrong", "raise", "slow", "killed")]
+# fault-killed/test is killed (SIGKILL) the first time it runs while this names a file that
+# does not exist yet (it is made then); without it, every time.
+KILL_ONCE_ENV = "MLATUNE_TEST_KILL_ONCE"
+
+
+def _first_kill() -> bool:
+    mark = os.environ.get(KILL_ONCE_ENV)
+    if not mark:
+        return True
+    try:
+        Path(mark).touch(exist_ok=False)
+    except FileExistsError:
+        return False
+    return True
 
 
 def register_all() -> None:

@@ -25,13 +25,16 @@ from mlatune.routes import plan_sharing
 from mlatune.table.cost import DEFAULT_CALLER, Caller, caller_cost
 from mlatune.table.schema import Status, device_key, is_measured
 
-__all__ = ["COST_PARTS", "Measured", "Record", "Result", "Status", "Task", "as_record",
-           "present", "problem_key", "problem_of", "split_line", "step_cost_of", "step_us",
-           "table_rows"]
+__all__ = ["COST_PARTS", "KILLED_FROM_OUTSIDE", "Measured", "Record", "Result", "Status", "Task",
+           "as_record", "killed_from_outside", "present", "problem_key", "problem_of",
+           "split_line", "step_cost_of", "step_us", "table_rows"]
 
 # Where a worker's time went (Record fields the worker reports); the rest of elapsed_s,
 # from handing a candidate over to its result, is "other" (transfer, a crash or timeout).
 COST_PARTS = ("setup_s", "first_check_s", "check_s", "bench_s")
+# How a crashed result's reason starts when its worker was killed by a signal a route does not
+# send itself (sweep.pool): no verdict on the route, so a resumed sweep runs it once more.
+KILLED_FROM_OUTSIDE = "worker killed from outside"
 
 
 @dataclass(frozen=True)
@@ -206,6 +209,12 @@ def present(obj: Any, names: tuple[str, ...]) -> dict[str, Any]:
 def as_record(record: Record | Mapping[str, Any]) -> Record:
     """A record, from a raw journal line too (tools that read ``journal.read``)."""
     return record if isinstance(record, Record) else Record.from_json(record)
+
+
+def killed_from_outside(record: Record) -> bool:
+    """Whether a record says its worker was killed from outside (``KILLED_FROM_OUTSIDE``)."""
+    return record.status == Status.CRASHED and str(record.reason or "").startswith(
+        KILLED_FROM_OUTSIDE)
 
 
 def problem_of(record: Record | Mapping[str, Any]) -> MLAProblem:

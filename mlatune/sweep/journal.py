@@ -27,6 +27,7 @@ import contextlib
 import json
 import os
 import time
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
@@ -46,7 +47,7 @@ from mlatune.measure.journal import (
     read,
     read_records,
 )
-from mlatune.measure.records import Record, as_record
+from mlatune.measure.records import Record, as_record, killed_from_outside
 
 __all__ = ["FSYNC_INTERVAL_S", "Journal", "JournalError", "JournalHeader", "lock_path",
            "locked", "read", "read_records"]
@@ -123,7 +124,11 @@ class Journal:
 
     @property
     def done_ids(self) -> set[str]:
-        return {r.id for r in self.records}
+        """The candidates a resumed sweep does not run again: all that have a result, but
+        one whose only result is a kill from outside (``records.killed_from_outside``),
+        which runs once more."""
+        runs = Counter(r.id for r in self.records)
+        return {r.id for r in self.records if runs[r.id] > 1 or not killed_from_outside(r)}
 
     def append(self, record: Record | dict) -> None:
         self.extend([record])

@@ -27,10 +27,14 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import Any
 
-from mlatune.measure.records import COST_PARTS, Record, Result, Status, Task
+from mlatune.measure.records import COST_PARTS, KILLED_FROM_OUTSIDE, Record, Result, Status, Task
 from mlatune.sweep import worker
 from mlatune.sweep.candidates import Candidate
 
+# Signals a route does not send itself (a crash is SIGSEGV, SIGABRT, SIGBUS, ...): the
+# OOM killer's or an operator's SIGKILL, a SIGTERM. Such a candidate is run again once on
+# resume (``sweep.journal``), as the failure says nothing of the route.
+_FROM_OUTSIDE = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGHUP})
 WORKER_START_TIMEOUT_S = 300.0  # importing torch and creating a CUDA context
 SETUP_TIMEOUT_S = 900.0  # a problem's inputs and fp32 references, before the route's timeout
 
@@ -123,6 +127,8 @@ class WorkerProcess:
     def death_reason(self) -> str:
         self._proc.join(timeout=10)
         code = self._proc.exitcode
+        if code is not None and -code in _FROM_OUTSIDE:  # the pool's own kills are timeouts
+            return f"{KILLED_FROM_OUTSIDE} ({signal.Signals(-code).name})"
         if code is not None and code < 0:
             return f"worker died with {signal.Signals(-code).name}"
         return f"worker exited with code {code}"
