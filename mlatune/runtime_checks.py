@@ -91,9 +91,13 @@ def values_free_to_check(*tensors: torch.Tensor | None) -> bool:
 
 
 def values_readable(*tensors: torch.Tensor | None) -> bool:
-    """True unless reading the tensors' values is illegal now: a CUDA tensor while the
-    current stream captures a graph (a host read there fails the capture)."""
-    return values_free_to_check(*tensors) or not torch.cuda.is_current_stream_capturing()
+    """True where the host may read the tensors' values now: CPU tensors always, CUDA
+    tensors unless the current stream captures a graph (a host read there fails the
+    capture); tensors without values (meta) never."""
+    devices = {t.device.type for t in tensors if t is not None}
+    if devices <= {"cpu"}:
+        return True
+    return devices <= {"cpu", "cuda"} and not torch.cuda.is_current_stream_capturing()
 
 
 def _shown(text: str) -> str:

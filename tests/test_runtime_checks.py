@@ -353,6 +353,14 @@ def test_values_are_free_to_check_on_the_cpu_only():
     assert not values_free_to_check(cpu, cpu.to(META))
 
 
+def test_values_are_readable_on_the_cpu_and_never_without_values():
+    from mlatune.runtime_checks import values_readable
+
+    cpu = torch.zeros(2, dtype=torch.int32)
+    assert values_readable(cpu, None, cpu)
+    assert not values_readable(cpu, cpu.to(META))  # (no CUDA asked on a CPU-only torch)
+
+
 # Outputs apart from inputs ------------------------------------------------------------
 
 def test_outputs_over_inputs_are_refused_by_name():
