@@ -22,9 +22,9 @@ import torch
 from mlatune import attention, routes, table
 from mlatune.arch import DeviceInfo
 from mlatune.check.accuracy import check
-from mlatune.check.inputs import KVShard, make_decode_inputs, poison_
+from mlatune.check.inputs import DecodeInputs, KVShard, make_decode_inputs, poison_
 from mlatune.dispatch import Dispatcher
-from mlatune.problem import DTYPES, MLAProblem
+from mlatune.problem import DTYPES, FP8_DTYPES, MLAProblem
 from mlatune.routes import Route
 from tests.helpers import expected_now
 from tests.table_helpers import make_table, result_row
@@ -157,41 +157,87 @@ def forced(problem: MLAProblem, route_id: str, params: dict, path: Path,
                            accuracy="fast")
 
 
+def decode(inputs: DecodeInputs, dispatcher: Dispatcher | None, out: torch.Tensor | None = None,
+           lse: torch.Tensor | None = None, capturable: bool = True
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attention.decode`` on rank 0's shard of ``inputs``, as an engine calls it: the
+    problem's kv_len as ``max_kv_len``, the inputs' softmax scale; synchronised."""
+    p, shard = inputs.problem, inputs.shards[0]
+    got = attention.decode(inputs.q, shard.kv_cache, shard.block_table, inputs.seq_lens,
+                           num_heads=p.num_heads, qlen=p.qlen, causal=p.causal,
+                           kv_scale=inputs.kv_scale, softmax_scale=inputs.sm_scale, out=out,
+                           lse_out=lse, max_kv_len=p.kv_len, return_lse=True,
+                           capturable=capturable, dispatcher=dispatcher)
+    if got[0].is_cuda:
+        torch.cuda.synchronize()
+    return got
+
+
 def run_case(batch: PeerBatch, dispatcher: Dispatcher | None, capturable: bool = True
              ) -> Iterator[tuple[tuple[int, ...], torch.Tensor, torch.Tensor]]:
-    """``attention.decode`` once per lengths of the case, into the caller's out= and lse_out=
-    (poisoned before each call), the lengths and table rows rewritten in place between calls;
-    yields (lengths, out, lse) after each call."""
-    case, inputs, shard = batch.case, batch.inputs, batch.shard
-    rows, device = inputs.q.shape[0], inputs.q.device
-    out = torch.empty(rows, case.heads, batch.problem.d_v,
-                      dtype=DTYPES[batch.problem.out_dtype], device=device)
-    lse = torch.empty(rows, case.heads, dtype=torch.float32, device=device)
-    for lens in case.lens:
+    """``decode`` once per lengths of the case, into the caller's out= and lse_out= (poisoned
+    before each call), the lengths and table rows rewritten in place between calls; yields
+    (lengths, out, lse) after each call."""
+    problem, rows = batch.problem, batch.inputs.q.shape[0]
+    device = batch.inputs.q.device
+    out = torch.empty(rows, problem.num_heads, problem.d_v, dtype=DTYPES[problem.out_dtype],
+                      device=device)
+    lse = torch.empty(rows, problem.num_heads, dtype=torch.float32, device=device)
+    for lens in batch.case.lens:
         batch.write(lens)
         poison_(out, lse)
-        got = attention.decode(inputs.q, shard.kv_cache, shard.block_table, inputs.seq_lens,
-                               num_heads=case.heads, qlen=case.qlen, causal=case.causal,
-                               kv_scale=inputs.kv_scale, softmax_scale=case.scale, out=out,
-                               lse_out=lse, max_kv_len=case.capacity, capturable=capturable,
-                               dispatcher=dispatcher)
+        got = decode(batch.inputs, dispatcher, out, lse, capturable)
         assert got[0] is out and got[1] is lse, "decode must return the caller's buffers"
-        if out.is_cuda:
-            torch.cuda.synchronize()
         yield lens, out, lse
+
+
+def rope_dominated(problem: MLAProblem, seed: int, device: str | torch.device) -> DecodeInputs:
+    """FlashInfer's rope-aliasing case at softmax scale 1: q's rope dims 1, key 4's rope dims
+    +1 and key 8's -1, their first latent channel +100 and -100, every other value noise of
+    0.01. Key 4 takes almost all the weight, so a kernel that reads one key's rope dims for
+    another's moves the output's first channel away from 100. Pages shuffled."""
+    gen = torch.Generator().manual_seed(seed)
+    d_v, width, page = problem.d_v, problem.d_qk, problem.page_size
+    q = 0.01 * torch.randn(problem.batch * problem.qlen, problem.kernel_heads, width,
+                           generator=gen)
+    q[..., d_v:] = 1.0
+    keys = 0.01 * torch.randn(problem.batch, problem.kv_len, width, generator=gen)
+    keys[:, 4, d_v:], keys[:, 8, d_v:] = 1.0, -1.0
+    keys[:, 4, 0], keys[:, 8, 0] = 100.0, -100.0
+    pages_each = -(-problem.kv_len // page)
+    padded = torch.full((problem.batch, pages_each * page, width), float("nan"))
+    padded[:, :problem.kv_len] = keys
+    ids = torch.randperm(problem.batch * pages_each, generator=gen).to(torch.int32)
+    cache = torch.empty(problem.batch * pages_each, page, width)
+    cache[ids.long()] = padded.view(-1, page, width)
+    kv_scale = None
+    if problem.kv_dtype in FP8_DTYPES:
+        kv_scale = torch.tensor([100.0 / torch.finfo(DTYPES[problem.kv_dtype]).max])
+        cache = cache / kv_scale
+    lens = torch.full((problem.batch,), problem.kv_len, dtype=torch.int32)
+    shard = KVShard(0, cache.to(DTYPES[problem.kv_dtype]).to(device),
+                    ids.view(problem.batch, pages_each).to(device), lens.to(device))
+    return DecodeInputs(problem, q.to(DTYPES[problem.q_dtype]).to(device), None,
+                        None if kv_scale is None else kv_scale.to(device), lens.to(device),
+                        (shard,), sm_scale=1.0)
+
+
+def assert_rope_key_wins(inputs: DecodeInputs, route: Route, params: dict,
+                         dispatcher: Dispatcher) -> None:
+    """``rope_dominated``'s inputs served as the reference has them: key 4's 100 comes out."""
+    out, lse = decode(inputs, dispatcher)
+    want_out, want_lse = expected_now(inputs)
+    acc = check(inputs.problem, out, want_out, lse, want_lse,
+                rounding=routes.rounding(route, inputs.problem, params))
+    assert acc.ok, f"{route.id} {params}: {acc.reason} ({acc.summary})"
+    assert (out[..., 0].float() > 50).all(), f"{route.id} {params}: key 4 does not win"
+    assert {s.choice.route_id for s in attention.plans_of(dispatcher).values()} == {route.id}
 
 
 def decode_into_its_own_buffers(batch: PeerBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """The last call of ``run_case`` again with the bundled dispatcher, without out= and
     lse_out=: the step's own buffers come back."""
-    case, inputs, shard = batch.case, batch.inputs, batch.shard
-    out, lse = attention.decode(inputs.q, shard.kv_cache, shard.block_table, inputs.seq_lens,
-                                num_heads=case.heads, qlen=case.qlen, causal=case.causal,
-                                kv_scale=inputs.kv_scale, softmax_scale=case.scale,
-                                max_kv_len=case.capacity, return_lse=True, capturable=True)
-    if out.is_cuda:
-        torch.cuda.synchronize()
-    return out, lse
+    return decode(batch.inputs, None)
 
 
 def assert_served(batch: PeerBatch, route: Route, params: dict, out: torch.Tensor,

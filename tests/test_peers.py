@@ -25,10 +25,12 @@ from mlatune.problem import MLAProblem
 from tests.peer_grid import (
     PeerBatch,
     PeerCase,
+    assert_rope_key_wins,
     assert_served,
     decode_into_its_own_buffers,
     forced,
     forms,
+    rope_dominated,
     run_case,
     served_routes,
 )
@@ -85,6 +87,19 @@ def test_decode_with_the_bundled_dispatcher_serves_the_peers_case(case):
                       f"{choice.route_id} {dict(choice.params)}")
     own_out, own_lse = decode_into_its_own_buffers(batch)
     assert torch.equal(own_out, out) and torch.equal(own_lse, lse)
+
+
+ROPE = MLAProblem(num_heads=4, q_dtype="fp16", kv_dtype=FP8, batch=2, kv_len=40, page_size=16)
+
+
+@pytest.mark.parametrize("route_id", ROUTES)
+def test_a_key_picked_by_its_rope_dims_wins(route_id, tmp_path):
+    """FlashInfer's rope-aliasing case over an fp8 cache at softmax scale 1."""
+    route = routes.get(route_id)
+    for n, params in enumerate(forms(route, ROPE, CPU)):
+        dispatcher = forced(ROPE, route_id, params, tmp_path / f"{n}.parquet", CPU)
+        assert_rope_key_wins(rope_dominated(ROPE, seed=n, device="cpu"), route, params,
+                             dispatcher)
 
 
 def test_every_route_the_cpu_runs_is_in_the_grid():
