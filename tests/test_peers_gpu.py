@@ -13,9 +13,6 @@ CUDA graph. Every call matches the float64 reference within the route's rounding
 without keys exactly 0 and -inf. bf16 q over bf16 and fp8 (e4m3fn) caches, fp16; heads 1 to
 128, odd ones among them; pages of 1, 16, 32 and 64 tokens; qlen 1 to 17; causal and not;
 the default and custom softmax scales.
-
-About 2-3 minutes on an H100, most of it compiling the Triton and Gluon kernels the first
-time (estimated, not yet measured).
 """
 
 from __future__ import annotations
