@@ -49,8 +49,6 @@ Under ``torch.compile`` the call goes through the custom op ``mlatune::decode``
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -240,29 +238,37 @@ def decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                 q_scale=q_scale, softmax_scale=softmax_scale, out=out, lse_out=lse_out,
                 dcp_rank=dcp_rank, dcp_size=dcp_size, kv_lora_rank=kv_lora_rank,
                 want_lse=want_lse, capturable=capturable)
-    with _naming_foreign_arguments(tensors, made):
-        if capturable is None:
-            made["capturable"] = q.is_cuda and torch.cuda.is_current_stream_capturing()
-        dispatcher = _dispatcher_for(dispatcher, made["capturable"], accuracy)
-        if max_kv_len is None:  # (no batch: 0, and the argument checks say why)
-            max_kv_len = int(seq_lens.max()) if seq_lens.numel() else 0
-        runtime_checks.check_max_kv_len(max_kv_len)
-        step = _held_step(*tensors, max_kv_len, reuse_plan, dispatcher, made)
+    try:
+        step = _decode_step(tensors, max_kv_len, reuse_plan, dispatcher, accuracy, made)
+    except (AttributeError, TypeError):  # an argument of a foreign type, before the checks
+        _name_foreign_argument(tensors, made)
+        raise
     step.call()
     return (step.out, step.lse) if want_lse else step.out
 
 
-@contextmanager
-def _naming_foreign_arguments(tensors: tuple, made: dict) -> Iterator[None]:
-    """Where an argument of a foreign type (a list as q, a list as num_heads) fails before
-    the argument checks have run, run them: their DecodeArgumentError names it."""
-    try:
-        yield
-    except (AttributeError, TypeError):
-        checked = ("num_heads", "qlen", "dcp_rank", "dcp_size", "kv_lora_rank", "kv_scale",
-                   "q_scale", "softmax_scale", "out", "lse_out")
-        runtime_checks.check_decode_args(*tensors, **{k: made[k] for k in checked})
-        raise
+def _decode_step(tensors: tuple, max_kv_len: int | None, reuse_plan: bool,
+                 dispatcher: Dispatcher | None, accuracy: str | None, made: dict
+                 ) -> DecodeStep:
+    """The step ``decode`` runs for these arguments (``_held_step``), once the defaults
+    that read the tensors are filled in."""
+    q, seq_lens = tensors[0], tensors[3]
+    if made["capturable"] is None:
+        made["capturable"] = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    dispatcher = _dispatcher_for(dispatcher, made["capturable"], accuracy)
+    if max_kv_len is None:  # (no batch: 0, and the argument checks say why)
+        max_kv_len = int(seq_lens.max()) if seq_lens.numel() else 0
+    runtime_checks.check_max_kv_len(max_kv_len)
+    return _held_step(*tensors, max_kv_len, reuse_plan, dispatcher, made)
+
+
+def _name_foreign_argument(tensors: tuple, made: dict) -> None:
+    """Where an argument of a foreign type (a list as q, a list as num_heads) failed before
+    the argument checks ran, run them: their DecodeArgumentError names it. (Returns when
+    they pass: the failure was another.)"""
+    checked = ("num_heads", "qlen", "dcp_rank", "dcp_size", "kv_lora_rank", "kv_scale",
+               "q_scale", "softmax_scale", "out", "lse_out")
+    runtime_checks.check_decode_args(*tensors, **{k: made[k] for k in checked})
 
 
 def _held_step(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
