@@ -176,10 +176,6 @@ def test_a_head_count_no_capturable_route_serves_is_refused_when_capturable():
         _decode(inputs, shard.kv_cache, capturable=True)
 
 
-@pytest.mark.xfail(raises=IndexError, strict=True, reason=(
-    "reference.decode_shard gathers a shorter request's table entries past its used pages "
-    "beside a longer request's (_gather_pages clamps them below at 0 only): an id past the "
-    "cache raises IndexError"))
 def test_the_reference_route_serves_a_head_count_the_kernels_do_not_eagerly():
     """Uncaptured, the same count is served by reference/torch, with the peers' table layout
     (entries past the used pages pointing past the cache)."""

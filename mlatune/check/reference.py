@@ -113,8 +113,10 @@ def _gather_pages(cache: torch.Tensor, block_table: torch.Tensor, length: int):
     n_pages = -(-length // page_size)
     # fp8 gathered as bytes: indexing fp8 tensors is not implemented on every device.
     raw = cache.view(torch.uint8) if cache.element_size() == 1 else cache
-    # A shorter request's table ends in -1 padding: any page will do there (masked).
-    pages = raw[block_table[:, :n_pages].long().clamp_(min=0)].view(cache.dtype)
+    # Past a shorter request's own pages its table holds anything (-1 padding, or ids past
+    # the cache as FlashMLA's tests write them): any page will do there (masked).
+    ids = block_table[:, :n_pages].long().clamp_(0, cache.shape[0] - 1)
+    pages = raw[ids].view(cache.dtype)
     return pages.reshape(block_table.shape[0], -1, cache.shape[-1])[:, :length]
 
 
