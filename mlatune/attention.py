@@ -94,6 +94,9 @@ class DecodeStep:
     def __post_init__(self) -> None:
         kind = self.prepared.step_kind
         self.host_planned = kind.plan_on == "host"
+        shard = self.inputs.shards[self.rank]
+        self.values_free = runtime_checks.values_free_to_check(self.inputs.seq_lens,
+                                                               shard.block_table)
         self.fresh = True  # just prepared from these lengths
         # Eager calls after the first replay the step from a private CUDA graph: one
         # launch where each Triton launch costs tens of microseconds of host time.
@@ -104,7 +107,7 @@ class DecodeStep:
         """Run the step (``call``); returns out, and the LSE when the step has one. The
         length values are checked first where that is free (CPU tensors) or asked for."""
         shard = self.inputs.shards[self.rank]
-        if _checks_values(self.inputs.seq_lens, shard.block_table, made=False):
+        if _checks_values(self.values_free, self.inputs.seq_lens, made=False):
             _check_values(self.problem, shard.kv_cache, shard.block_table,
                           self.inputs.seq_lens, self.rank)
         self.call()
@@ -301,7 +304,7 @@ def _held_step(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
             steps.clear()
             planners.clear()
         steps[key] = step
-    elif _checks_values(seq_lens, block_table, made=False):
+    elif _checks_values(step.values_free, seq_lens, made=False):
         _check_values(step.problem, kv_cache, block_table, seq_lens, made["dcp_rank"])
     if not reuse_plan:
         planners[lengths] = step
@@ -352,15 +355,13 @@ def _served_len(max_kv_len: int, qlen: int) -> int:
     return next_power_of_two(max(max_kv_len, qlen))
 
 
-def _checks_values(seq_lens: torch.Tensor, block_table: torch.Tensor, *, made: bool) -> bool:
-    """Whether the length values are checked now: always where they are free to read (CPU
-    tensors); on a GPU (a host sync) never inside a graph capture, else when a step is
-    ``made`` and, at the calls of a step made before, only with MLATUNE_CHECK on. (It is
-    read either way, so a bad value is refused on every device.)"""
+def _checks_values(free: bool, seq_lens: torch.Tensor, *, made: bool) -> bool:
+    """Whether the length values are checked now: always where they are ``free`` to read
+    (CPU tensors); on a GPU (a host sync) never inside a graph capture, else when a step
+    is ``made`` and, at the calls of a step made before, only with MLATUNE_CHECK on. (It
+    is read either way, so a bad value is refused on every device.)"""
     asked = runtime_checks.checking_enabled()
-    if runtime_checks.values_free_to_check(seq_lens, block_table):
-        return True
-    return (made or asked) and runtime_checks.values_readable(seq_lens)
+    return free or ((made or asked) and runtime_checks.values_readable(seq_lens))
 
 
 def _check_values(problem: MLAProblem, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -393,7 +394,8 @@ def _make_plan(q, kv_cache, block_table, seq_lens, *, num_heads, qlen, causal, k
         kv_len=max(max_kv_len, qlen),
         dcp_size=dcp_size, causal=causal, page_size=kv_cache.shape[1],
         kv_lora_rank=kv_lora_rank, rope_dim=kv_cache.shape[-1] - kv_lora_rank)
-    if _checks_values(seq_lens, block_table, made=True):
+    if _checks_values(runtime_checks.values_free_to_check(seq_lens, block_table), seq_lens,
+                      made=True):
         _check_values(problem, kv_cache, block_table, seq_lens, dcp_rank)
     capped = problem.with_(kv_len=_served_len(max_kv_len, qlen))
     if plan_from is not None:
