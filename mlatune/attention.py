@@ -340,6 +340,9 @@ def prepare_decode(
     wrappers). Arguments as ``decode``'s; the step serves lengths up to the block
     table's capacity, chosen for ``max_kv_len``."""
     dispatcher = _dispatcher_for(dispatcher, capturable, accuracy)
+    if plan_from is not None and not isinstance(plan_from, DecodeStep):
+        raise DecodeArgumentError(f"plan_from: must be a step prepare_decode returned, or "
+                                  f"None, got {type(plan_from).__name__}")
     return _make_plan(q, kv_cache, block_table, seq_lens, num_heads=num_heads, qlen=qlen,
                       causal=causal, kv_scale=kv_scale, q_scale=q_scale,
                       softmax_scale=softmax_scale, out=out, lse_out=lse_out, dcp_rank=dcp_rank,

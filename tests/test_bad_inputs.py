@@ -176,6 +176,13 @@ def test_arguments_of_foreign_types_are_named(arg, value, message, capturable):
             attention.prepare_decode(**args)
 
 
+def test_plan_from_must_be_a_held_step():
+    _, args = call_args()
+    with pytest.raises(DecodeArgumentError, match=r"^plan_from: must be a step prepare_decode "
+                                                  r"returned, or None, got dict"):
+        attention.prepare_decode(**args, plan_from={})
+
+
 def test_foreign_types_are_named_on_a_step_already_made():
     """The same tensors served once (a step held for them), then a bad call."""
     _, args = call_args()
