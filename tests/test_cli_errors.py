@@ -376,3 +376,17 @@ def test_report_prints_the_largest_speedup_right_aligned(tmp_path, good):
         cell = row.split("│")[column]
         assert cell.startswith("  ") and cell.endswith("x "), row  # right-justified
     assert "worst" not in result.output
+
+
+def test_a_bad_plugins_setting_is_one_line_from_any_command():
+    """MLATUNE_PLUGINS naming a module that does not import: one line naming the variable,
+    exit 1, from a command that does not catch it itself (a fresh process: plugins load
+    when the routes are first imported)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "mlatune", "doctor"], capture_output=True,
+                          text=True, env={**os.environ, "MLATUNE_PLUGINS": "no_such_plugin"})
+    assert done.returncode == 1
+    assert "MLATUNE_PLUGINS: plugin module 'no_such_plugin' does not import" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -69,11 +69,11 @@ class _Group(typer.core.TyperGroup):
     traceback. Commands catch what they can say more about (and a hint) first."""
 
     def invoke(self, ctx: Any) -> Any:
-        from mlatune.errors import JournalError, OutputError, SpecError, TableError
+        from mlatune.errors import JournalError, OutputError, SettingError, SpecError, TableError
 
         try:
             return super().invoke(ctx)
-        except (SpecError, JournalError, TableError, OutputError) as exc:
+        except (SpecError, JournalError, TableError, OutputError, SettingError) as exc:
             fail(str(exc))
 
 
