@@ -1,7 +1,15 @@
 import pytest
 import torch
 
-from mlatune.check.inputs import make_decode_inputs, make_prefill_inputs, poison_, shard_lengths
+from mlatune.check.inputs import (
+    make_decode_inputs,
+    make_inputs,
+    make_model_like_inputs,
+    make_prefill_inputs,
+    poison_,
+    shard_lengths,
+)
+from mlatune.check.reference import _gather_pages, dequantize
 from mlatune.problem import MLAProblem
 
 
@@ -70,3 +78,101 @@ def test_poison_fills_nan():
     t = torch.zeros(3, 4)
     poison_(t, None)
     assert torch.isnan(t).all()
+
+
+# The model-like family ------------------------------------------------------------------
+
+MODEL_DECODE = MLAProblem(num_heads=8, qlen=2, batch=3, kv_len=1500, page_size=16,
+                          q_dtype="bf16", kv_dtype="fp8_e4m3fn", dcp_size=2)
+
+
+def kurtosis(x: torch.Tensor) -> float:
+    x = x.double().flatten()
+    x = x - x.mean()
+    return float((x ** 4).mean() / (x ** 2).mean() ** 2)
+
+
+def dense(x) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A decode problem's dequantized q (batch, qlen, heads, d) and each request's keys in
+    order, gathered from every rank's pages."""
+    p = x.problem
+    q = dequantize(x.q, x.q_scale, torch.float32).view(p.batch, p.qlen, p.kernel_heads, -1)
+    keys = []
+    for b, length in enumerate(x.seq_lens.tolist()):
+        rows = torch.empty(length, p.d_qk)
+        for shard in x.shards:
+            local = int(shard.seq_lens[b])
+            pages = _gather_pages(shard.kv_cache, shard.block_table[b:b + 1], local)[0]
+            rows[shard.rank::p.dcp_size] = dequantize(pages, x.kv_scale, torch.float32)
+        keys.append(rows)
+    return q, keys
+
+
+@pytest.mark.parametrize("problem", [MODEL_DECODE, MODEL_DECODE.with_(
+    phase="prefill", qlen=24, kv_len=40, dcp_size=1, page_size=1, q_dtype="fp16",
+    kv_dtype="fp16")], ids=["decode-fp8", "prefill-fp16"])
+def test_model_like_inputs_have_outlier_channels_and_heavy_tailed_rope_dims(problem):
+    model, normal = make_model_like_inputs(problem, seed=1), make_inputs(problem, seed=1)
+    d_v = problem.d_v
+    for x in (model, normal):
+        values = [x.q] + ([s.kv_cache for s in x.shards] if problem.phase == "decode"
+                          else [x.k, x.v])
+        for t in values:
+            assert (t.float() == 0).float().mean() < 0.01  # never zeros
+    q = dequantize(model.q, model.q_scale, torch.float32).flatten(0, -2)
+    cache = (dequantize(model.shards[0].kv_cache, model.kv_scale, torch.float32)
+             if problem.phase == "decode" else model.k).float().flatten(0, -2)
+    for values in (q, cache):
+        widths = values[:, :d_v].std(0)
+        wide = widths / widths.median()
+        assert 1 <= int((wide > 5).sum()) <= 8 and float(wide.max()) > 9  # a handful, 10-30x
+        assert kurtosis(values[:, d_v:]) > 8  # normal: 3
+    normal_q = dequantize(normal.q, normal.q_scale, torch.float32).flatten(0, -2)
+    assert kurtosis(normal_q[:, d_v:]) < 3.5
+    assert float(normal_q[:, :d_v].std(0).max() / normal_q[:, :d_v].std(0).median()) < 1.5
+    if problem.kv_dtype.startswith("fp8"):  # the per-tensor scale covers the widest channel
+        assert model.kv_scale is not None and float(model.kv_scale) != 1.0
+        saturated = model.shards[0].kv_cache.float().abs() == torch.finfo(torch.float8_e4m3fn).max
+        assert saturated.float().mean() < 1e-3
+
+
+def request_keys_mass(x) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query row (token, head): the softmax mass on its request's three most attended
+    keys (over all its rows), and on the request's first key."""
+    q, keys = dense(x)
+    shared, first = [], []
+    for b, k in enumerate(keys):
+        probs = (q[b] @ k.T * x.problem.softmax_scale).softmax(-1)  # (qlen, heads, keys)
+        top = probs.mean((0, 1)).topk(min(3, len(k))).indices
+        shared.append(probs[..., top].sum(-1).flatten())
+        first.append(probs[..., 0].flatten())
+    return torch.cat(shared), torch.cat(first)
+
+
+def test_model_like_attention_is_held_by_a_few_keys_of_each_request_the_first_among_them():
+    x = make_model_like_inputs(MODEL_DECODE, seed=2)
+    lens = sorted(x.seq_lens.tolist())  # long, but for one of the shortest
+    assert lens[0] == MODEL_DECODE.qlen and lens[-1] == MODEL_DECODE.kv_len
+    assert lens[1] >= MODEL_DECODE.kv_len // 2
+    shared, first = request_keys_mass(x)
+    assert float(shared.median()) > 0.5 and float(first.median()) > 0.05
+    # Standard normal data peaks too (its scores spread widely), but on other keys per row.
+    shared, first = request_keys_mass(make_inputs(MODEL_DECODE, seed=2, ragged=True))
+    assert float(shared.median()) < 0.1 and float(first.median()) < 0.01
+
+
+@pytest.mark.parametrize("problem", [MODEL_DECODE, MODEL_DECODE.with_(
+    phase="prefill", qlen=24, kv_len=40, dcp_size=1, page_size=1, q_dtype="fp8_e4m3fn")],
+    ids=["decode", "prefill"])
+def test_model_like_inputs_are_deterministic_per_seed(problem):
+    a, b, c = (make_model_like_inputs(problem, seed=s) for s in (5, 5, 6))
+    for x, y in ((a, b), (a, c)):
+        same = [torch.equal(x.q.view(torch.uint8), y.q.view(torch.uint8))]
+        if problem.phase == "decode":
+            same += [torch.equal(s.kv_cache.view(torch.uint8), t.kv_cache.view(torch.uint8))
+                     and torch.equal(s.block_table, t.block_table)
+                     for s, t in zip(x.shards, y.shards, strict=True)]
+        else:
+            same += [torch.equal(x.k.view(torch.uint8), y.k.view(torch.uint8)),
+                     torch.equal(x.cu_seqlens_k, y.cu_seqlens_k)]
+        assert all(same) == (x is a and y is b)

@@ -6,13 +6,14 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
 
 from mlatune.arch import cpu_device
 from mlatune.measure.records import Record, Status, Task, table_rows
+from mlatune.routes.torch_ref import TorchReferenceRoute
 from mlatune.sweep import compile_ahead, pool, runner, spec
 from mlatune.sweep.journal import Journal, JournalError, read, read_records
 
@@ -387,16 +388,24 @@ def test_evaluate_checks_ragged_and_dcp_merge_in_process():
     ok = evaluate({**task, "route": "reference/torch"}, torch.device("cpu"), _ProblemCache(),
                   lambda: calls.append(1))
     assert ok.status is Status.OK and ok.rel_err < 2e-3 and calls == [1]
+    assert ok.lse_err is not None and 0 <= ok.lse_err < 1e-2  # DCP: every rank's LSE checked
+    alone = evaluate({**task, "route": "reference/torch",
+                      "problem": problem.with_(dcp_size=1).as_dict()}, torch.device("cpu"),
+                     _ProblemCache())
+    assert alone.status is Status.OK and alone.lse_err is None  # no LSE asked for, none given
     wrong = evaluate({**task, "route": "fault-wrong/test"}, torch.device("cpu"), _ProblemCache())
-    assert wrong.status is Status.REJECTED_ACCURACY and wrong.reason.startswith("ragged")
+    assert wrong.status is Status.REJECTED_ACCURACY
+    assert wrong.reason.startswith("model-like inputs, ragged lengths: ")
     # Compiling ahead makes and checks the ragged case only; the timed pass makes both.
     cache = _ProblemCache()
     ahead = evaluate({**task, "route": "reference/torch", "check_only": True},
                      torch.device("cpu"), cache)
-    assert ahead.status is Status.CHECKED and [c.name for c in cache.cases] == ["ragged"]
+    assert ahead.status is Status.CHECKED
+    assert [c.name for c in cache.cases] == ["model-like inputs, ragged lengths"]
     assert evaluate({**task, "route": "reference/torch"}, torch.device("cpu"),
                     cache).status is Status.OK
-    assert [c.name for c in cache.cases] == ["ragged", "uniform"]
+    assert [c.name for c in cache.cases] == ["model-like inputs, ragged lengths",
+                                             "normal inputs, uniform lengths"]
 
 
 def test_worker_time_is_split_into_setup_checks_and_timing(tmp_path):
@@ -514,3 +523,56 @@ def test_compile_representatives_bring_new_kernels_first():
     p3 = base.with_(q_dtype="bf16", kv_dtype="fp8_e4m3fn")  # other dtypes: a new kernel
     cands = [runner.Candidate(p, "reference/torch") for p in (p1, p2, p3)]
     assert [c.problem for c in compile_ahead.representatives(cands)] == [p1, p3, p2]
+
+
+class SaturatingRoute(TorchReferenceRoute):
+    """A wrong route that standard normal data cannot tell from a right one: it clips q at
+    8 of q's standard deviations (as a static quantizer calibrated on normal activations
+    would), which normal values never reach and outlier channels do."""
+
+    id = "fault-saturating/test"
+
+    def prepare(self, problem, inputs, **kwargs):
+        reach = 8 * float(inputs.q.float().std())
+        clipped = inputs.q.float().clamp(-reach, reach).to(inputs.q.dtype)
+        return super().prepare(problem, replace(inputs, q=clipped), **kwargs)
+
+
+def test_a_route_right_on_normal_inputs_is_rejected_on_model_like_ones():
+    import torch
+
+    from mlatune import routes
+    from mlatune.check import reference
+    from mlatune.check.accuracy import check
+    from mlatune.check.inputs import make_inputs
+    from mlatune.problem import MLAProblem
+    from mlatune.sweep.worker import _Case, _ProblemCache, _run_checked, evaluate
+
+    problem = MLAProblem(num_heads=4, qlen=2, batch=3, kv_len=200, page_size=16,
+                         q_dtype="fp16", kv_dtype="fp16")
+    task = {"problem": problem.as_dict(), "params": {}, "seed": 5, "budget": TINY_BUDGET,
+            "tolerances": {}}
+
+    def errors(route, cases):
+        return [check(problem, _run_checked(problem, route, {}, case, torch.device("cpu")).out,
+                      case.ref[0]) for case in cases]
+
+    saturating = SaturatingRoute()
+    routes.register(saturating)
+    try:
+        cache = _ProblemCache()
+        wrong = evaluate({**task, "route": saturating.id}, torch.device("cpu"), cache)
+        # Standard normal inputs, on uniform lengths (the sweep's) and on ragged ones.
+        ragged = make_inputs(problem, 11, ragged=True)
+        normal = errors(saturating, [cache.cases[1], _Case("ragged", ragged,
+                                                           reference.run(ragged))])
+    finally:
+        routes.unregister(saturating.id)
+    assert wrong.status is Status.REJECTED_ACCURACY
+    assert wrong.reason.startswith("model-like inputs, ragged lengths: rel_l2")
+    assert cache.cases[1].name == "normal inputs, uniform lengths"
+    assert all(acc.ok and acc.rel_l2 < 1e-3 for acc in normal)
+    # A right route passes both families; its record keeps the worse of the two checks.
+    ok = evaluate({**task, "route": "reference/torch"}, torch.device("cpu"), cache)
+    worst = max(acc.rel_l2 for acc in errors(routes.get("reference/torch"), cache.cases))
+    assert ok.status is Status.OK and ok.rel_err == worst > 0

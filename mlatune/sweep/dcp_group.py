@@ -6,7 +6,7 @@ torchrun over a finished sweep's journal::
     torchrun --nproc_per_node 2 -m mlatune.sweep.dcp_group --journal runs/h200-sm_90.journal.jsonl
 
 Every rank makes the same seeded inputs as the sweep's workers (``worker._ProblemCache``:
-ragged lengths, then the uniform ones that are timed), keeps its own heads' queries and
+both input families, the last case the one timed), keeps its own heads' queries and
 its round-robin KV shard, and runs the step of ``mlatune.dcp``. Per task: poisoned
 outputs, the step, each rank's heads checked against the unsharded reference (every
 rank must pass); then the whole step (q all-gather, attention, exchange and correction;
@@ -54,24 +54,24 @@ def measure(task: DcpTask, settings: Settings, device: torch.device,
     problem = task.problem
     cases = cache.get(problem, problem_seed(settings.seed, problem), device)
     inputs_ready()
-    worst = {"rel_err": 0.0, "max_abs_err": 0.0}
+    errors: dict[str, float | None] = {}
     for case in cases:
         step, error = _prepared(task, case)
         failed = _first_failure(error)
         if failed:
-            return {"status": "crashed", "reason": failed, **worst}
+            return {"status": "crashed", "reason": failed, **worker.worst(errors)}
         assert step is not None
-        errors, failed = _checked(step, step, task, case, settings)
-        worst = _worse(worst, errors)
+        checked, failed = _checked(step, step, task, case, settings)
+        errors = worker.worst(errors, checked)
         if failed:
-            return {"status": "rejected_accuracy", "reason": f"{case.name} lengths, {failed}",
-                    **worst}
+            return {"status": "rejected_accuracy", "reason": f"{case.name}, {failed}",
+                    **errors}
     timed = _timed(step, task, case, settings, device)
-    return {"status": "ok", "reason": "", **worst, **timed}
+    return {"status": "ok", "reason": "", **errors, **timed}
 
 
 def _checked(run: Callable[[], object], step: DcpStep, task: DcpTask, case: worker._Case,
-             settings: Settings) -> tuple[dict[str, float], str]:
+             settings: Settings) -> tuple[dict[str, float | None], str]:
     """Poisoned outputs, then ``run`` (the step, or its graph's replay), every rank's heads
     checked against the unsharded reference: the worst errors over the ranks, and the
     first failing rank's reason ("" when every rank passes)."""
@@ -83,14 +83,10 @@ def _checked(run: Callable[[], object], step: DcpStep, task: DcpTask, case: work
                 settings.tolerances,
                 rounding=routes.rounding(routes.get(task.candidate.route_id), problem,
                                          task.candidate.params))
-    verdicts = _gathered((acc.ok, acc.reason, acc.rel_l2, acc.max_abs))
-    errors = {"rel_err": max(v[2] for v in verdicts), "max_abs_err": max(v[3] for v in verdicts)}
+    verdicts = _gathered((acc.ok, acc.reason, worker.errors_of(acc)))
+    errors = worker.worst(*(v[2] for v in verdicts))
     bad = [(rank, v[1]) for rank, v in enumerate(verdicts) if not v[0]]
     return errors, f"rank {bad[0][0]}: {bad[0][1]}" if bad else ""
-
-
-def _worse(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
-    return {name: max(a[name], b[name]) for name in a}
 
 
 def _prepared(task: DcpTask, case: worker._Case) -> tuple[DcpStep | None, str]:

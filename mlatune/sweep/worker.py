@@ -3,10 +3,12 @@
 Workers receive plain data (a problem as a dict, a route id, parameters, a
 seed), never tensors, and make their own inputs, as PyTorch Inductor's
 autotune workers do. The last problem's inputs and references stay cached, so
-a problem's candidates share them. A candidate is checked twice, on ragged
-lengths (where indexing bugs show) and on the uniform lengths it is then timed
-on. A CUDA error can poison the whole context: after one the worker asks to be
-replaced.
+a problem's candidates share them. A candidate is checked on both input
+families (``mlatune.check.inputs``): model-like inputs (outlier channels, heavy
+tails, a few keys holding the attention) on ragged lengths, where indexing bugs
+show, then standard normal inputs on the uniform lengths it is then timed on; its
+record keeps the worse error of the two. A CUDA error can poison the whole
+context: after one the worker asks to be replaced.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import json
 import math
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -23,20 +25,34 @@ import torch
 
 from mlatune import routes
 from mlatune.check import reference
-from mlatune.check.accuracy import check
-from mlatune.check.inputs import DecodeInputs, PrefillInputs, make_inputs, poison_
+from mlatune.check.accuracy import Accuracy, check
+from mlatune.check.inputs import (
+    DecodeInputs,
+    PrefillInputs,
+    make_inputs,
+    make_model_like_inputs,
+    poison_,
+)
 from mlatune.dcp import merge_ranks_into
 from mlatune.measure import timers
 from mlatune.measure.records import Result, Status, Task, step_cost_of
 from mlatune.problem import MLAProblem
 from mlatune.routes import Prepared, Route
 
-_RAGGED_SEED_OFFSET = 7919
+_MODEL_LIKE_SEED_OFFSET = 7919
+# A problem's cases in the order checked, each (its name, which a rejection's reason starts
+# with; its seed's offset; its inputs (problem, seed, device)): the first alone when
+# compiling ahead, the last timed.
+_CASES: tuple[tuple[str, int, Callable[..., DecodeInputs | PrefillInputs]], ...] = (
+    ("model-like inputs, ragged lengths", _MODEL_LIKE_SEED_OFFSET, make_model_like_inputs),
+    ("normal inputs, uniform lengths", 0, make_inputs),
+)
+ERRORS = ("rel_err", "max_abs_err", "lse_err")  # a check's errors, as a record names them
 
 
 @dataclass
 class _Case:
-    name: str  # "ragged" or "uniform"
+    name: str  # its input family and lengths (_CASES), as a rejection's reason names it
     inputs: DecodeInputs | PrefillInputs
     ref: tuple[torch.Tensor, torch.Tensor]
 
@@ -52,17 +68,16 @@ class _ProblemCache:
 
     def get(self, problem: MLAProblem, seed: int, device: torch.device,
             ragged_only: bool = False) -> list[_Case]:
-        """[ragged, uniform] inputs with their references (the uniform case is timed);
-        only the ragged one when compiling ahead."""
+        """``_CASES``' inputs with their references (the last is timed); only the first
+        when compiling ahead."""
         if not self.holds(problem, seed, ragged_only):
             self.cases = []  # free the previous problem's memory first
             self.best_us = math.inf
             if device.type == "cuda":
                 # Graphs of the last problem's candidates are gone; give their memory back.
                 torch.cuda.empty_cache()
-            for name, case_seed, ragged in (("ragged", seed + _RAGGED_SEED_OFFSET, True),
-                                            ("uniform", seed, False))[:1 if ragged_only else 2]:
-                inputs = make_inputs(problem, case_seed, device, ragged=ragged)
+            for name, offset, make in _CASES[:1] if ragged_only else _CASES:
+                inputs = make(problem, seed + offset, device)
                 self.cases.append(_Case(name, inputs, reference.run(inputs)))
             self.key = (problem.key, seed, ragged_only)
         return self.cases
@@ -131,21 +146,21 @@ def evaluate(data: dict[str, Any], device: torch.device, cache: _ProblemCache,
         cases = cache.get(problem, task.seed, device, ragged_only=check_only)
         lap("setup_s" if made_here else "first_check_s")
         inputs_ready()
-        worst = {"rel_err": 0.0, "max_abs_err": 0.0}
+        errors = []
         for case in cases:
             checked = _run_checked(problem, route, params, case, device)
             ref_out, ref_lse = case.ref
             acc = check(problem, checked.out, ref_out, checked.lse,
                         ref_lse if checked.lse is not None else None, task.tolerances,
                         rounding=routes.rounding(route, problem, params))
-            worst = {"rel_err": max(worst["rel_err"], acc.rel_l2),
-                     "max_abs_err": max(worst["max_abs_err"], acc.max_abs)}
+            errors.append(errors_of(acc))
             lap("first_check_s" if case is cases[0] else "check_s")
             if not acc.ok:
                 return Result(status=Status.REJECTED_ACCURACY,
-                              reason=f"{case.name} lengths: {acc.reason}", **worst, **spent)
+                              reason=f"{case.name}: {acc.reason}", **worst(*errors),
+                              **spent)
             if check_only:  # compiling ahead: the kernels exist now
-                return Result(status=Status.CHECKED, **worst, **spent)
+                return Result(status=Status.CHECKED, **worst(*errors), **spent)
         budget = timers.Budget(**task.budget)
         timing = timers.measure(_timed_step(checked), device, budget,
                                graph_safe=all(p.graph_safe for p in checked.prepared),
@@ -158,11 +173,27 @@ def evaluate(data: dict[str, Any], device: torch.device, cache: _ProblemCache,
         # What the route reports it ran with (a backend it picked, a plan) joins the params.
         ran_with = json.dumps({**params, **checked.prepared[0].params}, sort_keys=True,
                               default=str)
-        return Result(status=Status.OK, route_params=ran_with, **worst,
+        return Result(status=Status.OK, route_params=ran_with, **worst(*errors),
                       **_timing_fields(problem, timing), **step_costs, **spent)
     except Exception as exc:
         restart = not _context_healthy(device)
         return Result(status=Status.CRASHED, reason=raised(exc), restart=restart, **spent)
+
+
+def errors_of(acc: Accuracy) -> dict[str, float]:
+    """One check's errors, named as a record's fields (``lse_err`` NaN: no LSE returned)."""
+    return {"rel_err": acc.rel_l2, "max_abs_err": acc.max_abs, "lse_err": acc.lse_max_abs}
+
+
+def worst(*checks: Mapping[str, float | None]) -> dict[str, float | None]:
+    """Each error's largest over the checks, as a record's fields: NaN or None (not
+    measured) counts as none, and an error no check measured is None."""
+    out: dict[str, float | None] = {}
+    for name in ERRORS:
+        measured = [e[name] for e in checks if e.get(name) is not None
+                    and not math.isnan(e[name])]
+        out[name] = max(measured) if measured else None
+    return out
 
 
 def raised(exc: BaseException) -> str:
