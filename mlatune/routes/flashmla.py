@@ -36,7 +36,7 @@ import torch
 from mlatune import capability
 from mlatune.arch import DeviceInfo
 from mlatune.check.accuracy import Rounding
-from mlatune.check.inputs import DecodeInputs, PrefillInputs
+from mlatune.check.inputs import DecodeInputs, KVShard, PrefillInputs
 from mlatune.problem import FP8_DTYPES, MLAProblem
 from mlatune.routes.base import (
     DEVICE_PLANNED,
@@ -194,23 +194,25 @@ class FlashMLARoute(Route):
         scale = inputs.softmax_scale
         key = plan_key(self.id, problem, {}, rank, shard.seq_lens, shard.block_table)
         shared = shared_buffers(plan_from, key)
-        state: dict[str, object] = {} if shared is None else shared.buffers
+        state: dict[str, Any] = {} if shared is None else shared.buffers
+        if shared is None:
+            state["lens"], state["table"], state["refresh"] = _kernel_inputs(shard, fp8)
 
         def schedule() -> None:  # FlashMLA's scheduler over this step's lengths, on the device
-            state["meta"] = lib.metadata(shard.seq_lens, s * h, h, fp8)
+            if state["refresh"] is not None:
+                state["refresh"]()
+            state["meta"] = lib.metadata(state["lens"], s * h, h, fp8)
 
         def run() -> None:
             q_in = q4
             if q8 is not None:
                 quantize_q_(q4, q8, descale_q)
                 q_in = q8
-            out, lse = lib.decode(q_in, kv4, shard.block_table, shard.seq_lens, problem.d_v,
+            out, lse = lib.decode(q_in, kv4, state["table"], state["lens"], problem.d_v,
                                   scale, causal, state["meta"], descale_q,
                                   inputs.kv_scale if fp8 else None)
             out, lse = out.view(b * s, h, out.shape[-1]), lse.transpose(1, 2).reshape(b * s, h)
-            # Rows without keys (a request of length 0, a DCP shard that holds none of it, a
-            # verify token before its request's first key): FlashMLA leaves NaN or +inf
-            # there (H200, 2026-11-30 sweep); rewritten as 0 and -inf.
+            # Rows without keys: FlashMLA leaves NaN or +inf there; 0 and -inf (_kernel_inputs)
             clear_empty_rows(shard.seq_lens, out, lse, qlen=s, causal=causal)
             prepared.out = out
             if prepared.lse is not None:
@@ -226,3 +228,24 @@ class FlashMLARoute(Route):
         prepared = Prepared(run, out, lse, graph_safe=True, params=ran, plan_reads_lengths=True,
                             plan=plan, plan_state=SharedPlan(key, state, plan))
         return prepared
+
+
+def _kernel_inputs(shard: KVShard, fp8: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None] | None]:
+    """The lengths and block table FlashMLA reads, and what refreshes them each step (None:
+    the shard's own). Over an fp8 cache every request is given at least one key, an empty
+    one's first page being page 0: FlashMLA's fp8 decode faults (illegal address) on a batch
+    whose lengths are all 0 (sgl-flash-mla 1.0.0, H100, 2026-12-06). The rows without keys
+    (a request of length 0, a DCP shard that holds none of it, a verify token before its
+    request's first key), where FlashMLA leaves NaN or +inf (H200, 2026-11-30 sweep), are
+    rewritten as 0 and -inf after every launch."""
+    if not fp8:
+        return shard.seq_lens, shard.block_table, None
+    lens, table = torch.empty_like(shard.seq_lens), torch.empty_like(shard.block_table)
+
+    def refresh() -> None:
+        torch.clamp(shard.seq_lens, min=1, out=lens)
+        table.copy_(shard.block_table)
+        table[:, 0].masked_fill_(shard.seq_lens == 0, 0)
+
+    return lens, table, refresh

@@ -54,11 +54,11 @@ def build(rows: Iterable[Mapping[str, Any]], provenance: Provenance,
     """A table from result rows (KEY_COLUMNS + RESULT_COLUMNS but ``rank``), ranked for the
     default caller (``sharing``: the routes whose host plan one step's calls share).
 
-    The step and DCP columns are optional: a row without plan_on or capturable gets
-    the route's declaration, one without a cost NaN (not measured), one without DCP
-    columns was not measured across processes.
+    The step, DCP and LSE-error columns are optional: a row without plan_on or capturable
+    gets the route's declaration, one without a cost or lse_err NaN (not measured), one
+    without DCP columns was not measured across processes.
     """
-    optional = (*_STEP_COLUMNS, *DCP_COLUMNS)
+    optional = (*_STEP_COLUMNS, *DCP_COLUMNS, "lse_err")
     required = [c for c in COLUMNS if c != "rank" and c not in PROVENANCE_TYPES
                 and c not in optional]
     records = []
