@@ -9,16 +9,18 @@ from mlatune.arch import cpu_device
 from mlatune.measure.records import KILLED_FROM_OUTSIDE, Status
 from mlatune.sweep import runner
 from mlatune.sweep.journal import Journal
-from tests.fault_routes import KILL_ONCE_ENV
 from tests.test_runner import header, tiny_spec
 
 KILLED = "fault-killed/test"
+# tests.fault_routes.KILL_ONCE_ENV, spelled out: importing that module registers its routes.
+KILL_ONCE_ENV = "MLATUNE_TEST_KILL_ONCE"
 
 
 @pytest.fixture
 def plugins(monkeypatch):
     from tests import fault_routes
 
+    assert fault_routes.KILL_ONCE_ENV == KILL_ONCE_ENV
     monkeypatch.setenv("MLATUNE_PLUGINS", "tests.fault_routes")
     fault_routes.register_all()
     yield monkeypatch
