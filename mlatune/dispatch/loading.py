@@ -10,7 +10,7 @@ import os
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 from mlatune.arch import CPU_ARCH, DeviceInfo, current_device
 from mlatune.check.policy import Policy, policy_named
@@ -21,8 +21,9 @@ from mlatune.routes.torch_ref import REFERENCE_ID as REFERENCE_ROUTE
 from mlatune.routes.torch_ref import TorchReferenceRoute
 from mlatune.table.cost import DEFAULT_PLAN_CALLS
 
-if TYPE_CHECKING:
-    from mlatune.dispatch.dispatcher import Dispatcher
+# The class these functions make (mlatune.dispatch.dispatcher.Dispatcher, whose classmethods
+# they are): a type variable, as this module sits below the one that imports it.
+Dispatcher = TypeVar("Dispatcher")
 
 log = logging.getLogger("mlatune")
 

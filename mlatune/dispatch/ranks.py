@@ -34,7 +34,7 @@ import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch.distributed as dist
 
@@ -45,9 +45,10 @@ from mlatune.routes import all_routes
 
 if TYPE_CHECKING:
     from mlatune.dispatch.choice import Choice
-    from mlatune.dispatch.dispatcher import Dispatcher
     from mlatune.problem import MLAProblem
     from mlatune.table.schema import Provenance
+
+Made = TypeVar("Made")  # a Dispatcher (its module imports this one)
 
 # (time_us, choice, parameters it ran with) per candidate that ran: first sight's timings
 Timed = list[tuple[float, "Choice", Any]]
@@ -95,7 +96,7 @@ def agree_at_load(group: dist.ProcessGroup | None, table: str | os.PathLike | No
         _refuse_differences(group, field, [rank[field] for rank in everyone], _ASK[field])
 
 
-def joined(dispatcher: Dispatcher, group: dist.ProcessGroup | None) -> Dispatcher:
+def joined(dispatcher: Made, group: dist.ProcessGroup | None) -> Made:
     """A dispatcher made without a table (rules only), agreed across ``group`` as a load
     agrees, so that a rank without a table refuses the group rather than hanging it."""
     agree_at_load(group, None, None, dispatcher.device, None, dispatcher.capturable,
