@@ -40,7 +40,11 @@ def dispatcher() -> Dispatcher:
 
 
 def _args(dispatcher: Dispatcher, seed: int = 3) -> tuple:
-    inputs = make_decode_inputs(PROBLEM, seed=seed, device="cuda", ragged=True)
+    """Pages for kv_len tokens a request (the block table's capacity, so that lengths may grow
+    in place as an engine's do), the lengths ragged below it."""
+    inputs = make_decode_inputs(PROBLEM, seed=seed, device="cuda")
+    gen = torch.Generator().manual_seed(seed)
+    inputs.seq_lens.copy_(torch.randint(1, PROBLEM.kv_len + 1, (PROBLEM.batch,), generator=gen))
     shard = inputs.shards[0]
     rows, heads = inputs.q.shape[:2]
     out = torch.empty(rows, heads, PROBLEM.d_v, dtype=torch.bfloat16, device="cuda")
