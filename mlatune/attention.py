@@ -57,10 +57,10 @@ from mlatune import runtime_checks
 from mlatune.check.inputs import DecodeInputs, KVShard
 from mlatune.check.policy import Policy, policy_named
 from mlatune.dispatch import Choice, Dispatcher, by_handle, first_sight
-from mlatune.errors import DecodeArgumentError
+from mlatune.errors import DecodeArgumentError, SettingError
 from mlatune.measure import timers
 from mlatune.problem import DTYPES, MLAProblem, next_power_of_two, output_dtype
-from mlatune.routes import Prepared, Route, step_kind_of
+from mlatune.routes import Prepared, Route, rounding, step_kind_of
 
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 # Steps kept per dispatcher; a step holds the caller's tensors alive, so the set is bounded.
@@ -158,10 +158,27 @@ def default_dispatcher(capturable: bool = False, accuracy: str | None = None) ->
 
 
 def _policy(accuracy: str | None) -> Policy:
+    """The policy ``accuracy`` names; a bad name is a DecodeArgumentError naming the argument
+    (a bad ``MLATUNE_ACCURACY`` stays the SettingError naming the variable)."""
     try:
         return policy_named(accuracy)
+    except SettingError:
+        raise
     except ValueError as exc:
         raise DecodeArgumentError(str(exc)) from None
+
+
+def _check_plan_from_policy(plan_from: DecodeStep | None, accuracy: str | None) -> None:
+    """A step reading another's plan runs that step's route: the policy asked must admit it."""
+    if plan_from is None or accuracy is None or not isinstance(plan_from, DecodeStep):
+        return
+    policy = _policy(accuracy)
+    route, problem = plan_from.route, plan_from.problem
+    cls = rounding(route, problem, dict(plan_from.choice.params))
+    if not policy.admits_class(problem.q_dtype, cls):
+        raise DecodeArgumentError(
+            f"accuracy: plan_from serves {route.id} ({cls}), which accuracy {policy.name!r} "
+            f"holds back: make the planning step under that policy too")
 
 
 def _dispatcher_for(dispatcher: Dispatcher | None, capturable: bool, accuracy: str | None
@@ -339,6 +356,7 @@ def prepare_decode(
     keeps it: ``step()`` then costs no lookup (the plan/run split of FlashInfer's
     wrappers). Arguments as ``decode``'s; the step serves lengths up to the block
     table's capacity, chosen for ``max_kv_len``."""
+    _check_plan_from_policy(plan_from, accuracy)
     dispatcher = _dispatcher_for(dispatcher, capturable, accuracy)
     if plan_from is not None and not isinstance(plan_from, DecodeStep):
         raise DecodeArgumentError(f"plan_from: must be a step prepare_decode returned, or "

@@ -158,7 +158,7 @@ def test_admission_asks_each_route_once_per_params_and_dtypes():
     bf16 q and transposed/gluon's mma8 rows round past their dtypes."""
     frame = table.read(SHIPPED)
     ok = frame[frame["status"] == "ok"]
-    mask, classes = admitted(ok, STRICT, registered_routes())
+    mask, classes, _ = admitted(ok, STRICT, registered_routes())
     rounded = {(r, str(c)) for r, c in zip(ok["route"], classes, strict=True)
                if c != Rounding.NONE}
     assert rounded == {("dense/flashmla", "q-fp8"), ("transposed/gluon", "p-fp8")}
@@ -179,3 +179,101 @@ def test_decode_names_a_bad_policy_and_a_dispatcher_serving_another(fp8_table):
         attention.decode(q, torch.zeros(4, 64, 576), torch.zeros(1, 4, dtype=torch.int32),
                          torch.ones(1, dtype=torch.int32), num_heads=16, dispatcher=d,
                          accuracy="strict")
+
+
+def _two_formats(tmp_path, rows):
+    path = table.write(make_table(rows), tmp_path / "t.parquet")
+    return path, table.write_json(table.winners_json(table.read(path)), tmp_path / "t.json")
+
+
+def test_a_set_stored_without_params_is_classed_at_its_own_problem(tmp_path):
+    """transposed/gluon's first set depends on the problem's rows a program (the fp8-MMA set
+    at 16 rows, the 16-bit one at 32): each row is classed at its own shape, alike from the
+    table and from its winners map."""
+    padded = {"block_m": 64, "block_n": 64, "num_stages": 1, "num_warps": 8}
+    problems = [BASE.with_(num_heads=8, qlen=4), BASE.with_(num_heads=16)]
+    rows = [r for p in problems for r in (result_row(p, "transposed/gluon", 100.0),
+                                          result_row(p, "padded/triton", 300.0, params=padded))]
+    for path in _two_formats(tmp_path, rows):
+        d = Dispatcher.load(path, device=H200, allow_arch="sm_90", accuracy="strict")
+        assert [d.select(p).route_id for p in problems] == \
+            ["transposed/gluon", "padded/triton"], path
+
+
+def test_a_route_held_back_for_its_error_is_not_served_at_that_key_another_way(tmp_path):
+    """A row admitted by class but past its bound (a spec that loosened the sweep's bound)
+    counts as failed there: neither a neighbour's answer nor a prediction serves its route."""
+    padded = {"block_m": 64, "block_n": 64, "num_stages": 1, "num_warps": 8}
+    ok, bad = BASE.with_(kv_dtype="bf16", batch=32), BASE.with_(kv_dtype="bf16", batch=64)
+    rows = [result_row(ok, "padded/triton", 100.0, params=padded),
+            {**result_row(bad, "padded/triton", 150.0, params=padded), "rel_err": 5e-2}]
+    for path in _two_formats(tmp_path, rows):
+        for unmeasured in ("nearest", "predict"):
+            d = Dispatcher.load(path, device=H200, allow_arch="sm_90", unmeasured=unmeasured)
+            choice, notes = d.explain(bad)
+            assert choice.route_id != "padded/triton", (path, unmeasured)
+            assert any("padded/triton rejected_accuracy" in n for n in notes)
+
+
+def test_a_route_whose_class_cannot_be_told_is_never_served(tmp_path, monkeypatch):
+    """A rounding hook that raises holds the route's rows back under every policy."""
+    padded = routes.get("padded/triton")
+
+    def broken(problem, params):
+        raise RuntimeError("broken hook")
+
+    monkeypatch.setattr(padded, "rounding", broken)
+    rows = [result_row(BASE, "padded/triton", 100.0), result_row(BASE, "reference/torch", 900.0)]
+    for path in _two_formats(tmp_path, rows):
+        for policy in POLICIES:
+            d = Dispatcher.load(path, device=H200, allow_arch="sm_90", accuracy=policy)
+            assert d.select(BASE).route_id != "padded/triton", (path, policy)
+
+
+def test_a_bad_policy_in_the_environment_is_a_setting_error(monkeypatch):
+    from mlatune.errors import SettingError
+
+    monkeypatch.setenv(ACCURACY_ENV, "loose")
+    with pytest.raises(SettingError, match=f"^{ACCURACY_ENV}: unknown accuracy policy"):
+        Dispatcher.rules_only(SM90)
+    from mlatune import attention
+
+    with pytest.raises(SettingError):  # decode names the variable, not an argument
+        attention.default_dispatcher()
+
+
+def test_a_step_reading_another_plan_is_held_to_the_policy_asked(monkeypatch):
+    import torch
+
+    from mlatune import attention
+    from mlatune.arch import cpu_device
+    from mlatune.check.inputs import make_decode_inputs
+
+    problem = MLAProblem(num_heads=4, batch=2, kv_len=32, page_size=8, q_dtype="fp16",
+                         kv_dtype="fp16")
+    inputs = make_decode_inputs(problem, seed=1)
+    shard = inputs.shards[0]
+    args = dict(num_heads=4, max_kv_len=32, dispatcher=Dispatcher.rules_only(cpu_device(),
+                                                                             accuracy="fast"))
+    planner = attention.prepare_decode(inputs.q, shard.kv_cache, shard.block_table,
+                                       inputs.seq_lens, **args)
+    attention.prepare_decode(inputs.q.clone(), shard.kv_cache, shard.block_table,
+                             inputs.seq_lens, plan_from=planner, accuracy="fast", **args)
+    monkeypatch.setattr(planner.route, "rounding", lambda p, params: Rounding.Q_FP8)
+    del args["dispatcher"]
+    with pytest.raises(DecodeArgumentError, match=r"^accuracy: plan_from serves .* \(q-fp8\), "
+                                                  r"which accuracy 'strict' holds back"):
+        attention.prepare_decode(inputs.q.clone(), shard.kv_cache, shard.block_table,
+                                 inputs.seq_lens, plan_from=planner, accuracy="strict", **args)
+    assert torch.is_tensor(planner.out)
+
+
+def test_without_pandas_only_a_winners_map_is_found(tmp_path, monkeypatch):
+    from mlatune.dispatch import sources
+
+    for name in ("sm_90-nvidia-h200.parquet", "sm_90-h200.json.gz", "sm_90-h200.csv"):
+        (tmp_path / name).write_bytes(b"x")
+    assert sources.find_table(tmp_path, "sm_90", "NVIDIA H200").name == \
+        "sm_90-nvidia-h200.parquet"
+    monkeypatch.setattr(sources, "_reads_frames", lambda: False)
+    assert sources.find_table(tmp_path, "sm_90", "NVIDIA H200").name == "sm_90-h200.json.gz"

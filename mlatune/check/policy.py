@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 
 from mlatune.check.accuracy import Rounding, tolerance_for
+from mlatune.errors import SettingError
 from mlatune.problem import FP8_DTYPES
 
 ACCURACY_ENV = "MLATUNE_ACCURACY"  # the policy when a caller names none
@@ -54,15 +55,16 @@ DEFAULT_POLICY = STRICT
 
 def policy_named(name: str | Policy | None) -> Policy:
     """The policy ``name`` names; None: ``MLATUNE_ACCURACY``'s, else ``strict``. An unknown
-    name is a ValueError that says where it came from and what the names are."""
+    name is a ValueError naming the argument, or a SettingError naming the variable, and the
+    names there are."""
     if isinstance(name, Policy):
         return name
+    error: type[ValueError] = ValueError
     where = "accuracy"
     if name is None:
         name = os.environ.get(ACCURACY_ENV) or DEFAULT_POLICY.name
-        where = ACCURACY_ENV
+        error, where = SettingError, ACCURACY_ENV
     policy = POLICIES.get(str(name).strip().lower())
     if policy is None:
-        raise ValueError(f"{where}: unknown accuracy policy {name!r}; one of "
-                         f"{', '.join(POLICIES)}")
+        raise error(f"{where}: unknown accuracy policy {name!r}; one of {', '.join(POLICIES)}")
     return policy

@@ -9,7 +9,6 @@ that arch loads, or null), "devices", "error"}, ``backends``: [{"backend", "impo
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
@@ -84,8 +83,8 @@ def bundled_tables() -> list[dict[str, Any]]:
 
     folder = sources.bundled_tables_dir()
     # find_table's naming: <arch>.<ext> or <arch>-<anything>.<ext>
-    named = {Path(f.name).stem.split("-")[0] for f in folder.iterdir()
-             if Path(f.name).suffix.lower() in (".parquet", ".json", ".csv")}
+    named = {f.name.split("-")[0].split(".")[0] for f in folder.iterdir()
+             if f.name.lower().endswith((".parquet", ".json", ".json.gz", ".csv"))}
     found = []
     for arch in sorted({*ARCHS, *named}):
         chosen = sources.find_table(folder, arch)
@@ -112,7 +111,7 @@ def _devices_in(chosen: Traversable) -> list[dict[str, Any]]:
     from mlatune.table import winners_map
 
     with resources.as_file(chosen) as path:
-        if path.suffix.lower() == ".json":
+        if winners_map.is_winners_map(path):
             return [device_json(d["arch"], d["device_name"], d["cu_count"])
                     for d in winners_map.read(path, FACTS).document["devices"]]
         return [device_json(*d) for d in table_devices(table.read(

@@ -218,9 +218,10 @@ def validate(
 
 def _validated(table_path: Path) -> dict[str, Any]:
     """What a valid table holds; an invalid one raises (TableError: every problem)."""
-    if table_path.suffix.lower() == ".json":
+    from mlatune.table import winners_map
+
+    if winners_map.is_winners_map(table_path):
         from mlatune.routes import FACTS
-        from mlatune.table import winners_map
 
         document = winners_map.read(table_path, FACTS).document
         return {"format": "winners map", "schema_version": document.get("version"),

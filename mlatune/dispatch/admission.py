@@ -1,79 +1,76 @@
 """Which measured rows an accuracy policy lets the dispatcher serve (``check.policy``): a
-row's class is its route's declaration for its parameters (``routes.rounding``, asked once
-per route, parameters and dtypes, at the first problem with them: a stored set names what
-it ran, so its class follows from it and the dtypes), and its recorded error must be
-within that class's bound."""
+row's class is its route's declaration for its parameters at its problem
+(``routes.rounding``, asked once per route, parameters, dtypes and head and query shape: what
+a class may depend on besides the set), and its recorded error must be within that class's
+bound. A row whose class cannot be told (a hook that raises) is never served."""
 
 from __future__ import annotations
 
 import json
 import math
 from collections.abc import Mapping
+from typing import Any
 
 from mlatune.check.accuracy import Rounding
 from mlatune.check.policy import Policy
-from mlatune.problem import FP8_DTYPES, MLAProblem
+from mlatune.problem import MLAProblem
 from mlatune.routes import Route, rounding
 
-_GROUP = ["route", "route_params", "q_dtype", "kv_dtype"]
+_GROUP = ["route", "route_params", "q_dtype", "kv_dtype", "num_heads", "qlen", "dcp_size"]
 
 
-def row_classes(rows, routes: Mapping[str, Route]):
-    """Each row's numeric class, as (classes of the row groups, each row's group number);
-    rows of routes not in ``routes``, or whose parameters do not parse: NONE (such rows are
-    never usable anyway)."""
-    import numpy as np
+def class_of(route: Route | None, problem: MLAProblem, params: Mapping[str, Any]
+             ) -> Rounding | None:
+    """``routes.rounding`` of a stored set; None where it cannot be told (an unknown route, a
+    hook that raises)."""
+    if route is None:
+        return None
+    try:
+        return rounding(route, problem, dict(params))
+    except Exception:  # a broken hook: held back, never served on a guess
+        return None
 
-    group = rows.groupby(_GROUP, sort=False, dropna=False).ngroup().to_numpy()
-    firsts = np.unique(group, return_index=True)[1]  # by group number: group g at [g]
-    firsts_rows = rows.iloc[firsts].to_dict("records")
-    return [_class_of(row, routes) for row in firsts_rows], firsts_rows, group
 
-
-def _class_of(row: Mapping, routes: Mapping[str, Route]) -> Rounding:
-    route = routes.get(str(row["route"]))
-    if route is None or row["q_dtype"] in FP8_DTYPES:
-        return Rounding.NONE
+def _group_class(row: Mapping, routes: Mapping[str, Route]) -> Rounding | None:
     try:
         params = json.loads(row["route_params"])
-        return rounding(route, MLAProblem.from_key_dict(row), params)
-    except Exception:  # a damaged row or a broken hook: the table's checks name it
-        return Rounding.NONE
+        problem = MLAProblem.from_key_dict(row)
+    except Exception:  # a damaged row: the table's checks name it
+        return None
+    return class_of(routes.get(str(row["route"])), problem, params)
 
 
 def admitted(rows, policy: Policy, routes: Mapping[str, Route]):
-    """(mask, classes): the rows ``policy`` lets serve (``Policy.admits_row``) and each
-    row's class."""
+    """(mask, classes, class_ok): the rows ``policy`` lets serve (``Policy.admits_row``: the
+    class admitted and the recorded error within its bound), each row's class, and whether
+    its class alone is admitted (a row admitted by class but not by error failed there)."""
     import numpy as np
 
     if rows.empty:
-        return np.zeros(0, dtype=bool), np.zeros(0, dtype=object)
-    classes, firsts, group = row_classes(rows, routes)
-    fits = np.array([policy.admits_class(r["q_dtype"], c) for r, c in
-                     zip(firsts, classes, strict=True)])
-    bounds = np.array([policy.bound(r["q_dtype"], r["kv_dtype"], c) for r, c in
-                       zip(firsts, classes, strict=True)])
+        empty = np.zeros(0, dtype=bool)
+        return empty, np.zeros(0, dtype=object), empty
+    group = rows.groupby(_GROUP, sort=False, dropna=False).ngroup().to_numpy()
+    firsts = rows.iloc[np.unique(group, return_index=True)[1]].to_dict("records")
+    classes = [_group_class(row, routes) for row in firsts]  # group g at [g]
+    fits = np.array([c is not None and policy.admits_class(r["q_dtype"], c)
+                     for r, c in zip(firsts, classes, strict=True)])
+    bounds = np.array([policy.bound(r["q_dtype"], r["kv_dtype"], c) if c is not None else 0.0
+                       for r, c in zip(firsts, classes, strict=True)])
     errors = rows["rel_err"].to_numpy(dtype=float)
-    mask = fits[group] & (np.isnan(errors) | (errors <= bounds[group]))
-    return mask, np.array(classes, dtype=object)[group]
+    class_ok = fits[group]
+    mask = class_ok & (np.isnan(errors) | (errors <= bounds[group]))
+    return mask, np.array(classes, dtype=object)[group], class_ok
 
 
-def option_class(option: Mapping, problem: MLAProblem, routes: Mapping[str, Route]
-                 ) -> Rounding:
-    """A winners-map option's numeric class at its problem (NONE for an unknown route)."""
-    route = routes.get(str(option["route"]))
-    if route is None or problem.q_dtype in FP8_DTYPES:
-        return Rounding.NONE
-    try:
-        return rounding(route, problem, dict(option.get("params") or {}))
-    except Exception:  # a broken hook: as a damaged row
-        return Rounding.NONE
-
-
-def option_error(option: Mapping) -> float:
-    """A winners-map option's recorded output error (NaN where the map has none)."""
-    value = option.get("rel_err")
-    return math.nan if value is None else float(value)
+def option_admitted(option: Mapping, problem: MLAProblem, routes: Mapping[str, Route],
+                    policy: Policy) -> tuple[bool, bool, Rounding | None]:
+    """A winners-map option as ``admitted`` rows: (admitted, its class admitted, class)."""
+    cls = class_of(routes.get(str(option["route"])), problem, option.get("params") or {})
+    if cls is None or not policy.admits_class(problem.q_dtype, cls):
+        return False, False, cls
+    error = option.get("rel_err")
+    return policy.admits_row(problem.q_dtype, problem.kv_dtype, cls,
+                             math.nan if error is None else float(error)), True, cls
 
 
 def admitted_table(frame, policy: Policy, routes: Mapping[str, Route]):

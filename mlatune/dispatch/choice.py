@@ -58,8 +58,8 @@ def held_notes(policy: str, held: Sequence[tuple[str, str, float, float]] | None
     have saved against the answer."""
     notes = []
     for route_id, cls, error, cost in held or ():
-        if not choice.time_us > 0:  # NaN: the answer was not measured here
-            gain = "the answer has no measured cost to set it against"
+        if choice.source != "table" or not choice.time_us > 0:  # not measured at this key
+            gain = "the answer has no cost measured here to set it against"
         else:
             saved = (1 - cost / choice.time_us) * 100
             gain = f"{saved:.1f}% less time than the answer" if saved > 0 else "no faster"

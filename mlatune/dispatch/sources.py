@@ -27,7 +27,7 @@ from mlatune.problem import BUCKET_FIELDS
 from mlatune.routes import FACTS, Route
 from mlatune.table import winners_map
 from mlatune.table.cost import DEFAULT_PLAN_CALLS, step_cost
-from mlatune.table.schema import DCP_MEASURED, competing, is_measured
+from mlatune.table.schema import DCP_MEASURED, Status, competing, is_measured
 
 _PROBLEM_COLUMNS = [*BUCKET_FIELDS, "batch", "kv_len"]  # a problem's columns, on one device
 EMPTY_PARAMS: Mapping[str, Any] = MappingProxyType({})
@@ -108,13 +108,13 @@ _SLUG = re.compile(r"[^a-z0-9]+")
 def find_table(directory: Path | Any, arch: str, device_name: str = "") -> Any:
     """The table for ``arch`` in a directory: files named ``<arch>.<ext>`` or
     ``<arch>-<anything>.<ext>``; among several, the one whose name holds the device name's
-    slug, else by format (.parquet, then the winners map's .json and .json.gz, then .csv:
-    without pandas and pyarrow, as the runtime install has them, the winners map first),
-    then by name."""
+    slug, else by format (.parquet, then the winners map's .json and .json.gz, then .csv;
+    without pandas and pyarrow, as the runtime install has them, only winners maps), then by
+    name."""
     if directory is None or not directory.is_dir():
         return None
     formats = (".parquet", ".json", ".json.gz", ".csv") if _reads_frames() else \
-        (".json", ".json.gz", ".parquet", ".csv")
+        (".json", ".json.gz")  # Parquet and CSV need pandas and pyarrow
     found = [(f, _format_rank(f.name, formats)) for f in directory.iterdir() if f.is_file()]
     found = [(f, r) for f, r in found if r is not None
              and (f.name.lower().startswith((arch + ".", arch + "-")))]
@@ -126,10 +126,9 @@ def find_table(directory: Path | Any, arch: str, device_name: str = "") -> Any:
 
 
 def _format_rank(name: str, formats: tuple[str, ...]) -> int | None:
-    """Where a file name's format stands in ``formats`` (None: not a table's)."""
+    """Where a file name's format stands in ``formats`` (None: not among them)."""
     name = name.lower()
-    return next((i for i, ext in sorted(enumerate(formats), key=lambda ie: -len(ie[1]))
-                 if name.endswith(ext)), None)
+    return next((i for i, ext in enumerate(formats) if name.endswith(ext)), None)
 
 
 def _reads_frames() -> bool:
@@ -216,8 +215,11 @@ class FrameSource:
         rows = rows.loc[self._usable(rows, route_ids, capturable),
                         [*_PROBLEM_COLUMNS, "route", "route_params", "time_us", "rank",
                          "plan_on", "plan_us", "plan_host_us", "dcp_timing", "rel_err"]]
-        fits, classes = admission.admitted(rows, policy, routes)
+        fits, classes, class_ok = admission.admitted(rows, policy, routes)
         held = self._held(rows[~fits], classes[~fits], capturable, plan_calls, sharing)
+        # Admitted by class, past the class's bound: that route failed there.
+        over = rows.loc[~fits & class_ok, [*_PROBLEM_COLUMNS, "route"]]
+        failed = _merged(failed, self._failures(over.assign(status=Status.REJECTED_ACCURACY.value)))
         rows = rows[fits]
         rows = rows[self._table.competing_rows(rows, by=_PROBLEM_COLUMNS)]
         if rows.empty:
@@ -335,7 +337,7 @@ class JsonSource:
         route_codes: list[int] = []
         params_codes: list[int] = []
         times: list[float] = []
-        spans, skipped, held = [], {}, {}
+        spans, skipped, held, over = [], {}, {}, {}
         entry, problems = self._by_device[device]
         for key, winner in entry["winners"].items():
             start = len(times)
@@ -343,12 +345,8 @@ class JsonSource:
             for option in options:
                 if option["route"] not in route_ids:
                     skipped[option["route"]] = skipped.get(option["route"], 0) + 1
-            options, held_here = _admitted(options, problems[key], routes, policy)
-            if held_here:
-                held[key] = tuple(sorted(
-                    ((o["route"], c, admission.option_error(o), cost) for c, o in held_here
-                     for cost, _ in _by_step_cost([o], capturable, plan_calls, sharing)),
-                    key=lambda h: h[3]))
+            options, held_here, over[key] = _admitted(options, problems[key], routes, policy)
+            held[key] = _held_options(held_here, capturable, plan_calls, sharing)
             for cost, option in _by_step_cost(_competing(options, route_ids, capturable),
                                               capturable, plan_calls, sharing):
                 text = json.dumps(option["params"], sort_keys=True) if option["params"] \
@@ -363,7 +361,10 @@ class JsonSource:
         buckets: dict[tuple, tuple] = {}
         entries = [(p.key, buckets.setdefault(p.bucket, p.bucket), p.batch, p.kv_len,
                     columns.option(start), columns, start, end) for p, start, end in spans]
-        return entries, skipped, self._failures(entry, route_ids), held
+        failed = _merged(self._failures(entry, route_ids),
+                         {k: tuple((r, Status.REJECTED_ACCURACY.value) for r in v)
+                          for k, v in over.items() if v})
+        return entries, skipped, failed, {k: v for k, v in held.items() if v}
 
     def measured_keys(self, device: Device, routes: Mapping[str, Route],
                       capturable: bool = False, policy: Policy = FAST) -> set[str]:
@@ -398,18 +399,40 @@ class JsonSource:
 
 
 def _admitted(options: Sequence[Mapping[str, Any]], problem, routes: Mapping[str, Route],
-              policy: Policy) -> tuple[list[Mapping[str, Any]], list[tuple[str, Mapping]]]:
-    """A winners-map key's options ``policy`` admits, and the known ones it holds back with
-    their classes."""
-    kept, held = [], []
+              policy: Policy) -> tuple[list[Mapping[str, Any]], list[tuple[str, Mapping]],
+                                       list[str]]:
+    """A winners-map key's options ``policy`` admits; the known ones it holds back, with their
+    classes; and the routes held back only for their recorded error (they failed there)."""
+    kept, held, over = [], [], []
     for option in options:
-        cls = admission.option_class(option, problem, routes)
-        if policy.admits_row(problem.q_dtype, problem.kv_dtype, cls,
-                             admission.option_error(option)):
+        ok, class_ok, cls = admission.option_admitted(option, problem, routes, policy)
+        if ok:
             kept.append(option)
         elif option["route"] in routes:
             held.append((str(cls), option))
-    return kept, held
+            if class_ok:
+                over.append(option["route"])
+    return kept, held, over
+
+
+def _held_options(held: list[tuple[str, Mapping]], capturable: bool, plan_calls: int,
+                  sharing: set[str]) -> tuple[Held, ...]:
+    """A key's held-back options as ``Held`` entries, cheapest first (those the caller can
+    call: with ``capturable`` the steps a graph replays)."""
+    entries = []
+    for cls, option in held:
+        for cost, _ in _by_step_cost([option], capturable, plan_calls, sharing):
+            error = option.get("rel_err")
+            entries.append((str(option["route"]), cls, math.nan if error is None else
+                            float(error), cost))
+    return tuple(sorted(entries, key=lambda h: h[3]))
+
+
+def _merged(failed: dict[str, Failures], more: Mapping[str, Failures]) -> dict[str, Failures]:
+    """Two per-key failure maps as one (each key's pairs sorted, without repeats)."""
+    for key, pairs in more.items():
+        failed[key] = tuple(sorted(set(failed.get(key, ())) | set(pairs)))
+    return failed
 
 
 def _competing(options: Sequence[Mapping[str, Any]], route_ids: set[str], capturable: bool
