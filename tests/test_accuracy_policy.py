@@ -277,3 +277,21 @@ def test_without_pandas_only_a_winners_map_is_found(tmp_path, monkeypatch):
         "sm_90-nvidia-h200.parquet"
     monkeypatch.setattr(sources, "_reads_frames", lambda: False)
     assert sources.find_table(tmp_path, "sm_90", "NVIDIA H200").name == "sm_90-h200.json.gz"
+
+
+def test_a_winners_only_map_says_where_the_policy_left_a_problem_bare(fp8_table, tmp_path,
+                                                                      caplog):
+    """A winners-only map holds one option a problem: where the policy holds it back nothing
+    measured is left there, and loading says so once, naming the export that would keep it."""
+    bare = tmp_path / "winners.json"
+    table.write_json(table.winners_json(table.read(fp8_table), winners_only=True), bare)
+    with caplog.at_level("WARNING", logger="mlatune"):
+        d = Dispatcher.load(bare, device=H200, allow_arch="sm_90", accuracy="strict")
+    assert d.select(BASE).source != "table"
+    warned = [r.getMessage() for r in caplog.records if "keeps only" in r.getMessage()]
+    assert len(warned) == 1 and "at 2 measured problems accuracy policy strict" in warned[0]
+    assert "export with --accuracy strict" in warned[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mlatune"):
+        Dispatcher.load(bare, device=H200, allow_arch="sm_90", accuracy="fast")
+    assert not [r for r in caplog.records if "keeps only" in r.getMessage()]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
+import logging
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -29,6 +30,7 @@ from mlatune.table import winners_map
 from mlatune.table.cost import DEFAULT_PLAN_CALLS, step_cost
 from mlatune.table.schema import DCP_MEASURED, Status, competing, is_measured
 
+log = logging.getLogger("mlatune")
 _PROBLEM_COLUMNS = [*BUCKET_FIELDS, "batch", "kv_len"]  # a problem's columns, on one device
 EMPTY_PARAMS: Mapping[str, Any] = MappingProxyType({})
 
@@ -318,6 +320,7 @@ class JsonSource:
     a map written before they were recorded has none."""
 
     def __init__(self, path: Path):
+        self.path = path
         loaded = winners_map.read(path, FACTS)  # validates; raises TableError
         self._by_device = {(d["arch"], d["device_name"], d["cu_count"]): (d, problems)
                            for d, problems in zip(loaded.document["devices"], loaded.problems,
@@ -338,6 +341,7 @@ class JsonSource:
         params_codes: list[int] = []
         times: list[float] = []
         spans, skipped, held, over = [], {}, {}, {}
+        bare = 0  # winners-only keys whose one option the policy holds back
         entry, problems = self._by_device[device]
         for key, winner in entry["winners"].items():
             start = len(times)
@@ -347,6 +351,7 @@ class JsonSource:
                     skipped[option["route"]] = skipped.get(option["route"], 0) + 1
             options, held_here, over[key] = _admitted(options, problems[key], routes, policy)
             held[key] = _held_options(held_here, capturable, plan_calls, sharing)
+            bare += bool(held_here) and not options and "alternatives" not in winner
             for cost, option in _by_step_cost(_competing(options, route_ids, capturable),
                                               capturable, plan_calls, sharing):
                 text = json.dumps(option["params"], sort_keys=True) if option["params"] \
@@ -361,6 +366,10 @@ class JsonSource:
         buckets: dict[tuple, tuple] = {}
         entries = [(p.key, buckets.setdefault(p.bucket, p.bucket), p.batch, p.kv_len,
                     columns.option(start), columns, start, end) for p, start, end in spans]
+        if bare:
+            log.warning("mlatune: %s keeps only each problem's winner: at %d measured problems "
+                        "accuracy policy %s holds it back and nothing else measured is there "
+                        "(export with --accuracy %s)", self.path, bare, policy.name, policy.name)
         failed = _merged(self._failures(entry, route_ids),
                          {k: tuple((r, Status.REJECTED_ACCURACY.value) for r in v)
                           for k, v in over.items() if v})
