@@ -32,8 +32,18 @@ def test_doctor_names_the_table_the_dispatcher_loads(tmp_path, monkeypatch):
     path = table.write(make_table([result_row(MLAProblem(), "reference/torch", 5.0,
                                               device=device)]), tmp_path / "t.parquet")
     monkeypatch.setenv("MLATUNE_TABLE", str(path))
+    monkeypatch.delenv("MLATUNE_ACCURACY", raising=False)
     result = CliRunner(env={"COLUMNS": "400"}).invoke(app, ["doctor"])
     assert result.exit_code == 0 and f"dispatch table here: {path}" in result.output
+    assert f"measured on {device.arch} {device.name} ({device.cu_count} SMs/CUs)" in \
+        result.output
+    assert "accuracy policy strict" in result.output
+    monkeypatch.setenv("MLATUNE_ACCURACY", "fast")
+    result = CliRunner(env={"COLUMNS": "400"}).invoke(app, ["doctor", "--json"])
+    import json
+
+    here = json.loads(result.stdout)["dispatch_table"]
+    assert (here["accuracy"], here["measured_on"]["device_name"]) == ("fast", device.name)
 
 
 def test_doctor_reports_an_unusable_table_without_a_traceback(tmp_path, monkeypatch):

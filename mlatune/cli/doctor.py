@@ -42,10 +42,7 @@ def doctor(json_out: JsonFlag = False) -> None:
     versions.add_row("gpu driver", facts["gpu_driver"])
     console().print(versions)
     _print_gpus(facts["gpus"])
-    here = facts["dispatch_table"]
-    text = (f"[red]unusable[/]: {here['error']}" if here["error"]
-            else here["path"] or "none (the dispatcher answers by rule)")
-    console().print(f"dispatch table here: {text}", highlight=False)
+    _print_table_here(facts["dispatch_table"])
     _print_bundled(facts["bundled_tables"])
     _print_backends(facts["backends"])
 
@@ -64,13 +61,19 @@ def _print_gpus(gpus: list[dict[str, Any]]) -> None:
     console().print(table)
 
 
-def _table_here() -> dict[str, str | None]:
+def _table_here() -> dict[str, Any]:
+    """The table the dispatcher loads on this machine, why it serves here (the GPU it was
+    measured on, and what differs from this machine), and the accuracy policy it serves."""
     from mlatune.dispatch import Dispatcher
 
     try:
-        return {"path": Dispatcher.from_bundled().source or None, "error": None}
+        d = Dispatcher.from_bundled()
     except (ValueError, OSError) as exc:  # MLATUNE_TABLE names an unusable table
-        return {"path": None, "error": str(exc)}
+        return {"path": None, "error": str(exc), "measured_on": None, "differences": [],
+                "accuracy": None}
+    return {"path": d.source or None, "error": None,
+            "measured_on": device_json(*d.table_device) if d.table_device else None,
+            "differences": list(d.environment_differences), "accuracy": d.accuracy.name}
 
 
 def bundled_tables() -> list[dict[str, Any]]:
@@ -149,3 +152,15 @@ def _print_backends(backends: list[dict[str, Any]]) -> None:
         out.add_row(b["backend"], "[green]yes[/]" if b["importable"] else "[red]no[/]",
                     b["detail"], ", ".join(b["routes"]) or "-")
     console().print(out)
+
+
+def _print_table_here(here: dict[str, Any]) -> None:
+    text = (f"[red]unusable[/]: {here['error']}" if here["error"]
+            else here["path"] or "none (the dispatcher answers by rule)")
+    console().print(f"dispatch table here: {text}", highlight=False)
+    if here["measured_on"]:
+        m = here["measured_on"]
+        why = ("; here: " + "; ".join(here["differences"]) + " (its picks may not be the "
+               "fastest here)") if here["differences"] else ""
+        console().print(f"  measured on {m['arch']} {m['device_name']} ({m['cu_count']} SMs/CUs)"
+                        f"{why}; accuracy policy {here['accuracy']}", highlight=False)
