@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from mlatune.arch import CPU_ARCH, DeviceInfo, current_device
 from mlatune.check.policy import Policy, policy_named
 from mlatune.dispatch import environment, ranks, sources
-from mlatune.errors import RankMismatchError, TableError
+from mlatune.errors import RankMismatchError, SettingError, TableError
 from mlatune.routes import Route, all_routes
 from mlatune.routes.torch_ref import REFERENCE_ID as REFERENCE_ROUTE
 from mlatune.routes.torch_ref import TorchReferenceRoute
@@ -32,6 +32,11 @@ TABLE_ENV = "MLATUNE_TABLE"
 # (MIOpen's user find-db over its system db): its rows replace the bundled rows of the
 # problems it holds and add the problems the bundled table lacks.
 USER_TABLE_ENV = "MLATUNE_USER_TABLE"
+# What a table measured on another GPU model is to this one: "use" (served, with one warning:
+# the default) or "refuse" (a TableError naming both models; the bundled table then gives way
+# to the rules).
+OTHER_GPU_ENV = "MLATUNE_OTHER_GPU"
+OTHER_GPU = ("use", "refuse")
 # Where on-first-sight timings are written (mlatune.dispatch.first_sight); unset: off.
 FIRST_SIGHT_ENV = "MLATUNE_FIRST_SIGHT"
 
@@ -64,7 +69,7 @@ def load(cls, path: str | os.PathLike, device: DeviceInfo | None = None,
          plan_calls: int = DEFAULT_PLAN_CALLS, unmeasured: str | None = None,
          overlay: str | os.PathLike | None = None,
          first_sight: str | os.PathLike | None = None, group: Any = None,
-         accuracy: Policy | str | None = None) -> Dispatcher:
+         accuracy: Policy | str | None = None, other_gpu: str | None = None) -> Dispatcher:
     """Load a table (.parquet, .csv, .json winners map, or a directory holding one).
 
     Refuses (TableError) a damaged or invalid table, and one whose arch is
@@ -83,23 +88,21 @@ def load(cls, path: str | os.PathLike, device: DeviceInfo | None = None,
     process group whose ranks serve one answer per problem (``mlatune.dispatch.ranks``).
     ``accuracy``: which rounding beyond the problem's dtypes may be served (a
     ``check.policy`` name; None: ``MLATUNE_ACCURACY``'s, else "strict"); a bad name is a
-    ValueError.
-    Whatever else a damaged file makes loading raise (OverflowError,
-    RecursionError, Arrow errors, ...) is a TableError naming the file, one line:
-    an engine catches one type.
+    ValueError. Whatever else a damaged file makes loading raise (OverflowError,
+    RecursionError, Arrow errors, ...) is a TableError naming the file, one line.
 
-    A table measured under another GPU, driver, torch, Triton or backend version
-    than this process runs is loaded all the same, with one warning on the
-    ``mlatune`` logger per table file and set of differences in a process (a
-    repeated load or ``from_bundled()`` does not warn again); the differences are
-    in ``environment_differences`` (``mlatune.dispatch.environment``: what is compared,
-    and when nothing is).
+    A table measured on another GPU model is refused with ``other_gpu="refuse"``
+    (``OTHER_GPU``; None: ``MLATUNE_OTHER_GPU``'s, else "use"); otherwise it, and one
+    measured under another driver or library version, is loaded with one warning on the
+    ``mlatune`` logger per table file and set of differences in a process; the differences
+    are in ``environment_differences`` (``mlatune.dispatch.environment``).
     """
     device = device or current_device()
     policy = policy_named(accuracy)
+    other = _other_gpu(other_gpu)
     ranks.agree_at_load(group, path, overlay, device, allow_arch, capturable, plan_calls,
                         unmeasured, first_sight,
-                        accuracy=policy.name)  # before parsing: see there
+                        accuracy=policy.name, other_gpu=other)  # before parsing: see there
     # Loading creates ~10^5 small acyclic objects; cyclic GC passes over them
     # would double the load time and find nothing to free.
     was_enabled = gc.isenabled()
@@ -107,7 +110,7 @@ def load(cls, path: str | os.PathLike, device: DeviceInfo | None = None,
     try:
         dispatcher = _load(cls, Path(path), device, allow_arch, capturable, plan_calls,
                                unmeasured, None if overlay is None else Path(overlay),
-                               policy)
+                               policy, other)
         dispatcher.first_sight, dispatcher.group = first_sight, group
         return dispatcher
     except TableError:
@@ -122,11 +125,16 @@ def load(cls, path: str | os.PathLike, device: DeviceInfo | None = None,
 
 def _load(cls, path: Path, device: DeviceInfo, allow_arch: str | None,
           capturable: bool, plan_calls: int, unmeasured: str | None,
-          overlay: Path | None = None, policy: Policy | None = None) -> Dispatcher:
+          overlay: Path | None = None, policy: Policy | None = None,
+          other_gpu: str = "use") -> Dispatcher:
     policy = policy_named(policy)
     path, source, chosen = sources.open_source(path, overlay, device, allow_arch)
+    planning = allow_arch is not None and device.arch != allow_arch
+    if other_gpu == "refuse" and not planning and device.is_gpu and chosen[1] != device.name:
+        raise TableError(f"{path}: measured on {chosen[1]}, this GPU is {device.name} "
+                         f"({OTHER_GPU_ENV}=refuse)")
     provenance = source.provenance(chosen)
-    if allow_arch and device.arch != allow_arch:
+    if planning:
         device = device_for_arch(*chosen)
         running = None  # planning for another machine: this one's versions do not matter
     else:
@@ -163,6 +171,7 @@ def from_bundled(cls, device: DeviceInfo | None = None, capturable: bool = False
     """
     device = device or current_device()
     policy = policy_named(accuracy)
+    other = _other_gpu(None)  # a bad MLATUNE_OTHER_GPU raises here, never hides in the rules
     override = os.environ.get(TABLE_ENV)
     user = os.environ.get(USER_TABLE_ENV) or None
     sight = os.environ.get(FIRST_SIGHT_ENV) or None
@@ -171,7 +180,7 @@ def from_bundled(cls, device: DeviceInfo | None = None, capturable: bool = False
                     user)
         user = None
     given = dict(capturable=capturable, plan_calls=plan_calls, first_sight=sight,
-                 group=group, accuracy=policy)
+                 group=group, accuracy=policy, other_gpu=other)
     if override:
         return _overlaid(cls, override, device, user, given)
     try:
@@ -200,3 +209,15 @@ def _overlaid(cls, path: str | os.PathLike, device: DeviceInfo, user: str | None
         log.warning("mlatune: %s=%s not overlaid, the table under it serves alone: %s",
                     USER_TABLE_ENV, user, exc)
         return cls.load(path, device, **given)
+
+
+def _other_gpu(value: str | None) -> str:
+    """``load``'s ``other_gpu``, or ``MLATUNE_OTHER_GPU``'s (a bad value names its source)."""
+    if value is not None:
+        if value not in OTHER_GPU:
+            raise ValueError(f"other_gpu: {value!r} is not one of {', '.join(OTHER_GPU)}")
+        return value
+    found = (os.environ.get(OTHER_GPU_ENV) or "use").strip().lower()
+    if found not in OTHER_GPU:
+        raise SettingError(f"{OTHER_GPU_ENV}: {found!r} is not one of {', '.join(OTHER_GPU)}")
+    return found
