@@ -10,6 +10,8 @@ One module per concern. Decode (the absorbed form: 576-wide q·k, 512-wide v):
   unreduced (out, max, expsum) partials per KV segment;
 - ``reduce``: merges a row's split/segment partials into out and natural-log LSE;
 - ``merge``: merges DCP ranks' partial (out, LSE) by LSE;
+- ``lse``: the LSE combine those merges share;
+- ``empty_rows``: rows without keys rewritten as 0 and -inf after a vendor launch;
 - ``plan``: the persistent work list, planned on the device from the lengths
   every step (one program; capturable), and its plain-Python reference.
 Prefill: ``prefill`` (persistent varlen kernel) and ``prefill_plan`` (its host plan).
