@@ -243,8 +243,6 @@ def test_a_bad_policy_in_the_environment_is_a_setting_error(monkeypatch):
 
 
 def test_a_step_reading_another_plan_is_held_to_the_policy_asked(monkeypatch):
-    import torch
-
     from mlatune import attention
     from mlatune.arch import cpu_device
     from mlatune.check.inputs import make_decode_inputs
@@ -265,7 +263,6 @@ def test_a_step_reading_another_plan_is_held_to_the_policy_asked(monkeypatch):
                                                   r"which accuracy 'strict' holds back"):
         attention.prepare_decode(inputs.q.clone(), shard.kv_cache, shard.block_table,
                                  inputs.seq_lens, plan_from=planner, accuracy="strict", **args)
-    assert torch.is_tensor(planner.out)
 
 
 def test_without_pandas_only_a_winners_map_is_found(tmp_path, monkeypatch):

@@ -183,11 +183,15 @@ def test_a_damaged_journal_line_is_one_line(tmp_path):
     assert result.exit_code == 1 and lock_is_free(journal)
 
 
-@pytest.mark.parametrize("command", [
+# The commands that read a spec, as (spec, tmp_path) -> arguments.
+SPEC_COMMANDS = [
     lambda spec, tmp: ["sweep", spec, "--out", tmp / "t.parquet"],
     lambda spec, tmp: ["plan", spec, "--arch", "gfx950"],
     lambda spec, tmp: ["coverage", spec, "--arch", "sm_90"],
-], ids=["sweep", "plan", "coverage"])
+]
+
+
+@pytest.mark.parametrize("command", SPEC_COMMANDS, ids=["sweep", "plan", "coverage"])
 def test_a_spec_over_the_problem_limit_is_one_line(tmp_path, command):
     spec = tiny_spec(tmp_path)  # two problems
     result = invoke(*command(spec, tmp_path), env={"MLATUNE_MAX_PROBLEMS": "1"})
@@ -203,11 +207,7 @@ def test_a_spec_that_is_a_directory_is_one_line(tmp_path):
     assert_one_line_error(result, "folder.toml")
 
 
-@pytest.mark.parametrize("command", [
-    lambda spec, tmp: ["sweep", spec, "--out", tmp / "t.parquet"],
-    lambda spec, tmp: ["plan", spec, "--arch", "gfx950"],
-    lambda spec, tmp: ["coverage", spec, "--arch", "sm_90"],
-], ids=["sweep", "plan", "coverage"])
+@pytest.mark.parametrize("command", SPEC_COMMANDS, ids=["sweep", "plan", "coverage"])
 def test_a_spec_that_is_a_device_or_a_pipe_is_refused_unread(tmp_path, command):
     pipe = tmp_path / "pipe.toml"
     os.mkfifo(pipe)  # reading it would wait for a writer forever
