@@ -432,3 +432,28 @@ def test_a_nan_in_q_comes_out_as_nan_not_zeros():
         out = attention.decode(**{**args, "dispatcher": dispatcher})
         assert torch.isnan(out[0, 1]).all(), route
         assert not torch.isnan(out[1]).any() and not torch.isnan(out[0, 0]).any(), route
+
+
+def test_torch_compile_carries_the_accuracy_policy():
+    """decode(accuracy=...) under torch.compile(fullgraph=True) reaches the op: the policy
+    its dispatcher serves matches eager, another is refused as eagerly."""
+    problem = MLAProblem(num_heads=4, batch=2, kv_len=40, page_size=8, q_dtype="fp16",
+                         kv_dtype="fp16")
+    inputs = make_decode_inputs(problem, seed=13, ragged=True)
+    shard = inputs.shards[0]
+    dispatcher = Dispatcher.rules_only(cpu_device(), accuracy="fast")
+
+    def attend(accuracy):
+        def call(q, kv_cache, block_table, seq_lens):
+            return attention.decode(q, kv_cache, block_table, seq_lens, num_heads=4,
+                                    max_kv_len=problem.kv_len, dispatcher=dispatcher,
+                                    accuracy=accuracy).float()
+        return call
+
+    args = (inputs.q, shard.kv_cache, shard.block_table, inputs.seq_lens)
+    got = torch.compile(attend("fast"), fullgraph=True)(*args)
+    torch.testing.assert_close(got, attend("fast")(*args))
+    from mlatune.errors import DecodeArgumentError
+
+    with pytest.raises(DecodeArgumentError, match=r"^accuracy: 'strict' asked"):
+        torch.compile(attend("strict"), fullgraph=True)(*args)
