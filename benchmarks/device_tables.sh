@@ -13,7 +13,9 @@
 #             through the whole sweep pipeline, at a few small problems
 #   table     SPEC on all GPUs into runs/$GPU/$ARCH-$GPU.parquet; resumed from its journal
 #             there, and stopped (SIGINT, journal kept) once BUDGET_S seconds of the call are
-#             spent, so a table takes as many calls as it needs; SHARD=I/N: that share only
+#             spent, so a table takes as many calls as it needs; SHARD=I/N: that share only;
+#             PRUNE_FROM=TABLE: another GPU's table prunes it (--prune-from, PRUNE_RATIO)
+#   hardware  what mlatune.hardware reads of the GPU (and nvidia-smi -q) into $OUT/hardware.txt
 #   refine    the table's --refine for REFINE_S seconds (its journal and table in runs/$GPU)
 #   heldout   HELDOUT into runs/$GPU-heldout/ (what `mlatune report --heldout` judges by)
 #   traffic   TRAFFIC into runs/$GPU-traffic/ (serving-like shapes, held out likewise)
@@ -80,7 +82,13 @@ for step in "$@"; do
   case $step in
     tests) run gpu-tests timeout "$(left_s)" python3 -m pytest -m gpu -q -p no:cacheprovider ;;
     smoke) ( export CUDA_VISIBLE_DEVICES=0; sweep "$GPU-smoke" benchmarks/vendor_smoke.toml 1 ) ;;
-    table) sweep "$GPU" "$SPEC" "$NGPU" ${SHARD:+--shard "$SHARD"} ;;
+    table) sweep "$GPU" "$SPEC" "$NGPU" ${SHARD:+--shard "$SHARD"} \
+             ${PRUNE_FROM:+--prune-from "$PRUNE_FROM" --prune-ratio "${PRUNE_RATIO:-1.4}"} ;;
+    hardware) run hardware python3 -c 'import json, torch; from mlatune import arch, hardware
+d = arch.current_device(); p = torch.cuda.get_device_properties(0)
+print(hardware.of_device(d, hardware.measure_bandwidth(d)).as_json())
+print({k: str(getattr(p, k)) for k in dir(p) if not k.startswith("_")})'
+              nvidia-smi -q >> "$OUT/hardware.log" 2>&1 ;;
     refine) run refine timeout -s INT "$(left_s)" python3 -m mlatune sweep "$SPEC" \
               --arch "$ARCH" --gpus "$NGPU" --out "runs/$GPU/$ARCH-$GPU.parquet" \
               --refine "${REFINE_S:-300}" ;;

@@ -137,5 +137,6 @@ def test_a_worker_result_travels_as_json_and_becomes_the_record_it_measured():
 
 
 def test_statuses_have_one_owner():
-    assert STATUSES == ("ok", "rejected_accuracy", "crashed", "timeout", "unsupported", "stale")
+    assert STATUSES == ("ok", "rejected_accuracy", "crashed", "timeout", "unsupported", "stale",
+                        "pruned")
     assert Status.OK == "ok" and json.dumps(Status.CRASHED) == '"crashed"'

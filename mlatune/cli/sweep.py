@@ -2,7 +2,8 @@
 
 ``--json``: progress and notes go to stderr; stdout holds ``spec``, ``spec_name``,
 ``device``, ``table``, ``csv``, ``journal``, ``candidates`` (planned), ``ran`` (now),
-``resumed`` (found in the journal), ``refused`` (by a rule, not run), ``fallbacks``,
+``resumed`` (found in the journal), ``refused`` (by a rule, not run), ``pruned`` (by
+--prune-from's table, not run), ``fallbacks``,
 ``measured_dcp``, ``statuses`` ({status: candidates}, refusals apart), ``wall_s``,
 ``worker_s`` ({part: seconds}) and ``refine`` ({"points", "worker_s"} with --refine, else
 null). With --refine and nothing to measure: ``spec``, ``table`` and ``refine`` only.
@@ -87,6 +88,13 @@ RefineOption = Annotated[float | None, typer.Option(
          "dispatcher is least sure of (predicted far from measured points, neighbours "
          "disagreeing), until their estimated worker time reaches SECONDS; the table grows "
          "to hold them.")]
+PruneFromOption = Annotated[Path | None, typer.Option(
+    metavar="TABLE",
+    help="A measured table (another GPU's, an older sweep's) that prunes this one: a route "
+         "whose time there was over --prune-ratio times the problem's fastest is recorded "
+         "'pruned' and not run. Problems and routes it did not measure run.")]
+PruneRatioOption = Annotated[float, typer.Option(
+    metavar="R", min=1.0, help="With --prune-from: how far behind the best a route is pruned.")]
 
 
 @app.command()
@@ -95,7 +103,8 @@ def sweep(spec_name: SpecArgument = None, arch: ArchOption = None, out: OutOptio
           dcp_top_k: DcpTopKOption = None, dcp_graph: DcpGraphFlag = False,
           timeout: TimeoutOption = 300.0, compile_workers: CompileWorkersOption = None,
           routes: RoutesOption = None, shard: ShardOption = None,
-          refine: RefineOption = None, json_out: JsonFlag = False) -> None:
+          refine: RefineOption = None, prune_from: PruneFromOption = None,
+          prune_ratio: PruneRatioOption = 1.5, json_out: JsonFlag = False) -> None:
     """Measure every viable route for each problem of a spec and write a dispatch table.
 
     A rerun continues where the last one stopped (a kill or Ctrl-C loses only what was in
@@ -129,12 +138,26 @@ def sweep(spec_name: SpecArgument = None, arch: ArchOption = None, out: OutOptio
     settings = stages.SweepSettings(
         spec, path, device, table_path, gpus=gpus, timeout_s=timeout,
         only=tuple(only) if only else None, compile_workers=compile_workers,
-        dcp_top_k=dcp_top_k, dcp_graph=dcp_graph, shard=share, fresh=fresh)
+        dcp_top_k=dcp_top_k, dcp_graph=dcp_graph, shard=share, fresh=fresh,
+        prior=_prior(prune_from, prune_ratio))
     summary = _run(settings, shown)
     if json_out:
         emit_json("sweep", _sweep_json(summary, path, device, chosen))
         return
     _print_summary(summary)
+
+
+def _prior(path: Path | None, ratio: float):
+    """--prune-from's table as a sweep's ``Prior``; a table that cannot be read stops here."""
+    if path is None:
+        return None
+    from mlatune.errors import TableError
+    from mlatune.sweep.candidates import Prior
+
+    try:
+        return Prior.read(str(path), ratio)
+    except (TableError, OSError) as exc:
+        usage_error(f"{path}: {exc}", "--prune-from")
 
 
 def _share(shard: str | None, resume: bool, fresh: bool, refine: float | None
@@ -323,6 +346,7 @@ def _sweep_json(summary: SweepSummary, path: Path, device: DeviceInfo,
             "csv": str(summary.table_path.with_suffix(".csv")),
             "journal": str(summary.journal_path), "candidates": result.planned,
             "ran": result.ran, "resumed": result.resumed, "refused": result.refused,
+            "pruned": result.pruned,
             "fallbacks": result.fallbacks, "measured_dcp": result.measured_dcp,
             "statuses": dict(sorted(_statuses(summary).items())), "wall_s": summary.wall_s,
             "worker_s": dict(result.seconds),

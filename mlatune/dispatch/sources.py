@@ -28,7 +28,13 @@ from mlatune.problem import BUCKET_FIELDS
 from mlatune.routes import FACTS, Route
 from mlatune.table import winners_map
 from mlatune.table.cost import DEFAULT_PLAN_CALLS, step_cost
-from mlatune.table.schema import DCP_MEASURED, Status, competing, is_measured
+from mlatune.table.schema import (
+    DCP_MEASURED,
+    NEITHER_STATUSES,
+    Status,
+    competing,
+    is_measured,
+)
 
 log = logging.getLogger("mlatune")
 _PROBLEM_COLUMNS = [*BUCKET_FIELDS, "batch", "kv_len"]  # a problem's columns, on one device
@@ -211,8 +217,7 @@ class FrameSource:
         known = rows["route"].isin(route_ids).to_numpy()
         skipped = {str(r): int(n) for r, n in
                    rows.loc[ok & ~known, "route"].value_counts().items()}
-        # A stale row (a deleted kernel form) neither answers nor failed.
-        failing = ~ok & known & (rows["status"] != "stale").to_numpy()
+        failing = ~ok & known & ~rows["status"].isin(NEITHER_STATUSES).to_numpy()
         failed = self._failures(rows.loc[failing, [*_PROBLEM_COLUMNS, "route", "status"]])
         rows = rows.loc[self._usable(rows, route_ids, capturable),
                         [*_PROBLEM_COLUMNS, "route", "route_params", "time_us", "rank",

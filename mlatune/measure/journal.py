@@ -18,6 +18,7 @@ from typing import Any
 
 from mlatune.arch import DeviceInfo
 from mlatune.errors import JournalError
+from mlatune.hardware import Hardware
 from mlatune.measure.records import Record, present, split_line
 
 __all__ = ["JournalHeader", "read", "read_records"]
@@ -48,14 +49,16 @@ class JournalHeader:
     index: int | None = None
     device_name: str | None = None
     shard: str | None = None
+    hardware: str | None = None  # the device's ``mlatune.hardware.Hardware``, as JSON
     extra: dict[str, Any] = field(default_factory=dict)  # fields this code does not know
 
     @classmethod
-    def of(cls, spec_sha256: str, spec: str, device: DeviceInfo, shard: str | None = None
-           ) -> JournalHeader:
+    def of(cls, spec_sha256: str, spec: str, device: DeviceInfo, shard: str | None = None,
+           figures: Hardware | None = None) -> JournalHeader:
         """The header of a sweep of ``spec`` on ``device`` (one ``shard`` of it, or all)."""
         return cls(spec_sha256=spec_sha256, spec=spec, **device.as_dict(),
-                   device_name=device.name, shard=shard)
+                   device_name=device.name, shard=shard,
+                   hardware=figures.as_json() if figures is not None else None)
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> JournalHeader:

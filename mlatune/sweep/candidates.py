@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -45,9 +46,10 @@ class Candidate:
                                  **result})
 
 
-def plan(spec: SweepSpec, device: DeviceInfo, only: Iterable[str] | None = None
-         ) -> tuple[list[Candidate], list[Record]]:
-    """Candidates to run, and ``unsupported`` records for the routes that refuse a problem.
+def plan(spec: SweepSpec, device: DeviceInfo, only: Iterable[str] | None = None,
+         prior: Prior | None = None) -> tuple[list[Candidate], list[Record]]:
+    """Candidates to run, and records of those that will not: ``unsupported`` for the routes
+    that refuse a problem, ``pruned`` for those ``prior`` puts far behind its best.
 
     By default every viable route runs, except the eager reference where another
     route serves the problem: it is the fallback of last resort, and timing it
@@ -71,7 +73,19 @@ def plan(spec: SweepSpec, device: DeviceInfo, only: Iterable[str] | None = None
             candidates += [Candidate(problem, route.id, p) for p in space]
         refused += [Candidate(problem, r.id).record(status=Status.UNSUPPORTED, reason=v.reason)
                     for r, v in answers if not v.ok]
+    if prior is not None:
+        candidates, pruned = prior.split(candidates)
+        refused += pruned
     return candidates, refused
+
+
+def _rounding(route_id: str, problem: MLAProblem, params: dict[str, Any]) -> str:
+    """The numeric class of a route's set at a problem ("none" for a route not registered)."""
+    try:
+        route = routes.get(route_id)
+    except KeyError:
+        return "none"
+    return routes.rounding(route, problem, params).value
 
 
 def stable_hash(text: str) -> int:
@@ -123,3 +137,74 @@ class Shard:
     def of(self, spec: SweepSpec) -> SweepSpec:
         """The spec with only this share's problems (its sha256 stays the spec's)."""
         return replace(spec, problems=tuple(p for p in spec.problems if self.holds(p)))
+
+
+@dataclass(frozen=True)
+class Prior:
+    """A measured table that prunes a sweep (Triton's ``prune_configs_by``, with measured
+    times for a model). At a problem it measured ok, a route whose time there was over
+    ``ratio`` times the problem's fastest does not run; a route that does runs its first
+    parameter set of each numeric class (``Route.rounding``: its own pick, and where a route
+    offers a rounding form, its first exact one too, which a strict caller is served) and
+    the set that won there, not the others. A problem,
+    route or winning set the table does not hold runs as without it. Only prunes: nothing
+    it holds enters the new table."""
+
+    times: dict[tuple[str, str], float]  # (problem key, route) -> launch time, us
+    params: dict[tuple[str, str], dict[str, Any]]  # (problem key, route) -> what won
+    best: dict[str, tuple[float, str]]  # problem key -> (fastest launch time, its route)
+    ratio: float
+    source: str
+
+    @classmethod
+    def read(cls, path: str, ratio: float) -> Prior:
+        """The ok rows of the table at ``path`` (every device it holds)."""
+        from mlatune import table
+        from mlatune.table.frame import key_strings
+
+        rows = table.read(path, facts=routes.FACTS)
+        rows = rows[(rows["status"] == Status.OK.value) & rows["time_us"].notna()]
+        times: dict[tuple[str, str], float] = {}
+        params: dict[tuple[str, str], dict[str, Any]] = {}
+        best: dict[str, tuple[float, str]] = {}
+        for key, route, t, ran in zip(key_strings(rows), rows["route"].tolist(),
+                                      rows["time_us"].tolist(), rows["route_params"].tolist(),
+                                      strict=True):
+            if t < times.get((key, route), math.inf):
+                times[key, route], params[key, route] = t, json.loads(ran or "{}")
+        for (key, route), t in times.items():
+            kind = (key, _rounding(route, MLAProblem.from_key(key), params[key, route]))
+            if kind not in best or t < best[kind][0]:
+                best[kind] = (t, route)
+        return cls(times, params, best, ratio, str(path))
+
+    def split(self, candidates: list[Candidate]) -> tuple[list[Candidate], list[Record]]:
+        """The candidates that run, and a ``pruned`` record for each of the others."""
+        kept, pruned = [], []
+        seen: set[tuple[str, str, str]] = set()  # (problem, route, class) whose first went by
+        for c in candidates:
+            rounding = _rounding(c.route_id, c.problem, c.params)
+            kind = (c.problem.key, c.route_id, rounding)
+            why = self._reason(c, rounding, first=kind not in seen)
+            seen.add(kind)
+            if why:
+                pruned.append(c.record(status=Status.PRUNED, reason=why))
+            else:
+                kept.append(c)
+        return kept, pruned
+
+    def _reason(self, candidate: Candidate, rounding: str, first: bool) -> str:
+        """Why ``candidate`` (of numeric class ``rounding``) is pruned; "" where it runs."""
+        pair = (candidate.problem.key, candidate.route_id)
+        took = self.times.get(pair)
+        fastest, by = self.best.get((pair[0], rounding), (math.inf, ""))
+        if took is None or fastest == math.inf or \
+                _rounding(pair[1], candidate.problem, self.params[pair]) != rounding:
+            return ""  # not measured in this class there
+        if took > self.ratio * fastest:
+            return (f"pruned: {took / fastest:.2f}x {by}'s time in {self.source} "
+                    f"(over {self.ratio:g}x; numeric class {rounding})")
+        won = self.params[pair]
+        if first or all(won.get(k) == v for k, v in candidate.params.items()):
+            return ""
+        return f"pruned: another of the route's sets won in {self.source}"

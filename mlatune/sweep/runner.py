@@ -18,6 +18,7 @@ from mlatune.sweep import compile_ahead
 from mlatune.sweep.candidates import (  # noqa: F401  (Shard: callers import it from here)
     REFERENCE,
     Candidate,
+    Prior,
     Shard,
     plan,
     problem_seed,
@@ -39,6 +40,7 @@ class SweepResult:
     planned: int = 0  # candidates of the spec (what the progress bar counts)
     resumed: int = 0  # of those, found in the journal: not run again
     refused: int = 0  # (problem, route) pairs a rule refuses: recorded, not run
+    pruned: int = 0  # candidates a prior table prunes (--prune-from): recorded, not run
     fallbacks: int = 0  # reference runs where every route that served a problem failed
     measured_dcp: int = 0  # DCP tasks measured across processes now (dcp_stage)
 
@@ -52,7 +54,8 @@ class SweepResult:
 
 def run(spec: SweepSpec, device: DeviceInfo, journal: Journal, *, workers: int = 1,
         timeout_s: float = 300.0, only: Iterable[str] | None = None,
-        observer: Observer | None = None, compile_workers: int | None = None) -> SweepResult:
+        observer: Observer | None = None, compile_workers: int | None = None,
+        prior: Prior | None = None) -> SweepResult:
     """Run every candidate of ``spec`` not already in ``journal``.
 
     First, ``compile_workers`` processes per device (default: on a GPU, the spare
@@ -60,14 +63,16 @@ def run(spec: SweepSpec, device: DeviceInfo, journal: Journal, *, workers: int =
     bucket, so the kernels are compiled before the timing workers need them.
     Then, unless routes were named, the reference runs for every problem where
     all the routes that served it failed, so the table holds an ok row there.
+    ``prior``: a measured table that prunes the routes far behind a problem's best.
     """
     t0 = time.monotonic()
-    candidates, refused = plan(spec, device, only)
+    candidates, refused = plan(spec, device, only, prior)
     done = journal.done_ids
     journal.extend([r for r in refused if r.id not in done])
     todo = [c for c in candidates if c.id not in done]
+    pruned = sum(r.status is Status.PRUNED for r in refused)
     if observer and hasattr(observer, "refused"):
-        observer.refused(len(refused))
+        observer.refused(len(refused) - pruned)
     seconds: dict[str, float] = {}
     if compile_workers is None:
         compile_workers = compile_ahead.default_workers(workers) if device.is_gpu else 0
@@ -94,7 +99,8 @@ def run(spec: SweepSpec, device: DeviceInfo, journal: Journal, *, workers: int =
         execute(fallbacks)
     return SweepResult(journal.records, time.monotonic() - t0, len(todo) + len(fallbacks),
                        {**execute.seconds, **seconds}, planned=len(candidates),
-                       resumed=len(candidates) - len(todo), refused=len(refused),
+                       resumed=len(candidates) - len(todo), refused=len(refused) - pruned,
+                       pruned=pruned,
                        fallbacks=len(fallbacks))
 
 

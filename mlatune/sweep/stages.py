@@ -14,14 +14,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from mlatune import routes, table
+from mlatune import hardware, routes, table
 from mlatune.arch import DeviceInfo
 from mlatune.errors import JournalError, TableError
 from mlatune.measure.records import table_rows
 from mlatune.sweep import dcp_stage, runner
 from mlatune.sweep import journal as journals
 from mlatune.sweep import refine as refinement
-from mlatune.sweep.candidates import Shard
+from mlatune.sweep.candidates import Prior, Shard
 from mlatune.sweep.journal import Journal, JournalHeader
 from mlatune.sweep.progress import Observer
 from mlatune.sweep.runner import SweepResult
@@ -53,6 +53,8 @@ class SweepSettings:
     dcp_graph: bool = False
     shard: Shard | None = None
     fresh: bool = False
+    prior: Prior | None = None  # --prune-from
+
 
     @property
     def journal_path(self) -> Path:
@@ -63,9 +65,12 @@ class SweepSettings:
         return self.table_path.with_suffix(".csv")
 
     def header(self) -> JournalHeader:
-        """The journal's header: what a resumed journal must have been written for."""
+        """The journal's header: what a resumed journal must have been written for, and the
+        hardware figures of the device (``mlatune.hardware``: its bandwidth measured now)."""
+        figures = hardware.of_device(self.device, hardware.measure_bandwidth(self.device)) \
+            if self.device.is_gpu else None
         return JournalHeader.of(self.spec.sha256, str(self.spec_path), self.device,
-                                str(self.shard) if self.shard else None)
+                                str(self.shard) if self.shard else None, figures)
 
 
 @dataclass(frozen=True)
@@ -123,7 +128,7 @@ def _passes(settings: SweepSettings, spec: SweepSpec, journal: Journal,
     device = settings.device
     result = runner.run(spec, device, journal, workers=settings.gpus if device.is_gpu else 1,
                         timeout_s=settings.timeout_s, only=settings.only, observer=observer,
-                        compile_workers=settings.compile_workers)
+                        compile_workers=settings.compile_workers, prior=settings.prior)
     if settings.gpus > 1:
         top_k = spec.dcp_top_k if settings.dcp_top_k is None else settings.dcp_top_k
         result.measured_dcp = dcp_stage.run(spec, journal, settings.gpus, gpu=device.is_gpu,

@@ -107,7 +107,7 @@ def _run_checked(problem: MLAProblem, route: Route, params: dict, case: _Case,
     for p in prepared:
         p.step()  # as an engine's step: the per-step plan, then the launch
     _sync(device)
-    if not want_lse:
+    if problem.dcp_size == 1:  # nothing to merge (a route may return no LSE: sdpa)
         return _Checked(prepared, None, None, prepared[0].out, prepared[0].lse)
     # Ranks' partials stacked as a DCP all-to-all would deliver them, merged into
     # poisoned buffers so that an element the merge misses is caught too.

@@ -34,6 +34,7 @@ from mlatune.table.schema import (
     DCP_MEASURED,
     DEVICE_COLUMNS,
     KEY_COLUMNS,
+    NEITHER_STATUSES,
     ROW_KEY,
     SCHEMA_VERSION,
     STEP_COST_COLUMNS,
@@ -162,7 +163,7 @@ def _device_winners(rows: pd.DataFrame, winners_only: bool
         else:
             entries[key]["alternatives"].append(option)
     failed: dict[str, list[tuple[str, str]]] = {}
-    bad = rows[~ok & (rows["status"] != "stale")]  # a stale row neither answers nor failed
+    bad = rows[~ok & ~rows["status"].isin(NEITHER_STATUSES)]
     for key, route, status in zip(key_strings(bad), bad["route"].tolist(),
                                   bad["status"].tolist(), strict=True):
         failed.setdefault(key, []).append((str(route), str(status)))

@@ -66,10 +66,15 @@ class Status(StrEnum):
     # Its parameters name a kernel form that no longer exists: set as a table is read,
     # never served, neither ok nor failed (sweep the route again).
     STALE = "stale"
+    # A prior table put the route far behind the problem's best (``mlatune sweep
+    # --prune-from``): not run, neither ok nor failed.
+    PRUNED = "pruned"
     CHECKED = "checked"  # compiling ahead: checked once, never journaled nor in a table
 
 
 STATUSES = tuple(s.value for s in Status if s is not Status.CHECKED)  # a table's statuses
+# Rows that neither answer a problem nor say a route failed there.
+NEITHER_STATUSES = (Status.STALE.value, Status.PRUNED.value)
 
 # Column -> pandas dtype. Floats are NaN where a status has no measurement.
 RESULT_COLUMNS: dict[str, str] = {

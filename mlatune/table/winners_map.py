@@ -57,6 +57,7 @@ from mlatune.errors import TableError
 from mlatune.problem import KEY_FIELDS, MLAProblem
 from mlatune.steps import PLAN_PLACES, RouteFacts
 from mlatune.table.schema import (
+    NEITHER_STATUSES,
     SCHEMA_VERSION,
     STATUSES,
     STEP_COST_COLUMNS,
@@ -65,7 +66,7 @@ from mlatune.table.schema import (
 )
 
 FORMAT = "mlatune-winners"
-FAILED_STATUSES = tuple(s for s in STATUSES if s not in ("ok", "stale"))  # stale: neither
+FAILED_STATUSES = tuple(s for s in STATUSES if s != "ok" and s not in NEITHER_STATUSES)
 ERROR_FIELDS = ("rel_err", "max_abs_err", "lse_err")  # v5: the table's columns, null: NaN
 
 
