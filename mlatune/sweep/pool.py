@@ -11,6 +11,10 @@ once. A process that dies (abort, segfault, illegal memory access) scores its ca
 ``crashed``, one that overruns the timeout is killed and scores ``timeout``; either way a
 fresh process takes over and the pool goes on. Processes start with SIGINT ignored:
 Ctrl-C is the sweep's to handle, and it kills them.
+
+With a ``deadline`` (tuning at model load) the pool starts no problem it does not expect
+to finish by then (from the mean time of the candidates finished so far) and kills what is
+still running when it comes; the candidates it did not finish are in ``cut``, unrecorded.
 """
 
 from __future__ import annotations
@@ -187,20 +191,29 @@ class WorkerPool:
     """Runs candidates on one worker process per entry of ``devices``, handing each
     result record to ``on_result``. ``task_of`` makes a candidate's task. With
     ``check_only`` tasks the workers stop after the first accuracy check (compiling
-    ahead). ``seconds`` sums where the workers' time went, by ``COST_PARTS``."""
+    ahead). ``seconds`` sums where the workers' time went, by ``COST_PARTS``.
+    ``deadline`` (``time.monotonic()``'s clock): past it nothing runs; ``cut`` then holds
+    the candidates not run or killed unfinished, and ``started`` counts the processes."""
 
     def __init__(self, devices: list[str], timeout_s: float, task_of: Callable[[Candidate], Task],
-                 on_result: Callable[[Record], None] = lambda record: None):
-        self.devices, self.timeout_s = devices, timeout_s
+                 on_result: Callable[[Record], None] = lambda record: None,
+                 deadline: float = math.inf):
+        self.devices, self.timeout_s, self.deadline = devices, timeout_s, deadline
         self.task_of, self.on_result = task_of, on_result
         self.seconds = dict.fromkeys((*COST_PARTS, "other_s"), 0.0)
+        self.cut: list[Candidate] = []
+        self.started = 0
         self._slots: list[_Slot] = []
         self._groups: deque[deque[Candidate]] = deque()
+        self._finished: list[float] = []  # each finished candidate's seconds
 
     def __call__(self, candidates: list[Candidate]) -> None:
         if not candidates:
             return
         self._groups = _by_problem(candidates)
+        if time.monotonic() >= self.deadline:
+            self.cut += candidates
+            return
         self._slots = [self._started(d) for d in self.devices]
         try:
             while self._step():
@@ -208,15 +221,21 @@ class WorkerPool:
         except BaseException:  # interrupted: what is in flight is not worth waiting for
             shut_down((s.process for s in self._slots), gently=False)
             raise
-        shut_down((s.process for s in self._slots), gently=True)
+        self._cut_the_rest()
+        shut_down((s.process for s in self._slots if s.ready), gently=True)
+        shut_down((s.process for s in self._slots if not s.ready), gently=False)
 
     def _step(self) -> bool:
-        """Hand out work, take what arrives, expire what overran; False once all is done."""
+        """Hand out work, take what arrives, expire what overran; False once all is done
+        or the deadline has come."""
+        if time.monotonic() >= self.deadline:
+            return False
         self._hand_out()
         busy = [s for s in self._slots if s.busy]
         if not busy:
             return False
-        timeout = max(0.0, min(s.next_deadline() for s in busy) - time.monotonic())
+        until = min(self.deadline, *(s.next_deadline() for s in busy))
+        timeout = max(0.0, until - time.monotonic())
         for conn in wait([s.process.connection for s in busy], timeout=timeout):
             slot = next(s for s in self._slots if s.process.connection is conn)
             event = slot.process.get()
@@ -226,13 +245,35 @@ class WorkerPool:
         return True
 
     def _hand_out(self) -> None:
+        now = time.monotonic()
         for slot in list(self._slots):
             if not slot.ready or slot.candidate is not None:
                 continue
-            if not slot.group and self._groups:
+            if not slot.group and self._groups and self._fits(self._groups[0], now):
                 slot.group = self._groups.popleft()
             if slot.group:
                 self._send(slot, slot.group.popleft())
+
+    def _fits(self, group: deque[Candidate], now: float) -> bool:
+        """Whether a problem's candidates are expected to finish by the deadline, at the
+        mean time of those finished so far (the first problem always starts)."""
+        if self.deadline == math.inf or not self._finished:
+            return True
+        mean = sum(self._finished) / len(self._finished)
+        return now + mean * len(group) <= self.deadline
+
+    def _cut_the_rest(self) -> None:
+        """What the deadline left: problems not started, the rest of those started, and a
+        candidate still running (its process killed: it says nothing of its route)."""
+        for slot in self._slots:
+            if slot.candidate is not None:
+                self.cut.append(slot.candidate)
+                slot.process.kill()
+                slot.candidate = None
+            self.cut += slot.group
+            slot.group = deque()
+        self.cut += [c for group in self._groups for c in group]
+        self._groups = deque()
 
     def _send(self, slot: _Slot, candidate: Candidate) -> None:
         """Hand over a task; until its inputs exist, the setup allowance applies."""
@@ -285,6 +326,7 @@ class WorkerPool:
         for part, spent in zip(COST_PARTS, parts, strict=True):
             self.seconds[part] += spent
         self.seconds["other_s"] += max(0.0, elapsed - sum(parts))
+        self._finished.append(elapsed)
         # Where and when it ran: how busy each GPU was (bench.py --routine sweep-cost).
         self.on_result(slot.candidate.record(**result.fields(), elapsed_s=elapsed,
                                              device=slot.process.device,
@@ -297,10 +339,10 @@ class WorkerPool:
         fresh.group = slot.group
         self._slots[self._slots.index(slot)] = fresh
 
-    @staticmethod
-    def _started(device: str) -> _Slot:
+    def _started(self, device: str) -> _Slot:
         process = WorkerProcess(device)
         process.start()
+        self.started += 1
         return _Slot(process)
 
 

@@ -1,12 +1,14 @@
 """Running a sweep: the spec's candidates through the worker pool (``pool``), one
 worker per device, every result journaled as it arrives, so a killed sweep resumes
 where it stopped. Before the timed pass, processes compile kernels ahead
-(``compile_ahead``); after it, the reference runs where every route failed.
+(``compile_ahead``); after it, the reference runs where every route failed. With a
+``deadline`` nothing runs past it (tuning at model load: ``pool``).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -43,6 +45,8 @@ class SweepResult:
     pruned: int = 0  # candidates a prior table prunes (--prune-from): recorded, not run
     fallbacks: int = 0  # reference runs where every route that served a problem failed
     measured_dcp: int = 0  # DCP tasks measured across processes now (dcp_stage)
+    cut: list[Candidate] = field(default_factory=list)  # not run or not finished by the deadline
+    workers_started: int = 0  # worker processes started (crashes replaced included)
 
     @property
     def counts(self) -> dict[str, int]:
@@ -55,7 +59,7 @@ class SweepResult:
 def run(spec: SweepSpec, device: DeviceInfo, journal: Journal, *, workers: int = 1,
         timeout_s: float = 300.0, only: Iterable[str] | None = None,
         observer: Observer | None = None, compile_workers: int | None = None,
-        prior: Prior | None = None) -> SweepResult:
+        prior: Prior | None = None, deadline: float = math.inf) -> SweepResult:
     """Run every candidate of ``spec`` not already in ``journal``.
 
     First, ``compile_workers`` processes per device (default: on a GPU, the spare
@@ -64,6 +68,8 @@ def run(spec: SweepSpec, device: DeviceInfo, journal: Journal, *, workers: int =
     Then, unless routes were named, the reference runs for every problem where
     all the routes that served it failed, so the table holds an ok row there.
     ``prior``: a measured table that prunes the routes far behind a problem's best.
+    ``deadline`` (``time.monotonic()``'s clock): past it nothing runs; the candidates it
+    left are the result's ``cut``.
     """
     t0 = time.monotonic()
     candidates, refused = plan(spec, device, only, prior)
@@ -88,7 +94,8 @@ def run(spec: SweepSpec, device: DeviceInfo, journal: Journal, *, workers: int =
         if observer:
             observer.finished(record)
 
-    execute = _pool(spec, _devices(device, workers), timeout_s, on_result=journal_it)
+    execute = _pool(spec, _devices(device, workers), timeout_s, on_result=journal_it,
+                    deadline=deadline)
     execute(todo)
     fallbacks = []
     if not only and not spec.routes:
@@ -97,11 +104,12 @@ def run(spec: SweepSpec, device: DeviceInfo, journal: Journal, *, workers: int =
         if fallbacks and observer:
             observer.started(len(fallbacks), 0, "reference fallbacks")
         execute(fallbacks)
-    return SweepResult(journal.records, time.monotonic() - t0, len(todo) + len(fallbacks),
+    ran = len(todo) + len(fallbacks) - len(execute.cut)
+    return SweepResult(journal.records, time.monotonic() - t0, ran,
                        {**execute.seconds, **seconds}, planned=len(candidates),
                        resumed=len(candidates) - len(todo), refused=len(refused) - pruned,
-                       pruned=pruned,
-                       fallbacks=len(fallbacks))
+                       pruned=pruned, fallbacks=len(fallbacks), cut=execute.cut,
+                       workers_started=execute.started)
 
 
 def _compile_ahead(spec: SweepSpec, device: DeviceInfo, workers: int, per_device: int,
@@ -123,7 +131,10 @@ def _compile_ahead(spec: SweepSpec, device: DeviceInfo, workers: int, per_device
 
 
 def _devices(device: DeviceInfo, workers: int) -> list[str]:
-    """One worker per GPU; on the CPU ``workers`` processes share it (tests use that)."""
+    """One worker per GPU (one alone: ``device``'s own); on the CPU ``workers`` processes
+    share it (tests use that)."""
+    if device.is_gpu and workers == 1 and device.index >= 0:
+        return [device.torch_device]
     return [f"cuda:{i}" for i in range(workers)] if device.is_gpu else ["cpu"] * workers
 
 
@@ -141,7 +152,7 @@ def _reference_fallbacks(problems: Iterable[MLAProblem], records: list[Record]
 
 def _pool(spec: SweepSpec, devices: list[str], timeout_s: float, *,
           on_result: Callable[[Record], None] = lambda record: None,
-          check_only: bool = False) -> WorkerPool:
+          check_only: bool = False, deadline: float = math.inf) -> WorkerPool:
     """A pool whose tasks carry the spec's seed, budget and tolerances. With
     ``check_only`` the workers stop after the first accuracy check (compiling ahead)."""
     budget = asdict(spec.budget)
@@ -150,4 +161,4 @@ def _pool(spec: SweepSpec, devices: list[str], timeout_s: float, *,
         return Task(c.problem, c.route_id, c.params, problem_seed(spec.seed, c.problem), budget,
                     spec.tolerances, check_only)
 
-    return WorkerPool(devices, timeout_s, task_of, on_result)
+    return WorkerPool(devices, timeout_s, task_of, on_result, deadline)
