@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from mlatune import routes, table
 from mlatune.dispatch import Choice, Dispatcher, TableError, find_table, sources
 from mlatune.dispatch import dispatcher as dispatch_module
+from mlatune.dispatch.laws import Laws
 from mlatune.problem import MLAProblem
 from mlatune.table.schema import KEY_COLUMNS, STATUSES
 from tests.table_helpers import (
@@ -207,9 +208,21 @@ def table_key(key):
     return dict(part.split("=") for part in key.split("|"))
 
 
-def test_rule_answers_buckets_never_measured(table_path, fakes):
+def test_cost_laws_answer_buckets_never_measured(table_path, fakes):
+    dispatcher = Dispatcher.load(table_path, device=H200)
+    for batch in (4, 100):
+        problem = MLAProblem(num_heads=3, qlen=1, batch=batch, kv_len=5000)
+        choice = dispatcher.select(problem)
+        assert choice.source == "law" and choice.time_us > 0
+        assert dispatcher.routes[choice.route_id].supports(problem, H200).ok
+        assert choice.key in dispatcher._winner  # the measured row its recipe comes from
+        assert any(n.startswith("law: ") for n in dispatcher.explain(problem)[1])
+
+
+def test_rule_answers_where_no_route_has_a_law(table_path, fakes):
     frame = table.read(table_path)
     dispatcher = Dispatcher.load(table_path, device=H200)
+    dispatcher._laws = Laws({}, dispatcher.routes, dispatcher.hardware)  # no law at all
     wins = table.winners(frame)["route"].value_counts()
     order = sorted(wins.index, key=lambda r: (-wins[r], r))
     for batch in (4, 100):
@@ -262,7 +275,7 @@ def test_select_never_returns_a_route_that_refuses(bucket, batch, kv_len):
         problem = bucket.with_(batch=batch, kv_len=kv_len)
         choice = dispatcher.select(problem)
         assert dispatcher.routes[choice.route_id].supports(problem, H200).ok
-        assert choice.source in ("table", "nearest", "rule")
+        assert choice.source in ("table", "nearest", "law", "rule")
     finally:
         for r in made:
             routes.unregister(r.id)
@@ -488,7 +501,7 @@ def test_json_winners_map_answers_like_the_table(tmp_path, fakes, capturable):
         assert from_json.select(p) == from_table.select(p), p
         assert from_json.explain(p) == from_table.explain(p), p
         sources.add(from_table.select(p).source)
-    assert sources == {"table", "nearest", "rule"}
+    assert sources == {"table", "nearest", "law", "rule"}
     # Every route failed at these two: none is taken from a neighbour or the rule there.
     for p in (BUCKETS[0].with_(batch=64, kv_len=8192), BUCKETS[1].with_(batch=3, kv_len=1024)):
         assert from_json.select(p).route_id not in FAKE_ROUTES
@@ -525,9 +538,9 @@ def test_repeated_selects_allocate_nothing_and_touch_no_files(table_path, fakes)
     dispatcher = Dispatcher.load(table_path, device=H200)
     problems = [b.with_(batch=batch, kv_len=kv) for b in BUCKETS for batch in (1, 8, 12, 300)
                 for kv in (1024, 5000)]
-    problems.append(MLAProblem(num_heads=3))  # rule
+    problems.append(MLAProblem(num_heads=3))  # law (a bucket never measured)
     first = [dispatcher.select(p) for p in problems]
-    assert {c.source for c in first} == {"table", "nearest", "rule"}
+    assert {c.source for c in first} == {"table", "nearest", "law"}
 
     def no_io(*args, **kwargs):
         raise AssertionError("select did I/O")
@@ -571,7 +584,7 @@ def test_explain_says_why(table_path, fakes):
     assert any("picky/fake refuses" in n for n in notes)
     assert notes[-1].startswith("nearest measured point: batch=64 kv_len=1024")
     choice, notes = dispatcher.explain(MLAProblem(num_heads=3))
-    assert choice.source == "rule" and notes[-1].startswith("rule:")
+    assert choice.source == "law" and notes[-1].startswith("law:")
 
 
 def test_nearest_redoes_the_neighbours_kv_splits_for_the_asked_problem(tmp_path):

@@ -18,10 +18,10 @@ class Choice:
 
     route_id: str
     params: Mapping[str, Any]  # read-only; pass as route.prepare(..., params=dict(params))
-    source: str  # "table", "predicted", "nearest" or "rule"
+    source: str  # "table", "predicted", "nearest", "law" or "rule"
     key: str = ""  # the measured problem the choice comes from; "" for a rule
     # Its measured step cost (``step_cost``): the launch plus the plan the caller pays;
-    # for a predicted answer the prediction.
+    # for a predicted or law answer the prediction.
     time_us: float = math.nan
     # A predicted answer's expected relative error (0.1: about 10%; Prediction.uncertainty):
     # far from measured points or where the neighbours disagree. NaN for other answers.
@@ -36,6 +36,20 @@ def nearest_notes(winner: Choice, choice: Choice) -> list[str]:
     if choice.params != winner.params:
         notes.append(f"its parameters redone for these sizes: "
                      f"{json.dumps(dict(winner.params), sort_keys=True)} there")
+    return notes
+
+
+def law_notes(found: Sequence[Any]) -> list[str]:
+    """``explain``'s sentences for a law answer: the fastest usable routes' predictions
+    (``laws.LawPrediction``), the first answering."""
+    if not found:
+        return ["law: no route with a cost law serves this problem"]
+    notes = [f"law: {p.route_id} {json.dumps(dict(p.params), sort_keys=True)} "
+             f"{p.time_us:.4g} us (+-{100 * p.uncertainty:.0f}%; its nearest measured row: "
+             f"{p.nearest.label})" for p in found]
+    notes.append(f"law: {found[0].route_id} predicted fastest by its cost law in device terms "
+                 f"(bytes over bandwidth, FLOPs over tensor throughput, waves over SMs), "
+                 f"corrected by its nearest measured rows")
     return notes
 
 

@@ -15,8 +15,12 @@ on purpose), and builds everything ``select`` needs (the predictor too).
   measured point (``point_distance``: total KV tokens first, then batch) whose
   winner supports the problem, with the parameters a route derives from sizes
   (KV splits) redone for the problem (``routes.params_at``);
-- ``rule``: the first route of the arch's rule order that supports the
-  problem; ``reference/torch`` is last and supports everything.
+- ``law`` (a bucket never measured, or one whose points answer nothing): the route whose
+  cost law in device terms (``mlatune.dispatch.laws``, fitted over every bucket of the
+  table) predicts it fastest there, with a correction borrowed from its nearest measured
+  rows; every viable route with a law competes, vendor routes included;
+- ``rule``: where no viable route has a law, the first route of the arch's rule order
+  that supports the problem; ``reference/torch`` is last and supports everything.
 
 DCP rows timed across processes (``dcp_timing`` "measured") and on one GPU ("simulated")
 never compete with each other (``mlatune.table.schema.competing``): at a problem with
@@ -63,7 +67,10 @@ from mlatune import capability
 from mlatune.arch import DeviceInfo
 from mlatune.check.policy import Policy, policy_named
 from mlatune.dispatch import loading, sources
-from mlatune.dispatch.choice import Choice, held_notes, measured_note, nearest_notes
+from mlatune.dispatch.admission import class_of
+from mlatune.dispatch.choice import Choice, held_notes, law_notes, measured_note, nearest_notes
+from mlatune.dispatch.device_terms import table_hardware
+from mlatune.dispatch.laws import Laws
 from mlatune.dispatch.loading import (  # noqa: F401  (the dispatcher's public names)
     FIRST_SIGHT_ENV,
     TABLE_ENV,
@@ -79,6 +86,7 @@ from mlatune.dispatch.sources import (  # noqa: F401  (the dispatcher's public n
     find_table,
 )
 from mlatune.errors import TableError
+from mlatune.hardware import Hardware
 from mlatune.problem import BUCKET_FIELDS, MLAProblem
 from mlatune.routes import Route, params_at, rounding, step_kind_of
 from mlatune.routes.torch_ref import REFERENCE_ID as REFERENCE_ROUTE
@@ -132,7 +140,8 @@ class Dispatcher:
                  first_sight: str | os.PathLike | None = None,
                  measured_keys: Collection[str] = (), group: Any = None,
                  accuracy: Policy | str | None = None,
-                 held_back: Mapping[str, tuple[sources.Held, ...]] | None = None):
+                 held_back: Mapping[str, tuple[sources.Held, ...]] | None = None,
+                 hardware: Hardware | None = None):
         """Built by ``load``: ``entries`` name only routes in ``routes`` (the registry
         snapshot they were filtered with), each key's rows those that compete there
         (``schema.competing``); ``skipped_routes`` counts the rows dropped;
@@ -141,7 +150,9 @@ class Dispatcher:
         here (``mlatune.dispatch.environment``); ``measured_keys`` the keys whose rows were
         timed across processes (DCP): a bucket that has some answers unmeasured shapes
         from those alone; ``accuracy`` the policy ``entries`` were filtered by and what any
-        other answer must meet (``check.policy``), ``held_back`` the rows it filtered out."""
+        other answer must meet (``check.policy``), ``held_back`` the rows it filtered out;
+        ``hardware`` the figures of the GPU the rows were measured on (default: the
+        datasheet of ``table_device``'s model), which the cost laws are fitted in."""
         self.device = device
         self.capturable = capturable
         # Answering for another machine (allow_arch): support is the capability rules', as
@@ -166,6 +177,8 @@ class Dispatcher:
         # One phrase per difference ("torch: table 2.11.0, running 2.13.0"); [] when the
         # table was measured here, or nothing could be compared (no GPU, planning).
         self.environment_differences = list(environment_differences)
+        self.hardware = hardware if hardware is not None or table_device is None else \
+            table_hardware(table_device[1], table_device[0], table_device[2])
         self._build(entries, measured_keys, failed or {})
 
     def _build(self, entries: Sequence[sources.Entry], measured_keys: Collection[str],
@@ -173,6 +186,7 @@ class Dispatcher:
         """What ``select`` answers from: winners, buckets, rule order, memo, predictor."""
         self._nearest: dict[str, Choice] = {}  # a winner answering for a neighbour
         self._predictor: Predictor | None = None  # fitted at the end of __init__
+        self._laws: Laws | None = None  # fitted at the first unmeasured bucket asked
         points, wins = self._index(entries)
         points = learnable(points, measured_keys)
         self._buckets = {b: Bucket(p) for b, p in points.items()}
@@ -315,6 +329,40 @@ class Dispatcher:
                                         complete=False, failed=self._failed_rows())
         return self._predictor
 
+    def _ensure_laws(self) -> Laws | None:
+        if self._laws is None and self._winner and self.hardware is not None:
+            self._laws = Laws.fit(self._measured_rows(), self.routes, self.hardware,
+                                  self._failed_rows())
+        return self._laws
+
+    def _law_choice(self, problem: MLAProblem, failed: frozenset[str],
+                    notes: list[str] | None, shown_count: int | None = PREDICTIONS_SHOWN
+                    ) -> Choice | None:
+        """The route whose cost law predicts ``problem`` fastest among those that support
+        it, did not fail here and the accuracy policy admits (``mlatune.dispatch.laws``);
+        None where no such route has a law (the rule order answers)."""
+        laws = self._ensure_laws()
+        if laws is None:
+            return None
+
+        def usable(route_id: str, params: Mapping[str, Any]) -> bool:
+            route = self.routes.get(route_id)
+            if route is None or route_id in failed:
+                return False
+            cls = class_of(route, problem, params)
+            return cls is not None and self.accuracy.admits_class(problem.q_dtype, cls) \
+                and (not self.capturable or step_kind_of(route, dict(params)).capturable) \
+                and self._supports(route_id, problem, None)
+
+        found = [p for p in laws.choose(problem) if usable(p.route_id, p.params)]
+        if notes is not None:
+            notes += law_notes(found[:shown_count])
+        if not found:
+            return None
+        best = found[0]
+        return Choice(best.route_id, best.params, "law", best.nearest.key, best.time_us,
+                      best.uncertainty)
+
     def predicted_choices(self, problem: MLAProblem, k: int) -> list[Choice]:
         """The ``k`` recipes predicted fastest at ``problem`` among the routes that
         support it, their sized parameters redone for it ([] outside measured buckets)."""
@@ -416,6 +464,9 @@ class Dispatcher:
         elif notes is not None:
             notes.append("nothing was measured in this bucket (every key field but batch "
                          "and kv_len)")
+        lawful = self._law_choice(problem, failed, notes, shown_count)
+        if lawful is not None:
+            return lawful
         return self._rule_choice(problem, failed, notes)
 
     def _measured_choice(self, problem: MLAProblem, winner: Choice, notes: list[str] | None

@@ -5,14 +5,19 @@ from the recipes that ran there (``predict``'s module docstring says why).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
 import numpy as np
 
-FEATURES = 4  # the law's terms: 1, W, B, C
-_SUBSETS = [s for k in range(1, FEATURES + 1)
-            for s in itertools.combinations(range(FEATURES), k)]
+FEATURES = 4  # the bucket law's terms: 1, W, B, C
+
+
+@functools.cache
+def _subsets(features: int) -> tuple[tuple[int, ...], ...]:
+    return tuple(s for k in range(1, features + 1)
+                 for s in itertools.combinations(range(features), k))
 
 
 def nnls(a: np.ndarray, b: np.ndarray, yy: np.ndarray, usable: np.ndarray) -> np.ndarray:
@@ -20,13 +25,13 @@ def nnls(a: np.ndarray, b: np.ndarray, yy: np.ndarray, usable: np.ndarray) -> np
     equations ``a`` (rows x F x F), ``b`` (rows x F) and ``yy`` = |y_r|²: the best of the
     feature subsets whose unconstrained solution is >= 0 (F is small). ``usable``: how
     many terms each row's points can fix."""
-    rows = a.shape[0]
+    rows, features = a.shape[0], a.shape[1]
     best = np.full(rows, np.inf)
-    coef = np.zeros((rows, FEATURES))
+    coef = np.zeros((rows, features))
     scale = np.sqrt(np.einsum("rii->ri", a)) + 1e-300  # conditions the solves
     a = a / scale[:, :, None] / scale[:, None, :]
     b = b / scale
-    for subset in _SUBSETS:
+    for subset in _subsets(features):
         idx = list(subset)
         sub = a[:, idx][:, :, idx] + 1e-12 * np.eye(len(idx))
         c = np.linalg.solve(sub, b[:, idx][:, :, None])[:, :, 0]
