@@ -7,7 +7,8 @@ run by hand (``torchrun -m mlatune.sweep.dcp_group --journal ...``) on a GPU mac
 whose table could not come back. ``mlatune sweep`` refuses to run off its device, and a
 table written here must not carry this machine's environment: the measuring
 environment is taken from ``--env-from`` (a table of the same run), the creation time
-from the journal's last record.
+from the journal's last record, the GPU's figures (``mlatune.hardware``) from the journal's
+header where it records them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-from mlatune import table
+from mlatune import routes, table
 from mlatune.arch import DeviceInfo
 from mlatune.measure.journal import read
 from mlatune.measure.records import table_rows
@@ -40,8 +41,10 @@ def main() -> None:
     last = max(r.get("finished_at", 0.0) for r in records)
     provenance = replace(Provenance(**env), schema_version=SCHEMA_VERSION, converted_from="",
                          created_utc=datetime.fromtimestamp(last, timezone.utc)
-                         .strftime("%Y-%m-%dT%H:%M:%SZ"))
-    frame = table.build(table_rows(records, device), provenance)
+                         .strftime("%Y-%m-%dT%H:%M:%SZ"),
+                         hardware=header.get("hardware") or env.get("hardware") or "")
+    frame = table.build(table_rows(records, device), provenance, facts=routes.FACTS,
+                        sharing=routes.plan_sharing())
     table.write(frame, args.out)
     print(f"wrote {args.out}: {len(frame)} rows from {len(records)} records")
 

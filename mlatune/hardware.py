@@ -16,7 +16,7 @@ import re
 import shutil
 import subprocess
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from mlatune.arch import DeviceInfo
@@ -91,8 +91,9 @@ def datasheet(name: str) -> Datasheet | None:
 
 
 def of_device(device: DeviceInfo, measured_bandwidth_gbs: float | None = None) -> Hardware:
-    """``device``'s figures: read where this process can, else from its datasheet."""
-    read = _read_properties(device) if device.is_gpu else {}
+    """``device``'s figures: read where this process can (a GPU it holds), else from its
+    datasheet."""
+    read = _read_properties(device) if device.is_gpu and device.index >= 0 else {}
     sheet = datasheet(device.name)
     source = {k: "read" for k in read}
     figures: dict[str, Any] = dict(read)
@@ -108,11 +109,20 @@ def of_device(device: DeviceInfo, measured_bandwidth_gbs: float | None = None) -
                     source=source, **figures)
 
 
-def scaled_from(hardware: Hardware, sm_count: int) -> Hardware:
-    """``hardware`` with another SM count: throughput follows the SMs, bandwidth not."""
-    tflops = None if hardware.tensor_tflops is None else \
-        hardware.tensor_tflops * sm_count / hardware.sm_count
-    return replace(hardware, sm_count=sm_count, tensor_tflops=tflops)
+def described(name: str, arch: str, sm_count: int) -> Hardware:
+    """A GPU this process does not hold, by its name and SM count (its datasheet's figures)."""
+    return of_device(DeviceInfo(arch, name, "nvidia" if arch.startswith("sm_") else "amd",
+                                sm_count, 0, -1))
+
+
+def recorded(provenance: list[Mapping[str, Any]], name: str, arch: str, sm_count: int
+             ) -> Hardware:
+    """The figures a table's provenance records for its device, else its datasheet's."""
+    for record in provenance:
+        found = Hardware.from_json(record.get("hardware"))
+        if found is not None:
+            return found
+    return described(name, arch, sm_count)
 
 
 def _read_properties(device: DeviceInfo) -> dict[str, Any]:

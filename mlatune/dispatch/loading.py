@@ -12,6 +12,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, TypeVar
 
+from mlatune import hardware
 from mlatune.arch import CPU_ARCH, DeviceInfo, current_device
 from mlatune.check.policy import Policy, policy_named
 from mlatune.dispatch import environment, ranks, sources
@@ -32,11 +33,13 @@ TABLE_ENV = "MLATUNE_TABLE"
 # (MIOpen's user find-db over its system db): its rows replace the bundled rows of the
 # problems it holds and add the problems the bundled table lacks.
 USER_TABLE_ENV = "MLATUNE_USER_TABLE"
-# What a table measured on another GPU model is to this one: "use" (served, with one warning:
-# the default) or "refuse" (a TableError naming both models; the bundled table then gives way
+# What a table measured on another GPU model is to this one: "transfer" (the default: its
+# times carried to this GPU by the cost laws, mlatune.dispatch.laws, from both models'
+# figures, mlatune.hardware; one log line says so), "use" (served as measured, with one
+# warning) or "refuse" (a TableError naming both models; the bundled table then gives way
 # to the rules).
 OTHER_GPU_ENV = "MLATUNE_OTHER_GPU"
-OTHER_GPU = ("use", "refuse")
+OTHER_GPU = ("transfer", "use", "refuse")
 # Where on-first-sight timings are written (mlatune.dispatch.first_sight); unset: off.
 FIRST_SIGHT_ENV = "MLATUNE_FIRST_SIGHT"
 
@@ -91,9 +94,10 @@ def load(cls, path: str | os.PathLike, device: DeviceInfo | None = None,
     ValueError. Whatever else a damaged file makes loading raise (OverflowError,
     RecursionError, Arrow errors, ...) is a TableError naming the file, one line.
 
-    A table measured on another GPU model is refused with ``other_gpu="refuse"``
-    (``OTHER_GPU``; None: ``MLATUNE_OTHER_GPU``'s, else "use"); otherwise it, and one
-    measured under another driver or library version, is loaded with one warning on the
+    A table measured on another GPU model (``OTHER_GPU``; None: ``MLATUNE_OTHER_GPU``'s,
+    else "transfer") has its times carried to this GPU by the cost laws ("transfer", one
+    log line), is served as measured ("use") or refused ("refuse"); served, it and one
+    measured under another driver or library version are loaded with one warning on the
     ``mlatune`` logger per table file and set of differences in a process; the differences
     are in ``environment_differences`` (``mlatune.dispatch.environment``).
     """
@@ -126,7 +130,7 @@ def load(cls, path: str | os.PathLike, device: DeviceInfo | None = None,
 def _load(cls, path: Path, device: DeviceInfo, allow_arch: str | None,
           capturable: bool, plan_calls: int, unmeasured: str | None,
           overlay: Path | None = None, policy: Policy | None = None,
-          other_gpu: str = "use") -> Dispatcher:
+          other_gpu: str = OTHER_GPU[0]) -> Dispatcher:
     policy = policy_named(policy)
     path, source, chosen = sources.open_source(path, overlay, device, allow_arch)
     planning = allow_arch is not None and device.arch != allow_arch
@@ -139,6 +143,8 @@ def _load(cls, path: Path, device: DeviceInfo, allow_arch: str | None,
         running = None  # planning for another machine: this one's versions do not matter
     else:
         running = environment.here(device)
+    if other_gpu == "transfer" and running is not None and chosen[1] != device.name:
+        _transfer(source, chosen, provenance, device, path)
     differences = [] if running is None else \
         environment.differences(provenance, chosen, running)
     routes = registered_routes()
@@ -155,6 +161,35 @@ def _load(cls, path: Path, device: DeviceInfo, allow_arch: str | None,
                      accuracy=policy, held_back=held)
     environment.warn_once(str(path), differences)
     return dispatcher
+
+def _transfer(source: Any, chosen: tuple[str, str, int], provenance: list[dict[str, Any]],
+              device: DeviceInfo, path: Path) -> None:
+    """The table's times carried from the GPU it was measured on to ``device`` by the cost
+    laws, with one log line; where no law can carry them, served as measured (a warning)."""
+    measured = hardware.recorded(provenance, chosen[1], chosen[0], chosen[2])
+    here = hardware.of_device(device)
+    routes = registered_routes()
+    try:
+        from mlatune.dispatch import laws
+
+        source.carry(chosen, lambda rows: laws.transfer_times(rows, routes, measured, here))
+    except Exception as exc:  # no law for these rows: the measured times as they are
+        log.warning("mlatune: table %s measured on %s could not be carried to %s (%s); "
+                    "served as measured", path, chosen[1], device.name, exc)
+        return
+    log.info("mlatune: table %s measured on %s; this GPU is %s: its times carried over by "
+             "the cost laws (%s) (%s=use serves them as measured, refuse refuses the table)",
+             path, chosen[1], device.name, _figures(measured, here), OTHER_GPU_ENV)
+
+
+def _figures(measured: hardware.Hardware, here: hardware.Hardware) -> str:
+    """What differs between two GPUs' figures, as a log line's part."""
+    shown = [("SMs", measured.sm_count, here.sm_count, ""),
+             ("bandwidth", measured.bandwidth_gbs, here.bandwidth_gbs, " GB/s"),
+             ("tensor", measured.tensor_tflops, here.tensor_tflops, " TFLOP/s")]
+    return ", ".join(f"{name} {a:g} -> {b:g}{unit}" for name, a, b, unit in shown
+                     if a is not None and b is not None)
+
 
 def from_bundled(cls, device: DeviceInfo | None = None, capturable: bool = False,
                  plan_calls: int = DEFAULT_PLAN_CALLS, group: Any = None,
@@ -217,7 +252,7 @@ def _other_gpu(value: str | None) -> str:
         if value not in OTHER_GPU:
             raise ValueError(f"other_gpu: {value!r} is not one of {', '.join(OTHER_GPU)}")
         return value
-    found = (os.environ.get(OTHER_GPU_ENV) or "use").strip().lower()
+    found = (os.environ.get(OTHER_GPU_ENV) or OTHER_GPU[0]).strip().lower()
     if found not in OTHER_GPU:
         raise SettingError(f"{OTHER_GPU_ENV}: {found!r} is not one of {', '.join(OTHER_GPU)}")
     return found

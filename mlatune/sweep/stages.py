@@ -118,7 +118,7 @@ def run_sweep(settings: SweepSettings, observer: Observer | None = None,
     if failure:
         raise SweepError(failure)
     wall = time.monotonic() - t0
-    write_table(result, spec, settings)
+    write_table(result, spec, settings, journal.header.hardware or "")
     return SweepSummary(spec, result, wall, settings.table_path, settings.journal_path)
 
 
@@ -211,12 +211,15 @@ def move_aside(table_path: Path, journal_path: Path) -> list[Path]:
     return news
 
 
-def write_table(result: SweepResult, spec: SweepSpec, settings: SweepSettings) -> None:
-    """The journal's records folded into the table, written as Parquet and CSV."""
+def write_table(result: SweepResult, spec: SweepSpec, settings: SweepSettings,
+                figures: str = "") -> None:
+    """The journal's records folded into the table, written as Parquet and CSV; ``figures``:
+    the device's ``mlatune.hardware`` record (JSON) the journal's header holds."""
 
     try:
         frame = table.build(table_rows(result.records, settings.device),
-                            Provenance.here(spec.sha256), facts=routes.FACTS,
+                            Provenance.here(spec.sha256, figures),
+                            facts=routes.FACTS,
                             sharing=routes.plan_sharing())
         table.write(frame, settings.table_path)
         table.write(frame, settings.csv_path)

@@ -36,7 +36,8 @@ from mlatune.table.schema import (
 )
 
 # Provenance fields that may differ between runs on one device; the rest must not.
-RUN_FIELDS = ("created_utc", "spec_sha256", "converted_from")
+# (hardware: its measured copy bandwidth moves from run to run.)
+RUN_FIELDS = ("created_utc", "spec_sha256", "converted_from", "hardware")
 ENVIRONMENT_FIELDS = tuple(f for f in PROVENANCE_TYPES if f not in RUN_FIELDS)
 _ROUTE_ID = re.compile(r"^[a-z0-9][a-z0-9-]*/[a-z0-9][a-z0-9-]*$")
 _EXAMPLES = 3  # values quoted per problem: enough to find them, short enough for one line

@@ -337,12 +337,15 @@ def _stored_version(frame: pd.DataFrame, unparsed: set[str]) -> int:
 def upgrade(frame: pd.DataFrame, version: int = 1, facts: RouteFacts | None = None
             ) -> pd.DataFrame:
     """An older table as the current schema (see mlatune.table.schema): v1's step kinds from
-    ``facts`` and costs NaN; v1 and v2's DCP rows simulated; v1-v4's ``lse_err`` NaN; v1-v3
+    ``facts`` and costs NaN; v1 and v2's DCP rows simulated; v1-v4's ``lse_err`` NaN; v1-v5's
+    ``hardware`` ""; v1-v3
     ranked again by step cost (v4 already is); provenance ``schema_version`` current and
     ``converted_from`` the version a row was measured as."""
     out = _stepped_and_timed(frame, version, facts) if version < 3 else frame.copy()
     if "lse_err" not in out:  # never measured before v5
         out["lse_err"] = pd.Series(np.nan, index=out.index, dtype=_dtype("float64"))
+    if "hardware" not in out:  # never recorded before v6
+        out["hardware"] = pd.Series("", index=out.index, dtype=_dtype("string"))
     out = _marked_current(out[[c for c in COLUMNS if c in out]
                               + [c for c in out if c not in COLUMN_TYPES]], version)
     return out if version >= 4 else _ranked_again(out, facts)

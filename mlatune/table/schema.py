@@ -1,4 +1,4 @@
-"""Dispatch table schema v5: the columns every table has, and what each holds.
+"""Dispatch table schema v6: the columns every table has, and what each holds.
 
 One row per (device, problem, route). The key is the whole problem spelled
 out, plus the device it was measured on. Provenance travels twice: as Parquet
@@ -26,12 +26,18 @@ where v1-v3 ranked them by the launch's time alone.
 
 v5 adds ``lse_err``: the largest absolute error of the route's LSE against the reference.
 
+v6 adds the provenance field ``hardware``: the figures of the GPU the rows were measured on
+that decide kernel speed (``mlatune.hardware.Hardware`` as JSON: SMs, memory, bandwidth,
+tensor throughput, clocks, a measured copy bandwidth), which the dispatcher's cost laws read
+to carry a table to another GPU model; "" where not recorded.
+
 Older tables are upgraded as they are read (``mlatune.table.read``): a v1 table's step
 kinds come from the routes' declarations where the reader hands them over (``RouteFacts``)
 and its costs are NaN (never measured); a v1 or v2 table's DCP rows are "simulated", the
-other DCP columns empty; a v1-v4 table's ``lse_err`` is NaN (never measured); a v1-v3 table
-is ranked again; ``schema_version`` becomes 5 and the provenance field ``converted_from``
-names the version a row was measured as ("" for a table measured as v5).
+other DCP columns empty; a v1-v4 table's ``lse_err`` is NaN (never measured); a v1-v5 table's
+``hardware`` is "" (not recorded: the device's name stands for it); a v1-v3 table is ranked
+again; ``schema_version`` becomes 6 and the provenance field ``converted_from`` names the
+version a row was measured as ("" for a table measured as v6).
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from mlatune.arch import DeviceInfo, driver_version, library_versions
 from mlatune.problem import KEY_FIELDS
 from mlatune.steps import UNKNOWN_STEP_KIND  # noqa: F401  (rows no route declared)
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 DEVICE_COLUMNS = ("arch", "device_name", "cu_count")
 KEY_COLUMNS = DEVICE_COLUMNS + KEY_FIELDS
@@ -153,9 +159,10 @@ class Provenance:
     # "" for a table measured under this schema; "v1" or "v2" for one upgraded from that
     # schema (see the module docstring for what upgrading fills in).
     converted_from: str = ""
+    hardware: str = ""  # mlatune.hardware.Hardware as JSON; "": not recorded
 
     @classmethod
-    def here(cls, spec_sha256: str = "") -> Provenance:
+    def here(cls, spec_sha256: str = "", hardware: str = "") -> Provenance:
         versions = library_versions()
         return cls(
             schema_version=SCHEMA_VERSION,
@@ -166,6 +173,7 @@ class Provenance:
             driver=driver_version(),
             created_utc=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             spec_sha256=spec_sha256,
+            hardware=hardware,
         )
 
     def as_dict(self) -> dict:
@@ -182,6 +190,7 @@ PROVENANCE_TYPES: dict[str, str] = {
     "created_utc": "string",
     "spec_sha256": "string",
     "converted_from": "string",
+    "hardware": "string",
 }
 
 COLUMN_TYPES: dict[str, str] = {**KEY_TYPES, **RESULT_COLUMNS, **PROVENANCE_TYPES}
@@ -217,4 +226,5 @@ def default_dcp_timing(dcp_size: int) -> str:
 def upgraded_provenance(provenance: Mapping, version: int = 1) -> dict:
     """A schema ``version`` provenance record as the upgraded table carries it."""
     return {**provenance, "schema_version": SCHEMA_VERSION,
-            "converted_from": provenance.get("converted_from") or f"v{version}"}
+            "converted_from": provenance.get("converted_from") or f"v{version}",
+            "hardware": provenance.get("hardware") or ""}
