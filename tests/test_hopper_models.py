@@ -1,0 +1,174 @@
+"""Every Hopper model: a GPU's figures (``mlatune.hardware``), the bundled table each model
+loads (``sources.table_choice``), a table carried to another model (``other_gpu``), and a
+sweep pruned by another GPU's table (``--prune-from``)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import pytest
+
+from mlatune import hardware, table
+from mlatune.arch import DeviceInfo, cpu_device
+from mlatune.dispatch import Dispatcher, environment, sources
+from mlatune.dispatch.loading import OTHER_GPU_ENV, TABLE_ENV
+from mlatune.problem import MLAProblem
+from mlatune.sweep.candidates import Candidate, Prior
+from tests.table_helpers import H200, PROVENANCE, make_table, result_row
+
+H100 = DeviceInfo("sm_90", "NVIDIA H100 80GB HBM3", "nvidia", 132, 80 * 2**30, 0)
+H100_PCIE = DeviceInfo("sm_90", "NVIDIA H100 PCIe", "nvidia", 114, 80 * 2**30, 0)
+PROBLEM = MLAProblem(num_heads=8, batch=4, kv_len=1024)
+
+
+@pytest.mark.parametrize("name, sms, bandwidth", [
+    ("NVIDIA H100 80GB HBM3", 132, 3350.0), ("NVIDIA H100 PCIe", 114, 2000.0),
+    ("NVIDIA H200", 132, 4800.0), ("NVIDIA H20", 78, 4000.0), ("NVIDIA H800", 132, 3350.0),
+    ("NVIDIA GH200 480GB", 132, 4000.0)])
+def test_datasheets_tell_the_hopper_models_apart(name, sms, bandwidth):
+    sheet = hardware.datasheet(name)
+    assert (sheet.sm_count, sheet.bandwidth_gbs) == (sms, bandwidth)
+    assert hardware.datasheet("AMD Instinct MI300X") is None
+
+
+def test_figures_round_trip_and_a_table_record_wins_over_the_datasheet():
+    described = hardware.described("NVIDIA H200", "sm_90", 132)
+    assert described.bandwidth_gbs == 4800.0 and described.source["bandwidth_gbs"] == "datasheet"
+    assert hardware.Hardware.from_json(described.as_json()) == described
+    assert hardware.Hardware.from_json("{not json") is None
+    measured = replace(described, measured_bandwidth_gbs=4300.0)
+    assert measured.stream_gbs == 4300.0 and described.stream_gbs == 4800.0
+    assert hardware.recorded([{"hardware": ""}, {"hardware": measured.as_json()}],
+                             "NVIDIA H200", "sm_90", 132) == measured
+    assert hardware.recorded([{"hardware": ""}], "NVIDIA H200", "sm_90", 132) == described
+    # Nothing is read of a GPU this process does not hold, nor of the CPU.
+    assert hardware.of_device(cpu_device()).bandwidth_gbs is None
+    assert hardware.measure_bandwidth(cpu_device()) is None
+
+
+def test_each_model_loads_its_own_table_else_the_nearest(tmp_path):
+    for name in ("sm_90-h100.parquet", "sm_90-h100.json.gz", "sm_90-h200.parquet",
+                 "gfx950.parquet"):
+        (tmp_path / name).write_bytes(b"x")
+    choice = sources.table_choice(tmp_path, "sm_90", "NVIDIA H200")
+    assert (choice.path.name, choice.match) == ("sm_90-h200.parquet", "model")
+    choice = sources.table_choice(tmp_path, "sm_90", "NVIDIA H100 80GB HBM3")
+    assert (choice.path.name, choice.match) == ("sm_90-h100.parquet", "model")
+    # The PCIe card is named "H100" but is not the model the table measured.
+    choice = sources.table_choice(tmp_path, "sm_90", "NVIDIA H100 PCIe")
+    assert (choice.model, choice.match) == ("h100", "nearest") and "H100 PCIe" in choice.why
+    assert sources.table_choice(tmp_path, "sm_90", "NVIDIA H200 NVL").model == "h200"
+    # A model no datasheet knows: the arch's first table, said so.
+    choice = sources.table_choice(tmp_path, "sm_90", "Some Future GPU")
+    assert choice.match == "arch" and choice.path.name == "sm_90-h100.parquet"
+    assert sources.find_table(tmp_path, "gfx950", "AMD Instinct MI355X").name == "gfx950.parquet"
+    assert sources.find_table(tmp_path, "sm_100", "NVIDIA B200") is None
+
+
+@pytest.fixture
+def h200_table(tmp_path, monkeypatch):
+    monkeypatch.delenv(OTHER_GPU_ENV, raising=False)
+    monkeypatch.delenv(TABLE_ENV, raising=False)
+    recorded = replace(PROVENANCE, hardware=hardware.described("NVIDIA H200", "sm_90",
+                                                               132).as_json())
+    rows = [result_row(PROBLEM, "padded/triton", 5.0, device=H200),
+            result_row(PROBLEM, "gluon/triton", 6.0, device=H200)]
+    return table.write(make_table(rows, recorded), tmp_path / "sm_90-h200.parquet")
+
+
+@pytest.fixture
+def on_a_gpu(monkeypatch):
+    """This process as one that holds the device a test names (no GPU here)."""
+    monkeypatch.setattr(environment, "here", lambda device: environment.Environment(
+        device.name, device.cu_count, device.arch, "cuda-driver-12.8", {}))
+
+
+def test_another_model_is_carried_over_by_the_laws(h200_table, on_a_gpu, monkeypatch, caplog):
+    from mlatune.dispatch import laws
+
+    seen = []
+
+    def slower_triton(rows, routes, source, target):  # the laws' part, stood in for
+        seen.append((source.name, target.name, target.sm_count))
+        return rows["time_us"].to_numpy() * [3.0 if r == "padded/triton" else 1.0
+                                             for r in rows["route"]]
+
+    monkeypatch.setattr(laws, "transfer_times", slower_triton)
+    with caplog.at_level(logging.INFO, logger="mlatune"):
+        carried = Dispatcher.load(h200_table, device=H100_PCIE)
+    assert seen == [("NVIDIA H200", "NVIDIA H100 PCIe", 114)]
+    assert carried.select(PROBLEM).route_id == "gluon/triton"
+    assert "carried over by the cost laws (SMs 132 -> 114, bandwidth 4800 -> 2000 GB/s" \
+        in caplog.text
+    assert Dispatcher.load(h200_table, device=H100_PCIE, other_gpu="use"
+                           ).select(PROBLEM).route_id == "padded/triton"
+    assert Dispatcher.load(h200_table, device=H200).select(PROBLEM).route_id == "padded/triton"
+    assert len(seen) == 1  # neither "use" nor the table's own model carries anything
+
+
+def test_a_law_that_cannot_carry_serves_the_table_as_measured(h200_table, on_a_gpu, monkeypatch,
+                                                              caplog):
+    from mlatune.dispatch import laws
+
+    def no_law(rows, routes, source, target):
+        raise ValueError("no law for these routes")
+
+    monkeypatch.setattr(laws, "transfer_times", no_law)
+    with caplog.at_level(logging.WARNING, logger="mlatune"):
+        d = Dispatcher.load(h200_table, device=H100)
+    assert d.select(PROBLEM).route_id == "padded/triton"
+    assert "could not be carried to NVIDIA H100 80GB HBM3 (no law for these routes)" \
+        in caplog.text
+
+
+def _prior(tmp_path, rows) -> Prior:
+    return Prior.read(str(table.write(make_table(rows), tmp_path / "prior.parquet")), 1.5)
+
+
+def test_a_prior_table_prunes_routes_far_behind_and_losing_sets(tmp_path):
+    other = MLAProblem(num_heads=8, batch=8, kv_len=1024)
+    prior = _prior(tmp_path, [
+        result_row(PROBLEM, "padded/triton", 10.0, params={"num_splits": 4}),
+        result_row(PROBLEM, "gluon/triton", 8.0),
+        result_row(PROBLEM, "cprr/triton", 20.0, status="crashed")])
+    candidates = [Candidate(PROBLEM, "padded/triton", {"num_splits": 8}),  # first set
+                  Candidate(PROBLEM, "padded/triton", {"num_splits": 2}),
+                  Candidate(PROBLEM, "padded/triton", {"num_splits": 4}),  # won there
+                  Candidate(PROBLEM, "gluon/triton", {}),
+                  Candidate(PROBLEM, "segmented/triton", {}),  # not in the prior
+                  Candidate(other, "padded/triton", {"num_splits": 2})]  # problem not in it
+    kept, pruned = prior.split(candidates)
+    assert [c.params for c in kept if c.route_id == "padded/triton"
+            and c.problem == PROBLEM] == [{"num_splits": 8}, {"num_splits": 4}]
+    assert [(r.route, r.status) for r in pruned] == [("padded/triton", "pruned")]
+    assert "another of the route's sets won" in pruned[0].reason
+    assert {c.route_id for c in kept} >= {"gluon/triton", "segmented/triton"}
+    # Past the ratio, every set of the route is pruned, naming the time and the winner.
+    far = _prior(tmp_path, [result_row(PROBLEM, "padded/triton", 10.0),
+                            result_row(PROBLEM, "gluon/triton", 4.0)])
+    kept, pruned = far.split(candidates[:3])
+    assert not kept and all("2.50x gluon/triton's time" in r.reason for r in pruned)
+
+
+def test_routes_compete_within_their_numeric_class(tmp_path, monkeypatch):
+    from mlatune.sweep import candidates as module
+
+    # gluon/triton stands in for a route that rounds q: it does not prune exact routes.
+    monkeypatch.setattr(module, "_rounding", lambda route, problem, params:
+                        "q-fp8" if route == "gluon/triton" else "none")
+    prior = _prior(tmp_path, [result_row(PROBLEM, "padded/triton", 10.0),
+                              result_row(PROBLEM, "gluon/triton", 2.0)])
+    kept, pruned = prior.split([Candidate(PROBLEM, "padded/triton", {})])
+    assert [c.route_id for c in kept] == ["padded/triton"] and not pruned
+
+
+def test_pruned_rows_neither_answer_nor_fail(tmp_path):
+    rows = [result_row(PROBLEM, "padded/triton", 5.0),
+            result_row(PROBLEM, "gluon/triton", None, status="pruned", reason="pruned: far")]
+    path = table.write(make_table(rows), tmp_path / "sm_90.parquet")
+    d = Dispatcher.load(path, device=H200)
+    assert d.select(PROBLEM).route_id == "padded/triton"
+    assert PROBLEM.key not in d._failed  # the failures nearest and rule skip
+    (device,) = table.winners_json(table.read(path))["devices"]
+    assert not device["all_failed"] and all("failed" not in w for w in device["winners"].values())
