@@ -111,10 +111,12 @@ def _band_order(name: str) -> tuple:
 
 
 def worst(judged: list[tuple], count: int) -> None:
-    ordered = sorted(judged, key=lambda j: -np.nan_to_num(j[2], nan=np.inf))[:count]
-    for problem, choice, regret, best in ordered:
-        print(f"    {problem.label:48s} pick {choice.route_id:17s} ({choice.source}) "
-              f"+{100 * regret:.1f}%  best {best.route_id} {best.time_us:.4g} us")
+    timed = sorted((j for j in judged if not math.isnan(j[2])), key=lambda j: -j[2])
+    untimed = [j for j in judged if math.isnan(j[2])]
+    for problem, choice, regret, best in timed[:count] + untimed[:count]:
+        shown = "untimed" if math.isnan(regret) else f"+{100 * regret:.1f}%"
+        print(f"    {problem.label:50s} pick {choice.route_id:17s} ({choice.source}) "
+              f"{shown:>8s}  best {best.route_id} {best.time_us:.4g} us")
 
 
 def report(label: str, judged: list[tuple], show: int) -> None:

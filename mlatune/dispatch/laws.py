@@ -51,6 +51,9 @@ DISTANCE_ERROR = 0.03
 # pace's fit); the floor's bandwidth is this quantile of the shares the table's rows reach.
 BOUND_SHARE = 0.85
 REACH_QUANTILE = 0.99
+# A table whose steps all stay far below the bandwidth says little of where the floor is:
+# it is taken at least this share of the peak (streaming decode kernels reach 0.9 and more).
+MIN_REACH = 0.7
 FAILED_SHARE = 0.5  # a route's kernel weight on its failures from which it is not chosen
 
 
@@ -100,11 +103,19 @@ class _Law:
         total = float(w.sum())
         mean = float(w @ self.residual / total)
         spread = math.sqrt(max(0.0, float(w @ (self.residual - mean) ** 2 / total)))
-        failing = False
-        if self.failed is not None:
-            failed = float(np.exp(-0.5 * ((self.failed - q) ** 2).sum(axis=1) / width2).sum())
-            failing = failed >= FAILED_SHARE * (failed + total)
-        return mean, spread, math.sqrt(float(d2[j])), j, failing
+        return mean, spread, math.sqrt(float(d2[j])), j, self._failing(q, d2)
+
+    def _failing(self, q: np.ndarray, d2: np.ndarray) -> bool:
+        """Whether failures hold ``FAILED_SHARE`` of the kernel's weight at ``q``, the width
+        following the nearest row, ok or failed (many ok rows of another category do not
+        outvote the failures next to it)."""
+        if self.failed is None:
+            return False
+        f2 = ((self.failed - q) ** 2).sum(axis=1)
+        width2 = max(min(float(d2.min()), float(f2.min())), WIDTH_FLOOR)
+        failed = float(np.exp(-0.5 * f2 / width2).sum())
+        ok = float(np.exp(-0.5 * d2 / width2).sum())
+        return failed >= FAILED_SHARE * (failed + ok)
 
 
 class Laws:
@@ -265,17 +276,17 @@ def _reach(xs: list[np.ndarray], ts: list[np.ndarray]) -> float:
     """The share of peak DRAM bandwidth the table's fastest steps reach (a high quantile of
     bytes over bandwidth over time, so one odd row does not set it)."""
     shares = np.concatenate([x[:, 1] / t for x, t in zip(xs, ts, strict=True)])
-    return float(min(1.0, max(np.quantile(shares, REACH_QUANTILE), 1e-6)))
+    return float(min(1.0, max(np.quantile(shares, REACH_QUANTILE), MIN_REACH)))
 
 
 def _paced(x: np.ndarray, t: np.ndarray, reach: float) -> tuple[np.ndarray, np.ndarray]:
     """A route's rows for the linear fit of its pace: the DRAM term left out (the law takes
     it as a floor), and the rows at that floor too (their time says only that the pace is
-    no slower), while enough others remain."""
+    no slower). With fewer rows off the floor than terms, none: its law is the floor."""
     paced = x.copy()
     paced[:, 1] = 0.0
     free = x[:, 1] / reach < BOUND_SHARE * t
-    return (paced[free], t[free]) if free.sum() >= dt.TERMS else (paced, t)
+    return (paced[free], t[free]) if free.sum() >= dt.TERMS else (paced[:0], t[:0])
 
 
 def _normal(xs: list[np.ndarray], ts: list[np.ndarray]
