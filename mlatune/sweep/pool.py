@@ -222,7 +222,8 @@ class WorkerPool:
             shut_down((s.process for s in self._slots), gently=False)
             raise
         self._cut_the_rest()
-        shut_down((s.process for s in self._slots if s.ready), gently=True)
+        in_time = time.monotonic() < self.deadline  # past it, no process exit is awaited
+        shut_down((s.process for s in self._slots if s.ready), gently=in_time)
         shut_down((s.process for s in self._slots if not s.ready), gently=False)
 
     def _step(self) -> bool:
