@@ -199,11 +199,11 @@ def test_coverage_json_and_its_exit_status(good, tmp_path, fakes):  # noqa: F811
     document = parse(ok := runner.invoke(app, args), "coverage")
     assert ok.exit_code == 0 and document["ok"] and document["problems"] == 5
     assert {s: a["problems"] for s, a in document["answered"].items()} == {
-        "table": 1, "predicted": 0, "nearest": 3, "rule": 1}
+        "table": 1, "predicted": 0, "nearest": 3, "law": 1, "rule": 0}
     strict = runner.invoke(app, [*args, "--require", "nearest"])
     document = parse(strict, "coverage")
     assert strict.exit_code == 1 and not document["ok"] and "error:" in strict.stderr
-    assert [b["source"] for b in document["below_require"]] == ["rule"]
+    assert [b["source"] for b in document["below_require"]] == ["law"]
 
 
 def test_diff_json(good, tmp_path):  # noqa: F811
@@ -225,10 +225,12 @@ def test_plan_json():
 def test_doctor_json():
     document = parse(runner.invoke(app, ["doctor", "--json"]), "doctor")
     assert {"libraries", "gpus", "dispatch_table", "bundled_tables", "backends"} <= set(document)
-    by_arch = {t["arch"]: t for t in document["bundled_tables"]}
-    assert by_arch["sm_90"]["table"] == "sm_90-h200.parquet"
-    assert by_arch["sm_90"]["devices"] == [{"arch": "sm_90", "device_name": "NVIDIA H200",
-                                           "cu_count": 132}]
+    by_model = {(t["arch"], t["model"]): t for t in document["bundled_tables"]}
+    assert by_model["sm_90", "h200"]["table"] == "sm_90-h200.parquet"
+    assert by_model["sm_90", "h200"]["devices"] == [{"arch": "sm_90", "device_name": "NVIDIA H200",
+                                                    "cu_count": 132}]
+    assert by_model["sm_90", "h100"]["devices"][0]["device_name"] == "NVIDIA H100 80GB HBM3"
+    assert by_model["gfx950", None]["table"] is None
 
 
 # 5. Fixed value sets -------------------------------------------------------------------
@@ -237,7 +239,7 @@ def test_doctor_json():
     ("export", "--format", "<parquet|csv|json>"),
     ("lookup", "--phase", "<decode|prefill>"),
     ("lookup", "--kv-dtype", "<bf16|fp16|fp8_e4m3fn|fp8_e4m3fnuz>"),
-    ("coverage", "--require", "<table|predicted|nearest|rule>"),
+    ("coverage", "--require", "<table|predicted|nearest|law|rule>"),
     ("plan", "--arch", "<gfx942|gfx950|gfx1250|sm_90|sm_100>"),
     ("lookup", "--arch", "<gfx942|gfx950|gfx1250|sm_90|sm_100|cpu>"),
     ("sweep", "--arch", "<gfx942|gfx950|gfx1250|sm_90|sm_100|cpu>"),
@@ -344,7 +346,8 @@ def test_doctor_names_the_bundled_tables_and_what_each_arch_loads(monkeypatch):
     result = runner.invoke(app, ["doctor"])
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
-    [sm_90] = [line for line in lines if line.startswith("│ sm_90 ")]
-    assert "sm_90-h200.parquet" in sm_90 and "NVIDIA H200 (132 SMs/CUs)" in sm_90
+    h100, h200 = [line for line in lines if line.startswith("│ sm_90 ")]
+    assert "sm_90-h200.parquet" in h200 and "NVIDIA H200 (132 SMs/CUs)" in h200
+    assert "sm_90-h100.parquet" in h100 and "NVIDIA H100 80GB HBM3" in h100
     [gfx950] = [line for line in lines if line.startswith("│ gfx950 ")]
     assert "none: the dispatcher answers by rule" in gfx950

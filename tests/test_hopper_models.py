@@ -96,13 +96,14 @@ def test_another_model_is_carried_over_by_the_laws(h200_table, on_a_gpu, monkeyp
 
     monkeypatch.setattr(laws, "transfer_times", slower_triton)
     with caplog.at_level(logging.INFO, logger="mlatune"):
-        carried = Dispatcher.load(h200_table, device=H100_PCIE)
+        carried = Dispatcher.load(h200_table, device=H100_PCIE, other_gpu="transfer")
     assert seen == [("NVIDIA H200", "NVIDIA H100 PCIe", 114)]
     assert carried.select(PROBLEM).route_id == "gluon/triton"
     assert "carried over by the cost laws (SMs 132 -> 114, bandwidth 4800 -> 2000 GB/s" \
         in caplog.text
-    assert Dispatcher.load(h200_table, device=H100_PCIE, other_gpu="use"
-                           ).select(PROBLEM).route_id == "padded/triton"
+    assert Dispatcher.load(h200_table, device=H100_PCIE).select(PROBLEM).route_id == \
+        "padded/triton"  # "use", the default
+    monkeypatch.setenv(OTHER_GPU_ENV, "transfer")
     assert Dispatcher.load(h200_table, device=H200).select(PROBLEM).route_id == "padded/triton"
     assert len(seen) == 1  # neither "use" nor the table's own model carries anything
 
@@ -116,7 +117,7 @@ def test_a_law_that_cannot_carry_serves_the_table_as_measured(h200_table, on_a_g
 
     monkeypatch.setattr(laws, "transfer_times", no_law)
     with caplog.at_level(logging.WARNING, logger="mlatune"):
-        d = Dispatcher.load(h200_table, device=H100)
+        d = Dispatcher.load(h200_table, device=H100, other_gpu="transfer")
     assert d.select(PROBLEM).route_id == "padded/triton"
     assert "could not be carried to NVIDIA H100 80GB HBM3 (no law for these routes)" \
         in caplog.text

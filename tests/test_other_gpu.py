@@ -48,7 +48,7 @@ def test_the_bundled_table_gives_way_to_the_rules(h200_table, monkeypatch):
 
 
 def test_a_bad_value_names_where_it_came_from(h200_table, monkeypatch):
-    with pytest.raises(ValueError, match=r"^other_gpu: 'guess' is not one of transfer, use, "
+    with pytest.raises(ValueError, match=r"^other_gpu: 'guess' is not one of use, transfer, "
                                          r"refuse"):
         Dispatcher.load(h200_table, device=H100, other_gpu="guess")
     monkeypatch.setenv(OTHER_GPU_ENV, "maybe")

@@ -1,10 +1,13 @@
 """`mlatune doctor`: what this machine has.
 
 ``--json``: ``libraries`` ({name: version or null}), ``gpu_driver``, ``gpus`` ([{"index",
-"arch", "name", "cu_count", "memory_bytes"}]), ``dispatch_table`` ({"path", "error"}: what
-the dispatcher loads here), ``bundled_tables``: per arch, {"arch", "table" (the file a GPU of
-that arch loads, or null), "devices", "error"}, ``backends``: [{"backend", "importable",
-"detail", "routes"}].
+"arch", "name", "cu_count", "memory_bytes"}]), ``dispatch_table`` ({"path", "error",
+"measured_on", "why" (why this GPU loads that bundled table; null for MLATUNE_TABLE or
+none), "other_gpu" (how a table of another GPU model serves: transfer, use or refuse, and
+null where it was measured on this one), "differences", "accuracy"}), ``bundled_tables``:
+one per bundled table file, {"arch", "table", "model" (the GPU model its name gives, "" for
+none), "devices", "error"}, and {"arch", "table": null, ...} for an arch none serves,
+``backends``: [{"backend", "importable", "detail", "routes"}].
 """
 
 from __future__ import annotations
@@ -64,44 +67,61 @@ def _print_gpus(gpus: list[dict[str, Any]]) -> None:
 def _table_here() -> dict[str, Any]:
     """The table the dispatcher loads on this machine, why it serves here (the GPU it was
     measured on, and what differs from this machine), and the accuracy policy it serves."""
-    from mlatune.dispatch import Dispatcher
+    import os
+
+    from mlatune.arch import current_device
+    from mlatune.dispatch import Dispatcher, loading, sources
 
     try:
         d = Dispatcher.from_bundled()
     except (ValueError, OSError) as exc:  # MLATUNE_TABLE names an unusable table
-        return {"path": None, "error": str(exc), "measured_on": None, "differences": [],
-                "accuracy": None}
+        return {"path": None, "error": str(exc), "measured_on": None, "why": None,
+                "other_gpu": None, "differences": [], "accuracy": None}
+    device = current_device()
+    choice = None if os.environ.get(loading.TABLE_ENV) else \
+        sources.table_choice(sources.bundled_tables_dir(), device.arch, device.name)
+    other = d.table_device is not None and device.is_gpu and d.table_device[1] != device.name
     return {"path": d.source or None, "error": None,
             "measured_on": device_json(*d.table_device) if d.table_device else None,
+            "why": choice.why if choice and d.source else None,
+            "other_gpu": (os.environ.get(loading.OTHER_GPU_ENV) or loading.OTHER_GPU[0]).lower()
+            if other else None,
             "differences": list(d.environment_differences), "accuracy": d.accuracy.name}
 
 
 def bundled_tables() -> list[dict[str, Any]]:
-    """Per arch the capability rules know, or a bundled table names: the bundled table a
-    GPU of that arch loads (find_table's choice; MLATUNE_TABLE overrides it) and the
-    devices it holds."""
+    """Each bundled table a GPU may load, per arch the capability rules know or a table
+    names (MLATUNE_TABLE overrides them): the model its name gives (a GPU of that model
+    loads it; ``sources.table_choice``) and the devices it holds; an arch without one, once."""
     from mlatune.capability import ARCHS
     from mlatune.dispatch import sources  # its bundled_tables_dir is patched in tests
     from mlatune.errors import TableError
 
     folder = sources.bundled_tables_dir()
-    # find_table's naming: <arch>.<ext> or <arch>-<anything>.<ext>
+    # table_choice's naming: <arch>.<ext> or <arch>-<model>.<ext>, one entry per model
     named = {f.name.split("-")[0].split(".")[0] for f in folder.iterdir()
              if f.name.lower().endswith((".parquet", ".json", ".json.gz", ".csv"))}
     found = []
     for arch in sorted({*ARCHS, *named}):
-        chosen = sources.find_table(folder, arch)
-        entry = {"arch": arch, "table": chosen.name if chosen else None, "devices": [],
-                 "error": None}
-        if chosen is not None:
-            try:
-                entry["devices"] = _devices_in(chosen)
-            except TableError as exc:  # doctor reports a damaged bundled table, never dies
-                entry["error"] = str(exc)
-            except Exception as exc:  # whatever else: still reported, one line
-                entry["error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
-        found.append(entry)
+        for model in sources.table_models(folder, arch) or [None]:
+            chosen = None if model is None else sources.find_table(folder, arch, model)
+            entry = {"arch": arch, "table": chosen.name if chosen else None, "model": model,
+                     "devices": [], "error": None}
+            found.append(_read_devices(entry, chosen, TableError))
     return found
+
+
+def _read_devices(entry: dict[str, Any], chosen: Any, table_error: type) -> dict[str, Any]:
+    """``entry`` with the devices the table holds, or the error reading it gave."""
+    if chosen is None:
+        return entry
+    try:
+        entry["devices"] = _devices_in(chosen)
+    except table_error as exc:  # doctor reports a damaged bundled table, never dies
+        entry["error"] = str(exc)
+    except Exception as exc:  # whatever else: still reported, one line
+        entry["error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+    return entry
 
 
 def _devices_in(chosen: Traversable) -> list[dict[str, Any]]:
@@ -122,13 +142,15 @@ def _devices_in(chosen: Traversable) -> list[dict[str, Any]]:
 
 
 def _print_bundled(entries: list[dict[str, Any]]) -> None:
-    out = Table(title="bundled tables: what a GPU of each arch loads (MLATUNE_TABLE overrides)")
-    for col in ("arch", "table", "devices in it"):
+    out = Table(title="bundled tables: what a GPU of each arch and model loads (MLATUNE_TABLE "
+                      "overrides; another model loads the nearest, carried by the cost laws)")
+    for col in ("arch", "model", "table", "devices in it"):
         out.add_column(col)
     for e in entries:
         devices = (f"[red]unusable[/]: {e['error']}" if e["error"] else ", ".join(
             device_text((d["arch"], d["device_name"], d["cu_count"])) for d in e["devices"]))
-        out.add_row(e["arch"], e["table"] or "none: the dispatcher answers by rule", devices)
+        out.add_row(e["arch"], e["model"] or "", e["table"] or "none: the dispatcher answers "
+                    "by rule", devices)
     console().print(out)
 
 
@@ -164,3 +186,10 @@ def _print_table_here(here: dict[str, Any]) -> None:
                "fastest here)") if here["differences"] else ""
         console().print(f"  measured on {m['arch']} {m['device_name']} ({m['cu_count']} SMs/CUs)"
                         f"{why}; accuracy policy {here['accuracy']}", highlight=False)
+    if here.get("why"):
+        console().print(f"  chosen: {here['why']}", highlight=False)
+    if here.get("other_gpu"):
+        how = {"transfer": "its times carried to this GPU by the cost laws",
+               "use": "served as measured", "refuse": "refused"}[here["other_gpu"]]
+        console().print(f"  another GPU model's table: {how} (MLATUNE_OTHER_GPU="
+                        f"{here['other_gpu']})", highlight=False)

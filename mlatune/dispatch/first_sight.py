@@ -49,9 +49,10 @@ FIRST_SIGHT_SPEC = "first-sight"  # the spec_sha256 its rows carry: not from a s
 
 
 def unsure(choice: Choice) -> bool:
-    """Whether the dispatcher's answer is a guess worth timing: a neighbour's or a rule's,
-    or a prediction expected to be off by more than UNSURE."""
-    if choice.source in ("nearest", "rule"):
+    """Whether the dispatcher's answer is a guess worth timing: a neighbour's, a cost law's
+    (a bucket never measured) or a rule's, or a prediction expected to be off by more than
+    UNSURE."""
+    if choice.source in ("nearest", "law", "rule"):
         return True
     return choice.source == "predicted" and choice.uncertainty > UNSURE
 

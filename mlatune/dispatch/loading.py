@@ -33,13 +33,15 @@ TABLE_ENV = "MLATUNE_TABLE"
 # (MIOpen's user find-db over its system db): its rows replace the bundled rows of the
 # problems it holds and add the problems the bundled table lacks.
 USER_TABLE_ENV = "MLATUNE_USER_TABLE"
-# What a table measured on another GPU model is to this one: "transfer" (the default: its
-# times carried to this GPU by the cost laws, mlatune.dispatch.laws, from both models'
-# figures, mlatune.hardware; one log line says so), "use" (served as measured, with one
-# warning) or "refuse" (a TableError naming both models; the bundled table then gives way
-# to the rules).
+# What a table measured on another GPU model is to this one: "use" (the default: served as
+# measured, with one warning naming both models), "transfer" (its times carried to this GPU
+# by the cost laws, mlatune.dispatch.laws, from both models' figures, mlatune.hardware; one
+# log line says so) or "refuse" (a TableError naming both models; the bundled table then
+# gives way to the rules). "use" is the default as measured: between the H100 and the H200,
+# the laws' carried picks were no closer to the best than the other model's picks as they
+# are (benchmarks/RESULTS.md).
 OTHER_GPU_ENV = "MLATUNE_OTHER_GPU"
-OTHER_GPU = ("transfer", "use", "refuse")
+OTHER_GPU = ("use", "transfer", "refuse")
 # Where on-first-sight timings are written (mlatune.dispatch.first_sight); unset: off.
 FIRST_SIGHT_ENV = "MLATUNE_FIRST_SIGHT"
 
@@ -95,8 +97,8 @@ def load(cls, path: str | os.PathLike, device: DeviceInfo | None = None,
     RecursionError, Arrow errors, ...) is a TableError naming the file, one line.
 
     A table measured on another GPU model (``OTHER_GPU``; None: ``MLATUNE_OTHER_GPU``'s,
-    else "transfer") has its times carried to this GPU by the cost laws ("transfer", one
-    log line), is served as measured ("use") or refused ("refuse"); served, it and one
+    else "use") is served as measured ("use"), has its times carried to this GPU by the
+    cost laws ("transfer", one log line) or is refused ("refuse"); served, it and one
     measured under another driver or library version are loaded with one warning on the
     ``mlatune`` logger per table file and set of differences in a process; the differences
     are in ``environment_differences`` (``mlatune.dispatch.environment``).
@@ -158,7 +160,8 @@ def _load(cls, path: Path, device: DeviceInfo, allow_arch: str | None,
                      measured_keys=source.measured_keys(chosen, routes, capturable, policy),
                      provenance=provenance, skipped_routes=skipped, failed=failed,
                      capturable=capturable, environment_differences=differences,
-                     accuracy=policy, held_back=held)
+                     accuracy=policy, held_back=held,
+                     hardware=hardware.recorded(provenance, chosen[1], chosen[0], chosen[2]))
     environment.warn_once(str(path), differences)
     return dispatcher
 

@@ -168,6 +168,17 @@ def table_choice(directory: Path | Any, arch: str, device_name: str = "") -> Tab
                                          f"table")
 
 
+def table_models(directory: Path | Any, arch: str) -> list[str]:
+    """The GPU models the tables for ``arch`` in a directory name ("" for ``<arch>.<ext>``)."""
+    if directory is None or not directory.is_dir():
+        return []
+    formats = (".parquet", ".json", ".json.gz", ".csv")
+    found = {_model_of(f.name, arch, formats[r]) for f in directory.iterdir()
+             if (r := _format_rank(f.name, formats)) is not None
+             and f.name.lower().startswith((arch + ".", arch + "-"))}
+    return sorted(found)
+
+
 def _model_of(name: str, arch: str, ext: str) -> str:
     """The model a table file names: "sm_90-h100.parquet" -> "h100"; "sm_90.parquet" -> ""."""
     stem = name.lower()[len(arch):-len(ext)]

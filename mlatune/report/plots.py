@@ -242,7 +242,7 @@ def _fraction_panel(ax: Axes, frame: pd.DataFrame) -> None:
 
 # Nearest on held-out problems ---------------------------------------------------------------
 
-SOURCE_MARKERS = {"table": "D", "predicted": "^", "nearest": "o", "rule": "s"}
+SOURCE_MARKERS = {"table": "D", "predicted": "^", "nearest": "o", "law": "v", "rule": "s"}
 
 
 def regret(per_problem: pd.DataFrame, colours: dict[str, Colour]) -> Figure:
