@@ -21,7 +21,6 @@ import contextlib
 import hashlib
 import importlib
 import logging
-import math
 import os
 import threading
 import time
@@ -99,7 +98,10 @@ Shapes = ServingShapes | MLAProblem | Iterable[ServingShapes | MLAProblem]
 class TuneOptions:
     """How candidates run: the routes (None: every viable), each route's parameter sets
     kept (0: all), the timing ``budget`` per candidate (None: ``GPU_BUDGET`` or
-    ``CPU_BUDGET``), and the seconds one candidate may take (None: the whole budget)."""
+    ``CPU_BUDGET``), and the seconds one candidate may take once its inputs exist (None:
+    half the call's budget; past it the candidate is recorded ``timeout``, so that one
+    slow candidate, a vendor library compiling on first use, cannot hold its problem back
+    at every load)."""
 
     routes: Sequence[str] | None = None
     max_params_per_route: int = 2
@@ -222,7 +224,8 @@ def _tune(todo: list[MLAProblem], measured: Callable[[MLAProblem], bool], device
     keep = True
     try:
         with observer as shown:
-            result = runner.run(spec, device, journal, timeout_s=options.timeout_s or math.inf,
+            timeout_s = options.timeout_s or max(1.0, (deadline - time.monotonic()) / 2)
+            result = runner.run(spec, device, journal, timeout_s=timeout_s,
                                 observer=shown, compile_workers=0, deadline=deadline)
         cut = {c.problem.key for c in result.cut}
         report.tuned = [p for p in todo if p.key not in cut]
