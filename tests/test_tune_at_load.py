@@ -19,7 +19,7 @@ from mlatune.problem import MLAProblem
 from mlatune.sweep import at_load, pool, user_table
 from mlatune.sweep.at_load import ServingShapes, TuneOptions
 from mlatune.sweep.candidates import Candidate
-from mlatune.sweep.journal import Journal, JournalHeader
+from mlatune.sweep.journal import Journal, JournalHeader, read_records
 
 ROUTE = "padded/triton"  # the CPU's quickest Triton route in the interpreter
 QUICK = TuneOptions(routes=(ROUTE,), max_params_per_route=1)
@@ -169,12 +169,11 @@ def test_a_crashing_candidate_is_recorded_and_the_call_returns(tmp_path, fault_p
         "fault-raise/test": "crashed", "fault-abort/test": "crashed", ROUTE: "ok"}
 
 
-def test_a_crashed_tuners_journal_is_adopted_by_the_next(tmp_path, monkeypatch):
-    """A journal no process holds any longer: its results reach the table, nothing reruns."""
-    path = tmp_path / "user.parquet"
+def _dead_journal(path, problem: MLAProblem):
+    """A tuner's journal beside the user table at ``path`` holding an ok result of
+    ``problem`` (the route's first set, 42 us), left as its process's death leaves it: the
+    file there, its lock released. Returns the journals' folder."""
     device = cpu_device()
-    problem = MLAProblem(num_heads=2, q_dtype="fp16", kv_dtype="fp16", page_size=8, kv_len=16,
-                         batch=3)
     params = routes.get(ROUTE).param_space(problem, device)[0]
     folder = user_table.journals_dir(path)
     folder.mkdir()
@@ -182,10 +181,33 @@ def test_a_crashed_tuners_journal_is_adopted_by_the_next(tmp_path, monkeypatch):
                    resume=False)
     dead.append(Candidate(problem, ROUTE, params).record(
         status="ok", time_us=42.0, rel_err=1e-3, max_abs_err=1e-3, elapsed_s=0.5))
-    dead.close()  # as its process's death would: the lock released, the file left
+    dead.close()
+    return folder
+
+
+def test_a_crashed_tuners_journal_is_adopted_by_the_next(tmp_path, monkeypatch):
+    """A journal no process holds any longer: its results reach the table, nothing reruns."""
+    path = tmp_path / "user.parquet"
+    problem = MLAProblem(num_heads=2, q_dtype="fp16", kv_dtype="fp16", page_size=8, kv_len=16,
+                         batch=3)
+    folder = _dead_journal(path, problem)
     monkeypatch.setattr(pool.WorkerProcess, "start", lambda self: pytest.fail("a worker ran"))
     report = at_load.tune(problem, lambda p: False, path, budget_s=30.0, progress=False,
                           options=QUICK)
     assert report.error == "" and report.tuned == [problem]
     assert ok_rows(path, [problem]) == {problem.key: 42.0}
     assert list(folder.glob("*.jsonl")) == []
+
+
+def test_a_damaged_user_table_is_left_alone_and_the_results_kept(tmp_path, monkeypatch):
+    path = tmp_path / "user.parquet"
+    path.write_bytes(b"not a table")
+    problem = MLAProblem(num_heads=2, q_dtype="fp16", kv_dtype="fp16", page_size=8, kv_len=16)
+    _dead_journal(path, problem)
+    monkeypatch.setattr(pool.WorkerProcess, "start", lambda self: pytest.fail("a worker ran"))
+    report = at_load.tune(problem, lambda p: False, path, budget_s=30.0, progress=False,
+                          options=QUICK)
+    assert "TableError" in report.error and path.read_bytes() == b"not a table"
+    assert report.journal is not None and report.journal.exists()
+    kept = [r for r in read_records(report.journal)[1] if r.ok]
+    assert [(r.problem_key, r.time_us) for r in kept] == [(problem.key, 42.0)]
