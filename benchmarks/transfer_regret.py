@@ -38,9 +38,9 @@ from mlatune.report.metrics import one_device
 from mlatune.table.frame import assign_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
-H100 = Path("/work/notes/data/sm_90-h100.parquet")
+H100 = ROOT / "tables/sm_90-h100.parquet"
 H200 = ROOT / "tables/sm_90-h200.parquet"
-CROSSED = Path("/work/notes/data/h100-crossed.parquet")
+CROSSED = ROOT / "tables/journals/sm_90-h100/heldout/sm_90-crossed.parquet"
 NEW_HEADS = (12, 24, 48, 96)
 
 
