@@ -211,3 +211,16 @@ def test_a_damaged_user_table_is_left_alone_and_the_results_kept(tmp_path, monke
     assert report.journal is not None and report.journal.exists()
     kept = [r for r in read_records(report.journal)[1] if r.ok]
     assert [(r.problem_key, r.time_us) for r in kept] == [(problem.key, 42.0)]
+
+
+def test_a_table_that_cannot_be_loaded_stops_the_tuning_not_the_call(tmp_path, monkeypatch):
+    path = tmp_path / "user.parquet"
+    monkeypatch.setenv("MLATUNE_USER_TABLE", str(path))
+
+    def broken():
+        raise OSError("the table's disk is gone")
+
+    report = mlatune.tune_at_load(TWENTY, broken, progress=False)
+    assert report.error == "OSError: the table's disk is gone"
+    assert (report.asked, report.tuned, report.workers_started) == (20, [], 0)
+    assert not path.exists()

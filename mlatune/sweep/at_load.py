@@ -178,10 +178,22 @@ def tune_at_load(shapes: Shapes, dispatcher: Any, budget_s: float = DEFAULT_BUDG
     if os.environ.setdefault(USER_TABLE_ENV, str(path)) != str(path):
         log.warning("mlatune: tuning into %s, but %s=%s is the user table a dispatcher "
                     "overlays", path, USER_TABLE_ENV, os.environ[USER_TABLE_ENV])
-    if not hasattr(dispatcher, "select"):
-        dispatcher = dispatcher()
-    return tune(shapes, dispatcher, path, budget_s=budget_s, device=device, progress=progress,
+    loaded = dispatcher if hasattr(dispatcher, "select") else _Loaded(dispatcher)
+    return tune(shapes, loaded, path, budget_s=budget_s, device=device, progress=progress,
                 options=options)
+
+
+class _Loaded:
+    """A dispatcher loaded on first use, inside ``tune``'s guard: a table that cannot be
+    loaded stops the tuning (``report.error``), never the model load."""
+
+    def __init__(self, load: Callable[[], Any]):
+        self._load, self._dispatcher = load, None
+
+    def select(self, problem: MLAProblem) -> Any:
+        if self._dispatcher is None:
+            self._dispatcher = self._load()
+        return self._dispatcher.select(problem)
 
 
 def tune(shapes: Shapes, measured: Any, user_table_path: str | os.PathLike, *,
@@ -194,18 +206,19 @@ def tune(shapes: Shapes, measured: Any, user_table_path: str | os.PathLike, *,
     ``if __name__ == "__main__":`` (its workers are spawned processes)."""
     t0 = time.monotonic()
     report = TuneReport(Path(user_table_path), budget_s)
-    is_measured = measured_by(measured)
     asked = problems_of(shapes)
-    todo = cheapest_first(p for p in asked if not is_measured(p))
-    report.asked, report.measured_before = len(asked), len(asked) - len(todo)
-    if todo:
-        try:
+    report.asked = len(asked)
+    try:
+        is_measured = measured_by(measured)
+        todo = cheapest_first(p for p in asked if not is_measured(p))
+        report.measured_before = len(asked) - len(todo)
+        if todo:
             deadline = t0 + budget_s - merge_reserve_s(budget_s)
             _tune(todo, is_measured, device or current_device(), deadline,
                   _observer(progress), options or TuneOptions(), report)
-        except Exception as exc:  # tuning is an optimisation: a model load never fails on it
-            report.error = f"{type(exc).__name__}: {exc}"
-            log.warning("mlatune: tuning at load stopped: %s", report.error)
+    except Exception as exc:  # tuning is an optimisation: a model load never fails on it
+        report.error = f"{type(exc).__name__}: {exc}"
+        log.warning("mlatune: tuning at load stopped: %s", report.error)
     report.wall_s = time.monotonic() - t0
     return report
 
