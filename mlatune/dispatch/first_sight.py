@@ -36,6 +36,7 @@ from mlatune.measure import timers
 from mlatune.measure.records import table_rows
 from mlatune.problem import MLAProblem
 from mlatune.routes import FACTS, plan_sharing, rounding
+from mlatune.table import user
 from mlatune.table.schema import Provenance
 
 if TYPE_CHECKING:
@@ -101,9 +102,9 @@ def measure(dispatcher: Dispatcher, problem: MLAProblem, prepared_for: MLAProble
 
 def _record(dispatcher: Dispatcher, problem: MLAProblem,
             timed: list[tuple[float, Choice, Any]], path: Path, provenance: Provenance) -> None:
-    """Add the problem's timed candidates to the user table, replacing its earlier rows."""
+    """Add the problem's timed candidates to the user table, replacing its earlier rows
+    (under the table's lock: a tuning process may be merging into it)."""
     import json
-
 
     records = [{"key": problem.key_dict(), "route": c.route_id,
                 "route_params": json.dumps({**dict(c.params), **dict(p or {})},
@@ -111,9 +112,7 @@ def _record(dispatcher: Dispatcher, problem: MLAProblem,
                 "status": "ok", "time_us": t} for t, c, p in timed]
     new = table.build(table_rows(records, dispatcher.device), provenance, facts=FACTS,
                       sharing=plan_sharing())
-    frame = overlaid(table, table.read(path, facts=FACTS), new) \
-        if path.exists() else new
-    table.write(frame, path)
+    user.update(path, lambda old: new if old is None else overlaid(table, old, new), FACTS)
 
 
 def enabled(dispatcher: Dispatcher) -> bool:

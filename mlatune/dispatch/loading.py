@@ -21,6 +21,7 @@ from mlatune.routes import Route, all_routes
 from mlatune.routes.torch_ref import REFERENCE_ID as REFERENCE_ROUTE
 from mlatune.routes.torch_ref import TorchReferenceRoute
 from mlatune.table.cost import DEFAULT_PLAN_CALLS
+from mlatune.table.user import USER_TABLE_ENV
 
 # The class these functions make (mlatune.dispatch.dispatcher.Dispatcher, whose classmethods
 # they are): a type variable, as this module sits below the one that imports it.
@@ -30,9 +31,8 @@ log = logging.getLogger("mlatune")
 
 TABLE_ENV = "MLATUNE_TABLE"
 # A table of the user's own measurements that overlays the bundled one problem by problem
-# (MIOpen's user find-db over its system db): its rows replace the bundled rows of the
-# problems it holds and add the problems the bundled table lacks.
-USER_TABLE_ENV = "MLATUNE_USER_TABLE"
+# (its rows replace the bundled rows of the problems it holds and add the problems the
+# bundled table lacks): USER_TABLE_ENV, owned by mlatune.table.user.
 # What a table measured on another GPU model is to this one: "use" (the default: served as
 # measured, with one warning naming both models), "transfer" (its times carried to this GPU
 # by the cost laws, mlatune.dispatch.laws, from both models' figures, mlatune.hardware; one

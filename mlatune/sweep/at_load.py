@@ -38,6 +38,7 @@ from mlatune.sweep import runner
 from mlatune.sweep import user_table as user_tables
 from mlatune.sweep.progress import Observer
 from mlatune.sweep.spec import SweepSpec
+from mlatune.table.user import USER_TABLE_ENV
 
 log = logging.getLogger("mlatune")
 
@@ -161,7 +162,6 @@ def measured_by(measured: Any) -> Callable[[MLAProblem], bool]:
     return measured
 
 
-USER_TABLE_ENV = "MLATUNE_USER_TABLE"  # the dispatcher's (mlatune.dispatch.loading)
 
 
 def tune_at_load(shapes: Shapes, dispatcher: Any, budget_s: float = DEFAULT_BUDGET_S,

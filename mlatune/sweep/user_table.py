@@ -2,9 +2,9 @@
 dispatcher overlays on the bundled table problem by problem), and the journals that make a
 crash lose nothing.
 
-``merge_into`` is a read-modify-write under ``<table>.lock`` (a ``filelock.FileLock``: an
-``flock``), the new file written beside the old one and renamed over it
-(``table.write``): two processes merging at once both keep their rows, and a reader sees
+``merge_into`` is a read-modify-write under ``<table>.lock`` (``mlatune.table.user.update``,
+which first-sight timing takes too), the new file written beside the old one and renamed
+over it (``table.write``): two processes merging at once both keep their rows, and a reader sees
 the old table or the new one, never half of one. A row of the same (device, problem,
 route) is replaced by the newer one; every other row stays (``table.merge`` re-ranks).
 
@@ -22,8 +22,6 @@ import secrets
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from filelock import FileLock
-
 from mlatune import routes, table
 from mlatune.arch import DeviceInfo
 from mlatune.errors import JournalError
@@ -31,20 +29,16 @@ from mlatune.measure.records import Record, table_rows
 from mlatune.problem import MLAProblem
 from mlatune.sweep import journal as journals
 from mlatune.sweep.journal import Journal, JournalHeader
+from mlatune.table import user
 from mlatune.table.schema import DEVICE_COLUMNS, Provenance
 
 AT_LOAD_SPEC = "at-load"  # the spec_sha256 its journals and rows carry: not from a sweep spec
-LOCK_WAIT_S = 120.0  # another process's merge takes a second or two; past this, something hangs
 
 
 def default_path() -> Path:
     """Where the user table lives when none is named: the per-user cache folder."""
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(cache) / "mlatune" / "user-table.parquet"
-
-
-def lock_path(path: Path) -> Path:
-    return path.with_name(path.name + ".lock")
 
 
 def journals_dir(path: Path) -> Path:
@@ -62,14 +56,14 @@ def merge_into(path: Path, records: Iterable[Record], device: DeviceInfo) -> int
                       facts=routes.FACTS, sharing=sharing)
     if new.empty:
         return 0
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(lock_path(path)), timeout=LOCK_WAIT_S):
-        merged = new
-        if path.exists():
-            old = table.read(path, facts=routes.FACTS)
-            kept = old[~_row_keys(old).isin(set(_row_keys(new)))]
-            merged = table.merge([kept, new], sharing=sharing) if len(kept) else new
-        table.write(merged, path)
+
+    def merged(old):
+        if old is None:
+            return new
+        kept = old[~_row_keys(old).isin(set(_row_keys(new)))]
+        return table.merge([kept, new], sharing=sharing) if len(kept) else new
+
+    user.update(path, merged, facts=routes.FACTS)
     return len(new)
 
 

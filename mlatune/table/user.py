@@ -1,0 +1,34 @@
+"""The user's table: where it is named (``USER_TABLE_ENV``) and how a process changes it
+(``update``): under a lock file beside it, read, changed and written back atomically, so
+that processes tuning or timing at first sight into one table at once lose no rows."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from mlatune.table.files import read, write
+
+# A Parquet or CSV table of the user's own measurements that overlays the bundled one problem
+# by problem (MIOpen's user find-db over its system db); the dispatcher reads it at load,
+# tuning at load and first-sight timing write it.
+USER_TABLE_ENV = "MLATUNE_USER_TABLE"
+LOCK_WAIT_S = 120.0  # another process's update takes a second or two; past this, it hangs
+
+
+def lock_path(path: Path) -> Path:
+    return path.with_name(path.name + ".lock")
+
+
+def update(path: Path, change: Callable[[Any], Any], facts: Any = None) -> Any:
+    """``change(rows)`` written over the table at ``path`` under its lock (``rows`` the table
+    as read, None where there is none yet); the table written. TableError for a table that
+    cannot be read (left as it is), OutputError for one that cannot be written."""
+    from filelock import FileLock  # the cli extra's: tuning and first sight need pandas too
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(lock_path(path)), timeout=LOCK_WAIT_S):
+        rows = change(read(path, facts=facts) if path.exists() else None)
+        write(rows, path)
+    return rows
