@@ -251,7 +251,7 @@ def test_coverage_counts_how_each_problem_of_a_spec_is_answered(good, tmp_path, 
     result = wide.invoke(app, ["coverage", str(good), spec, "--arch", "sm_90"])
     assert result.exit_code == 0, result.output
     dispatcher = Dispatcher.load(good, device=H200)
-    expected = {"table": 1, "nearest": 3, "rule": 1}  # batch 8 x kv 1024 measured; 32 heads not
+    expected = {"table": 1, "nearest": 3, "law": 1}  # batch 8 x kv 1024 measured; 32 heads not
     problems = [BASE.with_(batch=b, kv_len=k) for b in (8, 5) for k in (1024, 2048)]
     problems.append(BASE.with_(num_heads=32, batch=8, kv_len=1024))
     assert sorted(dispatcher.select(p).source for p in problems) == sorted(
@@ -259,13 +259,13 @@ def test_coverage_counts_how_each_problem_of_a_spec_is_answered(good, tmp_path, 
     rows = {line.split("│")[1].strip(): line.split("│")[2].strip()
             for line in result.output.splitlines() if line.count("│") >= 4}
     assert {k: int(rows[k]) for k in expected} == expected
-    # --require gates a deployment: the 32-head problem is answered only by rule.
+    # --require gates a deployment: the 32-head problem is answered only by law.
     assert wide.invoke(app, ["coverage", str(good), spec, "--arch", "sm_90",
-                             "--require", "rule"]).exit_code == 0
+                             "--require", "law"]).exit_code == 0
     strict = wide.invoke(app, ["coverage", str(good), spec, "--arch", "sm_90",
                                "--require", "nearest"])
     assert strict.exit_code == 1 and "1 problem(s)" in strict.output
-    assert "rule: phase=decode|num_heads=32|" in strict.output
+    assert "law: phase=decode|num_heads=32|" in strict.output
 
 
 def test_coverage_refuses_a_bad_require_and_a_bad_spec(good, tmp_path):
@@ -274,7 +274,7 @@ def test_coverage_refuses_a_bad_require_and_a_bad_spec(good, tmp_path):
     bad = runner.invoke(app, ["coverage", str(good), spec, "--arch", "sm_90",
                               "--require", "exact"])
     assert bad.exit_code == 2 and "Traceback" not in bad.output
-    assert "--require" in bad.output and "'table', 'predicted', 'nearest', 'rule'" in bad.output
+    assert "--require" in bad.output and "'table', 'predicted', 'nearest', 'law', 'rule'" in bad.output
     bad = tmp_path / "bad.toml"
     bad.write_text("name = 3\n[[grid]]\nbogus = 1\n")
     assert_one_line_error(runner.invoke(app, ["coverage", str(good), str(bad),
