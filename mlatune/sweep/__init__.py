@@ -2,7 +2,8 @@
 
 - ``spec``: the sweep spec (problems, budget, tolerances);
 - ``candidates``: what to run (``Candidate``: a route and parameters on a problem), from
-  the spec and the routes' rules; shares (``Shard``) and input seeds;
+  the spec and the routes' rules, pruned by a prior table (``Prior``, ``--prune-from``);
+  shares (``Shard``) and input seeds;
 - ``compile_ahead``: which candidates compile the kernels before timing;
 - ``pool``: the worker processes (``WorkerProcess``: start, alive, put, get with a
   timeout, stop, kill; ``WorkerPool``: a crash or hang scored and the pool going on),
@@ -19,7 +20,9 @@
   (``Record.problem_key``), folded into table rows (``table_rows``);
 - ``stages``: the whole sweep as ``mlatune sweep`` runs it (``run_sweep``: share,
   journal, one-device pass, DCP stage, table); the CLI only parses and prints;
-- beside the sweep: ``refine`` (points to add), ``planning`` (`mlatune plan`).
+- beside the sweep: ``refine`` (points to add), ``planning`` (`mlatune plan`), ``at_load``
+  (tuning an engine's unmeasured shapes within a budget at model load) and ``user_table``
+  (its journals and its merge into the user table).
 
 The modules import downwards only: ``records`` imports none of the others, and no other
 module here imports ``stages``.
