@@ -8,8 +8,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mlatune.table.files import read, write
-
 # A Parquet or CSV table of the user's own measurements that overlays the bundled one problem
 # by problem (MIOpen's user find-db over its system db); the dispatcher reads it at load,
 # tuning at load and first-sight timing write it.
@@ -26,6 +24,8 @@ def update(path: Path, change: Callable[[Any], Any], facts: Any = None) -> Any:
     as read, None where there is none yet); the table written. TableError for a table that
     cannot be read (left as it is), OutputError for one that cannot be written."""
     from filelock import FileLock  # the cli extra's: tuning and first sight need pandas too
+
+    from mlatune.table.files import read, write  # pandas: not for the runtime's name alone
 
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(lock_path(path)), timeout=LOCK_WAIT_S):
