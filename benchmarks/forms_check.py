@@ -7,7 +7,7 @@
 <commit>:mlatune/kernels/<file>.py``), imported as a package of their own: the decodes'
 ``gluon_*.py``, or with ``--prefill`` ``prefill.py`` and ``gluon_prefill_fp8.py``. Decode: at
 each point (batch, heads, kv_len, qlen; page 64) each Gluon route's first param set there (and
-the seesaw's two-requests and the transposed route's widening sets where offered). Prefill:
+the seesaw's two-requests set where offered). Prefill:
 at the shipped H200 table's prefill shapes (causal), fp8-ps's Gluon sets and bf16-ps's first
 set (the Triton kernel and its merge of split tiles). Each case runs through the old kernel,
 called as the old route called it (the boolean spelling), and through the new one, called as
@@ -57,8 +57,8 @@ from mlatune.routes.prefill_triton import TILE_Q  # noqa: E402
 POINTS = [(128, 128, 4096, 1, "bf16"), (64, 64, 4096, 1, "bf16"), (8, 128, 32768, 1, "bf16"),
           (128, 16, 4096, 2, "bf16"), (128, 16, 4096, 4, "bf16"), (128, 16, 8192, 1, "bf16"),
           (64, 16, 4096, 1, "bf16"), (1, 16, 4096, 1, "bf16"), (128, 16, 8192, 1, "fp8_e4m3fn")]
-ROUTES = ("wgmma/gluon", "seesaw/gluon", "transposed/gluon")
-EXTRA_FORMS = {"seesaw/gluon": "two-requests", "transposed/gluon": "mma16"}
+ROUTES = ("wgmma/gluon", "seesaw/gluon", "transposed/gluon", "transposed-mma8/gluon")
+EXTRA_FORMS = {"seesaw/gluon": "two-requests"}
 SEESAW_OPTIONS = ("chunked", "pdl", "slim", "lone_bars", "afresh_q", "rope_regs")
 MMA8_OPTIONS = ("defer_sums", "stacked", "wide_vt", "warp_max", "slim")
 PACKAGE = "old_gluon_kernels"
@@ -122,7 +122,7 @@ def boolean_spelling(route_id: str, params: dict, fp8: bool) -> dict:
     if route_id == "seesaw/gluon":
         return {**split, **dict.fromkeys(SEESAW_OPTIONS, True),
                 "two_requests": params["form"] == "two-requests"}
-    if route_id == "transposed/gluon":
+    if route_id.startswith("transposed"):
         if params["form"] == "mma8":
             return {**split, "pdl": True, "ws": True, "fp8_mma": True,
                     **dict.fromkeys(MMA8_OPTIONS, True)}

@@ -46,6 +46,12 @@ class RouteFacts(Protocol):
         UNKNOWN_STEP_KIND for a route not known."""
         ...
 
+    def route_of(self, route_id: str, params: Mapping[str, Any]) -> str:
+        """The route a stored parameter set of ``route_id`` belongs to: ``route_id``, or the
+        route its kernel form became (asked before ``upgrade_params``); as stored for a route
+        not known."""
+        ...
+
     def upgrade_params(self, route_id: str, params: Mapping[str, Any]
                        ) -> Mapping[str, Any] | None:
         """A stored parameter set in the route's current spelling; None where it names a

@@ -34,7 +34,7 @@ FP8_NAN = 0x7F  # e4m3fn's NaN bit pattern
 # The routes whose whole step a CUDA graph replays, as the dispatcher may serve them for a
 # single-rank decode (cprr and segmented serve DCP only; FlashInfer and AITER plan on the host).
 CAPTURABLE = ("padded/triton", "gluon/triton", "wgmma/gluon", "seesaw/gluon",
-              "transposed/gluon", "dense/flashmla")
+              "transposed/gluon", "transposed-mma8/gluon", "dense/flashmla")
 
 
 @dataclass(frozen=True)

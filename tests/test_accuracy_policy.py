@@ -24,7 +24,9 @@ from tests.table_helpers import H200, make_table, result_row
 FP8 = "fp8_e4m3fn"
 SHIPPED = "tables/sm_90-h200.parquet"
 SM90 = device_for_arch("sm_90", "NVIDIA H200", 132)
-BASE = MLAProblem(num_heads=128, batch=64, kv_len=4096, q_dtype="bf16", kv_dtype=FP8)
+BASE = MLAProblem(num_heads=16, batch=64, kv_len=4096, q_dtype="bf16", kv_dtype=FP8)
+TG, MMA8 = "transposed/gluon", "transposed-mma8/gluon"  # exact; P rounded to fp8
+PADDED = {"block_m": 64, "block_n": 64, "num_stages": 1, "num_warps": 8}
 
 
 def test_policy_names_env_and_errors(monkeypatch):
@@ -55,15 +57,14 @@ def test_a_policy_admits_classes_and_errors_within_their_bound():
 
 def _rows() -> list[dict]:
     """At two keys of an fp8 cache with a bf16 q: FlashMLA (q quantized) fastest, then
-    transposed/gluon's fp8-MMA set, then its 16-bit set's neighbour padded/triton."""
+    transposed-mma8/gluon (P rounded to fp8), then padded/triton (exact)."""
     rows = []
     for batch in (32, 64):
         p = BASE.with_(batch=batch)
         rows += [
             {**result_row(p, "dense/flashmla", 100.0, params={"interface": "legacy"}),
              "rel_err": 6e-2},
-            {**result_row(p, "transposed/gluon", 150.0, params={"form": "mma8",
-                                                                 "num_splits": 2}),
+            {**result_row(p, MMA8, 150.0, params={"form": "mma8", "num_splits": 2}),
              "rel_err": 1.2e-2},
             result_row(p, "padded/triton", 300.0, params={"block_m": 64, "block_n": 64,
                                                            "num_stages": 1, "num_warps": 8}),
@@ -79,7 +80,7 @@ def fp8_table(tmp_path):
 
 
 @pytest.mark.parametrize("policy, winner", [("strict", "padded/triton"),
-                                            ("fp8-mma", "transposed/gluon"),
+                                            ("fp8-mma", MMA8),
                                             ("fast", "dense/flashmla")])
 def test_the_policy_decides_what_serves_a_bf16_q_over_an_fp8_cache(fp8_table, policy, winner,
                                                                    tmp_path):
@@ -112,13 +113,13 @@ def test_explain_names_what_the_policy_held_back_and_its_cost(fp8_table):
     assert len(held) == 2
     assert held[0].startswith("accuracy policy strict held back dense/flashmla (q-fp8")
     assert "66.7% less time than the answer" in held[0]
-    assert "transposed/gluon (p-fp8" in held[1]
+    assert "transposed-mma8/gluon (p-fp8" in held[1]
 
 
 def test_rule_answers_meet_the_policy(monkeypatch):
     """Without a table, the rule order skips routes whose defaults round past the policy."""
     monkeypatch.delenv(ACCURACY_ENV, raising=False)
-    problem = BASE.with_(num_heads=16)
+    problem = BASE
     for name in POLICIES:
         d = Dispatcher.rules_only(SM90, accuracy=name)
         for choice in [d.select(problem), *d.alternatives(problem)]:
@@ -155,13 +156,14 @@ def test_over_the_shipped_table_strict_serves_only_rows_within_the_own_dtype_bou
 
 def test_admission_asks_each_route_once_per_params_and_dtypes():
     """Every ok row of the shipped table is classed; only FlashMLA's fp8-cache rows with a
-    bf16 q and transposed/gluon's mma8 rows round past their dtypes."""
-    frame = table.read(SHIPPED)
+    bf16 q and transposed-mma8/gluon's rows round past their dtypes (as mlatune reads the
+    table: a stored set under the route it belongs to)."""
+    frame = table.read(SHIPPED, facts=routes.FACTS)
     ok = frame[frame["status"] == "ok"]
     mask, classes, _ = admitted(ok, STRICT, registered_routes())
     rounded = {(r, str(c)) for r, c in zip(ok["route"], classes, strict=True)
                if c != Rounding.NONE}
-    assert rounded == {("dense/flashmla", "q-fp8"), ("transposed/gluon", "p-fp8")}
+    assert rounded == {("dense/flashmla", "q-fp8"), (MMA8, "p-fp8")}
     assert int((~mask).sum()) == sum(c != Rounding.NONE for c in classes)
 
 
@@ -186,18 +188,40 @@ def _two_formats(tmp_path, rows):
     return path, table.write_json(table.winners_json(table.read(path)), tmp_path / "t.json")
 
 
-def test_a_set_stored_without_params_is_classed_at_its_own_problem(tmp_path):
-    """transposed/gluon's first set depends on the problem's rows a program (the fp8-MMA set
-    at 16 rows, the 16-bit one at 32): each row is classed at its own shape, alike from the
+def test_a_set_stored_without_params_is_classed_as_its_routes_first_set(tmp_path):
+    """A set stored as ``{}`` is its route's first: transposed/gluon's exact (strict serves
+    it), transposed-mma8/gluon's P rounded (strict serves padded/triton), alike from the
     table and from its winners map."""
-    padded = {"block_m": 64, "block_n": 64, "num_stages": 1, "num_warps": 8}
-    problems = [BASE.with_(num_heads=8, qlen=4), BASE.with_(num_heads=16)]
-    rows = [r for p in problems for r in (result_row(p, "transposed/gluon", 100.0),
-                                          result_row(p, "padded/triton", 300.0, params=padded))]
+    problems = [BASE, BASE.with_(batch=32)]
+    rows = [r for p, route in zip(problems, (TG, MMA8), strict=True)
+            for r in (result_row(p, route, 100.0), result_row(p, "padded/triton", 300.0,
+                                                              params=PADDED))]
     for path in _two_formats(tmp_path, rows):
         d = Dispatcher.load(path, device=H200, allow_arch="sm_90", accuracy="strict")
-        assert [d.select(p).route_id for p in problems] == \
-            ["transposed/gluon", "padded/triton"], path
+        assert [d.select(p).route_id for p in problems] == [TG, "padded/triton"], path
+
+
+def _both_forms(problem: MLAProblem, mma8_us: float, mma16_us: float) -> list[dict]:
+    """The two transposed routes and padded/triton at ``problem``, errors as measured."""
+    return [{**result_row(problem, MMA8, mma8_us, params={"form": "mma8", "num_splits": 4}),
+             "rel_err": 1.2e-2},
+            {**result_row(problem, TG, mma16_us, params={"form": "mma16", "num_splits": 8}),
+             "rel_err": 1.8e-3},
+            {**result_row(problem, "padded/triton", 174.0, params=PADDED), "rel_err": 1.7e-3}]
+
+
+def test_strict_serves_the_exact_transposed_row_and_fp8_mma_the_faster(tmp_path):
+    """Where both transposed routes have rows (16 heads over an fp8 cache), strict serves
+    transposed/gluon's mma16 (not padded/triton); fp8-mma the faster of the two, from the
+    table and from its winners map."""
+    fast_mma8, fast_mma16 = BASE, BASE.with_(batch=32)
+    rows = [*_both_forms(fast_mma8, 59.0, 80.0), *_both_forms(fast_mma16, 90.0, 70.0)]
+    for path in _two_formats(tmp_path, rows):
+        strict = Dispatcher.load(path, device=H200, allow_arch="sm_90", accuracy="strict")
+        loose = Dispatcher.load(path, device=H200, allow_arch="sm_90", accuracy="fp8-mma")
+        assert [strict.select(p).route_id for p in (fast_mma8, fast_mma16)] == [TG, TG], path
+        assert strict.select(fast_mma8).params["form"] == "mma16"
+        assert [loose.select(p).route_id for p in (fast_mma8, fast_mma16)] == [MMA8, TG], path
 
 
 def test_a_route_held_back_for_its_error_is_not_served_at_that_key_another_way(tmp_path):

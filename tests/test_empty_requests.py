@@ -203,7 +203,8 @@ def test_the_cases_cover_every_decode_route_the_cpu_runs():
     decode_ids = {r.id for r in mine if r.supports(_p(), cpu_device())
                   or r.supports(_p(q="bf16", kv="bf16", page=64), H200)
                   or r.supports(_p(q="bf16", kv="bf16", page=16), MI355)}
-    gpu_only = {"wgmma/gluon", "seesaw/gluon", "transposed/gluon", "fa3/flashinfer"}
+    gpu_only = {"wgmma/gluon", "seesaw/gluon", "transposed/gluon", "transposed-mma8/gluon",
+                "fa3/flashinfer"}
     assert decode_ids - gpu_only <= {case[0] for case in CASES}
 
 

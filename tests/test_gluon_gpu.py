@@ -67,6 +67,7 @@ PROBLEMS = [
     (GLUON, _p(16, 160, 3000)),  # 160 programs: the seesaw's two-requests set too
 ]
 TRANSPOSED = "transposed/gluon"  # keys as the MMA's M: every case, and fp8 caches
+MMA8 = "transposed-mma8/gluon"  # its fp8-MMA form: fp8 caches at up to 16 rows a program
 FP8 = [  # transposed/gluon over fp8 (e4m3) caches: one split and several, verify, DCP
     (TRANSPOSED, _p(16, 1, 4096, kv="fp8_e4m3fn")),
     (TRANSPOSED, _p(16, 128, 8192, kv="fp8_e4m3fn")),
@@ -74,9 +75,13 @@ FP8 = [  # transposed/gluon over fp8 (e4m3) caches: one split and several, verif
     (TRANSPOSED, _p(16, 128, 4096, qlen=2, kv="fp8_e4m3fn")),
     (TRANSPOSED, _p(16, 32, 4096, dcp=2, kv="fp8_e4m3fn")),
     (TRANSPOSED, _p(16, 24, 3000, qlen=2, kv="fp8_e4m3fn", q="fp16")),  # fp16 MMAs over fp8
-    # 16 rows a program, so the fp8-MMA sets too: an fp16 q's two e4m3 terms; causal verify
+    # 16 rows a program: the widening, and the fp8-MMA route (an fp16 q's two e4m3 terms;
+    # causal verify)
     (TRANSPOSED, _p(16, 24, 3000, kv="fp8_e4m3fn", q="fp16")),
     (TRANSPOSED, _p(8, 16, 4096, qlen=2, kv="fp8_e4m3fn")),
+    (MMA8, _p(16, 24, 3000, kv="fp8_e4m3fn", q="fp16")),
+    (MMA8, _p(8, 16, 4096, qlen=2, kv="fp8_e4m3fn")),
+    (MMA8, _p(16, 1, 4096, kv="fp8_e4m3fn")),
 ]
 CASES = PROBLEMS + [(SEESAW, problem) for _, problem in PROBLEMS] \
     + [(TRANSPOSED, problem) for _, problem in PROBLEMS] + FP8
@@ -109,11 +114,12 @@ def test_gluon_captured_step_replays_with_new_lengths(problem, route_id, tmp_pat
 @pytest.mark.parametrize("problem", [_engine_p(16, 32, 4096, kv="fp8_e4m3fn"),
                                      _engine_p(16, 2, 8192, kv="fp8_e4m3fn")],
                          ids=lambda p: p.key)
-def test_transposed_fp8_captured_step_replays_with_new_lengths(problem, tmp_path):
-    """The route's first fp8 param set (at 16 query rows a program: fp8 MMAs, the reduce as
-    a dependent launch) as an engine runs it: captured once, replayed as lengths and pages
-    change."""
-    _captured(TRANSPOSED, False, problem, tmp_path)
+@pytest.mark.parametrize("route_id", [TRANSPOSED, MMA8])
+def test_transposed_fp8_captured_step_replays_with_new_lengths(problem, route_id, tmp_path):
+    """Each transposed route's first fp8 param set (at 16 query rows a program: the widening,
+    and fp8 MMAs with the reduce as a dependent launch) as an engine runs it: captured once,
+    replayed as lengths and pages change."""
+    _captured(route_id, False, problem, tmp_path)
 
 
 @pytest.mark.parametrize("item", [CASES[k * len(PROBLEMS) + i] for k in range(3)

@@ -32,6 +32,7 @@ from mlatune.routes import gluon_hopper as route_module
 ROUTE = "wgmma/gluon"
 KERNELS = {"wgmma/gluon": gluon_hopper, "seesaw/gluon": gluon_seesaw,
            "transposed/gluon": gluon_transposed}  # route -> its kernel
+MMA8 = "transposed-mma8/gluon"  # transposed/gluon's fp8-MMA form, a route of its own
 H200 = capability.device_for_arch("sm_90")
 FP8 = "fp8_e4m3fn"
 
@@ -273,14 +274,19 @@ def _ran(fakes: dict[str, _Recorder]) -> list[tuple[str, dict]]:
     return sorted(calls, key=lambda item: item[1]["order"])
 
 
-def test_prepare_hands_an_fp8_cache_and_its_scale_to_the_transposed_kernel(monkeypatch):
+def test_prepare_hands_an_fp8_cache_and_its_scale_to_the_transposed_kernels(monkeypatch):
+    """Over an fp8 cache transposed/gluon's first set runs the widening, transposed-mma8's the
+    fp8-MMA kernel; each is handed the cache and its scale."""
     fakes = _transposed_recorders(monkeypatch)
     problem = _p(batch=2, kv_len=300, kv_dtype="fp8_e4m3fn")
     inputs = make_decode_inputs(problem, seed=8, ragged=True)
-    routes.get("transposed/gluon").prepare(problem, inputs)
-    (call, ) = fakes["gluon_transposed_fp8"].calls  # the route's first fp8 set: fp8 MMAs
-    assert call["kv_cache"].dtype == torch.float8_e4m3fn
-    assert call["kv_scale"] is inputs.kv_scale and call["q"].dtype == torch.bfloat16
+    for route_id in ("transposed/gluon", MMA8):
+        routes.get(route_id).prepare(problem, inputs)
+    ran = _ran(fakes)
+    assert [name for name, _ in ran] == ["gluon_transposed_ws", "gluon_transposed_fp8"]
+    for _, call in ran:
+        assert call["kv_cache"].dtype == torch.float8_e4m3fn
+        assert call["kv_scale"] is inputs.kv_scale and call["q"].dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("problem", [
@@ -336,22 +342,24 @@ def test_a_seesaw_set_hands_its_form_to_the_launcher(monkeypatch):
 
 
 def test_transposed_sets_name_their_form_and_each_form_its_kernel(monkeypatch):
-    """New sets name "mma16" (and, over an fp8 cache at up to 16 rows, "mma8"); mma8 runs the
+    """transposed/gluon's sets name "mma16", transposed-mma8/gluon's "mma8"; mma8 runs the
     fp8-MMA kernel, mma16 the transposed kernel or over an fp8 cache the warp-specialized
-    widening; a set without a form runs mma16. No kernel is handed options beyond the call's
-    tensors and sizes."""
+    widening; a set without a form runs its route's form. No kernel is handed options beyond
+    the call's tensors and sizes."""
     fakes = _transposed_recorders(monkeypatch)
-    route = routes.get("transposed/gluon")
+    route, mma8 = routes.get("transposed/gluon"), routes.get(MMA8)
     fp8, bf16 = _p(batch=2, kv_len=300, kv_dtype="fp8_e4m3fn"), _p(batch=2, kv_len=300)
-    assert [p["form"] for p in route.param_space(fp8, H200)][:2] == ["mma8", "mma16"]
+    assert all(p["form"] == "mma16" for p in route.param_space(fp8, H200))
     assert all(p["form"] == "mma16" for p in route.param_space(bf16, H200))
-    widen = route.param_space(fp8, H200)[1]
-    for problem, params in ((fp8, None), (fp8, widen), (fp8, {"num_splits": 2}), (bf16, None),
+    assert all(p["form"] == "mma8" for p in mma8.param_space(fp8, H200))
+    widen = route.param_space(fp8, H200)[0]
+    for problem, params in ((fp8, widen), (fp8, {"num_splits": 2}), (bf16, None),
                             (bf16, {"num_splits": 2})):
         route.prepare(problem, make_decode_inputs(problem, seed=10), params=params)
+    mma8.prepare(fp8, make_decode_inputs(fp8, seed=10), params={"num_splits": 2})
     ran = [name for name, _ in _ran(fakes)]
-    assert ran == ["gluon_transposed_fp8", "gluon_transposed_ws", "gluon_transposed_ws",
-                   "gluon_transposed", "gluon_transposed"]
+    assert ran == ["gluon_transposed_ws", "gluon_transposed_ws", "gluon_transposed",
+                   "gluon_transposed", "gluon_transposed_fp8"]
     standard = {"q", "kv_cache", "block_table", "seq_lens", "qlen", "sm_scale", "causal", "out",
                 "lse", "num_splits", "max_seq_len", "kv_scale", "order"}
     assert all(set(call) == standard for _, call in _ran(fakes))
@@ -361,8 +369,8 @@ def test_transposed_sets_name_their_form_and_each_form_its_kernel(monkeypatch):
 
 def test_an_mma16_set_over_fp8_runs_the_warp_specialized_widening(monkeypatch):
     """mma16 over an fp8 cache: the route hands the cache, its scale and the call's buffers
-    to ``gluon_transposed_ws``; mma8 over a 16-bit cache goes to the fp8-MMA kernel, which
-    refuses it."""
+    to ``gluon_transposed_ws``; an mma8 set is not transposed/gluon's; transposed-mma8/gluon
+    over a 16-bit cache goes to the fp8-MMA kernel, which refuses it."""
     fakes = _transposed_recorders(monkeypatch)
     route = routes.get("transposed/gluon")
     problem = _p(batch=2, kv_len=300, kv_dtype="fp8_e4m3fn")
@@ -379,8 +387,10 @@ def test_an_mma16_set_over_fp8_runs_the_warp_specialized_widening(monkeypatch):
                         max_seq_len=300, kv_scale=inputs.kv_scale)
     monkeypatch.undo()
     bf16 = _p(batch=2, kv_len=300)
+    with pytest.raises(ValueError, match="not one of"):
+        route.prepare(problem, inputs, params={"form": "mma8"})
     with pytest.raises(ValueError, match="fp8 cache only"):
-        route.prepare(bf16, make_decode_inputs(bf16, seed=12), params={"form": "mma8"})
+        routes.get(MMA8).prepare(bf16, make_decode_inputs(bf16, seed=12))
 
 
 def test_a_stored_seesaw_row_keeps_its_form_and_rescales_its_split_at_a_neighbour():
@@ -423,25 +433,29 @@ def test_the_report_times_a_stored_seesaw_choice_as_it_ran():
 
 
 SHIPPED = Path(__file__).resolve().parents[1] / "tables" / "sm_90-h200.parquet"
-GLUON_ROUTES = ("wgmma/gluon", "seesaw/gluon", "transposed/gluon")
+GLUON_ROUTES = ("wgmma/gluon", "seesaw/gluon", "transposed/gluon", MMA8)
 
 
 def _shipped_params() -> dict[str, list[dict]]:
-    """Each Gluon route's distinct stored param sets in the shipped H200 table."""
+    """Each Gluon route's distinct param sets in the shipped H200 table, as read (each row
+    under the route its set belongs to, spelled as stored)."""
     import pandas as pd
 
     rows = pd.read_parquet(SHIPPED, columns=["route", "route_params"])
+    rows["route"] = [routes.FACTS.route_of(r, json.loads(t))
+                     for r, t in zip(rows["route"], rows["route_params"], strict=True)]
     return {route_id: [json.loads(text) for text in sorted(set(
         rows.loc[rows["route"] == route_id, "route_params"]))] for route_id in GLUON_ROUTES}
 
 
 def test_every_shipped_gluon_param_set_upgrades_to_a_live_form():
-    """Every distinct param set the shipped table stores for the Gluon routes (the boolean
-    spelling) reads as a live form with its split kept: no shipped row is stale."""
+    """Every distinct param set the shipped table stores for the Gluon routes reads as a live
+    form of its route with its split kept: no shipped row is stale or under another route."""
     seen = set()
     for route_id, stored in _shipped_params().items():
         route = routes.get(route_id)
         for params in stored:
+            assert route.route_of(params) == route_id, params
             new = route.upgrade_params(params)
             assert new is not None, (route_id, params)
             assert new.get("num_splits") == params.get("num_splits")
@@ -452,7 +466,7 @@ def test_every_shipped_gluon_param_set_upgrades_to_a_live_form():
             seen.add((route_id, new.get("form")))
     assert seen == {("wgmma/gluon", None), ("seesaw/gluon", None), ("seesaw/gluon", "pairs"),
                     ("seesaw/gluon", "two-requests"), ("transposed/gluon", None),
-                    ("transposed/gluon", "mma16"), ("transposed/gluon", "mma8")}
+                    ("transposed/gluon", "mma16"), (MMA8, "mma8")}
 
 
 def test_the_shipped_boolean_forms_map_to_these_ids():
@@ -464,12 +478,16 @@ def test_the_shipped_boolean_forms_map_to_these_ids():
         {"num_splits": 1, "form": "two-requests"}
     mma8 = dict.fromkeys(("pdl", "ws", "fp8_mma", "defer_sums", "stacked", "wide_vt",
                           "warp_max", "slim"), True)
-    assert transposed.upgrade_params({"num_splits": 8, **mma8}) == \
+    assert transposed.route_of({"num_splits": 8, **mma8}) == MMA8
+    assert transposed.upgrade_params({"num_splits": 8, **mma8}) is None  # not its form
+    assert routes.get(MMA8).upgrade_params({"num_splits": 8, **mma8}) == \
         {"num_splits": 8, "form": "mma8"}
     for widen in (True, False):
         assert transposed.upgrade_params({"num_splits": 8, "pdl": True, "ws": widen,
                                           "fp8_mma": False, "defer_sums": False}) == \
             {"num_splits": 8, "form": "mma16"}
+        assert transposed.route_of({"num_splits": 8, "pdl": True, "ws": widen}) == \
+            "transposed/gluon"
     assert routes.get(ROUTE).upgrade_params({"num_splits": 16}) == {"num_splits": 16}
 
 
@@ -490,6 +508,8 @@ SEESAW_ON = dict.fromkeys(("chunked", "pdl", "slim", "lone_bars", "afresh_q", "r
                           "defer_sums": True, "stacked": True, "wide_vt": True,
                           "warp_max": True}),  # all but slim
     ("transposed/gluon", {"num_splits": 4, "form": "fp8-mma"}),
+    ("transposed/gluon", {"num_splits": 4, "form": "mma8"}),  # transposed-mma8/gluon's
+    (MMA8, {"num_splits": 4, "form": "mma16"}),
 ])
 def test_a_deleted_form_upgrades_to_none(route_id, params):
     assert routes.get(route_id).upgrade_params(params) is None
@@ -564,7 +584,7 @@ def test_prepare_without_triton_3_6_raises_naming_it(route_id):
     dict(num_heads=8, batch=3, kv_len=500, dcp_size=2), dict(num_heads=128, batch=2, kv_len=5000),
     dict(num_heads=16, batch=2, kv_len=300, qlen=2, q_dtype="fp16", kv_dtype="fp8_e4m3fn"),
 ], ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
-@pytest.mark.parametrize("route_id", list(KERNELS))
+@pytest.mark.parametrize("route_id", [*KERNELS, MMA8])
 def test_each_route_reaches_its_launch_at_every_param_set_and_rank(route_id, kw):
     """Every parameter set and DCP rank, with and without the caller's buffers, gets past
     the launcher's checks and builds its TMA descriptors (no launch: no GPU here). Needs
@@ -589,30 +609,44 @@ def test_each_route_reaches_its_launch_at_every_param_set_and_rank(route_id, kw)
             assert given.out is out and given.lse is lse
 
 
-def test_transposed_fp8_sets_alternate_fp8_mmas_and_the_widening_up_to_16_rows(monkeypatch):
-    """Over an fp8 cache at up to 16 query rows a program the fp8-MMA sets and the
-    widening's alternate, fp8 MMAs first, each from its kernel's own split pick (the fp8-MMA
-    kernel's with ``FP8_MMA_PROGRAM_COST``: 22 splits at batch 2 of 4096 keys, where the
-    widening's is 64), then half and twice it (at most 64); past 16 rows only the widening. Only the
-    fp8-MMA sets (and no params where the first set is one) declare P rounded, none a
-    quantized q (q's two e4m3 terms keep it near 16 bits)."""
+def test_the_fp8_mma_route_serves_fp8_caches_up_to_16_rows_and_rounds_p(monkeypatch):
+    """transposed-mma8/gluon serves an fp8 cache at up to 16 query rows a program (refused
+    elsewhere by its own rule, after transposed/gluon's), its sets from the fp8-MMA kernel's
+    split pick (with ``FP8_MMA_PROGRAM_COST``: 22 splits at batch 2 of 4096 keys, where the
+    widening's is 64), then half and twice it, every one P rounded (q's two e4m3 terms keep it
+    near 16 bits); transposed/gluon's sets are the widening's, exact."""
     from mlatune.kernels import gluon_hopper_plan as plan
 
-    route = routes.get("transposed/gluon")
+    route, mma8 = routes.get("transposed/gluon"), routes.get(MMA8)
     fp8 = _p(batch=2, kv_len=4096, kv_dtype="fp8_e4m3fn")  # 16 heads x 1 token: 16 rows
-    space = route.param_space(fp8, H200)
-    assert [p["form"] for p in space] == ["mma8", "mma16", "mma8", "mma16", "mma8"]
+    assert capability.check(MMA8, fp8, "sm_90")
     fp8_pick = plan.pick_splits(2, 1, 4096, per_program=plan.FP8_MMA_PROGRAM_COST)
     assert (fp8_pick, plan.pick_splits(2, 1, 4096)) == (22, 64)
-    assert [p["num_splits"] for p in space[::2]] == [22, 11, 44]
-    assert [p["num_splits"] for p in space[1::2]] == [64, 32]
+    assert mma8.param_space(fp8, H200) == [{"num_splits": s, "form": "mma8"} for s in (22, 11, 44)]
+    assert route.param_space(fp8, H200) == [{"num_splits": s, "form": "mma16"} for s in (64, 32)]
     rounded, none = Rounding.P_FP8, Rounding.NONE
-    assert [routes.rounding(route, fp8, p) for p in space[:2]] == [rounded, none]
-    assert routes.rounding(route, fp8) == rounded
-    assert routes.rounding(route, fp8, {"num_splits": 2}) == none
-    assert routes.rounding(route, _p(batch=2, kv_len=4096), {"form": "mma8"}) == none
+    assert {routes.rounding(mma8, fp8, p) for p in mma8.param_space(fp8, H200)} == {rounded}
+    assert routes.rounding(mma8, fp8) == rounded
+    assert {routes.rounding(route, fp8, p) for p in route.param_space(fp8, H200)} == {none}
+    assert routes.rounding(route, fp8) == none
     for wide in (_p(num_heads=32, batch=2, kv_dtype="fp8_e4m3fn"),  # 32 rows a program
-                 _p(batch=2, qlen=2, kv_dtype="fp8_e4m3fn")):
-        assert route.block_rows(wide) == 32
-        assert all(p["form"] == "mma16" for p in route.param_space(wide, H200))
-        assert routes.rounding(route, wide) == Rounding.NONE
+                 _p(batch=2, qlen=2, kv_dtype="fp8_e4m3fn"), _p(batch=2)):
+        ruling = capability.check(MMA8, wide, "sm_90")
+        assert not ruling and ruling.rule == "transposed.fp8_mma"
+        assert "transposed/gluon serves the rest" in mma8.supports(wide, H200).reason
+        assert capability.check("transposed/gluon", wide, "sm_90")
+    refused = capability.check(MMA8, _p(q_dtype=FP8, kv_dtype=FP8), "sm_90")
+    assert not refused and refused.rule == "transposed.dtypes"
+
+
+def test_the_two_transposed_routes_share_launch_geometry_limits_step_and_plan():
+    route, mma8 = routes.get("transposed/gluon"), routes.get(MMA8)
+    fp8 = _p(batch=2, kv_len=4096, kv_dtype=FP8)
+    assert mma8.block_rows(fp8) == route.block_rows(fp8) == 16
+    assert mma8.param_limits == route.param_limits and mma8.sized_params == route.sized_params
+    assert mma8.step_kind({"form": "mma8"}) == route.step_kind({}) == routes.LAUNCH_ONLY
+    assert not mma8.shares_plan and mma8.writes_into and mma8.reads_fp8
+    geometry = mma8.launch_geometry(fp8, {"form": "mma8"}, 132)
+    assert geometry is not None and geometry.owner is mma8
+    assert geometry.listed(fp8, H200) == [22, 11, 44]  # its own sets' splits
+    assert MMA8 in [r.id for r in routes.all_routes()]

@@ -175,8 +175,8 @@ def _sass_ops(listing: str, op: str) -> int:
 
 @pytest.mark.parametrize(("direct", "causal"), [(True, False), (False, True)])
 def test_the_fp8_mma_form_runs_both_products_in_fp8(direct, causal):
-    """``gluon_transposed_fp8`` (the mma8 form, 16 query rows): q's two e4m3 terms stacked in
-    one operand, so S^T is one wgmma of N 32 a k-step, 18 k32 steps a tile issued at two
+    """``gluon_transposed_fp8`` (transposed-mma8/gluon, 16 query rows): q's two e4m3 terms
+    stacked in one operand, so S^T is one wgmma of N 32 a k-step, 18 k32 steps a tile issued at two
     places (the first tile, then each next one in the loop), and O^T 16 of N 16 (8 blocks of
     64 dims x 2 key steps); q quantized in the kernel (a cvt to an e4m3 pair per two values),
     V^T by byte permutes in a partition of its own (setmaxnreg), loaded 4 bytes a thread

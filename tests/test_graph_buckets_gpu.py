@@ -62,7 +62,7 @@ SHAPES = [_p(16, 1, "bf16"), _p(16, 2, "bf16"), _p(16, 1, FP8), _p(16, 2, FP8),
           _p(8, 1, "bf16"), _p(8, 2, FP8)]
 # Every decode route that can serve a capturable step at one of the shapes on sm_90.
 CAPTURABLE = ("padded/triton", "gluon/triton", "wgmma/gluon", "seesaw/gluon",
-              "transposed/gluon", "dense/flashmla")
+              "transposed/gluon", "transposed-mma8/gluon", "dense/flashmla")
 CASES = [(r, p) for p in SHAPES for r in CAPTURABLE]
 
 

@@ -26,7 +26,9 @@ def test_a_route_checks_its_declared_limits():
     assert "num_warps True" in padded.check_params({**GOOD, "num_warps": True})
     assert "block_n '64'" in padded.check_params({**GOOD, "block_n": "64"})
     assert "num_segments 0" in routes.get("segmented/triton").check_params({"num_segments": 0})
-    assert routes.get("transposed/gluon").check_params({"num_splits": 300, "form": "mma8"})
+    assert routes.get("transposed/gluon").check_params({"num_splits": 300, "form": "mma16"})
+    assert routes.get("transposed-mma8/gluon").check_params({"num_splits": 300, "form": "mma8"})
+    assert routes.get("transposed-mma8/gluon").check_params({"num_splits": 256}) is None
     assert routes.get("dense/flashmla").check_params({"num_splits": 10**9}) is None  # none
 
 

@@ -19,8 +19,8 @@ from mlatune.report.terms import geomean
 from tests.table_helpers import make_table, result_row
 
 wide = CliRunner(env={"COLUMNS": "250"})
-FM, TG, PT = "dense/flashmla", "transposed/gluon", "padded/triton"
-MMA8 = {"form": "mma8"}  # P rounded to fp8: fp8-mma's class
+FM, TG, PT = "dense/flashmla", "transposed-mma8/gluon", "padded/triton"
+MMA8 = {"form": "mma8"}  # TG's sets: P rounded to fp8, fp8-mma's class
 FP8_CACHE = MLAProblem(num_heads=128, qlen=1, kv_len=4096, kv_dtype="fp8_e4m3fn")
 P = {
     "A": FP8_CACHE.with_(batch=64),

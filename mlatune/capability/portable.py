@@ -191,6 +191,15 @@ def _transposed_dtypes(c: Context) -> str | None:
             f"over a cache of q's dtype or {wgmma.FP8_CACHE}")
 
 
+def _transposed_fp8_mma(c: Context) -> str | None:
+    rows = wgmma.transposed_rows(c.p.kernel_heads * c.p.qlen)
+    if c.p.kv_dtype == wgmma.FP8_CACHE and rows <= tables.TRANSPOSED_FP8_MMA_MAX_ROWS:
+        return None
+    return (f"{c.p.kv_dtype} cache at {rows} query rows a program: the fp8-MMA kernel reads "
+            f"a {wgmma.FP8_CACHE} cache at up to {tables.TRANSPOSED_FP8_MMA_MAX_ROWS} rows "
+            f"(transposed/gluon serves the rest)")
+
+
 def _wgmma_dcp(c: Context) -> str | None:
     if c.p.dcp_size > 1 and c.block_has_order:
         return ("causal verify over a DCP shard: the Gluon kernel masks on the shard's local "
@@ -212,6 +221,7 @@ _WGMMA_GLUON = (
 _TRANSPOSED_GLUON = tuple(
     _rule("transposed.dtypes", _transposed_dtypes) if r.id == "wgmma.dtypes" else r
     for r in _WGMMA_GLUON)
+_TRANSPOSED_MMA8_GLUON = (*_TRANSPOSED_GLUON, _rule("transposed.fp8_mma", _transposed_fp8_mma))
 
 
 
@@ -254,6 +264,7 @@ PORTABLE_RULES: dict[str, tuple[Rule, ...]] = {
     "wgmma/gluon": _WGMMA_GLUON,
     "seesaw/gluon": _WGMMA_GLUON,  # the same problems: the kernels share sizes and helpers
     "transposed/gluon": _TRANSPOSED_GLUON,  # the same, and fp8 caches
+    "transposed-mma8/gluon": _TRANSPOSED_MMA8_GLUON,  # its fp8-MMA form: fp8 caches, few rows
 }
 
 

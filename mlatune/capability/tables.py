@@ -78,6 +78,7 @@ TRITON_MIN_DIM = 16  # a tl.dot operand side
 # The sizes are the kernel's own (mlatune/kernels/gluon_hopper_plan.py, read by the rules).
 WGMMA_GLUON = "mlatune/kernels/gluon_hopper.py"
 WGMMA_GLUON_ARCHS = ("sm_90",)
+TRANSPOSED_FP8_MMA_MAX_ROWS = 16  # query rows a program up to which fp8 MMAs pay
 
 # --- FP8 persistent-scheduling prefill --------------------------------------------------
 FP8_PREFILL_ARCHS = ("gfx950",)
@@ -243,6 +244,11 @@ SOURCES: dict[str, Source] = {
                                 "bf16 or fp16 q over a cache of q's dtype or fp8 e4m3fn "
                                 "(check_supported): an fp8 tile is widened to q's dtype in "
                                 "shared memory, exactly, before the 16-bit MMAs"),
+    "transposed.fp8_mma": Source("mlatune/kernels/gluon_transposed_fp8.py + "
+                                 "docs/kernels/gluon_transposed.md",
+                                 "fp8 MMAs (q as two e4m3 terms, P rounded to e4m3) over an "
+                                 "fp8 e4m3fn cache, 16 query rows a program; past 16 rows q's "
+                                 "two terms make it slower than the widening"),
     "wgmma.dcp": Source(WGMMA_GLUON, "the causal mask is applied on the lengths the kernel is "
                                      "given (local to a DCP shard): right for single-token "
                                      "decode and non-causal blocks, wrong for a causal block "

@@ -13,20 +13,21 @@ answer from ``problem_key``/``problem_of``.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from typing import Any
 
 from mlatune.arch import DeviceInfo
 from mlatune.problem import MLAProblem
-from mlatune.routes import plan_sharing
+from mlatune.routes import FACTS, plan_sharing
 from mlatune.table.cost import DEFAULT_CALLER, Caller, caller_cost
 from mlatune.table.schema import Status, device_key, is_measured
 
 __all__ = ["COST_PARTS", "KILLED_FROM_OUTSIDE", "Measured", "Record", "Result", "Status", "Task",
-           "as_record", "killed_from_outside", "present", "problem_key", "problem_of",
+           "as_record", "at_home", "killed_from_outside", "present", "problem_key", "problem_of",
            "split_line", "step_cost_of", "step_us", "table_rows"]
 
 # Where a worker's time went (Record fields the worker reports); the rest of elapsed_s,
@@ -233,13 +234,28 @@ def step_us(record: Record | Mapping[str, Any]) -> float:
 
 def table_rows(records: Iterable[Record | Mapping[str, Any]], device: DeviceInfo
                ) -> list[dict[str, Any]]:
-    """One row per (problem, route): its fastest ok parameters, else why it failed. Where a
-    DCP route was measured across processes, the row is the measured step's (whatever its
-    status: it says what the real step does), its simulated time kept beside it."""
+    """One row per (problem, route): its fastest ok parameters, else why it failed. A record
+    counts for the route its parameters belong to now (``Route.route_of``: a kernel form
+    that became a route of its own). Where a DCP route was measured across processes, the
+    row is the measured step's (whatever its status: it says what the real step does), its
+    simulated time kept beside it."""
     runs: dict[tuple[str, str], list[Record]] = {}
-    for r in map(as_record, records):
+    for r in map(at_home, map(as_record, records)):
         runs.setdefault((r.problem_key, r.route), []).append(r)
     return [_row(_best(group), device) for group in runs.values()]
+
+
+def at_home(record: Record) -> Record:
+    """The record under the route its parameter set belongs to now (``Route.route_of``), its
+    parameters as run; as it is where they are no JSON object."""
+    try:
+        params = json.loads(record.route_params)
+    except (TypeError, ValueError):
+        return record
+    if not isinstance(params, dict):
+        return record
+    home = FACTS.route_of(record.route, params)
+    return record if home == record.route else replace(record, route=home)
 
 
 def _best(runs: list[Record]) -> Record:

@@ -24,7 +24,12 @@ from mlatune.routes.base import (
 )
 from mlatune.routes.flashinfer import FLASHINFER_ROUTES
 from mlatune.routes.flashmla import FlashMLARoute
-from mlatune.routes.gluon_hopper import SeesawGluonRoute, TransposedGluonRoute, WgmmaGluonRoute
+from mlatune.routes.gluon_hopper import (
+    SeesawGluonRoute,
+    TransposedGluonRoute,
+    TransposedMma8GluonRoute,
+    WgmmaGluonRoute,
+)
 from mlatune.routes.prefill_triton import BF16PersistentPrefillRoute, FP8PersistentPrefillRoute
 from mlatune.routes.registry import (
     FACTS,
@@ -51,6 +56,7 @@ for _route in TRITON_DECODE_ROUTES:
 register(WgmmaGluonRoute())  # Hopper only; needs triton 3.6 (checked when asked)
 register(SeesawGluonRoute())  # the same, warp-specialized
 register(TransposedGluonRoute())  # keys as the MMA's M; also fp8 caches
+register(TransposedMma8GluonRoute())  # the same with fp8 MMAs over an fp8 cache
 register(FlashMLARoute())  # NVIDIA vendor kernels: their libraries are imported when asked
 for _route in FLASHINFER_ROUTES:
     register(_route)

@@ -167,6 +167,8 @@ class Route(ABC):
     # The integer parameters a stored set may name and their bounds, inclusive: what a
     # kernel allocates or launches by (a table naming a set outside them is refused on load).
     param_limits: ClassVar[Mapping[str, tuple[int, int]]] = MappingProxyType({})
+    # Kernel forms whose stored sets belong to a route of their own now: form id -> its id.
+    moved_forms: ClassVar[Mapping[str, str]] = MappingProxyType({})
 
     @abstractmethod
     def supports(self, problem: MLAProblem, device: DeviceInfo) -> Verdict:
@@ -221,6 +223,12 @@ class Route(ABC):
         """A stored parameter set in this route's current spelling; None when it names a kernel
         form that no longer exists (its rows are then stale: re-measure, never served)."""
         return params
+
+    def route_of(self, params: Params) -> str:
+        """The route a stored set of this one belongs to: this route, or the one its form
+        moved to (``moved_forms``)."""
+        form = params.get("form")
+        return self.moved_forms.get(form, self.id) if isinstance(form, str) else self.id
 
     def serves_empty(self, problem: MLAProblem, params: Params) -> bool:
         """Whether rows that attend no key (a request of length 0, a short request's tokens

@@ -1,13 +1,15 @@
 """mlatune's Hopper Gluon MLA decodes as routes: ``wgmma/gluon`` (the first kernel,
 ``mlatune/kernels/gluon_hopper.py``: two warpgroups split each tile's S by key columns),
 ``seesaw/gluon`` (the warp-specialized kernel, ``mlatune/kernels/gluon_seesaw.py``: a
-loader partition and two compute warpgroups alternating whole tiles) and ``transposed/gluon``
+loader partition and two compute warpgroups alternating whole tiles), ``transposed/gluon``
 (``mlatune/kernels/gluon_transposed.py``: keys as the MMA's M and 16 or 32 query rows as
-its N, for few heads; it also reads fp8 caches). The kernels take the same tensors (the
+its N, for few heads; it also reads fp8 caches) and ``transposed-mma8/gluon`` (the same over
+an fp8 cache with fp8 MMAs: one numeric class per route). The kernels take the same tensors (the
 transposed one also an fp8 cache's scale) and share the host helpers and the split rule
 (each over its own programs per request); a stored route id keeps its kernel, so a faster
 one comes in under a new id. A kernel's forms are named in a param set's ``form`` (the
-route's ``forms``); a stored set in an older spelling is read through ``upgrade_params``.
+route's ``forms``); a stored set in an older spelling is read through ``upgrade_params``,
+one of a form that became a route of its own through ``route_of``.
 
 Which problems they serve is the capability model's (``capability.rules``, the
 ``wgmma.*`` rules: sm_90, decode, 576/512 dims, page 64, bf16 or fp16 q and
@@ -31,7 +33,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import itertools
 from collections.abc import Callable, Mapping
 from functools import cache
 from importlib import metadata
@@ -217,67 +218,64 @@ def _upgraded(params: Params, forms: tuple[str, ...], legacy: tuple[str, ...],
               form: Callable[[Mapping[str, bool]], str | None]) -> Params | None:
     """``params`` with a form id: as given where ``forms`` holds it, else None. In the boolean
     spelling: its options (``legacy``; absent: off) replaced by ``form(options)``'s id, None
-    where that names none. An empty set (the route's first) stays empty."""
+    where that names none of ``forms``. An empty set (the route's first) stays empty."""
     if "form" in params:
         return dict(params) if params["form"] in forms else None
     if not params:
         return {}
     named = form({k: bool(params.get(k, False)) for k in legacy})
-    if named is None:
+    if named not in forms:
         return None
     return {**{k: v for k, v in params.items() if k not in legacy}, "form": named}
-
-
-FP8_MMA_MAX_ROWS = 16  # query rows a program up to which transposed/gluon offers fp8 MMAs
 
 
 class TransposedGluonRoute(WgmmaGluonRoute):
     """The transposed Hopper Gluon decode: S^T = K Q^T with the tile's 64 keys as the MMA's
     M and 16 or 32 query rows as its N (no padding of few rows to 64), bf16 or fp16 q over a
-    cache of q's dtype or fp8 (e4m3, its scale read on the device). Its forms
-    (``plan.TRANSPOSED_FORMS``): "mma16", MMAs in q's dtype (``gluon_transposed``; over an
-    fp8 cache ``gluon_transposed_ws``, which widens it in a partition of its own), and, over
-    an fp8 cache at up to 16 query rows a program, "mma8": fp8 MMAs with q as two e4m3 terms
-    (``gluon_transposed_fp8``)."""
+    cache of q's dtype or fp8 (e4m3, its scale read on the device). Its one form, "mma16":
+    MMAs in q's dtype (``gluon_transposed``; over an fp8 cache ``gluon_transposed_ws``, which
+    widens it in a partition of its own), exact past the problem's dtypes. Its fp8-MMA form
+    ("mma8", another numeric class) is a route of its own: ``transposed-mma8/gluon``."""
 
     id = "transposed/gluon"
     kernel = "gluon_transposed"
     reads_fp8 = True
-    forms = plan.TRANSPOSED_FORMS
-    kernel_options = MappingProxyType({"form": forms[0]})  # a set without a form: mma16
+    forms: tuple[str, ...] = ("mma16",)
+    kernel_options = MappingProxyType({"form": "mma16"})  # a set without a form: mma16
+    moved_forms = MappingProxyType({"mma8": "transposed-mma8/gluon"})
+    program_cost = 0.0  # the kernel's fixed cost a program, in tiles (the split pick's)
     # The options a stored set named its form with before form ids (absent: off).
     LEGACY_OPTIONS = ("ws", "pdl", "fp8_mma", "defer_sums", "stacked", "wide_vt", "warp_max",
                       "slim")
     MMA8_OPTIONS = ("defer_sums", "stacked", "wide_vt", "warp_max", "slim")  # all on in mma8
 
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
-        """The split counts in the mma16 form; over an fp8 cache at up to 16 query rows a
-        program the mma8 sets too, the two forms alternating split by split from each
-        kernel's own pick (the fp8-MMA kernel's with its ``FP8_MMA_PROGRAM_COST``), mma8
-        first. Past 16 rows the fp8-MMA kernel is not offered (q's two terms make it slower
-        than the widening)."""
-        sets = [{**params, "form": "mma16"} for params in super().param_space(problem, device)]
-        if not self.offers_fp8_mma(problem):
-            return sets
-        mma8 = [{**params, "form": "mma8"} for params in
-                self.split_sets(problem, device, plan.FP8_MMA_PROGRAM_COST)]
-        pairs = itertools.zip_longest(mma8, sets)
-        return [form for pair in pairs for form in pair if form is not None]
+        """The split counts, each in the route's form."""
+        return [{**params, "form": self.forms[0]}
+                for params in self.split_sets(problem, device, self.program_cost)]
 
     def upgrade_params(self, params: Params) -> Params | None:
-        """A stored param set with a form id as stored (None: a form not in ``forms``); in
-        the boolean spelling (``LEGACY_OPTIONS``), pdl with fp8_mma and all of
-        ``MMA8_OPTIONS`` is "mma8", pdl without fp8_mma "mma16" (ws or not: over a 16-bit
-        cache the same kernel, over fp8 the widening the route's sets ran since pdl), any
-        other combination a deleted form: None. ``{}`` (the route's first set) stays ``{}``."""
-        def form(on: Mapping[str, bool]) -> str | None:
-            if not on["pdl"]:
-                return None
-            if not on["fp8_mma"]:
-                return "mma16"
-            return "mma8" if all(on[k] for k in self.MMA8_OPTIONS) else None
+        """A stored param set with one of the route's form ids as stored (None: another
+        form); in the boolean spelling, the form ``_legacy_form`` names."""
+        return _upgraded(params, self.forms, self.LEGACY_OPTIONS, self._legacy_form)
 
-        return _upgraded(params, self.forms, self.LEGACY_OPTIONS, form)
+    def route_of(self, params: Params) -> str:
+        """Where a stored set belongs, its legacy spelling read first: an mma8 set (either
+        spelling) is ``transposed-mma8/gluon``'s."""
+        spelled = _upgraded(params, plan.TRANSPOSED_FORMS, self.LEGACY_OPTIONS,
+                            self._legacy_form)
+        return super().route_of(params if spelled is None else spelled)
+
+    def _legacy_form(self, on: Mapping[str, bool]) -> str | None:
+        """The form a set in the boolean spelling (``LEGACY_OPTIONS``) ran: pdl with fp8_mma
+        and all of ``MMA8_OPTIONS`` "mma8", pdl without fp8_mma "mma16" (ws or not: over a
+        16-bit cache the same kernel, over fp8 the widening the sets ran since pdl), any other
+        combination a deleted form (None)."""
+        if not on["pdl"]:
+            return None
+        if not on["fp8_mma"]:
+            return "mma16"
+        return "mma8" if all(on[k] for k in self.MMA8_OPTIONS) else None
 
     def launcher(self, problem: MLAProblem, chosen: Params) -> tuple[Callable, dict]:
         """The kernel a param set's form names: mma8, the fp8-MMA kernel (an fp8 cache only);
@@ -293,18 +291,22 @@ class TransposedGluonRoute(WgmmaGluonRoute):
             name = self.kernel
         return _kernel(name).decode_launcher, {}
 
-    def offers_fp8_mma(self, problem: MLAProblem) -> bool:
-        """Whether the param sets include fp8-MMA ones (then first): an fp8 cache, at up to
-        ``FP8_MMA_MAX_ROWS`` query rows a program."""
-        return problem.kv_dtype in FP8_DTYPES and self.block_rows(problem) <= FP8_MMA_MAX_ROWS
-
-    def rounding(self, problem: MLAProblem, params: Params) -> Rounding:
-        """P rounded to fp8, q kept near 16 bits by its two e4m3 terms: the mma8 sets, and no
-        params at all where the route's first set is one."""
-        if problem.kv_dtype not in FP8_DTYPES:
-            return Rounding.NONE
-        mma8 = params.get("form") == "mma8" if params else self.offers_fp8_mma(problem)
-        return Rounding.P_FP8 if mma8 else Rounding.NONE
-
     def block_rows(self, problem: MLAProblem) -> int:
         return plan.transposed_rows(problem.kernel_heads * problem.qlen)
+
+
+class TransposedMma8GluonRoute(TransposedGluonRoute):
+    """The transposed Hopper Gluon decode with fp8 MMAs (form "mma8",
+    ``gluon_transposed_fp8``): over an fp8 e4m3 cache at up to 16 query rows a program
+    (the ``transposed.fp8_mma`` rule), q as two e4m3 terms and P rounded to e4m3. The same
+    launch, splits and step as ``transposed/gluon``; its numeric class is P_FP8."""
+
+    id = "transposed-mma8/gluon"
+    forms = ("mma8",)
+    kernel_options = MappingProxyType({"form": "mma8"})
+    moved_forms = MappingProxyType({})
+    program_cost = plan.FP8_MMA_PROGRAM_COST  # the split pick's fixed cost a program
+
+    def rounding(self, problem: MLAProblem, params: Params) -> Rounding:
+        """P rounded to fp8, q kept near 16 bits by its two e4m3 terms: every set."""
+        return Rounding.P_FP8

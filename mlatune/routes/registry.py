@@ -65,6 +65,10 @@ class RegistryFacts:
     def step_kind(self, route_id: str, params: Mapping[str, Any] | str) -> tuple[str, bool]:
         return declared_step_kind(route_id, params)
 
+    def route_of(self, route_id: str, params: Mapping[str, Any]) -> str:
+        route = _ROUTES.get(route_id)
+        return route_id if route is None else route.route_of(dict(params))
+
     def upgrade_params(self, route_id: str, params: Mapping[str, Any]
                        ) -> Mapping[str, Any] | None:
         route = _ROUTES.get(route_id)

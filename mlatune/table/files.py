@@ -281,25 +281,29 @@ def _read_versioned(path: Path, check: bool, facts: RouteFacts | None
 
 
 def current_params(frame: pd.DataFrame, facts: RouteFacts) -> pd.DataFrame:
-    """Each row's parameters in its route's current spelling (``RouteFacts.upgrade_params``,
-    asked once per distinct pair); a row whose set names a deleted kernel form is stale
-    (rank 0, the rest ranked again); a damaged table as found, for validate."""
+    """Each row under the route its parameters belong to (``RouteFacts.route_of``: a kernel
+    form that became a route of its own) and in that route's current spelling
+    (``RouteFacts.upgrade_params``), asked once per distinct pair; a row whose set names a
+    deleted kernel form is stale (rank 0, the rest ranked again); a damaged table as found,
+    for validate."""
     if frame.empty or not {"route", "route_params", "status", "rank"} <= set(frame.columns):
         return frame
     pair_id = frame.groupby(["route", "route_params"], sort=False).ngroup().to_numpy()
     firsts = np.unique(pair_id, return_index=True)[1]
-    texts, stale = [], []
-    for route, text in zip(frame["route"].iloc[firsts], frame["route_params"].iloc[firsts],
-                           strict=True):
-        current = _current(facts, str(route), text)
-        texts.append(text if current is None or current == text else current)
+    stored = list(zip(frame["route"].iloc[firsts], frame["route_params"].iloc[firsts],
+                      strict=True))
+    routes, texts, stale = [], [], []
+    for route, text in stored:
+        home, current = _current(facts, str(route), text)
+        routes.append(route if home == str(route) else home)
+        texts.append(text if current is None else current)
         stale.append(current is None)
-    if not any(stale) and all(t == o for t, o in zip(texts, frame["route_params"].iloc[firsts],
-                                                     strict=True)):
+    if not any(stale) and list(zip(routes, texts, strict=True)) == stored:
         return frame
     out = frame.copy()
-    out["route_params"] = pd.Series(np.array(texts, dtype=object)[pair_id], index=out.index,
-                                    dtype=frame["route_params"].dtype)
+    for column, values in (("route", routes), ("route_params", texts)):
+        out[column] = pd.Series(np.array(values, dtype=object)[pair_id], index=out.index,
+                                dtype=frame[column].dtype)
     gone = np.array(stale)[pair_id]
     if gone.any():
         out.loc[gone, "status"] = Status.STALE.value
@@ -308,18 +312,21 @@ def current_params(frame: pd.DataFrame, facts: RouteFacts) -> pd.DataFrame:
     return out
 
 
-def _current(facts: RouteFacts, route: str, text: str) -> str | None:
-    """A stored params text in the route's current spelling; None: a deleted form."""
+def _current(facts: RouteFacts, route: str, text: str) -> tuple[str, str | None]:
+    """A stored (route, params text) as the routes read it now: the route the set belongs to
+    and the text in its spelling (None: a deleted form); a text that is no JSON object as
+    found, for validate."""
     try:
         params = json.loads(text)
     except (TypeError, ValueError):  # not JSON: validate names it
-        return text
+        return route, text
     if not isinstance(params, dict):
-        return text
-    current = facts.upgrade_params(route, params)
+        return route, text
+    home = facts.route_of(route, params)
+    current = facts.upgrade_params(home, params)
     if current is None:
-        return None
-    return text if dict(current) == params else json.dumps(dict(current), sort_keys=True)
+        return home, None
+    return home, text if dict(current) == params else json.dumps(dict(current), sort_keys=True)
 
 
 def _stored_version(frame: pd.DataFrame, unparsed: set[str]) -> int:

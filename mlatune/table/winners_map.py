@@ -147,17 +147,19 @@ def _param_problems(document: Mapping[str, Any], facts: RouteFacts) -> str:
 
 def current_options(document: dict[str, Any], parsed: list[dict[str, MLAProblem]],
                     facts: RouteFacts) -> None:
-    """Each option's params in its route's current spelling, in place; an option naming a
-    deleted kernel form (stale) is dropped, and a key left with none is no longer measured."""
+    """Each option under the route its params belong to (``RouteFacts.route_of``) and in
+    that route's current spelling, in place; an option naming a deleted kernel form (stale)
+    is dropped, and a key left with none is no longer measured."""
     for device, problems in zip(document["devices"], parsed, strict=True):
         for key, entry in list(device["winners"].items()):
             options = [{k: v for k, v in o.items() if k not in ("alternatives", "failed")}
                        for o in (entry, *entry.get("alternatives", ()))]
             kept = []
             for option in options:
-                params = facts.upgrade_params(option["route"], option["params"])
+                route = facts.route_of(option["route"], option["params"])
+                params = facts.upgrade_params(route, option["params"])
                 if params is not None:
-                    kept.append({**option, "params": dict(params)})
+                    kept.append({**option, "route": route, "params": dict(params)})
             if not kept:
                 del device["winners"][key]
                 problems.pop(key, None)
