@@ -25,8 +25,8 @@ MAX_SPLITS = 64
 # one request), "two-requests" (a program walks requests b and b + cdiv(batch, 2)).
 SEESAW_FORMS = ("pairs", "two-requests")
 # The transposed kernels: "mma16" (MMAs in q's 16-bit dtype; an fp8 cache widened to it in a
-# partition of its own, ``gluon_transposed_ws``), "mma8" (an fp8 cache under fp8 MMAs, q as
-# two e4m3 terms, ``gluon_transposed_fp8``).
+# partition of its own, ``gluon_transposed_ws``: transposed/gluon's), "mma8" (an fp8 cache
+# under fp8 MMAs, q as two e4m3 terms, ``gluon_transposed_fp8``: transposed-mma8/gluon's).
 TRANSPOSED_FORMS = ("mma16", "mma8")
 
 

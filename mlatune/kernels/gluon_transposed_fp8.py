@@ -1,5 +1,5 @@
-"""The transposed Gluon decode over an fp8 cache with fp8 MMAs: the "mma8" form of
-``transposed/gluon``. Its history: docs/kernels/gluon_transposed.md.
+"""The transposed Gluon decode over an fp8 cache with fp8 MMAs: the "mma8" form, which the
+route ``transposed-mma8/gluon`` runs. Its history: docs/kernels/gluon_transposed.md.
 
 Nothing is widened: both products are fp8 wgmmas (k32). Three partitions
 (``gl.warp_specialize``): a loader (TMA: q once, the cache tiles into a ring), a transposer

@@ -23,6 +23,7 @@ from mlatune import routes, table
 from mlatune.dispatch import Dispatcher, device_for_arch
 from mlatune.dispatch.dispatcher import DEFAULT_UNMEASURED
 from mlatune.measure import journal
+from mlatune.measure.records import at_home
 from mlatune.problem import FP8_DTYPES, MLAProblem
 from mlatune.report import accuracy, policies
 from mlatune.report.accuracy import AccuracySection
@@ -288,8 +289,9 @@ Timed = dict[tuple[str, str], list[tuple[dict[str, Any], float]]]
 def candidate_times(journal_path: str | os.PathLike) -> Timed:
     """(problem key, route) -> [(parameters as run, time_us)] of every ok candidate of
     a sweep journal (plain or gzipped); at a problem with DCP steps measured across
-    processes only those, each scheme's (``schema.competing``), as the table keeps them."""
-    ok = [r for r in journal.read_records(Path(journal_path))[1] if r.ok]
+    processes only those, each scheme's (``schema.competing``), as the table keeps them; each
+    run under the route its set belongs to now (``records.at_home``)."""
+    ok = [at_home(r) for r in journal.read_records(Path(journal_path))[1] if r.ok]
     keys = [r.problem_key for r in ok]
     keep = competing(keys, [r.measured_dcp for r in ok])
     timed: Timed = {}
