@@ -149,7 +149,7 @@ def test_a_prior_table_prunes_routes_far_behind_and_losing_sets(tmp_path):
     far = _prior(tmp_path, [result_row(PROBLEM, "padded/triton", 10.0),
                             result_row(PROBLEM, "gluon/triton", 4.0)])
     kept, pruned = far.split(candidates[:3])
-    assert not kept and all("2.50x gluon/triton's time" in r.reason for r in pruned)
+    assert not kept and all("2.50x gluon/triton's step cost" in r.reason for r in pruned)
 
 
 def test_routes_compete_within_their_numeric_class(tmp_path, monkeypatch):
@@ -173,3 +173,14 @@ def test_pruned_rows_neither_answer_nor_fail(tmp_path):
     assert PROBLEM.key not in d._failed  # the failures nearest and rule skip
     (device,) = table.winners_json(table.read(path))["devices"]
     assert not device["all_failed"] and all("failed" not in w for w in device["winners"].values())
+
+
+def test_a_prior_prunes_by_step_cost_as_the_table_ranks(tmp_path):
+    # A short launch behind a long host plan (shared by 61 layers' calls) is no faster step.
+    planned = {**result_row(PROBLEM, "padded/triton", 2.0), "plan_on": "host",
+               "capturable": False, "plan_host_us": 1000.0}
+    prior = _prior(tmp_path, [planned, result_row(PROBLEM, "gluon/triton", 6.0)])
+    kept, pruned = prior.split([Candidate(PROBLEM, "gluon/triton", {}),
+                                Candidate(PROBLEM, "padded/triton", {})])
+    assert [c.route_id for c in kept] == ["gluon/triton"]
+    assert "3.07x gluon/triton's step cost" in pruned[0].reason

@@ -142,33 +142,38 @@ class Shard:
 @dataclass(frozen=True)
 class Prior:
     """A measured table that prunes a sweep (Triton's ``prune_configs_by``, with measured
-    times for a model). At a problem it measured ok, a route whose time there was over
-    ``ratio`` times the problem's fastest does not run; a route that does runs its first
-    parameter set of each numeric class (``Route.rounding``: its own pick, and where a route
-    offers a rounding form, its first exact one too, which a strict caller is served) and
-    the set that won there, not the others. A problem,
-    route or winning set the table does not hold runs as without it. Only prunes: nothing
-    it holds enters the new table."""
+    costs for a model). Routes compete within their numeric class (``Route.rounding``), as
+    the accuracy policies serve by class, at what a step costs the default caller, as the
+    table ranks: at a problem it measured ok, a route whose step there cost over ``ratio``
+    times the cheapest of its class does not run; a route that does runs its first parameter
+    set of each class and the set that won there, not the others. A problem, route or
+    winning set the table does not hold runs as without it. Only prunes: nothing it holds
+    enters the new table."""
 
-    times: dict[tuple[str, str], float]  # (problem key, route) -> launch time, us
+    times: dict[tuple[str, str], float]  # (problem key, route) -> step cost, us
     params: dict[tuple[str, str], dict[str, Any]]  # (problem key, route) -> what won
-    best: dict[str, tuple[float, str]]  # problem key -> (fastest launch time, its route)
+    best: dict[tuple[str, str], tuple[float, str]]  # (problem key, class) -> (cost, route)
     ratio: float
     source: str
 
     @classmethod
     def read(cls, path: str, ratio: float) -> Prior:
-        """The ok rows of the table at ``path`` (every device it holds)."""
+        """The ok rows of the table at ``path`` (every device it holds), each at what a step
+        costs the default caller (``table.cost.step_cost``), as the table ranks them."""
         from mlatune import table
+        from mlatune.table.cost import step_cost
         from mlatune.table.frame import key_strings
 
         rows = table.read(path, facts=routes.FACTS)
         rows = rows[(rows["status"] == Status.OK.value) & rows["time_us"].notna()]
+        costs = step_cost(rows["time_us"].to_numpy(), rows["plan_on"].to_numpy(dtype=object),
+                          rows["plan_us"].to_numpy(), rows["plan_host_us"].to_numpy(), False,
+                          shares_host_plan=rows["route"].isin(routes.plan_sharing()).to_numpy())
         times: dict[tuple[str, str], float] = {}
         params: dict[tuple[str, str], dict[str, Any]] = {}
-        best: dict[str, tuple[float, str]] = {}
+        best: dict[tuple[str, str], tuple[float, str]] = {}
         for key, route, t, ran in zip(key_strings(rows), rows["route"].tolist(),
-                                      rows["time_us"].tolist(), rows["route_params"].tolist(),
+                                      costs.tolist(), rows["route_params"].tolist(),
                                       strict=True):
             if t < times.get((key, route), math.inf):
                 times[key, route], params[key, route] = t, json.loads(ran or "{}")
@@ -202,7 +207,7 @@ class Prior:
                 _rounding(pair[1], candidate.problem, self.params[pair]) != rounding:
             return ""  # not measured in this class there
         if took > self.ratio * fastest:
-            return (f"pruned: {took / fastest:.2f}x {by}'s time in {self.source} "
+            return (f"pruned: {took / fastest:.2f}x {by}'s step cost in {self.source} "
                     f"(over {self.ratio:g}x; numeric class {rounding})")
         won = self.params[pair]
         if first or all(won.get(k) == v for k, v in candidate.params.items()):
