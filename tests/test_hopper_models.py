@@ -148,8 +148,9 @@ def test_a_prior_table_prunes_routes_far_behind_and_losing_sets(tmp_path):
     # Past the ratio, every set of the route is pruned, naming the time and the winner.
     far = _prior(tmp_path, [result_row(PROBLEM, "padded/triton", 10.0),
                             result_row(PROBLEM, "gluon/triton", 4.0)])
-    kept, pruned = far.split(candidates[:3])
-    assert not kept and all("2.50x gluon/triton's step cost" in r.reason for r in pruned)
+    kept, pruned = far.split(candidates[:4])
+    assert [c.route_id for c in kept] == ["gluon/triton"] and len(pruned) == 3
+    assert all("2.50x gluon/triton's step cost" in r.reason for r in pruned)
 
 
 def test_routes_compete_within_their_numeric_class(tmp_path, monkeypatch):
@@ -184,3 +185,40 @@ def test_a_prior_prunes_by_step_cost_as_the_table_ranks(tmp_path):
                                 Candidate(PROBLEM, "padded/triton", {})])
     assert [c.route_id for c in kept] == ["gluon/triton"]
     assert "3.07x gluon/triton's step cost" in pruned[0].reason
+
+
+def test_only_the_routes_a_sweep_runs_compete(tmp_path):
+    # A route faster in the prior but not run now (not installed, not named) prunes nothing.
+    prior = _prior(tmp_path, [result_row(PROBLEM, "padded/triton", 10.0),
+                              result_row(PROBLEM, "gluon/triton", 2.0)])
+    kept, pruned = prior.split([Candidate(PROBLEM, "padded/triton", {})])
+    assert [c.route_id for c in kept] == ["padded/triton"] and not pruned
+
+
+def test_a_failure_is_what_a_route_row_says_before_a_pruned_set(tmp_path):
+    from mlatune.measure.records import Record, table_rows
+
+    crashed = Candidate(PROBLEM, "padded/triton", {"num_splits": 4}).record(
+        status="crashed", reason="raised")
+    was_pruned = Candidate(PROBLEM, "padded/triton", {"num_splits": 2}).record(
+        status="pruned", reason="pruned: far")
+    for records in ([was_pruned, crashed], [crashed, was_pruned]):
+        (row,) = table_rows(records, H200)
+        assert row["status"] == "crashed"
+    merged = table.merge([make_table([result_row(PROBLEM, "padded/triton", None,
+                                                 status="crashed")]),
+                          make_table([result_row(PROBLEM, "padded/triton", None,
+                                                 status="pruned")])])
+    assert merged["status"].tolist() == ["crashed"]
+    assert isinstance(crashed, Record)
+
+
+def test_a_resumed_sweep_prunes_again(tmp_path):
+    from mlatune.sweep.journal import Journal, JournalHeader
+
+    path = tmp_path / "j.jsonl"
+    journal = Journal(path, JournalHeader.of("ab", "spec", H200), resume=True)
+    candidate = Candidate(PROBLEM, "padded/triton", {})
+    journal.append(candidate.record(status="pruned", reason="pruned: far"))
+    assert candidate.id not in journal.done_ids
+    journal.close()

@@ -24,7 +24,7 @@ from mlatune.arch import DeviceInfo
 from mlatune.problem import MLAProblem
 from mlatune.routes import FACTS, plan_sharing
 from mlatune.table.cost import DEFAULT_CALLER, Caller, caller_cost
-from mlatune.table.schema import Status, device_key, is_measured
+from mlatune.table.schema import NEITHER_STATUSES, Status, device_key, is_measured
 
 __all__ = ["COST_PARTS", "KILLED_FROM_OUTSIDE", "Measured", "Record", "Result", "Status", "Task",
            "as_record", "at_home", "killed_from_outside", "present", "problem_key", "problem_of",
@@ -298,7 +298,9 @@ def step_cost_of(measured: Measured, route_id: str, caller: Caller = DEFAULT_CAL
 
 
 def _better(new: Record, held: Record) -> bool:
-    """A route's row keeps its parameters of the cheapest step for the default caller."""
+    """A route's row keeps its parameters of the cheapest step for the default caller; with
+    none ok, a failure before a set that did not run (pruned, stale), so the row says it."""
     if new.ok:
         return not held.ok or new.step_us < held.step_us
-    return False
+    return not held.ok and held.status in NEITHER_STATUSES and \
+        new.status not in NEITHER_STATUSES

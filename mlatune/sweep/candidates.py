@@ -146,13 +146,13 @@ class Prior:
     the accuracy policies serve by class, at what a step costs the default caller, as the
     table ranks: at a problem it measured ok, a route whose step there cost over ``ratio``
     times the cheapest of its class does not run; a route that does runs its first parameter
-    set of each class and the set that won there, not the others. A problem, route or
-    winning set the table does not hold runs as without it. Only prunes: nothing it holds
-    enters the new table."""
+    set of each class and the set that won there, not the others. Only the routes this sweep
+    runs at a problem compete there (a route it does not run, or that is not installed, prunes
+    nothing). A problem, route or winning set the table does not hold runs as without it.
+    Only prunes: nothing it holds enters the new table."""
 
     times: dict[tuple[str, str], float]  # (problem key, route) -> step cost, us
     params: dict[tuple[str, str], dict[str, Any]]  # (problem key, route) -> what won
-    best: dict[tuple[str, str], tuple[float, str]]  # (problem key, class) -> (cost, route)
     ratio: float
     source: str
 
@@ -171,26 +171,22 @@ class Prior:
                           shares_host_plan=rows["route"].isin(routes.plan_sharing()).to_numpy())
         times: dict[tuple[str, str], float] = {}
         params: dict[tuple[str, str], dict[str, Any]] = {}
-        best: dict[tuple[str, str], tuple[float, str]] = {}
         for key, route, t, ran in zip(key_strings(rows), rows["route"].tolist(),
                                       costs.tolist(), rows["route_params"].tolist(),
                                       strict=True):
             if t < times.get((key, route), math.inf):
                 times[key, route], params[key, route] = t, json.loads(ran or "{}")
-        for (key, route), t in times.items():
-            kind = (key, _rounding(route, MLAProblem.from_key(key), params[key, route]))
-            if kind not in best or t < best[kind][0]:
-                best[kind] = (t, route)
-        return cls(times, params, best, ratio, str(path))
+        return cls(times, params, ratio, str(path))
 
     def split(self, candidates: list[Candidate]) -> tuple[list[Candidate], list[Record]]:
         """The candidates that run, and a ``pruned`` record for each of the others."""
+        best = self._best({(c.problem, c.route_id) for c in candidates})
         kept, pruned = [], []
         seen: set[tuple[str, str, str]] = set()  # (problem, route, class) whose first went by
         for c in candidates:
             rounding = _rounding(c.route_id, c.problem, c.params)
             kind = (c.problem.key, c.route_id, rounding)
-            why = self._reason(c, rounding, first=kind not in seen)
+            why = self._reason(c, rounding, best, first=kind not in seen)
             seen.add(kind)
             if why:
                 pruned.append(c.record(status=Status.PRUNED, reason=why))
@@ -198,11 +194,26 @@ class Prior:
                 kept.append(c)
         return kept, pruned
 
-    def _reason(self, candidate: Candidate, rounding: str, first: bool) -> str:
+    def _best(self, running: set[tuple[MLAProblem, str]]
+              ) -> dict[tuple[str, str], tuple[float, str]]:
+        """(problem key, class) -> (the cheapest step there, its route), among the routes
+        that run at the problem."""
+        best: dict[tuple[str, str], tuple[float, str]] = {}
+        for problem, route in running:
+            t = self.times.get((problem.key, route))
+            if t is None:
+                continue
+            kind = (problem.key, _rounding(route, problem, self.params[problem.key, route]))
+            if kind not in best or t < best[kind][0]:
+                best[kind] = (t, route)
+        return best
+
+    def _reason(self, candidate: Candidate, rounding: str,
+                best: dict[tuple[str, str], tuple[float, str]], first: bool) -> str:
         """Why ``candidate`` (of numeric class ``rounding``) is pruned; "" where it runs."""
         pair = (candidate.problem.key, candidate.route_id)
         took = self.times.get(pair)
-        fastest, by = self.best.get((pair[0], rounding), (math.inf, ""))
+        fastest, by = best.get((pair[0], rounding), (math.inf, ""))
         if took is None or fastest == math.inf or \
                 _rounding(pair[1], candidate.problem, self.params[pair]) != rounding:
             return ""  # not measured in this class there

@@ -47,7 +47,7 @@ from mlatune.measure.journal import (
     read,
     read_records,
 )
-from mlatune.measure.records import Record, as_record, killed_from_outside
+from mlatune.measure.records import Record, Status, as_record, killed_from_outside
 
 __all__ = ["FSYNC_INTERVAL_S", "Journal", "JournalError", "JournalHeader", "lock_path",
            "locked", "read", "read_records"]
@@ -126,9 +126,10 @@ class Journal:
     def done_ids(self) -> set[str]:
         """The candidates a resumed sweep does not run again: all that have a result, but
         one whose only result is a kill from outside (``records.killed_from_outside``),
-        which runs once more."""
+        which runs once more, and one a prior table pruned (the rerun's prior decides)."""
         runs = Counter(r.id for r in self.records)
-        return {r.id for r in self.records if runs[r.id] > 1 or not killed_from_outside(r)}
+        return {r.id for r in self.records if r.status is not Status.PRUNED
+                and (runs[r.id] > 1 or not killed_from_outside(r))}
 
     def append(self, record: Record | dict) -> None:
         self.extend([record])

@@ -74,7 +74,8 @@ def run(spec: SweepSpec, device: DeviceInfo, journal: Journal, *, workers: int =
     t0 = time.monotonic()
     candidates, refused = plan(spec, device, only, prior)
     done = journal.done_ids
-    journal.extend([r for r in refused if r.id not in done])
+    recorded = {r.id for r in journal.records}
+    journal.extend([r for r in refused if r.id not in recorded])
     todo = [c for c in candidates if c.id not in done]
     pruned = sum(r.status is Status.PRUNED for r in refused)
     if observer and hasattr(observer, "refused"):

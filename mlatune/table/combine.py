@@ -60,10 +60,11 @@ def merge(tables: Sequence[pd.DataFrame], sharing: Collection[str] = ()) -> pd.D
             raise TableError(f"table {i} is invalid: " + "; ".join(problems))
     both = pd.concat([t[list(COLUMNS)] for t in tables], ignore_index=True)
     both["_not_ok"] = both["status"] != "ok"
+    both["_not_run"] = both["status"].isin(NEITHER_STATUSES)  # a failure says more
     both["_tier"] = _simulated_tier(both)
     both["_cost"] = step_costs(both, DEFAULT_CALLER, sharing)
-    both = both.sort_values(["_tier", "_not_ok", "_cost", "created_utc"],
-                            ascending=[True, True, True, False], kind="stable",
+    both = both.sort_values(["_tier", "_not_ok", "_not_run", "_cost", "created_utc"],
+                            ascending=[True, True, True, True, False], kind="stable",
                             na_position="last")
     best = both.drop_duplicates(list(ROW_KEY), keep="first")
     merged = assign_ranks(best[list(COLUMNS)], DEFAULT_CALLER, sharing)
