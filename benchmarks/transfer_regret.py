@@ -30,9 +30,9 @@ import numpy as np
 
 from mlatune import table
 from mlatune.dispatch import Dispatcher, device_for_arch
-from mlatune.dispatch.device_terms import table_hardware
 from mlatune.dispatch.laws import transfer_times
 from mlatune.dispatch.loading import registered_routes
+from mlatune.hardware import described as table_hardware
 from mlatune.problem import MLAProblem
 from mlatune.report.metrics import one_device
 from mlatune.table.frame import assign_ranks

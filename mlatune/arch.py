@@ -37,6 +37,12 @@ class DeviceInfo:
         return asdict(self)
 
 
+def vendor_of(arch: str) -> str:
+    """Who makes a device of ``arch``: "nvidia" (sm_*), "amd" (gfx*), "cpu" or "unknown"."""
+    return "nvidia" if arch.startswith("sm_") else "amd" if arch.startswith("gfx") else \
+        "cpu" if arch == CPU_ARCH else "unknown"
+
+
 def cpu_device() -> DeviceInfo:
     import os
 

@@ -4,9 +4,9 @@ throughput and clocks (``Hardware``).
 A table records the ``Hardware`` it was measured on; the dispatcher's cost laws rescale a
 table measured on one GPU model to another from these figures (``mlatune.dispatch.laws``).
 Each figure comes from the best source there is, in this order: what this process can read
-(torch's device properties, ``nvidia-smi``'s clocks), a short measurement (``measure``:
-the DRAM bandwidth a large copy reaches), then the vendor's datasheet for the model
-(``DATASHEETS``, matched by name). ``source`` says which each came from.
+(torch's device properties, ``nvidia-smi``'s clocks), a short measurement
+(``measure_bandwidth``: the DRAM bandwidth a large copy reaches), then the vendor's datasheet
+for the model (``DATASHEETS``, matched by name). ``source`` says which each came from.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from mlatune.arch import DeviceInfo
+from mlatune.arch import DeviceInfo, vendor_of
 
 
 @dataclass(frozen=True)
@@ -111,8 +111,7 @@ def of_device(device: DeviceInfo, measured_bandwidth_gbs: float | None = None) -
 
 def described(name: str, arch: str, sm_count: int) -> Hardware:
     """A GPU this process does not hold, by its name and SM count (its datasheet's figures)."""
-    return of_device(DeviceInfo(arch, name, "nvidia" if arch.startswith("sm_") else "amd",
-                                sm_count, 0, -1))
+    return of_device(DeviceInfo(arch, name, vendor_of(arch), int(sm_count or 0), 0, -1))
 
 
 def recorded(provenance: list[Mapping[str, Any]], name: str, arch: str, sm_count: int
@@ -143,20 +142,24 @@ def _read_properties(device: DeviceInfo) -> dict[str, Any]:
         sm_khz = getattr(props, "clock_rate", None)
         if sm_khz:
             found["sm_clock_mhz"] = sm_khz / 1000
+        uuid = str(getattr(props, "uuid", "") or "")
     except Exception:  # properties differ across torch versions and builds: figures stay unknown
-        pass
-    found.update({k: v for k, v in _smi_clocks(device.index).items() if k not in found})
+        uuid = ""
+    if "sm_clock_mhz" not in found or "memory_clock_mhz" not in found:
+        found.update({k: v for k, v in _smi_clocks(uuid).items() if k not in found})
     return found
 
 
-def _smi_clocks(index: int) -> dict[str, float]:
-    """The highest SM and memory clocks nvidia-smi reports; {} without it."""
+def _smi_clocks(uuid: str) -> dict[str, float]:
+    """The highest SM and memory clocks nvidia-smi reports for the GPU of ``uuid`` (torch's
+    index is relative to CUDA_VISIBLE_DEVICES, nvidia-smi's not); {} without either."""
     smi = shutil.which("nvidia-smi")
-    if smi is None or index < 0:
+    if smi is None or not uuid:
         return {}
+    gpu = uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
     try:
         text = subprocess.run(
-            [smi, f"--id={index}", "--query-gpu=clocks.max.sm,clocks.max.memory",
+            [smi, f"--id={gpu}", "--query-gpu=clocks.max.sm,clocks.max.memory",
              "--format=csv,noheader,nounits"],
             capture_output=True, text=True, timeout=10, check=True).stdout
         sm, mem = (float(v) for v in text.strip().split(","))

@@ -274,7 +274,8 @@ def test_coverage_refuses_a_bad_require_and_a_bad_spec(good, tmp_path):
     bad = runner.invoke(app, ["coverage", str(good), spec, "--arch", "sm_90",
                               "--require", "exact"])
     assert bad.exit_code == 2 and "Traceback" not in bad.output
-    assert "--require" in bad.output and "'table', 'predicted', 'nearest', 'law', 'rule'" in bad.output
+    assert "--require" in bad.output
+    assert "'table', 'predicted', 'nearest', 'law', 'rule'" in bad.output
     bad = tmp_path / "bad.toml"
     bad.write_text("name = 3\n[[grid]]\nbogus = 1\n")
     assert_one_line_error(runner.invoke(app, ["coverage", str(good), str(bad),

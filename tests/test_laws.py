@@ -11,8 +11,8 @@ import pytest
 
 from mlatune import routes, table
 from mlatune.dispatch import Dispatcher
-from mlatune.dispatch.device_terms import table_hardware
 from mlatune.dispatch.laws import Laws, transfer_time, transfer_times
+from mlatune.hardware import described as table_hardware
 from mlatune.problem import KEY_FIELDS, MLAProblem
 from tests.table_helpers import H200, FakeRoute, make_table, result_row
 

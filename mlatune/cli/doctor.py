@@ -84,8 +84,7 @@ def _table_here() -> dict[str, Any]:
     return {"path": d.source or None, "error": None,
             "measured_on": device_json(*d.table_device) if d.table_device else None,
             "why": choice.why if choice and d.source else None,
-            "other_gpu": (os.environ.get(loading.OTHER_GPU_ENV) or loading.OTHER_GPU[0]).lower()
-            if other else None,
+            "other_gpu": loading.other_gpu_setting() if other else None,
             "differences": list(d.environment_differences), "accuracy": d.accuracy.name}
 
 
@@ -143,7 +142,7 @@ def _devices_in(chosen: Traversable) -> list[dict[str, Any]]:
 
 def _print_bundled(entries: list[dict[str, Any]]) -> None:
     out = Table(title="bundled tables: what a GPU of each arch and model loads (MLATUNE_TABLE "
-                      "overrides; another model loads the nearest, carried by the cost laws)")
+                      "overrides; another model loads the nearest, MLATUNE_OTHER_GPU says how)")
     for col in ("arch", "model", "table", "devices in it"):
         out.add_column(col)
     for e in entries:

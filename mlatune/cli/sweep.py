@@ -90,9 +90,11 @@ RefineOption = Annotated[float | None, typer.Option(
          "to hold them.")]
 PruneFromOption = Annotated[Path | None, typer.Option(
     metavar="TABLE",
-    help="A measured table (another GPU's, an older sweep's) that prunes this one: a route "
-         "whose time there was over --prune-ratio times the problem's fastest is recorded "
-         "'pruned' and not run. Problems and routes it did not measure run.")]
+    help="A measured table (another GPU's, an older sweep's) that prunes this one: among the "
+         "routes this sweep runs at a problem, one whose step there cost over --prune-ratio "
+         "times the cheapest of its numeric class is recorded 'pruned' and not run; a route "
+         "that runs, runs its first set of each class and the set that won there. Problems "
+         "and routes it did not measure run.")]
 PruneRatioOption = Annotated[float, typer.Option(
     metavar="R", min=1.0, help="With --prune-from: how far behind the best a route is pruned.")]
 

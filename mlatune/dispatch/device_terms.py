@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from mlatune.arch import DeviceInfo
-from mlatune.hardware import Hardware, of_device
+from mlatune.arch import DeviceInfo, vendor_of
+from mlatune.hardware import Hardware
 from mlatune.problem import MLAProblem, dtype_size
 from mlatune.routes import Route
 from mlatune.routes.geometry import LaunchGeometry
@@ -52,22 +52,13 @@ class Device:
     info: DeviceInfo  # the stand-in a route's split rule is asked with
 
 
-def table_hardware(name: str, arch: str, cus: int) -> Hardware:
-    """A table's device from its name and SM count, with its datasheet's figures (none for a
-    model not listed): nothing is read from the machine this runs on (index -1)."""
-    vendor = "nvidia" if arch.startswith("sm_") else "amd" if arch.startswith("gfx") else "cpu"
-    return of_device(DeviceInfo(arch, name, vendor, int(cus or 0), 0, -1))
-
-
 def device(hardware: Hardware) -> Device:
     """The terms' view of ``hardware`` (peak bandwidth: two devices compare alike)."""
     bandwidth = hardware.bandwidth_gbs or NOMINAL["bandwidth_gbs"]
     tflops = hardware.tensor_tflops or NOMINAL["tensor_tflops"]
     clock = hardware.sm_clock_mhz or NOMINAL["sm_clock_mhz"]
     cus = max(1, int(hardware.sm_count or 1))
-    vendor = "nvidia" if hardware.arch.startswith("sm_") else \
-        "amd" if hardware.arch.startswith("gfx") else "cpu"
-    info = DeviceInfo(hardware.arch, hardware.name, vendor, cus, 0, -1)
+    info = DeviceInfo(hardware.arch, hardware.name, vendor_of(hardware.arch), cus, 0, -1)
     return Device(cus, bandwidth * 1e3, tflops * 1e6, NOMINAL["sm_clock_mhz"] / clock, info)
 
 

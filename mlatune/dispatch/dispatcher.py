@@ -69,7 +69,6 @@ from mlatune.check.policy import Policy, policy_named
 from mlatune.dispatch import loading, sources
 from mlatune.dispatch.admission import class_of
 from mlatune.dispatch.choice import Choice, held_notes, law_notes, measured_note, nearest_notes
-from mlatune.dispatch.device_terms import table_hardware
 from mlatune.dispatch.laws import Laws
 from mlatune.dispatch.loading import (  # noqa: F401  (the dispatcher's public names)
     FIRST_SIGHT_ENV,
@@ -87,6 +86,7 @@ from mlatune.dispatch.sources import (  # noqa: F401  (the dispatcher's public n
 )
 from mlatune.errors import TableError
 from mlatune.hardware import Hardware
+from mlatune.hardware import described as table_hardware
 from mlatune.problem import BUCKET_FIELDS, MLAProblem
 from mlatune.routes import Route, params_at, rounding, step_kind_of
 from mlatune.routes.torch_ref import REFERENCE_ID as REFERENCE_ROUTE

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from mlatune import hardware
-from mlatune.arch import CPU_ARCH, DeviceInfo, current_device
+from mlatune.arch import DeviceInfo, current_device, vendor_of
 from mlatune.check.policy import Policy, policy_named
 from mlatune.dispatch import environment, ranks, sources
 from mlatune.errors import RankMismatchError, SettingError, TableError
@@ -48,8 +48,7 @@ FIRST_SIGHT_ENV = "MLATUNE_FIRST_SIGHT"
 
 def device_for_arch(arch: str, name: str = "", cu_count: int = 0) -> DeviceInfo:
     """A stand-in device for planning on an arch this machine does not have."""
-    vendor = "nvidia" if arch.startswith("sm_") else "amd" if arch.startswith("gfx") else \
-        "cpu" if arch == CPU_ARCH else "unknown"
+    vendor = vendor_of(arch)
     return DeviceInfo(arch, name or arch, vendor, cu_count, 0, -1 if vendor == "cpu" else 0)
 
 
@@ -105,7 +104,7 @@ def load(cls, path: str | os.PathLike, device: DeviceInfo | None = None,
     """
     device = device or current_device()
     policy = policy_named(accuracy)
-    other = _other_gpu(other_gpu)
+    other = other_gpu_setting(other_gpu)
     ranks.agree_at_load(group, path, overlay, device, allow_arch, capturable, plan_calls,
                         unmeasured, first_sight,
                         accuracy=policy.name, other_gpu=other)  # before parsing: see there
@@ -145,7 +144,8 @@ def _load(cls, path: Path, device: DeviceInfo, allow_arch: str | None,
         running = None  # planning for another machine: this one's versions do not matter
     else:
         running = environment.here(device)
-    if other_gpu == "transfer" and running is not None and chosen[1] != device.name:
+    if other_gpu == "transfer" and running is not None and device.is_gpu \
+            and chosen[1] != device.name:
         _transfer(source, chosen, provenance, device, path)
     differences = [] if running is None else \
         environment.differences(provenance, chosen, running)
@@ -171,6 +171,13 @@ def _transfer(source: Any, chosen: tuple[str, str, int], provenance: list[dict[s
     laws, with one log line; where no law can carry them, served as measured (a warning)."""
     measured = hardware.recorded(provenance, chosen[1], chosen[0], chosen[2])
     here = hardware.of_device(device)
+    unknown = [h.name for h in (measured, here)
+               if h.bandwidth_gbs is None or h.tensor_tflops is None]
+    if unknown:
+        log.warning("mlatune: table %s measured on %s is served as measured on %s: no "
+                    "bandwidth or tensor figures for %s", path, chosen[1], device.name,
+                    " or ".join(unknown))
+        return
     routes = registered_routes()
     try:
         from mlatune.dispatch import laws
@@ -209,7 +216,7 @@ def from_bundled(cls, device: DeviceInfo | None = None, capturable: bool = False
     """
     device = device or current_device()
     policy = policy_named(accuracy)
-    other = _other_gpu(None)  # a bad MLATUNE_OTHER_GPU raises here, never hides in the rules
+    other = other_gpu_setting(None)  # a bad MLATUNE_OTHER_GPU raises here, never hides in the rules
     override = os.environ.get(TABLE_ENV)
     user = os.environ.get(USER_TABLE_ENV) or None
     sight = os.environ.get(FIRST_SIGHT_ENV) or None
@@ -249,7 +256,7 @@ def _overlaid(cls, path: str | os.PathLike, device: DeviceInfo, user: str | None
         return cls.load(path, device, **given)
 
 
-def _other_gpu(value: str | None) -> str:
+def other_gpu_setting(value: str | None = None) -> str:
     """``load``'s ``other_gpu``, or ``MLATUNE_OTHER_GPU``'s (a bad value names its source)."""
     if value is not None:
         if value not in OTHER_GPU:

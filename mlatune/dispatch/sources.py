@@ -117,9 +117,9 @@ _WORD = re.compile(r"[a-z0-9]+")
 @dataclass(frozen=True)
 class TableChoice:
     """The bundled table a GPU loads and why: ``match`` "model" (measured on its GPU model),
-    "nearest" (the measured model closest in bandwidth, SMs and tensor throughput: its
-    picks are carried over by the cost laws), or "arch" (the only or first table of the
-    arch: no model of it could be told)."""
+    "nearest" (the measured model closest in bandwidth, SMs and tensor throughput: served as
+    the loader's ``other_gpu`` says), or "arch" (the only or first table of the arch: no model
+    of it could be told)."""
 
     path: Any
     model: str  # the model a file name gives (sm_90-h100.parquet: "h100"); "" for none

@@ -4,7 +4,7 @@ there, for engines without pandas.
 Written by ``mlatune export --format json`` (``table.winners_json``), read by
 ``Dispatcher.load`` and by any engine with a JSON parser::
 
-    {"format": "mlatune-winners", "schema_version": 5, "key_fields": [...],
+    {"format": "mlatune-winners", "schema_version": 6, "key_fields": [...],
      "devices": [{"arch": "sm_90", "device_name": "NVIDIA H200", "cu_count": 132,
                   "provenance": [{...}],
                   "winners": {"<MLAProblem.key>": {"route": "...", "params": {...},
