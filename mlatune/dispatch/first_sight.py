@@ -31,7 +31,6 @@ import torch
 from mlatune import table
 from mlatune.check.accuracy import check, looser
 from mlatune.dispatch import ranks
-from mlatune.dispatch.sources import overlaid
 from mlatune.measure import timers
 from mlatune.measure.records import table_rows
 from mlatune.problem import MLAProblem
@@ -112,7 +111,7 @@ def _record(dispatcher: Dispatcher, problem: MLAProblem,
                 "status": "ok", "time_us": t} for t, c, p in timed]
     new = table.build(table_rows(records, dispatcher.device), provenance, facts=FACTS,
                       sharing=plan_sharing())
-    user.update(path, lambda old: new if old is None else overlaid(table, old, new), FACTS)
+    user.merge(path, new, FACTS, plan_sharing())
 
 
 def enabled(dispatcher: Dispatcher) -> bool:

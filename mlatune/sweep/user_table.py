@@ -30,7 +30,7 @@ from mlatune.problem import MLAProblem
 from mlatune.sweep import journal as journals
 from mlatune.sweep.journal import Journal, JournalHeader
 from mlatune.table import user
-from mlatune.table.schema import DEVICE_COLUMNS, Provenance
+from mlatune.table.schema import Provenance
 
 AT_LOAD_SPEC = "at-load"  # the spec_sha256 its journals and rows carry: not from a sweep spec
 
@@ -56,25 +56,8 @@ def merge_into(path: Path, records: Iterable[Record], device: DeviceInfo) -> int
                       facts=routes.FACTS, sharing=sharing)
     if new.empty:
         return 0
-
-    def merged(old):
-        if old is None:
-            return new
-        kept = old[~_row_keys(old).isin(set(_row_keys(new)))]
-        return table.merge([kept, new], sharing=sharing) if len(kept) else new
-
-    user.update(path, merged, facts=routes.FACTS)
+    user.merge(path, new, routes.FACTS, sharing)
     return len(new)
-
-
-def _row_keys(frame):
-    """Each row's (device, problem, route) as one string."""
-    import pandas as pd
-
-    keys = pd.Series(table.key_strings(frame), index=frame.index)
-    for column in (*DEVICE_COLUMNS, "route"):
-        keys = keys + "|" + frame[column].astype(str)
-    return keys
 
 
 def open_journal(path: Path, device: DeviceInfo,
@@ -89,30 +72,31 @@ def open_journal(path: Path, device: DeviceInfo,
     try:
         for orphan in sorted(folder.glob("*.jsonl")):
             if orphan != journal.path:
-                journal.extend(_adopted(orphan, device, measured))
+                _adopt(orphan, journal, device, measured)
     except BaseException:
         journal.close()
         raise
     return journal
 
 
-def _adopted(orphan: Path, device: DeviceInfo,
-             measured: Callable[[MLAProblem], bool]) -> list[Record]:
-    """An orphaned journal's results for problems not measured yet, the journal deleted;
-    [] for one a live process holds, or of another device (left alone)."""
+def _adopt(orphan: Path, journal: Journal, device: DeviceInfo,
+           measured: Callable[[MLAProblem], bool]) -> None:
+    """An orphaned journal's results for problems not measured yet into ``journal``, then
+    the orphan deleted (after: a failed write loses nothing); one a live process holds, or
+    of another device, left alone."""
     try:
         with journals.locked(orphan):
             if not orphan.exists():  # adopted by another process meanwhile
-                return []
+                return
             header, records = journals.read_records(orphan)
             if (header.arch, header.device_name) != (device.arch, device.name):
-                return []
+                return
+            journal.extend([r for r in records if r.key and not measured(r.problem)])
             orphan.unlink()
             with contextlib.suppress(OSError):
                 journals.lock_path(orphan).unlink()
     except (JournalError, OSError):  # in use, damaged or gone: not ours to take
-        return []
-    return [r for r in records if r.key and not measured(r.problem)]
+        return
 
 
 def close_journal(journal: Journal, keep: bool) -> Path | None:

@@ -1,6 +1,7 @@
 """The user's table: where it is named (``USER_TABLE_ENV``) and how a process changes it
-(``update``): under a lock file beside it, read, changed and written back atomically, so
-that processes tuning or timing at first sight into one table at once lose no rows."""
+(``update``: under a lock file beside it, read, changed and written back atomically;
+``merge``: new rows in, each replacing the row of its device, problem and route), so that
+processes tuning or timing at first sight into one table at once lose no rows."""
 
 from __future__ import annotations
 
@@ -32,3 +33,30 @@ def update(path: Path, change: Callable[[Any], Any], facts: Any = None) -> Any:
         rows = change(read(path, facts=facts) if path.exists() else None)
         write(rows, path)
     return rows
+
+
+def merge(path: Path, new: Any, facts: Any = None, sharing: Any = ()) -> Any:
+    """``new``'s rows into the table at ``path`` (``update``): each replaces the row of its
+    (device, problem, route); every other row stays."""
+    from mlatune.table.combine import merge as merged_tables
+
+    def merged(old: Any) -> Any:
+        if old is None:
+            return new
+        kept = old[~_row_keys(old).isin(set(_row_keys(new)))]
+        return merged_tables([kept, new], sharing=sharing) if len(kept) else new
+
+    return update(path, merged, facts)
+
+
+def _row_keys(frame: Any) -> Any:
+    """Each row's (device, problem, route) as one string."""
+    import pandas as pd
+
+    from mlatune.table.frame import key_strings
+    from mlatune.table.schema import DEVICE_COLUMNS
+
+    keys = pd.Series(key_strings(frame), index=frame.index)
+    for column in (*DEVICE_COLUMNS, "route"):
+        keys = keys + "|" + frame[column].astype(str)
+    return keys
