@@ -38,11 +38,6 @@ class Hardware:
     measured_bandwidth_gbs: float | None = None  # a device-to-device copy, read + write
     source: Mapping[str, str] = field(default_factory=dict)  # figure -> where it came from
 
-    @property
-    def stream_gbs(self) -> float | None:
-        """The bandwidth a streaming kernel sees: measured where measured, else the peak."""
-        return self.measured_bandwidth_gbs or self.bandwidth_gbs
-
     def as_json(self) -> str:
         return json.dumps({k: v for k, v in asdict(self).items() if v not in (None, {})},
                           sort_keys=True)

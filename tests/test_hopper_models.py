@@ -38,7 +38,6 @@ def test_figures_round_trip_and_a_table_record_wins_over_the_datasheet():
     assert hardware.Hardware.from_json(described.as_json()) == described
     assert hardware.Hardware.from_json("{not json") is None
     measured = replace(described, measured_bandwidth_gbs=4300.0)
-    assert measured.stream_gbs == 4300.0 and described.stream_gbs == 4800.0
     assert hardware.recorded([{"hardware": ""}, {"hardware": measured.as_json()}],
                              "NVIDIA H200", "sm_90", 132) == measured
     assert hardware.recorded([{"hardware": ""}], "NVIDIA H200", "sm_90", 132) == described
