@@ -221,3 +221,17 @@ def test_a_resumed_sweep_prunes_again(tmp_path):
     journal.append(candidate.record(status="pruned", reason="pruned: far"))
     assert candidate.id not in journal.done_ids
     journal.close()
+
+
+def test_a_winning_set_of_another_split_runs_as_its_recipe(tmp_path):
+    # The table's GPU had other SMs: its winning split is not among this sweep's sets, so the
+    # first set of the winning recipe runs in its place.
+    prior = _prior(tmp_path, [result_row(PROBLEM, "padded/triton", 10.0,
+                                         params={"block_m": 32, "num_splits": 6})])
+    candidates = [Candidate(PROBLEM, "padded/triton", {"block_m": 16, "num_splits": 8}),
+                  Candidate(PROBLEM, "padded/triton", {"block_m": 16, "num_splits": 4}),
+                  Candidate(PROBLEM, "padded/triton", {"block_m": 32, "num_splits": 8}),
+                  Candidate(PROBLEM, "padded/triton", {"block_m": 32, "num_splits": 4})]
+    kept, _ = prior.split(candidates)
+    assert [c.params for c in kept] == [{"block_m": 16, "num_splits": 8},
+                                        {"block_m": 32, "num_splits": 8}]

@@ -79,6 +79,14 @@ def plan(spec: SweepSpec, device: DeviceInfo, only: Iterable[str] | None = None,
     return candidates, refused
 
 
+def _sized(route_id: str) -> tuple[str, ...]:
+    """The route's parameters derived from the problem's sizes (none for one not registered)."""
+    try:
+        return tuple(routes.get(route_id).sized_params)
+    except KeyError:
+        return ()
+
+
 def _rounding(route_id: str, problem: MLAProblem, params: dict[str, Any]) -> str:
     """The numeric class of a route's set at a problem ("none" for a route not registered)."""
     try:
@@ -181,12 +189,13 @@ class Prior:
     def split(self, candidates: list[Candidate]) -> tuple[list[Candidate], list[Record]]:
         """The candidates that run, and a ``pruned`` record for each of the others."""
         best = self._best({(c.problem, c.route_id) for c in candidates})
+        winners = self._winners(candidates)
         kept, pruned = [], []
         seen: set[tuple[str, str, str]] = set()  # (problem, route, class) whose first went by
         for c in candidates:
             rounding = _rounding(c.route_id, c.problem, c.params)
             kind = (c.problem.key, c.route_id, rounding)
-            why = self._reason(c, rounding, best, first=kind not in seen)
+            why = self._reason(c, rounding, best, first=kind not in seen or c.id in winners)
             seen.add(kind)
             if why:
                 pruned.append(c.record(status=Status.PRUNED, reason=why))
@@ -220,7 +229,27 @@ class Prior:
         if took > self.ratio * fastest:
             return (f"pruned: {took / fastest:.2f}x {by}'s step cost in {self.source} "
                     f"(over {self.ratio:g}x; numeric class {rounding})")
-        won = self.params[pair]
-        if first or all(won.get(k) == v for k, v in candidate.params.items()):
+        if first:
             return ""
         return f"pruned: another of the route's sets won in {self.source}"
+
+    def _winners(self, candidates: list[Candidate]) -> set[str]:
+        """The ids of the sets that won in the table: per (problem, route), the set it ran,
+        else (a table of a GPU with another SM count: another split) the first set of its
+        recipe (every parameter but the sized ones, ``Route.sized_params``)."""
+        groups: dict[tuple[str, str], list[Candidate]] = {}
+        for c in candidates:
+            groups.setdefault((c.problem.key, c.route_id), []).append(c)
+        found = set()
+        for pair, group in groups.items():
+            won = self.params.get(pair)
+            if won is None:
+                continue
+            sized = _sized(pair[1])
+            for skip in ((), sized):
+                same = [c for c in group if all(won.get(k) == v for k, v in c.params.items()
+                                                if k not in skip)]
+                if same:
+                    found.add(same[0].id)
+                    break
+        return found
