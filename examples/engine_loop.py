@@ -187,6 +187,12 @@ def run(cfg: Config, seed: int = 0) -> int:
     engine = Engine(cfg, dispatcher, deepseek_softmax_scale())
     if cfg.device == "cuda":
         engine.capture()
+    return serve(engine, cfg)
+
+
+def serve(engine: Engine, cfg: Config) -> int:
+    """``cfg.steps`` decode steps, requests arriving and finishing at random; how many
+    steps were checked against the reference."""
     requests: list[dict] = []
     checked = 0
     for step in range(cfg.steps):

@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # engine_loop, beside this file
 
-from engine_loop import GPU, Config, Engine, deepseek_softmax_scale
+from engine_loop import GPU, Config, Engine, deepseek_softmax_scale, serve
 
 import mlatune
 from mlatune.dispatch import Dispatcher
@@ -108,29 +108,12 @@ def run(cfg: Config = WARMUP, budget_s: float = 30.0, seed: int = 0) -> Served:
     try:
         engine.capture()  # the warm-up: every bucket chosen, compiled, prepared, captured
         warm = (counter.compilations, counter.timings)
-        checked = _serve(engine, cfg)
+        checked = serve(engine, cfg)
+        torch.cuda.synchronize()
     finally:
         counter.close()
     return Served(len(report.tuned), choices, cfg.steps, checked, warm[0],
                   counter.compilations - warm[0], counter.timings - warm[1])
-
-
-def _serve(engine: Engine, cfg: Config) -> int:
-    """``cfg.steps`` decode steps replayed from the buckets' graphs; how many were checked."""
-    requests: list[dict] = []
-    checked = 0
-    for step in range(cfg.steps):
-        while len(requests) < max(cfg.buckets) and random.random() < 0.5:
-            requests.append(engine.new_request())
-        requests = requests or [engine.new_request()]
-        bucket = engine.step(requests)
-        if step % cfg.check_every == 0:
-            torch.cuda.synchronize()
-            engine.check(bucket)
-            checked += 1
-        requests = [r for r in requests if engine.grow(r)]
-    torch.cuda.synchronize()
-    return checked
 
 
 def main() -> None:

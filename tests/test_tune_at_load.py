@@ -90,15 +90,20 @@ def _tune_in_a_process(path: str, batch: int) -> None:
     assert report.error == "" and len(report.tuned) == 2, report.summary()
 
 
-def test_two_processes_tuning_into_one_user_table_lose_no_rows(tmp_path):
-    path = tmp_path / "user.parquet"
+def _at_once(target, path: Path, firsts: tuple[int, int]) -> list[int | None]:
+    """``target(path, first)`` in two spawned processes at once; their exit codes."""
     spawn = mp.get_context("spawn")
-    procs = [spawn.Process(target=_tune_in_a_process, args=(str(path), b)) for b in (1, 2)]
+    procs = [spawn.Process(target=target, args=(str(path), first)) for first in firsts]
     for p in procs:
         p.start()
     for p in procs:
         p.join(timeout=240)
-    assert [p.exitcode for p in procs] == [0, 0]
+    return [p.exitcode for p in procs]
+
+
+def test_two_processes_tuning_into_one_user_table_lose_no_rows(tmp_path):
+    path = tmp_path / "user.parquet"
+    assert _at_once(_tune_in_a_process, path, (1, 2)) == [0, 0]
     problems = [p for b in (1, 2) for p in ServingShapes(
         batches=(b,), num_heads=2, context=(8, 16), kv_points=2, q_dtype="fp16",
         kv_dtype="fp16", page_size=8).problems()]
@@ -121,13 +126,7 @@ def _merge_many(path: str, first_batch: int) -> None:
 def test_merges_racing_from_two_processes_keep_every_row(tmp_path):
     """Read-modify-writes of one table, many at once: the lock keeps each one's rows."""
     path = tmp_path / "user.csv"
-    spawn = mp.get_context("spawn")
-    procs = [spawn.Process(target=_merge_many, args=(str(path), b)) for b in (1, 101)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=240)
-    assert [p.exitcode for p in procs] == [0, 0]
+    assert _at_once(_merge_many, path, (1, 101)) == [0, 0]
     frame = table.read(path, facts=routes.FACTS)
     assert sorted(frame["batch"].tolist()) == [*range(1, 9), *range(101, 109)]
 

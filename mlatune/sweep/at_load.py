@@ -162,8 +162,6 @@ def measured_by(measured: Any) -> Callable[[MLAProblem], bool]:
     return measured
 
 
-
-
 def tune_at_load(shapes: Shapes, dispatcher: Any, budget_s: float = DEFAULT_BUDGET_S,
                  user_table: str | os.PathLike | None = None, device: DeviceInfo | None = None,
                  progress: bool | Observer = True, options: TuneOptions | None = None
