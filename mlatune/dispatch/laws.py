@@ -160,9 +160,6 @@ class Laws:
                            np.log(t / law), failures.get(k, ()))
         return cls(laws, routes, hardware, reach)
 
-    def has(self, route_id: str, phase: str = "decode") -> bool:
-        return (route_id, phase) in self._laws
-
     def law(self, problem: MLAProblem, route_id: str, params: Mapping[str, Any],
             hardware: Hardware | None = None, split: int | None = None) -> float | None:
         """The bare law (no correction) at ``problem`` on ``hardware`` (default: the
@@ -173,15 +170,6 @@ class Laws:
         dev = self._device if hardware is None else dt.device(hardware)
         x = dt.terms(problem, self.routes.get(route_id), params, dev, split)
         return float(evaluate(x, fitted.coef, self.reach))
-
-    def time(self, problem: MLAProblem, route_id: str, params: Mapping[str, Any],
-             hardware: Hardware | None = None) -> float | None:
-        """The route's predicted time run with ``params`` at ``problem``: its law times the
-        correction borrowed from its nearest measured rows; None where it has no law."""
-        law = self.law(problem, route_id, params, hardware)
-        if law is None:
-            return None
-        return law * math.exp(self._laws[(route_id, problem.phase)].correction(problem)[0])
 
     def transfer_ratio(self, problem: MLAProblem, route_id: str, params: Mapping[str, Any],
                        source: Hardware, target: Hardware) -> float:
