@@ -402,11 +402,21 @@ def test_evaluate_checks_ragged_and_dcp_merge_in_process():
     ahead = evaluate({**task, "route": "reference/torch", "check_only": True},
                      torch.device("cpu"), cache)
     assert ahead.status is Status.CHECKED
-    assert [c.name for c in cache.cases] == ["model-like inputs, ragged lengths"]
+    assert [c.name for c in cache.cases.values()] == ["model-like inputs, ragged lengths"]
     assert evaluate({**task, "route": "reference/torch"}, torch.device("cpu"),
                     cache).status is Status.OK
-    assert [c.name for c in cache.cases] == ["model-like inputs, ragged lengths",
-                                             "normal inputs, uniform lengths"]
+    assert [c.name for c in cache.cases.values()] == ["model-like inputs, ragged lengths",
+                                                      "normal inputs, uniform lengths"]
+    # Where the cases would not fit together on the GPU, one is held at a time: same verdict.
+    lean = _ProblemCache()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("mlatune.sweep.worker._too_big", lambda *_: True)
+        again = [evaluate({**task, "route": "reference/torch"}, torch.device("cpu"), lean)
+                 for _ in range(2)]
+        wrong = evaluate({**task, "route": "fault-wrong/test"}, torch.device("cpu"), lean)
+    assert [r.status for r in again] == [Status.OK] * 2 and lean.lean
+    assert again[0].rel_err == again[1].rel_err == ok.rel_err
+    assert list(lean.cases) == [0] and wrong.status is Status.REJECTED_ACCURACY
 
 
 def test_worker_time_is_split_into_setup_checks_and_timing(tmp_path):
@@ -565,15 +575,16 @@ def test_a_route_right_on_normal_inputs_is_rejected_on_model_like_ones():
         wrong = evaluate({**task, "route": saturating.id}, torch.device("cpu"), cache)
         # Standard normal inputs, on uniform lengths (the sweep's) and on ragged ones.
         ragged = make_inputs(problem, 11, ragged=True)
-        normal = errors(saturating, [cache.cases[1], _Case("ragged", ragged,
-                                                           reference.run(ragged))])
+        uniform = cache.case(problem, task["seed"], torch.device("cpu"), 1)
+        normal = errors(saturating, [uniform, _Case("ragged", ragged, reference.run(ragged))])
     finally:
         routes.unregister(saturating.id)
     assert wrong.status is Status.REJECTED_ACCURACY
     assert wrong.reason.startswith("model-like inputs, ragged lengths: rel_l2")
-    assert cache.cases[1].name == "normal inputs, uniform lengths"
+    assert uniform.name == "normal inputs, uniform lengths"
     assert all(acc.ok and acc.rel_l2 < 1e-3 for acc in normal)
     # A right route passes both families; its record keeps the worse of the two checks.
     ok = evaluate({**task, "route": "reference/torch"}, torch.device("cpu"), cache)
-    worst = max(acc.rel_l2 for acc in errors(routes.get("reference/torch"), cache.cases))
+    worst = max(acc.rel_l2 for acc in errors(routes.get("reference/torch"),
+                                              cache.cases.values()))
     assert ok.status is Status.OK and ok.rel_err == worst > 0

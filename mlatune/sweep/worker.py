@@ -58,29 +58,64 @@ class _Case:
 
 
 class _ProblemCache:
+    """The current problem's cases (inputs and references), shared by its candidates. Where
+    all of them would not fit beside a route's own buffers (a share of the GPU's memory), it
+    holds one case at a time and makes the others again when asked."""
+
     def __init__(self):
         self.key: tuple | None = None
-        self.cases: list[_Case] = []
+        self.cases: dict[int, _Case] = {}
+        self.lean = False  # one case at a time
         self.best_us = math.inf  # the problem's fastest candidate so far (for racing)
 
     def holds(self, problem: MLAProblem, seed: int, ragged_only: bool = False) -> bool:
-        return self.key == (problem.key, seed, ragged_only)
+        return self.key == (problem.key, seed, ragged_only) and 0 in self.cases
 
-    def get(self, problem: MLAProblem, seed: int, device: torch.device,
-            ragged_only: bool = False) -> list[_Case]:
-        """``_CASES``' inputs with their references (the last is timed); only the first
-        when compiling ahead."""
-        if not self.holds(problem, seed, ragged_only):
-            self.cases = []  # free the previous problem's memory first
+    def count(self, ragged_only: bool = False) -> int:
+        return 1 if ragged_only else len(_CASES)
+
+    def case(self, problem: MLAProblem, seed: int, device: torch.device, index: int,
+             ragged_only: bool = False) -> _Case:
+        """``_CASES[index]``'s inputs with their reference (the last is timed; the first
+        alone when compiling ahead)."""
+        key = (problem.key, seed, ragged_only)
+        if self.key != key:
+            self.cases, self.key, self.lean = {}, key, False  # the last problem's memory first
             self.best_us = math.inf
+        if index not in self.cases:
+            if self.lean:
+                self.cases.clear()
             if device.type == "cuda":
-                # Graphs of the last problem's candidates are gone; give their memory back.
+                # Graphs of the last candidates are gone; give their memory back.
                 torch.cuda.empty_cache()
-            for name, offset, make in _CASES[:1] if ragged_only else _CASES:
-                inputs = make(problem, seed + offset, device)
-                self.cases.append(_Case(name, inputs, reference.run(inputs)))
-            self.key = (problem.key, seed, ragged_only)
-        return self.cases
+            name, offset, make = _CASES[index]
+            inputs = make(problem, seed + offset, device)
+            self.cases[index] = _Case(name, inputs, reference.run(inputs))
+            self.lean = self.lean or _too_big(inputs, self.count(ragged_only), device)
+        return self.cases[index]
+
+
+# The share of a GPU's memory that a problem's cases may hold together: the rest is the
+# route's (a plan, a gathered copy of a shard, CUDA graphs).
+CASES_SHARE = 0.3
+
+
+def _too_big(inputs: DecodeInputs | PrefillInputs, cases: int, device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    total = torch.cuda.get_device_properties(device).total_memory
+    return cases * _nbytes(inputs) > CASES_SHARE * total
+
+
+def _nbytes(value: Any) -> int:
+    """The bytes of every tensor in a case's inputs (dataclasses and tuples walked)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, tuple | list):
+        return sum(_nbytes(v) for v in value)
+    if hasattr(value, "__dataclass_fields__"):
+        return sum(_nbytes(getattr(value, f)) for f in value.__dataclass_fields__)
+    return 0
 
 
 @dataclass
@@ -145,19 +180,22 @@ def evaluate(data: dict[str, Any], device: torch.device, cache: _ProblemCache,
     try:
         check_only = task.check_only
         made_here = not cache.holds(problem, task.seed, check_only)
-        cases = cache.get(problem, task.seed, device, ragged_only=check_only)
+        cases = cache.count(check_only)
+        cache.case(problem, task.seed, device, 0, ragged_only=check_only)
         lap("setup_s" if made_here else "first_check_s")
         inputs_ready()
         errors = []
-        for case in cases:
+        for index in range(cases):
+            checked = case = None  # the last case's tensors go before a lean cache makes this one
+            case = cache.case(problem, task.seed, device, index, ragged_only=check_only)
             # LSE too on every case but the timed one (the last): the table holds its error
-            checked = _run_checked(problem, route, params, case, device, case is not cases[-1])
+            checked = _run_checked(problem, route, params, case, device, index < cases - 1)
             ref_out, ref_lse = case.ref
             acc = check(problem, checked.out, ref_out, checked.lse,
                         ref_lse if checked.lse is not None else None, task.tolerances,
                         rounding=routes.rounding(route, problem, params))
             errors.append(errors_of(acc))
-            lap("first_check_s" if case is cases[0] else "check_s")
+            lap("first_check_s" if index == 0 else "check_s")
             if not acc.ok:
                 return Result(status=Status.REJECTED_ACCURACY,
                               reason=f"{case.name}: {acc.reason}", **worst(*errors),
@@ -168,7 +206,7 @@ def evaluate(data: dict[str, Any], device: torch.device, cache: _ProblemCache,
         timing = timers.measure(_timed_step(checked), device, budget,
                                graph_safe=all(p.graph_safe for p in checked.prepared),
                                best_us=cache.best_us)
-        step_costs = _step_costs(problem, route, params, cases[-1], checked.prepared[0], timing,
+        step_costs = _step_costs(problem, route, params, case, checked.prepared[0], timing,
                                  device, budget)
         costs = Result(status=Status.OK, time_us=timing.median_us, **step_costs)
         cache.best_us = min(cache.best_us, step_cost_of(costs, route.id))
