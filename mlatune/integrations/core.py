@@ -1,4 +1,4 @@
-"""The engine-agnostic adapter: what an engine's MLA decode backend calls (issue 42).
+"""The engine-agnostic adapter: what an engine's MLA decode backend calls.
 
 An engine describes its model once (``ServedModel``), asks ``refusal`` when it validates
 its configuration (None: mlatune serves it; else a reason, and the engine falls back to
