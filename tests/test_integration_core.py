@@ -254,6 +254,18 @@ def test_the_log_line_names_mlatune_table(caplog, monkeypatch, tmp_path):
     assert line.endswith("accuracy strict; 61 layers plan once a step")
 
 
+def test_the_log_line_names_a_user_table_alone(caplog, monkeypatch, tmp_path):
+    """No table ships for the CPU: the user's own serves alone, and the line says so."""
+    problem = MLAProblem(num_heads=16, q_dtype="fp16", kv_dtype="fp16")
+    path = table.write(make_table([result_row(problem, "padded/triton", 5.0,
+                                              device=cpu_device())]), tmp_path / "user.parquet")
+    monkeypatch.setenv("MLATUNE_USER_TABLE", str(path))
+    with caplog.at_level(logging.INFO, logger="mlatune"):
+        MLADecoder.load(_model(), device="cpu")
+    assert f"table {path} (user table (MLATUNE_USER_TABLE), no bundled table for this GPU)" \
+        in caplog.records[-1].getMessage()
+
+
 def test_a_dispatcher_given_is_used_and_said(caplog, tmp_path):
     problem = MLAProblem(num_heads=4, batch=3, kv_len=40, page_size=8, q_dtype="fp16",
                          kv_dtype="fp16")
