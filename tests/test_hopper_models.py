@@ -175,6 +175,31 @@ def test_pruned_rows_neither_answer_nor_fail(tmp_path):
     assert not device["all_failed"] and all("failed" not in w for w in device["winners"].values())
 
 
+def test_the_reference_fallback_answers_no_problem_where_routes_went_unmeasured(tmp_path):
+    """Out of memory in the sweep (its checking inputs beside the route) is no failure of the
+    route; the reference the sweep then ran is its fallback, not a measured competitor: the
+    problem is answered from its neighbour, and the JSON map says the same."""
+    big = PROBLEM.with_(batch=256)
+    oom = "raised OutOfMemoryError: CUDA out of memory. Tried to allocate 9.00 GiB."
+    rows = [result_row(PROBLEM, "padded/triton", 5.0), result_row(PROBLEM, "gluon/triton", 9.0),
+            result_row(big, "padded/triton", None, reason=oom),
+            result_row(big, "gluon/triton", None, reason="raised RuntimeError: bad launch"),
+            result_row(big, "reference/torch", 90_000.0)]
+    path = table.write(make_table(rows), tmp_path / "sm_90.parquet")
+    d = Dispatcher.load(path, device=H200)
+    choice = d.select(big)
+    assert choice.route_id == "padded/triton" and choice.source in ("nearest", "predicted")
+    assert d._failed[big.key] == (("gluon/triton", "crashed"),)  # a real crash still fails
+    (device,) = table.winners_json(table.read(path))["devices"]
+    assert big.key not in device["winners"]
+    assert device["all_failed"][big.key] == {"crashed": ["gluon/triton"]}
+    # Where every other route failed for itself, the reference answers as measured.
+    failed = [result_row(big, "padded/triton", None, reason="raised RuntimeError: bad"),
+              *rows[3:]]
+    path = table.write(make_table([*rows[:2], *failed]), tmp_path / "sm_90-b.parquet")
+    assert Dispatcher.load(path, device=H200).select(big).route_id == "reference/torch"
+
+
 def test_a_prior_prunes_by_step_cost_as_the_table_ranks(tmp_path):
     # A short launch behind a long host plan (shared by 61 layers' calls) is no faster step.
     planned = {**result_row(PROBLEM, "padded/triton", 2.0), "plan_on": "host",

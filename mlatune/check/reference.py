@@ -29,6 +29,10 @@ import torch
 from mlatune.check.inputs import DecodeInputs, KVShard, PrefillInputs
 from mlatune.lse import combine
 
+# The route that serves this reference (mlatune.routes.torch_ref): every problem's last
+# resort, and in a table the sweep's fallback where every route it ran failed.
+ROUTE_ID = "reference/torch"
+
 
 def attend(
     q: torch.Tensor,

@@ -31,10 +31,11 @@ from mlatune.table import winners_map
 from mlatune.table.cost import DEFAULT_PLAN_CALLS, step_cost
 from mlatune.table.schema import (
     DCP_MEASURED,
-    NEITHER_STATUSES,
     Status,
     competing,
     is_measured,
+    reference_fallbacks,
+    unmeasured,
 )
 
 log = logging.getLogger("mlatune")
@@ -298,9 +299,12 @@ class FrameSource:
         known = rows["route"].isin(route_ids).to_numpy()
         skipped = {str(r): int(n) for r, n in
                    rows.loc[ok & ~known, "route"].value_counts().items()}
-        failing = ~ok & known & ~rows["status"].isin(NEITHER_STATUSES).to_numpy()
+        not_measured = unmeasured(rows)
+        failing = ~ok & known & ~not_measured
         failed = self._failures(rows.loc[failing, [*_PROBLEM_COLUMNS, "route", "status"]])
-        rows = rows.loc[self._usable(rows, route_ids, capturable),
+        usable = self._usable(rows, route_ids, capturable) & \
+            ~reference_fallbacks(rows, not_measured, _PROBLEM_COLUMNS)
+        rows = rows.loc[usable,
                         [*_PROBLEM_COLUMNS, "route", "route_params", "time_us", "rank",
                          "plan_on", "plan_us", "plan_host_us", "dcp_timing", "rel_err"]]
         fits, classes, class_ok = admission.admitted(rows, policy, routes)
@@ -563,3 +567,4 @@ def _by_step_cost(options, capturable: bool, plan_calls: int = DEFAULT_PLAN_CALL
 def _number(value) -> float:
     """A winners map's cost: null where not measured (an upgraded v1 map)."""
     return math.nan if value is None else float(value)
+

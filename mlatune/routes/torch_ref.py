@@ -14,7 +14,7 @@ from mlatune.check.inputs import DecodeInputs, PrefillInputs
 from mlatune.problem import DTYPES, MLAProblem
 from mlatune.routes.base import YES, Params, Prepared, Route, StepKind, Verdict
 
-REFERENCE_ID = "reference/torch"
+REFERENCE_ID = reference.ROUTE_ID
 
 
 class TorchReferenceRoute(Route):

@@ -202,23 +202,30 @@ def evaluate(data: dict[str, Any], device: torch.device, cache: _ProblemCache,
                               **spent)
             if check_only:  # compiling ahead: the kernels exist now
                 return Result(status=Status.CHECKED, **worst(*errors), **spent)
-        budget = timers.Budget(**task.budget)
-        timing = timers.measure(_timed_step(checked), device, budget,
-                               graph_safe=all(p.graph_safe for p in checked.prepared),
-                               best_us=cache.best_us)
-        step_costs = _step_costs(problem, route, params, case, checked.prepared[0], timing,
-                                 device, budget)
-        costs = Result(status=Status.OK, time_us=timing.median_us, **step_costs)
-        cache.best_us = min(cache.best_us, step_cost_of(costs, route.id))
+        fields = _bench(problem, route, params, case, checked, device,
+                        timers.Budget(**task.budget), cache)
         lap("bench_s")
-        # What the route reports it ran with (a backend it picked, a plan) joins the params.
-        ran_with = json.dumps({**params, **checked.prepared[0].params}, sort_keys=True,
-                              default=str)
-        return Result(status=Status.OK, route_params=ran_with, **worst(*errors),
-                      **_timing_fields(problem, timing), **step_costs, **spent)
+        return Result(status=Status.OK, **worst(*errors), **fields, **spent)
     except Exception as exc:
         restart = not _context_healthy(device)
         return Result(status=Status.CRASHED, reason=raised(exc), restart=restart, **spent)
+
+
+def _bench(problem: MLAProblem, route: Route, params: dict, case: _Case, checked: _Checked,
+           device: torch.device, budget: timers.Budget, cache: _ProblemCache
+           ) -> dict[str, Any]:
+    """The checked run timed: a record's timing fields, step costs and the parameters the
+    route ran with."""
+    timing = timers.measure(_timed_step(checked), device, budget,
+                           graph_safe=all(p.graph_safe for p in checked.prepared),
+                           best_us=cache.best_us)
+    step_costs = _step_costs(problem, route, params, case, checked.prepared[0], timing,
+                             device, budget)
+    costs = Result(status=Status.OK, time_us=timing.median_us, **step_costs)
+    cache.best_us = min(cache.best_us, step_cost_of(costs, route.id))
+    # What the route reports it ran with (a backend it picked, a plan) joins the params.
+    ran_with = json.dumps({**params, **checked.prepared[0].params}, sort_keys=True, default=str)
+    return {"route_params": ran_with, **_timing_fields(problem, timing), **step_costs}
 
 
 def errors_of(acc: Accuracy) -> dict[str, float]:

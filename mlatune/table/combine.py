@@ -39,6 +39,8 @@ from mlatune.table.schema import (
     SCHEMA_VERSION,
     STEP_COST_COLUMNS,
     STEP_KIND_COLUMNS,
+    reference_fallbacks,
+    unmeasured,
 )
 
 # A row's measured errors, which an option carries (null: not measured): an accuracy
@@ -155,8 +157,10 @@ def winners_json(frame: pd.DataFrame, winners_only: bool = False) -> dict[str, A
 def _device_winners(rows: pd.DataFrame, winners_only: bool
                     ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, list[str]]]]:
     """One device's winner entries (key order, winner first) and its keys with no ok row."""
-    ok = rows["status"] == "ok"
-    chosen = rows[ok & (rows["rank"] == 1)] if winners_only else rows[ok]
+    not_measured = unmeasured(rows)
+    ok = (rows["status"] == "ok").to_numpy() & ~reference_fallbacks(rows, not_measured,
+                                                                   KEY_COLUMNS)
+    chosen = rows[ok & (rows["rank"] == 1).to_numpy()] if winners_only else rows[ok]
     entries: dict[str, dict[str, Any]] = {}
     for key, option in zip(key_strings(chosen), _options(chosen), strict=True):
         if key not in entries:
@@ -164,7 +168,7 @@ def _device_winners(rows: pd.DataFrame, winners_only: bool
         else:
             entries[key]["alternatives"].append(option)
     failed: dict[str, list[tuple[str, str]]] = {}
-    bad = rows[~ok & ~rows["status"].isin(NEITHER_STATUSES)]
+    bad = rows[(rows["status"] != "ok").to_numpy() & ~not_measured]
     for key, route, status in zip(key_strings(bad), bad["route"].tolist(),
                                   bad["status"].tolist(), strict=True):
         failed.setdefault(key, []).append((str(route), str(status)))

@@ -47,6 +47,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from enum import StrEnum
+from typing import Any
 
 from mlatune.arch import DeviceInfo, driver_version, library_versions
 from mlatune.problem import KEY_FIELDS
@@ -81,6 +82,33 @@ class Status(StrEnum):
 STATUSES = tuple(s.value for s in Status if s is not Status.CHECKED)  # a table's statuses
 # Rows that neither answer a problem nor say a route failed there.
 NEITHER_STATUSES = (Status.STALE.value, Status.PRUNED.value)
+# A crashed candidate's reason where the sweep's process ran out of GPU memory: its checking
+# inputs beside the route, which an engine's memory plan does not hold. Not measured there.
+OUT_OF_MEMORY_REASON = "raised OutOfMemoryError"
+
+
+def unmeasured(frame) -> Any:
+    """Per row of a table frame, whether it says nothing of its route at its problem: never
+    run (``NEITHER_STATUSES``) or out of memory in the sweep (a numpy bool array)."""
+    status = frame["status"]
+    out_of_memory = (status == Status.CRASHED.value) & \
+        frame["reason"].fillna("").str.startswith(OUT_OF_MEMORY_REASON)
+    return (status.isin(NEITHER_STATUSES) | out_of_memory).to_numpy(dtype=bool)
+
+
+def reference_fallbacks(frame, not_measured, by: Sequence[str]) -> Any:
+    """Per row, whether it is the reference's at a problem (rows alike in ``by``) where another
+    route was not measured (``not_measured``, ``unmeasured``'s mask): the sweep's fallback
+    there, not a measured competitor, so it answers no problem."""
+    import numpy as np
+
+    from mlatune.check.reference import ROUTE_ID
+
+    reference = (frame["route"] == ROUTE_ID).to_numpy()
+    if not (reference.any() and not_measured.any()):
+        return np.zeros(len(frame), dtype=bool)
+    index = frame.set_index(list(by)).index
+    return reference & index.isin(index[not_measured])
 
 # Column -> pandas dtype. Floats are NaN where a status has no measurement.
 RESULT_COLUMNS: dict[str, str] = {
