@@ -132,6 +132,21 @@ def test_the_dispatcher_answers_an_unmeasured_bucket_by_law(tmp_path, registered
         assert any(n.startswith(f"law: {best}") for n in notes)
 
 
+def test_estimates_rank_every_route_by_law_or_prediction(tmp_path, registered):
+    rows = [result_row(p, r, law(p)) for p in problems((16, 128), (1,))
+            for r, law in (("stream/fake", streaming), ("math/fake", computing))]
+    path = tmp_path / "t.parquet"
+    table.write(make_table(rows), path)
+    dispatcher = Dispatcher.load(path, device=H200)
+    for asked, source in ((MLAProblem(num_heads=48, batch=2, kv_len=30000), "law"),
+                          (MLAProblem(num_heads=16, batch=3, kv_len=3000), "predicted")):
+        estimates = dispatcher.estimates(asked)
+        assert {e.route_id for e in estimates} == set(ROUTES)
+        assert {e.source for e in estimates} == {source}
+        assert [e.time_us for e in estimates] == sorted(e.time_us for e in estimates)
+        assert estimates[0].route_id == dispatcher.select(asked).route_id
+
+
 def test_problems_from_a_frame_match_their_keys():
     frame = pd.DataFrame([result_row(p, "math/fake", 1.0) for p in problems((8,))[:3]])
     from mlatune.dispatch.laws import _problems

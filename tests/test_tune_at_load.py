@@ -223,3 +223,37 @@ def test_a_table_that_cannot_be_loaded_stops_the_tuning_not_the_call(tmp_path, m
     assert report.error == "OSError: the table's disk is gone"
     assert (report.asked, report.tuned, report.workers_started) == (20, [], 0)
     assert not path.exists()
+
+
+class _Estimating:
+    """A dispatcher's two answers the tuner asks: nothing measured; the estimates given."""
+
+    def __init__(self, times: dict[str, float]):
+        self.times = times
+
+    def select(self, problem: MLAProblem):
+        from mlatune.dispatch import Choice
+
+        return Choice(ROUTE, {}, "law", problem.key, 1.0)
+
+    def estimates(self, problem: MLAProblem):
+        from mlatune.dispatch import Choice
+
+        return [Choice(r, {}, "law", problem.key, t) for r, t in self.times.items()]
+
+
+@pytest.mark.parametrize("ratio, ran", [(1.5, {ROUTE}), (None, {ROUTE, "reference/torch"})])
+def test_routes_estimated_far_behind_are_not_timed(tmp_path, ratio, ran):
+    shapes = ServingShapes(batches=(2,), num_heads=2, context=(16, 16), kv_points=1,
+                           q_dtype="fp16", kv_dtype="fp16", page_size=8)
+    options = TuneOptions(routes=(ROUTE, "reference/torch"), max_params_per_route=1,
+                          prune_ratio=ratio)
+    report = at_load.tune(shapes, _Estimating({ROUTE: 10.0, "reference/torch": 40.0}),
+                          tmp_path / "user.parquet", budget_s=60.0, progress=False,
+                          options=options)
+    assert report.error == "" and len(report.tuned) == 1, report.summary()
+    frame = table.read(tmp_path / "user.parquet", facts=routes.FACTS)
+    statuses = dict(zip(frame["route"], frame["status"], strict=True))
+    assert {r for r, s in statuses.items() if s == Status.OK.value} == ran
+    if ratio is not None:
+        assert statuses["reference/torch"] == Status.PRUNED.value

@@ -100,6 +100,7 @@ log = logging.getLogger("mlatune")
 # measured keys are always remembered. Bounds memory when kv_len varies freely.
 MEMO_LIMIT = 1 << 16
 PREDICTIONS_SHOWN = 3  # by explain (`mlatune lookup`): the fastest predicted recipes
+PARAM_SETS_PER_ROUTE = 8  # estimates: recipes asked of the predictor per route
 # How an unmeasured shape of a measured bucket is answered: "predict" (each recipe's time
 # predicted from the bucket's points, mlatune.dispatch.predict) or "nearest" (the nearest
 # point's winner); benchmarks/RESULTS.md has how the two compare on held-out problems.
@@ -370,6 +371,20 @@ class Dispatcher:
         found = predictor.predict(problem, lambda r: self._supports(r, problem, None))
         return [Choice(p.route_id, MappingProxyType(predictor.sized(p, problem)), "predicted",
                        p.nearest.key, p.time_us, p.uncertainty) for p in found[:k]]
+
+    def estimates(self, problem: MLAProblem) -> list[Choice]:
+        """Each route's cheapest predicted recipe at ``problem`` among the routes that
+        support it, fastest first: the predictor's where the bucket is measured, else the
+        cost laws' ([] where neither has one). What a tuner prunes by."""
+        found = self.predicted_choices(problem, k=len(self.routes) * PARAM_SETS_PER_ROUTE)
+        if not found and (laws := self._ensure_laws()) is not None:
+            found = [Choice(p.route_id, p.params, "law", p.nearest.key, p.time_us,
+                            p.uncertainty) for p in laws.choose(problem)
+                     if self._supports(p.route_id, problem, None)]
+        best: dict[str, Choice] = {}
+        for choice in found:
+            best.setdefault(choice.route_id, choice)
+        return list(best.values())
 
     def remember(self, problem: MLAProblem, choice: Choice) -> None:
         """Answer ``problem`` with ``choice`` from now on (a run-time measurement)."""

@@ -36,6 +36,7 @@ from mlatune.measure.timers import Budget
 from mlatune.problem import MLAProblem
 from mlatune.sweep import runner
 from mlatune.sweep import user_table as user_tables
+from mlatune.sweep.candidates import Prior
 from mlatune.sweep.progress import Observer
 from mlatune.sweep.spec import SweepSpec
 from mlatune.table.user import USER_TABLE_ENV
@@ -99,15 +100,19 @@ Shapes = ServingShapes | MLAProblem | Iterable[ServingShapes | MLAProblem]
 class TuneOptions:
     """How candidates run: the routes (None: every viable), each route's parameter sets
     kept (0: all), the timing ``budget`` per candidate (None: ``GPU_BUDGET`` or
-    ``CPU_BUDGET``), and the seconds one candidate may take once its inputs exist (None:
+    ``CPU_BUDGET``), the seconds one candidate may take once its inputs exist (None:
     half the call's budget; past it the candidate is recorded ``timeout``, so that one
     slow candidate, a vendor library compiling on first use, cannot hold its problem back
-    at every load)."""
+    at every load), and ``prune_ratio``: a route the dispatcher estimates (``estimates``)
+    over this many times the fastest of its numeric class at a problem is not timed, and a
+    route timed runs its estimated recipe and its first set (the sweep's ``--prune-from``,
+    by estimates; None: every viable route and set)."""
 
     routes: Sequence[str] | None = None
     max_params_per_route: int = 2
     budget: Budget | None = None
     timeout_s: float | None = None
+    prune_ratio: float | None = 1.5
 
 
 @dataclass
@@ -189,9 +194,15 @@ class _Loaded:
         self._load, self._dispatcher = load, None
 
     def select(self, problem: MLAProblem) -> Any:
+        return self._loaded().select(problem)
+
+    def estimates(self, problem: MLAProblem) -> list:
+        return self._loaded().estimates(problem)
+
+    def _loaded(self) -> Any:
         if self._dispatcher is None:
             self._dispatcher = self._load()
-        return self._dispatcher.select(problem)
+        return self._dispatcher
 
 
 def tune(shapes: Shapes, measured: Any, user_table_path: str | os.PathLike, *,
@@ -212,8 +223,9 @@ def tune(shapes: Shapes, measured: Any, user_table_path: str | os.PathLike, *,
         report.measured_before = len(asked) - len(todo)
         if todo:
             deadline = t0 + budget_s - merge_reserve_s(budget_s)
-            _tune(todo, is_measured, device or current_device(), deadline,
-                  _observer(progress), options or TuneOptions(), report)
+            _tune(todo, is_measured, getattr(measured, "estimates", None),
+                  device or current_device(), deadline, _observer(progress),
+                  options or TuneOptions(), report)
     except Exception as exc:  # tuning is an optimisation: a model load never fails on it
         report.error = f"{type(exc).__name__}: {exc}"
         log.warning("mlatune: tuning at load stopped: %s", report.error)
@@ -221,10 +233,12 @@ def tune(shapes: Shapes, measured: Any, user_table_path: str | os.PathLike, *,
     return report
 
 
-def _tune(todo: list[MLAProblem], measured: Callable[[MLAProblem], bool], device: DeviceInfo,
+def _tune(todo: list[MLAProblem], measured: Callable[[MLAProblem], bool],
+          estimates: Callable[[MLAProblem], list] | None, device: DeviceInfo,
           deadline: float, observer: contextlib.AbstractContextManager[Observer | None],
           options: TuneOptions, report: TuneReport) -> None:
-    """Run ``todo``'s candidates until ``deadline``; merge the finished problems."""
+    """Run ``todo``'s candidates (pruned by ``estimates``, a dispatcher's) until
+    ``deadline``; merge the finished problems."""
     if not device.is_gpu:  # the Triton routes in the interpreter; spawned workers inherit it
         os.environ.setdefault("TRITON_INTERPRET", "1")
     spec = _spec(todo, device, options)
@@ -237,7 +251,8 @@ def _tune(todo: list[MLAProblem], measured: Callable[[MLAProblem], bool], device
         with observer as shown:
             timeout_s = options.timeout_s or max(1.0, (deadline - time.monotonic()) / 2)
             result = runner.run(spec, device, journal, timeout_s=timeout_s,
-                                observer=shown, compile_workers=0, deadline=deadline)
+                                observer=shown, compile_workers=0, deadline=deadline,
+                                prior=_estimated(todo, estimates, options.prune_ratio))
         cut = {c.problem.key for c in result.cut}
         report.tuned = [p for p in todo if p.key not in cut]
         report.left = [p for p in todo if p.key in cut]
@@ -248,6 +263,20 @@ def _tune(todo: list[MLAProblem], measured: Callable[[MLAProblem], bool], device
         _count(result, report)
     finally:
         report.journal = user_tables.close_journal(journal, keep)
+
+
+def _estimated(todo: list[MLAProblem], estimates: Callable[[MLAProblem], list] | None,
+               ratio: float | None) -> Prior | None:
+    """The dispatcher's estimates at ``todo``'s problems as a prior that prunes them."""
+    if estimates is None or ratio is None:
+        return None
+    times: dict[tuple[str, str], float] = {}
+    params: dict[tuple[str, str], dict[str, Any]] = {}
+    for problem in todo:
+        for choice in estimates(problem):
+            times[problem.key, choice.route_id] = choice.time_us
+            params[problem.key, choice.route_id] = dict(choice.params)
+    return Prior(times, params, ratio, "the dispatcher's estimates") if times else None
 
 
 def _count(result: runner.SweepResult, report: TuneReport) -> None:
