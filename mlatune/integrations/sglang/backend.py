@@ -212,7 +212,7 @@ class MLATuneBackend(AttentionBackend):
                                                   self.pages, self.device)
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
-        """Nothing: the graph step's metadata is written inside the graph (``_in_graph``)."""
+        """Nothing: a graph step's metadata is written inside the graph (the in-graph hook)."""
 
     def init_forward_metadata_in_graph(self, forward_batch) -> None:
         """Inside each warm-up and capture of a batch bucket (a replay repeats the device
