@@ -116,12 +116,18 @@ def registered():
         routes.unregister(route_id)
 
 
-def test_the_dispatcher_answers_an_unmeasured_bucket_by_law(tmp_path, registered):
+@pytest.fixture
+def law_dispatcher(tmp_path, registered) -> Dispatcher:
+    """A table of both fake routes at 16 and 128 heads, qlen 1, loaded on the H200."""
     rows = [result_row(p, r, law(p)) for p in problems((16, 128), (1,))
             for r, law in (("stream/fake", streaming), ("math/fake", computing))]
     path = tmp_path / "t.parquet"
     table.write(make_table(rows), path)
-    dispatcher = Dispatcher.load(path, device=H200)
+    return Dispatcher.load(path, device=H200)
+
+
+def test_the_dispatcher_answers_an_unmeasured_bucket_by_law(law_dispatcher):
+    dispatcher = law_dispatcher
     for heads, batch in ((8, 4), (48, 256), (48, 2)):
         asked = MLAProblem(num_heads=heads, batch=batch, kv_len=30000)
         choice = dispatcher.select(asked)
@@ -132,12 +138,8 @@ def test_the_dispatcher_answers_an_unmeasured_bucket_by_law(tmp_path, registered
         assert any(n.startswith(f"law: {best}") for n in notes)
 
 
-def test_estimates_rank_every_route_by_law_or_prediction(tmp_path, registered):
-    rows = [result_row(p, r, law(p)) for p in problems((16, 128), (1,))
-            for r, law in (("stream/fake", streaming), ("math/fake", computing))]
-    path = tmp_path / "t.parquet"
-    table.write(make_table(rows), path)
-    dispatcher = Dispatcher.load(path, device=H200)
+def test_estimates_rank_every_route_by_law_or_prediction(law_dispatcher):
+    dispatcher = law_dispatcher
     for asked, source in ((MLAProblem(num_heads=48, batch=2, kv_len=30000), "law"),
                           (MLAProblem(num_heads=16, batch=3, kv_len=3000), "predicted")):
         estimates = dispatcher.estimates(asked)
