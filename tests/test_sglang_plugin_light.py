@@ -1,7 +1,8 @@
 """mlatune's SGLang backend without SGLang: importing mlatune never loads SGLang, the
 backend without it says in one line what to install, and the step's block table and
-lengths (``integrations.sglang.metadata``, torch alone) are what SGLang's pools mean.
-The backend against the real SGLang: tests/engines/test_sglang_contract.py."""
+lengths (``integrations.sglang.metadata``, torch alone) are what SGLang's pools mean,
+and (``-m gpu``) replay from a CUDA graph. The backend against the real SGLang:
+tests/engines/test_sglang_contract.py."""
 
 from __future__ import annotations
 
@@ -73,3 +74,44 @@ def test_lengths_add_draft_tokens_and_keep_padded_slots_empty(new_tokens, want):
     lens = fill_seq_lens(seq_lens, new_tokens, out)
     assert lens.dtype == torch.int32 and lens.data_ptr() == out.data_ptr()
     assert lens.tolist() == want and out[4:].tolist() == [-1, -1]
+
+
+@pytest.mark.gpu
+def test_block_table_and_lengths_replay_from_a_cuda_graph():
+    """On a GPU the in-graph hook's work is recorded once in a CUDA graph and replayed after
+    SGLang rewrites its inputs (rows, request indices, lengths) in place."""
+    if not torch.cuda.is_available():  # fail, not skip: -m gpu without a GPU is no pass
+        pytest.fail("GPU tests need a GPU: run them on the device machine")
+    page, row_tokens, draft = 64, 1024, 2
+    req_to_token = _req_to_token(8, row_tokens, page, seed=1).cuda()
+    indices = torch.tensor([3, 1, 0, 0], device="cuda")  # int64, as SGLang's graph buffers
+    lens = torch.tensor([700, 65, 1, 0], device="cuda")
+    table = torch.empty(6, pages_per_row(row_tokens, page), dtype=torch.int32, device="cuda")
+    step_lens = torch.empty(6, dtype=torch.int32, device="cuda")
+
+    def record() -> None:
+        fill_block_table(req_to_token, indices, page, table)
+        fill_seq_lens(lens, draft, step_lens)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        record()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        record()
+    for seed, new_lens in ((2, [1022, 0, 300, 5]), (3, [64, 128, 0, 1])):
+        req_to_token.copy_(_req_to_token(8, row_tokens, page, seed=seed))
+        indices.copy_(torch.randperm(8, generator=torch.Generator().manual_seed(seed))[:4])
+        lens.copy_(torch.tensor(new_lens))
+        table.fill_(-7)
+        step_lens.fill_(-1)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert step_lens.tolist() == [n + draft if n else 0 for n in new_lens] + [-1, -1]
+        pos = torch.arange(row_tokens, device="cuda")
+        for row, request in enumerate(indices.tolist()):
+            slots = table[row, pos // page].long() * page + pos % page
+            assert torch.equal(slots, req_to_token[request].long())
+        assert (table[4:] == -7).all()
