@@ -17,7 +17,7 @@ layer (projections, cache writes, prefill, the DCP combine) and hands mlatune th
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -46,7 +46,7 @@ from vllm.v1.attention.backend import (
 from mlatune.integrations.core import MLADecoder, ServedModel, refusal
 
 LOG = logging.getLogger("vllm.mlatune")  # under vLLM's logger, so vLLM's log shows it
-PAGE_SIZE = 64  # the page size the shipped tables measured: vLLM splits its blocks to it
+PAGE_SIZE = 64  # the shipped tables' page: vLLM's kernel block is this, its blocks a multiple
 _16_BIT = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 _FP8 = ("fp8", "fp8_e4m3")
 
@@ -63,8 +63,9 @@ def cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype | None:
 
 def served_model(vllm_config: VllmConfig | None, *, head_size: int, dtype: torch.dtype,
                  kv_cache_dtype: torch.dtype, page_size: int) -> ServedModel:
-    """The model vLLM is configuring, as ``core.refusal`` reads it (the scale stands in:
-    the layers give theirs at model load)."""
+    """The model vLLM is configuring, as ``core.refusal`` reads it. The scale stands in
+    (the layers give theirs at model load); without a model config (vLLM configures with
+    one), a DeepSeek-V3 rank's 16 heads and no speculation."""
     rope_dim = 64
     num_heads, num_layers, dcp_size, max_qlen = 16, 1, 1, 1
     if vllm_config is not None and vllm_config.model_config is not None:
@@ -80,9 +81,10 @@ def served_model(vllm_config: VllmConfig | None, *, head_size: int, dtype: torch
                        rope_dim=rope_dim, dcp_size=dcp_size, max_qlen=max_qlen)
 
 
-def configuration_refusal(head_size: int, dtype: torch.dtype, kv_cache_dtype: str | None,
-                          block_size: int | None) -> str | None:
-    """Why mlatune cannot serve the MLA decode vLLM is configuring now (None: it can)."""
+def configuration_refusal(head_size: int, dtype: torch.dtype, kv_cache_dtype: str | None
+                          ) -> str | None:
+    """Why mlatune cannot serve the MLA decode vLLM is configuring now (None: it can), on
+    mlatune's page (vLLM's own check holds its block size to a multiple of it)."""
     config = get_current_vllm_config_or_none()
     cache = cache_dtype(kv_cache_dtype or "auto", dtype)
     if cache is None:
@@ -92,7 +94,7 @@ def configuration_refusal(head_size: int, dtype: torch.dtype, kv_cache_dtype: st
         return ("mlatune: DCP shards the cache token by token "
                 "(cp_kv_cache_interleave_size 1) only")
     model = served_model(config, head_size=head_size, dtype=dtype, kv_cache_dtype=cache,
-                         page_size=block_size or PAGE_SIZE)
+                         page_size=PAGE_SIZE)
     reason = refusal(model)
     return None if reason is None else f"mlatune: {reason}"
 
@@ -136,25 +138,28 @@ class MLATuneBackend(MLACommonBackend):
                              ) -> str | None:
         if not use_mla or use_sparse or not cls.supports_head_size(head_size):
             return None  # vLLM's own checks name these
-        return configuration_refusal(head_size, dtype, kv_cache_dtype, block_size)
+        return configuration_refusal(head_size, dtype, kv_cache_dtype)
 
 
 @dataclass
 class Served:
     """What a step's layers share: the decoder, and the q, out and LSE buffers each layer's
-    decode reads and writes (rows: decode tokens; grown outside graph capture)."""
+    decode reads and writes (rows: decode tokens)."""
 
     decoder: MLADecoder
     q: torch.Tensor  # (rows, heads, 576) in the model's dtype
     out: torch.Tensor  # (rows, heads, 512)
     lse: torch.Tensor  # (rows, heads) fp32
+    retired: list[torch.Tensor] = field(default_factory=list)
 
     def fit(self, rows: int) -> None:
+        """Room for ``rows``: buffers outgrown are kept, as graphs captured on them replay."""
         if rows <= self.q.shape[0]:
             return
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"mlatune: {rows} decode rows outgrow the buffers made for "
                                f"{self.q.shape[0]} during a CUDA graph capture")
+        self.retired += [self.q, self.out, self.lse]
         self.q = self.q.new_empty((rows, *self.q.shape[1:]))
         self.out = self.out.new_empty((rows, *self.out.shape[1:]))
         self.lse = self.lse.new_empty((rows, *self.lse.shape[1:]))
@@ -179,7 +184,8 @@ class MLATuneMetadataBuilder(MLACommonMetadataBuilder[MLATuneMetadata]):
                              f"{', '.join(layer_names[:2])}...: {reason}")
         decoder = MLADecoder.load(model, device=device, engine="vLLM", log=LOG)
         self._routes_logged = 0
-        rows = vllm_config.scheduler_config.max_num_seqs * self.reorder_batch_threshold
+        rows = max(vllm_config.scheduler_config.max_num_seqs * self.reorder_batch_threshold,
+                   self.compilation_config.max_cudagraph_capture_size or 0)
         heads = model.num_heads * model.dcp_size
         d_v = model.kv_lora_rank
         self.served = Served(
