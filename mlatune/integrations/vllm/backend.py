@@ -180,8 +180,8 @@ class MLATuneMetadataBuilder(MLACommonMetadataBuilder[MLATuneMetadata]):
         model = self._served_model(layer_names)
         reason = refusal(model)
         if reason is not None:
-            raise ValueError(f"mlatune (--attention-backend CUSTOM) cannot serve "
-                             f"{', '.join(layer_names[:2])}...: {reason}")
+            raise ValueError(f"mlatune (--attention-backend CUSTOM) cannot serve the MLA "
+                             f"decode of {layer_names[0]} and its group: {reason}")
         decoder = MLADecoder.load(model, device=device, engine="vLLM", log=LOG)
         self._routes_logged = 0
         rows = max(vllm_config.scheduler_config.max_num_seqs * self.reorder_batch_threshold,
