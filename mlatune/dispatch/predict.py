@@ -90,6 +90,11 @@ FAILED_SHARE = 0.5  # a route's kernel weight on its failures from which it is n
 # time errors are 2.7% in median, 79% of them within the uncertainty (93% of the interior
 # points'), the spread alone 68%.
 DISTANCE_ERROR = 0.01
+# A recipe whose nearest known point (measured, or lost to its route's best) is this many
+# log2 units farther from the asked shape than the nearest recipe's is not predicted there:
+# its law would be extrapolated over sizes it never ran at (a route a prior pruned at large
+# shapes keeps only its small ones), while others ran nearby.
+REACH_MARGIN = 2.0
 
 
 class Prediction(NamedTuple):
@@ -263,6 +268,7 @@ class _Bucket:
         """Take the laws' coefficients: the log corrections at the known points and what
         answering needs."""
         x, logs, known = self._x, self._logs, self._known
+        self.known = known  # measured, or lost to the route's best (a table's)
         del self._x, self._logs, self._known, self._measured, self.normal
         self.coef = coef
         law = np.einsum("rnf,rf->rn", x, coef)
@@ -377,7 +383,10 @@ class _Bucket:
         correction = sums[m:2 * m] / sums[:m]
         bound = np.log(law)
         bound += correction
-        order = bound.argsort(kind="stable").tolist()
+        near = np.sqrt(np.maximum(np.where(self.known, dist, np.inf).min(axis=1) + offset,
+                                  0.0))
+        order = [i for i in bound.argsort(kind="stable").tolist()
+                 if near[i] <= near.min() + REACH_MARGIN]
         bounds, corrections = bound.tolist(), correction.tolist()
         if not first_only:
             verdicts: dict[str, bool] = {}  # per route, asked once
