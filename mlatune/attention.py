@@ -71,6 +71,10 @@ _plans: weakref.WeakKeyDictionary[Dispatcher, dict[tuple, DecodeStep]] = \
 # Per dispatcher, by the length tensors (and call options), the step that last planned.
 _planners: weakref.WeakKeyDictionary[Dispatcher, dict[tuple, DecodeStep]] = \
     weakref.WeakKeyDictionary()
+# Per dispatcher, the steps a CUDA graph captured: a graph replays their buffers at any later
+# time, so PLAN_LIMIT never drops them (kept as long as the dispatcher).
+_captured: weakref.WeakKeyDictionary[Dispatcher, dict[int, DecodeStep]] = \
+    weakref.WeakKeyDictionary()
 _default: dict[tuple[bool, str], Dispatcher] = {}  # by capturable and accuracy policy
 
 
@@ -325,6 +329,8 @@ def _held_step(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         _check_values(step.problem, kv_cache, block_table, seq_lens, made["dcp_rank"])
     if not reuse_plan:
         planners[lengths] = step
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        _captured.setdefault(dispatcher, {})[id(step)] = step
     return step
 
 

@@ -216,3 +216,28 @@ def test_decode_with_the_bundled_dispatcher_captures_the_bucket(problem):
         route = routes.get(choice.route_id)
         _served(problem, route, dict(choice.params), out, lse, inputs, lens,
                 f"{choice.route_id} {dict(choice.params)}, lengths {lens}")
+
+
+def test_a_captured_step_outlives_the_plan_limit(monkeypatch):
+    """Steps made after a capture past ``PLAN_LIMIT`` clear the step cache, never a captured
+    step: its graph goes on replaying its own buffers (garbage written over freed memory
+    would show)."""
+    monkeypatch.setattr(attention, "PLAN_LIMIT", 1)
+    problem = SHAPES[0]
+    replays = _captured_bucket(problem, None, seed=61)
+    lens, out, lse, inputs = next(replays)
+    shard = inputs.shards[0]
+    for _ in range(3):  # each a new key (its own q and out): the cache is cleared each time
+        attention.decode(inputs.q.clone(), shard.kv_cache, shard.block_table, inputs.seq_lens,
+                         num_heads=problem.num_heads, qlen=problem.qlen, max_kv_len=CAP,
+                         out=torch.empty_like(out), capturable=True)
+    torch.cuda.empty_cache()
+    junk = [torch.full((1 << 22,), float("nan"), device="cuda") for _ in range(32)]
+    dispatcher = attention.default_dispatcher(capturable=True)
+    for lens, out, lse, inputs in replays:
+        step = next(s for s in attention._captured[dispatcher].values()
+                    if s.out.data_ptr() == out.data_ptr())
+        route = routes.get(step.choice.route_id)
+        _served(problem, route, dict(step.choice.params), out, lse, inputs, lens,
+                f"after the plan limit, lengths {lens}")
+    del junk
