@@ -74,6 +74,10 @@ class _ProblemCache:
     def count(self, ragged_only: bool = False) -> int:
         return 1 if ragged_only else len(_CASES)
 
+    def get(self, problem: MLAProblem, seed: int, device: torch.device) -> list[_Case]:
+        """Every case at once (a DCP group's ranks hold them together)."""
+        return [self.case(problem, seed, device, i) for i in range(self.count())]
+
     def case(self, problem: MLAProblem, seed: int, device: torch.device, index: int,
              ragged_only: bool = False) -> _Case:
         """``_CASES[index]``'s inputs with their reference (the last is timed; the first
