@@ -372,19 +372,19 @@ class PlanTables:
     @classmethod
     def of(cls, plan: WorkPlan, tile_q: int, d_v: int, device: torch.device) -> PlanTables:
         slots = max(plan.num_partials, 1)
-        return cls(torch.tensor(plan.work_indptr, dtype=torch.int32, device=device),
-                   _int_table(plan.work_info, WORK_INFO_COLUMNS, device),
-                   _int_table(plan.merge_info, MERGE_INFO_COLUMNS, device),
+        return cls(torch.from_numpy(plan.work_indptr).to(device),
+                   torch.from_numpy(plan.work_info).to(device),
+                   torch.from_numpy(plan.merge_info).to(device),
                    torch.empty(slots * tile_q, d_v, dtype=torch.float32, device=device),
                    torch.empty(slots * tile_q, dtype=torch.float32, device=device))
 
     def merge_launch(self, plan: WorkPlan, out: torch.Tensor, lse: torch.Tensor,
                      tile_q: int) -> Launch | None:
         """``_merge_partials_kernel``'s launch over the split tiles, None without any."""
-        if not plan.merges:
+        if not len(plan.merge_info):
             return None
         block_r = min(_MERGE_BLOCK_ROWS, triton.next_power_of_2(tile_q))
-        return ((len(plan.merges), triton.cdiv(tile_q, block_r)),
+        return ((len(plan.merge_info), triton.cdiv(tile_q, block_r)),
                 (self.part_out, self.part_lse, out, lse, self.merge_info,
                  out.stride(0), out.stride(1), lse.stride(0)),
                 dict(D_V=out.shape[2], TILE_Q=tile_q, BLOCK_R=block_r,
