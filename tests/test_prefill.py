@@ -10,8 +10,10 @@ import os
 import subprocess
 import sys
 import zlib
+from dataclasses import astuple
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import triton
@@ -22,6 +24,7 @@ from mlatune.check import reference
 from mlatune.check.accuracy import check
 from mlatune.check.inputs import make_prefill_inputs, poison_
 from mlatune.kernels.prefill_plan import (
+    SUB_BLOCK_OVERHEAD_KEYS,
     plan_work,
     split_head_dim,
     v_key_offsets,
@@ -284,9 +287,12 @@ def test_partial_merge_is_the_lse_combine(out_dtype):
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("programs", [1, 5, 132])
 def test_plan_covers_every_key_of_every_row_once(programs, causal, grouped):
+    """Every tile's keys once, in pieces of the right request (a request without query
+    tokens among them), merged from their own slots; each program's load is its items'."""
     gen = torch.Generator().manual_seed(seed_of("cover", programs, causal))
     q_lens = torch.randint(1, 700, (5,), generator=gen).tolist()
     k_lens = [q + int(torch.randint(0, 300, (), generator=gen)) for q in q_lens]
+    q_lens[2:2], k_lens[2:2] = [0], [40]
     plan = plan_work(q_lens, k_lens, 3, programs, tile_q=256, block_m=64, causal=causal,
                      split_align=64, min_split=128, grouped=grouped)
     assert len(plan.programs) == programs and plan.work_indptr[-1] == len(plan.work_info)
@@ -294,25 +300,69 @@ def test_plan_covers_every_key_of_every_row_once(programs, causal, grouped):
     for items in plan.programs:
         for it in items:
             pieces.setdefault((it.q_row0, it.head), []).append(it)
-    q_starts = [sum(q_lens[:b]) for b in range(len(q_lens))]
+    q_starts, k_starts = ([0, *itertools.accumulate(lens)][:-1] for lens in (q_lens, k_lens))
     expected_tiles = {(q0 + t, h) for q0, n in zip(q_starts, q_lens, strict=True)
                       for t in range(0, n, 256) for h in range(3)}
     assert set(pieces) == expected_tiles
-    slots = []
-    for (q_row0, _head), its in pieces.items():
+    merges = set()
+    for (q_row0, head), its in pieces.items():
         its.sort(key=lambda it: it.kv_lo)
-        b = max(i for i, q0 in enumerate(q_starts) if q0 <= q_row0)
-        last_row = its[0].q_pos0 + its[0].q_rows - 1
-        kv_end = min(k_lens[b], k_lens[b] - q_lens[b] + last_row + 1) if causal else k_lens[b]
-        assert its[0].kv_lo == 0 and its[-1].kv_hi == kv_end
+        b = max(i for i, q0 in enumerate(q_starts) if q0 <= q_row0 and q_lens[i])
+        first = its[0]
+        assert {(it.q_row0 - it.q_pos0, it.q_rows, it.k_row0, it.prefix, it.v_row0)
+                for it in its} == {(q_starts[b], min(256, q_lens[b] - first.q_pos0),
+                                    k_starts[b], k_lens[b] - q_lens[b], k_starts[b])}
+        kv_end = min(k_lens[b], first.prefix + first.q_pos0 + first.q_rows) if causal else (
+            k_lens[b])
+        assert first.kv_lo == 0 and its[-1].kv_hi == kv_end
         assert all(a.kv_hi == c.kv_lo for a, c in itertools.pairwise(its))
         assert all(it.kv_lo % 64 == 0 and it.kv_hi - it.kv_lo >= 1 for it in its)
+        slots = [it.slot for it in its]
         if len(its) == 1:
-            assert its[0].slot == -1
+            assert slots == [-1]
         else:
-            slots.extend(it.slot for it in its)
-    assert sorted(slots) == list(range(plan.num_partials))
+            merges.add((q_row0, first.q_rows, head, min(slots), len(slots)))
+            assert sorted(slots) == list(range(min(slots), min(slots) + len(slots)))
+    assert {astuple(m) for m in plan.merges} == merges and len(plan.merges) == len(merges)
+    assert sorted(m.slot0 for m in plan.merges) == [m.slot0 for m in plan.merges]
     assert sum(m.n_slots for m in plan.merges) == plan.num_partials
+    k_len_at = {q0: k for q0, q, k in zip(q_starts, q_lens, k_lens, strict=True) if q}
+    assert list(plan.loads) == [
+        sum(_item_cost(it, 64, k_len_at[it.q_row0 - it.q_pos0] if not causal else None)
+            for it in items) for items in plan.programs]
+
+
+def _item_cost(it, block_m: int, k_len: int | None) -> int:
+    """Keys an item's sub-blocks visit (causal where ``k_len`` is None) plus their fixed
+    cost: the plan's cost model."""
+    ends = [it.prefix + it.q_pos0 + min(s + block_m, it.q_rows) if k_len is None else k_len
+            for s in range(0, it.q_rows, block_m)]
+    keys = sum(max(0, min(it.kv_hi, end) - it.kv_lo) for end in ends)
+    return keys + SUB_BLOCK_OVERHEAD_KEYS * len(ends)
+
+
+def test_plan_is_the_one_the_quotas_give():
+    """Tiles in order (request, head, position), whole while they fit a program's quota,
+    the one that straddles a cut split at a key-block multiple, its pieces merged; a
+    request without query tokens takes no tile but moves the next one's rows."""
+    plan = plan_work([200, 0, 70], [260, 30, 70], 2, 4, tile_q=128, block_m=64,
+                     split_align=32, min_split=64, v_align=16)
+    assert [[astuple(it) for it in items] for items in plan.programs] == [
+        [(0, 0, 128, 0, 60, 0, 188, 0, -1, 0)],
+        [(128, 128, 72, 0, 60, 0, 260, 0, -1, 0)],
+        [(0, 0, 128, 0, 60, 0, 188, 1, -1, 0), (128, 128, 72, 0, 60, 0, 96, 1, 0, 0)],
+        [(128, 128, 72, 0, 60, 96, 260, 1, 1, 0), (200, 0, 70, 290, 0, 0, 70, 0, -1, 304),
+         (200, 0, 70, 290, 0, 0, 70, 1, -1, 304)]]
+    assert [astuple(m) for m in plan.merges] == [(128, 72, 1, 0, 2)]
+    assert plan.num_partials == 2 and list(plan.loads) == [440, 640, 760, 972]
+    assert plan.work_info.dtype == plan.merge_info.dtype == plan.work_indptr.dtype == np.int32
+    # One request on 3 programs: its second tile cut where program 1's quota ends.
+    one = plan_work([245], [245], 1, 3, tile_q=128, block_m=64, split_align=32, min_split=64)
+    assert one.work_info.tolist() == [[0, 0, 128, 0, 0, 0, 128, 0, -1, 0],
+                                      [128, 128, 117, 0, 0, 0, 64, 0, 0, 0],
+                                      [128, 128, 117, 0, 0, 64, 245, 0, 1, 0]]
+    assert one.work_indptr.tolist() == [0, 1, 2, 3] and one.merge_info.tolist() == [
+        [128, 117, 0, 0, 2]]
 
 
 @pytest.mark.parametrize(("q_lens", "heads"), [([4096], 16), ([4096], 128), ([2048] * 8, 16),
