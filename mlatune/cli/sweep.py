@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from rich.progress import ProgressColumn
 
     from mlatune.arch import DeviceInfo
+    from mlatune.hardware import Hardware
     from mlatune.measure.records import Record
     from mlatune.sweep.candidates import Shard
     from mlatune.sweep.spec import SweepSpec
@@ -97,6 +98,18 @@ PruneFromOption = Annotated[Path | None, typer.Option(
          "and routes it did not measure run.")]
 PruneRatioOption = Annotated[float, typer.Option(
     metavar="R", min=1.0, help="With --prune-from: how far behind the best a route is pruned.")]
+RayFlag = Annotated[bool, typer.Option(
+    "--ray", help="Run the candidates on the GPUs of a Ray cluster, one worker a GPU: the "
+                  "cluster at --ray-address, else at RAY_ADDRESS, else a Ray instance "
+                  "started here. Needs mlatune[ray] (docs/cluster.md).")]
+RayAddressOption = Annotated[str | None, typer.Option(
+    metavar="ADDRESS", help="The Ray cluster to run on (host:port, ray://host:port or "
+                            "auto); implies --ray.")]
+GpuModelOption = Annotated[str | None, typer.Option(
+    metavar="MODEL[,MODEL]",
+    help="The GPU models of the Ray cluster to sweep (Ray's accelerator types: H100, "
+         "H200, ...), one table each (<table>-<model>.parquet); implies --ray. Default: "
+         "every GPU of a cluster of one model.")]
 
 
 @app.command()
@@ -106,29 +119,54 @@ def sweep(spec_name: SpecArgument = None, arch: ArchOption = None, out: OutOptio
           timeout: TimeoutOption = 300.0, compile_workers: CompileWorkersOption = None,
           routes: RoutesOption = None, shard: ShardOption = None,
           refine: RefineOption = None, prune_from: PruneFromOption = None,
-          prune_ratio: PruneRatioOption = 1.5, json_out: JsonFlag = False) -> None:
+          prune_ratio: PruneRatioOption = 1.5, ray: RayFlag = False,
+          ray_address: RayAddressOption = None, gpu_model: GpuModelOption = None,
+          json_out: JsonFlag = False) -> None:
     """Measure every viable route for each problem of a spec and write a dispatch table.
 
     A rerun continues where the last one stopped (a kill or Ctrl-C loses only what was in
     flight); --fresh starts over. It prints which it did. With --shard I/N only one share
     of the spec's problems runs; `mlatune merge TABLE... --out OUT` joins the shares' tables.
+    With --ray the candidates run on a Ray cluster's GPUs.
     """
-    from mlatune.sweep import stages
-
     share = _share(shard, resume, fresh, refine)
     if out is not None and out.suffix not in (".parquet", ".csv"):
         usage_error(f"{out}: name the table .parquet or .csv (both are written)", "--out")
     only = [r.strip() for r in routes.split(",") if r.strip()] if routes else None
     _check_route_ids(only)
     path = spec_path(spec_name)
+    choices = {"gpus": gpus, "timeout_s": timeout, "only": tuple(only) if only else None,
+               "compile_workers": compile_workers, "dcp_top_k": dcp_top_k,
+               "dcp_graph": dcp_graph, "shard": share, "fresh": fresh,
+               "prior": _prior(prune_from, prune_ratio)}
+    if ray or ray_address is not None or gpu_model is not None:
+        _sweep_on_ray(path, arch, out, refine, choices, ray_address, gpu_model, json_out)
+        return
     device = _device(arch, gpus, dcp_graph)
+    summary, chosen = _sweep_on(path, device, out, refine, choices, json_out)
+    if json_out:
+        emit_json("sweep", _sweep_json(summary, path, device, chosen))
+        return
+    _print_summary(summary)
+
+
+def _sweep_on(path: Path, device: DeviceInfo, out: Path | None, refine: float | None,
+              choices: dict[str, Any], json_out: bool, tag: str | None = None,
+              figures: Hardware | None = None) -> tuple[SweepSummary, list[Any] | None]:
+    """The sweep of the spec at ``path`` on ``device``; ``tag`` names its table apart (a GPU
+    model's), ``figures`` are its device's as measured by a Ray worker."""
+    from mlatune.sweep import stages
+
     if not device.is_gpu:
         # The Triton routes run on the CPU in the interpreter, switched on before any
         # kernel module is imported (sweep workers inherit it).
         os.environ.setdefault("TRITON_INTERPRET", "1")
     spec = load_spec(path, gpu=device.is_gpu)
     _check_route_ids((*spec.routes, *spec.max_params), named_in=path)
-    table_path = (out or stages.default_table_path(spec, device, share)).with_suffix(".parquet")
+    table_path = (out or stages.default_table_path(spec, device, choices["shard"])
+                  ).with_suffix(".parquet")
+    if tag:
+        table_path = table_path.with_name(f"{table_path.stem}-{tag}.parquet")
     check_outputs(table_path, table_path.with_suffix(".csv"), stages.journal_path(table_path))
     shown = err_console() if json_out else console()
     chosen = None
@@ -137,16 +175,63 @@ def sweep(spec_name: SpecArgument = None, arch: ArchOption = None, out: OutOptio
         if not chosen:
             _nothing_to_refine(path, table_path, json_out)
     _say_start(path, spec, device, shown)
-    settings = stages.SweepSettings(
-        spec, path, device, table_path, gpus=gpus, timeout_s=timeout,
-        only=tuple(only) if only else None, compile_workers=compile_workers,
-        dcp_top_k=dcp_top_k, dcp_graph=dcp_graph, shard=share, fresh=fresh,
-        prior=_prior(prune_from, prune_ratio))
-    summary = _run(settings, shown)
+    settings = stages.SweepSettings(spec, path, device, table_path, **choices)
+    if figures is not None:
+        settings = _with_figures(settings, figures)
+    return _run(settings, shown), chosen
+
+
+def _sweep_on_ray(path: Path, arch: DeviceArch | None, out: Path | None,
+                  refine: float | None, choices: dict[str, Any], address: str | None,
+                  models: str | None, json_out: bool) -> None:
+    """--ray: the sweep on a Ray cluster's GPUs, one after another per GPU model, each
+    model's rows in its own table."""
+    from mlatune.sweep import ray_pool
+
+    if choices["gpus"] != 1 or choices["dcp_graph"]:
+        usage_error("--gpus and --dcp-graph are this machine's GPUs; --ray runs one worker "
+                    "on every GPU of the cluster", "--ray")
+    named = [m.strip() for m in (models or "").split(",") if m.strip()]
+    try:
+        ray_pool.connect(address)
+        targets = ray_pool.targets(named)
+    except ray_pool.RayUnavailable as exc:
+        fail(str(exc))
+    shown = err_console() if json_out else console()
+    documents = []
+    for target in targets:
+        if arch is not None and arch.value != target.device.arch:
+            fail(f"--arch {arch.value} but the Ray workers' GPUs are {target.device.arch} "
+                 f"({target.device.name})")
+        of_model = f" of model {target.model}" if target.model else ""
+        shown.print(f"Ray: {target.gpus} GPU(s){of_model}, one worker each", highlight=False)
+        tag = target.model.lower() if target.model and (out is None or len(targets) > 1) \
+            else None
+        with ray_pool.serving(target):
+            summary, chosen = _sweep_on(path, target.device, out, refine, choices, json_out,
+                                        tag, target.figures)
+        if json_out:
+            documents.append(_sweep_json(summary, path, target.device, chosen))
+        else:
+            _print_summary(summary)
     if json_out:
-        emit_json("sweep", _sweep_json(summary, path, device, chosen))
-        return
-    _print_summary(summary)
+        emit_json("sweep", documents[0] if len(documents) == 1 else {"sweeps": documents})
+
+
+def _with_figures(settings: SweepSettings, figures: Hardware) -> SweepSettings:
+    """``settings`` whose journal header holds ``figures``, a Ray worker's, measured on its
+    GPU: this process may have none."""
+    from dataclasses import dataclass, fields
+
+    from mlatune.measure.journal import JournalHeader
+
+    @dataclass(frozen=True)
+    class OnWorkers(type(settings)):
+        def header(self) -> JournalHeader:
+            return JournalHeader.of(self.spec.sha256, str(self.spec_path), self.device,
+                                    str(self.shard) if self.shard else None, figures)
+
+    return OnWorkers(**{f.name: getattr(settings, f.name) for f in fields(settings)})
 
 
 def _prior(path: Path | None, ratio: float):

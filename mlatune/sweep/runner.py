@@ -11,6 +11,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
 
 from mlatune.arch import DeviceInfo
@@ -31,6 +32,10 @@ from mlatune.sweep.progress import Observer
 from mlatune.sweep.spec import SweepSpec
 
 log = logging.getLogger(__name__)
+
+# The pool the passes run on: the local worker processes, or, while a backend has set
+# it (``ray_pool.serving``), that backend's pool with the same interface.
+POOL: ContextVar[Callable[..., WorkerPool]] = ContextVar("POOL", default=WorkerPool)
 
 
 @dataclass
@@ -162,4 +167,4 @@ def _pool(spec: SweepSpec, devices: list[str], timeout_s: float, *,
         return Task(c.problem, c.route_id, c.params, problem_seed(spec.seed, c.problem), budget,
                     spec.tolerances, check_only)
 
-    return WorkerPool(devices, timeout_s, task_of, on_result, deadline)
+    return POOL.get()(devices, timeout_s, task_of, on_result, deadline)
