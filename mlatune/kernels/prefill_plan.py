@@ -122,7 +122,8 @@ class _Tiles:
     sub_ends: np.ndarray  # (shapes, tile_q // block_m)
 
     def ends(self, tile: int) -> list[int]:
-        """Key bound (exclusive) of each sub-block of ``tile``."""
+        """Key bound (exclusive) of each sub-block of ``tile`` (each at least 1: a
+        sub-block has a row, which sees a key)."""
         return [end for end in self.sub_ends[self.shape[tile]].tolist() if end]
 
 
@@ -161,6 +162,7 @@ def _starts(counts: np.ndarray) -> np.ndarray:
 
 def _tiles(seq_lens_q: list[int], seq_lens_k: list[int], num_heads: int, tile_q: int,
            block_m: int, causal: bool, v_align: int) -> _Tiles:
+    """The batch's tiles, from one shape per (request, query tile) that its heads share."""
     q_lens = np.asarray(seq_lens_q, dtype=np.int64).reshape(-1)
     k_lens = np.asarray(seq_lens_k, dtype=np.int64).reshape(-1)
     if q_lens.shape != k_lens.shape:
