@@ -6,7 +6,8 @@
 --prune-from's table, not run), ``fallbacks``,
 ``measured_dcp``, ``statuses`` ({status: candidates}, refusals apart), ``wall_s``,
 ``worker_s`` ({part: seconds}) and ``refine`` ({"points", "worker_s"} with --refine, else
-null). With --refine and nothing to measure: ``spec``, ``table`` and ``refine`` only.
+null). With --refine and nothing to measure: ``spec``, ``table`` and ``refine`` only. With
+--ray over several GPU models: ``sweeps``, one such object a model.
 """
 
 from __future__ import annotations

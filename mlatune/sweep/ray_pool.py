@@ -115,17 +115,19 @@ def targets(models: Sequence[str] = ()) -> list[Target]:
     if not models and len(found) > 1:
         raise RayUnavailable(f"the Ray cluster has GPUs of several models ({have}): name "
                              f"them with --gpu-model, one table each")
-    chosen = list(models) or list(found)
-    for model in chosen:
+    for model in models:
         if not found.get(model):
             raise RayUnavailable(f"no GPU of model {model} in the Ray cluster (it has {have})")
-    return [_probed(model, found[model]) for model in chosen]
+    if not models:
+        return [_probed(None, sum(found.values()))]
+    return [_probed(model, found[model]) for model in models]
 
 
 def _probed(model: str | None, gpus: int) -> Target:
     share = {f"{ACCELERATOR}{model}": _MODEL_SHARE} if model else {}
-    probe = ray.remote(_look).options(num_gpus=1, num_cpus=0, resources=share,
-                                      runtime_env=_runtime_env())
+    # max_calls=1: its process leaves, and its CUDA context with it, before the workers come
+    probe = ray.remote(max_calls=1)(_look).options(num_gpus=1, num_cpus=0, resources=share,
+                                                   runtime_env=_runtime_env())
     try:
         device, figures = ray.get(probe.remote(), timeout=WORKER_START_TIMEOUT_S)
     except GetTimeoutError:
@@ -204,7 +206,8 @@ class RayWorkerProcess(WorkerProcess):
     courier thread forwards from the actor to a local pipe, and a dead actor closes it."""
 
     def __init__(self, target: Target, gpu_share: float = 1.0):
-        super().__init__("cuda" if target.device.is_gpu else "cpu")
+        self.kind = "cuda" if target.device.is_gpu else "cpu"
+        super().__init__(self.kind)  # ``device`` becomes where it runs, once it runs
         self.target, self.gpu_share = target, gpu_share
         self.node_id: str | None = None
         self.pid = 0  # the actor's process, once it runs
@@ -219,7 +222,7 @@ class RayWorkerProcess(WorkerProcess):
         self._conn, feed = mp.Pipe()
         self._actor = _actor_class().options(
             num_gpus=self.gpu_share, num_cpus=0, resources=self.target.resources,
-            max_concurrency=2, runtime_env=_runtime_env()).remote(self.device)
+            max_concurrency=2, runtime_env=_runtime_env()).remote(self.kind)
         self._courier = threading.Thread(target=self._forward, args=(feed,), daemon=True)
         self._courier.start()
         self.started_at = time.monotonic()
