@@ -81,9 +81,10 @@ def cluster():
         nodes.shutdown()
 
 
-def sweep(*args) -> None:
+def sweep(*args) -> str:
     result = CliRunner().invoke(app, ["sweep", *map(str, args)])
     assert result.exit_code == 0, result.output
+    return result.stdout
 
 
 def rows(path: Path):
@@ -98,7 +99,10 @@ def test_each_gpu_model_gets_the_local_pools_table(cluster, tmp_path):
     spec_file = tmp_path / "small.toml"
     spec_file.write_text(SMALL)
     sweep(spec_file, "--out", tmp_path / "local.parquet")
-    sweep(spec_file, "--gpu-model", "H100,H200", "--out", tmp_path / "ray.parquet")
+    document = json.loads(sweep(spec_file, "--gpu-model", "H100,H200", "--out",
+                                tmp_path / "ray.parquet", "--json"))
+    assert [Path(s["table"]).name for s in document["sweeps"]] == ["ray-h100.parquet",
+                                                                   "ray-h200.parquet"]
     local = rows(tmp_path / "local.parquet")
     assert set(local.status) == {"ok", "unsupported"} and sum(local.status == "ok") >= 4
     nodes = {model: n["NodeID"][:8] for n in ray_pool.ray.nodes() for model in ("H100", "H200")
