@@ -67,8 +67,9 @@ class RayUnavailable(RuntimeError):
 
 
 def connect(address: str | None) -> None:
-    """Join the cluster at ``address`` (else RAY_ADDRESS), or start a local instance; a
-    process already connected stays so (tests)."""
+    """Join the cluster at ``address``, else at RAY_ADDRESS, else Ray's choice: the instance
+    this machine runs (``ray start``), else a new one. A process already connected stays
+    so (tests)."""
     if ray is None:
         raise RayUnavailable(INSTALL)
     if ray.is_initialized():
@@ -89,7 +90,12 @@ class Target:
 
     @property
     def resources(self) -> dict[str, float]:
-        return {f"{ACCELERATOR}{self.model}": _MODEL_SHARE} if self.model else {}
+        return _resources(self.model)
+
+
+def _resources(model: str | None) -> dict[str, float]:
+    """What a worker asks for besides its GPU: a share of its model's resource."""
+    return {f"{ACCELERATOR}{model}": _MODEL_SHARE} if model else {}
 
 
 def gpus_by_model() -> dict[str | None, int]:
@@ -124,10 +130,9 @@ def targets(models: Sequence[str] = ()) -> list[Target]:
 
 
 def _probed(model: str | None, gpus: int) -> Target:
-    share = {f"{ACCELERATOR}{model}": _MODEL_SHARE} if model else {}
     # max_calls=1: its process leaves, and its CUDA context with it, before the workers come
-    probe = ray.remote(max_calls=1)(_look).options(num_gpus=1, num_cpus=0, resources=share,
-                                                   runtime_env=_runtime_env())
+    probe = ray.remote(max_calls=1)(_look).options(
+        num_gpus=1, num_cpus=0, resources=_resources(model), runtime_env=_runtime_env())
     try:
         device, figures = ray.get(probe.remote(), timeout=WORKER_START_TIMEOUT_S)
     except GetTimeoutError:
