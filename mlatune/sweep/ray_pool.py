@@ -74,8 +74,13 @@ def connect(address: str | None) -> None:
         raise RayUnavailable(INSTALL)
     if ray.is_initialized():
         return
-    ray.init(address=address or os.environ.get("RAY_ADDRESS") or None,
-             include_dashboard=False, logging_level="WARNING")
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    try:
+        ray.init(address=address, include_dashboard=False, logging_level="WARNING")
+    except (Exception, SystemExit) as exc:  # Ray exits when no cluster answers at address
+        why = "no answer" if isinstance(exc, SystemExit) else f"{type(exc).__name__}: {exc}"
+        raise RayUnavailable(f"cannot join the Ray cluster at {address or 'this machine'} "
+                             f"({why})") from None
 
 
 @dataclass(frozen=True)
@@ -187,7 +192,10 @@ class RayPool(WorkerPool):
 
     def _receive(self, slot: _Slot, event: Event) -> None:
         """As the local pool, but a worker whose node died is not replaced: its candidate
-        goes to another worker, once, and its problem's rest back to the queue."""
+        goes to another worker, once, and its problem's rest back to the queue. Losing the
+        cluster stops the sweep: that says nothing of the candidate in flight."""
+        if isinstance(event, Gone) and slot.process.lost:
+            raise RuntimeError(event.reason)
         if not (isinstance(event, Gone) and slot.process.node_died):
             super()._receive(slot, event)
             return
@@ -217,6 +225,7 @@ class RayWorkerProcess(WorkerProcess):
         self.node_id: str | None = None
         self.pid = 0  # the actor's process, once it runs
         self.node_died = False
+        self.lost = False  # Ray itself failed (the cluster gone), not the actor
         self._reason = ""
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._sent = 0  # tasks handed over: the actor's inputs_ready waits on the count
@@ -281,7 +290,8 @@ class RayWorkerProcess(WorkerProcess):
         except OSError:  # the pool closed its end (killed it)
             pass
         except Exception as exc:  # Ray itself failed (shut down, lost the cluster)
-            self._reason = f"Ray worker lost: {type(exc).__name__}: {exc}"[:500]
+            self.lost = True
+            self._reason = f"lost the Ray cluster: {type(exc).__name__}: {exc}"[:500]
         finally:
             feed.close()
 
