@@ -123,9 +123,9 @@ def test_a_cluster_of_several_models_needs_them_named(cluster, tmp_path):
     assert result.exit_code == 1 and "no GPU of model A100" in result.output
 
 
-def _hanging(tmp_path: Path, kill) -> tuple[runner.SweepResult, list]:
-    """Two problems of the hanging route on the two H100 workers, 2 s timeout; once both
-    hang, ``kill(pool)``."""
+def _hanging(tmp_path: Path) -> tuple[runner.SweepResult, list]:
+    """Two problems of the hanging route on the two H100 workers, 3 s timeout; once both
+    hang, the worker furthest from its timeout is killed (SIGKILL)."""
     (target,) = ray_pool.targets(["H100"])
     pools: list[ray_pool.RayPool] = []
 
@@ -139,7 +139,9 @@ def _hanging(tmp_path: Path, kill) -> tuple[runner.SweepResult, list]:
             slots = pools[-1]._slots if pools else []
             if len(slots) == 2 and all(s.awaiting == "result" and s.candidate for s in slots):
                 time.sleep(0.3)
-                kill(pools[-1])
+                pid = max(slots, key=lambda s: s.deadline).process.pid
+                assert pid > 0  # os.kill(0) would signal this whole process group
+                os.kill(pid, signal.SIGKILL)
                 return
             time.sleep(0.05)
 
@@ -151,7 +153,7 @@ def _hanging(tmp_path: Path, kill) -> tuple[runner.SweepResult, list]:
     token = runner.POOL.set(pool)
     try:
         killer.start()
-        result = runner.run(small, target.device, journal, timeout_s=2)
+        result = runner.run(small, target.device, journal, timeout_s=3)
     finally:
         runner.POOL.reset(token)
         journal.close()
@@ -161,13 +163,10 @@ def _hanging(tmp_path: Path, kill) -> tuple[runner.SweepResult, list]:
 @pytest.mark.ray
 @pytest.mark.usefixtures("plugins")
 def test_a_worker_killed_mid_sweep_marks_its_candidate_crashed(cluster, tmp_path):
-    def kill(pool):
-        os.kill(pool._slots[0].process.pid, signal.SIGKILL)
-
-    result, _ = _hanging(tmp_path, kill)
+    result, _ = _hanging(tmp_path)
     by_status = sorted((r.status.value, r.reason.split(":")[0]) for r in result.records)
     assert by_status == [("crashed", "Ray worker died"),
-                         ("timeout", "no result within the 2s timeout")]
+                         ("timeout", "no result within the 3s timeout")]
 
 
 @pytest.mark.ray
@@ -175,11 +174,7 @@ def test_a_worker_killed_mid_sweep_marks_its_candidate_crashed(cluster, tmp_path
 def test_a_candidate_whose_node_died_goes_to_another_worker_once(cluster, tmp_path,
                                                                  monkeypatch):
     monkeypatch.setattr(ray_pool, "_alive", lambda node_id: False)  # as if its node died
-
-    def kill(pool):
-        os.kill(pool._slots[0].process.pid, signal.SIGKILL)
-
-    result, pools = _hanging(tmp_path, kill)
+    result, pools = _hanging(tmp_path)
     # Both ran to their timeout on the worker left; that worker's node was not replaced.
     assert [r.status for r in result.records] == [Status.TIMEOUT, Status.TIMEOUT]
     assert len({r.id for r in result.records}) == 2 and len(pools[-1]._slots) == 1
