@@ -115,12 +115,15 @@ def test_each_gpu_model_gets_the_local_pools_table(cluster, tmp_path):
 
 
 @pytest.mark.ray
-def test_a_cluster_of_several_models_needs_them_named(cluster, tmp_path):
+def test_a_cluster_of_several_models_needs_them_named_and_their_arch_checked(cluster, tmp_path):
     result = CliRunner().invoke(app, ["sweep", "smoke", "--ray", "--out", tmp_path / "t.parquet"])
     assert result.exit_code == 1
     assert "several models (H100 x2, H200 x1): name them with --gpu-model" in result.output
     result = CliRunner().invoke(app, ["sweep", "smoke", "--gpu-model", "A100"])
     assert result.exit_code == 1 and "no GPU of model A100" in result.output
+    result = CliRunner().invoke(app, ["sweep", "smoke", "--gpu-model", "H100", "--arch", "sm_90"])
+    assert result.exit_code == 1
+    assert "--arch sm_90 but the Ray workers' GPUs are cpu" in result.output
 
 
 def _hanging(tmp_path: Path) -> tuple[runner.SweepResult, list]:

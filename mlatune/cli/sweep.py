@@ -101,8 +101,9 @@ PruneRatioOption = Annotated[float, typer.Option(
     metavar="R", min=1.0, help="With --prune-from: how far behind the best a route is pruned.")]
 RayFlag = Annotated[bool, typer.Option(
     "--ray", help="Run the candidates on the GPUs of a Ray cluster, one worker a GPU: the "
-                  "cluster at --ray-address, else at RAY_ADDRESS, else a Ray instance "
-                  "started here. Needs mlatune[ray] (docs/cluster.md).")]
+                  "cluster at --ray-address, else at RAY_ADDRESS, else the Ray instance "
+                  "this machine runs, else one started here. Needs mlatune[ray] "
+                  "(docs/cluster.md).")]
 RayAddressOption = Annotated[str | None, typer.Option(
     metavar="ADDRESS", help="The Ray cluster to run on (host:port, ray://host:port or "
                             "auto); implies --ray.")]
@@ -198,12 +199,13 @@ def _sweep_on_ray(path: Path, arch: DeviceArch | None, out: Path | None,
         targets = ray_pool.targets(named)
     except ray_pool.RayUnavailable as exc:
         fail(str(exc))
-    shown = err_console() if json_out else console()
-    documents = []
     for target in targets:
         if arch is not None and arch.value != target.device.arch:
             fail(f"--arch {arch.value} but the Ray workers' GPUs are {target.device.arch} "
                  f"({target.device.name})")
+    shown = err_console() if json_out else console()
+    documents = []
+    for target in targets:
         of_model = f" of model {target.model}" if target.model else ""
         shown.print(f"Ray: {target.gpus} GPU(s){of_model}, one worker each", highlight=False)
         tag = target.model.lower() if target.model and (out is None or len(targets) > 1) \
