@@ -126,10 +126,10 @@ def test_a_cluster_of_several_models_needs_them_named_and_their_arch_checked(clu
     assert "--arch sm_90 but the Ray workers' GPUs are cpu" in result.output
 
 
-def _hanging(tmp_path: Path) -> tuple[runner.SweepResult, list]:
-    """Two problems of the hanging route on the two H100 workers, 3 s timeout; once both
-    hang, the worker furthest from its timeout is killed (SIGKILL)."""
-    (target,) = ray_pool.targets(["H100"])
+def _hanging(tmp_path: Path, model: str, kill) -> tuple[runner.SweepResult, list]:
+    """Two problems of the hanging route on the two workers of ``model``, 3 s timeout; once
+    both hang, ``kill(worker)`` of the worker furthest from its timeout."""
+    (target,) = ray_pool.targets([model])
     pools: list[ray_pool.RayPool] = []
 
     def pool(*args, **kwargs):
@@ -142,9 +142,7 @@ def _hanging(tmp_path: Path) -> tuple[runner.SweepResult, list]:
             slots = pools[-1]._slots if pools else []
             if len(slots) == 2 and all(s.awaiting == "result" and s.candidate for s in slots):
                 time.sleep(0.3)
-                pid = max(slots, key=lambda s: s.deadline).process.pid
-                assert pid > 0  # os.kill(0) would signal this whole process group
-                os.kill(pid, signal.SIGKILL)
+                kill(max(slots, key=lambda s: s.deadline).process)
                 return
             time.sleep(0.05)
 
@@ -166,7 +164,11 @@ def _hanging(tmp_path: Path) -> tuple[runner.SweepResult, list]:
 @pytest.mark.ray
 @pytest.mark.usefixtures("plugins")
 def test_a_worker_killed_mid_sweep_marks_its_candidate_crashed(cluster, tmp_path):
-    result, _ = _hanging(tmp_path)
+    def kill(worker):
+        assert worker.pid > 0  # os.kill(0) would signal this whole process group
+        os.kill(worker.pid, signal.SIGKILL)
+
+    result, _ = _hanging(tmp_path, "H100", kill)
     by_status = sorted((r.status.value, r.reason.split(":")[0]) for r in result.records)
     assert by_status == [("crashed", "Ray worker died"),
                          ("timeout", "no result within the 3s timeout")]
@@ -174,11 +176,22 @@ def test_a_worker_killed_mid_sweep_marks_its_candidate_crashed(cluster, tmp_path
 
 @pytest.mark.ray
 @pytest.mark.usefixtures("plugins")
-def test_a_candidate_whose_node_died_goes_to_another_worker_once(cluster, tmp_path,
-                                                                 monkeypatch):
-    monkeypatch.setattr(ray_pool, "_alive", lambda node_id: False)  # as if its node died
-    result, pools = _hanging(tmp_path)
-    # Both ran to their timeout on the worker left; that worker's node was not replaced.
+def test_a_candidate_whose_node_died_goes_to_another_worker_once(cluster, tmp_path):
+    nodes = [cluster.add_node(num_cpus=1, num_gpus=1, object_store_memory=10**8,
+                              resources={"accelerator_type:A10": 1}) for _ in range(2)]
+    cluster.wait_for_nodes()
+
+    def kill(worker):
+        node = next(n for n in nodes if n.node_id == worker.node_id)
+        cluster.remove_node(node)  # its raylet stops: Ray declares the node dead at once
+        nodes.remove(node)
+
+    try:
+        result, pools = _hanging(tmp_path, "A10", kill)
+    finally:
+        for node in nodes:
+            cluster.remove_node(node)
+    # Both ran to their timeout on the node left; the dead node's worker was not replaced.
     assert [r.status for r in result.records] == [Status.TIMEOUT, Status.TIMEOUT]
     assert len({r.id for r in result.records}) == 2 and len(pools[-1]._slots) == 1
 
