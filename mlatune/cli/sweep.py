@@ -177,9 +177,7 @@ def _sweep_on(path: Path, device: DeviceInfo, out: Path | None, refine: float | 
         if not chosen:
             _nothing_to_refine(path, table_path, json_out)
     _say_start(path, spec, device, shown)
-    settings = stages.SweepSettings(spec, path, device, table_path, **choices)
-    if figures is not None:
-        settings = _with_figures(settings, figures)
+    settings = stages.SweepSettings(spec, path, device, table_path, **choices, figures=figures)
     return _run(settings, shown), chosen
 
 
@@ -219,22 +217,6 @@ def _sweep_on_ray(path: Path, arch: DeviceArch | None, out: Path | None,
             _print_summary(summary)
     if json_out:
         emit_json("sweep", documents[0] if len(documents) == 1 else {"sweeps": documents})
-
-
-def _with_figures(settings: SweepSettings, figures: Hardware) -> SweepSettings:
-    """``settings`` whose journal header holds ``figures``, a Ray worker's, measured on its
-    GPU: this process may have none."""
-    from dataclasses import dataclass, fields
-
-    from mlatune.measure.journal import JournalHeader
-
-    @dataclass(frozen=True)
-    class OnWorkers(type(settings)):
-        def header(self) -> JournalHeader:
-            return JournalHeader.of(self.spec.sha256, str(self.spec_path), self.device,
-                                    str(self.shard) if self.shard else None, figures)
-
-    return OnWorkers(**{f.name: getattr(settings, f.name) for f in fields(settings)})
 
 
 def _prior(path: Path | None, ratio: float):

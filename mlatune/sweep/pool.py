@@ -168,7 +168,7 @@ def shut_down(processes: Iterable[WorkerProcess], gently: bool) -> None:
 
 
 @dataclass
-class _Slot:
+class Slot:
     """A process and what it is doing: the candidate in flight and the problem's rest."""
 
     process: WorkerProcess
@@ -203,7 +203,7 @@ class WorkerPool:
         self.seconds = dict.fromkeys((*COST_PARTS, "other_s"), 0.0)
         self.cut: list[Candidate] = []
         self.started = 0
-        self._slots: list[_Slot] = []
+        self._slots: list[Slot] = []
         self._groups: deque[deque[Candidate]] = deque()
         self._finished: list[float] = []  # each finished candidate's seconds
 
@@ -276,7 +276,7 @@ class WorkerPool:
         self.cut += [c for group in self._groups for c in group]
         self._groups = deque()
 
-    def _send(self, slot: _Slot, candidate: Candidate) -> None:
+    def _send(self, slot: Slot, candidate: Candidate) -> None:
         """Hand over a task; until its inputs exist, the setup allowance applies."""
         # The clock starts before the hand-over: a worker may finish a quick candidate
         # before this process is scheduled again, and elapsed_s must cover its parts.
@@ -291,7 +291,7 @@ class WorkerPool:
         slot.candidate, slot.sent_at = candidate, sent_at
         slot.deadline, slot.awaiting = slot.sent_at + SETUP_TIMEOUT_S, "inputs"
 
-    def _receive(self, slot: _Slot, event: Event) -> None:
+    def _receive(self, slot: Slot, event: Event) -> None:
         if isinstance(event, Gone):
             if not slot.ready:
                 raise RuntimeError(f"sweep worker on {slot.process.device} failed to start: "
@@ -320,7 +320,7 @@ class WorkerPool:
                 self._finish(slot, Result(status=Status.TIMEOUT, reason=reason))
                 self._replace(slot)
 
-    def _finish(self, slot: _Slot, result: Result) -> None:
+    def _finish(self, slot: Slot, result: Result) -> None:
         assert slot.candidate is not None
         elapsed = time.monotonic() - slot.sent_at
         parts = [result.cost(p) for p in COST_PARTS]
@@ -334,17 +334,23 @@ class WorkerPool:
                                              finished_at=round(time.time(), 3)))
         slot.candidate, slot.deadline = None, math.inf
 
-    def _replace(self, slot: _Slot) -> None:
+    def _replace(self, slot: Slot) -> None:
         slot.process.kill()
         fresh = self._started(slot.process.device)
         fresh.group = slot.group
         self._slots[self._slots.index(slot)] = fresh
 
-    def _started(self, device: str) -> _Slot:
+    def start_worker(self, device: str) -> WorkerProcess:
+        """A worker for ``device``, started (its ``Ready`` still to come). A pool of other
+        workers overrides it with one that has ``WorkerProcess``'s verbs and ``connection``."""
         process = WorkerProcess(device)
         process.start()
+        return process
+
+    def _started(self, device: str) -> Slot:
+        process = self.start_worker(device)
         self.started += 1
-        return _Slot(process)
+        return Slot(process)
 
 
 def _by_problem(candidates: list[Candidate]) -> deque[deque[Candidate]]:

@@ -41,9 +41,9 @@ from mlatune.sweep.pool import (
     WORKER_START_TIMEOUT_S,
     Event,
     Gone,
+    Slot,
     WorkerPool,
     WorkerProcess,
-    _Slot,
 )
 
 try:
@@ -184,13 +184,12 @@ class RayPool(WorkerPool):
         self.target, self.gpu_share = target, 1.0 / per_gpu
         self._requeued: set[str] = set()  # candidates whose node died once
 
-    def _started(self, device: str) -> _Slot:
+    def start_worker(self, device: str) -> RayWorkerProcess:
         process = RayWorkerProcess(self.target, self.gpu_share)
         process.start()
-        self.started += 1
-        return _Slot(process)
+        return process
 
-    def _receive(self, slot: _Slot, event: Event) -> None:
+    def _receive(self, slot: Slot, event: Event) -> None:
         """As the local pool, but a worker whose node died is not replaced: its candidate
         goes to another worker, once, and its problem's rest back to the queue. Losing the
         cluster stops the sweep: that says nothing of the candidate in flight."""

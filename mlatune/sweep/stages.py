@@ -17,6 +17,7 @@ from typing import Any
 from mlatune import hardware, routes, table
 from mlatune.arch import DeviceInfo
 from mlatune.errors import JournalError, TableError
+from mlatune.hardware import Hardware
 from mlatune.measure.records import table_rows
 from mlatune.sweep import dcp_stage, runner
 from mlatune.sweep import journal as journals
@@ -38,8 +39,9 @@ class SweepError(ValueError):
 @dataclass(frozen=True)
 class SweepSettings:
     """One sweep: the spec (already refined, not yet cut to its share), this machine's
-    device, where the table goes (``.parquet``; the CSV and journal beside it), and the
-    command line's choices."""
+    device, where the table goes (``.parquet``; the CSV and journal beside it), the
+    command line's choices, and the device's hardware figures (``mlatune.hardware``; None:
+    measured here when the journal opens)."""
 
     spec: SweepSpec
     spec_path: Path
@@ -54,6 +56,7 @@ class SweepSettings:
     shard: Shard | None = None
     fresh: bool = False
     prior: Prior | None = None  # --prune-from
+    figures: Hardware | None = None  # given where the GPU is not this process's (Ray)
 
 
     @property
@@ -66,9 +69,11 @@ class SweepSettings:
 
     def header(self) -> JournalHeader:
         """The journal's header: what a resumed journal must have been written for, and the
-        hardware figures of the device (``mlatune.hardware``: its bandwidth measured now)."""
-        figures = hardware.of_device(self.device, hardware.measure_bandwidth(self.device)) \
-            if self.device.is_gpu else None
+        hardware figures of the device (unless given, a GPU's with its bandwidth measured
+        now)."""
+        figures = self.figures
+        if figures is None and self.device.is_gpu:
+            figures = hardware.of_device(self.device, hardware.measure_bandwidth(self.device))
         return JournalHeader.of(self.spec.sha256, str(self.spec_path), self.device,
                                 str(self.shard) if self.shard else None, figures)
 
