@@ -17,9 +17,10 @@ TINY = {"routes": ["reference/torch"],
                   "q_dtype": "fp16", "kv_dtype": "fp16"}]}
 
 
-def settings(tmp_path: Path, **choices) -> stages.SweepSettings:
-    return stages.SweepSettings(spec.parse(TINY, "tiny.toml"), Path("tiny.toml"), cpu_device(),
-                                tmp_path / "t.parquet", timeout_s=60, **choices)
+def settings(tmp_path: Path, device=None, **choices) -> stages.SweepSettings:
+    return stages.SweepSettings(spec.parse(TINY, "tiny.toml"), Path("tiny.toml"),
+                                device or cpu_device(), tmp_path / "t.parquet", timeout_s=60,
+                                **choices)
 
 
 def test_run_sweep_writes_the_table_and_a_rerun_resumes(tmp_path):
@@ -48,3 +49,20 @@ def test_a_share_without_problems_is_refused(tmp_path):
     many = Shard(0, 10_000)
     with pytest.raises(stages.SweepError, match="holds none of the spec's 2 problems"):
         stages.run_sweep(settings(tmp_path, shard=many))
+
+
+def test_the_header_carries_given_figures_or_measures_a_gpu_here(tmp_path, monkeypatch):
+    from mlatune import hardware
+    from mlatune.arch import DeviceInfo
+
+    h100 = DeviceInfo("sm_90", "NVIDIA H100 80GB HBM3", "nvidia", 132, 80 * 2**30, 0)
+    given = hardware.described(h100.name, h100.arch, h100.cu_count)
+    measured = []
+    monkeypatch.setattr(hardware, "measure_bandwidth",
+                        lambda device: measured.append(device) or 2981.0)
+    header = settings(tmp_path, device=h100, figures=given).header()
+    assert hardware.Hardware.from_json(header.hardware) == given and measured == []
+    monkeypatch.setattr(hardware, "of_device", lambda device, gbs: given)
+    assert settings(tmp_path, device=h100).header().hardware == given.as_json()
+    assert measured == [h100]  # None: a GPU's figures measured here
+    assert settings(tmp_path).header().hardware is None  # the CPU has none
