@@ -75,6 +75,8 @@ _planners: weakref.WeakKeyDictionary[Dispatcher, dict[tuple, DecodeStep]] = \
 # time, so PLAN_LIMIT never drops them (kept as long as the dispatcher).
 _captured: weakref.WeakKeyDictionary[Dispatcher, dict[int, DecodeStep]] = \
     weakref.WeakKeyDictionary()
+# Per dispatcher, the step its last call ran (``last_step``).
+_last: weakref.WeakKeyDictionary[Dispatcher, DecodeStep] = weakref.WeakKeyDictionary()
 _default: dict[tuple[bool, str], Dispatcher] = {}  # by capturable and accuracy policy
 
 
@@ -331,6 +333,7 @@ def _held_step(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         planners[lengths] = step
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
         _captured.setdefault(dispatcher, {})[id(step)] = step
+    _last[dispatcher] = step
     return step
 
 
@@ -494,6 +497,12 @@ def _prepare(route: Route, problem: MLAProblem, inputs: DecodeInputs, rank: int,
         into["plan_from"] = plan_from
     return route.prepare(problem, inputs, rank=rank, params=dict(choice.params),
                          want_lse=want_lse, **into)
+
+
+def last_step(dispatcher: Dispatcher | None = None) -> DecodeStep | None:
+    """The step the dispatcher's last ``decode`` call ran (its route: ``.route``), for an
+    engine's counters; None before any."""
+    return _last.get(dispatcher or default_dispatcher())
 
 
 def plans_of(dispatcher: Dispatcher | None = None) -> dict[tuple, DecodeStep]:

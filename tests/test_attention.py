@@ -160,6 +160,8 @@ def test_lengths_changed_in_place_are_followed(problem, route_id, params, tmp_pa
     plans = attention.plans_of(dispatcher)
     assert {(p.choice.route_id, p.prepared.plan_reads_lengths) for p in plans.values()} \
         == {(route_id, True)}
+    assert attention.last_step(dispatcher) in plans.values()  # the last rank's call's step
+    assert attention.last_step(dispatcher).route.id == route_id
     # The first request grows and the second shrinks; the max stays where it was.
     inputs.seq_lens.copy_(torch.tensor([problem.kv_len, 23], dtype=torch.int32))
     assert_matches_reference(inputs, dispatcher, max_kv_len=problem.kv_len)

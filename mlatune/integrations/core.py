@@ -252,20 +252,13 @@ class MLADecoder:
             max_kv_len=step.max_kv_len, kv_lora_rank=m.kv_lora_rank, return_lse=True,
             capturable=q.is_cuda, reuse_plan=step.route is not None,
             dispatcher=self.dispatcher)
-        if step.route is None:
-            step.route = self._planned_route(out, lse)
+        if step.route is None:  # the other layers run the planning step's route
+            ran = attention.last_step(self.dispatcher)
+            step.route = ran.route.id if ran is not None else "unknown"
         self.routes_served[step.route] += 1
         if q.is_cuda and torch.cuda.is_current_stream_capturing():
             self.captured[(step.seq_lens.shape[0], step.qlen)] = step.route
         return out, lse
-
-    def _planned_route(self, out: torch.Tensor, lse: torch.Tensor) -> str:
-        """The route of the planning step that just returned ``out`` and ``lse`` (the
-        other layers run its route on its plan)."""
-        for held in attention.plans_of(self.dispatcher).values():
-            if held.planner is None and held.out is out and held.lse is lse:
-                return held.route.id
-        return "unknown"
 
     def summary(self) -> str:
         """One line: forward calls per route so far, and the route each bucket captured."""
