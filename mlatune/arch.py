@@ -74,11 +74,16 @@ def current_device() -> DeviceInfo:
     return gpus[torch.cuda.current_device()] if gpus else cpu_device()
 
 
+def device_info(device: torch.device) -> DeviceInfo:
+    """The DeviceInfo of a torch device (a GPU named without an index: the current one)."""
+    if device.type != "cuda":
+        return cpu_device()
+    return gpu_devices()[torch.cuda.current_device() if device.index is None else device.index]
+
+
 def device_of(tensor: torch.Tensor) -> DeviceInfo:
     """The DeviceInfo of the device a tensor lives on."""
-    if not tensor.is_cuda:
-        return cpu_device()
-    return gpu_devices()[tensor.device.index if tensor.device.index is not None else 0]
+    return device_info(tensor.device)
 
 
 def package_version(name: str) -> str | None:

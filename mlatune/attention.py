@@ -59,10 +59,9 @@ from mlatune.check.policy import Policy, policy_named
 from mlatune.dispatch import Choice, Dispatcher, by_handle, first_sight
 from mlatune.errors import DecodeArgumentError, SettingError
 from mlatune.measure import timers
-from mlatune.problem import DTYPES, MLAProblem, next_power_of_two, output_dtype
+from mlatune.problem import DTYPE_NAMES, DTYPES, MLAProblem, next_power_of_two, output_dtype
 from mlatune.routes import Prepared, Route, rounding, step_kind_of
 
-_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 # Steps kept per dispatcher; a step holds the caller's tensors alive, so the set is bounded.
 PLAN_LIMIT = 1024
 
@@ -419,8 +418,8 @@ def _make_plan(q, kv_cache, block_table, seq_lens, *, num_heads, qlen, causal, k
     if kv_cache.dim() == 4:
         kv_cache = kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], kv_cache.shape[3])
     problem = MLAProblem(
-        phase="decode", num_heads=num_heads, qlen=qlen, q_dtype=_DTYPE_NAMES[q.dtype],
-        kv_dtype=_DTYPE_NAMES[kv_cache.dtype], batch=block_table.shape[0],
+        phase="decode", num_heads=num_heads, qlen=qlen, q_dtype=DTYPE_NAMES[q.dtype],
+        kv_dtype=DTYPE_NAMES[kv_cache.dtype], batch=block_table.shape[0],
         kv_len=max(max_kv_len, qlen),
         dcp_size=dcp_size, causal=causal, page_size=kv_cache.shape[1],
         kv_lora_rank=kv_lora_rank, rope_dim=kv_cache.shape[-1] - kv_lora_rank)
@@ -539,7 +538,7 @@ def _decode_compiled(q, kv_cache, block_table, seq_lens, num_heads, qlen, causal
     """decode() as torch.compile traces it: buffers allocated here, the work in the op."""
     rows, heads = q.shape[0], q.shape[1]
     if out is None:
-        out_dtype = DTYPES[output_dtype(_DTYPE_NAMES[q.dtype])]
+        out_dtype = DTYPES[output_dtype(DTYPE_NAMES[q.dtype])]
         out = q.new_empty(rows, heads, kv_lora_rank, dtype=out_dtype)
     if want_lse and lse_out is None:
         lse_out = q.new_empty(rows, heads, dtype=torch.float32)

@@ -25,6 +25,7 @@ DTYPES: dict[str, torch.dtype] = {
     "fp8_e4m3fn": torch.float8_e4m3fn,
     "fp8_e4m3fnuz": torch.float8_e4m3fnuz,
 }
+DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
 FP8_DTYPES = frozenset({"fp8_e4m3fn", "fp8_e4m3fnuz"})
 
 # Table key columns, in order: the whole problem (MIOpen find-db style).

@@ -39,7 +39,7 @@ import torch
 
 from mlatune.check.inputs import shard_lengths
 from mlatune.errors import DecodeArgumentError, SettingError
-from mlatune.problem import DTYPES, FP8_DTYPES, MLAProblem, is_power_of_two
+from mlatune.problem import DTYPE_NAMES, DTYPES, FP8_DTYPES, MLAProblem, is_power_of_two
 
 __all__ = [
     "CHECK_ENV",
@@ -55,7 +55,6 @@ __all__ = [
 CHECK_ENV = "MLATUNE_CHECK"
 _ON = frozenset({"1", "true", "yes", "on"})
 _OFF = frozenset({"", "0", "false", "no", "off"})
-_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 # The MLAProblem field a validation message starts with -> the decode argument it came from.
 _FIELD_ARGS = {"q_dtype": "q", "kv_dtype": "kv_cache", "page_size": "kv_cache",
                "rope_dim": "kv_cache", "batch": "block_table", "num_heads": "num_heads",
@@ -210,7 +209,7 @@ def _check_index_tensors(block_table: torch.Tensor, seq_lens: torch.Tensor) -> i
 
 def _check_kv_cache(kv_cache: torch.Tensor, kv_lora_rank: int) -> tuple[int, int]:
     """(pages, page_size, d_qk) or (pages, page_size, 1, d_qk); returns (page_size, d_qk)."""
-    if kv_cache.dtype not in _DTYPE_NAMES:
+    if kv_cache.dtype not in DTYPE_NAMES:
         _fail("kv_cache", f"dtype {_name(kv_cache.dtype)} is not one of "
                           f"{[_name(d) for d in DTYPES.values()]}")
     shape = tuple(kv_cache.shape)
@@ -230,7 +229,7 @@ def _check_kv_cache(kv_cache: torch.Tensor, kv_lora_rank: int) -> tuple[int, int
 
 
 def _check_q(q: torch.Tensor, want: tuple[int, int, int]) -> None:
-    if q.dtype not in _DTYPE_NAMES:
+    if q.dtype not in DTYPE_NAMES:
         _fail("q", f"dtype {_name(q.dtype)} is not one of {[_name(d) for d in DTYPES.values()]}")
     if tuple(q.shape) != want:
         _fail("q", f"must be (batch * qlen, num_heads * dcp_size, d_qk) = {want}, got shape "
@@ -246,7 +245,7 @@ def _problem(q: torch.Tensor, kv_cache: torch.Tensor, *, batch: int, num_heads: 
     together) judge them; kv_len is a stand-in, since the lengths are values."""
     try:
         return MLAProblem(phase="decode", num_heads=num_heads, qlen=qlen,
-                          q_dtype=_DTYPE_NAMES[q.dtype], kv_dtype=_DTYPE_NAMES[kv_cache.dtype],
+                          q_dtype=DTYPE_NAMES[q.dtype], kv_dtype=DTYPE_NAMES[kv_cache.dtype],
                           batch=batch, kv_len=qlen, dcp_size=dcp_size, page_size=page_size,
                           kv_lora_rank=kv_lora_rank, rope_dim=d_qk - kv_lora_rank)
     except ValueError as error:

@@ -32,16 +32,15 @@ from pathlib import Path
 import torch
 
 from mlatune import attention, routes
-from mlatune.arch import DeviceInfo, cpu_device, gpu_devices
+from mlatune.arch import DeviceInfo, current_device, device_info
 from mlatune.capability import tables as capability_tables
 from mlatune.check.policy import Policy, policy_named
 from mlatune.dispatch import Dispatcher
 from mlatune.dispatch.dispatcher import TABLE_ENV, USER_TABLE_ENV
 from mlatune.errors import DecodeArgumentError
-from mlatune.problem import DTYPES, MLAProblem
+from mlatune.problem import DTYPE_NAMES, DTYPES, MLAProblem
 from mlatune.routes.torch_ref import REFERENCE_ID
 
-_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _LOG = logging.getLogger("mlatune")
 _MOST_REASONS = 3  # a refusal names this many distinct route refusals, the commonest first
 
@@ -75,7 +74,7 @@ def refusal(model: ServedModel) -> str | None:
         policy = policy_named(None)
     except ValueError as exc:  # a bad MLATUNE_ACCURACY, named
         return str(exc)
-    device = _device_info(None)
+    device = current_device()
     for qlen in range(1, model.max_qlen + 1):
         try:
             problem = _problem(model, qlen)
@@ -91,8 +90,8 @@ def _problem(model: ServedModel, qlen: int, batch: int = 1, kv_len: int = 4096
                ) -> MLAProblem:
     """The decode problem ``model`` poses at ``qlen`` (a ValueError where it is none)."""
     return MLAProblem(phase="decode", num_heads=model.num_heads, qlen=qlen,
-                      q_dtype=_DTYPE_NAMES[model.q_dtype],
-                      kv_dtype=_DTYPE_NAMES[model.kv_cache_dtype], batch=batch,
+                      q_dtype=DTYPE_NAMES[model.q_dtype],
+                      kv_dtype=DTYPE_NAMES[model.kv_cache_dtype], batch=batch,
                       kv_len=max(kv_len, qlen), dcp_size=model.dcp_size,
                       page_size=model.page_size, kv_lora_rank=model.kv_lora_rank,
                       rope_dim=model.rope_dim)
@@ -103,7 +102,7 @@ def _field_refusal(model: ServedModel) -> str | None:
     the counts, the DCP rank, the scale."""
     served = ", ".join(str(d).removeprefix("torch.") for d in DTYPES.values())
     for what, dtype in (("q dtype", model.q_dtype), ("kv cache dtype", model.kv_cache_dtype)):
-        if dtype not in _DTYPE_NAMES:
+        if dtype not in DTYPE_NAMES:
             return f"{what} {dtype}: mlatune serves {served}"
     d_qk, d_v = model.kv_lora_rank + model.rope_dim, model.kv_lora_rank
     if (d_qk, d_v) != capability_tables.MLA_DECODE_DIMS:
@@ -167,16 +166,6 @@ def _why_not(route: routes.Route, problem: MLAProblem, device: DeviceInfo, polic
     return None
 
 
-def _device_info(device: torch.device | None) -> DeviceInfo:
-    """The device ``device`` names (None: the one torch uses now)."""
-    gpus = gpu_devices()
-    if device is None:
-        return gpus[torch.cuda.current_device()] if gpus else cpu_device()
-    if device.type != "cuda":
-        return cpu_device()
-    return gpus[torch.cuda.current_device() if device.index is None else device.index]
-
-
 @dataclass
 class _Step:
     """One engine step's lengths, and the route its first layer planned (None: not yet)."""
@@ -209,7 +198,7 @@ class MLADecoder:
         capturable steps); one INFO line on ``log`` says the table, where it came from,
         the GPU model and the accuracy policy."""
         device = torch.device(device)
-        info = _device_info(device)
+        info = device_info(device)
         given = dispatcher is not None
         if dispatcher is None:
             dispatcher = Dispatcher.from_bundled(info, capturable=info.is_gpu,
