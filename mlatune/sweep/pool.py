@@ -292,6 +292,8 @@ class WorkerPool:
         slot.deadline, slot.awaiting = slot.sent_at + SETUP_TIMEOUT_S, "inputs"
 
     def _receive(self, slot: Slot, event: Event) -> None:
+        if isinstance(event, Gone) and self.worker_lost(slot, event):
+            return
         if isinstance(event, Gone):
             if not slot.ready:
                 raise RuntimeError(f"sweep worker on {slot.process.device} failed to start: "
@@ -339,6 +341,12 @@ class WorkerPool:
         fresh = self._started(slot.process.device)
         fresh.group = slot.group
         self._slots[self._slots.index(slot)] = fresh
+
+    def worker_lost(self, slot: Slot, event: Gone) -> bool:
+        """Take over a worker gone for a reason outside its candidate (its machine, not its
+        route); True when handled. The local pool has none: a worker gone crashed its
+        candidate."""
+        return False
 
     def start_worker(self, device: str) -> WorkerProcess:
         """A worker for ``device``, started (its ``Ready`` still to come). A pool of other

@@ -189,15 +189,14 @@ class RayPool(WorkerPool):
         process.start()
         return process
 
-    def _receive(self, slot: Slot, event: Event) -> None:
-        """As the local pool, but a worker whose node died is not replaced: its candidate
-        goes to another worker, once, and its problem's rest back to the queue. Losing the
-        cluster stops the sweep: that says nothing of the candidate in flight."""
-        if isinstance(event, Gone) and slot.process.lost:
+    def worker_lost(self, slot: Slot, event: Gone) -> bool:
+        """A worker whose node died is not replaced: its candidate goes to another worker,
+        once, and its problem's rest back to the queue. Losing the cluster stops the sweep:
+        that says nothing of the candidate in flight."""
+        if slot.process.lost:
             raise RuntimeError(event.reason)
-        if not (isinstance(event, Gone) and slot.process.node_died):
-            super()._receive(slot, event)
-            return
+        if not slot.process.node_died:
+            return False
         candidate = slot.candidate
         if candidate is not None and candidate.id in self._requeued:
             self._finish(slot, Result(status=Status.CRASHED, reason=event.reason))
@@ -211,6 +210,7 @@ class RayPool(WorkerPool):
         self._slots.remove(slot)
         if not self._slots and self._groups:
             raise RuntimeError("every Ray worker's node died")
+        return True
 
 
 class RayWorkerProcess(WorkerProcess):
