@@ -232,6 +232,7 @@ def _decode_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-params", type=int, default=None,
                    help="each route's first N parameter sets")
     p.add_argument("--dcp", type=int, default=1, help="DCP size (rank 0's share is timed)")
+    p.add_argument("--page", type=int, default=64, help="the cache's page size (tokens)")
     p.add_argument("--seconds", type=float, default=0.3, help="timed repetitions per set")
 
 
@@ -252,11 +253,12 @@ def _decode(args, printer: Printer) -> None:
         for kv in args.kv:
             batch, heads, kv_len, qlen = at
             problem = MLAProblem(num_heads=heads, batch=batch, kv_len=kv_len, qlen=qlen,
-                                 q_dtype="bf16", kv_dtype=KV_DTYPES[kv], page_size=64,
-                                 dcp_size=args.dcp)
+                                 q_dtype="bf16", kv_dtype=KV_DTYPES[kv],
+                                 page_size=args.page, dcp_size=args.dcp)
             inputs = make_decode_inputs(problem, seed=0, device="cuda")
             want = reference.decode_shard(inputs, inputs.shards[0])
-            label = f"({text_of(at, ', ')}) {kv}" + (f" dcp {args.dcp}" if args.dcp > 1 else "")
+            label = f"({text_of(at, ', ')}) {kv}" + (f" dcp {args.dcp}" if args.dcp > 1 else "") \
+                + (f" page {args.page}" if args.page != 64 else "")
             results = []
             viable = routes.viable(problem, device)
             for route_id in sorted(set(args.routes) - {r.id for r in viable}):
@@ -271,7 +273,8 @@ def _decode(args, printer: Printer) -> None:
                     argv = ["--point", text_of(at), "--kv", kv, "--routes", route.id,
                             "--params", json.dumps(r.params, sort_keys=True),
                             "--seconds", str(args.seconds),
-                            *(["--dcp", str(args.dcp)] if args.dcp > 1 else [])]
+                            *(["--dcp", str(args.dcp)] if args.dcp > 1 else []),
+                            *(["--page", str(args.page)] if args.page != 64 else [])]
                     printer.result(f"{label} {route.id} {json.dumps(r.params)}: "
                                    f"{_figures(r, problem)}", argv,
                                    {**r.record(), "label": label})

@@ -15,6 +15,7 @@ right thing (benchmarks/gluon_check.py checks that on the GPU).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ import triton
 
 from mlatune.kernels import gluon_common
 from mlatune.kernels import gluon_hopper as g
+from tests import sass_hazards
 from tests.prefill_aot import resources
 
 pytestmark = pytest.mark.kernels
@@ -53,6 +55,27 @@ def test_compiles_for_sm90_with_wgmma_and_tma(dtype, direct, causal):
     assert resources(k)["stack"] == 0  # no register spills
 
 
+@pytest.mark.parametrize("page", [16, 32, 128])
+def test_pages_under_a_tile_copy_a_box_a_page(page):
+    """Under 64-token pages each 64-key tile is copied as 64 / page TMA boxes of a page's rows
+    (nope and rope), each page read from the block table, the barrier still expecting the
+    whole tile's bytes; from 64 on a tile lies in one page: one box. The MMAs, shared memory
+    and spills as at page 64."""
+    _needs_gluon_triton()
+    k, base = g.aot_compile("bf16", page=page), g.aot_compile("bf16")
+    ptx, boxes = k.asm["ptx"], max(1, 64 // page)
+    # Q's two parts, then the tile copies at three places (the ring's two, the loop's).
+    assert ptx.count("cp.async.bulk.tensor.2d") == 2 + 3 * 2 * boxes
+    assert ptx.count("ld.global.b32") - base.asm["ptx"].count("ld.global.b32") == \
+        3 * (boxes - 1)  # a block-table entry a box
+    assert set(re.findall(r"expect_tx\.shared\.b64 _, \[%r\d+\], (\d+);", ptx)) == \
+        {str(64 * 576 * 2)}  # Q's bytes, and a whole tile's
+    assert ptx.count("wgmma.mma_async") == 40
+    assert k.metadata.shared == base.metadata.shared
+    assert resources(k)["stack"] == 0
+    assert sass_hazards.hazards(sass_hazards.listing(k)) == (40, 0, [])
+
+
 def test_pick_splits_fills_the_gpu():
     assert g.pick_splits(1, 1, 4096) > 16  # batch 1: many splits
     assert g.pick_splits(64, 1, 4096) == 2
@@ -81,7 +104,7 @@ def _tensors(page=64, dtype=torch.bfloat16, d=576, heads=16):
 
 
 @pytest.mark.parametrize("kwargs,why", [
-    (dict(page=32), "page_size 32"),
+    (dict(page=8), "page_size 8"),
     (dict(dtype=torch.float32), "q dtype"),
     (dict(d=192), "head width"),
 ])

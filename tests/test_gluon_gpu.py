@@ -14,6 +14,7 @@ off sm_90 or without triton 3.6.x (the kernel's Gluon API).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
 
@@ -201,3 +202,93 @@ def test_seesaw_split_partials_match_their_own_keys(case, form, monkeypatch):
                 err = (got[seen] - want[seen]).norm() / want[seen].norm()
                 assert err < tol.rel_l2, f"{where}: rel_l2 {err:.3g}"
                 assert (got_lse[seen] - want_lse[seen]).abs().max() < tol.lse_abs, where
+
+
+# Small pages: a 64-key tile spans 64 / page pages (16, 32: a TMA box a page) or lies in one
+# (128). Each Gluon route at every param set: ragged lengths with a last page partly filled
+# (its slots past the length NaN), block-table entries past each request's pages (and four
+# more columns) set to a page id the cache does not have.
+SMALL_PAGES = [
+    _p(128, 6, 700, page=16),  # two row blocks a request
+    _p(8, 16, 3000, qlen=3, page=16),  # causal verify, 24 rows
+    _p(16, 4, 2000, page=32),
+    _p(16, 3, 1000, qlen=2, page=128),  # a tile inside a page
+]
+SMALL_PAGE_CASES = [(route_id, p) for route_id in (GLUON, SEESAW, TRANSPOSED)
+                    for p in SMALL_PAGES] + [
+    (TRANSPOSED, _p(16, 8, 3000, page=16, kv="fp8_e4m3fn")),  # the widening
+    (TRANSPOSED, _p(32, 4, 2000, qlen=2, page=16, kv="fp8_e4m3fn")),
+    (MMA8, _p(16, 8, 3000, page=16, kv="fp8_e4m3fn")),
+]
+GARBAGE_PAGE = 1 << 30  # a page id past every cache here
+
+
+def _garbage_past_the_pages(shard, extra: int = 0):
+    """``shard`` with each block-table entry past its request's last page set to
+    ``GARBAGE_PAGE``, in place; ``extra`` > 0: on a copy of the table with that many more
+    columns (past the longest request's pages too)."""
+    table = shard.block_table
+    if extra:
+        table = torch.cat([table, table.new_full((table.shape[0], extra), GARBAGE_PAGE)], 1)
+    page = shard.kv_cache.shape[1]
+    used = (shard.seq_lens.long() + page - 1) // page
+    cols = torch.arange(table.shape[1], device=table.device)
+    table[cols[None, :] >= used[:, None]] = GARBAGE_PAGE
+    return dataclasses.replace(shard, block_table=table)
+
+
+@pytest.mark.parametrize("item", SMALL_PAGE_CASES, ids=_label)
+def test_small_pages_match_the_reference(item):
+    route_id, problem = item
+    route = routes.get(route_id)
+    device = current_device()
+    verdict = route.supports(problem, device)
+    assert verdict, verdict.reason
+    inputs = make_decode_inputs(problem, seed=zlib.crc32(_label(item).encode()) % 10_000,
+                                device="cuda", ragged=True)
+    assert poison_stale_slots(inputs) > 0 or problem.page_size == 1
+    want_out, want_lse = reference.decode_shard(inputs, inputs.shards[0])
+    inputs = dataclasses.replace(inputs, shards=(_garbage_past_the_pages(inputs.shards[0], 4),))
+    for params in route.param_space(problem, device):
+        prepared = route.prepare(problem, inputs, params=params)
+        poison_(prepared.out, prepared.lse)
+        prepared.run()
+        torch.cuda.synchronize()
+        acc = check(problem, prepared.out, want_out, prepared.lse, want_lse,
+                    rounding=routes.rounding(route, problem, params))
+        assert acc.ok, f"{params}: {acc.reason} ({acc.summary})"
+
+
+@pytest.mark.parametrize("item", SMALL_PAGE_CASES[1::2], ids=_label)
+def test_small_pages_replay_in_a_graph_as_lengths_change(item):
+    """Each param set captured once over pages for every request's full length, then
+    replayed as an engine runs it: new ragged lengths written in place, the table past them
+    garbage, the last pages' stale slots NaN."""
+    route_id, problem = item
+    route = routes.get(route_id)
+    inputs = make_decode_inputs(problem, seed=31, device="cuda")
+    shard = inputs.shards[0]
+    cache, table = shard.kv_cache.clone(), shard.block_table.clone()
+    gen = torch.Generator().manual_seed(13)
+    for params in route.param_space(problem, current_device()):
+        prepared = route.prepare(problem, inputs, params=params)
+        prepared.run()  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            prepared.run()
+        for _ in range(2):
+            lens = torch.randint(problem.qlen, problem.kv_len + 1, (problem.batch,),
+                                 generator=gen, dtype=torch.int32)
+            shard.kv_cache.copy_(cache)
+            shard.block_table.copy_(table)
+            inputs.seq_lens.copy_(lens)
+            shard.seq_lens.copy_(lens)
+            poison_stale_slots(inputs)
+            want_out, want_lse = reference.decode_shard(inputs, shard)
+            _garbage_past_the_pages(shard)
+            poison_(prepared.out, prepared.lse)
+            graph.replay()
+            torch.cuda.synchronize()
+            acc = check(problem, prepared.out, want_out, prepared.lse, want_lse,
+                        rounding=routes.rounding(route, problem, params))
+            assert acc.ok, f"{params}, lengths {lens.tolist()}: {acc.reason} ({acc.summary})"

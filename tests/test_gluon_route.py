@@ -58,8 +58,12 @@ RULINGS = [
     ("sm_90", _p(qlen=2, dcp_size=2), "wgmma.dcp"),
     ("sm_90", _p(kv_dtype=FP8), "wgmma.dtypes"),
     ("sm_90", _p(q_dtype=FP8, kv_dtype=FP8), "wgmma.dtypes"),
-    ("sm_90", _p(page_size=16), "wgmma.page"),
+    ("sm_90", _p(page_size=16), None),  # a tile spans 4 pages, a TMA box each
+    ("sm_90", _p(page_size=32, qlen=2), None),
+    ("sm_90", _p(page_size=128), None),  # a tile lies in a page
     ("sm_90", _p(page_size=1), "wgmma.page"),
+    ("sm_90", _p(page_size=8), "wgmma.page"),
+    ("sm_90", _p(page_size=4, kv_dtype=FP8), "wgmma.page"),
     ("sm_90", _p(kv_lora_rank=256), "wgmma.dims"),
     ("sm_90", _p(rope_dim=32), "wgmma.dims"),
     ("sm_90", MLAProblem(phase="prefill", qlen=64, kv_len=64, page_size=1), "wgmma.decode"),
@@ -86,13 +90,38 @@ def test_refusals_say_why():
     assert "local positions" in dcp.reason
     fp8 = capability.check(ROUTE, _p(kv_dtype=FP8), "sm_90")
     assert "transposed/gluon reads an fp8 cache" in fp8.reason
-    assert "64-token page" in capability.check(ROUTE, _p(page_size=16), "sm_90").reason
+    assert "pages of a power of two from 16" in capability.check(
+        ROUTE, _p(page_size=8), "sm_90").reason
     assert "sm_90 only; this is sm_100" in capability.check(ROUTE, _p(), "sm_100").reason
 
 
 def test_the_rules_read_the_kernels_sizes():
-    assert (gluon_hopper.D_NOPE, gluon_hopper.D_ROPE, gluon_hopper.PAGE_SIZE) == (512, 64, 64)
+    assert (gluon_hopper.D_NOPE, gluon_hopper.D_ROPE) == (512, 64)
     assert gluon_hopper.pick_splits is gluon_hopper_plan.pick_splits
+    assert gluon_hopper.page_refusal is gluon_hopper_plan.page_refusal
+
+
+@pytest.mark.parametrize("route_id", [*KERNELS, MMA8])
+@pytest.mark.parametrize("page", [1, 8, 16, 32, 64, 128, 256, 48])
+def test_every_gluon_route_reads_the_pages_of_the_plan(route_id, page):
+    """One owner for the pages: each route's rule and its kernels' ``check_supported`` read
+    ``gluon_hopper_plan.page_refusal`` (powers of two from 16: a TMA box a page)."""
+    kv = FP8 if route_id == MMA8 else "bf16"
+    why = gluon_hopper_plan.page_refusal(page, fp8_cache=kv == FP8)
+    assert (why is None) == (page >= 16 and page & (page - 1) == 0)
+    if page & (page - 1) == 0:  # (a problem's page is a power of two)
+        ruling = capability.check(route_id, _p(page_size=page, kv_dtype=kv), "sm_90")
+        assert ruling.ok is (why is None), ruling
+        if why:
+            assert ruling.rule == "wgmma.page" and ruling.reason == why
+    cache = torch.zeros(4, page, 576, dtype=torch.bfloat16)
+    q = torch.zeros(4, 16, 576, dtype=torch.bfloat16)
+    table, lens = torch.zeros(4, 2, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
+    check = (gluon_hopper.check_supported(q, cache, table, lens) if route_id != MMA8 else
+             gluon_transposed.check_supported(q, cache.to(torch.float8_e4m3fn), table, lens,
+                                              torch.ones(1)))
+    assert (why is not None and why in check) or (why is None and "page_size" not in
+                                                  (check or ""))
 
 
 def test_refused_where_triton_is_not_3_6(monkeypatch):
@@ -585,7 +614,8 @@ def test_prepare_without_triton_3_6_raises_naming_it(route_id):
     dict(num_heads=16, batch=2, kv_len=300, qlen=2, q_dtype="fp16", kv_dtype="fp8_e4m3fn"),
 ], ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
 @pytest.mark.parametrize("route_id", [*KERNELS, MMA8])
-def test_each_route_reaches_its_launch_at_every_param_set_and_rank(route_id, kw):
+@pytest.mark.parametrize("page", [64, 16])
+def test_each_route_reaches_its_launch_at_every_param_set_and_rank(route_id, page, kw):
     """Every parameter set and DCP rank, with and without the caller's buffers, gets past
     the launcher's checks and builds its TMA descriptors (no launch: no GPU here). Needs
     triton 3.6.x, whose Gluon descriptors the launchers build."""
@@ -593,7 +623,7 @@ def test_each_route_reaches_its_launch_at_every_param_set_and_rank(route_id, kw)
 
     _needs_gluon_triton()
     route = routes.get(route_id)
-    problem = _p(page_size=64, **kw)
+    problem = _p(page_size=page, **kw)
     if not capability.check(route_id, problem, "sm_90"):
         pytest.skip(f"{route_id} does not serve {problem.key}")
     inputs = make_decode_inputs(problem, seed=1, ragged=True)

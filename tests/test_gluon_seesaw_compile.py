@@ -20,18 +20,22 @@ pytestmark = pytest.mark.kernels
 
 
 @pytest.fixture(scope="module",
-                params=[("bf16", True, True, "pairs"), ("fp16", False, False, "pairs"),
-                        ("bf16", False, True, "two-requests"),
-                        ("bf16", True, False, "two-requests")],
+                params=[("bf16", True, True, "pairs", 64), ("fp16", False, False, "pairs", 64),
+                        ("bf16", False, True, "two-requests", 64),
+                        ("bf16", True, False, "two-requests", 64),
+                        ("bf16", True, True, "pairs", 16),
+                        ("bf16", False, True, "two-requests", 16)],
                 ids=["pairs-bf16-direct-causal", "pairs-fp16-split", "two-bf16-split-causal",
-                     "two-bf16-direct"])
+                     "two-bf16-direct", "pairs-bf16-direct-causal-page16",
+                     "two-bf16-split-causal-page16"])
 def compiled(request):
     _needs_gluon_triton()
     from mlatune.kernels import gluon_seesaw as s
-    dtype, direct, causal, form = request.param
-    kernel = s.aot_compile(dtype, direct=direct, causal=causal, form=form)
+    dtype, direct, causal, form, page = request.param
+    kernel = s.aot_compile(dtype, direct=direct, causal=causal, form=form, page=page)
     kernel.units = 2 if form == "two-requests" else 1  # requests a program walks
     kernel.dtype_name = dtype
+    kernel.page = page
     return kernel
 
 
@@ -70,6 +74,27 @@ def test_barriers_and_chunked_scores(compiled):
     assert len(chunk_expects) == (2 * 9 if units == 1 else 2 * (2 * 9 + 9))
     assert max(between_waits) == 4  # no more than one chunk's k-steps before a wait
     assert between_waits.count(4) == units * 2 * 9  # 8 nope chunks + the 64-wide rope part
+
+
+def test_each_chunk_is_a_box_a_page(compiled):
+    """Each 64-column chunk of a tile (9 a tile) lands as one TMA box where the tile lies in
+    a page, else as 64 / page boxes of a page's rows (the barrier expecting the chunk's 8192
+    bytes either way: ``test_barriers_and_chunked_scores``): with Q's two copies, 2 + 18
+    (two-requests: 2 x (2 + 27)) copy sites times the boxes."""
+    ptx = compiled.asm["ptx"]
+    # Q's nope part as two copies (its 8 boxes over the loader's 4 warps) and its rope part.
+    assert ptx.count("cp.async.bulk.tensor.2d") == \
+        3 * compiled.units + _copy_sites(compiled) * _boxes(compiled)
+
+
+def _copy_sites(compiled) -> int:
+    """The tile chunks' copy sites: 9 a slot (two-requests: and slot 1's pad, each request)."""
+    return 18 if compiled.units == 1 else 2 * 27
+
+
+def _boxes(compiled) -> int:
+    """TMA boxes a chunk: one where a tile lies in one page, else one a page."""
+    return max(1, 64 // compiled.page)
 
 
 def test_three_partitions_with_register_budgets(compiled):
@@ -120,9 +145,11 @@ def test_each_mbarrier_is_its_own_allocation(compiled):
     """triton 3.6's shared-memory barrier analysis takes a wait as a write of its barrier and
     the rows of one allocation as the same memory; with every mbarrier its own allocation it
     puts no warpgroup bar.sync before each wait. The guard: the builds' count at triton 3.6.0
-    (80 in the pairs form, 183 in the two-requests one)."""
+    (80 in the pairs form, 183 in the two-requests one), and one more a TMA box past a
+    chunk's first (triton syncs the loader's warps before each copy)."""
     bar_syncs = len(re.findall(r"bar\.sync\s+\d+, 128;", compiled.asm["ptx"]))
-    assert bar_syncs <= {1: 80, 2: 183}[compiled.units]
+    extra = _copy_sites(compiled) * (_boxes(compiled) - 1)
+    assert bar_syncs <= {1: 80, 2: 183}[compiled.units] + extra
 
 
 def test_q_rope_is_read_from_registers_and_no_wgmma_hazard(compiled):
@@ -152,11 +179,11 @@ def test_two_requests_doubles_the_walk_and_its_copies():
 
 def test_refuses_what_gluon_hopper_refuses():
     from tests.test_gluon_compile import _tensors
-    q, kv, bt, sl = _tensors(page=32)
-    assert "page_size 32" in g.check_supported(q, kv, bt, sl)
+    q, kv, bt, sl = _tensors(page=8)
+    assert "page_size 8" in g.check_supported(q, kv, bt, sl)
     try:
         from mlatune.kernels import gluon_seesaw as s
     except ImportError as exc:  # another triton's Gluon lacks what the kernel imports
         pytest.skip(str(exc))
-    with pytest.raises(ValueError, match="page_size 32"):
+    with pytest.raises(ValueError, match="page_size 8"):
         s.decode_launcher(q, kv, bt, sl, qlen=1, sm_scale=0.1)

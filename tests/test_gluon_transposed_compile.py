@@ -80,15 +80,34 @@ def test_widen_asm_is_exact(asm, ty):
 
 
 @pytest.fixture(scope="module",
-                params=[("bf16", 16, True, True, True), ("fp16", 32, False, False, True),
-                        ("bf16", 16, False, True, False)],
-                ids=["bf16-16rows-direct", "fp16-32rows-split-merged", "bf16-16rows-split-reduced"])
+                params=[(("bf16", 16, True, True, True), 64),
+                        (("fp16", 32, False, False, True), 64),
+                        (("bf16", 16, False, True, False), 64),
+                        (("bf16", 16, True, True, True), 16),
+                        (("fp16", 32, False, False, True), 32)],
+                ids=["bf16-16rows-direct", "fp16-32rows-split-merged", "bf16-16rows-split-reduced",
+                     "bf16-16rows-direct-page16", "fp16-32rows-split-merged-page32"])
 def compiled(request):
     _needs_gluon_triton()
-    dtype, rows, direct, causal, merge = request.param
-    kernel = t.aot_compile(dtype, rows=rows, direct=direct, causal=causal, merge=merge)
-    kernel.case = request.param
+    case, page = request.param
+    dtype, rows, direct, causal, merge = case
+    kernel = t.aot_compile(dtype, rows=rows, direct=direct, causal=causal, merge=merge,
+                           page=page)
+    kernel.case, kernel.page = case, page
     return kernel
+
+
+def test_a_tile_is_a_box_a_page(compiled):
+    """A 64-key tile's nope and rope parts are one TMA box each where the tile lies in one
+    page, else one a page; the barrier expects the whole tile (Q's bytes apart)."""
+    ptx = compiled.asm["ptx"]
+    boxes = max(1, 64 // compiled.page)
+    # A nope box is two copy instructions (its 64-column messages over the 4 warps), a rope
+    # box one: Q's, then the tile's at two places (the ring's first slot, the loop's refill).
+    assert ptx.count("cp.async.bulk.tensor.2d") == 3 + 2 * 3 * boxes
+    expects = set(re.findall(r"expect_tx\.shared\.b64 _, \[%r\d+\], (\d+);", ptx))
+    assert str(64 * 576 * 2) in expects and len(expects) == 2
+    assert sass_hazards.hazards(sass_hazards.listing(compiled))[2] == []
 
 
 def test_every_wgmma_descriptor_is_written_on_every_path_to_it(compiled):
@@ -129,15 +148,19 @@ def test_split_builds_merge_in_the_kernel_after_one_release_or_signal_the_reduce
     assert ptx.count("griddepcontrol.launch_dependents") == (1 if reduced else 0)
 
 
-@pytest.mark.parametrize(("dtype", "rows", "direct"), [("bf16", 16, True), ("fp16", 32, False)])
-def test_the_warp_specialized_widening_compiles_without_spills(dtype, rows, direct):
+@pytest.mark.parametrize(("dtype", "rows", "direct", "page"),
+                         [("bf16", 16, True, 64), ("fp16", 32, False, 64), ("bf16", 16, True, 16)])
+def test_the_warp_specialized_widening_compiles_without_spills(dtype, rows, direct, page):
     """``gluon_transposed_ws`` (the mma16 form over an fp8 cache): the same 68 MMAs in q's
     dtype, three partitions (setmaxnreg), the fp8 tile widened by integer moves and a
     multiply by a power of two in q's dtype (no cvt from e4m3: the few conversion units are
-    slow), within shared memory and without local memory."""
+    slow), within shared memory and without local memory. Each 32-key half lands as a TMA
+    box a page (one at 64)."""
     _needs_gluon_triton()
-    compiled = ws.aot_compile(dtype, rows=rows, direct=direct)
+    compiled = ws.aot_compile(dtype, rows=rows, direct=direct, page=page)
     ptx = compiled.asm["ptx"]
+    # Q (3 copy instructions), then each half's nope and rope parts (one each, fp8).
+    assert ptx.count("cp.async.bulk.tensor.2d") == 3 + 2 * 2 * max(1, 32 // page)
     assert ptx.count("wgmma.mma_async") == 36 + 8 * 4
     assert "setmaxnreg" in ptx and "prmt.b32" in ptx
     assert f"mul.rn.{'bf16' if dtype == 'bf16' else 'f16'}x2" in ptx
@@ -173,8 +196,9 @@ def _sass_ops(listing: str, op: str) -> int:
     return len(re.findall(rf"\b{re.escape(op)}\s", listing))
 
 
-@pytest.mark.parametrize(("direct", "causal"), [(True, False), (False, True)])
-def test_the_fp8_mma_form_runs_both_products_in_fp8(direct, causal):
+@pytest.mark.parametrize(("direct", "causal", "page"), [(True, False, 64), (False, True, 64),
+                                                        (False, True, 16)])
+def test_the_fp8_mma_form_runs_both_products_in_fp8(direct, causal, page):
     """``gluon_transposed_fp8`` (transposed-mma8/gluon, 16 query rows): q's two e4m3 terms
     stacked in one operand, so S^T is one wgmma of N 32 a k-step, 18 k32 steps a tile issued at two
     places (the first tile, then each next one in the loop), and O^T 16 of N 16 (8 blocks of
@@ -185,8 +209,10 @@ def test_the_fp8_mma_form_runs_both_products_in_fp8(direct, causal):
     _needs_gluon_triton()
     from mlatune.kernels import gluon_transposed_fp8 as f
 
-    compiled = f.aot_compile("bf16", rows=16, direct=direct, causal=causal)
+    compiled = f.aot_compile("bf16", rows=16, direct=direct, causal=causal, page=page)
     ptx = compiled.asm["ptx"]
+    # Q (3 copy instructions), then a tile's nope and rope parts (one each, fp8) a box.
+    assert ptx.count("cp.async.bulk.tensor.2d") == 3 + 2 * max(1, 64 // page)
     assert ptx.count("wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3") == 2 * 18
     assert ptx.count("wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3") == 16
     assert "m64n16k16" not in ptx  # nothing widened to 16 bits

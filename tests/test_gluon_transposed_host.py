@@ -47,7 +47,8 @@ def test_bad_tensors_are_refused_with_the_reason():
         ((q, cache, table.t().contiguous().t(), lens, None), "contiguous page ids"),
         ((q, cache, table.long(), lens, None), "int32"),
         ((q[0], cache, table, lens, None), "expected"),
-        ((q, cache[:, :32], table, lens, None), "page_size 32"),
+        ((q, cache[:, :48], table, lens, None), "page_size 48"),
+        ((q, cache[:, :32], table, lens, None), "pages must be contiguous rows"),
     ]
     for args, message in cases:
         why = t.check_supported(*args)

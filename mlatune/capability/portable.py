@@ -169,10 +169,7 @@ def _wgmma_dims(c: Context) -> str | None:
 
 
 def _wgmma_page(c: Context) -> str | None:
-    if c.p.page_size != wgmma.PAGE_SIZE:
-        return (f"page_size {c.p.page_size}: the Gluon kernel's KV tile is one "
-                f"{wgmma.PAGE_SIZE}-token page")
-    return None
+    return wgmma.page_refusal(c.p.page_size, fp8_cache=c.p.kv_dtype in FP8_DTYPES)
 
 
 def _wgmma_dtypes(c: Context) -> str | None:

@@ -236,8 +236,9 @@ SOURCES: dict[str, Source] = {
     "wgmma.arch": Source(WGMMA_GLUON + " (its GPU tests: tests/test_gluon_gpu.py)",
                          "warpgroup MMAs (wgmma), TMA copies and mbarriers: sm_90 (Hopper) only"),
     "wgmma.shape": Source(WGMMA_GLUON, "decode (the absorbed form): q rows of 512 latent + 64 "
-                                       "rope dims, V the 512 latent dims; one 64-key KV tile is "
-                                       "one 64-token page, read by TMA from the block table"),
+                                       "rope dims, V the 512 latent dims; a 64-key KV tile is "
+                                       "read by TMA from the block table, a box a page "
+                                       "(gluon_hopper_plan.page_refusal names the pages)"),
     "wgmma.dtypes": Source(WGMMA_GLUON, "bf16 or fp16 q over a cache of the same dtype "
                                         "(check_supported); fp8 caches are not written yet"),
     "transposed.dtypes": Source("mlatune/kernels/gluon_transposed_ws.py",

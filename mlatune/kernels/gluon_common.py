@@ -36,6 +36,7 @@ GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}  # q's (and
 GL_CACHE_DTYPES = {**GL_DTYPES, torch.float8_e4m3fn: gl.float8e4nv}
 TORCH_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
 _IR_NAMES = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8e4nv"}
+TILE_KEYS = gl.constexpr(BLOCK_N)  # keys a tile (the kernels' BN)
 
 
 def gluon_available() -> tuple[bool, str]:
@@ -153,13 +154,59 @@ def aot_compile_kernel(fn, constants: dict, blocks: dict[str, tuple[str, int, in
 # Device ----------------------------------------------------------------------------------
 
 @gluon.jit
-def issue_kv(kn_desc, kr_desc, kn_buf, kr_buf, bar, bt_row, key, pred, PAGE: gl.constexpr):
-    """Start the TMA copies of the key tile that begins at local key ``key`` into a ring slot."""
-    page = gl.load(bt_row + key // PAGE, mask=pred, other=0)
-    row = page * PAGE + key % PAGE
-    mbarrier.expect(bar, kn_desc.block_type.nbytes + kr_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(kn_desc, [row, 0], bar, kn_buf, pred=pred)
-    tma.async_copy_global_to_shared(kr_desc, [row, 0], bar, kr_buf, pred=pred)
+def page_row(bt_row, key, last_page, pred, PAGE: gl.constexpr):
+    """The cache row (page * PAGE + slot) of local key ``key``, its page read from the
+    request's block-table row. Pages under a tile (PAGE < TILE_KEYS): a key past the request's
+    ``last_page`` reads that page instead (its rows are masked; the block table past a
+    request's pages may hold anything, or end)."""
+    idx = key // PAGE
+    if PAGE < TILE_KEYS:
+        idx = gl.minimum(idx, last_page)
+    page = gl.load(bt_row + idx, mask=pred, other=0)
+    return page * PAGE + key % PAGE
+
+
+@gluon.jit
+def tile_rows(bt_row, key, last_page, pred, R: gl.constexpr, N: gl.constexpr,
+              PAGE: gl.constexpr):
+    """The cache rows where the N keys from local key ``key`` (N-aligned) lie, a row for
+    each box of R of them (R: a page, or the whole page's share of N): the page read once
+    where they lie in one page (PAGE >= N), else a page a box."""
+    first = page_row(bt_row, key, last_page, pred, PAGE)
+    rows = (first, )
+    for p in gl.static_range(1, N // R):
+        if PAGE >= N:
+            rows = rows + (first + p * R, )  # noqa: RUF005 (a tuple grown in a JIT loop)
+        else:
+            rows = rows + (page_row(bt_row, key + p * R, last_page, pred, PAGE), )  # noqa: RUF005
+    return rows
+
+
+@gluon.jit
+def copy_rows(desc, buf, bar, rows, col, pred):
+    """TMA copies into ``buf`` of its rows (``tile_rows``) from ``desc``'s column ``col``:
+    a box of the descriptor's rows at each of ``rows``."""
+    R: gl.constexpr = desc.block_type.shape[0]
+    if buf.shape[0] == R:
+        tma.async_copy_global_to_shared(desc, [rows[0], col], bar, buf, pred=pred)
+    else:
+        for p in gl.static_range(buf.shape[0] // R):
+            tma.async_copy_global_to_shared(desc, [rows[p], col], bar, buf.slice(p * R, R),
+                                            pred=pred)
+
+
+@gluon.jit
+def issue_kv(kn_desc, kr_desc, kn_buf, kr_buf, bar, bt_row, key, last_page, pred,
+             PAGE: gl.constexpr):
+    """Start the TMA copies of the key tile that begins at local key ``key`` into a ring slot
+    (``last_page``: the request's, see ``page_row``); the barrier expects the whole tile."""
+    R: gl.constexpr = kn_desc.block_type.shape[0]
+    N: gl.constexpr = kn_buf.shape[0]
+    rows = tile_rows(bt_row, key, last_page, pred, R, N, PAGE)
+    mbarrier.expect(bar, (kn_desc.block_type.nbytes + kr_desc.block_type.nbytes) * (N // R),
+                    pred=pred)
+    copy_rows(kn_desc, kn_buf, bar, rows, 0, pred)
+    copy_rows(kr_desc, kr_buf, bar, rows, 0, pred)
 
 
 @gluon.jit

@@ -2,14 +2,15 @@
 the ``wgmma/gluon`` route; its history: docs/kernels/gluon_hopper.md.
 
 Problem (absorbed MLA): q (tokens, heads, 576) = 512 latent ("nope") + 64 rope dims; a paged
-cache (pages, 64, 576) holding one latent head shared by every query head: K is the 576-wide
+cache (pages, page, 576) holding one latent head shared by every query head: K is the 576-wide
 row, V its first 512 dims; out (tokens, heads, 512) and the natural-log LSE. Token t of a
 request's qlen query tokens sees keys ``< seq_len - qlen + t + 1`` when causal.
 
 Per program: 64 query rows of one request (rows ``r = t * heads + h``: heads and the verify
 tokens folded into the MMA's M; rows past the request's are never stored) and one split of
-its keys, walked in 64-key tiles (one page each) TMA-copied once into a ring of two buffers
-that serve both S = Q K^T and O += P V. Eight warps form two warpgroups: for S each computes
+its keys, walked in 64-key tiles TMA-copied once into a ring of two buffers that serve both
+S = Q K^T and O += P V (a tile lies in one page of 64 or more keys, else spans 64 / page
+pages, a box each: ``gluon_common.issue_kv``). Eight warps form two warpgroups: for S each computes
 32 key columns over the 576-deep product; for O each owns 256 of the 512 columns. The
 softmax is base 2, online; P goes through shared memory as P V's A operand. Stale slots of a
 request's last page have their V rows zeroed. One split writes out and LSE; more write fp32
@@ -37,6 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from mlatune.kernels.gluon_common import (
     GL_DTYPES,
     LN2,
+    TILE_KEYS,
     aot_compile_kernel,
     compile_options,
     gluon_available,
@@ -53,7 +55,8 @@ from mlatune.kernels.gluon_hopper_plan import (  # noqa: F401  (GLUON_TRITON, H2
     D_ROPE,
     GLUON_TRITON,
     H200_SMS,
-    PAGE_SIZE,
+    kv_box_rows,
+    page_refusal,
     pick_splits,
     triton_refusal,
 )
@@ -74,7 +77,7 @@ def _issue_scores(q_nope, q_rope, kn, kr, s_layout: gl.constexpr):
 
 @gluon.jit
 def _walk_keys(q_nope, q_rope, k_nope, k_rope, kv_bar, p_buf, kn_desc, kr_desc, bt_row,
-               start, end, n_tiles, last_pos, qk_scale, m_i, l_i, acc,
+               last_page, start, end, n_tiles, last_pos, qk_scale, m_i, l_i, acc,
                s_layout: gl.constexpr, o_layout: gl.constexpr, PAGE: gl.constexpr,
                NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
     """The key walk, one tile at a time: S, softmax, then P V, each waited for at once."""
@@ -100,7 +103,7 @@ def _walk_keys(q_nope, q_rope, k_nope, k_rope, kv_bar, p_buf, kn_desc, kr_desc, 
         # Both warpgroups are done with this slot (and with P): refill it.
         gl.thread_barrier()
         issue_kv(kn_desc, kr_desc, kn, kr, kv_bar.index(stage), bt_row,
-                  n0 + NUM_STAGES * BN, i + NUM_STAGES < n_tiles, PAGE)
+                 n0 + NUM_STAGES * BN, last_page, i + NUM_STAGES < n_tiles, PAGE)
     return acc, m_i, l_i
 
 
@@ -114,7 +117,7 @@ def mla_decode_kernel(qn_desc, qr_desc, kn_desc, kr_desc, bt_ptr, seq_lens_ptr, 
                       num_warps: gl.constexpr):
     BM: gl.constexpr = qn_desc.block_type.shape[0]
     DN: gl.constexpr = qn_desc.block_type.shape[1]
-    BN: gl.constexpr = kn_desc.block_type.shape[0]
+    BN: gl.constexpr = TILE_KEYS
     dtype: gl.constexpr = qn_desc.dtype
     WG_N: gl.constexpr = num_warps // 4  # warpgroups side by side along N
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -157,9 +160,10 @@ def mla_decode_kernel(qn_desc, qr_desc, kn_desc, kr_desc, bt_ptr, seq_lens_ptr, 
     tma.async_copy_global_to_shared(qn_desc, [q_row, 0], q_bar, q_nope)
     tma.async_copy_global_to_shared(qr_desc, [q_row, 0], q_bar, q_rope)
     bt_row = bt_ptr + b.to(gl.int64) * stride_bt
+    last_page = (seq_len - 1) // PAGE
     for i in gl.static_range(NUM_STAGES):
         issue_kv(kn_desc, kr_desc, k_nope.index(i), k_rope.index(i), kv_bar.index(i), bt_row,
-                  start + i * BN, i < n_tiles, PAGE)
+                 start + i * BN, last_page, i < n_tiles, PAGE)
 
     offs_m = rb * BM + gl.arange(0, BM, layout=row_s)
     if CAUSAL:
@@ -171,8 +175,8 @@ def mla_decode_kernel(qn_desc, qr_desc, kn_desc, kr_desc, bt_ptr, seq_lens_ptr, 
     acc = gl.zeros([BM, DN], gl.float32, layout=o_layout)
     mbarrier.wait(q_bar, 0)
     acc, m_i, l_i = _walk_keys(q_nope, q_rope, k_nope, k_rope, kv_bar, p_buf, kn_desc,
-                               kr_desc, bt_row, start, end, n_tiles, last_pos, qk_scale,
-                               m_i, l_i, acc, s_layout, o_layout, PAGE, NUM_STAGES,
+                               kr_desc, bt_row, last_page, start, end, n_tiles, last_pos,
+                               qk_scale, m_i, l_i, acc, s_layout, o_layout, PAGE, NUM_STAGES,
                                num_warps)
 
     mbarrier.invalidate(q_bar)
@@ -224,8 +228,9 @@ def check_supported(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
         return f"cache dtype {kv_cache.dtype} differs from q's {q.dtype}"
     if q.shape[-1] != D_NOPE + D_ROPE or kv_cache.shape[-1] != D_NOPE + D_ROPE:
         return f"head width must be {D_NOPE + D_ROPE}"
-    if kv_cache.shape[1] != PAGE_SIZE:
-        return f"page_size {kv_cache.shape[1]} (only {PAGE_SIZE})"
+    why = page_refusal(kv_cache.shape[1])
+    if why:
+        return why
     if kv_cache.stride(-1) != 1 or kv_cache.stride(0) != kv_cache.shape[1] * kv_cache.stride(1):
         return "the cache's pages must be contiguous rows"
     if q.stride(-1) != 1 or q.stride(0) != q.shape[1] * q.stride(1):
@@ -246,7 +251,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                     ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
     """A zero-argument launch of the Gluon decode, with the out and LSE it writes.
 
-    q (batch * qlen, heads, 576), kv_cache (pages, 64, 576), block_table (batch,
+    q (batch * qlen, heads, 576), kv_cache (pages, page, 576), block_table (batch,
     max_pages) int32, seq_lens (batch,) int32, as the Triton routes take them;
     out (batch * qlen, heads, 512) in q's dtype and lse (batch * qlen, heads)
     fp32 (natural log) are allocated when not given. ``num_splits`` None: picked
@@ -264,10 +269,11 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     row_blocks = triton.cdiv(rows, BLOCK_M)
     out, lse, num_splits = outputs_and_splits(q, seq_lens, out, lse, row_blocks, num_splits,
                                               max_seq_len)
-    descs = tma_descriptors(q, kv_cache, BLOCK_M)
+    page = kv_cache.shape[1]
+    descs = tma_descriptors(q, kv_cache, BLOCK_M, kv_box_rows(page))
     grid = (row_blocks, num_splits, batch)
     scale = sm_scale * LOG2E
-    meta = dict(CAUSAL=causal and qlen > 1, PAGE=PAGE_SIZE, NUM_STAGES=NUM_STAGES,
+    meta = dict(CAUSAL=causal and qlen > 1, PAGE=page, NUM_STAGES=NUM_STAGES,
                 **compile_options(NUM_WARPS))
     common = (*descs, block_table, seq_lens)
     sizes = (num_splits, qlen, heads, scale, block_table.stride(0))
@@ -312,14 +318,16 @@ def gluon_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
 # Ahead-of-time compile (no GPU needed: triton's bundled ptxas) ---------------------------
 
 def aot_compile(dtype: str = "bf16", *, direct: bool = True, causal: bool = True,
-                arch: int = 90):
-    """Compile ``mla_decode_kernel`` for ``sm_<arch>`` without a GPU; returns triton's
-    CompiledKernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``)."""
+                page: int = 64, arch: int = 90):
+    """Compile ``mla_decode_kernel`` for ``sm_<arch>`` and a cache of ``page``-token pages
+    without a GPU; returns triton's CompiledKernel (``.asm["ptx"]``, ``.asm["cubin"]``,
+    ``.metadata.shared``)."""
+    box = kv_box_rows(page)
     blocks = dict(qn_desc=(dtype, BLOCK_M, D_NOPE), qr_desc=(dtype, BLOCK_M, D_ROPE),
-                  kn_desc=(dtype, BLOCK_N, D_NOPE), kr_desc=(dtype, BLOCK_N, D_ROPE))
+                  kn_desc=(dtype, box, D_NOPE), kr_desc=(dtype, box, D_ROPE))
     pointers = {"bt_ptr": "i32", "seq_lens_ptr": "i32", "out_ptr": dtype if direct else "fp32",
                 "lse_ptr": "fp32"}
-    constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=PAGE_SIZE,
+    constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=page,
                      NUM_STAGES=NUM_STAGES, num_warps=NUM_WARPS)
     return aot_compile_kernel(mla_decode_kernel, constants, blocks, pointers, arch=arch,
                               num_warps=NUM_WARPS)

@@ -14,8 +14,8 @@ GLUON_TRITON = "3.6."  # the triton release whose Gluon API the kernel is writte
 D_NOPE = 512  # kv_lora_rank: the latent part of q and K, and all of V
 D_ROPE = 64
 BLOCK_M = 64  # query rows (heads x qlen folded) per program
-BLOCK_N = 64  # keys per tile: one page
-PAGE_SIZE = 64
+BLOCK_N = 64  # keys per tile
+TMA_MIN_PAGE = 16  # the smallest page the TMA loaders read: a box of the page's rows a page
 DTYPES = ("bf16", "fp16")  # q and cache alike (wgmma/gluon, seesaw/gluon)
 FP8_CACHE = "fp8_e4m3fn"  # transposed/gluon also reads this cache under a 16-bit q
 H200_SMS = 132
@@ -38,6 +38,23 @@ def triton_refusal(version: str | None) -> str | None:
         return (f"the Gluon kernel is written for triton {GLUON_TRITON}x's Gluon API; "
                 f"this is triton {version}")
     return None
+
+
+def page_refusal(page: int, fp8_cache: bool = False) -> str | None:
+    """Why the Gluon decodes cannot read a cache of ``page``-token pages (``fp8_cache``: an
+    fp8 one), or None: a 64-key tile lies in one page of 64 or more, or spans 64 / page
+    pages of 16 or 32 (a TMA box a page)."""
+    if page >= TMA_MIN_PAGE and page & (page - 1) == 0:
+        return None
+    return (f"page_size {page}: the Gluon decodes read pages of a power of two from "
+            f"{TMA_MIN_PAGE} tokens")
+
+
+def kv_box_rows(page: int, keys: int = BLOCK_N) -> int:
+    """Rows of the cache's TMA boxes where a loader copies ``keys`` keys at once: a page, at
+    most ``keys``; under ``TMA_MIN_PAGE`` (gathered, no boxes) ``keys``, so that the boxes'
+    shared layout stays the tile's."""
+    return min(page, keys) if page >= TMA_MIN_PAGE else keys
 
 
 def transposed_rows(rows: int) -> int:

@@ -4,8 +4,9 @@
 Same problem, tensors and launcher interface as ``gluon_hopper``. A program holds 64 query
 rows (heads x qlen folded) of one request and one split of its keys, and three partitions:
 - the loader (default partition, 4 warps at 24 registers): Q once, then 64-key tiles into a
-  ring of two slots (slot 0 the even tiles, slot 1 the odd), each tile as 9 TMA boxes of
-  [64, 64] on their own mbarriers, the owner's V half first;
+  ring of two slots (slot 0 the even tiles, slot 1 the odd), each tile as 9 chunks of 64
+  columns on their own mbarriers (a TMA box a chunk, or a box a page under 64-token pages),
+  the owner's V half first;
 - WG0 and WG1 (4 warps each at 240 registers), owning O[:, :256] and O[:, 256:]. For a pair
   of tiles each computes S of its own tile, a chunk at a time as the chunks land, and the
   two alternate: WG0's softmax of tile a runs while WG1's MMAs of tile b use the tensor cores.
@@ -39,8 +40,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mlatune.kernels.gluon_common import (
+    TILE_KEYS,
     aot_compile_kernel,
     compile_options,
+    copy_rows,
     first_masked_key,
     key_range,
     last_keys,
@@ -51,17 +54,17 @@ from mlatune.kernels.gluon_common import (
     program_keys,
     slim_softmax,
     store_row_lse,
+    tile_rows,
     tma_descriptors,
     zero_stale_rows,
 )
 from mlatune.kernels.gluon_hopper import check_supported
 from mlatune.kernels.gluon_hopper_plan import (
     BLOCK_M,
-    BLOCK_N,
     D_NOPE,
     D_ROPE,
-    PAGE_SIZE,
     SEESAW_FORMS,
+    kv_box_rows,
 )
 from mlatune.lse import LOG2E
 
@@ -76,14 +79,15 @@ __all__ = ["FORMS", "aot_compile", "decode_launcher", "seesaw_decode", "seesaw_k
 
 
 @gluon.jit
-def _loader(descs, bufs, bars, bt_row, q_row, start, n_tiles, PAGE: gl.constexpr):
-    """Q once, then tile t into slot t % 2 as each of its groups is released."""
+def _loader(descs, bufs, bars, bt_row, q_row, start, n_tiles, last_page, PAGE: gl.constexpr):
+    """Q once, then tile t into slot t % 2 as each of its groups is released (``last_page``:
+    the request's, ``page_row``)."""
     qn_desc, qr_desc = descs[:2]
     q_bar = bars[0]
     mbarrier.expect(q_bar, qn_desc.block_type.nbytes + qr_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(qn_desc, [q_row, 0], q_bar, bufs[0])
     tma.async_copy_global_to_shared(qr_desc, [q_row, 0], q_bar, bufs[1])
-    _load_tiles(descs[3], bufs, bars, bt_row, start, n_tiles, PAGE)
+    _load_tiles(descs[3], bufs, bars, bt_row, start, n_tiles, last_page, PAGE)
 
 
 @gluon.jit
@@ -98,7 +102,7 @@ def _loader_units(descs, bufs, bars, bt_ptr, stride_bt, ints, walk, PAGE: gl.con
     rb, split, num_splits, qlen, heads = ints[4], ints[6], ints[7], ints[8], ints[9]
     q_bar = bars[0]
     BM: gl.constexpr = qn_desc.block_type.shape[0]
-    BN: gl.constexpr = kc_desc.block_type.shape[0]
+    BN: gl.constexpr = TILE_KEYS
     j0 = 0
     for k in gl.static_range(UNITS_A_PROGRAM):
         b = gl.program_id(2) + k * gl.num_programs(2)
@@ -113,53 +117,61 @@ def _loader_units(descs, bufs, bars, bt_ptr, stride_bt, ints, walk, PAGE: gl.con
             tma.async_copy_global_to_shared(qn_desc, [q_row, 0], q_bar, bufs[0])
             tma.async_copy_global_to_shared(qr_desc, [q_row, 0], q_bar, bufs[1])
             _load_tiles(kc_desc, bufs, bars, bt_ptr + b.to(gl.int64) * stride_bt, start,
-                        n_tiles, PAGE, j0, True)
+                        n_tiles, (seq_len - 1) // PAGE, PAGE, j0, True)
             j0 += (n_tiles + 1) // 2
 
 
 @gluon.jit
-def _load_tiles(kc_desc, bufs, bars, bt_row, start, n_tiles, PAGE: gl.constexpr, j0=0,
-                PAD: gl.constexpr = False):
+def _load_tiles(kc_desc, bufs, bars, bt_row, start, n_tiles, last_page, PAGE: gl.constexpr,
+                j0=0, PAD: gl.constexpr = False):
     """The split's tiles, each in 9 chunks of 64 columns on barriers of their own
     (``ready[9 * slot + c]``: nope columns [64c, 64c + 64), c = 8 the rope part), in two
     groups released apart (``_release``). ``j0``: pairs copied before (two-requests); PAD:
     slot 1 filled (with tile a's page) in a pair without a tile b."""
     k_nope, k_rope = bufs[2:4]
     ready, empty = bars[1:3]
-    BN: gl.constexpr = kc_desc.block_type.shape[0]
+    BN: gl.constexpr = TILE_KEYS
+    tables = (bt_row, last_page)
     for j in range((n_tiles + 1) // 2):
         ph = ((j0 + j) & 1) ^ 1  # a fresh barrier counts as phase 1 complete: first waits pass
         key = start + 2 * j * BN
-        _load_tile(kc_desc, k_nope.index(0), k_rope.index(0), ready, empty, 0, ph, bt_row, key,
+        _load_tile(kc_desc, k_nope.index(0), k_rope.index(0), ready, empty, 0, ph, tables, key,
                    PAGE)
         if 2 * j + 1 < n_tiles:
-            _load_tile(kc_desc, k_nope.index(1), k_rope.index(1), ready, empty, 1, ph, bt_row,
+            _load_tile(kc_desc, k_nope.index(1), k_rope.index(1), ready, empty, 1, ph, tables,
                        key + BN, PAGE)
         elif PAD:
-            _load_tile(kc_desc, k_nope.index(1), k_rope.index(1), ready, empty, 1, ph, bt_row,
+            _load_tile(kc_desc, k_nope.index(1), k_rope.index(1), ready, empty, 1, ph, tables,
                        key, PAGE)
 
 
 @gluon.jit
-def _load_tile(kc_desc, kn, kr, ready, empty, SLOT: gl.constexpr, ph, bt_row, key,
+def _load_tile(kc_desc, kn, kr, ready, empty, SLOT: gl.constexpr, ph, tables, key,
                PAGE: gl.constexpr):
     """One tile into slot SLOT: its owner's V half (slot 0: columns 0-255, slot 1: 256-511)
-    once the owner released it, then the other half and the rope part."""
+    once the owner released it, then the other half and the rope part. Each chunk is a box
+    a page (``tile_rows``; ``tables``: the request's block-table row and last page)."""
+    R: gl.constexpr = kc_desc.block_type.shape[0]
     W: gl.constexpr = kc_desc.block_type.shape[1]
-    page = gl.load(bt_row + key // PAGE)
-    row = page * PAGE + key % PAGE
+    N: gl.constexpr = kn.shape[0]
+    CHUNK: gl.constexpr = kc_desc.block_type.nbytes * (N // R)
+    # At 24 registers the loader holds no list of pages across its waits: where the tile
+    # spans pages (PAGE < N), each chunk reads them afresh (L1 hits).
+    if PAGE >= N:
+        rows = tile_rows(tables[0], key, tables[1], True, R, N, PAGE)
     for g in gl.static_range(2):
         mbarrier.wait(_bar(empty, 2 * SLOT + g), ph)
         fence_async_shared()  # the warpgroups wrote the slot (P, zeroed rows) as generic proxy
         # Chunk (4 (SLOT + g) + i) % 8: slot 0 copies columns 0-255 first, slot 1 256-511.
         for c in gl.static_range(4 * (SLOT + g), 4 * (SLOT + g) + 4):
+            if PAGE < N:
+                rows = tile_rows(tables[0], key, tables[1], True, R, N, PAGE)
             bar = _bar(ready, 9 * SLOT + c % 8)
-            mbarrier.expect(bar, kc_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(kc_desc, [row, c % 8 * W], bar,
-                                            kn.slice(c % 8 * W, W, dim=1))
+            mbarrier.expect(bar, CHUNK)
+            copy_rows(kc_desc, kn.slice(c % 8 * W, W, dim=1), bar, rows, c % 8 * W, True)
     bar = _bar(ready, 9 * SLOT + 8)
-    mbarrier.expect(bar, kc_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(kc_desc, [row, kn.shape[1]], bar, kr)
+    mbarrier.expect(bar, CHUNK)
+    copy_rows(kc_desc, kr, bar, rows, kn.shape[1], True)
 
 
 @gluon.jit
@@ -507,7 +519,7 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's parts; the cac
                   CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PAGE: gl.constexpr,
                   PDL: gl.constexpr, MULTI: gl.constexpr, num_warps: gl.constexpr, batch=1):
     BM: gl.constexpr = qn_desc.block_type.shape[0]
-    BN: gl.constexpr = kn_desc.block_type.shape[0]
+    BN: gl.constexpr = TILE_KEYS
     dtype: gl.constexpr = qn_desc.dtype
     rb, split, b, seq_len, start, end, n_tiles = program_keys(
         seq_lens_ptr, num_splits, qlen, heads, BM, BN, CAUSAL, PDL)
@@ -562,7 +574,7 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's parts; the cac
     else:
         gl.warp_specialize([
             (_loader, ((qn_desc, qr_desc, kn_desc, kr_desc), bufs, bars, bt_row, q_row, start,
-                       n_tiles, PAGE)),
+                       n_tiles, (seq_len - 1) // PAGE, PAGE)),
             (_wg0, compute_args),
             (_wg1, compute_args),
         ], [4, 4], [COMPUTE_REGS, COMPUTE_REGS])
@@ -571,9 +583,10 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's parts; the cac
 # Host side -------------------------------------------------------------------------------
 
 def _chunk_descriptor(kv_cache: torch.Tensor) -> TensorDescriptor:
-    """The cache's whole (page, slot) rows, 576 wide, in [64, 64] blocks: the tiles' chunk
-    copies (nope chunk c at column 64c, the rope part at 512), in the rope part's layout."""
-    block = [BLOCK_N, D_ROPE]
+    """The cache's whole (page, slot) rows, 576 wide, in [rows, 64] blocks (a page's rows, at
+    most 64: ``kv_box_rows``): the tiles' chunk copies (nope chunk c at column 64c, the rope
+    part at 512), in the rope part's layout."""
+    block = [kv_box_rows(kv_cache.shape[1]), D_ROPE]
     return TensorDescriptor(kv_cache, [kv_cache.shape[0] * kv_cache.shape[1], D_NOPE + D_ROPE],
                             [kv_cache.stride(1), 1], block, nvmma_layout(block, kv_cache.dtype))
 
@@ -590,8 +603,9 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                     form: str = FORMS[0]
                     ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
     """A zero-argument launch of the seesaw decode in ``form`` (``FORMS``), with the out and
-    LSE it writes. Tensors and arguments as ``gluon_hopper.decode_launcher`` (page 64,
-    bf16/fp16, ``num_splits`` None: ``pick_splits``; ``sm_scale`` positive); capturable."""
+    LSE it writes. Tensors and arguments as ``gluon_hopper.decode_launcher`` (the pages
+    ``page_refusal`` allows, bf16/fp16, ``num_splits`` None: ``pick_splits``; ``sm_scale``
+    positive); capturable."""
     _check_form(form)
     if not sm_scale > 0:  # slim_softmax takes the max of the unscaled scores
         raise ValueError(f"the seesaw decode needs a positive sm_scale, got {sm_scale}")
@@ -607,10 +621,12 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     out, lse, num_splits = outputs_and_splits(q, seq_lens, out, lse, row_blocks, num_splits,
                                               max_seq_len)
     grid = (row_blocks, num_splits, triton.cdiv(batch, UNITS_A_PROGRAM.value) if multi else batch)
-    descs = (*tma_descriptors(q, kv_cache, BLOCK_M)[:3], _chunk_descriptor(kv_cache))
+    page = kv_cache.shape[1]
+    descs = (*tma_descriptors(q, kv_cache, BLOCK_M, kv_box_rows(page))[:3],
+             _chunk_descriptor(kv_cache))
     head = (*descs, block_table, seq_lens)
     sizes = (num_splits, qlen, heads, sm_scale * LOG2E, block_table.stride(0))
-    meta = dict(CAUSAL=causal and qlen > 1, PAGE=PAGE_SIZE, MULTI=multi, batch=batch,
+    meta = dict(CAUSAL=causal and qlen > 1, PAGE=page, MULTI=multi, batch=batch,
                 **compile_options(NUM_WARPS, MAXNREG))
     if num_splits == 1:
         args = (*head, out, lse, *sizes, out.stride(0), out.stride(1), lse.stride(0), 0, 0, 0)
@@ -640,15 +656,16 @@ def seesaw_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
 
 
 def aot_compile(dtype: str = "bf16", *, direct: bool = True, causal: bool = True,
-                arch: int = 90, form: str = FORMS[0]):
-    """Compile ``seesaw_kernel`` in ``form`` for ``sm_<arch>`` without a GPU (triton's bundled
-    ptxas; a split build as the launcher runs it, with PDL); returns triton's CompiledKernel
-    (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata``)."""
+                page: int = 64, arch: int = 90, form: str = FORMS[0]):
+    """Compile ``seesaw_kernel`` in ``form`` for ``sm_<arch>`` and ``page``-token pages
+    without a GPU (triton's bundled ptxas; a split build as the launcher runs it, with PDL);
+    returns triton's CompiledKernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata``)."""
     _check_form(form)
-    constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=PAGE_SIZE, PDL=not direct,
+    constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=page, PDL=not direct,
                      MULTI=form == "two-requests", num_warps=NUM_WARPS)
     blocks = dict(qn_desc=(dtype, BLOCK_M, D_NOPE), qr_desc=(dtype, BLOCK_M, D_ROPE),
-                  kn_desc=(dtype, BLOCK_N, D_NOPE), kr_desc=(dtype, BLOCK_N, D_ROPE))
+                  kn_desc=(dtype, kv_box_rows(page), D_NOPE),
+                  kr_desc=(dtype, kv_box_rows(page), D_ROPE))
     pointers = dict(bt_ptr="i32", seq_lens_ptr="i32", out_ptr=dtype if direct else "fp32",
                     lse_ptr="fp32")
     return aot_compile_kernel(seesaw_kernel, constants, blocks, pointers, arch=arch,

@@ -34,6 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from mlatune.kernels import gluon_hopper_plan as plan
 from mlatune.kernels.gluon_common import (
     GL_DTYPES,
+    TILE_KEYS,
     aot_compile_kernel,
     combine_partials,
     compile_options,
@@ -48,7 +49,7 @@ from mlatune.kernels.gluon_common import (
     tma_descriptors,
     zero_stale_rows,
 )
-from mlatune.kernels.gluon_hopper_plan import BLOCK_N, D_NOPE, D_ROPE, PAGE_SIZE
+from mlatune.kernels.gluon_hopper_plan import D_NOPE, D_ROPE, kv_box_rows, page_refusal
 from mlatune.lse import LOG2E
 
 NUM_WARPS = 4  # one warpgroup
@@ -141,9 +142,9 @@ def _merge_if_last(ptrs, counter_ptr, ints, BR: gl.constexpr, DN: gl.constexpr,
 
 @gluon.jit
 def _start_copies(descs, q_bufs, ring, q_bar, ready, bt_row, q_row, start, n_tiles,
-                  PAGE: gl.constexpr):
-    """Q's TMA copy and the first tiles' (all the ring's slots but one); returns the
-    request's block-table row."""
+                  last_page, PAGE: gl.constexpr):
+    """Q's TMA copy and the first tiles' (all the ring's slots but one; ``last_page``: the
+    request's, ``page_row``); returns the request's block-table row."""
     qn_desc, qr_desc, kn_desc, kr_desc = descs
     k_nope, k_rope = ring
     STAGES: gl.constexpr = k_nope.shape[0]
@@ -153,7 +154,7 @@ def _start_copies(descs, q_bufs, ring, q_bar, ready, bt_row, q_row, start, n_til
     tma.async_copy_global_to_shared(qr_desc, [q_row, 0], q_bar, q_bufs[1])
     for i in gl.static_range(STAGES - 1):
         issue_kv(kn_desc, kr_desc, k_nope.index(i), k_rope.index(i), ready.index(i), bt_row,
-                  start + i * BN, i < n_tiles, PAGE)
+                 start + i * BN, last_page, i < n_tiles, PAGE)
     return bt_row
 
 
@@ -168,7 +169,7 @@ def transposed_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the ca
                       STAGES: gl.constexpr, MERGE: gl.constexpr, PDL: gl.constexpr,
                       num_warps: gl.constexpr):
     BR: gl.constexpr = qn_desc.block_type.shape[0]
-    BN: gl.constexpr = kn_desc.block_type.shape[0]
+    BN: gl.constexpr = TILE_KEYS
     DN: gl.constexpr = kn_desc.block_type.shape[1]
     DR: gl.constexpr = kr_desc.block_type.shape[1]
     dtype: gl.constexpr = qn_desc.dtype
@@ -189,9 +190,10 @@ def transposed_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the ca
         mbarrier.init(ready.index(i), count=1)
     fence_async_shared()
 
+    last_page = (seq_len - 1) // PAGE
     bt_row = _start_copies((qn_desc, qr_desc, kn_desc, kr_desc), (q_nope, q_rope),
                            (k_nope, k_rope), q_bar, ready, bt_ptr + b.to(gl.int64) * stride_bt,
-                           b * qlen * heads + rb * BR, start, n_tiles, PAGE)
+                           b * qlen * heads + rb * BR, start, n_tiles, last_page, PAGE)
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BR, 16])
@@ -212,7 +214,8 @@ def transposed_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the ca
         # (async proxy).
         fence_async_shared()
         issue_kv(kn_desc, kr_desc, k_nope.index(nxt % STAGES), k_rope.index(nxt % STAGES),
-                  ready.index(nxt % STAGES), bt_row, start + nxt * BN, nxt < n_tiles, PAGE)
+                 ready.index(nxt % STAGES), bt_row, start + nxt * BN, last_page,
+                 nxt < n_tiles, PAGE)
         slot = i % STAGES
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
         n0 = start + i * BN
@@ -237,7 +240,7 @@ def check_supported(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                     seq_lens: torch.Tensor, kv_scale: torch.Tensor | None) -> str | None:
     """Why the kernel cannot take these tensors (or this triton), or None when it can."""
     if q.dim() != 3 or kv_cache.dim() != 3 or block_table.dim() != 2 or seq_lens.dim() != 1:
-        return ("q (tokens, heads, 576), kv_cache (pages, 64, 576), block_table (batch, pages) "
+        return ("q (tokens, heads, 576), kv_cache (pages, page, 576), block_table (batch, pages) "
                 "and seq_lens (batch,) expected")
     if q.dtype not in GL_DTYPES:
         return f"q dtype {q.dtype} (bf16 and fp16 only)"
@@ -252,8 +255,9 @@ def check_supported(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
         return "q, the cache, block_table, seq_lens and kv_scale must be on one device"
     if q.shape[-1] != D_NOPE + D_ROPE or kv_cache.shape[-1] != D_NOPE + D_ROPE:
         return f"head width must be {D_NOPE + D_ROPE}"
-    if kv_cache.shape[1] != PAGE_SIZE:
-        return f"page_size {kv_cache.shape[1]} (only {PAGE_SIZE})"
+    why = page_refusal(kv_cache.shape[1], kv_cache.dtype in FP8_CACHES)
+    if why:
+        return why
     if kv_cache.stride(-1) != 1 or kv_cache.stride(0) != kv_cache.shape[1] * kv_cache.stride(1):
         return "the cache's pages must be contiguous rows"
     if q.stride(-1) != 1 or q.stride(0) != q.shape[1] * q.stride(1):
@@ -295,7 +299,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     """A zero-argument launch of the transposed decode over a cache of q's dtype, with the out
     and LSE it writes.
 
-    Tensors as ``gluon_hopper.decode_launcher`` (page 64, bf16/fp16); ``kv_scale``, where
+    Tensors as ``gluon_hopper.decode_launcher`` (bf16/fp16); ``kv_scale``, where
     given, multiplies the cache (read by the kernel, so capturable). ``num_splits`` None:
     ``pick_splits``. An fp8 cache runs ``gluon_transposed_ws`` or ``gluon_transposed_fp8``.
     """
@@ -307,9 +311,10 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     why = check_supported(q, kv_cache, block_table, seq_lens, kv_scale)
     if why is not None:
         raise ValueError(f"gluon transposed MLA decode: {why}")
-    meta = dict(CAUSAL=causal and qlen > 1, PAGE=PAGE_SIZE, STAGES=STAGES,
+    page = kv_cache.shape[1]
+    meta = dict(CAUSAL=causal and qlen > 1, PAGE=page, STAGES=STAGES,
                 **compile_options(NUM_WARPS))
-    descs = tma_descriptors(q, kv_cache, plan.transposed_rows(qlen * heads))
+    descs = tma_descriptors(q, kv_cache, plan.transposed_rows(qlen * heads), kv_box_rows(page))
     return launch(transposed_kernel, descs, q, block_table, seq_lens, kv_scale, out, lse,
                   qlen=qlen, sm_scale=sm_scale, num_splits=num_splits,
                   max_seq_len=max_seq_len, meta=meta)
@@ -362,16 +367,17 @@ def launch(kernel, descs: tuple, q: torch.Tensor, block_table: torch.Tensor,
 
 
 def aot_compile(dtype: str = "bf16", *, rows: int = 16, direct: bool = True,
-                causal: bool = True, merge: bool = True, arch: int = 90):
+                causal: bool = True, merge: bool = True, page: int = 64, arch: int = 90):
     """Compile ``transposed_kernel`` for ``sm_<arch>`` without a GPU (triton's bundled
-    ptxas): q and cache of ``dtype``, ``rows`` query rows; a split build (not ``direct``)
-    merges its partials in the kernel (``merge``) or leaves them to the reduce kernel, launched
-    as its dependent. Returns triton's CompiledKernel (``.asm["ptx"]``, ``.asm["cubin"]``,
-    ``.metadata``)."""
-    constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=PAGE_SIZE, STAGES=STAGES,
+    ptxas): q and cache of ``dtype``, ``rows`` query rows, ``page``-token pages; a split
+    build (not ``direct``) merges its partials in the kernel (``merge``) or leaves them to
+    the reduce kernel, launched as its dependent. Returns triton's CompiledKernel
+    (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata``)."""
+    constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=page, STAGES=STAGES,
                      **split_constants(direct, merge), num_warps=NUM_WARPS)
     return aot_compile_kernel(transposed_kernel, constants,
-                              _blocks(dtype, dtype, plan.transposed_rows(rows), BLOCK_N),
+                              _blocks(dtype, dtype, plan.transposed_rows(rows),
+                                      kv_box_rows(page)),
                               _pointers(dtype), arch=arch, num_warps=NUM_WARPS)
 
 

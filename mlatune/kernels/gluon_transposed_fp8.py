@@ -44,6 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from mlatune.kernels import gluon_hopper_plan as plan
 from mlatune.kernels import gluon_transposed as base
 from mlatune.kernels.gluon_common import (
+    TILE_KEYS,
     aot_compile_kernel,
     compile_options,
     first_masked_key,
@@ -53,7 +54,7 @@ from mlatune.kernels.gluon_common import (
     slim_step_across_warps,
     tma_descriptors,
 )
-from mlatune.kernels.gluon_hopper_plan import BLOCK_N, PAGE_SIZE
+from mlatune.kernels.gluon_hopper_plan import kv_box_rows
 
 P_SHIFT = gl.constexpr(8)  # P times 2^8 before e4m3 (largest 448): the largest power that fits
 E4M3_MAX = gl.constexpr(448.0)
@@ -196,8 +197,9 @@ WS_TRANSPOSE_REGS = gl.constexpr(232)
 
 
 @gluon.jit
-def _ws_loader(descs, q_bufs, ring, bars, bt_row, q_row, start, n_tiles, PAGE: gl.constexpr):
-    """Q once, then each tile into its ring slot once both readers have released it."""
+def _ws_loader(descs, q_bufs, ring, bars, tables, q_row, start, n_tiles, PAGE: gl.constexpr):
+    """Q once, then each tile into its ring slot once both readers have released it
+    (``tables``: the request's block-table row and last page, ``issue_kv``)."""
     qn_desc, qr_desc, kn_desc, kr_desc = descs
     q_nope, q_rope = q_bufs
     k_nope, k_rope = ring
@@ -213,7 +215,7 @@ def _ws_loader(descs, q_bufs, ring, bars, bt_row, q_row, start, n_tiles, PAGE: g
         mbarrier.wait(k_empty.index(slot), ((t // S) & 1) ^ 1)
         fence_async_shared()  # the transposer read the slot through the generic proxy
         issue_kv(kn_desc, kr_desc, k_nope.index(slot), k_rope.index(slot), ready.index(slot),
-                  bt_row, start + t * BN, t < n_tiles, PAGE)
+                 tables[0], start + t * BN, tables[1], t < n_tiles, PAGE)
 
 
 @gluon.jit
@@ -348,7 +350,7 @@ def transposed_fp8_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and th
                           CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PAGE: gl.constexpr,
                           STAGES: gl.constexpr, MERGE: gl.constexpr, PDL: gl.constexpr,
                           num_warps: gl.constexpr):
-    BN: gl.constexpr = kn_desc.block_type.shape[0]
+    BN: gl.constexpr = TILE_KEYS
     DN: gl.constexpr = kn_desc.block_type.shape[1]
     DR: gl.constexpr = kr_desc.block_type.shape[1]
     BR: gl.constexpr = qn_desc.block_type.shape[0]
@@ -384,8 +386,8 @@ def transposed_fp8_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and th
     bt_row = bt_ptr + b.to(gl.int64) * stride_bt
     gl.warp_specialize([
         (_ws_loader, ((qn_desc, qr_desc, kn_desc, kr_desc), q_bufs, ring,
-                      (q_bar, ready, k_empty), bt_row, b * qlen * heads + rb * BR, start,
-                      n_tiles, PAGE)),
+                      (q_bar, ready, k_empty), (bt_row, (seq_len - 1) // PAGE),
+                      b * qlen * heads + rb * BR, start, n_tiles, PAGE)),
         (_ws_mma, (q_bufs, q8_bufs, ring, vts, p_buf, (q_bar, ready, k_empty, vt_ready, vt_empty),
                    ptrs, counter_ptr, ints, seq_len, start, end, n_tiles,
                    qk_scale * kv_scale, kv_scale, CAUSAL, DIRECT, MERGE)),
@@ -423,9 +425,10 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     if why is not None:
         raise ValueError(f"gluon transposed MLA decode (fp8 MMAs): {why}")
     rows = plan.transposed_rows(qlen * heads)
-    meta = dict(CAUSAL=causal and qlen > 1, PAGE=PAGE_SIZE, STAGES=ring_stages(rows),
+    page = kv_cache.shape[1]
+    meta = dict(CAUSAL=causal and qlen > 1, PAGE=page, STAGES=ring_stages(rows),
                 **compile_options(base.NUM_WARPS, MAXNREG))
-    descs = tma_descriptors(q, kv_cache, rows)
+    descs = tma_descriptors(q, kv_cache, rows, kv_box_rows(page))
     return base.launch(transposed_fp8_kernel, descs, q, block_table, seq_lens, kv_scale, out,
                        lse, qlen=qlen, sm_scale=sm_scale, num_splits=num_splits,
                        max_seq_len=max_seq_len, meta=meta,
@@ -433,13 +436,14 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
 
 
 def aot_compile(dtype: str = "bf16", *, rows: int = 16, direct: bool = True,
-                causal: bool = True, merge: bool = True, arch: int = 90):
-    """Compile ``transposed_fp8_kernel`` (a ``dtype`` q over an fp8 cache) for ``sm_<arch>``
-    without a GPU (split builds as ``gluon_transposed.aot_compile``); returns triton's
-    CompiledKernel."""
+                causal: bool = True, merge: bool = True, page: int = 64, arch: int = 90):
+    """Compile ``transposed_fp8_kernel`` (a ``dtype`` q over an fp8 cache of ``page``-token
+    pages) for ``sm_<arch>`` without a GPU (split builds as ``gluon_transposed.aot_compile``);
+    returns triton's CompiledKernel."""
     br = plan.transposed_rows(rows)
-    constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=PAGE_SIZE, STAGES=ring_stages(br),
+    constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=page, STAGES=ring_stages(br),
                      **base.split_constants(direct, merge), num_warps=base.NUM_WARPS)
     return aot_compile_kernel(transposed_fp8_kernel, constants,
-                              base._blocks(dtype, "fp8", br, BLOCK_N), base._pointers(dtype),
+                              base._blocks(dtype, "fp8", br, kv_box_rows(page)),
+                              base._pointers(dtype),
                               arch=arch, num_warps=base.NUM_WARPS, maxnreg=MAXNREG)

@@ -30,13 +30,16 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from mlatune.kernels import gluon_hopper_plan as plan
 from mlatune.kernels import gluon_transposed as base
 from mlatune.kernels.gluon_common import (
+    TILE_KEYS,
     aot_compile_kernel,
     compile_options,
+    copy_rows,
     last_keys,
     program_keys,
+    tile_rows,
     tma_descriptors,
 )
-from mlatune.kernels.gluon_hopper_plan import PAGE_SIZE
+from mlatune.kernels.gluon_hopper_plan import kv_box_rows
 
 HALF = 32  # keys per fp8 half tile
 MAXNREG = 168  # 12 warps: the two worker partitions rise to theirs, the loader gets the rest
@@ -107,27 +110,30 @@ def _widen_tile(kn8, kr8, kn16, kr16, valid, COLS: gl.constexpr, num_warps: gl.c
 
 
 @gluon.jit
-def _loader(descs, q_bufs, f_bufs, bars, bt_row, q_row, start, n_tiles, PAGE: gl.constexpr):
-    """Q once, then every tile as two 32-key halves, each into its own fp8 slot."""
+def _loader(descs, q_bufs, f_bufs, bars, tables, q_row, start, n_tiles, PAGE: gl.constexpr):
+    """Q once, then every tile as two 32-key halves, each into its own fp8 slot, a TMA box a
+    page or a half (``tile_rows``; ``tables``: the request's block-table row and last page)."""
     qn_desc, qr_desc, kn_desc, kr_desc = descs
     q_nope, q_rope = q_bufs
     f_nope, f_rope = f_bufs
     q_bar, f_ready, f_empty = bars
-    H: gl.constexpr = kn_desc.block_type.shape[0]
+    H: gl.constexpr = f_nope.shape[1]
+    R: gl.constexpr = kn_desc.block_type.shape[0]
     mbarrier.expect(q_bar, qn_desc.block_type.nbytes + qr_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(qn_desc, [q_row, 0], q_bar, q_nope)
     tma.async_copy_global_to_shared(qr_desc, [q_row, 0], q_bar, q_rope)
     for t in range(n_tiles):
-        key = start + t * PAGE
-        row = gl.load(bt_row + key // PAGE) * PAGE  # a tile is one page
+        rows = tile_rows(tables[0], start + t * 2 * H, tables[1], True, R, 2 * H, PAGE)
         for h in gl.static_range(2):
             # A fresh barrier counts as phase 1 complete: the first wait on each half passes.
             mbarrier.wait(f_empty.index(h), (t & 1) ^ 1)
             fence_async_shared()  # the converter read the half through the generic proxy
             bar = f_ready.index(h)
-            mbarrier.expect(bar, kn_desc.block_type.nbytes + kr_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(kn_desc, [row + h * H, 0], bar, f_nope.index(h))
-            tma.async_copy_global_to_shared(kr_desc, [row + h * H, 0], bar, f_rope.index(h))
+            mbarrier.expect(bar, (kn_desc.block_type.nbytes + kr_desc.block_type.nbytes)
+                            * (H // R))
+            half = rows[h * (H // R):(h + 1) * (H // R)]
+            copy_rows(kn_desc, f_nope.index(h), bar, half, 0, True)
+            copy_rows(kr_desc, f_rope.index(h), bar, half, 0, True)
         gl.thread_barrier()  # the partition's warps keep to one tile (no phase run ahead)
 
 
@@ -195,7 +201,7 @@ def transposed_ws_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # kn/kr: 32-key fp
                          WIDEN_COLS: gl.constexpr, MERGE: gl.constexpr,
                          PDL: gl.constexpr, num_warps: gl.constexpr):
     BR: gl.constexpr = qn_desc.block_type.shape[0]
-    H: gl.constexpr = kn_desc.block_type.shape[0]
+    H: gl.constexpr = TILE_KEYS // 2
     DN: gl.constexpr = kn_desc.block_type.shape[1]
     DR: gl.constexpr = kr_desc.block_type.shape[1]
     dtype: gl.constexpr = qn_desc.dtype
@@ -235,8 +241,8 @@ def transposed_ws_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # kn/kr: 32-key fp
     bt_row = bt_ptr + b.to(gl.int64) * stride_bt
     gl.warp_specialize([
         (_loader, ((qn_desc, qr_desc, kn_desc, kr_desc), q_bufs, f_bufs,
-                   (q_bar, f_ready, f_empty), bt_row, b * qlen * heads + rb * BR, start,
-                   n_tiles, PAGE)),
+                   (q_bar, f_ready, f_empty), (bt_row, (seq_len - 1) // PAGE),
+                   b * qlen * heads + rb * BR, start, n_tiles, PAGE)),
         (_mma, (q_bufs, w_bufs, p_buf, (q_bar, w_ready, w_empty), ptrs, counter_ptr, ints,
                 seq_len, start, end, n_tiles, qk_scale * kv_scale, kv_scale, CAUSAL, DIRECT,
                 MERGE)),
@@ -262,21 +268,24 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     why = base.check_supported(q, kv_cache, block_table, seq_lens, kv_scale)
     if why is not None:
         raise ValueError(f"gluon transposed MLA decode (warp-specialized): {why}")
-    meta = dict(CAUSAL=causal and qlen > 1, PAGE=PAGE_SIZE, WIDEN_COLS=WIDEN_COLS,
+    page = kv_cache.shape[1]
+    meta = dict(CAUSAL=causal and qlen > 1, PAGE=page, WIDEN_COLS=WIDEN_COLS,
                 **compile_options(4, MAXNREG))
-    descs = tma_descriptors(q, kv_cache, plan.transposed_rows(qlen * heads), HALF)
+    descs = tma_descriptors(q, kv_cache, plan.transposed_rows(qlen * heads),
+                            kv_box_rows(page, HALF))
     return base.launch(transposed_ws_kernel, descs, q, block_table, seq_lens, kv_scale, out,
                        lse, qlen=qlen, sm_scale=sm_scale, num_splits=num_splits,
                        max_seq_len=max_seq_len, meta=meta)
 
 
 def aot_compile(dtype: str = "bf16", *, rows: int = 16, direct: bool = True,
-                causal: bool = True, merge: bool = True, arch: int = 90):
-    """Compile ``transposed_ws_kernel`` (an fp8 cache under MMAs of ``dtype``) for
-    ``sm_<arch>`` without a GPU (split builds as ``gluon_transposed.aot_compile``); returns
-    triton's CompiledKernel."""
-    constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=PAGE_SIZE, WIDEN_COLS=WIDEN_COLS,
+                causal: bool = True, merge: bool = True, page: int = 64, arch: int = 90):
+    """Compile ``transposed_ws_kernel`` (an fp8 cache of ``page``-token pages under MMAs of
+    ``dtype``) for ``sm_<arch>`` without a GPU (split builds as
+    ``gluon_transposed.aot_compile``); returns triton's CompiledKernel."""
+    constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=page, WIDEN_COLS=WIDEN_COLS,
                      **base.split_constants(direct, merge), num_warps=4)
     return aot_compile_kernel(transposed_ws_kernel, constants,
-                              base._blocks(dtype, "fp8", plan.transposed_rows(rows), HALF),
+                              base._blocks(dtype, "fp8", plan.transposed_rows(rows),
+                                           kv_box_rows(page, HALF)),
                               base._pointers(dtype), arch=arch, num_warps=4, maxnreg=MAXNREG)
