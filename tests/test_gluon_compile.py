@@ -76,6 +76,27 @@ def test_pages_under_a_tile_copy_a_box_a_page(page):
     assert sass_hazards.hazards(sass_hazards.listing(k)) == (40, 0, [])
 
 
+@pytest.mark.parametrize(("dtype", "direct", "causal"), [("bf16", True, True),
+                                                        ("fp16", False, False)])
+def test_page_1_gathers_each_tile_by_cp_async(dtype, direct, causal):
+    """Pages of one key: every thread gathers its part of each tile by cp.async, 16 bytes a
+    copy (a tile's 64 x 576 over 256 threads: 18 a thread, at the ring's two starts and the
+    loop's refill), its pages read ahead; the tile waited for as the thread's copy group, a
+    proxy fence and a barrier; no stale rows to zero (past the length the copies write
+    zeros). Only Q is a TMA copy; the MMAs as at page 64; no local memory, no hazard."""
+    _needs_gluon_triton()
+    k = g.aot_compile(dtype, direct=direct, causal=causal, page=1)
+    ptx = k.asm["ptx"]
+    assert ptx.count("cp.async.bulk.tensor.2d") == 1 + 1  # Q's two parts (8 warps: one each)
+    assert len(re.findall(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10,", ptx)) \
+        == 3 * 18
+    assert len(re.findall(r"cp\.async\.wait_group\s+1;", ptx)) == 1  # a tile at a time
+    assert len(re.findall(r"cp\.async\.wait_group\s+0;", ptx)) == 1  # the drain at the end
+    assert ptx.count("wgmma.mma_async") == 40
+    assert resources(k)["stack"] == 0 and k.metadata.shared <= HOPPER_SMEM
+    assert sass_hazards.hazards(sass_hazards.listing(k)) == (40, 0, [])
+
+
 def test_pick_splits_fills_the_gpu():
     assert g.pick_splits(1, 1, 4096) > 16  # batch 1: many splits
     assert g.pick_splits(64, 1, 4096) == 2

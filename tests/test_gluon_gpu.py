@@ -205,14 +205,18 @@ def test_seesaw_split_partials_match_their_own_keys(case, form, monkeypatch):
 
 
 # Small pages: a 64-key tile spans 64 / page pages (16, 32: a TMA box a page) or lies in one
-# (128). Each Gluon route at every param set: ragged lengths with a last page partly filled
-# (its slots past the length NaN), block-table entries past each request's pages (and four
-# more columns) set to a page id the cache does not have.
+# (128); pages of one key are gathered by cp.async. Each Gluon route at every param set:
+# ragged lengths with a last page partly filled (its slots past the length NaN), block-table
+# entries past each request's pages (and four more columns) set to a page id the cache does
+# not have (a gather that read one would fault).
 SMALL_PAGES = [
     _p(128, 6, 700, page=16),  # two row blocks a request
     _p(8, 16, 3000, qlen=3, page=16),  # causal verify, 24 rows
     _p(16, 4, 2000, page=32),
     _p(16, 3, 1000, qlen=2, page=128),  # a tile inside a page
+    _p(8, 24, 700, qlen=3, page=1),  # the page-1 shape, fewer requests
+    _p(128, 4, 1500, page=1),
+    _p(16, 3, 3000, qlen=2, page=1, kv="fp16"),
 ]
 SMALL_PAGE_CASES = [(route_id, p) for route_id in (GLUON, SEESAW, TRANSPOSED)
                     for p in SMALL_PAGES] + [

@@ -61,7 +61,7 @@ RULINGS = [
     ("sm_90", _p(page_size=16), None),  # a tile spans 4 pages, a TMA box each
     ("sm_90", _p(page_size=32, qlen=2), None),
     ("sm_90", _p(page_size=128), None),  # a tile lies in a page
-    ("sm_90", _p(page_size=1), "wgmma.page"),
+    ("sm_90", _p(page_size=1, qlen=3), None),  # each key its own page: gathered
     ("sm_90", _p(page_size=8), "wgmma.page"),
     ("sm_90", _p(page_size=4, kv_dtype=FP8), "wgmma.page"),
     ("sm_90", _p(kv_lora_rank=256), "wgmma.dims"),
@@ -101,23 +101,28 @@ def test_the_rules_read_the_kernels_sizes():
     assert gluon_hopper.page_refusal is gluon_hopper_plan.page_refusal
 
 
-@pytest.mark.parametrize("route_id", [*KERNELS, MMA8])
+@pytest.mark.parametrize(("route_id", "kv"), [(ROUTE, "bf16"), ("seesaw/gluon", "fp16"),
+                                               ("transposed/gluon", "bf16"),
+                                               ("transposed/gluon", FP8), (MMA8, FP8)])
 @pytest.mark.parametrize("page", [1, 8, 16, 32, 64, 128, 256, 48])
-def test_every_gluon_route_reads_the_pages_of_the_plan(route_id, page):
+def test_every_gluon_route_reads_the_pages_of_the_plan(route_id, kv, page):
     """One owner for the pages: each route's rule and its kernels' ``check_supported`` read
-    ``gluon_hopper_plan.page_refusal`` (powers of two from 16: a TMA box a page)."""
-    kv = FP8 if route_id == MMA8 else "bf16"
+    ``gluon_hopper_plan.page_refusal`` (powers of two from 16: a TMA box a page; 1 over a
+    16-bit cache: gathered by cp.async)."""
     why = gluon_hopper_plan.page_refusal(page, fp8_cache=kv == FP8)
-    assert (why is None) == (page >= 16 and page & (page - 1) == 0)
+    tma = page >= 16 and page & (page - 1) == 0
+    assert (why is None) == (tma or (page == 1 and kv != FP8))
     if page & (page - 1) == 0:  # (a problem's page is a power of two)
-        ruling = capability.check(route_id, _p(page_size=page, kv_dtype=kv), "sm_90")
+        ruling = capability.check(route_id, _p(page_size=page, q_dtype=kv if kv != FP8
+                                               else "bf16", kv_dtype=kv), "sm_90")
         assert ruling.ok is (why is None), ruling
         if why:
             assert ruling.rule == "wgmma.page" and ruling.reason == why
-    cache = torch.zeros(4, page, 576, dtype=torch.bfloat16)
-    q = torch.zeros(4, 16, 576, dtype=torch.bfloat16)
+    q_dtype = torch.float16 if kv == "fp16" else torch.bfloat16
+    cache = torch.zeros(4, page, 576, dtype=q_dtype)
+    q = torch.zeros(4, 16, 576, dtype=q_dtype)
     table, lens = torch.zeros(4, 2, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
-    check = (gluon_hopper.check_supported(q, cache, table, lens) if route_id != MMA8 else
+    check = (gluon_hopper.check_supported(q, cache, table, lens) if kv != FP8 else
              gluon_transposed.check_supported(q, cache.to(torch.float8_e4m3fn), table, lens,
                                               torch.ones(1)))
     assert (why is not None and why in check) or (why is None and "page_size" not in
@@ -614,7 +619,7 @@ def test_prepare_without_triton_3_6_raises_naming_it(route_id):
     dict(num_heads=16, batch=2, kv_len=300, qlen=2, q_dtype="fp16", kv_dtype="fp8_e4m3fn"),
 ], ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
 @pytest.mark.parametrize("route_id", [*KERNELS, MMA8])
-@pytest.mark.parametrize("page", [64, 16])
+@pytest.mark.parametrize("page", [64, 16, 1])
 def test_each_route_reaches_its_launch_at_every_param_set_and_rank(route_id, page, kw):
     """Every parameter set and DCP rank, with and without the caller's buffers, gets past
     the launcher's checks and builds its TMA descriptors (no launch: no GPU here). Needs

@@ -187,3 +187,51 @@ def test_refuses_what_gluon_hopper_refuses():
         pytest.skip(str(exc))
     with pytest.raises(ValueError, match="page_size 8"):
         s.decode_launcher(q, kv, bt, sl, qlen=1, sm_scale=0.1)
+
+
+@pytest.fixture(scope="module", params=[("pairs", True), ("two-requests", False)],
+                ids=["pairs-direct-page1", "two-split-page1"])
+def gathered(request):
+    _needs_gluon_triton()
+    from mlatune.kernels import gluon_seesaw as s
+    form, direct = request.param
+    kernel = s.aot_compile("bf16", direct=direct, form=form, page=1)
+    kernel.units = 2 if form == "two-requests" else 1
+    return kernel
+
+
+def test_page_1_tiles_are_gathered_by_the_loader(gathered):
+    """Pages of one key: the loader gathers each tile by cp.async (16 bytes a copy: a tile's
+    64 x 576 over its 128 threads, 36 a thread, at each of the 2 slot sites, two-requests 3 a
+    request), every thread arriving on the chunks' barriers (initialized to 128 arrivals)
+    once its copies land, 9 a tile; each compute warpgroup fences after each chunk wait
+    before its wgmmas read (cp.async writes through the generic proxy). Only Q is a TMA
+    copy; the MMAs as at page 64."""
+    ptx = gathered.asm["ptx"]
+    sites = 2 if gathered.units == 1 else 2 * 3
+    assert ptx.count("cp.async.bulk.tensor.2d") == 3 * gathered.units  # Q alone
+    copies = re.findall(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10,", ptx)
+    assert len(copies) == sites * 36
+    assert ptx.count("cp.async.mbarrier.arrive.noinc.shared.b64") == sites * 9
+    assert len(re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], 128;", ptx)) == 18
+    assert ptx.count("mbarrier.arrive.expect_tx") == gathered.units  # Q's alone
+    assert ptx.count("wgmma.mma_async") == gathered.units * 2 * (36 + 2 * 4)
+    # S waits for 9 chunks, then P V for the 4 chunks of the other tile's half: a fence each
+    # wait (a half's four waits: one fence), per warpgroup and request.
+    assert ptx.count("fence.proxy.async.shared::cta") >= gathered.units * 2 * (9 + 1)
+
+
+def test_page_1_budgets_registers_for_the_gather_without_local_memory(gathered):
+    """The gathering loader gets 40 registers (its pages and rows), the compute warpgroups
+    232 (no stale rows to zero); no local memory, no wgmma hazard, descriptors defined."""
+    from mlatune.kernels import gluon_seesaw as s
+    ptx = gathered.asm["ptx"]
+    grows = set(map(int, re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+);", ptx)))
+    shrinks = set(map(int, re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+(\d+);", ptx)))
+    assert s.GATHER_COMPUTE_REGS.value in grows and s.GATHER_LOADER_REGS.value in shrinks
+    assert resources(gathered)["stack"] == 0
+    sass = sass_hazards.listing(gathered)
+    assert sass.count("LDL") == 0
+    assert sass_hazards.hazards(sass)[2] == []
+    assert sass_hazards.undefined_descriptors(sass) == []
+    assert gathered.metadata.shared <= HOPPER_SMEM

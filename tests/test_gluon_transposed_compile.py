@@ -84,9 +84,14 @@ def test_widen_asm_is_exact(asm, ty):
                         (("fp16", 32, False, False, True), 64),
                         (("bf16", 16, False, True, False), 64),
                         (("bf16", 16, True, True, True), 16),
-                        (("fp16", 32, False, False, True), 32)],
+                        (("fp16", 32, False, False, True), 32),
+                        (("bf16", 16, True, True, True), 1),
+                        (("fp16", 32, False, False, True), 1),
+                        (("bf16", 16, False, True, False), 1)],
                 ids=["bf16-16rows-direct", "fp16-32rows-split-merged", "bf16-16rows-split-reduced",
-                     "bf16-16rows-direct-page16", "fp16-32rows-split-merged-page32"])
+                     "bf16-16rows-direct-page16", "fp16-32rows-split-merged-page32",
+                     "bf16-16rows-direct-page1", "fp16-32rows-split-merged-page1",
+                     "bf16-16rows-split-reduced-page1"])
 def compiled(request):
     _needs_gluon_triton()
     case, page = request.param
@@ -99,7 +104,10 @@ def compiled(request):
 
 def test_a_tile_is_a_box_a_page(compiled):
     """A 64-key tile's nope and rope parts are one TMA box each where the tile lies in one
-    page, else one a page; the barrier expects the whole tile (Q's bytes apart)."""
+    page, else one a page; the barrier expects the whole tile (Q's bytes apart). Pages of
+    one key: ``test_page_1_gathers_each_tile_by_cp_async``."""
+    if compiled.page == 1:
+        pytest.skip("page 1 gathers by cp.async")
     ptx = compiled.asm["ptx"]
     boxes = max(1, 64 // compiled.page)
     # A nope box is two copy instructions (its 64-column messages over the 4 warps), a rope
@@ -127,6 +135,23 @@ def test_keys_are_m_and_rows_are_n(compiled):
     assert ptx.count("wgmma.mma_async") == 36 + 8 * 4
     assert ".target sm_90a" in ptx and "cp.async.bulk.tensor.2d" in ptx
     assert "prmt.b32" not in ptx and "e4m3" not in ptx  # no widening: a 16-bit cache
+
+
+def test_page_1_gathers_each_tile_by_cp_async(compiled):
+    """Pages of one key: the warpgroup gathers each tile by cp.async, 16 bytes a copy (a
+    tile's 64 x 576 over 128 threads: 36 a thread, at the ring's start and the loop's
+    refill), waited for as the thread's copy group (all but the newest), a proxy fence and a
+    barrier, drained after the walk; no stale rows to zero. Only Q is a TMA copy."""
+    if compiled.page != 1:
+        pytest.skip("TMA boxes: test_a_tile_is_a_box_a_page")
+    ptx = compiled.asm["ptx"]
+    assert ptx.count("cp.async.bulk.tensor.2d") == 3  # Q's
+    copies = re.findall(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10,", ptx)
+    assert len(copies) == 2 * 36
+    assert len(re.findall(r"cp\.async\.wait_group\s+1;", ptx)) == 1  # in the walk
+    assert len(re.findall(r"cp\.async\.wait_group\s+0;", ptx)) == 1  # the drain
+    assert "mbarrier.arrive.expect_tx" in ptx  # Q's
+    assert sass_hazards.hazards(sass_hazards.listing(compiled))[2] == []
 
 
 def test_fits_one_block_an_sm_without_spills(compiled):

@@ -5,7 +5,8 @@ triton 3.6.0's Gluon API.
 Host: whether this triton can run them, the shared-memory layouts and TMA descriptors of q
 and the paged cache, their out, LSE and split count, the fp32 split partials with the reduce
 launch that merges them, and the ahead-of-time compile (no GPU). Device: a tile's TMA copy
-from the block table, the zeroing of stale cache rows, a program's request and its split's
+from the block table (a box a page under 64-token pages), its cp.async gather where each key
+is its own page (page 1), the zeroing of stale cache rows, a program's request and its split's
 key range, each row's last key, a tile's online softmax, the rows' LSE store, the combine of
 split partials by their LSEs, and the signal that lets a dependent launch start.
 """
@@ -19,6 +20,7 @@ import triton
 from triton import constexpr_function
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -27,6 +29,7 @@ from mlatune.kernels.gluon_hopper_plan import (
     BLOCK_N,
     D_NOPE,
     D_ROPE,
+    GATHER_PAGE,
     pick_splits,
     triton_refusal,
 )
@@ -37,6 +40,7 @@ GL_CACHE_DTYPES = {**GL_DTYPES, torch.float8_e4m3fn: gl.float8e4nv}
 TORCH_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
 _IR_NAMES = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8e4nv"}
 TILE_KEYS = gl.constexpr(BLOCK_N)  # keys a tile (the kernels' BN)
+GATHERED = gl.constexpr(GATHER_PAGE)  # the page the gather loaders read (1; constexpr: JIT)
 
 
 def gluon_available() -> tuple[bool, str]:
@@ -143,7 +147,7 @@ def aot_compile_kernel(fn, constants: dict, blocks: dict[str, tuple[str, int, in
         return "fp32" if name == "qk_scale" else "i32"
 
     strides = ("stride_o_tok", "stride_o_head", "stride_po_slot", "stride_po_row",
-               "stride_o_row")
+               "stride_o_row", "stride_kv")
     aligned = (*pointers, *(n for n in strides if n in fn.arg_names))
     attrs = {(fn.arg_names.index(n), ): [["tt.divisibility", 16]] for n in aligned}
     src = GluonASTSource(fn, {n: arg_type(n) for n in fn.arg_names}, constants, attrs)
@@ -207,6 +211,95 @@ def issue_kv(kn_desc, kr_desc, kn_buf, kr_buf, bar, bt_row, key, last_page, pred
                     pred=pred)
     copy_rows(kn_desc, kn_buf, bar, rows, 0, pred)
     copy_rows(kr_desc, kr_buf, bar, rows, 0, pred)
+
+
+@constexpr_function
+def gather_layout(num_warps):
+    """The layout of a page-1 gather's [keys, 64] 16-bit chunk: 16 bytes a thread, 8 lanes a
+    row (a 128-byte swizzle atom's row), the warps down the keys."""
+    return gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+
+
+@gluon.jit
+def gather_pages(bt_row, key, end, N: gl.constexpr, layout: gl.constexpr):
+    """The pages of the N keys from local key ``key`` where each key is its own page (page
+    1), in ``layout``'s rows: -1 from ``end`` on, whose block-table entries are not read."""
+    keys = key + gl.arange(0, N, layout=gl.SliceLayout(1, layout))
+    return gl.load(bt_row + keys, mask=keys < end, other=-1)
+
+
+@gluon.jit
+def gather_rows(pages, kv_ptr, stride_kv):
+    """The cache rows of keys that are pages of one key (``gather_pages``): each one's row
+    pointer and whether it has one (page -1 not), as [keys, 1] of ``pages``' parent layout."""
+    return (gl.expand_dims(kv_ptr + pages.to(gl.int64) * stride_kv, 1),
+            gl.expand_dims(pages >= 0, 1))
+
+
+@gluon.jit
+def gather_into(buf, rows, ok, col):
+    """Start the cp.async copies of ``buf`` ([keys, columns]) from its keys' rows
+    (``gather_rows``) at cache column ``col``, 16 bytes a copy; a key without a row gets
+    zeros (no stale rows to zero)."""
+    cols = gl.arange(0, buf.shape[1], layout=gl.SliceLayout(0, rows.type.layout))
+    async_copy.async_copy_global_to_shared(buf, rows + col + gl.expand_dims(cols, 0), mask=ok)
+
+
+@gluon.jit
+def gather_kv(kn_buf, kr_buf, kv_ptr, stride_kv, pages):
+    """Start the cp.async copies of a tile of page-1 keys (``pages``) into its nope and rope
+    buffers (``gather_into``)."""
+    rows, ok = gather_rows(pages, kv_ptr, stride_kv)
+    gather_into(kn_buf, rows, ok, 0)
+    gather_into(kr_buf, rows, ok, kn_buf.shape[1])
+
+
+@gluon.jit
+def start_tile(descs, kn_buf, kr_buf, bar, src, key, pred, pages, PAGE: gl.constexpr,
+               num_warps: gl.constexpr):
+    """Start the copies of the tile at local key ``key`` into a ring slot (``pred``: there is
+    one), for a kernel whose threads all load: by TMA on ``bar`` (``issue_kv``), or at page 1
+    by every thread's cp.async from ``pages`` (``gather_kv``) as one commit group. ``src``:
+    the request's block-table row and last page, its split's end, the cache's pointer and
+    row stride. Returns the pages of the tile after (page 1; else ``pages``)."""
+    if PAGE == GATHERED:
+        gather_kv(kn_buf, kr_buf, src[3], src[4], pages)
+        async_copy.commit_group()
+        return gather_pages(src[0], key + kn_buf.shape[0], src[2], kn_buf.shape[0],
+                            gather_layout(num_warps))
+    else:
+        issue_kv(descs[0], descs[1], kn_buf, kr_buf, bar, src[0], key, src[1], pred, PAGE)
+        return pages
+
+
+@gluon.jit
+def first_pages(src, key, N: gl.constexpr, PAGE: gl.constexpr, num_warps: gl.constexpr):
+    """The pages of the first tile ``start_tile`` gathers (page 1; else 0, unread)."""
+    if PAGE == GATHERED:
+        return gather_pages(src[0], key, src[2], N, gather_layout(num_warps))
+    else:
+        return 0
+
+
+@gluon.jit
+def wait_tile(bar, phase, AHEAD: gl.constexpr, PAGE: gl.constexpr):
+    """Wait until a tile ``start_tile`` started has landed: its barrier's ``phase``, or at
+    page 1 this thread's copy groups but the AHEAD latest, then every thread's, made visible
+    to wgmma (cp.async writes through the generic proxy: a proxy fence, then a barrier)."""
+    if PAGE == GATHERED:
+        async_copy.wait_group(AHEAD)
+        fence_async_shared()
+        gl.thread_barrier()
+    else:
+        mbarrier.wait(bar, phase)
+
+
+@gluon.jit
+def drain_tiles(PAGE: gl.constexpr):
+    """At page 1, wait for the copies ``start_tile`` started past the split's last tile (all
+    zeros) before the shared memory they write is reused or the program ends."""
+    if PAGE == GATHERED:
+        async_copy.wait_group(0)
 
 
 @gluon.jit

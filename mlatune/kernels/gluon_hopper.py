@@ -8,9 +8,10 @@ request's qlen query tokens sees keys ``< seq_len - qlen + t + 1`` when causal.
 
 Per program: 64 query rows of one request (rows ``r = t * heads + h``: heads and the verify
 tokens folded into the MMA's M; rows past the request's are never stored) and one split of
-its keys, walked in 64-key tiles TMA-copied once into a ring of two buffers that serve both
-S = Q K^T and O += P V (a tile lies in one page of 64 or more keys, else spans 64 / page
-pages, a box each: ``gluon_common.issue_kv``). Eight warps form two warpgroups: for S each computes
+its keys, walked in 64-key tiles copied once into a ring of two buffers that serve both
+S = Q K^T and O += P V: by TMA (a tile lies in one page of 64 or more keys, else spans
+64 / page pages, a box each), or at page 1 gathered by every thread's cp.async
+(``gluon_common.start_tile``). Eight warps form two warpgroups: for S each computes
 32 key columns over the 576-deep product; for O each owns 256 of the 512 columns. The
 softmax is base 2, online; P goes through shared memory as P V's A operand. Stale slots of a
 request's last page have their V rows zeroed. One split writes out and LSE; more write fp32
@@ -36,16 +37,20 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from mlatune.kernels.gluon_common import (
+    GATHERED,
     GL_DTYPES,
     LN2,
     TILE_KEYS,
     aot_compile_kernel,
     compile_options,
+    drain_tiles,
+    first_pages,
     gluon_available,
-    issue_kv,
     online_softmax,
     outputs_and_splits,
+    start_tile,
     tma_descriptors,
+    wait_tile,
     zero_stale_rows,
 )
 from mlatune.kernels.gluon_hopper_plan import (  # noqa: F401  (GLUON_TRITON, H200_SMS: the API)
@@ -76,20 +81,21 @@ def _issue_scores(q_nope, q_rope, kn, kr, s_layout: gl.constexpr):
 
 
 @gluon.jit
-def _walk_keys(q_nope, q_rope, k_nope, k_rope, kv_bar, p_buf, kn_desc, kr_desc, bt_row,
-               last_page, start, end, n_tiles, last_pos, qk_scale, m_i, l_i, acc,
+def _walk_keys(q_nope, q_rope, k_nope, k_rope, kv_bar, p_buf, kv_descs, src, pages,
+               start, end, n_tiles, last_pos, qk_scale, m_i, l_i, acc,
                s_layout: gl.constexpr, o_layout: gl.constexpr, PAGE: gl.constexpr,
                NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
-    """The key walk, one tile at a time: S, softmax, then P V, each waited for at once."""
+    """The key walk, one tile at a time: S, softmax, then P V, each waited for at once
+    (``src``, ``pages``: ``start_tile``'s)."""
     BN: gl.constexpr = k_nope.shape[1]
     cols = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
     for i in range(n_tiles):
         stage = i % NUM_STAGES
         kn = k_nope.index(stage)
         kr = k_rope.index(stage)
-        mbarrier.wait(kv_bar.index(stage), (i // NUM_STAGES) & 1)
+        wait_tile(kv_bar.index(stage), (i // NUM_STAGES) & 1, NUM_STAGES - 1, PAGE)
         n0 = start + i * BN
-        if n0 + BN > end:
+        if PAGE != GATHERED and n0 + BN > end:  # (gathered rows past the end are zeros)
             zero_stale_rows(kn, end - n0, num_warps)
         s = _issue_scores(q_nope, q_rope, kn, kr, s_layout)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
@@ -102,8 +108,8 @@ def _walk_keys(q_nope, q_rope, k_nope, k_rope, kv_bar, p_buf, kn_desc, kr_desc, 
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         # Both warpgroups are done with this slot (and with P): refill it.
         gl.thread_barrier()
-        issue_kv(kn_desc, kr_desc, kn, kr, kv_bar.index(stage), bt_row,
-                 n0 + NUM_STAGES * BN, last_page, i + NUM_STAGES < n_tiles, PAGE)
+        pages = start_tile(kv_descs, kn, kr, kv_bar.index(stage), src, n0 + NUM_STAGES * BN,
+                           i + NUM_STAGES < n_tiles, pages, PAGE, num_warps)
     return acc, m_i, l_i
 
 
@@ -112,6 +118,7 @@ def mla_decode_kernel(qn_desc, qr_desc, kn_desc, kr_desc, bt_ptr, seq_lens_ptr, 
                       num_splits, qlen, heads, qk_scale,
                       stride_bt, stride_o_tok, stride_o_head, stride_lse_tok,
                       stride_po_slot, stride_po_row, stride_pl_slot,
+                      kv_ptr, stride_kv,  # the cache's rows, where page-1 keys are gathered
                       CAUSAL: gl.constexpr, DIRECT: gl.constexpr,
                       PAGE: gl.constexpr, NUM_STAGES: gl.constexpr,
                       num_warps: gl.constexpr):
@@ -159,11 +166,12 @@ def mla_decode_kernel(qn_desc, qr_desc, kn_desc, kr_desc, bt_ptr, seq_lens_ptr, 
     mbarrier.expect(q_bar, qn_desc.block_type.nbytes + qr_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(qn_desc, [q_row, 0], q_bar, q_nope)
     tma.async_copy_global_to_shared(qr_desc, [q_row, 0], q_bar, q_rope)
-    bt_row = bt_ptr + b.to(gl.int64) * stride_bt
-    last_page = (seq_len - 1) // PAGE
+    src = (bt_ptr + b.to(gl.int64) * stride_bt, (seq_len - 1) // PAGE, end, kv_ptr, stride_kv)
+    pages = first_pages(src, start, BN, PAGE, num_warps)
     for i in gl.static_range(NUM_STAGES):
-        issue_kv(kn_desc, kr_desc, k_nope.index(i), k_rope.index(i), kv_bar.index(i), bt_row,
-                 start + i * BN, last_page, i < n_tiles, PAGE)
+        pages = start_tile((kn_desc, kr_desc), k_nope.index(i), k_rope.index(i),
+                           kv_bar.index(i), src, start + i * BN, i < n_tiles, pages, PAGE,
+                           num_warps)
 
     offs_m = rb * BM + gl.arange(0, BM, layout=row_s)
     if CAUSAL:
@@ -174,11 +182,12 @@ def mla_decode_kernel(qn_desc, qr_desc, kn_desc, kr_desc, bt_ptr, seq_lens_ptr, 
     l_i = gl.full([BM], 0.0, gl.float32, layout=row_s)
     acc = gl.zeros([BM, DN], gl.float32, layout=o_layout)
     mbarrier.wait(q_bar, 0)
-    acc, m_i, l_i = _walk_keys(q_nope, q_rope, k_nope, k_rope, kv_bar, p_buf, kn_desc,
-                               kr_desc, bt_row, last_page, start, end, n_tiles, last_pos,
+    acc, m_i, l_i = _walk_keys(q_nope, q_rope, k_nope, k_rope, kv_bar, p_buf,
+                               (kn_desc, kr_desc), src, pages, start, end, n_tiles, last_pos,
                                qk_scale, m_i, l_i, acc, s_layout, o_layout, PAGE, NUM_STAGES,
                                num_warps)
 
+    drain_tiles(PAGE)
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(kv_bar.index(i))
@@ -277,8 +286,10 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                 **compile_options(NUM_WARPS))
     common = (*descs, block_table, seq_lens)
     sizes = (num_splits, qlen, heads, scale, block_table.stride(0))
+    cache = (kv_cache, kv_cache.stride(1))
     if num_splits == 1:
-        args = (*common, out, lse, *sizes, out.stride(0), out.stride(1), lse.stride(0), 0, 0, 0)
+        args = (*common, out, lse, *sizes, out.stride(0), out.stride(1), lse.stride(0), 0, 0, 0,
+                *cache)
 
         def launch() -> None:
             mla_decode_kernel[grid](*args, DIRECT=True, **meta)
@@ -293,7 +304,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     part_lse = torch.empty(batch * num_splits, rows, dtype=torch.float32, device=q.device)
     split_indptr = (torch.arange(batch + 1, dtype=torch.int32, device=q.device) * num_splits)
     args = (*common, part_out, part_lse, *sizes, 0, 0, 0, part_out.stride(0), part_out.stride(1),
-            part_lse.stride(0))
+            part_lse.stride(0), *cache)
     reduce = reduce_launcher(part_out, part_lse, None, split_indptr, out, lse,
                              tokens_per_group=qlen, q_heads=heads, row_heads=heads, head_rep=1,
                              max_slots=num_splits, uniform=True)
@@ -325,8 +336,8 @@ def aot_compile(dtype: str = "bf16", *, direct: bool = True, causal: bool = True
     box = kv_box_rows(page)
     blocks = dict(qn_desc=(dtype, BLOCK_M, D_NOPE), qr_desc=(dtype, BLOCK_M, D_ROPE),
                   kn_desc=(dtype, box, D_NOPE), kr_desc=(dtype, box, D_ROPE))
-    pointers = {"bt_ptr": "i32", "seq_lens_ptr": "i32", "out_ptr": dtype if direct else "fp32",
-                "lse_ptr": "fp32"}
+    pointers = {"kv_ptr": dtype, "bt_ptr": "i32", "seq_lens_ptr": "i32",
+                "out_ptr": dtype if direct else "fp32", "lse_ptr": "fp32"}
     constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=page,
                      NUM_STAGES=NUM_STAGES, num_warps=NUM_WARPS)
     return aot_compile_kernel(mla_decode_kernel, constants, blocks, pointers, arch=arch,

@@ -5,8 +5,9 @@ Same problem, tensors and launcher interface as ``gluon_hopper``. A program hold
 rows (heads x qlen folded) of one request and one split of its keys, and three partitions:
 - the loader (default partition, 4 warps at 24 registers): Q once, then 64-key tiles into a
   ring of two slots (slot 0 the even tiles, slot 1 the odd), each tile as 9 chunks of 64
-  columns on their own mbarriers (a TMA box a chunk, or a box a page under 64-token pages),
-  the owner's V half first;
+  columns on their own mbarriers (a TMA box a chunk, or a box a page under 64-token pages;
+  at page 1 its threads' cp.async, each arriving once its copies land), the owner's V half
+  first;
 - WG0 and WG1 (4 warps each at 240 registers), owning O[:, :256] and O[:, 256:]. For a pair
   of tiles each computes S of its own tile, a chunk at a time as the chunks land, and the
   two alternate: WG0's softmax of tile a runs while WG1's MMAs of tile b use the tensor cores.
@@ -30,6 +31,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -40,11 +42,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mlatune.kernels.gluon_common import (
+    GATHERED,
     TILE_KEYS,
     aot_compile_kernel,
     compile_options,
     copy_rows,
     first_masked_key,
+    gather_into,
+    gather_layout,
+    gather_pages,
+    gather_rows,
     key_range,
     last_keys,
     no_shift,
@@ -72,6 +79,10 @@ FORMS = SEESAW_FORMS  # "pairs", "two-requests"
 NUM_WARPS = 4  # the default partition: the loader (one thread issues); WG0, WG1: workers
 COMPUTE_REGS = gl.constexpr(240)  # a compute warpgroup's registers a thread (O's half alone is 128)
 LOADER_REGS = gl.constexpr(24)
+# Page 1: the loader's cp.async gather holds a tile's pages and rows (it spills at 24), and the
+# compute warpgroups, with no stale rows to zero, fit in 232 registers: the loader gets 40.
+GATHER_COMPUTE_REGS = gl.constexpr(232)
+GATHER_LOADER_REGS = gl.constexpr(40)
 UNITS_A_PROGRAM = gl.constexpr(2)  # the two-requests form's requests a program (MULTI)
 MAXNREG = 168  # 12 warps (3 warpgroups) x 168 = the SM's 64K registers, rounded down
 
@@ -79,25 +90,28 @@ __all__ = ["FORMS", "aot_compile", "decode_launcher", "seesaw_decode", "seesaw_k
 
 
 @gluon.jit
-def _loader(descs, bufs, bars, bt_row, q_row, start, n_tiles, last_page, PAGE: gl.constexpr):
-    """Q once, then tile t into slot t % 2 as each of its groups is released (``last_page``:
-    the request's, ``page_row``)."""
+def _loader(descs, bufs, bars, src, q_row, start, n_tiles, PAGE: gl.constexpr):
+    """Q once, then tile t into slot t % 2 as each of its groups is released (``src``: the
+    request's block-table row and last page, the split's end, the cache's pointer and row
+    stride)."""
     qn_desc, qr_desc = descs[:2]
     q_bar = bars[0]
     mbarrier.expect(q_bar, qn_desc.block_type.nbytes + qr_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(qn_desc, [q_row, 0], q_bar, bufs[0])
     tma.async_copy_global_to_shared(qr_desc, [q_row, 0], q_bar, bufs[1])
-    _load_tiles(descs[3], bufs, bars, bt_row, start, n_tiles, last_page, PAGE)
+    _load_tiles(descs[3], bufs, bars, src, start, n_tiles, PAGE)
 
 
 @gluon.jit
-def _loader_units(descs, bufs, bars, bt_ptr, stride_bt, ints, walk, PAGE: gl.constexpr,
+def _loader_units(descs, bufs, bars, tables, ints, walk, PAGE: gl.constexpr,
                   CAUSAL: gl.constexpr):
     """The two-requests loader: for each of the program's requests (``_compute_units``) its Q
     once both warpgroups are done with the last one's (``q_free``), then its tiles through the
     one ring, pairs counted across requests, slot 1 filled in a pair without a tile b too (so
-    that its barriers' phases stay one a pair)."""
+    that its barriers' phases stay one a pair). ``tables``: the block table and its row
+    stride, the cache's pointer and row stride."""
     qn_desc, qr_desc, kc_desc = descs[0], descs[1], descs[3]
+    bt_ptr, stride_bt = tables[:2]
     seq_lens_ptr, batch, q_free = walk
     rb, split, num_splits, qlen, heads = ints[4], ints[6], ints[7], ints[8], ints[9]
     q_bar = bars[0]
@@ -108,22 +122,23 @@ def _loader_units(descs, bufs, bars, bt_ptr, stride_bt, ints, walk, PAGE: gl.con
         b = gl.program_id(2) + k * gl.num_programs(2)
         if b < batch:
             seq_len = gl.load(seq_lens_ptr + b)
-            start, _, n_tiles = key_range(seq_len, rb, split, num_splits, qlen, heads, BM, BN,
-                                          CAUSAL)
+            start, end, n_tiles = key_range(seq_len, rb, split, num_splits, qlen, heads, BM,
+                                            BN, CAUSAL)
             if k > 0:
                 mbarrier.wait(q_free, (k - 1) & 1)
             q_row = b * qlen * heads + rb * BM
             mbarrier.expect(q_bar, qn_desc.block_type.nbytes + qr_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(qn_desc, [q_row, 0], q_bar, bufs[0])
             tma.async_copy_global_to_shared(qr_desc, [q_row, 0], q_bar, bufs[1])
-            _load_tiles(kc_desc, bufs, bars, bt_ptr + b.to(gl.int64) * stride_bt, start,
-                        n_tiles, (seq_len - 1) // PAGE, PAGE, j0, True)
+            src = (bt_ptr + b.to(gl.int64) * stride_bt, (seq_len - 1) // PAGE, end, tables[2],
+                   tables[3])
+            _load_tiles(kc_desc, bufs, bars, src, start, n_tiles, PAGE, j0, True)
             j0 += (n_tiles + 1) // 2
 
 
 @gluon.jit
-def _load_tiles(kc_desc, bufs, bars, bt_row, start, n_tiles, last_page, PAGE: gl.constexpr,
-                j0=0, PAD: gl.constexpr = False):
+def _load_tiles(kc_desc, bufs, bars, src, start, n_tiles, PAGE: gl.constexpr, j0=0,
+                PAD: gl.constexpr = False):
     """The split's tiles, each in 9 chunks of 64 columns on barriers of their own
     (``ready[9 * slot + c]``: nope columns [64c, 64c + 64), c = 8 the rope part), in two
     groups released apart (``_release``). ``j0``: pairs copied before (two-requests); PAD:
@@ -131,26 +146,67 @@ def _load_tiles(kc_desc, bufs, bars, bt_row, start, n_tiles, last_page, PAGE: gl
     k_nope, k_rope = bufs[2:4]
     ready, empty = bars[1:3]
     BN: gl.constexpr = TILE_KEYS
-    tables = (bt_row, last_page)
     for j in range((n_tiles + 1) // 2):
         ph = ((j0 + j) & 1) ^ 1  # a fresh barrier counts as phase 1 complete: first waits pass
         key = start + 2 * j * BN
-        _load_tile(kc_desc, k_nope.index(0), k_rope.index(0), ready, empty, 0, ph, tables, key,
+        _load_tile(kc_desc, k_nope.index(0), k_rope.index(0), ready, empty, 0, ph, src, key,
                    PAGE)
         if 2 * j + 1 < n_tiles:
-            _load_tile(kc_desc, k_nope.index(1), k_rope.index(1), ready, empty, 1, ph, tables,
+            _load_tile(kc_desc, k_nope.index(1), k_rope.index(1), ready, empty, 1, ph, src,
                        key + BN, PAGE)
         elif PAD:
-            _load_tile(kc_desc, k_nope.index(1), k_rope.index(1), ready, empty, 1, ph, tables,
+            _load_tile(kc_desc, k_nope.index(1), k_rope.index(1), ready, empty, 1, ph, src,
                        key, PAGE)
 
 
 @gluon.jit
-def _load_tile(kc_desc, kn, kr, ready, empty, SLOT: gl.constexpr, ph, tables, key,
+def _load_tile(kc_desc, kn, kr, ready, empty, SLOT: gl.constexpr, ph, src, key,
                PAGE: gl.constexpr):
     """One tile into slot SLOT: its owner's V half (slot 0: columns 0-255, slot 1: 256-511)
-    once the owner released it, then the other half and the rope part. Each chunk is a box
-    a page (``tile_rows``; ``tables``: the request's block-table row and last page)."""
+    once the owner released it, then the other half and the rope part. Each chunk is a TMA
+    box, or a box a page (``tile_rows``); page 1: ``_gather_tile``."""
+    if PAGE == GATHERED:
+        _gather_tile(kn, kr, ready, empty, SLOT, ph, src, key)
+    else:
+        _copy_tile(kc_desc, kn, kr, ready, empty, SLOT, ph, src, key, PAGE)
+
+
+@gluon.jit
+def _gather_tile(kn, kr, ready, empty, SLOT: gl.constexpr, ph, src, key):
+    """``_load_tile`` of page-1 keys: each group by the loader's cp.async (``gather_into``),
+    every thread arriving on each of the group's chunk barriers (count: the loader's
+    threads) once its copies have landed; the warpgroups fence before their wgmmas read."""
+    pages = gather_pages(src[0], key, src[2], kn.shape[0], gather_layout(4))
+    for g in gl.static_range(2):
+        mbarrier.wait(_bar(empty, 2 * SLOT + g), ph)
+        fence_async_shared()  # the warpgroups' wgmmas (async proxy) read the slot last
+        # (the rows' pointers made after the wait: at 24 registers the loader holds only
+        # the pages across it)
+        rows, ok = gather_rows(pages, src[3], src[4])
+        _gather_group(kn, kr, ready, SLOT, g, rows, ok)
+
+
+@gluon.jit
+def _gather_group(kn, kr, ready, SLOT: gl.constexpr, G: gl.constexpr, rows, ok):
+    """Group G of a gathered tile in slot SLOT: V columns [256 H, + 256), H = (SLOT + G) % 2
+    (and, the second, the rope part), then each thread's arrival on their chunks' barriers,
+    due once its copies have landed."""
+    W: gl.constexpr = kr.shape[1]
+    H: gl.constexpr = (SLOT + G) % 2
+    gather_into(kn.slice(H * 4 * W, 4 * W, dim=1), rows, ok, H * 4 * W)
+    if G == 1:
+        gather_into(kr, rows, ok, kn.shape[1])
+    for i in gl.static_range(4):
+        async_copy.mbarrier_arrive(_bar(ready, 9 * SLOT + 4 * H + i), increment_count=False)
+    if G == 1:
+        async_copy.mbarrier_arrive(_bar(ready, 9 * SLOT + 8), increment_count=False)
+
+
+@gluon.jit
+def _copy_tile(kc_desc, kn, kr, ready, empty, SLOT: gl.constexpr, ph, src, key,
+               PAGE: gl.constexpr):
+    """``_load_tile`` by TMA, a box a chunk, or a box a page where pages are under a tile."""
+    tables = (src[0], src[1])
     R: gl.constexpr = kc_desc.block_type.shape[0]
     W: gl.constexpr = kc_desc.block_type.shape[1]
     N: gl.constexpr = kn.shape[0]
@@ -176,27 +232,40 @@ def _load_tile(kc_desc, kn, kr, ready, empty, SLOT: gl.constexpr, ph, tables, ke
 
 @gluon.jit
 def _scores(q_nope, q_rope, kn, kr, ready, SLOT: gl.constexpr, ph, pred,
-            s_layout: gl.constexpr):
+            s_layout: gl.constexpr, GATHER: gl.constexpr):
     """S = Q K^T of the tile in slot SLOT, each 64-column step issued as soon as its chunk
-    has landed, in the order the loader copies them (the owner's V half first, rope last)."""
+    has landed, in the order the loader copies them (the owner's V half first, rope last).
+    GATHER: the chunks were gathered by cp.async (``_landed``)."""
     W: gl.constexpr = kr.shape[1]
     BM: gl.constexpr = q_nope.shape[0]
     BN: gl.constexpr = kn.shape[0]
     s = gl.zeros([BM, BN], gl.float32, layout=s_layout)
     for c in gl.static_range(4 * SLOT, 4 * SLOT + 8):  # chunk c % 8
         mbarrier.wait(_bar(ready, 9 * SLOT + c % 8), ph, pred=pred)
+        _landed(GATHER)
         s = warpgroup_mma(q_nope.slice(c % 8 * W, W, dim=1),
                           kn.slice(c % 8 * W, W, dim=1).permute((1, 0)), s,
                           use_acc=c > 4 * SLOT, is_async=True)
     mbarrier.wait(_bar(ready, 9 * SLOT + 8), ph, pred=pred)
+    _landed(GATHER)
     return warpgroup_mma(q_rope, kr.permute((1, 0)), s, is_async=True)
 
 
 @gluon.jit
-def _wait_half(ready, SLOT: gl.constexpr, HALF: gl.constexpr, ph, pred):
+def _wait_half(ready, SLOT: gl.constexpr, HALF: gl.constexpr, ph, pred, GATHER: gl.constexpr):
     """Wait until the V half HALF (0: columns 0-255) of slot SLOT has landed."""
     for i in gl.static_range(4):
         mbarrier.wait(_bar(ready, 9 * SLOT + 4 * HALF + i), ph, pred=pred)
+    _landed(GATHER)
+
+
+@gluon.jit
+def _landed(GATHER: gl.constexpr):
+    """After a wait on a chunk the loader gathered by cp.async (GATHER: page 1), which
+    writes through the generic proxy: a proxy fence, so that this thread's wgmmas (async
+    proxy) read it."""
+    if GATHER:
+        fence_async_shared()
 
 
 @gluon.jit
@@ -255,9 +324,10 @@ def _softmax(s, qk_scale, n0, end, bounds, cols, m_i, l_i):
 
 
 @gluon.jit
-def _zero_if_last(v, n0, end):
-    """Zero the V rows past ``end`` of the tile at ``n0`` (only the last tile has any)."""
-    if n0 + v.shape[0] > end:
+def _zero_if_last(v, n0, end, GATHER: gl.constexpr):
+    """Zero the V rows past ``end`` of the tile at ``n0`` (only the last tile has any; a
+    gathered tile has zeros there already)."""
+    if not GATHER and n0 + v.shape[0] > end:
         zero_stale_rows(v, end - n0, 4)
 
 
@@ -271,16 +341,17 @@ def _halves(kn_a, kn_b, half: gl.constexpr, s_layout: gl.constexpr, o_layout: gl
 
 @gluon.jit
 def _pair_wg0(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run, acc,
-              s_layout: gl.constexpr, o_layout: gl.constexpr):
-    """WG0's half of a pair: its own tile a (slot 0), then WG1's tile b (slot 1)."""
+              s_layout: gl.constexpr, o_layout: gl.constexpr, GATHER: gl.constexpr):
+    """WG0's half of a pair: its own tile a (slot 0), then WG1's tile b (slot 1). GATHER:
+    the tiles were gathered by cp.async (page 1)."""
     q_nope, q_rope, m_buf = bufs[0], bufs[1], bufs[4]
     kn_a, kr_a, kn_b, kr_b = kv
     ready, empty, p_bars = bars[1:4]
     v_a, v_b, cols = _halves(kn_a, kn_b, 0, s_layout, o_layout)
     BN: gl.constexpr = kn_a.shape[0]
-    s = _scores(q_nope, q_rope, kn_a, kr_a, ready, 0, ph, True, s_layout)
+    s = _scores(q_nope, q_rope, kn_a, kr_a, ready, 0, ph, True, s_layout, GATHER)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-    _zero_if_last(v_a, n0, end)  # after S, which has waited for every chunk
+    _zero_if_last(v_a, n0, end, GATHER)  # after S, which has waited for every chunk
     p, m0, l_run, alpha = _softmax(s, qk_scale, n0, end, bounds, cols, m_run, l_run)
     p = p.to(kr_a.dtype)
     _publish(p, kr_a, _row_slot(m_buf, 0), m0, _bar(p_bars, 0))
@@ -294,8 +365,8 @@ def _pair_wg0(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run
     alpha = gl.exp2(m0 - no_shift(m1))
     acc = _scale_rows(acc, alpha, o_layout)
     if has_b:
-        _wait_half(ready, 1, 0, ph, True)
-        _zero_if_last(v_b, n0 + BN, end)
+        _wait_half(ready, 1, 0, ph, True, GATHER)
+        _zero_if_last(v_b, n0 + BN, end, GATHER)
         acc = warpgroup_mma(kr_b, v_b, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     _release(empty, 1, 0)
@@ -304,22 +375,24 @@ def _pair_wg0(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run
 
 @gluon.jit
 def _pair_wg1(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run, acc,
-              s_layout: gl.constexpr, o_layout: gl.constexpr, PAD: gl.constexpr):
+              s_layout: gl.constexpr, o_layout: gl.constexpr, PAD: gl.constexpr,
+              GATHER: gl.constexpr):
     """WG1's half of a pair: S of its own tile b first, WG0's P_a V_a while S_b finishes.
-    PAD: slot 1 is filled in a pair without a tile b too, and waited for."""
+    PAD: slot 1 is filled in a pair without a tile b too, and waited for; GATHER: as
+    ``_pair_wg0``'s."""
     kn_a, kr_a, kn_b, kr_b = kv
     q_nope, q_rope, m_buf = bufs[0], bufs[1], bufs[4]
     ready, empty, p_bars = bars[1:4]
     v_a, v_b, cols = _halves(kn_a, kn_b, 1, s_layout, o_layout)
     n1 = n0 + kn_a.shape[0]
     # Without a tile b (odd count), S_b reads whatever slot 1 holds: all masked (n1 >= end).
-    s = _scores(q_nope, q_rope, kn_b, kr_b, ready, 1, ph, has_b | PAD, s_layout)
-    _wait_half(ready, 0, 1, ph, True)
+    s = _scores(q_nope, q_rope, kn_b, kr_b, ready, 1, ph, has_b | PAD, s_layout, GATHER)
+    _wait_half(ready, 0, 1, ph, True, GATHER)
     mbarrier.wait(_bar(p_bars, 0), ph)
     m0 = _row_slot(m_buf, 0).load(gl.SliceLayout(1, s_layout))
     alpha = gl.exp2(m_run - no_shift(m0))
     acc = _scale_rows(acc, alpha, o_layout)
-    _zero_if_last(v_a, n0, end)
+    _zero_if_last(v_a, n0, end, GATHER)
     acc = warpgroup_mma(kr_a, v_a, acc, is_async=True)
     # wgmma groups retire in order: one outstanding leaves P_a V_a running.
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
@@ -330,7 +403,7 @@ def _pair_wg1(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run
     _release(empty, 0, 1)
     acc = _scale_rows(acc, alpha, o_layout)
     if has_b:
-        _zero_if_last(v_b, n1, end)
+        _zero_if_last(v_b, n1, end, GATHER)
         p_op = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=o_layout,
                                                         k_width=2))
         acc = warpgroup_mma(p_op, v_b, acc, is_async=True)
@@ -348,16 +421,17 @@ def _afresh(buf, zero):
 
 @gluon.jit
 def _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, WG: gl.constexpr,
-             CAUSAL: gl.constexpr, DIRECT: gl.constexpr):
+             CAUSAL: gl.constexpr, DIRECT: gl.constexpr, GATHER: gl.constexpr):
     """One compute warpgroup of the pairs form: its walk over the pairs of tiles, then its
     half of the output."""
-    acc, m_run, l_run = _walk_pairs(bufs, bars, ints, qk_scale, 0, 0, WG, CAUSAL, False)
+    acc, m_run, l_run = _walk_pairs(bufs, bars, ints, qk_scale, 0, 0, WG, CAUSAL, False,
+                                    GATHER)
     _finish(acc, m_run, l_run, bufs[5], bars[4], 0, 0, out_ptr, lse_ptr, ints, WG, DIRECT)
 
 
 @gluon.jit
 def _compute_units(bufs, bars, out_ptr, lse_ptr, ints, walk, qk_scale, WG: gl.constexpr,
-                   CAUSAL: gl.constexpr, DIRECT: gl.constexpr):
+                   CAUSAL: gl.constexpr, DIRECT: gl.constexpr, GATHER: gl.constexpr):
     """One compute warpgroup of the two-requests form (MULTI): this program's requests b0,
     b0 + n (n the grid's third size; UNITS_A_PROGRAM of them), one after another; Q of the
     next is copied while this warpgroup finishes the last one's output (``q_free``,
@@ -375,7 +449,7 @@ def _compute_units(bufs, bars, out_ptr, lse_ptr, ints, walk, qk_scale, WG: gl.co
                                             BN, CAUSAL)
             unit = (start, end, n_tiles, seq_len, rb, b) + ints[6:]  # noqa: RUF005 (JIT)
             acc, m_run, l_run = _walk_pairs(bufs, bars, unit, qk_scale, j0, k & 1, WG, CAUSAL,
-                                            True)
+                                            True, GATHER)
             gl.thread_barrier()  # the warpgroup's last S (read Q) precedes the one arrival
             mbarrier.arrive(q_free)
             _finish(acc, m_run, l_run, bufs[5], bars[4], k & 1, (k & 1) * 2, out_ptr, lse_ptr,
@@ -385,11 +459,12 @@ def _compute_units(bufs, bars, out_ptr, lse_ptr, ints, walk, qk_scale, WG: gl.co
 
 @gluon.jit
 def _walk_pairs(bufs, bars, ints, qk_scale, j0, q_phase, WG: gl.constexpr,
-                CAUSAL: gl.constexpr, PAD: gl.constexpr):
+                CAUSAL: gl.constexpr, PAD: gl.constexpr, GATHER: gl.constexpr):
     """A warpgroup's walk over the pairs of one (request, split)'s tiles: (O's half, the rows'
     max, this warpgroup's row sums). ``j0``: pairs this program walked before (the ring's
     phases); PAD (two-requests): slot 1 waited for in a pair without a tile b, which the
-    loader then fills too. Q's rope part (64 x 64) is held in registers as S's last k-steps'
+    loader then fills too; GATHER: the loader gathers the tiles by cp.async (page 1). Q's
+    rope part (64 x 64) is held in registers as S's last k-steps'
     A operand, read from shared memory once a request."""
     q_nope, k_nope, k_rope = bufs[0], bufs[2], bufs[3]
     BM: gl.constexpr = q_nope.shape[0]
@@ -420,10 +495,12 @@ def _walk_pairs(bufs, bars, ints, qk_scale, j0, q_phase, WG: gl.constexpr,
         pair_bufs = (_afresh(q_nope, j >> 30), q_rope_op, bufs[2], bufs[3], bufs[4], bufs[5])
         if WG == 0:
             acc, m_run, l_run = _pair_wg0(pair_bufs, kv, bars, ph, n0, end, has_b, bounds,
-                                          qk_scale, m_run, l_run, acc, s_layout, o_layout)
+                                          qk_scale, m_run, l_run, acc, s_layout, o_layout,
+                                          GATHER)
         else:
             acc, m_run, l_run = _pair_wg1(pair_bufs, kv, bars, ph, n0, end, has_b, bounds,
-                                          qk_scale, m_run, l_run, acc, s_layout, o_layout, PAD)
+                                          qk_scale, m_run, l_run, acc, s_layout, o_layout, PAD,
+                                          GATHER)
     return acc, m_run, l_run
 
 
@@ -488,26 +565,28 @@ def _store_lse(m_i, l_i, lse_ptr, ints, BM: gl.constexpr, DIRECT: gl.constexpr):
 
 @gluon.jit
 def _wg0(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
-         DIRECT: gl.constexpr):
-    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 0, CAUSAL, DIRECT)
+         DIRECT: gl.constexpr, GATHER: gl.constexpr):
+    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 0, CAUSAL, DIRECT, GATHER)
 
 
 @gluon.jit
 def _wg1(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
-         DIRECT: gl.constexpr):
-    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 1, CAUSAL, DIRECT)
+         DIRECT: gl.constexpr, GATHER: gl.constexpr):
+    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 1, CAUSAL, DIRECT, GATHER)
 
 
 @gluon.jit
 def _wg0_units(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
-               DIRECT: gl.constexpr, walk):
-    _compute_units(bufs, bars, out_ptr, lse_ptr, ints, walk, qk_scale, 0, CAUSAL, DIRECT)
+               DIRECT: gl.constexpr, GATHER: gl.constexpr, walk):
+    _compute_units(bufs, bars, out_ptr, lse_ptr, ints, walk, qk_scale, 0, CAUSAL, DIRECT,
+                   GATHER)
 
 
 @gluon.jit
 def _wg1_units(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
-               DIRECT: gl.constexpr, walk):
-    _compute_units(bufs, bars, out_ptr, lse_ptr, ints, walk, qk_scale, 1, CAUSAL, DIRECT)
+               DIRECT: gl.constexpr, GATHER: gl.constexpr, walk):
+    _compute_units(bufs, bars, out_ptr, lse_ptr, ints, walk, qk_scale, 1, CAUSAL, DIRECT,
+                   GATHER)
 
 
 @gluon.jit(do_not_specialize=["num_splits", "qlen", "heads", "batch"])
@@ -516,6 +595,7 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's parts; the cac
                   bt_ptr, seq_lens_ptr, out_ptr, lse_ptr, num_splits, qlen, heads, qk_scale,
                   stride_bt, stride_o_tok, stride_o_head, stride_lse_tok,  # direct out
                   stride_po_slot, stride_po_row, stride_pl_slot,  # fp32 partials
+                  kv_ptr, stride_kv,  # the cache's rows, where page-1 keys are gathered
                   CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PAGE: gl.constexpr,
                   PDL: gl.constexpr, MULTI: gl.constexpr, num_warps: gl.constexpr, batch=1):
     BM: gl.constexpr = qn_desc.block_type.shape[0]
@@ -544,8 +624,9 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's parts; the cac
     if MULTI:  # both warpgroups are done with a request's Q
         q_free = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
         mbarrier.init(q_free, count=2)
-    for i in gl.static_range(18):
-        mbarrier.init(_bar(ready, i), count=1)
+    GATHER: gl.constexpr = PAGE == GATHERED
+    for i in gl.static_range(18):  # TMA: one expecting arrival; gathered: each loader thread's
+        mbarrier.init(_bar(ready, i), count=32 * num_warps if GATHER else 1)
     for i in gl.static_range(4):
         mbarrier.init(_bar(empty, i), count=1)  # one warpgroup reads each group last
     for i in gl.static_range(2):
@@ -557,27 +638,29 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's parts; the cac
     ints = (start, end, n_tiles, seq_len, rb, b, split, num_splits, qlen, heads,
             stride_o_tok, stride_o_head, stride_lse_tok, stride_po_slot, stride_po_row,
             stride_pl_slot)
-    bt_row = bt_ptr + b.to(gl.int64) * stride_bt
     q_row = b * qlen * heads + rb * BM
-    compute_args = (bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL, DIRECT)
+    compute_args = (bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL, DIRECT, GATHER)
+    REGS: gl.constexpr = GATHER_COMPUTE_REGS if GATHER else COMPUTE_REGS
     # The loader is the default partition: as workers, both compute warpgroups get the
     # same register budget and take their scalars from shared memory alike.
     if MULTI:
         walk = (seq_lens_ptr, batch, q_free)
-        units_args = (bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL, DIRECT, walk)
+        units_args = (bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL, DIRECT, GATHER,
+                      walk)
         gl.warp_specialize([
-            (_loader_units, ((qn_desc, qr_desc, kn_desc, kr_desc), bufs, bars, bt_ptr,
-                             stride_bt, ints, walk, PAGE, CAUSAL)),
+            (_loader_units, ((qn_desc, qr_desc, kn_desc, kr_desc), bufs, bars,
+                             (bt_ptr, stride_bt, kv_ptr, stride_kv), ints, walk, PAGE, CAUSAL)),
             (_wg0_units, units_args),
             (_wg1_units, units_args),
-        ], [4, 4], [COMPUTE_REGS, COMPUTE_REGS])
+        ], [4, 4], [REGS, REGS])
     else:
         gl.warp_specialize([
-            (_loader, ((qn_desc, qr_desc, kn_desc, kr_desc), bufs, bars, bt_row, q_row, start,
-                       n_tiles, (seq_len - 1) // PAGE, PAGE)),
+            (_loader, ((qn_desc, qr_desc, kn_desc, kr_desc), bufs, bars,
+                       (bt_ptr + b.to(gl.int64) * stride_bt, (seq_len - 1) // PAGE, end,
+                        kv_ptr, stride_kv), q_row, start, n_tiles, PAGE)),
             (_wg0, compute_args),
             (_wg1, compute_args),
-        ], [4, 4], [COMPUTE_REGS, COMPUTE_REGS])
+        ], [4, 4], [REGS, REGS])
 
 
 # Host side -------------------------------------------------------------------------------
@@ -626,15 +709,17 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
              _chunk_descriptor(kv_cache))
     head = (*descs, block_table, seq_lens)
     sizes = (num_splits, qlen, heads, sm_scale * LOG2E, block_table.stride(0))
+    cache = (kv_cache, kv_cache.stride(1))
     meta = dict(CAUSAL=causal and qlen > 1, PAGE=page, MULTI=multi, batch=batch,
                 **compile_options(NUM_WARPS, MAXNREG))
     if num_splits == 1:
-        args = (*head, out, lse, *sizes, out.stride(0), out.stride(1), lse.stride(0), 0, 0, 0)
+        args = (*head, out, lse, *sizes, out.stride(0), out.stride(1), lse.stride(0), 0, 0, 0,
+                *cache)
         return (lambda: seesaw_kernel[grid](*args, DIRECT=True, PDL=False, **meta)), out, lse
 
     part_out, part_lse, reduce = partials_and_merge(out, lse, batch, num_splits, qlen, pdl=True)
     args = (*head, part_out, part_lse, *sizes, 0, 0, 0, part_out.stride(0), part_out.stride(1),
-            part_lse.stride(0))
+            part_lse.stride(0), *cache)
 
     def launch_split() -> None:
         seesaw_kernel[grid](*args, DIRECT=False, PDL=True, **meta)
@@ -667,6 +752,6 @@ def aot_compile(dtype: str = "bf16", *, direct: bool = True, causal: bool = True
                   kn_desc=(dtype, kv_box_rows(page), D_NOPE),
                   kr_desc=(dtype, kv_box_rows(page), D_ROPE))
     pointers = dict(bt_ptr="i32", seq_lens_ptr="i32", out_ptr=dtype if direct else "fp32",
-                    lse_ptr="fp32")
+                    lse_ptr="fp32", kv_ptr=dtype)
     return aot_compile_kernel(seesaw_kernel, constants, blocks, pointers, arch=arch,
                               num_warps=NUM_WARPS, maxnreg=MAXNREG)

@@ -7,7 +7,8 @@ wide whatever the problem has; at 16 heads x 1 token three quarters of every pro
 padding. Here S^T = K Q^T has the tile's 64 keys as M and 16 or 32 query rows (heads x qlen
 folded) as N, and O^T = V^T P^T the 512 latent dims as M: no padding. Per program: BR query
 rows of one request and one split of its keys; one warpgroup, no warp specialization: a ring
-of two TMA-copied 64-key tiles keeps the next tile in flight while this one is computed.
+of two 64-key tiles (TMA-copied; at page 1 gathered by the threads' cp.async) keeps the next
+tile in flight while this one is computed.
 P^T goes through shared memory; stale slots past the split's end have their V rows zeroed.
 One split writes out and the natural-log LSE; more write fp32 partials, merged by the last
 split of a row block to arrive (up to ``MERGE_IN_KERNEL_MAX_SPLITS``) or by
@@ -33,20 +34,24 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from mlatune.kernels import gluon_hopper_plan as plan
 from mlatune.kernels.gluon_common import (
+    GATHERED,
     GL_DTYPES,
     TILE_KEYS,
     aot_compile_kernel,
     combine_partials,
     compile_options,
+    drain_tiles,
+    first_pages,
     gluon_available,
-    issue_kv,
     last_keys,
     online_softmax,
     outputs_and_splits,
     partials_and_merge,
     program_keys,
+    start_tile,
     store_row_lse,
     tma_descriptors,
+    wait_tile,
     zero_stale_rows,
 )
 from mlatune.kernels.gluon_hopper_plan import D_NOPE, D_ROPE, kv_box_rows, page_refusal
@@ -141,21 +146,22 @@ def _merge_if_last(ptrs, counter_ptr, ints, BR: gl.constexpr, DN: gl.constexpr,
 
 
 @gluon.jit
-def _start_copies(descs, q_bufs, ring, q_bar, ready, bt_row, q_row, start, n_tiles,
-                  last_page, PAGE: gl.constexpr):
-    """Q's TMA copy and the first tiles' (all the ring's slots but one; ``last_page``: the
-    request's, ``page_row``); returns the request's block-table row."""
-    qn_desc, qr_desc, kn_desc, kr_desc = descs
+def _start_copies(descs, q_bufs, ring, q_bar, ready, src, q_row, start, n_tiles,
+                  PAGE: gl.constexpr, num_warps: gl.constexpr):
+    """Q's TMA copy and the first tiles' (all the ring's slots but one; ``src``: as
+    ``start_tile``'s); returns the pages of the next tile to copy (page 1)."""
+    qn_desc, qr_desc = descs[:2]
     k_nope, k_rope = ring
     STAGES: gl.constexpr = k_nope.shape[0]
     BN: gl.constexpr = k_nope.shape[1]
     mbarrier.expect(q_bar, qn_desc.block_type.nbytes + qr_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(qn_desc, [q_row, 0], q_bar, q_bufs[0])
     tma.async_copy_global_to_shared(qr_desc, [q_row, 0], q_bar, q_bufs[1])
+    pages = first_pages(src, start, BN, PAGE, num_warps)
     for i in gl.static_range(STAGES - 1):
-        issue_kv(kn_desc, kr_desc, k_nope.index(i), k_rope.index(i), ready.index(i), bt_row,
-                 start + i * BN, last_page, i < n_tiles, PAGE)
-    return bt_row
+        pages = start_tile(descs[2:], k_nope.index(i), k_rope.index(i), ready.index(i), src,
+                           start + i * BN, i < n_tiles, pages, PAGE, num_warps)
+    return pages
 
 
 @gluon.jit(do_not_specialize=["num_splits", "qlen", "heads"])
@@ -165,6 +171,7 @@ def transposed_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the ca
                       num_splits, qlen, heads, qk_scale,
                       stride_bt, stride_o_tok, stride_o_head, stride_lse_tok,  # direct out
                       stride_po_slot, stride_po_row, stride_pl_slot,  # fp32 partials
+                      kv_ptr, stride_kv,  # the cache's rows, where page-1 keys are gathered
                       CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PAGE: gl.constexpr,
                       STAGES: gl.constexpr, MERGE: gl.constexpr, PDL: gl.constexpr,
                       num_warps: gl.constexpr):
@@ -190,10 +197,10 @@ def transposed_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the ca
         mbarrier.init(ready.index(i), count=1)
     fence_async_shared()
 
-    last_page = (seq_len - 1) // PAGE
-    bt_row = _start_copies((qn_desc, qr_desc, kn_desc, kr_desc), (q_nope, q_rope),
-                           (k_nope, k_rope), q_bar, ready, bt_ptr + b.to(gl.int64) * stride_bt,
-                           b * qlen * heads + rb * BR, start, n_tiles, last_page, PAGE)
+    src = (bt_ptr + b.to(gl.int64) * stride_bt, (seq_len - 1) // PAGE, end, kv_ptr, stride_kv)
+    pages = _start_copies((qn_desc, qr_desc, kn_desc, kr_desc), (q_nope, q_rope),
+                          (k_nope, k_rope), q_bar, ready, src, b * qlen * heads + rb * BR,
+                          start, n_tiles, PAGE, num_warps)
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BR, 16])
@@ -213,18 +220,19 @@ def transposed_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the ca
         # The slot was touched through the generic proxy (rows zeroed) before this TMA write
         # (async proxy).
         fence_async_shared()
-        issue_kv(kn_desc, kr_desc, k_nope.index(nxt % STAGES), k_rope.index(nxt % STAGES),
-                 ready.index(nxt % STAGES), bt_row, start + nxt * BN, last_page,
-                 nxt < n_tiles, PAGE)
+        pages = start_tile((kn_desc, kr_desc), k_nope.index(nxt % STAGES),
+                           k_rope.index(nxt % STAGES), ready.index(nxt % STAGES), src,
+                           start + nxt * BN, nxt < n_tiles, pages, PAGE, num_warps)
         slot = i % STAGES
-        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        wait_tile(ready.index(slot), (i // STAGES) & 1, STAGES - 1, PAGE)
         n0 = start + i * BN
         kn = k_nope.index(slot)
         kr = k_rope.index(slot)
-        if n0 + BN > end:
+        if PAGE != GATHERED and n0 + BN > end:  # (gathered rows past the end are zeros)
             zero_stale_rows(kn, end - n0, num_warps)
         acc, m_i, l_i = _tile(q_nope, q_rope, kn, kr, p_buf, n0, end, last_pos, keys, qk,
                               m_i, l_i, acc, s_layout, o_layout)
+    drain_tiles(PAGE)
 
     ints = (rb, b, split, num_splits, qlen, heads, stride_o_tok, stride_o_head, stride_lse_tok,
             stride_po_slot, stride_po_row, stride_pl_slot)
@@ -315,18 +323,21 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     meta = dict(CAUSAL=causal and qlen > 1, PAGE=page, STAGES=STAGES,
                 **compile_options(NUM_WARPS))
     descs = tma_descriptors(q, kv_cache, plan.transposed_rows(qlen * heads), kv_box_rows(page))
-    return launch(transposed_kernel, descs, q, block_table, seq_lens, kv_scale, out, lse,
+    return launch(transposed_kernel, descs, q, kv_cache, block_table, seq_lens, kv_scale, out,
+                  lse,
                   qlen=qlen, sm_scale=sm_scale, num_splits=num_splits,
                   max_seq_len=max_seq_len, meta=meta)
 
 
-def launch(kernel, descs: tuple, q: torch.Tensor, block_table: torch.Tensor,
-           seq_lens: torch.Tensor, kv_scale: torch.Tensor | None, out: torch.Tensor | None,
-           lse: torch.Tensor | None, *, qlen: int, sm_scale: float, num_splits: int | None,
-           max_seq_len: int | None, meta: dict, per_program: float = 0.0
+def launch(kernel, descs: tuple, q: torch.Tensor, kv_cache: torch.Tensor,
+           block_table: torch.Tensor, seq_lens: torch.Tensor, kv_scale: torch.Tensor | None,
+           out: torch.Tensor | None, lse: torch.Tensor | None, *, qlen: int, sm_scale: float,
+           num_splits: int | None, max_seq_len: int | None, meta: dict,
+           per_program: float = 0.0
            ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
     """A transposed kernel's launch (this module's, ``gluon_transposed_ws``'s or
-    ``gluon_transposed_fp8``'s: they take the same arguments), with out and LSE; without
+    ``gluon_transposed_fp8``'s: they take the same arguments; the cache itself is read where
+    a kernel gathers page-1 keys), with out and LSE; without
     ``num_splits``, ``pick_splits`` with the kernel's ``per_program``. Split partials are
     merged in the kernel up to ``MERGE_IN_KERNEL_MAX_SPLITS`` splits (its arrival counter is
     this launch's own, so two of its launches must not run at once), else by the reduce
@@ -341,8 +352,9 @@ def launch(kernel, descs: tuple, q: torch.Tensor, block_table: torch.Tensor,
     head = (*descs, block_table, seq_lens, kv_scale, out, lse)
     sizes = (num_splits, qlen, heads, sm_scale * LOG2E, block_table.stride(0), out.stride(0),
              out.stride(1), lse.stride(0))
+    cache = (kv_cache, kv_cache.stride(1))
     if num_splits == 1:
-        args = (*head, out, lse, kv_scale, *sizes, 0, 0, 0)  # no partials, no counter
+        args = (*head, out, lse, kv_scale, *sizes, 0, 0, 0, *cache)  # no partials, no counter
         return (lambda: kernel[grid](*args, DIRECT=True, MERGE=False, PDL=False, **meta)), \
             out, lse
 
@@ -354,7 +366,7 @@ def launch(kernel, descs: tuple, q: torch.Tensor, block_table: torch.Tensor,
     counter = torch.zeros(batch * row_blocks if in_kernel else 1, dtype=torch.int32,
                           device=q.device)
     args = (*head, part_out, part_lse, counter, *sizes, part_out.stride(0), part_out.stride(1),
-            part_lse.stride(0))
+            part_lse.stride(0), *cache)
     if in_kernel:
         return (lambda: kernel[grid](*args, DIRECT=False, MERGE=True, PDL=False, **meta)), \
             out, lse
@@ -378,7 +390,7 @@ def aot_compile(dtype: str = "bf16", *, rows: int = 16, direct: bool = True,
     return aot_compile_kernel(transposed_kernel, constants,
                               _blocks(dtype, dtype, plan.transposed_rows(rows),
                                       kv_box_rows(page)),
-                              _pointers(dtype), arch=arch, num_warps=NUM_WARPS)
+                              _pointers(dtype, dtype), arch=arch, num_warps=NUM_WARPS)
 
 
 def split_constants(direct: bool, merge: bool) -> dict:
@@ -392,7 +404,9 @@ def _blocks(dtype: str, kv: str, q_rows: int, kv_rows: int) -> dict:
                 kn_desc=(kv, kv_rows, D_NOPE), kr_desc=(kv, kv_rows, D_ROPE))
 
 
-def _pointers(dtype: str) -> dict:
-    """The pointer arguments' element types, for ``aot_compile_kernel``."""
-    return dict(bt_ptr="i32", seq_lens_ptr="i32", kv_scale_ptr="fp32", out_ptr=dtype,
-                lse_ptr="fp32", part_out_ptr="fp32", part_lse_ptr="fp32", counter_ptr="i32")
+def _pointers(dtype: str, kv: str) -> dict:
+    """The pointer arguments' element types (q's ``dtype``, the cache's ``kv``), for
+    ``aot_compile_kernel``."""
+    return dict(kv_ptr={"fp8": "fp8e4nv"}.get(kv, kv), bt_ptr="i32", seq_lens_ptr="i32",
+                kv_scale_ptr="fp32", out_ptr=dtype, lse_ptr="fp32", part_out_ptr="fp32",
+                part_lse_ptr="fp32", counter_ptr="i32")

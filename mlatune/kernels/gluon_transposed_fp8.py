@@ -347,6 +347,7 @@ def transposed_fp8_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and th
                           num_splits, qlen, heads, qk_scale,
                           stride_bt, stride_o_tok, stride_o_head, stride_lse_tok,
                           stride_po_slot, stride_po_row, stride_pl_slot,
+                          kv_ptr, stride_kv,  # the cache's rows (read by TMA alone here)
                           CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PAGE: gl.constexpr,
                           STAGES: gl.constexpr, MERGE: gl.constexpr, PDL: gl.constexpr,
                           num_warps: gl.constexpr):
@@ -429,8 +430,8 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     meta = dict(CAUSAL=causal and qlen > 1, PAGE=page, STAGES=ring_stages(rows),
                 **compile_options(base.NUM_WARPS, MAXNREG))
     descs = tma_descriptors(q, kv_cache, rows, kv_box_rows(page))
-    return base.launch(transposed_fp8_kernel, descs, q, block_table, seq_lens, kv_scale, out,
-                       lse, qlen=qlen, sm_scale=sm_scale, num_splits=num_splits,
+    return base.launch(transposed_fp8_kernel, descs, q, kv_cache, block_table, seq_lens,
+                       kv_scale, out, lse, qlen=qlen, sm_scale=sm_scale, num_splits=num_splits,
                        max_seq_len=max_seq_len, meta=meta,
                        per_program=plan.FP8_MMA_PROGRAM_COST)
 
@@ -445,5 +446,5 @@ def aot_compile(dtype: str = "bf16", *, rows: int = 16, direct: bool = True,
                      **base.split_constants(direct, merge), num_warps=base.NUM_WARPS)
     return aot_compile_kernel(transposed_fp8_kernel, constants,
                               base._blocks(dtype, "fp8", br, kv_box_rows(page)),
-                              base._pointers(dtype),
+                              base._pointers(dtype, "fp8"),
                               arch=arch, num_warps=base.NUM_WARPS, maxnreg=MAXNREG)

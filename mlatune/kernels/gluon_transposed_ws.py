@@ -197,6 +197,7 @@ def transposed_ws_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # kn/kr: 32-key fp
                          num_splits, qlen, heads, qk_scale,
                          stride_bt, stride_o_tok, stride_o_head, stride_lse_tok,
                          stride_po_slot, stride_po_row, stride_pl_slot,
+                         kv_ptr, stride_kv,  # the cache's rows (read by TMA alone here)
                          CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PAGE: gl.constexpr,
                          WIDEN_COLS: gl.constexpr, MERGE: gl.constexpr,
                          PDL: gl.constexpr, num_warps: gl.constexpr):
@@ -273,8 +274,8 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                 **compile_options(4, MAXNREG))
     descs = tma_descriptors(q, kv_cache, plan.transposed_rows(qlen * heads),
                             kv_box_rows(page, HALF))
-    return base.launch(transposed_ws_kernel, descs, q, block_table, seq_lens, kv_scale, out,
-                       lse, qlen=qlen, sm_scale=sm_scale, num_splits=num_splits,
+    return base.launch(transposed_ws_kernel, descs, q, kv_cache, block_table, seq_lens,
+                       kv_scale, out, lse, qlen=qlen, sm_scale=sm_scale, num_splits=num_splits,
                        max_seq_len=max_seq_len, meta=meta)
 
 
@@ -288,4 +289,4 @@ def aot_compile(dtype: str = "bf16", *, rows: int = 16, direct: bool = True,
     return aot_compile_kernel(transposed_ws_kernel, constants,
                               base._blocks(dtype, "fp8", plan.transposed_rows(rows),
                                            kv_box_rows(page, HALF)),
-                              base._pointers(dtype), arch=arch, num_warps=4, maxnreg=MAXNREG)
+                              base._pointers(dtype, "fp8"), arch=arch, num_warps=4, maxnreg=MAXNREG)

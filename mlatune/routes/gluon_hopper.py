@@ -13,8 +13,8 @@ one of a form that became a route of its own through ``route_of``.
 
 Which problems they serve is the capability model's (``capability.rules``, the
 ``wgmma.*`` rules: sm_90, decode, 576/512 dims, the pages ``plan.page_refusal`` allows,
-bf16 or fp16 q and cache, no causal verify over a DCP shard; ``transposed.dtypes`` lets the transposed
-kernel take an fp8 e4m3 cache too); ``supports`` adds what only the
+bf16 or fp16 q and cache, no causal verify over a DCP shard; ``transposed.dtypes`` lets
+the transposed kernel take an fp8 e4m3 cache too); ``supports`` adds what only the
 machine can say: the installed triton must be the 3.6 release whose Gluon API
 the kernel is written for (refused like a missing library, naming the version).
 
