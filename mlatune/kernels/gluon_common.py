@@ -215,8 +215,8 @@ def issue_kv(kn_desc, kr_desc, kn_buf, kr_buf, bar, bt_row, key, last_page, pred
 
 @constexpr_function
 def gather_layout(num_warps):
-    """The layout of a page-1 gather's [keys, 64] 16-bit chunk: 16 bytes a thread, 8 lanes a
-    row (a 128-byte swizzle atom's row), the warps down the keys."""
+    """The layout of a page-1 gather of 16-bit [keys, columns]: 16 bytes a thread, 8 lanes
+    across 64 columns (a 128-byte swizzle atom's row), the warps down the keys."""
     return gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
 
 
