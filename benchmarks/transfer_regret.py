@@ -2,35 +2,45 @@
 table never measured, judged against measured tables, on the CPU.
 
     python benchmarks/transfer_regret.py [--h100 T] [--h200 T] [--crossed T] [--show N]
-                                         [--accuracy strict]
+                                         [--accuracy strict] [--trust X | --choose-trust]
 
 - transfer: one GPU's table alone (its times rescaled by ``laws.transfer_times`` to the
-  other model's datasheet figures) answers the other GPU's measured problems; against
-  today's behaviour, the same table's picks used as they are;
+  other model's datasheet figures, ``--trust`` of the laws' movement) answers the other
+  GPU's measured problems; against today's behaviour, the same table's picks used as they
+  are. ``--choose-trust`` judges it at each trust of 0, 1/8, ..., 1 and says which each
+  half of the problems chooses (how ``laws.TRUST`` was chosen);
 - crossed: the dispatcher loaded from the H100 table answers the crossed-category problems
   of the held-out H100 sweep (heads, page size, qlen and cache dtype combined as the grid
   did not), and the unmeasured head counts (12, 24, 48, 96).
 
 Regret = the step cost of the pick's route as measured in the target table (its best
 parameter set there) over the best step cost measured there, both among the rows the
-accuracy policy admits, minus 1: geometric mean and worst per band (heads x batch). A pick
-whose route the target did not time there (pruned, failed, held back by the policy) is
-counted apart ("untimed"). Numbers only.
+accuracy policy admits, minus 1: geometric mean and worst, decode and prefill apart, on all
+problems and on each half of them (a hash of the problem's key: ``half``), then per band
+(heads x batch). A pick whose route the target did not time there (pruned, failed, held
+back by the policy) is counted apart ("untimed"). A target problem where a route its
+table's REBUILD.md lists under "Stale" has a row is left out (its truth is not one), with
+the reason printed. The worst decode cases show each competing route's time in the source
+table, carried to the target and measured there. Numbers only.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
+import re
 import tempfile
 from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 from mlatune import table
-from mlatune.dispatch import Dispatcher, device_for_arch
-from mlatune.dispatch.laws import transfer_times
+from mlatune.dispatch import Choice, Dispatcher, device_for_arch
+from mlatune.dispatch.laws import TRUST, transfer_times
 from mlatune.dispatch.loading import registered_routes
 from mlatune.hardware import described as table_hardware
 from mlatune.problem import MLAProblem
@@ -42,6 +52,17 @@ H100 = ROOT / "tables/sm_90-h100.parquet"
 H200 = ROOT / "tables/sm_90-h200.parquet"
 CROSSED = ROOT / "tables/journals/sm_90-h100/heldout/sm_90-crossed.parquet"
 NEW_HEADS = (12, 24, 48, 96)
+SHOWN_ROUTES = 3  # the source's and the target's fastest routes shown at a worst case
+FIGURES = ("bandwidth_gbs", "tensor_tflops", "sm_count", "sm_clock_mhz")  # what laws read
+DIRECTIONS = (("H200", "H100"), ("H100", "H200"))
+TRUSTS = tuple(i / 8 for i in range(9))
+
+
+class Judged(NamedTuple):
+    problem: MLAProblem
+    choice: Choice
+    regret: float  # NaN: the target did not time the pick's route there
+    best: Choice  # the target's fastest route there
 
 
 def load(path: Path, accuracy: str, device: tuple | None = None) -> Dispatcher:
@@ -50,14 +71,27 @@ def load(path: Path, accuracy: str, device: tuple | None = None) -> Dispatcher:
                            accuracy=accuracy)
 
 
-def transferred(path: Path, target: Path, out: Path) -> Path:
+def transferred(path: Path, target: Path, out: Path, trust: float, say: bool = True) -> Path:
     """``path``'s table with its times rescaled to ``target``'s GPU model."""
     frame = table.read(path)
     source = table_hardware(*_device(frame))
     goal = table_hardware(*_device(table.read(target)))
-    frame = frame.assign(time_us=transfer_times(frame, registered_routes(), source, goal))
+    if say:
+        print(f"{source.name} -> {goal.name}: " + ", ".join(
+            f"{what} {getattr(source, what)} -> {getattr(goal, what)}" for what in FIGURES)
+            + f"; trust {trust}")
+    frame = frame.assign(time_us=transfer_times(frame, registered_routes(), source, goal,
+                                                trust))
     table.write(assign_ranks(frame), out)
     return out
+
+
+def carried(tables: dict[str, Path], loaded: dict[str, Dispatcher], src: str, dst: str,
+            trust: float, tmp: str, say: bool = True) -> Dispatcher:
+    """The ``src`` table carried to ``dst``'s model, answering as if loaded on ``src``'s."""
+    moved = transferred(tables[src], tables[dst], Path(tmp) / f"{src}-as-{dst}.parquet",
+                        trust, say)
+    return load(moved, loaded[src].accuracy.name, loaded[src].table_device)
 
 
 def _device(frame) -> tuple[str, str, int]:
@@ -65,13 +99,42 @@ def _device(frame) -> tuple[str, str, int]:
     return str(name), str(arch), int(cus)
 
 
-def band(problem: MLAProblem) -> str:
-    size = "b1-4" if problem.batch <= 4 else "b8-32" if problem.batch <= 32 else "b64+"
-    return f"{problem.phase[:3]} h{problem.num_heads} {size}"
+def half(problem: MLAProblem) -> int:
+    """Which half of the problems ``problem`` falls in (a hash of its key: 0 or 1)."""
+    return hashlib.sha256(problem.key.encode()).digest()[0] & 1
 
 
-def judge(picker: Dispatcher, target: Dispatcher, problems) -> list[tuple]:
-    """Per problem (problem, pick, its source, regret or NaN, best route, best time)."""
+def stale(path: Path) -> tuple[frozenset[str], str]:
+    """The routes a table's REBUILD.md (``tables/journals/<table name>/REBUILD.md``) lists
+    under a heading beginning "Stale", and that section's first sentence."""
+    notes = path.parent / "journals" / path.stem / "REBUILD.md"
+    if not notes.is_file():
+        return frozenset(), ""
+    section = re.search(r"^##\s*Stale\b[^\n]*\n(.*?)(?=^## |\Z)", notes.read_text(),
+                        re.S | re.M)
+    if section is None:
+        return frozenset(), ""
+    text = " ".join(section.group(1).split())
+    named = set(re.findall(r"`([\w.-]+/[\w.-]+)`", text)) & set(registered_routes())
+    return frozenset(named), text.split(". ")[0]
+
+
+def truthful(target: Dispatcher, path: Path, label: str) -> list[MLAProblem]:
+    """The target's measured problems less those where a stale route has a row (printed)."""
+    routes, why = stale(path)
+    problems = [MLAProblem.from_key(k) for k in target._winner]
+    kept = [p for p in problems
+            if not routes & {c.route_id for c in target._ranked(p.key)}]
+    if len(kept) < len(problems):
+        phases = Counter(p.phase for p in problems if p not in kept)
+        print(f"{label}: {len(problems) - len(kept)} problems left out ({dict(phases)}): "
+              f"{', '.join(sorted(routes))} rows there are stale ({path.name}'s REBUILD.md: "
+              f"{why})")
+    return kept
+
+
+def judge(picker: Dispatcher, target: Dispatcher, problems: Iterable[MLAProblem]
+          ) -> list[Judged]:
     out = []
     for problem in problems:
         ranked = target._ranked(problem.key)
@@ -80,25 +143,42 @@ def judge(picker: Dispatcher, target: Dispatcher, problems) -> list[tuple]:
         choice = picker.select(problem)
         timed = {c.route_id: c.time_us for c in ranked}
         pick = timed.get(choice.route_id, math.nan)
-        out.append((problem, choice, pick / ranked[0].time_us - 1, ranked[0]))
+        out.append(Judged(problem, choice, pick / ranked[0].time_us - 1, ranked[0]))
     return out
 
 
-def summary(label: str, judged: list[tuple]) -> None:
-    regrets = np.array([j[2] for j in judged])
+def figures(judged: list[Judged]) -> str:
+    regrets = np.array([j.regret for j in judged])
     timed = regrets[~np.isnan(regrets)]
-    sources = Counter(j[1].source for j in judged)
-    print(f"{label}: {len(judged)} problems, {len(timed)} timed; geomean "
-          f"+{100 * math.expm1(np.log1p(timed).mean()):.2f}%, worst +{100 * timed.max():.1f}%, "
-          f"over 10%: {int((timed > 0.1).sum())}; untimed picks {len(regrets) - len(timed)}; "
-          f"answered by {dict(sources)}")
+    if not len(timed):
+        return f"{len(judged)} problems, none timed"
+    return (f"{len(judged)} problems, {len(timed)} timed; geomean "
+            f"+{100 * math.expm1(np.log1p(timed).mean()):.2f}%, worst +{100 * timed.max():.1f}%, "
+            f"over 10%: {int((timed > 0.1).sum())}; untimed picks {len(regrets) - len(timed)}")
 
 
-def by_band(judged: list[tuple]) -> None:
+def summary(label: str, judged: list[Judged]) -> None:
+    """Per phase: all problems, then each half."""
+    for phase in ("decode", "prefill"):
+        mine = [j for j in judged if j.problem.phase == phase]
+        if not mine:
+            continue
+        sources = Counter(j.choice.source for j in mine)
+        print(f"{label}, {phase}: {figures(mine)}; answered by {dict(sources)}")
+        for h in (0, 1):
+            print(f"    half {h}: {figures([j for j in mine if half(j.problem) == h])}")
+
+
+def band(problem: MLAProblem) -> str:
+    size = "b1-4" if problem.batch <= 4 else "b8-32" if problem.batch <= 32 else "b64+"
+    return f"{problem.phase[:3]} h{problem.num_heads} {size}"
+
+
+def by_band(judged: list[Judged]) -> None:
     groups: dict[str, list[float]] = defaultdict(list)
-    for problem, _, regret, _ in judged:
-        if not math.isnan(regret):
-            groups[band(problem)].append(regret)
+    for j in judged:
+        if not math.isnan(j.regret):
+            groups[band(j.problem)].append(j.regret)
     for name, values in sorted(groups.items(), key=lambda g: _band_order(g[0])):
         v = np.array(values)
         print(f"    {name:16s} n={len(v):4d} geomean +{100 * math.expm1(np.log1p(v).mean()):6.2f}%"
@@ -110,21 +190,109 @@ def _band_order(name: str) -> tuple:
     return phase, int(heads[1:]), ["b1-4", "b8-32", "b64+"].index(size)
 
 
-def worst(judged: list[tuple], count: int) -> None:
-    timed = sorted((j for j in judged if not math.isnan(j[2])), key=lambda j: -j[2])
-    untimed = [j for j in judged if math.isnan(j[2])]
-    for problem, choice, regret, best in timed[:count] + untimed[:count]:
-        shown = "untimed" if math.isnan(regret) else f"+{100 * regret:.1f}%"
-        print(f"    {problem.label:50s} pick {choice.route_id:17s} ({choice.source}) "
-              f"{shown:>8s}  best {best.route_id} {best.time_us:.4g} us")
+Times = Callable[[MLAProblem], list[tuple[str, float]]]  # (route, us), fastest first
 
 
-def report(label: str, judged: list[tuple], show: int) -> None:
+def measured(dispatcher: Dispatcher) -> Times:
+    return lambda p: [(c.route_id, c.time_us) for c in dispatcher._ranked(p.key)]
+
+
+def estimated(dispatcher: Dispatcher) -> Times:
+    return lambda p: [(c.route_id, c.time_us) for c in dispatcher.estimates(p)]
+
+
+def worst(judged: list[Judged], count: int, sides: dict[str, Times] | None = None) -> None:
+    """The ``count`` worst decode picks, then untimed ones; with ``sides`` (name -> each
+    route's time: in the source, carried, in the target) each competing route's times."""
+    decode = [j for j in judged if j.problem.phase == "decode"]
+    timed = sorted((j for j in decode if not math.isnan(j.regret)), key=lambda j: -j.regret)
+    untimed = [j for j in decode if math.isnan(j.regret)]
+    for j in timed[:count] + untimed[:count]:
+        shown = "untimed" if math.isnan(j.regret) else f"+{100 * j.regret:.1f}%"
+        print(f"    {j.problem.label:50s} pick {j.choice.route_id:17s} ({j.choice.source}) "
+              f"{shown:>8s}  best {j.best.route_id} {j.best.time_us:.4g} us")
+        if sides:
+            competing(j, sides)
+
+
+def competing(j: Judged, sides: dict[str, Times]) -> None:
+    """The pick's, the best's and each side's fastest routes' times (us) at ``j``, and the
+    last side's over the first's."""
+    ranked = {name: times(j.problem) for name, times in sides.items()}
+    routes = [j.choice.route_id, j.best.route_id]
+    for found in ranked.values():
+        routes += [r for r, _ in found[:SHOWN_ROUTES]]
+    times = {name: dict(reversed(found)) for name, found in ranked.items()}  # each's fastest
+    first, last = next(iter(sides)), list(sides)[-1]
+    for route_id in dict.fromkeys(routes):
+        cells = "  ".join(f"{name} {times[name].get(route_id, math.nan):8.4g}"
+                          for name in sides)
+        ratio = times[last].get(route_id, math.nan) / times[first].get(route_id, math.nan)
+        print(f"        {route_id:22s} {cells}  {last}/{first} {ratio:5.3f}")
+
+
+def report(label: str, judged: list[Judged], show: int,
+           sides: dict[str, Times] | None = None) -> None:
     summary(label, judged)
     by_band(judged)
     if show:
-        print("  worst:")
-        worst(judged, show)
+        print("  worst decode:")
+        worst(judged, show, sides)
+
+
+def transfer(tables: dict[str, Path], loaded: dict[str, Dispatcher], args) -> None:
+    """Each table answering the other GPU, carried by the laws and as it is."""
+    with tempfile.TemporaryDirectory() as tmp:
+        for src, dst in DIRECTIONS:
+            picker = carried(tables, loaded, src, dst, args.trust, tmp)
+            problems = truthful(loaded[dst], tables[dst], f"{src} -> {dst}")
+            sides = {src: measured(loaded[src]), "carried": measured(picker),
+                     dst: measured(loaded[dst])}
+            report(f"{src} table transferred -> {dst}", judge(picker, loaded[dst], problems),
+                   args.show, sides)
+            report(f"{src} table as it is on {dst} (today)",
+                   judge(loaded[src], loaded[dst], problems), args.show, sides)
+
+
+def choose_trust(tables: dict[str, Path], loaded: dict[str, Dispatcher]) -> None:
+    """Per trust of ``TRUSTS``, each half's decode regret geomean summed over both
+    directions; the trust half 0 chooses (the least sum, the smaller trust on a tie)."""
+    problems = {dst: [p for p in truthful(loaded[dst], tables[dst], f"{src} -> {dst}")
+                      if p.phase == "decode"] for src, dst in DIRECTIONS}
+    sums = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for trust in TRUSTS:
+            sums[trust] = [0.0, 0.0]
+            for src, dst in DIRECTIONS:
+                picker = carried(tables, loaded, src, dst, trust, tmp, say=False)
+                for j_half, share in enumerate(_halves(judge(picker, loaded[dst],
+                                                             problems[dst]))):
+                    sums[trust][j_half] += share
+            print(f"trust {trust:5.3f}: decode geomean regret summed over both directions, "
+                  f"half 0 {sums[trust][0]:.4f}%, half 1 {sums[trust][1]:.4f}%")
+    for h in (0, 1):
+        print(f"half {h} chooses trust {min(TRUSTS, key=lambda t: (sums[t][h], t))}")
+
+
+def _halves(judged: list[Judged]) -> list[float]:
+    """Each half's geomean regret (%) over its timed picks."""
+    out = []
+    for h in (0, 1):
+        r = np.array([j.regret for j in judged if half(j.problem) == h])
+        out.append(100 * math.expm1(np.log1p(r[~np.isnan(r)]).mean()))
+    return out
+
+
+def crossed(h100: Dispatcher, path: Path, args) -> None:
+    """The H100 table answering the held-out H100 sweep's problems it never measured."""
+    truth = load(path, args.accuracy)
+    problems = [MLAProblem.from_key(k) for k in truth._winner]
+    judged = judge(h100, truth, problems)
+    sides = {"estimated": estimated(h100), "truth": measured(truth)}
+    report("crossed categories (H100 table -> held-out H100 sweep)",
+           [j for j in judged if j.problem.num_heads not in NEW_HEADS], args.show, sides)
+    report("unmeasured head counts 12/24/48/96 (H100 table -> held-out H100 sweep)",
+           [j for j in judged if j.problem.num_heads in NEW_HEADS], args.show, sides)
 
 
 def main() -> None:
@@ -133,29 +301,22 @@ def main() -> None:
     parser.add_argument("--h200", type=Path, default=H200)
     parser.add_argument("--crossed", type=Path, default=CROSSED)
     parser.add_argument("--accuracy", default="strict")
-    parser.add_argument("--show", type=int, default=8)
+    parser.add_argument("--show", type=int, default=15)
+    parser.add_argument("--trust", type=float, default=TRUST,
+                        help="the share of the laws' movement a transfer applies")
+    parser.add_argument("--choose-trust", action="store_true",
+                        help="judge the transfer at each trust of 0, 1/8, ..., 1 by halves")
     args = parser.parse_args()
     tables = {"H100": args.h100, "H200": args.h200}
     loaded = {k: load(p, args.accuracy) for k, p in tables.items()}
-    with tempfile.TemporaryDirectory() as tmp:
-        for src, dst in (("H200", "H100"), ("H100", "H200")):
-            moved = transferred(tables[src], tables[dst], Path(tmp) / f"{src}-as-{dst}.parquet")
-            # the rescaled table answers as if loaded on the target's model
-            picker = load(moved, args.accuracy, loaded[src].table_device)
-            problems = [MLAProblem.from_key(k) for k in loaded[dst]._winner]
-            report(f"{src} table transferred -> {dst}", judge(picker, loaded[dst], problems),
-                   args.show)
-            report(f"{src} table as it is on {dst} (today)",
-                   judge(loaded[src], loaded[dst], problems), args.show)
-    crossed = load(args.crossed, args.accuracy)
-    problems = [MLAProblem.from_key(k) for k in crossed._winner]
-    judged = judge(loaded["H100"], crossed, problems)
-    report("crossed categories (H100 table -> held-out H100 sweep)",
-           [j for j in judged if j[0].num_heads not in NEW_HEADS], args.show)
-    report("unmeasured head counts 12/24/48/96 (H100 table -> held-out H100 sweep)",
-           [j for j in judged if j[0].num_heads in NEW_HEADS], args.show)
+    if args.choose_trust:
+        choose_trust(tables, loaded)
+        return
+    transfer(tables, loaded, args)
+    crossed(loaded["H100"], args.crossed, args)
     print(f"repro: python benchmarks/transfer_regret.py --h100 {args.h100} --h200 {args.h200} "
-          f"--crossed {args.crossed} --accuracy {args.accuracy}")
+          f"--crossed {args.crossed} --accuracy {args.accuracy} --show {args.show} "
+          f"--trust {args.trust}")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import pytest
 
 from mlatune import routes, table
 from mlatune.dispatch import Dispatcher
-from mlatune.dispatch.laws import Laws, transfer_time, transfer_times
+from mlatune.dispatch.laws import TRUST, Laws, transfer_time, transfer_times
 from mlatune.hardware import described as table_hardware
 from mlatune.problem import KEY_FIELDS, MLAProblem
 from tests.table_helpers import H200, FakeRoute, make_table, result_row
@@ -46,13 +46,23 @@ def fitted(laws_of: dict, heads=HEADS) -> Laws:
     return Laws.fit(rows, ROUTES, HW)
 
 
+def converting(p: MLAProblem) -> float:
+    """Bound by the cache elements each SM walks in turn, whatever their width (a kernel
+    that widens an fp8 cache before its MMAs), far from the DRAM floor."""
+    return 5.0 + p.batch * p.kv_len / HW.sm_count * p.d_qk / 2e3
+
+
 def test_a_streaming_route_transfers_exactly_with_the_bandwidth():
     laws = fitted({"stream/fake": streaming})
     for p in problems()[::7]:
         ratio = laws.transfer_ratio(p, "stream/fake", {}, HW, SLOW_MEMORY)
         assert ratio == pytest.approx(2.0, rel=1e-3)
-        moved = transfer_time(laws, p, "stream/fake", {}, streaming(p), SLOW_MEMORY)
+        moved = transfer_time(laws, p, "stream/fake", {}, streaming(p), SLOW_MEMORY, trust=1.0)
         assert moved == pytest.approx(streaming(p, SLOW_MEMORY), rel=1e-3)
+        # by default a transfer applies TRUST of the law's movement (in log)
+        moved = transfer_time(laws, p, "stream/fake", {}, streaming(p), SLOW_MEMORY)
+        assert moved == pytest.approx(streaming(p) * 2.0 ** TRUST, rel=1e-3)
+        assert streaming(p) < moved < streaming(p, SLOW_MEMORY)
 
 
 def test_a_compute_bound_route_does_not_move_with_the_bandwidth():
@@ -70,12 +80,28 @@ def test_transfer_times_rescales_a_table_frame_and_keeps_rows_not_ok():
             for r, law in (("stream/fake", streaming), ("math/fake", computing))]
     rows.append(result_row(MLAProblem(num_heads=8, batch=2, kv_len=999), "math/fake", None))
     frame = pd.DataFrame(rows)
-    times = transfer_times(frame, ROUTES, HW, SLOW_MEMORY)
-    ratio = times / frame["time_us"].to_numpy()
     streams = (frame["route"] == "stream/fake").to_numpy()
-    assert np.allclose(ratio[streams], 2.0, rtol=1e-3)
-    assert np.allclose(ratio[~streams & np.isfinite(ratio)], 1.0, atol=1e-3)
-    assert np.isnan(times[-1])
+    for trust in (1.0, TRUST):
+        times = transfer_times(frame, ROUTES, HW, SLOW_MEMORY, trust)
+        ratio = times / frame["time_us"].to_numpy()
+        assert np.allclose(ratio[streams], 2.0 ** trust, rtol=1e-3)
+        assert np.allclose(ratio[~streams & np.isfinite(ratio)], 1.0, atol=1e-3)
+        assert np.isnan(times[-1])
+
+
+def test_a_kernel_that_widens_an_fp8_cache_costs_per_element():
+    """Fitted over both cache dtypes at other head counts, the bare law (no correction from
+    neighbours) gives either dtype's time at a head count of neither: the walk's bytes
+    alone would make the fp8 cache twice as fast as it is."""
+    route = {"widen/fake": FakeRoute("widen/fake")}
+    rows = [(p.with_(kv_dtype=dtype), "widen/fake", {}, converting(p))
+            for p in problems(heads=(8, 32, 128)) for dtype in ("bf16", "fp8_e4m3fn")]
+    laws = Laws.fit(rows, route, HW)
+    for dtype in ("bf16", "fp8_e4m3fn"):
+        for batch, kv_len in ((4, 4096), (64, 16384), (200, 6000)):
+            asked = MLAProblem(num_heads=16, kv_dtype=dtype, batch=batch, kv_len=kv_len)
+            assert laws.law(asked, "widen/fake", {}) == pytest.approx(converting(asked),
+                                                                        rel=0.02)
 
 
 @pytest.mark.parametrize("batch,kv_len", [(4, 4096), (64, 16384), (200, 6000)])

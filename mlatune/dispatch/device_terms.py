@@ -1,6 +1,6 @@
 """A route's step at a problem, in device terms: the law terms ``mlatune.dispatch.laws`` fits.
 
-Per (problem, route, parameters, device) six terms, each in microseconds or a count:
+Per (problem, route, parameters, device) seven terms, each in microseconds or a count:
 
 - 1: the fixed cost of a launch;
 - DRAM: the bytes the step must move (``MLAProblem.min_bytes``) over the DRAM bandwidth;
@@ -14,7 +14,10 @@ Per (problem, route, parameters, device) six terms, each in microseconds or a co
   program's query rows padded to the route's block rows (heads x qlen as the kernel pads
   them);
 - requests: the batch, and programs: ``C`` of the geometry (programs per SM), both scaled by
-  the SM clock (fixed work per request and per program runs at the clock).
+  the SM clock (fixed work per request and per program runs at the clock);
+- convert: the cache elements of that walk a kernel widens to q's dtype before its MMAs (an
+  fp8 cache under a 16-bit q), at the clock: such a walk costs per element, not per byte, so
+  the walk term alone makes an fp8 cache twice as cheap as it is for a kernel that converts.
 
 Figures a ``Hardware`` lacks are nominal (``NOMINAL``): a law fitted and evaluated on one
 device does not depend on them; only a transfer between two devices reads them.
@@ -34,7 +37,7 @@ from mlatune.problem import MLAProblem, dtype_size
 from mlatune.routes import Route
 from mlatune.routes.geometry import LaunchGeometry
 
-TERMS = 6  # 1, DRAM, walk, compute, requests, programs
+TERMS = 7  # 1, DRAM, walk, compute, requests, programs, convert
 WALK_BYTES_PER_US = 1e4  # the walk term's unit: an SM streaming at 10 GB/s at the reference clock
 NOMINAL = {"bandwidth_gbs": 1000.0, "tensor_tflops": 100.0, "sm_clock_mhz": 1000.0}
 PAD_ROWS = 16  # a route without a declared tile: its rows padded to the least MMA tile
@@ -116,7 +119,9 @@ def terms(problem: MLAProblem, route: Route | None, params: Mapping[str, Any],
                 split = launch.split(problem, dev.info)
         walked, programs = launch.features(problem, split, dev.cus)
         compute = walked * dev.cus * program_rows(launch, problem, dev.cus) * per_token
+    widened = dtype_size(problem.kv_dtype) < dtype_size(problem.q_dtype)
     return np.array([1.0, problem.min_bytes() / dev.bytes_per_us,
                      walked * token_bytes * dev.clock_scale / WALK_BYTES_PER_US,
                      compute / dev.flops_per_us,
-                     problem.batch * dev.clock_scale, programs * dev.clock_scale])
+                     problem.batch * dev.clock_scale, programs * dev.clock_scale,
+                     widened * walked * problem.d_qk * dev.clock_scale / WALK_BYTES_PER_US])

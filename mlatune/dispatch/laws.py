@@ -3,7 +3,7 @@ model (a transfer) and buckets the table never measured.
 
 Per route and phase, over every ok row of the table (all its buckets), the law
 
-    t = a + m x memory + k x compute + d x requests + e x programs
+    t = a + m x memory + k x compute + v x convert + d x requests + e x programs
 
 in the terms of ``mlatune.dispatch.device_terms`` (bytes over bandwidth, FLOPs over tensor
 throughput, waves over SMs, fixed costs at the clock) is fitted by relative least squares
@@ -11,9 +11,11 @@ with coefficients >= 0. Across buckets the heads, qlen and cache dtype move the 
 FLOPs to bytes: that is what tells a memory-bound route from a compute-bound one.
 
 - Transfer (``transfer_ratio``, ``transfer_times``): a time measured on one GPU, times
-  law(target) / law(source) at the same problem and parameters: the measured time keeps
-  its local truth, the law carries how each term moves with bandwidth, throughput, SMs
-  and clock.
+  (law(target) / law(source))^``TRUST`` at the same problem and parameters: the measured
+  time keeps its local truth, the law carries how each term moves with bandwidth,
+  throughput, SMs and clock, as far as it is trusted. Two routes measured a factor g apart
+  at a problem swap only where the laws move them apart by more than g^(1/TRUST): the
+  measured order stands against a law's movement smaller than its own error.
 - An unmeasured bucket (``Laws.predict``, ``Laws.choose``): the law at the problem times a
   correction, the weighted mean log ratio of measured to law time over the route's nearest
   measured rows (a Gaussian kernel in log2 heads, qlen, page size, batch, KV length and
@@ -55,6 +57,11 @@ REACH_QUANTILE = 0.99
 # it is taken at least this share of the peak (streaming decode kernels reach 0.9 and more).
 MIN_REACH = 0.7
 FAILED_SHARE = 0.5  # a route's kernel weight on its failures from which it is not chosen
+# The share of a law's movement (in log) a transfer applies: chosen over 0, 1/8, ..., 1 on
+# half 0 of the H100 <-> H200 decode problems by the sum of both directions' geomean regret
+# (`benchmarks/transfer_regret.py --choose-trust`: 0.625 gives 0.398 points, 0 (as measured)
+# 0.471, 1 (the whole law) 0.610); half 1 alone chooses 0.5, 0.002 points below 0.625 there.
+TRUST = 0.625
 
 
 class LawPrediction(NamedTuple):
@@ -256,7 +263,7 @@ def evaluate(x: np.ndarray, coef: np.ndarray, reach: float) -> np.ndarray:
     the DRAM floor (the bytes at the share of peak bandwidth the table reaches) and the
     route's own pace (its walk and compute)."""
     fixed = coef[0] + x[..., 4] * coef[4] + x[..., 5] * coef[5]
-    pace = x[..., 2] * coef[2] + x[..., 3] * coef[3]
+    pace = x[..., 2] * coef[2] + x[..., 3] * coef[3] + x[..., 6] * coef[6]
     return np.maximum(fixed + np.maximum(x[..., 1] / reach, pace), 1e-9)
 
 
@@ -291,16 +298,18 @@ def _normal(xs: list[np.ndarray], ts: list[np.ndarray]
 
 
 def transfer_time(laws: Laws, problem: MLAProblem, route_id: str, params: Mapping[str, Any],
-                  time_us: float, target: Hardware) -> float:
-    """A time measured on ``laws.hardware`` as it would be on ``target``."""
-    return time_us * laws.transfer_ratio(problem, route_id, params, laws.hardware, target)
+                  time_us: float, target: Hardware, trust: float = TRUST) -> float:
+    """A time measured on ``laws.hardware`` as it would be on ``target`` (``trust``: the
+    share of the law's movement applied, as ``TRUST``)."""
+    return time_us * laws.transfer_ratio(problem, route_id, params, laws.hardware,
+                                         target) ** trust
 
 
 def transfer_times(rows: Any, routes: Mapping[str, Route], source: Hardware,
-                   target: Hardware) -> np.ndarray:
+                   target: Hardware, trust: float = TRUST) -> np.ndarray:
     """Each row's ``time_us`` as it would be on ``target``, from laws fitted over the
     ok rows (a DataFrame with the table's key columns, route, route_params, time_us and,
-    where present, status; rows not ok keep their time)."""
+    where present, status; rows not ok keep their time); ``trust`` as ``transfer_time``."""
     times = rows["time_us"].to_numpy(dtype=float).copy()
     ok = np.isfinite(times) & (times > 0)
     if "status" in rows:
@@ -314,7 +323,7 @@ def transfer_times(rows: Any, routes: Mapping[str, Route], source: Hardware,
     fitted = Laws.fit(zip(problems, route_ids, params, times[ok], strict=True), routes, source)
     ratios = [fitted.transfer_ratio(p, r, q, source, target)
               for p, r, q in zip(problems, route_ids, params, strict=True)]
-    times[ok] *= np.array(ratios)
+    times[ok] *= np.array(ratios) ** trust
     return times
 
 
