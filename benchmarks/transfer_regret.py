@@ -42,6 +42,7 @@ from mlatune import table
 from mlatune.dispatch import Choice, Dispatcher, device_for_arch
 from mlatune.dispatch.laws import TRUST, transfer_times
 from mlatune.dispatch.loading import registered_routes
+from mlatune.hardware import Hardware
 from mlatune.hardware import described as table_hardware
 from mlatune.problem import MLAProblem
 from mlatune.report.metrics import one_device
@@ -83,6 +84,35 @@ def transferred(path: Path, target: Path, out: Path, trust: float, say: bool = T
     frame = frame.assign(time_us=transfer_times(frame, registered_routes(), source, goal,
                                                 trust))
     table.write(assign_ranks(frame), out)
+    return out
+
+
+def admissible(source: Hardware, target: Hardware) -> tuple[float, float]:
+    """The least and most a step's time can be multiplied by from ``source`` to ``target``
+    by the figures the laws read: each term moves by its figure's ratio (bytes by the
+    bandwidth, FLOPs by the tensor throughput, fixed work by the clock, the walk by the SMs
+    and the clock), a step by some mix of them."""
+    moves = [getattr(source, f) / getattr(target, f) for f in FIGURES
+             if getattr(source, f) and getattr(target, f)]
+    return min(1.0, *moves), max(1.0, *moves)
+
+
+def bound(source: Dispatcher, target: Dispatcher, problems: Iterable[MLAProblem],
+          span: tuple[float, float]) -> list[Judged]:
+    """The best a transfer by the figures can do: each route both tables timed carried by
+    its measured ratio clipped to ``span``, the least carried time picked."""
+    out = []
+    for problem in problems:
+        ranked = target._ranked(problem.key)
+        there = {c.route_id: c.time_us for c in ranked}
+        here = {c.route_id: c for c in reversed(source._ranked(problem.key))}
+        both = [c for r, c in here.items() if r in there]
+        if not both:
+            continue
+        pick = min(both, key=lambda c: c.time_us * min(max(there[c.route_id] / c.time_us,
+                                                           span[0]), span[1]))
+        out.append(Judged(problem, pick, there[pick.route_id] / ranked[0].time_us - 1,
+                          ranked[0]))
     return out
 
 
@@ -252,6 +282,10 @@ def transfer(tables: dict[str, Path], loaded: dict[str, Dispatcher], args) -> No
                    args.show, sides)
             report(f"{src} table as it is on {dst} (today)",
                    judge(loaded[src], loaded[dst], problems), args.show, sides)
+            span = admissible(loaded[src].hardware, loaded[dst].hardware)
+            report(f"{src} table -> {dst}, the bound: each route's measured ratio clipped to "
+                   f"[{span[0]:.3f}, {span[1]:.3f}], what the figures allow",
+                   bound(loaded[src], loaded[dst], problems, span), min(args.show, 5), sides)
 
 
 def choose_trust(tables: dict[str, Path], loaded: dict[str, Dispatcher]) -> None:
