@@ -39,7 +39,6 @@ from mlatune.sweep import runner, worker
 from mlatune.sweep.candidates import Candidate
 from mlatune.sweep.pool import (
     WORKER_START_TIMEOUT_S,
-    Event,
     Gone,
     Slot,
     WorkerPool,
