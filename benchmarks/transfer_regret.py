@@ -2,13 +2,16 @@
 table never measured, judged against measured tables, on the CPU.
 
     python benchmarks/transfer_regret.py [--h100 T] [--h200 T] [--crossed T] [--show N]
-                                         [--accuracy strict] [--trust X | --choose-trust]
+                                         [--accuracy strict]
+                                         [--trust X | --choose-trust | --buckets]
 
 - transfer: one GPU's table alone (its times rescaled by ``laws.transfer_times`` to the
   other model's datasheet figures, ``--trust`` of the laws' movement) answers the other
   GPU's measured problems; against today's behaviour, the same table's picks used as they
   are. ``--choose-trust`` judges it at each trust of 0, 1/8, ..., 1 and says which each
   half of the problems chooses (how ``laws.TRUST`` was chosen);
+- buckets (``--buckets``): each decode bucket of each table answered by the laws fitted
+  without it, against its measured rows (halves: a hash of the problem's key);
 - crossed: the dispatcher loaded from the H100 table answers the crossed-category problems
   of the held-out H100 sweep (heads, page size, qlen and cache dtype combined as the grid
   did not), and the unmeasured head counts (12, 24, 48, 96).
@@ -40,7 +43,7 @@ import numpy as np
 
 from mlatune import table
 from mlatune.dispatch import Choice, Dispatcher, device_for_arch
-from mlatune.dispatch.laws import TRUST, transfer_times
+from mlatune.dispatch.laws import TRUST, Laws, transfer_times
 from mlatune.dispatch.loading import registered_routes
 from mlatune.hardware import Hardware
 from mlatune.hardware import described as table_hardware
@@ -329,6 +332,36 @@ def crossed(h100: Dispatcher, path: Path, args) -> None:
            [j for j in judged if j.problem.num_heads in NEW_HEADS], args.show, sides)
 
 
+def buckets_left_out(dispatcher: Dispatcher) -> list[Judged]:
+    """Each decode bucket of the table answered by the laws fitted without it (what a bucket
+    the table never measured gets), against its measured rows."""
+    rows = list(dispatcher._measured_rows())
+    failed = list(dispatcher._failed_rows())
+    buckets = sorted({r[0].bucket for r in rows if r[0].phase == "decode"}, key=str)
+    out = []
+    for bucket in buckets:
+        dispatcher._laws = Laws.fit([r for r in rows if r[0].bucket != bucket],
+                                    dispatcher.routes, dispatcher.hardware,
+                                    [f for f in failed if f[0].bucket != bucket])
+        asked = {r[0].key: r[0] for r in rows if r[0].bucket == bucket}
+        for key, problem in asked.items():
+            ranked = dispatcher._ranked(key)
+            choice = dispatcher._law_choice(problem, frozenset(), None)
+            if choice is None:
+                continue
+            timed = {c.route_id: c.time_us for c in ranked}
+            out.append(Judged(problem, choice, timed.get(choice.route_id, math.nan)
+                              / ranked[0].time_us - 1, ranked[0]))
+    dispatcher._laws = None
+    return out
+
+
+def _timed(dispatcher: Dispatcher, j: Judged) -> float:
+    """The pick's measured step cost at its problem (NaN: its route not timed there)."""
+    return next((c.time_us for c in dispatcher._ranked(j.problem.key)
+                 if c.route_id == j.choice.route_id), math.nan)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--h100", type=Path, default=H100)
@@ -340,11 +373,22 @@ def main() -> None:
                         help="the share of the laws' movement a transfer applies")
     parser.add_argument("--choose-trust", action="store_true",
                         help="judge the transfer at each trust of 0, 1/8, ..., 1 by halves")
+    parser.add_argument("--buckets", action="store_true",
+                        help="each table's buckets answered by the laws fitted without them")
     args = parser.parse_args()
     tables = {"H100": args.h100, "H200": args.h200}
     loaded = {k: load(p, args.accuracy) for k, p in tables.items()}
     if args.choose_trust:
         choose_trust(tables, loaded)
+        return
+    if args.buckets:
+        for name, dispatcher in loaded.items():
+            judged = buckets_left_out(dispatcher)
+            report(f"{name} table, each bucket by the laws fitted without it", judged, 0)
+            errors = [abs(math.log(j.choice.time_us / t)) for j in judged
+                      for t in [_timed(dispatcher, j)] if t > 0]
+            print(f"    the pick's predicted time against its measured: median |log ratio| "
+                  f"{np.median(errors):.3f} over {len(errors)} picks")
         return
     transfer(tables, loaded, args)
     crossed(loaded["H100"], args.crossed, args)
