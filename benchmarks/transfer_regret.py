@@ -302,9 +302,9 @@ def choose_trust(tables: dict[str, Path], loaded: dict[str, Dispatcher]) -> None
             sums[trust] = [0.0, 0.0]
             for src, dst in DIRECTIONS:
                 picker = carried(tables, loaded, src, dst, trust, tmp, say=False)
-                for j_half, share in enumerate(_halves(judge(picker, loaded[dst],
-                                                             problems[dst]))):
-                    sums[trust][j_half] += share
+                judged = judge(picker, loaded[dst], problems[dst])
+                for h, regret in enumerate(_halves(judged)):
+                    sums[trust][h] += regret
             print(f"trust {trust:5.3f}: decode geomean regret summed over both directions, "
                   f"half 0 {sums[trust][0]:.4f}%, half 1 {sums[trust][1]:.4f}%")
     for h in (0, 1):

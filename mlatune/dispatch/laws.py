@@ -14,8 +14,8 @@ FLOPs to bytes: that is what tells a memory-bound route from a compute-bound one
   (law(target) / law(source))^``TRUST`` at the same problem and parameters: the measured
   time keeps its local truth, the law carries how each term moves with bandwidth,
   throughput, SMs and clock, as far as it is trusted. Two routes measured a factor g apart
-  at a problem swap only where the laws move them apart by more than g^(1/TRUST): the
-  measured order stands against a law's movement smaller than its own error.
+  at a problem swap only where the laws move them apart by more than g^(1/TRUST): a law's
+  ratio errs, and a small movement of it does not overturn a measurement.
 - An unmeasured bucket (``Laws.predict``, ``Laws.choose``): the law at the problem times a
   correction, the weighted mean log ratio of measured to law time over the route's nearest
   measured rows (a Gaussian kernel in log2 heads, qlen, page size, batch, KV length and
@@ -261,7 +261,7 @@ def _by_split(route: Route, problem: MLAProblem, sets: list[Mapping[str, Any]],
 def evaluate(x: np.ndarray, coef: np.ndarray, reach: float) -> np.ndarray:
     """The law at terms ``x`` (rows x TERMS, or one row): its fixed parts plus the slower of
     the DRAM floor (the bytes at the share of peak bandwidth the table reaches) and the
-    route's own pace (its walk and compute)."""
+    route's own pace (its walk, compute and conversion)."""
     fixed = coef[0] + x[..., 4] * coef[4] + x[..., 5] * coef[5]
     pace = x[..., 2] * coef[2] + x[..., 3] * coef[3] + x[..., 6] * coef[6]
     return np.maximum(fixed + np.maximum(x[..., 1] / reach, pace), 1e-9)
