@@ -278,7 +278,7 @@ def test_parquet_metadata_that_disagrees_with_the_columns_is_refused(tmp_path):
     assert "metadata provenance does not match" in refused(tmp_path / "t.parquet")
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(phase=st.sampled_from(["decode", "prefill", "train"]), num_heads=st.integers(-1, 64),
        qlen=st.integers(-1, 9), q_dtype=st.sampled_from([*DTYPES, "int8"]),
        kv_dtype=st.sampled_from([*DTYPES, "int8"]), causal=st.booleans(),
