@@ -123,6 +123,19 @@ def test_transposed_fp8_captured_step_replays_with_new_lengths(problem, route_id
     _captured(route_id, False, problem, tmp_path)
 
 
+def _every_set_matches(route, problem, inputs, want_out, want_lse) -> None:
+    """Each of the route's param sets on ``inputs``, outputs poisoned first, against the
+    reference's ``want_out`` and ``want_lse``."""
+    for params in route.param_space(problem, current_device()):
+        prepared = route.prepare(problem, inputs, params=params)
+        poison_(prepared.out, prepared.lse)
+        prepared.run()
+        torch.cuda.synchronize()
+        acc = check(problem, prepared.out, want_out, prepared.lse, want_lse,
+                    rounding=routes.rounding(route, problem, params))
+        assert acc.ok, f"{params}: {acc.reason} ({acc.summary})"
+
+
 @pytest.mark.parametrize("item", [CASES[k * len(PROBLEMS) + i] for k in range(3)
                                   for i in (1, 5, 7, 14)] + FP8[1:4] + FP8[5:], ids=_label)
 def test_stale_cache_slots_hold_nan(item):
@@ -132,14 +145,7 @@ def test_stale_cache_slots_hold_nan(item):
                                 device="cuda", ragged=True)
     want_out, want_lse = reference.decode_shard(inputs, inputs.shards[0])
     assert poison_stale_slots(inputs) > 0
-    for params in route.param_space(problem, current_device()):
-        prepared = route.prepare(problem, inputs, params=params)
-        poison_(prepared.out, prepared.lse)
-        prepared.run()
-        torch.cuda.synchronize()
-        acc = check(problem, prepared.out, want_out, prepared.lse, want_lse,
-                    rounding=routes.rounding(route, problem, params))
-        assert acc.ok, f"{params}: {acc.reason} ({acc.summary})"
+    _every_set_matches(route, problem, inputs, want_out, want_lse)
 
 
 # The seesaw kernel's splits, each walk checked alone (before the reduce): 64 walks of one
@@ -253,14 +259,7 @@ def test_small_pages_match_the_reference(item):
     assert poison_stale_slots(inputs) > 0 or problem.page_size == 1
     want_out, want_lse = reference.decode_shard(inputs, inputs.shards[0])
     inputs = dataclasses.replace(inputs, shards=(_garbage_past_the_pages(inputs.shards[0], 4),))
-    for params in route.param_space(problem, device):
-        prepared = route.prepare(problem, inputs, params=params)
-        poison_(prepared.out, prepared.lse)
-        prepared.run()
-        torch.cuda.synchronize()
-        acc = check(problem, prepared.out, want_out, prepared.lse, want_lse,
-                    rounding=routes.rounding(route, problem, params))
-        assert acc.ok, f"{params}: {acc.reason} ({acc.summary})"
+    _every_set_matches(route, problem, inputs, want_out, want_lse)
 
 
 @pytest.mark.parametrize("item", SMALL_PAGE_CASES[1::2], ids=_label)
