@@ -292,9 +292,9 @@ class WorkerPool:
         slot.deadline, slot.awaiting = slot.sent_at + SETUP_TIMEOUT_S, "inputs"
 
     def _receive(self, slot: Slot, event: Event) -> None:
-        if isinstance(event, Gone) and self.worker_lost(slot, event):
-            return
         if isinstance(event, Gone):
+            if self.worker_lost(slot, event):
+                return
             if not slot.ready:
                 raise RuntimeError(f"sweep worker on {slot.process.device} failed to start: "
                                    f"{event.reason}")
