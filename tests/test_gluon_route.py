@@ -107,11 +107,12 @@ def test_the_rules_read_the_kernels_sizes():
 @pytest.mark.parametrize("page", [1, 8, 16, 32, 64, 128, 256, 48])
 def test_every_gluon_route_reads_the_pages_of_the_plan(route_id, kv, page):
     """One owner for the pages: each route's rule and its kernels' ``check_supported`` read
-    ``gluon_hopper_plan.page_refusal`` (powers of two from 16: a TMA box a page; 1 over a
-    16-bit cache: gathered by cp.async)."""
-    why = gluon_hopper_plan.page_refusal(page, fp8_cache=kv == FP8)
+    ``gluon_hopper_plan.page_refusal`` (powers of two from 16: a TMA box a page; 1: gathered
+    by cp.async, a 16-bit or an fp8 cache, but not under the fp8-MMA form)."""
+    fp8_mma = route_id == MMA8
+    why = gluon_hopper_plan.page_refusal(page, fp8_mma=fp8_mma)
     tma = page >= 16 and page & (page - 1) == 0
-    assert (why is None) == (tma or (page == 1 and kv != FP8))
+    assert (why is None) == (tma or (page == 1 and not fp8_mma))
     if page & (page - 1) == 0:  # (a problem's page is a power of two)
         ruling = capability.check(route_id, _p(page_size=page, q_dtype=kv if kv != FP8
                                                else "bf16", kv_dtype=kv), "sm_90")
@@ -124,7 +125,7 @@ def test_every_gluon_route_reads_the_pages_of_the_plan(route_id, kv, page):
     table, lens = torch.zeros(4, 2, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
     check = (gluon_hopper.check_supported(q, cache, table, lens) if kv != FP8 else
              gluon_transposed.check_supported(q, cache.to(torch.float8_e4m3fn), table, lens,
-                                              torch.ones(1)))
+                                              torch.ones(1), fp8_mma=fp8_mma))
     assert (why is not None and why in check) or (why is None and "page_size" not in
                                                   (check or ""))
 

@@ -169,7 +169,11 @@ def _wgmma_dims(c: Context) -> str | None:
 
 
 def _wgmma_page(c: Context) -> str | None:
-    return wgmma.page_refusal(c.p.page_size, fp8_cache=c.p.kv_dtype in FP8_DTYPES)
+    return wgmma.page_refusal(c.p.page_size)
+
+
+def _fp8_mma_page(c: Context) -> str | None:
+    return wgmma.page_refusal(c.p.page_size, fp8_mma=True)
 
 
 def _wgmma_dtypes(c: Context) -> str | None:
@@ -218,7 +222,10 @@ _WGMMA_GLUON = (
 _TRANSPOSED_GLUON = tuple(
     _rule("transposed.dtypes", _transposed_dtypes) if r.id == "wgmma.dtypes" else r
     for r in _WGMMA_GLUON)
-_TRANSPOSED_MMA8_GLUON = (*_TRANSPOSED_GLUON, _rule("transposed.fp8_mma", _transposed_fp8_mma))
+_TRANSPOSED_MMA8_GLUON = (
+    *(_rule("wgmma.page", _fp8_mma_page, "wgmma.shape") if r.id == "wgmma.page" else r
+      for r in _TRANSPOSED_GLUON),
+    _rule("transposed.fp8_mma", _transposed_fp8_mma))
 
 
 

@@ -16,7 +16,7 @@ D_ROPE = 64
 BLOCK_M = 64  # query rows (heads x qlen folded) per program
 BLOCK_N = 64  # keys per tile
 TMA_MIN_PAGE = 16  # the smallest page the TMA loaders read: a box of the page's rows a page
-GATHER_PAGE = 1  # each key its own page: gathered by cp.async (16-bit caches)
+GATHER_PAGE = 1  # each key its own page: gathered by cp.async (not by the fp8-MMA form)
 DTYPES = ("bf16", "fp16")  # q and cache alike (wgmma/gluon, seesaw/gluon)
 FP8_CACHE = "fp8_e4m3fn"  # transposed/gluon also reads this cache under a 16-bit q
 H200_SMS = 132
@@ -41,17 +41,17 @@ def triton_refusal(version: str | None) -> str | None:
     return None
 
 
-def page_refusal(page: int, fp8_cache: bool = False) -> str | None:
-    """Why the Gluon decodes cannot read a cache of ``page``-token pages (``fp8_cache``: an
-    fp8 one), or None: a 64-key tile lies in one page of 64 or more, or spans 64 / page
-    pages of 16 or 32 (a TMA box a page); pages of one key are gathered by cp.async, over a
-    16-bit cache only (the fp8 caches' kernels load by TMA alone)."""
+def page_refusal(page: int, fp8_mma: bool = False) -> str | None:
+    """Why the Gluon decodes cannot read a cache of ``page``-token pages, or None: a 64-key
+    tile lies in one page of 64 or more, or spans 64 / page pages of 16 or 32 (a TMA box a
+    page); pages of one key are gathered by cp.async, but by the fp8-MMA form (``fp8_mma``:
+    transposed-mma8/gluon's kernel, which loads by TMA alone)."""
     if page >= TMA_MIN_PAGE and page & (page - 1) == 0:
         return None
-    if page == GATHER_PAGE and not fp8_cache:
+    if page == GATHER_PAGE and not fp8_mma:
         return None
     return (f"page_size {page}: the Gluon decodes read pages of a power of two from "
-            f"{TMA_MIN_PAGE} tokens, and of {GATHER_PAGE} over a 16-bit cache")
+            f"{TMA_MIN_PAGE} tokens, and of {GATHER_PAGE} but under fp8 MMAs")
 
 
 def kv_box_rows(page: int, keys: int = BLOCK_N) -> int:

@@ -245,8 +245,10 @@ def transposed_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and the ca
 # Host side -------------------------------------------------------------------------------
 
 def check_supported(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                    seq_lens: torch.Tensor, kv_scale: torch.Tensor | None) -> str | None:
-    """Why the kernel cannot take these tensors (or this triton), or None when it can."""
+                    seq_lens: torch.Tensor, kv_scale: torch.Tensor | None,
+                    fp8_mma: bool = False) -> str | None:
+    """Why the kernel (``fp8_mma``: the fp8-MMA form's) cannot take these tensors (or this
+    triton), or None when it can."""
     if q.dim() != 3 or kv_cache.dim() != 3 or block_table.dim() != 2 or seq_lens.dim() != 1:
         return ("q (tokens, heads, 576), kv_cache (pages, page, 576), block_table (batch, pages) "
                 "and seq_lens (batch,) expected")
@@ -263,7 +265,7 @@ def check_supported(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
         return "q, the cache, block_table, seq_lens and kv_scale must be on one device"
     if q.shape[-1] != D_NOPE + D_ROPE or kv_cache.shape[-1] != D_NOPE + D_ROPE:
         return f"head width must be {D_NOPE + D_ROPE}"
-    why = page_refusal(kv_cache.shape[1], kv_cache.dtype in FP8_CACHES)
+    why = page_refusal(kv_cache.shape[1], fp8_mma)
     if why:
         return why
     if kv_cache.stride(-1) != 1 or kv_cache.stride(0) != kv_cache.shape[1] * kv_cache.stride(1):

@@ -422,7 +422,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                          f"sm_scale > 0 only, got {sm_scale}")
     batch, heads = seq_lens.shape[0], q.shape[1]
     base._check_call(q, out, lse, batch * qlen, num_splits)
-    why = base.check_supported(q, kv_cache, block_table, seq_lens, kv_scale)
+    why = base.check_supported(q, kv_cache, block_table, seq_lens, kv_scale, fp8_mma=True)
     if why is not None:
         raise ValueError(f"gluon transposed MLA decode (fp8 MMAs): {why}")
     rows = plan.transposed_rows(qlen * heads)

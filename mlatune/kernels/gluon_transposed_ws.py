@@ -25,15 +25,20 @@ from collections.abc import Callable
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from mlatune.kernels import gluon_hopper_plan as plan
 from mlatune.kernels import gluon_transposed as base
 from mlatune.kernels.gluon_common import (
+    GATHERED,
     TILE_KEYS,
     aot_compile_kernel,
     compile_options,
     copy_rows,
+    gather_into,
+    gather_pages,
+    gather_rows,
     last_keys,
     program_keys,
     tile_rows,
@@ -110,9 +115,11 @@ def _widen_tile(kn8, kr8, kn16, kr16, valid, COLS: gl.constexpr, num_warps: gl.c
 
 
 @gluon.jit
-def _loader(descs, q_bufs, f_bufs, bars, tables, q_row, start, n_tiles, PAGE: gl.constexpr):
+def _loader(descs, q_bufs, f_bufs, bars, src, q_row, start, n_tiles, PAGE: gl.constexpr):
     """Q once, then every tile as two 32-key halves, each into its own fp8 slot, a TMA box a
-    page or a half (``tile_rows``; ``tables``: the request's block-table row and last page)."""
+    page or a half (``tile_rows``), or at page 1 by cp.async (``_gather_half``). ``src``: the
+    request's block-table row and last page; at page 1 also the split's end, the cache's
+    pointer and row stride."""
     qn_desc, qr_desc, kn_desc, kr_desc = descs
     q_nope, q_rope = q_bufs
     f_nope, f_rope = f_bufs
@@ -123,18 +130,42 @@ def _loader(descs, q_bufs, f_bufs, bars, tables, q_row, start, n_tiles, PAGE: gl
     tma.async_copy_global_to_shared(qn_desc, [q_row, 0], q_bar, q_nope)
     tma.async_copy_global_to_shared(qr_desc, [q_row, 0], q_bar, q_rope)
     for t in range(n_tiles):
-        rows = tile_rows(tables[0], start + t * 2 * H, tables[1], True, R, 2 * H, PAGE)
-        for h in gl.static_range(2):
-            # A fresh barrier counts as phase 1 complete: the first wait on each half passes.
-            mbarrier.wait(f_empty.index(h), (t & 1) ^ 1)
-            fence_async_shared()  # the converter read the half through the generic proxy
-            bar = f_ready.index(h)
-            mbarrier.expect(bar, (kn_desc.block_type.nbytes + kr_desc.block_type.nbytes)
-                            * (H // R))
-            half = rows[h * (H // R):(h + 1) * (H // R)]
-            copy_rows(kn_desc, f_nope.index(h), bar, half, 0, True)
-            copy_rows(kr_desc, f_rope.index(h), bar, half, 0, True)
+        if PAGE == GATHERED:
+            for h in gl.static_range(2):
+                _gather_half(f_nope.index(h), f_rope.index(h), f_ready.index(h),
+                             f_empty.index(h), (t & 1) ^ 1, src, start + t * 2 * H + h * H)
+        else:
+            rows = tile_rows(src[0], start + t * 2 * H, src[1], True, R, 2 * H, PAGE)
+            for h in gl.static_range(2):
+                # A fresh barrier counts as phase 1 complete: the first wait on each half
+                # passes.
+                mbarrier.wait(f_empty.index(h), (t & 1) ^ 1)
+                fence_async_shared()  # the converter read the half through the generic proxy
+                bar = f_ready.index(h)
+                mbarrier.expect(bar, (kn_desc.block_type.nbytes + kr_desc.block_type.nbytes)
+                                * (H // R))
+                half = rows[h * (H // R):(h + 1) * (H // R)]
+                copy_rows(kn_desc, f_nope.index(h), bar, half, 0, True)
+                copy_rows(kr_desc, f_rope.index(h), bar, half, 0, True)
         gl.thread_barrier()  # the partition's warps keep to one tile (no phase run ahead)
+
+
+@gluon.jit
+def _gather_half(kn, kr, ready, empty, phase, src, key):
+    """The 32 page-1 keys from local key ``key`` into an fp8 slot (nope, rope) by every loader
+    thread's cp.async, 16 bytes (16 values) a copy, in the layout a TMA box writes (the
+    converter reads either alike): pages read only for keys before the split's end, zeros
+    past it (``gather_into``); each thread then arrives on ``ready`` (count: the loader's
+    threads) once its copies have landed. The converter reads the slot through the generic
+    proxy, as the copies write it: no proxy fence either way."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+    pages = gather_pages(src[0], key, src[2], kn.shape[0], layout)
+    # A fresh barrier counts as phase 1 complete: the first wait on each half passes.
+    mbarrier.wait(empty, phase)
+    rows, ok = gather_rows(pages, src[3], src[4])
+    gather_into(kn, rows, ok, 0)
+    gather_into(kr, rows, ok, kn.shape[1])
+    async_copy.mbarrier_arrive(ready, increment_count=False)
 
 
 @gluon.jit
@@ -197,7 +228,7 @@ def transposed_ws_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # kn/kr: 32-key fp
                          num_splits, qlen, heads, qk_scale,
                          stride_bt, stride_o_tok, stride_o_head, stride_lse_tok,
                          stride_po_slot, stride_po_row, stride_pl_slot,
-                         kv_ptr, stride_kv,  # the cache's rows (read by TMA alone here)
+                         kv_ptr, stride_kv,  # the cache's rows, where page-1 keys are gathered
                          CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PAGE: gl.constexpr,
                          WIDEN_COLS: gl.constexpr, MERGE: gl.constexpr,
                          PDL: gl.constexpr, num_warps: gl.constexpr):
@@ -226,7 +257,8 @@ def transposed_ws_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # kn/kr: 32-key fp
     w_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     mbarrier.init(q_bar, count=1)
     for i in gl.static_range(2):
-        mbarrier.init(f_ready.index(i), count=1)
+        # TMA: one expecting arrival; page 1: each loader thread's (``_gather_half``)
+        mbarrier.init(f_ready.index(i), count=32 * num_warps if PAGE == GATHERED else 1)
         mbarrier.init(f_empty.index(i), count=1)
         mbarrier.init(w_ready.index(i), count=1)
         mbarrier.init(w_empty.index(i), count=1)
@@ -240,9 +272,13 @@ def transposed_ws_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # kn/kr: 32-key fp
             stride_po_slot, stride_po_row, stride_pl_slot)
     ptrs = (out_ptr, lse_ptr, part_out_ptr, part_lse_ptr)
     bt_row = bt_ptr + b.to(gl.int64) * stride_bt
+    if PAGE == GATHERED:
+        src = (bt_row, (seq_len - 1) // PAGE, end, kv_ptr, stride_kv)
+    else:
+        src = (bt_row, (seq_len - 1) // PAGE)
     gl.warp_specialize([
         (_loader, ((qn_desc, qr_desc, kn_desc, kr_desc), q_bufs, f_bufs,
-                   (q_bar, f_ready, f_empty), (bt_row, (seq_len - 1) // PAGE),
+                   (q_bar, f_ready, f_empty), src,
                    b * qlen * heads + rb * BR, start, n_tiles, PAGE)),
         (_mma, (q_bufs, w_bufs, p_buf, (q_bar, w_ready, w_empty), ptrs, counter_ptr, ints,
                 seq_len, start, end, n_tiles, qk_scale * kv_scale, kv_scale, CAUSAL, DIRECT,
