@@ -190,8 +190,39 @@ def test_the_warp_specialized_widening_compiles_without_spills(dtype, rows, dire
     assert "setmaxnreg" in ptx and "prmt.b32" in ptx
     assert f"mul.rn.{'bf16' if dtype == 'bf16' else 'f16'}x2" in ptx
     assert "e4m3" not in ptx
+    assert "cp.async.cg" not in ptx and "cp.async.mbarrier" not in ptx  # no gather
     assert compiled.metadata.shared <= 227 * 1024
     assert resources(compiled)["stack"] == 0
+
+
+@pytest.mark.parametrize(("dtype", "rows", "direct"),
+                         [("bf16", 16, True), ("fp16", 32, False), ("bf16", 16, False)])
+def test_the_warp_specialized_widening_gathers_page_1_by_cp_async(dtype, rows, direct):
+    """``gluon_transposed_ws`` over pages of one key: the loader partition gathers each
+    32-key fp8 half by cp.async, 16 bytes a copy (32 x 576 bytes over its 128 threads: 9 a
+    thread a half, two halves a tile), then every thread arrives on the half's barrier once
+    its copies have landed (no increment: the barrier counts the loader's 128 threads); only
+    Q is a TMA copy. The converter and the MMAs are the TMA build's: 68 MMAs, the widening;
+    no local memory (the loader holds one row pointer), no wgmma hazard."""
+    _needs_gluon_triton()
+    compiled = ws.aot_compile(dtype, rows=rows, direct=direct, page=1)
+    ptx = compiled.asm["ptx"]
+    assert ptx.count("cp.async.bulk.tensor.2d") == 3  # Q's
+    copies = re.findall(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10,", ptx)
+    assert len(copies) == 2 * 9
+    assert ptx.count("cp.async.mbarrier.arrive.noinc.shared.b64") == 2
+    inits = re.findall(r"mbarrier\.init\.shared::cta\.b64 \[[^]]*\], (\d+);", ptx)
+    assert sorted(inits) == ["1"] * 7 + ["128"] * 2  # the halves' ready barriers: 128
+    assert "cp.async.wait_group" not in ptx  # the converter waits on the barriers
+    assert ptx.count("wgmma.mma_async") == 36 + 8 * 4
+    assert "setmaxnreg" in ptx and "prmt.b32" in ptx
+    assert compiled.metadata.shared <= 227 * 1024
+    assert resources(compiled)["stack"] == 0
+    sass = sass_hazards.listing(compiled)
+    assert re.search(r"\b(LDL|STL)[.\s]", sass) is None
+    assert len(re.findall(r"LDGSTS\.E\.BYPASS\.128", sass)) == 2 * 9
+    assert sass_hazards.undefined_descriptors(sass) == []
+    assert sass_hazards.hazards(sass)[2] == []
 
 
 def test_the_reduce_kernel_waits_on_its_grid_dependency():
