@@ -230,7 +230,7 @@ SMALL_PAGE_CASES = [(route_id, p) for route_id in (GLUON, SEESAW, TRANSPOSED)
     (TRANSPOSED, _p(32, 4, 2000, qlen=2, page=16, kv="fp8_e4m3fn")),
     (MMA8, _p(16, 8, 3000, page=16, kv="fp8_e4m3fn")),
     (TRANSPOSED, _p(16, 8, 3000, page=1, kv="fp8_e4m3fn")),  # fp8 halves gathered by cp.async
-    (TRANSPOSED, _p(8, 24, 700, qlen=3, page=1, kv="fp8_e4m3fn")),  # 72 rows: 3 row blocks
+    (TRANSPOSED, _p(8, 24, 700, qlen=3, page=1, kv="fp8_e4m3fn")),  # causal, 24 rows: 32
 ]
 GARBAGE_PAGE = 1 << 30  # a page id past every cache here
 
