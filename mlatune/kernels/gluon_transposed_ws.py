@@ -6,7 +6,8 @@ shared memory, exactly (every e4m3 value is a bf16 and an fp16 value), in a part
 own, so the widening of one tile overlaps the MMAs of the one before. Three partitions:
 - loader (the default partition, 4 warps, one thread issues): Q once, then each 64-key tile
   as two halves of 32 keys, each half into its own fp8 slot (``f_ready[h]``) once the
-  converter has released it (``f_empty[h]``);
+  converter has released it (``f_empty[h]``); at page 1 every thread gathers its part of a
+  half by cp.async (``_gather_half``);
 - converter (4 warps): widens half h of tile t into rows 32h..32h+31 of the 16-bit ring
   slot t % 2 (``_widen_tile``, stale V rows zeroed), releases the fp8 half at once, and
   when both halves are in, hands the slot to the MMA warpgroup (``w_ready[t % 2]``) after
@@ -14,8 +15,8 @@ own, so the widening of one tile overlaps the MMAs of the one before. Three part
 - MMA warpgroup (4 warps): ``gluon_transposed``'s tile (S^T, softmax over keys, O^T) on the
   16-bit slot, which it releases when its MMAs are done; then its epilogue and merge.
 The cache's per-tensor scale multiplies S (folded into the softmax scale) and O. Every
-barrier has one arrival a phase. Same tensors, out and LSE as
-``gluon_transposed.decode_launcher``.
+barrier has one arrival a phase, but ``f_ready`` at page 1: one a loader thread. Same
+tensors, out and LSE as ``gluon_transposed.decode_launcher``.
 """
 
 from __future__ import annotations
