@@ -106,7 +106,7 @@ def test_each_transposed_launch_binds_exactly_its_kernels_arguments(monkeypatch,
                    "transposed_ws_kernel", "gluon_transposed_fp8": "transposed_fp8_kernel"}
     recorded = _RecordedKernel(getattr(mod, kernel_name[module]))
     monkeypatch.setattr(mod, kernel_name[module], recorded)
-    monkeypatch.setattr(t, "check_supported", lambda *a: None)
+    monkeypatch.setattr(t, "check_supported", lambda *a, **k: None)
     monkeypatch.setattr(mod, "tma_descriptors", lambda *a, **k: ("d",) * 4)
     q, cache, table, lens = _tensors(
         kv=torch.bfloat16 if module == "gluon_transposed" else torch.float8_e4m3fn)
