@@ -89,7 +89,7 @@ def test_refusals_say_why():
     dcp = capability.check(ROUTE, _p(qlen=2, dcp_size=2), "sm_90")
     assert "local positions" in dcp.reason
     fp8 = capability.check(ROUTE, _p(kv_dtype=FP8), "sm_90")
-    assert "transposed/gluon reads an fp8 cache" in fp8.reason
+    assert "gluon_seesaw and gluon_transposed also read fp8_e4m3fn" in fp8.reason
     assert "pages of a power of two from 16" in capability.check(
         ROUTE, _p(page_size=8), "sm_90").reason
     assert "sm_90 only; this is sm_100" in capability.check(ROUTE, _p(), "sm_100").reason
@@ -102,17 +102,20 @@ def test_the_rules_read_the_kernels_sizes():
 
 
 @pytest.mark.parametrize(("route_id", "kv"), [(ROUTE, "bf16"), ("seesaw/gluon", "fp16"),
+                                               ("seesaw/gluon", FP8),
                                                ("transposed/gluon", "bf16"),
                                                ("transposed/gluon", FP8), (MMA8, FP8)])
 @pytest.mark.parametrize("page", [1, 8, 16, 32, 64, 128, 256, 48])
 def test_every_gluon_route_reads_the_pages_of_the_plan(route_id, kv, page):
     """One owner for the pages: each route's rule and its kernels' ``check_supported`` read
     ``gluon_hopper_plan.page_refusal`` (powers of two from 16: a TMA box a page; 1: gathered
-    by cp.async, a 16-bit or an fp8 cache, but not under the fp8-MMA form)."""
+    by cp.async, a 16-bit or an fp8 cache, but not under the fp8-MMA form nor by the seesaw
+    kernel over an fp8 cache)."""
     fp8_mma = route_id == MMA8
-    why = gluon_hopper_plan.page_refusal(page, fp8_mma=fp8_mma)
+    gathers = not fp8_mma and not (route_id == "seesaw/gluon" and kv == FP8)
+    why = gluon_hopper_plan.page_refusal(page, gathers=gathers)
     tma = page >= 16 and page & (page - 1) == 0
-    assert (why is None) == (tma or (page == 1 and not fp8_mma))
+    assert (why is None) == (tma or (page == 1 and gathers))
     if page & (page - 1) == 0:  # (a problem's page is a power of two)
         ruling = capability.check(route_id, _p(page_size=page, q_dtype=kv if kv != FP8
                                                else "bf16", kv_dtype=kv), "sm_90")
@@ -123,11 +126,28 @@ def test_every_gluon_route_reads_the_pages_of_the_plan(route_id, kv, page):
     cache = torch.zeros(4, page, 576, dtype=q_dtype)
     q = torch.zeros(4, 16, 576, dtype=q_dtype)
     table, lens = torch.zeros(4, 2, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
-    check = (gluon_hopper.check_supported(q, cache, table, lens) if kv != FP8 else
-             gluon_transposed.check_supported(q, cache.to(torch.float8_e4m3fn), table, lens,
-                                              torch.ones(1), fp8_mma=fp8_mma))
+    if kv != FP8:
+        check = gluon_hopper.check_supported(q, cache, table, lens)
+    elif route_id == "seesaw/gluon":
+        check = _launcher_refusal(q, cache.to(torch.float8_e4m3fn), table, lens)
+    else:
+        check = gluon_transposed.check_supported(q, cache.to(torch.float8_e4m3fn), table, lens,
+                                                 torch.ones(1), fp8_mma=fp8_mma)
     assert (why is not None and why in check) or (why is None and "page_size" not in
                                                   (check or ""))
+
+
+def _launcher_refusal(q, cache, table, lens) -> str | None:
+    """The seesaw launcher's refusal of these tensors (an fp8 cache), or None where it gets as
+    far as sizing its outputs (it launches nothing on the CPU)."""
+    try:
+        gluon_seesaw.decode_launcher(q, cache, table, lens, qlen=1, sm_scale=0.1,
+                                     kv_scale=torch.ones(1), num_splits=1)
+    except ValueError as e:
+        return str(e)
+    except Exception:  # past the checks: building descriptors needs a GPU
+        return None
+    return None
 
 
 def test_refused_where_triton_is_not_3_6(monkeypatch):
@@ -244,7 +264,11 @@ def _not_this_kernel(*args, **kwargs):
 
 
 def test_both_gluon_routes_serve_the_same_problems_with_the_same_splits():
-    assert capability.rules_for("seesaw/gluon") == capability.rules_for(ROUTE)
+    """The same rules but the dtypes (the seesaw kernel also reads an fp8 cache), the same
+    split sets."""
+    assert [r.id for r in capability.rules_for("seesaw/gluon")] == \
+        [("seesaw.dtypes" if r.id == "wgmma.dtypes" else r.id) for r in
+         capability.rules_for(ROUTE)]
     wgmma, seesaw = routes.get(ROUTE), routes.get("seesaw/gluon")
     for problem in (_p(batch=1), _p(batch=64, num_heads=128, qlen=2, kv_len=8192),
                     _p(batch=8, dcp_size=2)):
@@ -288,6 +312,71 @@ def test_the_transposed_route_serves_fp8_caches_and_its_own_row_blocks():
     wide = _p(batch=8, num_heads=128, kv_len=16384)
     assert route.param_space(wide, H200)[0]["num_splits"] <= \
         routes.get(ROUTE).param_space(wide, H200)[0]["num_splits"]
+
+
+@pytest.mark.parametrize("route_id", list(KERNELS))
+@pytest.mark.parametrize(("q", "kv"), [("bf16", "bf16"), ("fp16", "fp16"), ("bf16", FP8),
+                                       ("fp16", FP8), (FP8, FP8)])
+def test_one_owner_says_which_kernels_read_an_fp8_cache(route_id, q, kv):
+    """``gluon_hopper_plan.dtype_refusal`` (over ``FP8_CACHE_KERNELS``) is the dtypes rule of
+    each Gluon route (transposed-mma8/gluon: transposed/gluon's, then its own) and says
+    whether its prepare hands the kernel the cache's scale."""
+    route = routes.get(route_id)
+    why = gluon_hopper_plan.dtype_refusal(route.kernel, q, kv)
+    ruling = capability.check(route_id, _p(q_dtype=q, kv_dtype=kv), "sm_90")
+    assert ruling.ok is (why is None)
+    if why:
+        assert ruling.reason == why and ruling.rule.endswith(".dtypes")
+    assert route.reads_fp8 is (route.kernel in gluon_hopper_plan.FP8_CACHE_KERNELS)
+    assert (why is None) is (q in ("bf16", "fp16") and (kv == q or (kv == FP8 and
+                                                                    route.reads_fp8)))
+
+
+def test_the_seesaw_route_serves_fp8_caches_exactly_and_two_requests_from_page_64():
+    """seesaw/gluon over an fp8 cache under a 16-bit q: its rule admits it from page 16 (page
+    1 refused: its loader copies by TMA), every set exact (the tile widened to fp16, q's rows
+    scaled by powers of two); the two-requests form offered past one wave at pages of 64 and
+    more only (under them its fp8 build spills registers: ``SEESAW_FP8_TWO_REQUESTS_MIN_PAGE``)."""
+    seesaw = routes.get("seesaw/gluon")
+    assert seesaw.reads_fp8 and not routes.get(ROUTE).reads_fp8
+    for page in (16, 32, 64, 128):
+        problem = _p(batch=128, num_heads=128, kv_dtype=FP8, page_size=page)
+        assert capability.check("seesaw/gluon", problem, "sm_90")
+        space = seesaw.param_space(problem, H200)
+        forms = {p["form"] for p in space}
+        assert forms == ({"pairs", "two-requests"} if page >= 64 else {"pairs"})
+        assert {routes.rounding(seesaw, problem, p) for p in space} == {Rounding.NONE}
+        bf16 = seesaw.param_space(problem.with_(kv_dtype="bf16"), H200)
+        assert [p for p in space if p["form"] == "pairs"] == \
+            [p for p in bf16 if p["form"] == "pairs"]
+    one = capability.check("seesaw/gluon", _p(kv_dtype=FP8, page_size=1), "sm_90")
+    assert not one and one.rule == "wgmma.page"
+    quantized = capability.check("seesaw/gluon", _p(q_dtype=FP8, kv_dtype=FP8), "sm_90")
+    assert not quantized and quantized.rule == "seesaw.dtypes"
+    assert gluon_hopper_plan.seesaw_form_refusal("two-requests", True, 16)
+    assert gluon_hopper_plan.seesaw_form_refusal("two-requests", False, 16) is None
+    assert gluon_hopper_plan.seesaw_form_refusal("pairs", True, 16) is None
+
+
+def test_prepare_hands_an_fp8_cache_and_its_scale_to_the_seesaw_kernel(monkeypatch):
+    """Over an fp8 cache the seesaw route's every set runs its one kernel, handed the cache
+    and its scale; over a 16-bit cache no scale (None)."""
+    fake = _Recorder()
+    monkeypatch.setattr(gluon_seesaw, "decode_launcher", fake)
+    route = routes.get("seesaw/gluon")
+    problem = _p(batch=300, num_heads=128, kv_len=300, kv_dtype=FP8)
+    inputs = make_decode_inputs(problem, seed=9, ragged=True)
+    space = route.param_space(problem, H200)
+    assert {p["form"] for p in space} == {"pairs", "two-requests"}
+    for params in space:
+        route.prepare(problem, inputs, params=params)
+    assert len(fake.calls) == len(space)
+    for call, params in zip(fake.calls, space, strict=True):
+        assert call["kv_cache"].dtype == torch.float8_e4m3fn and call["form"] == params["form"]
+        assert call["kv_scale"] is inputs.kv_scale and call["q"].dtype == torch.bfloat16
+    sixteen = _p(batch=2, kv_len=300)
+    route.prepare(sixteen, make_decode_inputs(sixteen, seed=9))
+    assert fake.calls[-1]["kv_scale"] is None
 
 
 TRANSPOSED_KERNELS = ("gluon_transposed", "gluon_transposed_ws", "gluon_transposed_fp8")
@@ -344,8 +433,9 @@ def test_prepare_hands_the_launcher_the_inputs(problem, recorder):
     assert call["sm_scale"] == pytest.approx(problem.softmax_scale)
     # Both given, so the launcher never reads the lengths on the host.
     assert call["num_splits"] == 3 and call["max_seq_len"] == problem.kv_len
-    # Only the kernel that reads an fp8 cache is handed the cache's scale (a device tensor).
-    assert ("kv_scale" in call) == (recorder.route_id == "transposed/gluon")
+    # Only the kernels that read an fp8 cache are handed the cache's scale (here None).
+    assert ("kv_scale" in call) == (recorder.route_id in ("seesaw/gluon", "transposed/gluon"))
+    assert call.get("kv_scale") is None
     assert prepared.params == {"num_splits": 3, **route.kernel_options}
     assert prepared.graph_safe and not prepared.plan_reads_lengths and prepared.plan is None
     assert prepared.step_kind == routes.LAUNCH_ONLY

@@ -172,24 +172,19 @@ def _wgmma_page(c: Context) -> str | None:
     return wgmma.page_refusal(c.p.page_size)
 
 
+def _seesaw_page(c: Context) -> str | None:
+    return wgmma.page_refusal(c.p.page_size, gathers=c.p.kv_dtype not in FP8_DTYPES)
+
+
 def _fp8_mma_page(c: Context) -> str | None:
-    return wgmma.page_refusal(c.p.page_size, fp8_mma=True)
+    return wgmma.page_refusal(c.p.page_size, gathers=False)
 
 
-def _wgmma_dtypes(c: Context) -> str | None:
-    q, kv = c.p.q_dtype, c.p.kv_dtype
-    if q == kv and q in wgmma.DTYPES:
-        return None
-    return (f"{q} q over a {kv} cache: the Gluon kernel reads a bf16 or fp16 q over a cache "
-            f"of the same dtype (transposed/gluon reads an fp8 cache)")
-
-
-def _transposed_dtypes(c: Context) -> str | None:
-    q, kv = c.p.q_dtype, c.p.kv_dtype
-    if q in wgmma.DTYPES and kv in (q, wgmma.FP8_CACHE):
-        return None
-    return (f"{q} q over a {kv} cache: the transposed Gluon kernel reads a bf16 or fp16 q "
-            f"over a cache of q's dtype or {wgmma.FP8_CACHE}")
+def _gluon_dtypes(kernel: str) -> Refusal:
+    """The q and cache dtypes ``kernel`` reads (``gluon_hopper_plan.dtype_refusal``)."""
+    def refuse(c: Context) -> str | None:
+        return wgmma.dtype_refusal(kernel, c.p.q_dtype, c.p.kv_dtype)
+    return refuse
 
 
 def _transposed_fp8_mma(c: Context) -> str | None:
@@ -208,25 +203,30 @@ def _wgmma_dcp(c: Context) -> str | None:
     return None
 
 
-
-
 _WGMMA_GLUON = (
     _rule("wgmma.arch", _arch_in(tables.WGMMA_GLUON_ARCHS, "the Hopper Gluon decode")),
     _rule("wgmma.decode", _decode, "wgmma.shape"),
     _rule("wgmma.dims", _wgmma_dims, "wgmma.shape"),
     _rule("wgmma.page", _wgmma_page, "wgmma.shape"),
-    _rule("wgmma.dtypes", _wgmma_dtypes),
+    _rule("wgmma.dtypes", _gluon_dtypes("gluon_hopper")),
     _rule("wgmma.dcp", _wgmma_dcp),
 )
 
-_TRANSPOSED_GLUON = tuple(
-    _rule("transposed.dtypes", _transposed_dtypes) if r.id == "wgmma.dtypes" else r
-    for r in _WGMMA_GLUON)
-_TRANSPOSED_MMA8_GLUON = (
-    *(_rule("wgmma.page", _fp8_mma_page, "wgmma.shape") if r.id == "wgmma.page" else r
-      for r in _TRANSPOSED_GLUON),
-    _rule("transposed.fp8_mma", _transposed_fp8_mma))
 
+def _replaced(rules: tuple[Rule, ...], by_id: dict[str, Rule]) -> tuple[Rule, ...]:
+    """``rules`` with each rule whose id ``by_id`` names replaced by its entry."""
+    return tuple(by_id.get(r.id, r) for r in rules)
+
+
+_SEESAW_GLUON = _replaced(_WGMMA_GLUON, {
+    "wgmma.dtypes": _rule("seesaw.dtypes", _gluon_dtypes("gluon_seesaw")),
+    "wgmma.page": _rule("wgmma.page", _seesaw_page, "wgmma.shape")})
+_TRANSPOSED_GLUON = _replaced(_WGMMA_GLUON, {
+    "wgmma.dtypes": _rule("transposed.dtypes", _gluon_dtypes("gluon_transposed"))})
+_TRANSPOSED_MMA8_GLUON = (
+    *_replaced(_TRANSPOSED_GLUON, {"wgmma.page": _rule("wgmma.page", _fp8_mma_page,
+                                                       "wgmma.shape")}),
+    _rule("transposed.fp8_mma", _transposed_fp8_mma))
 
 
 # --- portable routes: mlatune's Triton kernels and torch --------------------------------
@@ -266,7 +266,7 @@ PORTABLE_RULES: dict[str, tuple[Rule, ...]] = {
                    _rule("sdpa.dtypes", _sdpa_dtypes, "sdpa.route")),
     "reference/torch": (),  # eager fp32 torch: any problem on any device
     "wgmma/gluon": _WGMMA_GLUON,
-    "seesaw/gluon": _WGMMA_GLUON,  # the same problems: the kernels share sizes and helpers
+    "seesaw/gluon": _SEESAW_GLUON,  # the same problems, and fp8 caches (widened to fp16)
     "transposed/gluon": _TRANSPOSED_GLUON,  # the same, and fp8 caches
     "transposed-mma8/gluon": _TRANSPOSED_MMA8_GLUON,  # its fp8-MMA form: fp8 caches, few rows
 }

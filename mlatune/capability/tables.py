@@ -241,6 +241,10 @@ SOURCES: dict[str, Source] = {
                                        "(gluon_hopper_plan.page_refusal names the pages)"),
     "wgmma.dtypes": Source(WGMMA_GLUON, "bf16 or fp16 q over a cache of the same dtype "
                                         "(check_supported); fp8 caches are not written yet"),
+    "seesaw.dtypes": Source("mlatune/kernels/gluon_seesaw.py + gluon_hopper_plan.dtype_refusal",
+                            "bf16 or fp16 q over a cache of q's dtype or fp8 e4m3fn: an fp8 "
+                            "tile is widened to fp16 in shared memory by the loader (exact), a "
+                            "bf16 q row scaled by a power of two to fp16 (exact), fp16 MMAs"),
     "transposed.dtypes": Source("mlatune/kernels/gluon_transposed_ws.py",
                                 "bf16 or fp16 q over a cache of q's dtype or fp8 e4m3fn "
                                 "(check_supported): an fp8 tile is widened to q's dtype in "

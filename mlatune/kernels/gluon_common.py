@@ -464,17 +464,19 @@ def first_masked_key(end, last_pos):
 
 
 @gluon.jit
-def slim_softmax(s, qk_scale, n0, end, last_pos, cols, m_i, l_i, mask_from):
+def slim_softmax(s, qk_scale, n0, end, last_pos, cols, m_i, l_i, mask_from,
+                 ROWS: gl.constexpr = False):
     """``online_softmax`` of raw scores S (rows x keys) in fewer instructions a score: the
     bounds applied only where the tile reaches ``mask_from`` (``first_masked_key``), the
     scale folded into the exponent (one FMA: the max is taken of the raw scores, qk_scale
-    being positive)."""
+    being positive). ROWS: ``qk_scale`` is a scale a row ([rows], in S's row layout)."""
     if n0 + s.shape[1] > mask_from:
         s = mask_scores(s, n0, end, last_pos, cols, 1)
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
     m_shift = no_shift(m_new)
     alpha = gl.exp2(m_i - m_shift)
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_shift, 1))
+    qk = gl.expand_dims(qk_scale, 1) if ROWS else qk_scale
+    p = gl.exp2(s * qk - gl.expand_dims(m_shift, 1))
     return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
 
 

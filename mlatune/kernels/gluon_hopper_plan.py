@@ -1,5 +1,6 @@
 """What the Hopper Gluon decodes (``gluon_hopper``, ``gluon_seesaw``, ``gluon_transposed``)
-are built for, their kernel forms and their split rule, on the host.
+are built for (the dtypes and pages each reads), their kernel forms and their split rule, on
+the host.
 
 Plain Python, no Triton: the capability rules, the Gluon routes'
 ``supports`` and ``param_space`` (which the dispatcher may ask) read these
@@ -16,15 +17,23 @@ D_ROPE = 64
 BLOCK_M = 64  # query rows (heads x qlen folded) per program
 BLOCK_N = 64  # keys per tile
 TMA_MIN_PAGE = 16  # the smallest page the TMA loaders read: a box of the page's rows a page
-GATHER_PAGE = 1  # each key its own page: gathered by cp.async (not by the fp8-MMA form)
-DTYPES = ("bf16", "fp16")  # q and cache alike (wgmma/gluon, seesaw/gluon)
-FP8_CACHE = "fp8_e4m3fn"  # transposed/gluon also reads this cache under a 16-bit q
+GATHER_PAGE = 1  # each key its own page: gathered by cp.async (where a kernel's form gathers)
+DTYPES = ("bf16", "fp16")  # q's, and a cache of q's dtype
+FP8_CACHE = "fp8_e4m3fn"  # the fp8 cache some kernels also read under a 16-bit q
+# The kernels that read an FP8_CACHE under a 16-bit q, each tile widened to 16 bits on chip
+# (exactly): the seesaw kernel (fp16 MMAs, its tiles widened by its loader) and the transposed
+# kernels (``gluon_transposed_ws``; ``gluon_transposed_fp8``'s fp8 MMAs). The others read a
+# cache of q's dtype only.
+FP8_CACHE_KERNELS = ("gluon_seesaw", "gluon_transposed")
 H200_SMS = 132
 MAX_SPLITS = 64
 
 # Kernel forms, named in a param set's ``form``. The seesaw kernel: "pairs" (a program walks
 # one request), "two-requests" (a program walks requests b and b + cdiv(batch, 2)).
 SEESAW_FORMS = ("pairs", "two-requests")
+# Pages from which the two-requests form reads an fp8 cache: under them its build spills
+# registers (a widening loader leaves the compute warpgroups 232 registers, 8 fewer).
+SEESAW_FP8_TWO_REQUESTS_MIN_PAGE = 64
 # The transposed kernels: "mma16" (MMAs in q's 16-bit dtype; an fp8 cache widened to it in a
 # partition of its own, ``gluon_transposed_ws``: transposed/gluon's), "mma8" (an fp8 cache
 # under fp8 MMAs, q as two e4m3 terms, ``gluon_transposed_fp8``: transposed-mma8/gluon's).
@@ -41,17 +50,41 @@ def triton_refusal(version: str | None) -> str | None:
     return None
 
 
-def page_refusal(page: int, fp8_mma: bool = False) -> str | None:
+def page_refusal(page: int, gathers: bool = True) -> str | None:
     """Why the Gluon decodes cannot read a cache of ``page``-token pages, or None: a 64-key
     tile lies in one page of 64 or more, or spans 64 / page pages of 16 or 32 (a TMA box a
-    page); pages of one key are gathered by cp.async, but by the fp8-MMA form (``fp8_mma``:
-    transposed-mma8/gluon's kernel, which loads by TMA alone)."""
+    page); pages of one key are gathered by cp.async where the kernel's form gathers
+    (``gathers`` False: the fp8-MMA form, and the seesaw kernel over an fp8 cache, which
+    load by TMA alone)."""
     if page >= TMA_MIN_PAGE and page & (page - 1) == 0:
         return None
-    if page == GATHER_PAGE and not fp8_mma:
+    if page == GATHER_PAGE and gathers:
         return None
     return (f"page_size {page}: the Gluon decodes read pages of a power of two from "
-            f"{TMA_MIN_PAGE} tokens, and of {GATHER_PAGE} but under fp8 MMAs")
+            f"{TMA_MIN_PAGE} tokens, and of {GATHER_PAGE} where the kernel gathers them "
+            f"(not the fp8-MMA form, nor the seesaw kernel over an fp8 cache)")
+
+
+def dtype_refusal(kernel: str, q_dtype: str, kv_dtype: str) -> str | None:
+    """Why ``kernel`` (a module of mlatune.kernels) cannot read a ``kv_dtype`` cache under a
+    ``q_dtype`` q, or None: a bf16 or fp16 q over a cache of its dtype, or (the
+    ``FP8_CACHE_KERNELS``) over an ``FP8_CACHE`` one."""
+    fp8 = kernel in FP8_CACHE_KERNELS
+    if q_dtype in DTYPES and (kv_dtype == q_dtype or (fp8 and kv_dtype == FP8_CACHE)):
+        return None
+    also = (f" or {FP8_CACHE}" if fp8 else
+            f" ({' and '.join(FP8_CACHE_KERNELS)} also read {FP8_CACHE})")
+    return (f"{q_dtype} q over a {kv_dtype} cache: the Gluon kernel {kernel} reads a bf16 or "
+            f"fp16 q over a cache of q's dtype{also}")
+
+
+def seesaw_form_refusal(form: str, fp8_cache: bool, page: int) -> str | None:
+    """Why the seesaw kernel's ``form`` cannot read a cache of ``page``-token pages
+    (``fp8_cache``: an fp8 one), or None (``SEESAW_FP8_TWO_REQUESTS_MIN_PAGE``)."""
+    if form == "two-requests" and fp8_cache and page < SEESAW_FP8_TWO_REQUESTS_MIN_PAGE:
+        return (f"the seesaw kernel's two-requests form reads an fp8 cache at pages of "
+                f"{SEESAW_FP8_TWO_REQUESTS_MIN_PAGE} tokens and more, not {page}")
+    return None
 
 
 def kv_box_rows(page: int, keys: int = BLOCK_N) -> int:

@@ -21,6 +21,14 @@ ptxas keeps them out of spilled registers), and Q's rope part stays in registers
 cdiv(batch, 2) through the one ring, the second's Q copied while the first's output is
 written. One split writes out and the natural-log LSE; more write fp32 partials merged by
 ``reduce.reduce_launcher``, launched as a programmatic dependent.
+
+Over an fp8 e4m3 cache (a bf16 or fp16 q) the MMAs run in fp16: the loader (40 registers,
+the warpgroups 232) copies each fp8 tile by TMA into its slot's second release group and
+widens it to fp16 in place, a chunk at a time (``_widen_tile``; e4m3 -> fp16 is exact, one
+``cvt`` a pair), zeros past the split's end; each warpgroup first writes its half of Q's
+rows as fp16 in place, a bf16 row scaled by a power of two (exact, ``_widen_q``), and the
+rows' scales (softmax, row and cache scales) into shared memory. The cache's scale also
+multiplies the output.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from collections.abc import Callable
 
 import torch
 import triton
+from triton import constexpr_function
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -41,6 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from mlatune.kernels import gluon_transposed
 from mlatune.kernels.gluon_common import (
     GATHERED,
     TILE_KEYS,
@@ -72,6 +82,8 @@ from mlatune.kernels.gluon_hopper_plan import (
     D_ROPE,
     SEESAW_FORMS,
     kv_box_rows,
+    page_refusal,
+    seesaw_form_refusal,
 )
 from mlatune.lse import LOG2E
 
@@ -83,6 +95,20 @@ LOADER_REGS = gl.constexpr(24)
 # compute warpgroups, with no stale rows to zero, fit in 232 registers: the loader gets 40.
 GATHER_COMPUTE_REGS = gl.constexpr(232)
 GATHER_LOADER_REGS = gl.constexpr(40)
+# Over an fp8 cache the loader also widens each tile (a chunk's fp8 and fp16 values and their
+# addresses), and the compute warpgroups zero no stale rows (the widening writes zeros there).
+WIDEN_COMPUTE_REGS = gl.constexpr(232)
+WIDEN_LOADER_REGS = gl.constexpr(40)
+# How a tile reaches its slot (the compute warpgroups' FILL): TMA copies of a 16-bit cache, the
+# loader's cp.async gather (page 1), or an fp8 tile widened to fp16 in place by the loader.
+FILL_TMA = gl.constexpr(0)
+FILL_GATHER = gl.constexpr(1)
+FILL_WIDEN = gl.constexpr(2)
+# A bf16 q row is scaled by the power of two that puts its largest |value| in
+# [2^Q_TOP, 2^(Q_TOP + 1)): under fp16's largest value (65504), and every value down to
+# 2^-28 of it a normal fp16, where a bf16 value's 8 significant bits are exact.
+Q_TOP = gl.constexpr(14)
+Q_SHIFT_LIMIT = gl.constexpr(100)  # |shift| at most this: 2^shift stays a normal fp32
 UNITS_A_PROGRAM = gl.constexpr(2)  # the two-requests form's requests a program (MULTI)
 MAXNREG = 168  # 12 warps (3 warpgroups) x 168 = the SM's 64K registers, rounded down
 
@@ -143,32 +169,32 @@ def _load_tiles(kc_desc, bufs, bars, src, start, n_tiles, PAGE: gl.constexpr, j0
     (``ready[9 * slot + c]``: nope columns [64c, 64c + 64), c = 8 the rope part), in two
     groups released apart (``_release``). ``j0``: pairs copied before (two-requests); PAD:
     slot 1 filled (with tile a's page) in a pair without a tile b."""
-    k_nope, k_rope = bufs[2:4]
-    ready, empty = bars[1:3]
     BN: gl.constexpr = TILE_KEYS
     for j in range((n_tiles + 1) // 2):
         ph = ((j0 + j) & 1) ^ 1  # a fresh barrier counts as phase 1 complete: first waits pass
         key = start + 2 * j * BN
-        _load_tile(kc_desc, k_nope.index(0), k_rope.index(0), ready, empty, 0, ph, src, key,
-                   PAGE)
+        _load_tile(kc_desc, bufs, bars, 0, ph, src, key, PAGE)
         if 2 * j + 1 < n_tiles:
-            _load_tile(kc_desc, k_nope.index(1), k_rope.index(1), ready, empty, 1, ph, src,
-                       key + BN, PAGE)
+            _load_tile(kc_desc, bufs, bars, 1, ph, src, key + BN, PAGE)
         elif PAD:
-            _load_tile(kc_desc, k_nope.index(1), k_rope.index(1), ready, empty, 1, ph, src,
-                       key, PAGE)
+            _load_tile(kc_desc, bufs, bars, 1, ph, src, key, PAGE)
 
 
 @gluon.jit
-def _load_tile(kc_desc, kn, kr, ready, empty, SLOT: gl.constexpr, ph, src, key,
-               PAGE: gl.constexpr):
+def _load_tile(kc_desc, bufs, bars, SLOT: gl.constexpr, ph, src, key, PAGE: gl.constexpr):
     """One tile into slot SLOT: its owner's V half (slot 0: columns 0-255, slot 1: 256-511)
     once the owner released it, then the other half and the rope part. Each chunk is a TMA
-    box, or a box a page (``tile_rows``); page 1: ``_gather_tile``."""
-    if PAGE == GATHERED:
-        _gather_tile(kn, kr, ready, empty, SLOT, ph, src, key)
+    box, or a box a page (``tile_rows``); page 1: ``_gather_tile``; an fp8 cache:
+    ``_widen_tile``."""
+    k_nope, k_rope = bufs[2:4]
+    ready, empty = bars[1:3]
+    if kc_desc.dtype.primitive_bitwidth == 8:
+        _widen_tile(kc_desc, k_nope, k_rope, bars, SLOT, ph, src, key, PAGE)
+    elif PAGE == GATHERED:
+        _gather_tile(k_nope.index(SLOT), k_rope.index(SLOT), ready, empty, SLOT, ph, src, key)
     else:
-        _copy_tile(kc_desc, kn, kr, ready, empty, SLOT, ph, src, key, PAGE)
+        _copy_tile(kc_desc, k_nope.index(SLOT), k_rope.index(SLOT), ready, empty, SLOT, ph, src,
+                   key, PAGE)
 
 
 @gluon.jit
@@ -230,41 +256,155 @@ def _copy_tile(kc_desc, kn, kr, ready, empty, SLOT: gl.constexpr, ph, src, key,
     copy_rows(kc_desc, kr, bar, rows, kn.shape[1], True)
 
 
+# An fp8 cache: each tile copied by TMA into its slot's staging area, then widened in place.
+#
+# A slot holds 64 keys x 576 fp16 (73,728 bytes: nope chunk c (64 columns, 8 KB) at 8192 c of
+# its nope part, the rope part apart); the fp8 tile is half that. Its 9 chunks (4 KB each) are
+# staged in the order the compute warpgroups read them (``chunk_at``): the nope chunks in the
+# slot's non-owner V half (slot 0: bytes 32768-65535 of its nope part, slot 1: 0-32767),
+# position k at 4096 k, the rope part in the upper half of the slot's rope part. Widened in that
+# order, the fp16 write of position k (8 KB at its chunk's place) reaches only positions <= k:
+# the owner's half holds no staging, and in the non-owner's half position k's write covers
+# positions 2 (k - 4) and 2 (k - 4) + 1 (the rope part: its own). So once every thread has
+# read positions <= k, position k may be written. The staging lies in the slot's second
+# release group (the non-owner's half and the rope part): its copy starts once that group is
+# released; the widening's first writes (the owner's half) wait for the first group.
+
+@constexpr_function
+def chunk_at(slot, k):
+    """The chunk a slot's tile copies (and its warpgroup reads) k-th: the owner's V half first
+    (slot 0: nope chunks 0-3, slot 1: 4-7), then the other half, then the rope part (8)."""
+    return 8 if k == 8 else (4 * slot + k) % 8
+
+
+@gluon.jit
+def _staged(f_nope, f_rope, SLOT: gl.constexpr, k: gl.constexpr):
+    """Staging position k of slot SLOT, [64, 64] fp8 (``f_nope``: the nope parts as 4 KB
+    chunks, 16 a slot; ``f_rope``: the rope parts, 2 a slot)."""
+    if k < 8:
+        return f_nope.index(16 * SLOT + 8 * (1 - SLOT) + k)
+    else:
+        return f_rope.index(2 * SLOT + 1)
+
+
+@gluon.jit
+def _widen_tile(kc_desc, k_nope, k_rope, bars, SLOT: gl.constexpr, ph, src, key,
+                PAGE: gl.constexpr):
+    """``_load_tile`` of an fp8 cache: the tile's 9 fp8 chunks copied by TMA into slot SLOT's
+    staging area once its second group is released (``_stage_tile``), then, once the first is
+    too, widened to fp16 in place chunk by chunk as they land (``_widen_chunks``), V rows
+    past the split's end as zeros (a real cache may hold NaN there)."""
+    ready, empty, staged = bars[1], bars[2], bars[5]
+    W: gl.constexpr = kc_desc.block_type.shape[1]
+    N: gl.constexpr = k_nope.shape[1]
+    fp8: gl.constexpr = kc_desc.dtype
+    f_nope = k_nope._reinterpret(fp8, [k_nope.shape[0] * k_nope.shape[2] * 2 // W, N, W],
+                                 kc_desc.layout)
+    f_rope = k_rope._reinterpret(fp8, [k_rope.shape[0] * 2, N, W], kc_desc.layout)
+    _stage_tile(kc_desc, f_nope, f_rope, staged, empty, SLOT, ph, src, key, PAGE)
+    mbarrier.wait(_bar(empty, 2 * SLOT), ph)
+    fence_async_shared()  # the owner's wgmmas (async proxy) read the half written first
+    valid = src[2] - key
+    if valid < N:
+        _widen_chunks(f_nope, f_rope, k_nope.index(SLOT), k_rope.index(SLOT), staged, ready,
+                      SLOT, ph, valid, True)
+    else:
+        _widen_chunks(f_nope, f_rope, k_nope.index(SLOT), k_rope.index(SLOT), staged, ready,
+                      SLOT, ph, valid, False)
+
+
+@gluon.jit
+def _stage_tile(kc_desc, f_nope, f_rope, staged, empty, SLOT: gl.constexpr, ph, src, key,
+                PAGE: gl.constexpr):
+    """The fp8 tile's chunks by TMA into slot SLOT's staging positions (``_staged``), each on
+    its own barrier (``staged[9 * SLOT + k]``), a box a chunk or a box a page."""
+    tables = (src[0], src[1])
+    R: gl.constexpr = kc_desc.block_type.shape[0]
+    W: gl.constexpr = kc_desc.block_type.shape[1]
+    N: gl.constexpr = f_nope.shape[1]
+    CHUNK: gl.constexpr = kc_desc.block_type.nbytes * (N // R)
+    if PAGE >= N:
+        rows = tile_rows(tables[0], key, tables[1], True, R, N, PAGE)
+    mbarrier.wait(_bar(empty, 2 * SLOT + 1), ph)
+    fence_async_shared()  # the warpgroups wrote the group (P) through the generic proxy
+    for k in gl.static_range(9):
+        if PAGE < N:
+            rows = tile_rows(tables[0], key, tables[1], True, R, N, PAGE)
+        bar = _bar(staged, 9 * SLOT + k)
+        mbarrier.expect(bar, CHUNK)
+        copy_rows(kc_desc, _staged(f_nope, f_rope, SLOT, k), bar, rows, chunk_at(SLOT, k) * W,
+                  True)
+
+
+@gluon.jit
+def _widen_chunks(f_nope, f_rope, kn, kr, staged, ready, SLOT: gl.constexpr, ph, valid,
+                  MASK: gl.constexpr):
+    """Widen slot SLOT's staged chunks into its fp16 chunks (``kn``, ``kr``) in the staged
+    order: each thread reads position k + 1 before it writes position k (so the barrier after
+    each chunk's writes also says that every thread has read the next), then a proxy fence
+    (the wgmmas read the chunk through the async proxy), the loader's barrier and the chunk's
+    one arrival on ``ready``. MASK: V rows from ``valid`` on written as zeros. (Triton adds a
+    barrier before each write, the read before it being of the same allocation, and one after
+    each arrival, which it takes as an access of any shared memory: 27 a tile.)"""
+    # 16 fp8 columns of a row a thread (one 16-byte load), two rows: 32 values, 16 cvt.
+    layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+    W: gl.constexpr = kr.shape[1]
+    keep = gl.expand_dims(gl.arange(0, kn.shape[0], layout=gl.SliceLayout(1, layout)) < valid, 1)
+    mbarrier.wait(_bar(staged, 9 * SLOT), ph)
+    x = _staged(f_nope, f_rope, SLOT, 0).load(layout)
+    for k in gl.static_range(9):
+        if k < 8:
+            mbarrier.wait(_bar(staged, 9 * SLOT + k + 1), ph)
+            x_next = _staged(f_nope, f_rope, SLOT, k + 1).load(layout)
+        y = x.to(gl.float16)
+        if k < 8:
+            if MASK:
+                y = gl.where(keep, y, gl.zeros_like(y))
+            kn.slice(chunk_at(SLOT, k) * W, W, dim=1).store(y)
+        else:
+            kr.store(y)
+        fence_async_shared()
+        gl.thread_barrier()  # every thread's writes precede the one arrival
+        mbarrier.arrive(_bar(ready, 9 * SLOT + chunk_at(SLOT, k)))
+        if k < 8:
+            x = x_next
+
+
 @gluon.jit
 def _scores(q_nope, q_rope, kn, kr, ready, SLOT: gl.constexpr, ph, pred,
-            s_layout: gl.constexpr, GATHER: gl.constexpr):
+            s_layout: gl.constexpr, FILL: gl.constexpr):
     """S = Q K^T of the tile in slot SLOT, each 64-column step issued as soon as its chunk
     has landed, in the order the loader copies them (the owner's V half first, rope last).
-    GATHER: the chunks were gathered by cp.async (``_landed``)."""
+    FILL: how the chunks reached the slot (``_landed``)."""
     W: gl.constexpr = kr.shape[1]
     BM: gl.constexpr = q_nope.shape[0]
     BN: gl.constexpr = kn.shape[0]
     s = gl.zeros([BM, BN], gl.float32, layout=s_layout)
     for c in gl.static_range(4 * SLOT, 4 * SLOT + 8):  # chunk c % 8
         mbarrier.wait(_bar(ready, 9 * SLOT + c % 8), ph, pred=pred)
-        _landed(GATHER)
+        _landed(FILL)
         s = warpgroup_mma(q_nope.slice(c % 8 * W, W, dim=1),
                           kn.slice(c % 8 * W, W, dim=1).permute((1, 0)), s,
                           use_acc=c > 4 * SLOT, is_async=True)
     mbarrier.wait(_bar(ready, 9 * SLOT + 8), ph, pred=pred)
-    _landed(GATHER)
+    _landed(FILL)
     return warpgroup_mma(q_rope, kr.permute((1, 0)), s, is_async=True)
 
 
 @gluon.jit
-def _wait_half(ready, SLOT: gl.constexpr, HALF: gl.constexpr, ph, pred, GATHER: gl.constexpr):
+def _wait_half(ready, SLOT: gl.constexpr, HALF: gl.constexpr, ph, pred, FILL: gl.constexpr):
     """Wait until the V half HALF (0: columns 0-255) of slot SLOT has landed."""
     for i in gl.static_range(4):
         mbarrier.wait(_bar(ready, 9 * SLOT + 4 * HALF + i), ph, pred=pred)
-    _landed(GATHER)
+    _landed(FILL)
 
 
 @gluon.jit
-def _landed(GATHER: gl.constexpr):
-    """After a wait on a chunk the loader gathered by cp.async (GATHER: page 1), which
-    writes through the generic proxy: a proxy fence, so that this thread's wgmmas (async
-    proxy) read it."""
-    if GATHER:
+def _landed(FILL: gl.constexpr):
+    """After a wait on a chunk the loader gathered by cp.async (page 1), which writes through
+    the generic proxy: a proxy fence, so that this thread's wgmmas (async proxy) read it. (A
+    widened chunk was fenced by the threads that wrote it, before their arrival.)"""
+    if FILL == FILL_GATHER:
         fence_async_shared()
 
 
@@ -316,18 +456,22 @@ def _publish(p, kr_buf, m_slot, m, bar):
 
 
 @gluon.jit
-def _softmax(s, qk_scale, n0, end, bounds, cols, m_i, l_i):
-    """One tile's online softmax of raw scores (``slim_softmax``). ``bounds``: the rows' last
-    keys (``last_keys``) and the first key some row may not see."""
+def _softmax(s, qk, n0, end, bounds, cols, m_i, l_i, FILL: gl.constexpr):
+    """One tile's online softmax of raw scores (``slim_softmax``; ``qk``: the scores' scale,
+    over a widened cache the buffer of a scale a row). ``bounds``: the rows' last keys
+    (``last_keys``) and the first key some row may not see."""
     last_pos, mask_from = bounds
-    return slim_softmax(s, qk_scale, n0, end, last_pos, cols, m_i, l_i, mask_from)
+    if FILL == FILL_WIDEN:
+        qk = qk.load(gl.SliceLayout(1, s.type.layout))
+    return slim_softmax(s, qk, n0, end, last_pos, cols, m_i, l_i, mask_from,
+                        FILL == FILL_WIDEN)
 
 
 @gluon.jit
-def _zero_if_last(v, n0, end, GATHER: gl.constexpr):
+def _zero_if_last(v, n0, end, FILL: gl.constexpr):
     """Zero the V rows past ``end`` of the tile at ``n0`` (only the last tile has any; a
-    gathered tile has zeros there already)."""
-    if not GATHER and n0 + v.shape[0] > end:
+    gathered or widened tile has zeros there already)."""
+    if FILL == FILL_TMA and n0 + v.shape[0] > end:
         zero_stale_rows(v, end - n0, 4)
 
 
@@ -340,19 +484,19 @@ def _halves(kn_a, kn_b, half: gl.constexpr, s_layout: gl.constexpr, o_layout: gl
 
 
 @gluon.jit
-def _pair_wg0(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run, acc,
-              s_layout: gl.constexpr, o_layout: gl.constexpr, GATHER: gl.constexpr):
-    """WG0's half of a pair: its own tile a (slot 0), then WG1's tile b (slot 1). GATHER:
-    the tiles were gathered by cp.async (page 1)."""
+def _pair_wg0(bufs, kv, bars, ph, n0, end, has_b, bounds, qk, m_run, l_run, acc,
+              s_layout: gl.constexpr, o_layout: gl.constexpr, FILL: gl.constexpr):
+    """WG0's half of a pair: its own tile a (slot 0), then WG1's tile b (slot 1). FILL:
+    how the tiles reached their slots (``FILL_TMA``, ``FILL_GATHER``, ``FILL_WIDEN``)."""
     q_nope, q_rope, m_buf = bufs[0], bufs[1], bufs[4]
     kn_a, kr_a, kn_b, kr_b = kv
     ready, empty, p_bars = bars[1:4]
     v_a, v_b, cols = _halves(kn_a, kn_b, 0, s_layout, o_layout)
     BN: gl.constexpr = kn_a.shape[0]
-    s = _scores(q_nope, q_rope, kn_a, kr_a, ready, 0, ph, True, s_layout, GATHER)
+    s = _scores(q_nope, q_rope, kn_a, kr_a, ready, 0, ph, True, s_layout, FILL)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-    _zero_if_last(v_a, n0, end, GATHER)  # after S, which has waited for every chunk
-    p, m0, l_run, alpha = _softmax(s, qk_scale, n0, end, bounds, cols, m_run, l_run)
+    _zero_if_last(v_a, n0, end, FILL)  # after S, which has waited for every chunk
+    p, m0, l_run, alpha = _softmax(s, qk, n0, end, bounds, cols, m_run, l_run, FILL)
     p = p.to(kr_a.dtype)
     _publish(p, kr_a, _row_slot(m_buf, 0), m0, _bar(p_bars, 0))
     acc = _scale_rows(acc, alpha, o_layout)
@@ -365,8 +509,8 @@ def _pair_wg0(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run
     alpha = gl.exp2(m0 - no_shift(m1))
     acc = _scale_rows(acc, alpha, o_layout)
     if has_b:
-        _wait_half(ready, 1, 0, ph, True, GATHER)
-        _zero_if_last(v_b, n0 + BN, end, GATHER)
+        _wait_half(ready, 1, 0, ph, True, FILL)
+        _zero_if_last(v_b, n0 + BN, end, FILL)
         acc = warpgroup_mma(kr_b, v_b, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     _release(empty, 1, 0)
@@ -374,11 +518,11 @@ def _pair_wg0(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run
 
 
 @gluon.jit
-def _pair_wg1(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run, acc,
+def _pair_wg1(bufs, kv, bars, ph, n0, end, has_b, bounds, qk, m_run, l_run, acc,
               s_layout: gl.constexpr, o_layout: gl.constexpr, PAD: gl.constexpr,
-              GATHER: gl.constexpr):
+              FILL: gl.constexpr):
     """WG1's half of a pair: S of its own tile b first, WG0's P_a V_a while S_b finishes.
-    PAD: slot 1 is filled in a pair without a tile b too, and waited for; GATHER: as
+    PAD: slot 1 is filled in a pair without a tile b too, and waited for; FILL: as
     ``_pair_wg0``'s."""
     kn_a, kr_a, kn_b, kr_b = kv
     q_nope, q_rope, m_buf = bufs[0], bufs[1], bufs[4]
@@ -386,24 +530,24 @@ def _pair_wg1(bufs, kv, bars, ph, n0, end, has_b, bounds, qk_scale, m_run, l_run
     v_a, v_b, cols = _halves(kn_a, kn_b, 1, s_layout, o_layout)
     n1 = n0 + kn_a.shape[0]
     # Without a tile b (odd count), S_b reads whatever slot 1 holds: all masked (n1 >= end).
-    s = _scores(q_nope, q_rope, kn_b, kr_b, ready, 1, ph, has_b | PAD, s_layout, GATHER)
-    _wait_half(ready, 0, 1, ph, True, GATHER)
+    s = _scores(q_nope, q_rope, kn_b, kr_b, ready, 1, ph, has_b | PAD, s_layout, FILL)
+    _wait_half(ready, 0, 1, ph, True, FILL)
     mbarrier.wait(_bar(p_bars, 0), ph)
     m0 = _row_slot(m_buf, 0).load(gl.SliceLayout(1, s_layout))
     alpha = gl.exp2(m_run - no_shift(m0))
     acc = _scale_rows(acc, alpha, o_layout)
-    _zero_if_last(v_a, n0, end, GATHER)
+    _zero_if_last(v_a, n0, end, FILL)
     acc = warpgroup_mma(kr_a, v_a, acc, is_async=True)
     # wgmma groups retire in order: one outstanding leaves P_a V_a running.
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
-    p, m1, l_run, alpha = _softmax(s, qk_scale, n1, end, bounds, cols, m0, l_run * alpha)
+    p, m1, l_run, alpha = _softmax(s, qk, n1, end, bounds, cols, m0, l_run * alpha, FILL)
     p = p.to(kr_a.dtype)
     _publish(p, kr_b, _row_slot(m_buf, 1), m1, _bar(p_bars, 1))
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     _release(empty, 0, 1)
     acc = _scale_rows(acc, alpha, o_layout)
     if has_b:
-        _zero_if_last(v_b, n1, end, GATHER)
+        _zero_if_last(v_b, n1, end, FILL)
         p_op = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=o_layout,
                                                         k_width=2))
         acc = warpgroup_mma(p_op, v_b, acc, is_async=True)
@@ -420,18 +564,18 @@ def _afresh(buf, zero):
 
 
 @gluon.jit
-def _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, WG: gl.constexpr,
-             CAUSAL: gl.constexpr, DIRECT: gl.constexpr, GATHER: gl.constexpr):
+def _compute(bufs, bars, out_ptr, lse_ptr, ints, scales, WG: gl.constexpr,
+             CAUSAL: gl.constexpr, DIRECT: gl.constexpr, FILL: gl.constexpr):
     """One compute warpgroup of the pairs form: its walk over the pairs of tiles, then its
     half of the output."""
-    acc, m_run, l_run = _walk_pairs(bufs, bars, ints, qk_scale, 0, 0, WG, CAUSAL, False,
-                                    GATHER)
-    _finish(acc, m_run, l_run, bufs[5], bars[4], 0, 0, out_ptr, lse_ptr, ints, WG, DIRECT)
+    acc, m_run, l_run = _walk_pairs(bufs, bars, ints, scales, 0, 0, WG, CAUSAL, False, FILL)
+    _finish(acc, m_run, l_run, bufs[5], bars[4], 0, 0, out_ptr, lse_ptr, ints, WG, DIRECT,
+            scales, FILL)
 
 
 @gluon.jit
-def _compute_units(bufs, bars, out_ptr, lse_ptr, ints, walk, qk_scale, WG: gl.constexpr,
-                   CAUSAL: gl.constexpr, DIRECT: gl.constexpr, GATHER: gl.constexpr):
+def _compute_units(bufs, bars, out_ptr, lse_ptr, ints, walk, scales, WG: gl.constexpr,
+                   CAUSAL: gl.constexpr, DIRECT: gl.constexpr, FILL: gl.constexpr):
     """One compute warpgroup of the two-requests form (MULTI): this program's requests b0,
     b0 + n (n the grid's third size; UNITS_A_PROGRAM of them), one after another; Q of the
     next is copied while this warpgroup finishes the last one's output (``q_free``,
@@ -448,28 +592,28 @@ def _compute_units(bufs, bars, out_ptr, lse_ptr, ints, walk, qk_scale, WG: gl.co
             start, end, n_tiles = key_range(seq_len, rb, split, num_splits, qlen, heads, BM,
                                             BN, CAUSAL)
             unit = (start, end, n_tiles, seq_len, rb, b) + ints[6:]  # noqa: RUF005 (JIT)
-            acc, m_run, l_run = _walk_pairs(bufs, bars, unit, qk_scale, j0, k & 1, WG, CAUSAL,
-                                            True, GATHER)
+            acc, m_run, l_run = _walk_pairs(bufs, bars, unit, scales, j0, k & 1, WG, CAUSAL,
+                                            True, FILL)
             gl.thread_barrier()  # the warpgroup's last S (read Q) precedes the one arrival
             mbarrier.arrive(q_free)
             _finish(acc, m_run, l_run, bufs[5], bars[4], k & 1, (k & 1) * 2, out_ptr, lse_ptr,
-                    unit, WG, DIRECT)
+                    unit, WG, DIRECT, scales, FILL)
             j0 += (n_tiles + 1) // 2
 
 
 @gluon.jit
-def _walk_pairs(bufs, bars, ints, qk_scale, j0, q_phase, WG: gl.constexpr,
-                CAUSAL: gl.constexpr, PAD: gl.constexpr, GATHER: gl.constexpr):
+def _walk_pairs(bufs, bars, ints, scales, j0, q_phase, WG: gl.constexpr,
+                CAUSAL: gl.constexpr, PAD: gl.constexpr, FILL: gl.constexpr):
     """A warpgroup's walk over the pairs of one (request, split)'s tiles: (O's half, the rows'
     max, this warpgroup's row sums). ``j0``: pairs this program walked before (the ring's
     phases); PAD (two-requests): slot 1 waited for in a pair without a tile b, which the
-    loader then fills too; GATHER: the loader gathers the tiles by cp.async (page 1). Q's
-    rope part (64 x 64) is held in registers as S's last k-steps'
-    A operand, read from shared memory once a request."""
-    q_nope, k_nope, k_rope = bufs[0], bufs[2], bufs[3]
-    BM: gl.constexpr = q_nope.shape[0]
+    loader then fills too; FILL: how the loader fills the slots (``FILL_TMA``, ...); Q and
+    the scores' scale as ``_q_operands`` gives them. Q's rope part (64 x 64) is held in
+    registers as S's last k-steps' A operand, read from shared memory once a request."""
+    k_nope, k_rope = bufs[2], bufs[3]
+    BM: gl.constexpr = bufs[0].shape[0]
     BN: gl.constexpr = k_nope.shape[1]
-    DH: gl.constexpr = q_nope.shape[1] // 2
+    DH: gl.constexpr = bufs[0].shape[1] // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -483,7 +627,8 @@ def _walk_pairs(bufs, bars, ints, qk_scale, j0, q_phase, WG: gl.constexpr,
     l_run = gl.full([BM], 0.0, gl.float32, layout=row_s)
     acc = gl.zeros([BM, DH], gl.float32, layout=o_layout)
     mbarrier.wait(bars[0], q_phase)
-    q_rope_op = bufs[1].load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+    q_nope, q_rope, qk = _q_operands(bufs, bars, scales, q_phase, WG, row_s, FILL)
+    q_rope_op = q_rope.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
     for j in range((n_tiles + 1) // 2):
         # j >> 30 is 0, which the compiler cannot prove: slot and Q addresses stay loop
         # variant, so their wgmma descriptors are not hoisted into (spilled) registers.
@@ -494,19 +639,82 @@ def _walk_pairs(bufs, bars, ints, qk_scale, j0, q_phase, WG: gl.constexpr,
         ph = (j0 + j) & 1
         pair_bufs = (_afresh(q_nope, j >> 30), q_rope_op, bufs[2], bufs[3], bufs[4], bufs[5])
         if WG == 0:
-            acc, m_run, l_run = _pair_wg0(pair_bufs, kv, bars, ph, n0, end, has_b, bounds,
-                                          qk_scale, m_run, l_run, acc, s_layout, o_layout,
-                                          GATHER)
+            acc, m_run, l_run = _pair_wg0(pair_bufs, kv, bars, ph, n0, end, has_b, bounds, qk,
+                                          m_run, l_run, acc, s_layout, o_layout, FILL)
         else:
-            acc, m_run, l_run = _pair_wg1(pair_bufs, kv, bars, ph, n0, end, has_b, bounds,
-                                          qk_scale, m_run, l_run, acc, s_layout, o_layout, PAD,
-                                          GATHER)
+            acc, m_run, l_run = _pair_wg1(pair_bufs, kv, bars, ph, n0, end, has_b, bounds, qk,
+                                          m_run, l_run, acc, s_layout, o_layout, PAD, FILL)
     return acc, m_run, l_run
 
 
 @gluon.jit
+def _q_operands(bufs, bars, scales, q_phase, WG: gl.constexpr, row_layout: gl.constexpr,
+                FILL: gl.constexpr):
+    """Q's nope and rope parts as the MMAs read them, and the scores' scale (``scales``: the
+    softmax scale in base 2, and over an fp8 cache the cache's scale's pointer): as copied,
+    and the one scale; over a widened cache, fp16 views of them and the rows' scales in shared
+    memory (``_widen_q``: each warpgroup its half of the rows; read each tile, so that the
+    walk holds no registers for them)."""
+    q_nope, q_rope, qk = bufs[0], bufs[1], scales[0]
+    if FILL == FILL_WIDEN:
+        q16_nope = _as_fp16(q_nope)
+        q16_rope = _as_fp16(q_rope)
+        _widen_q(q_nope, q_rope, q16_nope, q16_rope, bufs[6], qk * scales[1], WG)
+        fence_async_shared()  # the wgmmas (async proxy) read the rows written here
+        gl.thread_barrier()  # every thread's writes precede the one arrival
+        mbarrier.arrive(bars[6])
+        mbarrier.wait(bars[6], q_phase)
+        q_nope, q_rope, qk = q16_nope, q16_rope, bufs[6]
+    return q_nope, q_rope, qk
+
+
+@gluon.jit
+def _as_fp16(buf):
+    """A 16-bit shared buffer read as fp16 (the same bytes and layout)."""
+    return buf._reinterpret(gl.float16, buf.shape, buf.layout)
+
+
+@gluon.jit
+def _widen_q(q_nope, q_rope, q16_nope, q16_rope, q_rows, qk, WG: gl.constexpr):
+    """Warpgroup WG's half of Q's rows as fp16 in place (``q16_*``: the same bytes), and
+    their scores' scales into ``q_rows``: a bf16 row times 2^-e, e its largest |value|'s
+    exponent less ``Q_TOP`` (bounded by ``Q_SHIFT_LIMIT``; exact where its values lie
+    within 2^28 of its largest), its scale ``qk`` 2^e; an fp16 row as it is, its scale
+    ``qk``. Each thread writes the values it read."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    R: gl.constexpr = q_nope.shape[0] // 2
+    W: gl.constexpr = q_rope.shape[1]
+    rows: gl.constexpr = gl.SliceLayout(1, layout)
+    if q_nope.dtype == gl.bfloat16:
+        top = gl.zeros([R, W], gl.float32, layout=layout)
+        for c in gl.static_range(9):
+            x = _q_chunk(q_nope, q_rope, c).slice(WG * R, R).load(layout).to(gl.float32)
+            top = gl.maximum(top, gl.abs(x))
+        e = ((gl.max(top, axis=1).to(gl.int32, bitcast=True) >> 23) & 0xFF) - (127 + Q_TOP)
+        e = gl.minimum(gl.maximum(e, -Q_SHIFT_LIMIT), Q_SHIFT_LIMIT)
+        down = gl.expand_dims(((127 - e) << 23).to(gl.float32, bitcast=True), 1)
+        for c in gl.static_range(9):
+            x = _q_chunk(q_nope, q_rope, c).slice(WG * R, R).load(layout).to(gl.float32)
+            _q_chunk(q16_nope, q16_rope, c).slice(WG * R, R).store((x * down).to(gl.float16))
+        scale = qk * ((127 + e) << 23).to(gl.float32, bitcast=True)
+    else:
+        scale = gl.full([R], 0.0, gl.float32, layout=rows) + qk
+    q_rows.slice(WG * R, R).store(scale)
+
+
+@gluon.jit
+def _q_chunk(q_nope, q_rope, c: gl.constexpr):
+    """Q's 64 columns from 64 c (c = 8: the rope part)."""
+    W: gl.constexpr = q_rope.shape[1]
+    if c < 8:
+        return q_nope.slice(c * W, W, dim=1)
+    else:
+        return q_rope
+
+
+@gluon.jit
 def _finish(acc, m_run, l_run, l_buf, l_bar, l_phase, SLOT0: gl.constexpr, out_ptr, lse_ptr,
-            ints, WG: gl.constexpr, DIRECT: gl.constexpr):
+            ints, WG: gl.constexpr, DIRECT: gl.constexpr, scales, FILL: gl.constexpr):
     """The row sums added across the warpgroups (on ``l_bar``, through the two row slots of
     ``l_buf`` from SLOT0), both in the final max's base, then this warpgroup's output."""
     BM: gl.constexpr = m_run.shape[0]
@@ -517,15 +725,16 @@ def _finish(acc, m_run, l_run, l_buf, l_bar, l_phase, SLOT0: gl.constexpr, out_p
     mbarrier.arrive(l_bar)
     mbarrier.wait(l_bar, l_phase)
     l_run = l_run + l_buf.slice((SLOT0 + 1 - WG) * BM, BM).load(row_s)
-    _epilogue(acc, m_run, l_run, out_ptr, lse_ptr, ints, WG, DIRECT, o_layout)
+    _epilogue(acc, m_run, l_run, out_ptr, lse_ptr, ints, WG, DIRECT, o_layout, scales, FILL)
 
 
 @gluon.jit
 def _epilogue(acc, m_i, l_i, out_ptr, lse_ptr, ints, WG: gl.constexpr, DIRECT: gl.constexpr,
-              o_layout: gl.constexpr):
+              o_layout: gl.constexpr, scales, FILL: gl.constexpr):
     """Store this warpgroup's 256 columns of the normalized output (and, WG0, the LSE),
     straight from the accumulator's registers: the output is 1/72 of the bytes the program
-    reads, and a staging buffer would not fit next to Q and the ring."""
+    reads, and a staging buffer would not fit next to Q and the ring. A widened cache's
+    scale (``scales[1]``) multiplies the output."""
     rb, b, split, num_splits, qlen, heads = ints[4:10]
     stride_o_tok, stride_o_head = ints[10:12]
     stride_po_slot, stride_po_row = ints[13:15]
@@ -536,6 +745,8 @@ def _epilogue(acc, m_i, l_i, out_ptr, lse_ptr, ints, WG: gl.constexpr, DIRECT: g
     has_keys = l_o > 0.0
     inv = gl.where(has_keys, 1.0 / gl.where(has_keys, l_o, gl.full_like(l_o, 1.0)),
                    gl.zeros_like(l_o))
+    if FILL == FILL_WIDEN:
+        inv = inv * scales[1]
     o = acc * gl.expand_dims(inv, 1)
     rows = qlen * heads
     r = rb * BM + gl.arange(0, BM, layout=row_o)
@@ -564,29 +775,27 @@ def _store_lse(m_i, l_i, lse_ptr, ints, BM: gl.constexpr, DIRECT: gl.constexpr):
 # it is (a constexpr) is in its name.
 
 @gluon.jit
-def _wg0(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
-         DIRECT: gl.constexpr, GATHER: gl.constexpr):
-    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 0, CAUSAL, DIRECT, GATHER)
+def _wg0(bufs, bars, out_ptr, lse_ptr, ints, scales, CAUSAL: gl.constexpr,
+         DIRECT: gl.constexpr, FILL: gl.constexpr):
+    _compute(bufs, bars, out_ptr, lse_ptr, ints, scales, 0, CAUSAL, DIRECT, FILL)
 
 
 @gluon.jit
-def _wg1(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
-         DIRECT: gl.constexpr, GATHER: gl.constexpr):
-    _compute(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, 1, CAUSAL, DIRECT, GATHER)
+def _wg1(bufs, bars, out_ptr, lse_ptr, ints, scales, CAUSAL: gl.constexpr,
+         DIRECT: gl.constexpr, FILL: gl.constexpr):
+    _compute(bufs, bars, out_ptr, lse_ptr, ints, scales, 1, CAUSAL, DIRECT, FILL)
 
 
 @gluon.jit
-def _wg0_units(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
-               DIRECT: gl.constexpr, GATHER: gl.constexpr, walk):
-    _compute_units(bufs, bars, out_ptr, lse_ptr, ints, walk, qk_scale, 0, CAUSAL, DIRECT,
-                   GATHER)
+def _wg0_units(bufs, bars, out_ptr, lse_ptr, ints, scales, CAUSAL: gl.constexpr,
+               DIRECT: gl.constexpr, FILL: gl.constexpr, walk):
+    _compute_units(bufs, bars, out_ptr, lse_ptr, ints, walk, scales, 0, CAUSAL, DIRECT, FILL)
 
 
 @gluon.jit
-def _wg1_units(bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL: gl.constexpr,
-               DIRECT: gl.constexpr, GATHER: gl.constexpr, walk):
-    _compute_units(bufs, bars, out_ptr, lse_ptr, ints, walk, qk_scale, 1, CAUSAL, DIRECT,
-                   GATHER)
+def _wg1_units(bufs, bars, out_ptr, lse_ptr, ints, scales, CAUSAL: gl.constexpr,
+               DIRECT: gl.constexpr, FILL: gl.constexpr, walk):
+    _compute_units(bufs, bars, out_ptr, lse_ptr, ints, walk, scales, 1, CAUSAL, DIRECT, FILL)
 
 
 @gluon.jit(do_not_specialize=["num_splits", "qlen", "heads", "batch"])
@@ -596,18 +805,23 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's parts; the cac
                   stride_bt, stride_o_tok, stride_o_head, stride_lse_tok,  # direct out
                   stride_po_slot, stride_po_row, stride_pl_slot,  # fp32 partials
                   kv_ptr, stride_kv,  # the cache's rows, where page-1 keys are gathered
+                  kv_scale_ptr,  # an fp8 cache's scale (fp32; unread over a 16-bit cache)
                   CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PAGE: gl.constexpr,
                   PDL: gl.constexpr, MULTI: gl.constexpr, num_warps: gl.constexpr, batch=1):
     BM: gl.constexpr = qn_desc.block_type.shape[0]
     BN: gl.constexpr = TILE_KEYS
     dtype: gl.constexpr = qn_desc.dtype
+    # An fp8 cache is widened to fp16 in the ring, and the MMAs run in fp16.
+    FP8: gl.constexpr = kr_desc.dtype.primitive_bitwidth == 8
+    MMA: gl.constexpr = gl.float16 if FP8 else dtype
     rb, split, b, seq_len, start, end, n_tiles = program_keys(
         seq_lens_ptr, num_splits, qlen, heads, BM, BN, CAUSAL, PDL)
 
     q_nope = gl.allocate_shared_memory(dtype, qn_desc.block_type.shape, qn_desc.layout)
     q_rope = gl.allocate_shared_memory(dtype, qr_desc.block_type.shape, qr_desc.layout)
-    k_nope = gl.allocate_shared_memory(dtype, [2, BN, kn_desc.block_type.shape[1]], kn_desc.layout)
-    k_rope = gl.allocate_shared_memory(dtype, [2, BN, kr_desc.block_type.shape[1]], kr_desc.layout)
+    # The ring in the MMAs' dtype, laid out as Q's parts (128-byte swizzled 16-bit rows).
+    k_nope = gl.allocate_shared_memory(MMA, [2, BN, qn_desc.block_type.shape[1]], qn_desc.layout)
+    k_rope = gl.allocate_shared_memory(MMA, [2, BN, qr_desc.block_type.shape[1]], qr_desc.layout)
     rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
     m_buf = gl.allocate_shared_memory(gl.float32, [2 * BM], rows_layout)  # m0, m1 of a pair
     # Each warpgroup's row sum (MULTI: a pair of slots a request's parity).
@@ -624,43 +838,64 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's parts; the cac
     if MULTI:  # both warpgroups are done with a request's Q
         q_free = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
         mbarrier.init(q_free, count=2)
-    GATHER: gl.constexpr = PAGE == GATHERED
+    GATHER: gl.constexpr = PAGE == GATHERED and not FP8
     for i in gl.static_range(18):  # TMA: one expecting arrival; gathered: each loader thread's
         mbarrier.init(_bar(ready, i), count=32 * num_warps if GATHER else 1)
     for i in gl.static_range(4):
         mbarrier.init(_bar(empty, i), count=1)  # one warpgroup reads each group last
     for i in gl.static_range(2):
         mbarrier.init(_bar(p_bars, i), count=1)
-    fence_async_shared()
-
     bufs = (q_nope, q_rope, k_nope, k_rope, m_buf, l_buf)
     bars = (q_bar, ready, empty, p_bars, l_bar)
+    if FP8:
+        bufs, bars = _widening_state(bufs, bars, BM, bar_layout, rows_layout)
+    fence_async_shared()
+
     ints = (start, end, n_tiles, seq_len, rb, b, split, num_splits, qlen, heads,
             stride_o_tok, stride_o_head, stride_lse_tok, stride_po_slot, stride_po_row,
             stride_pl_slot)
     q_row = b * qlen * heads + rb * BM
-    compute_args = (bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL, DIRECT, GATHER)
-    REGS: gl.constexpr = GATHER_COMPUTE_REGS if GATHER else COMPUTE_REGS
+    FILL: gl.constexpr = FILL_WIDEN if FP8 else (FILL_GATHER if GATHER else FILL_TMA)
+    scales = (qk_scale, gl.load(kv_scale_ptr)) if FP8 else (qk_scale, )
+    REGS: gl.constexpr = WIDEN_COMPUTE_REGS if FP8 else (
+        GATHER_COMPUTE_REGS if GATHER else COMPUTE_REGS)
     # The loader is the default partition: as workers, both compute warpgroups get the
-    # same register budget and take their scalars from shared memory alike.
+    # same register budget and take their scalars from shared memory alike. (Their
+    # arguments are written in the call: a tuple assigned first holds its constexprs as
+    # values.)
     if MULTI:
         walk = (seq_lens_ptr, batch, q_free)
-        units_args = (bufs, bars, out_ptr, lse_ptr, ints, qk_scale, CAUSAL, DIRECT, GATHER,
-                      walk)
         gl.warp_specialize([
             (_loader_units, ((qn_desc, qr_desc, kn_desc, kr_desc), bufs, bars,
                              (bt_ptr, stride_bt, kv_ptr, stride_kv), ints, walk, PAGE, CAUSAL)),
-            (_wg0_units, units_args),
-            (_wg1_units, units_args),
+            (_wg0_units, (bufs, bars, out_ptr, lse_ptr, ints, scales, CAUSAL, DIRECT, FILL,
+                          walk)),
+            (_wg1_units, (bufs, bars, out_ptr, lse_ptr, ints, scales, CAUSAL, DIRECT, FILL,
+                          walk)),
         ], [4, 4], [REGS, REGS])
     else:
         gl.warp_specialize([
             (_loader, ((qn_desc, qr_desc, kn_desc, kr_desc), bufs, bars,
                        (bt_ptr + b.to(gl.int64) * stride_bt, (seq_len - 1) // PAGE, end,
                         kv_ptr, stride_kv), q_row, start, n_tiles, PAGE)),
-            (_wg0, compute_args),
-            (_wg1, compute_args),
+            (_wg0, (bufs, bars, out_ptr, lse_ptr, ints, scales, CAUSAL, DIRECT, FILL)),
+            (_wg1, (bufs, bars, out_ptr, lse_ptr, ints, scales, CAUSAL, DIRECT, FILL)),
         ], [4, 4], [REGS, REGS])
+
+
+@gluon.jit
+def _widening_state(bufs, bars, BM: gl.constexpr, bar_layout: gl.constexpr,
+                    rows_layout: gl.constexpr):
+    """``bufs`` and ``bars`` with what widening an fp8 cache adds: the rows' scores' scales
+    (``_widen_q``); a barrier a staged chunk (9 a slot, each expecting its TMA copy) and one
+    that both warpgroups have widened their halves of Q."""
+    q_rows = gl.allocate_shared_memory(gl.float32, [BM], rows_layout)
+    staged = _lone_bars(18, bar_layout)
+    q16_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    for i in gl.static_range(18):
+        mbarrier.init(_bar(staged, i), count=1)
+    mbarrier.init(q16_bar, count=2)
+    return bufs + (q_rows, ), bars + (staged, q16_bar)  # noqa: RUF005 (JIT)
 
 
 # Host side -------------------------------------------------------------------------------
@@ -674,27 +909,39 @@ def _chunk_descriptor(kv_cache: torch.Tensor) -> TensorDescriptor:
                             [kv_cache.stride(1), 1], block, nvmma_layout(block, kv_cache.dtype))
 
 
-def _check_form(form: str) -> None:
+def _check_form(form: str, fp8_cache: bool = False, page: int = 64) -> None:
     if form not in FORMS:
         raise ValueError(f"the seesaw decode's forms are {FORMS}, got {form!r}")
+    why = seesaw_form_refusal(form, fp8_cache, page)
+    if why:
+        raise ValueError(why)
 
 
 def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                     seq_lens: torch.Tensor, *, qlen: int, sm_scale: float, causal: bool = True,
                     out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                     num_splits: int | None = None, max_seq_len: int | None = None,
-                    form: str = FORMS[0]
+                    kv_scale: torch.Tensor | None = None, form: str = FORMS[0]
                     ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
     """A zero-argument launch of the seesaw decode in ``form`` (``FORMS``), with the out and
     LSE it writes. Tensors and arguments as ``gluon_hopper.decode_launcher`` (the pages
-    ``page_refusal`` allows, bf16/fp16, ``num_splits`` None: ``pick_splits``; ``sm_scale``
-    positive); capturable."""
+    ``page_refusal`` allows, a bf16/fp16 q over a cache of its dtype or over an fp8 e4m3 cache
+    with its scale ``kv_scale`` (one fp32 value, read when the launch runs; pages of 16 keys
+    and over), ``num_splits`` None: ``pick_splits``; ``sm_scale`` positive); capturable."""
     _check_form(form)
     if not sm_scale > 0:  # slim_softmax takes the max of the unscaled scores
         raise ValueError(f"the seesaw decode needs a positive sm_scale, got {sm_scale}")
-    why = check_supported(q, kv_cache, block_table, seq_lens)
+    fp8 = kv_cache is not None and kv_cache.dtype in gluon_transposed.FP8_CACHES
+    if fp8:
+        why = (page_refusal(kv_cache.shape[1], gathers=False)  # its fp8 tiles come by TMA
+               or gluon_transposed.check_supported(q, kv_cache, block_table, seq_lens, kv_scale))
+    elif kv_scale is not None:
+        why = "a 16-bit cache takes no kv_scale"
+    else:
+        why = check_supported(q, kv_cache, block_table, seq_lens)
     if why is not None:
         raise ValueError(f"gluon seesaw MLA decode: {why}")
+    _check_form(form, fp8, kv_cache.shape[1])
     batch, heads = seq_lens.shape[0], q.shape[1]
     if q.shape[0] != batch * qlen:
         raise ValueError(f"q has {q.shape[0]} tokens, expected batch {batch} x qlen {qlen}")
@@ -709,7 +956,8 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
              _chunk_descriptor(kv_cache))
     head = (*descs, block_table, seq_lens)
     sizes = (num_splits, qlen, heads, sm_scale * LOG2E, block_table.stride(0))
-    cache = (kv_cache, kv_cache.stride(1))
+    # The kernel reads kv_scale over an fp8 cache only (lse: any fp32 pointer otherwise).
+    cache = (kv_cache, kv_cache.stride(1), kv_scale if fp8 else lse)
     meta = dict(CAUSAL=causal and qlen > 1, PAGE=page, MULTI=multi, batch=batch,
                 **compile_options(NUM_WARPS, MAXNREG))
     if num_splits == 1:
@@ -730,28 +978,34 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
 
 def seesaw_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                   seq_lens: torch.Tensor, *, qlen: int, sm_scale: float, causal: bool = True,
-                  num_splits: int | None = None, form: str = FORMS[0]
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  num_splits: int | None = None, kv_scale: torch.Tensor | None = None,
+                  form: str = FORMS[0]) -> tuple[torch.Tensor, torch.Tensor]:
     """One eager call: (out, lse). See ``decode_launcher``."""
     launch, out, lse = decode_launcher(q, kv_cache, block_table, seq_lens, qlen=qlen,
                                        sm_scale=sm_scale, causal=causal, num_splits=num_splits,
-                                       form=form)
+                                       kv_scale=kv_scale, form=form)
     launch()
     return out, lse
 
 
 def aot_compile(dtype: str = "bf16", *, direct: bool = True, causal: bool = True,
-                page: int = 64, arch: int = 90, form: str = FORMS[0]):
+                page: int = 64, arch: int = 90, form: str = FORMS[0], cache: str | None = None):
     """Compile ``seesaw_kernel`` in ``form`` for ``sm_<arch>`` and ``page``-token pages
     without a GPU (triton's bundled ptxas; a split build as the launcher runs it, with PDL);
-    returns triton's CompiledKernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata``)."""
-    _check_form(form)
+    ``cache``: the cache's dtype name ("fp8": widened; None: q's ``dtype``). Returns triton's
+    CompiledKernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata``)."""
+    cache = cache or dtype
+    why = page_refusal(page, gathers=cache != "fp8")
+    if why:
+        raise ValueError(why)
+    _check_form(form, cache == "fp8", page)
     constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=page, PDL=not direct,
                      MULTI=form == "two-requests", num_warps=NUM_WARPS)
     blocks = dict(qn_desc=(dtype, BLOCK_M, D_NOPE), qr_desc=(dtype, BLOCK_M, D_ROPE),
-                  kn_desc=(dtype, kv_box_rows(page), D_NOPE),
-                  kr_desc=(dtype, kv_box_rows(page), D_ROPE))
+                  kn_desc=(cache, kv_box_rows(page), D_NOPE),
+                  kr_desc=(cache, kv_box_rows(page), D_ROPE))
     pointers = dict(bt_ptr="i32", seq_lens_ptr="i32", out_ptr=dtype if direct else "fp32",
-                    lse_ptr="fp32", kv_ptr=dtype)
+                    lse_ptr="fp32", kv_ptr={"fp8": "fp8e4nv"}.get(cache, cache),
+                    kv_scale_ptr="fp32")
     return aot_compile_kernel(seesaw_kernel, constants, blocks, pointers, arch=arch,
                               num_warps=NUM_WARPS, maxnreg=MAXNREG)

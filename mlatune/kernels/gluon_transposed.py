@@ -265,7 +265,7 @@ def check_supported(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
         return "q, the cache, block_table, seq_lens and kv_scale must be on one device"
     if q.shape[-1] != D_NOPE + D_ROPE or kv_cache.shape[-1] != D_NOPE + D_ROPE:
         return f"head width must be {D_NOPE + D_ROPE}"
-    why = page_refusal(kv_cache.shape[1], fp8_mma)
+    why = page_refusal(kv_cache.shape[1], gathers=not fp8_mma)
     if why:
         return why
     if kv_cache.stride(-1) != 1 or kv_cache.stride(0) != kv_cache.shape[1] * kv_cache.stride(1):

@@ -13,8 +13,9 @@ one of a form that became a route of its own through ``route_of``.
 
 Which problems they serve is the capability model's (``capability.rules``, the
 ``wgmma.*`` rules: sm_90, decode, 576/512 dims, the pages ``plan.page_refusal`` allows,
-bf16 or fp16 q and cache, no causal verify over a DCP shard; ``transposed.dtypes`` lets
-the transposed kernel take an fp8 e4m3 cache too); ``supports`` adds what only the
+bf16 or fp16 q and cache, no causal verify over a DCP shard; ``seesaw.dtypes`` and
+``transposed.dtypes`` let the seesaw and transposed kernels take an fp8 e4m3 cache too,
+``plan.dtype_refusal``); ``supports`` adds what only the
 machine can say: the installed triton must be the 3.6 release whose Gluon API
 the kernel is written for (refused like a missing library, naming the version).
 
@@ -89,7 +90,6 @@ class WgmmaGluonRoute(Route):
 
     id = "wgmma/gluon"
     kernel = "gluon_hopper"  # the module under mlatune.kernels whose decode_launcher runs
-    reads_fp8 = False  # whether decode_launcher takes an fp8 cache (and its kv_scale)
     # Kernel options a param set may carry (decode_launcher keywords), each with the value a
     # param set without it means.
     kernel_options: Mapping[str, object] = MappingProxyType({})
@@ -97,6 +97,12 @@ class WgmmaGluonRoute(Route):
     sized_params = ("num_splits",)  # derived from batch and KV length (base.params_at)
     param_limits = MappingProxyType({"num_splits": SPLIT_LIMIT})
     writes_into = True  # prepare takes the caller's out= and lse= buffers
+
+    @property
+    def reads_fp8(self) -> bool:
+        """Whether decode_launcher takes an fp8 cache (and its kv_scale):
+        ``plan.FP8_CACHE_KERNELS``."""
+        return self.kernel in plan.FP8_CACHE_KERNELS
 
     def supports(self, problem: MLAProblem, device: DeviceInfo) -> Verdict:
         ruling = capability.check(self.id, problem, device.arch)
@@ -178,9 +184,11 @@ class WgmmaGluonRoute(Route):
 
 class SeesawGluonRoute(WgmmaGluonRoute):
     """The warp-specialized Hopper Gluon decode: each warpgroup computes S of a whole tile,
-    the two alternating (Q read once a tile); same rules, tensors and splits. Its forms
-    (``plan.SEESAW_FORMS``): "pairs", and "two-requests" (a program walks two requests),
-    offered past one wave of programs."""
+    the two alternating (Q read once a tile); the same rules, tensors and splits, and fp8
+    caches too (the ``seesaw.dtypes`` rule: each tile widened to fp16 by the loader, a bf16 q
+    to fp16 row by row, exactly; fp16 MMAs). Its forms (``plan.SEESAW_FORMS``): "pairs", and
+    "two-requests" (a program walks two requests), offered past one wave of programs where
+    the form reads the cache (``plan.seesaw_form_refusal``)."""
 
     id = "seesaw/gluon"
     kernel = "gluon_seesaw"
@@ -197,7 +205,9 @@ class SeesawGluonRoute(WgmmaGluonRoute):
         sets = [{**params, "form": "pairs"} for params in super().param_space(problem, device)]
         sms = _sms(device)
         programs = self.row_blocks(problem) * sets[0]["num_splits"] * problem.batch
-        if programs > sms:
+        refused = plan.seesaw_form_refusal("two-requests", problem.kv_dtype in FP8_DTYPES,
+                                           problem.page_size)
+        if programs > sms and refused is None:
             sets.append({**sets[0], "form": "two-requests"})
         return sets
 
@@ -239,7 +249,6 @@ class TransposedGluonRoute(WgmmaGluonRoute):
 
     id = "transposed/gluon"
     kernel = "gluon_transposed"
-    reads_fp8 = True
     forms: tuple[str, ...] = ("mma16",)
     kernel_options = MappingProxyType({"form": "mma16"})  # a set without a form: mma16
     moved_forms = MappingProxyType({"mma8": "transposed-mma8/gluon"})
