@@ -277,12 +277,19 @@ def chunk_at(slot, k):
     return 8 if k == 8 else (4 * slot + k) % 8
 
 
+@constexpr_function
+def staged_at(slot, k):
+    """Where staging position k (< 8) of slot ``slot`` lies: its index among the ring's nope
+    parts as 4 KB chunks (16 a slot), in the slot's non-owner V half."""
+    return 16 * slot + 8 * (1 - slot) + k
+
+
 @gluon.jit
 def _staged(f_nope, f_rope, SLOT: gl.constexpr, k: gl.constexpr):
     """Staging position k of slot SLOT, [64, 64] fp8 (``f_nope``: the nope parts as 4 KB
-    chunks, 16 a slot; ``f_rope``: the rope parts, 2 a slot)."""
+    chunks, 16 a slot; ``f_rope``: the rope parts, 2 a slot: the upper one)."""
     if k < 8:
-        return f_nope.index(16 * SLOT + 8 * (1 - SLOT) + k)
+        return f_nope.index(staged_at(SLOT, k))
     else:
         return f_rope.index(2 * SLOT + 1)
 
@@ -305,12 +312,14 @@ def _widen_tile(kc_desc, k_nope, k_rope, bars, SLOT: gl.constexpr, ph, src, key,
     mbarrier.wait(_bar(empty, 2 * SLOT), ph)
     fence_async_shared()  # the owner's wgmmas (async proxy) read the half written first
     valid = src[2] - key
+    # ``ph`` is the parity the release barriers are waited with (their first waits pass); a
+    # staged chunk's barrier completes its phase (j0 + j) & 1 in pair j, the other parity.
     if valid < N:
         _widen_chunks(f_nope, f_rope, k_nope.index(SLOT), k_rope.index(SLOT), staged, ready,
-                      SLOT, ph, valid, True)
+                      SLOT, ph ^ 1, valid, True)
     else:
         _widen_chunks(f_nope, f_rope, k_nope.index(SLOT), k_rope.index(SLOT), staged, ready,
-                      SLOT, ph, valid, False)
+                      SLOT, ph ^ 1, valid, False)
 
 
 @gluon.jit
@@ -339,13 +348,14 @@ def _stage_tile(kc_desc, f_nope, f_rope, staged, empty, SLOT: gl.constexpr, ph, 
 @gluon.jit
 def _widen_chunks(f_nope, f_rope, kn, kr, staged, ready, SLOT: gl.constexpr, ph, valid,
                   MASK: gl.constexpr):
-    """Widen slot SLOT's staged chunks into its fp16 chunks (``kn``, ``kr``) in the staged
-    order: each thread reads position k + 1 before it writes position k (so the barrier after
-    each chunk's writes also says that every thread has read the next), then a proxy fence
-    (the wgmmas read the chunk through the async proxy), the loader's barrier and the chunk's
-    one arrival on ``ready``. MASK: V rows from ``valid`` on written as zeros. (Triton adds a
-    barrier before each write, the read before it being of the same allocation, and one after
-    each arrival, which it takes as an access of any shared memory: 27 a tile.)"""
+    """Widen slot SLOT's staged chunks into its fp16 chunks (``kn``, ``kr``) once each has
+    landed (``staged``, phase ``ph``), in the staged order: each thread reads position k + 1
+    before it writes position k (so the barrier after each chunk's writes also says that every
+    thread has read the next), then a proxy fence (the wgmmas read the chunk through the async
+    proxy), the loader's barrier and the chunk's one arrival on ``ready``. MASK: V rows from
+    ``valid`` on written as zeros. (Triton adds a barrier before each write, the read before
+    it being of the same allocation, and one after each arrival, which it takes as an access
+    of any shared memory: 27 a tile.)"""
     # 16 fp8 columns of a row a thread (one 16-byte load), two rows: 32 values, 16 cvt.
     layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
     W: gl.constexpr = kr.shape[1]
