@@ -84,8 +84,22 @@ FP8 = [  # transposed/gluon over fp8 (e4m3) caches: one split and several, verif
     (MMA8, _p(8, 16, 4096, qlen=2, kv="fp8_e4m3fn")),
     (MMA8, _p(16, 1, 4000, kv="fp8_e4m3fn")),  # a last page partly filled: stale slots
 ]
+# seesaw/gluon over fp8 caches (the tiles widened to fp16 by the loader, q's rows to fp16 by
+# powers of two): 128, 64 and 16 heads, qlen 1 and 2, one split and several, two row blocks a
+# request, past one wave (the two-requests set too), an fp16 q, pages 16 and 32; the bf16
+# bound against the reference over the dequantized cache.
+SEESAW_FP8 = [
+    (SEESAW, _p(128, 16, 4096, kv="fp8_e4m3fn")),
+    (SEESAW, _p(128, 160, 1500, kv="fp8_e4m3fn")),  # 320 programs at one split
+    (SEESAW, _p(64, 24, 4096, qlen=2, kv="fp8_e4m3fn")),  # 128 rows: causal verify
+    (SEESAW, _p(16, 64, 8192, kv="fp8_e4m3fn")),
+    (SEESAW, _p(16, 1, 4000, kv="fp8_e4m3fn")),  # one request: many splits
+    (SEESAW, _p(128, 3, 3000, qlen=2, kv="fp8_e4m3fn", q="fp16")),
+    (SEESAW, _p(128, 8, 2000, qlen=2, kv="fp8_e4m3fn", page=16)),
+    (SEESAW, _p(64, 16, 3000, kv="fp8_e4m3fn", page=32)),
+]
 CASES = PROBLEMS + [(SEESAW, problem) for _, problem in PROBLEMS] \
-    + [(TRANSPOSED, problem) for _, problem in PROBLEMS] + FP8
+    + [(TRANSPOSED, problem) for _, problem in PROBLEMS] + FP8 + SEESAW_FP8
 
 
 @pytest.mark.parametrize("item", CASES, ids=_label)
@@ -110,6 +124,16 @@ ENGINE_CASES = [_engine_p(16, 32, 4096), _engine_p(64, 16, 4096, qlen=2),
 @pytest.mark.parametrize("problem", ENGINE_CASES, ids=lambda p: p.key)
 def test_gluon_captured_step_replays_with_new_lengths(problem, route_id, tmp_path):
     _captured(route_id, False, problem, tmp_path)
+
+
+@pytest.mark.parametrize("problem", [_engine_p(128, 32, 4096, kv="fp8_e4m3fn"),
+                                     _engine_p(64, 16, 4096, qlen=2, kv="fp8_e4m3fn"),
+                                     _engine_p(16, 4, 8192, kv="fp8_e4m3fn")],
+                         ids=lambda p: p.key)
+def test_seesaw_fp8_captured_step_replays_with_new_lengths(problem, tmp_path):
+    """seesaw/gluon's first set over an fp8 cache as an engine runs it: captured once,
+    replayed as lengths and pages change, within the bf16 bound at every replay."""
+    _captured(SEESAW, False, problem, tmp_path)
 
 
 @pytest.mark.parametrize("problem", [_engine_p(16, 32, 4096, kv="fp8_e4m3fn"),
@@ -137,7 +161,8 @@ def _every_set_matches(route, problem, inputs, want_out, want_lse) -> None:
 
 
 @pytest.mark.parametrize("item", [CASES[k * len(PROBLEMS) + i] for k in range(3)
-                                  for i in (1, 5, 7, 14)] + FP8[1:4] + FP8[5:], ids=_label)
+                                  for i in (1, 5, 7, 14)] + FP8[1:4] + FP8[5:] + SEESAW_FP8,
+                         ids=_label)
 def test_stale_cache_slots_hold_nan(item):
     route_id, problem = item
     route = routes.get(route_id)
@@ -145,6 +170,28 @@ def test_stale_cache_slots_hold_nan(item):
                                 device="cuda", ragged=True)
     want_out, want_lse = reference.decode_shard(inputs, inputs.shards[0])
     assert poison_stale_slots(inputs) > 0
+    _every_set_matches(route, problem, inputs, want_out, want_lse)
+
+
+@pytest.mark.parametrize("q_gain", [2.0 ** 17, 2.0 ** -20, "heads"])
+def test_seesaw_fp8_keeps_a_bf16_q_beyond_fp16s_range(q_gain):
+    """A bf16 q past fp16's range (|q| up to 2^17 x 4: fp16 ends at 65504) or under its
+    normal numbers (2^-20 x: fp16 subnormals keep a few bits), the softmax scale divided by
+    the gain (the same scores), and q's heads 2^-8 to 2^8 apart (the scores as they come):
+    each row is scaled to fp16 by its own power of two, so every set stays within the bf16
+    bound over an fp8 cache, at 128 heads and qlen 2."""
+    problem = _p(128, 4, 3000, qlen=2, kv="fp8_e4m3fn")
+    route = routes.get(SEESAW)
+    inputs = make_decode_inputs(problem, seed=41, device="cuda", ragged=True)
+    if q_gain == "heads":
+        gains = 2.0 ** torch.arange(-8, 9, device="cuda").repeat(8)[:problem.num_heads]
+        q = (inputs.q.float() * gains[None, :, None]).to(inputs.q.dtype)
+        inputs = dataclasses.replace(inputs, q=q)
+    else:
+        inputs = dataclasses.replace(inputs, q=inputs.q * q_gain,
+                                     sm_scale=problem.softmax_scale / q_gain)
+    assert torch.isfinite(inputs.q).all()
+    want_out, want_lse = reference.decode_shard(inputs, inputs.shards[0])
     _every_set_matches(route, problem, inputs, want_out, want_lse)
 
 
@@ -231,6 +278,8 @@ SMALL_PAGE_CASES = [(route_id, p) for route_id in (GLUON, SEESAW, TRANSPOSED)
     (MMA8, _p(16, 8, 3000, page=16, kv="fp8_e4m3fn")),
     (TRANSPOSED, _p(16, 8, 3000, page=1, kv="fp8_e4m3fn")),  # fp8 halves gathered by cp.async
     (TRANSPOSED, _p(8, 24, 700, qlen=3, page=1, kv="fp8_e4m3fn")),  # causal, 24 rows: 32
+    (SEESAW, _p(128, 6, 700, page=16, kv="fp8_e4m3fn")),  # the loader's widening
+    (SEESAW, _p(64, 4, 2000, qlen=2, page=32, kv="fp8_e4m3fn")),
 ]
 GARBAGE_PAGE = 1 << 30  # a page id past every cache here
 
