@@ -22,9 +22,11 @@ accuracy policy admits, minus 1: geometric mean and worst, decode and prefill ap
 problems and on each half of them (a hash of the problem's key: ``half``), then per band
 (heads x batch). A pick whose route the target did not time there (pruned, failed, held
 back by the policy) is counted apart ("untimed"). A target problem where a route its
-table's REBUILD.md lists under "Stale" has a row is left out (its truth is not one), with
-the reason printed. The worst decode cases show each competing route's time in the source
-table, carried to the target and measured there. Numbers only.
+table's REBUILD.md lists under "Stale" has a row is left out (its truth is not one), and so
+is one where a route ran in one table and a capability rule refused it in the other (the
+tables were swept by different code), each with the reason printed. The worst decode cases
+show each competing route's time in the source table, carried to the target and measured
+there. Numbers only.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from mlatune.hardware import Hardware
 from mlatune.hardware import described as table_hardware
 from mlatune.problem import MLAProblem
 from mlatune.report.metrics import one_device
-from mlatune.table.frame import assign_ranks
+from mlatune.table.frame import assign_ranks, key_strings
 
 ROOT = Path(__file__).resolve().parent.parent
 H100 = ROOT / "tables/sm_90-h100.parquet"
@@ -152,8 +154,23 @@ def stale(path: Path) -> tuple[frozenset[str], str]:
     return frozenset(named), text.split(". ")[0]
 
 
-def truthful(target: Dispatcher, path: Path, label: str) -> list[MLAProblem]:
-    """The target's measured problems less those where a stale route has a row (printed)."""
+def ruled_apart(a: Path, b: Path) -> frozenset[str]:
+    """The problem keys where a route ran ok in one table and was refused by a capability
+    rule in the other: the two were swept under different rules (different code), so neither
+    is the other's truth there."""
+    def statuses(path: Path) -> dict[tuple[str, str], str]:
+        frame = table.read(path)
+        return dict(zip(zip(key_strings(frame), frame["route"], strict=True), frame["status"],
+                        strict=True))
+    first, second = statuses(a), statuses(b)
+    return frozenset(key for (key, route), status in first.items()
+                     if {status, second.get((key, route))} == {"ok", "unsupported"})
+
+
+def truthful(target: Dispatcher, path: Path, label: str, source: Path | None = None
+             ) -> list[MLAProblem]:
+    """The target's measured problems less those where a stale route has a row, and (with
+    the ``source`` table) those the two tables' rules set apart (``ruled_apart``); printed."""
     routes, why = stale(path)
     problems = [MLAProblem.from_key(k) for k in target._winner]
     kept = [p for p in problems
@@ -163,7 +180,13 @@ def truthful(target: Dispatcher, path: Path, label: str) -> list[MLAProblem]:
         print(f"{label}: {len(problems) - len(kept)} problems left out ({dict(phases)}): "
               f"{', '.join(sorted(routes))} rows there are stale ({path.name}'s REBUILD.md: "
               f"{why})")
-    return kept
+    apart = ruled_apart(source, path) if source is not None else frozenset()
+    rest = [p for p in kept if p.key not in apart]
+    if len(rest) < len(kept):
+        print(f"{label}: {len(kept) - len(rest)} problems left out: a route ran there in one "
+              f"table and a capability rule refused it in the other (swept before a kernel "
+              f"read those problems)")
+    return rest
 
 
 def judge(picker: Dispatcher, target: Dispatcher, problems: Iterable[MLAProblem]
@@ -278,7 +301,7 @@ def transfer(tables: dict[str, Path], loaded: dict[str, Dispatcher], args) -> No
     with tempfile.TemporaryDirectory() as tmp:
         for src, dst in DIRECTIONS:
             picker = carried(tables, loaded, src, dst, args.trust, tmp)
-            problems = truthful(loaded[dst], tables[dst], f"{src} -> {dst}")
+            problems = truthful(loaded[dst], tables[dst], f"{src} -> {dst}", tables[src])
             sides = {src: measured(loaded[src]), "carried": measured(picker),
                      dst: measured(loaded[dst])}
             report(f"{src} table transferred -> {dst}", judge(picker, loaded[dst], problems),
@@ -294,7 +317,8 @@ def transfer(tables: dict[str, Path], loaded: dict[str, Dispatcher], args) -> No
 def choose_trust(tables: dict[str, Path], loaded: dict[str, Dispatcher]) -> None:
     """Per trust of ``TRUSTS``, each half's decode regret geomean summed over both
     directions; the trust half 0 chooses (the least sum, the smaller trust on a tie)."""
-    problems = {dst: [p for p in truthful(loaded[dst], tables[dst], f"{src} -> {dst}")
+    problems = {dst: [p for p in truthful(loaded[dst], tables[dst], f"{src} -> {dst}",
+                                          tables[src])
                       if p.phase == "decode"] for src, dst in DIRECTIONS}
     sums = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -213,13 +213,21 @@ def test_regret_with_the_chosen_parameters_reads_the_heldout_journal(fakes, near
     path = tmp_path / "heldout.journal.jsonl.gz"
     with gzip.open(path, "wt") as f:
         f.write("\n".join(json.dumps(r) for r in records) + "\n")
-    made = report.build_report(main, tmp_path / "out", heldout, path)
+    made = report.build_report(main, tmp_path / "out", heldout, [path])
     regret = made.summary.regret
     assert regret.params_timed == 2
     assert regret.params_geomean == pytest.approx((1.1 * 2.0) ** 0.5 - 1)
     assert regret.params_max == pytest.approx(1.0)
     assert regret.geomean < regret.params_geomean  # the route-level number is unchanged
     assert "its parameters" in (tmp_path / "out" / "report.html").read_text()
+    # A later sweep's journal: its runs of a problem's route replace the first one's.
+    later = tmp_path / "later.journal.jsonl"
+    later.write_text("\n".join(json.dumps(r) for r in
+                               [{"kind": "header"}, result("H2", B, {}, 15.0)]) + "\n")
+    again = report.build_report(main, tmp_path / "again", heldout, [path, later]).summary.regret
+    assert again.params_timed == 2
+    assert again.params_geomean == pytest.approx((1.1 * 1.5) ** 0.5 - 1)  # H2: 15 against 10
+    assert again.params_max == pytest.approx(0.5)
 
 
 def test_report_files_are_written_and_the_page_stands_alone(fakes, nearest_tables, tmp_path):

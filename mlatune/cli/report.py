@@ -36,9 +36,10 @@ def report(
     heldout: Annotated[Path | None, typer.Option(
         exists=True, help="A table of other problems on the same arch, to judge `nearest`.")]
         = None,
-    heldout_journal: Annotated[Path | None, typer.Option(
+    heldout_journal: Annotated[list[Path] | None, typer.Option(
         exists=True, help="The held-out sweep's journal (.jsonl or .jsonl.gz): judges the "
-                          "parameters `nearest` passes too.")] = None,
+                          "parameters `nearest` passes too. Repeated: a later journal's "
+                          "runs of a problem's route replace an earlier one's.")] = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Plots and one self-contained HTML page: winners, speedups, roofline, nearest regret."""
@@ -46,7 +47,7 @@ def report(
 
     check_output_dir(out, reports.HTML_NAME)
     with one_line_errors(str(table_path)):  # table errors name their own file
-        made = reports.build_report(table_path, out, heldout, heldout_journal)
+        made = reports.build_report(table_path, out, heldout, heldout_journal or ())
     if json_out:
         _notes(made)
         emit_json("report", {

@@ -1,6 +1,6 @@
 """`mlatune report`: what a dispatch table buys, as PNG plots and one self-contained HTML page.
 
-``build_report(table_path, out_dir, heldout_path=None, heldout_journal=None)`` reads a
+``build_report(table_path, out_dir, heldout_path=None, heldout_journals=())`` reads a
 table (one device), computes its numbers (``metrics``: pandas only), draws the plots
 (``plots``: matplotlib, imported only when a report is made) and writes ``report.html``
 (``page``: the jinja2 template ``templates/report.html.j2``, the PNGs embedded as data URIs
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -99,18 +100,21 @@ def require_matplotlib() -> None:
 
 def build_report(table_path: str | os.PathLike, out_dir: str | os.PathLike,
                  heldout_path: str | os.PathLike | None = None,
-                 heldout_journal: str | os.PathLike | None = None) -> Report:
+                 heldout_journals: Sequence[str | os.PathLike] = ()) -> Report:
     """Read the table(s), compute the numbers, write the PNGs, report.html and
-    summary.json to out_dir."""
+    summary.json to out_dir. ``heldout_journals``: the held-out sweeps' journals, a later
+    one's runs of a problem's route replacing an earlier one's."""
     require_matplotlib()
-    if heldout_journal is not None and heldout_path is None:
+    if heldout_journals and heldout_path is None:
         raise ReportError("a held-out journal needs its held-out table (--heldout)")
     from mlatune.report import page, plots  # matplotlib, jinja2: for a page only
 
     frame = table.read(table_path, facts=routes.FACTS)
     heldout = table.read(heldout_path, facts=routes.FACTS) \
         if heldout_path is not None else None
-    timed = candidate_times(heldout_journal) if heldout_journal is not None else None
+    timed = None
+    for journal_path in heldout_journals:
+        timed = {**(timed or {}), **candidate_times(journal_path)}
     summary, data = summarize(table_path, frame, heldout_path, heldout, timed)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
