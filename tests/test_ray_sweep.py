@@ -126,9 +126,11 @@ def test_a_cluster_of_several_models_needs_them_named_and_their_arch_checked(clu
     assert "--arch sm_90 but the Ray workers' GPUs are cpu" in result.output
 
 
-def _hanging(tmp_path: Path, model: str, kill) -> tuple[runner.SweepResult, list]:
-    """Two problems of the hanging route on the two workers of ``model``, 3 s timeout; once
-    both hang, ``kill(worker)`` of the worker furthest from its timeout."""
+def _hanging(tmp_path: Path, model: str, kill, batches=(1, 2)
+             ) -> tuple[runner.SweepResult, list]:
+    """Problems of the hanging route (one a batch size) on the workers of ``model``, 3 s
+    timeout; once every worker hangs, ``kill(worker)`` of the one holding a candidate queued
+    ahead, else of the one furthest from its timeout."""
     (target,) = ray_pool.targets([model])
     pools: list[ray_pool.RayPool] = []
 
@@ -136,20 +138,22 @@ def _hanging(tmp_path: Path, model: str, kill) -> tuple[runner.SweepResult, list
         pools.append(ray_pool.RayPool(target, *args, **kwargs))
         return pools[-1]
 
-    def kill_once_both_hang():
+    def kill_once_all_hang():
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             slots = pools[-1]._slots if pools else []
-            if len(slots) == 2 and all(s.awaiting == "result" and s.candidate for s in slots):
+            if (len(slots) == target.gpus
+                    and all(s.awaiting == "result" and s.candidate for s in slots)):
                 time.sleep(0.3)
-                kill(max(slots, key=lambda s: s.deadline).process)
+                kill(max(slots, key=lambda s: (s.process._ahead is not None, s.deadline))
+                     .process)
                 return
             time.sleep(0.05)
 
     small = spec.parse({"routes": ["fault-hang/test"], "grid": [
-        {"num_heads": 2, "batch": [1, 2], "kv_len": 24, "page_size": 8, "q_dtype": "fp16",
-         "kv_dtype": "fp16"}]}, "hang.toml")
-    killer = threading.Thread(target=kill_once_both_hang, daemon=True)
+        {"num_heads": 2, "batch": list(batches), "kv_len": 24, "page_size": 8,
+         "q_dtype": "fp16", "kv_dtype": "fp16"}]}, "hang.toml")
+    killer = threading.Thread(target=kill_once_all_hang, daemon=True)
     journal = Journal(tmp_path / "j.jsonl", header(), resume=False)
     token = runner.POOL.set(pool)
     try:
@@ -161,17 +165,34 @@ def _hanging(tmp_path: Path, model: str, kill) -> tuple[runner.SweepResult, list
     return result, pools
 
 
+def _sigkill(worker: ray_pool.RayWorkerProcess) -> None:
+    assert worker.pid > 0  # os.kill(0) would signal this whole process group
+    os.kill(worker.pid, signal.SIGKILL)
+
+
 @pytest.mark.ray
 @pytest.mark.usefixtures("plugins")
 def test_a_worker_killed_mid_sweep_marks_its_candidate_crashed(cluster, tmp_path):
-    def kill(worker):
-        assert worker.pid > 0  # os.kill(0) would signal this whole process group
-        os.kill(worker.pid, signal.SIGKILL)
-
-    result, _ = _hanging(tmp_path, "H100", kill)
+    result, _ = _hanging(tmp_path, "H100", _sigkill)
     by_status = sorted((r.status.value, r.reason.split(":")[0]) for r in result.records)
     assert by_status == [("crashed", "Ray worker died"),
                          ("timeout", "no result within the 3s timeout")]
+
+
+@pytest.mark.ray
+@pytest.mark.usefixtures("plugins")
+def test_the_candidate_a_killed_worker_held_ahead_goes_to_the_next_worker(cluster, tmp_path):
+    held = []
+
+    def kill(worker):
+        held.append(worker._ahead[0].problem.batch if worker._ahead else None)
+        _sigkill(worker)
+
+    # One GPU: the second problem waits on the actor behind the first, never started.
+    result, _ = _hanging(tmp_path, "H200", kill)
+    assert held == [2]
+    assert [(r.key["batch"], r.status) for r in result.records] == [
+        (1, Status.CRASHED), (2, Status.TIMEOUT)]
 
 
 @pytest.mark.ray
@@ -187,13 +208,14 @@ def test_a_candidate_whose_node_died_goes_to_another_worker_once(cluster, tmp_pa
         nodes.remove(node)
 
     try:
-        result, pools = _hanging(tmp_path, "A10", kill)
+        result, pools = _hanging(tmp_path, "A10", kill, batches=(1, 2, 3))
     finally:
         for node in nodes:
             cluster.remove_node(node)
-    # Both ran to their timeout on the node left; the dead node's worker was not replaced.
-    assert [r.status for r in result.records] == [Status.TIMEOUT, Status.TIMEOUT]
-    assert len({r.id for r in result.records}) == 2 and len(pools[-1]._slots) == 1
+    # All ran to their timeout on the node left, the one the dead node's worker held queued
+    # ahead too; that worker was not replaced.
+    assert [r.status for r in result.records] == [Status.TIMEOUT] * 3
+    assert len({r.id for r in result.records}) == 3 and len(pools[-1]._slots) == 1
 
 
 @pytest.mark.ray

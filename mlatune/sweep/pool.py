@@ -290,6 +290,7 @@ class WorkerPool:
             return
         slot.candidate, slot.sent_at = candidate, sent_at
         slot.deadline, slot.awaiting = slot.sent_at + SETUP_TIMEOUT_S, "inputs"
+        self.handed_over(slot)
 
     def _receive(self, slot: Slot, event: Event) -> None:
         if isinstance(event, Gone):
@@ -347,6 +348,10 @@ class WorkerPool:
         route); True when handled. The local pool has none: a worker gone crashed its
         candidate."""
         return False
+
+    def handed_over(self, slot: Slot) -> None:
+        """Called once ``slot``'s worker has its candidate: a pool may give it the next one
+        ahead, which stays in ``slot.group`` until sent. The local pool does not."""
 
     def start_worker(self, device: str) -> WorkerProcess:
         """A worker for ``device``, started (its ``Ready`` still to come). A pool of other

@@ -6,10 +6,12 @@ holding one GPU (``num_gpus=1``; a share of one while compiling ahead) that runs
 candidates to one worker), timeouts, deadline and records, the driver journaling every
 result, so a stopped or killed driver resumes as a local sweep does. A worker is a
 ``RayWorkerProcess``: the verbs of ``pool.WorkerProcess``, its events (ready, inputs ready,
-the result) forwarded by a thread from the actor to a local pipe the pool waits on. An
-actor that dies scores its candidate ``crashed``; one whose node died gives its candidate
-to another worker once (the second time it is ``crashed``, killed from outside, and a
-resumed sweep runs it again) and is not replaced.
+the result) forwarded by a thread from the actor to a local pipe the pool waits on. Each
+actor holds its next candidate queued behind the one it runs, so that it never waits on the
+driver between candidates. An actor that dies scores its candidate ``crashed`` (the one
+queued, never started, goes to the next worker); one whose node died gives its candidate to
+another worker once (the second time it is ``crashed``, killed from outside, and a resumed
+sweep runs it again) and is not replaced.
 
 GPU models: Ray gives every NVIDIA and AMD node an ``accelerator_type:<MODEL>`` resource
 (``H100``, ``H200``, ...; a node's operator may declare it too). A ``Target`` is one model's
@@ -59,6 +61,9 @@ _MODEL_SHARE = 0.001
 # The driver's variables a worker needs: plugins' routes (MLATUNE_PLUGINS) and settings,
 # the Triton interpreter without a GPU.
 _FORWARDED = ("MLATUNE_", "TRITON_INTERPRET")
+# An actor's calls at once: two tasks' (the one running, the one ahead), each its inputs_ready
+# and its evaluate; a thread each, whatever order Ray starts them in.
+_CALLS_IN_FLIGHT = 4
 
 
 class RayUnavailable(RuntimeError):
@@ -211,10 +216,23 @@ class RayPool(WorkerPool):
             raise RuntimeError("every Ray worker's node died")
         return True
 
+    def handed_over(self, slot: Slot) -> None:
+        """Queue the worker's next candidate on its actor, so that the actor starts it the
+        moment the current one ends: the result's way back and the next hand-over overlap
+        the run. It is its problem's next, else, while no other worker is free to take it,
+        the next problem's (the slot takes that problem). It stays in ``slot.group`` until
+        sent: a worker lost leaves it to whoever takes the group."""
+        if (not slot.group and self._groups and all(s.candidate is not None for s in self._slots)
+                and self._fits(self._groups[0], time.monotonic())):
+            slot.group = self._groups.popleft()
+        if slot.group:
+            slot.process.put_ahead(self.task_of(slot.group[0]))
+
 
 class RayWorkerProcess(WorkerProcess):
     """A Ray actor on one GPU, with a ``WorkerProcess``'s verbs: ``get`` reads the events a
-    courier thread forwards from the actor to a local pipe, and a dead actor closes it."""
+    courier thread forwards from the actor to a local pipe, and a dead actor closes it;
+    ``put_ahead`` queues the next task on the actor before its ``put``."""
 
     def __init__(self, target: Target, gpu_share: float = 1.0):
         self.kind = "cuda" if target.device.is_gpu else "cpu"
@@ -226,7 +244,8 @@ class RayWorkerProcess(WorkerProcess):
         self.lost = False  # Ray itself failed (the cluster gone), not the actor
         self._reason = ""
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
-        self._sent = 0  # tasks handed over: the actor's inputs_ready waits on the count
+        self._sent = 0  # tasks submitted to the actor, which runs them in this order
+        self._ahead: tuple[Task, tuple[Any, Any]] | None = None  # submitted, not yet put
         self._actor: Any = None
         self._courier: threading.Thread | None = None
 
@@ -234,7 +253,7 @@ class RayWorkerProcess(WorkerProcess):
         self._conn, feed = mp.Pipe()
         self._actor = _actor_class().options(
             num_gpus=self.gpu_share, num_cpus=0, resources=self.target.resources,
-            max_concurrency=2, runtime_env=_runtime_env()).remote(self.kind)
+            max_concurrency=_CALLS_IN_FLIGHT, runtime_env=_runtime_env()).remote(self.kind)
         self._courier = threading.Thread(target=self._forward, args=(feed,), daemon=True)
         self._courier.start()
         self.started_at = time.monotonic()
@@ -245,10 +264,20 @@ class RayWorkerProcess(WorkerProcess):
     def put(self, task: Task) -> None:
         if not self.alive():
             raise OSError(self._reason or "the Ray worker is gone")
+        ahead, self._ahead = self._ahead, None
+        self._tasks.put(ahead[1] if ahead and ahead[0] == task else self._submit(task))
+
+    def put_ahead(self, task: Task) -> None:
+        """Submit ``task`` behind the one running, to start as soon as that one ends; the
+        next ``put`` of it hands it over (its events then come)."""
+        if self._ahead is None and self.alive():
+            self._ahead = (task, self._submit(task))
+
+    def _submit(self, task: Task) -> tuple[Any, Any]:
+        """The actor's calls for ``task``: its inputs ready, its result."""
         self._sent += 1
-        n = self._sent
-        self._tasks.put((self._actor.inputs_ready.remote(n),
-                         self._actor.evaluate.remote(task.to_json(), n)))
+        return (self._actor.inputs_ready.remote(self._sent),
+                self._actor.evaluate.remote(task.to_json(), self._sent))
 
     def stop(self) -> None:
         self._tasks.put(None)
@@ -311,8 +340,9 @@ def _runtime_env() -> dict[str, Any]:
 
 class _Worker:
     """One sweep worker in a Ray actor: ``worker.evaluate`` with its own problem cache on the
-    GPU Ray gave it (Ray sets CUDA_VISIBLE_DEVICES to it: cuda:0 here), or on the CPU. Of
-    its two threads one evaluates, the other answers once the task's inputs exist."""
+    GPU Ray gave it (Ray sets CUDA_VISIBLE_DEVICES to it: cuda:0 here), or on the CPU. Its
+    calls run on threads: task n's ``evaluate`` waits for task n - 1's to end, and its
+    ``inputs_ready`` answers once the task's inputs exist."""
 
     def __init__(self, kind: str):
         import torch
@@ -321,8 +351,9 @@ class _Worker:
         if kind == "cuda":
             torch.cuda.set_device(self.device)
         self.cache = worker._ProblemCache()
-        self._inputs = threading.Condition()
+        self._progress = threading.Condition()
         self._inputs_for = 0  # the last task whose inputs exist (or that ended without)
+        self._ended = 0  # the last task that ended
 
     def where(self) -> tuple[str, str, int]:
         """Its node's id, where it runs as a record's ``device`` says it, and its pid."""
@@ -331,21 +362,24 @@ class _Worker:
         return node, f"{ray.util.get_node_ip_address()}/{node[:8]} gpu {gpus}", os.getpid()
 
     def evaluate(self, task: dict[str, Any], n: int) -> dict[str, Any]:
+        with self._progress:
+            self._progress.wait_for(lambda: self._ended >= n - 1)
         try:
             return worker.evaluate(task, self.device, self.cache,
                                    lambda: self._reached(n)).to_json()
         finally:
-            self._reached(n)
+            self._reached(n, ended=True)
 
     def inputs_ready(self, n: int) -> None:
         """Returns once task ``n``'s inputs and references exist."""
-        with self._inputs:
-            self._inputs.wait_for(lambda: self._inputs_for >= n)
+        with self._progress:
+            self._progress.wait_for(lambda: self._inputs_for >= n)
 
-    def _reached(self, n: int) -> None:
-        with self._inputs:
+    def _reached(self, n: int, ended: bool = False) -> None:
+        with self._progress:
             self._inputs_for = max(self._inputs_for, n)
-            self._inputs.notify_all()
+            self._ended = n if ended else self._ended
+            self._progress.notify_all()
 
 
 @functools.cache
