@@ -219,10 +219,10 @@ class RayPool(WorkerPool):
     def handed_over(self, slot: Slot) -> None:
         """Queue the worker's next candidate on its actor, so that the actor starts it the
         moment the current one ends: the result's way back and the next hand-over overlap
-        the run. It is its problem's next, else, while no other worker is free to take it,
-        the next problem's (the slot takes that problem). It stays in ``slot.group`` until
-        sent: a worker lost leaves it to whoever takes the group."""
-        if (not slot.group and self._groups and all(s.candidate is not None for s in self._slots)
+        the run. It is its problem's next, else, while as many problems wait as there are
+        workers (the others still find one each), the next problem's, which the slot takes.
+        It stays in ``slot.group`` until sent: a worker lost passes it on with the group."""
+        if (not slot.group and len(self._groups) >= len(self._slots)
                 and self._fits(self._groups[0], time.monotonic())):
             slot.group = self._groups.popleft()
         if slot.group:

@@ -1,0 +1,154 @@
+"""What `mlatune sweep --ray` costs a candidate against the local pool, on this machine's CPU.
+
+    python benchmarks/ray_overhead.py [--rounds 3] [--wait-ms 2] [--tree PATH ...]
+
+Each round sweeps one small grid (180 decode problems, one route, one timed rep) with the
+local pool, then with ``--ray`` on a Ray instance started for it with one declared GPU
+(fake: the actor runs on the CPU), for each ``--tree`` (an mlatune checkout; default: the
+one this script imports). A candidate's cost is the spacing of the journal's results, first
+to last (start-up left out). The route is the torch reference, which keeps the worker's CPU
+busy; with ``--wait-ms W`` a copy of it that waits W ms a run, the worker's CPU idle as it
+is while a GPU runs kernels. Torch runs one thread in both (as Ray gives an actor asking no
+CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+WAIT_ENV = "MLATUNE_BENCH_WAIT_MS"  # MLATUNE_*: Ray forwards it to its workers
+SPEC = """name = "ray-overhead"
+routes = ["{route}"]
+[budget]
+warmup = 0
+min_reps = 1
+max_reps = 1
+[[grid]]
+phase = "decode"
+num_heads = [2, 4, 8]
+qlen = [1, 2]
+q_dtype = "fp16"
+kv_dtype = "fp16"
+batch = [1, 2, 3, 4, 5]
+kv_len = [16, 24, 32, 40, 48, 56]
+page_size = 8
+"""
+
+
+def _register_waiting_route() -> None:
+    """``waiting/bench``: the torch reference, then a wait of WAIT_ENV ms each run."""
+    from mlatune.routes import YES, register
+    from mlatune.routes.torch_ref import TorchReferenceRoute
+
+    wait_s = float(os.environ.get(WAIT_ENV, "0")) / 1e3
+
+    class WaitingRoute(TorchReferenceRoute):
+        id = "waiting/bench"
+
+        def prepare(self, problem, inputs, *, rank=0, params=None, want_lse=True):
+            prepared = super().prepare(problem, inputs, rank=rank, params=params,
+                                       want_lse=want_lse)
+            run = prepared.run
+
+            def waiting_run() -> None:
+                run()
+                time.sleep(wait_s)
+
+            prepared.run = waiting_run
+            return prepared
+
+        def supports(self, problem, device):
+            return YES
+
+    register(WaitingRoute())
+
+
+if __name__ == "ray_overhead":  # imported through MLATUNE_PLUGINS, in workers too
+    _register_waiting_route()
+
+
+def one_sweep(mode: str, spec: Path, out: Path) -> dict[str, float]:
+    """One sweep in this process; its results' spacing and the worker's time outside them."""
+    if mode == "ray":
+        import ray
+
+        ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, logging_level="WARNING")
+    from mlatune.entry import main
+    from mlatune.measure.records import COST_PARTS
+
+    sys.argv = ["mlatune", "sweep", str(spec), "--out", str(out), "--fresh", "--json",
+                *(["--ray"] if mode == "ray" else [])]
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            main()
+    except SystemExit as exc:
+        if exc.code:
+            raise
+    lines = out.with_suffix(".journal.jsonl").read_text().splitlines()[1:]
+    records = [r for r in map(json.loads, lines) if "finished_at" in r]
+    done = sorted(r["finished_at"] for r in records)
+    outside = [max(0.0, r["elapsed_s"] - sum(r.get(p, 0.0) for p in COST_PARTS))
+               for r in records]
+    return {"candidates": len(records),
+            "per_candidate_ms": 1e3 * (done[-1] - done[0]) / (len(done) - 1),
+            "outside_ms": 1e3 * statistics.mean(outside)}
+
+
+def _run(mode: str, tree: Path, spec: Path, work: Path, wait_ms: float) -> dict[str, float]:
+    """``one_sweep`` in a fresh process importing ``tree``'s mlatune (its Ray workers too:
+    they start in the driver's directory, which holds none)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{tree}{os.pathsep}{HERE}",
+           WAIT_ENV: str(wait_ms), "MLATUNE_PLUGINS": "ray_overhead"}
+    script = HERE / "ray_overhead.py"
+    done = subprocess.run([sys.executable, str(script), "--one", mode, str(spec),
+                           str(work / f"{mode}.parquet")], cwd=work, env=env,
+                          capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--wait-ms", type=float, default=0.0)
+    parser.add_argument("--tree", type=Path, action="append",
+                        help="an mlatune checkout whose --ray path runs (repeatable)")
+    parser.add_argument("--one", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        mode, spec, out = args.one
+        print(json.dumps(one_sweep(mode, Path(spec), Path(out))))
+        return
+    trees = [t.resolve() for t in args.tree or [HERE.parent]]
+    runs: dict[str, list[dict[str, float]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        spec = work / "ray-overhead.toml"
+        spec.write_text(SPEC.format(route="waiting/bench" if args.wait_ms else
+                                    "reference/torch"))
+        for _ in range(args.rounds):
+            for name, mode, tree in [("local", "local", trees[0]),
+                                     *((f"ray {t}", "ray", t) for t in trees)]:
+                runs.setdefault(name, []).append(_run(mode, tree, spec, work, args.wait_ms))
+                print(name, runs[name][-1], flush=True)
+    local = statistics.median(r["per_candidate_ms"] for r in runs.pop("local"))
+    print(f"local: {local:.2f} ms a candidate (median of {args.rounds})")
+    for name, rs in runs.items():
+        ms = statistics.median(r["per_candidate_ms"] for r in rs)
+        print(f"{name}: {ms:.2f} ms a candidate, +{ms - local:.2f} ms, {local / ms:.3f}x the "
+              f"local throughput; outside the worker's parts "
+              f"{statistics.median(r['outside_ms'] for r in rs):.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
