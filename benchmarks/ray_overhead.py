@@ -1,6 +1,7 @@
 """What `mlatune sweep --ray` costs a candidate against the local pool, on this machine's CPU.
 
     python benchmarks/ray_overhead.py [--rounds 3] [--wait-ms 2] [--tree PATH ...]
+    python benchmarks/ray_overhead.py --journal JOURNAL ...   # the same figures of sweeps run
 
 Each round sweeps one small grid (180 decode problems, one route, one timed rep) with the
 local pool, then with ``--ray`` on a Ray instance started for it with one declared GPU
@@ -78,14 +79,27 @@ if __name__ == "ray_overhead":  # imported through MLATUNE_PLUGINS, in workers t
     _register_waiting_route()
 
 
+def figures(journal: Path) -> dict[str, float]:
+    """A sweep's results' spacing, first to last, and of it the worker's measured parts
+    (inputs, checks, timing) and the rest (the gap between candidates)."""
+    from mlatune.measure.records import COST_PARTS
+
+    lines = journal.read_text().splitlines()[1:]
+    records = [r for r in map(json.loads, lines) if "finished_at" in r]
+    done = sorted(r["finished_at"] for r in records)
+    spacing = 1e3 * (done[-1] - done[0]) / (len(done) - 1)
+    parts = 1e3 * statistics.mean(sum(r.get(p, 0.0) for p in COST_PARTS) for r in records)
+    return {"candidates": len(records), "per_candidate_ms": spacing, "parts_ms": parts,
+            "gap_ms": spacing - parts}
+
+
 def one_sweep(mode: str, spec: Path, out: Path) -> dict[str, float]:
-    """One sweep in this process; its results' spacing and the worker's time outside them."""
+    """One sweep in this process; its ``figures``."""
     if mode == "ray":
         import ray
 
         ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, logging_level="WARNING")
     from mlatune.entry import main
-    from mlatune.measure.records import COST_PARTS
 
     sys.argv = ["mlatune", "sweep", str(spec), "--out", str(out), "--fresh", "--json",
                 *(["--ray"] if mode == "ray" else [])]
@@ -95,14 +109,7 @@ def one_sweep(mode: str, spec: Path, out: Path) -> dict[str, float]:
     except SystemExit as exc:
         if exc.code:
             raise
-    lines = out.with_suffix(".journal.jsonl").read_text().splitlines()[1:]
-    records = [r for r in map(json.loads, lines) if "finished_at" in r]
-    done = sorted(r["finished_at"] for r in records)
-    outside = [max(0.0, r["elapsed_s"] - sum(r.get(p, 0.0) for p in COST_PARTS))
-               for r in records]
-    return {"candidates": len(records),
-            "per_candidate_ms": 1e3 * (done[-1] - done[0]) / (len(done) - 1),
-            "outside_ms": 1e3 * statistics.mean(outside)}
+    return figures(out.with_suffix(".journal.jsonl"))
 
 
 def _run(mode: str, tree: Path, spec: Path, work: Path, wait_ms: float) -> dict[str, float]:
@@ -123,8 +130,14 @@ def main() -> None:
     parser.add_argument("--wait-ms", type=float, default=0.0)
     parser.add_argument("--tree", type=Path, action="append",
                         help="an mlatune checkout whose --ray path runs (repeatable)")
+    parser.add_argument("--journal", type=Path, action="append",
+                        help="print the figures of this sweep's journal (repeatable)")
     parser.add_argument("--one", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    for journal in args.journal or []:
+        print(journal, json.dumps({k: round(v, 3) for k, v in figures(journal).items()}))
+    if args.journal:
+        return
     if args.one:
         mode, spec, out = args.one
         print(json.dumps(one_sweep(mode, Path(spec), Path(out))))
@@ -141,13 +154,13 @@ def main() -> None:
                                      *((f"ray {t}", "ray", t) for t in trees)]:
                 runs.setdefault(name, []).append(_run(mode, tree, spec, work, args.wait_ms))
                 print(name, runs[name][-1], flush=True)
-    local = statistics.median(r["per_candidate_ms"] for r in runs.pop("local"))
-    print(f"local: {local:.2f} ms a candidate (median of {args.rounds})")
+    local = statistics.median(r["per_candidate_ms"] for r in runs["local"])
     for name, rs in runs.items():
-        ms = statistics.median(r["per_candidate_ms"] for r in rs)
-        print(f"{name}: {ms:.2f} ms a candidate, +{ms - local:.2f} ms, {local / ms:.3f}x the "
-              f"local throughput; outside the worker's parts "
-              f"{statistics.median(r['outside_ms'] for r in rs):.2f} ms")
+        ms, parts, gap = (statistics.median(r[k] for r in rs)
+                          for k in ("per_candidate_ms", "parts_ms", "gap_ms"))
+        print(f"{name}: {ms:.2f} ms a candidate ({parts:.2f} in the worker's parts, {gap:.2f} "
+              f"between them), {local / ms:.3f}x the local throughput (medians of "
+              f"{len(rs)})")
 
 
 if __name__ == "__main__":
