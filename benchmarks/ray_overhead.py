@@ -1,16 +1,18 @@
 """What `mlatune sweep --ray` costs a candidate against the local pool, on this machine's CPU.
 
-    python benchmarks/ray_overhead.py [--rounds 3] [--wait-ms 2] [--tree PATH ...]
+    python benchmarks/ray_overhead.py [--rounds 3] [--wait-ms 5] [--pin] [--tree PATH ...]
     python benchmarks/ray_overhead.py --journal JOURNAL ...   # the same figures of sweeps run
 
 Each round sweeps one small grid (180 decode problems, one route, one timed rep) with the
 local pool, then with ``--ray`` on a Ray instance started for it with one declared GPU
 (fake: the actor runs on the CPU), for each ``--tree`` (an mlatune checkout; default: the
 one this script imports). A candidate's cost is the spacing of the journal's results, first
-to last (start-up left out). The route is the torch reference, which keeps the worker's CPU
-busy; with ``--wait-ms W`` a copy of it that waits W ms a run, the worker's CPU idle as it
-is while a GPU runs kernels. Torch runs one thread in both (as Ray gives an actor asking no
-CPU).
+to last (start-up left out), split into the worker's measured parts and the gap between
+candidates. The route is the torch reference, waiting ``--wait-ms`` after each run (the
+worker's CPU idle as it is while a GPU runs kernels; 0: busy throughout). ``--pin``: the
+worker evaluates on CPU 0, the driver and Ray's processes run on the others, as on a host
+with a core to spare beside each GPU's worker. Torch runs one thread in both pools (as Ray
+gives an actor asking no CPU).
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-WAIT_ENV = "MLATUNE_BENCH_WAIT_MS"  # MLATUNE_*: Ray forwards it to its workers
+WAIT_ENV = "MLATUNE_BENCH_WAIT_MS"  # MLATUNE_*: Ray forwards them to its workers
+PIN_ENV = "MLATUNE_BENCH_PIN"
 SPEC = """name = "ray-overhead"
-routes = ["{route}"]
+routes = ["waiting/bench"]
 [budget]
 warmup = 0
 min_reps = 1
@@ -48,16 +51,20 @@ page_size = 8
 
 
 def _register_waiting_route() -> None:
-    """``waiting/bench``: the torch reference, then a wait of WAIT_ENV ms each run."""
+    """``waiting/bench``: the torch reference, then a wait of WAIT_ENV ms each run; with
+    PIN_ENV the thread that prepares it (the worker's) moves to CPU 0."""
     from mlatune.routes import YES, register
     from mlatune.routes.torch_ref import TorchReferenceRoute
 
     wait_s = float(os.environ.get(WAIT_ENV, "0")) / 1e3
+    pin = bool(os.environ.get(PIN_ENV))
 
     class WaitingRoute(TorchReferenceRoute):
         id = "waiting/bench"
 
         def prepare(self, problem, inputs, *, rank=0, params=None, want_lse=True):
+            if pin:
+                os.sched_setaffinity(0, {0})
             prepared = super().prepare(problem, inputs, rank=rank, params=params,
                                        want_lse=want_lse)
             run = prepared.run
@@ -95,6 +102,8 @@ def figures(journal: Path) -> dict[str, float]:
 
 def one_sweep(mode: str, spec: Path, out: Path) -> dict[str, float]:
     """One sweep in this process; its ``figures``."""
+    if os.environ.get(PIN_ENV):  # what this process starts inherits it
+        os.sched_setaffinity(0, os.sched_getaffinity(0) - {0})
     if mode == "ray":
         import ray
 
@@ -112,11 +121,13 @@ def one_sweep(mode: str, spec: Path, out: Path) -> dict[str, float]:
     return figures(out.with_suffix(".journal.jsonl"))
 
 
-def _run(mode: str, tree: Path, spec: Path, work: Path, wait_ms: float) -> dict[str, float]:
+def _run(mode: str, tree: Path, spec: Path, work: Path, wait_ms: float, pin: bool
+         ) -> dict[str, float]:
     """``one_sweep`` in a fresh process importing ``tree``'s mlatune (its Ray workers too:
     they start in the driver's directory, which holds none)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{tree}{os.pathsep}{HERE}",
-           WAIT_ENV: str(wait_ms), "MLATUNE_PLUGINS": "ray_overhead"}
+           WAIT_ENV: str(wait_ms), PIN_ENV: "1" if pin else "",
+           "MLATUNE_PLUGINS": "ray_overhead"}
     script = HERE / "ray_overhead.py"
     done = subprocess.run([sys.executable, str(script), "--one", mode, str(spec),
                            str(work / f"{mode}.parquet")], cwd=work, env=env,
@@ -128,6 +139,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--wait-ms", type=float, default=0.0)
+    parser.add_argument("--pin", action="store_true")
     parser.add_argument("--tree", type=Path, action="append",
                         help="an mlatune checkout whose --ray path runs (repeatable)")
     parser.add_argument("--journal", type=Path, action="append",
@@ -147,12 +159,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         spec = work / "ray-overhead.toml"
-        spec.write_text(SPEC.format(route="waiting/bench" if args.wait_ms else
-                                    "reference/torch"))
+        spec.write_text(SPEC)
         for _ in range(args.rounds):
             for name, mode, tree in [("local", "local", trees[0]),
                                      *((f"ray {t}", "ray", t) for t in trees)]:
-                runs.setdefault(name, []).append(_run(mode, tree, spec, work, args.wait_ms))
+                runs.setdefault(name, []).append(_run(mode, tree, spec, work, args.wait_ms,
+                                                      args.pin))
                 print(name, runs[name][-1], flush=True)
     local = statistics.median(r["per_candidate_ms"] for r in runs["local"])
     for name, rs in runs.items():
