@@ -201,8 +201,10 @@ def test_a_candidate_whose_node_died_goes_to_another_worker_once(cluster, tmp_pa
     nodes = [cluster.add_node(num_cpus=1, num_gpus=1, object_store_memory=10**8,
                               resources={"accelerator_type:A10": 1}) for _ in range(2)]
     cluster.wait_for_nodes()
+    held = []
 
     def kill(worker):
+        held.append(worker._ahead is not None)
         node = next(n for n in nodes if n.node_id == worker.node_id)
         cluster.remove_node(node)  # its raylet stops: Ray declares the node dead at once
         nodes.remove(node)
@@ -214,6 +216,7 @@ def test_a_candidate_whose_node_died_goes_to_another_worker_once(cluster, tmp_pa
             cluster.remove_node(node)
     # All ran to their timeout on the node left, the one the dead node's worker held queued
     # ahead too; that worker was not replaced.
+    assert held == [True]
     assert [r.status for r in result.records] == [Status.TIMEOUT] * 3
     assert len({r.id for r in result.records}) == 3 and len(pools[-1]._slots) == 1
 
