@@ -89,13 +89,12 @@ if __name__ == "ray_overhead":  # imported through MLATUNE_PLUGINS, in workers t
 def figures(journal: Path) -> dict[str, float]:
     """A sweep's results' spacing, first to last, and of it the worker's measured parts
     (inputs, checks, timing) and the rest (the gap between candidates)."""
-    from mlatune.measure.records import COST_PARTS
+    from mlatune.measure.journal import read_records
 
-    lines = journal.read_text().splitlines()[1:]
-    records = [r for r in map(json.loads, lines) if "finished_at" in r]
-    done = sorted(r["finished_at"] for r in records)
+    records = [r for r in read_records(journal)[1] if r.finished_at is not None]
+    done = sorted(r.finished_at for r in records)
     spacing = 1e3 * (done[-1] - done[0]) / (len(done) - 1)
-    parts = 1e3 * statistics.mean(sum(r.get(p, 0.0) for p in COST_PARTS) for r in records)
+    parts = 1e3 * statistics.mean(r.worker_s for r in records)
     return {"candidates": len(records), "per_candidate_ms": spacing, "parts_ms": parts,
             "gap_ms": spacing - parts}
 
