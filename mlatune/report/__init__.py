@@ -112,9 +112,8 @@ def build_report(table_path: str | os.PathLike, out_dir: str | os.PathLike,
     frame = table.read(table_path, facts=routes.FACTS)
     heldout = table.read(heldout_path, facts=routes.FACTS) \
         if heldout_path is not None else None
-    timed = None
-    for journal_path in heldout_journals:
-        timed = {**(timed or {}), **candidate_times(journal_path)}
+    timed = {key: runs for journal_path in heldout_journals
+             for key, runs in candidate_times(journal_path).items()} if heldout_journals else None
     summary, data = summarize(table_path, frame, heldout_path, heldout, timed)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
