@@ -29,10 +29,17 @@ pytestmark = pytest.mark.kernels
                      "two-bf16-direct", "pairs-bf16-direct-causal-page16",
                      "two-bf16-split-causal-page16"])
 def compiled(request):
+    return seesaw_build(*request.param)
+
+
+def seesaw_build(dtype: str, direct: bool, causal: bool, form: str, page: int,
+                 cache: str | None = None):
+    """The seesaw kernel built for the CPU's checks (``gluon_seesaw.aot_compile``), with
+    the requests a program walks (``units``), its q dtype's name and its page."""
     _needs_gluon_triton()
     from mlatune.kernels import gluon_seesaw as s
-    dtype, direct, causal, form, page = request.param
-    kernel = s.aot_compile(dtype, direct=direct, causal=causal, form=form, page=page)
+    kernel = s.aot_compile(dtype, direct=direct, causal=causal, form=form, page=page,
+                           cache=cache)
     kernel.units = 2 if form == "two-requests" else 1  # requests a program walks
     kernel.dtype_name = dtype
     kernel.page = page

@@ -16,6 +16,7 @@ import pytest
 from tests import sass_hazards
 from tests.prefill_aot import resources
 from tests.test_gluon_compile import HOPPER_SMEM, _needs_gluon_triton
+from tests.test_gluon_seesaw_compile import seesaw_build
 
 pytestmark = pytest.mark.kernels
 
@@ -34,15 +35,7 @@ Q_AND_RING = 64 * 576 * 2 * 3  # Q and two slots, 16-bit
                      "pairs-bf16-direct-page16", "pairs-bf16-split-causal-page32",
                      "two-bf16-direct-causal-page128"])
 def compiled(request):
-    _needs_gluon_triton()
-    from mlatune.kernels import gluon_seesaw as s
-    dtype, direct, causal, form, page = request.param
-    kernel = s.aot_compile(dtype, direct=direct, causal=causal, form=form, page=page,
-                           cache="fp8")
-    kernel.units = 2 if form == "two-requests" else 1  # requests a program walks
-    kernel.dtype_name = dtype
-    kernel.page = page
-    return kernel
+    return seesaw_build(*request.param, cache="fp8")
 
 
 def _tile_sites(compiled) -> int:
