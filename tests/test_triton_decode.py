@@ -287,13 +287,22 @@ def test_reduce_kernel_over_uniform_slots_matches_torch(max_expsum, blocks, slot
     check_reduce(max_expsum, blocks, [slots] * 3, None, next(_SEEDS), "cpu", uniform=True)
 
 
+@pytest.mark.parametrize(("blocks", "counts"), [((2, 16), [1, 3, 0, 1, 2]), ((1, 64), [2, 1])])
+def test_reduce_kernel_leaves_groups_of_one_slot_in_place(blocks, counts):
+    """``one_in_place``: a group of exactly one slot was written by the kernel itself (the
+    seesaw decode's balanced form): its rows keep what they hold; the others are merged,
+    a group of none written as empty."""
+    check_reduce(False, blocks, counts, None, next(_SEEDS), "cpu", one_in_place=True)
+
+
 def check_reduce(max_expsum: bool, blocks: tuple[int, int] | None, counts: list[int],
                  hint: int | None, seed: int, device: str, *, tokens: int = 2, q_heads: int = 3,
-                 rep: int = 2, d_v: int = 64, pdl: bool = False, uniform: bool = False
-                 ) -> None:
+                 rep: int = 2, d_v: int = 64, pdl: bool = False, uniform: bool = False,
+                 one_in_place: bool = False) -> None:
     """``reduce_launcher`` over groups of ``counts`` slots against a torch merge (also the
     GPU tests' body, on ``device``). ``uniform``: the launcher told every group has
-    ``max(counts)`` slots, and handed an indptr of wrong offsets it must not read."""
+    ``max(counts)`` slots, and handed an indptr of wrong offsets it must not read;
+    ``one_in_place``: groups of one slot must keep their poisoned rows."""
     from mlatune.kernels.reduce import reduce_launcher
 
     gen = torch.Generator().manual_seed(seed)
@@ -314,13 +323,16 @@ def check_reduce(max_expsum: bool, blocks: tuple[int, int] | None, counts: list[
           given.to(device))
     reduce_launcher(*on, out, lse, tokens_per_group=tokens, q_heads=q_heads,
                     row_heads=row_heads, head_rep=rep, max_slots=hint or max(counts),
-                    blocks=blocks, pdl=pdl, uniform=uniform)()
+                    blocks=blocks, pdl=pdl, uniform=uniform, one_in_place=one_in_place)()
     out, lse = out.cpu(), lse.cpu()
     for g, n in enumerate(counts):
         first = int(indptr[g])
         for t in range(tokens):
             kept = [t * row_heads + h * rep for h in range(q_heads)]
             o, lg = out[g * tokens + t], lse[g * tokens + t]
+            if one_in_place and n == 1:
+                assert torch.isnan(o).all() and torch.isnan(lg).all()
+                continue
             if n == 0:
                 assert torch.all(o == 0) and torch.all(torch.isneginf(lg))
                 continue

@@ -192,3 +192,13 @@ def test_reduce_kernel_matches_torch_on_the_gpu(max_expsum, blocks, counts, rows
     tokens, q_heads, rep = rows
     check_reduce(max_expsum, blocks, counts, None, len(counts) * 31 + tokens, "cuda",
                  tokens=tokens, q_heads=q_heads, rep=rep, d_v=512, pdl=pdl, uniform=uniform)
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_reduce_leaves_groups_of_one_slot_in_place_on_the_gpu(pdl):
+    """``one_in_place`` (the seesaw decode's balanced form) at its GPU block rule: groups of
+    one slot keep their rows, the others merged, an empty one written as empty."""
+    from tests.test_triton_decode import check_reduce
+
+    check_reduce(False, None, [1, 3, 0, 1, 2, 5] * 8, None, 57, "cuda", tokens=1, q_heads=128,
+                 rep=1, d_v=512, pdl=pdl, one_in_place=True)

@@ -4,9 +4,10 @@ Partials are normalized outputs ``[slot, row, d_v]`` with base-2 statistics,
 either one LSE per ``[slot, row]`` (split-KV) or the unreduced pair (max,
 expsum) of the segmented kernel, whose LSE is ``max + log2(expsum)``. Row group
 ``g`` owns slots ``split_indptr[g]:split_indptr[g + 1]`` (none at all when it
-has no keys: its rows get output 0 and LSE -inf). Output row (token t, head h)
-of group g reads layout row ``t * row_heads + h * head_rep``: that slices the
-padded heads off (see ``attend``).
+has no keys: its rows get output 0 and LSE -inf; with ``ONE_IN_PLACE``, a group
+of exactly one slot was written in place by its kernel, and is left as it is).
+Output row (token t, head h) of group g reads layout row ``t * row_heads + h *
+head_rep``: that slices the padded heads off (see ``attend``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def reduce_kernel(part_out_ptr, part_a_ptr, part_b_ptr, split_indptr_ptr, out_pt
                   stride_o_tok, stride_o_head, stride_lse_tok,
                   BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, SLOT_BLOCK: tl.constexpr,
                   MAX_EXPSUM: tl.constexpr, WRITE_LSE: tl.constexpr,
-                  WAIT_PRIMARY: tl.constexpr = False, SLOTS: tl.constexpr = 0):
+                  WAIT_PRIMARY: tl.constexpr = False, SLOTS: tl.constexpr = 0,
+                  ONE_IN_PLACE: tl.constexpr = False):
     # Grid (row blocks, value-dim blocks, groups): enough programs that a batch
     # of one request is not a handful of programs walking all slots serially.
     # SLOTS > 0: every group has that many (uniform splits): no indptr read, and when they
@@ -59,6 +61,8 @@ def reduce_kernel(part_out_ptr, part_a_ptr, part_b_ptr, split_indptr_ptr, out_pt
     else:
         first = tl.load(split_indptr_ptr + group).to(tl.int64)
         count = tl.load(split_indptr_ptr + group + 1) - first
+        if ONE_IN_PLACE:  # the kernel wrote a group of one slot's rows itself: leave them
+            ok = ok & ((offs * 0 + count) != 1)
     block = tl.arange(0, SLOT_BLOCK)
 
     if SLOTS > 0 and SLOTS <= SLOT_BLOCK:
@@ -116,7 +120,7 @@ def reduce_launcher(part_out: torch.Tensor, part_lse: torch.Tensor,
                     out: torch.Tensor, lse: torch.Tensor | None, *, tokens_per_group: int,
                     q_heads: int, row_heads: int, head_rep: int, max_slots: int,
                     blocks: tuple[int, int] | None = None, pdl: bool = False,
-                    uniform: bool = False) -> Callable[[], None]:
+                    uniform: bool = False, one_in_place: bool = False) -> Callable[[], None]:
     """A zero-argument launch of ``reduce_kernel``.
 
     ``pdl``: launched as a programmatic dependent of the kernel launched just before it on
@@ -129,6 +133,9 @@ def reduce_launcher(part_out: torch.Tensor, part_lse: torch.Tensor,
     ``blocks`` (rows, value dims per program) overrides the size-based choice.
     ``uniform``: every group has exactly ``max_slots`` slots (``split_indptr`` is then not
     read; the kernel is compiled for that count).
+    ``one_in_place``: a group of exactly one slot had its rows written into ``out`` and
+    ``lse`` by the kernel that writes the partials (its slot is not read; not with
+    ``uniform``).
     """
     groups = split_indptr.shape[0] - 1
     d_v = out.shape[-1]
@@ -153,9 +160,12 @@ def reduce_launcher(part_out: torch.Tensor, part_lse: torch.Tensor,
             out.stride(0), out.stride(1), 0 if lse is None else lse.stride(0))
     if uniform and int(max_slots) < 1:
         raise ValueError(f"uniform slots need max_slots >= 1, got {max_slots}")
+    if uniform and one_in_place:
+        raise ValueError("one_in_place reads each group's slot count: not with uniform")
     meta = dict(BLOCK_R=block_r, BLOCK_D=block_d, SLOTS=int(max_slots) if uniform else 0,
                 SLOT_BLOCK=min(triton.next_power_of_2(max(max_slots, 1)), 16),
                 MAX_EXPSUM=part_expsum is not None, WRITE_LSE=lse is not None, num_warps=4,
+                ONE_IN_PLACE=one_in_place,
                 **({"WAIT_PRIMARY": True, "launch_pdl": True} if pdl and out.is_cuda else {}))
 
     def launch() -> None:
