@@ -139,7 +139,7 @@ def test_every_wgmma_descriptor_is_written_on_every_path_to_it(compiled):
 
 def test_the_launcher_takes_a_live_form_and_a_positive_scale():
     from mlatune.kernels import gluon_seesaw as s
-    assert s.FORMS == ("pairs", "two-requests")
+    assert s.FORMS == ("pairs", "two-requests", "balanced")
     with pytest.raises(ValueError, match="forms are"):
         s.decode_launcher(*[None] * 4, qlen=1, sm_scale=0.1, form="chunked")
     with pytest.raises(ValueError, match="forms are"):

@@ -29,8 +29,15 @@ H200_SMS = 132
 MAX_SPLITS = 64
 
 # Kernel forms, named in a param set's ``form``. The seesaw kernel: "pairs" (a program walks
-# one request), "two-requests" (a program walks requests b and b + cdiv(batch, 2)).
-SEESAW_FORMS = ("pairs", "two-requests")
+# one request), "two-requests" (a program walks requests b and b + cdiv(batch, 2)),
+# "balanced" (a program a row block and worker walks its worker's share of a device plan's
+# tiles, ``balanced_workers``: pieces of requests, merged where a request is cut).
+SEESAW_FORMS = ("pairs", "two-requests", "balanced")
+# The balanced form is offered from this many query rows a request (a row block)...
+BALANCED_MIN_ROWS = 64
+# ...where the split pick's waves of programs leave more than this share of their SM slots
+# idle (a ragged last wave: ``wave_idle``).
+BALANCED_MIN_IDLE = 0.02
 # Pages from which the two-requests form reads an fp8 cache: under them its build spills
 # registers (a widening loader leaves the compute warpgroups 232 registers, 8 fewer).
 SEESAW_FP8_TWO_REQUESTS_MIN_PAGE = 64
@@ -85,6 +92,22 @@ def seesaw_form_refusal(form: str, fp8_cache: bool, page: int) -> str | None:
         return (f"the seesaw kernel's two-requests form reads an fp8 cache at pages of "
                 f"{SEESAW_FP8_TWO_REQUESTS_MIN_PAGE} tokens and more, not {page}")
     return None
+
+
+def balanced_workers(sms: int, row_blocks: int) -> int:
+    """The balanced form's workers (programs a row block): a program an SM, the row blocks of
+    a request walking the same plan side by side (their programs read the same keys at about
+    the same time)."""
+    return max(1, sms // max(1, row_blocks))
+
+
+def wave_idle(programs: int, sms: int) -> float:
+    """The share of SM slots that ``programs`` programs (one an SM at a time) leave idle over
+    the waves they take: 0 where they fill their last wave."""
+    if programs <= 0:
+        return 0.0
+    waves = -(-programs // sms)
+    return 1.0 - programs / (waves * sms)
 
 
 def kv_box_rows(page: int, keys: int = BLOCK_N) -> int:

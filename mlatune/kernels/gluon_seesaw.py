@@ -51,13 +51,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mlatune.kernels import gluon_transposed
+from mlatune.kernels import plan as device_plan
 from mlatune.kernels.gluon_common import (
     GATHERED,
     TILE_KEYS,
     aot_compile_kernel,
     compile_options,
     copy_rows,
-    first_masked_key,
     gather_into,
     gather_layout,
     gather_pages,
@@ -78,16 +78,19 @@ from mlatune.kernels.gluon_common import (
 from mlatune.kernels.gluon_hopper import check_supported
 from mlatune.kernels.gluon_hopper_plan import (
     BLOCK_M,
+    BLOCK_N,
     D_NOPE,
     D_ROPE,
     SEESAW_FORMS,
+    balanced_workers,
     kv_box_rows,
     page_refusal,
     seesaw_form_refusal,
 )
+from mlatune.kernels.reduce import reduce_launcher
 from mlatune.lse import LOG2E
 
-FORMS = SEESAW_FORMS  # "pairs", "two-requests"
+FORMS = SEESAW_FORMS  # "pairs", "two-requests", "balanced"
 NUM_WARPS = 4  # the default partition: the loader (one thread issues); WG0, WG1: workers
 COMPUTE_REGS = gl.constexpr(240)  # a compute warpgroup's registers a thread (O's half alone is 128)
 LOADER_REGS = gl.constexpr(24)
@@ -109,10 +112,18 @@ FILL_WIDEN = gl.constexpr(2)
 # 2^-28 of it a normal fp16, where a bf16 value's 8 significant bits are exact.
 Q_TOP = gl.constexpr(14)
 Q_SHIFT_LIMIT = gl.constexpr(100)  # |shift| at most this: 2^shift stays a normal fp32
-UNITS_A_PROGRAM = gl.constexpr(2)  # the two-requests form's requests a program (MULTI)
+UNITS_A_PROGRAM = gl.constexpr(2)  # the two-requests form's requests a program
+ROW_BLOCK = gl.constexpr(BLOCK_M)  # query rows a program (the kernels' BM)
+# How a program walks its units (a row block's keys of one request, or of a piece of it): one
+# (pairs), requests b and b + cdiv(batch, 2) (two-requests), a device plan's list (balanced).
+WALK_PAIRS = gl.constexpr(0)
+WALK_TWO = gl.constexpr(1)
+WALK_PLAN = gl.constexpr(2)
+WALKS = {"pairs": WALK_PAIRS, "two-requests": WALK_TWO, "balanced": WALK_PLAN}
 MAXNREG = 168  # 12 warps (3 warpgroups) x 168 = the SM's 64K registers, rounded down
 
-__all__ = ["FORMS", "aot_compile", "decode_launcher", "seesaw_decode", "seesaw_kernel"]
+__all__ = ["FORMS", "aot_compile", "balanced_plan", "decode_launcher", "seesaw_decode",
+           "seesaw_kernel"]
 
 
 @gluon.jit
@@ -130,36 +141,79 @@ def _loader(descs, bufs, bars, src, q_row, start, n_tiles, PAGE: gl.constexpr):
 
 @gluon.jit
 def _loader_units(descs, bufs, bars, tables, ints, walk, PAGE: gl.constexpr,
-                  CAUSAL: gl.constexpr):
-    """The two-requests loader: for each of the program's requests (``_compute_units``) its Q
-    once both warpgroups are done with the last one's (``q_free``), then its tiles through the
-    one ring, pairs counted across requests, slot 1 filled in a pair without a tile b too (so
-    that its barriers' phases stay one a pair). ``tables``: the block table and its row
-    stride, the cache's pointer and row stride."""
-    qn_desc, qr_desc, kc_desc = descs[0], descs[1], descs[3]
-    bt_ptr, stride_bt = tables[:2]
-    seq_lens_ptr, batch, q_free = walk
-    rb, split, num_splits, qlen, heads = ints[4], ints[6], ints[7], ints[8], ints[9]
-    q_bar = bars[0]
-    BM: gl.constexpr = qn_desc.block_type.shape[0]
-    BN: gl.constexpr = TILE_KEYS
+                  CAUSAL: gl.constexpr, WALK: gl.constexpr):
+    """The loader of the forms that walk several units a program (``_compute_units``; the
+    units' keys as ``_request_keys`` and ``_item_keys`` give them): each unit's Q once both
+    warpgroups are done with the last one's (``q_free``), then its tiles through the one
+    ring (``_load_unit``). ``tables``: the block table and its row stride, the cache's
+    pointer and row stride; ``walk``: as ``_compute_units``'."""
     j0 = 0
-    for k in gl.static_range(UNITS_A_PROGRAM):
-        b = gl.program_id(2) + k * gl.num_programs(2)
-        if b < batch:
-            seq_len = gl.load(seq_lens_ptr + b)
-            start, end, n_tiles = key_range(seq_len, rb, split, num_splits, qlen, heads, BM,
-                                            BN, CAUSAL)
-            if k > 0:
-                mbarrier.wait(q_free, (k - 1) & 1)
-            q_row = b * qlen * heads + rb * BM
-            mbarrier.expect(q_bar, qn_desc.block_type.nbytes + qr_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(qn_desc, [q_row, 0], q_bar, bufs[0])
-            tma.async_copy_global_to_shared(qr_desc, [q_row, 0], q_bar, bufs[1])
-            src = (bt_ptr + b.to(gl.int64) * stride_bt, (seq_len - 1) // PAGE, end, tables[2],
-                   tables[3])
-            _load_tiles(kc_desc, bufs, bars, src, start, n_tiles, PAGE, j0, True)
-            j0 += (n_tiles + 1) // 2
+    if WALK == WALK_TWO:
+        for k in gl.static_range(UNITS_A_PROGRAM):
+            b = gl.program_id(2) + k * gl.num_programs(2)
+            if b < walk[1]:
+                keys = _request_keys(walk[0], b, ints, CAUSAL)
+                j0 = _load_unit(descs, bufs, bars, tables, ints, walk[2], b, keys, k, j0, PAGE)
+    else:
+        first, last = _items_of(walk)
+        for i in range(first, last):
+            b, keys = _item_keys(walk, i, ints, CAUSAL)
+            j0 = _load_unit(descs, bufs, bars, tables, ints, walk[2], b, keys, i - first, j0,
+                            PAGE)
+
+
+@gluon.jit
+def _load_unit(descs, bufs, bars, tables, ints, q_free, b, keys, k, j0, PAGE: gl.constexpr):
+    """The program's k-th unit (request b's row block ``ints[4]``, its ``keys``: start, end,
+    tiles, the request's length): its Q once the last unit's is free, then its tiles, pairs
+    counted across units (``j0``: before this one; returned: after it), slot 1 filled in a
+    pair without a tile b too (so that its barriers' phases stay one a pair)."""
+    qn_desc, qr_desc = descs[0], descs[1]
+    start, end, n_tiles, seq_len = keys
+    q_bar = bars[0]
+    if k > 0:
+        mbarrier.wait(q_free, (k - 1) & 1)
+    q_row = b * ints[8] * ints[9] + ints[4] * qn_desc.block_type.shape[0]
+    mbarrier.expect(q_bar, qn_desc.block_type.nbytes + qr_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(qn_desc, [q_row, 0], q_bar, bufs[0])
+    tma.async_copy_global_to_shared(qr_desc, [q_row, 0], q_bar, bufs[1])
+    src = (tables[0] + b.to(gl.int64) * tables[1], (seq_len - 1) // PAGE, end, tables[2],
+           tables[3])
+    _load_tiles(descs[3], bufs, bars, src, start, n_tiles, PAGE, j0, True)
+    return j0 + (n_tiles + 1) // 2
+
+
+@gluon.jit
+def _request_keys(seq_lens_ptr, b, ints, CAUSAL: gl.constexpr):
+    """The keys of request b's split ``ints[6]`` of ``ints[7]`` at row block ``ints[4]``
+    (``key_range``): (start, end, tiles, the request's length)."""
+    seq_len = gl.load(seq_lens_ptr + b)
+    start, end, n_tiles = key_range(seq_len, ints[4], ints[6], ints[7], ints[8], ints[9],
+                                    ROW_BLOCK, TILE_KEYS, CAUSAL)
+    return start, end, n_tiles, seq_len
+
+
+@gluon.jit
+def _items_of(walk):
+    """This program's items of the balanced form's work list: [first, last) of its worker
+    (the grid's second index; ``mlatune.kernels.plan``'s ``work_indptr``)."""
+    w = gl.program_id(1)
+    return gl.load(walk[4] + w), gl.load(walk[4] + w + 1)
+
+
+@gluon.jit
+def _item_keys(walk, i, ints, CAUSAL: gl.constexpr):
+    """Item i of the work list (request, key start, key end, slot; ``walk[3]``): its request
+    and keys (start, end, tiles, the request's length) at row block ``ints[4]``, the end cut
+    at the row block's causal bound (``key_range`` over the whole request)."""
+    row = walk[3] + 4 * i
+    b = gl.load(row)
+    start = gl.load(row + 1)
+    stop = gl.load(row + 2)
+    seq_len = gl.load(walk[0] + b)
+    end = key_range(seq_len, ints[4], 0, 1, ints[8], ints[9], ROW_BLOCK, TILE_KEYS, CAUSAL)[1]
+    end = gl.minimum(end, stop)
+    return b, (start, end, gl.cdiv(gl.maximum(end - start, 0), TILE_KEYS), seq_len)
 
 
 @gluon.jit
@@ -579,36 +633,82 @@ def _compute(bufs, bars, out_ptr, lse_ptr, ints, scales, WG: gl.constexpr,
     """One compute warpgroup of the pairs form: its walk over the pairs of tiles, then its
     half of the output."""
     acc, m_run, l_run = _walk_pairs(bufs, bars, ints, scales, 0, 0, WG, CAUSAL, False, FILL)
-    _finish(acc, m_run, l_run, bufs[5], bars[4], 0, 0, out_ptr, lse_ptr, ints, WG, DIRECT,
-            scales, FILL)
+    l_run = _sum_rows(l_run, bufs[5], bars[4], 0, 0, WG)
+    o_layout: gl.constexpr = acc.type.layout
+    _epilogue(acc, m_run, l_run, out_ptr, lse_ptr, ints, WG, DIRECT, o_layout, scales, FILL)
 
 
 @gluon.jit
-def _compute_units(bufs, bars, out_ptr, lse_ptr, ints, walk, scales, WG: gl.constexpr,
-                   CAUSAL: gl.constexpr, DIRECT: gl.constexpr, FILL: gl.constexpr):
-    """One compute warpgroup of the two-requests form (MULTI): this program's requests b0,
-    b0 + n (n the grid's third size; UNITS_A_PROGRAM of them), one after another; Q of the
-    next is copied while this warpgroup finishes the last one's output (``q_free``,
-    ``_loader_units``)."""
-    seq_lens_ptr, batch, q_free = walk
-    rb, split, num_splits, qlen, heads = ints[4], ints[6], ints[7], ints[8], ints[9]
-    BM: gl.constexpr = bufs[0].shape[0]
-    BN: gl.constexpr = bufs[2].shape[1]
+def _compute_units(bufs, bars, outs, ints, walk, scales, WG: gl.constexpr,
+                   CAUSAL: gl.constexpr, DIRECT: gl.constexpr, FILL: gl.constexpr,
+                   WALK: gl.constexpr):
+    """One compute warpgroup of the forms that walk several units a program, one after
+    another (``_compute_unit``), the loader (``_loader_units``) copying the next one's Q
+    while this warpgroup writes the last one's output. Two-requests: requests b0 and b0 + n
+    (n the grid's third size; UNITS_A_PROGRAM of them), written as ``DIRECT`` says;
+    balanced: the items of this program's worker in the device plan's work list, each a
+    piece of a request's keys: written in place (``outs[:2]``) where it is its request's
+    only item, else into its slot of the partials (``outs[2:]``) that the reduce merges.
+    ``walk``: the lengths, the batch, ``q_free``, and the plan's work list, worker and
+    request offsets (``mlatune.kernels.plan``)."""
     j0 = 0
-    for k in gl.static_range(UNITS_A_PROGRAM):
-        b = gl.program_id(2) + k * gl.num_programs(2)
-        if b < batch:
-            seq_len = gl.load(seq_lens_ptr + b)
-            start, end, n_tiles = key_range(seq_len, rb, split, num_splits, qlen, heads, BM,
-                                            BN, CAUSAL)
-            unit = (start, end, n_tiles, seq_len, rb, b) + ints[6:]  # noqa: RUF005 (JIT)
-            acc, m_run, l_run = _walk_pairs(bufs, bars, unit, scales, j0, k & 1, WG, CAUSAL,
-                                            True, FILL)
-            gl.thread_barrier()  # the warpgroup's last S (read Q) precedes the one arrival
-            mbarrier.arrive(q_free)
-            _finish(acc, m_run, l_run, bufs[5], bars[4], k & 1, (k & 1) * 2, out_ptr, lse_ptr,
-                    unit, WG, DIRECT, scales, FILL)
-            j0 += (n_tiles + 1) // 2
+    if WALK == WALK_TWO:
+        for k in gl.static_range(UNITS_A_PROGRAM):
+            b = gl.program_id(2) + k * gl.num_programs(2)
+            if b < walk[1]:
+                keys = _request_keys(walk[0], b, ints, CAUSAL)
+                unit = keys + (ints[4], b) + ints[6:]  # noqa: RUF005 (JIT)
+                j0 = _compute_unit(bufs, bars, outs, unit, walk, scales, k, k, j0, WG, CAUSAL,
+                                   DIRECT, FILL, WALK)
+    else:
+        first, last = _items_of(walk)
+        for k in range(last - first):
+            # The first item read again (not held in a register across the walk).
+            i = _items_of(walk)[0] + k
+            b, keys = _item_keys(walk, i, ints, CAUSAL)
+            unit = keys + (ints[4], b) + ints[6:]  # noqa: RUF005 (JIT)
+            j0 = _compute_unit(bufs, bars, outs, unit, walk, scales, i, k, j0, WG, CAUSAL,
+                               DIRECT, FILL, WALK)
+
+
+@gluon.jit
+def _compute_unit(bufs, bars, outs, unit, walk, scales, item, k, j0, WG: gl.constexpr,
+                  CAUSAL: gl.constexpr, DIRECT: gl.constexpr, FILL: gl.constexpr,
+                  WALK: gl.constexpr):
+    """The program's k-th unit (``unit``: its keys, row block, request and the kernel's
+    ``ints`` past them), ``j0`` pairs walked before it: the walk, Q released (``walk[2]``),
+    the row sums added across the warpgroups (through the row slots of the unit's parity),
+    then this warpgroup's output: balanced, that of work-list item ``item``
+    (``_item_output``); otherwise as ``DIRECT`` says. Returns the pairs walked after it."""
+    acc, m_run, l_run = _walk_pairs(bufs, bars, unit, scales, j0, k & 1, WG, CAUSAL, True,
+                                    FILL)
+    gl.thread_barrier()  # the warpgroup's last S (read Q) precedes the one arrival
+    mbarrier.arrive(walk[2])
+    l_run = _sum_rows(l_run, bufs[5], bars[4], k & 1, (k & 1) * 2, WG)
+    o_layout: gl.constexpr = acc.type.layout
+    if WALK == WALK_PLAN:
+        _item_output(acc, m_run, l_run, outs, unit, walk, scales, item, WG, o_layout, FILL)
+    else:
+        _epilogue(acc, m_run, l_run, outs[0], outs[1], unit, WG, DIRECT, o_layout, scales,
+                  FILL)
+    return j0 + (unit[2] + 1) // 2
+
+
+@gluon.jit
+def _item_output(acc, m_run, l_run, outs, unit, walk, scales, item, WG: gl.constexpr,
+                 o_layout: gl.constexpr, FILL: gl.constexpr):
+    """This warpgroup's output of work-list item ``item`` (read after the walk, so that no
+    register holds them across it): in place (``outs[:2]``) where it is its request's only
+    item, else into its slot of the partials (``outs[2:]``), the reduce's to merge."""
+    b = unit[5]
+    if gl.load(walk[5] + b + 1) - gl.load(walk[5] + b) == 1:
+        _epilogue(acc, m_run, l_run, outs[0], outs[1], unit, WG, True, o_layout, scales, FILL)
+    else:
+        # The slot as a request of one split (``_epilogue``'s partial rows).
+        slot = gl.load(walk[3] + 4 * item + 3)
+        in_slot = unit[:5] + (slot, 0, 1) + unit[8:]  # noqa: RUF005 (JIT)
+        _epilogue(acc, m_run, l_run, outs[2], outs[3], in_slot, WG, False, o_layout, scales,
+                  FILL)
 
 
 @gluon.jit
@@ -632,7 +732,12 @@ def _walk_pairs(bufs, bars, ints, scales, j0, q_phase, WG: gl.constexpr,
     start, end, n_tiles, seq_len, rb = ints[:5]
     qlen, heads = ints[8:10]
     last_pos = last_keys(rb, seq_len, qlen, heads, BM, row_s, CAUSAL)
-    bounds = (last_pos, first_masked_key(end, last_pos))
+    # The first key some row may not see (``first_masked_key``): the block's first row's
+    # bound is the least (a scalar: no reduction across the warps).
+    first_last = seq_len - 1
+    if CAUSAL:
+        first_last = seq_len - qlen + rb * BM // heads
+    bounds = (last_pos, gl.minimum(end, first_last + 1))
     m_run = gl.full([BM], float("-inf"), gl.float32, layout=row_s)
     l_run = gl.full([BM], 0.0, gl.float32, layout=row_s)
     acc = gl.zeros([BM, DH], gl.float32, layout=o_layout)
@@ -723,19 +828,14 @@ def _q_chunk(q_nope, q_rope, c: gl.constexpr):
 
 
 @gluon.jit
-def _finish(acc, m_run, l_run, l_buf, l_bar, l_phase, SLOT0: gl.constexpr, out_ptr, lse_ptr,
-            ints, WG: gl.constexpr, DIRECT: gl.constexpr, scales, FILL: gl.constexpr):
-    """The row sums added across the warpgroups (on ``l_bar``, through the two row slots of
-    ``l_buf`` from SLOT0), both in the final max's base, then this warpgroup's output."""
-    BM: gl.constexpr = m_run.shape[0]
-    row_s: gl.constexpr = m_run.type.layout
-    o_layout: gl.constexpr = acc.type.layout
-    l_buf.slice((SLOT0 + WG) * BM, BM).store(l_run)
+def _sum_rows(l_run, l_buf, l_bar, l_phase, slot0, WG: gl.constexpr):
+    """The rows' sums added across the warpgroups (both in the final max's base), through
+    rows ``slot0`` and ``slot0 + 1`` of ``l_buf`` on ``l_bar`` (phase ``l_phase``)."""
+    l_buf.index(slot0 + WG).store(l_run)
     gl.thread_barrier()
     mbarrier.arrive(l_bar)
     mbarrier.wait(l_bar, l_phase)
-    l_run = l_run + l_buf.slice((SLOT0 + 1 - WG) * BM, BM).load(row_s)
-    _epilogue(acc, m_run, l_run, out_ptr, lse_ptr, ints, WG, DIRECT, o_layout, scales, FILL)
+    return l_run + l_buf.index(slot0 + 1 - WG).load(l_run.type.layout)
 
 
 @gluon.jit
@@ -797,15 +897,15 @@ def _wg1(bufs, bars, out_ptr, lse_ptr, ints, scales, CAUSAL: gl.constexpr,
 
 
 @gluon.jit
-def _wg0_units(bufs, bars, out_ptr, lse_ptr, ints, scales, CAUSAL: gl.constexpr,
-               DIRECT: gl.constexpr, FILL: gl.constexpr, walk):
-    _compute_units(bufs, bars, out_ptr, lse_ptr, ints, walk, scales, 0, CAUSAL, DIRECT, FILL)
+def _wg0_units(bufs, bars, outs, ints, scales, CAUSAL: gl.constexpr, DIRECT: gl.constexpr,
+               FILL: gl.constexpr, walk, WALK: gl.constexpr):
+    _compute_units(bufs, bars, outs, ints, walk, scales, 0, CAUSAL, DIRECT, FILL, WALK)
 
 
 @gluon.jit
-def _wg1_units(bufs, bars, out_ptr, lse_ptr, ints, scales, CAUSAL: gl.constexpr,
-               DIRECT: gl.constexpr, FILL: gl.constexpr, walk):
-    _compute_units(bufs, bars, out_ptr, lse_ptr, ints, walk, scales, 1, CAUSAL, DIRECT, FILL)
+def _wg1_units(bufs, bars, outs, ints, scales, CAUSAL: gl.constexpr, DIRECT: gl.constexpr,
+               FILL: gl.constexpr, walk, WALK: gl.constexpr):
+    _compute_units(bufs, bars, outs, ints, walk, scales, 1, CAUSAL, DIRECT, FILL, WALK)
 
 
 @gluon.jit(do_not_specialize=["num_splits", "qlen", "heads", "batch"])
@@ -816,8 +916,11 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's parts; the cac
                   stride_po_slot, stride_po_row, stride_pl_slot,  # fp32 partials
                   kv_ptr, stride_kv,  # the cache's rows, where page-1 keys are gathered
                   kv_scale_ptr,  # an fp8 cache's scale (fp32; unread over a 16-bit cache)
+                  # balanced: fp32 partials (out and lse are the final ones) and the device
+                  # plan (``mlatune.kernels.plan``); unread by the other forms
+                  part_out_ptr, part_lse_ptr, work_ptr, work_indptr_ptr, split_indptr_ptr,
                   CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PAGE: gl.constexpr,
-                  PDL: gl.constexpr, MULTI: gl.constexpr, num_warps: gl.constexpr, batch=1):
+                  PDL: gl.constexpr, WALK: gl.constexpr, num_warps: gl.constexpr, batch=1):
     BM: gl.constexpr = qn_desc.block_type.shape[0]
     BN: gl.constexpr = TILE_KEYS
     dtype: gl.constexpr = qn_desc.dtype
@@ -834,8 +937,9 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's parts; the cac
     k_rope = gl.allocate_shared_memory(MMA, [2, BN, qr_desc.block_type.shape[1]], qr_desc.layout)
     rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
     m_buf = gl.allocate_shared_memory(gl.float32, [2 * BM], rows_layout)  # m0, m1 of a pair
-    # Each warpgroup's row sum (MULTI: a pair of slots a request's parity).
-    l_buf = gl.allocate_shared_memory(gl.float32, [(4 if MULTI else 2) * BM], rows_layout)
+    # Each warpgroup's row sums (MULTI: a pair of rows a unit's parity).
+    MULTI: gl.constexpr = WALK != WALK_PAIRS
+    l_buf = gl.allocate_shared_memory(gl.float32, [4 if MULTI else 2, BM], rows_layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     q_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     l_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
@@ -874,14 +978,14 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's parts; the cac
     # arguments are written in the call: a tuple assigned first holds its constexprs as
     # values.)
     if MULTI:
-        walk = (seq_lens_ptr, batch, q_free)
+        walk = (seq_lens_ptr, batch, q_free, work_ptr, work_indptr_ptr, split_indptr_ptr)
+        outs = (out_ptr, lse_ptr, part_out_ptr, part_lse_ptr)
         gl.warp_specialize([
             (_loader_units, ((qn_desc, qr_desc, kn_desc, kr_desc), bufs, bars,
-                             (bt_ptr, stride_bt, kv_ptr, stride_kv), ints, walk, PAGE, CAUSAL)),
-            (_wg0_units, (bufs, bars, out_ptr, lse_ptr, ints, scales, CAUSAL, DIRECT, FILL,
-                          walk)),
-            (_wg1_units, (bufs, bars, out_ptr, lse_ptr, ints, scales, CAUSAL, DIRECT, FILL,
-                          walk)),
+                             (bt_ptr, stride_bt, kv_ptr, stride_kv), ints, walk, PAGE, CAUSAL,
+                             WALK)),
+            (_wg0_units, (bufs, bars, outs, ints, scales, CAUSAL, DIRECT, FILL, walk, WALK)),
+            (_wg1_units, (bufs, bars, outs, ints, scales, CAUSAL, DIRECT, FILL, walk, WALK)),
         ], [4, 4], [REGS, REGS])
     else:
         gl.warp_specialize([
@@ -931,13 +1035,60 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                     seq_lens: torch.Tensor, *, qlen: int, sm_scale: float, causal: bool = True,
                     out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                     num_splits: int | None = None, max_seq_len: int | None = None,
-                    kv_scale: torch.Tensor | None = None, form: str = FORMS[0]
+                    kv_scale: torch.Tensor | None = None, form: str = FORMS[0],
+                    plan: tuple[torch.Tensor, ...] | None = None
                     ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
     """A zero-argument launch of the seesaw decode in ``form`` (``FORMS``), with the out and
     LSE it writes. Tensors and arguments as ``gluon_hopper.decode_launcher`` (the pages
     ``page_refusal`` allows, a bf16/fp16 q over a cache of its dtype or over an fp8 e4m3 cache
     with its scale ``kv_scale`` (one fp32 value, read when the launch runs; pages of 16 keys
-    and over), ``num_splits`` None: ``pick_splits``; ``sm_scale`` positive); capturable."""
+    and over), ``num_splits`` None: ``pick_splits``; ``sm_scale`` positive); capturable.
+    "balanced" takes no split: it reads ``plan``, the buffers (work, work_indptr,
+    split_indptr) that ``balanced_plan``'s launch fills from the current lengths, which the
+    caller runs first (None: the launch plans itself, first)."""
+    fp8 = _checked(q, kv_cache, block_table, seq_lens, qlen, sm_scale, kv_scale, form)
+    batch, heads = seq_lens.shape[0], q.shape[1]
+    rows = qlen * heads
+    row_blocks = triton.cdiv(rows, BLOCK_M)
+    if form == "balanced":
+        num_splits = 1  # what the outputs' helper would otherwise pick from the lengths
+    out, lse, num_splits = outputs_and_splits(q, seq_lens, out, lse, row_blocks, num_splits,
+                                              max_seq_len)
+    page = kv_cache.shape[1]
+    descs = (*tma_descriptors(q, kv_cache, BLOCK_M, kv_box_rows(page))[:3],
+             _chunk_descriptor(kv_cache))
+    head = (*descs, block_table, seq_lens)
+    sizes = (num_splits, qlen, heads, sm_scale * LOG2E, block_table.stride(0))
+    # The kernel reads kv_scale over an fp8 cache only (lse: any fp32 pointer otherwise).
+    cache = (kv_cache, kv_cache.stride(1), kv_scale if fp8 else lse)
+    meta = dict(CAUSAL=causal and qlen > 1, PAGE=page, WALK=WALKS[form], batch=batch,
+                **compile_options(NUM_WARPS, MAXNREG))
+    no_plan = (out, lse, seq_lens, seq_lens, seq_lens)  # the balanced form's, unread
+    if form == "balanced":
+        return _balanced_launch(out, lse, head, sizes, cache, meta, plan, row_blocks)
+    grid = (row_blocks, num_splits,
+            triton.cdiv(batch, UNITS_A_PROGRAM.value) if form == "two-requests" else batch)
+    if num_splits == 1:
+        args = (*head, out, lse, *sizes, out.stride(0), out.stride(1), lse.stride(0), 0, 0, 0,
+                *cache, *no_plan)
+        return (lambda: seesaw_kernel[grid](*args, DIRECT=True, PDL=False, **meta)), out, lse
+
+    part_out, part_lse, reduce = partials_and_merge(out, lse, batch, num_splits, qlen, pdl=True)
+    args = (*head, part_out, part_lse, *sizes, 0, 0, 0, part_out.stride(0), part_out.stride(1),
+            part_lse.stride(0), *cache, *no_plan)
+
+    def launch_split() -> None:
+        seesaw_kernel[grid](*args, DIRECT=False, PDL=True, **meta)
+        reduce()
+
+    return launch_split, out, lse
+
+
+def _checked(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+             seq_lens: torch.Tensor, qlen: int, sm_scale: float,
+             kv_scale: torch.Tensor | None, form: str) -> bool:
+    """Whether the cache is fp8, once the arguments are ones the kernel in ``form`` takes
+    (else ValueError)."""
     _check_form(form)
     if not sm_scale > 0:  # slim_softmax takes the max of the unscaled scores
         raise ValueError(f"the seesaw decode needs a positive sm_scale, got {sm_scale}")
@@ -952,38 +1103,62 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     if why is not None:
         raise ValueError(f"gluon seesaw MLA decode: {why}")
     _check_form(form, fp8, kv_cache.shape[1])
-    batch, heads = seq_lens.shape[0], q.shape[1]
-    if q.shape[0] != batch * qlen:
-        raise ValueError(f"q has {q.shape[0]} tokens, expected batch {batch} x qlen {qlen}")
-    multi = form == "two-requests"
-    rows = qlen * heads
-    row_blocks = triton.cdiv(rows, BLOCK_M)
-    out, lse, num_splits = outputs_and_splits(q, seq_lens, out, lse, row_blocks, num_splits,
-                                              max_seq_len)
-    grid = (row_blocks, num_splits, triton.cdiv(batch, UNITS_A_PROGRAM.value) if multi else batch)
-    page = kv_cache.shape[1]
-    descs = (*tma_descriptors(q, kv_cache, BLOCK_M, kv_box_rows(page))[:3],
-             _chunk_descriptor(kv_cache))
-    head = (*descs, block_table, seq_lens)
-    sizes = (num_splits, qlen, heads, sm_scale * LOG2E, block_table.stride(0))
-    # The kernel reads kv_scale over an fp8 cache only (lse: any fp32 pointer otherwise).
-    cache = (kv_cache, kv_cache.stride(1), kv_scale if fp8 else lse)
-    meta = dict(CAUSAL=causal and qlen > 1, PAGE=page, MULTI=multi, batch=batch,
-                **compile_options(NUM_WARPS, MAXNREG))
-    if num_splits == 1:
-        args = (*head, out, lse, *sizes, out.stride(0), out.stride(1), lse.stride(0), 0, 0, 0,
-                *cache)
-        return (lambda: seesaw_kernel[grid](*args, DIRECT=True, PDL=False, **meta)), out, lse
+    if q.shape[0] != seq_lens.shape[0] * qlen:
+        raise ValueError(f"q has {q.shape[0]} tokens, expected batch {seq_lens.shape[0]} x "
+                         f"qlen {qlen}")
+    return fp8
 
-    part_out, part_lse, reduce = partials_and_merge(out, lse, batch, num_splits, qlen, pdl=True)
-    args = (*head, part_out, part_lse, *sizes, 0, 0, 0, part_out.stride(0), part_out.stride(1),
-            part_lse.stride(0), *cache)
 
-    def launch_split() -> None:
+def balanced_plan(seq_lens: torch.Tensor, *, heads: int, qlen: int, sms: int | None = None
+                  ) -> tuple[Callable[[], None], tuple[torch.Tensor, ...]]:
+    """The balanced form's device plan: a launch that fills (work, work_indptr,
+    split_indptr) from the current ``seq_lens`` (``plan.persistent_plan_launcher``: no host
+    sync, capturable), for ``balanced_workers`` workers a row block on ``sms`` SMs (None:
+    the lengths' device's), and those buffers."""
+    if sms is None:
+        sms = torch.cuda.get_device_properties(seq_lens.device).multi_processor_count
+    workers = balanced_workers(sms, triton.cdiv(qlen * heads, BLOCK_M))
+    buffers = device_plan.allocate_plan_buffers(seq_lens.shape[0], workers, seq_lens.device)
+    launch = device_plan.persistent_plan_launcher(
+        seq_lens, rank=0, world=1, block_n=BLOCK_N, workers=workers, work=buffers[0],
+        work_indptr=buffers[1], split_indptr=buffers[2])
+    return launch, buffers
+
+
+def _balanced_launch(out: torch.Tensor, lse: torch.Tensor, head: tuple, sizes: tuple,
+                     cache: tuple, meta: dict, plan: tuple[torch.Tensor, ...] | None,
+                     row_blocks: int) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
+    """``decode_launcher``'s balanced form: a program a (row block, worker), each walking its
+    worker's items of ``plan`` (None: planned here, in the launch); a request cut into
+    several items merged by the reduce (a dependent launch), one of one item written in
+    place (``one_in_place``)."""
+    seq_lens = head[5]
+    batch, qlen, heads = seq_lens.shape[0], sizes[1], sizes[2]
+    planner = None
+    if plan is None:
+        planner, plan = balanced_plan(seq_lens, heads=heads, qlen=qlen)
+    work, work_indptr, split_indptr = plan
+    workers = work_indptr.shape[0] - 1
+    slots = work.shape[0]  # a slot an item
+    part_out = out.new_empty((slots, qlen * heads, D_NOPE), dtype=torch.float32)
+    part_lse = out.new_empty((slots, qlen * heads), dtype=torch.float32)
+    # The reduce merges any count; the hint sizes its slot block for the usual one.
+    reduce = reduce_launcher(part_out, part_lse, None, split_indptr, out, lse,
+                             tokens_per_group=qlen, q_heads=heads, row_heads=heads, head_rep=1,
+                             max_slots=min(workers, triton.cdiv(workers, max(batch, 1)) + 1),
+                             pdl=True, one_in_place=True)
+    args = (*head, out, lse, *sizes, out.stride(0), out.stride(1), lse.stride(0),
+            part_out.stride(0), part_out.stride(1), part_lse.stride(0), *cache,
+            part_out, part_lse, work, work_indptr, split_indptr)
+    grid = (row_blocks, workers, 1)
+
+    def launch() -> None:
+        if planner is not None:
+            planner()
         seesaw_kernel[grid](*args, DIRECT=False, PDL=True, **meta)
         reduce()
 
-    return launch_split, out, lse
+    return launch, out, lse
 
 
 def seesaw_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -1001,7 +1176,8 @@ def seesaw_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
 def aot_compile(dtype: str = "bf16", *, direct: bool = True, causal: bool = True,
                 page: int = 64, arch: int = 90, form: str = FORMS[0], cache: str | None = None):
     """Compile ``seesaw_kernel`` in ``form`` for ``sm_<arch>`` and ``page``-token pages
-    without a GPU (triton's bundled ptxas; a split build as the launcher runs it, with PDL);
+    without a GPU (triton's bundled ptxas; a split build as the launcher runs it, with PDL;
+    balanced: ``direct`` unread, its one build writes in place and into partials);
     ``cache``: the cache's dtype name ("fp8": widened; None: q's ``dtype``). Returns triton's
     CompiledKernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata``)."""
     cache = cache or dtype
@@ -1009,13 +1185,16 @@ def aot_compile(dtype: str = "bf16", *, direct: bool = True, causal: bool = True
     if why:
         raise ValueError(why)
     _check_form(form, cache == "fp8", page)
-    constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=page, PDL=not direct,
-                     MULTI=form == "two-requests", num_warps=NUM_WARPS)
+    planned = form == "balanced"  # its outputs as a split build's, with both pointers
+    constants = dict(CAUSAL=causal, DIRECT=direct and not planned, PAGE=page,
+                     PDL=not direct or planned, WALK=WALKS[form], num_warps=NUM_WARPS)
     blocks = dict(qn_desc=(dtype, BLOCK_M, D_NOPE), qr_desc=(dtype, BLOCK_M, D_ROPE),
                   kn_desc=(cache, kv_box_rows(page), D_NOPE),
                   kr_desc=(cache, kv_box_rows(page), D_ROPE))
-    pointers = dict(bt_ptr="i32", seq_lens_ptr="i32", out_ptr=dtype if direct else "fp32",
-                    lse_ptr="fp32", kv_ptr={"fp8": "fp8e4nv"}.get(cache, cache),
-                    kv_scale_ptr="fp32")
+    pointers = dict(bt_ptr="i32", seq_lens_ptr="i32",
+                    out_ptr=dtype if direct or planned else "fp32", lse_ptr="fp32",
+                    kv_ptr={"fp8": "fp8e4nv"}.get(cache, cache), kv_scale_ptr="fp32",
+                    part_out_ptr="fp32", part_lse_ptr="fp32", work_ptr="i32",
+                    work_indptr_ptr="i32", split_indptr_ptr="i32")
     return aot_compile_kernel(seesaw_kernel, constants, blocks, pointers, arch=arch,
                               num_warps=NUM_WARPS, maxnreg=MAXNREG)
