@@ -275,8 +275,8 @@ def test_both_gluon_routes_serve_the_same_problems_with_the_same_splits():
         assert [p["num_splits"] for p in seesaw.param_space(problem, H200)
                 if p["form"] == "pairs"] == \
             [p["num_splits"] for p in wgmma.param_space(problem, H200)]
-        assert all(set(p) == {"num_splits", "form"} and p["form"] in seesaw.forms
-                   for p in seesaw.param_space(problem, H200))
+        assert all((set(p) == {"num_splits", "form"} and p["form"] in seesaw.forms)
+                   or p == {"form": "balanced"} for p in seesaw.param_space(problem, H200))
     assert seesaw.sized_params == wgmma.sized_params
 
 
@@ -292,7 +292,7 @@ def test_the_seesaw_offers_two_requests_a_program_only_past_one_wave():
                     _p(batch=128, num_heads=16, kv_len=4096, qlen=4)):
         space = seesaw.param_space(problem, H200)
         programs = seesaw.row_blocks(problem) * space[0]["num_splits"] * problem.batch
-        assert programs <= 132 and all(p["form"] == "pairs" for p in space)
+        assert programs <= 132 and all(p["form"] != "two-requests" for p in space)
 
 
 def test_the_transposed_route_serves_fp8_caches_and_its_own_row_blocks():
@@ -343,8 +343,9 @@ def test_the_seesaw_route_serves_fp8_caches_exactly_and_two_requests_from_page_6
         problem = _p(batch=128, num_heads=128, kv_dtype=FP8, page_size=page)
         assert capability.check("seesaw/gluon", problem, "sm_90")
         space = seesaw.param_space(problem, H200)
-        forms = {p["form"] for p in space}
-        assert forms == ({"pairs", "two-requests"} if page >= 64 else {"pairs"})
+        forms = {p["form"] for p in space}  # 256 programs: 1.94 waves, balanced too
+        assert forms == ({"pairs", "two-requests", "balanced"} if page >= 64
+                         else {"pairs", "balanced"})
         assert {routes.rounding(seesaw, problem, p) for p in space} == {Rounding.NONE}
         bf16 = seesaw.param_space(problem.with_(kv_dtype="bf16"), H200)
         assert [p for p in space if p["form"] == "pairs"] == \
@@ -367,7 +368,7 @@ def test_prepare_hands_an_fp8_cache_and_its_scale_to_the_seesaw_kernel(monkeypat
     problem = _p(batch=300, num_heads=128, kv_len=300, kv_dtype=FP8)
     inputs = make_decode_inputs(problem, seed=9, ragged=True)
     space = route.param_space(problem, H200)
-    assert {p["form"] for p in space} == {"pairs", "two-requests"}
+    assert {p["form"] for p in space} == {"pairs", "two-requests", "balanced"}
     for params in space:
         route.prepare(problem, inputs, params=params)
     assert len(fake.calls) == len(space)
@@ -776,3 +777,63 @@ def test_the_two_transposed_routes_share_launch_geometry_limits_step_and_plan():
     assert geometry is not None and geometry.owner is mma8
     assert geometry.listed(fp8, H200) == [22, 11, 44]  # its own sets' splits
     assert MMA8 in [r.id for r in routes.all_routes()]
+
+
+def test_the_seesaw_offers_the_balanced_form_where_the_waves_are_ragged():
+    """From 64 query rows a request, where the first set's programs leave more than
+    ``BALANCED_MIN_IDLE`` of their waves' SM slots idle: (40, 128, 1500, 1) at one split is
+    80 programs (0.6 of a wave), (128, 128, 4096, 1) 256 (1.94 waves); 132 requests of 64
+    rows fill a wave at one split, and 16 rows a request never get it. A balanced set names
+    no split, and is planned on the device (``DEVICE_PLANNED``)."""
+    seesaw = routes.get("seesaw/gluon")
+    for problem in (_p(batch=40, num_heads=128, kv_len=1500), _p(batch=128, num_heads=128),
+                    _p(batch=40, num_heads=64, kv_len=1500, qlen=2)):
+        space = seesaw.param_space(problem, H200)
+        assert space[-1] == {"form": "balanced"} and space[0]["form"] == "pairs"
+        assert routes.step_kind_of(seesaw, space[-1]) == routes.DEVICE_PLANNED
+        assert all(routes.step_kind_of(seesaw, p) == routes.LAUNCH_ONLY for p in space[:-1])
+    full = _p(batch=132, num_heads=64, kv_len=256)
+    assert seesaw.param_space(full, H200)[0]["num_splits"] == 1
+    for problem in (full, _p(batch=40, num_heads=16, kv_len=1500)):
+        assert all(p["form"] != "balanced" for p in seesaw.param_space(problem, H200))
+    assert gluon_hopper_plan.wave_idle(132, 132) == 0.0
+    geometry = seesaw.launch_geometry(_p(batch=40, num_heads=128), {"form": "balanced"}, 132)
+    assert geometry.key is None and geometry.balanced  # the same work spread evenly
+
+
+def test_a_balanced_set_plans_on_the_device_and_shares_its_plan(monkeypatch):
+    """prepare of a balanced set makes the device plan of the shard's lengths (run once
+    there), hands its buffers to the launcher, and returns it as the step's plan; another
+    layer's prepare with ``plan_from`` reads the same buffers without planning, and one made
+    for other length tensors is refused."""
+    fake = _Recorder()
+    monkeypatch.setattr(gluon_seesaw, "decode_launcher", fake)
+    made = []
+    real = gluon_seesaw.balanced_plan
+
+    def counting(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(gluon_seesaw, "balanced_plan", counting)
+    route = routes.get("seesaw/gluon")
+    problem = _p(batch=5, num_heads=128, kv_len=700)
+    inputs = make_decode_inputs(problem, seed=4, ragged=True)
+    first = route.prepare(problem, inputs, params={"form": "balanced"})
+    assert len(made) == 1 and first.step_kind == routes.DEVICE_PLANNED
+    (call,) = fake.calls
+    work, work_indptr, split_indptr = call["plan"]
+    assert call["form"] == "balanced" and work_indptr.shape == (67,)  # 132 SMs / 2 blocks
+    # Planned for the lengths at hand: every request's keys in the work list.
+    lens = inputs.shards[0].seq_lens.tolist()
+    items = work[:int(work_indptr[-1])].tolist()
+    assert sum(e - s for _, s, e, _ in items) == sum(lens)
+    assert split_indptr.tolist()[-1] == len(items)
+    second = route.prepare(problem, inputs, params={"form": "balanced"}, plan_from=first)
+    assert len(made) == 1 and fake.calls[-1]["plan"] is call["plan"]
+    assert second.plan is first.plan and second.plan_reads_lengths
+    other = make_decode_inputs(problem, seed=5, ragged=True)
+    with pytest.raises(ValueError, match="plan_from"):
+        route.prepare(problem, other, params={"form": "balanced"}, plan_from=first)
+    pairs = route.prepare(problem, inputs, plan_from=first)  # a split set plans nothing
+    assert pairs.plan is None and pairs.step_kind == routes.LAUNCH_ONLY

@@ -1035,8 +1035,8 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                     seq_lens: torch.Tensor, *, qlen: int, sm_scale: float, causal: bool = True,
                     out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                     num_splits: int | None = None, max_seq_len: int | None = None,
-                    kv_scale: torch.Tensor | None = None, form: str = FORMS[0],
-                    plan: tuple[torch.Tensor, ...] | None = None
+                    kv_scale: torch.Tensor | None = None,
+                    plan: tuple[torch.Tensor, ...] | None = None, form: str = FORMS[0]
                     ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
     """A zero-argument launch of the seesaw decode in ``form`` (``FORMS``), with the out and
     LSE it writes. Tensors and arguments as ``gluon_hopper.decode_launcher`` (the pages

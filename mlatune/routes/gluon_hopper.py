@@ -49,17 +49,21 @@ from mlatune.check.inputs import DecodeInputs, PrefillInputs
 from mlatune.kernels import gluon_hopper_plan as plan
 from mlatune.problem import FP8_DTYPES, MLAProblem
 from mlatune.routes.base import (
+    DEVICE_PLANNED,
     LAUNCH_ONLY,
     SPLIT_LIMIT,
     Params,
     Prepared,
     Route,
+    SharedPlan,
     StepKind,
     Verdict,
     no,
+    plan_key,
+    shared_buffers,
     with_defaults,
 )
-from mlatune.routes.geometry import ListedSplits
+from mlatune.routes.geometry import ListedSplits, SplitKV
 
 
 def _kernel(name: str):
@@ -153,7 +157,8 @@ class WgmmaGluonRoute(Route):
             return None
         sized = self.sized_params[0]
         tile = {"block_m": self.block_rows(problem), "block_n": plan.BLOCK_N}
-        return ListedSplits(self, lambda p, d: [s[sized] for s in self.param_space(p, d)], tile,
+        return ListedSplits(self, lambda p, d: [s[sized] for s in self.param_space(p, d)
+                                                if sized in s], tile,
                             sized, float(self.row_blocks(problem)))
 
     def launcher(self, problem: MLAProblem, chosen: Params) -> tuple[Callable, dict]:
@@ -165,14 +170,27 @@ class WgmmaGluonRoute(Route):
     def prepare(self, problem: MLAProblem, inputs: DecodeInputs | PrefillInputs, *,
                 rank: int = 0, params: Params | None = None, want_lse: bool = True,
                 out: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> Prepared:
+        chosen = self.chosen(problem, inputs, params)
+        return self.launch_step(problem, inputs, rank, chosen, out, lse, want_lse)
+
+    def chosen(self, problem: MLAProblem, inputs: DecodeInputs | PrefillInputs,
+               params: Params | None) -> Params:
+        """``params`` as the route runs them, once ``inputs`` are ones it serves (else
+        TypeError or ValueError)."""
         if not isinstance(inputs, DecodeInputs):
             raise TypeError(f"{self.id} serves decode inputs, got {type(inputs).__name__}")
         if problem.dcp_size > 1 and problem.causal and problem.qlen > 1:
             raise ValueError(f"{self.id}: causal verify over a DCP shard is not served (the "
                              f"kernel masks on the shard's local positions)")
-        chosen = with_defaults(self, params, self.param_space(problem, device_of(inputs.q)))
+        return with_defaults(self, params, self.param_space(problem, device_of(inputs.q)))
+
+    def launch_step(self, problem: MLAProblem, inputs: DecodeInputs, rank: int,
+                    chosen: Params, out: torch.Tensor | None, lse: torch.Tensor | None,
+                    want_lse: bool, **launch_options: Any) -> Prepared:
+        """The step of ``chosen`` (``launcher``'s, with ``launch_options`` too)."""
         shard = inputs.shards[rank]
         decode_launcher, extra = self.launcher(problem, chosen)
+        extra.update(launch_options)
         if self.reads_fp8:
             extra["kv_scale"] = inputs.kv_scale
         launch, out, lse = decode_launcher(
@@ -186,30 +204,79 @@ class SeesawGluonRoute(WgmmaGluonRoute):
     """The warp-specialized Hopper Gluon decode: each warpgroup computes S of a whole tile,
     the two alternating (Q read once a tile); the same rules, tensors and splits, and fp8
     caches too (the ``seesaw.dtypes`` rule: each tile widened to fp16 by the loader, a bf16 q
-    to fp16 row by row, exactly; fp16 MMAs). Its forms (``plan.SEESAW_FORMS``): "pairs", and
+    to fp16 row by row, exactly; fp16 MMAs). Its forms (``plan.SEESAW_FORMS``): "pairs";
     "two-requests" (a program walks two requests), offered past one wave of programs where
-    the form reads the cache (``plan.seesaw_form_refusal``)."""
+    the form reads the cache (``plan.seesaw_form_refusal``); "balanced" (the request's key
+    tiles spread evenly over a program an SM by a device plan, planned once a step and
+    shareable by the step's layers: ``DEVICE_PLANNED``), offered from 64 query rows where
+    the split pick's waves are ragged (``plan.wave_idle``)."""
 
     id = "seesaw/gluon"
     kernel = "gluon_seesaw"
     forms = plan.SEESAW_FORMS
     kernel_options = MappingProxyType({"form": forms[0]})  # a set without a form: pairs
+    shares_plan = True  # prepare takes plan_from= (another layer's plan: balanced sets)
     # The options a stored set named its form with before form ids (absent: off).
     LEGACY_OPTIONS = ("chunked", "pdl", "slim", "lone_bars", "afresh_q", "two_requests",
                       "rope_regs")
+    PLANNED = "balanced"  # the form that reads a device plan (no split count)
 
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
-        """The split sets in the pairs form, and the first in the two-requests form where its
+        """The split sets in the pairs form; the first in the two-requests form where its
         programs are more than one wave (a program per SM): then half as many walk two
-        requests each; where one wave holds them all, it only lengthens each."""
+        requests each; where one wave holds them all, it only lengthens each. Then the
+        balanced form (no split) where a request has 64 query rows or more and the first
+        set's waves leave SM slots idle (``plan.BALANCED_MIN_IDLE``)."""
         sets = [{**params, "form": "pairs"} for params in super().param_space(problem, device)]
         sms = _sms(device)
         programs = self.row_blocks(problem) * sets[0]["num_splits"] * problem.batch
-        refused = plan.seesaw_form_refusal("two-requests", problem.kv_dtype in FP8_DTYPES,
-                                           problem.page_size)
+        fp8 = problem.kv_dtype in FP8_DTYPES
+        refused = plan.seesaw_form_refusal("two-requests", fp8, problem.page_size)
         if programs > sms and refused is None:
             sets.append({**sets[0], "form": "two-requests"})
+        if problem.kernel_heads * problem.qlen >= plan.BALANCED_MIN_ROWS \
+                and plan.wave_idle(programs, sms) > plan.BALANCED_MIN_IDLE \
+                and plan.seesaw_form_refusal(self.PLANNED, fp8, problem.page_size) is None:
+            sets.append({"form": self.PLANNED})
         return sets
+
+    def step_kind(self, params: Params) -> StepKind:
+        return DEVICE_PLANNED if params.get("form") == self.PLANNED else LAUNCH_ONLY
+
+    def launch_geometry(self, problem: MLAProblem, recipe: Mapping[str, Any], cus: int
+                        ) -> SplitKV | ListedSplits | None:
+        """The split sets' listed splits; the balanced form: the same work spread evenly."""
+        if recipe.get("form") != self.PLANNED or problem.phase != "decode":
+            return super().launch_geometry(problem, recipe, cus)
+        tile = {"block_m": self.block_rows(problem), "block_n": plan.BLOCK_N}
+        return SplitKV(self, lambda p, d: 1, tile, self.sized_params[0], True,
+                       float(self.row_blocks(problem)))
+
+    def prepare(self, problem: MLAProblem, inputs: DecodeInputs | PrefillInputs, *,
+                rank: int = 0, params: Params | None = None, want_lse: bool = True,
+                out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                plan_from: Prepared | None = None) -> Prepared:
+        """As the other Gluon routes; a balanced set also plans (from the shard's lengths, on
+        the device: ``Prepared.plan``, run here once) or reads ``plan_from``'s plan."""
+        chosen = self.chosen(problem, inputs, params)
+        if chosen["form"] != self.PLANNED:
+            return self.launch_step(problem, inputs, rank, chosen, out, lse, want_lse)
+        shard = inputs.shards[rank]
+        key = plan_key(self.id, problem, chosen, rank, shard.seq_lens, shard.block_table)
+        shared = shared_buffers(plan_from, key)
+        if shared is None:
+            planner, buffers = _kernel(self.kernel).balanced_plan(
+                shard.seq_lens, heads=problem.kernel_heads, qlen=problem.qlen,
+                sms=_sms(device_of(inputs.q)))
+            planner()  # planned for the lengths at hand: ``run`` is valid at once
+        else:
+            planner, buffers = shared.plan, shared.buffers
+        prepared = self.launch_step(problem, inputs, rank, chosen, out, lse, want_lse,
+                                    plan=buffers)
+        prepared.plan_reads_lengths = True
+        prepared.plan = planner
+        prepared.plan_state = SharedPlan(key, buffers, planner)
+        return prepared
 
     def upgrade_params(self, params: Params) -> Params | None:
         """A stored param set with a form id as stored (None: a form not in ``forms``); in
