@@ -315,9 +315,9 @@ def test_small_pages_match_the_reference(item):
 
 @pytest.mark.parametrize("item", SMALL_PAGE_CASES[1::2], ids=_label)
 def test_small_pages_replay_in_a_graph_as_lengths_change(item):
-    """Each param set captured once over pages for every request's full length, then
-    replayed as an engine runs it: new ragged lengths written in place, the table past them
-    garbage, the last pages' stale slots NaN."""
+    """Each param set's step (a device-planned set: its plan too) captured once over pages
+    for every request's full length, then replayed as an engine runs it: new ragged lengths
+    written in place, the table past them garbage, the last pages' stale slots NaN."""
     route_id, problem = item
     route = routes.get(route_id)
     inputs = make_decode_inputs(problem, seed=31, device="cuda")
@@ -326,10 +326,10 @@ def test_small_pages_replay_in_a_graph_as_lengths_change(item):
     gen = torch.Generator().manual_seed(13)
     for params in route.param_space(problem, current_device()):
         prepared = route.prepare(problem, inputs, params=params)
-        prepared.run()  # compile outside the capture
+        prepared.step()  # compile outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            prepared.run()
+            prepared.step()  # a device-planned set's plan, then its launch
         for _ in range(2):
             lens = torch.randint(problem.qlen, problem.kv_len + 1, (problem.batch,),
                                  generator=gen, dtype=torch.int32)
@@ -346,3 +346,184 @@ def test_small_pages_replay_in_a_graph_as_lengths_change(item):
             acc = check(problem, prepared.out, want_out, prepared.lse, want_lse,
                         rounding=routes.rounding(route, problem, params))
             assert acc.ok, f"{params}, lengths {lens.tolist()}: {acc.reason} ({acc.summary})"
+
+
+# The seesaw kernel's balanced form ({"form": "balanced"}): a program a (row block, worker),
+# each worker's share of a device plan's key tiles, requests cut into pieces merged by the
+# reduce, a request of one piece written in place. Issue 43's shapes (40 and 160 requests of
+# 128 heads), a causal verify whose row blocks' bounds differ, a few long requests cut over
+# every worker, four tokens a block, a last row block half filled (96 heads, not causal),
+# pages of 16 and 1, an fp8 cache. Forced where the route would not offer it.
+BALANCED = [
+    _p(128, 40, 1500),
+    _p(128, 160, 1500),
+    _p(64, 40, 1500, qlen=2),
+    _p(128, 3, 11000),
+    _p(32, 20, 3000, qlen=4),
+    _p(96, 17, 3000, causal=False),
+    _p(128, 24, 700, page=16),
+    _p(128, 6, 1500, page=1),
+    _p(128, 33, 2000, kv="fp8_e4m3fn"),
+]
+BALANCED_SET = {"form": "balanced"}
+
+
+def _short(p) -> str:
+    return (f"h{p.num_heads}-b{p.batch}-kv{p.kv_len}-q{p.qlen}-p{p.page_size}-{p.kv_dtype}"
+            + ("" if p.causal else "-noncausal"))
+
+
+def _write_lengths(inputs, lens: torch.Tensor) -> None:
+    """New lengths in place (the problem's and the shard's), NaN past each in its last page."""
+    inputs.seq_lens.copy_(lens)
+    inputs.shards[0].seq_lens.copy_(lens)
+    poison_stale_slots(inputs)
+
+
+def _with_empties(problem, gen: torch.Generator) -> torch.Tensor:
+    """Ragged lengths with empty requests, a request of one key and one shorter than qlen."""
+    lens = torch.randint(problem.qlen, problem.kv_len + 1, (problem.batch,), generator=gen)
+    picks = torch.randperm(problem.batch, generator=gen)
+    lens[picks[:max(1, problem.batch // 4)]] = 0
+    if problem.batch > 2:
+        lens[picks[-1]] = 1
+        lens[picks[-2]] = max(0, problem.qlen - 1)
+    return lens.to(torch.int32)
+
+
+def _balanced_served(route, problem, prepared, inputs, what: str) -> None:
+    """``prepared``'s out and lse against the reference of the lengths ``inputs`` hold now:
+    rows that attend no key exactly 0 and -inf, the others within the bound."""
+    from tests.test_empty_requests import assert_served, rows_without_keys
+
+    want = reference.decode_shard(inputs, inputs.shards[0])
+    empty = rows_without_keys(inputs.seq_lens.tolist(), problem.qlen, problem.causal, 0)
+    assert_served(problem, route, prepared.out, prepared.lse, want, empty.to("cuda"), what)
+
+
+@pytest.mark.parametrize("problem", BALANCED, ids=_short)
+def test_seesaw_balanced_matches_the_reference(problem):
+    """The balanced set on random inputs, outputs poisoned: ragged lengths with empty and
+    short requests (stale slots NaN), then the route's every set where it offers the form."""
+    route = routes.get(SEESAW)
+    # Pages for kv_len keys a request (the capacity), the lengths written after.
+    inputs = make_decode_inputs(problem, seed=zlib.crc32(problem.key.encode()) % 10_000,
+                                device="cuda")
+    _write_lengths(inputs, _with_empties(problem, torch.Generator().manual_seed(3)).cuda())
+    prepared = route.prepare(problem, inputs, params=BALANCED_SET)
+    assert prepared.step_kind == routes.DEVICE_PLANNED
+    poison_(prepared.out, prepared.lse)
+    prepared.run()
+    torch.cuda.synchronize()
+    _balanced_served(route, problem, prepared, inputs, f"lengths {inputs.seq_lens.tolist()}")
+    if BALANCED_SET in route.param_space(problem, current_device()):
+        want_out, want_lse = reference.decode_shard(inputs, inputs.shards[0])
+        _every_set_matches(route, problem, inputs, want_out, want_lse)
+
+
+@pytest.mark.parametrize("problem", BALANCED[::2], ids=_short)
+def test_seesaw_balanced_replays_in_a_graph_as_lengths_change(problem):
+    """The balanced step (its device plan, then the kernel and the reduce) captured once,
+    replayed as an engine runs it: new ragged lengths with empty requests written in place,
+    the table past them garbage, stale slots NaN; then every request empty, then full."""
+    route = routes.get(SEESAW)
+    inputs = make_decode_inputs(problem, seed=31, device="cuda")
+    shard = inputs.shards[0]
+    cache, table = shard.kv_cache.clone(), shard.block_table.clone()
+    gen = torch.Generator().manual_seed(17)
+    prepared = route.prepare(problem, inputs, params=BALANCED_SET)
+    prepared.step()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        prepared.step()
+    full = torch.full((problem.batch,), problem.kv_len, dtype=torch.int32)
+    for lens in (_with_empties(problem, gen), _with_empties(problem, gen),
+                 torch.zeros_like(full), full):
+        shard.kv_cache.copy_(cache)
+        shard.block_table.copy_(table)
+        _write_lengths(inputs, lens.cuda())
+        want = reference.decode_shard(inputs, shard)
+        _garbage_past_the_pages(shard)
+        poison_(prepared.out, prepared.lse)
+        graph.replay()
+        torch.cuda.synchronize()
+        from tests.test_empty_requests import assert_served, rows_without_keys
+
+        empty = rows_without_keys(lens.tolist(), problem.qlen, problem.causal, 0)
+        assert_served(problem, route, prepared.out, prepared.lse, want, empty.to("cuda"),
+                      f"lengths {lens.tolist()}")
+
+
+@pytest.mark.parametrize("problem", [BALANCED[0], BALANCED[2], BALANCED[3], BALANCED[5]],
+                         ids=_short)
+def test_seesaw_balanced_pieces_match_their_own_keys(problem, monkeypatch):
+    """Each piece the kernel writes, before the reduce: a request's only item in place (out
+    and its natural-log LSE), every other item's partial slot against attention over that
+    item's keys alone (the row block's causal bound cutting its end): a wrong walk, slot or
+    bound shows here, apart from the reduce's part."""
+    from mlatune.check.accuracy import tolerance_for
+    from mlatune.kernels import gluon_seesaw
+
+    inputs = make_decode_inputs(problem, seed=5, device="cuda")  # pages for kv_len keys
+    _write_lengths(inputs, _with_empties(problem, torch.Generator().manual_seed(8)).cuda())
+    kept = {}
+
+    def no_merge(part_out, part_lse, *args, **kwargs):
+        kept.update(out=part_out, lse=part_lse)
+        return lambda: None
+
+    monkeypatch.setattr(gluon_seesaw, "reduce_launcher", no_merge)
+    shard = inputs.shards[0]
+    planner, plan = gluon_seesaw.balanced_plan(shard.seq_lens, heads=problem.num_heads,
+                                               qlen=problem.qlen)
+    launch, out, lse = gluon_seesaw.decode_launcher(
+        inputs.q, shard.kv_cache, shard.block_table, shard.seq_lens, qlen=problem.qlen,
+        sm_scale=inputs.softmax_scale, causal=problem.causal, form="balanced", plan=plan)
+    poison_(kept["out"], kept["lse"], out, lse)
+    planner()
+    launch()  # the kernel alone: no reduce
+    torch.cuda.synchronize()
+    work, work_indptr, split_indptr = plan
+    _check_pieces(problem, inputs, kept, out, lse, work[:int(work_indptr[-1])].tolist(),
+                  split_indptr.tolist(), tolerance_for("bf16", "bf16"))
+
+
+def _check_pieces(problem, inputs, kept, out, lse, items, split_indptr, tol) -> None:
+    heads, qlen = problem.num_heads, problem.qlen
+    q = inputs.q.float().view(problem.batch, qlen, heads, -1)
+    shard = inputs.shards[0]
+    tokens = torch.arange(qlen, device="cuda")
+    for b, start, stop, slot in items:
+        length = int(shard.seq_lens[b])
+        keys = reference.dequantize(reference._gather_pages(
+            shard.kv_cache, shard.block_table[b:b + 1], length)[0], inputs.kv_scale,
+            torch.float32)[:, None, :]
+        last = length - qlen + tokens if problem.causal else torch.full_like(tokens, length - 1)
+        want, want_lse = reference.attend(q[b], keys[start:stop], keys[start:stop, :, :512],
+                                          torch.arange(start, stop, device="cuda"), last,
+                                          inputs.softmax_scale)
+        if split_indptr[b + 1] - split_indptr[b] == 1:  # the request's only item: in place
+            got = out[b * qlen:(b + 1) * qlen].float()
+            got_lse = lse[b * qlen:(b + 1) * qlen]
+        else:
+            got = kept["out"][slot].view(qlen, heads, -1)
+            got_lse = kept["lse"][slot].view(qlen, heads) * math.log(2)
+        where = f"request {b} ({length} keys), item [{start}, {stop}) slot {slot}"
+        seen = torch.isfinite(want_lse)
+        assert torch.equal(torch.isfinite(got_lse), seen), where
+        if seen.any():
+            err = (got[seen] - want[seen]).norm() / want[seen].norm()
+            assert err < tol.rel_l2, f"{where}: rel_l2 {err:.3g}"
+            assert (got_lse[seen] - want_lse[seen]).abs().max() < tol.lse_abs, where
+
+
+@pytest.mark.parametrize("problem", [_engine_p(128, 40, 1500), _engine_p(64, 24, 3000, qlen=2)],
+                         ids=_short)
+def test_seesaw_balanced_captured_step_replays_with_new_lengths(problem, tmp_path,
+                                                                monkeypatch):
+    """The balanced set as an engine runs it (``attention.decode``, its device plan in the
+    captured step): replayed as lengths and pages change."""
+    from tests import test_engine_gpu
+
+    monkeypatch.setattr(test_engine_gpu, "_params", lambda *args: dict(BALANCED_SET))
+    _captured(SEESAW, False, problem, tmp_path)

@@ -11,7 +11,8 @@ request's length; live rows match the reference, rows that attend no key are exa
 with LSE -inf.
 
 Routes: every one the dispatcher may serve a capturable step from at the bucket's shapes
-(heads 16 and 8, qlen 1 and 2, bf16 and fp8 caches), in each of its kernel forms, forced
+(heads 16 and 8, qlen 1 and 2, bf16 and fp8 caches; and seesaw/gluon at 64 and 128 heads,
+where its balanced form is offered), in each of its kernel forms, forced
 through a one-problem table (``test_every_capturable_route_is_covered`` fails if a route
 that serves one of the shapes here is missing); FlashMLA where its library imports (else
 skipped, naming what to install). FlashInfer, host-planned and so never captured, eagerly
@@ -63,7 +64,10 @@ SHAPES = [_p(16, 1, "bf16"), _p(16, 2, "bf16"), _p(16, 1, FP8), _p(16, 2, FP8),
 # Every decode route that can serve a capturable step at one of the shapes on sm_90.
 CAPTURABLE = ("padded/triton", "gluon/triton", "wgmma/gluon", "seesaw/gluon",
               "transposed/gluon", "transposed-mma8/gluon", "dense/flashmla")
-CASES = [(r, p) for p in SHAPES for r in CAPTURABLE]
+# And seesaw/gluon from 64 query rows a request, where it offers its balanced form too (a
+# device plan of the bucket's lengths, captured with the step).
+CASES = [(r, p) for p in SHAPES for r in CAPTURABLE] + [
+    ("seesaw/gluon", _p(128, 1, "bf16")), ("seesaw/gluon", _p(64, 2, "bf16"))]
 
 
 def _label(case) -> str:

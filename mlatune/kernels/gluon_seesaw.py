@@ -1155,8 +1155,9 @@ def _balanced_launch(out: torch.Tensor, lse: torch.Tensor, head: tuple, sizes: t
     def launch() -> None:
         if planner is not None:
             planner()
-        seesaw_kernel[grid](*args, DIRECT=False, PDL=True, **meta)
-        reduce()
+        if batch:  # (the kernel reads the first request's length)
+            seesaw_kernel[grid](*args, DIRECT=False, PDL=True, **meta)
+            reduce()
 
     return launch, out, lse
 
