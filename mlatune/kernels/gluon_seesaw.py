@@ -19,7 +19,10 @@ wait), Q's descriptors are re-derived each pair through a zero the compiler cann
 ptxas keeps them out of spilled registers), and Q's rope part stays in registers. Forms
 (``FORMS``): "pairs" walks one request a program; "two-requests" walks requests b and b +
 cdiv(batch, 2) through the one ring, the second's Q copied while the first's output is
-written. One split writes out and the natural-log LSE; more write fp32 partials merged by
+written; "balanced" walks, the same way, its worker's items of a device plan
+(``balanced_plan``: an even share of the requests' key tiles, a program a row block and
+worker), a request of one item written in place, the others' pieces into partial slots.
+One split writes out and the natural-log LSE; more write fp32 partials merged by
 ``reduce.reduce_launcher``, launched as a programmatic dependent.
 
 Over an fp8 e4m3 cache (a bf16 or fp16 q) the MMAs run in fp16: the loader (40 registers,
