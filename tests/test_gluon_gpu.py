@@ -381,13 +381,15 @@ def _write_lengths(inputs, lens: torch.Tensor) -> None:
 
 
 def _with_empties(problem, gen: torch.Generator) -> torch.Tensor:
-    """Ragged lengths with empty requests, a request of one key and one shorter than qlen."""
+    """Ragged lengths with empty requests (a quarter, at least one where there are two or
+    more requests), and from 8 requests one of one key and one shorter than qlen."""
     lens = torch.randint(problem.qlen, problem.kv_len + 1, (problem.batch,), generator=gen)
     picks = torch.randperm(problem.batch, generator=gen)
-    lens[picks[:max(1, problem.batch // 4)]] = 0
-    if problem.batch > 2:
+    if problem.batch > 1:
+        lens[picks[:max(1, problem.batch // 4)]] = 0
+    if problem.batch >= 8:
         lens[picks[-1]] = 1
-        lens[picks[-2]] = max(0, problem.qlen - 1)
+        lens[picks[-2]] = problem.qlen - 1
     return lens.to(torch.int32)
 
 
