@@ -224,9 +224,11 @@ class SeesawGluonRoute(WgmmaGluonRoute):
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
         """The split sets in the pairs form; the first in the two-requests form where its
         programs are more than one wave (a program per SM): then half as many walk two
-        requests each; where one wave holds them all, it only lengthens each. Then the
-        balanced form (no split) where a request has 64 query rows or more and the first
-        set's waves leave SM slots idle (``plan.BALANCED_MIN_IDLE``)."""
+        requests each; where one wave holds them all, it only lengthens each. The balanced
+        form (no split) where a request has 64 query rows or more and the first set's waves
+        leave SM slots idle (``plan.BALANCED_MIN_IDLE``), third: at 64-128 heads it came
+        within 10% of the best set where the sets after the first two trailed by 10-50%
+        (docs/kernels/gluon_seesaw.md), so a sweep keeping three sets times it."""
         sets = [{**params, "form": "pairs"} for params in super().param_space(problem, device)]
         sms = _sms(device)
         programs = self.row_blocks(problem) * sets[0]["num_splits"] * problem.batch
@@ -237,7 +239,7 @@ class SeesawGluonRoute(WgmmaGluonRoute):
         if problem.kernel_heads * problem.qlen >= plan.BALANCED_MIN_ROWS \
                 and plan.wave_idle(programs, sms) > plan.BALANCED_MIN_IDLE \
                 and plan.seesaw_form_refusal(self.PLANNED, fp8, problem.page_size) is None:
-            sets.append({"form": self.PLANNED})
+            sets.insert(2, {"form": self.PLANNED})
         return sets
 
     def step_kind(self, params: Params) -> StepKind:
