@@ -14,6 +14,7 @@ import re
 
 import pytest
 
+from mlatune.kernels.gluon_hopper_plan import seesaw_gathers
 from tests import sass_hazards
 from tests.prefill_aot import resources
 from tests.test_gluon_compile import HOPPER_SMEM, _needs_gluon_triton
@@ -35,6 +36,7 @@ def compiled(request):
     dtype, causal, page, cache = request.param
     kernel = s.aot_compile(dtype, causal=causal, form="balanced", page=page, cache=cache)
     kernel.page, kernel.fp8 = page, cache == "fp8"
+    kernel.gathered = seesaw_gathers(page, kernel.fp8)  # (pages 1-32 of a 16-bit cache)
     return kernel
 
 
@@ -59,18 +61,24 @@ def test_one_walk_in_a_loop_over_the_plans_items(compiled):
 def test_barriers_and_the_rings_copies(compiled):
     """The pairs form's 26 barriers and Q's release (27; an fp8 cache: and 18 staging
     barriers and Q's widening, 46); each 16-bit tile's chunks expect their 8192 bytes, slot 1
-    also filled in a pair without a tile b (27 copy sites); S issued a chunk after each wait."""
+    also filled in a pair without a tile b (27 copy sites), or, gathered, arrive by each
+    loader thread's cp.async (36 copies a thread at the 3 tile sites); S issued a chunk after
+    each wait."""
     ptx = compiled.asm["ptx"]
     assert ptx.count("mbarrier.init") == (46 if compiled.fp8 else 27)
     between_waits = [part.count("wgmma.mma_async.sync.aligned.m64n64k16")
                      for part in ptx.split("mbarrier.try_wait")]
     assert sum(between_waits) == 2 * 36 and max(between_waits) == 4
-    if compiled.page >= 16 and not compiled.fp8:
+    if compiled.gathered:
+        assert ptx.count("cp.async.bulk.tensor.2d") == 3  # Q's alone
+        copies = re.findall(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10,", ptx)
+        assert len(copies) == 3 * 36
+        assert ptx.count("cp.async.mbarrier.arrive.noinc.shared.b64") == 3 * 9
+    elif not compiled.fp8:
         expects = re.findall(rf"mbarrier\.arrive\.expect_tx\.shared\.b64 _, \[%r\d+\], "
                              rf"{TILE_CHUNK};", ptx)
         assert len(expects) == 27
-        boxes = max(1, 64 // compiled.page)
-        assert ptx.count("cp.async.bulk.tensor.2d") == 3 + 27 * boxes  # Q's 3, the chunks
+        assert ptx.count("cp.async.bulk.tensor.2d") == 3 + 27  # Q's 3, the chunks
 
 
 def test_writes_in_place_and_into_partials(compiled):
@@ -83,9 +91,9 @@ def test_writes_in_place_and_into_partials(compiled):
 
 
 def test_register_budgets_and_no_local_memory(compiled):
-    """The loader at 24 registers (a gathering or widening one at 40), the compute
-    warpgroups at 240 (232); no local memory (``sass_hazards.mma_loop_spills``: none in the
-    pair loops either), shared memory within the SM's, no wgmma hazard, every wgmma
+    """The loader at 24 registers (a gathering (pages 1-32) or widening one at 40), the
+    compute warpgroups at 240 (232); no local memory (``sass_hazards.mma_loop_spills``: none
+    in the pair loops either), shared memory within the SM's, no wgmma hazard, every wgmma
     descriptor written on every path to it."""
     from mlatune.kernels import gluon_seesaw as s
     ptx = compiled.asm["ptx"]
@@ -93,7 +101,7 @@ def test_register_budgets_and_no_local_memory(compiled):
     shrinks = set(map(int, re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+(\d+);", ptx)))
     if compiled.fp8:
         assert s.WIDEN_COMPUTE_REGS.value in grows and s.WIDEN_LOADER_REGS.value in shrinks
-    elif compiled.page == 1:
+    elif compiled.gathered:
         assert s.GATHER_COMPUTE_REGS.value in grows and s.GATHER_LOADER_REGS.value in shrinks
     else:
         assert s.COMPUTE_REGS.value in grows and s.LOADER_REGS.value in shrinks
@@ -110,12 +118,11 @@ def test_register_budgets_and_no_local_memory(compiled):
 
 def test_each_mbarrier_is_its_own_allocation(compiled):
     """As the other forms (``test_gluon_seesaw_compile``): the 16-bit build's warpgroup
-    bar.sync count at triton 3.6.0 (91: the pairs form's and the second epilogue's), one more
-    a TMA box past a chunk's first."""
-    if compiled.fp8 or compiled.page == 1:
+    bar.sync count at triton 3.6.0 (91: the pairs form's and the second epilogue's)."""
+    if compiled.fp8 or compiled.gathered:
         pytest.skip("the count is the 16-bit TMA build's")
     bar_syncs = len(re.findall(r"bar\.sync\s+\d+, 128;", compiled.asm["ptx"]))
-    assert bar_syncs <= 91 + 27 * (max(1, 64 // compiled.page) - 1)
+    assert bar_syncs <= 91
 
 
 def test_q_rope_is_read_from_registers(compiled):

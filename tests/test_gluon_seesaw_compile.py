@@ -23,11 +23,9 @@ pytestmark = pytest.mark.kernels
                 params=[("bf16", True, True, "pairs", 64), ("fp16", False, False, "pairs", 64),
                         ("bf16", False, True, "two-requests", 64),
                         ("bf16", True, False, "two-requests", 64),
-                        ("bf16", True, True, "pairs", 16),
-                        ("bf16", False, True, "two-requests", 16)],
+                        ("bf16", False, True, "pairs", 128)],
                 ids=["pairs-bf16-direct-causal", "pairs-fp16-split", "two-bf16-split-causal",
-                     "two-bf16-direct", "pairs-bf16-direct-causal-page16",
-                     "two-bf16-split-causal-page16"])
+                     "two-bf16-direct", "pairs-bf16-split-causal-page128"])
 def compiled(request):
     return seesaw_build(*request.param)
 
@@ -83,25 +81,19 @@ def test_barriers_and_chunked_scores(compiled):
     assert between_waits.count(4) == units * 2 * 9  # 8 nope chunks + the 64-wide rope part
 
 
-def test_each_chunk_is_a_box_a_page(compiled):
-    """Each 64-column chunk of a tile (9 a tile) lands as one TMA box where the tile lies in
-    a page, else as 64 / page boxes of a page's rows (the barrier expecting the chunk's 8192
-    bytes either way: ``test_barriers_and_chunked_scores``): with Q's two copies, 2 + 18
-    (two-requests: 2 x (2 + 27)) copy sites times the boxes."""
+def test_each_chunk_is_a_box(compiled):
+    """Each 64-column chunk of a tile (9 a tile) lands as one TMA box (pages of 64 keys and
+    more: a tile lies in one page), its barrier expecting the chunk's 8192 bytes
+    (``test_barriers_and_chunked_scores``): with Q's copies, 3 + 18 (two-requests: 2 x (3 +
+    27)) boxes."""
     ptx = compiled.asm["ptx"]
     # Q's nope part as two copies (its 8 boxes over the loader's 4 warps) and its rope part.
-    assert ptx.count("cp.async.bulk.tensor.2d") == \
-        3 * compiled.units + _copy_sites(compiled) * _boxes(compiled)
+    assert ptx.count("cp.async.bulk.tensor.2d") == 3 * compiled.units + _copy_sites(compiled)
 
 
 def _copy_sites(compiled) -> int:
     """The tile chunks' copy sites: 9 a slot (two-requests: and slot 1's pad, each request)."""
     return 18 if compiled.units == 1 else 2 * 27
-
-
-def _boxes(compiled) -> int:
-    """TMA boxes a chunk: one where a tile lies in one page, else one a page."""
-    return max(1, 64 // compiled.page)
 
 
 def test_three_partitions_with_register_budgets(compiled):
@@ -152,11 +144,9 @@ def test_each_mbarrier_is_its_own_allocation(compiled):
     """triton 3.6's shared-memory barrier analysis takes a wait as a write of its barrier and
     the rows of one allocation as the same memory; with every mbarrier its own allocation it
     puts no warpgroup bar.sync before each wait. The guard: the builds' count at triton 3.6.0
-    (80 in the pairs form, 183 in the two-requests one), and one more a TMA box past a
-    chunk's first (triton syncs the loader's warps before each copy)."""
+    (80 in the pairs form, 183 in the two-requests one)."""
     bar_syncs = len(re.findall(r"bar\.sync\s+\d+, 128;", compiled.asm["ptx"]))
-    extra = _copy_sites(compiled) * (_boxes(compiled) - 1)
-    assert bar_syncs <= {1: 80, 2: 183}[compiled.units] + extra
+    assert bar_syncs <= {1: 80, 2: 183}[compiled.units]
 
 
 def test_q_rope_is_read_from_registers_and_no_wgmma_hazard(compiled):
@@ -196,24 +186,36 @@ def test_refuses_what_gluon_hopper_refuses():
         s.decode_launcher(q, kv, bt, sl, qlen=1, sm_scale=0.1)
 
 
-@pytest.fixture(scope="module", params=[("pairs", True), ("two-requests", False)],
-                ids=["pairs-direct-page1", "two-split-page1"])
+@pytest.fixture(scope="module",
+                params=[("bf16", "pairs", True, 1), ("bf16", "two-requests", False, 1),
+                        ("bf16", "pairs", True, 16), ("bf16", "two-requests", False, 16),
+                        ("fp16", "pairs", False, 32), ("bf16", "two-requests", True, 32)],
+                ids=["pairs-direct-page1", "two-split-page1", "pairs-direct-page16",
+                     "two-split-page16", "pairs-fp16-split-page32", "two-direct-page32"])
 def gathered(request):
     _needs_gluon_triton()
     from mlatune.kernels import gluon_seesaw as s
-    form, direct = request.param
-    kernel = s.aot_compile("bf16", direct=direct, form=form, page=1)
+    dtype, form, direct, page = request.param
+    kernel = s.aot_compile(dtype, direct=direct, form=form, page=page)
     kernel.units = 2 if form == "two-requests" else 1
     return kernel
 
 
-def test_page_1_tiles_are_gathered_by_the_loader(gathered):
-    """Pages of one key: the loader gathers each tile by cp.async (16 bytes a copy: a tile's
-    64 x 576 over its 128 threads, 36 a thread, at each of the 2 slot sites, two-requests 3 a
-    request), every thread arriving on the chunks' barriers (initialized to 128 arrivals)
-    once its copies land, 9 a tile; each compute warpgroup fences after each chunk wait
-    before its wgmmas read (cp.async writes through the generic proxy). Only Q is a TMA
-    copy; the MMAs as at page 64."""
+def test_the_plan_names_the_gathered_pages():
+    """Pages under a tile of a 16-bit cache are the ones the loader gathers (the builds
+    below); an fp8 cache's tiles come by TMA at every page."""
+    from mlatune.kernels.gluon_hopper_plan import seesaw_gathers
+    assert [p for p in (1, 16, 32, 64, 128) if seesaw_gathers(p, False)] == [1, 16, 32]
+    assert not any(seesaw_gathers(p, True) for p in (1, 16, 32, 64))
+
+
+def test_small_page_tiles_are_gathered_by_the_loader(gathered):
+    """Pages under a tile (1, 16, 32 keys): the loader gathers each tile by cp.async (16 bytes
+    a copy: a tile's 64 x 576 over its 128 threads, 36 a thread, at each of the 2 slot sites,
+    two-requests 3 a request), every thread arriving on the chunks' barriers (initialized to
+    128 arrivals) once its copies land, 9 a tile; each compute warpgroup fences after each
+    chunk wait before its wgmmas read (cp.async writes through the generic proxy). Only Q is
+    a TMA copy; the MMAs as at page 64."""
     ptx = gathered.asm["ptx"]
     sites = 2 if gathered.units == 1 else 2 * 3
     assert ptx.count("cp.async.bulk.tensor.2d") == 3 * gathered.units  # Q alone
@@ -221,6 +223,9 @@ def test_page_1_tiles_are_gathered_by_the_loader(gathered):
     assert len(copies) == sites * 36
     assert ptx.count("cp.async.mbarrier.arrive.noinc.shared.b64") == sites * 9
     assert len(re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], 128;", ptx)) == 18
+    # A tile's pages: a block-table entry for each of a thread's 4 keys (of 64) at each site
+    # (masked past the split's end), read once a tile whatever the page.
+    assert len(re.findall(r"@%p\d+ ld\.global\.b32", ptx)) == sites * 4
     assert ptx.count("mbarrier.arrive.expect_tx") == gathered.units  # Q's alone
     assert ptx.count("wgmma.mma_async") == gathered.units * 2 * (36 + 2 * 4)
     # S waits for 9 chunks, then P V for the 4 chunks of the other tile's half: a fence each
@@ -228,7 +233,7 @@ def test_page_1_tiles_are_gathered_by_the_loader(gathered):
     assert ptx.count("fence.proxy.async.shared::cta") >= gathered.units * 2 * (9 + 1)
 
 
-def test_page_1_budgets_registers_for_the_gather_without_local_memory(gathered):
+def test_the_gather_budgets_registers_without_local_memory(gathered):
     """The gathering loader gets 40 registers (its pages and rows), the compute warpgroups
     232 (no stale rows to zero); no local memory, no wgmma hazard, descriptors defined."""
     from mlatune.kernels import gluon_seesaw as s

@@ -147,7 +147,7 @@ def aot_compile_kernel(fn, constants: dict, blocks: dict[str, tuple[str, int, in
         return "fp32" if name == "qk_scale" else "i32"
 
     strides = ("stride_o_tok", "stride_o_head", "stride_po_slot", "stride_po_row",
-               "stride_o_row", "stride_kv")
+               "stride_o_row", "stride_kv", "stride_kv_tok")
     aligned = (*pointers, *(n for n in strides if n in fn.arg_names))
     attrs = {(fn.arg_names.index(n), ): [["tt.divisibility", 16]] for n in aligned}
     src = GluonASTSource(fn, {n: arg_type(n) for n in fn.arg_names}, constants, attrs)
@@ -221,19 +221,30 @@ def gather_layout(num_warps):
 
 
 @gluon.jit
-def gather_pages(bt_row, key, end, N: gl.constexpr, layout: gl.constexpr):
-    """The pages of the N keys from local key ``key`` where each key is its own page (page
-    1), in ``layout``'s rows: -1 from ``end`` on, whose block-table entries are not read."""
+def gather_pages(bt_row, key, end, N: gl.constexpr, layout: gl.constexpr,
+                 PAGE: gl.constexpr = GATHER_PAGE):
+    """The pages of the N keys from local key ``key`` (N-aligned; PAGE divides N), a key's
+    page (block-table entry key // PAGE) in ``layout``'s rows: -1 from ``end`` on, whose
+    entries are not read. Page 1: each key its own page (no division)."""
     keys = key + gl.arange(0, N, layout=gl.SliceLayout(1, layout))
-    return gl.load(bt_row + keys, mask=keys < end, other=-1)
+    if PAGE == GATHERED:
+        idx = keys
+    else:
+        idx = key // PAGE + gl.arange(0, N, layout=gl.SliceLayout(1, layout)) // PAGE
+    return gl.load(bt_row + idx, mask=keys < end, other=-1)
 
 
 @gluon.jit
-def gather_rows(pages, kv_ptr, stride_kv):
-    """The cache rows of keys that are pages of one key (``gather_pages``): each one's row
-    pointer and whether it has one (page -1 not), as [keys, 1] of ``pages``' parent layout."""
-    return (gl.expand_dims(kv_ptr + pages.to(gl.int64) * stride_kv, 1),
-            gl.expand_dims(pages >= 0, 1))
+def gather_rows(pages, kv_ptr, stride_page, stride_tok=0, PAGE: gl.constexpr = GATHER_PAGE):
+    """The cache rows of the keys whose pages ``gather_pages`` read: each one's row pointer
+    (its page's row, ``stride_page`` apart, plus its slot's, key % PAGE rows of
+    ``stride_tok``; page 1: the page's) and whether it has one (page -1 not), as [keys, 1] of
+    ``pages``' parent layout."""
+    rows = kv_ptr + pages.to(gl.int64) * stride_page
+    if PAGE != GATHERED:  # the keys start N-aligned: a key's slot is its index's
+        slots = gl.arange(0, pages.shape[0], layout=pages.type.layout) % PAGE
+        rows = rows + slots * stride_tok
+    return gl.expand_dims(rows, 1), gl.expand_dims(pages >= 0, 1)
 
 
 @gluon.jit

@@ -18,6 +18,9 @@ BLOCK_M = 64  # query rows (heads x qlen folded) per program
 BLOCK_N = 64  # keys per tile
 TMA_MIN_PAGE = 16  # the smallest page the TMA loaders read: a box of the page's rows a page
 GATHER_PAGE = 1  # each key its own page: gathered by cp.async (where a kernel's form gathers)
+# The seesaw kernel over a 16-bit cache gathers every page under this (a 64-key tile) by
+# cp.async too: a box a page would be 64 / page TMA copies a chunk (``seesaw_gathers``).
+SEESAW_GATHER_BELOW = BLOCK_N
 DTYPES = ("bf16", "fp16")  # q's, and a cache of q's dtype
 FP8_CACHE = "fp8_e4m3fn"  # the fp8 cache some kernels also read under a 16-bit q
 # The kernels that read an FP8_CACHE under a 16-bit q, each tile widened to 16 bits on chip
@@ -60,9 +63,9 @@ def triton_refusal(version: str | None) -> str | None:
 def page_refusal(page: int, gathers: bool = True) -> str | None:
     """Why the Gluon decodes cannot read a cache of ``page``-token pages, or None: a 64-key
     tile lies in one page of 64 or more, or spans 64 / page pages of 16 or 32 (a TMA box a
-    page); pages of one key are gathered by cp.async where the kernel's form gathers
-    (``gathers`` False: the fp8-MMA form, and the seesaw kernel over an fp8 cache, which
-    load by TMA alone)."""
+    page, or gathered where ``seesaw_gathers``); pages of one key are gathered by cp.async
+    where the kernel's form gathers (``gathers`` False: the fp8-MMA form, and the seesaw
+    kernel over an fp8 cache, which load by TMA alone)."""
     if page >= TMA_MIN_PAGE and page & (page - 1) == 0:
         return None
     if page == GATHER_PAGE and gathers:
@@ -70,6 +73,13 @@ def page_refusal(page: int, gathers: bool = True) -> str | None:
     return (f"page_size {page}: the Gluon decodes read pages of a power of two from "
             f"{TMA_MIN_PAGE} tokens, and of {GATHER_PAGE} where the kernel gathers them "
             f"(not the fp8-MMA form, nor the seesaw kernel over an fp8 cache)")
+
+
+def seesaw_gathers(page: int, fp8_cache: bool) -> bool:
+    """Whether the seesaw kernel's loader gathers the tiles of ``page``-token pages by cp.async
+    (a key's row: its page's row plus its slot's) rather than copying them by TMA: every page
+    under ``SEESAW_GATHER_BELOW`` of a 16-bit cache (an fp8 cache's tiles come by TMA)."""
+    return not fp8_cache and page < SEESAW_GATHER_BELOW
 
 
 def dtype_refusal(kernel: str, q_dtype: str, kv_dtype: str) -> str | None:

@@ -5,9 +5,8 @@ Same problem, tensors and launcher interface as ``gluon_hopper``. A program hold
 rows (heads x qlen folded) of one request and one split of its keys, and three partitions:
 - the loader (default partition, 4 warps at 24 registers): Q once, then 64-key tiles into a
   ring of two slots (slot 0 the even tiles, slot 1 the odd), each tile as 9 chunks of 64
-  columns on their own mbarriers (a TMA box a chunk, or a box a page under 64-token pages;
-  at page 1 its threads' cp.async, each arriving once its copies land), the owner's V half
-  first;
+  columns on their own mbarriers (a TMA box a chunk; under 64-token pages its threads'
+  cp.async, each arriving once its copies land), the owner's V half first;
 - WG0 and WG1 (4 warps each at 240 registers), owning O[:, :256] and O[:, 256:]. For a pair
   of tiles each computes S of its own tile, a chunk at a time as the chunks land, and the
   two alternate: WG0's softmax of tile a runs while WG1's MMAs of tile b use the tensor cores.
@@ -56,7 +55,6 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from mlatune.kernels import gluon_transposed
 from mlatune.kernels import plan as device_plan
 from mlatune.kernels.gluon_common import (
-    GATHERED,
     TILE_KEYS,
     aot_compile_kernel,
     compile_options,
@@ -70,6 +68,7 @@ from mlatune.kernels.gluon_common import (
     no_shift,
     nvmma_layout,
     outputs_and_splits,
+    page_row,
     partials_and_merge,
     program_keys,
     slim_softmax,
@@ -89,6 +88,7 @@ from mlatune.kernels.gluon_hopper_plan import (
     kv_box_rows,
     page_refusal,
     seesaw_form_refusal,
+    seesaw_gathers,
 )
 from mlatune.kernels.reduce import reduce_launcher
 from mlatune.lse import LOG2E
@@ -97,8 +97,8 @@ FORMS = SEESAW_FORMS  # "pairs", "two-requests", "balanced"
 NUM_WARPS = 4  # the default partition: the loader (one thread issues); WG0, WG1: workers
 COMPUTE_REGS = gl.constexpr(240)  # a compute warpgroup's registers a thread (O's half alone is 128)
 LOADER_REGS = gl.constexpr(24)
-# Page 1: the loader's cp.async gather holds a tile's pages and rows (it spills at 24), and the
-# compute warpgroups, with no stale rows to zero, fit in 232 registers: the loader gets 40.
+# Pages under a tile: the loader's cp.async gather holds a tile's pages and rows (it spills at
+# 24), and the compute warpgroups, with no stale rows to zero, fit in 232: the loader gets 40.
 GATHER_COMPUTE_REGS = gl.constexpr(232)
 GATHER_LOADER_REGS = gl.constexpr(40)
 # Over an fp8 cache the loader also widens each tile (a chunk's fp8 and fp16 values and their
@@ -106,7 +106,8 @@ GATHER_LOADER_REGS = gl.constexpr(40)
 WIDEN_COMPUTE_REGS = gl.constexpr(232)
 WIDEN_LOADER_REGS = gl.constexpr(40)
 # How a tile reaches its slot (the compute warpgroups' FILL): TMA copies of a 16-bit cache, the
-# loader's cp.async gather (page 1), or an fp8 tile widened to fp16 in place by the loader.
+# loader's cp.async gather (pages under a tile: ``gathers``), or an fp8 tile widened to fp16 in
+# place by the loader.
 FILL_TMA = gl.constexpr(0)
 FILL_GATHER = gl.constexpr(1)
 FILL_WIDEN = gl.constexpr(2)
@@ -124,6 +125,8 @@ WALK_TWO = gl.constexpr(1)
 WALK_PLAN = gl.constexpr(2)
 WALKS = {"pairs": WALK_PAIRS, "two-requests": WALK_TWO, "balanced": WALK_PLAN}
 MAXNREG = 168  # 12 warps (3 warpgroups) x 168 = the SM's 64K registers, rounded down
+# Whether the loader gathers a cache's tiles (its PAGE, fp8 or not): the plan's rule, in the JIT.
+gathers = constexpr_function(seesaw_gathers)
 
 __all__ = ["FORMS", "aot_compile", "balanced_plan", "decode_launcher", "seesaw_decode",
            "seesaw_kernel"]
@@ -132,8 +135,8 @@ __all__ = ["FORMS", "aot_compile", "balanced_plan", "decode_launcher", "seesaw_d
 @gluon.jit
 def _loader(descs, bufs, bars, src, q_row, start, n_tiles, PAGE: gl.constexpr):
     """Q once, then tile t into slot t % 2 as each of its groups is released (``src``: the
-    request's block-table row and last page, the split's end, the cache's pointer and row
-    stride)."""
+    request's block-table row and last page, the split's end, the cache's pointer, page
+    stride and token-row stride)."""
     qn_desc, qr_desc = descs[:2]
     q_bar = bars[0]
     mbarrier.expect(q_bar, qn_desc.block_type.nbytes + qr_desc.block_type.nbytes)
@@ -149,7 +152,7 @@ def _loader_units(descs, bufs, bars, tables, ints, walk, PAGE: gl.constexpr,
     units' keys as ``_request_keys`` and ``_item_keys`` give them): each unit's Q once both
     warpgroups are done with the last one's (``q_free``), then its tiles through the one
     ring (``_load_unit``). ``tables``: the block table and its row stride, the cache's
-    pointer and row stride; ``walk``: as ``_compute_units``'."""
+    pointer, page stride and token-row stride; ``walk``: as ``_compute_units``'."""
     j0 = 0
     if WALK == WALK_TWO:
         for k in gl.static_range(UNITS_A_PROGRAM):
@@ -181,7 +184,7 @@ def _load_unit(descs, bufs, bars, tables, ints, q_free, b, keys, k, j0, PAGE: gl
     tma.async_copy_global_to_shared(qn_desc, [q_row, 0], q_bar, bufs[0])
     tma.async_copy_global_to_shared(qr_desc, [q_row, 0], q_bar, bufs[1])
     src = (tables[0] + b.to(gl.int64) * tables[1], (seq_len - 1) // PAGE, end, tables[2],
-           tables[3])
+           tables[3], tables[4])
     _load_tiles(descs[3], bufs, bars, src, start, n_tiles, PAGE, j0, True)
     return j0 + (n_tiles + 1) // 2
 
@@ -240,32 +243,34 @@ def _load_tiles(kc_desc, bufs, bars, src, start, n_tiles, PAGE: gl.constexpr, j0
 @gluon.jit
 def _load_tile(kc_desc, bufs, bars, SLOT: gl.constexpr, ph, src, key, PAGE: gl.constexpr):
     """One tile into slot SLOT: its owner's V half (slot 0: columns 0-255, slot 1: 256-511)
-    once the owner released it, then the other half and the rope part. Each chunk is a TMA
-    box, or a box a page (``tile_rows``); page 1: ``_gather_tile``; an fp8 cache:
-    ``_widen_tile``."""
+    once the owner released it, then the other half and the rope part: a TMA box a chunk
+    (``_copy_tile``), gathered under 64-token pages (``_gather_tile``), or an fp8 cache's
+    tile widened (``_widen_tile``)."""
     k_nope, k_rope = bufs[2:4]
     ready, empty = bars[1:3]
     if kc_desc.dtype.primitive_bitwidth == 8:
         _widen_tile(kc_desc, k_nope, k_rope, bars, SLOT, ph, src, key, PAGE)
-    elif PAGE == GATHERED:
-        _gather_tile(k_nope.index(SLOT), k_rope.index(SLOT), ready, empty, SLOT, ph, src, key)
+    elif gathers(PAGE, False):
+        _gather_tile(k_nope.index(SLOT), k_rope.index(SLOT), ready, empty, SLOT, ph, src, key,
+                     PAGE)
     else:
         _copy_tile(kc_desc, k_nope.index(SLOT), k_rope.index(SLOT), ready, empty, SLOT, ph, src,
                    key, PAGE)
 
 
 @gluon.jit
-def _gather_tile(kn, kr, ready, empty, SLOT: gl.constexpr, ph, src, key):
-    """``_load_tile`` of page-1 keys: each group by the loader's cp.async (``gather_into``),
-    every thread arriving on each of the group's chunk barriers (count: the loader's
-    threads) once its copies have landed; the warpgroups fence before their wgmmas read."""
-    pages = gather_pages(src[0], key, src[2], kn.shape[0], gather_layout(4))
+def _gather_tile(kn, kr, ready, empty, SLOT: gl.constexpr, ph, src, key, PAGE: gl.constexpr):
+    """``_load_tile`` of a tile of pages under its 64 keys: each group by the loader's
+    cp.async (``gather_into``), every thread arriving on each of the group's chunk barriers
+    (count: the loader's threads) once its copies have landed; the warpgroups fence before
+    their wgmmas read."""
+    pages = gather_pages(src[0], key, src[2], kn.shape[0], gather_layout(4), PAGE)
     for g in gl.static_range(2):
         mbarrier.wait(_bar(empty, 2 * SLOT + g), ph)
         fence_async_shared()  # the warpgroups' wgmmas (async proxy) read the slot last
         # (the rows' pointers made after the wait: at 24 registers the loader holds only
         # the pages across it)
-        rows, ok = gather_rows(pages, src[3], src[4])
+        rows, ok = gather_rows(pages, src[3], src[4], src[5], PAGE)
         _gather_group(kn, kr, ready, SLOT, g, rows, ok)
 
 
@@ -288,29 +293,23 @@ def _gather_group(kn, kr, ready, SLOT: gl.constexpr, G: gl.constexpr, rows, ok):
 @gluon.jit
 def _copy_tile(kc_desc, kn, kr, ready, empty, SLOT: gl.constexpr, ph, src, key,
                PAGE: gl.constexpr):
-    """``_load_tile`` by TMA, a box a chunk, or a box a page where pages are under a tile."""
-    tables = (src[0], src[1])
-    R: gl.constexpr = kc_desc.block_type.shape[0]
+    """``_load_tile`` by TMA where a tile lies in one page: a box a chunk from the tile's
+    first row (its page read once)."""
     W: gl.constexpr = kc_desc.block_type.shape[1]
-    N: gl.constexpr = kn.shape[0]
-    CHUNK: gl.constexpr = kc_desc.block_type.nbytes * (N // R)
-    # At 24 registers the loader holds no list of pages across its waits: where the tile
-    # spans pages (PAGE < N), each chunk reads them afresh (L1 hits).
-    if PAGE >= N:
-        rows = tile_rows(tables[0], key, tables[1], True, R, N, PAGE)
+    CHUNK: gl.constexpr = kc_desc.block_type.nbytes
+    row = page_row(src[0], key, src[1], True, PAGE)
     for g in gl.static_range(2):
         mbarrier.wait(_bar(empty, 2 * SLOT + g), ph)
         fence_async_shared()  # the warpgroups wrote the slot (P, zeroed rows) as generic proxy
         # Chunk (4 (SLOT + g) + i) % 8: slot 0 copies columns 0-255 first, slot 1 256-511.
         for c in gl.static_range(4 * (SLOT + g), 4 * (SLOT + g) + 4):
-            if PAGE < N:
-                rows = tile_rows(tables[0], key, tables[1], True, R, N, PAGE)
             bar = _bar(ready, 9 * SLOT + c % 8)
             mbarrier.expect(bar, CHUNK)
-            copy_rows(kc_desc, kn.slice(c % 8 * W, W, dim=1), bar, rows, c % 8 * W, True)
+            tma.async_copy_global_to_shared(kc_desc, [row, c % 8 * W], bar,
+                                            kn.slice(c % 8 * W, W, dim=1))
     bar = _bar(ready, 9 * SLOT + 8)
     mbarrier.expect(bar, CHUNK)
-    copy_rows(kc_desc, kr, bar, rows, kn.shape[1], True)
+    tma.async_copy_global_to_shared(kc_desc, [row, kn.shape[1]], bar, kr)
 
 
 # An fp8 cache: each tile copied by TMA into its slot's staging area, then widened in place.
@@ -917,11 +916,13 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's parts; the cac
                   bt_ptr, seq_lens_ptr, out_ptr, lse_ptr, num_splits, qlen, heads, qk_scale,
                   stride_bt, stride_o_tok, stride_o_head, stride_lse_tok,  # direct out
                   stride_po_slot, stride_po_row, stride_pl_slot,  # fp32 partials
-                  kv_ptr, stride_kv,  # the cache's rows, where page-1 keys are gathered
+                  kv_ptr, stride_kv,  # the cache, where pages under a tile are gathered,
+                  # and a page's stride (its token rows': ``stride_kv_tok``)
                   kv_scale_ptr,  # an fp8 cache's scale (fp32; unread over a 16-bit cache)
                   # balanced: fp32 partials (out and lse are the final ones) and the device
                   # plan (``mlatune.kernels.plan``); unread by the other forms
                   part_out_ptr, part_lse_ptr, work_ptr, work_indptr_ptr, split_indptr_ptr,
+                  stride_kv_tok,  # last: the other arguments' offsets stay page 64's and 1's
                   CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PAGE: gl.constexpr,
                   PDL: gl.constexpr, WALK: gl.constexpr, num_warps: gl.constexpr, batch=1):
     BM: gl.constexpr = qn_desc.block_type.shape[0]
@@ -955,7 +956,7 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's parts; the cac
     if MULTI:  # both warpgroups are done with a request's Q
         q_free = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
         mbarrier.init(q_free, count=2)
-    GATHER: gl.constexpr = PAGE == GATHERED and not FP8
+    GATHER: gl.constexpr = gathers(PAGE, FP8)
     for i in gl.static_range(18):  # TMA: one expecting arrival; gathered: each loader thread's
         mbarrier.init(_bar(ready, i), count=32 * num_warps if GATHER else 1)
     for i in gl.static_range(4):
@@ -985,7 +986,8 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's parts; the cac
         outs = (out_ptr, lse_ptr, part_out_ptr, part_lse_ptr)
         gl.warp_specialize([
             (_loader_units, ((qn_desc, qr_desc, kn_desc, kr_desc), bufs, bars,
-                             (bt_ptr, stride_bt, kv_ptr, stride_kv), ints, walk, PAGE, CAUSAL,
+                             (bt_ptr, stride_bt, kv_ptr, stride_kv, stride_kv_tok), ints,
+                             walk, PAGE, CAUSAL,
                              WALK)),
             (_wg0_units, (bufs, bars, outs, ints, scales, CAUSAL, DIRECT, FILL, walk, WALK)),
             (_wg1_units, (bufs, bars, outs, ints, scales, CAUSAL, DIRECT, FILL, walk, WALK)),
@@ -994,7 +996,7 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's parts; the cac
         gl.warp_specialize([
             (_loader, ((qn_desc, qr_desc, kn_desc, kr_desc), bufs, bars,
                        (bt_ptr + b.to(gl.int64) * stride_bt, (seq_len - 1) // PAGE, end,
-                        kv_ptr, stride_kv), q_row, start, n_tiles, PAGE)),
+                        kv_ptr, stride_kv, stride_kv_tok), q_row, start, n_tiles, PAGE)),
             (_wg0, (bufs, bars, out_ptr, lse_ptr, ints, scales, CAUSAL, DIRECT, FILL)),
             (_wg1, (bufs, bars, out_ptr, lse_ptr, ints, scales, CAUSAL, DIRECT, FILL)),
         ], [4, 4], [REGS, REGS])
@@ -1062,23 +1064,25 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
              _chunk_descriptor(kv_cache))
     head = (*descs, block_table, seq_lens)
     sizes = (num_splits, qlen, heads, sm_scale * LOG2E, block_table.stride(0))
-    # The kernel reads kv_scale over an fp8 cache only (lse: any fp32 pointer otherwise).
-    cache = (kv_cache, kv_cache.stride(1), kv_scale if fp8 else lse)
+    # The cache, its page stride, its scale (read over an fp8 cache only; lse: any fp32
+    # pointer otherwise) and its token-row stride (the kernel's last argument: ``tail``).
+    cache = (kv_cache, kv_cache.stride(0), kv_scale if fp8 else lse, kv_cache.stride(1))
     meta = dict(CAUSAL=causal and qlen > 1, PAGE=page, WALK=WALKS[form], batch=batch,
                 **compile_options(NUM_WARPS, MAXNREG))
     no_plan = (out, lse, seq_lens, seq_lens, seq_lens)  # the balanced form's, unread
+    tail = (*no_plan, cache[3])
     if form == "balanced":
         return _balanced_launch(out, lse, head, sizes, cache, meta, plan, row_blocks)
     grid = (row_blocks, num_splits,
             triton.cdiv(batch, UNITS_A_PROGRAM.value) if form == "two-requests" else batch)
     if num_splits == 1:
         args = (*head, out, lse, *sizes, out.stride(0), out.stride(1), lse.stride(0), 0, 0, 0,
-                *cache, *no_plan)
+                *cache[:3], *tail)
         return (lambda: seesaw_kernel[grid](*args, DIRECT=True, PDL=False, **meta)), out, lse
 
     part_out, part_lse, reduce = partials_and_merge(out, lse, batch, num_splits, qlen, pdl=True)
     args = (*head, part_out, part_lse, *sizes, 0, 0, 0, part_out.stride(0), part_out.stride(1),
-            part_lse.stride(0), *cache, *no_plan)
+            part_lse.stride(0), *cache[:3], *tail)
 
     def launch_split() -> None:
         seesaw_kernel[grid](*args, DIRECT=False, PDL=True, **meta)
@@ -1151,8 +1155,8 @@ def _balanced_launch(out: torch.Tensor, lse: torch.Tensor, head: tuple, sizes: t
                              max_slots=min(workers, triton.cdiv(workers, max(batch, 1)) + 1),
                              pdl=True, one_in_place=True)
     args = (*head, out, lse, *sizes, out.stride(0), out.stride(1), lse.stride(0),
-            part_out.stride(0), part_out.stride(1), part_lse.stride(0), *cache,
-            part_out, part_lse, work, work_indptr, split_indptr)
+            part_out.stride(0), part_out.stride(1), part_lse.stride(0), *cache[:3],
+            part_out, part_lse, work, work_indptr, split_indptr, cache[3])
     grid = (row_blocks, workers, 1)
 
     def launch() -> None:
