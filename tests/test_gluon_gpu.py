@@ -257,8 +257,9 @@ def test_seesaw_split_partials_match_their_own_keys(case, form, monkeypatch):
                 assert (got_lse[seen] - want_lse[seen]).abs().max() < tol.lse_abs, where
 
 
-# Small pages: a 64-key tile spans 64 / page pages (16, 32: a TMA box a page) or lies in one
-# (128); pages of one key are gathered by cp.async. Each Gluon route at every param set:
+# Small pages: a 64-key tile spans 64 / page pages (16, 32: a TMA box a page; seesaw/gluon over
+# a 16-bit cache gathers them by cp.async) or lies in one (128); pages of one key are gathered
+# by cp.async. Each Gluon route at every param set (pages shuffled in the block table):
 # ragged lengths with a last page partly filled (its slots past the length NaN), block-table
 # entries past each request's pages (and four more columns) set to a page id the cache does
 # not have (a gather that read one would fault).
@@ -280,6 +281,10 @@ SMALL_PAGE_CASES = [(route_id, p) for route_id in (GLUON, SEESAW, TRANSPOSED)
     (TRANSPOSED, _p(8, 24, 700, qlen=3, page=1, kv="fp8_e4m3fn")),  # causal, 24 rows: 32
     (SEESAW, _p(128, 6, 700, page=16, kv="fp8_e4m3fn")),  # the loader's widening
     (SEESAW, _p(64, 4, 2000, qlen=2, page=32, kv="fp8_e4m3fn")),
+    # seesaw/gluon's gather at pages 16 and 32: an fp16 verify, and 160 programs (past one
+    # wave: the two-requests set too; replayed in a graph)
+    (SEESAW, _p(64, 12, 2500, qlen=2, page=32, kv="fp16")),
+    (SEESAW, _p(16, 160, 3000, page=16)),
 ]
 GARBAGE_PAGE = 1 << 30  # a page id past every cache here
 
@@ -353,7 +358,8 @@ def test_small_pages_replay_in_a_graph_as_lengths_change(item):
 # reduce, a request of one piece written in place. Issue 43's shapes (40 and 160 requests of
 # 128 heads), a causal verify whose row blocks' bounds differ, a few long requests cut over
 # every worker, four tokens a block, a last row block half filled (96 heads, not causal),
-# pages of 16 and 1, an fp8 cache. Forced where the route would not offer it.
+# pages of 16 and 1, an fp8 cache, a verify at page 32. Forced where the route would not
+# offer it.
 BALANCED = [
     _p(128, 40, 1500),
     _p(128, 160, 1500),
@@ -364,6 +370,7 @@ BALANCED = [
     _p(128, 24, 700, page=16),
     _p(128, 6, 1500, page=1),
     _p(128, 33, 2000, kv="fp8_e4m3fn"),
+    _p(64, 24, 1500, qlen=2, page=32),
 ]
 BALANCED_SET = {"form": "balanced"}
 
