@@ -467,9 +467,10 @@ def _wait_half(ready, SLOT: gl.constexpr, HALF: gl.constexpr, ph, pred, FILL: gl
 
 @gluon.jit
 def _landed(FILL: gl.constexpr):
-    """After a wait on a chunk the loader gathered by cp.async (page 1), which writes through
-    the generic proxy: a proxy fence, so that this thread's wgmmas (async proxy) read it. (A
-    widened chunk was fenced by the threads that wrote it, before their arrival.)"""
+    """After a wait on a chunk the loader gathered by cp.async (pages under a tile), which
+    writes through the generic proxy: a proxy fence, so that this thread's wgmmas (async
+    proxy) read it. (A widened chunk was fenced by the threads that wrote it, before their
+    arrival.)"""
     if FILL == FILL_GATHER:
         fence_async_shared()
 
@@ -922,7 +923,7 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's parts; the cac
                   # balanced: fp32 partials (out and lse are the final ones) and the device
                   # plan (``mlatune.kernels.plan``); unread by the other forms
                   part_out_ptr, part_lse_ptr, work_ptr, work_indptr_ptr, split_indptr_ptr,
-                  stride_kv_tok,  # last: the other arguments' offsets stay page 64's and 1's
+                  stride_kv_tok,  # here: the arguments before it keep their offsets
                   CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PAGE: gl.constexpr,
                   PDL: gl.constexpr, WALK: gl.constexpr, num_warps: gl.constexpr, batch=1):
     BM: gl.constexpr = qn_desc.block_type.shape[0]
