@@ -237,8 +237,9 @@ SOURCES: dict[str, Source] = {
                          "warpgroup MMAs (wgmma), TMA copies and mbarriers: sm_90 (Hopper) only"),
     "wgmma.shape": Source(WGMMA_GLUON, "decode (the absorbed form): q rows of 512 latent + 64 "
                                        "rope dims, V the 512 latent dims; a 64-key KV tile is "
-                                       "read by TMA from the block table, a box a page "
-                                       "(gluon_hopper_plan.page_refusal names the pages)"),
+                                       "found through the block table and copied by TMA or "
+                                       "gathered by cp.async (gluon_hopper_plan.page_refusal "
+                                       "names the pages, seesaw_gathers the gathered ones)"),
     "wgmma.dtypes": Source(WGMMA_GLUON, "bf16 or fp16 q over a cache of the same dtype "
                                         "(check_supported); fp8 caches are not written yet"),
     "seesaw.dtypes": Source("mlatune/kernels/gluon_seesaw.py + gluon_hopper_plan.dtype_refusal",
