@@ -97,27 +97,6 @@ def test_page_1_gathers_each_tile_by_cp_async(dtype, direct, causal):
     assert sass_hazards.hazards(sass_hazards.listing(k)) == (40, 0, [])
 
 
-def test_pick_splits_fills_the_gpu():
-    assert g.pick_splits(1, 1, 4096) > 16  # batch 1: many splits
-    assert g.pick_splits(64, 1, 4096) == 2
-    assert g.pick_splits(128, 2, 4096) == 1  # 256 programs already fill 132 SMs
-    assert g.pick_splits(8, 2, 32768) == 8
-    assert g.pick_splits(4, 1, 0) == 1
-
-
-def test_a_per_program_cost_splits_less_where_programs_would_be_short():
-    """The fp8-MMA kernel's rule (``FP8_MMA_PROGRAM_COST`` a program): at batch 2-16 where
-    the bf16 rule's programs walk 2 tiles it takes fewer, longer ones (why: its times at
-    forced splits, docs/kernels/gluon_transposed.md); where programs are long or the SMs
-    full it picks as the bf16 rule."""
-    from mlatune.kernels.gluon_hopper_plan import FP8_MMA_PROGRAM_COST as cost
-
-    for batch, kv, bf16, fp8 in [(2, 8192, 64, 32), (4, 4096, 32, 16), (16, 1024, 8, 4),
-                                 (8, 8192, 16, 16), (64, 4096, 2, 2), (128, 8192, 1, 1)]:
-        assert g.pick_splits(batch, 1, kv) == bf16
-        assert g.pick_splits(batch, 1, kv, per_program=cost) == fp8
-
-
 def _tensors(page=64, dtype=torch.bfloat16, d=576, heads=16):
     q = torch.zeros(2, heads, d, dtype=dtype)
     kv = torch.zeros(4, page, d, dtype=dtype)

@@ -186,7 +186,7 @@ def test_asking_the_route_imports_no_triton():
 
 
 @pytest.mark.parametrize(("problem", "first"), [
-    (_p(batch=1), 64),  # one request: many splits (capped at 64)
+    (_p(batch=1), 22),  # one request: many splits (each split adds to the merge)
     (_p(batch=64), 2),
     (_p(batch=128, num_heads=128), 1),  # 256 programs already fill 132 SMs
     (_p(batch=8, num_heads=128, kv_len=32768), 8),
@@ -739,18 +739,19 @@ def test_each_route_reaches_its_launch_at_every_param_set_and_rank(route_id, pag
 def test_the_fp8_mma_route_serves_fp8_caches_up_to_16_rows_and_rounds_p(monkeypatch):
     """transposed-mma8/gluon serves an fp8 cache at up to 16 query rows a program (refused
     elsewhere by its own rule, after transposed/gluon's), its sets from the fp8-MMA kernel's
-    split pick (with ``FP8_MMA_PROGRAM_COST``: 22 splits at batch 2 of 4096 keys, where the
-    widening's is 64), then half and twice it, every one P rounded (q's two e4m3 terms keep it
+    split pick (with ``FP8_MMA_PROGRAM_COST``: 16 splits at batch 4 of 4096 keys, where the
+    widening's is 22), then half and twice it, every one P rounded (q's two e4m3 terms keep it
     near 16 bits); transposed/gluon's sets are the widening's, exact."""
     from mlatune.kernels import gluon_hopper_plan as plan
 
     route, mma8 = routes.get("transposed/gluon"), routes.get(MMA8)
-    fp8 = _p(batch=2, kv_len=4096, kv_dtype="fp8_e4m3fn")  # 16 heads x 1 token: 16 rows
+    fp8 = _p(batch=4, kv_len=4096, kv_dtype="fp8_e4m3fn")  # 16 heads x 1 token: 16 rows
     assert capability.check(MMA8, fp8, "sm_90")
-    fp8_pick = plan.pick_splits(2, 1, 4096, per_program=plan.FP8_MMA_PROGRAM_COST)
-    assert (fp8_pick, plan.pick_splits(2, 1, 4096)) == (22, 64)
-    assert mma8.param_space(fp8, H200) == [{"num_splits": s, "form": "mma8"} for s in (22, 11, 44)]
-    assert route.param_space(fp8, H200) == [{"num_splits": s, "form": "mma16"} for s in (64, 32)]
+    fp8_pick = plan.pick_splits(4, 1, 4096, per_program=plan.FP8_MMA_PROGRAM_COST)
+    assert (fp8_pick, plan.pick_splits(4, 1, 4096)) == (16, 22)
+    assert mma8.param_space(fp8, H200) == [{"num_splits": s, "form": "mma8"} for s in (16, 8, 32)]
+    assert route.param_space(fp8, H200) == [{"num_splits": s, "form": "mma16"}
+                                            for s in (22, 11, 44)]
     rounded, none = Rounding.P_FP8, Rounding.NONE
     assert {routes.rounding(mma8, fp8, p) for p in mma8.param_space(fp8, H200)} == {rounded}
     assert routes.rounding(mma8, fp8) == rounded
@@ -840,3 +841,42 @@ def test_a_balanced_set_plans_on_the_device_and_shares_its_plan(monkeypatch):
         route.prepare(problem, other, params={"form": "balanced"}, plan_from=first)
     pairs = route.prepare(problem, inputs, plan_from=first)  # a split set plans nothing
     assert pairs.plan is None and pairs.step_kind == routes.LAUNCH_ONLY
+
+
+def test_pick_splits_fills_the_gpu():
+    assert gluon_hopper_plan.pick_splits(1, 1, 4096) > 16  # batch 1: many splits
+    assert gluon_hopper_plan.pick_splits(64, 1, 4096) == 2
+    assert gluon_hopper_plan.pick_splits(128, 2, 4096) == 1  # 256 programs already fill 132 SMs
+    assert gluon_hopper_plan.pick_splits(8, 2, 32768) == 8
+    assert gluon_hopper_plan.pick_splits(4, 1, 0) == 1
+
+
+# seesaw/gluon's times (us) at its listed split sets, H100 80GB HBM3, 2026-12-06
+# (bench.py --routine decode, CUDA-graph replay): (batch, row blocks, kv) -> {splits: us}.
+MEASURED_SPLITS = {
+    (40, 2, 1500): {1: 64.2, 3: 68.8, 6: 98.0}, (80, 2, 1500): {1: 119.6, 3: 133.4, 6: 176.5},
+    (160, 2, 1500): {1: 178.5, 2: 214.7, 4: 269.6}, (128, 2, 4096): {1: 274.4, 2: 319.9},
+    (32, 2, 4096): {1: 139.8, 2: 92.0}, (32, 1, 4096): {2: 84.7, 4: 75.3},
+    (24, 2, 700): {1: 38.6, 2: 31.1}}
+
+
+def test_the_split_cost_ranks_the_measured_sets_as_they_ran():
+    """Among the sets timed at each point, ``split_cost`` is least for the fastest (many
+    heads: one split once the programs fill most of a wave; few: more)."""
+    for (batch, row_blocks, kv), times in MEASURED_SPLITS.items():
+        def cost(s, at=(batch, row_blocks, kv)):
+            return gluon_hopper_plan.split_cost(*at, s, 132)
+        assert min(times, key=cost) == min(times, key=times.get), (batch, row_blocks, kv)
+
+
+def test_a_per_program_cost_splits_less_where_programs_would_be_short():
+    """The fp8-MMA kernel's rule (``FP8_MMA_PROGRAM_COST`` a program): at batch 2-16 where
+    the bf16 rule's programs walk 2-3 tiles it takes fewer, longer ones (why: its times at
+    forced splits, docs/kernels/gluon_transposed.md); where programs are long or the SMs
+    full it picks as the bf16 rule."""
+    from mlatune.kernels.gluon_hopper_plan import FP8_MMA_PROGRAM_COST as cost
+
+    for batch, kv, bf16, fp8 in [(2, 8192, 32, 32), (4, 4096, 22, 16), (16, 1024, 8, 4),
+                                 (8, 8192, 16, 16), (64, 4096, 2, 2), (128, 8192, 1, 1)]:
+        assert gluon_hopper_plan.pick_splits(batch, 1, kv) == bf16
+        assert gluon_hopper_plan.pick_splits(batch, 1, kv, per_program=cost) == fp8

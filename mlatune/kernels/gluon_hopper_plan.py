@@ -139,24 +139,39 @@ def transposed_row_blocks(heads: int, qlen: int) -> int:
     return -(-rows // transposed_rows(rows))
 
 
-def pick_splits(batch: int, row_blocks: int, max_seq_len: int, sms: int = H200_SMS,
-                per_program: float = 0.0) -> int:
-    """Splits per request: least estimated time over waves of one program per SM.
+# ``pick_splits``'s costs, in tiles of one program's time: a program's fixed cost (Q's load,
+# the ring's fill and drain, the epilogue) and the merge's, a base and a part a split (the
+# reduce reads every split's partials). Fitted to the sweep journals' times of the Gluon
+# decodes' listed split sets (tables/journals: 1,600 H200 and 437 H100 problems with two sets
+# or more timed; docs/kernels/gluon_hopper.md, "The split pick").
+PROGRAM_TILES = 8.0
+MERGE_TILES = 1.0
+MERGE_TILES_A_SPLIT = 0.1
 
-    A program's time ~ its tiles plus a fixed cost (Q load, epilogue: ~2 tiles);
-    more than one split adds the merge (~1 tile). One program fits an SM (its
-    shared memory), so programs run in waves of ``sms``. ``per_program``: tiles of
-    time each program adds to the whole launch, spread over the SMs (a kernel whose
-    tiles are cheap beside what a program costs to start and to merge:
-    ``FP8_MMA_PROGRAM_COST``).
+
+def split_cost(batch: int, row_blocks: int, max_seq_len: int, splits: int,
+               sms: int = H200_SMS, per_program: float = 0.0) -> float:
+    """A launch's estimated time, in tiles of one program's time, at ``splits`` per request.
+
+    A program's time ~ its tiles plus ``PROGRAM_TILES``; more than one split adds the
+    merge (``MERGE_TILES`` + ``MERGE_TILES_A_SPLIT`` a split). One program fits an SM (its
+    shared memory), so programs run in waves of ``sms``. ``per_program``: tiles of time
+    each program adds to the whole launch, spread over the SMs (a kernel whose tiles are
+    cheap beside what a program costs to start and to merge: ``FP8_MMA_PROGRAM_COST``).
     """
     tiles = max(1, math.ceil(max_seq_len / BLOCK_N))
-    programs = batch * row_blocks
+    programs = batch * row_blocks * splits
+    merge = MERGE_TILES + MERGE_TILES_A_SPLIT * splits if splits > 1 else 0.0
+    return math.ceil(programs / sms) * (math.ceil(tiles / splits) + PROGRAM_TILES) + merge \
+        + per_program * programs / sms
+
+
+def pick_splits(batch: int, row_blocks: int, max_seq_len: int, sms: int = H200_SMS,
+                per_program: float = 0.0) -> int:
+    """Splits per request: the least ``split_cost`` (the fewest among equals)."""
     best, best_cost = 1, math.inf
-    for s in range(1, min(tiles, MAX_SPLITS) + 1):
-        waves = math.ceil(programs * s / sms)
-        cost = waves * (math.ceil(tiles / s) + 2) + (1 if s > 1 else 0) \
-            + per_program * programs * s / sms
+    for s in range(1, min(max(1, math.ceil(max_seq_len / BLOCK_N)), MAX_SPLITS) + 1):
+        cost = split_cost(batch, row_blocks, max_seq_len, s, sms, per_program)
         if cost < best_cost - 1e-9:
             best, best_cost = s, cost
     return best
@@ -165,5 +180,5 @@ def pick_splits(batch: int, row_blocks: int, max_seq_len: int, sms: int = H200_S
 # ``pick_splits``'s per_program for the fp8-MMA transposed kernel (``gluon_transposed_fp8``):
 # its tiles take about 0.6x the bf16 kernel's, so what a program costs besides them (q
 # quantized, the ring filled, the partials written and merged) weighs more. Fitted to its
-# times at forced split counts (docs/kernels/gluon_transposed.md).
-FP8_MMA_PROGRAM_COST = 8.0
+# times at forced split counts (docs/kernels/gluon_transposed.md) on the costs above.
+FP8_MMA_PROGRAM_COST = 4.0
