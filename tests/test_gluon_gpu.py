@@ -232,29 +232,37 @@ def test_seesaw_split_partials_match_their_own_keys(case, form, monkeypatch):
     launch()
     torch.cuda.synchronize()
     tol = tolerance_for("bf16", "bf16")
-    q = inputs.q.float().view(batch, qlen, heads, -1)
     for b, length in enumerate(shard.seq_lens.tolist()):
-        keys = reference.dequantize(reference._gather_pages(
-            shard.kv_cache, shard.block_table[b:b + 1], length)[0], inputs.kv_scale,
-            torch.float32)[:, None, :]
         chunk = triton.cdiv(triton.cdiv(length, splits), 64) * 64
-        tokens = torch.arange(qlen, device="cuda")
-        last = length - qlen + tokens if problem.causal else torch.full_like(tokens, length - 1)
         for k in range(splits):
             start, end = min(k * chunk, length), min(k * chunk + chunk, length)
-            want, want_lse = reference.attend(
-                q[b], keys[start:end], keys[start:end, :, :512],
-                torch.arange(start, end, device="cuda"), last, inputs.softmax_scale)
             slot = b * splits + k
-            got = kept["out"][slot].view(qlen, heads, -1)
-            got_lse = kept["lse"][slot].view(qlen, heads) * math.log(2)
-            where = f"request {b} ({length} keys), split {k} [{start}, {end})"
-            seen = torch.isfinite(want_lse)
-            assert torch.equal(torch.isfinite(got_lse), seen), where
-            if seen.any():
-                err = (got[seen] - want[seen]).norm() / want[seen].norm()
-                assert err < tol.rel_l2, f"{where}: rel_l2 {err:.3g}"
-                assert (got_lse[seen] - want_lse[seen]).abs().max() < tol.lse_abs, where
+            _check_piece(problem, inputs, b, (start, end), kept["out"][slot].view(qlen, heads, -1),
+                         kept["lse"][slot].view(qlen, heads) * math.log(2), tol,
+                         f"request {b} ({length} keys), split {k} [{start}, {end})")
+
+
+def _check_piece(problem, inputs, b, keys_range, got, got_lse, tol, where) -> None:
+    """One piece of request b's output (its keys ``keys_range``: natural-log LSE, -inf where
+    no key) against the reference over those keys."""
+    qlen, (start, stop) = problem.qlen, keys_range
+    shard = inputs.shards[0]
+    length = int(shard.seq_lens[b])
+    keys = reference.dequantize(reference._gather_pages(
+        shard.kv_cache, shard.block_table[b:b + 1], length)[0], inputs.kv_scale,
+        torch.float32)[:, None, :]
+    tokens = torch.arange(qlen, device="cuda")
+    last = length - qlen + tokens if problem.causal else torch.full_like(tokens, length - 1)
+    q = inputs.q.float().view(problem.batch, qlen, problem.num_heads, -1)[b]
+    want, want_lse = reference.attend(q, keys[start:stop], keys[start:stop, :, :512],
+                                      torch.arange(start, stop, device="cuda"), last,
+                                      inputs.softmax_scale)
+    seen = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(got_lse), seen), where
+    if seen.any():
+        err = (got[seen] - want[seen]).norm() / want[seen].norm()
+        assert err < tol.rel_l2, f"{where}: rel_l2 {err:.3g}"
+        assert (got_lse[seen] - want_lse[seen]).abs().max() < tol.lse_abs, where
 
 
 # Small pages: a 64-key tile spans 64 / page pages (16, 32: a TMA box a page; seesaw/gluon over
@@ -499,31 +507,16 @@ def test_seesaw_balanced_pieces_match_their_own_keys(problem, monkeypatch):
 
 def _check_pieces(problem, inputs, kept, out, lse, items, split_indptr, tol) -> None:
     heads, qlen = problem.num_heads, problem.qlen
-    q = inputs.q.float().view(problem.batch, qlen, heads, -1)
-    shard = inputs.shards[0]
-    tokens = torch.arange(qlen, device="cuda")
     for b, start, stop, slot in items:
-        length = int(shard.seq_lens[b])
-        keys = reference.dequantize(reference._gather_pages(
-            shard.kv_cache, shard.block_table[b:b + 1], length)[0], inputs.kv_scale,
-            torch.float32)[:, None, :]
-        last = length - qlen + tokens if problem.causal else torch.full_like(tokens, length - 1)
-        want, want_lse = reference.attend(q[b], keys[start:stop], keys[start:stop, :, :512],
-                                          torch.arange(start, stop, device="cuda"), last,
-                                          inputs.softmax_scale)
         if split_indptr[b + 1] - split_indptr[b] == 1:  # the request's only item: in place
             got = out[b * qlen:(b + 1) * qlen].float()
             got_lse = lse[b * qlen:(b + 1) * qlen]
         else:
             got = kept["out"][slot].view(qlen, heads, -1)
             got_lse = kept["lse"][slot].view(qlen, heads) * math.log(2)
-        where = f"request {b} ({length} keys), item [{start}, {stop}) slot {slot}"
-        seen = torch.isfinite(want_lse)
-        assert torch.equal(torch.isfinite(got_lse), seen), where
-        if seen.any():
-            err = (got[seen] - want[seen]).norm() / want[seen].norm()
-            assert err < tol.rel_l2, f"{where}: rel_l2 {err:.3g}"
-            assert (got_lse[seen] - want_lse[seen]).abs().max() < tol.lse_abs, where
+        length = int(inputs.shards[0].seq_lens[b])
+        _check_piece(problem, inputs, b, (start, stop), got, got_lse, tol,
+                     f"request {b} ({length} keys), item [{start}, {stop}) slot {slot}")
 
 
 @pytest.mark.parametrize("problem", [_engine_p(128, 40, 1500), _engine_p(64, 24, 3000, qlen=2)],
