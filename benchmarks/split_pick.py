@@ -25,12 +25,12 @@ from mlatune import routes
 from mlatune.kernels import gluon_hopper_plan as plan
 from mlatune.measure.journal import read_records
 from mlatune.measure.records import Status
+from mlatune.problem import MLAProblem
 
 ROOT = Path(__file__).resolve().parent.parent
 JOURNALS = sorted((ROOT / "tables" / "journals").glob("sm_90-*/*.journal.jsonl.gz"))
-# Each route's split form and its query rows a program.
-SPLIT_FORMS = {"seesaw/gluon": ("pairs", plan.BLOCK_M), "wgmma/gluon": (None, plan.BLOCK_M),
-               "transposed/gluon": ("mma16", None)}
+# Each route's split form.
+SPLIT_FORMS = {"seesaw/gluon": "pairs", "wgmma/gluon": None, "transposed/gluon": "mma16"}
 
 Times = dict[int, float]
 
@@ -48,7 +48,7 @@ def split_times(journals: Iterable[Path]) -> dict[tuple[str, str, str], Times]:
                 continue
             # a set as stored then, in today's spelling (None: a deleted form)
             params = routes.get(rec.route).upgrade_params(json.loads(rec.route_params)) or {}
-            if "num_splits" not in params or params.get("form") != SPLIT_FORMS[rec.route][0]:
+            if "num_splits" not in params or params.get("form") != SPLIT_FORMS[rec.route]:
                 continue
             key = (path.parent.name, rec.route, json.dumps(rec.key, sort_keys=True))
             s = params["num_splits"]
@@ -58,12 +58,11 @@ def split_times(journals: Iterable[Path]) -> dict[tuple[str, str, str], Times]:
 
 def pick_regret(route: str, key: dict, times: Times) -> float:
     """The time of the set ``split_cost`` ranks first among ``times``, over the fastest's."""
-    rows = key["num_heads"] * key["qlen"]
-    block = SPLIT_FORMS[route][1] or plan.transposed_rows(rows)
-    row_blocks = -(-rows // block)
+    problem = MLAProblem.from_key_dict(key)
+    row_blocks = routes.get(route).row_blocks(problem)
 
     def cost(s: int) -> float:
-        return plan.split_cost(key["batch"], row_blocks, key["kv_len"], s, plan.H200_SMS)
+        return plan.split_cost(problem.batch, row_blocks, problem.shard_len, s, plan.H200_SMS)
 
     return times[min(times, key=cost)] / min(times.values())
 
