@@ -142,7 +142,7 @@ def transposed_row_blocks(heads: int, qlen: int) -> int:
 # ``pick_splits``'s costs, in tiles of one program's time: a program's fixed cost (Q's load,
 # the ring's fill and drain, the epilogue) and the merge's, a base and a part a split (the
 # reduce reads every split's partials). Fitted to the sweep journals' times of the Gluon
-# decodes' listed split sets (tables/journals: 1,600 H200 and 437 H100 problems with two sets
+# decodes' listed split sets (tables/journals: 1,540 H200 and 437 H100 problems with two sets
 # or more timed; docs/kernels/gluon_hopper.md, "The split pick").
 PROGRAM_TILES = 8.0
 MERGE_TILES = 1.0
