@@ -245,3 +245,63 @@ def test_a_captured_step_outlives_the_plan_limit(monkeypatch):
         _served(problem, route, dict(step.choice.params), out, lse, inputs, lens,
                 f"after the plan limit, lengths {lens}")
     del junk
+
+
+SEESAW_MANY = [_p(128, 1, "bf16"), _p(64, 2, "bf16"), _p(128, 1, FP8)]
+
+
+def _compiled_replays(problem: MLAProblem, dispatcher, seed: int, traces: list):
+    """A model's step with ``decode`` inside ``torch.compile(fullgraph=True)`` (each trace
+    appended to ``traces``), called once, then captured and replayed over STEPS; yields
+    (lens, out, lse, inputs) after each replay."""
+    bucket = Bucket(problem, seed)
+    inputs, shard = bucket.inputs, bucket.shard
+
+    def counting(gm, example_inputs):
+        traces.append(gm)
+        return gm.forward
+
+    def model_step(q, kv_cache, block_table, seq_lens, kv_scale):
+        out, lse = attention.decode(q * 1.0, kv_cache, block_table, seq_lens,
+                                    num_heads=problem.num_heads, qlen=problem.qlen,
+                                    kv_scale=kv_scale, max_kv_len=CAP, return_lse=True,
+                                    capturable=True, dispatcher=dispatcher)
+        return out + 0, lse
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model_step, fullgraph=True, backend=counting)
+    args = (inputs.q, shard.kv_cache, shard.block_table, inputs.seq_lens, inputs.kv_scale)
+    bucket.write(STEPS[0])
+    compiled(*args)  # traces, and makes the step outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = compiled(*args)
+    for lens in STEPS:
+        bucket.write(lens)
+        poison_(out, lse)
+        graph.replay()
+        torch.cuda.synchronize()
+        yield lens, out, lse, inputs
+
+
+@pytest.mark.parametrize("problem", SEESAW_MANY, ids=["h128-q1-bf16", "h64-q2-bf16", "h128-q1-fp8"])
+def test_compiled_fullgraph_step_captures_every_seesaw_form(problem, tmp_path):
+    """A model's step as an engine builds it: ``decode`` inside ``torch.compile(fullgraph=True)``
+    (one trace: the op boundary holds), that compiled step captured in a CUDA graph and replayed
+    as the lengths change and empty, for each of seesaw/gluon's forms (the balanced one plans
+    on the device inside the graph). Only the first call traces."""
+    route = routes.get("seesaw/gluon")
+    verdict = route.supports(problem, current_device())
+    if not verdict:
+        pytest.skip(f"seesaw/gluon does not serve {problem.key}: {verdict.reason}")
+    forms = _forms(route, problem)
+    if problem.kv_dtype == "bf16":
+        assert "balanced" in {p.get("form") for p in forms}, forms
+    for n, params in enumerate(forms):
+        dispatcher = _forced(problem, "seesaw/gluon", params, tmp_path / str(n))
+        traces: list = []
+        for lens, out, lse, inputs in _compiled_replays(problem, dispatcher, 71 + n, traces):
+            _served(problem, route, params, out, lse, inputs, lens, f"{params}, lengths {lens}")
+        assert len(traces) == 1, f"{params}: traced {len(traces)} times"
+        steps = attention.plans_of(dispatcher).values()
+        assert {s.choice.route_id for s in steps} == {"seesaw/gluon"}
