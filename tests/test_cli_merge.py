@@ -160,3 +160,24 @@ def test_a_table_joined_from_several_specs_merges_again(tmp_path):
     refused = merge(joined, old, "--out", tmp_path / "out.parquet")
     assert refused.exit_code == 1
     assert refused.output.count("\n") == 1 and "different specs" in refused.output
+
+
+def test_a_route_the_newer_sweep_left_out_at_a_problem_keeps_its_row(tmp_path):
+    """Replacing is per (problem, route): where the newer rows (those --where keeps: here
+    not the crashed one) hold no row of a named route at a problem, the old row stays."""
+    old = write(tmp_path / "old.parquet", [result_row(P, "a/fake", 10.0),
+                                            result_row(P, "b/fake", 12.0)])
+    new = write(tmp_path / "new.parquet", [
+        result_row(P, "a/fake", 15.0),
+        result_row(P, "b/fake", None, status="crashed", reason="out of memory"),
+        result_row(Q, "b/fake", 9.0)], LATER)
+    out = tmp_path / "out.parquet"
+    result = merge(old, new, "--out", out, "--replace-routes", "a/fake,b/fake", "--where",
+                   "status != 'crashed'", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["replaced"] == {"routes": ["a/fake", "b/fake"], "rows": 1}
+    rows = by_route(out)
+    assert rows.loc[("sm_90", 4, "a/fake"), "time_us"] == 15.0
+    assert rows.loc[("sm_90", 4, "b/fake"), "time_us"] == 12.0
+    assert rows.loc[("sm_90", 4, "b/fake"), "status"] == "ok"
+    assert rows.loc[("sm_90", 8, "b/fake"), "time_us"] == 9.0

@@ -50,9 +50,10 @@ AllowSpecsFlag = Annotated[bool, typer.Option(
     "--allow-different-specs", help="Join tables of different specs (spec_sha256) too.")]
 ReplaceRoutesOption = Annotated[str | None, typer.Option(
     metavar="ROUTE[,ROUTE]",
-    help="Drop the first table's rows of these routes for the problems the other tables "
-         "hold, then join: their newer rows replace the old whatever their times (a route "
-         "whose parameter sets changed is judged by what it runs now). Implies "
+    help="Drop the first table's rows of these routes where the other tables hold a row of "
+         "the route for the problem, then join: the newer rows replace the old whatever "
+         "their times (a route whose parameter sets changed is judged by what it runs now). "
+         "Implies "
          "--allow-different-specs: a sweep of some routes often runs a cut of the table's "
          "spec.")]
 WhereOption = Annotated[str | None, typer.Option(
@@ -139,12 +140,13 @@ def _replaced_routes(replace_routes: str | None, where: str | None, tables: list
 
 def _replace(parts: list[pd.DataFrame], routes: list[str], where: str | None
              ) -> tuple[list[pd.DataFrame], int]:
-    """The first table without its rows of ``routes`` for the problems (per device) the
-    newer ones hold, then the newer ones (their rows matching ``where``), each re-ranked
-    where rows left it; and how many rows of the first were dropped. A route no newer
+    """The first table without its rows of ``routes`` where the newer ones (their rows
+    matching ``where``) hold a row of that route for the problem (per device), then the
+    newer ones, each re-ranked where rows left it; and how many rows of the first were
+    dropped. A route no newer
     row holds is a usage error: its rows would go with nothing in their place."""
     from mlatune import table
-    from mlatune.table.schema import KEY_COLUMNS
+    from mlatune.table.schema import ROW_KEY
 
     base, newer = parts[0], [_matching(p, where) for p in parts[1:]]
     newer = [table.assign_ranks(p) for p in newer if not p.empty]
@@ -153,11 +155,9 @@ def _replace(parts: list[pd.DataFrame], routes: list[str], where: str | None
     if absent:
         usage_error(f"{', '.join(absent)}: no rows in the newer tables to replace with"
                     + (" (that match --where)" if where else ""), "--replace-routes")
-    held = {key for p in newer
-            for key in p[list(KEY_COLUMNS)].itertuples(index=False, name=None)}
-    problems = base[list(KEY_COLUMNS)].itertuples(index=False, name=None)
-    dropped = [route in routes and key in held
-               for route, key in zip(base["route"], problems, strict=True)]
+    held = {key for p in newer for key in p[list(ROW_KEY)].itertuples(index=False, name=None)}
+    dropped = [key[-1] in routes and key in held
+               for key in base[list(ROW_KEY)].itertuples(index=False, name=None)]
     kept = base[[not d for d in dropped]]
     return ([] if kept.empty else [table.assign_ranks(kept)]) + newer, sum(dropped)
 
@@ -179,8 +179,8 @@ def _print_merged(out: Path, merged: pd.DataFrame, inputs: list[_MergeInput],
                     soft_wrap=True, highlight=False)
     if replacement:
         console().print(f"  replaced: {replacement['rows']} rows of {inputs[0].path} "
-                        f"({', '.join(replacement['routes'])}) at the problems the newer "
-                        f"tables hold", soft_wrap=True, highlight=False)
+                        f"({', '.join(replacement['routes'])}) where the newer tables hold "
+                        f"the route's row", soft_wrap=True, highlight=False)
     for i in inputs:
         share = f", shard {i.shard}" if i.shard else ""
         console().print(f"  {i.path}: {len(i.frame)} rows, {problem_count(i.frame)} "
