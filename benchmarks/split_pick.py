@@ -59,10 +59,12 @@ def split_times(journals: Iterable[Path]) -> dict[tuple[str, str, str], Times]:
 def pick_regret(route: str, key: dict, times: Times) -> float:
     """The time of the set ``split_cost`` ranks first among ``times``, over the fastest's."""
     problem = MLAProblem.from_key_dict(key)
-    row_blocks = routes.get(route).row_blocks(problem)
+    gluon = routes.get(route)
+    row_blocks, step = gluon.row_blocks(problem), gluon.tile_step(problem)
 
     def cost(s: int) -> float:
-        return plan.split_cost(problem.batch, row_blocks, problem.shard_len, s, plan.H200_SMS)
+        return plan.split_cost(problem.batch, row_blocks, problem.shard_len, s, plan.H200_SMS,
+                               tile_step=step)
 
     return times[min(times, key=cost)] / min(times.values())
 

@@ -263,21 +263,41 @@ def _not_this_kernel(*args, **kwargs):
     raise AssertionError("the route ran another route's kernel")
 
 
-def test_both_gluon_routes_serve_the_same_problems_with_the_same_splits():
-    """The same rules but the dtypes (the seesaw kernel also reads an fp8 cache), the same
-    split sets."""
+def test_both_gluon_routes_serve_the_same_problems_with_their_split_picks():
+    """The same rules but the dtypes (the seesaw kernel also reads an fp8 cache); the same
+    split pick but the seesaw's tiles taken in pairs (``plan.seesaw_tile_step``)."""
     assert [r.id for r in capability.rules_for("seesaw/gluon")] == \
         [("seesaw.dtypes" if r.id == "wgmma.dtypes" else r.id) for r in
          capability.rules_for(ROUTE)]
     wgmma, seesaw = routes.get(ROUTE), routes.get("seesaw/gluon")
     for problem in (_p(batch=1), _p(batch=64, num_heads=128, qlen=2, kv_len=8192),
                     _p(batch=8, dcp_size=2)):
-        assert [p["num_splits"] for p in seesaw.param_space(problem, H200)
-                if p["form"] == "pairs"] == \
-            [p["num_splits"] for p in wgmma.param_space(problem, H200)]
+        pairs = [p["num_splits"] for p in seesaw.param_space(problem, H200)
+                 if p["form"] == "pairs"]
+        picks = {step: gluon_hopper_plan.pick_splits(
+            problem.batch, wgmma.row_blocks(problem), problem.shard_len, 132, tile_step=step)
+            for step in (1, 2)}
+        assert pairs[0] == picks[2]
+        assert set(pairs) <= {picks[2], picks[2] // 2, picks[2] * 2}
+        assert wgmma.param_space(problem, H200)[0]["num_splits"] == picks[1]
         assert all((set(p) == {"num_splits", "form"} and p["form"] in seesaw.forms)
                    or p == {"form": "balanced"} for p in seesaw.param_space(problem, H200))
     assert seesaw.sized_params == wgmma.sized_params
+
+
+def test_the_seesaw_pick_gives_its_splits_whole_pairs_of_tiles_over_a_16_bit_cache():
+    """Batch 1, 128 heads, 4,096 keys (64 tiles): the one-tile pick leaves 3 tiles a split,
+    the seesaw's an even count; over an fp8 cache the seesaw picks as a one-tile walk."""
+    seesaw, wgmma = routes.get("seesaw/gluon"), routes.get(ROUTE)
+    bf16 = _p(batch=1, num_heads=128, kv_len=4096)
+    fp8 = dataclasses.replace(bf16, kv_dtype="fp8_e4m3fn")
+    tiles = 4096 // gluon_hopper_plan.BLOCK_N
+    one = wgmma.param_space(bf16, H200)[0]["num_splits"]
+    pair = seesaw.param_space(bf16, H200)[0]["num_splits"]
+    assert -(-tiles // one) % 2 == 1  # the one-tile pick: a lone last tile
+    assert -(-tiles // pair) % 2 == 0
+    assert seesaw.param_space(fp8, H200)[0]["num_splits"] == one
+    assert gluon_hopper_plan.seesaw_tile_step(True) == 1
 
 
 def test_the_seesaw_offers_two_requests_a_program_only_past_one_wave():
@@ -520,18 +540,18 @@ def test_an_mma16_set_over_fp8_runs_the_warp_specialized_widening(monkeypatch):
 
 
 def test_a_stored_seesaw_row_keeps_its_form_and_rescales_its_split_at_a_neighbour():
-    """A stored seesaw set carried from batch 1 to batch 64: its split is redone as
-    wgmma/gluon's is, its form kept (the form is matched apart from the split); an empty set
-    (a rule's fallback) is the route's first set."""
+    """A stored seesaw set carried from batch 1 to batch 64: its split is redone (the pick
+    there for the pick here), its form kept (the form is matched apart from the split); an
+    empty set (a rule's fallback) is the route's first set."""
     seesaw, wgmma = routes.get("seesaw/gluon"), routes.get(ROUTE)
     measured, asked = _p(batch=1), _p(batch=64)
-    stored = {"num_splits": wgmma.param_space(measured, H200)[0]["num_splits"],
+    stored = {"num_splits": seesaw.param_space(measured, H200)[0]["num_splits"],
               "form": "two-requests"}
     moved = routes.params_at(seesaw, stored, measured, asked, H200)
-    split = {"num_splits": stored["num_splits"]}
-    assert moved == {**routes.params_at(wgmma, split, measured, asked, H200),
+    assert moved == {"num_splits": seesaw.param_space(asked, H200)[0]["num_splits"],
                      "form": "two-requests"}
     assert moved["num_splits"] != stored["num_splits"]
+    split = {"num_splits": stored["num_splits"]}
     new = routes.params_at(seesaw, seesaw.param_space(measured, H200)[0], measured, asked, H200)
     assert new == seesaw.param_space(asked, H200)[0] == {"num_splits": new["num_splits"],
                                                           "form": "pairs"}

@@ -150,31 +150,43 @@ MERGE_TILES_A_SPLIT = 0.1
 
 
 def split_cost(batch: int, row_blocks: int, max_seq_len: int, splits: int,
-               sms: int = H200_SMS, per_program: float = 0.0) -> float:
+               sms: int = H200_SMS, per_program: float = 0.0, tile_step: int = 1) -> float:
     """A launch's estimated time, in tiles of one program's time, at ``splits`` per request.
 
-    A program's time ~ its tiles plus ``PROGRAM_TILES``; more than one split adds the
+    A program's time ~ its tiles (rounded up to a multiple of ``tile_step``: the tiles a
+    program's walk takes at once) plus ``PROGRAM_TILES``; more than one split adds the
     merge (``MERGE_TILES`` + ``MERGE_TILES_A_SPLIT`` a split). One program fits an SM (its
     shared memory), so programs run in waves of ``sms``. ``per_program``: tiles of time
     each program adds to the whole launch, spread over the SMs (a kernel whose tiles are
     cheap beside what a program costs to start and to merge: ``FP8_MMA_PROGRAM_COST``).
     """
     tiles = max(1, math.ceil(max_seq_len / BLOCK_N))
+    walked = -(-math.ceil(tiles / splits) // tile_step) * tile_step
     programs = batch * row_blocks * splits
     merge = MERGE_TILES + MERGE_TILES_A_SPLIT * splits if splits > 1 else 0.0
-    return math.ceil(programs / sms) * (math.ceil(tiles / splits) + PROGRAM_TILES) + merge \
+    return math.ceil(programs / sms) * (walked + PROGRAM_TILES) + merge \
         + per_program * programs / sms
 
 
 def pick_splits(batch: int, row_blocks: int, max_seq_len: int, sms: int = H200_SMS,
-                per_program: float = 0.0) -> int:
+                per_program: float = 0.0, tile_step: int = 1) -> int:
     """Splits per request: the least ``split_cost`` (the fewest among equals)."""
     best, best_cost = 1, math.inf
     for s in range(1, min(max(1, math.ceil(max_seq_len / BLOCK_N)), MAX_SPLITS) + 1):
-        cost = split_cost(batch, row_blocks, max_seq_len, s, sms, per_program)
+        cost = split_cost(batch, row_blocks, max_seq_len, s, sms, per_program, tile_step)
         if cost < best_cost - 1e-9:
             best, best_cost = s, cost
     return best
+
+
+def seesaw_tile_step(fp8_cache: bool) -> int:
+    """``split_cost``'s tile_step for the seesaw kernel: over a 16-bit cache its warpgroups
+    take the tiles in pairs (each the scores of one), so a split's lone last tile costs
+    about a pair (H100 journals, batch 1, 128 heads, 4,096 keys at pages 1 and 16: 1, 2, 3
+    and 6 tiles a split 34.6, 23.9, 36.5 and 25.2 us); over an fp8 cache each tile's
+    widening by the loader dominates, and a lone tile is cheaper (64 heads, qlen 2, 1,024
+    keys: 1 tile 18.8 us, 2 tiles 27.5)."""
+    return 1 if fp8_cache else 2
 
 
 # ``pick_splits``'s per_program for the fp8-MMA transposed kernel (``gluon_transposed_fp8``):

@@ -130,7 +130,7 @@ class WgmmaGluonRoute(Route):
         sms = _sms(device)
         length = problem.shard_len
         pick = plan.pick_splits(problem.batch, self.row_blocks(problem), length, sms,
-                                per_program)
+                                per_program, self.tile_step(problem))
         top = min(plan.MAX_SPLITS, max(1, -(-length // plan.BLOCK_N)))
         splits = dict.fromkeys(s for s in (pick, pick // 2, pick * 2) if 1 <= s <= top)
         return [{"num_splits": s} for s in splits]
@@ -138,6 +138,10 @@ class WgmmaGluonRoute(Route):
     def block_rows(self, problem: MLAProblem) -> int:
         """Query rows (heads x qlen folded) per program."""
         return plan.BLOCK_M
+
+    def tile_step(self, problem: MLAProblem) -> int:
+        """The key tiles a program's walk takes at once (``plan.split_cost``): one."""
+        return 1
 
     def row_blocks(self, problem: MLAProblem) -> int:
         """Programs per request and split."""
@@ -241,6 +245,10 @@ class SeesawGluonRoute(WgmmaGluonRoute):
                 and plan.seesaw_form_refusal(self.PLANNED, fp8, problem.page_size) is None:
             sets.insert(2, {"form": self.PLANNED})
         return sets
+
+    def tile_step(self, problem: MLAProblem) -> int:
+        """Tiles in pairs over a 16-bit cache (``plan.seesaw_tile_step``)."""
+        return plan.seesaw_tile_step(problem.kv_dtype in FP8_DTYPES)
 
     def step_kind(self, params: Params) -> StepKind:
         return DEVICE_PLANNED if params.get("form") == self.PLANNED else LAUNCH_ONLY
