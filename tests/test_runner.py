@@ -200,12 +200,18 @@ def test_sigkill_then_resume_gives_the_same_rows(tmp_path):
     assert json.loads(journal.read_text().splitlines()[0])["kind"] == "header"
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _interrupt(spec_file, out, when, *args):
     """Run a sweep, send SIGINT to its whole process group (as Ctrl-C in a terminal does)
-    once ``when()`` holds, and return (seconds from the signal to exit, exit code, output)."""
+    once ``when()`` holds, and return (seconds from the signal to exit, exit code, output).
+    The sweep starts with SIGINT's default action, as from a terminal: a test run started in
+    the background of a shell (``pytest &``) has it ignored, and a child would inherit that."""
     proc = subprocess.Popen([*_sweep_cmd(spec_file, out), *args], env=_FAULT_ENV, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_default_sigint)
     deadline = time.monotonic() + 120
     while not when(proc) and time.monotonic() < deadline:
         time.sleep(0.02)
