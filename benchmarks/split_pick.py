@@ -2,7 +2,8 @@
 the CPU, from the shipped tables' journals.
 
     python benchmarks/split_pick.py [JOURNAL ...] [--program-tiles A --merge-tiles M
-                                                  --merge-tiles-a-split S]
+                                                  --merge-tiles-a-split S
+                                                  --reduce-tiles-a-program R]
 
 For each (problem, route) of the Gluon decodes' split forms (``seesaw/gluon`` pairs,
 ``wgmma/gluon``, ``transposed/gluon`` mma16; one rank, decode) with two or more split counts
@@ -64,7 +65,7 @@ def pick_regret(route: str, key: dict, times: Times) -> float:
 
     def cost(s: int) -> float:
         return plan.split_cost(problem.batch, row_blocks, problem.shard_len, s, plan.H200_SMS,
-                               tile_step=step)
+                               gluon.program_cost, step, gluon.by_reduce)
 
     return times[min(times, key=cost)] / min(times.values())
 
@@ -80,17 +81,21 @@ def main() -> None:
     parser.add_argument("--program-tiles", type=float, default=plan.PROGRAM_TILES)
     parser.add_argument("--merge-tiles", type=float, default=plan.MERGE_TILES)
     parser.add_argument("--merge-tiles-a-split", type=float, default=plan.MERGE_TILES_A_SPLIT)
+    parser.add_argument("--reduce-tiles-a-program", type=float,
+                        default=plan.REDUCE_TILES_A_PROGRAM)
     args = parser.parse_args()
     plan.PROGRAM_TILES = args.program_tiles
     plan.MERGE_TILES = args.merge_tiles
     plan.MERGE_TILES_A_SPLIT = args.merge_tiles_a_split
+    plan.REDUCE_TILES_A_PROGRAM = args.reduce_tiles_a_program
     groups: dict[tuple[str, str], list[float]] = defaultdict(list)
     for (where, route, key), times in sorted(split_times(args.journals).items()):
         regret = pick_regret(route, json.loads(key), times)
         groups[(where, route)].append(regret)
         groups[(where, "all")].append(regret)
     print(f"split_cost: program {plan.PROGRAM_TILES} tiles, merge {plan.MERGE_TILES} + "
-          f"{plan.MERGE_TILES_A_SPLIT} a split")
+          f"{plan.MERGE_TILES_A_SPLIT} a split (merged in the kernel) or "
+          f"{plan.REDUCE_TILES_A_PROGRAM} a program (by the reduce kernel)")
     for (where, route), regrets in sorted(groups.items()):
         print(f"{where:12s} {route:18s} {summary(regrets)}")
 

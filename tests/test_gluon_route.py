@@ -186,7 +186,7 @@ def test_asking_the_route_imports_no_triton():
 
 
 @pytest.mark.parametrize(("problem", "first"), [
-    (_p(batch=1), 22),  # one request: many splits (each split adds to the merge)
+    (_p(batch=1), 32),  # one request: many splits (each program's partial adds to the merge)
     (_p(batch=64), 2),
     (_p(batch=128, num_heads=128), 1),  # 256 programs already fill 132 SMs
     (_p(batch=8, num_heads=128, kv_len=32768), 8),
@@ -275,8 +275,8 @@ def test_both_gluon_routes_serve_the_same_problems_with_their_split_picks():
         pairs = [p["num_splits"] for p in seesaw.param_space(problem, H200)
                  if p["form"] == "pairs"]
         picks = {step: gluon_hopper_plan.pick_splits(
-            problem.batch, wgmma.row_blocks(problem), problem.shard_len, 132, tile_step=step)
-            for step in (1, 2)}
+            problem.batch, wgmma.row_blocks(problem), problem.shard_len, 132, tile_step=step,
+            by_reduce=True) for step in (1, 2)}
         assert pairs[0] == picks[2]
         assert set(pairs) <= {picks[2], picks[2] // 2, picks[2] * 2}
         assert wgmma.param_space(problem, H200)[0]["num_splits"] == picks[1]
@@ -286,12 +286,13 @@ def test_both_gluon_routes_serve_the_same_problems_with_their_split_picks():
 
 
 def test_the_seesaw_pick_gives_its_splits_whole_pairs_of_tiles_over_a_16_bit_cache():
-    """Batch 1, 128 heads, 4,096 keys (64 tiles): the one-tile pick leaves 3 tiles a split,
-    the seesaw's an even count; over an fp8 cache the seesaw picks as a one-tile walk."""
+    """Batch 1, 128 heads, 16,384 keys (256 tiles): the one-tile pick (wgmma/gluon's) leaves 5
+    tiles a split, the seesaw's an even count; over an fp8 cache the seesaw picks as a
+    one-tile walk."""
     seesaw, wgmma = routes.get("seesaw/gluon"), routes.get(ROUTE)
-    bf16 = _p(batch=1, num_heads=128, kv_len=4096)
+    bf16 = _p(batch=1, num_heads=128, kv_len=16384)
     fp8 = dataclasses.replace(bf16, kv_dtype="fp8_e4m3fn")
-    tiles = 4096 // gluon_hopper_plan.BLOCK_N
+    tiles = 16384 // gluon_hopper_plan.BLOCK_N
     one = wgmma.param_space(bf16, H200)[0]["num_splits"]
     pair = seesaw.param_space(bf16, H200)[0]["num_splits"]
     assert -(-tiles // one) % 2 == 1  # the one-tile pick: a lone last tile
@@ -871,22 +872,26 @@ def test_pick_splits_fills_the_gpu():
     assert gluon_hopper_plan.pick_splits(4, 1, 0) == 1
 
 
-# seesaw/gluon's times (us) at its listed split sets, H100 80GB HBM3, 2026-12-06
-# (bench.py --routine decode, CUDA-graph replay): (batch, row blocks, kv) -> {splits: us}.
-MEASURED_SPLITS = {
-    (40, 2, 1500): {1: 64.2, 3: 68.8, 6: 98.0}, (80, 2, 1500): {1: 119.6, 3: 133.4, 6: 176.5},
-    (160, 2, 1500): {1: 178.5, 2: 214.7, 4: 269.6}, (128, 2, 4096): {1: 274.4, 2: 319.9},
-    (32, 2, 4096): {1: 139.8, 2: 92.0}, (32, 1, 4096): {2: 84.7, 4: 75.3},
-    (24, 2, 700): {1: 38.6, 2: 31.1}}
+# seesaw/gluon's times (us) at its listed split sets over a bf16 cache, H100 80GB HBM3,
+# 2026-12-06 (bench.py --routine decode, CUDA-graph replay), one run a line:
+# (batch, row blocks, kv) -> {splits: us}.
+MEASURED_SPLITS = [
+    ((40, 2, 1500), {1: 64.2, 3: 68.8, 6: 98.0}), ((80, 2, 1500), {1: 119.6, 3: 133.4, 6: 176.5}),
+    ((160, 2, 1500), {1: 178.5, 2: 214.7, 4: 269.6}), ((128, 2, 4096), {1: 274.4, 2: 319.9}),
+    ((32, 2, 4096), {1: 139.8, 2: 92.0}), ((32, 1, 4096), {2: 84.7, 4: 75.3}),
+    ((24, 2, 700), {1: 38.6, 2: 31.1}),
+    ((80, 2, 1500), {1: 117.9, 2: 122.8}), ((1, 1, 4096), {11: 21.0, 22: 18.0, 44: 17.9}),
+    ((4, 1, 4096), {11: 25.4, 22: 26.6, 44: 33.2})]
 
 
 def test_the_split_cost_ranks_the_measured_sets_as_they_ran():
-    """Among the sets timed at each point, ``split_cost`` is least for the fastest (many
-    heads: one split once the programs fill most of a wave; few: more)."""
-    for (batch, row_blocks, kv), times in MEASURED_SPLITS.items():
-        def cost(s, at=(batch, row_blocks, kv)):
-            return gluon_hopper_plan.split_cost(*at, s, 132)
-        assert min(times, key=cost) == min(times, key=times.get), (batch, row_blocks, kv)
+    """Among the sets timed at each point, the seesaw's ``split_cost`` (tiles in pairs, the
+    reduce merging) is least for the fastest (many heads: one split once the programs fill
+    most of a wave; few: more)."""
+    for at, times in MEASURED_SPLITS:
+        def cost(s, at=at):
+            return gluon_hopper_plan.split_cost(*at, s, 132, tile_step=2, by_reduce=True)
+        assert min(times, key=cost) == min(times, key=times.get), at
 
 
 def test_a_per_program_cost_splits_less_where_programs_would_be_short():

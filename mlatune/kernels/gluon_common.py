@@ -75,11 +75,12 @@ def tma_descriptors(q: torch.Tensor, kv_cache: torch.Tensor, q_rows: int,
 def outputs_and_splits(q: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor | None,
                        lse: torch.Tensor | None, row_blocks: int, num_splits: int | None,
                        max_seq_len: int | None, per_program: float = 0.0,
-                       tile_step: int = 1) -> tuple[torch.Tensor, torch.Tensor, int]:
+                       tile_step: int = 1, by_reduce: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The caller's out and lse, or new ones ((tokens, heads, 512) in q's dtype, (tokens,
     heads) fp32), and the split count: ``num_splits`` or ``pick_splits`` (with the kernel's
-    ``per_program`` and ``tile_step``) over the longest request (``max_seq_len``, read from
-    ``seq_lens`` on the host only when not given)."""
+    ``per_program``, ``tile_step`` and ``by_reduce``) over the longest request
+    (``max_seq_len``, read from ``seq_lens`` on the host only when not given)."""
     tokens, heads = q.shape[0], q.shape[1]
     if out is None:
         out = torch.empty(tokens, heads, D_NOPE, dtype=q.dtype, device=q.device)
@@ -90,7 +91,7 @@ def outputs_and_splits(q: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tenso
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max()) if batch else 0
         num_splits = pick_splits(batch, row_blocks, max_seq_len, per_program=per_program,
-                                 tile_step=tile_step)
+                                 tile_step=tile_step, by_reduce=by_reduce)
     return out, lse, num_splits
 
 

@@ -277,7 +277,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     rows = qlen * heads
     row_blocks = triton.cdiv(rows, BLOCK_M)
     out, lse, num_splits = outputs_and_splits(q, seq_lens, out, lse, row_blocks, num_splits,
-                                              max_seq_len)
+                                              max_seq_len, by_reduce=True)
     page = kv_cache.shape[1]
     descs = tma_descriptors(q, kv_cache, BLOCK_M, kv_box_rows(page))
     grid = (row_blocks, num_splits, batch)

@@ -140,43 +140,63 @@ def transposed_row_blocks(heads: int, qlen: int) -> int:
 
 
 # ``pick_splits``'s costs, in tiles of one program's time: a program's fixed cost (Q's load,
-# the ring's fill and drain, the epilogue) and the merge's, a base and a part a split (the
-# reduce reads every split's partials). Fitted to the sweep journals' times of the Gluon
-# decodes' listed split sets (tables/journals: 1,540 H200 and 437 H100 problems with two sets
-# or more timed; docs/kernels/gluon_hopper.md, "The split pick").
+# the ring's fill and drain, the epilogue) and the merge's: a base, then where the kernel
+# merges its partials itself (the last split to arrive reads them all) a part a split, or
+# where the reduce kernel merges them a part a program, spread over the SMs (a 64-row
+# program's partial, 64 x 512 fp32, is written and read back: about 3.6 times the bytes of
+# a 16-bit cache's 64-key tile). Fitted to the sweep journals' times of the Gluon decodes'
+# listed split sets (tables/journals: 1,540 H200 and 992 H100 problems with two sets or
+# more timed; the reduce's part ranks them alike from 4.5 to 7; docs/kernels/gluon_hopper.md,
+# "The split pick").
 PROGRAM_TILES = 8.0
 MERGE_TILES = 1.0
 MERGE_TILES_A_SPLIT = 0.1
+REDUCE_TILES_A_PROGRAM = 6.0
 
 
 def split_cost(batch: int, row_blocks: int, max_seq_len: int, splits: int,
-               sms: int = H200_SMS, per_program: float = 0.0, tile_step: int = 1) -> float:
+               sms: int = H200_SMS, per_program: float = 0.0, tile_step: int = 1,
+               by_reduce: bool = False) -> float:
     """A launch's estimated time, in tiles of one program's time, at ``splits`` per request.
 
     A program's time ~ its tiles (rounded up to a multiple of ``tile_step``: the tiles a
     program's walk takes at once) plus ``PROGRAM_TILES``; more than one split adds the
-    merge (``MERGE_TILES`` + ``MERGE_TILES_A_SPLIT`` a split). One program fits an SM (its
-    shared memory), so programs run in waves of ``sms``. ``per_program``: tiles of time
-    each program adds to the whole launch, spread over the SMs (a kernel whose tiles are
-    cheap beside what a program costs to start and to merge: ``FP8_MMA_PROGRAM_COST``).
+    merge: ``MERGE_TILES`` and ``MERGE_TILES_A_SPLIT`` a split, or with ``by_reduce`` (the
+    reduce kernel merges the partials) ``REDUCE_TILES_A_PROGRAM`` a program over the SMs.
+    One program fits an SM (its shared memory), so programs run in waves of ``sms``.
+    ``per_program``: tiles of time each program adds to the whole launch, spread over the
+    SMs (a kernel whose tiles are cheap beside what a program costs to start and to merge:
+    ``FP8_MMA_PROGRAM_COST``).
     """
     tiles = max(1, math.ceil(max_seq_len / BLOCK_N))
     walked = -(-math.ceil(tiles / splits) // tile_step) * tile_step
     programs = batch * row_blocks * splits
-    merge = MERGE_TILES + MERGE_TILES_A_SPLIT * splits if splits > 1 else 0.0
+    merge = 0.0
+    if splits > 1:
+        merge = MERGE_TILES + (REDUCE_TILES_A_PROGRAM * programs / sms if by_reduce
+                               else MERGE_TILES_A_SPLIT * splits)
     return math.ceil(programs / sms) * (walked + PROGRAM_TILES) + merge \
         + per_program * programs / sms
 
 
 def pick_splits(batch: int, row_blocks: int, max_seq_len: int, sms: int = H200_SMS,
-                per_program: float = 0.0, tile_step: int = 1) -> int:
+                per_program: float = 0.0, tile_step: int = 1, by_reduce: bool = False
+                ) -> int:
     """Splits per request: the least ``split_cost`` (the fewest among equals)."""
     best, best_cost = 1, math.inf
     for s in range(1, min(max(1, math.ceil(max_seq_len / BLOCK_N)), MAX_SPLITS) + 1):
-        cost = split_cost(batch, row_blocks, max_seq_len, s, sms, per_program, tile_step)
+        cost = split_cost(batch, row_blocks, max_seq_len, s, sms, per_program, tile_step,
+                          by_reduce)
         if cost < best_cost - 1e-9:
             best, best_cost = s, cost
     return best
+
+
+# ``pick_splits``'s per_program for the fp8-MMA transposed kernel (``gluon_transposed_fp8``):
+# its tiles take about 0.6x the bf16 kernel's, so what a program costs besides them (q
+# quantized, the ring filled, the partials written and merged) weighs more. Fitted to its
+# times at forced split counts (docs/kernels/gluon_transposed.md) on the costs above.
+FP8_MMA_PROGRAM_COST = 4.0
 
 
 def seesaw_tile_step(fp8_cache: bool) -> int:
@@ -187,10 +207,3 @@ def seesaw_tile_step(fp8_cache: bool) -> int:
     widening by the loader dominates, and a lone tile is cheaper (64 heads, qlen 2, 1,024
     keys: 1 tile 18.8 us, 2 tiles 27.5)."""
     return 1 if fp8_cache else 2
-
-
-# ``pick_splits``'s per_program for the fp8-MMA transposed kernel (``gluon_transposed_fp8``):
-# its tiles take about 0.6x the bf16 kernel's, so what a program costs besides them (q
-# quantized, the ring filled, the partials written and merged) weighs more. Fitted to its
-# times at forced split counts (docs/kernels/gluon_transposed.md) on the costs above.
-FP8_MMA_PROGRAM_COST = 4.0

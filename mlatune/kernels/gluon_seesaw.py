@@ -1060,7 +1060,8 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     if form == "balanced":
         num_splits = 1  # what the outputs' helper would otherwise pick from the lengths
     out, lse, num_splits = outputs_and_splits(q, seq_lens, out, lse, row_blocks, num_splits,
-                                              max_seq_len, tile_step=seesaw_tile_step(fp8))
+                                              max_seq_len, tile_step=seesaw_tile_step(fp8),
+                                              by_reduce=True)
     page = kv_cache.shape[1]
     descs = (*tma_descriptors(q, kv_cache, BLOCK_M, kv_box_rows(page))[:3],
              _chunk_descriptor(kv_cache))

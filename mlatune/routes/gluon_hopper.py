@@ -101,6 +101,10 @@ class WgmmaGluonRoute(Route):
     sized_params = ("num_splits",)  # derived from batch and KV length (base.params_at)
     param_limits = MappingProxyType({"num_splits": SPLIT_LIMIT})
     writes_into = True  # prepare takes the caller's out= and lse= buffers
+    # The split pick's terms for the kernel (``plan.split_cost``): a program's own cost, in
+    # tiles (per_program), and whether the reduce kernel merges its partials.
+    program_cost = 0.0
+    by_reduce = True
 
     @property
     def reads_fp8(self) -> bool:
@@ -123,14 +127,14 @@ class WgmmaGluonRoute(Route):
         (where the keys allow)."""
         return self.split_sets(problem, device)
 
-    def split_sets(self, problem: MLAProblem, device: DeviceInfo,
-                   per_program: float = 0.0) -> list[Params]:
+    def split_sets(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
         """``{"num_splits": s}`` for ``pick_splits``'s pick (with the kernel's
-        ``per_program``), half and twice it, where the keys allow."""
+        ``program_cost``, ``tile_step`` and ``by_reduce``), half and twice it, where the keys
+        allow."""
         sms = _sms(device)
         length = problem.shard_len
         pick = plan.pick_splits(problem.batch, self.row_blocks(problem), length, sms,
-                                per_program, self.tile_step(problem))
+                                self.program_cost, self.tile_step(problem), self.by_reduce)
         top = min(plan.MAX_SPLITS, max(1, -(-length // plan.BLOCK_N)))
         splits = dict.fromkeys(s for s in (pick, pick // 2, pick * 2) if 1 <= s <= top)
         return [{"num_splits": s} for s in splits]
@@ -329,7 +333,9 @@ class TransposedGluonRoute(WgmmaGluonRoute):
     forms: tuple[str, ...] = ("mma16",)
     kernel_options = MappingProxyType({"form": "mma16"})  # a set without a form: mma16
     moved_forms = MappingProxyType({"mma8": "transposed-mma8/gluon"})
-    program_cost = 0.0  # the kernel's fixed cost a program, in tiles (the split pick's)
+    # It merges its partials itself up to two splits (and a 16- or 32-row partial is small
+    # beside its tiles: the journals' split sets ranked best so at every split count).
+    by_reduce = False
     # The options a stored set named its form with before form ids (absent: off).
     LEGACY_OPTIONS = ("ws", "pdl", "fp8_mma", "defer_sums", "stacked", "wide_vt", "warp_max",
                       "slim")
@@ -338,7 +344,7 @@ class TransposedGluonRoute(WgmmaGluonRoute):
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
         """The split counts, each in the route's form."""
         return [{**params, "form": self.forms[0]}
-                for params in self.split_sets(problem, device, self.program_cost)]
+                for params in self.split_sets(problem, device)]
 
     def upgrade_params(self, params: Params) -> Params | None:
         """A stored param set with one of the route's form ids as stored (None: another
