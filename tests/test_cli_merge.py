@@ -1,6 +1,6 @@
 """`mlatune merge BASE NEW --out OUT --replace-routes ROUTE[,ROUTE]`: BASE's rows of those
-routes for the problems NEW holds are dropped, then the tables are joined, so NEW's rows
-of those routes stand whatever their times."""
+routes where NEW holds the route's row for the problem are dropped, then the tables are
+joined, so NEW's rows of those routes stand whatever their times."""
 
 from __future__ import annotations
 

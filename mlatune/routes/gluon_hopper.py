@@ -210,9 +210,10 @@ class WgmmaGluonRoute(Route):
 
 class SeesawGluonRoute(WgmmaGluonRoute):
     """The warp-specialized Hopper Gluon decode: each warpgroup computes S of a whole tile,
-    the two alternating (Q read once a tile); the same rules, tensors and splits, and fp8
-    caches too (the ``seesaw.dtypes`` rule: each tile widened to fp16 by the loader, a bf16 q
-    to fp16 row by row, exactly; fp16 MMAs). Its forms (``plan.SEESAW_FORMS``): "pairs";
+    the two alternating (Q read once a tile); the same rules, tensors and split pick (its
+    tiles taken in pairs over a 16-bit cache: ``tile_step``), and fp8 caches too (the
+    ``seesaw.dtypes`` rule: each tile widened to fp16 by the loader, a bf16 q to fp16 row by
+    row, exactly; fp16 MMAs). Its forms (``plan.SEESAW_FORMS``): "pairs";
     "two-requests" (a program walks two requests), offered past one wave of programs where
     the form reads the cache (``plan.seesaw_form_refusal``); "balanced" (the request's key
     tiles spread evenly over a program an SM by a device plan, planned once a step and
