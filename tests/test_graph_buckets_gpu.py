@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 
 from mlatune import attention, routes
 from mlatune.arch import current_device
@@ -250,16 +251,13 @@ def test_a_captured_step_outlives_the_plan_limit(monkeypatch):
 SEESAW_MANY = [_p(128, 1, "bf16"), _p(64, 2, "bf16"), _p(128, 1, FP8)]
 
 
-def _compiled_replays(problem: MLAProblem, dispatcher, seed: int, traces: list):
-    """A model's step with ``decode`` inside ``torch.compile(fullgraph=True)`` (each trace
-    appended to ``traces``), called once, then captured and replayed over STEPS; yields
-    (lens, out, lse, inputs) after each replay."""
+def _compiled_replays(problem: MLAProblem, dispatcher, seed: int, counter):
+    """A model's step with ``decode`` inside ``torch.compile(fullgraph=True)`` (Inductor,
+    through ``counter``: a ``CompileCounterWithBackend``), called once, then captured and
+    replayed over STEPS; yields (lens, out, lse, inputs) after each replay, and at the end
+    calls the compiled step once more with the last lengths (a retrace would count)."""
     bucket = Bucket(problem, seed)
     inputs, shard = bucket.inputs, bucket.shard
-
-    def counting(gm, example_inputs):
-        traces.append(gm)
-        return gm.forward
 
     def model_step(q, kv_cache, block_table, seq_lens, kv_scale):
         out, lse = attention.decode(q * 1.0, kv_cache, block_table, seq_lens,
@@ -269,10 +267,12 @@ def _compiled_replays(problem: MLAProblem, dispatcher, seed: int, traces: list):
         return out + 0, lse
 
     torch._dynamo.reset()
-    compiled = torch.compile(model_step, fullgraph=True, backend=counting)
+    compiled = torch.compile(model_step, fullgraph=True, backend=counter)
     args = (inputs.q, shard.kv_cache, shard.block_table, inputs.seq_lens, inputs.kv_scale)
     bucket.write(STEPS[0])
-    compiled(*args)  # traces, and makes the step outside the capture
+    # Compiles (model and kernels) outside the capture; the capture then makes a step of its
+    # own, for the graph's q and out (a step is keyed on its tensors).
+    compiled(*args)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out, lse = compiled(*args)
@@ -282,14 +282,16 @@ def _compiled_replays(problem: MLAProblem, dispatcher, seed: int, traces: list):
         graph.replay()
         torch.cuda.synchronize()
         yield lens, out, lse, inputs
+    compiled(*args)
 
 
 @pytest.mark.parametrize("problem", SEESAW_MANY, ids=["h128-q1-bf16", "h64-q2-bf16", "h128-q1-fp8"])
 def test_compiled_fullgraph_step_captures_every_seesaw_form(problem, tmp_path):
     """A model's step as an engine builds it: ``decode`` inside ``torch.compile(fullgraph=True)``
-    (one trace: the op boundary holds), that compiled step captured in a CUDA graph and replayed
-    as the lengths change and empty, for each of seesaw/gluon's forms (the balanced one plans
-    on the device inside the graph). Only the first call traces."""
+    (Inductor; one trace: the op boundary holds), that compiled step captured in a CUDA graph
+    and replayed as the lengths change and empty, for each of seesaw/gluon's forms (the
+    balanced one plans on the device inside the graph). Only the first call compiles: the
+    capture and a call after the lengths changed reuse it."""
     route = routes.get("seesaw/gluon")
     verdict = route.supports(problem, current_device())
     if not verdict:
@@ -299,9 +301,9 @@ def test_compiled_fullgraph_step_captures_every_seesaw_form(problem, tmp_path):
         assert "balanced" in {p.get("form") for p in forms}, forms
     for n, params in enumerate(forms):
         dispatcher = _forced(problem, "seesaw/gluon", params, tmp_path / str(n))
-        traces: list = []
-        for lens, out, lse, inputs in _compiled_replays(problem, dispatcher, 71 + n, traces):
+        counter = CompileCounterWithBackend("inductor")
+        for lens, out, lse, inputs in _compiled_replays(problem, dispatcher, 71 + n, counter):
             _served(problem, route, params, out, lse, inputs, lens, f"{params}, lengths {lens}")
-        assert len(traces) == 1, f"{params}: traced {len(traces)} times"
+        assert counter.frame_count == 1, f"{params}: compiled {counter.frame_count} times"
         steps = attention.plans_of(dispatcher).values()
         assert {s.choice.route_id for s in steps} == {"seesaw/gluon"}
