@@ -62,8 +62,11 @@ from mlatune.measure import timers
 from mlatune.problem import DTYPE_NAMES, DTYPES, MLAProblem, next_power_of_two, output_dtype
 from mlatune.routes import Prepared, Route, rounding, step_kind_of
 
-# Steps kept per dispatcher; a step holds the caller's tensors alive, so the set is bounded.
+# Steps kept per dispatcher, the least recently used dropped first: a step holds the
+# caller's tensors alive (an eager caller's fresh q and out each call would pile up), so the
+# set is bounded, in steps and in the bytes of those tensors (q, out, lse).
 PLAN_LIMIT = 1024
+PLAN_BYTES = 1 << 30
 
 _plans: weakref.WeakKeyDictionary[Dispatcher, dict[tuple, DecodeStep]] = \
     weakref.WeakKeyDictionary()
@@ -317,23 +320,39 @@ def _held_step(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         raise RuntimeError("decode(reuse_plan=True): no call with these seq_lens and "
                            "block_table tensors has planned yet; pass reuse_plan=False in "
                            "the step's first call")
-    step = steps.get(key)
+    step = steps.pop(key, None)  # put back last: the most recently used
     if step is None or step.planner is not planner \
             or _served_len(max_kv_len, step.problem.qlen) != step.problem.kv_len:
         step = _make_plan(q, kv_cache, block_table, seq_lens, max_kv_len=max_kv_len,
                           dispatcher=dispatcher, plan_from=planner, **made)
-        if len(steps) >= PLAN_LIMIT and key not in steps:
-            steps.clear()
-            planners.clear()
-        steps[key] = step
+        _make_room(steps, planners, _held_bytes(step))
     elif _checks_values(step.values_free, seq_lens, made=False):
         _check_values(step.problem, kv_cache, block_table, seq_lens, made["dcp_rank"])
+    steps[key] = step
     if not reuse_plan:
         planners[lengths] = step
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
         _captured.setdefault(dispatcher, {})[id(step)] = step
     _last[dispatcher] = step
     return step
+
+
+def _held_bytes(step: DecodeStep) -> int:
+    """The bytes of the caller's tensors that ``step`` holds alive: q, out and the LSE."""
+    held = (step.inputs.q, step.out, step.lse)
+    return sum(t.numel() * t.element_size() for t in held if t is not None)
+
+
+def _make_room(steps: dict[tuple, DecodeStep], planners: dict[tuple, DecodeStep],
+               adding: int) -> None:
+    """Drop the least recently used steps (and the planner entries naming them) until one
+    more step, holding ``adding`` bytes, keeps within PLAN_LIMIT and PLAN_BYTES."""
+    held = sum(_held_bytes(s) for s in steps.values())
+    while steps and (len(steps) >= PLAN_LIMIT or held + adding > PLAN_BYTES):
+        dropped = steps.pop(next(iter(steps)))
+        held -= _held_bytes(dropped)
+        for lengths in [k for k, s in planners.items() if s is dropped]:
+            del planners[lengths]
 
 
 def prepare_decode(

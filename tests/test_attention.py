@@ -459,3 +459,59 @@ def test_torch_compile_carries_the_accuracy_policy():
 
     with pytest.raises(DecodeArgumentError, match=r"^accuracy: 'strict' asked"):
         torch.compile(attend("strict"), fullgraph=True)(*args)
+
+
+def _fresh_q_calls(inputs, dispatcher, calls: int) -> list:
+    """``calls`` eager decode calls, each with a fresh q (as an eager model's activations)
+    and no out=; returns a weak reference to each q."""
+    import weakref
+
+    shard, held = inputs.shards[0], []
+    for _ in range(calls):
+        q = inputs.q.clone()
+        held.append(weakref.ref(q))
+        out = attention.decode(q, shard.kv_cache, shard.block_table, inputs.seq_lens,
+                               num_heads=4, max_kv_len=40, dispatcher=dispatcher)
+        want = expected_now(inputs)[0]
+        torch.testing.assert_close(out.float(), want.float(), atol=2e-3, rtol=2e-3)
+        del q, out
+    return held
+
+
+def test_the_kept_steps_hold_a_bounded_share_of_fresh_tensors(monkeypatch):
+    """Each call's fresh q makes a step that holds q and its out alive; past PLAN_BYTES of
+    them the least recently used go, and with them their tensors."""
+    import gc
+
+    problem = MLAProblem(num_heads=4, batch=2, kv_len=40, page_size=8, q_dtype="fp16",
+                         kv_dtype="fp16")
+    inputs = make_decode_inputs(problem, seed=14, ragged=True)
+    dispatcher = Dispatcher.rules_only(cpu_device())
+    one = inputs.q.nbytes + 2 * 4 * 512 * 2  # q and out (fp16): the LSE is not asked for
+    monkeypatch.setattr(attention, "PLAN_BYTES", 3 * one)
+    held = _fresh_q_calls(inputs, dispatcher, 12)
+    gc.collect()
+    assert len(attention.plans_of(dispatcher)) == 3
+    assert [r() is not None for r in held] == [False] * 9 + [True] * 3
+
+
+def test_a_step_used_again_is_kept_before_older_ones(monkeypatch):
+    """Least recently used, not first made: a persistent q's step, called between fresh
+    ones, stays while the fresh ones come and go."""
+    problem = MLAProblem(num_heads=4, batch=2, kv_len=40, page_size=8, q_dtype="fp16",
+                         kv_dtype="fp16")
+    inputs = make_decode_inputs(problem, seed=15, ragged=True)
+    shard = inputs.shards[0]
+    dispatcher = Dispatcher.rules_only(cpu_device())
+    monkeypatch.setattr(attention, "PLAN_LIMIT", 2)
+
+    def kept() -> object:
+        attention.decode(inputs.q, shard.kv_cache, shard.block_table, inputs.seq_lens,
+                         num_heads=4, max_kv_len=40, dispatcher=dispatcher)
+        return attention.last_step(dispatcher)
+
+    first = kept()
+    for _ in range(3):
+        _fresh_q_calls(inputs, dispatcher, 1)
+        assert kept() is first  # found again: no new step for the persistent q
+    assert len(attention.plans_of(dispatcher)) == 2

@@ -224,15 +224,15 @@ def test_decode_with_the_bundled_dispatcher_captures_the_bucket(problem):
 
 
 def test_a_captured_step_outlives_the_plan_limit(monkeypatch):
-    """Steps made after a capture past ``PLAN_LIMIT`` clear the step cache, never a captured
-    step: its graph goes on replaying its own buffers (garbage written over freed memory
-    would show)."""
+    """Steps made after a capture past ``PLAN_LIMIT`` drop the older steps from the cache,
+    never a captured step: its graph goes on replaying its own buffers (garbage written over
+    freed memory would show)."""
     monkeypatch.setattr(attention, "PLAN_LIMIT", 1)
     problem = SHAPES[0]
     replays = _captured_bucket(problem, None, seed=61)
     lens, out, lse, inputs = next(replays)
     shard = inputs.shards[0]
-    for _ in range(3):  # each a new key (its own q and out): the cache is cleared each time
+    for _ in range(3):  # each a new key (its own q and out): the older step is dropped
         attention.decode(inputs.q.clone(), shard.kv_cache, shard.block_table, inputs.seq_lens,
                          num_heads=problem.num_heads, qlen=problem.qlen, max_kv_len=CAP,
                          out=torch.empty_like(out), capturable=True)
