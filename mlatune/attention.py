@@ -320,15 +320,17 @@ def _held_step(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         raise RuntimeError("decode(reuse_plan=True): no call with these seq_lens and "
                            "block_table tensors has planned yet; pass reuse_plan=False in "
                            "the step's first call")
-    step = steps.pop(key, None)  # put back last: the most recently used
+    step = steps.pop(key, None)
     if step is None or step.planner is not planner \
             or _served_len(max_kv_len, step.problem.qlen) != step.problem.kv_len:
         step = _make_plan(q, kv_cache, block_table, seq_lens, max_kv_len=max_kv_len,
                           dispatcher=dispatcher, plan_from=planner, **made)
         _make_room(steps, planners, _held_bytes(step))
-    elif _checks_values(step.values_free, seq_lens, made=False):
-        _check_values(step.problem, kv_cache, block_table, seq_lens, made["dcp_rank"])
-    steps[key] = step
+        steps[key] = step
+    else:
+        steps[key] = step  # put back last: the most recently used
+        if _checks_values(step.values_free, seq_lens, made=False):
+            _check_values(step.problem, kv_cache, block_table, seq_lens, made["dcp_rank"])
     if not reuse_plan:
         planners[lengths] = step
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
