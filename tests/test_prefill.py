@@ -144,7 +144,7 @@ def test_fp8_fnuz(heads):
 @pytest.mark.parametrize(("dtype", "causal", "shape"), [
     ("fp8_e4m3fn", True, (12, 3, 20, 30)),
     ("fp8_e4m3fnuz", True, (16, 3, 37, 37)),
-    ("fp8_e4m3fn", False, (4, 3, 40, 70)),
+    ("fp8_e4m3fn", False, (4, 2, 24, 50)),
     ("fp16", True, (12, 3, 24, 56)),
 ])
 def test_two_key_blocks(dtype, causal, shape):
