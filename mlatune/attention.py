@@ -67,6 +67,9 @@ from mlatune.routes import Prepared, Route, rounding, step_kind_of
 # set is bounded, in steps and in the bytes of those tensors (q, out, lse).
 PLAN_LIMIT = 1024
 PLAN_BYTES = 1 << 30
+# Length tensors (and call options) per dispatcher whose last planning step later layers may
+# read (``reuse_plan``), the least recently planned dropped first; those steps stay kept.
+PLANNER_LIMIT = 16
 
 _plans: weakref.WeakKeyDictionary[Dispatcher, dict[tuple, DecodeStep]] = \
     weakref.WeakKeyDictionary()
@@ -332,7 +335,10 @@ def _held_step(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         if _checks_values(step.values_free, seq_lens, made=False):
             _check_values(step.problem, kv_cache, block_table, seq_lens, made["dcp_rank"])
     if not reuse_plan:
+        planners.pop(lengths, None)  # put back last: the most recently planned
         planners[lengths] = step
+        while len(planners) > PLANNER_LIMIT:
+            del planners[next(iter(planners))]
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
         _captured.setdefault(dispatcher, {})[id(step)] = step
     _last[dispatcher] = step
@@ -347,14 +353,15 @@ def _held_bytes(step: DecodeStep) -> int:
 
 def _make_room(steps: dict[tuple, DecodeStep], planners: dict[tuple, DecodeStep],
                adding: int) -> None:
-    """Drop the least recently used steps (and the planner entries naming them) until one
-    more step, holding ``adding`` bytes, keeps within PLAN_LIMIT and PLAN_BYTES."""
+    """Drop the least recently used steps until one more step, holding ``adding`` bytes,
+    keeps within PLAN_LIMIT and PLAN_BYTES; never a step whose plan later layers may read
+    (a planner's: those are bounded by PLANNER_LIMIT)."""
     held = sum(_held_bytes(s) for s in steps.values())
-    while steps and (len(steps) >= PLAN_LIMIT or held + adding > PLAN_BYTES):
-        dropped = steps.pop(next(iter(steps)))
-        held -= _held_bytes(dropped)
-        for lengths in [k for k, s in planners.items() if s is dropped]:
-            del planners[lengths]
+    planning = {id(s) for s in planners.values()}
+    for key in [k for k, s in steps.items() if id(s) not in planning]:
+        if len(steps) < PLAN_LIMIT and held + adding <= PLAN_BYTES:
+            return
+        held -= _held_bytes(steps.pop(key))
 
 
 def prepare_decode(

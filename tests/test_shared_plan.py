@@ -236,3 +236,18 @@ def test_compiled_layers_share_the_plan_too(monkeypatch, tmp_path):
         for inputs, out in zip(layers, outs, strict=True):
             assert check(problem, out, expected_now(inputs)[0]).ok
         _write_lengths(layers[0], (layers[0].seq_lens // 2).clamp(min=problem.qlen))
+
+
+def test_a_step_whose_plan_later_layers_read_outlives_the_cache_bound(monkeypatch, tmp_path):
+    """The kept steps' bound (PLAN_LIMIT, PLAN_BYTES) drops the least recently used, never
+    the step that planned for lengths later layers read (``reuse_plan``): with room for two
+    steps, six layers still read layer 0's plan, step after step."""
+    route_id, params, problem = CASES[0]
+    problem = replace(problem, dcp_size=1)
+    dispatcher = _dispatcher(problem, route_id, params, tmp_path)
+    monkeypatch.setattr(attention, "PLAN_LIMIT", 2)
+    layers = _layers(problem, 6)
+    for _ in range(2):
+        _assert_right(layers, _step(layers, dispatcher))
+        _write_lengths(layers[0], (layers[0].seq_lens // 2).clamp(min=problem.qlen))
+    assert len(attention.plans_of(dispatcher)) <= 2
