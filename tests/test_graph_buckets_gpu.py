@@ -128,6 +128,18 @@ def _served(problem: MLAProblem, route, params: dict, out, lse, inputs: DecodeIn
     assert torch.isneginf(lse[empty]).all(), f"{what}: rows without keys: LSE not -inf"
 
 
+def _replayed(bucket: Bucket, graph: torch.cuda.CUDAGraph, out: torch.Tensor,
+              lse: torch.Tensor):
+    """``graph`` replayed over STEPS, each step's lengths written in and the outputs poisoned
+    first; yields (lens, out, lse, inputs) after each replay."""
+    for lens in STEPS:
+        bucket.write(lens)
+        poison_(out, lse)
+        graph.replay()
+        torch.cuda.synchronize()
+        yield lens, out, lse, bucket.inputs
+
+
 def _captured_bucket(problem: MLAProblem, dispatcher, seed: int):
     """decode() once eagerly and once under capture; yields (lens, out, lse) after each
     replay of STEPS (the capture's own lengths first)."""
@@ -148,12 +160,7 @@ def _captured_bucket(problem: MLAProblem, dispatcher, seed: int):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    for lens in STEPS:
-        bucket.write(lens)
-        poison_(out, lse)
-        graph.replay()
-        torch.cuda.synchronize()
-        yield lens, out, lse, inputs
+    yield from _replayed(bucket, graph, out, lse)
 
 
 @pytest.mark.parametrize("case", CASES, ids=_label)
@@ -276,12 +283,7 @@ def _compiled_replays(problem: MLAProblem, dispatcher, seed: int, counter):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out, lse = compiled(*args)
-    for lens in STEPS:
-        bucket.write(lens)
-        poison_(out, lse)
-        graph.replay()
-        torch.cuda.synchronize()
-        yield lens, out, lse, inputs
+    yield from _replayed(bucket, graph, out, lse)
     compiled(*args)
 
 
