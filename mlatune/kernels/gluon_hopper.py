@@ -60,6 +60,7 @@ from mlatune.kernels.gluon_hopper_plan import (  # noqa: F401  (GLUON_TRITON, H2
     D_ROPE,
     GLUON_TRITON,
     H200_SMS,
+    REDUCE_MERGED_KERNELS,
     kv_box_rows,
     page_refusal,
     pick_splits,
@@ -276,8 +277,9 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
         raise ValueError(f"q has {q.shape[0]} tokens, expected batch {batch} x qlen {qlen}")
     rows = qlen * heads
     row_blocks = triton.cdiv(rows, BLOCK_M)
+    by_reduce = "gluon_hopper" in REDUCE_MERGED_KERNELS  # its partials: the reduce kernel's
     out, lse, num_splits = outputs_and_splits(q, seq_lens, out, lse, row_blocks, num_splits,
-                                              max_seq_len, by_reduce=True)
+                                              max_seq_len, by_reduce=by_reduce)
     page = kv_cache.shape[1]
     descs = tma_descriptors(q, kv_cache, BLOCK_M, kv_box_rows(page))
     grid = (row_blocks, num_splits, batch)

@@ -28,6 +28,9 @@ FP8_CACHE = "fp8_e4m3fn"  # the fp8 cache some kernels also read under a 16-bit 
 # kernels (``gluon_transposed_ws``; ``gluon_transposed_fp8``'s fp8 MMAs). The others read a
 # cache of q's dtype only.
 FP8_CACHE_KERNELS = ("gluon_seesaw", "gluon_transposed")
+# The kernels whose split partials the reduce kernel merges (``split_cost``'s by_reduce); the
+# transposed kernels merge their own up to two splits.
+REDUCE_MERGED_KERNELS = ("gluon_hopper", "gluon_seesaw")
 H200_SMS = 132
 MAX_SPLITS = 64
 

@@ -83,6 +83,7 @@ from mlatune.kernels.gluon_hopper_plan import (
     BLOCK_N,
     D_NOPE,
     D_ROPE,
+    REDUCE_MERGED_KERNELS,
     SEESAW_FORMS,
     balanced_workers,
     kv_box_rows,
@@ -1061,7 +1062,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
         num_splits = 1  # what the outputs' helper would otherwise pick from the lengths
     out, lse, num_splits = outputs_and_splits(q, seq_lens, out, lse, row_blocks, num_splits,
                                               max_seq_len, tile_step=seesaw_tile_step(fp8),
-                                              by_reduce=True)
+                                              by_reduce="gluon_seesaw" in REDUCE_MERGED_KERNELS)
     page = kv_cache.shape[1]
     descs = (*tma_descriptors(q, kv_cache, BLOCK_M, kv_box_rows(page))[:3],
              _chunk_descriptor(kv_cache))

@@ -101,10 +101,7 @@ class WgmmaGluonRoute(Route):
     sized_params = ("num_splits",)  # derived from batch and KV length (base.params_at)
     param_limits = MappingProxyType({"num_splits": SPLIT_LIMIT})
     writes_into = True  # prepare takes the caller's out= and lse= buffers
-    # The split pick's terms for the kernel (``plan.split_cost``): a program's own cost, in
-    # tiles (per_program), and whether the reduce kernel merges its partials.
-    program_cost = 0.0
-    by_reduce = True
+    program_cost = 0.0  # the split pick's fixed cost a program, in tiles (``plan.split_cost``)
 
     @property
     def reads_fp8(self) -> bool:
@@ -146,6 +143,12 @@ class WgmmaGluonRoute(Route):
     def tile_step(self, problem: MLAProblem) -> int:
         """The key tiles a program's walk takes at once (``plan.split_cost``): one."""
         return 1
+
+    @property
+    def by_reduce(self) -> bool:
+        """Whether the reduce kernel merges the kernel's split partials
+        (``plan.REDUCE_MERGED_KERNELS``; the split pick charges it a program)."""
+        return self.kernel in plan.REDUCE_MERGED_KERNELS
 
     def row_blocks(self, problem: MLAProblem) -> int:
         """Programs per request and split."""
@@ -334,9 +337,6 @@ class TransposedGluonRoute(WgmmaGluonRoute):
     forms: tuple[str, ...] = ("mma16",)
     kernel_options = MappingProxyType({"form": "mma16"})  # a set without a form: mma16
     moved_forms = MappingProxyType({"mma8": "transposed-mma8/gluon"})
-    # It merges its partials itself up to two splits (and a 16- or 32-row partial is small
-    # beside its tiles: the journals' split sets ranked best so at every split count).
-    by_reduce = False
     # The options a stored set named its form with before form ids (absent: off).
     LEGACY_OPTIONS = ("ws", "pdl", "fp8_mma", "defer_sums", "stacked", "wide_vt", "warp_max",
                       "slim")
