@@ -6,7 +6,10 @@ per-step plan (from the lengths the tensors hold now) and the launch. The
 prepared step is kept per tensor set (data pointers, dtypes, shapes, strides),
 problem bucket (every key field but batch and kv_len) and call options (scale,
 LSE, capturability): an engine's persistent buffers, whose contents change
-between steps, find their step in a dict.
+between steps, find their step in a dict. A call whose q, out or LSE are new
+tensors of a shape seen before (an eager model's activations) reuses the last
+such call's route and parameters, prepared again over them (nothing chosen,
+no host sync), and keeps that step only once the same tensors come back.
 
 - ``max_kv_len`` grows every decode step, so steps are not keyed on it: a step
   serves every ``max_kv_len`` up to the next power of two above the one it was
@@ -48,6 +51,8 @@ Under ``torch.compile`` the call goes through the custom op ``mlatune::decode``
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import weakref
 from dataclasses import dataclass
 
@@ -80,6 +85,11 @@ _planners: weakref.WeakKeyDictionary[Dispatcher, dict[tuple, DecodeStep]] = \
 # time, so PLAN_LIMIT never drops them (kept as long as the dispatcher).
 _captured: weakref.WeakKeyDictionary[Dispatcher, dict[int, DecodeStep]] = \
     weakref.WeakKeyDictionary()
+# Per dispatcher, by a call's signature without its q/out/LSE addresses (``_unbound_key``),
+# the last step made for it, released (``DecodeStep.released``): how the next call with
+# new tensors of that signature is served without choosing again.
+_seen: weakref.WeakKeyDictionary[Dispatcher, dict[tuple, DecodeStep]] = \
+    weakref.WeakKeyDictionary()
 # Per dispatcher, the step its last call ran (``last_step``).
 _last: weakref.WeakKeyDictionary[Dispatcher, DecodeStep] = weakref.WeakKeyDictionary()
 _default: dict[tuple[bool, str], Dispatcher] = {}  # by capturable and accuracy policy
@@ -101,8 +111,11 @@ class DecodeStep:
     lse: torch.Tensor | None
     buffers: dict  # the caller's out=/lse= when the route writes into them
     planner: DecodeStep | None = None  # the step whose device plan this one reads
+    # A released step's weak references to the caller's q, out= and lse_out= (``holds``).
+    callers: tuple = ()
 
     def __post_init__(self) -> None:
+        self.want_lse = self.lse is not None
         kind = self.prepared.step_kind
         self.host_planned = kind.plan_on == "host"
         shard = self.inputs.shards[self.rank]
@@ -123,6 +136,28 @@ class DecodeStep:
                           self.inputs.seq_lens, self.rank)
         self.call()
         return self.out if self.lse is None else (self.out, self.lse)
+
+    def released(self) -> DecodeStep:
+        """This step holding none of the caller's q, out and LSE (nor the route's launch
+        over them: its device plan alone), only weak references to them: what
+        ``_rebound`` prepares again for the next call of the same signature with other
+        tensors."""
+        recipe = copy.copy(self)
+        recipe.inputs = dataclasses.replace(self.inputs, q=None)
+        recipe.prepared = dataclasses.replace(self.prepared, run=_released, out=None, lse=None)
+        recipe.out = recipe.lse = recipe.planner = recipe.graph = None
+        recipe.callers = tuple(None if t is None else weakref.ref(t)
+                               for t in (self.inputs.q, self.buffers["out"],
+                                         self.buffers["lse"]))
+        recipe.buffers = {}
+        return recipe
+
+    def holds(self, q: torch.Tensor, out: torch.Tensor | None,
+              lse_out: torch.Tensor | None) -> bool:
+        """Whether a released step's caller passed these very tensors (alive since: the
+        caller keeps them, so a step over them is worth keeping)."""
+        return all((None if ref is None else ref()) is t
+                   for ref, t in zip(self.callers, (q, out, lse_out), strict=True))
 
     def call(self) -> None:
         """One call of the caller's: eager, or inside the caller's own graph capture."""
@@ -212,6 +247,15 @@ def _ptr(t: torch.Tensor | None) -> tuple | None:
     return None if t is None else (t.data_ptr(), t.dtype, t.shape, t.stride())
 
 
+def _released() -> None:
+    raise RuntimeError("a released decode step launches nothing (DecodeStep.released)")
+
+
+def _geometry(t: torch.Tensor | None) -> tuple | None:
+    """What a prepared step assumes of a tensor besides its address."""
+    return None if t is None else (t.dtype, t.shape, t.stride(), t.device)
+
+
 def _fill_local_lens(local_lens: torch.Tensor, seq_lens: torch.Tensor, rank: int,
                      world: int) -> None:
     """Round-robin share of each request on ``rank``: ceil((len - rank) / world), in place
@@ -272,7 +316,7 @@ def decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     try:
         step = _decode_step(tensors, max_kv_len, reuse_plan, dispatcher, accuracy, made)
     except (AttributeError, TypeError):  # an argument of a foreign type, before the checks
-        _name_foreign_argument(tensors, made)
+        _check_args(tensors, made)  # its DecodeArgumentError names it
         raise
     step.call()
     return (step.out, step.lse) if want_lse else step.out
@@ -293,10 +337,10 @@ def _decode_step(tensors: tuple, max_kv_len: int | None, reuse_plan: bool,
     return _held_step(*tensors, max_kv_len, reuse_plan, dispatcher, made)
 
 
-def _name_foreign_argument(tensors: tuple, made: dict) -> None:
-    """Where an argument of a foreign type (a list as q, a list as num_heads) failed before
-    the argument checks ran, run them: their DecodeArgumentError names it. (Returns when
-    they pass: the failure was another.)"""
+def _check_args(tensors: tuple, made: dict) -> None:
+    """The argument checks (``runtime_checks.check_decode_args``) of ``decode``'s tensors
+    and options: a DecodeArgumentError names a bad one, also one of a foreign type (a list
+    as q) that failed before they ran."""
     checked = ("num_heads", "qlen", "dcp_rank", "dcp_size", "kv_lora_rank", "kv_scale",
                "q_scale", "softmax_scale", "out", "lse_out")
     runtime_checks.check_decode_args(*tensors, **{k: made[k] for k in checked})
@@ -307,33 +351,35 @@ def _held_step(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                dispatcher: Dispatcher, made: dict) -> DecodeStep:
     """The step ``decode`` holds for these arguments, made (and remembered) where none serves
     ``max_kv_len``; with ``reuse_plan`` it reads the plan of the last call that planned for
-    these length tensors."""
+    these length tensors. New q/out/LSE tensors of a signature seen before are served by the
+    last such step prepared again (``_rebound``), kept only once they come back."""
     lengths = (made["num_heads"], made["qlen"], made["causal"], made["dcp_rank"],
                made["dcp_size"], made["kv_lora_rank"], made["want_lse"], made["capturable"],
                _ptr(block_table), _ptr(seq_lens))  # what a plan is made from
-    key = (*lengths, reuse_plan, made["softmax_scale"], _ptr(q), _ptr(kv_cache),
-           _ptr(made["kv_scale"]), _ptr(made["q_scale"]), _ptr(made["out"]),
-           _ptr(made["lse_out"]))
-    steps = _plans.get(dispatcher)
-    if steps is None:
-        steps = _plans.setdefault(dispatcher, {})
+    callers = (q, made["out"], made["lse_out"])
+    unbound = (*lengths, reuse_plan, made["softmax_scale"], _ptr(kv_cache),
+               _ptr(made["kv_scale"]), _ptr(made["q_scale"]), *map(_geometry, callers))
+    key = (*unbound, *(None if t is None else t.data_ptr() for t in callers))
+    steps = _plans.setdefault(dispatcher, {})
     planners = _planners.setdefault(dispatcher, {})
     planner = planners.get(lengths) if reuse_plan else None
     if reuse_plan and planner is None:
         raise RuntimeError("decode(reuse_plan=True): no call with these seq_lens and "
                            "block_table tensors has planned yet; pass reuse_plan=False in "
                            "the step's first call")
+    served = _served_len(max_kv_len, made["qlen"])
     step = steps.pop(key, None)
-    if step is None or step.planner is not planner \
-            or _served_len(max_kv_len, step.problem.qlen) != step.problem.kv_len:
-        step = _make_plan(q, kv_cache, block_table, seq_lens, max_kv_len=max_kv_len,
-                          dispatcher=dispatcher, plan_from=planner, **made)
-        _make_room(steps, planners, _held_bytes(step))
-        steps[key] = step
-    else:
+    if step is not None and step.problem.kv_len == served:
+        if step.planner is not planner:  # the layers' planning step is another now
+            step = _rebound(step, *callers, planner)
         steps[key] = step  # put back last: the most recently used
-        if _checks_values(step.values_free, seq_lens, made=False):
-            _check_values(step.problem, kv_cache, block_table, seq_lens, made["dcp_rank"])
+        _check_held(step, kv_cache, block_table, seq_lens, made["dcp_rank"])
+    else:
+        step, keep = _unheld_step(q, kv_cache, block_table, seq_lens, max_kv_len, planner,
+                                  dispatcher, made, _seen.setdefault(dispatcher, {}), unbound)
+        if keep:
+            _make_room(steps, planners, _held_bytes(step))
+            steps[key] = step
     if not reuse_plan:
         planners.pop(lengths, None)  # put back last: the most recently planned
         planners[lengths] = step
@@ -343,6 +389,55 @@ def _held_step(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         _captured.setdefault(dispatcher, {})[id(step)] = step
     _last[dispatcher] = step
     return step
+
+
+def _unheld_step(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                 seq_lens: torch.Tensor, max_kv_len: int, planner: DecodeStep | None,
+                 dispatcher: Dispatcher, made: dict, seen: dict[tuple, DecodeStep],
+                 unbound: tuple) -> tuple[DecodeStep, bool]:
+    """The step for arguments no held step serves: the last step of the same signature
+    prepared again over these tensors (``_rebound``), else one made anew (``_make_plan``);
+    and whether it is worth holding (made anew, or over the tensors the signature's last
+    call passed too: its caller keeps them)."""
+    recipe = seen.pop(unbound, None)
+    if recipe is None or recipe.problem.kv_len != _served_len(max_kv_len, made["qlen"]):
+        step = _make_plan(q, kv_cache, block_table, seq_lens, max_kv_len=max_kv_len,
+                          dispatcher=dispatcher, plan_from=planner, **made)
+        keep = True
+    else:
+        _check_args((q, kv_cache, block_table, seq_lens), made)
+        step = _rebound(recipe, q, made["out"], made["lse_out"], planner)
+        keep = recipe.holds(q, made["out"], made["lse_out"])
+        _check_held(step, kv_cache, block_table, seq_lens, made["dcp_rank"])
+    seen[unbound] = step.released()
+    while len(seen) > PLAN_LIMIT:
+        del seen[next(iter(seen))]
+    return step, keep
+
+
+def _rebound(step: DecodeStep, q: torch.Tensor, out: torch.Tensor | None,
+             lse_out: torch.Tensor | None, planner: DecodeStep | None) -> DecodeStep:
+    """``step``'s route, parameters and lengths over these tensors, of its geometry: the
+    route prepared again, nothing chosen or checked; a layer that reads another's plan
+    reads ``planner``'s."""
+    buffers = {"out": out, "lse": lse_out}
+    theirs = step.inputs
+    if planner is not None:
+        return _sharing_step(planner, step.problem, q, theirs.shards[step.rank].kv_cache,
+                             theirs.q_scale, theirs.kv_scale, theirs.sm_scale,
+                             step.want_lse, buffers)
+    inputs = dataclasses.replace(theirs, q=q)
+    prepared = _prepare(step.route, step.problem, inputs, step.rank, step.choice,
+                        step.want_lse, buffers, plan_from=step.prepared)
+    return _new_step(step.problem, step.choice, step.route, inputs, prepared,
+                     step.local_lens, step.rank, buffers, step.want_lse)
+
+
+def _check_held(step: DecodeStep, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                seq_lens: torch.Tensor, dcp_rank: int) -> None:
+    """A held step's call checks the length values where that is free or asked for."""
+    if _checks_values(step.values_free, seq_lens, made=False):
+        _check_values(step.problem, kv_cache, block_table, seq_lens, dcp_rank)
 
 
 def _held_bytes(step: DecodeStep) -> int:
@@ -482,9 +577,8 @@ def _make_plan(q, kv_cache, block_table, seq_lens, *, num_heads, qlen, causal, k
         prepared = _prepare(route, capped, inputs, dcp_rank, choice, want_lse, buffers)
         if want_lse and prepared.lse is None:
             continue
-        lse = (prepared.lse if lse_out is None else lse_out) if want_lse else None
-        return DecodeStep(capped, choice, route, inputs, prepared, local_lens, dcp_rank,
-                          prepared.out if out is None else out, lse, buffers)
+        return _new_step(capped, choice, route, inputs, prepared, local_lens, dcp_rank,
+                         buffers, want_lse)
     needs = " and ".join(n for n, on in (("returns an LSE", want_lse),
                                           ("is capturable", capturable)) if on)
     raise RuntimeError(f"no route that serves {problem.key} {needs}")
@@ -506,9 +600,17 @@ def _sharing_step(planner: DecodeStep, problem: MLAProblem, q, kv_cache, q_scale
     buffers = {k: v for k, v in buffers.items()}
     prepared = _prepare(planner.route, problem, inputs, planner.rank, planner.choice, want_lse,
                         buffers, plan_from=planner.prepared)
+    return _new_step(problem, planner.choice, planner.route, inputs, prepared,
+                     planner.local_lens, planner.rank, buffers, want_lse, planner)
+
+
+def _new_step(problem: MLAProblem, choice: Choice, route: Route, inputs: DecodeInputs,
+              prepared: Prepared, local_lens: torch.Tensor | None, rank: int, buffers: dict,
+              want_lse: bool, planner: DecodeStep | None = None) -> DecodeStep:
+    """The step of a prepared route: out and the LSE the caller's buffers, else the
+    route's own."""
     out, lse = buffers["out"], buffers["lse"]
-    return DecodeStep(problem, planner.choice, planner.route, inputs, prepared,
-                      planner.local_lens, planner.rank,
+    return DecodeStep(problem, choice, route, inputs, prepared, local_lens, rank,
                       prepared.out if out is None else out,
                       (prepared.lse if lse is None else lse) if want_lse else None, buffers,
                       planner=planner)

@@ -461,14 +461,14 @@ def test_torch_compile_carries_the_accuracy_policy():
         torch.compile(attend("strict"), fullgraph=True)(*args)
 
 
-def _fresh_q_calls(inputs, dispatcher, calls: int) -> list:
-    """``calls`` eager decode calls, each with a fresh q (as an eager model's activations)
-    and no out=; returns a weak reference to each q."""
+def _calls(inputs, dispatcher, qs) -> list:
+    """An eager decode call for each q of ``qs`` (fresh ones, as an eager model's
+    activations, or the same again), no out=, each checked; returns a weak reference to
+    each q."""
     import weakref
 
     shard, held = inputs.shards[0], []
-    for _ in range(calls):
-        q = inputs.q.clone()
+    for q in qs:
         held.append(weakref.ref(q))
         out = attention.decode(q, shard.kv_cache, shard.block_table, inputs.seq_lens,
                                num_heads=4, max_kv_len=40, dispatcher=dispatcher)
@@ -478,8 +478,43 @@ def _fresh_q_calls(inputs, dispatcher, calls: int) -> list:
     return held
 
 
-def test_the_kept_steps_hold_a_bounded_share_of_fresh_tensors(monkeypatch):
-    """Each call's fresh q makes a step that holds q and its out alive; past PLAN_BYTES of
+def _fresh(inputs, n: int):
+    """``n`` fresh copies of q, one made as each is asked for."""
+    return (inputs.q.clone() for _ in range(n))
+
+
+def _counting_makes(monkeypatch) -> list:
+    """Record each step ``decode`` makes anew (route chosen, tensors checked)."""
+    made, make = [], attention._make_plan
+
+    def counted(*args, **kwargs):
+        made.append(1)
+        return make(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "_make_plan", counted)
+    return made
+
+
+def test_fresh_tensors_each_call_are_served_and_let_go(monkeypatch):
+    """An eager caller's fresh q each call: the route is chosen once; later calls prepare
+    the same route over the new q and hold it no longer than the next call (the first
+    call's step alone is kept, and the last call's as ``last_step``)."""
+    import gc
+
+    problem = MLAProblem(num_heads=4, batch=2, kv_len=40, page_size=8, q_dtype="fp16",
+                         kv_dtype="fp16")
+    inputs = make_decode_inputs(problem, seed=14, ragged=True)
+    dispatcher = Dispatcher.rules_only(cpu_device())
+    made = _counting_makes(monkeypatch)
+    held = _calls(inputs, dispatcher, _fresh(inputs, 12))
+    gc.collect()
+    assert len(made) == 1
+    assert len(attention.plans_of(dispatcher)) == 1
+    assert [r() is not None for r in held] == [True] + [False] * 10 + [True]
+
+
+def test_the_kept_steps_hold_a_bounded_share_of_the_callers_tensors(monkeypatch):
+    """Tensors passed twice in a row are kept (their step with them); past PLAN_BYTES of
     them the least recently used go, and with them their tensors."""
     import gc
 
@@ -489,15 +524,35 @@ def test_the_kept_steps_hold_a_bounded_share_of_fresh_tensors(monkeypatch):
     dispatcher = Dispatcher.rules_only(cpu_device())
     one = inputs.q.nbytes + 2 * 4 * 512 * 2  # q and out (fp16): the LSE is not asked for
     monkeypatch.setattr(attention, "PLAN_BYTES", 3 * one)
-    held = _fresh_q_calls(inputs, dispatcher, 12)
+    held = []
+    for q in _fresh(inputs, 8):
+        held += _calls(inputs, dispatcher, [q, q])[:1]
+        del q
     gc.collect()
     assert len(attention.plans_of(dispatcher)) == 3
-    assert [r() is not None for r in held] == [False] * 9 + [True] * 3
+    assert [r() is not None for r in held] == [False] * 5 + [True] * 3
+
+
+def test_a_caller_that_moves_to_new_buffers_finds_its_step_again(monkeypatch):
+    """Buffers replaced once and kept from then on (or two kept alternately): served from
+    the second call with them by a kept step, found again with no prepare."""
+    problem = MLAProblem(num_heads=4, batch=2, kv_len=40, page_size=8, q_dtype="fp16",
+                         kv_dtype="fp16")
+    inputs = make_decode_inputs(problem, seed=16, ragged=True)
+    dispatcher = Dispatcher.rules_only(cpu_device())
+    made = _counting_makes(monkeypatch)
+    a, b = inputs.q.clone(), inputs.q.clone()
+    _calls(inputs, dispatcher, [a, b, b])
+    assert len(attention.plans_of(dispatcher)) == 2  # a's (made), b's (kept at its 2nd)
+    b_step = attention.last_step(dispatcher)
+    _calls(inputs, dispatcher, [a, b])
+    assert attention.last_step(dispatcher) is b_step
+    assert len(made) == 1 and len(attention.plans_of(dispatcher)) == 2
 
 
 def test_a_step_used_again_is_kept_before_older_ones(monkeypatch):
-    """Least recently used, not first made: a persistent q's step, called between fresh
-    ones, stays while the fresh ones come and go."""
+    """Least recently used, not first made: a persistent q's step, called between other
+    kept ones, stays while those come and go."""
     problem = MLAProblem(num_heads=4, batch=2, kv_len=40, page_size=8, q_dtype="fp16",
                          kv_dtype="fp16")
     inputs = make_decode_inputs(problem, seed=15, ragged=True)
@@ -511,7 +566,7 @@ def test_a_step_used_again_is_kept_before_older_ones(monkeypatch):
         return attention.last_step(dispatcher)
 
     first = kept()
-    for _ in range(3):
-        _fresh_q_calls(inputs, dispatcher, 1)
+    for q in _fresh(inputs, 3):
+        _calls(inputs, dispatcher, [q, q])  # kept at its second call
         assert kept() is first  # found again: no new step for the persistent q
     assert len(attention.plans_of(dispatcher)) == 2

@@ -25,7 +25,7 @@ from mlatune.routes import flashmla
 from tests.fake_vendors import FakeFlashMLA
 from tests.helpers import expected_now
 from tests.table_helpers import make_table, result_row
-from tests.test_attention import run_ranks
+from tests.test_attention import _counting_makes, run_ranks
 
 TILES = {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1}
 CASES = [
@@ -100,7 +100,8 @@ def test_layers_read_the_first_layers_plan_as_lengths_change(route_id, params, p
     _assert_right(layers, _step(layers, dispatcher))
 
 
-def test_the_plan_runs_once_per_step(monkeypatch, tmp_path):
+def _counting_plans(monkeypatch) -> list:
+    """Record each launch of the persistent schedule's device plan."""
     calls = []
     made = plan_kernels.persistent_plan_launcher
 
@@ -113,14 +114,45 @@ def test_the_plan_runs_once_per_step(monkeypatch, tmp_path):
         return counted
 
     monkeypatch.setattr(plan_kernels, "persistent_plan_launcher", counting)
+    return calls
+
+
+def _with_fresh_q(layers: list[DecodeInputs]) -> list[DecodeInputs]:
+    """The layers with q a new tensor each, as an eager model's activations are."""
+    return [replace(inputs, q=inputs.q.clone()) for inputs in layers]
+
+
+@pytest.mark.parametrize("fresh_q", [False, True], ids=["kept-q", "fresh-q"])
+def test_the_plan_runs_once_per_step(fresh_q, monkeypatch, tmp_path):
+    calls = _counting_plans(monkeypatch)
     route_id, params, problem = CASES[0]
     problem = replace(problem, dcp_size=1)
     dispatcher = _dispatcher(problem, route_id, params, tmp_path)
     layers = _layers(problem, 4)
-    _step(layers, dispatcher)
-    first = len(calls)
-    _step(layers, dispatcher)
-    assert len(calls) - first == 1  # four layers, one plan
+    _step(_with_fresh_q(layers) if fresh_q else layers, dispatcher)
+    for _ in range(2):
+        first = len(calls)
+        now = _with_fresh_q(layers) if fresh_q else layers
+        _assert_right(now, _step(now, dispatcher))
+        assert len(calls) - first == 1  # four layers, one plan
+
+
+@pytest.mark.parametrize(("route_id", "params", "problem"), CASES,
+                         ids=[c[0] for c in CASES])
+def test_layers_with_a_fresh_q_each_step_are_made_once(route_id, params, problem,
+                                                       monkeypatch, tmp_path):
+    """An eager model's layers pass a new q every step: each step right, the later layers
+    reading layer 0's plan; the steps are made (route chosen, tensors checked) in the first
+    engine step only, and no more are kept after it."""
+    dispatcher = _dispatcher(problem, route_id, params, tmp_path)
+    made = _counting_makes(monkeypatch)
+    layers = _layers(problem, 3)
+    for _ in range(3):
+        now = _with_fresh_q(layers)
+        _assert_right(now, _step(now, dispatcher))
+        _write_lengths(layers[0], (layers[0].seq_lens // 2).clamp(min=problem.qlen))
+    assert len(made) == len(layers) * problem.dcp_size
+    assert len(attention.plans_of(dispatcher)) == len(layers) * problem.dcp_size
 
 
 def test_reuse_before_any_plan_says_what_to_do(tmp_path):
