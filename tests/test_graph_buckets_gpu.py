@@ -239,10 +239,12 @@ def test_a_captured_step_outlives_the_plan_limit(monkeypatch):
     replays = _captured_bucket(problem, None, seed=61)
     lens, out, lse, inputs = next(replays)
     shard = inputs.shards[0]
-    for _ in range(3):  # each a new key (its own q and out): the older step is dropped
-        attention.decode(inputs.q.clone(), shard.kv_cache, shard.block_table, inputs.seq_lens,
-                         num_heads=problem.num_heads, qlen=problem.qlen, max_kv_len=CAP,
-                         out=torch.empty_like(out), capturable=True)
+    for _ in range(3):  # each a new key (its own q and out), kept at its second call: the
+        q, mine = inputs.q.clone(), torch.empty_like(out)  # older step is dropped
+        for _ in range(2):
+            attention.decode(q, shard.kv_cache, shard.block_table, inputs.seq_lens,
+                             num_heads=problem.num_heads, qlen=problem.qlen, max_kv_len=CAP,
+                             out=mine, capturable=True)
     torch.cuda.empty_cache()
     junk = [torch.full((1 << 22,), float("nan"), device="cuda") for _ in range(32)]
     dispatcher = attention.default_dispatcher(capturable=True)
@@ -253,6 +255,48 @@ def test_a_captured_step_outlives_the_plan_limit(monkeypatch):
         _served(problem, route, dict(step.choice.params), out, lse, inputs, lens,
                 f"after the plan limit, lengths {lens}")
     del junk
+
+
+@pytest.mark.parametrize("problem", [SHAPES[0], SHAPES[3], _p(128, 1, "bf16")],
+                         ids=["h16-q1-bf16", "h16-q2-fp8", "h128-q1-bf16"])
+def test_fresh_q_each_eager_call_then_a_capture(problem, monkeypatch):
+    """An eager model's calls (a new q each, as activations are) with the bundled
+    dispatcher as the lengths change and empty, then the bucket captured over the engine's
+    static q and replayed: every call right, the route chosen once (later calls prepare it
+    again over their q)."""
+    made, make = [], attention._make_plan
+    monkeypatch.setattr(attention, "_make_plan",
+                        lambda *a, **k: made.append(1) or make(*a, **k))
+    bucket = Bucket(problem, seed=81)
+    inputs, shard = bucket.inputs, bucket.shard
+    dispatcher = attention.default_dispatcher(capturable=True)
+    rows, heads = inputs.q.shape[0], problem.kernel_heads
+    out = torch.empty(rows, heads, problem.d_v, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(rows, heads, dtype=torch.float32, device="cuda")
+
+    def step(q) -> None:
+        attention.decode(q, shard.kv_cache, shard.block_table, inputs.seq_lens,
+                         num_heads=problem.num_heads, qlen=problem.qlen,
+                         kv_scale=inputs.kv_scale, out=out, lse_out=lse, max_kv_len=CAP,
+                         capturable=True, dispatcher=dispatcher)
+
+    for lens in STEPS:
+        bucket.write(lens)
+        poison_(out, lse)
+        step(inputs.q.clone())
+        torch.cuda.synchronize()
+        ran = attention.last_step(dispatcher)
+        _served(problem, ran.route, dict(ran.choice.params), out, lse, inputs, lens,
+                f"eager {ran.route.id}, lengths {lens}")
+    bucket.write(STEPS[0])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(inputs.q)
+    captured = attention.last_step(dispatcher)
+    for lens, got, got_lse, now in _replayed(bucket, graph, out, lse):
+        _served(problem, captured.route, dict(captured.choice.params), got, got_lse, now,
+                lens, f"replayed {captured.route.id}, lengths {lens}")
+    assert len(made) == 1
 
 
 SEESAW_MANY = [_p(128, 1, "bf16"), _p(64, 2, "bf16"), _p(128, 1, FP8)]
@@ -277,8 +321,8 @@ def _compiled_replays(problem: MLAProblem, dispatcher, seed: int, counter):
     compiled = torch.compile(model_step, fullgraph=True, backend=counter)
     args = (inputs.q, shard.kv_cache, shard.block_table, inputs.seq_lens, inputs.kv_scale)
     bucket.write(STEPS[0])
-    # Compiles (model and kernels) outside the capture; the capture then makes a step of its
-    # own, for the graph's q and out (a step is keyed on its tensors).
+    # Compiles (model and kernels) outside the capture; the capture then prepares the step
+    # again for the graph's q and out (a step is keyed on its tensors).
     compiled(*args)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
