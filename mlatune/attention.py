@@ -51,21 +51,27 @@ Under ``torch.compile`` the call goes through the custom op ``mlatune::decode``
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import weakref
-from dataclasses import dataclass
 
 import torch
 
 from mlatune import runtime_checks
 from mlatune.check.inputs import DecodeInputs, KVShard
 from mlatune.check.policy import Policy, policy_named
-from mlatune.dispatch import Choice, Dispatcher, by_handle, first_sight
+from mlatune.decode_step import (
+    DecodeStep,
+    check_values,
+    checks_values,
+    fill_local_lens,
+    new_step,
+    prepare_route,
+    rebound,
+    sharing_step,
+)
+from mlatune.dispatch import Dispatcher, by_handle, first_sight
 from mlatune.errors import DecodeArgumentError, SettingError
-from mlatune.measure import timers
 from mlatune.problem import DTYPE_NAMES, DTYPES, MLAProblem, next_power_of_two, output_dtype
-from mlatune.routes import Prepared, Route, rounding, step_kind_of
+from mlatune.routes import rounding, step_kind_of
 
 # Steps kept per dispatcher, the least recently used dropped first: a step holds the
 # caller's tensors alive (an eager caller's fresh q and out each call would pile up), so the
@@ -93,105 +99,6 @@ _seen: weakref.WeakKeyDictionary[Dispatcher, dict[tuple, DecodeStep]] = \
 # Per dispatcher, the step its last call ran (``last_step``).
 _last: weakref.WeakKeyDictionary[Dispatcher, DecodeStep] = weakref.WeakKeyDictionary()
 _default: dict[tuple[bool, str], Dispatcher] = {}  # by capturable and accuracy policy
-
-
-@dataclass
-class DecodeStep:
-    """One prepared decode step for fixed tensors (``prepare_decode``; ``decode`` keeps
-    them per tensor set). Calling it runs the step on what the tensors hold now."""
-
-    problem: MLAProblem  # kv_len: the power of two up to which this step serves max_kv_len
-    choice: Choice
-    route: Route
-    inputs: DecodeInputs  # what the route is prepared from (again, if it plans on the host)
-    prepared: Prepared
-    local_lens: torch.Tensor | None  # this rank's shard lengths, refreshed per call (DCP)
-    rank: int
-    out: torch.Tensor  # what the call returns: the caller's out= or the route's own
-    lse: torch.Tensor | None
-    buffers: dict  # the caller's out=/lse= when the route writes into them
-    planner: DecodeStep | None = None  # the step whose device plan this one reads
-    # A released step's weak references to the caller's q, out= and lse_out= (``holds``).
-    callers: tuple = ()
-
-    def __post_init__(self) -> None:
-        self.want_lse = self.lse is not None
-        kind = self.prepared.step_kind
-        self.host_planned = kind.plan_on == "host"
-        shard = self.inputs.shards[self.rank]
-        self.values_free = runtime_checks.values_free_to_check(self.inputs.seq_lens,
-                                                               shard.block_table)
-        self.fresh = True  # just prepared from these lengths
-        # Eager calls after the first replay the step from a private CUDA graph: one
-        # launch where each Triton launch costs tens of microseconds of host time.
-        self.replayable = kind.capturable and self.out.is_cuda
-        self.graph: torch.cuda.CUDAGraph | None = None
-
-    def __call__(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Run the step (``call``); returns out, and the LSE when the step has one. The
-        length values are checked first where that is free (CPU tensors) or asked for."""
-        shard = self.inputs.shards[self.rank]
-        if _checks_values(self.values_free, self.inputs.seq_lens, made=False):
-            _check_values(self.problem, shard.kv_cache, shard.block_table,
-                          self.inputs.seq_lens, self.rank)
-        self.call()
-        return self.out if self.lse is None else (self.out, self.lse)
-
-    def released(self) -> DecodeStep:
-        """This step holding none of the caller's q, out and LSE (nor the route's launch
-        over them: its device plan alone), only weak references to them: what
-        ``_rebound`` prepares again for the next call of the same signature with other
-        tensors."""
-        recipe = copy.copy(self)
-        recipe.inputs = dataclasses.replace(self.inputs, q=None)
-        recipe.prepared = dataclasses.replace(self.prepared, run=_released, out=None, lse=None)
-        recipe.out = recipe.lse = recipe.planner = recipe.graph = None
-        recipe.callers = tuple(None if t is None else weakref.ref(t)
-                               for t in (self.inputs.q, self.buffers["out"],
-                                         self.buffers["lse"]))
-        recipe.buffers = {}
-        return recipe
-
-    def holds(self, q: torch.Tensor, out: torch.Tensor | None,
-              lse_out: torch.Tensor | None) -> bool:
-        """Whether a released step's caller passed these very tensors (alive since: the
-        caller keeps them, so a step over them is worth keeping)."""
-        return all((None if ref is None else ref()) is t
-                   for ref, t in zip(self.callers, (q, out, lse_out), strict=True))
-
-    def call(self) -> None:
-        """One call of the caller's: eager, or inside the caller's own graph capture."""
-        if self.graph is not None:
-            if not torch.cuda.is_current_stream_capturing():
-                self.graph.replay()
-                return
-        elif self.replayable and not self.fresh and not torch.cuda.is_current_stream_capturing():
-            self.graph = timers.capture_graph(self.step, self.out.device)  # runs this call
-            self.replayable = self.graph is not None
-            if self.graph is not None:
-                return
-        self.step()
-
-    def step(self) -> None:
-        plans = self.planner is None  # else the planner's call planned this step already
-        if self.local_lens is not None and plans:
-            _fill_local_lens(self.local_lens, self.inputs.seq_lens, self.rank,
-                             self.problem.dcp_size)
-        if self.host_planned and not self.fresh:  # planned on the host: prepare again
-            # (from the planner's plan of this step, where a layer reads another's)
-            self.prepared = _prepare(self.route, self.problem, self.inputs, self.rank,
-                                     self.choice, self.lse is not None, self.buffers,
-                                     plan_from=None if self.planner is None
-                                     else self.planner.prepared)
-        self.fresh = False
-        if plans or self.host_planned:
-            self.prepared.step()
-        else:
-            self.prepared.run()
-        if self.out is not self.prepared.out:  # a route that cannot write into out=
-            self.out.copy_(self.prepared.out)
-            if self.lse is not None and self.lse is not self.prepared.lse:
-                self.lse.copy_(self.prepared.lse)
 
 
 def default_dispatcher(capturable: bool = False, accuracy: str | None = None) -> Dispatcher:
@@ -247,21 +154,9 @@ def _ptr(t: torch.Tensor | None) -> tuple | None:
     return None if t is None else (t.data_ptr(), t.dtype, t.shape, t.stride())
 
 
-def _released() -> None:
-    raise RuntimeError("a released decode step launches nothing (DecodeStep.released)")
-
-
 def _geometry(t: torch.Tensor | None) -> tuple | None:
     """What a prepared step assumes of a tensor besides its address."""
     return None if t is None else (t.dtype, t.shape, t.stride(), t.device)
-
-
-def _fill_local_lens(local_lens: torch.Tensor, seq_lens: torch.Tensor, rank: int,
-                     world: int) -> None:
-    """Round-robin share of each request on ``rank``: ceil((len - rank) / world), in place
-    (``mlatune.check.inputs.shard_lengths`` without allocating)."""
-    local_lens.copy_(seq_lens).add_(world - 1 - rank)
-    local_lens.div_(world, rounding_mode="floor").clamp_(min=0)
 
 
 def decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -352,7 +247,7 @@ def _held_step(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     """The step ``decode`` holds for these arguments, made (and remembered) where none serves
     ``max_kv_len``; with ``reuse_plan`` it reads the plan of the last call that planned for
     these length tensors. New q/out/LSE tensors of a signature seen before are served by the
-    last such step prepared again (``_rebound``), kept only once they come back."""
+    last such step prepared again (``rebound``), kept only once they come back."""
     lengths = (made["num_heads"], made["qlen"], made["causal"], made["dcp_rank"],
                made["dcp_size"], made["kv_lora_rank"], made["want_lse"], made["capturable"],
                _ptr(block_table), _ptr(seq_lens))  # what a plan is made from
@@ -371,7 +266,7 @@ def _held_step(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     step = steps.pop(key, None)
     if step is not None and step.problem.kv_len == served:
         if step.planner is not planner:  # the layers' planning step is another now
-            step = _rebound(step, *callers, planner)
+            step = rebound(step, *callers, planner)
         steps[key] = step  # put back last: the most recently used
         _check_held(step, kv_cache, block_table, seq_lens, made["dcp_rank"])
     else:
@@ -396,7 +291,7 @@ def _unheld_step(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
                  dispatcher: Dispatcher, made: dict, seen: dict[tuple, DecodeStep],
                  unbound: tuple) -> tuple[DecodeStep, bool]:
     """The step for arguments no held step serves: the last step of the same signature
-    prepared again over these tensors (``_rebound``), else one made anew (``_make_plan``);
+    prepared again over these tensors (``rebound``), else one made anew (``_make_plan``);
     and whether it is worth holding (made anew, or over the tensors the signature's last
     call passed too: its caller keeps them)."""
     recipe = seen.pop(unbound, None)
@@ -406,7 +301,7 @@ def _unheld_step(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
         keep = True
     else:
         _check_args((q, kv_cache, block_table, seq_lens), made)
-        step = _rebound(recipe, q, made["out"], made["lse_out"], planner)
+        step = rebound(recipe, q, made["out"], made["lse_out"], planner)
         keep = recipe.holds(q, made["out"], made["lse_out"])
         _check_held(step, kv_cache, block_table, seq_lens, made["dcp_rank"])
     seen[unbound] = step.released()
@@ -415,29 +310,11 @@ def _unheld_step(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
     return step, keep
 
 
-def _rebound(step: DecodeStep, q: torch.Tensor, out: torch.Tensor | None,
-             lse_out: torch.Tensor | None, planner: DecodeStep | None) -> DecodeStep:
-    """``step``'s route, parameters and lengths over these tensors, of its geometry: the
-    route prepared again, nothing chosen or checked; a layer that reads another's plan
-    reads ``planner``'s."""
-    buffers = {"out": out, "lse": lse_out}
-    theirs = step.inputs
-    if planner is not None:
-        return _sharing_step(planner, step.problem, q, theirs.shards[step.rank].kv_cache,
-                             theirs.q_scale, theirs.kv_scale, theirs.sm_scale,
-                             step.want_lse, buffers)
-    inputs = dataclasses.replace(theirs, q=q)
-    prepared = _prepare(step.route, step.problem, inputs, step.rank, step.choice,
-                        step.want_lse, buffers, plan_from=step.prepared)
-    return _new_step(step.problem, step.choice, step.route, inputs, prepared,
-                     step.local_lens, step.rank, buffers, step.want_lse)
-
-
 def _check_held(step: DecodeStep, kv_cache: torch.Tensor, block_table: torch.Tensor,
                 seq_lens: torch.Tensor, dcp_rank: int) -> None:
     """A held step's call checks the length values where that is free or asked for."""
-    if _checks_values(step.values_free, seq_lens, made=False):
-        _check_values(step.problem, kv_cache, block_table, seq_lens, dcp_rank)
+    if checks_values(step.values_free, seq_lens, made=False):
+        check_values(step.problem, kv_cache, block_table, seq_lens, dcp_rank)
 
 
 def _held_bytes(step: DecodeStep) -> int:
@@ -507,22 +384,6 @@ def _served_len(max_kv_len: int, qlen: int) -> int:
     return next_power_of_two(max(max_kv_len, qlen))
 
 
-def _checks_values(free: bool, seq_lens: torch.Tensor, *, made: bool) -> bool:
-    """Whether the length values are checked now: always where they are ``free`` to read
-    (CPU tensors); on a GPU (a host sync) never inside a graph capture, else when a step
-    is ``made`` and, at the calls of a step made before, only with MLATUNE_CHECK on. (It
-    is read either way, so a bad value is refused on every device.)"""
-    asked = runtime_checks.checking_enabled()
-    return free or ((made or asked) and runtime_checks.values_readable(seq_lens))
-
-
-def _check_values(problem: MLAProblem, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                  seq_lens: torch.Tensor, dcp_rank: int) -> None:
-    runtime_checks.check_length_values(seq_lens, block_table, num_pages=kv_cache.shape[0],
-                                       page_size=problem.page_size, qlen=problem.qlen,
-                                       dcp_rank=dcp_rank, dcp_size=problem.dcp_size)
-
-
 def _make_plan(q, kv_cache, block_table, seq_lens, *, num_heads, qlen, causal, kv_scale,
                q_scale, softmax_scale, out, lse_out, dcp_rank, dcp_size, max_kv_len,
                kv_lora_rank, want_lse, capturable, dispatcher,
@@ -546,17 +407,17 @@ def _make_plan(q, kv_cache, block_table, seq_lens, *, num_heads, qlen, causal, k
         kv_len=max(max_kv_len, qlen),
         dcp_size=dcp_size, causal=causal, page_size=kv_cache.shape[1],
         kv_lora_rank=kv_lora_rank, rope_dim=kv_cache.shape[-1] - kv_lora_rank)
-    if _checks_values(runtime_checks.values_free_to_check(seq_lens, block_table), seq_lens,
+    if checks_values(runtime_checks.values_free_to_check(seq_lens, block_table), seq_lens,
                       made=True):
-        _check_values(problem, kv_cache, block_table, seq_lens, dcp_rank)
+        check_values(problem, kv_cache, block_table, seq_lens, dcp_rank)
     capped = problem.with_(kv_len=_served_len(max_kv_len, qlen))
     if plan_from is not None:
-        return _sharing_step(plan_from, capped, q, kv_cache, q_scale, kv_scale, softmax_scale,
+        return sharing_step(plan_from, capped, q, kv_cache, q_scale, kv_scale, softmax_scale,
                              want_lse, {"out": out, "lse": lse_out})
     local_lens = None
     if dcp_size > 1:  # this rank's lengths, filled before any route plans from them
         local_lens = torch.empty_like(seq_lens)
-        _fill_local_lens(local_lens, seq_lens, dcp_rank, dcp_size)
+        fill_local_lens(local_lens, seq_lens, dcp_rank, dcp_size)
     shard = KVShard(dcp_rank, kv_cache, block_table, seq_lens if local_lens is None
                     else local_lens)
     # This rank holds only its own shard; the other slots stay empty so a route
@@ -574,58 +435,14 @@ def _make_plan(q, kv_cache, block_table, seq_lens, *, num_heads, qlen, causal, k
         # A held step meets whatever lengths are written in place later, 0 among them.
         if not route.serves_empty(capped, dict(choice.params)):
             continue
-        prepared = _prepare(route, capped, inputs, dcp_rank, choice, want_lse, buffers)
+        prepared = prepare_route(route, capped, inputs, dcp_rank, choice, want_lse, buffers)
         if want_lse and prepared.lse is None:
             continue
-        return _new_step(capped, choice, route, inputs, prepared, local_lens, dcp_rank,
+        return new_step(capped, choice, route, inputs, prepared, local_lens, dcp_rank,
                          buffers, want_lse)
     needs = " and ".join(n for n, on in (("returns an LSE", want_lse),
                                           ("is capturable", capturable)) if on)
     raise RuntimeError(f"no route that serves {problem.key} {needs}")
-
-
-def _sharing_step(planner: DecodeStep, problem: MLAProblem, q, kv_cache, q_scale, kv_scale,
-                  softmax_scale, want_lse: bool, buffers: dict) -> DecodeStep:
-    """Another layer's step over the planner's lengths: its route and parameters, its
-    lengths (this rank's too) and, where the route can read it, its device plan."""
-    if planner.problem != problem or (planner.lse is not None) != want_lse:
-        raise ValueError(f"plan_from was made for {planner.problem.key}"
-                         f"{' with an LSE' if planner.lse is not None else ''}; this call is "
-                         f"{problem.key}{' with an LSE' if want_lse else ''}")
-    theirs = planner.inputs.shards[planner.rank]
-    shard = KVShard(planner.rank, kv_cache, theirs.block_table, theirs.seq_lens)
-    shards = tuple(shard if r == planner.rank else None for r in range(problem.dcp_size))
-    inputs = DecodeInputs(problem, q, q_scale, kv_scale, planner.inputs.seq_lens,
-                          shards, sm_scale=softmax_scale)  # type: ignore[arg-type]
-    buffers = {k: v for k, v in buffers.items()}
-    prepared = _prepare(planner.route, problem, inputs, planner.rank, planner.choice, want_lse,
-                        buffers, plan_from=planner.prepared)
-    return _new_step(problem, planner.choice, planner.route, inputs, prepared,
-                     planner.local_lens, planner.rank, buffers, want_lse, planner)
-
-
-def _new_step(problem: MLAProblem, choice: Choice, route: Route, inputs: DecodeInputs,
-              prepared: Prepared, local_lens: torch.Tensor | None, rank: int, buffers: dict,
-              want_lse: bool, planner: DecodeStep | None = None) -> DecodeStep:
-    """The step of a prepared route: out and the LSE the caller's buffers, else the
-    route's own."""
-    out, lse = buffers["out"], buffers["lse"]
-    return DecodeStep(problem, choice, route, inputs, prepared, local_lens, rank,
-                      prepared.out if out is None else out,
-                      (prepared.lse if lse is None else lse) if want_lse else None, buffers,
-                      planner=planner)
-
-
-def _prepare(route: Route, problem: MLAProblem, inputs: DecodeInputs, rank: int,
-             choice: Choice, want_lse: bool, buffers: dict,
-             plan_from: Prepared | None = None) -> Prepared:
-    """The route prepared for this rank, writing into the caller's buffers if it can, and
-    reading ``plan_from``'s device plan if it has one the route can read."""
-    into = {k: v for k, v in buffers.items() if v is not None} if route.writes_into else {}
-    if plan_from is not None and plan_from.plan_state is not None and route.shares_plan:
-        into["plan_from"] = plan_from
-    return route.prepare(problem, inputs, rank=rank, params=dict(choice.params),
-                         want_lse=want_lse, **into)
 
 
 def last_step(dispatcher: Dispatcher | None = None) -> DecodeStep | None:
