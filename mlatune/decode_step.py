@@ -191,7 +191,8 @@ def rebound(step: DecodeStep, q: torch.Tensor, out: torch.Tensor | None,
              lse_out: torch.Tensor | None, planner: DecodeStep | None) -> DecodeStep:
     """``step``'s route, parameters and lengths over these tensors, of its geometry: the
     route prepared again, nothing chosen or checked; a layer that reads another's plan
-    reads ``planner``'s."""
+    reads ``planner``'s. A device plan is shared (each call replans it); a host plan is made
+    anew from the lengths of now (``step``'s was made from those of its own first call)."""
     buffers = {"out": out, "lse": lse_out}
     theirs = step.inputs
     if planner is not None:
@@ -200,6 +201,7 @@ def rebound(step: DecodeStep, q: torch.Tensor, out: torch.Tensor | None,
                              step.want_lse, buffers)
     inputs = dataclasses.replace(theirs, q=q)
     prepared = prepare_route(step.route, step.problem, inputs, step.rank, step.choice,
-                        step.want_lse, buffers, plan_from=step.prepared)
+                        step.want_lse, buffers,
+                        plan_from=None if step.host_planned else step.prepared)
     return new_step(step.problem, step.choice, step.route, inputs, prepared,
                      step.local_lens, step.rank, buffers, step.want_lse)

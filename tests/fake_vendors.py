@@ -175,9 +175,10 @@ class FakeFlashInfer:
                 calls.append(("plan", dict(causal=causal, page=page_size, heads=num_heads,
                                            scale=sm_scale)))
                 # As the real plan: the lists go to the host, the work is partitioned there.
-                self.qo = qo_indptr.cpu()
-                self.indptr, self.indices = kv_indptr.cpu(), kv_indices.cpu()
-                self.lens = kv_len_arr.cpu()
+                # (copies, also of CPU tensors: a later write into the lists is not seen)
+                self.qo = qo_indptr.cpu().clone()
+                self.indptr, self.indices = kv_indptr.cpu().clone(), kv_indices.cpu().clone()
+                self.lens = kv_len_arr.cpu().clone()
                 self.causal, self.scale, self.heads = causal, sm_scale, num_heads
                 self.dtypes = (q_data_type, kv_data_type)
 

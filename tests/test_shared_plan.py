@@ -216,6 +216,32 @@ def test_flashinfer_layers_share_the_planners_host_plan(monkeypatch, tmp_path):
         flashinfer.library.cache_clear()
 
 
+@pytest.mark.parametrize("fresh_q", [False, True], ids=["kept-q", "fresh-q"])
+def test_a_host_plan_follows_lengths_that_grow(fresh_q, monkeypatch, tmp_path):
+    """FlashInfer's host plan, step after step as the lengths grow past page boundaries:
+    made from each step's lengths by layer 0 (also where every layer's q is new each step and
+    its step is prepared again from the last one), read by the other layers."""
+    from mlatune.routes import flashinfer
+    from tests.fake_vendors import FakeFlashInfer
+
+    fake = FakeFlashInfer().install(monkeypatch)
+    flashinfer.library.cache_clear()
+    try:
+        problem = MLAProblem(num_heads=4, qlen=1, batch=2, kv_len=64, page_size=16)
+        h200 = DeviceInfo("sm_90", "NVIDIA H200", "nvidia", 132)
+        dispatcher = _dispatcher(problem, "fa3/flashinfer", {}, tmp_path, device=h200)
+        layers = _layers(problem, 3)
+        _write_lengths(layers[0], torch.tensor([5, 12], dtype=torch.int32))
+        for _ in range(4):
+            plans = sum(name == "plan" for name, _ in fake.calls)
+            now = _with_fresh_q(layers) if fresh_q else layers
+            _assert_right(now, _step(now, dispatcher))
+            assert sum(name == "plan" for name, _ in fake.calls) - plans == 1
+            _write_lengths(layers[0], layers[0].seq_lens + 13)
+    finally:
+        flashinfer.library.cache_clear()
+
+
 def test_a_shared_host_plan_is_charged_in_shares(tmp_path):
     problem = MLAProblem(num_heads=16, batch=64, kv_len=4096, page_size=64)
     rows = [result_row(problem, "fa3/flashinfer", 90.0)]
