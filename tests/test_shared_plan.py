@@ -196,50 +196,54 @@ def test_the_dispatcher_charges_each_call_its_share_of_the_plan(tmp_path):
     assert shared.select(problem).route_id == "dense/flashmla"  # 96 + 31.5 / 61 < 107
 
 
-def test_flashinfer_layers_share_the_planners_host_plan(monkeypatch, tmp_path):
+@pytest.fixture
+def fake_flashinfer(monkeypatch):
+    """FlashInfer's recording fake installed (its calls in ``.calls``), the library cache
+    cleared around the test."""
     from mlatune.routes import flashinfer
     from tests.fake_vendors import FakeFlashInfer
 
     fake = FakeFlashInfer().install(monkeypatch)
     flashinfer.library.cache_clear()
-    try:
-        problem = MLAProblem(num_heads=4, qlen=2, batch=3, kv_len=40, page_size=16)
-        h200 = DeviceInfo("sm_90", "NVIDIA H200", "nvidia", 132)
-        dispatcher = _dispatcher(problem, "fa3/flashinfer", {}, tmp_path, device=h200)
-        layers = _layers(problem, 3)
-        _assert_right(layers, _step(layers, dispatcher))
-        plans = sum(name == "plan" for name, _ in fake.calls)
-        _write_lengths(layers[0], (layers[0].seq_lens // 2).clamp(min=problem.qlen))
-        _assert_right(layers, _step(layers, dispatcher))  # planned again by layer 0 alone
-        assert sum(name == "plan" for name, _ in fake.calls) - plans == 1
-    finally:
-        flashinfer.library.cache_clear()
+    yield fake
+    flashinfer.library.cache_clear()
+
+
+def _fa3_dispatcher(problem: MLAProblem, tmp_path) -> Dispatcher:
+    h200 = DeviceInfo("sm_90", "NVIDIA H200", "nvidia", 132)
+    return _dispatcher(problem, "fa3/flashinfer", {}, tmp_path, device=h200)
+
+
+def _plans(fake) -> int:
+    return sum(name == "plan" for name, _ in fake.calls)
+
+
+def test_flashinfer_layers_share_the_planners_host_plan(fake_flashinfer, tmp_path):
+    problem = MLAProblem(num_heads=4, qlen=2, batch=3, kv_len=40, page_size=16)
+    dispatcher = _fa3_dispatcher(problem, tmp_path)
+    layers = _layers(problem, 3)
+    _assert_right(layers, _step(layers, dispatcher))
+    plans = _plans(fake_flashinfer)
+    _write_lengths(layers[0], (layers[0].seq_lens // 2).clamp(min=problem.qlen))
+    _assert_right(layers, _step(layers, dispatcher))  # planned again by layer 0 alone
+    assert _plans(fake_flashinfer) - plans == 1
 
 
 @pytest.mark.parametrize("fresh_q", [False, True], ids=["kept-q", "fresh-q"])
-def test_a_host_plan_follows_lengths_that_grow(fresh_q, monkeypatch, tmp_path):
+def test_a_host_plan_follows_lengths_that_grow(fresh_q, fake_flashinfer, tmp_path):
     """FlashInfer's host plan, step after step as the lengths grow past page boundaries:
     made from each step's lengths by layer 0 (also where every layer's q is new each step and
     its step is prepared again from the last one), read by the other layers."""
-    from mlatune.routes import flashinfer
-    from tests.fake_vendors import FakeFlashInfer
-
-    fake = FakeFlashInfer().install(monkeypatch)
-    flashinfer.library.cache_clear()
-    try:
-        problem = MLAProblem(num_heads=4, qlen=1, batch=2, kv_len=64, page_size=16)
-        h200 = DeviceInfo("sm_90", "NVIDIA H200", "nvidia", 132)
-        dispatcher = _dispatcher(problem, "fa3/flashinfer", {}, tmp_path, device=h200)
-        layers = _layers(problem, 3)
-        _write_lengths(layers[0], torch.tensor([5, 12], dtype=torch.int32))
-        for _ in range(4):
-            plans = sum(name == "plan" for name, _ in fake.calls)
-            now = _with_fresh_q(layers) if fresh_q else layers
-            _assert_right(now, _step(now, dispatcher))
-            assert sum(name == "plan" for name, _ in fake.calls) - plans == 1
-            _write_lengths(layers[0], layers[0].seq_lens + 13)
-    finally:
-        flashinfer.library.cache_clear()
+    problem = MLAProblem(num_heads=4, qlen=1, batch=2, kv_len=64, page_size=16)
+    dispatcher = _fa3_dispatcher(problem, tmp_path)
+    layers = _layers(problem, 3)
+    _write_lengths(layers[0], torch.tensor([5, 12], dtype=torch.int32))
+    for _ in range(4):
+        plans = _plans(fake_flashinfer)
+        now = _with_fresh_q(layers) if fresh_q else layers
+        _assert_right(now, _step(now, dispatcher))
+        assert _plans(fake_flashinfer) - plans == 1
+        _write_lengths(layers[0], layers[0].seq_lens + 13)
 
 
 def test_a_shared_host_plan_is_charged_in_shares(tmp_path):
