@@ -285,7 +285,9 @@ def test_out_and_lse_out_are_the_callers(route_id, tmp_path):
 
 
 @pytest.mark.parametrize("backend", ["inductor"])
-def test_torch_compile_fullgraph_matches_eager(backend):
+def test_torch_compile_fullgraph_matches_eager(backend, monkeypatch):
+    """Compiled (its out a new buffer each call) as eager; the compiled calls' step is made
+    once and prepared again over each new out."""
     problem = MLAProblem(num_heads=4, qlen=2, batch=2, kv_len=40, page_size=8,
                          q_dtype="fp16", kv_dtype="fp16")
     inputs = make_decode_inputs(problem, seed=12, ragged=True)
@@ -300,15 +302,15 @@ def test_torch_compile_fullgraph_matches_eager(backend):
 
     args = (inputs.q, shard.kv_cache, shard.block_table, inputs.seq_lens)
     compiled = torch.compile(attend, fullgraph=True, backend=backend)
-    got_out, got_lse = compiled(*args)
-    want_out, want_lse = attend(*args)
-    torch.testing.assert_close(got_out, want_out)
-    torch.testing.assert_close(got_lse, want_lse)
-    inputs.seq_lens.copy_(torch.tensor([7, 31], dtype=torch.int32))  # the next step
-    got_out, got_lse = compiled(*args)
-    want_out, want_lse = attend(*args)
-    torch.testing.assert_close(got_out, want_out)
-    torch.testing.assert_close(got_lse, want_lse)
+    made = _counting_makes(monkeypatch)
+    for lens in ([7, 31], [5, 20], [2, 3]):  # each call the next step's lengths
+        inputs.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        got_out, got_lse = compiled(*args)
+        compiled_made = len(made)
+        want_out, want_lse = attend(*args)
+        torch.testing.assert_close(got_out, want_out)
+        torch.testing.assert_close(got_lse, want_lse)
+    assert compiled_made == 2  # the compiled calls' step and the eager calls' (out=None)
 
 
 class HostPlannedRoute(FakeRoute):
