@@ -173,11 +173,13 @@ def decode(inputs: DecodeInputs, dispatcher: Dispatcher | None, out: torch.Tenso
     return got
 
 
-def run_case(batch: PeerBatch, dispatcher: Dispatcher | None, capturable: bool = True
+def run_case(batch: PeerBatch, dispatcher: Dispatcher | None, capturable: bool = True,
+             fresh_q: bool = False
              ) -> Iterator[tuple[tuple[int, ...], torch.Tensor, torch.Tensor]]:
     """``decode`` once per lengths of the case, into the caller's out= and lse_out= (poisoned
     before each call), the lengths and table rows rewritten in place between calls; yields
-    (lengths, out, lse) after each call."""
+    (lengths, out, lse) after each call. ``fresh_q``: q a new tensor each call (its values
+    the case's), as an eager model's activations are."""
     problem, rows = batch.problem, batch.inputs.q.shape[0]
     device = batch.inputs.q.device
     out = torch.empty(rows, problem.num_heads, problem.d_v, dtype=DTYPES[problem.out_dtype],
@@ -186,7 +188,9 @@ def run_case(batch: PeerBatch, dispatcher: Dispatcher | None, capturable: bool =
     for lens in batch.case.lens:
         batch.write(lens)
         poison_(out, lse)
-        got = decode(batch.inputs, dispatcher, out, lse, capturable)
+        inputs = dataclasses.replace(batch.inputs, q=batch.inputs.q.clone()) if fresh_q \
+            else batch.inputs
+        got = decode(inputs, dispatcher, out, lse, capturable)
         assert got[0] is out and got[1] is lse, "decode must return the caller's buffers"
         yield lens, out, lse
 

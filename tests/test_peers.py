@@ -58,28 +58,32 @@ RUNS = [(case, route_id) for case in CASES for route_id in ROUTES
         if routes.get(route_id).supports(case.problem(), CPU)]
 
 
+@pytest.mark.parametrize("fresh_q", [False, True], ids=["kept-q", "fresh-q"])
 @pytest.mark.parametrize(("case", "route_id"), RUNS,
                          ids=[f"{r}-{c.label}" for c, r in RUNS])
-def test_a_forced_route_serves_the_peers_case(case, route_id, tmp_path):
+def test_a_forced_route_serves_the_peers_case(case, route_id, fresh_q, tmp_path):
+    """Each of the route's forms; with q kept, or a new tensor at each call (the step then
+    prepared again over it, its device plan shared)."""
     route = routes.get(route_id)
     problem = case.problem()
     for n, params in enumerate(forms(route, problem, CPU)):
         dispatcher = forced(problem, route_id, params, tmp_path / f"{n}.parquet", CPU)
         batch = PeerBatch(case, seed=3 + n, device="cpu")
-        for lens, out, lse in run_case(batch, dispatcher):
+        for lens, out, lse in run_case(batch, dispatcher, fresh_q=fresh_q):
             assert_served(batch, route, params, out, lse, lens, f"{route_id} {params}")
         assert {s.choice.route_id for s in attention.plans_of(dispatcher).values()} \
             == {route_id}
 
 
+@pytest.mark.parametrize("fresh_q", [False, True], ids=["kept-q", "fresh-q"])
 @pytest.mark.parametrize("case", CASES, ids=[c.label for c in CASES])
-def test_decode_with_the_bundled_dispatcher_serves_the_peers_case(case):
-    """The bundled dispatcher's capturable pick; the same answer into the step's own
-    buffers."""
+def test_decode_with_the_bundled_dispatcher_serves_the_peers_case(case, fresh_q):
+    """The bundled dispatcher's capturable pick (one step made, also where q is a new tensor
+    at each call); the same answer into the step's own buffers."""
     dispatcher = attention.default_dispatcher(capturable=True)
     before = set(attention.plans_of(dispatcher))
     batch = PeerBatch(case, seed=5, device="cpu")
-    for lens, out, lse in run_case(batch, None):
+    for lens, out, lse in run_case(batch, None, fresh_q=fresh_q):
         made = served_routes(dispatcher, before)
         assert len(made) == 1, "one step for the case"
         choice = made[0].choice
