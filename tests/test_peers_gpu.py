@@ -98,9 +98,12 @@ CASES = [
 RUNS = [(case, route_id) for case in CASES for route_id in CAPTURABLE]
 
 
+@pytest.mark.parametrize("fresh_q", [False, True], ids=["kept-q", "fresh-q"])
 @pytest.mark.parametrize(("case", "route_id"), RUNS,
                          ids=[f"{r}-{c.label}" for c, r in RUNS])
-def test_a_forced_route_serves_the_peers_case(case, route_id, tmp_path):
+def test_a_forced_route_serves_the_peers_case(case, route_id, fresh_q, tmp_path):
+    """Each of the route's forms; with q kept, or a new tensor at each call (the step then
+    prepared again over it, its device plan shared)."""
     route, problem, device = routes.get(route_id), case.problem(), current_device()
     verdict = route.supports(problem, device)
     if not verdict:
@@ -108,7 +111,7 @@ def test_a_forced_route_serves_the_peers_case(case, route_id, tmp_path):
     for n, params in enumerate(forms(route, problem, device)):
         dispatcher = forced(problem, route_id, params, tmp_path / f"{n}.parquet", device)
         batch = PeerBatch(case, seed=11 + n, device="cuda")
-        for lens, out, lse in run_case(batch, dispatcher):
+        for lens, out, lse in run_case(batch, dispatcher, fresh_q=fresh_q):
             assert_served(batch, route, params, out, lse, lens, f"{route_id} {params}")
         steps = attention.plans_of(dispatcher).values()
         assert {(s.choice.route_id, s.prepared.step_kind.capturable) for s in steps} == \
