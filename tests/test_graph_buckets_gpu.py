@@ -192,11 +192,13 @@ def test_every_capturable_route_is_covered():
                 assert (route.id, problem) in CASES, (route.id, problem.key)
 
 
+@pytest.mark.parametrize("fresh_q", [False, True], ids=["kept-q", "fresh-q"])
 @pytest.mark.parametrize("backend", ["fa3", "fa2"])
 @pytest.mark.parametrize("problem", [_p(16, 1, "bf16"), _p(16, 2, "bf16"), _p(16, 1, FP8)],
                          ids=["q1-bf16", "q2-bf16", "q1-fp8"])
-def test_flashinfer_serves_the_bucket_eagerly(backend, problem, tmp_path):
-    """Host-planned (never captured): decode() prepares it again from each step's lengths."""
+def test_flashinfer_serves_the_bucket_eagerly(backend, problem, fresh_q, tmp_path):
+    """Host-planned (never captured): decode() prepares it again from each step's lengths,
+    also where q is a new tensor each call (its plan made anew, not the last call's)."""
     route = routes.get(f"{backend}/flashinfer")
     verdict = route.supports(problem, current_device())
     if not verdict:
@@ -206,7 +208,8 @@ def test_flashinfer_serves_the_bucket_eagerly(backend, problem, tmp_path):
     inputs, shard = bucket.inputs, bucket.shard
     for lens in STEPS:
         bucket.write(lens)
-        out, lse = attention.decode(inputs.q, shard.kv_cache, shard.block_table,
+        q = inputs.q.clone() if fresh_q else inputs.q
+        out, lse = attention.decode(q, shard.kv_cache, shard.block_table,
                                     inputs.seq_lens, num_heads=problem.num_heads,
                                     qlen=problem.qlen, kv_scale=inputs.kv_scale,
                                     max_kv_len=CAP, return_lse=True, dispatcher=dispatcher)
