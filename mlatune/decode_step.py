@@ -65,12 +65,13 @@ class DecodeStep:
 
     def released(self) -> DecodeStep:
         """This step holding none of the caller's q, out and LSE (nor the route's launch
-        over them: its device plan alone), only weak references to them: what
-        ``rebound`` prepares again for the next call of the same signature with other
-        tensors."""
+        over them: its device plan alone; no host plan, which is made anew), only weak
+        references to them: what ``rebound`` prepares again for the next call of the same
+        signature with other tensors."""
         recipe = copy.copy(self)
         recipe.inputs = dataclasses.replace(self.inputs, q=None)
-        recipe.prepared = dataclasses.replace(self.prepared, run=_released, out=None, lse=None)
+        recipe.prepared = None if self.host_planned else dataclasses.replace(
+            self.prepared, run=_released, out=None, lse=None)
         recipe.out = recipe.lse = recipe.planner = recipe.graph = None
         recipe.callers = tuple(None if t is None else weakref.ref(t)
                                for t in (self.inputs.q, self.buffers["out"],
