@@ -91,7 +91,7 @@ _planners: weakref.WeakKeyDictionary[Dispatcher, dict[tuple, DecodeStep]] = \
 # time, so PLAN_LIMIT never drops them (kept as long as the dispatcher).
 _captured: weakref.WeakKeyDictionary[Dispatcher, dict[int, DecodeStep]] = \
     weakref.WeakKeyDictionary()
-# Per dispatcher, by a call's signature without its q/out/LSE addresses (``_unbound_key``),
+# Per dispatcher, by a call's signature without its q/out/LSE addresses (``_held_step``),
 # the last step made for it, released (``DecodeStep.released``): how the next call with
 # new tensors of that signature is served without choosing again.
 _seen: weakref.WeakKeyDictionary[Dispatcher, dict[tuple, DecodeStep]] = \
@@ -408,12 +408,12 @@ def _make_plan(q, kv_cache, block_table, seq_lens, *, num_heads, qlen, causal, k
         dcp_size=dcp_size, causal=causal, page_size=kv_cache.shape[1],
         kv_lora_rank=kv_lora_rank, rope_dim=kv_cache.shape[-1] - kv_lora_rank)
     if checks_values(runtime_checks.values_free_to_check(seq_lens, block_table), seq_lens,
-                      made=True):
+                     made=True):
         check_values(problem, kv_cache, block_table, seq_lens, dcp_rank)
     capped = problem.with_(kv_len=_served_len(max_kv_len, qlen))
     if plan_from is not None:
         return sharing_step(plan_from, capped, q, kv_cache, q_scale, kv_scale, softmax_scale,
-                             want_lse, {"out": out, "lse": lse_out})
+                            want_lse, {"out": out, "lse": lse_out})
     local_lens = None
     if dcp_size > 1:  # this rank's lengths, filled before any route plans from them
         local_lens = torch.empty_like(seq_lens)
@@ -439,7 +439,7 @@ def _make_plan(q, kv_cache, block_table, seq_lens, *, num_heads, qlen, causal, k
         if want_lse and prepared.lse is None:
             continue
         return new_step(capped, choice, route, inputs, prepared, local_lens, dcp_rank,
-                         buffers, want_lse)
+                        buffers, want_lse)
     needs = " and ".join(n for n, on in (("returns an LSE", want_lse),
                                           ("is capturable", capturable)) if on)
     raise RuntimeError(f"no route that serves {problem.key} {needs}")

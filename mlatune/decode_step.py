@@ -59,7 +59,7 @@ class DecodeStep:
         shard = self.inputs.shards[self.rank]
         if checks_values(self.values_free, self.inputs.seq_lens, made=False):
             check_values(self.problem, shard.kv_cache, shard.block_table,
-                          self.inputs.seq_lens, self.rank)
+                         self.inputs.seq_lens, self.rank)
         self.call()
         return self.out if self.lse is None else (self.out, self.lse)
 
@@ -103,13 +103,13 @@ class DecodeStep:
         plans = self.planner is None  # else the planner's call planned this step already
         if self.local_lens is not None and plans:
             fill_local_lens(self.local_lens, self.inputs.seq_lens, self.rank,
-                             self.problem.dcp_size)
+                            self.problem.dcp_size)
         if self.host_planned and not self.fresh:  # planned on the host: prepare again
             # (from the planner's plan of this step, where a layer reads another's)
             self.prepared = prepare_route(self.route, self.problem, self.inputs, self.rank,
-                                     self.choice, self.lse is not None, self.buffers,
-                                     plan_from=None if self.planner is None
-                                     else self.planner.prepared)
+                                          self.choice, self.want_lse, self.buffers,
+                                          plan_from=None if self.planner is None
+                                          else self.planner.prepared)
         self.fresh = False
         if plans or self.host_planned:
             self.prepared.step()
@@ -120,15 +120,18 @@ class DecodeStep:
             if self.lse is not None and self.lse is not self.prepared.lse:
                 self.lse.copy_(self.prepared.lse)
 
+
 def _released() -> None:
     raise RuntimeError("a released decode step launches nothing (DecodeStep.released)")
 
+
 def fill_local_lens(local_lens: torch.Tensor, seq_lens: torch.Tensor, rank: int,
-                     world: int) -> None:
+                    world: int) -> None:
     """Round-robin share of each request on ``rank``: ceil((len - rank) / world), in place
     (``mlatune.check.inputs.shard_lengths`` without allocating)."""
     local_lens.copy_(seq_lens).add_(world - 1 - rank)
     local_lens.div_(world, rounding_mode="floor").clamp_(min=0)
+
 
 def checks_values(free: bool, seq_lens: torch.Tensor, *, made: bool) -> bool:
     """Whether the length values are checked now: always where they are ``free`` to read
@@ -140,34 +143,35 @@ def checks_values(free: bool, seq_lens: torch.Tensor, *, made: bool) -> bool:
 
 
 def check_values(problem: MLAProblem, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                  seq_lens: torch.Tensor, dcp_rank: int) -> None:
+                 seq_lens: torch.Tensor, dcp_rank: int) -> None:
     runtime_checks.check_length_values(seq_lens, block_table, num_pages=kv_cache.shape[0],
                                        page_size=problem.page_size, qlen=problem.qlen,
                                        dcp_rank=dcp_rank, dcp_size=problem.dcp_size)
 
+
 def sharing_step(planner: DecodeStep, problem: MLAProblem, q, kv_cache, q_scale, kv_scale,
-                  softmax_scale, want_lse: bool, buffers: dict) -> DecodeStep:
+                 softmax_scale, want_lse: bool, buffers: dict) -> DecodeStep:
     """Another layer's step over the planner's lengths: its route and parameters, its
     lengths (this rank's too) and, where the route can read it, its device plan."""
-    if planner.problem != problem or (planner.lse is not None) != want_lse:
+    if planner.problem != problem or planner.want_lse != want_lse:
         raise ValueError(f"plan_from was made for {planner.problem.key}"
-                         f"{' with an LSE' if planner.lse is not None else ''}; this call is "
+                         f"{' with an LSE' if planner.want_lse else ''}; this call is "
                          f"{problem.key}{' with an LSE' if want_lse else ''}")
     theirs = planner.inputs.shards[planner.rank]
     shard = KVShard(planner.rank, kv_cache, theirs.block_table, theirs.seq_lens)
     shards = tuple(shard if r == planner.rank else None for r in range(problem.dcp_size))
     inputs = DecodeInputs(problem, q, q_scale, kv_scale, planner.inputs.seq_lens,
                           shards, sm_scale=softmax_scale)  # type: ignore[arg-type]
-    buffers = {k: v for k, v in buffers.items()}
-    prepared = prepare_route(planner.route, problem, inputs, planner.rank, planner.choice, want_lse,
-                        buffers, plan_from=planner.prepared)
+    buffers = dict(buffers)
+    prepared = prepare_route(planner.route, problem, inputs, planner.rank, planner.choice,
+                             want_lse, buffers, plan_from=planner.prepared)
     return new_step(problem, planner.choice, planner.route, inputs, prepared,
-                     planner.local_lens, planner.rank, buffers, want_lse, planner)
+                    planner.local_lens, planner.rank, buffers, want_lse, planner)
 
 
 def new_step(problem: MLAProblem, choice: Choice, route: Route, inputs: DecodeInputs,
-              prepared: Prepared, local_lens: torch.Tensor | None, rank: int, buffers: dict,
-              want_lse: bool, planner: DecodeStep | None = None) -> DecodeStep:
+             prepared: Prepared, local_lens: torch.Tensor | None, rank: int, buffers: dict,
+             want_lse: bool, planner: DecodeStep | None = None) -> DecodeStep:
     """The step of a prepared route: out and the LSE the caller's buffers, else the
     route's own."""
     out, lse = buffers["out"], buffers["lse"]
@@ -178,8 +182,8 @@ def new_step(problem: MLAProblem, choice: Choice, route: Route, inputs: DecodeIn
 
 
 def prepare_route(route: Route, problem: MLAProblem, inputs: DecodeInputs, rank: int,
-             choice: Choice, want_lse: bool, buffers: dict,
-             plan_from: Prepared | None = None) -> Prepared:
+                  choice: Choice, want_lse: bool, buffers: dict,
+                  plan_from: Prepared | None = None) -> Prepared:
     """The route prepared for this rank, writing into the caller's buffers if it can, and
     reading ``plan_from``'s device plan if it has one the route can read."""
     into = {k: v for k, v in buffers.items() if v is not None} if route.writes_into else {}
@@ -188,8 +192,9 @@ def prepare_route(route: Route, problem: MLAProblem, inputs: DecodeInputs, rank:
     return route.prepare(problem, inputs, rank=rank, params=dict(choice.params),
                          want_lse=want_lse, **into)
 
+
 def rebound(step: DecodeStep, q: torch.Tensor, out: torch.Tensor | None,
-             lse_out: torch.Tensor | None, planner: DecodeStep | None) -> DecodeStep:
+            lse_out: torch.Tensor | None, planner: DecodeStep | None) -> DecodeStep:
     """``step``'s route, parameters and lengths over these tensors, of its geometry: the
     route prepared again, nothing chosen or checked; a layer that reads another's plan
     reads ``planner``'s. A device plan is shared (each call replans it); a host plan is made
@@ -198,11 +203,11 @@ def rebound(step: DecodeStep, q: torch.Tensor, out: torch.Tensor | None,
     theirs = step.inputs
     if planner is not None:
         return sharing_step(planner, step.problem, q, theirs.shards[step.rank].kv_cache,
-                             theirs.q_scale, theirs.kv_scale, theirs.sm_scale,
-                             step.want_lse, buffers)
+                            theirs.q_scale, theirs.kv_scale, theirs.sm_scale,
+                            step.want_lse, buffers)
     inputs = dataclasses.replace(theirs, q=q)
     prepared = prepare_route(step.route, step.problem, inputs, step.rank, step.choice,
-                        step.want_lse, buffers,
-                        plan_from=None if step.host_planned else step.prepared)
+                             step.want_lse, buffers,
+                             plan_from=None if step.host_planned else step.prepared)
     return new_step(step.problem, step.choice, step.route, inputs, prepared,
-                     step.local_lens, step.rank, buffers, step.want_lse)
+                    step.local_lens, step.rank, buffers, step.want_lse)
