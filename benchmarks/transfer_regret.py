@@ -1,7 +1,8 @@
 """How the dispatcher's cost laws in device terms answer another GPU model and buckets a
 table never measured, judged against measured tables, on the CPU.
 
-    python benchmarks/transfer_regret.py [--h100 T] [--h200 T] [--crossed T] [--show N]
+    python benchmarks/transfer_regret.py [--h100 T] [--h200 T] [--crossed-h100 T]
+                                         [--crossed-h200 T] [--show N]
                                          [--accuracy strict]
                                          [--trust X | --choose-trust | --buckets]
 
@@ -12,8 +13,8 @@ table never measured, judged against measured tables, on the CPU.
   half of the problems chooses (how ``laws.TRUST`` was chosen);
 - buckets (``--buckets``): each decode bucket of each table answered by the laws fitted
   without it, against its measured rows (halves: a hash of the problem's key);
-- crossed: the dispatcher loaded from the H100 table answers the crossed-category problems
-  of the held-out H100 sweep (heads, page size, qlen and cache dtype combined as the grid
+- crossed: the dispatcher loaded from each GPU's table answers the crossed-category problems
+  of that GPU's held-out sweep (heads, page size, qlen and cache dtype combined as the grid
   did not), and the unmeasured head counts (12, 24, 48, 96).
 
 Regret = the step cost of the pick's route as measured in the target table (its best
@@ -56,7 +57,8 @@ from mlatune.table.frame import assign_ranks, key_strings
 ROOT = Path(__file__).resolve().parent.parent
 H100 = ROOT / "tables/sm_90-h100.parquet"
 H200 = ROOT / "tables/sm_90-h200.parquet"
-CROSSED = ROOT / "tables/journals/sm_90-h100/heldout/sm_90-crossed.parquet"
+CROSSED = {gpu: ROOT / f"tables/journals/sm_90-{gpu.lower()}/heldout/sm_90-crossed.parquet"
+           for gpu in ("H100", "H200")}
 NEW_HEADS = (12, 24, 48, 96)
 SHOWN_ROUTES = 3  # the source's and the target's fastest routes shown at a worst case
 FIGURES = ("bandwidth_gbs", "tensor_tflops", "sm_count", "sm_clock_mhz")  # what laws read
@@ -344,15 +346,15 @@ def _halves(judged: list[Judged]) -> list[float]:
     return out
 
 
-def crossed(h100: Dispatcher, path: Path, args) -> None:
-    """The H100 table answering the held-out H100 sweep's problems it never measured."""
+def crossed(gpu: str, dispatcher: Dispatcher, path: Path, args) -> None:
+    """A GPU's table answering its held-out sweep's problems it never measured."""
     truth = load(path, args.accuracy)
     problems = [MLAProblem.from_key(k) for k in truth._winner]
-    judged = judge(h100, truth, problems)
-    sides = {"estimated": estimated(h100), "truth": measured(truth)}
-    report("crossed categories (H100 table -> held-out H100 sweep)",
+    judged = judge(dispatcher, truth, problems)
+    sides = {"estimated": estimated(dispatcher), "truth": measured(truth)}
+    report(f"crossed categories ({gpu} table -> held-out {gpu} sweep)",
            [j for j in judged if j.problem.num_heads not in NEW_HEADS], args.show, sides)
-    report("unmeasured head counts 12/24/48/96 (H100 table -> held-out H100 sweep)",
+    report(f"unmeasured head counts 12/24/48/96 ({gpu} table -> held-out {gpu} sweep)",
            [j for j in judged if j.problem.num_heads in NEW_HEADS], args.show, sides)
 
 
@@ -390,7 +392,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--h100", type=Path, default=H100)
     parser.add_argument("--h200", type=Path, default=H200)
-    parser.add_argument("--crossed", type=Path, default=CROSSED)
+    parser.add_argument("--crossed-h100", type=Path, default=CROSSED["H100"])
+    parser.add_argument("--crossed-h200", type=Path, default=CROSSED["H200"])
     parser.add_argument("--accuracy", default="strict")
     parser.add_argument("--show", type=int, default=15)
     parser.add_argument("--trust", type=float, default=TRUST,
@@ -415,10 +418,11 @@ def main() -> None:
                   f"{np.median(errors):.3f} over {len(errors)} picks")
         return
     transfer(tables, loaded, args)
-    crossed(loaded["H100"], args.crossed, args)
+    for gpu in ("H100", "H200"):
+        crossed(gpu, loaded[gpu], getattr(args, f"crossed_{gpu.lower()}"), args)
     print(f"repro: python benchmarks/transfer_regret.py --h100 {args.h100} --h200 {args.h200} "
-          f"--crossed {args.crossed} --accuracy {args.accuracy} --show {args.show} "
-          f"--trust {args.trust}")
+          f"--crossed-h100 {args.crossed_h100} --crossed-h200 {args.crossed_h200} "
+          f"--accuracy {args.accuracy} --show {args.show} --trust {args.trust}")
 
 
 if __name__ == "__main__":

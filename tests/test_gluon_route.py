@@ -612,8 +612,9 @@ def test_every_shipped_gluon_param_set_upgrades_to_a_live_form():
             assert route.upgrade_params(new) == new  # the current spelling reads as itself
             seen.add((route_id, new.get("form")))
     assert seen == {("wgmma/gluon", None), ("seesaw/gluon", None), ("seesaw/gluon", "pairs"),
-                    ("seesaw/gluon", "two-requests"), ("transposed/gluon", None),
-                    ("transposed/gluon", "mma16"), (MMA8, "mma8")}
+                    ("seesaw/gluon", "two-requests"), ("seesaw/gluon", "balanced"),
+                    ("transposed/gluon", None), ("transposed/gluon", "mma16"), (MMA8, None),
+                    (MMA8, "mma8")}
 
 
 def test_the_shipped_boolean_forms_map_to_these_ids():

@@ -137,10 +137,11 @@ def test_the_table_shipped_before_v2_loads_as_before():
 
 def test_the_shipped_table_has_measured_plan_costs_and_simulated_dcp_rows(monkeypatch, tmp_path):
     # Measured as v2, joined by `mlatune merge` with a re-time of FlashMLA measured as v3,
-    # then ranked by step cost as v4: each row's provenance says what it was measured as.
+    # then ranked by step cost as v4, then routes re-swept as today's schema (no conversion):
+    # each row's provenance says what it was measured as.
     frame, stored = table.read_versioned(REPO / "tables" / "sm_90-h200.parquet",
                                          facts=KINDS)
-    assert stored == SCHEMA_VERSION and set(frame["converted_from"]) == {"v2", "v3"}
+    assert stored == SCHEMA_VERSION and set(frame["converted_from"]) == {"v2", "v3", ""}
     dcp = frame["dcp_size"] > 1
     assert dcp.any() and (frame.loc[dcp, "dcp_timing"] == "simulated").all()
     assert (frame.loc[~dcp, "dcp_timing"] == "").all() and frame["simulated_us"].isna().all()
