@@ -20,13 +20,13 @@ answers the held-out sweep's problems, timed from that sweep's journal; also the
 Regret = the time of the pick / the problem's best time over every route and parameter
 set - 1, "by route" (the picked route at its best parameters there) and "with params" (the
 parameters the dispatcher passes; NaN where the sweep did not run them: a miss), in two
-currencies: launch times, as ``mlatune report`` judges them, and step costs, what the
-dispatcher ranks by (``dispatch.step_cost``: the launch plus the share of its plan a call
-pays, 61 calls sharing a plan). The predictor predicts step costs, so they judge the model;
-launch regret adds the places where a plan's share changes the best (FlashInfer's host
-plan, 19 us a call, at small shapes). Per problem (``--show N``: the N worst by step-cost
-regret with params; -1 all): the pick, its predicted cost, the measured cost of the pick
-and of the best, the regrets. Numbers only.
+currencies: launch times (the kernel alone) and step costs, what the dispatcher ranks by
+and ``mlatune report`` judges by (``dispatch.step_cost``: the launch plus the share of its
+plan a call pays, 61 calls sharing a plan). The predictor predicts step costs, so they
+judge the model; launch regret adds the places where a plan's share changes the best
+(FlashInfer's host plan, 19 us a call, at small shapes). Per problem (``--show N``: the N
+worst by step-cost regret with params; -1 all): the pick, its predicted cost, the measured
+cost of the pick and of the best, the regrets. Numbers only.
 """
 
 from __future__ import annotations

@@ -236,3 +236,23 @@ def test_heldout_loss_to_flashmla_is_counted_and_listed(fast_route, tmp_path):
     document = json.loads(made.summary_json.read_text())
     held = {p["policy"]: p for p in document["vendor_policies_heldout"]}
     assert held[policies.ALWAYS_FLASHMLA]["losses"][0]["pick_route"] == FAST
+
+
+def test_the_report_compares_what_a_step_costs_as_the_table_ranks(tmp_path):
+    # fa3 launches faster than padded/triton (9 against 10 us) but plans on the host each
+    # step: 610 us shared by the 61 layers of a step is 10 us a call, so its step costs 19 us
+    # and the table ranks padded/triton first. Judged by launch times the pick would lose
+    # to always-fa3 (the false "defect" the report printed before); by step costs it gains.
+    problem = BASE.with_(batch=32)
+    fa3 = {**result_row(problem, FI, 9.0), "plan_host_us": 610.0}
+    frame = make_table([result_row(problem, PT, 10.0), fa3])
+    path = table.write(frame, tmp_path / "plan.parquet")
+    loaded = table.read(path)
+    assert loaded.set_index("route").loc[PT, "rank"] == 1  # the ranks charge the plan
+    summary, data = report.summarize(path, loaded)
+    fi = by_policy(summary.vendor)[policies.ALWAYS_FA3]
+    assert fi.losses == () and fi.worst == pytest.approx(19.0 / 10.0)
+    problems = data["problems"]
+    assert problems["winner"].tolist() == [PT]
+    assert problems["winner_us"].tolist() == [pytest.approx(10.0)]
+    assert problems["margin"].tolist() == [pytest.approx(0.9)]

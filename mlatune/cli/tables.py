@@ -69,14 +69,14 @@ def show(
 ) -> None:
     """Per problem: the winning route, the runner-up and the margin between them, among the
     rows the accuracy policy serves (as `lookup` and the dispatcher answer)."""
-    from mlatune import table
+    from mlatune import routes, table
     from mlatune.check.policy import policy_named
 
     with one_line_errors(str(table_path)):
         frame = frames.read_table(table_path)
         policy = policy_named(value(accuracy))
         served = frames.for_policy(frame, policy.name)
-        rows = table.summary(served)
+        rows = table.summary(served, sharing=routes.plan_sharing())
     held = len(frame) - len(served)
     if json_out:
         emit_json("show", {"table": str(table_path), "accuracy": policy.name, "held_back": held,

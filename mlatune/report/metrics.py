@@ -164,8 +164,9 @@ def measured_with(frame: pd.DataFrame) -> str:
 def measured_problems(frame: pd.DataFrame) -> pd.DataFrame:
     """One row per problem with an ok row: its key fields, ``key`` (MLAProblem.key),
     winner, winner_us, winner_params, runner_up, runner_up_us, margin, ok_routes, and the
-    winner's tb_per_s and tflops."""
-    summary = table.summary(frame)
+    winner's tb_per_s and tflops (of its launch). winner_us and runner_up_us are what a step
+    costs (``table.summary``), the measure the table ranks by."""
+    summary = table.summary(frame, sharing=routes.plan_sharing())
     summary = summary[summary["winner"] != ""]
     picks = table.winners(frame)[[*KEY_COLUMNS, "tb_per_s", "tflops"]]
     out = summary.merge(picks, on=list(KEY_COLUMNS), how="left").reset_index(drop=True)
@@ -191,12 +192,13 @@ def dcp_measured(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def ok_times(frame: pd.DataFrame) -> pd.DataFrame:
-    """time_us of every ok row that competes (``table.competing_rows``: at a problem with
-    DCP rows measured across processes, only those): index problem key, one column per
-    route (NaN: no such row)."""
+    """What a step of every ok row that competes (``table.competing_rows``: at a problem
+    with DCP rows measured across processes, only those) costs the default caller, in
+    microseconds: its launch plus its share of a plan, as the table ranks its rows
+    (``table.step_costs``). Index problem key, one column per route (NaN: no such row)."""
     ok = frame[(frame["status"] == "ok") & table.competing_rows(frame)]
     long = pd.DataFrame({"key": table.key_strings(ok), "route": ok["route"].astype(str).to_numpy(),
-                         "time_us": ok["time_us"].to_numpy()})
+                         "time_us": table.step_costs(ok, sharing=routes.plan_sharing())})
     return long.pivot(index="key", columns="route", values="time_us")
 
 
@@ -478,7 +480,8 @@ def _add_heldout(summary: Summary, heldout_path: str | os.PathLike | None,
     summary.notes.append(
         f"held out: the dispatcher answers unmeasured shapes by {DEFAULT_UNMEASURED!r} and "
         f"ranks routes by the launch plus 1/{DEFAULT_PLAN_CALLS} of a plan shared by the "
-        f"layers of a step (Dispatcher plan_calls); regrets compare launch times")
+        f"layers of a step (Dispatcher plan_calls); regrets and speedups compare those step "
+        f"costs")
     if skipped:
         summary.notes.append("nearest: the dispatcher skipped rows of routes not registered "
                              "here: " + ", ".join(f"{r} ({n})" for r, n in sorted(skipped.items())))

@@ -32,6 +32,7 @@ from mlatune.report.text import (
     prefill_rows,
     speedup_text,
 )
+from mlatune.table.cost import DEFAULT_PLAN_CALLS
 
 TEMPLATES = Path(__file__).parent / "templates"
 TEMPLATE = "report.html.j2"
@@ -72,6 +73,7 @@ def context(summary: Summary, problems: pd.DataFrame, images: dict[str, Path | N
         "rule_policy": RULE_POLICY,
         "best": summary.best_fixed,
         "regret": summary.regret,
+        "plan_calls": DEFAULT_PLAN_CALLS,
         **vendor_context(summary),
         **accuracy_context(summary),
     }

@@ -85,20 +85,23 @@ def winners(frame: pd.DataFrame, caller: Caller = DEFAULT_CALLER,
 
 
 
-def summary(frame: pd.DataFrame) -> pd.DataFrame:
+def summary(frame: pd.DataFrame, sharing: Collection[str] = ()) -> pd.DataFrame:
     """Per (device, problem): winner, runner-up, and the margin between them.
 
-    ``margin`` is runner-up time / winner time - 1 (0.25: the runner-up is 25%
-    slower); NaN without a runner-up. Keys with no ok row have winner "".
+    ``winner_us`` and ``runner_up_us`` are what a step of each costs the default caller
+    (``step_costs``, the measure the ranks order by; ``sharing``: the routes whose host plan
+    the calls of a step share). ``margin`` is runner-up cost / winner cost - 1 (0.25: the
+    runner-up is 25% dearer); NaN without a runner-up. Keys with no ok row have winner "".
     """
     keys = frame[list(KEY_COLUMNS)].drop_duplicates()
     # A measured winner's runner-up is measured too: a simulated one is no comparison.
-    ranked = frame.loc[frame["rank"].isin([1, 2]) & competing_rows(frame),
-                       [*KEY_COLUMNS, "rank", "route", "time_us", "route_params"]]
+    ranked = frame.loc[frame["rank"].isin([1, 2]) & competing_rows(frame)]
+    ranked = ranked[[*KEY_COLUMNS, "rank", "route", "route_params"]].assign(
+        cost_us=step_costs(ranked, DEFAULT_CALLER, sharing))
     first = ranked[ranked["rank"] == 1].drop(columns="rank").rename(
-        columns={"route": "winner", "time_us": "winner_us", "route_params": "winner_params"})
+        columns={"route": "winner", "cost_us": "winner_us", "route_params": "winner_params"})
     second = ranked[ranked["rank"] == 2].drop(columns=["rank", "route_params"]).rename(
-        columns={"route": "runner_up", "time_us": "runner_up_us"})
+        columns={"route": "runner_up", "cost_us": "runner_up_us"})
     counts = frame.groupby(list(KEY_COLUMNS), sort=False).agg(
         routes=("route", "size"), ok_routes=("status", lambda s: int((s == "ok").sum())))
     out = keys.merge(first, on=list(KEY_COLUMNS), how="left").merge(
