@@ -412,8 +412,9 @@ def _make_plan(q, kv_cache, block_table, seq_lens, *, num_heads, qlen, causal, k
         check_values(problem, kv_cache, block_table, seq_lens, dcp_rank)
     capped = problem.with_(kv_len=_served_len(max_kv_len, qlen))
     if plan_from is not None:
-        return sharing_step(plan_from, capped, q, kv_cache, q_scale, kv_scale, softmax_scale,
-                            want_lse, {"out": out, "lse": lse_out})
+        return sharing_step(plan_from, capped, q, kv_cache, block_table, seq_lens, dcp_rank,
+                            q_scale, kv_scale, softmax_scale, want_lse,
+                            {"out": out, "lse": lse_out})
     local_lens = None
     if dcp_size > 1:  # this rank's lengths, filled before any route plans from them
         local_lens = torch.empty_like(seq_lens)

@@ -16,6 +16,7 @@ import torch
 from mlatune import runtime_checks
 from mlatune.check.inputs import DecodeInputs, KVShard
 from mlatune.dispatch import Choice
+from mlatune.errors import DecodeArgumentError
 from mlatune.measure import timers
 from mlatune.problem import MLAProblem
 from mlatune.routes import Prepared, Route
@@ -149,15 +150,27 @@ def check_values(problem: MLAProblem, kv_cache: torch.Tensor, block_table: torch
                                        dcp_rank=dcp_rank, dcp_size=problem.dcp_size)
 
 
-def sharing_step(planner: DecodeStep, problem: MLAProblem, q, kv_cache, q_scale, kv_scale,
-                 softmax_scale, want_lse: bool, buffers: dict) -> DecodeStep:
+def sharing_step(planner: DecodeStep, problem: MLAProblem, q, kv_cache, block_table,
+                 seq_lens, dcp_rank: int, q_scale, kv_scale, softmax_scale, want_lse: bool,
+                 buffers: dict) -> DecodeStep:
     """Another layer's step over the planner's lengths: its route and parameters, its
-    lengths (this rank's too) and, where the route can read it, its device plan."""
+    lengths (this rank's too) and, where the route can read it, its device plan. The call's
+    block table, lengths and rank must be the planner's: the step reads the planner's."""
     if planner.problem != problem or planner.want_lse != want_lse:
-        raise ValueError(f"plan_from was made for {planner.problem.key}"
-                         f"{' with an LSE' if planner.want_lse else ''}; this call is "
-                         f"{problem.key}{' with an LSE' if want_lse else ''}")
+        raise DecodeArgumentError(
+            f"plan_from was made for {planner.problem.key}"
+            f"{' with an LSE' if planner.want_lse else ''}; this call is "
+            f"{problem.key}{' with an LSE' if want_lse else ''}")
     theirs = planner.inputs.shards[planner.rank]
+    for name, mine, its in (("block_table", block_table, theirs.block_table),
+                            ("seq_lens", seq_lens, planner.inputs.seq_lens)):
+        if not _same_tensor(mine, its):
+            raise DecodeArgumentError(
+                f"{name}: plan_from's step reads its own {name}; pass that tensor (the same "
+                f"memory, shape and strides), or prepare this layer without plan_from")
+    if dcp_rank != planner.rank:
+        raise DecodeArgumentError(f"dcp_rank: plan_from's step is rank {planner.rank}'s, "
+                                  f"this call rank {dcp_rank}'s")
     shard = KVShard(planner.rank, kv_cache, theirs.block_table, theirs.seq_lens)
     shards = tuple(shard if r == planner.rank else None for r in range(problem.dcp_size))
     inputs = DecodeInputs(problem, q, q_scale, kv_scale, planner.inputs.seq_lens,
@@ -167,6 +180,12 @@ def sharing_step(planner: DecodeStep, problem: MLAProblem, q, kv_cache, q_scale,
                              want_lse, buffers, plan_from=planner.prepared)
     return new_step(problem, planner.choice, planner.route, inputs, prepared,
                     planner.local_lens, planner.rank, buffers, want_lse, planner)
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors are views of the same memory with the same shape and strides."""
+    return (a.device == b.device and a.dtype == b.dtype and a.data_ptr() == b.data_ptr()
+            and a.shape == b.shape and a.stride() == b.stride())
 
 
 def new_step(problem: MLAProblem, choice: Choice, route: Route, inputs: DecodeInputs,
@@ -201,8 +220,10 @@ def rebound(step: DecodeStep, q: torch.Tensor, out: torch.Tensor | None,
     anew from the lengths of now (``step``'s was made from those of its own first call)."""
     buffers = {"out": out, "lse": lse_out}
     theirs = step.inputs
-    if planner is not None:
+    if planner is not None:  # the caller found the planner by these very lengths and table
+        own = planner.inputs.shards[planner.rank]
         return sharing_step(planner, step.problem, q, theirs.shards[step.rank].kv_cache,
+                            own.block_table, planner.inputs.seq_lens, planner.rank,
                             theirs.q_scale, theirs.kv_scale, theirs.sm_scale,
                             step.want_lse, buffers)
     inputs = dataclasses.replace(theirs, q=q)

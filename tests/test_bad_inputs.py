@@ -183,6 +183,23 @@ def test_plan_from_must_be_a_held_step():
         attention.prepare_decode(**args, plan_from={})
 
 
+def test_plan_from_refuses_lengths_or_a_table_it_would_not_read():
+    """A layer's step made with plan_from reads the planner's lengths and block table: other
+    tensors (other values, or a copy) are refused by name, never silently replaced."""
+    _, args = call_args()
+    first = held(args)
+    other_lens = args["seq_lens"].clone()
+    other_table = args["block_table"].clone()
+    for name, tensor in (("seq_lens", other_lens), ("block_table", other_table)):
+        with pytest.raises(DecodeArgumentError, match=rf"^{name}: plan_from's step reads its "
+                                                      rf"own {name}"):
+            attention.prepare_decode(**{**args, name: tensor}, plan_from=first)
+    layer = attention.prepare_decode(**args, plan_from=first)  # the planner's own tensors
+    assert layer.route.id == first.route.id
+    with pytest.raises(DecodeArgumentError, match=r"^plan_from was made for"):
+        attention.prepare_decode(**args, plan_from=first, return_lse=True)
+
+
 def test_foreign_types_are_named_on_a_step_already_made():
     """The same tensors served once (a step held for them), then a bad call."""
     _, args = call_args()
