@@ -201,7 +201,7 @@ def decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     if torch.compiler.is_compiling():
         return _decode_compiled(q, kv_cache, block_table, seq_lens, num_heads, qlen, causal,
                                 kv_scale, q_scale, softmax_scale, out, lse_out, dcp_rank,
-                                dcp_size, max_kv_len, kv_lora_rank, want_lse, bool(capturable),
+                                dcp_size, max_kv_len, kv_lora_rank, want_lse, capturable,
                                 reuse_plan, dispatcher, accuracy)
     tensors = (q, kv_cache, block_table, seq_lens)
     made = dict(num_heads=num_heads, qlen=qlen, causal=causal, kv_scale=kv_scale,
@@ -464,8 +464,10 @@ def _decode_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                q_scale: torch.Tensor | None, out: torch.Tensor, lse_out: torch.Tensor | None,
                num_heads: int, qlen: int, causal: bool, softmax_scale: float | None,
                dcp_rank: int, dcp_size: int, max_kv_len: int | None, kv_lora_rank: int,
-               capturable: bool, reuse_plan: bool, dispatcher_handle: int,
+               capturable: bool | None, reuse_plan: bool, dispatcher_handle: int,
                accuracy: str) -> None:
+    # capturable None: decided here, when the op runs (a graph being captured or not), as
+    # an eager call decides it; torch.compile's reduce-overhead mode captures this op.
     decode(q, kv_cache, block_table, seq_lens, num_heads=num_heads, qlen=qlen, causal=causal,
            kv_scale=kv_scale, q_scale=q_scale, softmax_scale=softmax_scale, out=out,
            lse_out=lse_out, dcp_rank=dcp_rank, dcp_size=dcp_size, max_kv_len=max_kv_len,

@@ -313,6 +313,31 @@ def test_torch_compile_fullgraph_matches_eager(backend, monkeypatch):
     assert compiled_made == 2  # the compiled calls' step and the eager calls' (out=None)
 
 
+@pytest.mark.parametrize("capturable", [None, True, False])
+def test_torch_compile_leaves_capturability_to_the_op(capturable, monkeypatch):
+    """decode's capturable reaches the op as given: None (the default) is decided when the op
+    runs, as an eager call decides it (capturable while a CUDA graph is captured:
+    torch.compile's reduce-overhead mode captures the op), not fixed to False at tracing."""
+    problem = MLAProblem(num_heads=4, batch=2, kv_len=40, page_size=8, q_dtype="fp16",
+                         kv_dtype="fp16")
+    inputs = make_decode_inputs(problem, seed=13, ragged=True)
+    shard = inputs.shards[0]
+    dispatcher = Dispatcher.rules_only(cpu_device())
+    seen, real = [], attention._decode_step
+    monkeypatch.setattr(attention, "_decode_step", lambda tensors, max_kv_len, reuse, d, a,
+                        made: seen.append(made["capturable"]) or real(tensors, max_kv_len,
+                                                                      reuse, d, a, made))
+
+    def attend(q, kv_cache, block_table, seq_lens):
+        return attention.decode(q, kv_cache, block_table, seq_lens, num_heads=4,
+                                max_kv_len=problem.kv_len, dispatcher=dispatcher,
+                                capturable=capturable) * 1.0
+
+    args = (inputs.q, shard.kv_cache, shard.block_table, inputs.seq_lens)
+    torch.compile(attend, fullgraph=True)(*args)
+    assert seen and set(seen) == {capturable}
+
+
 class HostPlannedRoute(FakeRoute):
     """Plans from the lengths on the host every step, like the AITER decode routes."""
 
