@@ -51,6 +51,7 @@ Under ``torch.compile`` the call goes through the custom op ``mlatune::decode``
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 import torch
@@ -99,15 +100,19 @@ _seen: weakref.WeakKeyDictionary[Dispatcher, dict[tuple, DecodeStep]] = \
 # Per dispatcher, the step its last call ran (``last_step``).
 _last: weakref.WeakKeyDictionary[Dispatcher, DecodeStep] = weakref.WeakKeyDictionary()
 _default: dict[tuple[bool, str], Dispatcher] = {}  # by capturable and accuracy policy
+# Guards the caches above: an engine may call decode from several threads (one a layer
+# group, one a model); the steps themselves run outside it.
+_lock = threading.RLock()
 
 
 def default_dispatcher(capturable: bool = False, accuracy: str | None = None) -> Dispatcher:
     """``Dispatcher.from_bundled(capturable=..., accuracy=...)``, made once per process and
     policy on first use (``accuracy`` None: ``MLATUNE_ACCURACY``'s, else strict)."""
     key = (capturable, _policy(accuracy).name)
-    if key not in _default:
-        _default[key] = Dispatcher.from_bundled(capturable=capturable, accuracy=key[1])
-    return _default[key]
+    with _lock:
+        if key not in _default:
+            _default[key] = Dispatcher.from_bundled(capturable=capturable, accuracy=key[1])
+        return _default[key]
 
 
 def _policy(accuracy: str | None) -> Policy:
@@ -229,7 +234,8 @@ def _decode_step(tensors: tuple, max_kv_len: int | None, reuse_plan: bool,
     if max_kv_len is None:  # (no batch: 0, and the argument checks say why)
         max_kv_len = int(seq_lens.max()) if seq_lens.numel() else 0
     runtime_checks.check_max_kv_len(max_kv_len)
-    return _held_step(*tensors, max_kv_len, reuse_plan, dispatcher, made)
+    with _lock:
+        return _held_step(*tensors, max_kv_len, reuse_plan, dispatcher, made)
 
 
 def _check_args(tensors: tuple, made: dict) -> None:

@@ -597,3 +597,49 @@ def test_a_step_used_again_is_kept_before_older_ones(monkeypatch):
         _calls(inputs, dispatcher, [q, q])  # kept at its second call
         assert kept() is first  # found again: no new step for the persistent q
     assert len(attention.plans_of(dispatcher)) == 2
+
+
+def test_two_threads_decoding_their_own_layers(monkeypatch, tmp_path):
+    """Threads calling decode at once (each its own cache, fresh lengths each call: new steps
+    made while the other thread evicts) share the step caches safely, each answer right.
+    The route computes in torch (Triton's CPU interpreter is not thread-safe itself)."""
+    import sys
+    import threading
+
+    monkeypatch.setattr(attention, "PLAN_LIMIT", 4)  # evictions all along
+    problem = MLAProblem(num_heads=4, batch=3, kv_len=32, page_size=8, q_dtype="fp16",
+                         kv_dtype="fp16")
+    routes.register(FakeRoute("recording/fake"))
+    rows = [result_row(problem, "recording/fake", 1.0, device=cpu_device())]
+    dispatcher = Dispatcher.load(table.write(make_table(rows), tmp_path / "cpu.parquet"),
+                                 device=cpu_device())
+    layers = [make_decode_inputs(problem, seed=40 + t, ragged=True) for t in range(2)]
+    errors, answers = [], {}
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch often: the race shows in a few calls
+
+    def worker(t):
+        inputs = layers[t]
+        shard = inputs.shards[0]
+        try:
+            for _ in range(150):
+                out = attention.decode(inputs.q, shard.kv_cache, shard.block_table,
+                                       inputs.seq_lens.clone(), num_heads=4, max_kv_len=32,
+                                       dispatcher=dispatcher)
+            answers[t] = out
+        except Exception as error:  # the test reports any
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(2)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+        routes.unregister("recording/fake")
+    assert errors == []
+    for t, inputs in enumerate(layers):
+        want, _ = reference.run(inputs, torch.float64)
+        assert check(problem, answers[t], want).ok
