@@ -233,7 +233,7 @@ def _decode_step(tensors: tuple, max_kv_len: int | None, reuse_plan: bool,
     dispatcher = _dispatcher_for(dispatcher, made["capturable"], accuracy)
     if max_kv_len is None:  # (no batch: 0, and the argument checks say why)
         max_kv_len = int(seq_lens.max()) if seq_lens.numel() else 0
-    runtime_checks.check_max_kv_len(max_kv_len)
+    runtime_checks.check_max_kv_len(max_kv_len, none_ok=True)
     with _lock:
         return _held_step(*tensors, max_kv_len, reuse_plan, dispatcher, made)
 
@@ -265,9 +265,9 @@ def _held_step(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     planners = _planners.setdefault(dispatcher, {})
     planner = planners.get(lengths) if reuse_plan else None
     if reuse_plan and planner is None:
-        raise RuntimeError("decode(reuse_plan=True): no call with these seq_lens and "
-                           "block_table tensors has planned yet; pass reuse_plan=False in "
-                           "the step's first call")
+        raise DecodeArgumentError("reuse_plan: no call with these seq_lens and block_table "
+                                  "tensors has planned yet; pass reuse_plan=False in the "
+                                  "step's first call")
     served = _served_len(max_kv_len, made["qlen"])
     step = steps.pop(key, None)
     if step is not None and step.problem.kv_len == served:

@@ -147,10 +147,12 @@ def check_decode_args(
                       kv_scale=kv_scale, q_scale=q_scale))
 
 
-def check_max_kv_len(max_kv_len: int) -> None:
-    """``max_kv_len`` is an int >= 0 (0: every request of the batch is empty)."""
+def check_max_kv_len(max_kv_len: int, none_ok: bool = False) -> None:
+    """``max_kv_len`` is an int >= 0 (0: every request of the batch is empty); ``none_ok``:
+    the caller also takes None (``decode``: the longest length, read then)."""
     if not isinstance(max_kv_len, int) or isinstance(max_kv_len, bool):
-        _fail("max_kv_len", f"must be an int or None, got {max_kv_len!r}")
+        _fail("max_kv_len", f"must be an int{' or None' if none_ok else ''}, got "
+                            f"{max_kv_len!r}")
     if max_kv_len < 0:
         _fail("max_kv_len", f"must be >= 0 (the longest request's length), got {max_kv_len}")
 

@@ -172,8 +172,16 @@ def test_arguments_of_foreign_types_are_named(arg, value, message, capturable):
     with pytest.raises(DecodeArgumentError, match=message):
         attention.decode(**args, capturable=capturable)
     if arg != "max_kv_len" or value != -1:  # (prepare_decode's check of it: the same)
+        if arg == "max_kv_len":  # prepare_decode's is not optional
+            message = message.replace(" or None", "")
         with pytest.raises(DecodeArgumentError, match=message):
             attention.prepare_decode(**args)
+
+
+def test_prepare_decode_asks_for_max_kv_len():
+    _, args = call_args()
+    with pytest.raises(DecodeArgumentError, match=r"^max_kv_len: must be an int, got None"):
+        attention.prepare_decode(**{**args, "max_kv_len": None})
 
 
 def test_plan_from_must_be_a_held_step():

@@ -19,6 +19,7 @@ from mlatune.arch import DeviceInfo, cpu_device
 from mlatune.check.accuracy import check
 from mlatune.check.inputs import DecodeInputs, make_decode_inputs
 from mlatune.dispatch import Dispatcher
+from mlatune.errors import DecodeArgumentError
 from mlatune.kernels import plan as plan_kernels
 from mlatune.problem import MLAProblem
 from mlatune.routes import flashmla
@@ -160,7 +161,8 @@ def test_reuse_before_any_plan_says_what_to_do(tmp_path):
     dispatcher = _dispatcher(problem, route_id, params, tmp_path)
     inputs = make_decode_inputs(problem, seed=1)
     shard = inputs.shards[0]
-    with pytest.raises(RuntimeError, match="reuse_plan=False in the step's first call"):
+    with pytest.raises(DecodeArgumentError, match=r"^reuse_plan: .*reuse_plan=False in the "
+                                                  r"step's first call"):
         attention.decode(inputs.q, shard.kv_cache, shard.block_table, inputs.seq_lens,
                          num_heads=problem.num_heads, dcp_size=problem.dcp_size,
                          reuse_plan=True, dispatcher=dispatcher)
