@@ -27,6 +27,9 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
 FP8_DTYPES = frozenset({"fp8_e4m3fn", "fp8_e4m3fnuz"})
+# The largest size a problem's field takes: lengths are int32 on the device, and tables,
+# maps and predictors hold sizes as int64 and products of them.
+SIZE_LIMIT = 2**31 - 1
 
 # Table key columns, in order: the whole problem (MIOpen find-db style).
 KEY_FIELDS = (
@@ -97,9 +100,11 @@ class MLAProblem:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 yield f"{name} must be a positive integer, got {value!r}"
+            elif value > SIZE_LIMIT:
+                yield f"{name} must be at most {SIZE_LIMIT} (2**31 - 1), got {value}"
         if not isinstance(self.dcp_size, int) or isinstance(self.dcp_size, bool) \
-                or self.dcp_size < 1:
-            yield f"dcp_size must be an integer >= 1, got {self.dcp_size!r}"
+                or not 1 <= self.dcp_size <= SIZE_LIMIT:
+            yield f"dcp_size must be an integer from 1 to {SIZE_LIMIT}, got {self.dcp_size!r}"
         if not isinstance(self.causal, bool):
             yield f"causal must be a bool, got {self.causal!r}"
         for name in ("q_dtype", "kv_dtype"):

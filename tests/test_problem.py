@@ -76,6 +76,9 @@ def test_prefill_key_round_trips():
         ({"causal": "yes"}, "causal"),
         ({"num_heads": 1.5}, "num_heads"),
         ({"batch": True}, "batch"),
+        ({"kv_len": 2**31}, "kv_len"),  # lengths are int32 on the device
+        ({"batch": 10**20}, "batch"),  # past int64: the table could not hold it
+        ({"dcp_size": 2**40}, "dcp_size"),
     ],
 )
 def test_invalid_problem_names_the_field(changes, field):

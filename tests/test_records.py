@@ -96,6 +96,18 @@ def test_a_line_with_an_unknown_status_is_damage(tmp_path):
         read_records(path)
 
 
+def test_a_line_whose_key_is_no_problem_is_damage(tmp_path):
+    """A result line's key fields must name a valid problem (a hand-edited or foreign
+    journal), else resuming from it would fail later with a traceback."""
+    first = next(line for line in read(NEW)[1])
+    bad = {**first, "key": {**first["key"], "num_heads": -1}}
+    path = tmp_path / "j.jsonl"
+    path.write_text(json.dumps(read(NEW)[0]) + "\n" + json.dumps(first) + "\n"
+                    + json.dumps(bad) + "\n" + json.dumps(first) + "\n")
+    with pytest.raises(JournalError, match=r"line 3 is damaged.*num_heads must be a positive"):
+        read_records(path)
+
+
 def test_fields_a_line_lacks_stay_none_and_unknown_ones_are_kept():
     line = {"id": "x", "status": "ok", "time_us": 3.0, "someday": [1, 2]}
     record = Record.from_json({"kind": "result", **line})

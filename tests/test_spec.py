@@ -55,6 +55,11 @@ kv_len = 64
         ("[tolerance]\nbf16 = 2\n[[grid]]\nkv_len = 8\n", "tolerance.bf16"),
         ("[[grid]]\nkv_len = 8\n[grid.cpu]\nbogus = 1\n", "grid[0].cpu.bogus"),
         ("[[grid]\n", "TOML"),
+        ("[[grid]]\nkv_len = [128, 99999999999999999999]\n", "grid[0].kv_len"),
+        ("[[grid]]\nbatch = 2147483648\n", "grid[0].batch"),
+        ("name = '../../escaped'\n[[grid]]\nkv_len = 8\n", "name"),
+        ("name = '/tmp/abs'\n[[grid]]\nkv_len = 8\n", "name"),
+        ("name = 5\n[[grid]]\nkv_len = 8\n", "name"),
     ],
 )
 def test_bad_specs_name_the_key_and_the_file(tmp_path, text, key):

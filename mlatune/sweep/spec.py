@@ -64,7 +64,7 @@ from pathlib import Path
 
 from mlatune.errors import SpecError
 from mlatune.measure.timers import Budget
-from mlatune.problem import MLAProblem, problem_field_names
+from mlatune.problem import SIZE_LIMIT, MLAProblem, problem_field_names
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -157,7 +157,11 @@ def parse(data: dict, where: str, sha256: str = "", gpu: bool = True) -> SweepSp
     if unknown:
         raise fail(sorted(unknown)[0], f"unknown key (allowed: {', '.join(sorted(_TOP_KEYS))})")
     data = _without_gpu(data, fail) if not gpu else data
-    name = data.get("name", Path(where).stem)
+    name = data.get("name", Path(where).stem)  # a file's stem has no path in it
+    if "name" in data and (not isinstance(name, str)
+                           or not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*", name)):
+        raise fail("name", f"must be a plain file name (letters, digits and _ . + -; the "
+                           f"sweep's default output is runs/NAME-ARCH.parquet), got {name!r}")
     seed = data.get("seed", 0)
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise fail("seed", f"must be an integer, got {seed!r}")
@@ -290,8 +294,11 @@ def _check_axes(axes, table: str, fail) -> None:
             raise fail(f"{table}.{key}", "empty list")
         for item in items:
             if not isinstance(item, (int, str, bool)):
-                raise fail(f"{table}.{key}", f"values must be numbers, strings or booleans, "
+                raise fail(f"{table}.{key}", f"values must be integers, strings or booleans, "
                                              f"got {item!r}")
+            if isinstance(item, int) and not -SIZE_LIMIT <= item <= SIZE_LIMIT:
+                raise fail(f"{table}.{key}", f"{item} is out of range: sizes are at most "
+                                             f"{SIZE_LIMIT} (2**31 - 1)")
 
 
 def _budget(table, fail) -> Budget:
