@@ -152,3 +152,24 @@ def test_report_show_and_export_with_measured_rows(tmp_path):
     document = json.loads((tmp_path / "t.json").read_text())
     winners = document["devices"][0]["winners"]
     assert any(w["route"] == "cprr/triton" for w in winners.values())
+
+
+def test_an_upgrade_over_the_table_leaves_another_file_beside_it(tmp_path):
+    """`mlatune upgrade t.csv` writes t.csv and t.parquet beside it, but a t.parquet already
+    there may be another table: it is left as it is, not overwritten."""
+    v2 = make_table([result_row(PLAIN, "padded/triton", 12.0)])
+    v2 = v2.drop(columns=list(DCP_COLUMNS)).assign(schema_version=2)
+    provenance = {**PROVENANCE.as_dict(), "schema_version": 2}
+    write_raw(v2, tmp_path / "t.csv", metadata={"schema_version": 2, "provenance": [provenance]})
+    other = tmp_path / "t.parquet"
+    other.write_bytes(b"another table's bytes")
+    upgraded = CliRunner().invoke(app, ["upgrade", str(tmp_path / "t.csv"), "--json"])
+    assert upgraded.exit_code == 0, upgraded.output
+    assert json.loads(upgraded.output)["written"] == [str(tmp_path / "t.csv")]
+    assert other.read_bytes() == b"another table's bytes"
+    assert table.read_versioned(tmp_path / "t.csv")[1] == SCHEMA_VERSION
+    (tmp_path / "t.parquet").unlink()  # nothing there: both formats, as a sweep writes them
+    write_raw(v2, tmp_path / "t.csv", metadata={"schema_version": 2, "provenance": [provenance]})
+    upgraded = CliRunner().invoke(app, ["upgrade", str(tmp_path / "t.csv"), "--json"])
+    assert sorted(json.loads(upgraded.output)["written"]) == sorted(
+        str(tmp_path / f"t.{s}") for s in ("csv", "parquet"))

@@ -88,7 +88,8 @@ def export(
 def upgrade(
     table_path: Annotated[Path, table_argument("Parquet or CSV table of an older schema.")],
     out: Annotated[Path | None, typer.Option(
-        help="Where to write, .parquet or .csv (both are written). Default: over TABLE.")]
+        help="Where to write, .parquet or .csv (both are written). Default: over TABLE, and "
+             "its other format beside it unless a file is there already (left as it is).")]
         = None,
     json_out: JsonFlag = False,
 ) -> None:
@@ -103,6 +104,8 @@ def upgrade(
     if target.suffix.lower() not in (".parquet", ".csv"):
         usage_error(f"{target}: name the table .parquet or .csv (both are written)", "--out")
     targets = [target.with_suffix(s) for s in (".parquet", ".csv")]
+    if out is None:  # over TABLE: a file beside it may be another table; it is not ours
+        targets = [t for t in targets if t == table_path or not t.exists()]
     if out is not None:  # a named destination is checked before anything is read
         check_outputs(*targets)
     with one_line_errors(str(table_path)):
