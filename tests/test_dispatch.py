@@ -6,6 +6,7 @@ import os
 import random
 import tracemalloc
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from hypothesis import assume, given, settings
@@ -734,3 +735,18 @@ def test_a_json_map_takes_no_overlay(tmp_path, fakes):
     user = table.write(frame, tmp_path / "mine.parquet")
     with pytest.raises(TableError, match="takes no overlay"):
         Dispatcher.load(path, device=H200, overlay=user)
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"unmeasured": "bogus"}, r"^unmeasured must be one of"),
+    ({"plan_calls": 0}, r"^plan_calls must be an int >= 1"),
+    ({"plan_calls": -1}, r"^plan_calls must be an int >= 1"),
+    ({"plan_calls": 2.5}, r"^plan_calls must be an int >= 1"),
+])
+def test_bad_dispatcher_options_are_named_not_blamed_on_the_table(options, message):
+    with pytest.raises(ValueError, match=message) as raised:
+        Dispatcher.load(Path(__file__).parents[1] / "tables" / "sm_90-h200.parquet",
+                        device=H200, **options)
+    assert not isinstance(raised.value, TableError)
+    with pytest.raises(ValueError, match=message):
+        Dispatcher(H200, **options)

@@ -71,9 +71,12 @@ from mlatune.dispatch.admission import class_of
 from mlatune.dispatch.choice import Choice, held_notes, law_notes, measured_note, nearest_notes
 from mlatune.dispatch.laws import Laws
 from mlatune.dispatch.loading import (  # noqa: F401  (the dispatcher's public names)
+    DEFAULT_UNMEASURED,
     FIRST_SIGHT_ENV,
     TABLE_ENV,
+    UNMEASURED,
     USER_TABLE_ENV,
+    check_options,
     device_for_arch,
     registered_routes,
 )
@@ -101,11 +104,6 @@ log = logging.getLogger("mlatune")
 MEMO_LIMIT = 1 << 16
 PREDICTIONS_SHOWN = 3  # by explain (`mlatune lookup`): the fastest predicted recipes
 PARAM_SETS_PER_ROUTE = 8  # estimates: recipes asked of the predictor per route
-# How an unmeasured shape of a measured bucket is answered: "predict" (each recipe's time
-# predicted from the bucket's points, mlatune.dispatch.predict) or "nearest" (the nearest
-# point's winner); benchmarks/RESULTS.md has how the two compare on held-out problems.
-UNMEASURED = ("predict", "nearest")
-DEFAULT_UNMEASURED = "predict"
 NO_ROUTES: frozenset[str] = frozenset()
 # ``problem.bucket`` in one C call (the property builds it field by field): a first select
 # of an unmeasured shape looks its bucket up twice.
@@ -165,8 +163,7 @@ class Dispatcher:
         self._held_back = dict(held_back or {})
         # The user table unsure answers are timed into (None: off), agreed across group's ranks.
         self.first_sight, self.group = first_sight, group
-        if self.unmeasured not in UNMEASURED:
-            raise ValueError(f"unmeasured must be one of {UNMEASURED}, got {unmeasured!r}")
+        check_options(plan_calls, self.unmeasured)
         # A number that names this dispatcher where only numbers pass (the custom op).
         self.handle = next(_HANDLES)
         _BY_HANDLE[self.handle] = self

@@ -46,6 +46,22 @@ OTHER_GPU = ("use", "transfer", "refuse")
 FIRST_SIGHT_ENV = "MLATUNE_FIRST_SIGHT"
 
 
+# How an unmeasured shape of a measured bucket is answered: "predict" (each recipe's time
+# predicted from the bucket's points, mlatune.dispatch.predict) or "nearest" (the nearest
+# point's winner); benchmarks/RESULTS.md has how the two compare on held-out problems.
+UNMEASURED = ("predict", "nearest")
+DEFAULT_UNMEASURED = "predict"
+
+
+def check_options(plan_calls: int, unmeasured: str | None) -> None:
+    """A dispatcher's options, refused by name (ValueError) before any table is read."""
+    if not isinstance(plan_calls, int) or isinstance(plan_calls, bool) or plan_calls < 1:
+        raise ValueError(f"plan_calls must be an int >= 1 (the calls sharing one plan: the "
+                         f"model's layers, or 1), got {plan_calls!r}")
+    if unmeasured is not None and unmeasured not in UNMEASURED:
+        raise ValueError(f"unmeasured must be one of {UNMEASURED}, got {unmeasured!r}")
+
+
 def device_for_arch(arch: str, name: str = "", cu_count: int = 0) -> DeviceInfo:
     """A stand-in device for planning on an arch this machine does not have."""
     vendor = vendor_of(arch)
@@ -102,6 +118,7 @@ def load(cls, path: str | os.PathLike, device: DeviceInfo | None = None,
     ``mlatune`` logger per table file and set of differences in a process; the differences
     are in ``environment_differences`` (``mlatune.dispatch.environment``).
     """
+    check_options(plan_calls, unmeasured)
     device = device or current_device()
     policy = policy_named(accuracy)
     other = other_gpu_setting(other_gpu)
