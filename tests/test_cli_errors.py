@@ -250,6 +250,28 @@ def test_a_damaged_table_is_one_line_to_every_command(tmp_path, command):
     assert not (tmp_path / "o.csv").exists() and not (tmp_path / "o.parquet").exists()
 
 
+@pytest.mark.parametrize("command", ["show", "lookup", "validate", "diff", "coverage",
+                                     "export", "upgrade"])
+def test_a_failure_under_json_is_one_json_object_on_stdout(tmp_path, command):
+    """A script that asked for --json reads JSON on a failure too: {"ok": false, "error"},
+    the same line stderr has; exit 1 as without --json."""
+    damaged = tmp_path / "sm_90.parquet"
+    damaged.write_bytes(b"PAR1" + bytes(range(200)) + b"PAR1")
+    args = {"show": ["show", damaged],
+            "lookup": ["lookup", damaged, "--heads", "16", "--batch", "4", "--kv-len", "2048",
+                       "--arch", "sm_90"],
+            "validate": ["validate", damaged],
+            "diff": ["diff", damaged, damaged],
+            "coverage": ["coverage", damaged, coverage_spec(tmp_path), "--arch", "sm_90"],
+            "export": ["export", damaged, "--format", "csv", "--out", tmp_path / "o.csv"],
+            "upgrade": ["upgrade", damaged, "--out", tmp_path / "o.parquet"]}[command]
+    result = invoke(*args, "--json")
+    assert result.exit_code == 1
+    document = json.loads(result.stdout)
+    assert document["schema"] == f"mlatune.{command}" and document["ok"] is False
+    assert str(damaged) in document["error"] and str(damaged) in result.stderr
+
+
 @pytest.mark.parametrize("fault", ["append", "close"])
 def test_a_journal_that_cannot_be_written_mid_sweep_is_one_line(tmp_path, monkeypatch, fault):
     def full(self, *args):

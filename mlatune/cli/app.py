@@ -11,6 +11,7 @@ import math
 import re
 import sys
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -60,6 +61,19 @@ class _Command(typer.core.TyperCommand):
                 param.__class__ = _Argument
             elif param.metavar is None and not getattr(param, "is_flag", False):
                 param.metavar = _value_word(param)
+
+    def invoke(self, ctx: Any) -> Any:
+        """The command, its --json remembered (``fail`` answers in JSON under it)."""
+        from mlatune.errors import JournalError, OutputError, SettingError, SpecError, TableError
+
+        token = _json_state.set({"asked": bool(ctx.params.get("json_out")), "written": False,
+                                 "command": ctx.info_name or "error"})
+        try:
+            return super().invoke(ctx)
+        except (SpecError, JournalError, TableError, OutputError, SettingError) as exc:
+            fail(str(exc))  # (as _Group's net does, with the command's --json known)
+        finally:
+            _json_state.reset(token)
 
 
 class _Group(typer.core.TyperGroup):
@@ -143,6 +157,9 @@ def note(text: str) -> None:
 
 # JSON -----------------------------------------------------------------------------------
 
+# The running command's --json: asked, and whether its one object is written yet.
+_json_state: ContextVar[dict[str, Any] | None] = ContextVar("mlatune_json", default=None)
+
 JsonFlag = Annotated[bool, typer.Option(
     "--json", help='Print one JSON object on stdout instead: {"schema": '
                    '"mlatune.<command>", "version": 1, ...} (fields: the command\'s module '
@@ -152,6 +169,17 @@ JsonFlag = Annotated[bool, typer.Option(
 def emit_json(command: str, body: dict[str, Any]) -> None:
     document = {"schema": f"mlatune.{command}", "version": JSON_VERSION, **body}
     sys.stdout.write(json.dumps(document, indent=2, allow_nan=False) + "\n")
+    state = _json_state.get()
+    if state is not None:
+        state["written"] = True
+
+
+def _json_failure(message: str) -> None:
+    """Under --json, a failure is one JSON object on stdout too ({"ok": false, "error"}),
+    unless the command already wrote its own: a script reads JSON either way."""
+    state = _json_state.get()
+    if state is not None and state["asked"] and not state["written"]:
+        emit_json(state["command"], {"ok": False, "error": message})
 
 
 def num(value: Any) -> float | None:
@@ -184,6 +212,7 @@ def fail(message: str) -> NoReturn:
     message = _PYTHON_ARCH_HINT.sub(r"pass --arch \2", " ".join(message.split()))
     err_console().print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True,
                         highlight=False)
+    _json_failure(message)
     raise typer.Exit(FAILURE_EXIT)
 
 
