@@ -134,7 +134,8 @@ def _typed_header(path: Path, header: dict) -> JournalHeader:
 def _typed(path: Path, line: int, record: dict) -> Record:
     try:
         typed = Record.from_json(record)
-        typed.problem  # noqa: B018 - its key must name a valid problem
+        if typed.key:
+            typed.problem  # noqa: B018 - a key must name a valid problem
         return typed
     except (KeyError, ValueError, TypeError) as exc:
         raise _damaged(path, line, f"not a result record ({type(exc).__name__}: {exc})"

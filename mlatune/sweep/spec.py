@@ -157,11 +157,7 @@ def parse(data: dict, where: str, sha256: str = "", gpu: bool = True) -> SweepSp
     if unknown:
         raise fail(sorted(unknown)[0], f"unknown key (allowed: {', '.join(sorted(_TOP_KEYS))})")
     data = _without_gpu(data, fail) if not gpu else data
-    name = data.get("name", Path(where).stem)  # a file's stem has no path in it
-    if "name" in data and (not isinstance(name, str)
-                           or not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*", name)):
-        raise fail("name", f"must be a plain file name (letters, digits and _ . + -; the "
-                           f"sweep's default output is runs/NAME-ARCH.parquet), got {name!r}")
+    name = _name(data, where, fail)
     seed = data.get("seed", 0)
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise fail("seed", f"must be an integer, got {seed!r}")
@@ -262,6 +258,17 @@ def _shown(value) -> str:
     text = repr(value) if not isinstance(value, int) or abs(value) < 10 ** 30 else \
         f"a {len(str(abs(value)))}-digit number"
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _name(data: dict, where: str, fail) -> str:
+    """The spec's name: a plain file name (the sweep's default output is
+    runs/NAME-ARCH.parquet); the file's stem, which holds no path, without one."""
+    name = data.get("name", Path(where).stem)
+    if "name" in data and (not isinstance(name, str)
+                           or not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*", name)):
+        raise fail("name", f"must be a plain file name (letters, digits and _ . + -), "
+                           f"got {name!r}")
+    return name
 
 
 def _check_size(all_axes: list[dict], limit: int, fail) -> None:
