@@ -10,7 +10,7 @@
 (null for a rule), ``time_us``, ``why`` (lines), ``skipped_routes`` ({route: rows}).
 
 ``validate --json``: ``table``, ``ok``; when ok, ``format`` ("table" or "winners map"),
-``schema_version``, ``converted_from`` (the older schemas upgraded on reading), ``rows``
+``schema_version``, ``converted_from`` (the older schemas of its rows), ``rows``
 (null for a winners map), ``problems``, ``devices``, ``unregistered_routes``; when not,
 ``error`` (also on stderr; exit 1).
 
@@ -205,7 +205,7 @@ def validate(
     converted = facts["converted_from"]
     what = "winners map" if facts["format"] == "winners map" else \
         f"schema v{facts['schema_version']}" + (
-            f" (upgraded from {', '.join(converted)} on reading)" if converted else "")
+            f" (rows measured as {', '.join(converted)}, converted)" if converted else "")
     count = (f"{facts['problems']} winners" if facts["rows"] is None
              else f"{facts['rows']} rows, {facts['problems']} problems")
     devices = sorted({f"{d['arch']} {d['device_name']}" for d in facts["devices"]})
