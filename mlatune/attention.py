@@ -61,6 +61,7 @@ from mlatune.check.inputs import DecodeInputs, KVShard
 from mlatune.check.policy import Policy, policy_named
 from mlatune.decode_step import (
     DecodeStep,
+    address,
     check_values,
     checks_values,
     fill_local_lens,
@@ -153,10 +154,6 @@ def _dispatcher_for(dispatcher: Dispatcher | None, capturable: bool, accuracy: s
             f"accuracy: {accuracy!r} asked, but the dispatcher given serves "
             f"{dispatcher.accuracy.name!r} (load it with accuracy={accuracy!r})")
     return dispatcher
-
-
-def _ptr(t: torch.Tensor | None) -> tuple | None:
-    return None if t is None else (t.data_ptr(), t.dtype, t.shape, t.stride())
 
 
 def _geometry(t: torch.Tensor | None) -> tuple | None:
@@ -256,10 +253,10 @@ def _held_step(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     last such step prepared again (``rebound``), kept only once they come back."""
     lengths = (made["num_heads"], made["qlen"], made["causal"], made["dcp_rank"],
                made["dcp_size"], made["kv_lora_rank"], made["want_lse"], made["capturable"],
-               _ptr(block_table), _ptr(seq_lens))  # what a plan is made from
+               address(block_table), address(seq_lens))  # what a plan is made from
     callers = (q, made["out"], made["lse_out"])
-    unbound = (*lengths, reuse_plan, made["softmax_scale"], _ptr(kv_cache),
-               _ptr(made["kv_scale"]), _ptr(made["q_scale"]), *map(_geometry, callers))
+    unbound = (*lengths, reuse_plan, made["softmax_scale"], address(kv_cache),
+               address(made["kv_scale"]), address(made["q_scale"]), *map(_geometry, callers))
     key = (*unbound, *(None if t is None else t.data_ptr() for t in callers))
     steps = _plans.setdefault(dispatcher, {})
     planners = _planners.setdefault(dispatcher, {})

@@ -164,7 +164,7 @@ def sharing_step(planner: DecodeStep, problem: MLAProblem, q, kv_cache, block_ta
     theirs = planner.inputs.shards[planner.rank]
     for name, mine, its in (("block_table", block_table, theirs.block_table),
                             ("seq_lens", seq_lens, planner.inputs.seq_lens)):
-        if not _same_tensor(mine, its):
+        if address(mine) != address(its):
             raise DecodeArgumentError(
                 f"{name}: plan_from's step reads its own {name}; pass that tensor (the same "
                 f"memory, shape and strides), or prepare this layer without plan_from")
@@ -182,10 +182,10 @@ def sharing_step(planner: DecodeStep, problem: MLAProblem, q, kv_cache, block_ta
                     planner.local_lens, planner.rank, buffers, want_lse, planner)
 
 
-def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors are views of the same memory with the same shape and strides."""
-    return (a.device == b.device and a.dtype == b.dtype and a.data_ptr() == b.data_ptr()
-            and a.shape == b.shape and a.stride() == b.stride())
+def address(t: torch.Tensor | None) -> tuple | None:
+    """What tells a tensor's memory and layout apart: two tensors of one address are views
+    of the same memory, of the same dtype, shape and strides."""
+    return None if t is None else (t.data_ptr(), t.dtype, t.shape, t.stride(), t.device)
 
 
 def new_step(problem: MLAProblem, choice: Choice, route: Route, inputs: DecodeInputs,

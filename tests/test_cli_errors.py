@@ -230,20 +230,26 @@ def test_a_spec_over_the_size_limit_is_refused_unparsed(tmp_path):
     assert invoke("plan", spec, "--arch", "gfx950").exit_code == 0
 
 
+def damaged_table_args(tmp_path: Path, command: str) -> tuple[Path, list]:
+    """A damaged Parquet table, and ``command``'s arguments that read it."""
+    damaged = tmp_path / "sm_90.parquet"
+    damaged.write_bytes(b"PAR1" + bytes(range(200)) + b"PAR1")
+    return damaged, {
+        "show": ["show", damaged],
+        "lookup": ["lookup", damaged, "--heads", "16", "--batch", "4", "--kv-len", "2048",
+                   "--arch", "sm_90"],
+        "validate": ["validate", damaged],
+        "diff": ["diff", damaged, damaged],
+        "coverage": ["coverage", damaged, coverage_spec(tmp_path), "--arch", "sm_90"],
+        "export": ["export", damaged, "--format", "csv", "--out", tmp_path / "o.csv"],
+        "upgrade": ["upgrade", damaged, "--out", tmp_path / "o.parquet"],
+        "report": ["report", damaged, "--out", tmp_path / "r"]}[command]
+
+
 @pytest.mark.parametrize("command", ["show", "lookup", "validate", "diff", "coverage",
                                      "export", "upgrade", "report"])
 def test_a_damaged_table_is_one_line_to_every_command(tmp_path, command):
-    damaged = tmp_path / "sm_90.parquet"
-    damaged.write_bytes(b"PAR1" + bytes(range(200)) + b"PAR1")
-    args = {"show": ["show", damaged],
-            "lookup": ["lookup", damaged, "--heads", "16", "--batch", "4", "--kv-len", "2048",
-                       "--arch", "sm_90"],
-            "validate": ["validate", damaged],
-            "diff": ["diff", damaged, damaged],
-            "coverage": ["coverage", damaged, coverage_spec(tmp_path), "--arch", "sm_90"],
-            "export": ["export", damaged, "--format", "csv", "--out", tmp_path / "o.csv"],
-            "upgrade": ["upgrade", damaged, "--out", tmp_path / "o.parquet"],
-            "report": ["report", damaged, "--out", tmp_path / "r"]}[command]
+    damaged, args = damaged_table_args(tmp_path, command)
     result = invoke(*args)
     assert result.exit_code == 1
     assert_one_line_error(result, str(damaged))
@@ -255,16 +261,7 @@ def test_a_damaged_table_is_one_line_to_every_command(tmp_path, command):
 def test_a_failure_under_json_is_one_json_object_on_stdout(tmp_path, command):
     """A script that asked for --json reads JSON on a failure too: {"ok": false, "error"},
     the same line stderr has; exit 1 as without --json."""
-    damaged = tmp_path / "sm_90.parquet"
-    damaged.write_bytes(b"PAR1" + bytes(range(200)) + b"PAR1")
-    args = {"show": ["show", damaged],
-            "lookup": ["lookup", damaged, "--heads", "16", "--batch", "4", "--kv-len", "2048",
-                       "--arch", "sm_90"],
-            "validate": ["validate", damaged],
-            "diff": ["diff", damaged, damaged],
-            "coverage": ["coverage", damaged, coverage_spec(tmp_path), "--arch", "sm_90"],
-            "export": ["export", damaged, "--format", "csv", "--out", tmp_path / "o.csv"],
-            "upgrade": ["upgrade", damaged, "--out", tmp_path / "o.parquet"]}[command]
+    damaged, args = damaged_table_args(tmp_path, command)
     result = invoke(*args, "--json")
     assert result.exit_code == 1
     document = json.loads(result.stdout)

@@ -63,17 +63,23 @@ class _Command(typer.core.TyperCommand):
                 param.metavar = _value_word(param)
 
     def invoke(self, ctx: Any) -> Any:
-        """The command, its --json remembered (``fail`` answers in JSON under it)."""
-        from mlatune.errors import JournalError, OutputError, SettingError, SpecError, TableError
-
+        """The command, its --json remembered (``fail`` answers in JSON under it), under
+        ``_Group``'s net while that is known."""
         token = _json_state.set({"asked": bool(ctx.params.get("json_out")), "written": False,
                                  "command": ctx.info_name or "error"})
         try:
             return super().invoke(ctx)
-        except (SpecError, JournalError, TableError, OutputError, SettingError) as exc:
-            fail(str(exc))  # (as _Group's net does, with the command's --json known)
+        except _one_line_errors() as exc:
+            fail(str(exc))
         finally:
             _json_state.reset(token)
+
+
+def _one_line_errors() -> tuple[type[Exception], ...]:
+    """The errors of mlatune.errors a command may leave to the CLI's net: one line each."""
+    from mlatune.errors import JournalError, OutputError, SettingError, SpecError, TableError
+
+    return SpecError, JournalError, TableError, OutputError, SettingError
 
 
 class _Group(typer.core.TyperGroup):
@@ -83,11 +89,9 @@ class _Group(typer.core.TyperGroup):
     traceback. Commands catch what they can say more about (and a hint) first."""
 
     def invoke(self, ctx: Any) -> Any:
-        from mlatune.errors import JournalError, OutputError, SettingError, SpecError, TableError
-
         try:
             return super().invoke(ctx)
-        except (SpecError, JournalError, TableError, OutputError, SettingError) as exc:
+        except _one_line_errors() as exc:
             fail(str(exc))
 
 
