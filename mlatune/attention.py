@@ -65,6 +65,7 @@ from mlatune.decode_step import (
     check_values,
     checks_values,
     fill_local_lens,
+    nbytes,
     new_step,
     prepare_route,
     rebound,
@@ -77,7 +78,8 @@ from mlatune.routes import rounding, step_kind_of
 
 # Steps kept per dispatcher, the least recently used dropped first: a step holds the
 # caller's tensors alive (an eager caller's fresh q and out each call would pile up), so the
-# set is bounded, in steps and in the bytes of those tensors (q, out, lse).
+# set is bounded, in steps and in bytes (those tensors: q, out, lse; and the route's
+# workspace: split partials, plans).
 PLAN_LIMIT = 1024
 PLAN_BYTES = 1 << 30
 # Length tensors (and call options) per dispatcher whose last planning step later layers may
@@ -321,9 +323,10 @@ def _check_held(step: DecodeStep, kv_cache: torch.Tensor, block_table: torch.Ten
 
 
 def _held_bytes(step: DecodeStep) -> int:
-    """The bytes of the caller's tensors that ``step`` holds alive: q, out and the LSE."""
-    held = (step.inputs.q, step.out, step.lse)
-    return sum(t.numel() * t.element_size() for t in held if t is not None)
+    """The bytes ``step`` holds alive: the caller's q, out and LSE, and the route's
+    workspace (measured on a GPU)."""
+    return (sum(nbytes(t) for t in (step.inputs.q, step.out, step.lse))
+            + step.prepared.workspace_bytes)
 
 
 def _make_room(steps: dict[tuple, DecodeStep], planners: dict[tuple, DecodeStep],

@@ -204,12 +204,28 @@ def prepare_route(route: Route, problem: MLAProblem, inputs: DecodeInputs, rank:
                   choice: Choice, want_lse: bool, buffers: dict,
                   plan_from: Prepared | None = None) -> Prepared:
     """The route prepared for this rank, writing into the caller's buffers if it can, and
-    reading ``plan_from``'s device plan if it has one the route can read."""
+    reading ``plan_from``'s device plan if it has one the route can read; the device memory
+    it allocated besides its outputs measured (``workspace_bytes``)."""
     into = {k: v for k, v in buffers.items() if v is not None} if route.writes_into else {}
     if plan_from is not None and plan_from.plan_state is not None and route.shares_plan:
         into["plan_from"] = plan_from
-    return route.prepare(problem, inputs, rank=rank, params=dict(choice.params),
-                         want_lse=want_lse, **into)
+    before = _allocated(inputs.q)
+    prepared = route.prepare(problem, inputs, rank=rank, params=dict(choice.params),
+                             want_lse=want_lse, **into)
+    outputs = sum(nbytes(t) for t, given in ((prepared.out, buffers.get("out")),
+                                             (prepared.lse, buffers.get("lse")))
+                  if t is not None and (given is None or t.data_ptr() != given.data_ptr()))
+    prepared.workspace_bytes = max(0, _allocated(inputs.q) - before - outputs)
+    return prepared
+
+
+def _allocated(q: torch.Tensor) -> int:
+    """The device memory allocated now on q's GPU (0 on the CPU: not measured there)."""
+    return torch.cuda.memory_allocated(q.device) if q.is_cuda else 0
+
+
+def nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
 
 
 def rebound(step: DecodeStep, q: torch.Tensor, out: torch.Tensor | None,

@@ -560,6 +560,39 @@ def test_the_kept_steps_hold_a_bounded_share_of_the_callers_tensors(monkeypatch)
     assert [r() is not None for r in held] == [False] * 5 + [True] * 3
 
 
+def test_the_bound_counts_the_routes_workspace(monkeypatch):
+    """What a route allocates when prepared (split partials, plans: measured on a GPU; here
+    each prepare allocates 5x the caller's tensors) counts toward PLAN_BYTES beside them."""
+    import gc
+
+    from mlatune import decode_step
+
+    problem = MLAProblem(num_heads=4, batch=2, kv_len=40, page_size=8, q_dtype="fp16",
+                         kv_dtype="fp16")
+    inputs = make_decode_inputs(problem, seed=14, ragged=True)
+    dispatcher = Dispatcher.rules_only(cpu_device())
+    out = 2 * 4 * 512 * 2  # the route's own out (fp16)
+    one = inputs.q.nbytes + out
+    allocated, calls = [0], [0]
+
+    def measured(q: torch.Tensor) -> int:  # before, then after each prepare: out and 5 * one
+        calls[0] += 1
+        allocated[0] += out + 5 * one if calls[0] % 2 == 0 else 0
+        return allocated[0]
+
+    monkeypatch.setattr(decode_step, "_allocated", measured)
+    monkeypatch.setattr(attention, "PLAN_BYTES", 3 * 6 * one)
+    held = []
+    for q in _fresh(inputs, 8):
+        held += _calls(inputs, dispatcher, [q, q])[:1]
+        del q
+    gc.collect()
+    steps = attention.plans_of(dispatcher).values()
+    assert {s.prepared.workspace_bytes for s in steps} == {5 * one}
+    assert len(steps) == 3
+    assert [r() is not None for r in held] == [False] * 5 + [True] * 3
+
+
 def test_a_caller_that_moves_to_new_buffers_finds_its_step_again(monkeypatch):
     """Buffers replaced once and kept from then on (or two kept alternately): served from
     the second call with them by a kept step, found again with no prepare."""

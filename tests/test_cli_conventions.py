@@ -161,6 +161,7 @@ def test_an_input_that_does_not_exist_is_a_usage_error(command, tmp_path):
     ["sweep", "smoke", "--refine", "10", "--shard", "0/2"],
     ["sweep", "smoke", "--shard", "2/2"],
     ["sweep", "smoke", "--routes", "nope/none"],
+    ["sweep", "smoke", "--routes", ",,,"],
     ["sweep", "smoke", "--out", "{tmp}/t.txt"],
     ["sweep", "smoke", "--gpus", "0"],
     ["plan", "smoke", "--arch", "sm_80"],
@@ -179,6 +180,19 @@ def test_values_of_the_wrong_form_and_flags_that_exclude_each_other_exit_2(args,
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == [good.name]
+
+
+@pytest.mark.parametrize("args", [
+    ["sweep", "smoke", "--routes", ",,,"],
+    ["show", "{good}", "--limit", "all"],
+    ["lookup", "{good}", "--no-such-option"],
+], ids=lambda args: " ".join(a for a in args if "{" not in a))
+def test_a_usage_error_under_json_answers_in_json_too(args, good):
+    result = invoke([*(a.format(good=good) for a in args), "--json"])
+    assert result.exit_code == 2, result.output
+    document = json.loads(result.stdout)
+    assert document["schema"] == f"mlatune.{args[0]}"
+    assert document["ok"] is False and document["usage"] is True and document["error"]
 
 
 def test_the_old_forms_say_the_new_ones(tmp_path, good):
@@ -227,6 +241,19 @@ def test_the_default_follows_mlatune_table(tmp_path, good, monkeypatch, fakes): 
     covered = json.loads(invoke(["coverage", coverage_spec(tmp_path), "--arch", "sm_90",
                                  "--json"]).stdout)
     assert looked["table"] == covered["table"] == str(good)
+
+
+def test_a_damaged_user_table_is_left_out_as_an_engine_leaves_it(tmp_path, monkeypatch,
+                                                                  caplog):
+    monkeypatch.delenv("MLATUNE_TABLE", raising=False)
+    damaged = tmp_path / "mine.parquet"
+    damaged.write_bytes(b"PAR1 not a table")
+    monkeypatch.setenv("MLATUNE_USER_TABLE", str(damaged))
+    result = invoke(["lookup", *LOOKUP, "--json"])
+    assert result.exit_code == 0, result.output
+    looked = json.loads(result.stdout)
+    assert looked["table"] == str(inputs.default_table("sm_90")) and looked["source"] != "rule"
+    assert f"MLATUNE_USER_TABLE={damaged} not overlaid" in caplog.text
 
 
 def test_without_a_table_for_the_arch_both_answer_by_rule(tmp_path, monkeypatch):

@@ -533,6 +533,14 @@ def test_a_damaged_json_winners_map_is_refused(tmp_path, damage):
     assert "\n" not in str(info.value)
 
 
+def test_a_winners_map_that_lists_one_device_twice_is_refused(tmp_path, fakes):
+    document = table.winners_json(failing_frame())
+    document["devices"].append(dict(document["devices"][0]))
+    path = table.write_json(document, tmp_path / "sm_90.json")
+    with pytest.raises(TableError, match=r"devices\[1\] is devices\[0\]'s device again"):
+        Dispatcher.load(path, device=H200)
+
+
 # The hot path ----------------------------------------------------------------------
 
 def test_repeated_selects_allocate_nothing_and_touch_no_files(table_path, fakes):
@@ -726,6 +734,25 @@ def test_a_damaged_user_table_leaves_the_bundled_one_serving(tmp_path, monkeypat
     warned = " ".join(r.getMessage() for r in caplog.records)
     assert f"MLATUNE_USER_TABLE={damaged} not overlaid" in warned
     assert "bundled table unusable" not in warned
+
+
+def test_a_damaged_user_table_where_no_table_ships_is_named_and_the_rules_serve(
+        tmp_path, monkeypatch, fakes, caplog):
+    """No table ships for the GPU, so the user table would serve alone: damaged, the
+    warning names it (not the bundled table), and the rules answer."""
+    empty = tmp_path / "bundled"
+    empty.mkdir()
+    damaged = tmp_path / "mine.parquet"
+    damaged.write_bytes(b"PAR1 not a table")
+    monkeypatch.setattr(sources, "bundled_tables_dir", lambda: empty)
+    monkeypatch.delenv(dispatch_module.TABLE_ENV, raising=False)
+    monkeypatch.setenv(dispatch_module.USER_TABLE_ENV, str(damaged))
+    with caplog.at_level("WARNING", logger="mlatune"):
+        served = Dispatcher.from_bundled(H200)
+    assert served.select(MLAProblem(batch=4)).source == "rule"
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert f"MLATUNE_USER_TABLE={damaged} unusable, dispatching by rule" in warned
+    assert "bundled table" not in warned
 
 
 def test_a_json_map_takes_no_overlay(tmp_path, fakes):

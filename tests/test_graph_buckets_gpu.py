@@ -356,3 +356,53 @@ def test_compiled_fullgraph_step_captures_every_seesaw_form(problem, tmp_path):
         assert counter.frame_count == 1, f"{params}: compiled {counter.frame_count} times"
         steps = attention.plans_of(dispatcher).values()
         assert {s.choice.route_id for s in steps} == {"seesaw/gluon"}
+
+
+@pytest.mark.parametrize("problem", [SHAPES[0], SHAPES[3], _p(128, 1, "bf16")],
+                         ids=["h16-q1-bf16", "h16-q2-fp8", "h128-q1-bf16"])
+def test_reduce_overhead_mode_captures_the_op(problem):
+    """``torch.compile(mode="reduce-overhead")``: Inductor's CUDA graphs capture ``decode``
+    (``capturable`` left to the op, which sees the capture) after their warm-up call. Called
+    over STEPS twice, the lengths rewritten in place (empty requests too): every call right,
+    and a capturable step made under the capture."""
+    bucket = Bucket(problem, seed=91)
+    inputs, shard = bucket.inputs, bucket.shard
+
+    def model_step(q, kv_cache, block_table, seq_lens, kv_scale):
+        out, lse = attention.decode(q * 1.0, kv_cache, block_table, seq_lens,
+                                    num_heads=problem.num_heads, qlen=problem.qlen,
+                                    kv_scale=kv_scale, max_kv_len=CAP, return_lse=True)
+        return out + 0, lse
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model_step, mode="reduce-overhead", fullgraph=True)
+    args = (inputs.q, shard.kv_cache, shard.block_table, inputs.seq_lens, inputs.kv_scale)
+    captured = attention.default_dispatcher(capturable=True)
+    for lens in STEPS * 2:
+        bucket.write(lens)
+        out, lse = (t.clone() for t in compiled(*args))
+        torch.cuda.synchronize()
+        ran = attention.last_step(captured) or attention.last_step()
+        _served(problem, ran.route, dict(ran.choice.params), out, lse, inputs, lens,
+                f"{ran.route.id}, lengths {lens}")
+    step = attention.last_step(captured)
+    assert step is not None and step.prepared.step_kind.capturable, "no step made under capture"
+
+
+def test_a_split_steps_workspace_is_measured(tmp_path):
+    """The kept steps' byte bound (``attention.PLAN_BYTES``) sees a split route's partials:
+    the step's measured workspace is at least their bytes (fp32, a slot per request and
+    split)."""
+    problem = _p(16, 1, "bf16")
+    route = routes.get("padded/triton")
+    params = next(p for p in route.param_space(problem, current_device())
+                  if p.get("num_splits", 1) > 1 and not p.get("persistent"))
+    dispatcher = _forced(problem, route.id, params, tmp_path)
+    bucket = Bucket(problem, seed=95)
+    bucket.write(STEPS[0])
+    inputs, shard = bucket.inputs, bucket.shard
+    attention.decode(inputs.q, shard.kv_cache, shard.block_table, inputs.seq_lens,
+                     num_heads=problem.num_heads, max_kv_len=CAP, dispatcher=dispatcher)
+    step = attention.last_step(dispatcher)
+    partials = BUCKET * params["num_splits"] * problem.num_heads * (problem.d_v + 1) * 4
+    assert step.prepared.workspace_bytes >= partials, (step.prepared.workspace_bytes, params)

@@ -29,10 +29,30 @@ def test_run_sweep_writes_the_table_and_a_rerun_resumes(tmp_path):
     assert said == [f"new journal {tmp_path / 't.journal.jsonl'}"]
     assert first.result.counts == {Status.OK: 2} and first.result.ran == 2
     assert len(table.read(first.table_path)) == 2 and first.table_path.with_suffix(".csv").exists()
+    earlier = table.read(first.table_path).assign(created_utc="2020-01-01T00:00:00Z")
+    table.write(earlier, first.table_path)  # as if the first run were long ago
     again = stages.run_sweep(settings(tmp_path), say=said.append)
     assert said[-1].startswith("resuming") and again.result.resumed == 2 and again.result.ran == 0
+    assert set(table.read(again.table_path)["created_utc"]) == {"2020-01-01T00:00:00Z"}
     fresh = stages.run_sweep(settings(tmp_path, fresh=True), say=said.append)
     assert said[-1].startswith("starting over") and fresh.result.ran == 2
+
+
+def test_results_of_a_route_not_registered_here_write_no_table(tmp_path):
+    """A journal line naming a route this process does not know (damage, or a plugin not
+    loaded) is named, not folded into a table row."""
+    import json
+
+    first = stages.run_sweep(settings(tmp_path))
+    journal = tmp_path / "t.journal.jsonl"
+    lines = journal.read_text().splitlines()
+    stray = {**json.loads(lines[-1]), "id": "stray", "route": "nope/none"}
+    journal.write_text("\n".join([*lines, json.dumps(stray)]) + "\n")
+    first.table_path.unlink()
+    with pytest.raises(stages.SweepError, match="holds results of 'nope/none', not a "
+                                                "registered route here"):
+        stages.run_sweep(settings(tmp_path))
+    assert not first.table_path.exists()
 
 
 def test_an_interrupted_sweep_is_one_line_that_says_how_to_go_on(tmp_path, monkeypatch):

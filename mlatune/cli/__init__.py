@@ -12,7 +12,8 @@ One convention across commands (tests/test_cli_conventions.py holds every comman
 - ``--json`` prints one JSON object on stdout and nothing else there (notes and errors go
   to stderr; the exit status is the same as without it): ``{"schema": "mlatune.<command>",
   "version": 1, ...}``; a runtime failure (exit 1) is ``{"schema", "version", "ok": false,
-  "error": "<the line on stderr>"}`` there, a usage error (exit 2) nothing; the version
+  "error": "<the line on stderr>"}`` there, a usage error (exit 2) the same with
+  ``"usage": true``; the version
   raised only when a field changes meaning or goes away.
   A device is ``{"arch", "device_name", "cu_count"}``, a problem its key fields
   (``MLAProblem.key_dict``), a time in microseconds or null where not measured. Each

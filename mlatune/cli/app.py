@@ -82,17 +82,30 @@ def _one_line_errors() -> tuple[type[Exception], ...]:
     return SpecError, JournalError, TableError, OutputError, SettingError
 
 
+# click's UsageError as the installed typer raises it (newer typers carry their own click).
+_UsageError: type[Exception] = next(c for c in typer.BadParameter.__mro__
+                                    if c.__name__ == "UsageError")
+
+
 class _Group(typer.core.TyperGroup):
     """The last net under every command: an error of mlatune.errors (a bad spec, a
     damaged journal or table, an output that cannot be written) that a command did not
     turn into its own line still ends as one line on stderr and exit 1, never a
-    traceback. Commands catch what they can say more about (and a hint) first."""
+    traceback. Commands catch what they can say more about (and a hint) first. A usage
+    error (exit 2) on a command line asking --json also answers in JSON on stdout."""
 
     def invoke(self, ctx: Any) -> Any:
+        asked_json = "--json" in ctx.args  # the command's own arguments, not parsed yet
         try:
             return super().invoke(ctx)
         except _one_line_errors() as exc:
             fail(str(exc))
+        except _UsageError as exc:
+            if asked_json:
+                command = exc.ctx.info_name if exc.ctx is not None else "error"
+                emit_json(command, {"ok": False, "error": " ".join(exc.format_message()
+                                                                   .split()), "usage": True})
+            raise
 
 
 class _App(typer.Typer):

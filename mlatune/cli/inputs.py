@@ -116,18 +116,19 @@ def default_table(arch: str | None) -> Path | None:
 def load_dispatcher(table_path: Path | None, arch: str | None, accuracy: str | None = None
                     ) -> Dispatcher:
     """The dispatcher a command answers with: TABLE, else ``default_table`` (with the
-    user's MLATUNE_USER_TABLE overlaid, as an engine loads it); where no table ships for
-    the arch, rules only. ``arch``: plan for it (its GPU need not be here); ``accuracy``:
+    user's MLATUNE_USER_TABLE overlaid, as an engine loads it: where no table ships for
+    the arch, the user table alone, else the rules; a damaged user table left out with a
+    warning). ``arch``: plan for it (its GPU need not be here); ``accuracy``:
     the policy (None: MLATUNE_ACCURACY's, else strict)."""
     from mlatune.dispatch import Dispatcher, device_for_arch
     from mlatune.dispatch.dispatcher import USER_TABLE_ENV
+    from mlatune.dispatch.loading import with_user_table
 
     if table_path is not None:
         return Dispatcher.load(table_path, allow_arch=arch, accuracy=accuracy)
-    found = default_table(arch)
-    if found is None:
-        return Dispatcher.rules_only(device_for_arch(arch) if arch else None,
-                                     accuracy=accuracy)
     user = os.environ.get(USER_TABLE_ENV) or None
-    return Dispatcher.load(found, allow_arch=arch, accuracy=accuracy,
-                           overlay=user if user and Path(user).is_file() else None)
+    return with_user_table(
+        Dispatcher, default_table(arch), user if user and Path(user).is_file() else None,
+        lambda: Dispatcher.rules_only(device_for_arch(arch) if arch else None,
+                                      accuracy=accuracy),
+        allow_arch=arch, accuracy=accuracy)

@@ -134,7 +134,10 @@ def sweep(spec_name: SpecArgument = None, arch: ArchOption = None, out: OutOptio
     share = _share(shard, resume, fresh, refine)
     if out is not None and out.suffix not in (".parquet", ".csv"):
         usage_error(f"{out}: name the table .parquet or .csv (both are written)", "--out")
-    only = [r.strip() for r in routes.split(",") if r.strip()] if routes else None
+    only = [r.strip() for r in routes.split(",") if r.strip()] if routes is not None else None
+    if only == []:
+        usage_error("name at least one route id (leave --routes out for every route)",
+                    "--routes")
     _check_route_ids(only)
     path = spec_path(spec_name)
     choices = {"gpus": gpus, "timeout_s": timeout, "only": tuple(only) if only else None,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from importlib import resources
 from pathlib import Path
 from typing import Any, TypeVar
@@ -243,34 +243,41 @@ def from_bundled(cls, device: DeviceInfo | None = None, capturable: bool = False
         user = None
     given = dict(capturable=capturable, plan_calls=plan_calls, first_sight=sight,
                  group=group, accuracy=policy, other_gpu=other)
+    def rules() -> Dispatcher:
+        return ranks.joined(cls.rules_only(device, capturable, policy), group)
+
     if override:
-        return _overlaid(cls, override, device, user, given)
+        return with_user_table(cls, override, user, rules, device=device, **given)
     try:
         found = sources.find_table(sources.bundled_tables_dir(), device.arch, device.name)
-        if found is None:  # the user's own table alone, if any
-            return cls.load(user, device, **given) if user else \
-                ranks.joined(cls.rules_only(device, capturable, policy), group)
+        if found is None:
+            return with_user_table(cls, None, user, rules, device=device, **given)
         with resources.as_file(found) as path:
-            return _overlaid(cls, path, device, user, given)
+            return with_user_table(cls, path, user, rules, device=device, **given)
     except Exception as exc:  # load raises TableError; an unreadable directory OSError
         if isinstance(exc, RankMismatchError):  # never hidden behind the rules
             raise
         log.warning("mlatune: bundled table unusable, dispatching by rule: %s", exc)
-        return ranks.joined(cls.rules_only(device, capturable, policy), group)
+        return rules()
 
 
-def _overlaid(cls, path: str | os.PathLike, device: DeviceInfo, user: str | None,
-              given: Mapping[str, Any]) -> Dispatcher:
-    """``path`` loaded with the user table overlaid; where the user table is what fails
-    (damaged, or a base that takes no overlay), ``path`` alone, with a warning naming it."""
+def with_user_table(cls, path: str | os.PathLike | None, user: str | None,
+                    rules: Callable[[], Dispatcher], **given: Any) -> Dispatcher:
+    """``path`` with the user table overlaid (``load(overlay=)``; None: the user table
+    alone, else ``rules()``). Where the user table is what fails (damaged, or a base that
+    takes no overlay), what is under it serves, with a warning naming it; a failure of
+    ``path`` raises."""
     try:
-        return cls.load(path, device, overlay=user, **given)
+        if path is None:
+            return cls.load(user, **given) if user else rules()
+        return cls.load(path, overlay=user, **given)
     except TableError as exc:
-        if user is None or str(user) not in str(exc):
+        if user is None or (path is not None and str(user) not in str(exc)):
             raise
-        log.warning("mlatune: %s=%s not overlaid, the table under it serves alone: %s",
-                    USER_TABLE_ENV, user, exc)
-        return cls.load(path, device, **given)
+        log.warning("mlatune: %s=%s %s: %s", USER_TABLE_ENV, user,
+                    "unusable, dispatching by rule" if path is None
+                    else "not overlaid, the table under it serves alone", exc)
+        return rules() if path is None else cls.load(path, **given)
 
 
 def other_gpu_setting(value: str | None = None) -> str:

@@ -99,6 +99,10 @@ class Prepared:
     # problem, parameters and rank to read (``prepare(plan_from=...)``): the attention
     # layers of one engine step plan once and launch many times.
     plan_state: SharedPlan | None = None
+    # Device bytes ``prepare`` allocated that the call holds besides ``out`` and ``lse``
+    # (split partials, plans, a vendor's buffers): measured by whoever prepares it
+    # (``decode_step.prepare_route``), 0 where not measured (the CPU).
+    workspace_bytes: int = 0
 
     @property
     def step_kind(self) -> StepKind:

@@ -221,9 +221,18 @@ def write_table(result: SweepResult, spec: SweepSpec, settings: SweepSettings,
     """The journal's records folded into the table, written as Parquet and CSV; ``figures``:
     the device's ``mlatune.hardware`` record (JSON) the journal's header holds."""
 
+    known = {r.id for r in routes.all_routes()}
+    unknown = sorted({r.route for r in result.records} - known)
+    if unknown:  # a damaged line, or a plugin's route this process did not load
+        raise SweepError(f"{settings.journal_path} holds results of {', '.join(map(repr, unknown))}"
+                         f", not a registered route here (a plugin's? MLATUNE_PLUGINS loads "
+                         f"it); no table written")
+    provenance = Provenance.here(spec.sha256, figures)
+    made = _made_utc(settings.table_path) if result.ran == 0 else None
+    if made is not None:  # a rerun that measured nothing: the rows' time is the earlier run's
+        provenance = replace(provenance, created_utc=made)
     try:
-        frame = table.build(table_rows(result.records, settings.device),
-                            Provenance.here(spec.sha256, figures),
+        frame = table.build(table_rows(result.records, settings.device), provenance,
                             facts=routes.FACTS,
                             sharing=routes.plan_sharing())
         table.write(frame, settings.table_path)
@@ -231,6 +240,20 @@ def write_table(result: SweepResult, spec: SweepSpec, settings: SweepSettings,
     except (OSError, TableError) as exc:  # OutputError: the disk; TableError: a bad row
         raise SweepError(f"{exc}; every result is in {settings.journal_path}: rerun to "
                          f"write the table") from None
+
+
+def _made_utc(path: Path) -> str | None:
+    """When the table at ``path`` was made (its rows' latest ``created_utc``); None where
+    there is none to read."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        times = [t for t in pq.read_table(path, columns=["created_utc"]).column(0).to_pylist()
+                 if t]
+    except (OSError, KeyError, pa.ArrowException):
+        return None
+    return max(times, default=None)
 
 
 def refined(spec: SweepSpec, table_path: Path, dispatcher_for: Callable[[Path], Any],

@@ -219,14 +219,21 @@ def _check(document: Any) -> tuple[list[str], list[dict[str, MLAProblem]]]:
     devices = document.get("devices")
     if not isinstance(devices, list) or not devices:
         return [*found, "devices is missing or empty"], parsed
+    seen: dict[tuple, int] = {}
     for i, entry in enumerate(devices):
         parsed.append({})
         if not isinstance(entry, dict):
             found.append(f"devices[{i}] is not an object")
             continue
-        if not (isinstance(entry.get("arch"), str) and isinstance(entry.get("device_name"), str)
-                and isinstance(entry.get("cu_count"), int)):
+        identity = (entry.get("arch"), entry.get("device_name"), entry.get("cu_count"))
+        if not (isinstance(identity[0], str) and isinstance(identity[1], str)
+                and isinstance(identity[2], int)):
             found.append(f"devices[{i}] lacks arch, device_name or cu_count")
+        elif identity in seen:
+            found.append(f"devices[{i}] is devices[{seen[identity]}]'s device again "
+                         f"({identity[1]}, {identity[0]}, {identity[2]} CUs): which one "
+                         f"answers it is ambiguous")
+        seen.setdefault(identity, i)
         if not isinstance(entry.get("provenance"), list):
             found.append(f"devices[{i}] lacks its provenance")
         entries = entry.get("winners")
