@@ -4,7 +4,8 @@ table never measured, judged against measured tables, on the CPU.
     python benchmarks/transfer_regret.py [--h100 T] [--h200 T] [--crossed-h100 T]
                                          [--crossed-h200 T] [--show N]
                                          [--accuracy strict]
-                                         [--trust X | --choose-trust | --buckets]
+                                         [--trust X | --choose-trust | --buckets |
+                                          --ratios [ROUTE...]]
 
 - transfer: one GPU's table alone (its times rescaled by ``laws.transfer_times`` to the
   other model's datasheet figures, ``--trust`` of the laws' movement) answers the other
@@ -13,6 +14,9 @@ table never measured, judged against measured tables, on the CPU.
   half of the problems chooses (how ``laws.TRUST`` was chosen);
 - buckets (``--buckets``): each decode bucket of each table answered by the laws fitted
   without it, against its measured rows (halves: a hash of the problem's key);
+- ratios (``--ratios``): each route's time on the H200 over its time on the H100 at the
+  same decode problem (16-bit caches, both ok), by the kernel's length on the H100: where
+  the two GPUs differ beyond what the datasheets say;
 - crossed: the dispatcher loaded from each GPU's table answers the crossed-category problems
   of that GPU's held-out sweep (heads, page size, qlen and cache dtype combined as the grid
   did not), and the unmeasured head counts (12, 24, 48, 96).
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import math
 import re
 import tempfile
@@ -388,6 +393,30 @@ def _timed(dispatcher: Dispatcher, j: Judged) -> float:
                  if c.route_id == j.choice.route_id), math.nan)
 
 
+LENGTHS_US = (0, 30, 100, 300, 1000, 3000, 10000, math.inf)
+
+
+def ratios(tables: dict[str, Path], routes: Iterable[str]) -> None:
+    """The H200's time over the H100's, route by route at each decode problem both timed
+    ok over a 16-bit cache, by the H100 kernel's length: quartiles and the largest."""
+    frames = {gpu: table.read(path) for gpu, path in tables.items()}
+    key = [c for c in frames["H100"].columns if c in MLAProblem().key_dict()] + ["route"]
+    ok = {gpu: f[(f.status == "ok") & (f.phase == "decode") & f.kv_dtype.isin(["bf16", "fp16"])]
+          for gpu, f in frames.items()}
+    both = ok["H100"].merge(ok["H200"], on=key, suffixes=("_h100", "_h200"))
+    both = both[both.route.isin(list(routes))]
+    both = both.assign(ratio=both.time_us_h200 / both.time_us_h100)
+    for route, rows in both.groupby("route"):
+        for lo, hi in itertools.pairwise(LENGTHS_US):
+            band = rows[(rows.time_us_h100 >= lo) & (rows.time_us_h100 < hi)]
+            if band.empty:
+                continue
+            q = band.ratio.quantile([0.25, 0.5, 0.75])
+            print(f"{route:18s} H100 {lo:>5g}-{hi:<5g} us: {len(band):4d} problems, H200/H100 "
+                  f"p25 {q[0.25]:.3f} median {q[0.5]:.3f} p75 {q[0.75]:.3f}, "
+                  f"largest {band.ratio.max():.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--h100", type=Path, default=H100)
@@ -402,8 +431,14 @@ def main() -> None:
                         help="judge the transfer at each trust of 0, 1/8, ..., 1 by halves")
     parser.add_argument("--buckets", action="store_true",
                         help="each table's buckets answered by the laws fitted without them")
+    parser.add_argument("--ratios", nargs="*", metavar="ROUTE", default=None,
+                        help="each route's H200/H100 time by kernel length (default: "
+                             "FlashMLA, fa3, the seesaw)")
     args = parser.parse_args()
     tables = {"H100": args.h100, "H200": args.h200}
+    if args.ratios is not None:
+        ratios(tables, args.ratios or ("dense/flashmla", "fa3/flashinfer", "seesaw/gluon"))
+        return
     loaded = {k: load(p, args.accuracy) for k, p in tables.items()}
     if args.choose_trust:
         choose_trust(tables, loaded)
