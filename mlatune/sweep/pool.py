@@ -22,17 +22,19 @@ from __future__ import annotations
 import contextlib
 import math
 import multiprocessing as mp
+import os
 import signal
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from multiprocessing import forkserver
 from multiprocessing.connection import wait
 from typing import Any
 
 from mlatune.measure.records import COST_PARTS, KILLED_FROM_OUTSIDE, Record, Result, Status, Task
-from mlatune.sweep import worker
+from mlatune.sweep import worker_entry
 from mlatune.sweep.candidates import Candidate
 
 # Signals a route does not send itself (a crash is SIGSEGV, SIGABRT, SIGBUS, ...): the
@@ -72,7 +74,8 @@ Event = Ready | InputsReady | Answer | Gone
 
 
 class WorkerProcess:
-    """One worker process (``worker.serve``) on one device, over a pipe."""
+    """One worker process (``worker.serve``, through ``worker_entry``) on one device, over
+    a pipe."""
 
     def __init__(self, device: str):
         self.device = device
@@ -81,10 +84,11 @@ class WorkerProcess:
         self._conn: Any = None
 
     def start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=worker.serve, args=(child, self.device), daemon=True)
-        _start_ignoring_sigint(self._proc)
+        self._proc = ctx.Process(target=worker_entry.main,
+                                 args=(child, self.device, dict(os.environ)), daemon=True)
+        _start_ignoring_sigint(self._proc, ctx)
         child.close()
         self.started_at = time.monotonic()
 
@@ -138,18 +142,39 @@ class WorkerProcess:
         return f"worker exited with code {code}"
 
 
-def _start_ignoring_sigint(proc: Any) -> None:
-    """Start ``proc`` with SIGINT ignored, which it inherits through spawn's exec and
-    Python keeps. Ctrl-C reaches the whole process group; the parent handles it and
-    kills its workers, which must not die mid-import or mid-run with a traceback."""
+def _context() -> Any:
+    """The forkserver where the platform has one: a worker is a fork of a process that
+    imported torch once (a start, and a crashed worker's replacement, skip that import:
+    about 2 s each), given the sweep's environment of now (``worker_entry``); else spawn.
+    Either way the worker's CUDA context is its own."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch"])
+    return ctx
+
+
+def _start_ignoring_sigint(proc: Any, ctx: Any) -> None:
+    """Start ``proc`` so that it ignores SIGINT: Ctrl-C reaches the whole process group;
+    the parent handles it and kills its workers, which must not die mid-import or mid-run
+    with a traceback. Spawned, it inherits SIGINT ignored through exec, and Python keeps
+    that; forked by the forkserver, it ignores it itself (``worker_entry``), and the
+    forkserver is started with it ignored. The parent ignores Ctrl-C only while it starts a
+    process, not while it waits for the forkserver's first import of torch."""
+    forked = ctx.get_start_method() == "forkserver"
     if threading.current_thread() is not threading.main_thread():
         proc.start()  # handlers can be set from the main thread only; Ctrl-C goes there
         return
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        proc.start()
+        if forked:
+            forkserver.ensure_running()
+        else:
+            proc.start()
     finally:
         signal.signal(signal.SIGINT, previous)
+    if forked:
+        proc.start()
 
 
 def shut_down(processes: Iterable[WorkerProcess], gently: bool) -> None:
