@@ -212,7 +212,8 @@ def tune(shapes: Shapes, measured: Any, user_table_path: str | os.PathLike, *,
     a predicate) says the table lacks, for ``budget_s`` seconds of wall time, and merge them
     into the user table at ``user_table_path``. Never raises for a candidate, a worker or a
     table that fails: the report's ``failed`` and ``error`` say so. Call it under
-    ``if __name__ == "__main__":`` (its workers are spawned processes)."""
+    ``if __name__ == "__main__":`` (its workers are forked from a fresh forkserver, or
+    spawned: either imports the main module)."""
     t0 = time.monotonic()
     report = TuneReport(Path(user_table_path), budget_s)
     asked = problems_of(shapes)
