@@ -10,15 +10,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    # The interpreter checks every int32 add, sub and mul for overflow: about 40% of an
-    # interpreted kernel's time, where no index of these tiny sizes comes near 2**31 (the
-    # sizes where one could are the GPU's, and `problem.SIZE_LIMIT` bounds them there).
-    import dataclasses
+    from mlatune.sweep.worker_entry import skip_interpreter_overflow_checks
 
-    from triton.runtime import interpreter
-
-    interpreter.interpreter_builder.options = dataclasses.replace(
-        interpreter.interpreter_builder.options, sanitize_overflow=False)
+    skip_interpreter_overflow_checks()  # as a CPU sweep's workers do
 
 # Under pytest-xdist (README's `-n 2`) each worker process gets one core's share of torch's
 # threads, so two workers do not oversubscribe the CI machine's two cores (timings that tests
