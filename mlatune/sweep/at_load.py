@@ -240,7 +240,7 @@ def _tune(todo: list[MLAProblem], measured: Callable[[MLAProblem], bool],
           options: TuneOptions, report: TuneReport) -> None:
     """Run ``todo``'s candidates (pruned by ``estimates``, a dispatcher's) until
     ``deadline``; merge the finished problems."""
-    if not device.is_gpu:  # the Triton routes in the interpreter; spawned workers inherit it
+    if not device.is_gpu:  # the Triton routes in the interpreter; its workers are given it
         os.environ.setdefault("TRITON_INTERPRET", "1")
     spec = _spec(todo, device, options)
     # The table's pandas code loads while the worker starts: the merge then takes no import.
