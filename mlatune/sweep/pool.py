@@ -29,7 +29,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from multiprocessing import forkserver
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -168,6 +167,8 @@ def _start_ignoring_sigint(proc: Any, ctx: Any) -> None:
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         if forked:
+            from multiprocessing import forkserver
+
             forkserver.ensure_running()
         else:
             proc.start()
