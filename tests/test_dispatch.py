@@ -712,15 +712,14 @@ def test_a_user_table_overlays_the_bundled_one_problem_by_problem(tmp_path, monk
     assert Dispatcher.from_bundled(H200).select(shared).route_id == fast_small
 
 
-def test_a_damaged_user_table_leaves_the_bundled_one_serving(tmp_path, monkeypatch, fakes,
-                                                              caplog):
-    """A user table that cannot be used is left out, the warning naming it; the bundled
-    table still answers (not the rules)."""
-    problem = MLAProblem(batch=4, kv_len=1024)
+def _served_over_a_damaged_user_table(tmp_path, monkeypatch, caplog, bundled_rows):
+    """``from_bundled`` with a damaged MLATUNE_USER_TABLE over a bundled directory holding
+    an sm_90-h200 table of ``bundled_rows`` (none: no table ships); the dispatcher and
+    the warnings logged."""
     bundled_dir = tmp_path / "bundled"
     bundled_dir.mkdir()
-    table.write(make_table([result_row(problem, "fast-large/fake", 10.0)]),
-                bundled_dir / "sm_90-h200.parquet")
+    if bundled_rows:
+        table.write(make_table(bundled_rows), bundled_dir / "sm_90-h200.parquet")
     damaged = tmp_path / "mine.parquet"
     damaged.write_bytes(b"PAR1 not a table")
     monkeypatch.setattr(sources, "bundled_tables_dir", lambda: bundled_dir)
@@ -728,10 +727,19 @@ def test_a_damaged_user_table_leaves_the_bundled_one_serving(tmp_path, monkeypat
     monkeypatch.setenv(dispatch_module.USER_TABLE_ENV, str(damaged))
     with caplog.at_level("WARNING", logger="mlatune"):
         served = Dispatcher.from_bundled(H200)
+    return served, f"{damaged}", " ".join(r.getMessage() for r in caplog.records)
+
+
+def test_a_damaged_user_table_leaves_the_bundled_one_serving(tmp_path, monkeypatch, fakes,
+                                                              caplog):
+    """A user table that cannot be used is left out, the warning naming it; the bundled
+    table still answers (not the rules)."""
+    problem = MLAProblem(batch=4, kv_len=1024)
+    served, damaged, warned = _served_over_a_damaged_user_table(
+        tmp_path, monkeypatch, caplog, [result_row(problem, "fast-large/fake", 10.0)])
     assert (served.select(problem).route_id, served.select(problem).source) == \
         ("fast-large/fake", "table")
     assert served.source.endswith("sm_90-h200.parquet")
-    warned = " ".join(r.getMessage() for r in caplog.records)
     assert f"MLATUNE_USER_TABLE={damaged} not overlaid" in warned
     assert "bundled table unusable" not in warned
 
@@ -740,17 +748,9 @@ def test_a_damaged_user_table_where_no_table_ships_is_named_and_the_rules_serve(
         tmp_path, monkeypatch, fakes, caplog):
     """No table ships for the GPU, so the user table would serve alone: damaged, the
     warning names it (not the bundled table), and the rules answer."""
-    empty = tmp_path / "bundled"
-    empty.mkdir()
-    damaged = tmp_path / "mine.parquet"
-    damaged.write_bytes(b"PAR1 not a table")
-    monkeypatch.setattr(sources, "bundled_tables_dir", lambda: empty)
-    monkeypatch.delenv(dispatch_module.TABLE_ENV, raising=False)
-    monkeypatch.setenv(dispatch_module.USER_TABLE_ENV, str(damaged))
-    with caplog.at_level("WARNING", logger="mlatune"):
-        served = Dispatcher.from_bundled(H200)
+    served, damaged, warned = _served_over_a_damaged_user_table(tmp_path, monkeypatch,
+                                                                caplog, [])
     assert served.select(MLAProblem(batch=4)).source == "rule"
-    warned = " ".join(r.getMessage() for r in caplog.records)
     assert f"MLATUNE_USER_TABLE={damaged} unusable, dispatching by rule" in warned
     assert "bundled table" not in warned
 
