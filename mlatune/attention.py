@@ -65,7 +65,6 @@ from mlatune.decode_step import (
     check_values,
     checks_values,
     fill_local_lens,
-    nbytes,
     new_step,
     prepare_route,
     rebound,
@@ -325,8 +324,8 @@ def _check_held(step: DecodeStep, kv_cache: torch.Tensor, block_table: torch.Ten
 def _held_bytes(step: DecodeStep) -> int:
     """The bytes ``step`` holds alive: the caller's q, out and LSE, and the route's
     workspace (measured on a GPU)."""
-    return (sum(nbytes(t) for t in (step.inputs.q, step.out, step.lse))
-            + step.prepared.workspace_bytes)
+    held = (step.inputs.q, step.out, step.lse)
+    return sum(t.nbytes for t in held if t is not None) + step.prepared.workspace_bytes
 
 
 def _make_room(steps: dict[tuple, DecodeStep], planners: dict[tuple, DecodeStep],

@@ -212,7 +212,7 @@ def prepare_route(route: Route, problem: MLAProblem, inputs: DecodeInputs, rank:
     before = _allocated(inputs.q)
     prepared = route.prepare(problem, inputs, rank=rank, params=dict(choice.params),
                              want_lse=want_lse, **into)
-    outputs = sum(nbytes(t) for t, given in ((prepared.out, buffers.get("out")),
+    outputs = sum(t.nbytes for t, given in ((prepared.out, buffers.get("out")),
                                              (prepared.lse, buffers.get("lse")))
                   if t is not None and (given is None or t.data_ptr() != given.data_ptr()))
     prepared.workspace_bytes = max(0, _allocated(inputs.q) - before - outputs)
@@ -222,10 +222,6 @@ def prepare_route(route: Route, problem: MLAProblem, inputs: DecodeInputs, rank:
 def _allocated(q: torch.Tensor) -> int:
     """The device memory allocated now on q's GPU (0 on the CPU: not measured there)."""
     return torch.cuda.memory_allocated(q.device) if q.is_cuda else 0
-
-
-def nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
 
 
 def rebound(step: DecodeStep, q: torch.Tensor, out: torch.Tensor | None,

@@ -539,6 +539,10 @@ def test_a_winners_map_that_lists_one_device_twice_is_refused(tmp_path, fakes):
     path = table.write_json(document, tmp_path / "sm_90.json")
     with pytest.raises(TableError, match=r"devices\[1\] is devices\[0\]'s device again"):
         Dispatcher.load(path, device=H200)
+    document["devices"][1]["device_name"] = ["NVIDIA H200"]  # not text: named, not a crash
+    path = table.write_json(document, tmp_path / "sm_90.json")
+    with pytest.raises(TableError, match=r"devices\[1\] lacks arch, device_name or cu_count"):
+        Dispatcher.load(path, device=H200)
 
 
 # The hot path ----------------------------------------------------------------------

@@ -233,7 +233,8 @@ def _check(document: Any) -> tuple[list[str], list[dict[str, MLAProblem]]]:
             found.append(f"devices[{i}] is devices[{seen[identity]}]'s device again "
                          f"({identity[1]}, {identity[0]}, {identity[2]} CUs): which one "
                          f"answers it is ambiguous")
-        seen.setdefault(identity, i)
+        else:
+            seen[identity] = i
         if not isinstance(entry.get("provenance"), list):
             found.append(f"devices[{i}] lacks its provenance")
         entries = entry.get("winners")
