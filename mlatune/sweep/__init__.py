@@ -8,8 +8,9 @@
 - ``pool``: the worker processes (``WorkerProcess``: start, alive, put, get with a
   timeout, stop, kill; ``WorkerPool``: a crash or hang scored and the pool going on),
   each running ``worker`` (check, then time with ``bench``) on one ``records.Task``,
-  answering a ``records.Result``; ``ray_pool``: the same pool with its workers as Ray
-  actors on a cluster, one GPU each (``--ray``);
+  answering a ``records.Result``, forked from a forkserver that imported torch once and
+  started by ``worker_entry`` (the sweep's environment applied first); ``ray_pool``:
+  the same pool with its workers as Ray actors on a cluster, one GPU each (``--ray``);
 - ``runner``: the one-device pass (compiling ahead, the pool, reference fallbacks),
   every result journaled as it arrives; ``progress``: what the stages tell an
   ``Observer`` (a progress bar) as candidates start and finish;
