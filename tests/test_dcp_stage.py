@@ -121,7 +121,8 @@ def test_a_killed_stage_resumes_without_running_done_tasks_again(tmp_path):
                     for b in (1, 2)]).close()
     stage = [sys.executable, "-c", f"from tests.test_dcp_stage import run_stage; "
                                    f"run_stage({str(path)!r})"]
-    proc = subprocess.Popen(stage, env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL,
+    env = {**ENV, "TMPDIR": str(tmp_path)}  # the killed stage's exchange folder stays here
+    proc = subprocess.Popen(stage, env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None and not measured(path):
@@ -130,7 +131,7 @@ def test_a_killed_stage_resumes_without_running_done_tasks_again(tmp_path):
     proc.wait()
     before = measured(path)
     assert 1 <= len(before) < 4, "the kill should land mid-stage"
-    subprocess.run(stage, env=ENV, cwd=ROOT, check=True, capture_output=True, timeout=120)
+    subprocess.run(stage, env=env, cwd=ROOT, check=True, capture_output=True, timeout=120)
     after = measured(path)
     ids = [r["id"] for r in after]
     assert len(ids) == len(set(ids)) == 4  # 2 problems x 2 schemes, none run twice

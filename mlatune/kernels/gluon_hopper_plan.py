@@ -9,6 +9,7 @@ without importing the kernel, whose module imports Triton's Gluon dialect.
 
 from __future__ import annotations
 
+import functools
 import math
 
 GLUON_TRITON = "3.6."  # the triton release whose Gluon API the kernel is written for
@@ -182,6 +183,7 @@ def split_cost(batch: int, row_blocks: int, max_seq_len: int, splits: int,
         + per_program * programs / sms
 
 
+@functools.lru_cache(maxsize=8192)  # a table's load asks it the same questions often
 def pick_splits(batch: int, row_blocks: int, max_seq_len: int, sms: int = H200_SMS,
                 per_program: float = 0.0, tile_step: int = 1, by_reduce: bool = False
                 ) -> int:
