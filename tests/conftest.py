@@ -10,9 +10,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    from mlatune.sweep.worker_entry import skip_interpreter_overflow_checks
+    from mlatune.kernels.interpreter import quicken
 
-    skip_interpreter_overflow_checks()  # as a CPU sweep's workers do
+    quicken()  # as a CPU sweep's workers do
 
 # Under pytest-xdist (README's `-n 2`) each worker process gets one core's share of torch's
 # threads, so two workers do not oversubscribe the CI machine's two cores (timings that tests

@@ -20,7 +20,8 @@ Hopper decode in Gluon (sm_90, triton 3.6): ``gluon_hopper`` (the first, 64-row 
 caches), ``gluon_transposed_ws`` (its fp8 form with the widening in a partition of its
 own) and ``gluon_transposed_fp8`` (fp8 MMAs, q as two e4m3 terms): the route's two kinds of
 fp8 param sets; ``gluon_common`` holds what they share, ``gluon_hopper_plan`` their sizes and
-split rule without a Triton import.
+split rule without a Triton import. ``interpreter``: Triton's interpreter spared work for the
+CPU runs (the sweep's CPU workers, the tests).
 
 Modules here import Triton at import time; routes import them lazily (in
 ``prepare``) so that ``import mlatune.routes`` works without Triton and tests
