@@ -78,7 +78,7 @@ def test_show_lookup_and_select_name_the_same_route_for_every_measured_problem(s
         if (choice.route_id, dict(choice.params)) != (row["winner"], row["winner_params"]):
             differ.append((row["problem"], row["winner"], choice.route_id))
     assert differ == []
-    for row in problems[::300]:
+    for row in problems[::600]:
         p = row["problem"]
         asked = runner.invoke(app, [
             "lookup", str(path), "--heads", str(p["num_heads"]), "--batch", str(p["batch"]),
