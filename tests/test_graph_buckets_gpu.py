@@ -358,6 +358,11 @@ def test_compiled_fullgraph_step_captures_every_seesaw_form(problem, tmp_path):
         assert {s.choice.route_id for s in steps} == {"seesaw/gluon"}
 
 
+# Fails today (H100, 2026-12-07): the step made under Inductor's capture keeps its buffers,
+# allocated in the graph's memory pool and not among the graph's outputs, which Inductor's
+# CUDA graph trees refuse (docs/engine.md, "torch.compile"). Strict: passing means it is fixed.
+@pytest.mark.xfail(strict=True, raises=RuntimeError,
+                   reason="Inductor's CUDA graph trees refuse the held step's pool allocations")
 @pytest.mark.parametrize("problem", [SHAPES[0], SHAPES[3], _p(128, 1, "bf16")],
                          ids=["h16-q1-bf16", "h16-q2-fp8", "h128-q1-bf16"])
 def test_reduce_overhead_mode_captures_the_op(problem):
