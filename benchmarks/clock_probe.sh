@@ -2,6 +2,7 @@
 # Clocks and power beside the points where the two Hopper tables disagree most (nvidia-smi every 100 ms;
 # each point held 2 s), then Nsight Compute of each kernel: bash benchmarks/clock_probe.sh TAG (writes $OUT/TAG-*).
 set -u
+# A machine without network: vendor wheels carried in .whl are installed first.
 [ -d .whl ] && { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1; }
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 FLASHINFER_CUDA_ARCH_LIST=9.0a
 tag=$1

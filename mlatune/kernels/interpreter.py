@@ -23,8 +23,8 @@ def quicken() -> None:
 
 
 def _skip_overflow_checks(interpreter: Any) -> None:
-    """It checks every int32 add, sub and mul: a quarter of a CPU sweep's time (and four
-    fifths of some kernels'), where no index comes near 2**31."""
+    """It checks every int32 add, sub and mul, where at the CPU's sizes no index comes near
+    2**31 (what it costs: benchmarks/RESULTS.md, "Tests")."""
     try:
         builder = interpreter.interpreter_builder
         builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
@@ -34,10 +34,10 @@ def _skip_overflow_checks(interpreter: Any) -> None:
 
 def _patch_language_once_a_launch(interpreter: Any) -> None:
     """A launch patches ``triton.language`` into its interpreted form; then every call of a
-    jit function inside the kernel patches it again (a scan of the language's members each:
-    about a quarter of an interpreted prefill's time). Within a launch, a function that sees
-    only modules patched since the launch began (by it or by a call before: triton undoes
-    only the launch's own patches, at its end) is not patched again."""
+    jit function inside the kernel patches it again (a scan of the language's members each).
+    Within a launch, a function that sees only modules patched since the launch began (by
+    it or by a call before: triton undoes only the launch's own patches, at its end) is not
+    patched again."""
     executor = getattr(interpreter, "GridExecutor", None)
     patch_lang = getattr(interpreter, "_patch_lang", None)
     scope_type = getattr(interpreter, "_LangPatchScope", None)
