@@ -56,7 +56,7 @@ import weakref
 
 import torch
 
-from mlatune import runtime_checks
+from mlatune import graph_pools, runtime_checks
 from mlatune.check.inputs import DecodeInputs, KVShard
 from mlatune.check.policy import Policy, policy_named
 from mlatune.decode_step import (
@@ -233,7 +233,19 @@ def _decode_step(tensors: tuple, max_kv_len: int | None, reuse_plan: bool,
         max_kv_len = int(seq_lens.max()) if seq_lens.numel() else 0
     runtime_checks.check_max_kv_len(max_kv_len, none_ok=True)
     with _lock:
+        if graph_pools.in_graph_tree(q.device):
+            return _pooled_step(tensors, max_kv_len, dispatcher, made)
         return _held_step(*tensors, max_kv_len, reuse_plan, dispatcher, made)
+
+
+def _pooled_step(tensors: tuple, max_kv_len: int, dispatcher: Dispatcher, made: dict
+                 ) -> DecodeStep:
+    """A step made for this call alone, inside a graph pool that must hold nothing of it
+    afterwards (``graph_pools``): none is kept or read, and each call plans (``reuse_plan``
+    has no planning step to read). The graph being recorded replays its plan and launch."""
+    step = _make_plan(*tensors, max_kv_len=max_kv_len, dispatcher=dispatcher, **made)
+    _last[dispatcher] = step.emptied()
+    return step
 
 
 def _check_args(tensors: tuple, made: dict) -> None:

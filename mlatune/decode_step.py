@@ -80,6 +80,19 @@ class DecodeStep:
         recipe.buffers = {}
         return recipe
 
+    def emptied(self) -> DecodeStep:
+        """This step's problem, route, choice and step kind, holding no tensor (nor launching
+        anything): what ``last_step`` keeps of a step that must free its memory."""
+        record = copy.copy(self)
+        kept = self.prepared
+        record.prepared = Prepared(run=_released, out=None, graph_safe=kept.graph_safe,
+                                   params=kept.params, plan_reads_lengths=kept.plan_reads_lengths,
+                                   plan=None if kept.plan is None else _released)
+        record.inputs = record.local_lens = record.out = record.lse = None
+        record.planner = record.graph = None
+        record.buffers = {}
+        return record
+
     def holds(self, q: torch.Tensor, out: torch.Tensor | None,
               lse_out: torch.Tensor | None) -> bool:
         """Whether a released step's caller passed these very tensors (alive since: the

@@ -358,18 +358,15 @@ def test_compiled_fullgraph_step_captures_every_seesaw_form(problem, tmp_path):
         assert {s.choice.route_id for s in steps} == {"seesaw/gluon"}
 
 
-# Fails today (H100, 2026-12-07): the step made under Inductor's capture keeps its buffers,
-# allocated in the graph's memory pool and not among the graph's outputs, which Inductor's
-# CUDA graph trees refuse (docs/engine.md, "torch.compile"). Strict: passing means it is fixed.
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="Inductor's CUDA graph trees refuse the held step's pool allocations")
 @pytest.mark.parametrize("problem", [SHAPES[0], SHAPES[3], _p(128, 1, "bf16")],
                          ids=["h16-q1-bf16", "h16-q2-fp8", "h128-q1-bf16"])
 def test_reduce_overhead_mode_captures_the_op(problem):
     """``torch.compile(mode="reduce-overhead")``: Inductor's CUDA graphs capture ``decode``
-    (``capturable`` left to the op, which sees the capture) after their warm-up call. Called
-    over STEPS twice, the lengths rewritten in place (empty requests too): every call right,
-    and a capturable step made under the capture."""
+    (``capturable`` left to the op, which sees the capture) after their warm-up call; the
+    steps made in their pool keep nothing there (Inductor checks it, ``graph_pools``).
+    Called over STEPS twice, the lengths rewritten in place (empty requests too): every call
+    right (a second layer's ``reuse_plan`` call too), and a capturable step made under the
+    capture."""
     bucket = Bucket(problem, seed=91)
     inputs, shard = bucket.inputs, bucket.shard
 
@@ -377,7 +374,10 @@ def test_reduce_overhead_mode_captures_the_op(problem):
         out, lse = attention.decode(q * 1.0, kv_cache, block_table, seq_lens,
                                     num_heads=problem.num_heads, qlen=problem.qlen,
                                     kv_scale=kv_scale, max_kv_len=CAP, return_lse=True)
-        return out + 0, lse
+        again = attention.decode(q * 1.0, kv_cache, block_table, seq_lens,  # a next layer
+                                 num_heads=problem.num_heads, qlen=problem.qlen,
+                                 kv_scale=kv_scale, max_kv_len=CAP, reuse_plan=True)
+        return out + 0, lse, again
 
     torch._dynamo.reset()
     compiled = torch.compile(model_step, mode="reduce-overhead", fullgraph=True)
@@ -385,8 +385,9 @@ def test_reduce_overhead_mode_captures_the_op(problem):
     captured = attention.default_dispatcher(capturable=True)
     for lens in STEPS * 2:
         bucket.write(lens)
-        out, lse = (t.clone() for t in compiled(*args))
+        out, lse, again = (t.clone() for t in compiled(*args))
         torch.cuda.synchronize()
+        torch.testing.assert_close(again, out, atol=0, rtol=0)
         ran = attention.last_step(captured) or attention.last_step()
         _served(problem, ran.route, dict(ran.choice.params), out, lse, inputs, lens,
                 f"{ran.route.id}, lengths {lens}")

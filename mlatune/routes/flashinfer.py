@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from mlatune import capability
+from mlatune import capability, graph_pools
 from mlatune.arch import DeviceInfo
 from mlatune.check.inputs import DecodeInputs, PrefillInputs
 from mlatune.problem import DTYPES, FP8_DTYPES, MLAProblem
@@ -71,10 +71,14 @@ def library() -> tuple[object | None, str]:
 
 
 def _workspace(device: torch.device) -> torch.Tensor:
-    """One float workspace per device, shared by the wrappers (their steps run in turn)."""
-    if device not in _workspaces:
-        _workspaces[device] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-    return _workspaces[device]
+    """One float workspace per device, shared by the wrappers (their steps run in turn); a
+    step's own inside a graph pool that must not keep it (``graph_pools``)."""
+    if device in _workspaces:
+        return _workspaces[device]
+    workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    if not graph_pools.in_graph_tree(device):
+        _workspaces[device] = workspace
+    return workspace
 
 
 def _planned_on_the_host() -> None:

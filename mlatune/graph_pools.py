@@ -1,0 +1,25 @@
+"""Whether a call runs inside a CUDA graph pool that must hold nothing but the graph's
+outputs when its warm-up or recording ends: the graph trees of ``torch.compile``'s
+``reduce-overhead`` mode (Inductor checks, and later reuses, every other live block of the
+pool). A step made there keeps no device memory past its call."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+
+def in_graph_tree(device: torch.device) -> bool:
+    """True while Inductor's CUDA graph tree on ``device`` warms up or records a graph on
+    the current stream (its allocations go to the tree's pool)."""
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")
+    if device.type != "cuda" or trees is None:
+        return False  # no tree runs in a process that never loaded them
+    if not torch._C._is_key_in_tls("tree_manager_containers"):
+        return False  # no tree on this thread
+    index = torch.cuda.current_device() if device.index is None else device.index
+    manager = trees.get_manager(index, create_if_none_exists=False)
+    if manager is None or not (manager.in_warmup or manager.in_recording):
+        return False
+    return torch.cuda.current_stream(index) == manager.stream
