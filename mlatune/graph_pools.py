@@ -11,8 +11,9 @@ import torch
 
 
 def in_graph_tree(device: torch.device) -> bool:
-    """True while Inductor's CUDA graph tree on ``device`` warms up or records a graph on
-    the current stream (its allocations go to the tree's pool)."""
+    """True while Inductor's CUDA graph tree on ``device`` warms up or records a graph: it
+    runs both on a stream of its own, current only then (its allocations go to the tree's
+    pool). (Its state says RECORDING only once a recording has ended.)"""
     trees = sys.modules.get("torch._inductor.cudagraph_trees")
     if device.type != "cuda" or trees is None:
         return False  # no tree runs in a process that never loaded them
@@ -20,6 +21,4 @@ def in_graph_tree(device: torch.device) -> bool:
         return False  # no tree on this thread
     index = torch.cuda.current_device() if device.index is None else device.index
     manager = trees.get_manager(index, create_if_none_exists=False)
-    if manager is None or not (manager.in_warmup or manager.in_recording):
-        return False
-    return torch.cuda.current_stream(index) == manager.stream
+    return manager is not None and torch.cuda.current_stream(index) == manager.stream

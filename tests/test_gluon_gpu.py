@@ -174,14 +174,18 @@ def test_stale_cache_slots_hold_nan(item):
 
 
 @pytest.mark.parametrize("q_gain", [2.0 ** 17, 2.0 ** -20, "heads"])
-def test_seesaw_fp8_keeps_a_bf16_q_beyond_fp16s_range(q_gain):
+@pytest.mark.parametrize(("route_id", "problem"),
+                         [(SEESAW, _p(128, 4, 3000, qlen=2, kv="fp8_e4m3fn")),
+                          (TRANSPOSED, _p(16, 4, 3000, kv="fp8_e4m3fn"))],
+                         ids=["seesaw-h128-q2", "transposed-h16"])
+def test_fp8_caches_keep_a_bf16_q_beyond_fp16s_range(q_gain, route_id, problem):
     """A bf16 q past fp16's range (|q| up to 2^17 x 4: fp16 ends at 65504) or under its
     normal numbers (2^-20 x: fp16 subnormals keep a few bits), the softmax scale divided by
     the gain (the same scores), and q's heads 2^-6 to 2^6 times (the scores as they come):
-    each row is scaled to fp16 by its own power of two, so every set stays within the bf16
-    bound over an fp8 cache, at 128 heads and qlen 2."""
-    problem = _p(128, 4, 3000, qlen=2, kv="fp8_e4m3fn")
-    route = routes.get(SEESAW)
+    every set stays within the bf16 bound over an fp8 cache. The seesaw scales each row to
+    fp16 by its own power of two (128 heads, qlen 2); transposed/gluon's mma8-p2 sets hold
+    each row as two e4m3 terms under its own scale (16 heads), its mma16 sets widen."""
+    route = routes.get(route_id)
     inputs = make_decode_inputs(problem, seed=41, device="cuda", ragged=True)
     if q_gain == "heads":
         gains = 2.0 ** torch.arange(-6, 7, device="cuda").repeat(10)[:problem.num_heads]

@@ -374,10 +374,11 @@ def test_reduce_overhead_mode_captures_the_op(problem):
         out, lse = attention.decode(q * 1.0, kv_cache, block_table, seq_lens,
                                     num_heads=problem.num_heads, qlen=problem.qlen,
                                     kv_scale=kv_scale, max_kv_len=CAP, return_lse=True)
-        again = attention.decode(q * 1.0, kv_cache, block_table, seq_lens,  # a next layer
-                                 num_heads=problem.num_heads, qlen=problem.qlen,
-                                 kv_scale=kv_scale, max_kv_len=CAP, reuse_plan=True)
-        return out + 0, lse, again
+        again, _ = attention.decode(q * 1.0, kv_cache, block_table, seq_lens,  # a next layer
+                                    num_heads=problem.num_heads, qlen=problem.qlen,
+                                    kv_scale=kv_scale, max_kv_len=CAP, return_lse=True,
+                                    reuse_plan=True)
+        return out + 0, lse, again + 0
 
     torch._dynamo.reset()
     compiled = torch.compile(model_step, mode="reduce-overhead", fullgraph=True)
