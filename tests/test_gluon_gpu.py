@@ -183,8 +183,8 @@ def test_fp8_caches_keep_a_bf16_q_beyond_fp16s_range(q_gain, route_id, problem):
     normal numbers (2^-20 x: fp16 subnormals keep a few bits), the softmax scale divided by
     the gain (the same scores), and q's heads 2^-6 to 2^6 times (the scores as they come):
     every set stays within the bf16 bound over an fp8 cache. The seesaw scales each row to
-    fp16 by its own power of two (128 heads, qlen 2); transposed/gluon's mma8-p2 sets hold
-    each row as two e4m3 terms under its own scale (16 heads), its mma16 sets widen."""
+    fp16 by its own power of two (128 heads, qlen 2); transposed/gluon widens the cache to
+    q's dtype (16 heads)."""
     route = routes.get(route_id)
     inputs = make_decode_inputs(problem, seed=41, device="cuda", ragged=True)
     if q_gain == "heads":

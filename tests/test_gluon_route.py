@@ -421,21 +421,15 @@ def _ran(fakes: dict[str, _Recorder]) -> list[tuple[str, dict]]:
 
 
 def test_prepare_hands_an_fp8_cache_and_its_scale_to_the_transposed_kernels(monkeypatch):
-    """Over an fp8 cache under a bf16 q at 16 rows transposed/gluon's sets run the fp8-MMA
-    kernel with P in two terms (form mma8-p2), a stored mma16 set the widening,
-    transposed-mma8's the fp8-MMA kernel with P in one; each is handed the cache and its
-    scale."""
+    """Over an fp8 cache transposed/gluon's first set runs the widening, transposed-mma8's the
+    fp8-MMA kernel; each is handed the cache and its scale."""
     fakes = _transposed_recorders(monkeypatch)
     problem = _p(batch=2, kv_len=300, kv_dtype="fp8_e4m3fn")
     inputs = make_decode_inputs(problem, seed=8, ragged=True)
-    route = routes.get("transposed/gluon")
-    route.prepare(problem, inputs)
-    route.prepare(problem, inputs, params={"form": "mma16", "num_splits": 2})
-    routes.get(MMA8).prepare(problem, inputs)
+    for route_id in ("transposed/gluon", MMA8):
+        routes.get(route_id).prepare(problem, inputs)
     ran = _ran(fakes)
-    assert [name for name, _ in ran] == ["gluon_transposed_fp8", "gluon_transposed_ws",
-                                         "gluon_transposed_fp8"]
-    assert [call.get("p_terms") for _, call in ran] == [2, None, None]
+    assert [name for name, _ in ran] == ["gluon_transposed_ws", "gluon_transposed_fp8"]
     for _, call in ran:
         assert call["kv_cache"].dtype == torch.float8_e4m3fn
         assert call["kv_scale"] is inputs.kv_scale and call["q"].dtype == torch.bfloat16
@@ -495,31 +489,24 @@ def test_a_seesaw_set_hands_its_form_to_the_launcher(monkeypatch):
 
 
 def test_transposed_sets_name_their_form_and_each_form_its_kernel(monkeypatch):
-    """transposed/gluon's sets name "mma8-p2" (where the fp8-MMA kernel serves a bf16 q) or
-    "mma16", transposed-mma8/gluon's "mma8"; mma8 runs the fp8-MMA kernel, mma8-p2 the
-    same with P in two terms, mma16 the transposed kernel or over an fp8 cache the
-    warp-specialized widening; a set without a form runs mma16 (what stored sets without
-    one ran); an mma8-p2 set where that form cannot serve (an fp16 q: moved from a
-    neighbour) runs as mma16. No kernel is handed options beyond the call's tensors and
-    sizes."""
+    """transposed/gluon's sets name "mma16", transposed-mma8/gluon's "mma8"; mma8 runs the
+    fp8-MMA kernel, mma16 the transposed kernel or over an fp8 cache the warp-specialized
+    widening; a set without a form runs its route's form. No kernel is handed options beyond
+    the call's tensors and sizes."""
     fakes = _transposed_recorders(monkeypatch)
     route, mma8 = routes.get("transposed/gluon"), routes.get(MMA8)
     fp8, bf16 = _p(batch=2, kv_len=300, kv_dtype="fp8_e4m3fn"), _p(batch=2, kv_len=300)
-    fp16_q = _p(batch=2, kv_len=300, q_dtype="fp16", kv_dtype="fp8_e4m3fn")
-    rows32 = _p(batch=2, kv_len=300, num_heads=32, kv_dtype="fp8_e4m3fn")
-    assert all(p["form"] == "mma8-p2" for p in route.param_space(fp8, H200))
-    for other in (bf16, fp16_q, rows32, _p(kv_dtype="fp8_e4m3fn", page_size=1)):
-        assert all(p["form"] == "mma16" for p in route.param_space(other, H200)), other.key
+    assert all(p["form"] == "mma16" for p in route.param_space(fp8, H200))
+    assert all(p["form"] == "mma16" for p in route.param_space(bf16, H200))
     assert all(p["form"] == "mma8" for p in mma8.param_space(fp8, H200))
-    widen = {**route.param_space(fp8, H200)[0], "form": "mma16"}
-    moved = {"form": "mma8-p2", "num_splits": 2}
+    widen = route.param_space(fp8, H200)[0]
     for problem, params in ((fp8, widen), (fp8, {"num_splits": 2}), (bf16, None),
-                            (bf16, {"num_splits": 2}), (fp16_q, moved)):
+                            (bf16, {"num_splits": 2})):
         route.prepare(problem, make_decode_inputs(problem, seed=10), params=params)
     mma8.prepare(fp8, make_decode_inputs(fp8, seed=10), params={"num_splits": 2})
     ran = [name for name, _ in _ran(fakes)]
     assert ran == ["gluon_transposed_ws", "gluon_transposed_ws", "gluon_transposed",
-                   "gluon_transposed", "gluon_transposed_ws", "gluon_transposed_fp8"]
+                   "gluon_transposed", "gluon_transposed_fp8"]
     standard = {"q", "kv_cache", "block_table", "seq_lens", "qlen", "sm_scale", "causal", "out",
                 "lse", "num_splits", "max_seq_len", "kv_scale", "order"}
     assert all(set(call) == standard for _, call in _ran(fakes))
@@ -776,8 +763,7 @@ def test_the_fp8_mma_route_serves_fp8_caches_up_to_16_rows_and_rounds_p(monkeypa
     elsewhere by its own rule, after transposed/gluon's), its sets from the fp8-MMA kernel's
     split pick (with ``FP8_MMA_PROGRAM_COST``: 16 splits at batch 4 of 4096 keys, where the
     widening's is 22), then half and twice it, every one P rounded (q's two e4m3 terms keep it
-    near 16 bits); transposed/gluon's sets are the fp8-MMA kernel's with P in two terms
-    (mma8-p2, at the same split pick), exact."""
+    near 16 bits); transposed/gluon's sets are the widening's, exact."""
     from mlatune.kernels import gluon_hopper_plan as plan
 
     route, mma8 = routes.get("transposed/gluon"), routes.get(MMA8)
@@ -786,8 +772,8 @@ def test_the_fp8_mma_route_serves_fp8_caches_up_to_16_rows_and_rounds_p(monkeypa
     fp8_pick = plan.pick_splits(4, 1, 4096, per_program=plan.FP8_MMA_PROGRAM_COST)
     assert (fp8_pick, plan.pick_splits(4, 1, 4096)) == (16, 22)
     assert mma8.param_space(fp8, H200) == [{"num_splits": s, "form": "mma8"} for s in (16, 8, 32)]
-    assert route.param_space(fp8, H200) == [{"num_splits": s, "form": "mma8-p2"}
-                                            for s in (16, 8, 32)]
+    assert route.param_space(fp8, H200) == [{"num_splits": s, "form": "mma16"}
+                                            for s in (22, 11, 44)]
     rounded, none = Rounding.P_FP8, Rounding.NONE
     assert {routes.rounding(mma8, fp8, p) for p in mma8.param_space(fp8, H200)} == {rounded}
     assert routes.rounding(mma8, fp8) == rounded

@@ -50,9 +50,8 @@ BALANCED_MIN_IDLE = 0.02
 SEESAW_FP8_TWO_REQUESTS_MIN_PAGE = 64
 # The transposed kernels: "mma16" (MMAs in q's 16-bit dtype; an fp8 cache widened to it in a
 # partition of its own, ``gluon_transposed_ws``: transposed/gluon's), "mma8" (an fp8 cache
-# under fp8 MMAs, q as two e4m3 terms, ``gluon_transposed_fp8``: transposed-mma8/gluon's),
-# "mma8-p2" (the same with P in two e4m3 terms too: transposed/gluon's).
-TRANSPOSED_FORMS = ("mma16", "mma8", "mma8-p2")
+# under fp8 MMAs, q as two e4m3 terms, ``gluon_transposed_fp8``: transposed-mma8/gluon's).
+TRANSPOSED_FORMS = ("mma16", "mma8")
 
 
 def triton_refusal(version: str | None) -> str | None:

@@ -16,11 +16,8 @@ arrivals).
   scales folded into the exponent's FMA; P's row sums kept per element and summed once after
   the last tile.
 - P (in [0, 1]) is scaled by 2^P_SHIFT before its cast to e4m3, so values down to 2^-17
-  survive; the epilogue divides the shift out with the cache's V scale. ``P_TERMS`` 1: P
-  in one e4m3 term keeps the output error near 1e-2 (``transposed-mma8/gluon``, its sets
-  ``Rounding.P_FP8``); 2: P as q is, the rounded values and what rounding left out (under
-  the same shift), both products into one accumulator, about a 16-bit P's precision (with a
-  bf16 q, ``transposed/gluon``'s form "mma8-p2", exact past the problem's dtypes).
+  survive; the epilogue divides the shift out with the cache's V scale. P in e4m3 keeps the
+  output error near 1e-2: the route declares these sets ``Rounding.P_FP8``.
 - Hopper's fp8 wgmma takes both operands K-major, so V^T (keys contiguous) is built by the
   transposer through registers (byte permutes), stale rows of a split's last tile as zeros;
   both tiles' V^T share one buffer of 128-byte rows, each key renamed to a slot (P^T's rows
@@ -178,39 +175,18 @@ def _transpose_into(kn, vts, j, valid, MASKED: gl.constexpr):
 
 
 @gluon.jit
-def _pv(vt, p_bufs, acc):
-    """O^T += V^T P^T for each of P's terms (``p_bufs``: [terms, BR, BN]), issued."""
-    acc = warpgroup_mma(vt, p_bufs.index(0).permute((1, 0)), acc, is_async=True)
-    if p_bufs.shape[0] == 2:
-        acc = warpgroup_mma(vt, p_bufs.index(1).permute((1, 0)), acc, is_async=True)
-    return acc
-
-
-@gluon.jit
-def _o_step(vts, j, p_bufs, acc, s_next):
+def _o_step(vts, j, p_t, acc, s_next):
     """O^T += V^T P^T with tile j % 2's half of V^T, then the wait for it and the next tile's
     S^T: (S^T, O^T). (Inside the branch on j: an async product's accumulator cannot leave
     one.)"""
-    BN: gl.constexpr = p_bufs.shape[2]
+    BN: gl.constexpr = p_t.shape[0]
     if j == 0:
-        acc = _pv(vts.slice(0, BN, dim=1), p_bufs, acc)
+        acc = warpgroup_mma(vts.slice(0, BN, dim=1), p_t, acc, is_async=True)
         s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, acc))
     else:
-        acc = _pv(vts.slice(BN, BN, dim=1), p_bufs, acc)
+        acc = warpgroup_mma(vts.slice(BN, BN, dim=1), p_t, acc, is_async=True)
         s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, acc))
     return s, acc
-
-
-@gluon.jit
-def _store_p(p, p_bufs):
-    """P^T into ``p_bufs`` (its rows in V^T's key slots), times 2^P_SHIFT as e4m3: one term,
-    or two (the rounded values, then what rounding left out)."""
-    scaled = p * (2.0 ** P_SHIFT)
-    hi = scaled.to(p_bufs.dtype)
-    p_bufs.index(0).store(gl.permute(_key_slots(hi), (1, 0)))
-    if p_bufs.shape[0] == 2:
-        lo = (scaled - hi.to(gl.float32)).to(p_bufs.dtype)
-        p_bufs.index(1).store(gl.permute(_key_slots(lo), (1, 0)))
 
 
 # The partitions ---------------------------------------------------------------------------
@@ -296,7 +272,7 @@ def _mma_layout(cols):
 
 
 @gluon.jit
-def _ws_mma(q_bufs, q8_bufs, ring, vts, p_bufs, bars, ptrs, counter_ptr, ints, seq_len, start,
+def _ws_mma(q_bufs, q8_bufs, ring, vts, p_buf, bars, ptrs, counter_ptr, ints, seq_len, start,
             end, n_tiles, qk, kv_scale, CAUSAL: gl.constexpr, DIRECT: gl.constexpr,
             MERGE: gl.constexpr):
     """q quantized, then per tile S^T (fp8), the softmax, O^T += V^T P^T (fp8); the epilogue.
@@ -347,12 +323,13 @@ def _ws_mma(q_bufs, q8_bufs, ring, vts, p_bufs, bars, ptrs, counter_ptr, ints, s
         p, m_i, alpha = slim_step_across_warps(_fold(s, BR, s_layout), qk_vec, start + t * BN,
                                                end, last_pos, keys, m_i, warp_maxes, mask_from)
         l_acc = l_acc * gl.expand_dims(alpha, 0) + p
-        _store_p(p, p_bufs)
+        p8 = _key_slots((p * (2.0 ** P_SHIFT)).to(p_buf.dtype))  # P^T's rows in V^T's slots
+        p_buf.store(gl.permute(p8, (1, 0)))
         fence_async_shared()
         gl.thread_barrier()  # every warp's P^T is in
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, o_layout)), 0)
         mbarrier.wait(vt_ready.index(j), (t // 2) & 1)
-        s, acc = _o_step(vts, j, p_bufs, acc, s_next)
+        s, acc = _o_step(vts, j, p_buf.permute((1, 0)), acc, s_next)
         gl.thread_barrier()  # every warp is past both: P^T and V^T free
         mbarrier.arrive(vt_empty.index(j))
         if more:
@@ -373,7 +350,7 @@ def transposed_fp8_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and th
                           kv_ptr, stride_kv,  # the cache's rows (read by TMA alone here)
                           CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PAGE: gl.constexpr,
                           STAGES: gl.constexpr, MERGE: gl.constexpr, PDL: gl.constexpr,
-                          P_TERMS: gl.constexpr, num_warps: gl.constexpr):
+                          num_warps: gl.constexpr):
     BN: gl.constexpr = TILE_KEYS
     DN: gl.constexpr = kn_desc.block_type.shape[1]
     DR: gl.constexpr = kr_desc.block_type.shape[1]
@@ -385,8 +362,8 @@ def transposed_fp8_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and th
     k_nope = gl.allocate_shared_memory(fp8, [STAGES, BN, DN], kn_desc.layout)
     k_rope = gl.allocate_shared_memory(fp8, [STAGES, BN, DR], kr_desc.layout)
     vts = gl.allocate_shared_memory(fp8, [DN, 2 * BN], VT_WIDE_LAYOUT)
-    p_bufs = gl.allocate_shared_memory(fp8, [P_TERMS, BR, BN],
-                                       gl.NVMMASharedLayout.get_default_for([BR, BN], fp8))
+    p_buf = gl.allocate_shared_memory(fp8, [BR, BN],
+                                      gl.NVMMASharedLayout.get_default_for([BR, BN], fp8))
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     q_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
@@ -412,7 +389,7 @@ def transposed_fp8_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's and th
         (_ws_loader, ((qn_desc, qr_desc, kn_desc, kr_desc), q_bufs, ring,
                       (q_bar, ready, k_empty), (bt_row, (seq_len - 1) // PAGE),
                       b * qlen * heads + rb * BR, start, n_tiles, PAGE)),
-        (_ws_mma, (q_bufs, q8_bufs, ring, vts, p_bufs, (q_bar, ready, k_empty, vt_ready, vt_empty),
+        (_ws_mma, (q_bufs, q8_bufs, ring, vts, p_buf, (q_bar, ready, k_empty, vt_ready, vt_empty),
                    ptrs, counter_ptr, ints, seq_len, start, end, n_tiles,
                    qk_scale * kv_scale, kv_scale, CAUSAL, DIRECT, MERGE)),
         (_ws_transposer, (ring, vts, (ready, k_empty, vt_ready, vt_empty), start, end,
@@ -432,13 +409,11 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                     seq_lens: torch.Tensor, *, qlen: int, sm_scale: float, causal: bool = True,
                     kv_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
                     lse: torch.Tensor | None = None, num_splits: int | None = None,
-                    max_seq_len: int | None = None, p_terms: int = 1
+                    max_seq_len: int | None = None
                     ) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
     """``gluon_transposed.decode_launcher`` for this kernel: an fp8 e4m3 cache only, a
     positive ``sm_scale`` (folded into the exponent); ``num_splits`` None: ``pick_splits``
-    with ``FP8_MMA_PROGRAM_COST``; ``p_terms``: P's e4m3 terms (1 or 2)."""
-    if p_terms not in (1, 2):
-        raise ValueError(f"p_terms must be 1 or 2, got {p_terms!r}")
+    with ``FP8_MMA_PROGRAM_COST``."""
     if kv_cache.dtype not in base.FP8_CACHES:
         raise ValueError(f"the fp8-MMA transposed decode reads an fp8 cache only, got "
                          f"{kv_cache.dtype}")
@@ -453,7 +428,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     rows = plan.transposed_rows(qlen * heads)
     page = kv_cache.shape[1]
     meta = dict(CAUSAL=causal and qlen > 1, PAGE=page, STAGES=ring_stages(rows),
-                P_TERMS=p_terms, **compile_options(base.NUM_WARPS, MAXNREG))
+                **compile_options(base.NUM_WARPS, MAXNREG))
     descs = tma_descriptors(q, kv_cache, rows, kv_box_rows(page))
     return base.launch(transposed_fp8_kernel, descs, q, kv_cache, block_table, seq_lens,
                        kv_scale, out, lse, qlen=qlen, sm_scale=sm_scale, num_splits=num_splits,
@@ -462,15 +437,13 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
 
 
 def aot_compile(dtype: str = "bf16", *, rows: int = 16, direct: bool = True,
-                causal: bool = True, merge: bool = True, page: int = 64, arch: int = 90,
-                p_terms: int = 1):
+                causal: bool = True, merge: bool = True, page: int = 64, arch: int = 90):
     """Compile ``transposed_fp8_kernel`` (a ``dtype`` q over an fp8 cache of ``page``-token
     pages) for ``sm_<arch>`` without a GPU (split builds as ``gluon_transposed.aot_compile``);
     returns triton's CompiledKernel."""
     br = plan.transposed_rows(rows)
     constants = dict(CAUSAL=causal, DIRECT=direct, PAGE=page, STAGES=ring_stages(br),
-                     P_TERMS=p_terms, **base.split_constants(direct, merge),
-                     num_warps=base.NUM_WARPS)
+                     **base.split_constants(direct, merge), num_warps=base.NUM_WARPS)
     return aot_compile_kernel(transposed_fp8_kernel, constants,
                               base._blocks(dtype, "fp8", br, kv_box_rows(page)),
                               base._pointers(dtype, "fp8"),

@@ -124,16 +124,14 @@ class WgmmaGluonRoute(Route):
         (where the keys allow)."""
         return self.split_sets(problem, device)
 
-    def split_sets(self, problem: MLAProblem, device: DeviceInfo,
-                   program_cost: float | None = None) -> list[Params]:
-        """``{"num_splits": s}`` for ``pick_splits``'s pick (with ``program_cost``, else the
-        kernel's, and its ``tile_step`` and ``by_reduce``), half and twice it, where the keys
+    def split_sets(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
+        """``{"num_splits": s}`` for ``pick_splits``'s pick (with the kernel's
+        ``program_cost``, ``tile_step`` and ``by_reduce``), half and twice it, where the keys
         allow."""
         sms = _sms(device)
         length = problem.shard_len
-        cost = self.program_cost if program_cost is None else program_cost
         pick = plan.pick_splits(problem.batch, self.row_blocks(problem), length, sms,
-                                cost, self.tile_step(problem), self.by_reduce)
+                                self.program_cost, self.tile_step(problem), self.by_reduce)
         top = min(plan.MAX_SPLITS, max(1, -(-length // plan.BLOCK_N)))
         splits = dict.fromkeys(s for s in (pick, pick // 2, pick * 2) if 1 <= s <= top)
         return [{"num_splits": s} for s in splits]
@@ -329,17 +327,14 @@ def _upgraded(params: Params, forms: tuple[str, ...], legacy: tuple[str, ...],
 class TransposedGluonRoute(WgmmaGluonRoute):
     """The transposed Hopper Gluon decode: S^T = K Q^T with the tile's 64 keys as the MMA's
     M and 16 or 32 query rows as its N (no padding of few rows to 64), bf16 or fp16 q over a
-    cache of q's dtype or fp8 (e4m3, its scale read on the device), exact past the
-    problem's dtypes. Its forms: "mma16", MMAs in q's dtype (``gluon_transposed``; over an
-    fp8 cache ``gluon_transposed_ws``, which widens it in a partition of its own);
-    "mma8-p2", fp8 MMAs with a bf16 q and P each as two e4m3 terms (``gluon_transposed_fp8``
-    with ``p_terms`` 2), offered in its place where the fp8-MMA kernel serves (an e4m3
-    cache, up to 16 query rows, TMA pages). Its fp8-MMA form with P in one term ("mma8", another
-    numeric class) is a route of its own: ``transposed-mma8/gluon``."""
+    cache of q's dtype or fp8 (e4m3, its scale read on the device). Its one form, "mma16":
+    MMAs in q's dtype (``gluon_transposed``; over an fp8 cache ``gluon_transposed_ws``, which
+    widens it in a partition of its own), exact past the problem's dtypes. Its fp8-MMA form
+    ("mma8", another numeric class) is a route of its own: ``transposed-mma8/gluon``."""
 
     id = "transposed/gluon"
     kernel = "gluon_transposed"
-    forms: tuple[str, ...] = ("mma16", "mma8-p2")
+    forms: tuple[str, ...] = ("mma16",)
     kernel_options = MappingProxyType({"form": "mma16"})  # a set without a form: mma16
     moved_forms = MappingProxyType({"mma8": "transposed-mma8/gluon"})
     # The options a stored set named its form with before form ids (absent: off).
@@ -348,22 +343,9 @@ class TransposedGluonRoute(WgmmaGluonRoute):
     MMA8_OPTIONS = ("defer_sums", "stacked", "wide_vt", "warp_max", "slim")  # all on in mma8
 
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
-        """The split counts in form mma8-p2 (its own split pick) where the fp8-MMA kernel
-        serves a bf16 q (the widening there took 1.13-1.52x its time: RESULTS.md), else in
-        form mma16."""
-        if self.mma8_p2_refusal(problem) is None:
-            eight = self.split_sets(problem, device, plan.FP8_MMA_PROGRAM_COST)
-            return [{**params, "form": "mma8-p2"} for params in eight]
-        return [{**params, "form": "mma16"} for params in self.split_sets(problem, device)]
-
-    @staticmethod
-    def mma8_p2_refusal(problem: MLAProblem) -> str | None:
-        """Why form mma8-p2 cannot serve ``problem`` where the route does (its two e4m3 terms
-        hold a bf16 q exactly, not an fp16 one; the fp8-MMA kernel's rules), else None."""
-        if problem.q_dtype != "bf16":
-            return f"form mma8-p2 holds a bf16 q exactly, not {problem.q_dtype}"
-        ruling = capability.check(TransposedMma8GluonRoute.id, problem, "sm_90")
-        return None if ruling else f"form mma8-p2: {ruling.reason}"
+        """The split counts, each in the route's form."""
+        return [{**params, "form": self.forms[0]}
+                for params in self.split_sets(problem, device)]
 
     def upgrade_params(self, params: Params) -> Params | None:
         """A stored param set with one of the route's form ids as stored (None: another
@@ -390,14 +372,10 @@ class TransposedGluonRoute(WgmmaGluonRoute):
 
     def launcher(self, problem: MLAProblem, chosen: Params) -> tuple[Callable, dict]:
         """The kernel a param set's form names: mma8, the fp8-MMA kernel (an fp8 cache only);
-        mma8-p2, the same with P in two terms where ``mma8_p2_refusal`` allows (else, a set
-        moved from a neighbour where it served, as mma16: the same class); mma16, the
-        transposed kernel, or over an fp8 cache the warp-specialized widening."""
+        mma16, the transposed kernel, or over an fp8 cache the warp-specialized widening."""
         form = chosen["form"]
         if form not in self.forms:
             raise ValueError(f"{self.id}: form {form!r} is not one of {self.forms}")
-        if form == "mma8-p2" and self.mma8_p2_refusal(problem) is None:
-            return _kernel("gluon_transposed_fp8").decode_launcher, {"p_terms": 2}
         if form == "mma8":
             name = "gluon_transposed_fp8"
         elif problem.kv_dtype in FP8_DTYPES:
@@ -421,10 +399,6 @@ class TransposedMma8GluonRoute(TransposedGluonRoute):
     kernel_options = MappingProxyType({"form": "mma8"})
     moved_forms = MappingProxyType({})
     program_cost = plan.FP8_MMA_PROGRAM_COST  # the split pick's fixed cost a program
-
-    def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
-        """The split counts, each in form mma8."""
-        return [{**params, "form": "mma8"} for params in self.split_sets(problem, device)]
 
     def rounding(self, problem: MLAProblem, params: Params) -> Rounding:
         """P rounded to fp8, q kept near 16 bits by its two e4m3 terms: every set."""
