@@ -479,14 +479,12 @@ def plans_of(dispatcher: Dispatcher | None = None) -> dict[tuple, DecodeStep]:
 def _decode_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                seq_lens: torch.Tensor, kv_scale: torch.Tensor | None,
                q_scale: torch.Tensor | None, out: torch.Tensor, lse_out: torch.Tensor | None,
-               planned: torch.Tensor | None, num_heads: int, qlen: int, causal: bool,
-               softmax_scale: float | None, dcp_rank: int, dcp_size: int,
-               max_kv_len: int | None, kv_lora_rank: int, capturable: bool | None,
-               reuse_plan: bool, dispatcher_handle: int, accuracy: str) -> None:
+               num_heads: int, qlen: int, causal: bool, softmax_scale: float | None,
+               dcp_rank: int, dcp_size: int, max_kv_len: int | None, kv_lora_rank: int,
+               capturable: bool | None, reuse_plan: bool, dispatcher_handle: int,
+               accuracy: str) -> None:
     # capturable None: decided here, when the op runs (a graph being captured or not), as
     # an eager call decides it; torch.compile's reduce-overhead mode captures this op.
-    # planned: the out of the call whose plan a reuse_plan call reads, never read here: its
-    # edge keeps the compiler from running this call before that one.
     decode(q, kv_cache, block_table, seq_lens, num_heads=num_heads, qlen=qlen, causal=causal,
            kv_scale=kv_scale, q_scale=q_scale, softmax_scale=softmax_scale, out=out,
            lse_out=lse_out, dcp_rank=dcp_rank, dcp_size=dcp_size, max_kv_len=max_kv_len,
@@ -495,17 +493,10 @@ def _decode_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
 
 
 @_decode_op.register_fake
-def _(q, kv_cache, block_table, seq_lens, kv_scale, q_scale, out, lse_out, planned, num_heads,
-      qlen, causal, softmax_scale, dcp_rank, dcp_size, max_kv_len, kv_lora_rank, capturable,
+def _(q, kv_cache, block_table, seq_lens, kv_scale, q_scale, out, lse_out, num_heads, qlen,
+      causal, softmax_scale, dcp_rank, dcp_size, max_kv_len, kv_lora_rank, capturable,
       reuse_plan, dispatcher_handle, accuracy) -> None:
     return None
-
-
-# While torch.compile traces: per length tensor and block table, the out of the last call
-# over them that planned. A reuse_plan call names that out as an input of the op, so the
-# compiled graph runs it after the planning call (the plan is state the compiler cannot see).
-_traced_planners: weakref.WeakKeyDictionary[torch.Tensor, dict[int, tuple]] = \
-    weakref.WeakKeyDictionary()
 
 
 def _decode_compiled(q, kv_cache, block_table, seq_lens, num_heads, qlen, causal, kv_scale,
@@ -518,14 +509,8 @@ def _decode_compiled(q, kv_cache, block_table, seq_lens, num_heads, qlen, causal
         out = q.new_empty(rows, heads, kv_lora_rank, dtype=out_dtype)
     if want_lse and lse_out is None:
         lse_out = q.new_empty(rows, heads, dtype=torch.float32)
-    tables = _traced_planners.setdefault(seq_lens, {})
-    table, planned = tables.get(id(block_table), (None, None)) if reuse_plan else (None, None)
-    if table is not block_table:
-        planned = None
-    _decode_op(q, kv_cache, block_table, seq_lens, kv_scale, q_scale, out, lse_out, planned,
-               num_heads, qlen, causal, softmax_scale, dcp_rank, dcp_size, max_kv_len,
-               kv_lora_rank, capturable, reuse_plan,
-               0 if dispatcher is None else dispatcher.handle, accuracy or "")
-    if not reuse_plan:
-        tables[id(block_table)] = (block_table, out)
+    _decode_op(q, kv_cache, block_table, seq_lens, kv_scale, q_scale, out, lse_out, num_heads,
+               qlen, causal, softmax_scale, dcp_rank, dcp_size, max_kv_len, kv_lora_rank,
+               capturable, reuse_plan, 0 if dispatcher is None else dispatcher.handle,
+               accuracy or "")
     return (out, lse_out) if want_lse else out

@@ -1,5 +1,3 @@
-import dataclasses
-
 import pytest
 import torch
 
@@ -710,39 +708,3 @@ def test_a_step_inside_a_checked_graph_pool_keeps_nothing(problem, monkeypatch):
     alive = [o for o in gc.get_objects() if type(o) is decode_step.DecodeStep
              and o.out is not None]
     assert alive == []
-
-
-def test_a_compiled_reuse_plan_call_is_ordered_after_its_planner():
-    """Under torch.compile a reuse_plan call's op takes the out of the last call that
-    planned over the same lengths and block table (``planned``): an edge in the graph, so
-    the compiler cannot run it first and read a plan not yet made for this step. Each
-    block table has its own planner; a planning call takes none."""
-    problem = MLAProblem(num_heads=4, batch=3, kv_len=40, page_size=8, q_dtype="fp16",
-                         kv_dtype="fp16")
-    inputs = make_decode_inputs(problem, seed=5, ragged=True)
-    shard = inputs.shards[0]
-    dispatcher = Dispatcher.rules_only(cpu_device())
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    def layers(q, kv_cache, block_table, other_table, seq_lens):
-        calls = ((1.0, block_table, False), (2.0, block_table, True),
-                 (3.0, other_table, False), (4.0, other_table, True), (5.0, block_table, True))
-        return [attention.decode(q * gain, kv_cache, table, seq_lens, num_heads=4,
-                                 max_kv_len=40, reuse_plan=reuse, dispatcher=dispatcher) * 1.0
-                for gain, table, reuse in calls]
-
-    compiled = torch.compile(layers, fullgraph=True, backend=backend)
-    outs = compiled(inputs.q, shard.kv_cache, shard.block_table, shard.block_table.clone(),
-                    inputs.seq_lens)
-    (graph,) = graphs
-    ops = [n for n in graph.graph.nodes if n.op == "call_function" and "decode" in str(n.target)]
-    made = [n.args[6] for n in ops]  # each call's out
-    assert [n.args[8] for n in ops] == [None, made[0], None, made[2], made[0]]
-    for gain, got in zip((1.0, 2.0, 3.0, 4.0, 5.0), outs, strict=True):
-        scaled = dataclasses.replace(inputs, q=inputs.q * gain)
-        torch.testing.assert_close(got.float(), expected_now(scaled)[0].float(), atol=2e-3,
-                                   rtol=2e-3)
