@@ -13,12 +13,17 @@ import torch
 def in_graph_tree(device: torch.device) -> bool:
     """True while Inductor's CUDA graph tree on ``device`` warms up or records a graph: it
     runs both on a stream of its own, current only then (its allocations go to the tree's
-    pool). (Its state says RECORDING only once a recording has ended.)"""
+    pool). (Its state says RECORDING only once a recording has ended.) False where the
+    tree's internals are not the ones read here (another torch): Inductor then refuses a
+    graph whose pool holds a step, loudly, rather than every call failing here."""
     trees = sys.modules.get("torch._inductor.cudagraph_trees")
     if device.type != "cuda" or trees is None:
         return False  # no tree runs in a process that never loaded them
-    if not torch._C._is_key_in_tls("tree_manager_containers"):
-        return False  # no tree on this thread
-    index = torch.cuda.current_device() if device.index is None else device.index
-    manager = trees.get_manager(index, create_if_none_exists=False)
-    return manager is not None and torch.cuda.current_stream(index) == manager.stream
+    try:
+        if not torch._C._is_key_in_tls("tree_manager_containers"):
+            return False  # no tree on this thread
+        index = torch.cuda.current_device() if device.index is None else device.index
+        manager = trees.get_manager(index, create_if_none_exists=False)
+        return manager is not None and torch.cuda.current_stream(index) == manager.stream
+    except (AttributeError, TypeError, KeyError):
+        return False

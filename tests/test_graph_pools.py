@@ -1,0 +1,53 @@
+"""``graph_pools.in_graph_tree`` against stand-ins for Inductor's graph trees (no GPU here):
+true only on the tree's own stream, false without a tree, and false (not an error in every
+decode call) where the trees' internals differ."""
+
+import sys
+import types
+
+import pytest
+import torch
+
+from mlatune import graph_pools
+
+CUDA = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def tree(monkeypatch):
+    """A stand-in trees module with one manager whose stream is "s1", the current one "s0"
+    until a test changes it."""
+    manager = types.SimpleNamespace(stream="s1")
+    module = types.SimpleNamespace(
+        get_manager=lambda index, create_if_none_exists=True: manager)
+    monkeypatch.setitem(sys.modules, "torch._inductor.cudagraph_trees", module)
+    monkeypatch.setattr(torch._C, "_is_key_in_tls", lambda key: True)
+    current = {"stream": "s0"}
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: current["stream"])
+    return manager, module, current
+
+
+def test_only_the_trees_own_stream_is_inside_it(tree):
+    _, _, current = tree
+    assert not graph_pools.in_graph_tree(CUDA)
+    current["stream"] = "s1"
+    assert graph_pools.in_graph_tree(CUDA)
+    assert not graph_pools.in_graph_tree(torch.device("cpu"))
+
+
+def test_no_manager_or_no_tree_module_is_outside(tree, monkeypatch):
+    _, module, current = tree
+    current["stream"] = "s1"
+    module.get_manager = lambda index, create_if_none_exists=True: None
+    assert not graph_pools.in_graph_tree(CUDA)
+    monkeypatch.delitem(sys.modules, "torch._inductor.cudagraph_trees")
+    assert not graph_pools.in_graph_tree(CUDA)
+
+
+def test_other_internals_answer_false_not_an_error(tree):
+    _, module, current = tree
+    current["stream"] = "s1"
+    del module.get_manager
+    assert not graph_pools.in_graph_tree(CUDA)
+    module.get_manager = lambda index: None  # another signature
+    assert not graph_pools.in_graph_tree(CUDA)
