@@ -2,7 +2,9 @@
 N runs between cudaProfilerStart/Stop (for `ncu --profile-from-start off`), then a loop held
 for POINT_SECONDS (default 2: long enough for a power limit to show).
 
-    python benchmarks/point.py ROUTE BATCH,HEADS,KV,QLEN,DCP 'PARAMS_JSON' N
+    python benchmarks/point.py ROUTE BATCH,HEADS,KV,QLEN,DCP[,CACHE] 'PARAMS_JSON' N
+
+CACHE: the cache's dtype, bf16 (the default) or fp8_e4m3fn (q stays bf16).
 """
 
 import json
@@ -18,9 +20,10 @@ from mlatune.problem import MLAProblem
 
 
 def main(route_id: str, shape: str, params: str, profiled: int) -> None:
-    batch, heads, kv_len, qlen, dcp = (int(x) for x in shape.split(","))
-    problem = MLAProblem(num_heads=heads, batch=batch, kv_len=kv_len, qlen=qlen,
-                         q_dtype="bf16", kv_dtype="bf16", page_size=64, dcp_size=dcp)
+    batch, heads, kv_len, qlen, dcp, *cache = shape.split(",")
+    problem = MLAProblem(num_heads=int(heads), batch=int(batch), kv_len=int(kv_len),
+                         qlen=int(qlen), q_dtype="bf16", kv_dtype=cache[0] if cache else "bf16",
+                         page_size=64, dcp_size=int(dcp))
     inputs = make_decode_inputs(problem, seed=0, device="cuda")
     prepared = routes.get(route_id).prepare(problem, inputs, params=json.loads(params))
     _runs(prepared, 3)

@@ -235,12 +235,12 @@ def test_the_reduce_kernel_waits_on_its_grid_dependency():
     from mlatune.kernels.reduce import reduce_kernel
 
     sig = {n: "i32" for n in reduce_kernel.arg_names}
-    sig.update(dict.fromkeys(("part_out_ptr", "part_a_ptr", "part_b_ptr", "out_ptr", "lse_ptr"),
-                             "*fp32"), split_indptr_ptr="*i32")
+    sig.update(dict.fromkeys(("part_out_ptr", "part_lse_ptr", "out_ptr", "lse_ptr"), "*fp32"),
+               split_indptr_ptr="*i32")
     # Slot counts read from the indptr (a group of one left in place too: the seesaw's
     # balanced form); 8 a group, in one pass.
     for slots, one_in_place in ((0, False), (8, False), (0, True)):
-        consts = dict(BLOCK_R=2, BLOCK_D=64, SLOT_BLOCK=16, MAX_EXPSUM=False, WRITE_LSE=True,
+        consts = dict(BLOCK_R=2, BLOCK_D=64, SLOT_BLOCK=16, WRITE_LSE=True,
                       WAIT_PRIMARY=True, SLOTS=slots, ONE_IN_PLACE=one_in_place)
         sig.update(dict.fromkeys(consts, "constexpr"))
         reduce = triton.compile(ASTSource(reduce_kernel, sig, consts),

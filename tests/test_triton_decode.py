@@ -265,26 +265,26 @@ def test_merge_kernel_matches_torch(dtype):
 
 
 # -- the split reduce kernel ---------------------------------------------------------
-@pytest.mark.parametrize(("max_expsum", "blocks", "counts", "hint"), [
-    (False, (2, 16), [3, 0, 1, 4], None), (True, (16, 64), [3, 0, 1, 4], None),
-    (False, (16, 64), [20, 0, 1, 17], None), (True, (2, 16), [33, 2, 0, 16], None),  # blocks
-    (False, (2, 16), [33, 2, 0, 16], 2),  # a slot hint below the counts (a device plan's)
-    (False, (1, 64), [3, 0, 1, 4], None), (True, (1, 64), [33, 2, 0, 16], None),  # a row each
+@pytest.mark.parametrize(("blocks", "counts", "hint"), [
+    ((2, 16), [3, 0, 1, 4], None), ((16, 64), [3, 0, 1, 4], None),
+    ((16, 64), [20, 0, 1, 17], None), ((2, 16), [33, 2, 0, 16], None),  # blocks
+    ((2, 16), [33, 2, 0, 16], 2),  # a slot hint below the counts (a device plan's)
+    ((1, 64), [3, 0, 1, 4], None), ((1, 64), [33, 2, 0, 16], None),  # a row each
 ])
-def test_reduce_kernel_matches_torch(max_expsum, blocks, counts, hint):
+def test_reduce_kernel_matches_torch(blocks, counts, hint):
     """Slots of varying count per group (none for one), padded rows sliced by head_rep;
     any count is merged whatever ``max_slots`` says."""
-    check_reduce(max_expsum, blocks, counts, hint, next(_SEEDS), "cpu")
+    check_reduce(blocks, counts, hint, next(_SEEDS), "cpu")
 
 
-@pytest.mark.parametrize(("max_expsum", "blocks", "slots"), [
-    (False, (2, 16), 1), (True, (16, 64), 3), (False, (1, 64), 8),  # one pass: a slot block
-    (True, (2, 16), 16), (False, (16, 64), 20),  # 20 slots: two passes over 16-slot blocks
+@pytest.mark.parametrize(("blocks", "slots"), [
+    ((2, 16), 1), ((16, 64), 3), ((1, 64), 8),  # one pass: a slot block
+    ((2, 16), 16), ((16, 64), 20),  # 20 slots: two passes over 16-slot blocks
 ])
-def test_reduce_kernel_over_uniform_slots_matches_torch(max_expsum, blocks, slots):
+def test_reduce_kernel_over_uniform_slots_matches_torch(blocks, slots):
     """``uniform``: every group has ``slots`` slots, the indptr not read (a stand-in full of
     wrong offsets is passed), up to a slot block in one pass of the LSEs and outputs."""
-    check_reduce(max_expsum, blocks, [slots] * 3, None, next(_SEEDS), "cpu", uniform=True)
+    check_reduce(blocks, [slots] * 3, None, next(_SEEDS), "cpu", uniform=True)
 
 
 @pytest.mark.parametrize(("blocks", "counts"), [((2, 16), [1, 3, 0, 1, 2]), ((1, 64), [2, 1])])
@@ -292,10 +292,10 @@ def test_reduce_kernel_leaves_groups_of_one_slot_in_place(blocks, counts):
     """``one_in_place``: a group of exactly one slot was written by the kernel itself (the
     seesaw decode's balanced form): its rows keep what they hold; the others are merged,
     a group of none written as empty."""
-    check_reduce(False, blocks, counts, None, next(_SEEDS), "cpu", one_in_place=True)
+    check_reduce(blocks, counts, None, next(_SEEDS), "cpu", one_in_place=True)
 
 
-def check_reduce(max_expsum: bool, blocks: tuple[int, int] | None, counts: list[int],
+def check_reduce(blocks: tuple[int, int] | None, counts: list[int],
                  hint: int | None, seed: int, device: str, *, tokens: int = 2, q_heads: int = 3,
                  rep: int = 2, d_v: int = 64, pdl: bool = False, uniform: bool = False,
                  one_in_place: bool = False) -> None:
@@ -310,17 +310,14 @@ def check_reduce(max_expsum: bool, blocks: tuple[int, int] | None, counts: list[
     indptr = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
     slots, rows = int(indptr[-1]), tokens * row_heads
     part_out = torch.randn(slots, rows, d_v, generator=gen)
-    stat = torch.randn(slots, rows, generator=gen) * 4
-    stat[0, 1] = -math.inf  # one slot saw no key for one row
+    lse2 = torch.randn(slots, rows, generator=gen) * 4
+    lse2[0, 1] = -math.inf  # one slot saw no key for one row
     part_out[0, 1] = 0
-    expsum = torch.rand(slots, rows, generator=gen) + 0.5 if max_expsum else None
-    lse2 = stat + torch.log2(expsum) if max_expsum else stat
     out = torch.empty(len(counts) * tokens, q_heads, d_v, device=device)
     lse = torch.empty(len(counts) * tokens, q_heads, device=device)
     poison_(out, lse)
     given = torch.full_like(indptr, slots + 7) if uniform else indptr
-    on = (part_out.to(device), stat.to(device), None if expsum is None else expsum.to(device),
-          given.to(device))
+    on = (part_out.to(device), lse2.to(device), given.to(device))
     reduce_launcher(*on, out, lse, tokens_per_group=tokens, q_heads=q_heads,
                     row_heads=row_heads, head_rep=rep, max_slots=hint or max(counts),
                     blocks=blocks, pdl=pdl, uniform=uniform, one_in_place=one_in_place)()

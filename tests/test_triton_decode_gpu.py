@@ -170,27 +170,26 @@ def test_merge_kernel_at_real_size():
 
 
 # -- the split reduce alone, on the GPU (the CPU tests run it in the interpreter) ---------
-@pytest.mark.parametrize(("max_expsum", "blocks", "counts", "rows", "pdl", "uniform"), [
-    (False, None, [64], (1, 16, 1), True, False),  # one request's 16 heads over 64 splits
-    (False, None, [2] * 64, (1, 16, 1), True, False),  # 64 requests of 2 splits: 1,024 rows
-    (False, None, [2, 1, 0, 3] * 40, (1, 128, 1), False, False),  # (1, 512), empty groups
-    (True, None, [5, 0, 8, 1], (3, 8, 2), False, False),  # segmented partials, padded heads
-    (False, (2, 64), [33, 2, 0, 16], (2, 3, 2), True, False),
+@pytest.mark.parametrize(("blocks", "counts", "rows", "pdl", "uniform"), [
+    (None, [64], (1, 16, 1), True, False),  # one request's 16 heads over 64 splits
+    (None, [2] * 64, (1, 16, 1), True, False),  # 64 requests of 2 splits: 1,024 rows
+    (None, [2, 1, 0, 3] * 40, (1, 128, 1), False, False),  # (1, 512), empty groups
+    (None, [5, 0, 8, 1], (3, 8, 2), False, False),  # padded heads
+    ((2, 64), [33, 2, 0, 16], (2, 3, 2), True, False),
     # uniform slots (the split decodes' reduce): one pass up to 16, two beyond
-    (False, None, [8] * 8, (1, 128, 1), True, True),
-    (False, None, [2] * 64, (1, 64, 1), True, True),
-    (True, None, [4] * 5, (3, 8, 2), False, True),
-    (False, None, [64], (1, 16, 1), True, True),
+    (None, [8] * 8, (1, 128, 1), True, True),
+    (None, [2] * 64, (1, 64, 1), True, True),
+    (None, [4] * 5, (3, 8, 2), False, True),
+    (None, [64], (1, 16, 1), True, True),
 ])
-def test_reduce_kernel_matches_torch_on_the_gpu(max_expsum, blocks, counts, rows, pdl,
-                                                uniform):
+def test_reduce_kernel_matches_torch_on_the_gpu(blocks, counts, rows, pdl, uniform):
     """The reduce at the block shapes its GPU rule picks (and one forced), as a
     programmatic dependent launch too, over uniform slot counts too: each group against a
     torch merge."""
     from tests.test_triton_decode import check_reduce
 
     tokens, q_heads, rep = rows
-    check_reduce(max_expsum, blocks, counts, None, len(counts) * 31 + tokens, "cuda",
+    check_reduce(blocks, counts, None, len(counts) * 31 + tokens, "cuda",
                  tokens=tokens, q_heads=q_heads, rep=rep, d_v=512, pdl=pdl, uniform=uniform)
 
 
@@ -200,5 +199,5 @@ def test_reduce_leaves_groups_of_one_slot_in_place_on_the_gpu(pdl):
     one slot keep their rows, the others merged, an empty one written as empty."""
     from tests.test_triton_decode import check_reduce
 
-    check_reduce(False, None, [1, 3, 0, 1, 2, 5] * 8, None, 57, "cuda", tokens=1, q_heads=128,
+    check_reduce(None, [1, 3, 0, 1, 2, 5] * 8, None, 57, "cuda", tokens=1, q_heads=128,
                  rep=1, d_v=512, pdl=pdl, one_in_place=True)

@@ -7,7 +7,7 @@ One module per concern. Decode (the absorbed form: 576-wide q·k, 512-wide v):
 - ``split_kv``: split-KV stage 1 (a split per program, or a persistent grid
   walking a planned work list) writing per-split partials;
 - ``segmented``: DCP verify stage 1, one query token per row group, writing
-  unreduced (out, max, expsum) partials per KV segment;
+  (out, LSE) partials per KV segment;
 - ``reduce``: merges a row's split/segment partials into out and natural-log LSE;
 - ``merge``: merges DCP ranks' partial (out, LSE) by LSE;
 - ``lse``: the LSE combine those merges share;

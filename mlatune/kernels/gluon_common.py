@@ -109,7 +109,7 @@ def partials_and_merge(out: torch.Tensor, lse: torch.Tensor, batch: int, num_spl
     part_out = out.new_empty((slots, qlen * heads, D_NOPE), dtype=torch.float32)
     part_lse = out.new_empty((slots, qlen * heads), dtype=torch.float32)
     indptr = torch.arange(0, slots + 1, num_splits, dtype=torch.int32, device=out.device)
-    merge = reduce_launcher(part_out, part_lse, None, indptr, out, lse, tokens_per_group=qlen,
+    merge = reduce_launcher(part_out, part_lse, indptr, out, lse, tokens_per_group=qlen,
                             q_heads=heads, row_heads=heads, head_rep=1, max_slots=num_splits,
                             pdl=pdl, uniform=True)
     return part_out, part_lse, merge

@@ -307,7 +307,7 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     split_indptr = (torch.arange(batch + 1, dtype=torch.int32, device=q.device) * num_splits)
     args = (*common, part_out, part_lse, *sizes, 0, 0, 0, part_out.stride(0), part_out.stride(1),
             part_lse.stride(0), *cache)
-    reduce = reduce_launcher(part_out, part_lse, None, split_indptr, out, lse,
+    reduce = reduce_launcher(part_out, part_lse, split_indptr, out, lse,
                              tokens_per_group=qlen, q_heads=heads, row_heads=heads, head_rep=1,
                              max_slots=num_splits, uniform=True)
 

@@ -1154,7 +1154,7 @@ def _balanced_launch(out: torch.Tensor, lse: torch.Tensor, head: tuple, sizes: t
     part_out = out.new_empty((slots, qlen * heads, D_NOPE), dtype=torch.float32)
     part_lse = out.new_empty((slots, qlen * heads), dtype=torch.float32)
     # The reduce merges any count; the hint sizes its slot block for the usual one.
-    reduce = reduce_launcher(part_out, part_lse, None, split_indptr, out, lse,
+    reduce = reduce_launcher(part_out, part_lse, split_indptr, out, lse,
                              tokens_per_group=qlen, q_heads=heads, row_heads=heads, head_rep=1,
                              max_slots=min(workers, triton.cdiv(workers, max(batch, 1)) + 1),
                              pdl=True, one_in_place=True)

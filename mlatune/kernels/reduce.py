@@ -1,8 +1,7 @@
 """Merge a row's split (or segment) partials into the final output and natural-log LSE.
 
-Partials are normalized outputs ``[slot, row, d_v]`` with base-2 statistics,
-either one LSE per ``[slot, row]`` (split-KV) or the unreduced pair (max,
-expsum) of the segmented kernel, whose LSE is ``max + log2(expsum)``. Row group
+Partials are normalized outputs ``[slot, row, d_v]`` with one base-2 LSE per
+``[slot, row]`` (a split's or a segment's). Row group
 ``g`` owns slots ``split_indptr[g]:split_indptr[g + 1]`` (none at all when it
 has no keys: its rows get output 0 and LSE -inf; with ``ONE_IN_PLACE``, a group
 of exactly one slot was written in place by its kernel, and is left as it is).
@@ -22,23 +21,13 @@ from triton.language.extra.cuda import gdc_wait
 from mlatune.kernels.lse import combine_finish
 
 
-@triton.jit
-def _slot_stats(part_a_ptr, part_b_ptr, off, smask, MAX_EXPSUM: tl.constexpr):
-    """The slots' base-2 LSEs at ``off`` (from max and expsum when ``MAX_EXPSUM``)."""
-    x = tl.load(part_a_ptr + off, mask=smask, other=float("-inf"))
-    if MAX_EXPSUM:
-        es = tl.load(part_b_ptr + off, mask=smask, other=0.0)
-        x = tl.where(es > 0.0, x + tl.log2(tl.where(es > 0.0, es, 1.0)), float("-inf"))
-    return x
-
-
 @triton.jit(do_not_specialize=["tokens_per_group", "q_heads", "row_heads", "head_rep"])
-def reduce_kernel(part_out_ptr, part_a_ptr, part_b_ptr, split_indptr_ptr, out_ptr, lse_ptr,
+def reduce_kernel(part_out_ptr, part_lse_ptr, split_indptr_ptr, out_ptr, lse_ptr,
                   tokens_per_group, q_heads, row_heads, head_rep,
-                  stride_po_slot, stride_po_row, stride_pa_slot,
+                  stride_po_slot, stride_po_row, stride_pl_slot,
                   stride_o_tok, stride_o_head, stride_lse_tok,
                   BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, SLOT_BLOCK: tl.constexpr,
-                  MAX_EXPSUM: tl.constexpr, WRITE_LSE: tl.constexpr,
+                  WRITE_LSE: tl.constexpr,
                   WAIT_PRIMARY: tl.constexpr = False, SLOTS: tl.constexpr = 0,
                   ONE_IN_PLACE: tl.constexpr = False):
     # Grid (row blocks, value-dim blocks, groups): enough programs that a batch
@@ -68,8 +57,8 @@ def reduce_kernel(part_out_ptr, part_a_ptr, part_b_ptr, split_indptr_ptr, out_pt
     if SLOTS > 0 and SLOTS <= SLOT_BLOCK:
         slot = first + block
         smask = (block < SLOTS)[:, None] & ok[None, :]
-        x = _slot_stats(part_a_ptr, part_b_ptr, slot[:, None] * stride_pa_slot + row[None, :],
-                        smask, MAX_EXPSUM)
+        x = tl.load(part_lse_ptr + slot[:, None] * stride_pl_slot + row[None, :], mask=smask,
+                    other=float("-inf"))
         o = tl.load(part_out_ptr + (slot[:, None, None] * stride_po_slot
                                     + row[None, :, None] * stride_po_row + d[None, None, :]),
                     mask=smask[:, :, None], other=0.0)
@@ -84,9 +73,9 @@ def reduce_kernel(part_out_ptr, part_a_ptr, part_b_ptr, split_indptr_ptr, out_pt
         m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
         den = tl.zeros([BLOCK_R], dtype=tl.float32)
         for s0 in range(0, count, SLOT_BLOCK):
-            off = (first + s0 + block)[:, None] * stride_pa_slot + row[None, :]
+            off = (first + s0 + block)[:, None] * stride_pl_slot + row[None, :]
             smask = ((s0 + block) < count)[:, None] & ok[None, :]
-            x = _slot_stats(part_a_ptr, part_b_ptr, off, smask, MAX_EXPSUM)
+            x = tl.load(part_lse_ptr + off, mask=smask, other=float("-inf"))
             m_new = tl.maximum(m_i, tl.max(x, 0))
             shift_new = tl.where(m_new == float("-inf"), 0.0, m_new)
             den = den * tl.exp2(m_i - shift_new) + tl.sum(tl.exp2(x - shift_new[None, :]), 0)
@@ -98,8 +87,8 @@ def reduce_kernel(part_out_ptr, part_a_ptr, part_b_ptr, split_indptr_ptr, out_pt
         for s0 in range(0, count, SLOT_BLOCK):
             slot = first + s0 + block
             smask = ((s0 + block) < count)[:, None] & ok[None, :]
-            xs = _slot_stats(part_a_ptr, part_b_ptr, slot[:, None] * stride_pa_slot
-                             + row[None, :], smask, MAX_EXPSUM)
+            xs = tl.load(part_lse_ptr + slot[:, None] * stride_pl_slot + row[None, :],
+                         mask=smask, other=float("-inf"))
             w = tl.exp2(xs - shift[None, :])
             o_off = (slot[:, None, None] * stride_po_slot + row[None, :, None] * stride_po_row
                      + d[None, None, :])
@@ -115,8 +104,7 @@ def reduce_kernel(part_out_ptr, part_a_ptr, part_b_ptr, split_indptr_ptr, out_pt
                  mask=ok & ((offs * 0 + tl.program_id(1)) == 0))
 
 
-def reduce_launcher(part_out: torch.Tensor, part_lse: torch.Tensor,
-                    part_expsum: torch.Tensor | None, split_indptr: torch.Tensor,
+def reduce_launcher(part_out: torch.Tensor, part_lse: torch.Tensor, split_indptr: torch.Tensor,
                     out: torch.Tensor, lse: torch.Tensor | None, *, tokens_per_group: int,
                     q_heads: int, row_heads: int, head_rep: int, max_slots: int,
                     blocks: tuple[int, int] | None = None, pdl: bool = False,
@@ -127,7 +115,7 @@ def reduce_launcher(part_out: torch.Tensor, part_lse: torch.Tensor,
     the same stream (sm_90+), so its launch overlaps that kernel's tail; it waits for that
     kernel's writes before reading the partials (ignored off the GPU).
 
-    ``part_lse`` holds base-2 LSEs, or maxima when ``part_expsum`` is given.
+    ``part_lse`` holds the slots' base-2 LSEs (-inf: a slot that saw no key of the row).
     ``out`` is (groups * tokens_per_group, q_heads, d_v); ``max_slots``, the
     slots a group usually has (any count is right), sizes the slot block;
     ``blocks`` (rows, value dims per program) overrides the size-based choice.
@@ -154,8 +142,8 @@ def reduce_launcher(part_out: torch.Tensor, part_lse: torch.Tensor,
     if d_v % block_d:
         raise ValueError(f"d_v {d_v} must be a multiple of {block_d}")
     grid = (triton.cdiv(tokens_per_group * q_heads, block_r), d_v // block_d, groups)
-    args = (part_out, part_lse, part_lse if part_expsum is None else part_expsum, split_indptr,
-            out, out if lse is None else lse, tokens_per_group, q_heads, row_heads, head_rep,
+    args = (part_out, part_lse, split_indptr, out, out if lse is None else lse,
+            tokens_per_group, q_heads, row_heads, head_rep,
             part_out.stride(0), part_out.stride(1), part_lse.stride(0),
             out.stride(0), out.stride(1), 0 if lse is None else lse.stride(0))
     if uniform and int(max_slots) < 1:
@@ -164,7 +152,7 @@ def reduce_launcher(part_out: torch.Tensor, part_lse: torch.Tensor,
         raise ValueError("one_in_place reads each group's slot count: not with uniform")
     meta = dict(BLOCK_R=block_r, BLOCK_D=block_d, SLOTS=int(max_slots) if uniform else 0,
                 SLOT_BLOCK=min(triton.next_power_of_2(max(max_slots, 1)), 16),
-                MAX_EXPSUM=part_expsum is not None, WRITE_LSE=lse is not None, num_warps=4,
+                WRITE_LSE=lse is not None, num_warps=4,
                 ONE_IN_PLACE=one_in_place,
                 **({"WAIT_PRIMARY": True, "launch_pdl": True} if pdl and out.is_cuda else {}))
 

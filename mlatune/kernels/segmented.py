@@ -8,8 +8,8 @@ logic at all: row group ``b * qlen + t`` attends the first ``row_lens[...]``
 local keys of request b. Keys are walked in ``num_segments`` segments, each a
 whole number of tiles; the cache is addressed in subpages of one tile (the
 largest power of two <= 128 dividing the page size), so every tile lies in one
-subpage. Each segment writes its unreduced partial: normalized output, the
-base-2 score max and the exp-sum; ``reduce.reduce_kernel`` merges them.
+subpage. Each segment writes its partial: normalized output and base-2 LSE;
+``reduce.reduce_kernel`` merges them.
 
 Folded (``fold``): row group ``b`` holds all qlen x heads rows of request b,
 so the tokens share each KV tile (one 64-row MMA tile at 16 heads x 4 tokens
@@ -69,10 +69,10 @@ def row_lengths(seq_lens: torch.Tensor, qlen: int, rank: int, world: int) -> tor
 
 @triton.jit(do_not_specialize=["num_segments", "qlen", "q_heads"])
 def segmented_kernel(q_ptr, kv_ptr, bt_ptr, row_lens_ptr, q_scale_ptr, kv_scale_ptr,
-                     seg_out_ptr, seg_max_ptr, seg_sum_ptr,
+                     seg_out_ptr, seg_lse_ptr,
                      num_segments, qlen, q_heads, sm_scale_log2,
                      stride_q_tok, stride_q_head, stride_kv_page, stride_kv_tok, stride_bt,
-                     stride_so_slot, stride_so_row, stride_sm_slot,
+                     stride_so_slot, stride_so_row, stride_sl_slot,
                      D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, Q_FP8: tl.constexpr,
                      HAS_Q_SCALE: tl.constexpr, HAS_KV_SCALE: tl.constexpr,
@@ -121,16 +121,15 @@ def segmented_kernel(q_ptr, kv_ptr, bt_ptr, row_lens_ptr, q_scale_ptr, kv_scale_
     d = tl.arange(0, D_NOPE)
     tl.store(seg_out_ptr + slot * stride_so_slot + offs_m[:, None] * stride_so_row + d[None, :],
              acc * inv[:, None], mask=ok[:, None])
-    tl.store(seg_max_ptr + slot * stride_sm_slot + offs_m, m_i, mask=ok)
-    tl.store(seg_sum_ptr + slot * stride_sm_slot + offs_m, l_i, mask=ok)
+    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    tl.store(seg_lse_ptr + slot * stride_sl_slot + offs_m, lse, mask=ok)
 
 
 def segmented_launcher(q: torch.Tensor, kv_subpages: torch.Tensor, subpage_table: torch.Tensor,
                        row_lens: torch.Tensor, q_scale: torch.Tensor | None,
                        kv_scale: torch.Tensor | None, *, qlen: int, sm_scale: float,
                        tiles: TileConfig, num_segments: int, seg_out: torch.Tensor,
-                       seg_max: torch.Tensor, seg_sum: torch.Tensor,
-                       fold: bool = False) -> Callable[[], None]:
+                       seg_lse: torch.Tensor, fold: bool = False) -> Callable[[], None]:
     """A zero-argument launch of ``segmented_kernel``.
 
     ``kv_subpages`` is the cache viewed as (subpages, tile, d_qk); partial
@@ -144,10 +143,10 @@ def segmented_launcher(q: torch.Tensor, kv_subpages: torch.Tensor, subpage_table
         else (q_heads, row_lens.shape[0])
     grid = (triton.cdiv(rows, tiles.block_m), num_segments, groups)
     args = (q, kv_subpages, subpage_table, row_lens, q if q_scale is None else q_scale,
-            q if kv_scale is None else kv_scale, seg_out, seg_max, seg_sum,
+            q if kv_scale is None else kv_scale, seg_out, seg_lse,
             num_segments, qlen, q_heads, sm_scale * LOG2E,
             q.stride(0), q.stride(1), kv_subpages.stride(0), kv_subpages.stride(1),
-            subpage_table.stride(0), seg_out.stride(0), seg_out.stride(1), seg_max.stride(0))
+            subpage_table.stride(0), seg_out.stride(0), seg_out.stride(1), seg_lse.stride(0))
     meta = dict(D_NOPE=d_v, D_ROPE=q.shape[-1] - d_v, PAGE_SIZE=kv_subpages.shape[1],
                 BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, FOLD=fold,
                 **dtype_flags(q, q_scale, kv_scale, tiles))

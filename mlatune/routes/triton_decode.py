@@ -16,8 +16,8 @@ own (``mlatune.kernels``) that run wherever Triton does:
   lengths, cp_rank and cp_world_size.
 - ``segmented/triton``: DCP causal verify: one single-query row group per
   verify token with its local window length computed on the device; KV walked in
-  segments of page-dividing tiles; unreduced (out, max, expsum) partials merged
-  by a second kernel. ``fold: true`` puts a request's verify tokens in one row
+  segments of page-dividing tiles; (out, LSE) partials merged by a second
+  kernel. ``fold: true`` puts a request's verify tokens in one row
   group instead (qlen x heads rows sharing each KV tile, each row masked to its
   own window), as the other families always do.
 
@@ -237,7 +237,7 @@ class _TritonDecodeRoute(Route):
         return _Step([
             split_kv_launcher(*tensors, **common, num_splits=splits, part_out=part_out,
                               part_lse=part_lse),
-            reduce_launcher(part_out, part_lse, None, split_indptr, out, lse, **reduce_args,
+            reduce_launcher(part_out, part_lse, split_indptr, out, lse, **reduce_args,
                             max_slots=splits, uniform=True),
         ])
 
@@ -295,7 +295,7 @@ def _persistent_step(problem: MLAProblem, inputs: DecodeInputs, rank: int, param
     return _Step([
         persistent_launcher(*tensors, **common, work=work, work_indptr=work_indptr,
                             part_out=part_out, part_lse=part_lse),
-        reduce_launcher(part_out, part_lse, None, split_indptr, out, lse, **reduce_args,
+        reduce_launcher(part_out, part_lse, split_indptr, out, lse, **reduce_args,
                         max_slots=max_slots),
     ], plan, (work, work_indptr, split_indptr))
 
@@ -430,15 +430,14 @@ class SegmentedTritonRoute(_TritonDecodeRoute):
         groups, tokens = (problem.batch, problem.qlen) if fold else (lens.shape[0], 1)
         slots, rows = groups * segments, tokens * heads
         seg_out = torch.empty(slots, rows, problem.d_v, dtype=torch.float32, device=dev)
-        seg_max = torch.empty(slots, rows, dtype=torch.float32, device=dev)
-        seg_sum = torch.empty(slots, rows, dtype=torch.float32, device=dev)
+        seg_lse = torch.empty(slots, rows, dtype=torch.float32, device=dev)
         split_indptr = torch.arange(groups + 1, dtype=torch.int32, device=dev) * segments
         return _Step([
             segmented_launcher(inputs.q, kv, table, lens, inputs.q_scale, inputs.kv_scale,
                                qlen=problem.qlen, sm_scale=inputs.softmax_scale, tiles=tiles,
-                               num_segments=segments, seg_out=seg_out, seg_max=seg_max,
-                               seg_sum=seg_sum, fold=fold),
-            reduce_launcher(seg_out, seg_max, seg_sum, split_indptr, out, lse,
+                               num_segments=segments, seg_out=seg_out, seg_lse=seg_lse,
+                               fold=fold),
+            reduce_launcher(seg_out, seg_lse, split_indptr, out, lse,
                             tokens_per_group=tokens, q_heads=heads, row_heads=heads, head_rep=1,
                             max_slots=segments, uniform=True),
         ], plan, (table, lens))
