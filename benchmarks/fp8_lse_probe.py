@@ -33,7 +33,7 @@ def decode_errors(gain_exponent: int) -> None:
                                   device="cuda")
     q = (base.q.float() * gains[None, :, None]).to(base.q.dtype)
     inputs = dataclasses.replace(base, q=q)
-    want_out, want_lse = reference.decode_shard(inputs, inputs.shards[0])
+    want_out, want_lse = reference.decode_shard(inputs, inputs.shards[0], torch.float64)
     for route_id, params in SETS:
         prepared = routes.get(route_id).prepare(problem, inputs, params=params)
         prepared.run()

@@ -20,10 +20,13 @@ from mlatune.problem import MLAProblem
 
 
 def main(route_id: str, shape: str, params: str, profiled: int) -> None:
-    batch, heads, kv_len, qlen, dcp, *cache = shape.split(",")
-    problem = MLAProblem(num_heads=int(heads), batch=int(batch), kv_len=int(kv_len),
-                         qlen=int(qlen), q_dtype="bf16", kv_dtype=cache[0] if cache else "bf16",
-                         page_size=64, dcp_size=int(dcp))
+    fields = shape.split(",")
+    if len(fields) not in (5, 6):
+        raise SystemExit(f"shape {shape!r}: BATCH,HEADS,KV,QLEN,DCP[,CACHE]")
+    batch, heads, kv_len, qlen, dcp = (int(x) for x in fields[:5])
+    problem = MLAProblem(num_heads=heads, batch=batch, kv_len=kv_len, qlen=qlen,
+                         q_dtype="bf16", kv_dtype=fields[5] if len(fields) == 6 else "bf16",
+                         page_size=64, dcp_size=dcp)
     inputs = make_decode_inputs(problem, seed=0, device="cuda")
     prepared = routes.get(route_id).prepare(problem, inputs, params=json.loads(params))
     _runs(prepared, 3)

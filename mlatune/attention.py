@@ -46,7 +46,9 @@ is made outside a graph capture (one sync then, none per call), and at every cal
 with ``MLATUNE_CHECK`` on (a sync per call).
 
 Under ``torch.compile`` the call goes through the custom op ``mlatune::decode``
-(it writes ``out`` and ``lse_out``), so ``fullgraph=True`` compiles.
+(it writes ``out`` and ``lse_out``), so ``fullgraph=True`` compiles. Inside the CUDA graph
+trees of its ``reduce-overhead`` mode (``graph_pools``) a step is made for the call alone
+and none is kept (their pool must hold nothing else), so ``reuse_plan`` plans again there.
 """
 
 from __future__ import annotations
@@ -223,8 +225,9 @@ def decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
 def _decode_step(tensors: tuple, max_kv_len: int | None, reuse_plan: bool,
                  dispatcher: Dispatcher | None, accuracy: str | None, made: dict
                  ) -> DecodeStep:
-    """The step ``decode`` runs for these arguments (``_held_step``), once the defaults
-    that read the tensors are filled in."""
+    """The step ``decode`` runs for these arguments (``_held_step``; inside torch.compile's
+    CUDA graph trees one made for the call alone, ``_pooled_step``), once the defaults that
+    read the tensors are filled in."""
     q, seq_lens = tensors[0], tensors[3]
     if made["capturable"] is None:
         made["capturable"] = q.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -465,7 +468,8 @@ def _make_plan(q, kv_cache, block_table, seq_lens, *, num_heads, qlen, causal, k
 
 def last_step(dispatcher: Dispatcher | None = None) -> DecodeStep | None:
     """The step the dispatcher's last ``decode`` call ran (its route: ``.route``), for an
-    engine's counters; None before any."""
+    engine's counters; None before any. A step made inside torch.compile's CUDA graph trees
+    is kept as its record alone (``DecodeStep.emptied``: no tensors, and it cannot run)."""
     return _last.get(dispatcher or default_dispatcher())
 
 

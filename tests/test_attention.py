@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from mlatune import attention, decode_step, routes, table
+from mlatune import attention, routes, table
 from mlatune.arch import cpu_device
 from mlatune.check import reference
 from mlatune.check.accuracy import check
@@ -681,30 +681,38 @@ def test_two_threads_decoding_their_own_layers(monkeypatch, tmp_path):
 @pytest.mark.parametrize("problem", PROBLEMS[:2], ids=["decode-fp16", "verify-fp8kv-dcp4"])
 def test_a_step_inside_a_checked_graph_pool_keeps_nothing(problem, monkeypatch):
     """Inside torch.compile's CUDA graph trees (simulated here: ``graph_pools``) a step is
-    made for its call alone: every call right, reuse_plan served by planning again, nothing
-    of any step alive once the caller lets go of what it returned (Inductor checks that its
-    pool holds only the graph's outputs), and ``last_step`` says what ran, holding no
-    tensor."""
+    made for its call alone: every call right, reuse_plan served by planning again, none of
+    those steps (nor their outputs) alive once the caller lets go of what they returned
+    (Inductor checks that its pool holds only the graph's outputs), and ``last_step`` says
+    what ran, holding no tensor."""
     import gc
+    import weakref
 
     from mlatune import graph_pools
 
     monkeypatch.setattr(graph_pools, "in_graph_tree", lambda device: True)
+    made, make = [], attention._make_plan
+
+    def recorded(*args, **kwargs):
+        step = make(*args, **kwargs)
+        made.append((weakref.ref(step), weakref.ref(step.out), step.route.id,
+                     step.prepared.step_kind))
+        return step
+
+    monkeypatch.setattr(attention, "_make_plan", recorded)
     inputs = make_decode_inputs(problem, seed=31, ragged=True)
     dispatcher = Dispatcher.rules_only(cpu_device())
     want_out, want_lse = reference.run(inputs, torch.float64)
     for reuse_plan in (False, True, False):
         out, lse = run_ranks(inputs, dispatcher, max_kv_len=problem.kv_len,
-                             reuse_plan=reuse_plan)
+                             reuse_plan=reuse_plan)  # (copies of what decode returned)
         accuracy = check(problem, out, want_out, lse, want_lse)
         assert accuracy.ok, accuracy.reason
-    del out, lse
     gc.collect()
+    assert len(made) == 3 * problem.dcp_size  # a step a call: none kept, none read again
+    assert [(step(), out()) for step, out, _, _ in made] == [(None, None)] * len(made)
     assert not attention.plans_of(dispatcher)
     assert not attention._seen.get(dispatcher) and not attention._planners.get(dispatcher)
     ran = attention.last_step(dispatcher)
-    assert ran.route.id and ran.prepared.step_kind.plan_on in ("none", "device", "host")
+    assert (ran.route.id, ran.prepared.step_kind) == made[-1][2:]
     assert (ran.out, ran.lse, ran.inputs, ran.local_lens) == (None, None, None, None)
-    alive = [o for o in gc.get_objects() if type(o) is decode_step.DecodeStep
-             and o.out is not None]
-    assert alive == []

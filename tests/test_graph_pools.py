@@ -21,7 +21,9 @@ def tree(monkeypatch):
     module = types.SimpleNamespace(
         get_manager=lambda index, create_if_none_exists=True: manager)
     monkeypatch.setitem(sys.modules, "torch._inductor.cudagraph_trees", module)
-    monkeypatch.setattr(torch._C, "_is_key_in_tls", lambda key: True)
+    tls = {"on": True}
+    monkeypatch.setattr(torch._C, "_is_key_in_tls", lambda key: tls["on"])
+    module.tls = tls
     current = {"stream": "s0"}
     monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: current["stream"])
     return manager, module, current
@@ -38,6 +40,9 @@ def test_only_the_trees_own_stream_is_inside_it(tree):
 def test_no_manager_or_no_tree_module_is_outside(tree, monkeypatch):
     _, module, current = tree
     current["stream"] = "s1"
+    module.tls["on"] = False  # the thread never ran a tree
+    assert not graph_pools.in_graph_tree(CUDA)
+    module.tls["on"] = True
     module.get_manager = lambda index, create_if_none_exists=True: None
     assert not graph_pools.in_graph_tree(CUDA)
     monkeypatch.delitem(sys.modules, "torch._inductor.cudagraph_trees")

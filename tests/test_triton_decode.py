@@ -302,7 +302,9 @@ def check_reduce(blocks: tuple[int, int] | None, counts: list[int],
     """``reduce_launcher`` over groups of ``counts`` slots against a torch merge (also the
     GPU tests' body, on ``device``). ``uniform``: the launcher told every group has
     ``max(counts)`` slots, and handed an indptr of wrong offsets it must not read;
-    ``one_in_place``: groups of one slot must keep their poisoned rows."""
+    ``one_in_place``: groups of one slot must keep their poisoned rows. Slots that saw no
+    key of a row (LSE -inf) weigh nothing; a row none of its group's slots saw gets output 0
+    and LSE -inf."""
     from mlatune.kernels.reduce import reduce_launcher
 
     gen = torch.Generator().manual_seed(seed)
@@ -311,8 +313,13 @@ def check_reduce(blocks: tuple[int, int] | None, counts: list[int],
     slots, rows = int(indptr[-1]), tokens * row_heads
     part_out = torch.randn(slots, rows, d_v, generator=gen)
     lse2 = torch.randn(slots, rows, generator=gen) * 4
-    lse2[0, 1] = -math.inf  # one slot saw no key for one row
-    part_out[0, 1] = 0
+    lse2[0, :2] = -math.inf  # one slot saw no key for two rows (row 0 is a kept one)
+    part_out[0, :2] = 0
+    full = next((g for g, n in enumerate(counts) if n >= 2), None)
+    if full is not None:  # a kept row no slot of its group saw (a segment's empty window)
+        first, row = int(indptr[full]), (tokens - 1) * row_heads + (q_heads - 1) * rep
+        lse2[first:first + counts[full], row] = -math.inf
+        part_out[first:first + counts[full], row] = 0
     out = torch.empty(len(counts) * tokens, q_heads, d_v, device=device)
     lse = torch.empty(len(counts) * tokens, q_heads, device=device)
     poison_(out, lse)
