@@ -56,3 +56,21 @@ def test_other_internals_answer_false_not_an_error(tree):
     assert not graph_pools.in_graph_tree(CUDA)
     module.get_manager = lambda index: None  # another signature
     assert not graph_pools.in_graph_tree(CUDA)
+
+
+def test_flashinfers_shared_workspace_is_not_made_inside_a_tree(monkeypatch):
+    """FlashInfer's float workspace, shared per device, is kept only when made outside a
+    tree: inside one it is the step's own (the tree's pool must not keep it)."""
+    from mlatune.routes import flashinfer
+
+    device = torch.device("cpu")
+    monkeypatch.setattr(flashinfer, "_workspaces", {})
+    monkeypatch.setattr(graph_pools, "in_graph_tree", lambda device: True)
+    first = flashinfer._workspace(device)
+    assert first.nbytes == flashinfer.WORKSPACE_BYTES and flashinfer._workspaces == {}
+    assert flashinfer._workspace(device) is not first
+    monkeypatch.setattr(graph_pools, "in_graph_tree", lambda device: False)
+    kept = flashinfer._workspace(device)
+    assert flashinfer._workspaces == {device: kept} and flashinfer._workspace(device) is kept
+    monkeypatch.setattr(graph_pools, "in_graph_tree", lambda device: True)
+    assert flashinfer._workspace(device) is kept  # made outside: served inside too
