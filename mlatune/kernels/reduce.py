@@ -1,10 +1,10 @@
 """Merge a row's split (or segment) partials into the final output and natural-log LSE.
 
 Partials are normalized outputs ``[slot, row, d_v]`` with one base-2 LSE per
-``[slot, row]`` (a split's or a segment's). Row group
-``g`` owns slots ``split_indptr[g]:split_indptr[g + 1]`` (none at all when it
-has no keys: its rows get output 0 and LSE -inf; with ``ONE_IN_PLACE``, a group
-of exactly one slot was written in place by its kernel, and is left as it is).
+``[slot, row]`` (a split's or a segment's). Row group ``g`` owns slots
+``split_indptr[g]:split_indptr[g + 1]`` (none at all when it has no keys: its rows
+get output 0 and LSE -inf; with ``ONE_IN_PLACE``, a group of exactly one slot was
+written in place by its kernel, and is left as it is).
 Output row (token t, head h) of group g reads layout row ``t * row_heads + h *
 head_rep``: that slices the padded heads off (see ``attend``).
 """

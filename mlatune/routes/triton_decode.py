@@ -17,9 +17,9 @@ own (``mlatune.kernels``) that run wherever Triton does:
 - ``segmented/triton``: DCP causal verify: one single-query row group per
   verify token with its local window length computed on the device; KV walked in
   segments of page-dividing tiles; (out, LSE) partials merged by a second
-  kernel. ``fold: true`` puts a request's verify tokens in one row
-  group instead (qlen x heads rows sharing each KV tile, each row masked to its
-  own window), as the other families always do.
+  kernel. ``fold: true`` puts a request's verify tokens in one row group instead
+  (qlen x heads rows sharing each KV tile, each row masked to its own window), as
+  the other families always do.
 
 Over an fp8 cache the kernels upcast each tile to q's 16-bit type (fp16 for an
 fp8 q, exactly) and quantize nothing, so every set's ``rounding`` is NONE
