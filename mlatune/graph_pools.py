@@ -22,8 +22,12 @@ def in_graph_tree(device: torch.device) -> bool:
     try:
         if not torch._C._is_key_in_tls("tree_manager_containers"):
             return False  # no tree on this thread
+        # The containers read as they are: get_manager would take a lock and make a
+        # container for a device that has none, on every decode.
+        containers = trees.get_obj(trees.local, "tree_manager_containers")
         index = torch.cuda.current_device() if device.index is None else device.index
-        manager = trees.get_manager(index, create_if_none_exists=False)
+        container = containers.get(index)
+        manager = None if container is None else container.tree_manager
         return manager is not None and torch.cuda.current_stream(index) == manager.stream
     except (AttributeError, TypeError, KeyError):
         return False

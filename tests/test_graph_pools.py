@@ -15,11 +15,13 @@ CUDA = torch.device("cuda", 0)
 
 @pytest.fixture
 def tree(monkeypatch):
-    """A stand-in trees module with one manager whose stream is "s1", the current one "s0"
-    until a test changes it."""
+    """A stand-in trees module whose thread-local containers hold one manager on device 0
+    with stream "s1"; the current stream is "s0" until a test changes it."""
     manager = types.SimpleNamespace(stream="s1")
+    containers = {0: types.SimpleNamespace(tree_manager=manager)}
     module = types.SimpleNamespace(
-        get_manager=lambda index, create_if_none_exists=True: manager)
+        local=types.SimpleNamespace(tree_manager_containers=containers),
+        get_obj=lambda local, name: getattr(local, name))
     monkeypatch.setitem(sys.modules, "torch._inductor.cudagraph_trees", module)
     tls = {"on": True}
     monkeypatch.setattr(torch._C, "_is_key_in_tls", lambda key: tls["on"])
@@ -43,7 +45,10 @@ def test_no_manager_or_no_tree_module_is_outside(tree, monkeypatch):
     module.tls["on"] = False  # the thread never ran a tree
     assert not graph_pools.in_graph_tree(CUDA)
     module.tls["on"] = True
-    module.get_manager = lambda index, create_if_none_exists=True: None
+    assert not graph_pools.in_graph_tree(torch.device("cuda", 1))  # no container there
+    containers = module.local.tree_manager_containers
+    assert set(containers) == {0}  # reading made none
+    containers[0].tree_manager = None  # a container whose tree was freed
     assert not graph_pools.in_graph_tree(CUDA)
     monkeypatch.delitem(sys.modules, "torch._inductor.cudagraph_trees")
     assert not graph_pools.in_graph_tree(CUDA)
@@ -52,10 +57,21 @@ def test_no_manager_or_no_tree_module_is_outside(tree, monkeypatch):
 def test_other_internals_answer_false_not_an_error(tree):
     _, module, current = tree
     current["stream"] = "s1"
-    del module.get_manager
+    del module.get_obj
     assert not graph_pools.in_graph_tree(CUDA)
-    module.get_manager = lambda index: None  # another signature
+    module.get_obj = lambda local, name: None  # containers kept some other way
     assert not graph_pools.in_graph_tree(CUDA)
+
+
+def test_torchs_own_trees_module_reads_as_outside_on_the_cpu():
+    """The real module's internals are the ones read: no tree here answers False, and
+    reading makes no container."""
+    from torch._inductor import cudagraph_trees as trees
+
+    containers = trees.get_obj(trees.local, "tree_manager_containers")
+    before = dict(containers)
+    assert not graph_pools.in_graph_tree(torch.device("cuda", 7))
+    assert containers == before
 
 
 def test_flashinfers_shared_workspace_is_not_made_inside_a_tree(monkeypatch):
