@@ -5,8 +5,16 @@ before any test module imports mlatune's kernels.
 """
 
 import os
+import sys
 
-import torch
+# Where the environment sets PYTHONDONTWRITEBYTECODE (this project's CI machine does), every
+# process of the suite (xdist workers, the sweeps' subprocesses and their workers, some
+# hundreds) would compile mlatune's modules again, about 0.25 s each. The suite keeps them
+# in the checkout's __pycache__ folders (git-ignored) instead.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
