@@ -7,7 +7,7 @@ before any test module imports mlatune's kernels.
 import os
 import sys
 
-# Where the environment sets PYTHONDONTWRITEBYTECODE (this project's CI machine does), every
+# Where the environment sets PYTHONDONTWRITEBYTECODE (this project's CPU dev machine does), every
 # process of the suite (xdist workers, the sweeps' subprocesses and their workers, some
 # hundreds) would compile mlatune's modules again, about 0.25 s each. The suite keeps them
 # in the checkout's __pycache__ folders (git-ignored) instead.
