@@ -9,9 +9,9 @@ import socket
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
 
 from mlatune.problem import MLAProblem
+from tests import processes
 
 
 def _free_port() -> int:
@@ -79,8 +79,8 @@ def _halved(inputs):
 def test_every_rank_gets_its_heads_over_the_whole_kv(tmp_path, world, scheme, route_id,
                                                      problem_kw):
     problem_kw = {**problem_kw, "dcp_size": world}
-    mp.spawn(_rank, args=(world, _free_port(), route_id, problem_kw, scheme, str(tmp_path)),
-             nprocs=world, join=True)
+    processes.spawn("tests.test_dcp_gloo:_rank",
+                    (world, _free_port(), route_id, problem_kw, scheme, str(tmp_path)), world)
     for rank in range(world):
         result = json.loads((tmp_path / f"rank-{rank}.json").read_text())
         assert result["ok"] and result["again"], f"rank {rank}: {result['reason']}"

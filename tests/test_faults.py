@@ -10,7 +10,6 @@ import errno
 import gzip
 import json
 import logging
-import multiprocessing as mp
 import os
 import random
 import re
@@ -27,6 +26,7 @@ from mlatune.problem import MLAProblem
 from mlatune.sweep import spec
 from mlatune.sweep.journal import Journal, lock_path, read
 from mlatune.table import outputs
+from tests import processes
 from tests.helpers import lock_is_free
 from tests.table_helpers import H200, make_table, reference_slow, result_row, small_batch_fast
 
@@ -207,7 +207,7 @@ def _hold_journal(path: str, ready, release) -> None:
 
 def test_the_lock_of_a_killed_sweep_does_not_block_a_resume(tmp_path):
     path = tmp_path / "t.journal.jsonl"
-    ctx = mp.get_context("spawn")
+    ctx = processes.context()
     ready, release = ctx.Event(), ctx.Event()
     holder = ctx.Process(target=_hold_journal, args=(str(path), ready, release))
     holder.start()
@@ -239,7 +239,7 @@ def _race_to_create(path: str, start, results) -> None:
 
 def test_sweeps_that_start_together_create_the_journal_once(tmp_path):
     path = tmp_path / "t.journal.jsonl"
-    ctx = mp.get_context("spawn")
+    ctx = processes.context()
     racers = 6
     start, results = ctx.Barrier(racers), ctx.Queue()
     procs = [ctx.Process(target=_race_to_create, args=(str(path), start, results))

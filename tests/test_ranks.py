@@ -17,7 +17,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from mlatune import attention, routes, table
 from mlatune.arch import cpu_device
@@ -25,6 +24,7 @@ from mlatune.check.inputs import make_decode_inputs
 from mlatune.dispatch import Dispatcher, first_sight, ranks
 from mlatune.measure import timers
 from mlatune.problem import MLAProblem
+from tests import processes
 from tests.table_helpers import FakeRoute, make_table, result_row
 
 BASE = MLAProblem(num_heads=2, page_size=8, q_dtype="fp16", kv_dtype="fp16")
@@ -95,7 +95,7 @@ def _error_of(call) -> str:
     return "no error"
 
 
-# --- the ranks (spawned processes) ---------------------------------------------------
+# --- the ranks (separate processes) ------------------------------------------------
 def _rank(rank: int, worker: str, tmp: str, backend: str) -> None:
     torch.set_num_threads(1)
     if backend == "nccl":
@@ -112,7 +112,7 @@ def _rank(rank: int, worker: str, tmp: str, backend: str) -> None:
 
 
 def _spawn(worker: str, tmp_path: Path, backend: str = "gloo") -> list[dict]:
-    mp.spawn(_rank, args=(worker, str(tmp_path), backend), nprocs=2, join=True)
+    processes.spawn("tests.test_ranks:_rank", (worker, str(tmp_path), backend), 2)
     results = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
     assert not [r["error"] for r in results if "error" in r]
     return results

@@ -4,7 +4,6 @@ two processes merging into one user table; a crashing candidate; a crashed tuner
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -21,6 +20,7 @@ from mlatune.sweep import at_load, pool, user_table
 from mlatune.sweep.at_load import ServingShapes, TuneOptions
 from mlatune.sweep.candidates import Candidate
 from mlatune.sweep.journal import Journal, JournalHeader, read_records
+from tests import processes
 
 ROUTE = "padded/triton"  # the CPU's quickest Triton route in the interpreter
 QUICK = TuneOptions(routes=(ROUTE,), max_params_per_route=1)
@@ -96,9 +96,9 @@ def _tune_in_a_process(path: str, batch: int) -> None:
 
 
 def _at_once(target, path: Path, firsts: tuple[int, int]) -> list[int | None]:
-    """``target(path, first)`` in two spawned processes at once; their exit codes."""
-    spawn = mp.get_context("spawn")
-    procs = [spawn.Process(target=target, args=(str(path), first)) for first in firsts]
+    """``target(path, first)`` in two separate processes at once; their exit codes."""
+    ctx = processes.context()
+    procs = [ctx.Process(target=target, args=(str(path), first)) for first in firsts]
     for p in procs:
         p.start()
     for p in procs:
