@@ -5,6 +5,7 @@ Synthetic tables use fake routes with ids that sort first, so the rule order (th
 registered routes by id, reference/torch last) starts with them by construction.
 """
 
+import contextlib
 import fnmatch
 import gzip
 import html
@@ -13,7 +14,9 @@ import math
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from typer.testing import CliRunner
@@ -38,17 +41,26 @@ PREFILL = MLAProblem(phase="prefill", num_heads=16, qlen=4096, kv_len=4096, batc
                      page_size=1)
 
 
-@pytest.fixture
-def fakes(monkeypatch):
+@contextlib.contextmanager
+def fake_routes() -> Iterator[list[FakeRoute]]:
     """Fake routes; unmeasured shapes answered by ``nearest``, which the hand-computed
     regrets follow (``predict``, the default, has its own tests in tests/test_predict.py)."""
-    monkeypatch.setattr(dispatch_module, "DEFAULT_UNMEASURED", "nearest")
     made = [FakeRoute(r) for r in (RULE, A, B)]
-    for route in made:
-        routes.register(route)
-    yield made
-    for route in made:
-        routes.unregister(route.id)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dispatch_module, "DEFAULT_UNMEASURED", "nearest")
+        for route in made:
+            routes.register(route)
+        try:
+            yield made
+        finally:
+            for route in made:
+                routes.unregister(route.id)
+
+
+@pytest.fixture
+def fakes():
+    with fake_routes() as made:
+        yield made
 
 
 def rows_for(problem: MLAProblem, times: dict[str, float | None], device=H200) -> list[dict]:
@@ -167,12 +179,31 @@ HELDOUT = {
 }
 
 
+def write_nearest_tables(folder: Path) -> tuple[Path, Path]:
+    main = table.write(make_table(NEAREST_MAIN), folder / "main.parquet")
+    rows = [r for p, times, _, _ in HELDOUT.values() for r in rows_for(p, times)]
+    heldout = table.write(make_table(rows), folder / "heldout.parquet")
+    return main, heldout
+
+
 @pytest.fixture
 def nearest_tables(tmp_path):
-    main = table.write(make_table(NEAREST_MAIN), tmp_path / "main.parquet")
-    rows = [r for p, times, _, _ in HELDOUT.values() for r in rows_for(p, times)]
-    heldout = table.write(make_table(rows), tmp_path / "heldout.parquet")
-    return main, heldout
+    return write_nearest_tables(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def nearest_report(tmp_path_factory):
+    """The nearest tables' summary, data and figures (with the route colours they share),
+    and the report built from them: made once (drawing is most of a report's time) for the
+    tests below that only read them."""
+    folder = tmp_path_factory.mktemp("nearest")
+    main, heldout = write_nearest_tables(folder)
+    with fake_routes():
+        summary, data = report.summarize(main, table.read(main), heldout, table.read(heldout))
+        figures, colours = figures_of(summary, data)
+        made = report.build_report(main, folder / "out", heldout)
+    return SimpleNamespace(summary=summary, data=data, figures=figures, colours=colours,
+                           made=made)
 
 
 def test_nearest_regret_matches_the_hand_computed_one(fakes, nearest_tables):
@@ -369,11 +400,10 @@ def test_timing_spread_is_over_ok_rows():
 ROUTE_LEGENDS = ("route that wins most", "winning route", "route the dispatcher chose")
 
 
-def figures_of(main, heldout) -> tuple[dict, dict]:
-    """Every figure of the nearest tables' report, and the route colours they share."""
+def figures_of(summary, data) -> tuple[dict, dict]:
+    """Every figure of a report, and the route colours they share."""
     from mlatune.report import plots
 
-    summary, data = report.summarize(main, table.read(main), heldout, table.read(heldout))
     colours = plots.route_colours(sorted(data["times"].columns))
     figures = {
         "winner_map": plots.winner_map(data["problems"], colours),
@@ -402,8 +432,8 @@ def is_grey(rgb: tuple) -> bool:
     return max(rgb) - min(rgb) < 1e-6
 
 
-def test_one_colour_per_route_across_plots_and_other_categories_grey(fakes, nearest_tables):
-    figures, colours = figures_of(*nearest_tables)
+def test_one_colour_per_route_across_plots_and_other_categories_grey(nearest_report):
+    figures, colours = nearest_report.figures, nearest_report.colours
     from matplotlib.colors import to_rgb
 
     route_rgbs = {to_rgb(c) for c in colours.values()}
@@ -428,10 +458,8 @@ def plots_colours_for(n: int) -> dict:
     return plots.route_colours([f"r{i:02d}" for i in range(n)])
 
 
-def test_scales_fit_the_data(fakes, nearest_tables):
-    figures, _ = figures_of(*nearest_tables)
-    main, heldout = nearest_tables
-    summary, data = report.summarize(main, table.read(main), heldout, table.read(heldout))
+def test_scales_fit_the_data(nearest_report):
+    figures, summary, data = nearest_report.figures, nearest_report.summary, nearest_report.data
     bars = figures["speedup"].axes[0]
     largest = max(s.largest for s in [*summary.fixed, summary.rule] if s.served)
     low, high = bars.get_xlim()
@@ -453,8 +481,8 @@ def test_scales_fit_the_data(fakes, nearest_tables):
     assert worst < regret_ax.get_ylim()[1] <= worst * 1.25
 
 
-def test_axis_labels_are_words_with_units(fakes, nearest_tables):
-    figures, _ = figures_of(*nearest_tables)
+def test_axis_labels_are_words_with_units(nearest_report):
+    figures = nearest_report.figures
     labels = [label for figure in figures.values() for ax in figure.axes
               for label in (ax.get_xlabel(), ax.get_ylabel()) if label]
     for label in labels:
@@ -464,13 +492,10 @@ def test_axis_labels_are_words_with_units(fakes, nearest_tables):
     assert "%" in figures["regret"].axes[0].get_ylabel()
 
 
-def test_winner_map_labels_are_explained(fakes, nearest_tables, tmp_path):
-    figures, _ = figures_of(*nearest_tables)
-    key = figures["winner_map"].legends[0].get_title().get_text()
+def test_winner_map_labels_are_explained(nearest_report):
+    key = nearest_report.figures["winner_map"].legends[0].get_title().get_text()
     assert "runner-up time / winner time" in key and "wins k/n" in key and "1 route" in key
-    main, heldout = nearest_tables
-    made = report.build_report(main, tmp_path / "out", heldout)
-    page = made.html.read_text()
+    page = nearest_report.made.html.read_text()
     caption = page[page.index('alt="decode winner map"'):]
     caption = caption[:caption.index("</figcaption>")]
     for words in ("runner-up", "wins 22/24", "1 route", "Colour"):
@@ -493,10 +518,8 @@ def definitions_section(page: str) -> str:
     return page[page.index('<h2 id="definitions">'):page.index("</body>")]
 
 
-def test_definitions_are_prose_for_readers(fakes, nearest_tables, tmp_path):
-    main, heldout = nearest_tables
-    made = report.build_report(main, tmp_path / "out", heldout)
-    section = definitions_section(made.html.read_text())
+def test_definitions_are_prose_for_readers(nearest_report):
+    section = definitions_section(nearest_report.made.html.read_text())
     for markup in ("``", ":func:", ":class:", "<pre>", "-----", "*problem*", "t_pick", "t(R"):
         assert markup not in section, markup
     assert section.count("<dt>") >= 20 and section.count("<h3>") == 9
