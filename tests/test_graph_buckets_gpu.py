@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch._dynamo.testing import CompileCounterWithBackend
 
 from mlatune import attention, routes
 from mlatune.arch import current_device
@@ -345,6 +344,10 @@ def test_compiled_fullgraph_step_captures_every_seesaw_form(problem, tmp_path):
     verdict = route.supports(problem, current_device())
     if not verdict:
         pytest.skip(f"seesaw/gluon does not serve {problem.key}: {verdict.reason}")
+    # Imported here, not at the top: dynamo's import costs each process that collects this
+    # module (every test run's, GPU or not) about 2 s.
+    from torch._dynamo.testing import CompileCounterWithBackend
+
     forms = _forms(route, problem)
     if problem.kv_dtype == "bf16":
         assert "balanced" in {p.get("form") for p in forms}, forms
