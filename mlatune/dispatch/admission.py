@@ -13,10 +13,11 @@ from typing import Any
 
 from mlatune.check.accuracy import Rounding
 from mlatune.check.policy import Policy
-from mlatune.problem import MLAProblem
+from mlatune.problem import KEY_FIELDS, MLAProblem
 from mlatune.routes import Route, rounding
 
 _GROUP = ["route", "route_params", "q_dtype", "kv_dtype", "num_heads", "qlen", "dcp_size"]
+_READ = [*KEY_FIELDS, "route", "route_params"]  # what a group's class is told from
 
 
 def class_of(route: Route | None, problem: MLAProblem, params: Mapping[str, Any]
@@ -50,7 +51,7 @@ def admitted(rows, policy: Policy, routes: Mapping[str, Route]):
         empty = np.zeros(0, dtype=bool)
         return empty, np.zeros(0, dtype=object), empty
     group = rows.groupby(_GROUP, sort=False, dropna=False).ngroup().to_numpy()
-    firsts = rows.iloc[np.unique(group, return_index=True)[1]].to_dict("records")
+    firsts = _records(rows.iloc[np.unique(group, return_index=True)[1]])
     classes = [_group_class(row, routes) for row in firsts]  # group g at [g]
     fits = np.array([c is not None and policy.admits_class(r["q_dtype"], c)
                      for r, c in zip(firsts, classes, strict=True)])
@@ -60,6 +61,14 @@ def admitted(rows, policy: Policy, routes: Mapping[str, Route]):
     class_ok = fits[group]
     mask = class_ok & (np.isnan(errors) | (errors <= bounds[group]))
     return mask, np.array(classes, dtype=object)[group], class_ok
+
+
+def _records(rows) -> list[dict[str, Any]]:
+    """The rows as dicts of the columns a class is told from (those present): as
+    ``to_dict("records")`` gives them, without boxing every other column's cells."""
+    present = [c for c in _READ if c in rows]
+    return [dict(zip(present, values, strict=True))
+            for values in zip(*(rows[c].tolist() for c in present), strict=True)]
 
 
 def option_admitted(option: Mapping, problem: MLAProblem, routes: Mapping[str, Route],

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cache, lru_cache
 from typing import Any
 
 import numpy as np
@@ -100,12 +101,28 @@ def program_rows(launch: LaunchGeometry | None, problem: MLAProblem, cus: int) -
     return float(TILE_ROWS * max(1, round(cus / clusters))) if clusters else float(TILE_ROWS)
 
 
+@cache
+def _item_size(dtype: str) -> int:
+    """``dtype_size``, remembered: it asks torch each time (microseconds; a table's fit asks
+    it tens of thousands of times)."""
+    return dtype_size(dtype)
+
+
+@lru_cache(maxsize=1 << 12)
+def _sizes(problem: MLAProblem) -> tuple[float, int, bool]:
+    """(``min_bytes``, a cache token's bytes, whether the cache is widened to q's dtype):
+    what the terms read of the problem alone, once per problem (a table's rows come a
+    route at a time per problem)."""
+    kv_item = _item_size(problem.kv_dtype)
+    return problem.min_bytes(), problem.d_qk * kv_item, kv_item < _item_size(problem.q_dtype)
+
+
 def terms(problem: MLAProblem, route: Route | None, params: Mapping[str, Any],
           dev: Device, split: int | None = None) -> np.ndarray:
     """The law terms of ``route`` run with ``params`` at ``problem`` on ``dev``; ``split``:
     the split to size with (default: as ``params`` say, else the route's rule)."""
     launch = geometry(route, problem, recipe_of(route, params), dev.cus)
-    token_bytes = problem.d_qk * dtype_size(problem.kv_dtype)
+    min_bytes, token_bytes, widened = _sizes(problem)
     per_token = 2.0 * (problem.d_qk + problem.d_v)  # FLOPs a query row spends on a key
     if launch is None:
         walked = problem.batch * problem.shard_len / dev.cus
@@ -119,8 +136,7 @@ def terms(problem: MLAProblem, route: Route | None, params: Mapping[str, Any],
                 split = launch.split(problem, dev.info)
         walked, programs = launch.features(problem, split, dev.cus)
         compute = walked * dev.cus * program_rows(launch, problem, dev.cus) * per_token
-    widened = dtype_size(problem.kv_dtype) < dtype_size(problem.q_dtype)
-    return np.array([1.0, problem.min_bytes() / dev.bytes_per_us,
+    return np.array([1.0, min_bytes / dev.bytes_per_us,
                      walked * token_bytes * dev.clock_scale / WALK_BYTES_PER_US,
                      compute / dev.flops_per_us,
                      problem.batch * dev.clock_scale, programs * dev.clock_scale,

@@ -185,6 +185,7 @@ class Dispatcher:
         self._nearest: dict[str, Choice] = {}  # a winner answering for a neighbour
         self._predictor: Predictor | None = None  # fitted at the end of __init__
         self._laws: Laws | None = None  # fitted at the first unmeasured bucket asked
+        self._rows: list | None = None  # _measured_rows, once made
         points, wins = self._index(entries)
         points = learnable(points, measured_keys)
         self._buckets = {b: Bucket(p) for b, p in points.items()}
@@ -387,9 +388,15 @@ class Dispatcher:
         """Answer ``problem`` with ``choice`` from now on (a run-time measurement)."""
         self._memo[problem.key] = choice
 
-    def _measured_rows(self) -> Iterator[tuple[MLAProblem, str, Mapping[str, Any], float]]:
+    def _measured_rows(self) -> list[tuple[MLAProblem, str, Mapping[str, Any], float]]:
         """Every usable ok route of every measured key with its step cost: the predictor's
-        data (the table's best parameter set per route and problem)."""
+        and the cost laws' data (the table's best parameter set per route and problem),
+        made once for both."""
+        if self._rows is None:
+            self._rows = list(self._each_measured_row())
+        return self._rows
+
+    def _each_measured_row(self) -> Iterator[tuple[MLAProblem, str, Mapping[str, Any], float]]:
         for points in self._points.values():
             first = MLAProblem.from_key(points[0][2].key)  # parsed once per bucket
             for batch, kv_len, winner in points:
