@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
-from functools import cached_property
+from functools import cache, cached_property
 from typing import Any, Literal
 
 import torch
@@ -269,8 +269,10 @@ def output_dtype(q_dtype: str) -> str:
     return "bf16" if q_dtype in FP8_DTYPES else q_dtype
 
 
+@cache
 def dtype_size(name: str) -> int:
-    return torch.empty((), dtype=DTYPES[name]).element_size()
+    """Bytes an element of dtype ``name`` takes (asked of torch once a name)."""
+    return DTYPES[name].itemsize
 
 
 def problem_field_names() -> tuple[str, ...]:

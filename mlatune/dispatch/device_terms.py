@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import cache, lru_cache
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -101,20 +101,13 @@ def program_rows(launch: LaunchGeometry | None, problem: MLAProblem, cus: int) -
     return float(TILE_ROWS * max(1, round(cus / clusters))) if clusters else float(TILE_ROWS)
 
 
-@cache
-def _item_size(dtype: str) -> int:
-    """``dtype_size``, remembered: it asks torch each time (microseconds; a table's fit asks
-    it tens of thousands of times)."""
-    return dtype_size(dtype)
-
-
 @lru_cache(maxsize=1 << 12)
 def _sizes(problem: MLAProblem) -> tuple[float, int, bool]:
     """(``min_bytes``, a cache token's bytes, whether the cache is widened to q's dtype):
     what the terms read of the problem alone, once per problem (a table's rows come a
     route at a time per problem)."""
-    kv_item = _item_size(problem.kv_dtype)
-    return problem.min_bytes(), problem.d_qk * kv_item, kv_item < _item_size(problem.q_dtype)
+    kv_item = dtype_size(problem.kv_dtype)
+    return problem.min_bytes(), problem.d_qk * kv_item, kv_item < dtype_size(problem.q_dtype)
 
 
 def terms(problem: MLAProblem, route: Route | None, params: Mapping[str, Any],
