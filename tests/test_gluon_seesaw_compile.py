@@ -17,6 +17,9 @@ from tests.prefill_aot import resources
 from tests.test_gluon_compile import HOPPER_SMEM, _needs_gluon_triton
 
 pytestmark = pytest.mark.kernels
+# TMA copies into shared memory (Q, the tiles) and out of it (the pairs form's direct output).
+LOADS = "cp.async.bulk.tensor.2d.shared::cluster.global"
+STORES = "cp.async.bulk.tensor.2d.global.shared"
 
 
 @pytest.fixture(scope="module",
@@ -39,6 +42,7 @@ def seesaw_build(dtype: str, direct: bool, causal: bool, form: str, page: int,
     kernel = s.aot_compile(dtype, direct=direct, causal=causal, form=form, page=page,
                            cache=cache)
     kernel.units = 2 if form == "two-requests" else 1  # requests a program walks
+    kernel.tma_out = form == "pairs" and direct and cache != "fp8" and page >= 64
     kernel.dtype_name = dtype
     kernel.page = page
     return kernel
@@ -88,7 +92,14 @@ def test_each_chunk_is_a_box(compiled):
     27)) boxes."""
     ptx = compiled.asm["ptx"]
     # Q's nope part as two copies (its 8 boxes over the loader's 4 warps) and its rope part.
-    assert ptx.count("cp.async.bulk.tensor.2d") == 3 * compiled.units + _copy_sites(compiled)
+    assert ptx.count(LOADS) == 3 * compiled.units + _copy_sites(compiled)
+
+
+def test_the_pairs_forms_direct_output_is_stored_by_tma(compiled):
+    """The pairs form writing out in place stages each warpgroup's 256 columns in Q's buffer
+    and stores them by one TMA copy a warpgroup; split partials and the two-requests form
+    (whose next request's Q fills that buffer) store from registers."""
+    assert compiled.asm["ptx"].count(STORES) == (2 if compiled.tma_out else 0)
 
 
 def _copy_sites(compiled) -> int:
@@ -170,7 +181,7 @@ def test_two_requests_doubles_the_walk_and_its_copies():
                 for form in ("two-requests", "pairs"))
     ptx = {k: k.asm["ptx"] for k in (two, one)}
     assert ptx[two].count("wgmma.mma_async") == 2 * ptx[one].count("wgmma.mma_async")
-    copies = "cp.async.bulk.tensor.2d"
+    copies = LOADS
     assert ptx[two].count(copies) == 2 * (ptx[one].count(copies) + 9)
 
 
@@ -218,7 +229,7 @@ def test_small_page_tiles_are_gathered_by_the_loader(gathered):
     a TMA copy; the MMAs as at page 64."""
     ptx = gathered.asm["ptx"]
     sites = 2 if gathered.units == 1 else 2 * 3
-    assert ptx.count("cp.async.bulk.tensor.2d") == 3 * gathered.units  # Q alone
+    assert ptx.count(LOADS) == 3 * gathered.units  # Q alone
     copies = re.findall(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10,", ptx)
     assert len(copies) == sites * 36
     assert ptx.count("cp.async.mbarrier.arrive.noinc.shared.b64") == sites * 9

@@ -38,9 +38,10 @@ class _Programs:
 
     def run(self, grid, args, meta) -> None:
         names = KERNEL_ARGS
-        assert names[len(args)] == "CAUSAL"  # every runtime argument, in order
+        assert names[len(args)] == "TMA_OUT"  # every runtime argument, in order
         a = dict(zip(names, args, strict=False))
         assert meta["WALK"] == gluon_seesaw.WALKS["balanced"] and meta["PDL"]
+        assert not meta["TMA_OUT"]  # its next item's Q fills Q's buffer: registers store
         work, indptr, split = a["work_ptr"], a["work_indptr_ptr"], a["split_indptr_ptr"]
         assert grid == (-(-a["qlen"] * a["heads"] // 64), indptr.shape[0] - 1, 1)
         part_out, part_lse, out, lse = (a["part_out_ptr"], a["part_lse_ptr"], a["out_ptr"],

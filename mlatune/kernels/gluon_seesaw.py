@@ -634,13 +634,42 @@ def _afresh(buf, zero):
 
 @gluon.jit
 def _compute(bufs, bars, out_ptr, lse_ptr, ints, scales, WG: gl.constexpr,
-             CAUSAL: gl.constexpr, DIRECT: gl.constexpr, FILL: gl.constexpr):
+             CAUSAL: gl.constexpr, DIRECT: gl.constexpr, FILL: gl.constexpr, o_desc,
+             TMA_OUT: gl.constexpr):
     """One compute warpgroup of the pairs form: its walk over the pairs of tiles, then its
-    half of the output."""
+    half of the output (``TMA_OUT``: staged in Q's buffer, free once both warpgroups summed
+    their rows, and stored by TMA through ``o_desc``)."""
     acc, m_run, l_run = _walk_pairs(bufs, bars, ints, scales, 0, 0, WG, CAUSAL, False, FILL)
     l_run = _sum_rows(l_run, bufs[5], bars[4], 0, 0, WG)
     o_layout: gl.constexpr = acc.type.layout
-    _epilogue(acc, m_run, l_run, out_ptr, lse_ptr, ints, WG, DIRECT, o_layout, scales, FILL)
+    if TMA_OUT:
+        _tma_epilogue(acc, m_run, l_run, bufs[0], o_desc, lse_ptr, ints, WG, o_layout)
+    else:
+        _epilogue(acc, m_run, l_run, out_ptr, lse_ptr, ints, WG, DIRECT, o_layout, scales,
+                  FILL)
+
+
+@gluon.jit
+def _tma_epilogue(acc, m_i, l_i, q_nope, o_desc, lse_ptr, ints, WG: gl.constexpr,
+                  o_layout: gl.constexpr):
+    """This warpgroup's 256 columns of the normalized output written into its half of Q's
+    buffer and stored by one TMA copy (the request's rows as rows of ``o_desc``'s table);
+    WG0 the LSE too."""
+    rb, b, qlen, heads = ints[4], ints[5], ints[8], ints[9]
+    BM: gl.constexpr = acc.shape[0]
+    DH: gl.constexpr = acc.shape[1]
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    has_keys = l_o > 0.0
+    inv = gl.where(has_keys, 1.0 / gl.where(has_keys, l_o, gl.full_like(l_o, 1.0)),
+                   gl.zeros_like(l_o))
+    half = q_nope.slice(WG * DH, DH, dim=1)
+    half.store((acc * gl.expand_dims(inv, 1)).to(q_nope.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(o_desc, [b * qlen * heads + rb * BM, WG * DH], half)
+    if WG == 0:
+        _store_lse(m_i, l_i, lse_ptr, ints, BM, True)
+    tma.store_wait(0)
 
 
 @gluon.jit
@@ -846,10 +875,11 @@ def _sum_rows(l_run, l_buf, l_bar, l_phase, slot0, WG: gl.constexpr):
 @gluon.jit
 def _epilogue(acc, m_i, l_i, out_ptr, lse_ptr, ints, WG: gl.constexpr, DIRECT: gl.constexpr,
               o_layout: gl.constexpr, scales, FILL: gl.constexpr):
-    """Store this warpgroup's 256 columns of the normalized output (and, WG0, the LSE),
-    straight from the accumulator's registers: the output is 1/72 of the bytes the program
-    reads, and a staging buffer would not fit next to Q and the ring. A widened cache's
-    scale (``scales[1]``) multiplies the output."""
+    """Store this warpgroup's 256 columns of the normalized output (and, WG0, the LSE)
+    straight from the accumulator's registers, where ``_tma_epilogue`` cannot (split
+    partials; the two-requests and balanced forms, whose next unit's Q fills Q's buffer;
+    rows a TMA box cannot take). A widened cache's scale (``scales[1]``) multiplies the
+    output."""
     rb, b, split, num_splits, qlen, heads = ints[4:10]
     stride_o_tok, stride_o_head = ints[10:12]
     stride_po_slot, stride_po_row = ints[13:15]
@@ -891,14 +921,16 @@ def _store_lse(m_i, l_i, lse_ptr, ints, BM: gl.constexpr, DIRECT: gl.constexpr):
 
 @gluon.jit
 def _wg0(bufs, bars, out_ptr, lse_ptr, ints, scales, CAUSAL: gl.constexpr,
-         DIRECT: gl.constexpr, FILL: gl.constexpr):
-    _compute(bufs, bars, out_ptr, lse_ptr, ints, scales, 0, CAUSAL, DIRECT, FILL)
+         DIRECT: gl.constexpr, FILL: gl.constexpr, o_desc, TMA_OUT: gl.constexpr):
+    _compute(bufs, bars, out_ptr, lse_ptr, ints, scales, 0, CAUSAL, DIRECT, FILL, o_desc,
+             TMA_OUT)
 
 
 @gluon.jit
 def _wg1(bufs, bars, out_ptr, lse_ptr, ints, scales, CAUSAL: gl.constexpr,
-         DIRECT: gl.constexpr, FILL: gl.constexpr):
-    _compute(bufs, bars, out_ptr, lse_ptr, ints, scales, 1, CAUSAL, DIRECT, FILL)
+         DIRECT: gl.constexpr, FILL: gl.constexpr, o_desc, TMA_OUT: gl.constexpr):
+    _compute(bufs, bars, out_ptr, lse_ptr, ints, scales, 1, CAUSAL, DIRECT, FILL, o_desc,
+             TMA_OUT)
 
 
 @gluon.jit
@@ -926,8 +958,10 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's parts; the cac
                   # plan (``mlatune.kernels.plan``); unread by the other forms
                   part_out_ptr, part_lse_ptr, work_ptr, work_indptr_ptr, split_indptr_ptr,
                   stride_kv_tok,  # here: the arguments before it keep their offsets
-                  CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PAGE: gl.constexpr,
-                  PDL: gl.constexpr, WALK: gl.constexpr, num_warps: gl.constexpr, batch=1):
+                  o_desc,  # TMA_OUT: out as a table of rows, in [64, 256] blocks
+                  TMA_OUT: gl.constexpr, CAUSAL: gl.constexpr, DIRECT: gl.constexpr,
+                  PAGE: gl.constexpr, PDL: gl.constexpr, WALK: gl.constexpr,
+                  num_warps: gl.constexpr, batch=1):
     BM: gl.constexpr = qn_desc.block_type.shape[0]
     BN: gl.constexpr = TILE_KEYS
     dtype: gl.constexpr = qn_desc.dtype
@@ -1000,8 +1034,10 @@ def seesaw_kernel(qn_desc, qr_desc, kn_desc, kr_desc,  # TMA: q's parts; the cac
             (_loader, ((qn_desc, qr_desc, kn_desc, kr_desc), bufs, bars,
                        (bt_ptr + b.to(gl.int64) * stride_bt, (seq_len - 1) // PAGE, end,
                         kv_ptr, stride_kv, stride_kv_tok), q_row, start, n_tiles, PAGE)),
-            (_wg0, (bufs, bars, out_ptr, lse_ptr, ints, scales, CAUSAL, DIRECT, FILL)),
-            (_wg1, (bufs, bars, out_ptr, lse_ptr, ints, scales, CAUSAL, DIRECT, FILL)),
+            (_wg0, (bufs, bars, out_ptr, lse_ptr, ints, scales, CAUSAL, DIRECT, FILL, o_desc,
+                    TMA_OUT)),
+            (_wg1, (bufs, bars, out_ptr, lse_ptr, ints, scales, CAUSAL, DIRECT, FILL, o_desc,
+                    TMA_OUT)),
         ], [4, 4], [REGS, REGS])
 
 
@@ -1074,11 +1110,16 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     meta = dict(CAUSAL=causal and qlen > 1, PAGE=page, WALK=WALKS[form], batch=batch,
                 **compile_options(NUM_WARPS, MAXNREG))
     no_plan = (out, lse, seq_lens, seq_lens, seq_lens)  # the balanced form's, unread
-    tail = (*no_plan, cache[3])
+    o_desc = _out_descriptor(out, qlen, heads, fp8 or seesaw_gathers(page, fp8)) \
+        if form == "pairs" else None
+    meta["TMA_OUT"] = o_desc is not None
+    tail = (*no_plan, cache[3], o_desc if o_desc is not None else descs[0])
     if form == "balanced":
         return _balanced_launch(out, lse, head, sizes, cache, meta, plan, row_blocks)
     grid = (row_blocks, num_splits,
             triton.cdiv(batch, UNITS_A_PROGRAM.value) if form == "two-requests" else batch)
+    if num_splits != 1:
+        meta["TMA_OUT"] = False
     if num_splits == 1:
         args = (*head, out, lse, *sizes, out.stride(0), out.stride(1), lse.stride(0), 0, 0, 0,
                 *cache[:3], *tail)
@@ -1093,6 +1134,22 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
         reduce()
 
     return launch_split, out, lse
+
+
+def _out_descriptor(out: torch.Tensor, qlen: int, heads: int, refused: bool
+                    ) -> TensorDescriptor | None:
+    """A TMA descriptor of ``out``'s rows in [BLOCK_M, 256] blocks where a row block's rows
+    are whole blocks of them (``qlen * heads`` a multiple of BLOCK_M, heads rows one token's,
+    16-byte aligned); None otherwise (the epilogue stores from registers) and where
+    ``refused`` (an fp8 cache, gathered pages: builds with the TMA store not run on a GPU
+    yet)."""
+    if refused or (qlen * heads) % BLOCK_M or out.stride(2) != 1 \
+            or out.stride(0) != heads * out.stride(1) or out.data_ptr() % 16 \
+            or (out.stride(1) * out.element_size()) % 16:
+        return None
+    block = [BLOCK_M, D_NOPE // 2]
+    return TensorDescriptor(out, [out.shape[0] * heads, D_NOPE], [out.stride(1), 1], block,
+                            nvmma_layout(block, out.dtype))
 
 
 def _checked(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -1160,7 +1217,7 @@ def _balanced_launch(out: torch.Tensor, lse: torch.Tensor, head: tuple, sizes: t
                              pdl=True, one_in_place=True)
     args = (*head, out, lse, *sizes, out.stride(0), out.stride(1), lse.stride(0),
             part_out.stride(0), part_out.stride(1), part_lse.stride(0), *cache[:3],
-            part_out, part_lse, work, work_indptr, split_indptr, cache[3])
+            part_out, part_lse, work, work_indptr, split_indptr, cache[3], head[0])
     grid = (row_blocks, workers, 1)
 
     def launch() -> None:
@@ -1199,10 +1256,13 @@ def aot_compile(dtype: str = "bf16", *, direct: bool = True, causal: bool = True
     _check_form(form, cache == "fp8", page)
     planned = form == "balanced"  # its outputs as a split build's, with both pointers
     constants = dict(CAUSAL=causal, DIRECT=direct and not planned, PAGE=page,
+                     TMA_OUT=direct and form == "pairs" and cache != "fp8"
+                     and not seesaw_gathers(page, False),
                      PDL=not direct or planned, WALK=WALKS[form], num_warps=NUM_WARPS)
     blocks = dict(qn_desc=(dtype, BLOCK_M, D_NOPE), qr_desc=(dtype, BLOCK_M, D_ROPE),
                   kn_desc=(cache, kv_box_rows(page), D_NOPE),
-                  kr_desc=(cache, kv_box_rows(page), D_ROPE))
+                  kr_desc=(cache, kv_box_rows(page), D_ROPE),
+                  o_desc=(dtype, BLOCK_M, D_NOPE // 2))
     pointers = dict(bt_ptr="i32", seq_lens_ptr="i32",
                     out_ptr=dtype if direct or planned else "fp32", lse_ptr="fp32",
                     kv_ptr={"fp8": "fp8e4nv"}.get(cache, cache), kv_scale_ptr="fp32",
