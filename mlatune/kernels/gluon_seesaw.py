@@ -658,10 +658,7 @@ def _tma_epilogue(acc, m_i, l_i, q_nope, o_desc, lse_ptr, ints, WG: gl.constexpr
     rb, b, qlen, heads = ints[4], ints[5], ints[8], ints[9]
     BM: gl.constexpr = acc.shape[0]
     DH: gl.constexpr = acc.shape[1]
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-    has_keys = l_o > 0.0
-    inv = gl.where(has_keys, 1.0 / gl.where(has_keys, l_o, gl.full_like(l_o, 1.0)),
-                   gl.zeros_like(l_o))
+    inv = _inverse_sums(l_i, gl.SliceLayout(1, o_layout))
     half = q_nope.slice(WG * DH, DH, dim=1)
     half.store((acc * gl.expand_dims(inv, 1)).to(q_nope.dtype))
     fence_async_shared()
@@ -873,6 +870,15 @@ def _sum_rows(l_run, l_buf, l_bar, l_phase, slot0, WG: gl.constexpr):
 
 
 @gluon.jit
+def _inverse_sums(l_i, row_layout: gl.constexpr):
+    """1 / each row's sum in ``row_layout`` (0 for a row that saw no key)."""
+    l_o = gl.convert_layout(l_i, row_layout)
+    has_keys = l_o > 0.0
+    return gl.where(has_keys, 1.0 / gl.where(has_keys, l_o, gl.full_like(l_o, 1.0)),
+                    gl.zeros_like(l_o))
+
+
+@gluon.jit
 def _epilogue(acc, m_i, l_i, out_ptr, lse_ptr, ints, WG: gl.constexpr, DIRECT: gl.constexpr,
               o_layout: gl.constexpr, scales, FILL: gl.constexpr):
     """Store this warpgroup's 256 columns of the normalized output (and, WG0, the LSE)
@@ -886,10 +892,7 @@ def _epilogue(acc, m_i, l_i, out_ptr, lse_ptr, ints, WG: gl.constexpr, DIRECT: g
     BM: gl.constexpr = acc.shape[0]
     DH: gl.constexpr = acc.shape[1]
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    l_o = gl.convert_layout(l_i, row_o)
-    has_keys = l_o > 0.0
-    inv = gl.where(has_keys, 1.0 / gl.where(has_keys, l_o, gl.full_like(l_o, 1.0)),
-                   gl.zeros_like(l_o))
+    inv = _inverse_sums(l_i, row_o)
     if FILL == FILL_WIDEN:
         inv = inv * scales[1]
     o = acc * gl.expand_dims(inv, 1)
@@ -1111,15 +1114,13 @@ def decode_launcher(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                 **compile_options(NUM_WARPS, MAXNREG))
     no_plan = (out, lse, seq_lens, seq_lens, seq_lens)  # the balanced form's, unread
     o_desc = _out_descriptor(out, qlen, heads, fp8 or seesaw_gathers(page, fp8)) \
-        if form == "pairs" else None
+        if form == "pairs" and num_splits == 1 else None
     meta["TMA_OUT"] = o_desc is not None
     tail = (*no_plan, cache[3], o_desc if o_desc is not None else descs[0])
     if form == "balanced":
         return _balanced_launch(out, lse, head, sizes, cache, meta, plan, row_blocks)
     grid = (row_blocks, num_splits,
             triton.cdiv(batch, UNITS_A_PROGRAM.value) if form == "two-requests" else batch)
-    if num_splits != 1:
-        meta["TMA_OUT"] = False
     if num_splits == 1:
         args = (*head, out, lse, *sizes, out.stride(0), out.stride(1), lse.stride(0), 0, 0, 0,
                 *cache[:3], *tail)
