@@ -287,12 +287,16 @@ def test_reduce_kernel_over_uniform_slots_matches_torch(blocks, slots):
     check_reduce(blocks, [slots] * 3, None, next(_SEEDS), "cpu", uniform=True)
 
 
-@pytest.mark.parametrize(("blocks", "counts"), [((2, 16), [1, 3, 0, 1, 2]), ((1, 64), [2, 1])])
-def test_reduce_kernel_leaves_groups_of_one_slot_in_place(blocks, counts):
+@pytest.mark.parametrize(("blocks", "counts", "hint"), [
+    ((2, 16), [1, 3, 0, 1, 2], None), ((1, 64), [2, 1], None),
+    ((4, 64), [1, 3, 0, 1, 2, 5], 2),  # the balanced form's hint: groups past it, two passes
+])
+def test_reduce_kernel_leaves_groups_of_one_slot_in_place(blocks, counts, hint):
     """``one_in_place``: a group of exactly one slot was written by the kernel itself (the
-    seesaw decode's balanced form): its rows keep what they hold; the others are merged,
-    a group of none written as empty."""
-    check_reduce(blocks, counts, None, next(_SEEDS), "cpu", one_in_place=True)
+    seesaw decode's balanced form): its rows keep what they hold; the others are merged
+    (one pass where they fit a slot block, two past it), a group of none written as
+    empty."""
+    check_reduce(blocks, counts, hint, next(_SEEDS), "cpu", one_in_place=True)
 
 
 def check_reduce(blocks: tuple[int, int] | None, counts: list[int],

@@ -201,3 +201,7 @@ def test_reduce_leaves_groups_of_one_slot_in_place_on_the_gpu(pdl):
 
     check_reduce(None, [1, 3, 0, 1, 2, 5] * 8, None, 57, "cuda", tokens=1, q_heads=128,
                  rep=1, d_v=512, pdl=pdl, one_in_place=True)
+    # From BALANCED_ROWS_4 rows (64 groups of 2 x 128 rows): 4 rows a program, the slot
+    # hint (2) below some groups' counts (two passes there).
+    check_reduce(None, [1, 2, 0, 3] * 16, 2, 58, "cuda", tokens=2, q_heads=128, rep=1,
+                 d_v=512, pdl=pdl, one_in_place=True)

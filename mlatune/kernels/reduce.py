@@ -20,6 +20,10 @@ from triton.language.extra.cuda import gdc_wait
 
 from mlatune.kernels.lse import combine_finish
 
+# From this many rows (all groups'), the balanced form's reduce (``one_in_place``: groups of
+# one or two slots, mostly) takes 4 rows a program, not 1 (docs/kernels/reduce_merge.md).
+BALANCED_ROWS_4 = 16384
+
 
 @triton.jit(do_not_specialize=["tokens_per_group", "q_heads", "row_heads", "head_rep"])
 def reduce_kernel(part_out_ptr, part_lse_ptr, split_indptr_ptr, out_ptr, lse_ptr,
@@ -32,9 +36,9 @@ def reduce_kernel(part_out_ptr, part_lse_ptr, split_indptr_ptr, out_ptr, lse_ptr
                   ONE_IN_PLACE: tl.constexpr = False):
     # Grid (row blocks, value-dim blocks, groups): enough programs that a batch
     # of one request is not a handful of programs walking all slots serially.
-    # SLOTS > 0: every group has that many (uniform splits): no indptr read, and when they
-    # fit one slot block the LSEs and outputs are loaded together (one round trip, not
-    # three: indptr, then the LSEs, then the outputs).
+    # SLOTS > 0: every group has that many (uniform splits): no indptr read. Slots that
+    # fit one slot block have their LSEs and outputs loaded together (``_one_pass``: one
+    # round trip, not two after the indptr's).
     if WAIT_PRIMARY:  # launched early (programmatic dependent launch): wait for the partials
         gdc_wait()
     offs = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -52,48 +56,15 @@ def reduce_kernel(part_out_ptr, part_lse_ptr, split_indptr_ptr, out_ptr, lse_ptr
         count = tl.load(split_indptr_ptr + group + 1) - first
         if ONE_IN_PLACE:  # the kernel wrote a group of one slot's rows itself: leave them
             ok = ok & ((offs * 0 + count) != 1)
-    block = tl.arange(0, SLOT_BLOCK)
-
     if SLOTS > 0 and SLOTS <= SLOT_BLOCK:
-        slot = first + block
-        smask = (block < SLOTS)[:, None] & ok[None, :]
-        x = tl.load(part_lse_ptr + slot[:, None] * stride_pl_slot + row[None, :], mask=smask,
-                    other=float("-inf"))
-        o = tl.load(part_out_ptr + (slot[:, None, None] * stride_po_slot
-                                    + row[None, :, None] * stride_po_row + d[None, None, :]),
-                    mask=smask[:, :, None], other=0.0)
-        m_i = tl.max(x, 0)
-        shift = tl.where(m_i == float("-inf"), 0.0, m_i)
-        w = tl.exp2(x - shift[None, :])
-        den = tl.sum(w, 0)
-        acc = tl.sum(w[:, :, None] * o, 0)
+        m_i, den, acc = _one_pass(part_out_ptr, part_lse_ptr, first, SLOTS, row, d, ok,
+                                  stride_po_slot, stride_po_row, stride_pl_slot, SLOT_BLOCK)
+    elif count <= SLOT_BLOCK:
+        m_i, den, acc = _one_pass(part_out_ptr, part_lse_ptr, first, count, row, d, ok,
+                                  stride_po_slot, stride_po_row, stride_pl_slot, SLOT_BLOCK)
     else:
-        # Pass 1: the max and the denominator over the slots, SLOT_BLOCK at a time (online,
-        # so any slot count works: a device-planned schedule knows only a bound).
-        m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-        den = tl.zeros([BLOCK_R], dtype=tl.float32)
-        for s0 in range(0, count, SLOT_BLOCK):
-            off = (first + s0 + block)[:, None] * stride_pl_slot + row[None, :]
-            smask = ((s0 + block) < count)[:, None] & ok[None, :]
-            x = tl.load(part_lse_ptr + off, mask=smask, other=float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(x, 0))
-            shift_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-            den = den * tl.exp2(m_i - shift_new) + tl.sum(tl.exp2(x - shift_new[None, :]), 0)
-            m_i = m_new
-        shift = tl.where(m_i == float("-inf"), 0.0, m_i)
-
-        # Pass 2: weighted sum of the outputs, SLOT_BLOCK slots per step in one load.
-        acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-        for s0 in range(0, count, SLOT_BLOCK):
-            slot = first + s0 + block
-            smask = ((s0 + block) < count)[:, None] & ok[None, :]
-            xs = tl.load(part_lse_ptr + slot[:, None] * stride_pl_slot + row[None, :],
-                         mask=smask, other=float("-inf"))
-            w = tl.exp2(xs - shift[None, :])
-            o_off = (slot[:, None, None] * stride_po_slot + row[None, :, None] * stride_po_row
-                     + d[None, None, :])
-            o = tl.load(part_out_ptr + o_off, mask=smask[:, :, None], other=0.0)
-            acc += tl.sum(w[:, :, None] * o, 0)
+        m_i, den, acc = _two_passes(part_out_ptr, part_lse_ptr, first, count, row, d, ok,
+                                    stride_po_slot, stride_po_row, stride_pl_slot, SLOT_BLOCK)
     res, lse = combine_finish(m_i, den, acc)
     out_tok = (group * tokens_per_group + tok).to(tl.int64)
     tl.store(out_ptr + (out_tok * stride_o_tok + head * stride_o_head)[:, None] + d[None, :],
@@ -102,6 +73,56 @@ def reduce_kernel(part_out_ptr, part_lse_ptr, split_indptr_ptr, out_ptr, lse_ptr
         # One value-dim block writes the LSE.
         tl.store(lse_ptr + out_tok * stride_lse_tok + head, lse,
                  mask=ok & ((offs * 0 + tl.program_id(1)) == 0))
+
+
+@triton.jit
+def _one_pass(part_out_ptr, part_lse_ptr, first, count, row, d, ok, stride_po_slot,
+              stride_po_row, stride_pl_slot, SLOT_BLOCK: tl.constexpr):
+    """(max, denominator, weighted sum) of ``count`` (at most SLOT_BLOCK) slots from
+    ``first``: the LSEs and outputs loaded together (one memory round trip)."""
+    block = tl.arange(0, SLOT_BLOCK)
+    slot = first + block
+    smask = (block < count)[:, None] & ok[None, :]
+    x = tl.load(part_lse_ptr + slot[:, None] * stride_pl_slot + row[None, :], mask=smask,
+                other=float("-inf"))
+    o = tl.load(part_out_ptr + (slot[:, None, None] * stride_po_slot
+                                + row[None, :, None] * stride_po_row + d[None, None, :]),
+                mask=smask[:, :, None], other=0.0)
+    m_i = tl.max(x, 0)
+    w = tl.exp2(x - tl.where(m_i == float("-inf"), 0.0, m_i)[None, :])
+    return m_i, tl.sum(w, 0), tl.sum(w[:, :, None] * o, 0)
+
+
+@triton.jit
+def _two_passes(part_out_ptr, part_lse_ptr, first, count, row, d, ok, stride_po_slot,
+                stride_po_row, stride_pl_slot, SLOT_BLOCK: tl.constexpr):
+    """``_one_pass`` over any slot count: the max and denominator first, online, SLOT_BLOCK
+    slots at a time (a device-planned schedule knows only a bound), then the weighted sum
+    of the outputs."""
+    block = tl.arange(0, SLOT_BLOCK)
+    m_i = tl.full([row.shape[0]], float("-inf"), tl.float32)
+    den = tl.zeros_like(m_i)
+    for s0 in range(0, count, SLOT_BLOCK):
+        off = (first + s0 + block)[:, None] * stride_pl_slot + row[None, :]
+        smask = ((s0 + block) < count)[:, None] & ok[None, :]
+        x = tl.load(part_lse_ptr + off, mask=smask, other=float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(x, 0))
+        shift_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        den = den * tl.exp2(m_i - shift_new) + tl.sum(tl.exp2(x - shift_new[None, :]), 0)
+        m_i = m_new
+    shift = tl.where(m_i == float("-inf"), 0.0, m_i)
+    acc = tl.zeros([row.shape[0], d.shape[0]], dtype=tl.float32)
+    for s0 in range(0, count, SLOT_BLOCK):
+        slot = first + s0 + block
+        smask = ((s0 + block) < count)[:, None] & ok[None, :]
+        xs = tl.load(part_lse_ptr + slot[:, None] * stride_pl_slot + row[None, :],
+                     mask=smask, other=float("-inf"))
+        w = tl.exp2(xs - shift[None, :])
+        o = tl.load(part_out_ptr + (slot[:, None, None] * stride_po_slot
+                                    + row[None, :, None] * stride_po_row + d[None, None, :]),
+                    mask=smask[:, :, None], other=0.0)
+        acc += tl.sum(w[:, :, None] * o, 0)
+    return m_i, den, acc
 
 
 def reduce_launcher(part_out: torch.Tensor, part_lse: torch.Tensor, split_indptr: torch.Tensor,
@@ -129,8 +150,9 @@ def reduce_launcher(part_out: torch.Tensor, part_lse: torch.Tensor, split_indptr
     d_v = out.shape[-1]
     rows = groups * tokens_per_group * q_heads
     # Few rows (one request's heads, many slots): small blocks, many programs; from 256 rows
-    # a program a row, all its value dims (16-byte loads, every slot's in flight at once;
-    # docs/kernels/reduce_merge.md has the comparison). The CPU interpreter runs programs
+    # a program a row, all its value dims (16-byte loads, every slot's in flight at once);
+    # the balanced form's many rows of few slots, 4 rows a program
+    # (docs/kernels/reduce_merge.md has the comparisons). The CPU interpreter runs programs
     # one by one: there, the fewest.
     if blocks is not None:
         block_r, block_d = blocks
@@ -138,6 +160,8 @@ def reduce_launcher(part_out: torch.Tensor, part_lse: torch.Tensor, split_indptr
         block_r, block_d = 16, d_v
     else:
         block_r, block_d = (2, 64) if rows < 256 else (1, 512)
+        if one_in_place and rows >= BALANCED_ROWS_4:
+            block_r = 4  # the balanced form's partials (docs/kernels/reduce_merge.md)
     block_d = min(block_d, d_v)
     if d_v % block_d:
         raise ValueError(f"d_v {d_v} must be a multiple of {block_d}")
