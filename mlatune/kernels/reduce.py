@@ -56,10 +56,7 @@ def reduce_kernel(part_out_ptr, part_lse_ptr, split_indptr_ptr, out_ptr, lse_ptr
         count = tl.load(split_indptr_ptr + group + 1) - first
         if ONE_IN_PLACE:  # the kernel wrote a group of one slot's rows itself: leave them
             ok = ok & ((offs * 0 + count) != 1)
-    if SLOTS > 0 and SLOTS <= SLOT_BLOCK:
-        m_i, den, acc = _one_pass(part_out_ptr, part_lse_ptr, first, SLOTS, row, d, ok,
-                                  stride_po_slot, stride_po_row, stride_pl_slot, SLOT_BLOCK)
-    elif count <= SLOT_BLOCK:
+    if count <= SLOT_BLOCK:  # (uniform slots: decided at compile time)
         m_i, den, acc = _one_pass(part_out_ptr, part_lse_ptr, first, count, row, d, ok,
                                   stride_po_slot, stride_po_row, stride_pl_slot, SLOT_BLOCK)
     else:
