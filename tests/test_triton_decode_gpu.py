@@ -203,5 +203,8 @@ def test_reduce_leaves_groups_of_one_slot_in_place_on_the_gpu(pdl):
                  rep=1, d_v=512, pdl=pdl, one_in_place=True)
     # From BALANCED_ROWS_4 rows (64 groups of 2 x 128 rows): 4 rows a program, the slot
     # hint (2) below some groups' counts (two passes there).
+    from mlatune.kernels.reduce import BALANCED_ROWS_4
+
+    assert BALANCED_ROWS_4 <= 64 * 2 * 128
     check_reduce(None, [1, 2, 0, 3] * 16, 2, 58, "cuda", tokens=2, q_heads=128, rep=1,
                  d_v=512, pdl=pdl, one_in_place=True)
