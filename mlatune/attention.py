@@ -53,6 +53,7 @@ and none is kept (their pool must hold nothing else), so ``reuse_plan`` plans ag
 
 from __future__ import annotations
 
+import numbers
 import threading
 import weakref
 
@@ -159,6 +160,13 @@ def _dispatcher_for(dispatcher: Dispatcher | None, capturable: bool, accuracy: s
     return dispatcher
 
 
+def _plain_float(scale: object) -> object:
+    """A real number of another type (a numpy float32) as a Python float, which kernels take
+    as a constant; anything else as given, for the argument checks to name."""
+    real = isinstance(scale, numbers.Real) and not isinstance(scale, bool | float)
+    return float(scale) if real else scale
+
+
 def _geometry(t: torch.Tensor | None) -> tuple | None:
     """What a prepared step assumes of a tensor besides its address."""
     return None if t is None else (t.dtype, t.shape, t.stride(), t.device)
@@ -203,6 +211,7 @@ def decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     with dcp_size > 1 both are this rank's partials, merged by the caller.
     """
     want_lse = return_lse or lse_out is not None
+    softmax_scale = _plain_float(softmax_scale)
     if torch.compiler.is_compiling():
         return _decode_compiled(q, kv_cache, block_table, seq_lens, num_heads, qlen, causal,
                                 kv_scale, q_scale, softmax_scale, out, lse_out, dcp_rank,
@@ -256,7 +265,7 @@ def _check_args(tensors: tuple, made: dict) -> None:
     and options: a DecodeArgumentError names a bad one, also one of a foreign type (a list
     as q) that failed before they ran."""
     checked = ("num_heads", "qlen", "dcp_rank", "dcp_size", "kv_lora_rank", "kv_scale",
-               "q_scale", "softmax_scale", "out", "lse_out")
+               "q_scale", "softmax_scale", "out", "lse_out", "causal")
     runtime_checks.check_decode_args(*tensors, **{k: made[k] for k in checked})
 
 
@@ -282,6 +291,12 @@ def _held_step(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                                   "tensors has planned yet; pass reuse_plan=False in the "
                                   "step's first call")
     served = _served_len(max_kv_len, made["qlen"])
+    if planner is not None and planner.problem.kv_len != served:
+        raise DecodeArgumentError(
+            f"reuse_plan: the step's planning call (reuse_plan=False) was prepared for "
+            f"max_kv_len up to {planner.problem.kv_len}; this call's max_kv_len "
+            f"{max_kv_len} needs one up to {served}: pass every layer of a step the same "
+            f"max_kv_len")
     step = steps.pop(key, None)
     if step is not None and step.problem.kv_len == served:
         if step.planner is not planner:  # the layers' planning step is another now
@@ -385,6 +400,7 @@ def prepare_decode(
     wrappers). Arguments as ``decode``'s; the step serves lengths up to the block
     table's capacity, chosen for ``max_kv_len``."""
     _check_plan_from_policy(plan_from, accuracy)
+    softmax_scale = _plain_float(softmax_scale)
     dispatcher = _dispatcher_for(dispatcher, capturable, accuracy)
     if plan_from is not None and not isinstance(plan_from, DecodeStep):
         raise DecodeArgumentError(f"plan_from: must be a step prepare_decode returned, or "
@@ -417,7 +433,7 @@ def _make_plan(q, kv_cache, block_table, seq_lens, *, num_heads, qlen, causal, k
     runtime_checks.check_decode_args(
         q, kv_cache, block_table, seq_lens, num_heads=num_heads, qlen=qlen, dcp_rank=dcp_rank,
         dcp_size=dcp_size, kv_lora_rank=kv_lora_rank, kv_scale=kv_scale, q_scale=q_scale,
-        softmax_scale=softmax_scale, out=out, lse_out=lse_out)
+        softmax_scale=softmax_scale, out=out, lse_out=lse_out, causal=causal)
     runtime_checks.check_max_kv_len(max_kv_len)
     if kv_cache.dim() == 4:
         kv_cache = kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], kv_cache.shape[3])
@@ -449,21 +465,27 @@ def _make_plan(q, kv_cache, block_table, seq_lens, *, num_heads, qlen, causal, k
     buffers = {"out": out, "lse": lse_out}
     if first_sight.enabled(dispatcher) and first_sight.unsure(dispatcher.select(problem)):
         first_sight.measure(dispatcher, problem, capped, inputs, dcp_rank, want_lse)
+    skipped = []  # (route, why) of each route that supports the problem but not the call
     for choice in dispatcher.alternatives(capped, first=dispatcher.select(problem)):
         route = dispatcher.route(choice.route_id)
         if capturable and not step_kind_of(route, dict(choice.params)).capturable:
+            skipped.append((choice.route_id, "its step is not capturable"))
             continue
         # A held step meets whatever lengths are written in place later, 0 among them.
         if not route.serves_empty(capped, dict(choice.params)):
+            skipped.append((choice.route_id, "serves no empty request"))
             continue
         prepared = prepare_route(route, capped, inputs, dcp_rank, choice, want_lse, buffers)
         if want_lse and prepared.lse is None:
+            skipped.append((choice.route_id, "returns no LSE"))
             continue
         return new_step(capped, choice, route, inputs, prepared, local_lens, dcp_rank,
                         buffers, want_lse)
     needs = " and ".join(n for n, on in (("returns an LSE", want_lse),
                                           ("is capturable", capturable)) if on)
-    raise RuntimeError(f"no route that serves {problem.key} {needs}")
+    why = "; ".join(f"{route}: {reason}" for route, reason in skipped) or \
+        "none supports it here (`mlatune lookup` says why)"
+    raise RuntimeError(f"no route that serves {problem.key} {needs} ({why})")
 
 
 def last_step(dispatcher: Dispatcher | None = None) -> DecodeStep | None:
@@ -509,7 +531,9 @@ def _decode_compiled(q, kv_cache, block_table, seq_lens, num_heads, qlen, causal
     """decode() as torch.compile traces it: buffers allocated here, the work in the op."""
     rows, heads = q.shape[0], q.shape[1]
     if out is None:
-        out_dtype = DTYPES[output_dtype(DTYPE_NAMES[q.dtype])]
+        # (a dtype decode refuses: q's, so that the op's argument checks name it)
+        out_dtype = DTYPES[output_dtype(DTYPE_NAMES[q.dtype])] if q.dtype in DTYPE_NAMES \
+            else q.dtype
         out = q.new_empty(rows, heads, kv_lora_rank, dtype=out_dtype)
     if want_lse and lse_out is None:
         lse_out = q.new_empty(rows, heads, dtype=torch.float32)

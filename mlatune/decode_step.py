@@ -53,10 +53,21 @@ class DecodeStep:
         # launch where each Triton launch costs tens of microseconds of host time.
         self.replayable = kind.capturable and self.out.is_cuda
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.layout = self.held_layout()
+
+    def held_layout(self) -> tuple:
+        """The memory, shape and strides (``address``) of every tensor the step holds."""
+        shard = self.inputs.shards[self.rank]
+        return tuple(address(t) for t in (self.inputs.q, shard.kv_cache, shard.block_table,
+                                          self.inputs.seq_lens, self.out, self.lse))
 
     def __call__(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run the step (``call``); returns out, and the LSE when the step has one. The
         length values are checked first where that is free (CPU tensors) or asked for."""
+        if self.held_layout() != self.layout:
+            raise DecodeArgumentError(
+                "a held decode step's tensors were resized or moved since it was prepared "
+                "(it serves the batch, shapes and memory it was made for); prepare a new step")
         shard = self.inputs.shards[self.rank]
         if checks_values(self.values_free, self.inputs.seq_lens, made=False):
             check_values(self.problem, shard.kv_cache, shard.block_table,
@@ -129,10 +140,11 @@ class DecodeStep:
             self.prepared.step()
         else:
             self.prepared.run()
-        if self.out is not self.prepared.out:  # a route that cannot write into out=
+        # A route that cannot write into the caller's out= or lse_out= (either alone)
+        if self.out is not self.prepared.out:
             self.out.copy_(self.prepared.out)
-            if self.lse is not None and self.lse is not self.prepared.lse:
-                self.lse.copy_(self.prepared.lse)
+        if self.lse is not None and self.lse is not self.prepared.lse:
+            self.lse.copy_(self.prepared.lse)
 
 
 def _released() -> None:

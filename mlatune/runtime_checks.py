@@ -61,6 +61,9 @@ _FIELD_ARGS = {"q_dtype": "q", "kv_dtype": "kv_cache", "page_size": "kv_cache",
                "qlen": "qlen", "dcp_size": "dcp_size", "kv_lora_rank": "kv_lora_rank"}
 
 
+MAX_KV_LEN = 2**30
+
+
 def _fail(arg: str, message: str) -> NoReturn:
     raise DecodeArgumentError(f"{arg}: {message}")
 
@@ -121,9 +124,12 @@ def check_decode_args(
     softmax_scale: float | None = None,
     out: torch.Tensor | None = None,
     lse_out: torch.Tensor | None = None,
+    causal: bool = True,
 ) -> None:
     """Raise ``DecodeArgumentError`` for any argument decode cannot serve, reading no
     tensor values (no device sync). Layouts as ``mlatune.attention.decode`` documents."""
+    if not isinstance(causal, bool):
+        _fail("causal", f"must be a bool, got {causal!r} of {type(causal)}")
     _check_ints(num_heads=num_heads, qlen=qlen, dcp_rank=dcp_rank, dcp_size=dcp_size,
                 kv_lora_rank=kv_lora_rank)
     _check_types(dict(q=q, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens),
@@ -155,6 +161,8 @@ def check_max_kv_len(max_kv_len: int, none_ok: bool = False) -> None:
                             f"{max_kv_len!r}")
     if max_kv_len < 0:
         _fail("max_kv_len", f"must be >= 0 (the longest request's length), got {max_kv_len}")
+    if max_kv_len > MAX_KV_LEN:  # a step serves up to the next power of two, an int32
+        _fail("max_kv_len", f"must be at most 2**30 = {MAX_KV_LEN} keys, got {max_kv_len}")
 
 
 def _check_ints(**values: int) -> None:
@@ -293,6 +301,7 @@ def _check_out(out: torch.Tensor | None, want: tuple[int, int, int], dtype: torc
         _fail("out", f"must be {_name(dtype)} for a {q_dtype} q, got {_name(out.dtype)}")
     if out.stride(-1) != 1:  # kernels write a head's dims at unit stride
         _fail("out", f"needs a contiguous last dimension, got strides {out.stride()}")
+    _check_distinct_elements("out", out)
 
 
 def _check_lse_out(lse_out: torch.Tensor | None, want: tuple[int, int]) -> None:
@@ -305,6 +314,21 @@ def _check_lse_out(lse_out: torch.Tensor | None, want: tuple[int, int]) -> None:
         _fail("lse_out", f"must be float32, got {_name(lse_out.dtype)}")
     if lse_out.stride(-1) != 1:  # kernels write a row's heads at base + token stride + head
         _fail("lse_out", f"needs a contiguous last dimension, got strides {lse_out.stride()}")
+    _check_distinct_elements("lse_out", lse_out)
+
+
+def _check_distinct_elements(arg: str, t: torch.Tensor) -> None:
+    """An output whose elements share memory (an expanded or stride-0 view) has two rows
+    written to one place: each dimension's stride must step past the smaller ones' span
+    (sufficient, and what any view into a buffer of its own satisfies)."""
+    span = 1
+    for size, stride in sorted((d for d in zip(t.shape, t.stride(), strict=True) if d[0] > 1),
+                               key=lambda d: d[1]):
+        if stride < span:
+            _fail(arg, f"its elements overlap each other (shape {tuple(t.shape)}, strides "
+                       f"{t.stride()}: an expanded view?); pass a buffer with a place for "
+                       f"every element")
+        span = stride * size
 
 
 def _check_apart(outputs: dict[str, torch.Tensor | None],

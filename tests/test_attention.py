@@ -256,9 +256,11 @@ def test_the_callers_softmax_scale_is_used():
     assert not check(problem, out, default_out).ok  # the scale made a difference
 
 
+@pytest.mark.parametrize("given", ["both", "lse_out"])
 @pytest.mark.parametrize("route_id", ["padded/triton", "recording/fake"])
-def test_out_and_lse_out_are_the_callers(route_id, tmp_path):
-    """A route that writes into the caller's buffers, and one whose result is copied there."""
+def test_out_and_lse_out_are_the_callers(route_id, given, tmp_path):
+    """A route that writes into the caller's buffers, and one whose result is copied there;
+    lse_out= filled with or without out=."""
     problem = PROBLEMS[0]
     routes.register(FakeRoute("recording/fake"))
     try:
@@ -272,14 +274,15 @@ def test_out_and_lse_out_are_the_callers(route_id, tmp_path):
         lse_out = torch.empty(inputs.q.shape[0], problem.num_heads)
         poison_(out, lse_out)
         got, lse = attention.decode(inputs.q, shard.kv_cache, shard.block_table,
-                                    inputs.seq_lens, num_heads=problem.num_heads, out=out,
+                                    inputs.seq_lens, num_heads=problem.num_heads,
+                                    out=out if given == "both" else None,
                                     lse_out=lse_out, dispatcher=dispatcher)
-        assert got is out and lse is lse_out
+        assert (got is out) == (given == "both") and lse is lse_out
         (plan,) = attention.plans_of(dispatcher).values()
         assert plan.choice.route_id == route_id
-        assert (plan.prepared.out is out) == (route_id == "padded/triton")
+        assert (plan.prepared.lse is lse_out) == (route_id == "padded/triton")
         want_out, want_lse = reference.run(inputs, torch.float64)
-        assert check(problem, out, want_out, lse_out, want_lse).ok
+        assert check(problem, got, want_out, lse_out, want_lse).ok
     finally:
         routes.unregister("recording/fake")
 

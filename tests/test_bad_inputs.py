@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy
 import pytest
 import torch
 
@@ -95,6 +96,21 @@ def test_a_held_step_serves_again_once_the_values_are_good():
     assert (out[1] == 0).all()  # the empty request
 
 
+@pytest.mark.parametrize("grown", ["q", "block_table", "seq_lens", "all"])
+def test_a_held_step_refuses_tensors_resized_in_place(grown):
+    """An engine that grows its batch with resize_ gets an error naming the cause, not the
+    old batch's output with the new requests never computed."""
+    _, args = call_args()
+    step = held(args)
+    poison_(step())
+    batch = args["seq_lens"].shape[0]
+    for name in ("q", "block_table", "seq_lens") if grown == "all" else (grown, ):
+        tensor = args[name]
+        tensor.resize_((tensor.shape[0] // batch * (batch + 1), *tensor.shape[1:]))
+    with pytest.raises(DecodeArgumentError, match="resized or moved since it was prepared"):
+        step()
+
+
 # Outputs that overlap an input --------------------------------------------------------
 
 def _views_of(args: dict, name: str, shape: tuple, dtype: torch.dtype,
@@ -164,6 +180,10 @@ def test_out_over_lse_out_is_refused_and_disjoint_parts_of_one_buffer_serve():
     ("dispatcher", object(), r"^dispatcher: .* got object"),
     ("max_kv_len", "40", r"^max_kv_len: must be an int or None, got '40'"),
     ("max_kv_len", -1, r"^max_kv_len: must be >= 0"),
+    ("max_kv_len", 2**40, r"^max_kv_len: must be at most 2\*\*30"),
+    ("causal", None, r"^causal: must be a bool, got None"),
+    ("causal", numpy.bool_(True), r"^causal: must be a bool, got np.True_ of .*numpy"),
+    ("causal", 1, r"^causal: must be a bool, got 1"),
 ])
 @pytest.mark.parametrize("capturable", [None, False])
 def test_arguments_of_foreign_types_are_named(arg, value, message, capturable):
@@ -176,6 +196,43 @@ def test_arguments_of_foreign_types_are_named(arg, value, message, capturable):
             message = message.replace(" or None", "")
         with pytest.raises(DecodeArgumentError, match=message):
             attention.prepare_decode(**args)
+
+
+@pytest.mark.parametrize("scale", [numpy.float32(0.07), numpy.float64(0.07), 0.07])
+def test_a_numpy_softmax_scale_serves_as_its_float(scale):
+    """A real of another type (a numpy scalar, as a config loader gives) is the same scale."""
+    _, args = call_args()
+    want = attention.decode(**args, softmax_scale=0.07).clone()
+    got = attention.decode(**args, softmax_scale=scale)
+    assert torch.equal(got, want)
+    assert torch.equal(attention.prepare_decode(**args, softmax_scale=scale)(), want)
+    assert not torch.equal(want, attention.decode(**args))  # the scale made a difference
+
+
+def test_torch_compile_names_a_q_of_a_dtype_decode_refuses():
+    """Compiled, a float32 q is refused by name, as eager refuses it (not a KeyError in the
+    traced wrapper that allocates out)."""
+    _, args = call_args()
+    dispatcher = args.pop("dispatcher")
+
+    def attend(q, kv_cache, block_table, seq_lens):
+        return attention.decode(q, kv_cache, block_table, seq_lens, dispatcher=dispatcher,
+                                **{k: v for k, v in args.items() if k not in
+                                   ("q", "kv_cache", "block_table", "seq_lens")})
+
+    compiled = torch.compile(attend, fullgraph=True, backend="aot_eager")
+    with pytest.raises(DecodeArgumentError, match=r"^q: dtype float32 is not one of"):
+        compiled(args["q"].float(), args["kv_cache"], args["block_table"], args["seq_lens"])
+
+
+def test_reuse_plan_names_a_layer_whose_max_kv_len_needs_another_step():
+    _, args = call_args()
+    attention.decode(**args)
+    with pytest.raises(DecodeArgumentError, match=r"^reuse_plan: the step's planning call .* "
+                                                  r"pass every layer of a step the same "
+                                                  r"max_kv_len"):
+        attention.decode(**{**args, "max_kv_len": 2 * args["max_kv_len"] + 1},
+                         reuse_plan=True)
 
 
 def test_prepare_decode_asks_for_max_kv_len():

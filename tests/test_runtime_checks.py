@@ -22,6 +22,7 @@ from mlatune.runtime_checks import (
 LORA, ROPE = 32, 16  # a narrow latent keeps the tensors small
 D_QK = LORA + ROPE
 META = torch.device("meta")  # "another device" without a GPU
+ALIASED = "its elements overlap each other"
 
 
 def args(q_dtype: str = "bf16", kv_dtype: str = "bf16", *, dcp: int = 1, rank: int = 0,
@@ -204,6 +205,9 @@ def test_out_dtype(q_dtype, kv_dtype, out_dtype, match):
     (torch.empty(3, 2, D_QK, dtype=torch.bfloat16), r"must be .* = \(3, 2, 32\)"),
     (torch.empty(3, 4, LORA, dtype=torch.bfloat16), "must be"),
     (torch.empty(LORA, 2, 3, dtype=torch.bfloat16).permute(2, 1, 0), "needs a contiguous last"),
+    (torch.empty(1, 2, LORA, dtype=torch.bfloat16).expand(3, 2, LORA), ALIASED),
+    (torch.empty(3, 1, LORA, dtype=torch.bfloat16).expand(3, 2, LORA), ALIASED),
+    (torch.empty(4 * LORA, dtype=torch.bfloat16).as_strided((3, 2, LORA), (LORA, 8, 1)), ALIASED),
     (torch.empty(3, 2, LORA, dtype=torch.bfloat16).numpy, "must be a torch.Tensor or None")])
 def test_out_shape_and_layout(out, match):
     refused("out", args() | dict(out=out), match)
@@ -213,12 +217,23 @@ def test_out_shape_and_layout(out, match):
     (torch.empty(3, 2, dtype=torch.bfloat16), "must be float32"),
     (torch.empty(3, 4), r"must be \(batch \* qlen, num_heads \* dcp_size\) = \(3, 2\)"),
     (torch.empty(3, 2, 1), "must be"),
-    (torch.empty(2, 3).t(), "needs a contiguous last")])
+    (torch.empty(2, 3).t(), "needs a contiguous last"),
+    (torch.empty(1, 2).expand(3, 2), ALIASED)])
 def test_lse_out(lse_out, match):
     refused("lse_out", args() | dict(lse_out=lse_out), match)
 
 
 # Layouts the kernels need ---------------------------------------------------------------
+
+def test_outputs_that_are_views_into_a_wider_buffer_are_served():
+    """A head-major out and views into a wider buffer place every element apart."""
+    a = args()
+    wide = torch.empty(3, 2, LORA + 8, dtype=torch.bfloat16)[..., :LORA]
+    head_major = torch.empty(2, 3, LORA, dtype=torch.bfloat16).transpose(0, 1)
+    lse_wide = torch.empty(3, 4)[:, :2]
+    for out, lse_out in ((wide, lse_wide), (head_major, torch.empty(2, 3).t().contiguous())):
+        check_decode_args(**a, out=out, lse_out=lse_out)
+
 
 def test_layouts_the_kernels_need():
     a = args()

@@ -412,8 +412,9 @@ def _ranked_again(frame: pd.DataFrame, facts: RouteFacts | None) -> pd.DataFrame
 def format_of(path: str | os.PathLike) -> str:
     suffix = "csv" if _gzipped(path) else Path(path).suffix.lower().lstrip(".")
     if suffix not in FORMATS:
-        raise TableError(f"{path}: unknown table format {Path(path).suffix or '(no suffix)'!r}; "
-                         f"expected .parquet, .csv or .csv.gz")
+        suffixes = "".join(Path(path).suffixes) or "(no suffix)"
+        raise TableError(f"{path}: unknown table format {suffixes!r}; expected .parquet, .csv "
+                         f"or .csv.gz")
     return suffix
 
 
