@@ -465,7 +465,19 @@ def _make_plan(q, kv_cache, block_table, seq_lens, *, num_heads, qlen, causal, k
     buffers = {"out": out, "lse": lse_out}
     if first_sight.enabled(dispatcher) and first_sight.unsure(dispatcher.select(problem)):
         first_sight.measure(dispatcher, problem, capped, inputs, dcp_rank, want_lse)
-    skipped = []  # (route, why) of each route that supports the problem but not the call
+    return _first_serving(dispatcher, problem, inputs, buffers, local_lens, dcp_rank,
+                          want_lse, capturable)
+
+
+def _first_serving(dispatcher: Dispatcher, problem: MLAProblem, inputs: DecodeInputs,
+                   buffers: dict, local_lens: torch.Tensor | None, dcp_rank: int,
+                   want_lse: bool, capturable: bool) -> DecodeStep:
+    """The step of the first route, in the dispatcher's order for ``problem`` (prepared for
+    ``inputs.problem``, its power of two), that serves the call: capturable when asked, empty
+    requests, an LSE when wanted. None serving it is a RuntimeError saying why each
+    route that supports the problem was passed over."""
+    capped = inputs.problem
+    skipped = []  # (route, why)
     for choice in dispatcher.alternatives(capped, first=dispatcher.select(problem)):
         route = dispatcher.route(choice.route_id)
         if capturable and not step_kind_of(route, dict(choice.params)).capturable:
