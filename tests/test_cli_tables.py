@@ -238,6 +238,21 @@ def test_export_refuses_a_suffix_that_does_not_match(good, tmp_path):
     assert not (tmp_path / "x.parquet").exists()
 
 
+@pytest.mark.parametrize("path", ["same", "dotted", "link"])
+def test_export_refuses_to_write_over_the_table_it_reads(good, tmp_path, path):
+    """--out TABLE (or a path to the same file) would replace the input with its cut."""
+    source = tmp_path / "t.parquet"
+    source.write_bytes(good.read_bytes())
+    out = {"same": source, "dotted": tmp_path / "sub" / ".." / "t.parquet",
+           "link": tmp_path / "link.parquet"}[path]
+    if path == "link":
+        out.symlink_to(source)
+    result = runner.invoke(app, ["export", str(source), "--format", "parquet", "--out",
+                                 str(out), "--winners-only"])
+    assert result.exit_code == 2 and "is the table read" in result.output
+    assert source.read_bytes() == good.read_bytes()
+
+
 def test_export_writes_gzipped_csv(good, tmp_path):
     out = tmp_path / "x.csv.gz"
     result = runner.invoke(app, ["export", str(good), "--format", "csv", "--out", str(out)])
@@ -266,6 +281,18 @@ def test_coverage_counts_how_each_problem_of_a_spec_is_answered(good, tmp_path, 
                                "--require", "nearest"])
     assert strict.exit_code == 1 and "1 problem(s)" in strict.output
     assert "law: phase=decode|num_heads=32|" in strict.output
+
+
+def test_coverage_for_the_cpu_answers_the_specs_cpu_grid(tmp_path):
+    """A table swept on the CPU is measured at its spec's CPU grid: --arch cpu answers
+    that grid (from the table), not the GPU grid."""
+    from mlatune.sweep import spec as specs
+
+    cpu_grid = specs.load(specs.bundled_spec_path("smoke.toml"), gpu=False).problems
+    gpu_grid = specs.load(specs.bundled_spec_path("smoke.toml"), gpu=True).problems
+    assert len(cpu_grid) != len(gpu_grid)
+    result = runner.invoke(app, ["coverage", "smoke", "--arch", "cpu", "--json"])
+    assert json.loads(result.output)["problems"] == len(cpu_grid)
 
 
 def test_coverage_refuses_a_bad_require_and_a_bad_spec(good, tmp_path):

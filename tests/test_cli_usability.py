@@ -86,6 +86,33 @@ def test_fresh_leaves_a_journal_another_sweep_holds_alone(tmp_path):
         "t.journal.jsonl", "t.journal.jsonl.lock", "tiny.toml"]  # nothing moved aside
 
 
+@pytest.mark.parametrize("journal", ["none", "empty", "header only"])
+def test_a_table_no_journal_holds_is_not_overwritten(tmp_path, journal):
+    """Someone's table at --out without a journal of its results (copied there, or its
+    journal lost) is refused by name; --fresh moves it aside and sweeps."""
+    spec, out = tiny_spec(tmp_path), tmp_path / "t.parquet"
+    assert sweep(spec, out).exit_code == 0
+    kept = out.read_bytes()
+    path = out.with_suffix(".journal.jsonl")
+    header = path.read_text().splitlines()[0]
+    {"none": path.unlink, "empty": lambda: path.write_text(""),
+     "header only": lambda: path.write_text(header + "\n")}[journal]()
+    refused = sweep(spec, out)
+    assert refused.exit_code == 1
+    assert f"{out} exists and no journal of its results is beside it" in refused.output
+    assert out.read_bytes() == kept
+    assert sweep(spec, out, "--fresh").exit_code == 0
+    assert any(p.name.startswith("t.2") and p.suffix == ".parquet" for p in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("timeout", ["inf", "3e6", "nan", "0"])
+def test_a_timeout_no_timer_holds_is_a_usage_error(tmp_path, timeout):
+    spec, out = tiny_spec(tmp_path), tmp_path / "t.parquet"
+    result = sweep(spec, out, "--timeout", timeout)
+    assert result.exit_code == 2 and "--timeout" in result.output
+    assert not out.with_suffix(".journal.jsonl").exists()  # refused before anything began
+
+
 # 2. Progress counts the candidates that run -----------------------------------------
 
 def test_the_bar_counts_candidates_that_run_and_the_summary_agrees(tmp_path):

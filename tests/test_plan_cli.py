@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 
 import pytest
 from typer.testing import CliRunner
@@ -87,6 +88,41 @@ def test_plan_errors_are_one_red_line():
     assert result.exit_code == 1
     assert "cannot write" in result.output and "error:" in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("name", ["plan.parquet", "spec.toml", "plan"])
+def test_plan_writes_only_a_csv(tmp_path, name):
+    """--out that is not .csv (a table's name, the spec itself) is refused, untouched."""
+    spec = tmp_path / "spec.toml"
+    spec.write_bytes(bundled_spec_path("smoke.toml").read_bytes())
+    out = tmp_path / name
+    if name != "plan":
+        out.write_bytes(spec.read_bytes())
+    result = invoke("plan", str(spec), "--arch", "sm_90", "--out", str(out))
+    assert result.exit_code == 2 and "name it .csv" in result.output
+    assert name == "plan" or out.read_bytes() == spec.read_bytes()
+
+
+def test_plan_and_coverage_refuse_a_route_the_spec_names_that_does_not_exist(tmp_path):
+    """A [max_params] entry of an unknown route would never cut anything: refused as the
+    routes list's unknown ids are, by plan and coverage as by sweep."""
+    spec = tmp_path / "s.toml"
+    spec.write_text('[max_params]\n"bogus/route" = 2\n[[grid]]\nkv_len = 64\n')
+    for args in (["plan", str(spec), "--arch", "sm_90"], ["coverage", str(spec)]):
+        result = invoke(*args)
+        assert result.exit_code == 1 and "bogus/route" in result.output, args
+        assert "Traceback" not in result.output
+
+
+def test_plan_says_how_many_combinations_it_skipped(tmp_path):
+    spec = tmp_path / "s.toml"
+    spec.write_text("[[grid]]\nnum_heads = [8, 16]\nkv_len = [160, 0]\n")
+    result = invoke("plan", str(spec), "--arch", "sm_90")
+    assert result.exit_code == 0, result.output
+    assert "2 problems from" in result.output
+    assert "(2 invalid combinations skipped)" in " ".join(result.output.split())
+    assert json.loads(invoke("plan", str(spec), "--arch", "sm_90", "--json").output)[
+        "skipped_combinations"] == 2
 
 
 def test_plan_refuses_an_unknown_arch_as_a_usage_error_listing_the_known():

@@ -336,6 +336,13 @@ def test_missing_inputs_and_bad_tables_are_one_red_line(fakes, main_table, tmp_p
     missing = wide.invoke(app, ["report", str(main_table), "--heldout", str(main_table),
                                 "--heldout-journal", absent, "--out", out])
     assert missing.exit_code == 2 and absent in " ".join(missing.output.split())
+    for text in ("garbage\n", ""):  # a torn line alone, nothing: no candidate in either
+        garbage = tmp_path / "garbage.jsonl"
+        garbage.write_text(text)
+        assert_one_line_error(wide.invoke(app, ["report", str(main_table), "--heldout",
+                                                str(main_table), "--heldout-journal",
+                                                str(garbage), "--out", out]),
+                              "no ok candidate in it")
     both = table.write(make_table(main_rows() + main_rows(MI355)), tmp_path / "both.parquet")
     assert_one_line_error(wide.invoke(app, ["report", str(both), "--out", out]),
                           "one device", "holds 2")

@@ -89,5 +89,8 @@ def test_the_cpu_table_replaces_settings_only_without_a_gpu():
                                                                        gpu=False)
     assert (gpu.max_params_per_route, gpu.budget.min_reps, gpu.budget.max_reps) == (4, 10, 100)
     assert (cpu.max_params_per_route, cpu.budget.min_reps, cpu.budget.max_reps) == (1, 2, 2)
-    with pytest.raises(spec.SpecError, match=r"cpu\.grid"):
-        spec.parse({**data, "cpu": {"grid": []}}, "t.toml", gpu=False)
+    for gpu in (False, True):  # a bad [cpu] table is the spec's error on any machine
+        with pytest.raises(spec.SpecError, match=r"cpu\.grid"):
+            spec.parse({**data, "cpu": {"grid": []}}, "t.toml", gpu=gpu)
+        with pytest.raises(spec.SpecError, match=r"cpu\.budget"):
+            spec.parse({**data, "cpu": {"budget": 3}}, "t.toml", gpu=gpu)

@@ -251,6 +251,16 @@ def test_each_invalid_value_kind_is_named():
             torch_version=f["torch_version"].mask(f.index == first_h200, "2.99")),
         "has 1 missing values": lambda f: f.assign(
             reason=f["reason"].mask(f.index == 0, pd.NA)),
+        "arch not shaped sm_<n>, gfx<id> or cpu: ''": lambda f: f.assign(arch=""),
+        "arch not shaped sm_<n>, gfx<id> or cpu: 'nvidia'": lambda f: f.assign(arch="nvidia"),
+        "rows with an empty device_name": lambda f: f.assign(device_name=" "),
+        "cu_count below 1: 0": lambda f: f.assign(cu_count=0),
+        "cu_count below 1: -3": lambda f: f.assign(cu_count=-3),
+        "hardware that are not JSON objects: '{bad'": lambda f: f.assign(hardware="{bad"),
+        "backend_versions that are not JSON objects": lambda f: f.assign(
+            backend_versions="garbage"),
+        "created_utc not an ISO 8601 time: 'yesterday'": lambda f: f.assign(
+            created_utc="yesterday"),
     }
     for expected, damage in cases.items():
         problems = table.validate(damage(frame.copy()))

@@ -6,8 +6,10 @@ a log or a grep sees whole paths, route ids and numbers.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import re
 import sys
 from contextlib import contextmanager
@@ -233,6 +235,11 @@ def fail(message: str) -> NoReturn:
     raise typer.Exit(FAILURE_EXIT)
 
 
+def counted(n: int, noun: str) -> str:
+    """``n`` and the noun, plural unless one: "1 problem", "3 problems"."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
 def usage_error(message: str, param: str) -> NoReturn:
     """The command line is wrong (a value of the wrong form, flags that exclude each
     other, an input that does not exist): typer's usage message, exit 2."""
@@ -276,6 +283,16 @@ def check_outputs(*paths: Path, make_parents: bool = True) -> None:
             check_writable_output(path)
         except OutputError as exc:
             fail(str(exc))
+
+
+def refuse_writing_over(out: Path, source: Path, option: str = "--out") -> None:
+    """A usage error where ``out`` is ``source`` itself (or a link to it): the command would
+    replace what it read, and a cut of it (--winners-only, --accuracy) loses rows."""
+    same = out.resolve() == source.resolve()
+    with contextlib.suppress(OSError):
+        same = same or os.path.samefile(out, source)
+    if same:
+        usage_error(f"{out} is the table read: name another path to write", option)
 
 
 def check_output_dir(folder: Path, inside: str) -> None:

@@ -24,6 +24,7 @@ from mlatune.cli.app import (
     console,
     emit_json,
     one_line_errors,
+    refuse_writing_over,
     usage_error,
 )
 from mlatune.cli.inputs import Accuracy, Format, table_argument, value
@@ -53,6 +54,7 @@ def export(
     if out.suffix.lower() != f".{fmt}" and not gzipped:
         usage_error(f"{out} must end in .{fmt}{' or .' + fmt + '.gz' if fmt != 'parquet' else ''}"
                     f" for --format {fmt}", "--out")
+    refuse_writing_over(out, table_path)
     check_outputs(out)
     with one_line_errors(str(table_path)):
         frame = frames.read_table(table_path)
@@ -93,9 +95,9 @@ def upgrade(
         = None,
     json_out: JsonFlag = False,
 ) -> None:
-    """Rewrite an older table (schema v1 or v2) as the current schema: from v1, step kinds
-    as the routes declare them and per-step costs not measured (empty); DCP rows timed
-    "simulated"; provenance converted_from "v1" or "v2"."""
+    """Rewrite an older table (any schema before the current) as the current one: from v1,
+    step kinds as the routes declare them and per-step costs not measured (empty); DCP rows
+    timed "simulated"; provenance converted_from the version it had."""
     from mlatune import table
     from mlatune.routes import FACTS
     from mlatune.table.schema import SCHEMA_VERSION

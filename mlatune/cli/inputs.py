@@ -4,6 +4,7 @@ table (the one the dispatcher loads for this GPU, or for --arch)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -41,7 +42,7 @@ def value(choice: Enum | None) -> str | None:
 
 
 LimitOption = Annotated[int, typer.Option(
-    metavar="ROWS", help="Rows to print (0: all); --json holds every one.")]
+    min=0, metavar="ROWS", help="Rows to print (0: all); --json holds every one.")]
 ArchOption = Annotated[DeviceArch | None, typer.Option(
     help="Answer for this arch (the table's) instead of this machine's.")]
 AccuracyOption = Annotated[Accuracy | None, typer.Option(
@@ -92,6 +93,20 @@ def load_spec(path: Path, gpu: bool) -> SweepSpec:
         return specs.load(path, gpu=gpu)
     except specs.SpecError as exc:
         fail(str(exc))
+
+
+def check_route_ids(route_ids: Sequence[str] | None, named_in: Path | None = None) -> None:
+    """Every route named exists, before anything is written: on the command line a
+    usage error (exit 2); in the spec, the spec's (exit 1)."""
+    from mlatune.routes import get
+
+    for route_id in route_ids or ():
+        try:
+            get(route_id)
+        except KeyError as exc:
+            if named_in is None:
+                usage_error(str(exc.args[0]), "--routes")
+            fail(f"{exc.args[0]} (named in {named_in})")
 
 
 # The default table --------------------------------------------------------------------

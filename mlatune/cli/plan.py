@@ -29,6 +29,7 @@ from mlatune.cli.app import (
     app,
     check_outputs,
     console,
+    counted,
     emit_json,
     err_console,
     fail,
@@ -43,6 +44,7 @@ from mlatune.cli.inputs import (
     Arch,
     ArchOption,
     Source,
+    check_route_ids,
     load_dispatcher,
     load_spec,
     spec_path,
@@ -83,8 +85,11 @@ def plan(
     device = capability.device_for_arch(arch.value)
     path = spec_path(spec_name)
     if out:
+        if out.suffix.lower() != ".csv":
+            usage_error(f"{out}: the plan is written as CSV; name it .csv", "--out")
         check_outputs(out, make_parents=False)
     spec = load_spec(path, gpu=True)
+    check_route_ids((*spec.routes, *spec.max_params), named_in=path)
     try:
         with _progress(len(spec.problems)) as progress:
             rows = planning.plan_rows(spec, device, progress)
@@ -135,8 +140,10 @@ def _print_plan(arch: str, device: DeviceInfo, path: Path, spec: SweepSpec,
     from mlatune.sweep import planning
 
     cus = f"{device.cu_count} CUs" if device.cu_count else "CU count unknown"
-    console().print(f"plan for {arch} ({device.name}, {cus}): {len(spec.problems)} problems "
-                    f"from {path}, {len({r.route for r in rows})} routes", highlight=False)
+    console().print(f"plan for {arch} ({device.name}, {cus}): "
+                    f"{counted(len(spec.problems), 'problem')} from {path} "
+                    f"({counted(len(spec.skipped), 'invalid combination')} skipped), "
+                    f"{counted(len({r.route for r in rows}), 'route')}", highlight=False)
     console().print("[yellow]capability rules only[/]: the probe of the installed libraries "
                     "(AITER's entry points, kernel manifest and native 24-head build; "
                     "FlashMLA, FlashInfer, Triton) was not applied; `mlatune doctor` and a "
@@ -176,7 +183,7 @@ def coverage(
     accuracy: AccuracyOption = None,
     require: Annotated[Source, typer.Option(
         help="Exit 1 unless every problem is answered this well: table (measured), "
-             "predicted, nearest or rule.")] = Source.rule,
+             "predicted, nearest, law or rule.")] = Source.rule,
     json_out: JsonFlag = False,
     old_table: Annotated[Path | None, typer.Option("--table", hidden=True)] = None,
 ) -> None:
@@ -191,7 +198,8 @@ def coverage(
     from collections import Counter
 
     table_path, path = _coverage_inputs(inputs, old_table)
-    spec = load_spec(path, gpu=True)
+    spec = load_spec(path, gpu=value(arch) != "cpu")  # --arch cpu: the spec's CPU grid
+    check_route_ids((*spec.routes, *spec.max_params), named_in=path)
     with one_line_errors(str(table_path or path)):
         dispatcher = load_dispatcher(table_path, value(arch), value(accuracy))
         choices = [(p, dispatcher.select(p)) for p in spec.problems]
@@ -205,7 +213,7 @@ def coverage(
     if json_out:
         emit_json("coverage", {
             "spec": str(path), "table": dispatcher.source or None, "require": require.value,
-            "problems": len(choices),
+            "problems": len(choices), "skipped_combinations": len(spec.skipped),
             "answered": {s: {"problems": sum(routes.values()), "routes": routes}
                          for s, routes in answered.items()},
             "below_require": [{"key": p.key, "source": c.source, "route": c.route_id}
@@ -214,7 +222,7 @@ def coverage(
                           for p, c in uncertain],
             "ok": not worse})
     else:
-        _print_coverage(path, dispatcher, len(choices), answered, worse, uncertain)
+        _print_coverage(path, dispatcher, spec, answered, worse, uncertain)
     if worse:
         fail(f"{len(worse)} problem(s) answered by worse than --require {require.value}"
              + (" (first 20 above)" if len(worse) > 20 and not json_out else ""))
@@ -233,13 +241,14 @@ def _coverage_inputs(inputs: list[str], old_table: Path | None) -> tuple[Path | 
     return table_path, spec_path(inputs[-1])
 
 
-def _print_coverage(path: Path, dispatcher: Dispatcher, n: int,
+def _print_coverage(path: Path, dispatcher: Dispatcher, spec: SweepSpec,
                     answered: dict[str, dict[str, int]],
                     worse: list[tuple[MLAProblem, Choice]],
                     uncertain: list[tuple[MLAProblem, Choice]]) -> None:
     console().print(f"table: {dispatcher.source or 'none (every answer by rule)'}",
                     highlight=False)
-    out = Table(title=f"{n} problems of {path}")
+    out = Table(title=f"{counted(len(spec.problems), 'problem')} of {path} "
+                      f"({counted(len(spec.skipped), 'invalid combination')} skipped)")
     out.add_column("answered by")
     out.add_column("problems", justify="right")
     out.add_column("routes")

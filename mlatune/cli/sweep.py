@@ -25,17 +25,16 @@ from mlatune.cli.app import (
     app,
     check_outputs,
     console,
+    counted,
     device_json,
     emit_json,
     err_console,
     fail,
     usage_error,
 )
-from mlatune.cli.inputs import DeviceArch, load_spec, spec_path
+from mlatune.cli.inputs import DeviceArch, check_route_ids, load_spec, spec_path
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
-
     from rich.progress import ProgressColumn
 
     from mlatune.arch import DeviceInfo
@@ -73,7 +72,8 @@ DcpGraphFlag = Annotated[bool, typer.Option(
                         "CUDA graph of the whole step (NCCL collectives captured), not "
                         "eagerly; the table's timer says which.")]
 TimeoutOption = Annotated[float, typer.Option(
-    min=0.1, metavar="SECONDS", help="Seconds one candidate may take.")]
+    min=0.1, max=86400.0, metavar="SECONDS", help="Seconds one candidate may take (at most "
+                                                  "a day).")]
 CompileWorkersOption = Annotated[int | None, typer.Option(
     min=0, metavar="N", help="Processes per GPU that compile kernels before timing starts "
                              "(default: the spare CPU cores, at most 8; 0: none).")]
@@ -138,7 +138,7 @@ def sweep(spec_name: SpecArgument = None, arch: ArchOption = None, out: OutOptio
     if only == []:
         usage_error("name at least one route id (leave --routes out for every route)",
                     "--routes")
-    _check_route_ids(only)
+    check_route_ids(only)
     path = spec_path(spec_name)
     choices = {"gpus": gpus, "timeout_s": timeout, "only": tuple(only) if only else None,
                "compile_workers": compile_workers, "dcp_top_k": dcp_top_k,
@@ -167,7 +167,7 @@ def _sweep_on(path: Path, device: DeviceInfo, out: Path | None, refine: float | 
         # kernel module is imported (sweep workers inherit it).
         os.environ.setdefault("TRITON_INTERPRET", "1")
     spec = load_spec(path, gpu=device.is_gpu)
-    _check_route_ids((*spec.routes, *spec.max_params), named_in=path)
+    check_route_ids((*spec.routes, *spec.max_params), named_in=path)
     table_path = (out or stages.default_table_path(spec, device, choices["shard"])
                   ).with_suffix(".parquet")
     if tag:
@@ -270,21 +270,6 @@ def _device(arch: DeviceArch | None, gpus: int, dcp_graph: bool) -> DeviceInfo:
     return device
 
 
-def _check_route_ids(route_ids: Sequence[str] | None,
-                     named_in: Path | None = None) -> None:
-    """Every route named exists, before anything is written: on the command line a
-    usage error (exit 2); in the spec, the spec's (exit 1)."""
-    from mlatune.routes import get
-
-    for route_id in route_ids or ():
-        try:
-            get(route_id)
-        except KeyError as exc:
-            if named_in is None:
-                usage_error(str(exc.args[0]), "--routes")
-            fail(f"{exc.args[0]} (named in {named_in})")
-
-
 def _refined(spec: SweepSpec, table_path: Path, device: DeviceInfo, budget_s: float,
              shown: Console) -> tuple[SweepSpec, list[Any]]:
     """The spec with, for problems, the points ``mlatune.sweep.refine`` proposes."""
@@ -321,9 +306,9 @@ def _say_start(path: Path, spec: SweepSpec, device: DeviceInfo, shown: Console) 
     if not device.is_gpu:
         shown.print("[yellow]no GPU[/]: running the CPU-capable routes on the spec's CPU "
                     "grid; wall-clock timings, not for dispatch.")
-    shown.print(f"spec {path} ({len(spec.problems)} problems, "
-                f"{len(spec.skipped)} invalid combinations skipped) on {device.arch} "
-                f"({device.name})", highlight=False)
+    shown.print(f"spec {path} ({counted(len(spec.problems), 'problem')}, "
+                f"{counted(len(spec.skipped), 'invalid combination')} skipped) on "
+                f"{device.arch} ({device.name})", highlight=False)
 
 
 def _run(settings: SweepSettings, shown: Console) -> SweepSummary:

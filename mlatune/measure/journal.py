@@ -102,8 +102,8 @@ def _why(exc: OSError) -> str:
 
 
 def _damaged(path: Path, line: int, what: str) -> JournalError:
-    return JournalError(f"{path}: line {line} is damaged ({what}); a damaged line that is not "
-                        f"the last one is not what a kill leaves: repair or delete the journal")
+    return JournalError(f"{path}: line {line} is damaged ({what}); a kill leaves at most a "
+                        f"torn last line, and this is not one: repair or delete the journal")
 
 
 def read(path: Path) -> tuple[dict, list[dict]]:

@@ -98,6 +98,19 @@ def require_matplotlib() -> None:
                           "(or pip install matplotlib)") from None
 
 
+def _heldout_times(journal_paths: Sequence[str | os.PathLike]) -> dict:
+    """``candidate_times`` of each held-out journal, a later one's runs replacing an earlier
+    one's; a journal with no ok candidate (not a sweep's, or empty) is a ReportError."""
+    timed = {}
+    for journal_path in journal_paths:
+        runs = candidate_times(journal_path)
+        if not runs:
+            raise ReportError(f"{journal_path}: no ok candidate in it; --heldout-journal takes "
+                              f"the journal of the sweep that measured the held-out table")
+        timed |= runs
+    return timed
+
+
 def build_report(table_path: str | os.PathLike, out_dir: str | os.PathLike,
                  heldout_path: str | os.PathLike | None = None,
                  heldout_journals: Sequence[str | os.PathLike] = ()) -> Report:
@@ -112,8 +125,7 @@ def build_report(table_path: str | os.PathLike, out_dir: str | os.PathLike,
     frame = table.read(table_path, facts=routes.FACTS)
     heldout = table.read(heldout_path, facts=routes.FACTS) \
         if heldout_path is not None else None
-    timed = {key: runs for journal_path in heldout_journals
-             for key, runs in candidate_times(journal_path).items()} if heldout_journals else None
+    timed = _heldout_times(heldout_journals) if heldout_journals else None
     summary, data = summarize(table_path, frame, heldout_path, heldout, timed)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -140,6 +140,7 @@ def as_json(rows: list[PlanRow], device: DeviceInfo, spec: SweepSpec) -> dict:
         "device": {"arch": device.arch, "device_name": device.name,
                    "cu_count": device.cu_count or None},
         "problems": len(spec.problems),
+        "skipped_combinations": len(spec.skipped),
         "probe_applied": False,  # capability rules only: the module docstring
         "routes": [{"route": s.route, "viable": s.viable, "refused": s.refused,
                     "top_refusal": ({"reason": s.top_reason, "count": s.top_count}

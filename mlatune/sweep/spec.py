@@ -156,7 +156,8 @@ def parse(data: dict, where: str, sha256: str = "", gpu: bool = True) -> SweepSp
     unknown = set(data) - _TOP_KEYS
     if unknown:
         raise fail(sorted(unknown)[0], f"unknown key (allowed: {', '.join(sorted(_TOP_KEYS))})")
-    data = _without_gpu(data, fail) if not gpu else data
+    on_cpu = _without_gpu(data, fail)  # its [cpu] table checked on any machine
+    data = data if gpu else on_cpu
     name = _name(data, where, fail)
     seed = data.get("seed", 0)
     if not isinstance(seed, int) or isinstance(seed, bool):

@@ -161,6 +161,8 @@ def open_journal(settings: SweepSettings, say: Say) -> Journal:
     it was written for this spec and device) or, with ``fresh``, moved aside."""
     path = settings.journal_path
     moved = moved_aside(settings.table_path, path) if settings.fresh else []
+    if not settings.fresh:
+        refuse_overwriting(settings.table_path, path)
     existed = path.exists()
     try:
         journal = Journal(path, settings.header(), resume=True)
@@ -179,6 +181,24 @@ def open_journal(settings: SweepSettings, say: Say) -> Journal:
     else:
         say(f"new journal {path}")
     return journal
+
+
+def refuse_overwriting(table_path: Path, journal_path: Path) -> None:
+    """A table at ``--out`` that its journal does not hold (no journal, or one of no result)
+    is someone's earlier work, which the sweep would overwrite: a SweepError unless the
+    journal has results to rebuild it from (a resumed sweep) or is damaged (that error is
+    the journal's to report)."""
+    tables = [p for p in (table_path, table_path.with_suffix(".csv")) if p.exists()]
+    if not tables:
+        return
+    try:
+        if journal_path.exists() and journals.read(journal_path)[1]:
+            return
+    except JournalError:
+        return
+    raise SweepError(f"{tables[0]} exists and no journal of its results is beside it "
+                     f"({journal_path}): this sweep would overwrite it; --fresh moves it "
+                     f"aside, or name another --out")
 
 
 def moved_aside(table_path: Path, journal_path: Path) -> list[Path]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
 from typing import Any
 
 import numpy as np
@@ -40,6 +41,7 @@ from mlatune.table.schema import (
 RUN_FIELDS = ("created_utc", "spec_sha256", "converted_from", "hardware")
 ENVIRONMENT_FIELDS = tuple(f for f in PROVENANCE_TYPES if f not in RUN_FIELDS)
 _ROUTE_ID = re.compile(r"^[a-z0-9][a-z0-9-]*/[a-z0-9][a-z0-9-]*$")
+_ARCH = re.compile(r"sm_[0-9]+[a-z]?|gfx[0-9a-f]+|cpu")  # (arch.vendor_of reads the prefix)
 _EXAMPLES = 3  # values quoted per problem: enough to find them, short enough for one line
 
 
@@ -166,7 +168,49 @@ def _value_problems(frame: pd.DataFrame, have: Callable[..., bool]) -> list[str]
         bad_time = (frame["status"] == "ok") & ~(np.isfinite(times) & (times > 0))
         if bad_time.any():
             problems.append(f"{int(bad_time.sum())} ok rows lack a positive finite time_us")
+    return problems + _device_problems(frame, have) + _run_record_problems(frame, have)
+
+
+def _device_problems(frame: pd.DataFrame, have: Callable[..., bool]) -> list[str]:
+    """A device a dispatcher can match: an arch of a known shape, a name, a unit count."""
+    problems = []
+    if have("arch"):
+        bad = [a for a in pd.unique(frame["arch"]) if not _ARCH.fullmatch(a)]
+        if bad:
+            problems.append(f"arch not shaped sm_<n>, gfx<id> or cpu: {_examples(bad)}")
+    if have("device_name"):
+        blank = frame["device_name"].str.strip() == ""
+        if blank.any():
+            problems.append(f"{int(blank.sum())} rows with an empty device_name")
+    if have("cu_count"):
+        few = frame["cu_count"] < 1
+        if few.any():
+            problems.append(f"cu_count below 1: {_examples(frame['cu_count'][few])}")
     return problems
+
+
+def _run_record_problems(frame: pd.DataFrame, have: Callable[..., bool]) -> list[str]:
+    """Provenance texts that say what they hold: JSON objects (or empty where the record
+    predates them) and an ISO 8601 creation time."""
+    problems = []
+    for name in ("backend_versions", "hardware"):
+        if have(name):
+            bad = [t for t in pd.unique(frame[name]) if t and not _is_json_object(t)]
+            if bad:
+                problems.append(f"{name} that are not JSON objects: {_examples(bad)}")
+    if have("created_utc"):
+        bad = [t for t in pd.unique(frame["created_utc"]) if t and not _is_iso_time(t)]
+        if bad:
+            problems.append(f"created_utc not an ISO 8601 time: {_examples(bad)}")
+    return problems
+
+
+def _is_iso_time(text: str) -> bool:
+    try:
+        datetime.fromisoformat(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _version_problems(versions: list[int]) -> list[str]:
