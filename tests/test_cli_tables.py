@@ -79,6 +79,8 @@ def damaged_files(tmp_path) -> dict[str, str]:
     made["csv named parquet"] = tmp_path / "csv-inside.parquet"
     (tmp_path / "bad.json").write_text('{"format": "mlatune-winners", "devices": 3}')
     made["bad json"] = tmp_path / "bad.json"
+    (tmp_path / "folder.parquet").mkdir()
+    made["a directory"] = tmp_path / "folder.parquet"
     return {k: str(v) for k, v in made.items()}
 
 
@@ -144,7 +146,8 @@ def test_damage_messages_say_what_is_wrong(tmp_path):
                 "wrong dtype": "column kv_len has dtype", "duplicate key": "repeat a (device",
                 "future schema": "newer than this mlatune reads",
                 "wrong format": "unknown table format", "csv named parquet": "Parquet",
-                "bad json": "devices is missing or empty"}
+                "bad json": "devices is missing or empty",
+                "a directory": "a directory, not a table file"}
     for kind, needle in expected.items():
         assert_one_line_error(runner.invoke(app, ["validate", files[kind]]), needle)
 

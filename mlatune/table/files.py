@@ -411,6 +411,8 @@ def _ranked_again(frame: pd.DataFrame, facts: RouteFacts | None) -> pd.DataFrame
 
 def format_of(path: str | os.PathLike) -> str:
     suffix = "csv" if _gzipped(path) else Path(path).suffix.lower().lstrip(".")
+    if Path(path).is_dir():
+        raise TableError(f"{path}: a directory, not a table file (.parquet, .csv or .csv.gz)")
     if suffix not in FORMATS:
         suffixes = "".join(Path(path).suffixes) or "(no suffix)"
         raise TableError(f"{path}: unknown table format {suffixes!r}; expected .parquet, .csv "
