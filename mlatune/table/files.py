@@ -250,6 +250,8 @@ def read_versioned(path: str | os.PathLike, check: bool = True,
 
 def _read_versioned(path: Path, check: bool, facts: RouteFacts | None
                     ) -> tuple[pd.DataFrame, int]:
+    if path.is_dir():
+        raise TableError(f"{path}: a directory, not a table file (.parquet, .csv or .csv.gz)")
     fmt = format_of(path)
     if not path.is_file():
         raise TableError(f"{path}: no such file")
@@ -411,8 +413,6 @@ def _ranked_again(frame: pd.DataFrame, facts: RouteFacts | None) -> pd.DataFrame
 
 def format_of(path: str | os.PathLike) -> str:
     suffix = "csv" if _gzipped(path) else Path(path).suffix.lower().lstrip(".")
-    if Path(path).is_dir():
-        raise TableError(f"{path}: a directory, not a table file (.parquet, .csv or .csv.gz)")
     if suffix not in FORMATS:
         suffixes = "".join(Path(path).suffixes) or "(no suffix)"
         raise TableError(f"{path}: unknown table format {suffixes!r}; expected .parquet, .csv "
