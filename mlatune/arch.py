@@ -43,6 +43,12 @@ def vendor_of(arch: str) -> str:
         "cpu" if arch == CPU_ARCH else "unknown"
 
 
+def units_text(arch: str, count: int) -> str:
+    """A device's unit count in its maker's word: "132 SMs", "304 CUs", "2 cores"."""
+    unit = {"nvidia": "SM", "amd": "CU", "cpu": "core"}.get(vendor_of(arch), "unit")
+    return f"{count} {unit}{'' if count == 1 else 's'}"
+
+
 def cpu_device() -> DeviceInfo:
     import os
 

@@ -24,7 +24,7 @@ def test_doctor_on_this_machine():
 
 def test_doctor_names_the_table_the_dispatcher_loads(tmp_path, monkeypatch):
     from mlatune import table
-    from mlatune.arch import current_device
+    from mlatune.arch import current_device, units_text
     from mlatune.problem import MLAProblem
     from tests.table_helpers import make_table, result_row
 
@@ -35,8 +35,8 @@ def test_doctor_names_the_table_the_dispatcher_loads(tmp_path, monkeypatch):
     monkeypatch.delenv("MLATUNE_ACCURACY", raising=False)
     result = CliRunner(env={"COLUMNS": "400"}).invoke(app, ["doctor"])
     assert result.exit_code == 0 and f"dispatch table here: {path}" in result.output
-    assert f"measured on {device.arch} {device.name} ({device.cu_count} SMs/CUs)" in \
-        result.output
+    assert f"measured on {device.arch} {device.name} ({units_text(device.arch, device.cu_count)})" \
+        in result.output
     assert "accuracy policy strict" in result.output
     monkeypatch.setenv("MLATUNE_ACCURACY", "fast")
     result = CliRunner(env={"COLUMNS": "400"}).invoke(app, ["doctor", "--json"])

@@ -374,7 +374,7 @@ def test_doctor_names_the_bundled_tables_and_what_each_arch_loads(monkeypatch):
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     h100, h200 = [line for line in lines if line.startswith("│ sm_90 ")]
-    assert "sm_90-h200.parquet" in h200 and "NVIDIA H200 (132 SMs/CUs)" in h200
+    assert "sm_90-h200.parquet" in h200 and "NVIDIA H200 (132 SMs)" in h200
     assert "sm_90-h100.parquet" in h100 and "NVIDIA H100 80GB HBM3" in h100
     [gfx950] = [line for line in lines if line.startswith("│ gfx950 ")]
     assert "none: the dispatcher answers by rule" in gfx950

@@ -77,7 +77,7 @@ def test_plan_other_archs(arch, tmp_path):
     gluon = [r for r in rows if r["route"] == "gluon/aiter"]
     assert gluon and all(r["status"] == "unsupported" for r in gluon)
     if arch == "gfx1250":
-        assert "CU count unknown" in result.output and {r["cu_count"] for r in rows} == {""}
+        assert "unit count unknown" in result.output and {r["cu_count"] for r in rows} == {""}
     else:
         assert all("aiter.amd" in r["reason"] for r in gluon)
 

@@ -183,8 +183,11 @@ def _print_table_here(here: dict[str, Any]) -> None:
         m = here["measured_on"]
         why = ("; here: " + "; ".join(here["differences"]) + " (its picks may not be the "
                "fastest here)") if here["differences"] else ""
-        console().print(f"  measured on {m['arch']} {m['device_name']} ({m['cu_count']} SMs/CUs)"
-                        f"{why}; accuracy policy {here['accuracy']}", highlight=False)
+        from mlatune.arch import units_text
+
+        console().print(f"  measured on {m['arch']} {m['device_name']} "
+                        f"({units_text(m['arch'], m['cu_count'])}){why}; accuracy policy "
+                        f"{here['accuracy']}", highlight=False)
     if here.get("why"):
         console().print(f"  chosen: {here['why']}", highlight=False)
     if here.get("other_gpu"):

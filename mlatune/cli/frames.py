@@ -66,7 +66,9 @@ def devices_title(frame: pd.DataFrame) -> tuple[str, bool]:
 
 
 def device_text(device: Device) -> str:
-    return f"{device[0]} {device[1]} ({device[2]} SMs/CUs)"
+    from mlatune.arch import units_text
+
+    return f"{device[0]} {device[1]} ({units_text(device[0], device[2])})"
 
 
 def problem_count(frame: pd.DataFrame) -> int:

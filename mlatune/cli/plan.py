@@ -137,9 +137,10 @@ def _progress(total: int) -> Iterator[Callable[[int], None]]:
 
 def _print_plan(arch: str, device: DeviceInfo, path: Path, spec: SweepSpec,
                 rows: list[PlanRow], detail: bool) -> None:
+    from mlatune.arch import units_text
     from mlatune.sweep import planning
 
-    cus = f"{device.cu_count} CUs" if device.cu_count else "CU count unknown"
+    cus = units_text(device.arch, device.cu_count) if device.cu_count else "unit count unknown"
     console().print(f"plan for {arch} ({device.name}, {cus}): "
                     f"{counted(len(spec.problems), 'problem')} from {path} "
                     f"({counted(len(spec.skipped), 'invalid combination')} skipped), "

@@ -163,8 +163,11 @@ def lookup(
     out.add_column("", overflow="fold")
     out.add_row("problem", problem.key)
     if dispatcher.table_device:
+        from mlatune.arch import units_text
+
         arch_name, device_name, cu_count = dispatcher.table_device
-        out.add_row("table device", f"{arch_name} {device_name} ({cu_count} CUs/SMs)")
+        out.add_row("table device", f"{arch_name} {device_name} "
+                                    f"({units_text(arch_name, cu_count)})")
     out.add_row("route", f"[bold]{choice.route_id}[/]")
     out.add_row("params", json.dumps(dict(choice.params), sort_keys=True))
     out.add_row("source", choice.source)

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch.distributed as dist
 
-from mlatune.arch import DeviceInfo, library_versions
+from mlatune.arch import DeviceInfo, library_versions, units_text
 from mlatune.dispatch.sources import find_table
 from mlatune.errors import RankMismatchError
 from mlatune.routes import all_routes
@@ -86,7 +86,8 @@ def agree_at_load(group: dist.ProcessGroup | None, table: str | os.PathLike | No
     mine = {  # per field: (what is compared, what the message shows)
         "tables": (table_digest, _where(table_digest, table)),
         "user tables": (overlay_digest, _where(overlay_digest, overlay)),
-        "GPU models": (f"{device.arch} {device.name}, {device.cu_count} CUs",) * 2,
+        "GPU models": (f"{device.arch} {device.name}, "
+                       f"{units_text(device.arch, device.cu_count)}",) * 2,
         "routes": (",".join(sorted(r.id for r in all_routes())),) * 2,
         "library versions": (json.dumps(versions, sort_keys=True),) * 2,
         "load arguments": (json.dumps(arguments, sort_keys=True, default=str),) * 2,

@@ -7,6 +7,7 @@ from typing import Any
 
 import pandas as pd
 
+from mlatune.arch import units_text
 from mlatune.report import accuracy, policies
 from mlatune.report.metrics import RULE_POLICY, RegretStats, SpeedupStats, Summary
 from mlatune.report.terms import problem_label
@@ -32,7 +33,8 @@ def _table_rows(summary: Summary) -> list[tuple[str, str]]:
     best, rule = summary.best_fixed, summary.rule
     without = f"; {summary.without_ok} without an ok row" if summary.without_ok else ""
     rows = [
-        ("device", " ".join(map(str, summary.device[:2])) + f" ({summary.device[2]} SMs/CUs)"),
+        ("device", " ".join(map(str, summary.device[:2]))
+         + f" ({units_text(summary.device[0], summary.device[2])})"),
         ("measured", summary.measured_with),
         ("problems", f"{summary.problems} ({summary.decode} decode, {summary.prefill} "
                      f"prefill){without}"),
