@@ -230,6 +230,15 @@ def test_a_bad_accuracy_setting_is_the_reason(monkeypatch):
 
 
 # --- the load ----------------------------------------------------------------------------
+def test_one_rank_is_no_group():
+    from types import SimpleNamespace
+
+    from mlatune.integrations.core import rank_group
+
+    assert rank_group(SimpleNamespace(cpu_group="tp", world_size=1)) is None
+    assert rank_group(SimpleNamespace(cpu_group="tp", world_size=8)) == "tp"
+
+
 def test_the_load_logs_one_line(caplog, monkeypatch):
     monkeypatch.setenv("MLATUNE_ACCURACY", "fp8-mma")
     with caplog.at_level(logging.INFO, logger="mlatune"):

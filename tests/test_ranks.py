@@ -158,6 +158,14 @@ def _mismatches(rank: int, tmp: Path) -> dict:
                                                      group=world)),
         "bundled": _error_of(lambda: Dispatcher.from_bundled(cpu_device(), group=world)),
     }
+    # An engine's backend: its tensor-parallel group (vLLM's and SGLang's coordinator).
+    from mlatune.integrations.core import MLADecoder, rank_group
+    from tests.test_integration_core import _model
+
+    os.environ["MLATUNE_TABLE"] = str(own)
+    coordinator = SimpleNamespace(cpu_group=world, world_size=2)
+    errors["engine"] = _error_of(lambda: MLADecoder.load(_model(), device="cpu",
+                                                         group=rank_group(coordinator)))
     os.environ.pop("MLATUNE_TABLE", None)
     sighted = Dispatcher.load(same, device=cpu_device(), first_sight=tmp / f"u-{rank}.parquet",
                               group=world)
@@ -220,6 +228,8 @@ def test_ranks_that_differ_are_refused_on_every_rank(tmp_path):
                          r"sha256 (\w{16}) \(.*own-1\.parquet\)\): load the same table file "
                          r"on every rank", errors["table"])
     assert found and found[1] != found[2], errors["table"]
+    assert errors["engine"].startswith("RankMismatchError: the ranks of the process group "
+                                       "differ in their tables"), errors["engine"]
     assert re.match(r"RankMismatchError: .* differ in their GPU models \(rank 0: cpu .*; "
                     r"rank 1: cpu another model, \d+ cores?\)", errors["gpu"]), errors["gpu"]
     # A rank that cannot read its table, or has none, refuses the group rather than hang it.

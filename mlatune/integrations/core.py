@@ -28,6 +28,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -177,6 +178,13 @@ class _Step:
     route: str | None = None
 
 
+def rank_group(coordinator: Any) -> Any:
+    """The CPU process group of an engine's tensor-parallel ranks (vLLM's and SGLang's
+    ``GroupCoordinator``: ``cpu_group``, ``world_size``), which run each attention layer
+    together (DCP ranks among them) and so must serve one route; None for one rank."""
+    return coordinator.cpu_group if coordinator.world_size > 1 else None
+
+
 class MLADecoder:
     """MLA decode for one model's attention layers (one per model and rank; all its layers
     share it): the dispatcher, this step's lengths, and what was served."""
@@ -191,18 +199,19 @@ class MLADecoder:
     @classmethod
     def load(cls, model: ServedModel, *, device: torch.device | str,
              dispatcher: Dispatcher | None = None, engine: str = "engine",
-             log: logging.Logger = _LOG) -> MLADecoder:
+             log: logging.Logger = _LOG, group: Any = None) -> MLADecoder:
         """The decoder for ``model`` on ``device``: the dispatcher given, else
         ``Dispatcher.from_bundled`` for this GPU with ``plan_calls`` = the model's layers
         (``MLATUNE_TABLE`` and ``MLATUNE_USER_TABLE`` honoured; on a GPU, ranking the
-        capturable steps); one INFO line on ``log`` says the table, where it came from,
-        the GPU model and the accuracy policy."""
+        capturable steps), agreed across ``group``'s ranks (``rank_group``: those that
+        serve a layer together; every one of them loads at once); one INFO line on ``log``
+        says the table, where it came from, the GPU model and the accuracy policy."""
         device = torch.device(device)
         info = device_info(device)
         given = dispatcher is not None
         if dispatcher is None:
             dispatcher = Dispatcher.from_bundled(info, capturable=info.is_gpu,
-                                                 plan_calls=model.num_layers)
+                                                 plan_calls=model.num_layers, group=group)
         log.info("mlatune: %s MLA decode: table %s (%s)%s; GPU %s (%s); accuracy %s; "
                  "%d layers plan once a step", engine, dispatcher.source or "none",
                  _table_source(dispatcher, given), _measured_on(dispatcher), info.name,

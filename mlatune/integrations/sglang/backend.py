@@ -39,7 +39,7 @@ try:
 except ImportError as exc:
     raise ImportError(INSTALL_HINT) from exc
 
-from mlatune.integrations.core import MLADecoder, ServedModel, refusal
+from mlatune.integrations.core import MLADecoder, ServedModel, rank_group, refusal
 
 FALLBACK_ENV = "MLATUNE_SGLANG_FALLBACK"  # SGLang backend serving what mlatune cannot, or none
 # SGLang's MLA models send an unlisted backend's decode down triton's path, q whole.
@@ -56,8 +56,20 @@ def create_backend(runner) -> AttentionBackend:
         reason = refusal(model)
     if reason is not None:
         return _fallback(runner, reason)
-    decoder = MLADecoder.load(model, device=runner.device, engine="SGLang", log=_LOG)
+    decoder = MLADecoder.load(model, device=runner.device, engine="SGLang", log=_LOG,
+                              group=_tp_group())
     return MLATuneBackend(runner, model, decoder)
+
+
+def _tp_group():
+    """SGLang's tensor-parallel ranks' CPU group (``rank_group``); None before SGLang made
+    one."""
+    from sglang.srt.distributed.parallel_state import get_tp_group
+
+    try:
+        return rank_group(get_tp_group())
+    except AssertionError:  # the group is not initialized: one process
+        return None
 
 
 def served_model(runner) -> tuple[str | None, ServedModel | None]:

@@ -43,7 +43,7 @@ from vllm.v1.attention.backend import (
     max_decode_query_len,
 )
 
-from mlatune.integrations.core import MLADecoder, ServedModel, refusal
+from mlatune.integrations.core import MLADecoder, ServedModel, rank_group, refusal
 
 LOG = logging.getLogger("vllm.mlatune")  # under vLLM's logger, so vLLM's log shows it
 PAGE_SIZE = 64  # the shipped tables' page: vLLM's kernel block is this, its blocks a multiple
@@ -170,6 +170,16 @@ class MLATuneMetadata(MLACommonMetadata[MLACommonDecodeMetadata]):
     served: Served | None = None  # set where the step has decodes
 
 
+def _tp_group():
+    """vLLM's tensor-parallel ranks' CPU group (``rank_group``); None before vLLM made one."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    try:
+        return rank_group(get_tp_group())
+    except AssertionError:  # "tensor model parallel group is not initialized": one process
+        return None
+
+
 class MLATuneMetadataBuilder(MLACommonMetadataBuilder[MLATuneMetadata]):
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
     query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.UNIFORM
@@ -182,7 +192,8 @@ class MLATuneMetadataBuilder(MLACommonMetadataBuilder[MLATuneMetadata]):
         if reason is not None:
             raise ValueError(f"mlatune (--attention-backend CUSTOM) cannot serve the MLA "
                              f"decode of {layer_names[0]} and its group: {reason}")
-        decoder = MLADecoder.load(model, device=device, engine="vLLM", log=LOG)
+        decoder = MLADecoder.load(model, device=device, engine="vLLM", log=LOG,
+                                  group=_tp_group())
         self._routes_logged = 0
         rows = max(vllm_config.scheduler_config.max_num_seqs * self.reorder_batch_threshold,
                    self.compilation_config.max_cudagraph_capture_size or 0)
