@@ -3,6 +3,7 @@ predicted routes, remembered, and written to the user table that overlays the bu
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -114,6 +115,25 @@ def test_an_unsure_answer_is_timed_remembered_and_written_to_the_user_table(tmp_
     # The next load, with the user table overlaid, answers from the measurement.
     later = Dispatcher.load(_table(tmp_path), device=cpu_device(), overlay=user)
     assert (later.select(FAR).route_id, later.select(FAR).source) == ("quick/fake", "table")
+
+
+@pytest.mark.parametrize("where", ["under a file", "damaged"])
+def test_a_user_table_it_cannot_write_leaves_the_step_served(tmp_path, made, where, caplog):
+    """Recording the pick is first sight's bookkeeping: a path it cannot write, or a damaged
+    file there, is one warning naming MLATUNE_FIRST_SIGHT; decode serves and the pick is
+    remembered for this process."""
+    (tmp_path / "afile").write_text("")
+    user = tmp_path / "afile" / "mine.parquet"
+    if where == "damaged":
+        user = tmp_path / "mine.parquet"
+        user.write_bytes(b"PAR1 not a table")
+    dispatcher = Dispatcher.load(_table(tmp_path), device=cpu_device(), first_sight=user)
+    with caplog.at_level(logging.WARNING, logger="mlatune"):
+        inputs, out = _decode(dispatcher)
+    assert check(FAR, out, reference.run(inputs, torch.float64)[0]).ok
+    assert dispatcher.select(FAR).route_id == "quick/fake"
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert f"MLATUNE_FIRST_SIGHT={user}: cannot record the pick" in warning
 
 
 def test_a_candidate_that_disagrees_with_the_answer_is_dropped(tmp_path, made):

@@ -27,3 +27,28 @@ def test_a_merge_keeps_the_rows_it_does_not_replace(tmp_path):
     assert found[PROBLEM.key, "padded/triton"] == ("ok", 4.0)
     assert found[PROBLEM.key, "gluon/triton"][0] == "crashed"  # kept, not lost
     assert found[other.key, "padded/triton"] == ("ok", 7.0)
+
+
+def test_rows_of_an_older_environment_give_way_to_the_new_ones(tmp_path):
+    """After an upgrade (torch here) the device's rows measured before are replaced by the
+    first merge after it (a table holds one environment a device, and they no longer time
+    this one), not refused forever; another device's rows stay as they were."""
+    from dataclasses import replace
+
+    from tests.table_helpers import H200, MI355, PROVENANCE
+
+    path = tmp_path / "user.parquet"
+    before = replace(PROVENANCE, torch_version="2.12.0")
+    user.merge(path, make_table([result_row(PROBLEM, "padded/triton", 5.0),
+                                 result_row(PROBLEM, "gluon/triton", 6.0),
+                                 result_row(PROBLEM, "padded/triton", 9.0, device=MI355)],
+                                before), routes.FACTS)
+    other = PROBLEM.with_(batch=8)
+    user.merge(path, make_table([result_row(other, "padded/triton", 7.0)]), routes.FACTS)
+    rows = table.read(path, facts=routes.FACTS)
+    on_h200 = rows[rows["device_name"] == H200.name]
+    assert list(zip(table.key_strings(on_h200), on_h200["time_us"], strict=True)) == [
+        (other.key, 7.0)]
+    assert set(on_h200["torch_version"]) == {PROVENANCE.torch_version}
+    on_mi355 = rows[rows["device_name"] == MI355.name]
+    assert list(on_mi355["time_us"]) == [9.0] and set(on_mi355["torch_version"]) == {"2.12.0"}

@@ -21,6 +21,7 @@ candidate at its slowest rank's time): every rank remembers and records the same
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -37,6 +38,8 @@ from mlatune.problem import MLAProblem
 from mlatune.routes import FACTS, plan_sharing, rounding
 from mlatune.table import user
 from mlatune.table.schema import Provenance
+
+log = logging.getLogger("mlatune")
 
 if TYPE_CHECKING:
     from mlatune.check.inputs import DecodeInputs
@@ -95,7 +98,12 @@ def measure(dispatcher: Dispatcher, problem: MLAProblem, prepared_for: MLAProble
                   uncertainty=math.nan)
     dispatcher.remember(problem, won)
     if dispatcher.first_sight is not None:
-        _record(dispatcher, problem, timed, Path(dispatcher.first_sight), provenance)
+        try:
+            _record(dispatcher, problem, timed, Path(dispatcher.first_sight), provenance)
+        except (OSError, ValueError) as exc:  # the step serves on; the pick is not kept
+            log.warning("mlatune: MLATUNE_FIRST_SIGHT=%s: cannot record the pick for %s (%s); "
+                        "served, not recorded", dispatcher.first_sight, problem.key,
+                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     return won
 
 

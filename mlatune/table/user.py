@@ -37,16 +37,31 @@ def update(path: Path, change: Callable[[Any], Any], facts: Any = None) -> Any:
 
 def merge(path: Path, new: Any, facts: Any = None, sharing: Any = ()) -> Any:
     """``new``'s rows into the table at ``path`` (``update``): each replaces the row of its
-    (device, problem, route); every other row stays."""
+    (device, problem, route); every other row stays, but those of a new row's device that
+    were measured in another environment (torch, Triton, mlatune, driver: before an
+    upgrade), which a table holds one of a device and which no longer time this one."""
     from mlatune.table.combine import merge as merged_tables
 
     def merged(old: Any) -> Any:
         if old is None:
             return new
-        kept = old[~_row_keys(old).isin(set(_row_keys(new)))]
+        kept = old[~_row_keys(old).isin(set(_row_keys(new))) & ~_outdated(old, new)]
         return merged_tables([kept, new], sharing=sharing) if len(kept) else new
 
     return update(path, merged, facts)
+
+
+def _outdated(old: Any, new: Any) -> Any:
+    """Which of ``old``'s rows share a device with ``new``'s but not their environment."""
+    from mlatune.table.checks import ENVIRONMENT_FIELDS
+    from mlatune.table.schema import DEVICE_COLUMNS
+
+    fields = [*DEVICE_COLUMNS, *ENVIRONMENT_FIELDS]
+    ours = new[fields].drop_duplicates()
+    devices = old[list(DEVICE_COLUMNS)].merge(ours[list(DEVICE_COLUMNS)].drop_duplicates(),
+                                              how="left", indicator=True)["_merge"]
+    same = old[fields].merge(ours, how="left", indicator=True)["_merge"]
+    return ((devices == "both") & (same != "both")).to_numpy()
 
 
 def _row_keys(frame: Any) -> Any:
