@@ -53,6 +53,7 @@ and none is kept (their pool must hold nothing else), so ``reuse_plan`` plans ag
 
 from __future__ import annotations
 
+import logging
 import numbers
 import threading
 import weakref
@@ -77,6 +78,8 @@ from mlatune.dispatch import Dispatcher, by_handle, first_sight
 from mlatune.errors import DecodeArgumentError, SettingError
 from mlatune.problem import DTYPE_NAMES, DTYPES, MLAProblem, next_power_of_two, output_dtype
 from mlatune.routes import rounding, step_kind_of
+
+log = logging.getLogger("mlatune")
 
 # Steps kept per dispatcher, the least recently used dropped first: a step holds the
 # caller's tensors alive (an eager caller's fresh q and out each call would pile up), so the
@@ -487,7 +490,17 @@ def _first_serving(dispatcher: Dispatcher, problem: MLAProblem, inputs: DecodeIn
         if not route.serves_empty(capped, dict(choice.params)):
             skipped.append((choice.route_id, "serves no empty request"))
             continue
-        prepared = prepare_route(route, capped, inputs, dcp_rank, choice, want_lse, buffers)
+        try:
+            prepared = prepare_route(route, capped, inputs, dcp_rank, choice, want_lse,
+                                     buffers)
+        except DecodeArgumentError:
+            raise
+        except Exception as exc:  # a route that breaks here (a plugin's, out of memory)
+            why = f"its prepare raised {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            log.warning("mlatune: %s at %s: %s; the next route serves", choice.route_id,
+                        capped.key, why)
+            skipped.append((choice.route_id, why))
+            continue
         if want_lse and prepared.lse is None:
             skipped.append((choice.route_id, "returns no LSE"))
             continue

@@ -287,6 +287,37 @@ def test_out_and_lse_out_are_the_callers(route_id, given, tmp_path):
         routes.unregister("recording/fake")
 
 
+class BrokenRoute(FakeRoute):
+    """A plugin's route that supports the problem and then fails to prepare."""
+
+    def prepare(self, problem, inputs, **kwargs):
+        raise RuntimeError("prepare exploded")
+
+
+def test_a_route_that_fails_to_prepare_gives_way_to_the_next(tmp_path, caplog):
+    """The table's winner raising in prepare (a plugin's bug, out of memory) is one warning
+    naming it; the next route in the dispatcher's order serves the call."""
+    import logging
+
+    problem = PROBLEMS[0]
+    routes.register(BrokenRoute("broken/fake"))
+    try:
+        dispatcher = forced(problem, "broken/fake", {}, tmp_path)
+        inputs = make_decode_inputs(problem, seed=14, ragged=True)
+        shard = inputs.shards[0]
+        with caplog.at_level(logging.WARNING, logger="mlatune"):
+            out, lse = attention.decode(inputs.q, shard.kv_cache, shard.block_table,
+                                        inputs.seq_lens, num_heads=problem.num_heads,
+                                        return_lse=True, dispatcher=dispatcher)
+        assert attention.last_step(dispatcher).route.id != "broken/fake"
+        want_out, want_lse = expected_now(inputs)
+        assert check(problem, out, want_out, lse, want_lse).ok
+        assert any("broken/fake" in r.getMessage() and "prepare exploded" in r.getMessage()
+                   for r in caplog.records)
+    finally:
+        routes.unregister("broken/fake")
+
+
 @pytest.mark.parametrize("backend", ["inductor"])
 def test_torch_compile_fullgraph_matches_eager(backend, monkeypatch):
     """Compiled (its out a new buffer each call) as eager; the compiled calls' step is made
