@@ -162,6 +162,13 @@ def _mismatches(rank: int, tmp: Path) -> dict:
     from mlatune.integrations.core import MLADecoder, rank_group
     from tests.test_integration_core import _model
 
+    interpret = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = str(1 - rank)  # rank 1 could not run the Triton routes
+    errors["settings"] = _error_of(lambda: Dispatcher.load(same, device=cpu_device(),
+                                                           group=world))
+    os.environ.pop("TRITON_INTERPRET")
+    if interpret is not None:
+        os.environ["TRITON_INTERPRET"] = interpret
     os.environ["MLATUNE_TABLE"] = str(own)
     coordinator = SimpleNamespace(cpu_group=world, world_size=2)
     errors["engine"] = _error_of(lambda: MLADecoder.load(_model(), device="cpu",
@@ -228,6 +235,9 @@ def test_ranks_that_differ_are_refused_on_every_rank(tmp_path):
                          r"sha256 (\w{16}) \(.*own-1\.parquet\)\): load the same table file "
                          r"on every rank", errors["table"])
     assert found and found[1] != found[2], errors["table"]
+    assert re.match(r"RankMismatchError: .* differ in their route settings \(rank 0: .*"
+                    r"\"TRITON_INTERPRET\": \"1\".*; rank 1: .*\"TRITON_INTERPRET\": \"0\"",
+                    errors["settings"]), errors["settings"]
     assert errors["engine"].startswith("RankMismatchError: the ranks of the process group "
                                        "differ in their tables"), errors["engine"]
     assert re.match(r"RankMismatchError: .* differ in their GPU models \(rank 0: cpu .*; "

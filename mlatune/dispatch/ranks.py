@@ -63,7 +63,11 @@ _ASK = {
               "MLATUNE_PLUGINS)",
     "library versions": "every rank must run the same library versions",
     "load arguments": "load with the same arguments on every rank",
+    "route settings": "set these environment variables alike on every rank",
 }
+# Environment variables that change which routes a process can run or how: ranks that
+# differ in one would pick differently from one table.
+ROUTE_SETTINGS = ("TRITON_INTERPRET", "MLATUNE_AITER_GLUON", "MLATUNE_PLUGINS")
 
 
 def agree_at_load(group: dist.ProcessGroup | None, table: str | os.PathLike | None,
@@ -73,8 +77,8 @@ def agree_at_load(group: dist.ProcessGroup | None, table: str | os.PathLike | No
                   **more: Any) -> None:
     """Return when every rank of ``group`` would load the same table the same way (table
     and user table bytes, GPU model, routes, libraries, arguments, and ``more`` arguments
-    that decide answers); else raise RankMismatchError on every rank. Nothing to do
-    without a group."""
+    that decide answers, ``ROUTE_SETTINGS``); else raise RankMismatchError on every rank.
+    Nothing to do without a group."""
     if group is None:
         return
     arch = allow_arch or device.arch
@@ -91,6 +95,8 @@ def agree_at_load(group: dist.ProcessGroup | None, table: str | os.PathLike | No
         "routes": (",".join(sorted(r.id for r in all_routes())),) * 2,
         "library versions": (json.dumps(versions, sort_keys=True),) * 2,
         "load arguments": (json.dumps(arguments, sort_keys=True, default=str),) * 2,
+        "route settings": (json.dumps({k: os.environ.get(k) for k in ROUTE_SETTINGS},
+                                      sort_keys=True),) * 2,
     }
     everyone = _gather(group, mine)
     for field in mine:
