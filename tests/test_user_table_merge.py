@@ -4,6 +4,8 @@ problem and route."""
 
 from __future__ import annotations
 
+import os
+
 from mlatune import routes, table
 from mlatune.problem import MLAProblem
 from mlatune.table import user
@@ -52,3 +54,27 @@ def test_rows_of_an_older_environment_give_way_to_the_new_ones(tmp_path):
     assert set(on_h200["torch_version"]) == {PROVENANCE.torch_version}
     on_mi355 = rows[rows["device_name"] == MI355.name]
     assert list(on_mi355["time_us"]) == [9.0] and set(on_mi355["torch_version"]) == {"2.12.0"}
+
+
+def test_a_user_table_reached_through_a_link_is_merged_into_where_it_lives(tmp_path):
+    """Two spellings of one table (a link and its target) take one lock and write the one
+    file: the link stays a link and every row lands in the shared file."""
+    shared = tmp_path / "shared" / "user.parquet"
+    link = tmp_path / "link.parquet"
+    user.merge(shared, make_table([result_row(PROBLEM, "padded/triton", 5.0)]), routes.FACTS)
+    link.symlink_to(shared)
+    user.merge(link, make_table([result_row(PROBLEM.with_(batch=8), "padded/triton", 7.0)]),
+               routes.FACTS)
+    assert link.is_symlink()
+    assert sorted(table.read(shared)["batch"]) == [4, 8]
+
+
+def test_tuning_names_the_user_table_where_the_variable_is_set_empty(tmp_path, monkeypatch):
+    """MLATUNE_USER_TABLE="" overlays nothing: tuning sets it to the table it tunes into, so
+    the next load overlays what was tuned."""
+    from mlatune.sweep import at_load
+
+    monkeypatch.setenv(user.USER_TABLE_ENV, "")
+    monkeypatch.setattr(at_load, "tune", lambda *args, **kwargs: None)
+    at_load.tune_at_load(None, lambda p: True, user_table=tmp_path / "mine.parquet")
+    assert os.environ[user.USER_TABLE_ENV] == str(tmp_path / "mine.parquet")

@@ -178,7 +178,9 @@ def tune_at_load(shapes: Shapes, dispatcher: Any, budget_s: float = DEFAULT_BUDG
     ``dispatcher``: what says which problems the table measures, a dispatcher or what loads
     one (``Dispatcher.from_bundled``), called once the user table is named."""
     path = Path(user_table or os.environ.get(USER_TABLE_ENV) or user_tables.default_path())
-    if os.environ.setdefault(USER_TABLE_ENV, str(path)) != str(path):
+    if not os.environ.get(USER_TABLE_ENV):  # unset or empty: none overlaid yet
+        os.environ[USER_TABLE_ENV] = str(path)
+    if os.environ[USER_TABLE_ENV] != str(path):
         log.warning("mlatune: tuning into %s, but %s=%s is the user table a dispatcher "
                     "overlays", path, USER_TABLE_ENV, os.environ[USER_TABLE_ENV])
     loaded = dispatcher if hasattr(dispatcher, "select") else _Loaded(dispatcher)

@@ -28,6 +28,7 @@ def update(path: Path, change: Callable[[Any], Any], facts: Any = None) -> Any:
 
     from mlatune.table.files import read, write  # pandas: not for the runtime's name alone
 
+    path = path.resolve()  # through a link: one lock, and the file itself rewritten
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(lock_path(path)), timeout=LOCK_WAIT_S):
         rows = change(read(path, facts=facts) if path.exists() else None)
