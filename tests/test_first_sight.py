@@ -174,3 +174,14 @@ def test_a_sure_answer_is_not_timed(tmp_path, made):
     attention.decode(inputs.q, shard.kv_cache, shard.block_table, inputs.seq_lens,
                      num_heads=near.num_heads, max_kv_len=near.kv_len, dispatcher=dispatcher)
     assert not user.exists()
+
+
+def test_first_sight_is_on_where_no_table_answers_the_device(tmp_path, monkeypatch):
+    """Without a table for the device every answer is a rule's, which first sight would
+    time: MLATUNE_FIRST_SIGHT is kept by the rules-only dispatcher, not dropped."""
+    monkeypatch.delenv("MLATUNE_TABLE", raising=False)
+    monkeypatch.delenv("MLATUNE_USER_TABLE", raising=False)
+    monkeypatch.setenv("MLATUNE_FIRST_SIGHT", str(tmp_path / "mine.parquet"))
+    dispatcher = Dispatcher.from_bundled(cpu_device())
+    assert dispatcher.source == "" and dispatcher.first_sight == str(tmp_path / "mine.parquet")
+    assert first_sight.enabled(dispatcher) and first_sight.unsure(dispatcher.select(FAR))

@@ -80,9 +80,12 @@ def registered_routes(routes: Mapping[str, Route] | None = None) -> dict[str, Ro
 
 
 def rules_only(cls, device: DeviceInfo | None = None, capturable: bool = False,
-               accuracy: Policy | str | None = None) -> Dispatcher:
-    """A dispatcher without a table: every answer comes from the rule order."""
-    return cls(device or current_device(), capturable=capturable, accuracy=accuracy)
+               accuracy: Policy | str | None = None,
+               first_sight: str | os.PathLike | None = None) -> Dispatcher:
+    """A dispatcher without a table: every answer comes from the rule order (and, with
+    ``first_sight``, is timed on first sight, as every rule answer is unsure)."""
+    return cls(device or current_device(), capturable=capturable, accuracy=accuracy,
+               first_sight=first_sight)
 
 def load(cls, path: str | os.PathLike, device: DeviceInfo | None = None,
          allow_arch: str | None = None, capturable: bool = False,
@@ -244,7 +247,8 @@ def from_bundled(cls, device: DeviceInfo | None = None, capturable: bool = False
     given = dict(capturable=capturable, plan_calls=plan_calls, first_sight=sight,
                  group=group, accuracy=policy, other_gpu=other)
     def rules() -> Dispatcher:
-        return ranks.joined(cls.rules_only(device, capturable, policy), group)
+        return ranks.joined(cls.rules_only(device, capturable, policy, first_sight=sight),
+                            group)
 
     if override:
         return with_user_table(cls, override, user, rules, device=device, **given)
