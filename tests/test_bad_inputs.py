@@ -307,3 +307,13 @@ def test_a_plugin_that_does_not_import_is_named_not_blamed_on_a_table():
     assert engine.returncode == 1
     assert engine.stderr.strip().splitlines()[-1].startswith(
         "mlatune.errors.SettingError: MLATUNE_PLUGINS: plugin module 'no_such.plugin'")
+    # An engine that caught it and imports again hears the same cause, not a duplicate id.
+    again = _python("from mlatune.errors import SettingError\n"
+                    "for _ in range(2):\n"
+                    "    try:\n"
+                    "        import mlatune.attention\n"
+                    "    except SettingError as exc:\n"
+                    "        print(exc)\n", MLATUNE_PLUGINS="no_such.plugin")
+    assert again.stdout.splitlines() == [
+        "MLATUNE_PLUGINS: plugin module 'no_such.plugin' does not import "
+        "(ModuleNotFoundError: No module named 'no_such')"] * 2, again.stdout + again.stderr

@@ -47,22 +47,33 @@ from mlatune.routes.sdpa import SdpaPrefillRoute
 from mlatune.routes.torch_ref import TorchReferenceRoute
 from mlatune.routes.triton_decode import TRITON_DECODE_ROUTES
 
-register(TorchReferenceRoute())
-register(FP8PersistentPrefillRoute())
-register(BF16PersistentPrefillRoute())
-register(SdpaPrefillRoute())
-for _route in TRITON_DECODE_ROUTES:
-    register(_route())
-register(WgmmaGluonRoute())  # Hopper only; needs triton 3.6 (checked when asked)
-register(SeesawGluonRoute())  # the same, warp-specialized
-register(TransposedGluonRoute())  # keys as the MMA's M; also fp8 caches
-register(TransposedMma8GluonRoute())  # the same with fp8 MMAs over an fp8 cache
-register(FlashMLARoute())  # NVIDIA vendor kernels: their libraries are imported when asked
-for _route in FLASHINFER_ROUTES:
-    register(_route)
-for _route in AITER_ROUTES:  # refuse off AMD; import aiter only when asked on an AMD device
-    register(_route)
 
+def _built_in(route: Route) -> None:
+    """Register a route of mlatune's own; one an earlier import of this package registered
+    before it stopped (a plugin's error, raised below) is this very route, kept."""
+    try:
+        known = get(route.id)
+    except KeyError:
+        known = None
+    if type(known) is not type(route):
+        register(route)  # (a route of another class under its id: the registry refuses it)
+
+
+_built_in(TorchReferenceRoute())
+_built_in(FP8PersistentPrefillRoute())
+_built_in(BF16PersistentPrefillRoute())
+_built_in(SdpaPrefillRoute())
+for _route in TRITON_DECODE_ROUTES:
+    _built_in(_route())
+_built_in(WgmmaGluonRoute())  # Hopper only; needs triton 3.6 (checked when asked)
+_built_in(SeesawGluonRoute())  # the same, warp-specialized
+_built_in(TransposedGluonRoute())  # keys as the MMA's M; also fp8 caches
+_built_in(TransposedMma8GluonRoute())  # the same with fp8 MMAs over an fp8 cache
+_built_in(FlashMLARoute())  # NVIDIA vendor kernels: their libraries are imported when asked
+for _route in FLASHINFER_ROUTES:
+    _built_in(_route)
+for _route in AITER_ROUTES:  # refuse off AMD; import aiter only when asked on an AMD device
+    _built_in(_route)
 
 PLUGINS_ENV = "MLATUNE_PLUGINS"
 
