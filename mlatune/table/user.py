@@ -38,9 +38,9 @@ def update(path: Path, change: Callable[[Any], Any], facts: Any = None) -> Any:
 
 def merge(path: Path, new: Any, facts: Any = None, sharing: Any = ()) -> Any:
     """``new``'s rows into the table at ``path`` (``update``): each replaces the row of its
-    (device, problem, route); every other row stays, but those of a new row's device that
-    were measured in another environment (torch, Triton, mlatune, driver: before an
-    upgrade), which a table holds one of a device and which no longer time this one."""
+    (device, problem, route); every other row stays, except the rows of a new row's device
+    measured in another environment (torch, Triton, mlatune or driver, before an upgrade):
+    a table holds one environment a device, and those rows no longer time this one."""
     from mlatune.table.combine import merge as merged_tables
 
     def merged(old: Any) -> Any:
