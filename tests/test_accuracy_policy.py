@@ -290,14 +290,14 @@ def test_a_step_reading_another_plan_is_held_to_the_policy_asked(monkeypatch):
 
 
 def test_without_pandas_only_a_winners_map_is_found(tmp_path, monkeypatch):
-    from mlatune.dispatch import sources
+    from mlatune.dispatch import bundled
 
     for name in ("sm_90-nvidia-h200.parquet", "sm_90-h200.json.gz", "sm_90-h200.csv"):
         (tmp_path / name).write_bytes(b"x")
-    assert sources.find_table(tmp_path, "sm_90", "NVIDIA H200").name == \
+    assert bundled.find_table(tmp_path, "sm_90", "NVIDIA H200").name == \
         "sm_90-nvidia-h200.parquet"
-    monkeypatch.setattr(sources, "_reads_frames", lambda: False)
-    assert sources.find_table(tmp_path, "sm_90", "NVIDIA H200").name == "sm_90-h200.json.gz"
+    monkeypatch.setattr(bundled, "_reads_frames", lambda: False)
+    assert bundled.find_table(tmp_path, "sm_90", "NVIDIA H200").name == "sm_90-h200.json.gz"
 
 
 def test_a_winners_only_map_says_where_the_policy_left_a_problem_bare(fp8_table, tmp_path,

@@ -334,14 +334,14 @@ def test_plan_out_never_writes_through_a_planted_temporary_name(tmp_path):
 # 4. doctor reads bundled tables as the dispatcher does ------------------------------
 
 def test_doctor_says_a_damaged_bundled_table_in_one_line(tmp_path, monkeypatch):
-    from mlatune.dispatch import sources
+    from mlatune.dispatch import bundled
 
     (tmp_path / "sm_90-x.parquet").write_bytes(b"PAR1 damaged PAR1")
     odd = replace(MI355, name="=MI355X")  # a spreadsheet would call it a formula
     table.write(make_table([result_row(MLAProblem(), "reference/torch", 5.0, device=odd)]),
                 tmp_path / "gfx950-x.csv")
     assert "'=MI355X" in (tmp_path / "gfx950-x.csv").read_text()  # neutralised on disk
-    monkeypatch.setattr(sources, "bundled_tables_dir", lambda: tmp_path)
+    monkeypatch.setattr(bundled, "bundled_tables_dir", lambda: tmp_path)
     result = invoke("doctor", "--json")
     assert result.exit_code == 0, result.output
     document = json.loads(result.stdout)

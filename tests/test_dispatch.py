@@ -13,7 +13,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from mlatune import routes, table
-from mlatune.dispatch import Choice, Dispatcher, TableError, find_table, sources
+from mlatune.arch import DeviceInfo
+from mlatune.dispatch import Choice, Dispatcher, TableError, bundled, find_table
 from mlatune.dispatch import dispatcher as dispatch_module
 from mlatune.dispatch.laws import Laws
 from mlatune.problem import MLAProblem
@@ -432,9 +433,9 @@ def test_directories_and_bundled_tables_are_found_by_arch(tmp_path, monkeypatch,
     assert Dispatcher.load(tmp_path, device=MI355).table_device[0] == "gfx950"
 
     monkeypatch.delenv(dispatch_module.TABLE_ENV, raising=False)
-    monkeypatch.setattr(sources, "bundled_tables_dir", lambda: tmp_path)
-    bundled = Dispatcher.from_bundled(H200)
-    assert bundled.source.endswith("sm_90-h200.parquet")
+    monkeypatch.setattr(bundled, "bundled_tables_dir", lambda: tmp_path)
+    served = Dispatcher.from_bundled(H200)
+    assert served.source.endswith("sm_90-h200.parquet")
     assert Dispatcher.from_bundled(MI355).source.endswith("gfx950.csv")
     bare = Dispatcher.from_bundled(replace(H200, arch="sm_100", name="NVIDIA B200"))
     assert bare.source == "" and bare.select(BUCKETS[0]).source == "rule"
@@ -442,7 +443,7 @@ def test_directories_and_bundled_tables_are_found_by_arch(tmp_path, monkeypatch,
 
 def test_the_environment_variable_overrides_and_must_be_usable(tmp_path, monkeypatch, fakes):
     path = table.write(grid_frame(), tmp_path / "mine.parquet")
-    monkeypatch.setattr(sources, "bundled_tables_dir", lambda: None)
+    monkeypatch.setattr(bundled, "bundled_tables_dir", lambda: None)
     monkeypatch.setenv(dispatch_module.TABLE_ENV, str(path))
     assert Dispatcher.from_bundled(H200).source == str(path)
     path.write_bytes(path.read_bytes()[:100])
@@ -453,7 +454,7 @@ def test_the_environment_variable_overrides_and_must_be_usable(tmp_path, monkeyp
 def test_a_damaged_bundled_table_falls_back_to_rules(tmp_path, monkeypatch, caplog, fakes):
     (tmp_path / "sm_90.parquet").write_bytes(b"PAR1 damaged")
     monkeypatch.delenv(dispatch_module.TABLE_ENV, raising=False)
-    monkeypatch.setattr(sources, "bundled_tables_dir", lambda: tmp_path)
+    monkeypatch.setattr(bundled, "bundled_tables_dir", lambda: tmp_path)
     with caplog.at_level(logging.WARNING, logger="mlatune"):
         dispatcher = Dispatcher.from_bundled(H200)
     assert dispatcher.source == "" and "bundled table unusable" in caplog.text
@@ -701,7 +702,7 @@ def test_a_user_table_overlays_the_bundled_one_problem_by_problem(tmp_path, monk
     user = table.write(make_table([result_row(shared, fast_large, 11.0),
                                    result_row(only_user, fast_large, 30.0)]),
                        tmp_path / "mine.parquet")
-    monkeypatch.setattr(sources, "bundled_tables_dir", lambda: bundled_dir)
+    monkeypatch.setattr(bundled, "bundled_tables_dir", lambda: bundled_dir)
     monkeypatch.delenv(dispatch_module.TABLE_ENV, raising=False)
     monkeypatch.setenv(dispatch_module.USER_TABLE_ENV, str(user))
     overlaid = Dispatcher.from_bundled(H200)
@@ -716,6 +717,71 @@ def test_a_user_table_overlays_the_bundled_one_problem_by_problem(tmp_path, monk
     assert Dispatcher.from_bundled(H200).select(shared).route_id == fast_small
 
 
+H100 = DeviceInfo("sm_90", "NVIDIA H100 80GB HBM3", "nvidia", 132, 80 * 2**30, 0)
+H800 = DeviceInfo("sm_90", "NVIDIA H800", "nvidia", 132, 80 * 2**30, 0)
+
+
+def _bundled_h100_and_user(tmp_path, monkeypatch, user_device):
+    """A bundled directory holding only an H100 table (two problems) and a user table of
+    ``user_device`` holding the first problem and a third; the three problems."""
+    fast_small, fast_large = "fast-small/fake", "fast-large/fake"
+    shared, only_bundled, only_user = (MLAProblem(batch=b, kv_len=1024) for b in (4, 16, 64))
+    bundled_dir = tmp_path / "bundled"
+    bundled_dir.mkdir()
+    table.write(make_table([result_row(shared, fast_small, 10.0, device=H100),
+                            result_row(only_bundled, fast_small, 20.0, device=H100)]),
+                bundled_dir / "sm_90-h100.parquet")
+    user = table.write(make_table([result_row(shared, fast_large, 11.0, device=user_device),
+                                   result_row(only_user, fast_large, 30.0,
+                                              device=user_device)]),
+                       tmp_path / "mine.parquet")
+    monkeypatch.setattr(bundled, "bundled_tables_dir", lambda: bundled_dir)
+    monkeypatch.delenv(dispatch_module.TABLE_ENV, raising=False)
+    monkeypatch.setenv(dispatch_module.USER_TABLE_ENV, str(user))
+    return shared, only_bundled, only_user
+
+
+def test_a_user_table_of_this_gpu_overlays_a_table_of_another_model(tmp_path, monkeypatch,
+                                                                    fakes):
+    """On a GPU no table ships for, the user's own rows overlay the nearest model's table
+    problem by problem: they neither hide its other problems nor are hidden by them."""
+    shared, only_bundled, only_user = _bundled_h100_and_user(tmp_path, monkeypatch, H800)
+    served = Dispatcher.from_bundled(H800)
+    assert served.table_device[1] == H100.name
+    assert (served.select(shared).route_id, served.select(shared).time_us) == \
+        ("fast-large/fake", 11.0)
+    assert (served.select(only_bundled).route_id, served.select(only_bundled).source) == \
+        ("fast-small/fake", "table")
+    assert (served.select(only_user).route_id, served.select(only_user).source) == \
+        ("fast-large/fake", "table")
+
+
+def test_a_user_table_of_another_gpu_is_left_out_with_a_warning(tmp_path, monkeypatch, fakes,
+                                                                caplog):
+    """Rows the user measured on another GPU model do not time this one: the bundled table
+    serves alone and a warning says which rows were left out."""
+    shared, _, only_user = _bundled_h100_and_user(tmp_path, monkeypatch, H200)
+    with caplog.at_level(logging.WARNING, logger="mlatune"):
+        served = Dispatcher.from_bundled(H100)
+    assert served.select(shared).route_id == "fast-small/fake"
+    assert served.select(only_user).source != "table"
+    assert "rows of NVIDIA H200 (132) are not overlaid" in caplog.text
+
+
+def test_a_refused_bundled_table_leaves_the_user_table_serving(tmp_path, monkeypatch, fakes,
+                                                               caplog):
+    """MLATUNE_OTHER_GPU=refuse refuses the other model's bundled table; the user's own
+    table of this GPU still serves (not the rules)."""
+    _, only_bundled, only_user = _bundled_h100_and_user(tmp_path, monkeypatch, H800)
+    monkeypatch.setenv("MLATUNE_OTHER_GPU", "refuse")
+    with caplog.at_level(logging.WARNING, logger="mlatune"):
+        served = Dispatcher.from_bundled(H800)
+    assert (served.select(only_user).route_id, served.select(only_user).source) == \
+        ("fast-large/fake", "table")
+    assert served.select(only_bundled).source != "table"
+    assert "the user table serves alone" in caplog.text
+
+
 def _served_over_a_damaged_user_table(tmp_path, monkeypatch, caplog, bundled_rows):
     """``from_bundled`` with a damaged MLATUNE_USER_TABLE over a bundled directory holding
     an sm_90-h200 table of ``bundled_rows`` (none: no table ships); the dispatcher and
@@ -726,7 +792,7 @@ def _served_over_a_damaged_user_table(tmp_path, monkeypatch, caplog, bundled_row
         table.write(make_table(bundled_rows), bundled_dir / "sm_90-h200.parquet")
     damaged = tmp_path / "mine.parquet"
     damaged.write_bytes(b"PAR1 not a table")
-    monkeypatch.setattr(sources, "bundled_tables_dir", lambda: bundled_dir)
+    monkeypatch.setattr(bundled, "bundled_tables_dir", lambda: bundled_dir)
     monkeypatch.delenv(dispatch_module.TABLE_ENV, raising=False)
     monkeypatch.setenv(dispatch_module.USER_TABLE_ENV, str(damaged))
     with caplog.at_level("WARNING", logger="mlatune"):

@@ -9,7 +9,7 @@ import torch
 
 from mlatune import table
 from mlatune.arch import cpu_device
-from mlatune.dispatch import Dispatcher, dispatcher, environment, sources
+from mlatune.dispatch import Dispatcher, bundled, dispatcher, environment
 from mlatune.dispatch.environment import Environment, differences
 from mlatune.problem import MLAProblem
 from tests.table_helpers import H200, MI355, PROVENANCE, make_table, result_row
@@ -116,7 +116,7 @@ def test_another_torch_warns_once_per_table_and_process(running, table_file, cap
 
 def test_a_repeated_from_bundled_warns_once(running, table_file, monkeypatch, caplog):
     monkeypatch.delenv(dispatcher.TABLE_ENV, raising=False)
-    monkeypatch.setattr(sources, "bundled_tables_dir", lambda: table_file.parent)
+    monkeypatch.setattr(bundled, "bundled_tables_dir", lambda: table_file.parent)
     running["env"] = replace(SAME, device_name="NVIDIA H200 NVL", cu_count=132)
     with caplog.at_level(logging.WARNING, logger="mlatune"):
         loaded = [Dispatcher.from_bundled(H200) for _ in range(3)]

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from mlatune import table
-from mlatune.dispatch import Dispatcher, sources
+from mlatune.dispatch import Dispatcher, bundled
 from mlatune.dispatch import dispatcher as dispatch_module
 from mlatune.errors import JournalError, OutputError, SpecError, TableError
 from mlatune.problem import MLAProblem
@@ -386,7 +386,7 @@ def test_known_damage_is_a_table_error(tmp_path, clean_files, damage):
 def test_a_damaged_bundled_table_never_fails_a_model_load(tmp_path, clean_files, monkeypatch,
                                                           caplog, fmt):
     monkeypatch.delenv(dispatch_module.TABLE_ENV, raising=False)
-    monkeypatch.setattr(sources, "bundled_tables_dir", lambda: tmp_path)
+    monkeypatch.setattr(bundled, "bundled_tables_dir", lambda: tmp_path)
     rng = random.Random(1700)
     path = tmp_path / f"sm_90.{fmt}"
     clean = json.dumps(clean_files["json"]).encode() if fmt == "json" else clean_files[fmt]

@@ -1,5 +1,5 @@
 """Every Hopper model: a GPU's figures (``mlatune.hardware``), the bundled table each model
-loads (``sources.table_choice``), a table carried to another model (``other_gpu``), and a
+loads (``bundled.table_choice``), a table carried to another model (``other_gpu``), and a
 sweep pruned by another GPU's table (``--prune-from``)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 from mlatune import hardware, table
 from mlatune.arch import DeviceInfo, cpu_device
-from mlatune.dispatch import Dispatcher, environment, sources
+from mlatune.dispatch import Dispatcher, bundled, environment
 from mlatune.dispatch.loading import OTHER_GPU_ENV, TABLE_ENV
 from mlatune.problem import MLAProblem
 from mlatune.sweep.candidates import Candidate, Prior
@@ -50,19 +50,19 @@ def test_each_model_loads_its_own_table_else_the_nearest(tmp_path):
     for name in ("sm_90-h100.parquet", "sm_90-h100.json.gz", "sm_90-h200.parquet",
                  "gfx950.parquet"):
         (tmp_path / name).write_bytes(b"x")
-    choice = sources.table_choice(tmp_path, "sm_90", "NVIDIA H200")
+    choice = bundled.table_choice(tmp_path, "sm_90", "NVIDIA H200")
     assert (choice.path.name, choice.match) == ("sm_90-h200.parquet", "model")
-    choice = sources.table_choice(tmp_path, "sm_90", "NVIDIA H100 80GB HBM3")
+    choice = bundled.table_choice(tmp_path, "sm_90", "NVIDIA H100 80GB HBM3")
     assert (choice.path.name, choice.match) == ("sm_90-h100.parquet", "model")
     # The PCIe card is named "H100" but is not the model the table measured.
-    choice = sources.table_choice(tmp_path, "sm_90", "NVIDIA H100 PCIe")
+    choice = bundled.table_choice(tmp_path, "sm_90", "NVIDIA H100 PCIe")
     assert (choice.model, choice.match) == ("h100", "nearest") and "H100 PCIe" in choice.why
-    assert sources.table_choice(tmp_path, "sm_90", "NVIDIA H200 NVL").model == "h200"
+    assert bundled.table_choice(tmp_path, "sm_90", "NVIDIA H200 NVL").model == "h200"
     # A model no datasheet knows: the arch's first table, said so.
-    choice = sources.table_choice(tmp_path, "sm_90", "Some Future GPU")
+    choice = bundled.table_choice(tmp_path, "sm_90", "Some Future GPU")
     assert choice.match == "arch" and choice.path.name == "sm_90-h100.parquet"
-    assert sources.find_table(tmp_path, "gfx950", "AMD Instinct MI355X").name == "gfx950.parquet"
-    assert sources.find_table(tmp_path, "sm_100", "NVIDIA B200") is None
+    assert bundled.find_table(tmp_path, "gfx950", "AMD Instinct MI355X").name == "gfx950.parquet"
+    assert bundled.find_table(tmp_path, "sm_100", "NVIDIA B200") is None
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import pytest
 
 from mlatune import table
 from mlatune.arch import DeviceInfo
-from mlatune.dispatch import Dispatcher, sources
+from mlatune.dispatch import Dispatcher, bundled
 from mlatune.dispatch.loading import OTHER_GPU_ENV, TABLE_ENV
 from mlatune.errors import SettingError, TableError
 from mlatune.problem import MLAProblem
@@ -41,7 +41,7 @@ def test_another_model_is_used_by_default_and_refused_when_asked(h200_table, mon
 
 
 def test_the_bundled_table_gives_way_to_the_rules(h200_table, monkeypatch):
-    monkeypatch.setattr(sources, "bundled_tables_dir", lambda: h200_table.parent)
+    monkeypatch.setattr(bundled, "bundled_tables_dir", lambda: h200_table.parent)
     monkeypatch.setenv(OTHER_GPU_ENV, "refuse")
     d = Dispatcher.from_bundled(H100)
     assert d.source == "" and d.select(PROBLEM).source == "rule"
@@ -57,7 +57,7 @@ def test_a_bad_value_names_where_it_came_from(h200_table, monkeypatch):
 
 
 def test_a_bad_setting_is_raised_by_from_bundled_too(h200_table, monkeypatch):
-    monkeypatch.setattr(sources, "bundled_tables_dir", lambda: h200_table.parent)
+    monkeypatch.setattr(bundled, "bundled_tables_dir", lambda: h200_table.parent)
     monkeypatch.setenv(OTHER_GPU_ENV, "maybe")
     with pytest.raises(SettingError):
         Dispatcher.from_bundled(H100)

@@ -70,7 +70,7 @@ def _table_here() -> dict[str, Any]:
     import os
 
     from mlatune.arch import current_device
-    from mlatune.dispatch import Dispatcher, loading, sources
+    from mlatune.dispatch import Dispatcher, bundled, loading
 
     try:
         d = Dispatcher.from_bundled()
@@ -79,7 +79,7 @@ def _table_here() -> dict[str, Any]:
                 "other_gpu": None, "differences": [], "accuracy": None}
     device = current_device()
     choice = None if os.environ.get(loading.TABLE_ENV) else \
-        sources.table_choice(sources.bundled_tables_dir(), device.arch, device.name)
+        bundled.table_choice(bundled.bundled_tables_dir(), device.arch, device.name)
     other = d.table_device is not None and device.is_gpu and d.table_device[1] != device.name
     return {"path": d.source or None, "error": None,
             "measured_on": device_json(*d.table_device) if d.table_device else None,
@@ -91,19 +91,19 @@ def _table_here() -> dict[str, Any]:
 def bundled_tables() -> list[dict[str, Any]]:
     """Each bundled table a GPU may load, per arch the capability rules know or a table
     names (MLATUNE_TABLE overrides them): the model its name gives (a GPU of that model
-    loads it; ``sources.table_choice``) and the devices it holds; an arch without one, once."""
+    loads it; ``bundled.table_choice``) and the devices it holds; an arch without one, once."""
     from mlatune.capability import ARCHS
-    from mlatune.dispatch import sources  # its bundled_tables_dir is patched in tests
+    from mlatune.dispatch import bundled  # its bundled_tables_dir is patched in tests
     from mlatune.errors import TableError
 
-    folder = sources.bundled_tables_dir()
+    folder = bundled.bundled_tables_dir()
     # table_choice's naming: <arch>.<ext> or <arch>-<model>.<ext>, one entry per model
     named = {f.name.split("-")[0].split(".")[0] for f in folder.iterdir()
              if f.name.lower().endswith((".parquet", ".json", ".json.gz", ".csv"))}
     found = []
     for arch in sorted({*ARCHS, *named}):
-        for model in sources.table_models(folder, arch) or [None]:
-            chosen = None if model is None else sources.find_table(folder, arch, model)
+        for model in bundled.table_models(folder, arch) or [None]:
+            chosen = None if model is None else bundled.find_table(folder, arch, model)
             entry = {"arch": arch, "table": chosen.name if chosen else None, "model": model,
                      "devices": [], "error": None}
             found.append(_read_devices(entry, chosen, TableError))

@@ -116,7 +116,7 @@ def default_table(arch: str | None) -> Path | None:
     MLATUNE_TABLE, else the table mlatune ships for the arch (``find_table`` over the
     bundled tables, as ``Dispatcher.from_bundled`` chooses it); None where none ships."""
     from mlatune.arch import current_device
-    from mlatune.dispatch import sources
+    from mlatune.dispatch import bundled
     from mlatune.dispatch.dispatcher import TABLE_ENV, device_for_arch
 
     override = os.environ.get(TABLE_ENV)
@@ -124,7 +124,7 @@ def default_table(arch: str | None) -> Path | None:
         return Path(override)
     here = current_device()
     device = here if arch is None or arch == here.arch else device_for_arch(arch)
-    found = sources.find_table(sources.bundled_tables_dir(), device.arch, device.name)
+    found = bundled.find_table(bundled.bundled_tables_dir(), device.arch, device.name)
     return None if found is None else Path(str(found))
 
 

@@ -68,6 +68,7 @@ from mlatune.arch import DeviceInfo
 from mlatune.check.policy import Policy, policy_named
 from mlatune.dispatch import loading, sources
 from mlatune.dispatch.admission import class_of
+from mlatune.dispatch.bundled import bundled_tables_dir, find_table  # noqa: F401  (public)
 from mlatune.dispatch.choice import Choice, held_notes, law_notes, measured_note, nearest_notes
 from mlatune.dispatch.laws import Laws
 from mlatune.dispatch.loading import (  # noqa: F401  (the dispatcher's public names)
@@ -82,11 +83,7 @@ from mlatune.dispatch.loading import (  # noqa: F401  (the dispatcher's public n
 )
 from mlatune.dispatch.nearest import Bucket, learnable, point_distance  # noqa: F401
 from mlatune.dispatch.predict import Predictor
-from mlatune.dispatch.sources import (  # noqa: F401  (the dispatcher's public names)
-    EMPTY_PARAMS,
-    bundled_tables_dir,
-    find_table,
-)
+from mlatune.dispatch.sources import EMPTY_PARAMS
 from mlatune.errors import TableError
 from mlatune.hardware import Hardware
 from mlatune.hardware import described as table_hardware

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from mlatune import hardware
 from mlatune.arch import DeviceInfo, current_device, vendor_of
 from mlatune.check.policy import Policy, policy_named
-from mlatune.dispatch import environment, ranks, sources
+from mlatune.dispatch import bundled, environment, ranks, sources
 from mlatune.errors import RankMismatchError, SettingError, TableError
 from mlatune.routes import Route, all_routes
 from mlatune.routes.torch_ref import REFERENCE_ID as REFERENCE_ROUTE
@@ -169,6 +169,8 @@ def _load(cls, path: Path, device: DeviceInfo, allow_arch: str | None,
         _transfer(source, chosen, provenance, device, path)
     differences = [] if running is None else \
         environment.differences(provenance, chosen, running)
+    if overlay is not None:  # after the transfer: the user's rows were timed where they say
+        differences += _overlaid(source, overlay, chosen, device, running)
     routes = registered_routes()
     sharing = {r for r, route in routes.items() if route.shares_plan}
     entries, skipped, failed, held = source.entries(chosen, routes, capturable, plan_calls,
@@ -184,6 +186,22 @@ def _load(cls, path: Path, device: DeviceInfo, allow_arch: str | None,
                      hardware=hardware.recorded(provenance, chosen[1], chosen[0], chosen[2]))
     environment.warn_once(str(path), differences)
     return dispatcher
+
+def _overlaid(source: Any, overlay: Path, chosen: tuple[str, str, int], device: DeviceInfo,
+              running: environment.Environment | None) -> list[str]:
+    """The user table laid over the table's device (``FrameSource.overlay``), a warning for
+    its rows of other GPUs left out; what differs where its rows were measured."""
+    laid = source.overlay(overlay, chosen, device)
+    if laid.left_out:
+        names = ", ".join(f"{name} ({cu})" for _, name, cu in laid.left_out)
+        (log.info if laid.device else log.warning)(
+            "mlatune: user table %s: its rows of %s are not overlaid (measured on another "
+            "GPU than this %s)", overlay, names, device.name)
+    if laid.device is None or running is None:
+        return []
+    return [f"user table {d}" for d in environment.differences(laid.provenance, laid.device,
+                                                                running)]
+
 
 def _transfer(source: Any, chosen: tuple[str, str, int], provenance: list[dict[str, Any]],
               device: DeviceInfo, path: Path) -> None:
@@ -230,9 +248,10 @@ def from_bundled(cls, device: DeviceInfo | None = None, capturable: bool = False
     ``load``'s (a bad policy name raises, never falls back to the rules).
 
     An explicit ``MLATUNE_TABLE`` that cannot be used raises (the operator
-    asked for that file); a bundled table that cannot be used is logged and
-    the dispatcher answers by rule, so a model load never fails on it; a user table that
-    cannot be used is logged, naming it, and the table under it serves alone.
+    asked for that file); a bundled table that cannot be used (damaged, or refused as
+    another GPU model's) is logged and the user table serves alone, else the rules, so a
+    model load never fails on it; a user table that cannot be used is logged, naming it,
+    and the table under it serves alone.
     """
     device = device or current_device()
     policy = policy_named(accuracy)
@@ -253,7 +272,7 @@ def from_bundled(cls, device: DeviceInfo | None = None, capturable: bool = False
     if override:
         return with_user_table(cls, override, user, rules, device=device, **given)
     try:
-        found = sources.find_table(sources.bundled_tables_dir(), device.arch, device.name)
+        found = bundled.find_table(bundled.bundled_tables_dir(), device.arch, device.name)
         if found is None:
             return with_user_table(cls, None, user, rules, device=device, **given)
         with resources.as_file(found) as path:
@@ -261,8 +280,11 @@ def from_bundled(cls, device: DeviceInfo | None = None, capturable: bool = False
     except Exception as exc:  # load raises TableError; an unreadable directory OSError
         if isinstance(exc, RankMismatchError):  # never hidden behind the rules
             raise
-        log.warning("mlatune: bundled table unusable, dispatching by rule: %s", exc)
-        return rules()
+        if user is None:
+            log.warning("mlatune: bundled table unusable, dispatching by rule: %s", exc)
+            return rules()
+        log.warning("mlatune: bundled table unusable, the user table serves alone: %s", exc)
+        return with_user_table(cls, None, user, rules, device=device, **given)
 
 
 def with_user_table(cls, path: str | os.PathLike | None, user: str | None,

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch.distributed as dist
 
 from mlatune.arch import DeviceInfo, library_versions, units_text
-from mlatune.dispatch.sources import find_table
+from mlatune.dispatch.bundled import find_table
 from mlatune.errors import RankMismatchError
 from mlatune.routes import all_routes
 

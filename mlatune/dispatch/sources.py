@@ -1,29 +1,25 @@
 """Where the dispatcher's rows come from: a Parquet/CSV table (``FrameSource``, with a
 user table overlaid problem by problem) or a JSON winners map (``JsonSource``), each giving,
 per device, every measured problem's usable routes cheapest first (``table.cost``), the
-routes that failed there, and the table's provenance; and which bundled table serves a
-device (``find_table``).
+routes that failed there, and the table's provenance (which bundled table serves a device:
+``bundled``).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import logging
 import math
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from mlatune import hardware
 from mlatune.arch import DeviceInfo
 from mlatune.check.policy import FAST, Policy
-from mlatune.dispatch import admission
+from mlatune.dispatch import admission, bundled
 from mlatune.errors import TableError
 from mlatune.problem import BUCKET_FIELDS
 from mlatune.routes import FACTS, Route
@@ -31,6 +27,7 @@ from mlatune.table import winners_map
 from mlatune.table.cost import DEFAULT_PLAN_CALLS, step_cost
 from mlatune.table.schema import (
     DCP_MEASURED,
+    DEVICE_COLUMNS,
     Status,
     competing,
     is_measured,
@@ -43,6 +40,7 @@ _PROBLEM_COLUMNS = [*BUCKET_FIELDS, "batch", "kv_len"]  # a problem's columns, o
 EMPTY_PARAMS: Mapping[str, Any] = MappingProxyType({})
 
 
+Device = tuple[str, str, int]  # a table's (arch, device_name, cu_count)
 Option = tuple[str, Mapping[str, Any], float]  # (route_id, params, step cost in us)
 # An ok row the accuracy policy holds back at its key: (route_id, its numeric class, its
 # recorded output error, its step cost in us), cheapest first; ``explain`` names them.
@@ -78,18 +76,17 @@ def open_source(path: Path, overlay: Path | None, device: DeviceInfo, allow_arch
                 ) -> tuple[Path, FrameSource | JsonSource, tuple[str, str, int]]:
     """The table file (a directory's for the arch), its source and the device of it that
     answers for ``device``; TableError for a table of another arch unless ``allow_arch``
-    names it, or a JSON map asked to take an overlay."""
+    names it, or a JSON map asked to take an overlay (laid on later: ``FrameSource.overlay``)."""
     arch = allow_arch or device.arch
     if path.is_dir():
-        found = find_table(path, arch, device.name)
+        found = bundled.find_table(path, arch, device.name)
         if found is None:
             raise TableError(f"{path}: no table for arch {arch} in this directory")
         path = found
     if overlay is not None and winners_map.is_winners_map(path):
         raise TableError(f"{path}: a JSON winners map takes no overlay (load the Parquet "
                          f"or CSV table to overlay {overlay} on it)")
-    source = JsonSource(path) if winners_map.is_winners_map(path) else \
-        FrameSource(path, overlay)
+    source = JsonSource(path) if winners_map.is_winners_map(path) else FrameSource(path)
     arches = sorted({d[0] for d in source.devices})
     if arch not in arches:
         what = allow_arch or f"{device.arch} ({device.name})"
@@ -112,118 +109,26 @@ def pick_device(candidates: list[tuple[str, str, int]], device: DeviceInfo):
     return min(candidates, key=lambda d: (abs(d[2] - device.cu_count), d[1], d[2]))
 
 
-_WORD = re.compile(r"[a-z0-9]+")
-
-
-@dataclass(frozen=True)
-class TableChoice:
-    """The bundled table a GPU loads and why: ``match`` "model" (measured on its GPU model),
-    "nearest" (the measured model closest in bandwidth, SMs and tensor throughput: served as
-    the loader's ``other_gpu`` says), or "arch" (the only or first table of the arch: no model
-    of it could be told)."""
-
-    path: Any
-    model: str  # the model a file name gives (sm_90-h100.parquet: "h100"); "" for none
-    match: str
-    why: str
-
-
-def find_table(directory: Path | Any, arch: str, device_name: str = "") -> Any:
-    """The table for ``arch`` in a directory (``table_choice``'s path); None without one."""
-    choice = table_choice(directory, arch, device_name)
-    return None if choice is None else choice.path
-
-
-def table_choice(directory: Path | Any, arch: str, device_name: str = "") -> TableChoice | None:
-    """The table for ``arch`` in a directory: files named ``<arch>.<ext>`` or
-    ``<arch>-<model>.<ext>``. The GPU's own model first (the file's model's words are the
-    device name's, "h100" in "NVIDIA H100 80GB HBM3", and no datasheet tells them apart), else
-    the nearest measured model by datasheet (``mlatune.hardware``), else the arch's generic
-    file, then by name; within a model by format (.parquet, then the winners map's .json and
-    .json.gz, then .csv; without pandas and pyarrow, as the runtime install has them, only
-    winners maps)."""
-    if directory is None or not directory.is_dir():
-        return None
-    formats = (".parquet", ".json", ".json.gz", ".csv") if _reads_frames() else \
-        (".json", ".json.gz")  # Parquet and CSV need pandas and pyarrow
-    found = [(f, _format_rank(f.name, formats)) for f in directory.iterdir() if f.is_file()]
-    found = [(f, r, _model_of(f.name, arch, formats[r])) for f, r in found if r is not None
-             and (f.name.lower().startswith((arch + ".", arch + "-")))]
-    if not found:
-        return None
-    words = set(_WORD.findall(device_name.lower()))
-    sheet = hardware.datasheet(device_name)  # "h100" names the SXM, not the PCIe card
-    mine = [x for x in found if x[2] and set(_WORD.findall(x[2])) <= words
-            and (sheet is None or hardware.datasheet(x[2]) in (None, sheet))]
-    if mine:
-        f, _, model = min(mine, key=lambda x: (x[1], x[0].name))
-        return TableChoice(f, model, "model", f"measured on this GPU model ({model})")
-    near = _nearest_model(device_name, sorted({x[2] for x in found if x[2]}))
-    if near is not None:
-        model, why = near
-        f, _, _ = min((x for x in found if x[2] == model), key=lambda x: (x[1], x[0].name))
-        return TableChoice(f, model, "nearest", why)
-    f, _, model = min(found, key=lambda x: (x[2] != "", x[1], x[0].name))
-    return TableChoice(f, model, "arch", f"no table names {device_name or 'this GPU'}'s "
-                                         f"model; the arch's {'first' if model else 'own'} "
-                                         f"table")
-
-
-def table_models(directory: Path | Any, arch: str) -> list[str]:
-    """The GPU models the tables for ``arch`` in a directory name ("" for ``<arch>.<ext>``)."""
-    if directory is None or not directory.is_dir():
-        return []
-    formats = (".parquet", ".json", ".json.gz", ".csv")
-    found = {_model_of(f.name, arch, formats[r]) for f in directory.iterdir()
-             if (r := _format_rank(f.name, formats)) is not None
-             and f.name.lower().startswith((arch + ".", arch + "-"))}
-    return sorted(found)
-
-
-def _model_of(name: str, arch: str, ext: str) -> str:
-    """The model a table file names: "sm_90-h100.parquet" -> "h100"; "sm_90.parquet" -> ""."""
-    stem = name.lower()[len(arch):-len(ext)]
-    return stem.lstrip("-.")
-
-
-def _nearest_model(device_name: str, models: list[str]) -> tuple[str, str] | None:
-    """The measured model whose datasheet is nearest the device's (log distance over
-    bandwidth, SMs and tensor throughput), with why; None where either is not known."""
-    mine = hardware.datasheet(device_name)
-    sheets = {m: hardware.datasheet(m) for m in models}
-    known = {m: d for m, d in sheets.items() if d is not None}
-    if mine is None or not known:
-        return None
-
-    def distance(d: hardware.Datasheet) -> float:
-        return sum(abs(math.log(a / b)) for a, b in
-                   ((mine.bandwidth_gbs, d.bandwidth_gbs), (mine.sm_count, d.sm_count),
-                    (mine.tensor_tflops, d.tensor_tflops)))
-
-    model = min(known, key=lambda m: (distance(known[m]), m))
-    return model, (f"no table measured on {device_name}; the nearest measured model by "
-                   f"bandwidth, SMs and tensor throughput is {model}")
-
-
-def _format_rank(name: str, formats: tuple[str, ...]) -> int | None:
-    """Where a file name's format stands in ``formats`` (None: not among them)."""
-    name = name.lower()
-    return next((i for i, ext in enumerate(formats) if name.endswith(ext)), None)
-
-
-def _reads_frames() -> bool:
-    """Whether Parquet and CSV tables can be read here (pandas and pyarrow installed)."""
-    try:
-        return all(importlib.util.find_spec(m) is not None for m in ("pandas", "pyarrow"))
-    except (ImportError, ValueError):  # a module set to None in sys.modules: not usable
-        return False
+def overlay_device(candidates: list[Device], chosen: Device, device: DeviceInfo
+                   ) -> Device | None:
+    """The user table's device whose rows overlay the table's ``chosen`` device: this GPU
+    (same name and count, else same name), else the chosen device itself (a user table
+    measured where the table was); None where the user measured neither."""
+    mine = [d for d in candidates if d[0] == chosen[0]]
+    for match in (lambda d: d[1:] == (device.name, device.cu_count),
+                  lambda d: d[1] == device.name, lambda d: d == chosen,
+                  lambda d: d[1] == chosen[1]):
+        found = [d for d in mine if match(d)]
+        if found:
+            return found[0]
+    return None
 
 
 def overlaid(table, frame, user):
     """``frame`` with the problems ``user`` holds (per device) replaced by its rows."""
     import pandas as pd
 
-    device = ["arch", "device_name", "cu_count"]
+    device = list(DEVICE_COLUMNS)
 
     def keys(f):
         return pd.Series(table.key_strings(f), index=f.index) + "|" + \
@@ -234,14 +139,24 @@ def overlaid(table, frame, user):
     return pd.concat([kept, user[kept.columns]], ignore_index=True)
 
 
-def bundled_tables_dir() -> Any:
-    """The tables shipped in the package (mlatune/tables links to the repository's tables/)."""
-    return resources.files("mlatune").joinpath("tables")
+@dataclass(frozen=True)
+class Overlay:
+    """What a user table laid over a table's device: the user's device whose rows replaced
+    the table's problem by problem (None: none of its devices), their provenance, and the
+    user's devices left out (another GPU's measurements do not time this one)."""
+
+    device: Device | None
+    provenance: list[dict[str, Any]]
+    left_out: list[Device]
 
 
 # Reading tables into entries ---------------------------------------------------
 
-Device = tuple[str, str, int]
+
+def _devices(frame) -> list[Device]:
+    """A table's distinct (arch, device_name, cu_count), in row order."""
+    distinct = frame[list(DEVICE_COLUMNS)].drop_duplicates()
+    return list(distinct.itertuples(index=False, name=None))
 
 
 def _frozen_params(text: str) -> Mapping[str, Any]:
@@ -252,16 +167,26 @@ def _frozen_params(text: str) -> Mapping[str, Any]:
 class FrameSource:
     """A Parquet or CSV table, read and validated with mlatune.table (pandas)."""
 
-    def __init__(self, path: Path, overlay: Path | None = None):
+    def __init__(self, path: Path):
         from mlatune import table  # pandas only when a Parquet/CSV table is loaded
 
         self._table = table
         self.frame = table.read(path, facts=FACTS)  # validates, or raises
-        if overlay is not None:
-            self.frame = overlaid(table, self.frame,
-                                   table.read(overlay, facts=FACTS))
-        distinct = self.frame[["arch", "device_name", "cu_count"]].drop_duplicates()
-        self.devices: list[Device] = list(distinct.itertuples(index=False, name=None))
+        self.devices: list[Device] = _devices(self.frame)
+
+    def overlay(self, path: Path, chosen: Device, device: DeviceInfo) -> Overlay:
+        """The user table at ``path`` laid over ``chosen``'s rows problem by problem (MIOpen's
+        user find-db over its system db): its rows of this GPU (``overlay_device``) replace
+        the table's at the problems they hold and add the others, as rows of ``chosen``."""
+        user = self._table.read(path, facts=FACTS)  # validates, or raises
+        devices = _devices(user)
+        mine = overlay_device(devices, chosen, device)
+        if mine is None:
+            return Overlay(None, [], devices)
+        rows = user[(user[list(DEVICE_COLUMNS)] == list(mine)).all(axis=1)]
+        relabelled = rows.assign(**dict(zip(DEVICE_COLUMNS, chosen, strict=True)))
+        self.frame = overlaid(self._table, self.frame, relabelled)
+        return Overlay(mine, self._table.provenances(rows), [d for d in devices if d != mine])
 
     def _rows(self, device: Device):
         frame = self.frame
