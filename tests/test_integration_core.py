@@ -23,7 +23,7 @@ from mlatune.check import reference
 from mlatune.check.accuracy import check
 from mlatune.check.inputs import DecodeInputs, poison_
 from mlatune.errors import DecodeArgumentError
-from mlatune.integrations.core import MLADecoder, ServedModel, refusal
+from mlatune.integrations.core import MLADecoder, ServedModel, refusal, uniform_qlen
 from mlatune.kernels import plan as plan_kernels
 from mlatune.lse import combine
 from mlatune.problem import DTYPES, MLAProblem
@@ -288,3 +288,18 @@ def test_a_dispatcher_given_is_used_and_said(caplog, tmp_path):
 def test_importing_mlatune_loads_no_integration_and_no_engine():
     assert "mlatune.integrations" not in _modules_after("import mlatune")
     assert not {"vllm", "sglang", "triton"} & _modules_after("import mlatune.integrations.core")
+
+
+@pytest.mark.parametrize(("starts", "requests", "tokens", "qlen"), [
+    ([0, 1, 2, 3], 3, 3, 1), ([0, 2, 4, 6, 9], 3, 6, 2), ([0, 4], 1, 4, 4)])
+def test_a_steps_decodes_share_one_query_length(starts, requests, tokens, qlen):
+    """Only the leading ``requests`` count (a prefill may follow them)."""
+    assert uniform_qlen(starts, requests, tokens) == qlen
+
+
+@pytest.mark.parametrize(("starts", "requests", "tokens"), [
+    ([0, 1, 4], 2, 4),  # 1 and 3: the token count alone (4 = 2 x 2) would pass
+    ([0, 2, 4, 5], 3, 5), ([0, 1, 2], 2, 3), ([0], 0, 0), ([0, 1], 2, 2)])
+def test_decodes_of_different_query_lengths_are_refused_by_name(starts, requests, tokens):
+    with pytest.raises(ValueError, match=r"mlatune: .*(share one query length|of 0 requests)"):
+        uniform_qlen(starts, requests, tokens)

@@ -23,6 +23,7 @@ captured last, and ``summary()`` says both in one line.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import math
 import os
@@ -176,6 +177,22 @@ class _Step:
     qlen: int
     max_kv_len: int
     route: str | None = None
+
+
+def uniform_qlen(query_starts: Any, requests: int, tokens: int) -> int:
+    """The one query length of a step's ``requests`` leading decode requests, from the
+    engine's host copy of the query offsets (``requests + 1`` leading entries); ValueError
+    where their lengths differ (a decode serves one qlen a step: its rows are request-major)."""
+    if requests < 1:
+        raise ValueError(f"mlatune: a decode step of {requests} requests")
+    starts = [int(s) for s in query_starts[:requests + 1]]
+    lens = [b - a for a, b in itertools.pairwise(starts)]
+    if len(lens) != requests or sum(lens) != tokens or len(set(lens)) != 1:
+        shown = sorted(set(lens))[:8]
+        raise ValueError(f"mlatune: {requests} decode requests of {tokens} tokens do not "
+                         f"share one query length (lengths {shown}); a step's decodes "
+                         f"serve one qlen")
+    return lens[0]
 
 
 def rank_group(coordinator: Any) -> Any:

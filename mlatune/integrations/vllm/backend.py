@@ -43,7 +43,13 @@ from vllm.v1.attention.backend import (
     max_decode_query_len,
 )
 
-from mlatune.integrations.core import MLADecoder, ServedModel, rank_group, refusal
+from mlatune.integrations.core import (
+    MLADecoder,
+    ServedModel,
+    rank_group,
+    refusal,
+    uniform_qlen,
+)
 
 LOG = logging.getLogger("vllm.mlatune")  # under vLLM's logger, so vLLM's log shows it
 PAGE_SIZE = 64  # the shipped tables' page: vLLM's kernel block is this, its blocks a multiple
@@ -234,10 +240,8 @@ class MLATuneMetadataBuilder(MLACommonMetadataBuilder[MLATuneMetadata]):
         decode = metadata.decode
         if decode is None:
             return metadata
-        qlen, rest = divmod(metadata.num_decode_tokens, metadata.num_decodes)
-        if rest:
-            raise ValueError(f"mlatune: {metadata.num_decode_tokens} decode tokens over "
-                             f"{metadata.num_decodes} requests are not one qlen each")
+        starts = common_attn_metadata.query_start_loc_cpu[:metadata.num_decodes + 1]
+        qlen = uniform_qlen(starts.tolist(), metadata.num_decodes, metadata.num_decode_tokens)
         global_lens = decode.seq_lens if decode.dcp_tot_seq_lens is None \
             else decode.dcp_tot_seq_lens
         self.served.decoder.begin_step(decode.block_table, global_lens, qlen=qlen,
