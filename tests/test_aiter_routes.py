@@ -235,6 +235,10 @@ def test_without_aiter_the_routes_say_so(monkeypatch):
         nvidia = DeviceInfo("sm_90", "fake", "nvidia", 132)
         verdict = routes.get("padded/aiter").supports(decode(num_heads=16), nvidia)
         assert verdict.reason.startswith("rule aiter.amd:")
+        # What ranks compare: unusable on an AMD GPU here, by rule alone on an NVIDIA one.
+        assert routes.get("padded/aiter").unusable(amd()).startswith(
+            "installed AITER: aiter does not import")
+        assert routes.get("padded/aiter").unusable(nvidia) is None
     finally:
         probe.cache_clear()
 
@@ -262,6 +266,12 @@ def test_probe_offers_a_route_only_where_the_build_has_it(make_fake, config, rou
     verdict = routes.get(route_id).supports(problem, amd())
     assert not verdict and verdict.reason.startswith("installed AITER:") and words in \
         verdict.reason
+
+
+def test_an_installed_aiter_is_usable_family_by_family(make_fake):
+    make_fake(omit=("aiter.ops.triton.gluon.mla_gluon",))
+    assert routes.get("padded/aiter").unusable(amd()) is None
+    assert "mla_gluon" in routes.get("gluon/aiter").unusable(amd())
 
 
 def test_probe_without_a_manifest_leaves_kernel_tables_unchecked(make_fake):

@@ -162,6 +162,15 @@ def _mismatches(rank: int, tmp: Path) -> dict:
     from mlatune.integrations.core import MLADecoder, rank_group
     from tests.test_integration_core import _model
 
+    # A vendor library that imports on rank 0 and is broken on rank 1: its route would
+    # refuse there every problem rank 0 serves with it.
+    broken = MarkedRoute("vendor/fake")
+    broken.unusable = lambda device: "FakeLib is not usable (ImportError: libfake.so)" \
+        if rank == 1 else None
+    routes.register(broken)
+    errors["vendor"] = _error_of(lambda: Dispatcher.load(same, device=cpu_device(),
+                                                         group=world))
+    routes.unregister(broken.id)
     interpret = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = str(1 - rank)  # rank 1 could not run the Triton routes
     errors["settings"] = _error_of(lambda: Dispatcher.load(same, device=cpu_device(),
@@ -238,6 +247,11 @@ def test_ranks_that_differ_are_refused_on_every_rank(tmp_path):
     assert re.match(r"RankMismatchError: .* differ in their route settings \(rank 0: .*"
                     r"\"TRITON_INTERPRET\": \"1\".*; rank 1: .*\"TRITON_INTERPRET\": \"0\"",
                     errors["settings"]), errors["settings"]
+    assert re.match(r"RankMismatchError: .* differ in their routes \(rank 0: .*vendor/fake.*"
+                    r"; rank 1: .*; vendor/fake unusable: FakeLib is not usable "
+                    r"\(ImportError: libfake.so\)\): every rank must register the same routes, "
+                    r"each usable alike", errors["vendor"]), errors["vendor"]
+    assert errors["vendor"].count("vendor/fake unusable") == 1  # rank 0's could run it
     assert errors["engine"].startswith("RankMismatchError: the ranks of the process group "
                                        "differ in their tables"), errors["engine"]
     assert re.match(r"RankMismatchError: .* differ in their GPU models \(rank 0: cpu .*; "

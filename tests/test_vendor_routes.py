@@ -136,6 +136,7 @@ def test_flashmla_missing_names_what_to_install(monkeypatch):
         monkeypatch.setitem(sys.modules, name, None)
     verdict = routes.get("dense/flashmla").supports(decode(), H200)
     assert not verdict and "pip install sgl-flash-mla --no-deps" in verdict.reason
+    assert routes.get("dense/flashmla").unusable(H200) == verdict.reason  # ranks compare it
     with pytest.raises(RuntimeError, match="sgl-flash-mla"):
         routes.get("dense/flashmla").prepare(decode(), make_inputs(decode(), seed=1))
 
@@ -194,6 +195,14 @@ def test_flashinfer_missing_names_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "flashinfer", None)
     verdict = routes.get("fa2/flashinfer").supports(decode(), H200)
     assert not verdict and "pip install flashinfer-python apache-tvm-ffi" in verdict.reason
+    assert routes.get("fa3/flashinfer").unusable(H200) == verdict.reason  # ranks compare it
+
+
+def test_installed_vendor_libraries_are_usable(monkeypatch):
+    FakeFlashMLA().install(monkeypatch)
+    FakeFlashInfer().install(monkeypatch)
+    assert [routes.get(r).unusable(H200) for r in
+            ("dense/flashmla", "fa3/flashinfer", "fa2/flashinfer")] == [None, None, None]
 
 
 def test_flashmla_shard_rows_without_keys_merge_as_empty(monkeypatch):

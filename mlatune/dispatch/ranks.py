@@ -5,9 +5,10 @@ deadlock where a route holds a collective.
 
 ``Dispatcher.load(..., group=)`` (and ``from_bundled``) calls ``agree_at_load`` before it
 reads the table: every rank must have the same table and user-table bytes, GPU model,
-registered routes, library versions and load arguments, or every rank raises
-``RankMismatchError`` naming each rank's value. Checked before parsing, so that a table
-that one rank cannot read refuses the group rather than leaving the others waiting.
+registered routes (and which of them can run here), library versions and load arguments,
+or every rank raises ``RankMismatchError`` naming each rank's value. Checked before
+parsing, so that a table that one rank cannot read refuses the group rather than leaving
+the others waiting.
 First sight (``mlatune.dispatch.first_sight``) times its candidates on every rank and
 calls ``agree_on_timings``, which makes the ranks' timings one.
 
@@ -59,8 +60,8 @@ _ASK = {
     "user tables": "every rank's user table (MLATUNE_USER_TABLE, first sight's) must hold "
                    "the same bytes",
     "GPU models": "a group's ranks must run one GPU model, which one table answers for",
-    "routes": "every rank must register the same routes (installed backends, "
-              "MLATUNE_PLUGINS)",
+    "routes": "every rank must register the same routes, each usable alike (installed "
+              "backends, MLATUNE_PLUGINS)",
     "library versions": "every rank must run the same library versions",
     "load arguments": "load with the same arguments on every rank",
     "route settings": "set these environment variables alike on every rank",
@@ -92,7 +93,7 @@ def agree_at_load(group: dist.ProcessGroup | None, table: str | os.PathLike | No
         "user tables": (overlay_digest, _where(overlay_digest, overlay)),
         "GPU models": (f"{device.arch} {device.name}, "
                        f"{units_text(device.arch, device.cu_count)}",) * 2,
-        "routes": (",".join(sorted(r.id for r in all_routes())),) * 2,
+        "routes": _routes_here(device),
         "library versions": (json.dumps(versions, sort_keys=True),) * 2,
         "load arguments": (json.dumps(arguments, sort_keys=True, default=str),) * 2,
         "route settings": (json.dumps({k: os.environ.get(k) for k in ROUTE_SETTINGS},
@@ -101,6 +102,17 @@ def agree_at_load(group: dist.ProcessGroup | None, table: str | os.PathLike | No
     everyone = _gather(group, mine)
     for field in mine:
         _refuse_differences(group, field, [rank[field] for rank in everyone], _ASK[field])
+
+
+def _routes_here(device: DeviceInfo) -> tuple[str, str]:
+    """The registered routes and those that can run nothing here (a vendor library missing
+    or broken on this rank: its routes would refuse every problem the others serve), as
+    compared and as shown."""
+    found = sorted(all_routes(), key=lambda r: r.id)
+    unusable = {r.id: why for r in found if (why := r.unusable(device)) is not None}
+    ids = ",".join(r.id for r in found)
+    return (f"{ids}; unusable {','.join(unusable)}",
+            ids + "".join(f"; {r} unusable: {why}" for r, why in unusable.items()))
 
 
 def joined(dispatcher: Made, group: dist.ProcessGroup | None) -> Made:

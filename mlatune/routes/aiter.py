@@ -60,6 +60,12 @@ class _AiterRoute(Route):
             return no(f"installed AITER: {refusal}")
         return Verdict(True, ruling.reason)
 
+    def unusable(self, device: DeviceInfo) -> str | None:
+        if device.arch not in capability.AMD_ARCHS:
+            return None  # its rules refuse the arch, alike on every rank
+        refusal = probe(device.arch).refusal(self.family)
+        return f"installed AITER: {refusal}" if refusal else None
+
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
         return [{}]
 

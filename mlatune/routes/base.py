@@ -189,6 +189,11 @@ class Route(ABC):
         """Plan and allocate for ``inputs`` (decode: DCP rank ``rank``'s shard); ``buffers``
         are ``out=``/``lse=`` (``writes_into``) and ``plan_from=`` (``shares_plan``)."""
 
+    def unusable(self, device: DeviceInfo) -> str | None:
+        """Why it can run nothing on ``device`` in this process (its library missing or
+        broken here); None: it may run, ``supports`` deciding per problem."""
+        return None
+
     def step_kind(self, params: Params) -> StepKind:
         """What ``prepare(params=params)``'s ``Prepared.step_kind`` will be, known without a GPU."""
         return LAUNCH_ONLY

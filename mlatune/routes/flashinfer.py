@@ -104,6 +104,9 @@ class FlashInferRoute(Route):
             return no(missing)
         return Verdict(True, f"FlashInfer {getattr(mod, '__version__', '?')} {self.backend}")
 
+    def unusable(self, device: DeviceInfo) -> str | None:
+        return library()[1] or None
+
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
         return [{}]
 

@@ -152,6 +152,9 @@ class FlashMLARoute(Route):
             return no(lib.missing)
         return Verdict(True, f"FlashMLA {lib.version} ({lib.flavour} interface)")
 
+    def unusable(self, device: DeviceInfo) -> str | None:
+        return library().missing or None
+
     def param_space(self, problem: MLAProblem, device: DeviceInfo) -> list[Params]:
         return [{}]
 
