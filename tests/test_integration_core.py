@@ -291,15 +291,19 @@ def test_importing_mlatune_loads_no_integration_and_no_engine():
 
 
 @pytest.mark.parametrize(("starts", "requests", "tokens", "qlen"), [
-    ([0, 1, 2, 3], 3, 3, 1), ([0, 2, 4, 6, 9], 3, 6, 2), ([0, 4], 1, 4, 4)])
+    ([0, 1, 2, 3], 3, 3, 1), ([0, 2, 4, 6, 9], 3, 6, 2), ([0, 4], 1, 4, 4),
+    ([0, 1, 2, 3, 4, 4, 4], 6, 6, 1),  # two padded slots: length 0, their rows counted
+    ([0, 2, 2], 2, 4, 2), ([0, 0, 0], 2, 4, 2),
+    ([0, 0, 1, 2], 3, 3, 1)])  # an empty slot first: its rows are still its own
 def test_a_steps_decodes_share_one_query_length(starts, requests, tokens, qlen):
     """Only the leading ``requests`` count (a prefill may follow them)."""
     assert uniform_qlen(starts, requests, tokens) == qlen
 
 
 @pytest.mark.parametrize(("starts", "requests", "tokens"), [
-    ([0, 1, 4], 2, 4),  # 1 and 3: the token count alone (4 = 2 x 2) would pass
-    ([0, 2, 4, 5], 3, 5), ([0, 1, 2], 2, 3), ([0], 0, 0), ([0, 1], 2, 2)])
+    ([0, 1, 4], 2, 4),  # 1 and 3: the row count alone (4 = 2 x 2) would pass
+    ([0, 2, 4, 5], 3, 5), ([0, 1, 2], 2, 3), ([0], 0, 0), ([0, 1], 2, 2),
+    ([0, 1, 3, 4], 3, 3), ([0, 2, 3], 2, 4)])
 def test_decodes_of_different_query_lengths_are_refused_by_name(starts, requests, tokens):
-    with pytest.raises(ValueError, match=r"mlatune: .*(share one query length|of 0 requests)"):
+    with pytest.raises(ValueError, match=r"mlatune: .* not one query length each"):
         uniform_qlen(starts, requests, tokens)

@@ -180,19 +180,20 @@ class _Step:
 
 
 def uniform_qlen(query_starts: Any, requests: int, tokens: int) -> int:
-    """The one query length of a step's ``requests`` leading decode requests, from the
-    engine's host copy of the query offsets (``requests + 1`` leading entries); ValueError
-    where their lengths differ (a decode serves one qlen a step: its rows are request-major)."""
-    if requests < 1:
-        raise ValueError(f"mlatune: a decode step of {requests} requests")
+    """The one query length of a step's ``requests`` leading decode requests (``tokens``
+    rows, request-major, as the engine's own decode kernels read them), checked against the
+    engine's host copy of the query offsets (``requests + 1`` leading entries): each
+    request's length is it, or 0 for an empty slot (a CUDA graph's padding, whose rows are
+    still counted in ``tokens``). ValueError otherwise."""
+    qlen, rest = divmod(tokens, requests) if requests > 0 else (0, 1)
     starts = [int(s) for s in query_starts[:requests + 1]]
     lens = [b - a for a, b in itertools.pairwise(starts)]
-    if len(lens) != requests or sum(lens) != tokens or len(set(lens)) != 1:
-        shown = sorted(set(lens))[:8]
-        raise ValueError(f"mlatune: {requests} decode requests of {tokens} tokens do not "
-                         f"share one query length (lengths {shown}); a step's decodes "
-                         f"serve one qlen")
-    return lens[0]
+    if rest or len(lens) != requests or not set(lens) <= {0, qlen}:
+        shown = lens if len(lens) <= 8 else [*lens[:8], "..."]
+        raise ValueError(f"mlatune: {requests} decode requests of {tokens} rows are not one "
+                         f"query length each (lengths {shown}; 0: an empty slot); a step's "
+                         f"decodes serve one qlen")
+    return qlen
 
 
 def rank_group(coordinator: Any) -> Any:
