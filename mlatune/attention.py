@@ -54,7 +54,6 @@ and none is kept (their pool must hold nothing else), so ``reuse_plan`` plans ag
 from __future__ import annotations
 
 import logging
-import numbers
 import threading
 import weakref
 
@@ -163,13 +162,6 @@ def _dispatcher_for(dispatcher: Dispatcher | None, capturable: bool, accuracy: s
     return dispatcher
 
 
-def _plain_float(scale: object) -> object:
-    """A real number of another type (a numpy float32) as a Python float, which kernels take
-    as a constant; anything else as given, for the argument checks to name."""
-    real = isinstance(scale, numbers.Real) and not isinstance(scale, bool | float)
-    return float(scale) if real else scale
-
-
 def _geometry(t: torch.Tensor | None) -> tuple | None:
     """What a prepared step assumes of a tensor besides its address."""
     return None if t is None else (t.dtype, t.shape, t.stride(), t.device)
@@ -210,16 +202,18 @@ def decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     problem's dtypes; None: ``MLATUNE_ACCURACY``'s, else strict); a ``dispatcher`` given
     serves its own, and naming another is a DecodeArgumentError.
 
-    Returns out and, with ``return_lse`` (or ``lse_out``), lse fp32 (natural log);
-    with dcp_size > 1 both are this rank's partials, merged by the caller.
-    """
+    Returns out and, with ``return_lse`` (or ``lse_out``), lse fp32 (natural log); with
+    dcp_size > 1 both are this rank's partials, merged by the caller."""
     want_lse = return_lse or lse_out is not None
-    softmax_scale = _plain_float(softmax_scale)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # checked where the op runs (a traced scale: no value)
         return _decode_compiled(q, kv_cache, block_table, seq_lens, num_heads, qlen, causal,
                                 kv_scale, q_scale, softmax_scale, out, lse_out, dcp_rank,
                                 dcp_size, max_kv_len, kv_lora_rank, want_lse, capturable,
                                 reuse_plan, dispatcher, accuracy)
+    softmax_scale = runtime_checks.check_options(
+        num_heads=num_heads, qlen=qlen, dcp_rank=dcp_rank, dcp_size=dcp_size,
+        kv_lora_rank=kv_lora_rank, causal=causal, softmax_scale=softmax_scale,
+        return_lse=return_lse, capturable=capturable, reuse_plan=reuse_plan)
     tensors = (q, kv_cache, block_table, seq_lens)
     made = dict(num_heads=num_heads, qlen=qlen, causal=causal, kv_scale=kv_scale,
                 q_scale=q_scale, softmax_scale=softmax_scale, out=out, lse_out=lse_out,
@@ -403,7 +397,10 @@ def prepare_decode(
     wrappers). Arguments as ``decode``'s; the step serves lengths up to the block
     table's capacity, chosen for ``max_kv_len``."""
     _check_plan_from_policy(plan_from, accuracy)
-    softmax_scale = _plain_float(softmax_scale)
+    softmax_scale = runtime_checks.check_options(
+        num_heads=num_heads, qlen=qlen, dcp_rank=dcp_rank, dcp_size=dcp_size,
+        kv_lora_rank=kv_lora_rank, causal=causal, softmax_scale=softmax_scale,
+        return_lse=return_lse, capturable=capturable)
     dispatcher = _dispatcher_for(dispatcher, capturable, accuracy)
     if plan_from is not None and not isinstance(plan_from, DecodeStep):
         raise DecodeArgumentError(f"plan_from: must be a step prepare_decode returned, or "
@@ -554,6 +551,7 @@ def _decode_compiled(q, kv_cache, block_table, seq_lens, num_heads, qlen, causal
                      q_scale, softmax_scale, out, lse_out, dcp_rank, dcp_size, max_kv_len,
                      kv_lora_rank, want_lse, capturable, reuse_plan, dispatcher, accuracy):
     """decode() as torch.compile traces it: buffers allocated here, the work in the op."""
+    softmax_scale = runtime_checks.plain_float(softmax_scale)
     rows, heads = q.shape[0], q.shape[1]
     if out is None:
         # (a dtype decode refuses: q's, so that the op's argument checks name it)

@@ -21,6 +21,10 @@ from mlatune.measure import timers
 from mlatune.problem import MLAProblem
 from mlatune.routes import Prepared, Route
 
+# The tensors a held step holds, named as decode's arguments (``held_layout``'s order); a
+# step without an LSE holds None there.
+HELD_TENSORS = ("q", "kv_cache", "block_table", "seq_lens", "out", "lse_out")
+
 
 @dataclass
 class DecodeStep:
@@ -56,7 +60,8 @@ class DecodeStep:
         self.layout = self.held_layout()
 
     def held_layout(self) -> tuple:
-        """The memory, shape and strides (``address``) of every tensor the step holds."""
+        """The memory, shape and strides (``address``) of every tensor the step holds, in
+        ``HELD_TENSORS`` order."""
         shard = self.inputs.shards[self.rank]
         return tuple(address(t) for t in (self.inputs.q, shard.kv_cache, shard.block_table,
                                           self.inputs.seq_lens, self.out, self.lse))
@@ -64,10 +69,14 @@ class DecodeStep:
     def __call__(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run the step (``call``); returns out, and the LSE when the step has one. The
         length values are checked first where that is free (CPU tensors) or asked for."""
-        if self.held_layout() != self.layout:
+        now = self.held_layout()
+        if now != self.layout:
+            changed = [name for name, a, b in zip(HELD_TENSORS, now, self.layout, strict=True)
+                       if a != b]
             raise DecodeArgumentError(
-                "a held decode step's tensors were resized or moved since it was prepared "
-                "(it serves the batch, shapes and memory it was made for); prepare a new step")
+                f"{', '.join(changed)}: a held decode step's tensors were resized or moved "
+                f"since it was prepared (it serves the batch, shapes and memory it was made "
+                f"for); prepare a new step")
         shard = self.inputs.shards[self.rank]
         if checks_values(self.values_free, self.inputs.seq_lens, made=False):
             check_values(self.problem, shard.kv_cache, shard.block_table,

@@ -62,6 +62,9 @@ _FIELD_ARGS = {"q_dtype": "q", "kv_dtype": "kv_cache", "page_size": "kv_cache",
 
 
 MAX_KV_LEN = 2**30
+# The largest softmax scale served: far past any model's (1/sqrt(192) with YaRN's mscale is
+# about 0.1); the kernels' fp32 scores (q.k times it) overflow to inf, then NaN, not far above.
+MAX_SOFTMAX_SCALE = 1e6
 
 
 def _fail(arg: str, message: str) -> NoReturn:
@@ -128,10 +131,8 @@ def check_decode_args(
 ) -> None:
     """Raise ``DecodeArgumentError`` for any argument decode cannot serve, reading no
     tensor values (no device sync). Layouts as ``mlatune.attention.decode`` documents."""
-    if not isinstance(causal, bool):
-        _fail("causal", f"must be a bool, got {causal!r} of {type(causal)}")
-    _check_ints(num_heads=num_heads, qlen=qlen, dcp_rank=dcp_rank, dcp_size=dcp_size,
-                kv_lora_rank=kv_lora_rank)
+    check_options(num_heads=num_heads, qlen=qlen, dcp_rank=dcp_rank, dcp_size=dcp_size,
+                  kv_lora_rank=kv_lora_rank, causal=causal, softmax_scale=softmax_scale)
     _check_types(dict(q=q, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens),
                  dict(kv_scale=kv_scale, q_scale=q_scale, out=out, lse_out=lse_out))
     _check_devices(q, dict(kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens,
@@ -145,7 +146,6 @@ def check_decode_args(
                        d_qk=d_qk)
     _check_scale("kv_scale", kv_scale, "kv_cache", problem.kv_dtype)
     _check_scale("q_scale", q_scale, "q", problem.q_dtype)
-    _check_softmax_scale(softmax_scale)
     _check_out(out, (rows, heads, kv_lora_rank), DTYPES[problem.out_dtype], problem.q_dtype)
     _check_lse_out(lse_out, (rows, heads))
     _check_apart(dict(out=out, lse_out=lse_out),
@@ -163,6 +163,32 @@ def check_max_kv_len(max_kv_len: int, none_ok: bool = False) -> None:
         _fail("max_kv_len", f"must be >= 0 (the longest request's length), got {max_kv_len}")
     if max_kv_len > MAX_KV_LEN:  # a step serves up to the next power of two, an int32
         _fail("max_kv_len", f"must be at most 2**30 = {MAX_KV_LEN} keys, got {max_kv_len}")
+
+
+def check_options(*, num_heads: int, qlen: int, dcp_rank: int, dcp_size: int,
+                  kv_lora_rank: int, causal: bool, softmax_scale: float | None,
+                  **flags: bool | None) -> float | None:
+    """The scalar arguments' types and ranges (``flags``: options that are a bool, or None
+    where named so: ``capturable``), checked on every call before a held step is looked up
+    (a step held for ``num_heads=4`` would serve ``4.0`` too, as the two compare equal);
+    ``softmax_scale`` as the kernels take it: a Python float (a numpy float32's value)."""
+    if not isinstance(causal, bool):
+        _fail("causal", f"must be a bool, got {causal!r} of {type(causal)}")
+    for arg, value in flags.items():
+        if not isinstance(value, bool) and not (value is None and arg == "capturable"):
+            _fail(arg, f"must be a bool{' or None' if arg == 'capturable' else ''}, "
+                       f"got {value!r}")
+    _check_ints(num_heads=num_heads, qlen=qlen, dcp_rank=dcp_rank, dcp_size=dcp_size,
+                kv_lora_rank=kv_lora_rank)
+    _check_softmax_scale(softmax_scale)
+    return plain_float(softmax_scale)
+
+
+def plain_float(scale: object) -> object:
+    """A real number of another type (a numpy float32) as a Python float, which kernels take
+    as a constant; anything else (None, a float, a traced SymFloat) as given."""
+    real = isinstance(scale, numbers.Real) and not isinstance(scale, bool | float)
+    return float(scale) if real else scale
 
 
 def _check_ints(**values: int) -> None:
@@ -281,13 +307,20 @@ def _check_scale(arg: str, scale: torch.Tensor | None, tensor_arg: str, dtype: s
         _fail(arg, f"must hold one per-tensor scale, got shape {tuple(scale.shape)}")
 
 
+def softmax_scale_fault(scale: object) -> str | None:
+    """Why ``scale`` is no softmax scale the kernels serve (None: it is): a real number
+    (not a bool), finite, > 0 and at most ``MAX_SOFTMAX_SCALE``."""
+    if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
+        return f"must be a float, got {type(scale).__name__}"
+    if not math.isfinite(scale) or not 0 < scale <= MAX_SOFTMAX_SCALE:
+        return f"must be finite, > 0 and <= {MAX_SOFTMAX_SCALE:g}, got {scale}"
+    return None
+
+
 def _check_softmax_scale(softmax_scale: float | None) -> None:
-    if softmax_scale is None:
-        return
-    if not isinstance(softmax_scale, numbers.Real) or isinstance(softmax_scale, bool):
-        _fail("softmax_scale", f"must be a float or None, got {type(softmax_scale).__name__}")
-    if not math.isfinite(softmax_scale) or softmax_scale <= 0:
-        _fail("softmax_scale", f"must be finite and > 0, got {softmax_scale}")
+    fault = None if softmax_scale is None else softmax_scale_fault(softmax_scale)
+    if fault is not None:
+        _fail("softmax_scale", fault.replace("must be a float", "must be a float or None"))
 
 
 def _check_out(out: torch.Tensor | None, want: tuple[int, int, int], dtype: torch.dtype,

@@ -347,6 +347,27 @@ def test_torch_compile_fullgraph_matches_eager(backend, monkeypatch):
     assert compiled_made == 2  # the compiled calls' step and the eager calls' (out=None)
 
 
+def test_torch_compile_takes_the_scale_as_an_argument():
+    """A float argument of a compiled function is traced without a value: decode's checks
+    of it run where the op runs, not while tracing."""
+    problem = MLAProblem(num_heads=4, batch=2, kv_len=40, page_size=8, q_dtype="fp16",
+                         kv_dtype="fp16")
+    inputs = make_decode_inputs(problem, seed=13, ragged=True)
+    shard = inputs.shards[0]
+    dispatcher = Dispatcher.rules_only(cpu_device())
+
+    def attend(q, kv_cache, block_table, seq_lens, scale):
+        return attention.decode(q, kv_cache, block_table, seq_lens, num_heads=4,
+                                softmax_scale=scale, max_kv_len=40, dispatcher=dispatcher) * 1.0
+
+    args = (inputs.q, shard.kv_cache, shard.block_table, inputs.seq_lens)
+    compiled = torch.compile(attend, fullgraph=True, backend="eager")
+    for scale in (0.05, 0.07):
+        torch.testing.assert_close(compiled(*args, scale), attend(*args, scale))
+    with pytest.raises(Exception, match="softmax_scale: must be finite, > 0"):
+        compiled(*args, -1.0)
+
+
 @pytest.mark.parametrize("capturable", [None, True, False])
 def test_torch_compile_leaves_capturability_to_the_op(capturable, monkeypatch):
     """decode's capturable reaches the op as given: None (the default) is decided when the op

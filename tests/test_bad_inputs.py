@@ -21,7 +21,7 @@ from mlatune.check.accuracy import check
 from mlatune.check.inputs import make_decode_inputs, poison_
 from mlatune.dispatch import Dispatcher
 from mlatune.errors import DecodeArgumentError, SettingError
-from mlatune.problem import MLAProblem
+from mlatune.problem import DTYPES, MLAProblem
 from tests.helpers import expected_now
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,7 +107,20 @@ def test_a_held_step_refuses_tensors_resized_in_place(grown):
     for name in ("q", "block_table", "seq_lens") if grown == "all" else (grown, ):
         tensor = args[name]
         tensor.resize_((tensor.shape[0] // batch * (batch + 1), *tensor.shape[1:]))
-    with pytest.raises(DecodeArgumentError, match="resized or moved since it was prepared"):
+    named = "q, block_table, seq_lens" if grown == "all" else grown
+    with pytest.raises(DecodeArgumentError,
+                       match=f"^{named}: a held decode step's tensors were resized or moved"):
+        step()
+
+
+def test_a_held_steps_out_resized_is_named():
+    _, args = call_args()
+    out = torch.empty(PROBLEM.batch * PROBLEM.qlen, PROBLEM.num_heads, 512,
+                      dtype=DTYPES[PROBLEM.out_dtype])
+    step = held(args, out=out)
+    step()
+    out.resize_(1, PROBLEM.num_heads, 512)
+    with pytest.raises(DecodeArgumentError, match=r"^out: a held decode step's tensors"):
         step()
 
 
@@ -184,6 +197,9 @@ def test_out_over_lse_out_is_refused_and_disjoint_parts_of_one_buffer_serve():
     ("causal", None, r"^causal: must be a bool, got None"),
     ("causal", numpy.bool_(True), r"^causal: must be a bool, got np.True_ of .*numpy"),
     ("causal", 1, r"^causal: must be a bool, got 1"),
+    ("softmax_scale", 1e39, r"^softmax_scale: must be finite, > 0 and <= 1e\+06, got 1e\+39"),
+    ("softmax_scale", True, r"^softmax_scale: must be a float or None, got bool"),
+    ("return_lse", "yes", r"^return_lse: must be a bool, got 'yes'"),
 ])
 @pytest.mark.parametrize("capturable", [None, False])
 def test_arguments_of_foreign_types_are_named(arg, value, message, capturable):
@@ -196,6 +212,35 @@ def test_arguments_of_foreign_types_are_named(arg, value, message, capturable):
             message = message.replace(" or None", "")
         with pytest.raises(DecodeArgumentError, match=message):
             attention.prepare_decode(**args)
+
+
+@pytest.mark.parametrize(("arg", "value", "message"), [
+    ("num_heads", 4.0, r"^num_heads: must be an int, got 4.0"),
+    ("causal", 1, r"^causal: must be a bool, got 1"),
+    ("qlen", True, r"^qlen: must be an int, got True"),
+    ("softmax_scale", True, r"^softmax_scale: must be a float or None, got bool"),
+    ("capturable", "no", r"^capturable: must be a bool or None, got 'no'"),
+    ("reuse_plan", "False", r"^reuse_plan: must be a bool, got 'False'"),
+])
+def test_an_option_equal_to_a_held_steps_is_still_checked(arg, value, message):
+    """A held step is found by its options, and 4.0 == 4, 1 == True: the same call after a
+    good one is refused as on a fresh dispatcher, never served by the held step."""
+    _, args = call_args()
+    attention.decode(**args, softmax_scale=1, capturable=False)  # a step held for these
+    good = {"num_heads": args["num_heads"], "causal": True, "qlen": 1, "softmax_scale": 1,
+            "capturable": False, "reuse_plan": False}
+    with pytest.raises(DecodeArgumentError, match=message):
+        attention.decode(**{**args, **good, arg: value})
+    if arg != "reuse_plan":
+        with pytest.raises(DecodeArgumentError, match=message):
+            attention.prepare_decode(**_prepare_args(args, good, arg, value))
+
+
+def _prepare_args(args: dict, good: dict, arg: str, value: object) -> dict:
+    """``prepare_decode``'s arguments: ``decode``'s less ``reuse_plan``."""
+    given = {**args, **good, arg: value}
+    given.pop("reuse_plan")
+    return given
 
 
 @pytest.mark.parametrize("scale", [numpy.float32(0.07), numpy.float64(0.07), 0.07])

@@ -847,3 +847,25 @@ def test_bad_dispatcher_options_are_named_not_blamed_on_the_table(options, messa
     assert not isinstance(raised.value, TableError)
     with pytest.raises(ValueError, match=message):
         Dispatcher(H200, **options)
+
+
+@pytest.mark.parametrize("plan_calls", [0, -5, "61", 2.5, True])
+def test_from_bundled_refuses_bad_plan_calls_where_no_table_ships(plan_calls, monkeypatch,
+                                                                   tmp_path):
+    monkeypatch.setattr(bundled, "bundled_tables_dir", lambda: tmp_path)  # none ships
+    monkeypatch.delenv(dispatch_module.TABLE_ENV, raising=False)
+    with pytest.raises(ValueError, match=r"^plan_calls must be an int >= 1"):
+        Dispatcher.from_bundled(H200, plan_calls=plan_calls)
+
+
+def test_from_bundled_keeps_plan_calls_where_the_rules_serve(monkeypatch, tmp_path):
+    monkeypatch.setattr(bundled, "bundled_tables_dir", lambda: tmp_path)
+    monkeypatch.delenv(dispatch_module.TABLE_ENV, raising=False)
+    served = Dispatcher.from_bundled(H200, plan_calls=7)
+    assert (served.source, served.plan_calls) == ("", 7)
+
+
+@pytest.mark.parametrize("thing", [{"num_heads": 16}, None, "decode", 16])
+def test_select_names_what_it_takes(thing):
+    with pytest.raises(TypeError, match=r"^select takes an MLAProblem, got "):
+        Dispatcher.rules_only(H200).select(thing)

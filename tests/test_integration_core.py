@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
+import numpy
 import pytest
 import torch
 
@@ -180,6 +181,7 @@ SERVED = {
     "few-heads-verify": {"num_heads": 4, "max_qlen": 4},
     "dcp2-verify": {"dcp_size": 2, "dcp_rank": 1, "max_qlen": 2},
     "page-1": {"page_size": 1},
+    "numpy-scale": {"softmax_scale": numpy.float32(0.1)},  # as decode takes it
 }
 REFUSED = {
     "latent-256": ({"kv_lora_rank": 256}, "head dim 320 = 256 latent + 64 rope: mlatune "
@@ -202,7 +204,9 @@ REFUSED = {
     "dcp-size": ({"dcp_size": 0}, "dcp_size must be a positive integer, got 0"),
     "no-heads": ({"num_heads": 0}, "num_heads must be a positive integer, got 0"),
     "max-qlen": ({"max_qlen": 0}, "max_qlen must be a positive integer, got 0"),
-    "scale": ({"softmax_scale": float("nan")}, "softmax scale must be a positive finite"),
+    "scale": ({"softmax_scale": float("nan")}, "softmax scale must be finite, > 0"),
+    "bool-scale": ({"softmax_scale": True}, "softmax scale must be a float, got bool"),
+    "huge-scale": ({"softmax_scale": 1e39}, "softmax scale must be finite, > 0 and <= 1e+06"),
 }
 
 

@@ -231,12 +231,20 @@ class Dispatcher:
 
     # Answering -------------------------------------------------------------
     def select(self, problem: MLAProblem) -> Choice:
-        """The route for ``problem``; never raises for a valid problem."""
-        choice = self._memo.get(problem.key)
+        """The route for ``problem``; never raises for a valid problem (TypeError for
+        anything not an ``MLAProblem``)."""
+        try:
+            key = problem.key
+        except AttributeError:
+            raise TypeError(f"select takes an MLAProblem, got {type(problem).__name__}") \
+                from None
+        choice = self._memo.get(key)
         if choice is None:
+            if not isinstance(problem, MLAProblem):  # a look-alike with a key
+                raise TypeError(f"select takes an MLAProblem, got {type(problem).__name__}")
             choice = self._resolve(problem, None)
-            if len(self._memo) < self._memo_limit or problem.key in self._memo:
-                self._memo[problem.key] = choice
+            if len(self._memo) < self._memo_limit or key in self._memo:
+                self._memo[key] = choice
         return choice
 
     def explain(self, problem: MLAProblem, predictions: int | None = PREDICTIONS_SHOWN

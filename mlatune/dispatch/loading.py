@@ -81,11 +81,12 @@ def registered_routes(routes: Mapping[str, Route] | None = None) -> dict[str, Ro
 
 def rules_only(cls, device: DeviceInfo | None = None, capturable: bool = False,
                accuracy: Policy | str | None = None,
-               first_sight: str | os.PathLike | None = None) -> Dispatcher:
+               first_sight: str | os.PathLike | None = None,
+               plan_calls: int = DEFAULT_PLAN_CALLS) -> Dispatcher:
     """A dispatcher without a table: every answer comes from the rule order (and, with
     ``first_sight``, is timed on first sight, as every rule answer is unsure)."""
     return cls(device or current_device(), capturable=capturable, accuracy=accuracy,
-               first_sight=first_sight)
+               first_sight=first_sight, plan_calls=plan_calls)
 
 def load(cls, path: str | os.PathLike, device: DeviceInfo | None = None,
          allow_arch: str | None = None, capturable: bool = False,
@@ -253,6 +254,7 @@ def from_bundled(cls, device: DeviceInfo | None = None, capturable: bool = False
     model load never fails on it; a user table that cannot be used is logged, naming it,
     and the table under it serves alone.
     """
+    check_options(plan_calls, None)  # raised here, never hidden in the rules
     device = device or current_device()
     policy = policy_named(accuracy)
     other = other_gpu_setting(None)  # a bad MLATUNE_OTHER_GPU raises here, never hides in the rules
@@ -266,8 +268,8 @@ def from_bundled(cls, device: DeviceInfo | None = None, capturable: bool = False
     given = dict(capturable=capturable, plan_calls=plan_calls, first_sight=sight,
                  group=group, accuracy=policy, other_gpu=other)
     def rules() -> Dispatcher:
-        return ranks.joined(cls.rules_only(device, capturable, policy, first_sight=sight),
-                            group)
+        return ranks.joined(cls.rules_only(device, capturable, policy, first_sight=sight,
+                                           plan_calls=plan_calls), group)
 
     if override:
         return with_user_table(cls, override, user, rules, device=device, **given)

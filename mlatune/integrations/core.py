@@ -25,7 +25,6 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +41,7 @@ from mlatune.dispatch.dispatcher import TABLE_ENV, USER_TABLE_ENV
 from mlatune.errors import DecodeArgumentError
 from mlatune.problem import DTYPE_NAMES, DTYPES, MLAProblem
 from mlatune.routes.torch_ref import REFERENCE_ID
+from mlatune.runtime_checks import softmax_scale_fault
 
 _LOG = logging.getLogger("mlatune")
 _MOST_REASONS = 3  # a refusal names this many distinct route refusals, the commonest first
@@ -117,10 +117,8 @@ def _field_refusal(model: ServedModel) -> str | None:
             return f"{name} must be a positive integer, got {value!r}"
     if not 0 <= model.dcp_rank < model.dcp_size:
         return f"dcp rank {model.dcp_rank} is not one of 0..{model.dcp_size - 1}"
-    scale = model.softmax_scale
-    if not isinstance(scale, int | float) or not math.isfinite(scale) or scale <= 0:
-        return f"softmax scale must be a positive finite number, got {scale!r}"
-    return None
+    fault = softmax_scale_fault(model.softmax_scale)  # what decode takes, no more or less
+    return None if fault is None else f"softmax scale {fault}"
 
 
 def _unserved(problem: MLAProblem, device: DeviceInfo, policy: Policy) -> str | None:
