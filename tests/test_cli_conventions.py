@@ -264,3 +264,16 @@ def test_without_a_table_for_the_arch_both_answer_by_rule(tmp_path, monkeypatch)
     assert looked["table"] is None and looked["source"] == "rule"
     covered = invoke(["coverage", coverage_spec(tmp_path), "--arch", "gfx1250", "--json"])
     assert json.loads(covered.stdout)["table"] is None
+
+
+def test_json_numbers_that_json_cannot_hold_are_null():
+    """NaN (not measured) and an infinity (a ratio over a time rounding to 0) both come out
+    null: the document stays valid JSON (emit_json refuses NaN and inf)."""
+    import math
+
+    import numpy
+
+    from mlatune.cli.app import num
+
+    assert [num(v) for v in (math.nan, math.inf, -math.inf, numpy.float64("inf"), 2, None)] \
+        == [None, None, None, None, 2.0, None]

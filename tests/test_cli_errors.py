@@ -160,6 +160,14 @@ def test_upgrade_over_a_current_table_needs_no_writable_folder(good, read_only_f
     assert result.exit_code == 0 and "nothing written" in result.output
 
 
+def test_upgrade_of_a_current_table_to_a_named_out_writes_it(good, tmp_path):
+    out = tmp_path / "copy.parquet"
+    result = invoke("upgrade", good, "--out", out)
+    assert result.exit_code == 0 and "copied" in result.output, result.output
+    assert table.read(out).equals(table.read(good))
+    assert out.with_suffix(".csv").is_file()
+
+
 def test_report_into_a_new_folder_still_works(tmp_path, good):
     pytest.importorskip("matplotlib")
     pytest.importorskip("jinja2")

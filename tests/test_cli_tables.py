@@ -17,6 +17,7 @@ from tests.table_helpers import (
     large_batch_fast,
     make_table,
     reference_slow,
+    result_row,
     small_batch_fast,
 )
 from tests.test_table import write_raw
@@ -296,6 +297,36 @@ def test_coverage_for_the_cpu_answers_the_specs_cpu_grid(tmp_path):
     assert len(cpu_grid) != len(gpu_grid)
     result = runner.invoke(app, ["coverage", "smoke", "--arch", "cpu", "--json"])
     assert json.loads(result.output)["problems"] == len(cpu_grid)
+
+
+def test_coverage_without_arch_on_a_cpu_answers_the_cpu_grid():
+    """This machine has no GPU: leaving out --arch is --arch cpu (as `sweep` takes it)."""
+    from mlatune.sweep import spec as specs
+
+    cpu_grid = specs.load(specs.bundled_spec_path("smoke.toml"), gpu=False).problems
+    result = runner.invoke(app, ["coverage", "smoke", "--json"])
+    assert json.loads(result.output)["problems"] == len(cpu_grid)
+
+
+def test_lookup_on_a_cpu_answers_alike_with_and_without_arch(tmp_path, monkeypatch):
+    """A table measured here (Triton in the interpreter) is served here: the CLI turns the
+    interpreter on as `sweep` does, so --arch cpu changes nothing."""
+    from mlatune.arch import cpu_device
+
+    problem = MLAProblem(num_heads=8, batch=2, kv_len=160, q_dtype="fp16", kv_dtype="fp16",
+                         page_size=16)
+    path = table.write(make_table([result_row(problem, "padded/triton", 50.0,
+                                              device=cpu_device()),
+                                   result_row(problem, "reference/torch", 90.0,
+                                              device=cpu_device())]), tmp_path / "cpu.parquet")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    asked = ["lookup", str(path), "--heads", "8", "--batch", "2", "--kv-len", "160",
+             "--q-dtype", "fp16", "--kv-dtype", "fp16", "--page-size", "16", "--json"]
+    plain = json.loads(runner.invoke(app, asked).output)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    planned = json.loads(runner.invoke(app, [*asked, "--arch", "cpu"]).output)
+    assert (plain["route"], plain["source"]) == ("padded/triton", "table")
+    assert (planned["route"], planned["source"]) == (plain["route"], plain["source"])
 
 
 def test_coverage_refuses_a_bad_require_and_a_bad_spec(good, tmp_path):

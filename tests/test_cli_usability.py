@@ -321,6 +321,14 @@ def test_a_bare_name_is_a_bundled_spec(tmp_path):
     assert stopped.exit_code == 1 and "is a directory" in stopped.output
 
 
+def test_a_folder_of_a_bundled_specs_name_does_not_hide_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "smoke").mkdir()  # e.g. `mlatune sweep --out smoke/t.parquet` made it
+    result = runner.invoke(app, ["plan", "smoke", "--arch", "sm_90"])
+    assert result.exit_code == 0, result.output
+    assert "sweeps/smoke.toml" in result.output
+
+
 @pytest.mark.parametrize("command", [["plan", "no-such-spec", "--arch", "sm_90"],
                                      ["sweep", "no-such-spec"], ["coverage", "no-such-spec"]])
 def test_an_unknown_name_lists_the_bundled_specs(command):

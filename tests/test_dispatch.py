@@ -546,6 +546,16 @@ def test_a_winners_map_that_lists_one_device_twice_is_refused(tmp_path, fakes):
         Dispatcher.load(path, device=H200)
 
 
+@pytest.mark.parametrize(("field", "value"), [("arch", "zzz"), ("cu_count", -2),
+                                              ("device_name", " ")])
+def test_a_winners_map_checks_its_devices_as_a_table_does(tmp_path, fakes, field, value):
+    document = table.winners_json(failing_frame())
+    document["devices"][0][field] = value
+    path = table.write_json(document, tmp_path / "sm_90.json")
+    with pytest.raises(TableError, match=r"devices\[0\]: arch .* is not a device"):
+        Dispatcher.load(path, device=H200)
+
+
 # The hot path ----------------------------------------------------------------------
 
 def test_repeated_selects_allocate_nothing_and_touch_no_files(table_path, fakes):

@@ -265,6 +265,14 @@ def test_merge_warns_about_missing_shares_and_keeps_the_best_row(tmp_path):
     assert len(table.read(tmp_path / "out.parquet")) == len(PROBLEMS)
 
 
+def test_a_whole_run_beside_one_share_misses_no_share(tmp_path):
+    whole = _write(tmp_path / "whole.parquet", PROBLEMS)
+    share = _write(tmp_path / "s0.parquet", PROBLEMS[:2], shard="0/2")
+    result = merge(tmp_path / "out.parquet", share, whole)
+    assert result.exit_code == 0, result.output
+    assert "not given" not in result.output
+
+
 def test_merge_refuses_bad_outputs_and_inputs(tmp_path):
     a = _write(tmp_path / "a.parquet", PROBLEMS)
     assert merge(tmp_path / "out.json", a).exit_code == 2  # not a table's suffix

@@ -261,6 +261,17 @@ def test_each_invalid_value_kind_is_named():
             backend_versions="garbage"),
         "created_utc not an ISO 8601 time: 'yesterday'": lambda f: f.assign(
             created_utc="yesterday"),
+        "kv_len must be a positive integer at most 2147483647": lambda f: f.assign(
+            kv_len=f["kv_len"].mask(f.index == 0, 3_000_000_000)),
+        "batch must be a positive integer at most 2147483647": lambda f: f.assign(
+            batch=f["batch"].mask(f.index == 0, 2**31)),
+        "ok rows lack a finite time_us of at least 0.001 us: 5e-324": lambda f: f.assign(
+            time_us=f["time_us"].mask(f.index == first_winner, 5e-324)),
+        "ok rows with an infinite or negative rel_err: inf": lambda f: f.assign(
+            rel_err=f["rel_err"].mask(f.index == first_winner, float("inf"))),
+        "ok rows with an infinite or negative lse_err: -1.0": lambda f: f.assign(
+            lse_err=f["lse_err"].mask(f.index == first_winner, -1.0)),
+        "unexpected columns: 'a\\x1b[31mRED'": lambda f: f.assign(**{"a\x1b[31mRED": 1}),
     }
     for expected, damage in cases.items():
         problems = table.validate(damage(frame.copy()))
@@ -295,7 +306,8 @@ def test_parquet_metadata_that_disagrees_with_the_columns_is_refused(tmp_path):
        qlen=st.integers(-1, 9), q_dtype=st.sampled_from([*DTYPES, "int8"]),
        kv_dtype=st.sampled_from([*DTYPES, "int8"]), causal=st.booleans(),
        dcp_size=st.integers(0, 4), page_size=st.sampled_from([0, 1, 3, 16, 64]),
-       batch=st.integers(-1, 4), kv_len=st.integers(-1, 12),
+       batch=st.sampled_from([-1, 0, 1, 4, 2**31 - 1, 2**31]),
+       kv_len=st.sampled_from([-1, 0, 1, 5, 12, 2**31 - 1, 2**31]),
        dims=st.sampled_from([(576, 512), (512, 512), (192, 128), (0, 0)]))
 def test_problem_check_agrees_with_mlaproblem(phase, num_heads, qlen, q_dtype, kv_dtype,
                                               causal, dcp_size, page_size, batch, kv_len,

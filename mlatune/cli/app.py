@@ -202,9 +202,10 @@ def _json_failure(message: str) -> None:
 
 
 def num(value: Any) -> float | None:
-    """A number for JSON: NaN (not measured) becomes null."""
+    """A number for JSON: NaN (not measured) and an infinity (a ratio over a time that
+    rounds to 0) become null, which JSON can hold."""
     value = plain(value)
-    return None if value is None or (isinstance(value, float) and math.isnan(value)) \
+    return None if value is None or (isinstance(value, float) and not math.isfinite(value)) \
         else float(value)
 
 
@@ -229,6 +230,7 @@ def fail(message: str) -> NoReturn:
     from rich.markup import escape
 
     message = _PYTHON_ARCH_HINT.sub(r"pass --arch \2", " ".join(message.split()))
+    message = message.replace("but allow_arch is ", "but --arch is ")  # the CLI's spelling
     err_console().print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True,
                         highlight=False)
     _json_failure(message)

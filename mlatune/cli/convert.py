@@ -113,7 +113,7 @@ def upgrade(
     with one_line_errors(str(table_path)):
         frame, stored = table.read_versioned(table_path, facts=FACTS)
     written = []
-    if stored != SCHEMA_VERSION:
+    if stored != SCHEMA_VERSION or out is not None:  # --out: a copy of a current table too
         if out is None:  # over TABLE, a current table needs no writable folder
             check_outputs(*targets)
         with one_line_errors(str(table_path)):
@@ -137,13 +137,17 @@ def _say_upgraded(table_path: Path, frame: pd.DataFrame, stored: int,
                   written: list[Path]) -> None:
     from mlatune.table.schema import SCHEMA_VERSION
 
-    filled = "DCP rows timed 'simulated'"
+    filled = []
     if stored == 1:
         kinds = frame.groupby(["plan_on", "capturable"], sort=True).size()
-        filled = ("step kinds as the routes here declare them ("
-                  + ", ".join(f"{plan_on}{' capturable' if cap else ''}: {n}"
-                              for (plan_on, cap), n in kinds.items())
-                  + f"), per-step costs not measured (empty), {filled}")
-    console().print(f"[green]upgraded[/] {table_path} from schema v{stored} to "
-                    f"v{SCHEMA_VERSION}: wrote {written[0]} and {written[1]} ({len(frame)} "
-                    f"rows); " + filled, soft_wrap=True, highlight=False)
+        filled.append("step kinds as the routes here declare them ("
+                      + ", ".join(f"{plan_on}{' capturable' if cap else ''}: {n}"
+                                  for (plan_on, cap), n in kinds.items())
+                      + "), per-step costs not measured (empty)")
+    if stored <= 2:  # (dcp_timing came with v3)
+        filled.append("DCP rows timed 'simulated'")
+    said = f"upgraded[/] {table_path} from schema v{stored} to v{SCHEMA_VERSION}" \
+        if stored != SCHEMA_VERSION else f"copied[/] {table_path} (already v{stored})"
+    console().print(f"[green]{said}: wrote {' and '.join(map(str, written))} "
+                    f"({len(frame)} rows)" + "".join(f"; {f}" for f in filled),
+                    soft_wrap=True, highlight=False)

@@ -14,6 +14,7 @@ import typer
 from mlatune.cli.app import fail, usage_error
 
 if TYPE_CHECKING:
+    from mlatune.arch import DeviceInfo
     from mlatune.dispatch import Dispatcher
     from mlatune.sweep.spec import SweepSpec
 
@@ -70,16 +71,18 @@ def bundled_specs() -> list[str]:
 
 def spec_path(name: str | None) -> Path:
     """SPEC as given: a file; a bare name (no folder, no suffix but .toml) not found as a
-    file is a bundled spec, `sweeps/<name>.toml` in the package. Neither: exit 2."""
+    file (a folder of that name aside) is a bundled spec, `sweeps/<name>.toml` in the
+    package. Neither: exit 2."""
     from mlatune.sweep import spec as specs
 
     if name is None:
         return specs.bundled_spec_path()
     path = Path(name)
-    if path.exists():
-        return path
     bundled = bundled_specs()
-    if path.parent == Path(".") and path.suffix in ("", ".toml") and path.stem in bundled:
+    bare = path.parent == Path(".") and path.suffix in ("", ".toml") and path.stem in bundled
+    if path.is_file() or (path.exists() and not bare):  # a folder is never a spec
+        return path
+    if bare:
         return specs.bundled_spec_path(f"{path.stem}.toml")
     usage_error(f"{name}: no such spec file, nor a bundled spec of that name "
                 f"(bundled: {', '.join(bundled)})", "SPEC")
@@ -128,6 +131,14 @@ def default_table(arch: str | None) -> Path | None:
     return None if found is None else Path(str(found))
 
 
+def interpret_triton_on(device: DeviceInfo) -> None:
+    """On a machine without a GPU the Triton routes run in the interpreter, switched on
+    before any kernel module is imported (sweep workers inherit it): what a sweep measured
+    here is what the other commands serve here."""
+    if not device.is_gpu:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def load_dispatcher(table_path: Path | None, arch: str | None, accuracy: str | None = None
                     ) -> Dispatcher:
     """The dispatcher a command answers with: TABLE, else ``default_table`` (with the
@@ -135,10 +146,12 @@ def load_dispatcher(table_path: Path | None, arch: str | None, accuracy: str | N
     the arch, the user table alone, else the rules; a damaged user table left out with a
     warning). ``arch``: plan for it (its GPU need not be here); ``accuracy``:
     the policy (None: MLATUNE_ACCURACY's, else strict)."""
+    from mlatune.arch import current_device
     from mlatune.dispatch import Dispatcher, device_for_arch
     from mlatune.dispatch.dispatcher import USER_TABLE_ENV
     from mlatune.dispatch.loading import with_user_table
 
+    interpret_triton_on(current_device())
     if table_path is not None:
         return Dispatcher.load(table_path, allow_arch=arch, accuracy=accuracy)
     user = os.environ.get(USER_TABLE_ENV) or None

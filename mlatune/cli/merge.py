@@ -299,12 +299,14 @@ def _share_clash(a: dict[Device, dict[str, Any]], b: dict[Device, dict[str, Any]
 
 
 def _missing_shards(inputs: list[_MergeInput]) -> list[dict[str, Any]]:
-    """Per sharded sweep among the inputs (spec and N), the shares not given."""
+    """Per sharded sweep among the inputs (spec and N), the shares not given; none where a
+    table of that spec not known to be a share is given too (a whole run of it)."""
     given: dict[tuple[str, int], set[int]] = {}
+    whole = {sha for i in inputs if i.shard is None or i.shard.count == 1 for sha in i.specs}
     for i in inputs:
         if i.shard is not None:
             given.setdefault((next(iter(i.specs)), i.shard.count), set()).add(i.shard.index)
     return [{"spec_sha256": sha, "count": count,
              "missing": sorted(set(range(count)) - indices)}
             for (sha, count), indices in sorted(given.items())
-            if len(indices) < count]
+            if len(indices) < count and sha not in whole]

@@ -198,8 +198,11 @@ def coverage(
     """
     from collections import Counter
 
+    from mlatune.arch import current_device
+
     table_path, path = _coverage_inputs(inputs, old_table)
-    spec = load_spec(path, gpu=value(arch) != "cpu")  # --arch cpu: the spec's CPU grid
+    # The spec's CPU grid for --arch cpu, and without --arch on a machine without a GPU.
+    spec = load_spec(path, gpu=(value(arch) or current_device().arch) != "cpu")
     check_route_ids((*spec.routes, *spec.max_params), named_in=path)
     with one_line_errors(str(table_path or path)):
         dispatcher = load_dispatcher(table_path, value(arch), value(accuracy))

@@ -21,6 +21,7 @@ from mlatune.cli.app import (
     emit_json,
     note,
     one_line_errors,
+    usage_error,
 )
 from mlatune.cli.frames import columns
 from mlatune.cli.inputs import table_argument
@@ -45,6 +46,9 @@ def report(
     """Plots and one self-contained HTML page: winners, speedups, roofline, nearest regret."""
     from mlatune import report as reports
 
+    if heldout_journal and heldout is None:
+        usage_error("a held-out journal judges the held-out table's problems: name that "
+                    "table too", "--heldout")
     check_output_dir(out, reports.HTML_NAME)
     with one_line_errors(str(table_path)):  # table errors name their own file
         made = reports.build_report(table_path, out, heldout, heldout_journal or ())

@@ -12,7 +12,6 @@ null). With --refine and nothing to measure: ``spec``, ``table`` and ``refine`` 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -32,7 +31,13 @@ from mlatune.cli.app import (
     fail,
     usage_error,
 )
-from mlatune.cli.inputs import DeviceArch, check_route_ids, load_spec, spec_path
+from mlatune.cli.inputs import (
+    DeviceArch,
+    check_route_ids,
+    interpret_triton_on,
+    load_spec,
+    spec_path,
+)
 
 if TYPE_CHECKING:
     from rich.progress import ProgressColumn
@@ -132,7 +137,7 @@ def sweep(spec_name: SpecArgument = None, arch: ArchOption = None, out: OutOptio
     With --ray the candidates run on a Ray cluster's GPUs.
     """
     share = _share(shard, resume, fresh, refine)
-    if out is not None and out.suffix not in (".parquet", ".csv"):
+    if out is not None and out.suffix.lower() not in (".parquet", ".csv"):
         usage_error(f"{out}: name the table .parquet or .csv (both are written)", "--out")
     only = [r.strip() for r in routes.split(",") if r.strip()] if routes is not None else None
     if only == []:
@@ -162,10 +167,7 @@ def _sweep_on(path: Path, device: DeviceInfo, out: Path | None, refine: float | 
     model's), ``figures`` are its device's as measured by a Ray worker."""
     from mlatune.sweep import stages
 
-    if not device.is_gpu:
-        # The Triton routes run on the CPU in the interpreter, switched on before any
-        # kernel module is imported (sweep workers inherit it).
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    interpret_triton_on(device)
     spec = load_spec(path, gpu=device.is_gpu)
     check_route_ids((*spec.routes, *spec.max_params), named_in=path)
     table_path = (out or stages.default_table_path(spec, device, choices["shard"])

@@ -18,11 +18,12 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mlatune.problem import BUCKET_FIELDS, KEY_FIELDS, MLAProblem
+from mlatune.problem import BUCKET_FIELDS, KEY_FIELDS, SIZE_LIMIT, MLAProblem
 from mlatune.steps import PLAN_PLACES, RouteFacts
 from mlatune.table.cost import DEFAULT_CALLER
 from mlatune.table.frame import _has_type, _simulated_tier, step_costs
 from mlatune.table.schema import (
+    ARCH_PATTERN,
     COLUMN_TYPES,
     COLUMNS,
     DCP_MEASURED,
@@ -41,7 +42,9 @@ from mlatune.table.schema import (
 RUN_FIELDS = ("created_utc", "spec_sha256", "converted_from", "hardware")
 ENVIRONMENT_FIELDS = tuple(f for f in PROVENANCE_TYPES if f not in RUN_FIELDS)
 _ROUTE_ID = re.compile(r"^[a-z0-9][a-z0-9-]*/[a-z0-9][a-z0-9-]*$")
-_ARCH = re.compile(r"sm_[0-9]+[a-z]?|gfx[0-9a-f]+|cpu")  # (arch.vendor_of reads the prefix)
+# The shortest time an ok row may hold: no launch takes under a nanosecond, and a ratio over
+# a smaller (a denormal) overflows to inf where tables are compared.
+MIN_TIME_US = 1e-3
 _EXAMPLES = 3  # values quoted per problem: enough to find them, short enough for one line
 
 
@@ -114,7 +117,7 @@ def _column_problems(frame: pd.DataFrame) -> list[str]:
     """Missing, unexpected or repeated columns, or no rows."""
     problems = []
     missing = [c for c in COLUMNS if c not in frame.columns]
-    extra = [str(c) for c in frame.columns if c not in COLUMN_TYPES]
+    extra = [_printable(c) for c in frame.columns if c not in COLUMN_TYPES]
     if missing:
         problems.append(f"missing columns: {', '.join(missing)}")
     if extra:
@@ -165,9 +168,17 @@ def _value_problems(frame: pd.DataFrame, have: Callable[..., bool]) -> list[str]
             problems.append(f"route_params that are not JSON objects: {_examples(bad)}")
     if have("status", "time_us"):
         times = frame["time_us"]
-        bad_time = (frame["status"] == "ok") & ~(np.isfinite(times) & (times > 0))
+        bad_time = (frame["status"] == "ok") & ~(np.isfinite(times) & (times >= MIN_TIME_US))
         if bad_time.any():
-            problems.append(f"{int(bad_time.sum())} ok rows lack a positive finite time_us")
+            problems.append(f"{int(bad_time.sum())} ok rows lack a finite time_us of at least "
+                            f"{MIN_TIME_US:g} us: {_examples(times[bad_time])}")
+    for name in ("rel_err", "max_abs_err", "lse_err"):  # NaN: not measured (no LSE)
+        if have("status", name):
+            errors = frame[name]
+            bad = (frame["status"] == "ok") & (np.isinf(errors) | (errors < 0))
+            if bad.any():
+                problems.append(f"{int(bad.sum())} ok rows with an infinite or negative "
+                                f"{name}: {_examples(errors[bad])}")
     return problems + _device_problems(frame, have) + _run_record_problems(frame, have)
 
 
@@ -175,7 +186,7 @@ def _device_problems(frame: pd.DataFrame, have: Callable[..., bool]) -> list[str
     """A device a dispatcher can match: an arch of a known shape, a name, a unit count."""
     problems = []
     if have("arch"):
-        bad = [a for a in pd.unique(frame["arch"]) if not _ARCH.fullmatch(a)]
+        bad = [a for a in pd.unique(frame["arch"]) if not ARCH_PATTERN.fullmatch(a)]
         if bad:
             problems.append(f"arch not shaped sm_<n>, gfx<id> or cpu: {_examples(bad)}")
     if have("device_name"):
@@ -388,10 +399,11 @@ def _problem_problems(frame: pd.DataFrame, key_id: np.ndarray) -> list[str]:
     keys = frame[list(KEY_FIELDS)].iloc[first]
     batch, kv_len, qlen = keys["batch"], keys["kv_len"], keys["qlen"]
     for name, column in (("batch", batch), ("kv_len", kv_len)):
-        bad = column <= 0
+        bad = (column <= 0) | (column > SIZE_LIMIT)
         if bad.any():
             problems.append(f"invalid problem in {int(bad.sum())} keys: {name} must be a "
-                            f"positive integer, got {_examples(column[bad])}")
+                            f"positive integer at most {SIZE_LIMIT} (2**31 - 1), got "
+                            f"{_examples(column[bad])}")
     too_long = (qlen > kv_len) & (kv_len > 0)
     if too_long.any():
         row = keys[too_long].iloc[0]
@@ -406,3 +418,10 @@ def _problem_problems(frame: pd.DataFrame, key_id: np.ndarray) -> list[str]:
             where = " ".join(f"{k}={v}" for k, v in row.items())
             problems.append(f"invalid problem at {where}: {exc}".replace("\n", " "))
     return problems
+
+
+def _printable(name: object) -> str:
+    """A column name as a message shows it: as is, or quoted where it holds control
+    characters (a terminal escape from a file never reaches the terminal raw)."""
+    text = str(name)
+    return text if text.isprintable() else repr(text)

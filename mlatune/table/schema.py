@@ -43,6 +43,7 @@ version a row was measured as ("" for a table measured as v6).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -56,6 +57,8 @@ from mlatune.steps import UNKNOWN_STEP_KIND  # noqa: F401  (rows no route declar
 SCHEMA_VERSION = 6
 
 DEVICE_COLUMNS = ("arch", "device_name", "cu_count")
+# The arch a table's device names: sm_<n>, gfx<id> or cpu (arch.vendor_of reads the prefix).
+ARCH_PATTERN = re.compile(r"sm_[0-9]+[a-z]?|gfx[0-9a-f]+|cpu")
 KEY_COLUMNS = DEVICE_COLUMNS + KEY_FIELDS
 ROW_KEY = (*KEY_COLUMNS, "route")  # unique per table
 

@@ -57,6 +57,7 @@ from mlatune.errors import TableError
 from mlatune.problem import KEY_FIELDS, MLAProblem
 from mlatune.steps import PLAN_PLACES, RouteFacts
 from mlatune.table.schema import (
+    ARCH_PATTERN,
     NEITHER_STATUSES,
     SCHEMA_VERSION,
     STATUSES,
@@ -229,6 +230,11 @@ def _check(document: Any) -> tuple[list[str], list[dict[str, MLAProblem]]]:
         if not (isinstance(identity[0], str) and isinstance(identity[1], str)
                 and isinstance(identity[2], int)):
             found.append(f"devices[{i}] lacks arch, device_name or cu_count")
+        elif not ARCH_PATTERN.fullmatch(identity[0]) or not identity[1].strip() \
+                or identity[2] < 1:
+            found.append(f"devices[{i}]: arch {identity[0]!r} (sm_<n>, gfx<id> or cpu), "
+                         f"device_name {identity[1]!r} (not blank) or cu_count {identity[2]} "
+                         f"(at least 1) is not a device")
         elif identity in seen:
             found.append(f"devices[{i}] is devices[{seen[identity]}]'s device again "
                          f"({identity[1]}, {identity[0]}, {identity[2]} CUs): which one "
