@@ -94,3 +94,7 @@ def test_the_cpu_table_replaces_settings_only_without_a_gpu():
             spec.parse({**data, "cpu": {"grid": []}}, "t.toml", gpu=gpu)
         with pytest.raises(spec.SpecError, match=r"cpu\.budget"):
             spec.parse({**data, "cpu": {"budget": 3}}, "t.toml", gpu=gpu)
+        # A bad value in [cpu.budget] is named there, also where the GPU side is loaded.
+        with pytest.raises(spec.SpecError, match=r"key 'cpu\.budget\.max_reps'"):
+            spec.parse({**data, "cpu": {"budget": {"min_reps": 5, "max_reps": 2}}}, "t.toml",
+                       gpu=gpu)

@@ -223,8 +223,10 @@ def _without_gpu(data: dict, fail) -> dict:
     if not isinstance(budget, dict):
         raise fail("cpu.budget", "must be a table")
     merged = {**data, **{k: v for k, v in cpu.items() if k != "budget"}}
-    if budget:
+    if budget:  # checked on any machine, its keys named as the spec spells them
+        _budget(data.get("budget", {}), fail)
         merged["budget"] = {**data.get("budget", {}), **budget}
+        _budget(merged["budget"], lambda key, message: fail(f"cpu.{key}", message))
     return merged
 
 
