@@ -327,8 +327,15 @@ def _unheld_step(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
     call passed too: its caller keeps them)."""
     recipe = seen.pop(unbound, None)
     if recipe is None or recipe.problem.kv_len != _served_len(max_kv_len, made["qlen"]):
-        step = _make_plan(q, kv_cache, block_table, seq_lens, max_kv_len=max_kv_len,
-                          dispatcher=dispatcher, plan_from=planner, **made)
+        try:
+            step = _make_plan(q, kv_cache, block_table, seq_lens, max_kv_len=max_kv_len,
+                              dispatcher=dispatcher, plan_from=planner, **made)
+        except DecodeArgumentError as exc:  # plan_from is not decode's word: reuse_plan is
+            said = str(exc).replace("plan_from was made",
+                                    "reuse_plan: the step's planning call was made", 1)
+            if said == str(exc):
+                raise
+            raise DecodeArgumentError(said) from None
         keep = True
     else:
         _check_args((q, kv_cache, block_table, seq_lens), made)

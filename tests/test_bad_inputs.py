@@ -362,3 +362,16 @@ def test_a_plugin_that_does_not_import_is_named_not_blamed_on_a_table():
     assert again.stdout.splitlines() == [
         "MLATUNE_PLUGINS: plugin module 'no_such.plugin' does not import "
         "(ModuleNotFoundError: No module named 'no_such')"] * 2, again.stdout + again.stderr
+
+
+def test_reuse_plan_over_another_cache_dtype_names_reuse_plan():
+    """The layers of a step share one plan; a layer over a cache of another dtype cannot
+    read it, and the error says so in decode's words (no plan_from, which decode lacks)."""
+    _, args = call_args()
+    attention.decode(**args)  # the step's planning call
+    fp8 = make_decode_inputs(PROBLEM.with_(kv_dtype="fp8_e4m3fn"), seed=3, ragged=True)
+    with pytest.raises(DecodeArgumentError,
+                       match=r"^reuse_plan: the step's planning call was made for .*"
+                             r"kv_dtype=fp16.*; this call is .*kv_dtype=fp8_e4m3fn"):
+        attention.decode(**{**args, "kv_cache": fp8.shards[0].kv_cache,
+                            "kv_scale": fp8.kv_scale}, reuse_plan=True)
