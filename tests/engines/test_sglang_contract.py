@@ -355,3 +355,29 @@ def test_unserved_setups_fall_back_or_refuse(monkeypatch, caplog, runner_args, r
     monkeypatch.setenv(FALLBACK_ENV, "none")
     with pytest.raises(ValueError, match=reason):
         ATTENTION_BACKENDS[BACKEND_NAME](runner)
+
+
+def test_tensor_parallel_ranks_load_as_one_group(monkeypatch):
+    """With TP ranks the decoder is loaded with SGLang's TP CPU group (its ranks must serve
+    one route); one rank passes none (SGLang may not have built its groups)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.runtime_context import get_parallel
+
+    from mlatune.integrations import core
+
+    seen = []
+    load = core.MLADecoder.load.__func__
+
+    def recording(cls, model, **kwargs):
+        seen.append(kwargs.get("group"))
+        return load(cls, model, **{**kwargs, "group": None})
+
+    monkeypatch.setattr(core.MLADecoder, "load", classmethod(recording))
+    runner = _runner(_case(ForwardMode.DECODE, (4,)))
+    _backend(runner)
+    coordinator = SimpleNamespace(cpu_group="tp-cpu-group", world_size=2)
+    with get_parallel().override(tp_size=2, attn_tp_size=2, moe_tp_size=2,
+                                 tp_group=coordinator):
+        _backend(runner)
+    assert seen == [None, "tp-cpu-group"]

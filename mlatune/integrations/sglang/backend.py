@@ -62,14 +62,13 @@ def create_backend(runner) -> AttentionBackend:
 
 
 def _tp_group():
-    """SGLang's tensor-parallel ranks' CPU group (``rank_group``); None before SGLang made
-    one."""
+    """SGLang's tensor-parallel ranks' CPU group (``rank_group``); None for one rank, whose
+    groups SGLang may not have built."""
     from sglang.srt.distributed.parallel_state import get_tp_group
 
-    try:
-        return rank_group(get_tp_group())
-    except AssertionError:  # the group is not initialized: one process
+    if get_parallel().tp_size <= 1:
         return None
+    return rank_group(get_tp_group())
 
 
 def served_model(runner) -> tuple[str | None, ServedModel | None]:
