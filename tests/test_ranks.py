@@ -171,6 +171,13 @@ def _mismatches(rank: int, tmp: Path) -> dict:
     errors["vendor"] = _error_of(lambda: Dispatcher.load(same, device=cpu_device(),
                                                          group=world))
     routes.unregister(broken.id)
+    # A setting that cannot load on one rank: the other must not wait for it (it hung in
+    # the collective until the group's timeout).
+    if rank == 1:
+        os.environ["MLATUNE_ACCURACY"] = "bogus"
+    errors["setting"] = _error_of(lambda: Dispatcher.load(same, device=cpu_device(),
+                                                          group=world))
+    os.environ.pop("MLATUNE_ACCURACY", None)
     interpret = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = str(1 - rank)  # rank 1 could not run the Triton routes
     errors["settings"] = _error_of(lambda: Dispatcher.load(same, device=cpu_device(),
@@ -188,6 +195,25 @@ def _mismatches(rank: int, tmp: Path) -> dict:
     problem = FAR if rank == 0 else FAR.with_(batch=40)  # both unsure, not the same
     errors["first_sight"] = _error_of(lambda: _decode(sighted, problem))
     return errors
+
+
+def _tuning_ranks(rank: int, tmp: Path) -> dict:
+    """Both ranks tune into one user table with their group, then load with it: the first
+    rank tunes, the other waits, and their loads read the same bytes."""
+    from mlatune.sweep.at_load import ServingShapes, TuneOptions, tune_at_load
+
+    user = tmp / "user.parquet"
+    os.environ["MLATUNE_USER_TABLE"] = str(user)
+    os.environ.pop("MLATUNE_TABLE", None)
+    shapes = ServingShapes(batches=(1, 2), num_heads=2, context=(8, 16), kv_points=2,
+                           q_dtype="fp16", kv_dtype="fp16", page_size=8)
+    report = tune_at_load(shapes, lambda: Dispatcher.from_bundled(cpu_device()), budget_s=60,
+                          progress=False, group=dist.group.WORLD,
+                          options=TuneOptions(routes=("reference/torch",),
+                                              max_params_per_route=1))
+    loaded = Dispatcher.from_bundled(cpu_device(), group=dist.group.WORLD)
+    return {"tuned": len(report.tuned), "stopped": report.error or None,
+            "served": sorted({loaded.select(p).source for p in shapes.problems()})}
 
 
 def _over_nccl(rank: int, tmp: Path) -> dict:
@@ -252,6 +278,9 @@ def test_ranks_that_differ_are_refused_on_every_rank(tmp_path):
                     r"\(ImportError: libfake.so\)\): every rank must register the same routes, "
                     r"each usable alike", errors["vendor"]), errors["vendor"]
     assert errors["vendor"].count("vendor/fake unusable") == 1  # rank 0's could run it
+    assert re.match(r"RankMismatchError: .* differ in their settings \(rank 0: loaded; rank 1: "
+                    r".*bogus.*\): every rank's load settings", errors["setting"]), \
+        errors["setting"]
     assert errors["engine"].startswith("RankMismatchError: the ranks of the process group "
                                        "differ in their tables"), errors["engine"]
     assert re.match(r"RankMismatchError: .* differ in their GPU models \(rank 0: cpu .*; "
@@ -264,6 +293,12 @@ def test_ranks_that_differ_are_refused_on_every_rank(tmp_path):
     assert re.match(r"RankMismatchError: .* first-sight candidates \(rank 0: .*batch=48.*; "
                     r"rank 1: .*batch=40.*\): ranks must meet the same problems in the same "
                     r"order", errors["first_sight"]), errors["first_sight"]
+
+
+def test_ranks_tuning_at_load_into_one_user_table_then_load_it_together(tmp_path):
+    results = _spawn("_tuning_ranks", tmp_path)
+    assert results[0] == results[1]
+    assert results[0]["tuned"] == 4 and results[0]["served"] == ["table"]
 
 
 @pytest.fixture

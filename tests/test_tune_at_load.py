@@ -262,3 +262,48 @@ def test_routes_estimated_far_behind_are_not_timed(tmp_path, ratio, ran):
     assert {r for r, s in statuses.items() if s == Status.OK.value} == ran
     if ratio is not None:
         assert statuses["reference/torch"] == Status.PRUNED.value
+
+
+@pytest.mark.parametrize("budget", [float("nan"), -5.0, float("inf"), 1e300, True, "30"])
+def test_a_budget_that_is_no_number_of_seconds_is_refused_by_name(tmp_path, budget):
+    """(inf and 1e300 overflowed the workers' clocks and tuned nothing; NaN tuned one
+    problem and -5 none, both silently.)"""
+    with pytest.raises(ValueError, match=r"^budget_s must be a number of seconds in \[0, "):
+        at_load.tune(TWENTY, lambda p: False, tmp_path / "u.parquet", budget_s=budget,
+                     progress=False, options=QUICK)
+    with pytest.raises(ValueError, match=r"^options.timeout_s must be a number of seconds"):
+        at_load.tune(TWENTY, lambda p: False, tmp_path / "u.parquet", progress=False,
+                     options=replace(QUICK, timeout_s=float("inf")))
+
+
+@pytest.mark.parametrize("context", [(0, 4096), (float("nan"), 16), (-8, 16), (16,), 16])
+def test_serving_shapes_of_no_context_range_are_refused_by_name(context):
+    with pytest.raises(ValueError, match=r"^invalid ServingShapes: context must be"):
+        ServingShapes(batches=(1,), num_heads=2, context=context)
+
+
+@pytest.mark.parametrize("name", ["u.txt", "folder"])
+def test_a_user_table_no_merge_could_write_stops_before_any_timing(tmp_path, monkeypatch, name):
+    (tmp_path / "folder").mkdir()
+    monkeypatch.setattr(pool.WorkerProcess, "start", lambda self: pytest.fail("a worker ran"))
+    problem = MLAProblem(num_heads=2, q_dtype="fp16", kv_dtype="fp16", page_size=8, kv_len=16)
+    report = at_load.tune(problem, lambda p: False, tmp_path / name, budget_s=30.0,
+                          progress=False, options=QUICK)
+    assert report.error.startswith("TableError") and report.tuned == []
+
+
+def test_problems_whose_merge_failed_are_left_not_tuned(tmp_path, monkeypatch):
+    """``tuned`` is what the user table holds: where the merge fails, every problem timed is
+    left (its rows stay in the journal, which the next call adopts)."""
+    from mlatune.errors import OutputError
+
+    def unwritable(*args, **kwargs):
+        raise OutputError("the disk is full")
+
+    monkeypatch.setattr(user_table, "merge_into", unwritable)
+    problem = MLAProblem(num_heads=2, q_dtype="fp16", kv_dtype="fp16", page_size=8, kv_len=16)
+    report = at_load.tune(problem, lambda p: False, tmp_path / "u.parquet", budget_s=30.0,
+                          progress=False, options=replace(QUICK, routes=(TWENTY_ROUTE,)))
+    assert report.error == "OutputError: the disk is full"
+    assert (report.tuned, report.left, report.rows_written) == ([], [problem], 0)
+    assert report.journal is not None and report.journal.exists()

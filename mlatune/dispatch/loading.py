@@ -122,10 +122,8 @@ def load(cls, path: str | os.PathLike, device: DeviceInfo | None = None,
     ``mlatune`` logger per table file and set of differences in a process; the differences
     are in ``environment_differences`` (``mlatune.dispatch.environment``).
     """
-    check_options(plan_calls, unmeasured)
     device = device or current_device()
-    policy = policy_named(accuracy)
-    other = other_gpu_setting(other_gpu)
+    policy, other = _settings(group, plan_calls, unmeasured, accuracy, other_gpu)
     ranks.agree_at_load(group, path, overlay, device, allow_arch, capturable, plan_calls,
                         unmeasured, first_sight,
                         accuracy=policy.name, other_gpu=other)  # before parsing: see there
@@ -148,6 +146,19 @@ def load(cls, path: str | os.PathLike, device: DeviceInfo | None = None,
     finally:
         if was_enabled:
             gc.enable()
+
+def _settings(group: Any, plan_calls: int, unmeasured: str | None,
+              accuracy: Policy | str | None, other_gpu: str | None) -> tuple[Policy, str]:
+    """The load's accuracy policy and other-GPU policy, its options checked; a ValueError
+    (SettingError) for a bad one, raised on every rank of ``group`` (``ranks.fail_together``:
+    the others would otherwise wait for this rank in the collective)."""
+    try:
+        check_options(plan_calls, unmeasured)
+        return policy_named(accuracy), other_gpu_setting(other_gpu)
+    except ValueError as exc:
+        ranks.fail_together(group, exc)
+        raise
+
 
 def _load(cls, path: Path, device: DeviceInfo, allow_arch: str | None,
           capturable: bool, plan_calls: int, unmeasured: str | None,
@@ -254,10 +265,9 @@ def from_bundled(cls, device: DeviceInfo | None = None, capturable: bool = False
     model load never fails on it; a user table that cannot be used is logged, naming it,
     and the table under it serves alone.
     """
-    check_options(plan_calls, None)  # raised here, never hidden in the rules
     device = device or current_device()
-    policy = policy_named(accuracy)
-    other = other_gpu_setting(None)  # a bad MLATUNE_OTHER_GPU raises here, never hides in the rules
+    # A bad setting raises here (on every rank of group), never hidden in the rules.
+    policy, other = _settings(group, plan_calls, None, accuracy, None)
     override = os.environ.get(TABLE_ENV)
     user = os.environ.get(USER_TABLE_ENV) or None
     sight = os.environ.get(FIRST_SIGHT_ENV) or None

@@ -56,6 +56,8 @@ Timed = list[tuple[float, "Choice", Any]]
 
 # What each field of a load's fingerprint must share, said when ranks differ.
 _ASK = {
+    "settings": "every rank's load settings (accuracy, MLATUNE_ACCURACY, MLATUNE_OTHER_GPU, "
+                "plan_calls) must be ones that load",
     "tables": "load the same table file on every rank",
     "user tables": "every rank's user table (MLATUNE_USER_TABLE, first sight's) must hold "
                    "the same bytes",
@@ -66,6 +68,7 @@ _ASK = {
     "load arguments": "load with the same arguments on every rank",
     "route settings": "set these environment variables alike on every rank",
 }
+_SETTINGS_OK = "loaded"  # a rank's settings field where they loaded
 # Environment variables that change which routes a process can run or how: ranks that
 # differ in one would pick differently from one table.
 ROUTE_SETTINGS = ("TRITON_INTERPRET", "MLATUNE_AITER_GLUON", "MLATUNE_PLUGINS")
@@ -89,6 +92,7 @@ def agree_at_load(group: dist.ProcessGroup | None, table: str | os.PathLike | No
     arguments = dict(allow_arch=allow_arch, capturable=capturable, plan_calls=plan_calls,
                      unmeasured=unmeasured, first_sight=first_sight is not None, **more)
     mine = {  # per field: (what is compared, what the message shows)
+        "settings": (_SETTINGS_OK,) * 2,  # first: a rank whose settings failed sends it alone
         "tables": (table_digest, _where(table_digest, table)),
         "user tables": (overlay_digest, _where(overlay_digest, overlay)),
         "GPU models": (f"{device.arch} {device.name}, "
@@ -102,6 +106,19 @@ def agree_at_load(group: dist.ProcessGroup | None, table: str | os.PathLike | No
     everyone = _gather(group, mine)
     for field in mine:
         _refuse_differences(group, field, [rank[field] for rank in everyone], _ASK[field])
+
+
+def fail_together(group: dist.ProcessGroup | None, error: Exception) -> None:
+    """Where this rank's load settings failed (``error``, raised by the caller next): join
+    the ranks' agreement anyway, so that the others raise RankMismatchError naming it
+    rather than wait in the collective for this rank; RankMismatchError here too where
+    another rank's settings loaded. Nothing to do without a group."""
+    if group is None:
+        return
+    said = f"{type(error).__name__}: {error}"
+    everyone = _gather(group, {"settings": (said, said)})
+    _refuse_differences(group, "settings", [rank["settings"] for rank in everyone],
+                        _ASK["settings"])
 
 
 def _routes_here(device: DeviceInfo) -> tuple[str, str]:

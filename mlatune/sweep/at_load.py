@@ -49,6 +49,18 @@ GPU_BUDGET = Budget(warmup=1, min_reps=5, max_reps=50, max_seconds=0.2)
 CPU_BUDGET = Budget(warmup=0, min_reps=1, max_reps=2, max_seconds=0.1)
 
 
+MAX_SECONDS = 86_400.0  # a day: past it a time limit is a mistake (and overflows the clocks)
+
+
+def check_seconds(name: str, value: float, zero_ok: bool = False) -> None:
+    """ValueError, naming ``name``, unless ``value`` is a number of seconds in (0, a day]
+    (``zero_ok``: [0, a day]: 0 tunes nothing)."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not number or not (value >= 0 if zero_ok else value > 0) or not value <= MAX_SECONDS:
+        raise ValueError(f"{name} must be a number of seconds in {'[' if zero_ok else '('}0, "
+                         f"{MAX_SECONDS:g}], got {value!r}")
+
+
 def merge_reserve_s(budget_s: float) -> float:
     """The end of the budget kept for merging into the user table (candidates stop before)."""
     return min(3.0, 0.1 * budget_s)
@@ -70,6 +82,18 @@ class ServingShapes:
     page_size: int = 64
     dcp_size: int = 1
     kv_points: int = 3
+
+    def __post_init__(self) -> None:
+        context = self.context
+        if not (isinstance(context, tuple | list) and len(context) == 2
+                and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
+                        for n in context)):
+            raise ValueError(f"invalid ServingShapes: context must be (shortest, longest) "
+                             f"KV lengths, ints >= 1, got {context!r}")
+        if not isinstance(self.kv_points, int) or isinstance(self.kv_points, bool) \
+                or self.kv_points < 1:
+            raise ValueError(f"invalid ServingShapes: kv_points must be an int >= 1, got "
+                             f"{self.kv_points!r}")
 
     def kv_lens(self) -> list[int]:
         lo, hi = sorted(self.context)
@@ -169,14 +193,20 @@ def measured_by(measured: Any) -> Callable[[MLAProblem], bool]:
 
 def tune_at_load(shapes: Shapes, dispatcher: Any, budget_s: float = DEFAULT_BUDGET_S,
                  user_table: str | os.PathLike | None = None, device: DeviceInfo | None = None,
-                 progress: bool | Observer = True, options: TuneOptions | None = None
-                 ) -> TuneReport:
+                 progress: bool | Observer = True, options: TuneOptions | None = None,
+                 group: Any = None) -> TuneReport:
     """At model load: time the candidates of the serving ``shapes`` that the table does not
     measure, within ``budget_s`` seconds, into the user table (``user_table``; default
     ``MLATUNE_USER_TABLE``, else ``~/.cache/mlatune/user-table.parquet``, which
     ``MLATUNE_USER_TABLE`` is then set to, so that ``Dispatcher.from_bundled()`` overlays it).
     ``dispatcher``: what says which problems the table measures, a dispatcher or what loads
-    one (``Dispatcher.from_bundled``), called once the user table is named."""
+    one (``Dispatcher.from_bundled``), called once the user table is named. ``group``: the
+    torch.distributed group whose ranks load one table (``Dispatcher.load(group=)``): its
+    first rank tunes into the user table they share, the others wait for it, and every rank
+    returns that rank's report."""
+    if group is not None:
+        return _tuned_by_first_rank(group, lambda: tune_at_load(
+            shapes, dispatcher, budget_s, user_table, device, progress, options))
     path = Path(user_table or os.environ.get(USER_TABLE_ENV) or user_tables.default_path())
     if not os.environ.get(USER_TABLE_ENV):  # unset or empty: none overlaid yet
         os.environ[USER_TABLE_ENV] = str(path)
@@ -186,6 +216,17 @@ def tune_at_load(shapes: Shapes, dispatcher: Any, budget_s: float = DEFAULT_BUDG
     loaded = dispatcher if hasattr(dispatcher, "select") else _Loaded(dispatcher)
     return tune(shapes, loaded, path, budget_s=budget_s, device=device, progress=progress,
                 options=options)
+
+
+def _tuned_by_first_rank(group: Any, tuned: Callable[[], TuneReport]) -> TuneReport:
+    """``tuned()`` on ``group``'s first rank, its report on every rank once it returns (the
+    ranks' loads then read the same user table bytes)."""
+    import torch.distributed as dist
+
+    first = dist.get_process_group_ranks(group)[0]
+    shared: list[TuneReport | None] = [tuned() if dist.get_rank() == first else None]
+    dist.broadcast_object_list(shared, src=first, group=group)
+    return shared[0]
 
 
 class _Loaded:
@@ -216,11 +257,15 @@ def tune(shapes: Shapes, measured: Any, user_table_path: str | os.PathLike, *,
     table that fails: the report's ``failed`` and ``error`` say so. Call it under
     ``if __name__ == "__main__":`` (its workers are forked from a fresh forkserver, or
     spawned: either imports the main module)."""
+    check_seconds("budget_s", budget_s, zero_ok=True)
+    if options is not None and options.timeout_s is not None:
+        check_seconds("options.timeout_s", options.timeout_s)
     t0 = time.monotonic()
     report = TuneReport(Path(user_table_path), budget_s)
     asked = problems_of(shapes)
     report.asked = len(asked)
     try:
+        user_tables.check_path(report.user_table)  # before anything is timed for it
         is_measured = measured_by(measured)
         todo = cheapest_first(p for p in asked if not is_measured(p))
         report.measured_before = len(asked) - len(todo)
@@ -257,13 +302,14 @@ def _tune(todo: list[MLAProblem], measured: Callable[[MLAProblem], bool],
                                 observer=shown, compile_workers=0, deadline=deadline,
                                 prior=_estimated(todo, estimates, options.prune_ratio))
         cut = {c.problem.key for c in result.cut}
-        report.tuned = [p for p in todo if p.key not in cut]
-        report.left = [p for p in todo if p.key in cut]
-        done = {p.key for p in report.tuned}
+        report.left = list(todo)  # until the merge lands: tuned is what the table holds
+        _count(result, report)
+        done = {p.key for p in todo if p.key not in cut}
         report.rows_written = user_tables.merge_into(
             report.user_table, [r for r in journal.records if r.problem_key in done], device)
+        report.tuned = [p for p in todo if p.key in done]
+        report.left = [p for p in todo if p.key in cut]
         keep = any(r.problem_key not in done for r in journal.records)
-        _count(result, report)
     finally:
         report.journal = user_tables.close_journal(journal, keep)
 

@@ -46,6 +46,17 @@ def journals_dir(path: Path) -> Path:
     return path.with_name(f".{path.name}.journals")
 
 
+def check_path(path: Path) -> None:
+    """TableError, before anything is timed, for a user table path no merge could write: not
+    .parquet or .csv, or a folder."""
+    from mlatune.errors import TableError
+    from mlatune.table.files import format_of
+
+    format_of(path)
+    if path.is_dir():
+        raise TableError(f"{path}: a folder, not a table file")
+
+
 def merge_into(path: Path, records: Iterable[Record], device: DeviceInfo) -> int:
     """Fold ``records`` (a sweep's, of whole problems) into the table at ``path`` (created
     when absent; .parquet or .csv), atomically; the number of rows they make. TableError
