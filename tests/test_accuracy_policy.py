@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -296,8 +297,27 @@ def test_without_pandas_only_a_winners_map_is_found(tmp_path, monkeypatch):
         (tmp_path / name).write_bytes(b"x")
     assert bundled.find_table(tmp_path, "sm_90", "NVIDIA H200").name == \
         "sm_90-nvidia-h200.parquet"
-    monkeypatch.setattr(bundled, "_reads_frames", lambda: False)
+    monkeypatch.setattr(bundled, "reads_frames", lambda: False)
     assert bundled.find_table(tmp_path, "sm_90", "NVIDIA H200").name == "sm_90-h200.json.gz"
+
+
+
+def test_without_pandas_a_folder_of_parquet_alone_and_a_user_table_say_what_is_missing(
+        tmp_path, monkeypatch):
+    from mlatune.dispatch import Dispatcher, bundled
+    from mlatune.errors import TableError
+    from tests.table_helpers import H200
+
+    monkeypatch.setattr(bundled, "reads_frames", lambda: False)
+    (tmp_path / "sm_90-h200.parquet").write_bytes(b"x")
+    with pytest.raises(TableError, match=r"no table for arch sm_90 in this directory that "
+                                         r"this install reads \(Parquet and CSV tables need "
+                                         r"pandas and pyarrow"):
+        Dispatcher.load(tmp_path, device=H200)
+    shipped = Path(__file__).parents[1] / "tables" / "sm_90-h200.json.gz"
+    with pytest.raises(TableError, match=r"takes no overlay of .*mine.parquet \(and a user "
+                                         r"table needs pandas and pyarrow"):
+        Dispatcher.load(shipped, device=H200, overlay=tmp_path / "mine.parquet")
 
 
 def test_a_winners_only_map_says_where_the_policy_left_a_problem_bare(fp8_table, tmp_path,

@@ -175,6 +175,17 @@ def test_validate_notes_routes_not_registered_here(good):
     assert "not registered here" in result.output and "fast-small/fake" in result.output
 
 
+def test_validate_of_a_winners_map_says_its_schema_and_unregistered_routes(good, tmp_path):
+    exported = tmp_path / "map.json"
+    assert runner.invoke(app, ["export", str(good), "--format", "json", "--out",
+                               str(exported)]).exit_code == 0
+    said = json.loads(runner.invoke(app, ["validate", str(exported), "--json"]).output)
+    assert said["schema_version"] == SCHEMA_VERSION and said["format"] == "winners map"
+    assert "fast-small/fake" in said["unregistered_routes"]
+    plain = runner.invoke(app, ["validate", str(exported)])
+    assert plain.exit_code == 0 and "not registered here" in plain.output
+
+
 def test_validate_show_lookup_diff_on_a_good_table(good, tmp_path, fakes):
     result = wide.invoke(app, ["validate", str(good)])
     assert result.exit_code == 0 and "not registered" not in result.output

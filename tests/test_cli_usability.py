@@ -258,6 +258,13 @@ def test_doctor_json():
                                                     "cu_count": 132}]
     assert by_model["sm_90", "h100"]["devices"][0]["device_name"] == "NVIDIA H100 80GB HBM3"
     assert by_model["gfx950", None]["table"] is None
+    # Every registered route under its backend (the Gluon routes were left out).
+    from mlatune.routes import all_routes
+
+    listed = {r for b in document["backends"] for r in b["routes"]}
+    assert listed == {r.id for r in all_routes()}
+    gluon = next(b for b in document["backends"] if b["backend"] == "gluon")
+    assert "seesaw/gluon" in gluon["routes"]
 
 
 # 5. Fixed value sets -------------------------------------------------------------------

@@ -546,6 +546,43 @@ def test_a_winners_map_that_lists_one_device_twice_is_refused(tmp_path, fakes):
         Dispatcher.load(path, device=H200)
 
 
+def _respelled(document: dict) -> dict:
+    """The first winner's key spelled otherwise ("num_heads=016"): the same problem."""
+    winners = document["devices"][0]["winners"]
+    key = next(iter(winners))
+    heads = MLAProblem.from_key(key).num_heads
+    winners[key.replace(f"num_heads={heads}|", f"num_heads=0{heads}|")] = winners.pop(key)
+    return document
+
+
+@pytest.mark.parametrize(("damage", "message"), [
+    (_respelled, "invalid winner entries"),
+    (lambda d: {**d, "devices": [{**d["devices"][0], "provenance": ["x", 1]}]},
+     "lacks its provenance"),
+    (lambda d: {**d, "devices": [{**d["devices"][0], "cu_count": True}]},
+     "lacks arch, device_name or cu_count"),
+], ids=["respelled-key", "provenance-of-text", "cu-count-bool"])
+def test_a_winners_map_of_unclear_entries_is_refused(tmp_path, fakes, damage, message):
+    path = table.write_json(damage(table.winners_json(failing_frame())), tmp_path / "sm_90.json")
+    with pytest.raises(TableError, match=message):
+        Dispatcher.load(path, device=H200)
+
+
+def test_a_winners_map_giving_one_key_twice_is_refused(tmp_path, fakes):
+    import json
+
+    document = table.winners_json(failing_frame())
+    winners = document["devices"][0]["winners"]
+    key = next(iter(winners))
+    text = json.dumps(document).replace('"winners": {',
+                                        '"winners": {' + json.dumps(key) + ": "
+                                        + json.dumps(winners[key]) + ", ", 1)
+    path = tmp_path / "sm_90.json"
+    path.write_text(text)
+    with pytest.raises(TableError, match="given twice in one object"):
+        Dispatcher.load(path, device=H200)
+
+
 @pytest.mark.parametrize(("field", "value"), [("arch", "zzz"), ("cu_count", -2),
                                               ("device_name", " ")])
 def test_a_winners_map_checks_its_devices_as_a_table_does(tmp_path, fakes, field, value):

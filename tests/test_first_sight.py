@@ -117,8 +117,9 @@ def test_an_unsure_answer_is_timed_remembered_and_written_to_the_user_table(tmp_
     assert (later.select(FAR).route_id, later.select(FAR).source) == ("quick/fake", "table")
 
 
-@pytest.mark.parametrize("where", ["under a file", "damaged"])
-def test_a_user_table_it_cannot_write_leaves_the_step_served(tmp_path, made, where, caplog):
+@pytest.mark.parametrize("where", ["under a file", "damaged", "no pandas"])
+def test_a_user_table_it_cannot_write_leaves_the_step_served(tmp_path, made, where, caplog,
+                                                            monkeypatch):
     """Recording the pick is first sight's bookkeeping: a path it cannot write, or a damaged
     file there, is one warning naming MLATUNE_FIRST_SIGHT; decode serves and the pick is
     remembered for this process."""
@@ -128,6 +129,14 @@ def test_a_user_table_it_cannot_write_leaves_the_step_served(tmp_path, made, whe
         user = tmp_path / "mine.parquet"
         user.write_bytes(b"PAR1 not a table")
     dispatcher = Dispatcher.load(_table(tmp_path), device=cpu_device(), first_sight=user)
+    if where == "no pandas":  # the runtime install: building the rows imports pandas
+        user = tmp_path / "mine.parquet"
+        dispatcher.first_sight = user
+
+        def no_pandas(*args, **kwargs):
+            raise ModuleNotFoundError("No module named 'pandas'")
+
+        monkeypatch.setattr(first_sight.table, "build", no_pandas)
     with caplog.at_level(logging.WARNING, logger="mlatune"):
         inputs, out = _decode(dispatcher)
     assert check(FAR, out, reference.run(inputs, torch.float64)[0]).ok

@@ -25,6 +25,12 @@ def test_a_route_checks_its_declared_limits():
         "num_splits 1000000 is not an integer in [1, 256]"
     assert "num_warps True" in padded.check_params({**GOOD, "num_warps": True})
     assert "block_n '64'" in padded.check_params({**GOOD, "block_n": "64"})
+    # Triton's aranges and warps: a tile of 48 or 3 rows passed the bounds, then failed
+    # at serve time ("arange's range must be a power of 2").
+    assert padded.check_params({**GOOD, "block_n": 48}) == "block_n 48 is not a power of two"
+    assert padded.check_params({**GOOD, "block_m": 3}) == "block_m 3 is not a power of two"
+    assert padded.check_params({**GOOD, "num_warps": 6}) == "num_warps 6 is not a power of two"
+    assert padded.check_params({**GOOD, "num_stages": 3}) is None  # any depth
     assert "num_segments 0" in routes.get("segmented/triton").check_params({"num_segments": 0})
     assert routes.get("transposed/gluon").check_params({"num_splits": 300, "form": "mma16"})
     assert routes.get("transposed-mma8/gluon").check_params({"num_splits": 300, "form": "mma8"})
@@ -46,6 +52,7 @@ def test_a_table_naming_a_set_its_route_cannot_run_is_refused(tmp_path, fmt):
     assert "num_splits 1000000" in result.output
 
 
-def test_the_shipped_tables_sets_are_all_runnable():
-    frame = table.read("tables/sm_90-h200.parquet", facts=routes.FACTS)
+@pytest.mark.parametrize("name", ["sm_90-h200", "sm_90-h100"])
+def test_the_shipped_tables_sets_are_all_runnable(name):
+    frame = table.read(f"tables/{name}.parquet", facts=routes.FACTS)
     assert table.checks.param_problems(frame, routes.FACTS) == []

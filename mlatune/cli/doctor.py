@@ -155,10 +155,12 @@ def _print_bundled(entries: list[dict[str, Any]]) -> None:
 
 def _backends() -> list[dict[str, Any]]:
     from mlatune.routes import all_routes, backend_status
+    from mlatune.routes.registry import BACKEND_MODULES
 
     routes = all_routes()
     found = []
-    for name in ("torch", "triton", "aiter", "flashmla", "flashinfer"):
+    plugins = sorted({r.id.split("/", 1)[1] for r in routes} - set(BACKEND_MODULES))
+    for name in (*BACKEND_MODULES, *plugins):
         ok, detail = backend_status(name)
         found.append({"backend": name, "importable": ok, "detail": detail,
                       "routes": [r.id for r in routes if r.id.endswith("/" + name)]})

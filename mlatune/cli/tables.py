@@ -224,15 +224,17 @@ def _validated(table_path: Path) -> dict[str, Any]:
     from mlatune.table import winners_map
 
     if winners_map.is_winners_map(table_path):
-        from mlatune.routes import FACTS
+        from mlatune.routes import FACTS, all_routes
 
         document = winners_map.read(table_path, FACTS).document
-        return {"format": "winners map", "schema_version": document.get("version"),
+        named = {o["route"] for d in document["devices"] for w in d["winners"].values()
+                 for o in (w, *w.get("alternatives", ()))}
+        return {"format": "winners map", "schema_version": document.get("schema_version"),
                 "converted_from": [], "rows": None,
                 "problems": sum(len(d["winners"]) for d in document["devices"]),
                 "devices": [device_json(d["arch"], d["device_name"], d["cu_count"])
                             for d in document["devices"]],
-                "unregistered_routes": []}
+                "unregistered_routes": sorted(named - {r.id for r in all_routes()})}
     frame = frames.read_table(table_path)
     return {"format": "table", "schema_version": int(frame["schema_version"].max()),
             "converted_from": sorted(set(frame.get("converted_from", [])) - {""}),

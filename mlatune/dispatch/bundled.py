@@ -52,7 +52,7 @@ def table_choice(directory: Path | Any, arch: str, device_name: str = "") -> Tab
     winners maps)."""
     if directory is None or not directory.is_dir():
         return None
-    formats = (".parquet", ".json", ".json.gz", ".csv") if _reads_frames() else \
+    formats = (".parquet", ".json", ".json.gz", ".csv") if reads_frames() else \
         (".json", ".json.gz")  # Parquet and CSV need pandas and pyarrow
     found = [(f, _format_rank(f.name, formats)) for f in directory.iterdir() if f.is_file()]
     found = [(f, r, _model_of(f.name, arch, formats[r])) for f, r in found if r is not None
@@ -119,7 +119,7 @@ def _format_rank(name: str, formats: tuple[str, ...]) -> int | None:
     return next((i for i, ext in enumerate(formats) if name.endswith(ext)), None)
 
 
-def _reads_frames() -> bool:
+def reads_frames() -> bool:
     """Whether Parquet and CSV tables can be read here (pandas and pyarrow installed)."""
     try:
         return all(importlib.util.find_spec(m) is not None for m in ("pandas", "pyarrow"))

@@ -100,7 +100,9 @@ def measure(dispatcher: Dispatcher, problem: MLAProblem, prepared_for: MLAProble
     if dispatcher.first_sight is not None:
         try:
             _record(dispatcher, problem, timed, Path(dispatcher.first_sight), provenance)
-        except (OSError, ValueError) as exc:  # the step serves on; the pick is not kept
+        # The step serves on; the pick is not kept. ImportError: the runtime install, whose
+        # first sight remembers picks in this process but cannot write a table (pandas).
+        except (OSError, ValueError, ImportError) as exc:
             log.warning("mlatune: MLATUNE_FIRST_SIGHT=%s: cannot record the pick for %s (%s); "
                         "served, not recorded", dispatcher.first_sight, problem.key,
                         str(exc).splitlines()[0] if str(exc) else type(exc).__name__)

@@ -41,6 +41,8 @@ EMPTY_PARAMS: Mapping[str, Any] = MappingProxyType({})
 
 
 Device = tuple[str, str, int]  # a table's (arch, device_name, cu_count)
+# What reading a Parquet or CSV table takes, which the runtime install lacks.
+_FRAMES_EXTRA = "pandas and pyarrow, which this install lacks: pip install 'mlatune[cli]'"
 Option = tuple[str, Mapping[str, Any], float]  # (route_id, params, step cost in us)
 # An ok row the accuracy policy holds back at its key: (route_id, its numeric class, its
 # recorded output error, its step cost in us), cheapest first; ``explain`` names them.
@@ -81,11 +83,14 @@ def open_source(path: Path, overlay: Path | None, device: DeviceInfo, allow_arch
     if path.is_dir():
         found = bundled.find_table(path, arch, device.name)
         if found is None:
-            raise TableError(f"{path}: no table for arch {arch} in this directory")
+            raise TableError(f"{path}: no table for arch {arch} in this directory"
+                             + ("" if bundled.reads_frames() else f" that this install reads "
+                                f"(Parquet and CSV tables need {_FRAMES_EXTRA})"))
         path = found
     if overlay is not None and winners_map.is_winners_map(path):
-        raise TableError(f"{path}: a JSON winners map takes no overlay (load the Parquet "
-                         f"or CSV table to overlay {overlay} on it)")
+        how = "load the Parquet or CSV table to overlay it" if bundled.reads_frames() else \
+            f"and a user table needs {_FRAMES_EXTRA}"
+        raise TableError(f"{path}: a JSON winners map takes no overlay of {overlay} ({how})")
     source = JsonSource(path) if winners_map.is_winners_map(path) else FrameSource(path)
     arches = sorted({d[0] for d in source.devices})
     if arch not in arches:

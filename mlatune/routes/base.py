@@ -54,6 +54,8 @@ Params = dict[str, Any]
 SPLIT_LIMIT = (1, 256)
 TILE_LIMITS = MappingProxyType({"block_m": (1, 256), "block_n": (1, 256), "num_warps": (1, 16),
                                 "num_stages": (1, 8)})
+# Of those, what Triton takes only as a power of two (a tile's aranges, a block's warps).
+POWER_OF_TWO_PARAMS = frozenset({"block_m", "block_n", "num_warps"})
 
 
 @dataclass(frozen=True)
@@ -221,11 +223,14 @@ class Route(ABC):
 
     def check_params(self, params: Params) -> str | None:
         """Why a stored set cannot be run as it says (None: it can): by default a parameter
-        of ``param_limits`` that is not an integer within its bounds."""
+        of ``param_limits`` that is not an integer within its bounds, or a tile size or warp
+        count (``POWER_OF_TWO_PARAMS``) that is not a power of two."""
         for name, (low, high) in self.param_limits.items():
             value = params.get(name, low)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 return f"{name} {value!r} is not an integer in [{low}, {high}]"
+            if name in POWER_OF_TWO_PARAMS and value & (value - 1):
+                return f"{name} {value} is not a power of two"
         return None
 
     def upgrade_params(self, params: Params) -> Params | None:

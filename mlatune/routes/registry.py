@@ -100,10 +100,17 @@ def declared_step_kind(route_id: str, params: Mapping[str, Any] | str) -> tuple[
     return kind.plan_on, kind.capturable
 
 
+# The library each built-in route backend (a route id's part after "/") imports.
+BACKEND_MODULES = {"torch": "torch", "triton": "triton", "gluon": "triton.experimental.gluon",
+                   "aiter": "aiter", "flashmla": "flash_mla", "flashinfer": "flashinfer"}
+
+
 def backend_status(name: str) -> tuple[bool, str]:
-    """Whether a route backend's library imports here, with its version or the error."""
-    module = {"torch": "torch", "triton": "triton", "aiter": "aiter", "flashmla": "flash_mla",
-              "flashinfer": "flashinfer"}[name]
+    """Whether a route backend's library imports here, with its version or the error (a
+    plugin's backend: registered, so its module imported)."""
+    module = BACKEND_MODULES.get(name)
+    if module is None:
+        return True, "a plugin's routes (registered)"
     try:
         mod = importlib.import_module(module)
     except Exception as exc:  # any import failure means the backend is unusable here

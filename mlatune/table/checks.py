@@ -31,6 +31,7 @@ from mlatune.table.schema import (
     DCP_TIMINGS,
     DEVICE_COLUMNS,
     KEY_COLUMNS,
+    MIN_TIME_US,
     PROVENANCE_TYPES,
     SCHEMA_VERSION,
     STATUSES,
@@ -42,9 +43,6 @@ from mlatune.table.schema import (
 RUN_FIELDS = ("created_utc", "spec_sha256", "converted_from", "hardware")
 ENVIRONMENT_FIELDS = tuple(f for f in PROVENANCE_TYPES if f not in RUN_FIELDS)
 _ROUTE_ID = re.compile(r"^[a-z0-9][a-z0-9-]*/[a-z0-9][a-z0-9-]*$")
-# The shortest time an ok row may hold: no launch takes under a nanosecond, and a ratio over
-# a smaller (a denormal) overflows to inf where tables are compared.
-MIN_TIME_US = 1e-3
 _EXAMPLES = 3  # values quoted per problem: enough to find them, short enough for one line
 
 

@@ -57,6 +57,9 @@ from mlatune.steps import UNKNOWN_STEP_KIND  # noqa: F401  (rows no route declar
 SCHEMA_VERSION = 6
 
 DEVICE_COLUMNS = ("arch", "device_name", "cu_count")
+# The shortest time an ok row may hold: no launch takes under a nanosecond, and a ratio over
+# a smaller (a denormal) overflows to inf where tables are compared or predicted from.
+MIN_TIME_US = 1e-3
 # The arch a table's device names: sm_<n>, gfx<id> or cpu (arch.vendor_of reads the prefix).
 ARCH_PATTERN = re.compile(r"sm_[0-9]+[a-z]?|gfx[0-9a-f]+|cpu")
 KEY_COLUMNS = DEVICE_COLUMNS + KEY_FIELDS

@@ -58,6 +58,7 @@ from mlatune.problem import KEY_FIELDS, MLAProblem
 from mlatune.steps import PLAN_PLACES, RouteFacts
 from mlatune.table.schema import (
     ARCH_PATTERN,
+    MIN_TIME_US,
     NEITHER_STATUSES,
     SCHEMA_VERSION,
     STATUSES,
@@ -110,7 +111,7 @@ def _read(path: Path, facts: RouteFacts | None) -> WinnersMap:
     try:
         raw = path.read_bytes()
         document = json.loads(gzip.decompress(raw) if path.name.lower().endswith(".gz")
-                              else raw)
+                              else raw, object_pairs_hook=_unique_keys)
     except OSError as exc:
         raise TableError(f"{path}: cannot read ({_one_line(exc)})") from None
     except (ValueError, EOFError, gzip.BadGzipFile) as exc:  # JSON, text or gzip damage
@@ -228,7 +229,7 @@ def _check(document: Any) -> tuple[list[str], list[dict[str, MLAProblem]]]:
             continue
         identity = (entry.get("arch"), entry.get("device_name"), entry.get("cu_count"))
         if not (isinstance(identity[0], str) and isinstance(identity[1], str)
-                and isinstance(identity[2], int)):
+                and isinstance(identity[2], int) and not isinstance(identity[2], bool)):
             found.append(f"devices[{i}] lacks arch, device_name or cu_count")
         elif not ARCH_PATTERN.fullmatch(identity[0]) or not identity[1].strip() \
                 or identity[2] < 1:
@@ -241,8 +242,9 @@ def _check(document: Any) -> tuple[list[str], list[dict[str, MLAProblem]]]:
                          f"answers it is ambiguous")
         else:
             seen[identity] = i
-        if not isinstance(entry.get("provenance"), list):
-            found.append(f"devices[{i}] lacks its provenance")
+        provenance = entry.get("provenance")
+        if not isinstance(provenance, list) or not all(isinstance(p, dict) for p in provenance):
+            found.append(f"devices[{i}] lacks its provenance (a list of objects)")
         entries = entry.get("winners")
         if not isinstance(entries, dict):
             found.append(f"devices[{i}] lacks its winners")
@@ -274,12 +276,23 @@ def _all_failed_problems(entry: dict[str, Any], entries: dict[str, Any]) -> list
             f"e.g. {bad[0][:120]!r}"]
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are each given once (json's own keeps the last silently)."""
+    found = dict(pairs)
+    if len(found) != len(pairs):
+        seen: set[str] = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"the key {twice[:120]!r} given twice in one object")
+    return found
+
+
 def _is_key(key: str) -> bool:
+    """Whether ``key`` is a problem's key as mlatune spells it (one spelling a problem: an
+    entry under another, "num_heads=016", would be a second entry for it)."""
     try:
-        MLAProblem.from_key(key)
+        return MLAProblem.from_key(key).key == key
     except (ValueError, TypeError, KeyError, ArithmeticError):  # huge numbers: Overflow
         return False
-    return True
 
 
 def _entry_problem(key: str, winner: Any, version: Any) -> MLAProblem | None:
@@ -288,7 +301,7 @@ def _entry_problem(key: str, winner: Any, version: Any) -> MLAProblem | None:
         problem = MLAProblem.from_key(key)
     except (ValueError, TypeError, KeyError, ArithmeticError):  # huge numbers: Overflow
         return None
-    if not isinstance(winner, dict):
+    if problem.key != key or not isinstance(winner, dict):  # (one spelling a problem)
         return None
     alternatives = winner.get("alternatives", [])
     stepped = version != 1  # v1 options lack the step fields (the upgrade adds them)
@@ -340,7 +353,7 @@ def _valid_option(option: Any) -> bool:
     time_us = option.get("time_us") if isinstance(option, dict) else None
     return (isinstance(option, dict) and isinstance(option.get("route"), str)
             and isinstance(option.get("params"), dict)
-            and _is_number(time_us) and time_us > 0
+            and _is_number(time_us) and time_us >= MIN_TIME_US
             and all(e is None or (_is_number(e) and e >= 0)
                     for e in (option.get(name) for name in ERROR_FIELDS)))
 
