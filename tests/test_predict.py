@@ -103,6 +103,22 @@ def test_usable_leaves_out_routes_that_refuse():
     assert Predictor(rows(laws), {}, DEVICE).choose(at(3, 1500), lambda r: False) is None
 
 
+def test_a_recipe_measured_once_grows_with_the_problem_and_does_not_win_flat():
+    """A route the sweep ran at one point only (pruned as slower everywhere else) has a law
+    one point cannot fit: taken as half fixed cost, half streaming there, its prediction
+    grows with the tokens rather than staying at that one time (it won 8x the tokens at
+    its small problem's time, below the bandwidth floor)."""
+    measured = rows({"a": cost})
+    once = (at(16, 1024), "once/fake", {"tile": "once"}, 0.9 * cost(16, 1024))
+    predictor = Predictor([*measured, once], {}, DEVICE)
+    far = at(32, 4096)  # 8x the tokens of its one point, as near the others' points
+    by_route = {p.route_id: p.time_us for p in predictor.predict(far)}
+    assert by_route["once/fake"] > 4 * once[3]
+    assert predictor.choose(far)[0].route_id == "a/fake"
+    # At its one point it keeps its measured time.
+    assert predictor.predict(at(16, 1024))[0].time_us == pytest.approx(once[3])
+
+
 def test_nothing_is_predicted_for_a_bucket_never_measured():
     predictor = Predictor(rows({"a": power}), {}, DEVICE)
     assert predictor.predict(at(3, 1500).with_(num_heads=32)) == []

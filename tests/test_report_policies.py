@@ -212,10 +212,12 @@ def fast_route():
 
 
 def test_heldout_loss_to_flashmla_is_counted_and_listed(fast_route, tmp_path):
-    main = table.write(make_table(rows_of({"M1": BASE.with_(batch=1)},
-                                          {"M1": {FAST: 8.0, FM: 10.0}})),
+    main = table.write(make_table(rows_of({"M1": BASE.with_(batch=1), "M2": BASE.with_(batch=4)},
+                                          {"M1": {FAST: 8.0, FM: 10.0},
+                                           "M2": {FAST: 9.0, FM: 11.0}})),
                        tmp_path / "main.parquet")
-    # Nearest answers FAST at batch 2 (from batch 1): 15 against FlashMLA's 12 there.
+    # FAST is predicted at batch 2 (between its points at 1 and 4): 15 against FlashMLA's
+    # 12 there.
     heldout = table.write(make_table(rows_of(HELD, {"H1": {FAST: 15.0, FM: 12.0},
                                                     "H2": {FAST: 8.0, FM: 10.0}})),
                           tmp_path / "heldout.parquet")
