@@ -602,3 +602,21 @@ def test_a_route_right_on_normal_inputs_is_rejected_on_model_like_ones():
     worst = max(acc.rel_l2 for acc in errors(routes.get("reference/torch"),
                                               cache.cases.values()))
     assert ok.status is Status.OK and ok.rel_err == worst > 0
+
+
+def test_status_counts_take_each_planned_candidate_once_by_its_latest_record():
+    """A candidate rerun after a crash counts as its rerun's status; a record of a candidate
+    outside this run's plan (another --routes) is not counted (the summary said 146 statuses
+    for 144 candidates)."""
+    from mlatune.problem import MLAProblem
+    from mlatune.sweep.candidates import Candidate
+    from mlatune.sweep.runner import SweepResult
+
+    problem = MLAProblem(num_heads=4, q_dtype="fp16", kv_dtype="fp16", page_size=8, kv_len=16)
+    planned = Candidate(problem, "reference/torch", {})
+    other = Candidate(problem, "padded/triton", {"num_splits": 1})
+    records = [planned.record(status="crashed", reason="killed"),
+               planned.record(status="ok", time_us=5.0, rel_err=0.0, max_abs_err=0.0),
+               other.record(status="ok", time_us=4.0, rel_err=0.0, max_abs_err=0.0)]
+    result = SweepResult(records, 1.0, 1, planned=1, plan_ids=frozenset({planned.id}))
+    assert result.counts == {Status.OK: 1}

@@ -65,6 +65,24 @@ def test_an_interrupted_sweep_is_one_line_that_says_how_to_go_on(tmp_path, monke
     assert not (tmp_path / "t.parquet").exists()
 
 
+def test_a_journal_removed_during_the_sweep_writes_no_table(tmp_path, monkeypatch):
+    """Its folder deleted mid-run: the sweep said success and named a journal that was gone,
+    and the rerun then refused the table with no journal beside it."""
+    run = runner.run
+
+    def removing(spec, device, journal, **kwargs):
+        result = run(spec, device, journal, **kwargs)
+        journal.path.unlink()
+        return result
+
+    monkeypatch.setattr(runner, "run", removing)
+    with pytest.raises(stages.SweepError, match=r"the journal .* was removed during the sweep"):
+        stages.run_sweep(settings(tmp_path))
+    assert not (tmp_path / "t.parquet").exists()
+    monkeypatch.setattr(runner, "run", run)
+    assert stages.run_sweep(settings(tmp_path)).table_path.exists()  # the rerun measures
+
+
 def test_a_share_without_problems_is_refused(tmp_path):
     many = Shard(0, 10_000)
     with pytest.raises(stages.SweepError, match="holds none of the spec's 2 problems"):

@@ -52,12 +52,20 @@ class SweepResult:
     measured_dcp: int = 0  # DCP tasks measured across processes now (dcp_stage)
     cut: list[Candidate] = field(default_factory=list)  # not run or not finished by the deadline
     workers_started: int = 0  # worker processes started (crashes replaced included)
+    # The candidates of this run's plan (refused, pruned and reference fallbacks included);
+    # None: every record's.
+    plan_ids: frozenset[str] | None = None
 
     @property
     def counts(self) -> dict[str, int]:
+        """The plan's candidates per status, each once by its latest record (a rerun of a
+        crashed candidate replaces it; records of candidates outside the plan, another
+        route set's, are not counted)."""
+        latest = {r.id: r.status for r in self.records
+                  if self.plan_ids is None or r.id in self.plan_ids}
         counts: dict[str, int] = {}
-        for r in self.records:
-            counts[r.status] = counts.get(r.status, 0) + 1
+        for status in latest.values():
+            counts[status] = counts.get(status, 0) + 1
         return counts
 
 
@@ -115,7 +123,8 @@ def run(spec: SweepSpec, device: DeviceInfo, journal: Journal, *, workers: int =
                        {**execute.seconds, **seconds}, planned=len(candidates),
                        resumed=len(candidates) - len(todo), refused=len(refused) - pruned,
                        pruned=pruned, fallbacks=len(fallbacks), cut=execute.cut,
-                       workers_started=execute.started)
+                       workers_started=execute.started,
+                       plan_ids=frozenset(c.id for c in (*candidates, *refused, *fallbacks)))
 
 
 def _compile_ahead(spec: SweepSpec, device: DeviceInfo, workers: int, per_device: int,

@@ -120,6 +120,9 @@ def run_sweep(settings: SweepSettings, observer: Observer | None = None,
             journal.close()
         except OSError as exc:  # its last flush: a full disk (an OutputError)
             failure = failure or f"{exc}; {rerun}"
+    if not failure and not settings.journal_path.is_file():  # its folder deleted meanwhile
+        failure = (f"the journal {settings.journal_path} was removed during the sweep, its "
+                   f"results with it; no table is written: rerun to measure again")
     if failure:
         raise SweepError(failure)
     wall = time.monotonic() - t0
