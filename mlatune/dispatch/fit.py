@@ -1,6 +1,7 @@
 """The cost law's fit: relative least squares with coefficients >= 0 over the term subsets,
-and the log times a table lost (a recipe that lost to its route's best at a point) imputed
-from the recipes that ran there (``predict``'s module docstring says why).
+the log times a table lost (a recipe that lost to its route's best at a point) imputed
+from the recipes that ran there (``predict``'s module docstring says why), and the law of a
+recipe known at one point alone.
 """
 
 from __future__ import annotations
@@ -59,3 +60,22 @@ def impute_lost(recipes: list[tuple[str, str]], logs: np.ndarray, penalty: float
             lost = np.isnan(logs[i]) & ~np.isnan(route_best)
             out[i, lost] = route_best[lost] + math.log(penalty)
     return out
+
+
+def one_point_laws(coef: np.ndarray, x: np.ndarray, logs: np.ndarray, known: np.ndarray
+                    ) -> np.ndarray:
+    """``coef`` with the law of each recipe known at one point alone taken as half fixed
+    cost, half streaming there (a = t/2, c = t/2W): one point cannot tell the two apart,
+    and the least-squares law may put it all in the fixed cost, flat however large the
+    problem grows (a route the sweep ran once, pruned as slower everywhere else, then
+    predicted at that one time at 8x the tokens: below the bandwidth floor)."""
+    single = np.flatnonzero(known.sum(axis=1) == 1)
+    if not len(single):
+        return coef
+    coef = coef.copy()
+    for i in single.tolist():
+        j = int(np.flatnonzero(known[i])[0])
+        time_us, streamed = math.exp(logs[i, j]), x[i, j, 1]
+        if streamed > 0:
+            coef[i] = (time_us / 2, time_us / (2 * streamed), 0.0, 0.0)
+    return coef

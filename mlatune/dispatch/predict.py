@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from mlatune.arch import DeviceInfo
-from mlatune.dispatch.fit import FEATURES, impute_lost, nnls
+from mlatune.dispatch.fit import FEATURES, impute_lost, nnls, one_point_laws
 from mlatune.problem import MLAProblem
 from mlatune.routes import Route, params_at
 from mlatune.routes.geometry import LaunchGeometry
@@ -268,7 +268,7 @@ class _Bucket:
         """Take the laws' coefficients: the log corrections at the known points and what
         answering needs."""
         x, logs, known = self._x, self._logs, self._known
-        coef = _one_point_laws(coef, x, logs, known)
+        coef = one_point_laws(coef, x, logs, known)
         self.known = known  # measured, or lost to the route's best (a table's)
         del self._x, self._logs, self._known, self._measured, self.normal
         self.coef = coef
@@ -470,25 +470,6 @@ class _Bucket:
         rest = {s: p for s, p in self.points.items() if s != shape}
         return _Bucket(rest, self.complete, self.routes, self.device, self.failed) \
             if rest else None
-
-
-def _one_point_laws(coef: np.ndarray, x: np.ndarray, logs: np.ndarray, known: np.ndarray
-                    ) -> np.ndarray:
-    """``coef`` with the law of each recipe known at one point alone taken as half fixed
-    cost, half streaming there (a = t/2, c = t/2W): one point cannot tell the two apart,
-    and the least-squares law may put it all in the fixed cost, flat however large the
-    problem grows (a route the sweep ran once, pruned as slower everywhere else, then
-    predicted at that one time at 8x the tokens: below the bandwidth floor)."""
-    single = np.flatnonzero(known.sum(axis=1) == 1)
-    if not len(single):
-        return coef
-    coef = coef.copy()
-    for i in single.tolist():
-        j = int(np.flatnonzero(known[i])[0])
-        time_us, streamed = math.exp(logs[i, j]), x[i, j, 1]
-        if streamed > 0:
-            coef[i] = (time_us / 2, time_us / (2 * streamed), 0.0, 0.0)
-    return coef
 
 
 class Predictor:
