@@ -145,6 +145,7 @@ def test_json_is_one_object_on_every_command(command, tmp_path, good, fakes):  #
     document = json.loads(result.stdout)  # nothing else on stdout, or this fails
     assert isinstance(document, dict)
     assert document["schema"] == f"mlatune.{command}" and document["version"] == 1
+    assert document["ok"] is True  # a script checks one field, as failures set it false
 
 
 @pytest.mark.parametrize("command", sorted(CONVENTIONS))

@@ -11,7 +11,8 @@ One convention across commands (tests/test_cli_conventions.py holds every comman
 - A command that writes a file names it with ``--out``.
 - ``--json`` prints one JSON object on stdout and nothing else there (notes and errors go
   to stderr; the exit status is the same as without it): ``{"schema": "mlatune.<command>",
-  "version": 1, ...}``; a runtime failure (exit 1) is ``{"schema", "version", "ok": false,
+  "version": 1, "ok": true, ...}`` (``coverage``'s ``ok``: whether every problem met
+  ``--require``); a runtime failure (exit 1) is ``{"schema", "version", "ok": false,
   "error": "<the line on stderr>"}`` there, a usage error (exit 2) the same with
   ``"usage": true``; the version
   raised only when a field changes meaning or goes away.

@@ -186,7 +186,7 @@ JsonFlag = Annotated[bool, typer.Option(
 
 
 def emit_json(command: str, body: dict[str, Any]) -> None:
-    document = {"schema": f"mlatune.{command}", "version": JSON_VERSION, **body}
+    document = {"schema": f"mlatune.{command}", "version": JSON_VERSION, "ok": True, **body}
     sys.stdout.write(json.dumps(document, indent=2, allow_nan=False) + "\n")
     state = _json_state.get()
     if state is not None:
