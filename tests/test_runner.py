@@ -126,6 +126,11 @@ def test_journal_refuses_to_overwrite_or_mix(tmp_path):
         Journal(path, header(), resume=False)
     with pytest.raises(JournalError, match="spec_sha256"):
         Journal(path, {**header(), "spec_sha256": "other"}, resume=True)
+    # Results without the header line above them: said so (was "written for
+    # spec_sha256=None").
+    path.write_text('{"kind": "result", "id": "a", "status": "ok"}\n')
+    with pytest.raises(JournalError, match="has no header line"):
+        Journal(path, header(), resume=True)
 
 
 def test_torn_last_line_is_ignored(tmp_path):

@@ -80,7 +80,8 @@ class Journal:
                 self._file = self._opened(lambda: self.path.open("a", encoding="utf-8"))
                 self._write(header.to_json())
                 return self._file
-            mismatch = (found or JournalHeader()).mismatch(header)
+            mismatch = "has no header line (not a sweep's journal, or its first line lost)" \
+                if found is None else found.mismatch(header)
             if mismatch:
                 raise JournalError(f"{self.path} {mismatch}; use another --out or delete the "
                                    f"journal")
