@@ -25,8 +25,8 @@ def test_a_route_checks_its_declared_limits():
         "num_splits 1000000 is not an integer in [1, 256]"
     assert "num_warps True" in padded.check_params({**GOOD, "num_warps": True})
     assert "block_n '64'" in padded.check_params({**GOOD, "block_n": "64"})
-    # Triton's aranges and warps: a tile of 48 or 3 rows passed the bounds, then failed
-    # at serve time ("arange's range must be a power of 2").
+    # Triton's aranges and warps take powers of two alone: refused on load, not at serve
+    # time ("arange's range must be a power of 2").
     assert padded.check_params({**GOOD, "block_n": 48}) == "block_n 48 is not a power of two"
     assert padded.check_params({**GOOD, "block_m": 3}) == "block_m 3 is not a power of two"
     assert padded.check_params({**GOOD, "num_warps": 6}) == "num_warps 6 is not a power of two"

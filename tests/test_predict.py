@@ -106,8 +106,8 @@ def test_usable_leaves_out_routes_that_refuse():
 def test_a_recipe_measured_once_grows_with_the_problem_and_does_not_win_flat():
     """A route the sweep ran at one point only (pruned as slower everywhere else) has a law
     one point cannot fit: taken as half fixed cost, half streaming there, its prediction
-    grows with the tokens rather than staying at that one time (it won 8x the tokens at
-    its small problem's time, below the bandwidth floor)."""
+    grows with the tokens rather than staying at that one time (which would put it under
+    the bandwidth floor at 8x the tokens)."""
     measured = rows({"a": cost})
     once = (at(16, 1024), "once/fake", {"tile": "once"}, 0.9 * cost(16, 1024))
     predictor = Predictor([*measured, once], {}, DEVICE)

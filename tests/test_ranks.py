@@ -171,8 +171,8 @@ def _mismatches(rank: int, tmp: Path) -> dict:
     errors["vendor"] = _error_of(lambda: Dispatcher.load(same, device=cpu_device(),
                                                          group=world))
     routes.unregister(broken.id)
-    # A setting that cannot load on one rank: the other must not wait for it (it hung in
-    # the collective until the group's timeout).
+    # A setting that cannot load on one rank: the other raises too, rather than wait for it
+    # in the collective until the group's timeout.
     if rank == 1:
         os.environ["MLATUNE_ACCURACY"] = "bogus"
     errors["setting"] = _error_of(lambda: Dispatcher.load(same, device=cpu_device(),

@@ -126,8 +126,7 @@ def test_journal_refuses_to_overwrite_or_mix(tmp_path):
         Journal(path, header(), resume=False)
     with pytest.raises(JournalError, match="spec_sha256"):
         Journal(path, {**header(), "spec_sha256": "other"}, resume=True)
-    # Results without the header line above them: said so (was "written for
-    # spec_sha256=None").
+    # Results without the header line above them: refused, saying so.
     path.write_text('{"kind": "result", "id": "a", "status": "ok"}\n')
     with pytest.raises(JournalError, match="has no header line"):
         Journal(path, header(), resume=True)
@@ -611,8 +610,8 @@ def test_a_route_right_on_normal_inputs_is_rejected_on_model_like_ones():
 
 def test_status_counts_take_each_planned_candidate_once_by_its_latest_record():
     """A candidate rerun after a crash counts as its rerun's status; a record of a candidate
-    outside this run's plan (another --routes) is not counted (the summary said 146 statuses
-    for 144 candidates)."""
+    outside this run's plan (another --routes) is not counted: the statuses add up to the
+    candidates."""
     from mlatune.problem import MLAProblem
     from mlatune.sweep.candidates import Candidate
     from mlatune.sweep.runner import SweepResult

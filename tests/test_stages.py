@@ -66,8 +66,8 @@ def test_an_interrupted_sweep_is_one_line_that_says_how_to_go_on(tmp_path, monke
 
 
 def test_a_journal_removed_during_the_sweep_writes_no_table(tmp_path, monkeypatch):
-    """Its folder deleted mid-run: the sweep said success and named a journal that was gone,
-    and the rerun then refused the table with no journal beside it."""
+    """Its folder deleted mid-run: the sweep fails, naming the journal, and writes no table
+    (one without its journal would refuse the rerun); the rerun measures again."""
     run = runner.run
 
     def removing(spec, device, journal, **kwargs):

@@ -266,8 +266,8 @@ def test_routes_estimated_far_behind_are_not_timed(tmp_path, ratio, ran):
 
 @pytest.mark.parametrize("budget", [float("nan"), -5.0, float("inf"), 1e300, True, "30"])
 def test_a_budget_that_is_no_number_of_seconds_is_refused_by_name(tmp_path, budget):
-    """(inf and 1e300 overflowed the workers' clocks and tuned nothing; NaN tuned one
-    problem and -5 none, both silently.)"""
+    """A budget past a day overflows the workers' clocks; NaN and negative ones tune nothing
+    meaningful: each is refused by name before anything runs."""
     with pytest.raises(ValueError, match=r"^budget_s must be a number of seconds in \[0, "):
         at_load.tune(TWENTY, lambda p: False, tmp_path / "u.parquet", budget_s=budget,
                      progress=False, options=QUICK)

@@ -33,7 +33,7 @@ import torch
 from mlatune.arch import DeviceInfo
 from mlatune.check.accuracy import Rounding
 from mlatune.check.inputs import DecodeInputs, PrefillInputs
-from mlatune.problem import FP8_DTYPES, MLAProblem
+from mlatune.problem import FP8_DTYPES, MLAProblem, is_power_of_two
 from mlatune.steps import (  # noqa: F401  (re-exported: routes declare step kinds)
     DEVICE_PLANNED,
     HOST_PLANNED,
@@ -229,7 +229,7 @@ class Route(ABC):
             value = params.get(name, low)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 return f"{name} {value!r} is not an integer in [{low}, {high}]"
-            if name in POWER_OF_TWO_PARAMS and value & (value - 1):
+            if name in POWER_OF_TWO_PARAMS and not is_power_of_two(value):
                 return f"{name} {value} is not a power of two"
         return None
 
